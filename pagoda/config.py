@@ -1,0 +1,114 @@
+"""Engine configuration: one dataclass of knobs, validated once, with CLI flags built from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "bundled_models" / "pagoda-coder"
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20,
+             "g": 2**30, "b": 1}
+    s = text.strip().lower().replace(" ", "")
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * units[suffix])
+    return int(float(s))
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob. Field metadata carries the CLI help; flags are `--field-name`."""
+
+    model: str = field(default=str(DEFAULT_MODEL_DIR),
+                       metadata={"help": "local Hugging Face model directory"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    dtype: DType = field(default="auto", metadata={
+        "help": "weight and activation dtype; auto = float32 on CPU, the config's dtype (bfloat16 if float32) on GPU"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length (default: the model's max_position_embeddings)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"})
+    kv_cache_memory: str = field(default="1GiB", metadata={"help": "KV pool size in bytes, e.g. 2GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
+        "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch intra-op threads on CPU (default: all cores)"})
+    seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
+    attention_backend: str = field(default="auto", metadata={"help": "torch, triton, or auto"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise ValueError(f"{name} {message}")
+
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            fail("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes <= 0:
+            fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            fail("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            fail("scheduling_policy", f"must be fcfs or priority, got {self.scheduling_policy!r}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+    # ---- CLI -------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=help_text)
+                continue
+            kind: Any = str
+            if "int" in str(f.type):
+                kind = int
+            choices = None
+            if f.name == "dtype":
+                choices = ["auto", "float32", "bfloat16", "float16"]
+            elif f.name == "scheduling_policy":
+                choices = ["fcfs", "priority"]
+            group.add_argument(flag, type=kind, default=f.default, choices=choices,
+                               help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
