@@ -1,0 +1,599 @@
+"""`pagoda plan`: the capacity worksheet — weights, KV cache and concurrency from config.json.
+
+Pure arithmetic: nothing is loaded but config.json and, when weights are present, the
+safetensors headers (the first few KiB of each file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagoda.config import parse_bytes
+
+GIB = 2**30
+
+# Bytes per element. int4 weights carry one fp16 scale per group of 128 (GPTQ/AWQ layout).
+INT4_GROUP_SIZE = 128
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
+    "int4": 0.5 + 2.0 / INT4_GROUP_SIZE,
+}
+DTYPE_ALIASES = {
+    "float32": "fp32", "float": "fp32", "fp32": "fp32",
+    "bfloat16": "bf16", "bf16": "bf16",
+    "float16": "fp16", "half": "fp16", "fp16": "fp16",
+    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+    "int8": "int8", "int4": "int4",
+}
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}
+DEFAULT_CONTEXT = 8192
+
+# Typical traffic shapes when --classes is not given: (p50 prompt, p50 output, p95 prompt, p95 output).
+DEFAULT_CLASSES = {
+    "chat": (200, 300, 1000, 800),
+    "rag": (3000, 200, 6000, 400),
+    "summarize": (6000, 600, 12000, 1200),
+    "agent": (4000, 150, 16000, 400),
+}
+
+CLASSES_HELP = """\
+request classes, space-separated, each NAME=p50:PROMPT/OUTPUT[,p95:PROMPT/OUTPUT][,concurrency:N]
+  lengths in tokens; p95 defaults to p50; concurrency (alias c) is the target number of
+  requests of this class in flight at once (default 1).
+  example: --classes chat=p50:200/400,p95:1000/800,c:64 rag=p50:4000/200,p95:7000/300,c:16
+"""
+
+
+def normalize_dtype(name: str) -> str:
+    key = name.strip().lower().replace("torch.", "")
+    if key not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_ALIASES[key]
+
+
+# ---- the model ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers the worksheet needs, read from config.json."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    config_dtype: str | None
+    max_position_embeddings: int | None
+
+    @property
+    def is_mha(self) -> bool:
+        return self.num_kv_heads == self.num_attention_heads
+
+
+def _require(config: dict[str, Any], key: str, source: str) -> Any:
+    if key not in config:
+        raise ValueError(f"{source} has no {key!r}; is it a decoder-only transformer config?")
+    return config[key]
+
+
+def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
+    """Llama / Qwen2 / Qwen3 / Mistral family; other decoder-only configs with the same keys work too."""
+    if "text_config" in config and "num_hidden_layers" not in config:
+        config = {**config, **config["text_config"]}
+    model_type = str(config.get("model_type", "llama"))
+    hidden = int(_require(config, "hidden_size", source))
+    heads = int(_require(config, "num_attention_heads", source))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    attention_bias = bool(config.get("attention_bias", False))
+    # Qwen2 always has q/k/v biases (and no o bias); its configs do not say so.
+    qkv_bias = attention_bias or model_type in ("qwen2", "qwen2_moe")
+    o_bias = attention_bias and model_type not in ("qwen2", "qwen2_moe")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return ModelShape(
+        model_type=model_type,
+        num_layers=int(_require(config, "num_hidden_layers", source)),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        intermediate_size=int(_require(config, "intermediate_size", source)),
+        vocab_size=int(_require(config, "vocab_size", source)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
+        max_position_embeddings=config.get("max_position_embeddings"),
+    )
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters split by how quantization treats them: decoder linears get quantized, the rest stays."""
+
+    embedding: int
+    lm_head: int
+    linear: int  # decoder-layer matmul weights
+    other: int  # norms and biases
+    source: str  # "architecture" or "safetensors headers"
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.linear + self.other
+
+
+def count_params_from_architecture(shape: ModelShape) -> ParamCount:
+    h, d = shape.hidden_size, shape.head_dim
+    q_out, kv_out = shape.num_attention_heads * d, shape.num_kv_heads * d
+    attn_linear = h * q_out + 2 * h * kv_out + q_out * h
+    mlp_linear = 3 * h * shape.intermediate_size
+    per_layer_other = 2 * h  # input and post-attention RMSNorm
+    if shape.qkv_bias:
+        per_layer_other += q_out + 2 * kv_out
+    if shape.o_bias:
+        per_layer_other += h
+    if shape.mlp_bias:
+        per_layer_other += 2 * shape.intermediate_size + h
+    if shape.qk_norm:
+        per_layer_other += 2 * d
+    embedding = shape.vocab_size * h
+    return ParamCount(
+        embedding=embedding,
+        lm_head=0 if shape.tie_word_embeddings else embedding,
+        linear=shape.num_layers * (attn_linear + mlp_linear),
+        other=shape.num_layers * per_layer_other + h,  # + final norm
+        source="architecture",
+    )
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a .safetensors file: 8-byte little-endian length, then JSON. Reads nothing else."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path} is too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > 100 * 2**20:
+            raise ValueError(f"{path}: implausible safetensors header length {header_len}")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header
+
+
+def count_params_from_safetensors(files: list[Path]) -> ParamCount:
+    embedding = lm_head = linear = other = 0
+    for path in files:
+        for name, info in read_safetensors_header(path).items():
+            numel = math.prod(info["shape"])
+            if "embed_tokens" in name or name.endswith("wte.weight"):
+                embedding += numel
+            elif name.startswith("lm_head") or ".lm_head." in name:
+                lm_head += numel
+            elif len(info["shape"]) == 2:
+                linear += numel
+            else:
+                other += numel
+    return ParamCount(embedding, lm_head, linear, other, source="safetensors headers")
+
+
+def find_safetensors(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+# ---- request classes ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    name: str
+    p50_prompt: int
+    p50_output: int
+    p95_prompt: int
+    p95_output: int
+    concurrency: int | None = None  # target in flight; None: only report what fits
+
+
+def _parse_lengths(text: str, spec: str) -> tuple[int, int]:
+    try:
+        prompt, output = text.split("/")
+        return int(prompt), int(output)
+    except ValueError:
+        raise ValueError(f"bad lengths {text!r} in class {spec!r}; expected PROMPT/OUTPUT, e.g. 200/400") from None
+
+
+def parse_request_class(spec: str) -> RequestClass:
+    """'chat=p50:200/400,p95:1000/800,c:64' -> RequestClass."""
+    if "=" not in spec:
+        raise ValueError(f"bad class {spec!r}; expected NAME=p50:PROMPT/OUTPUT[,p95:PROMPT/OUTPUT][,c:N]")
+    name, body = spec.split("=", 1)
+    p50 = p95 = None
+    concurrency = None
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition(":")
+        key = key.strip().lower()
+        if key == "p50":
+            p50 = _parse_lengths(value, spec)
+        elif key == "p95":
+            p95 = _parse_lengths(value, spec)
+        elif key in ("c", "concurrency"):
+            try:
+                concurrency = int(value)
+            except ValueError:
+                raise ValueError(f"bad concurrency {value!r} in class {spec!r}") from None
+        else:
+            raise ValueError(f"unknown key {key!r} in class {spec!r}; use p50, p95 or c")
+    if p50 is None:
+        raise ValueError(f"class {spec!r} needs p50:PROMPT/OUTPUT")
+    p95 = p95 or p50
+    if min(*p50, *p95) < 0 or (concurrency is not None and concurrency < 1):
+        raise ValueError(f"class {spec!r}: lengths must be >= 0 and concurrency >= 1")
+    return RequestClass(name.strip(), p50[0], p50[1], p95[0], p95[1], concurrency)
+
+
+# ---- the worksheet -----------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    """One 'what if': its weights, KV per token, and how many full-context sequences fit."""
+
+    name: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context: int
+    kv_memory_bytes: int
+    num_blocks: int
+    full_context_seqs: int
+
+
+@dataclass
+class ClassCapacity:
+    name: str
+    p50_tokens: int
+    p95_tokens: int
+    p50_blocks: int
+    p95_blocks: int
+    fits_at_p50: int
+    fits_at_p95: int
+    target_concurrency: int | None
+    blocks_needed_p50: int | None
+    blocks_needed_p95: int | None
+    memory_needed_p50: int | None
+    memory_needed_p95: int | None
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    params_source: str
+    dtype: str
+    kv_dtype: str
+    memory_bytes: int
+    reserve_bytes: int
+    weight_bytes: int
+    kv_memory_bytes: int
+    context: int
+    block_size: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    kv_bytes_per_sequence: int
+    blocks_per_sequence: int
+    num_blocks: int
+    full_context_seqs: int
+    classes: list[ClassCapacity] = field(default_factory=list)
+    classes_total_memory_p50: int | None = None
+    classes_total_memory_p95: int | None = None
+    scenarios: list[Scenario] = field(default_factory=list)
+    shape: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | None = None) -> int:
+    heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return int(shape.num_layers * 2 * heads * shape.head_dim * DTYPE_BYTES[kv_dtype])
+
+
+def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None) -> int:
+    base = DTYPE_BYTES[dtype]
+    linear_bytes = DTYPE_BYTES[weight_quant] if weight_quant else base
+    return int(params.linear * linear_bytes + (params.embedding + params.lm_head + params.other) * base)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _scenario(name: str, w_bytes: int, kv_token: int, context: int, block_size: int,
+              memory: int, reserve: int) -> Scenario:
+    kv_memory = max(0, memory - reserve - w_bytes)
+    num_blocks = kv_memory // (kv_token * block_size)
+    return Scenario(name, w_bytes, kv_token, context, kv_memory, num_blocks,
+                    num_blocks // _blocks(context, block_size))
+
+
+def parse_reserve(text: str, memory: int) -> int:
+    text = text.strip()
+    if text.endswith("%"):
+        return int(memory * float(text[:-1]) / 100)
+    return parse_bytes(text)
+
+
+def build_plan(
+    shape: ModelShape,
+    params: ParamCount,
+    *,
+    model: str,
+    memory_bytes: int,
+    dtype: str,
+    kv_dtype: str,
+    context: int,
+    block_size: int,
+    reserve_bytes: int,
+    classes: list[RequestClass],
+) -> Plan:
+    if context < 1:
+        raise ValueError(f"--context must be >= 1, got {context}")
+    if block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {block_size}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    warnings = []
+    if shape.max_position_embeddings and context > shape.max_position_embeddings:
+        warnings.append(f"context {context} exceeds the model's max_position_embeddings "
+                        f"{shape.max_position_embeddings}")
+    # int8/int4 name the decoder linears' format; everything else stays in bf16.
+    quantized = dtype in ("int8", "int4")
+    base_dtype = "bf16" if quantized else dtype
+    w_bytes = weight_bytes(params, base_dtype, dtype if quantized else None)
+    kv_token = kv_bytes_per_token(shape, kv_dtype)
+    base = _scenario("as configured", w_bytes, kv_token, context, block_size, memory_bytes, reserve_bytes)
+    if base.kv_memory_bytes == 0:
+        warnings.append("the weights and reserve do not leave any memory for the KV cache")
+    blocks_per_seq = _blocks(context, block_size)
+
+    block_bytes = kv_token * block_size
+    class_rows = []
+    total_p50 = total_p95 = 0
+    any_target = False
+    for rc in classes:
+        p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
+        p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
+        if rc.p95_prompt + rc.p95_output > context:
+            warnings.append(f"class {rc.name}: p95 prompt+output exceeds the context {context}; clipped")
+        p50_blocks, p95_blocks = _blocks(p50_tokens, block_size), _blocks(p95_tokens, block_size)
+        need50 = need95 = mem50 = mem95 = None
+        if rc.concurrency is not None:
+            any_target = True
+            need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
+            mem50, mem95 = need50 * block_bytes, need95 * block_bytes
+            total_p50 += mem50
+            total_p95 += mem95
+        class_rows.append(ClassCapacity(
+            rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
+            base.num_blocks // max(p50_blocks, 1), base.num_blocks // max(p95_blocks, 1),
+            rc.concurrency, need50, need95, mem50, mem95))
+
+    scenarios = [base]
+    for quant in ("int8", "int4"):
+        if DTYPE_BYTES[quant] < DTYPE_BYTES[dtype]:
+            scenarios.append(_scenario(f"weights {quant}", weight_bytes(params, base_dtype, quant), kv_token,
+                                       context, block_size, memory_bytes, reserve_bytes))
+    for quant in ("fp8", "int8"):
+        if DTYPE_BYTES[quant] < DTYPE_BYTES[kv_dtype]:
+            scenarios.append(_scenario(f"KV cache {quant}", w_bytes, kv_bytes_per_token(shape, quant),
+                                       context, block_size, memory_bytes, reserve_bytes))
+    for divisor in (2, 4):
+        if context // divisor >= block_size:
+            scenarios.append(_scenario(f"context {context // divisor}", w_bytes, kv_token,
+                                       context // divisor, block_size, memory_bytes, reserve_bytes))
+    if shape.is_mha:
+        for group in (4, 8):
+            kv_heads = shape.num_attention_heads // group
+            if kv_heads >= 1 and shape.num_attention_heads % group == 0:
+                scenarios.append(_scenario(
+                    f"GQA {kv_heads} KV heads", w_bytes, kv_bytes_per_token(shape, kv_dtype, kv_heads),
+                    context, block_size, memory_bytes, reserve_bytes))
+
+    return Plan(
+        model=model,
+        params=params.total,
+        params_source=params.source,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        memory_bytes=memory_bytes,
+        reserve_bytes=reserve_bytes,
+        weight_bytes=w_bytes,
+        kv_memory_bytes=base.kv_memory_bytes,
+        context=context,
+        block_size=block_size,
+        kv_bytes_per_token=kv_token,
+        kv_bytes_per_block=block_bytes,
+        kv_bytes_per_sequence=blocks_per_seq * block_bytes,
+        blocks_per_sequence=blocks_per_seq,
+        num_blocks=base.num_blocks,
+        full_context_seqs=base.full_context_seqs,
+        classes=class_rows,
+        classes_total_memory_p50=total_p50 if any_target else None,
+        classes_total_memory_p95=total_p95 if any_target else None,
+        scenarios=scenarios,
+        shape=dataclasses.asdict(shape),
+        warnings=warnings,
+    )
+
+
+# ---- loading and rendering -----------------------------------------------------------------
+
+
+def load_model(model: str) -> tuple[ModelShape, ParamCount]:
+    path = Path(model)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(f"no config.json at {config_path}; pass a model directory or its config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    shape = model_shape_from_config(config, str(config_path))
+    weight_files = find_safetensors(config_path.parent)
+    params = count_params_from_safetensors(weight_files) if weight_files else count_params_from_architecture(shape)
+    return shape, params
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def render_plan(plan: Plan) -> str:
+    s = plan.shape
+    out = [
+        f"model            {plan.model}",
+        f"architecture     {s['model_type']}: {s['num_layers']} layers, hidden {s['hidden_size']}, "
+        f"{s['num_attention_heads']} heads / {s['num_kv_heads']} KV heads x {s['head_dim']}, "
+        f"vocab {s['vocab_size']}{', tied embeddings' if s['tie_word_embeddings'] else ''}",
+        f"parameters       {plan.params:,} ({fmt_count(plan.params)}, from {plan.params_source})",
+        f"weights          {fmt_bytes(plan.weight_bytes)} = {plan.weight_bytes / 1e9:.2f} GB in {plan.dtype}"
+        + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
+        f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
+        f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
+        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers']} layers x 2 x "
+        f"{s['num_kv_heads']} KV heads x {s['head_dim']} x {DTYPE_BYTES[plan.kv_dtype]:g} B {plan.kv_dtype})",
+        f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
+        f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "
+        f"({plan.blocks_per_sequence} blocks)",
+        f"KV blocks        {plan.num_blocks:,} ({plan.num_blocks * plan.block_size:,} tokens)",
+        f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
+        "",
+    ]
+    if plan.classes:
+        rows = []
+        for c in plan.classes:
+            rows.append([c.name, f"{c.p50_tokens}/{c.p95_tokens}", f"{c.p50_blocks}/{c.p95_blocks}",
+                         f"{c.fits_at_p50:,}/{c.fits_at_p95:,}",
+                         "-" if c.target_concurrency is None else str(c.target_concurrency),
+                         "-" if c.blocks_needed_p95 is None else f"{c.blocks_needed_p50:,}/{c.blocks_needed_p95:,}",
+                         "-" if c.memory_needed_p95 is None
+                         else f"{fmt_bytes(c.memory_needed_p50)}/{fmt_bytes(c.memory_needed_p95)}"])
+        out.append("request classes (p50/p95; tokens = prompt + output, each class alone in the cache)")
+        out.append(_table(["class", "tokens", "blocks/req", "fit at once", "target", "blocks needed",
+                           "KV needed"], rows))
+        if plan.classes_total_memory_p95 is not None:
+            verdict = "fits" if plan.classes_total_memory_p95 <= plan.kv_memory_bytes else (
+                "fits at p50 only" if plan.classes_total_memory_p50 <= plan.kv_memory_bytes else "does NOT fit")
+            out.append(f"all targets together need {fmt_bytes(plan.classes_total_memory_p50)} (p50) / "
+                       f"{fmt_bytes(plan.classes_total_memory_p95)} (p95) of KV cache "
+                       f"of {fmt_bytes(plan.kv_memory_bytes)}: {verdict}")
+        out.append("")
+    rows = [[sc.name, fmt_bytes(sc.weight_bytes), f"{sc.kv_bytes_per_token:,}", str(sc.context),
+             fmt_bytes(sc.kv_memory_bytes), f"{sc.num_blocks:,}", f"{sc.full_context_seqs:,}",
+             f"{sc.full_context_seqs / plan.full_context_seqs:.2f}x" if plan.full_context_seqs else "-"]
+            for sc in plan.scenarios]
+    out.append("what if")
+    out.append(_table(["scenario", "weights", "KV B/token", "context", "KV memory", "blocks",
+                       "full-context seqs", "vs now"], rows))
+    out.append(f"(int4 = 4-bit decoder linears + one fp16 scale per {INT4_GROUP_SIZE}; embeddings, lm_head "
+               "and norms stay in the model dtype)")
+    for w in plan.warnings:
+        out.append(f"warning: {w}")
+    return "\n".join(out)
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="capacity worksheet: weights, KV cache, concurrency",
+        description="How many sequences fit: weight bytes, KV bytes per token/sequence, blocks, "
+                    "per-class concurrency, and what quantization or a shorter context would change. "
+                    "Pure arithmetic from config.json (and safetensors headers when present).",
+        formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory or its config.json")
+    parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
+    parser.add_argument("--dtype", default=None,
+                        help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
+    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
+                        "(default: --dtype, or bf16 if that is a quantized type)")
+    parser.add_argument("--context", type=int, default=None,
+                        help=f"tokens per sequence (default: max_position_embeddings, else {DEFAULT_CONTEXT})")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--reserve", default="10%",
+                        help="memory kept back for activations, CUDA context and fragmentation:\n"
+                             "a percentage of --memory or bytes (default: 10%%)")
+    parser.add_argument("--classes", nargs="+", default=None, metavar="SPEC", help=CLASSES_HELP)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run_plan)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    shape, params = load_model(args.model)
+    dtype = normalize_dtype(args.dtype) if args.dtype else (shape.config_dtype or "bf16")
+    if dtype == "fp8":
+        raise ValueError("--dtype fp8 is not supported for weights; use int8 or int4")
+    if args.kv_dtype:
+        kv_dtype = normalize_dtype(args.kv_dtype)
+    else:
+        kv_dtype = dtype if dtype in KV_DTYPES and dtype not in ("int8",) else "bf16"
+    memory = parse_bytes(args.memory)
+    context = args.context or shape.max_position_embeddings or DEFAULT_CONTEXT
+    if args.classes:
+        classes = [parse_request_class(spec) for spec in args.classes]
+    else:
+        classes = [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
+    return build_plan(shape, params, model=args.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
+                      context=context, block_size=args.block_size,
+                      reserve_bytes=parse_reserve(args.reserve, memory), classes=classes)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except ValueError as e:
+        print(f"pagoda plan: error: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else render_plan(plan))
+    return 0

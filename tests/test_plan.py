@@ -1,0 +1,163 @@
+"""`pagoda plan`: the capacity arithmetic against hand-computed values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from pagoda import plan as P
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+# embed 128256*4096 = 525,336,576 (x2, untied); per layer: q,o 4096*4096 each, k,v 4096*1024 each,
+# MLP 3*4096*14336, 2 norms of 4096 -> 218,112,000; x32 + final norm 4096.
+LLAMA3_8B_PARAMS = 2 * 525_336_576 + 32 * 218_112_000 + 4096
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser()
+    P.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    rc = args.func(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture
+def llama3_config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    return path
+
+
+def test_llama3_8b_param_count_and_kv_bytes() -> None:
+    shape = P.model_shape_from_config(LLAMA3_8B)
+    params = P.count_params_from_architecture(shape)
+    assert params.total == LLAMA3_8B_PARAMS == 8_030_261_248
+    assert shape.config_dtype == "bf16"
+    assert P.kv_bytes_per_token(shape, "bf16") == 131_072  # 32 * 2 * 8 * 128 * 2
+    assert P.kv_bytes_per_token(shape, "fp8") == 65_536
+    assert P.weight_bytes(params, "bf16") == 2 * LLAMA3_8B_PARAMS  # ~16.06 GB
+
+
+def test_llama3_8b_plan_on_80gib(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["--model", str(llama3_config.parent), "--memory", "80GiB", "--json"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    memory = 80 * 2**30
+    reserve = memory // 10
+    kv_memory = memory - reserve - 2 * LLAMA3_8B_PARAMS
+    block_bytes = 131_072 * 16
+    assert plan["weight_bytes"] == 16_060_522_496
+    assert plan["reserve_bytes"] == reserve
+    assert plan["kv_memory_bytes"] == kv_memory
+    assert plan["kv_bytes_per_sequence"] == 131_072 * 8192 == 2**30
+    assert plan["blocks_per_sequence"] == 512
+    assert plan["num_blocks"] == kv_memory // block_bytes == 29_205
+    assert plan["full_context_seqs"] == 29_205 // 512 == 57
+    scenarios = {s["name"]: s for s in plan["scenarios"]}
+    assert scenarios["KV cache fp8"]["full_context_seqs"] == (kv_memory // (block_bytes // 2)) // 512
+    assert scenarios["context 4096"]["full_context_seqs"] == 29_205 // 256
+    # Decoder linears in int8, embeddings + lm_head + norms in bf16.
+    linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert scenarios["weights int8"]["weight_bytes"] == linear + 2 * (LLAMA3_8B_PARAMS - linear)
+    assert not any(name.startswith("GQA") for name in scenarios)  # already GQA
+
+
+def test_classes_blocks_and_memory(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "80GiB", "--json", "--classes",
+                          "chat=p50:200/400,p95:1000/800,c:64", "rag=p50:4000/200,c:16"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    chat, rag = plan["classes"]
+    assert (chat["p50_tokens"], chat["p95_tokens"]) == (600, 1800)
+    assert (chat["p50_blocks"], chat["p95_blocks"]) == (38, 113)  # ceil(600/16), ceil(1800/16)
+    assert chat["blocks_needed_p95"] == 64 * 113
+    assert chat["memory_needed_p95"] == 64 * 113 * 16 * 131_072
+    assert chat["fits_at_p95"] == plan["num_blocks"] // 113
+    assert rag["p95_tokens"] == 4200 and rag["blocks_needed_p50"] == 16 * 263
+    assert plan["classes_total_memory_p95"] == (64 * 113 + 16 * 263) * 16 * 131_072
+
+
+def test_human_table(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "80GiB", "--context", "8192"], capsys)
+    assert rc == 0
+    assert "131,072 bytes" in out and "16.06 GB" in out and "8.03B" in out
+    assert "full-context sequences that fit at once: 57" in out
+    assert "weights int4" in out and "KV cache fp8" in out
+
+
+def test_mha_model_offers_gqa_and_qwen_flags() -> None:
+    mha = {**LLAMA3_8B, "num_key_value_heads": 32}
+    shape = P.model_shape_from_config(mha)
+    plan = P.build_plan(shape, P.count_params_from_architecture(shape), model="m", memory_bytes=80 * 2**30,
+                        dtype="bf16", kv_dtype="bf16", context=4096, block_size=16, reserve_bytes=0, classes=[])
+    gqa = {s.name: s for s in plan.scenarios if s.name.startswith("GQA")}
+    assert gqa["GQA 8 KV heads"].kv_bytes_per_token == 131_072
+    assert gqa["GQA 4 KV heads"].kv_bytes_per_token == 65_536
+
+    qwen2 = {**LLAMA3_8B, "model_type": "qwen2", "tie_word_embeddings": True, "dtype": "float16"}
+    s2 = P.model_shape_from_config(qwen2)
+    assert s2.qkv_bias and not s2.o_bias and s2.config_dtype == "fp16"
+    p2 = P.count_params_from_architecture(s2)
+    assert p2.total == LLAMA3_8B_PARAMS - 525_336_576 + 32 * (4096 + 2 * 1024)
+
+    qwen3 = {**LLAMA3_8B, "model_type": "qwen3", "head_dim": 128}
+    p3 = P.count_params_from_architecture(P.model_shape_from_config(qwen3))
+    assert p3.total == LLAMA3_8B_PARAMS + 32 * 2 * 128
+
+
+def _write_safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = 2
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def test_params_from_safetensors_headers(tmp_path: Path) -> None:
+    tiny = {**LLAMA3_8B, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 10, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {
+        "model.embed_tokens.weight": [10, 8], "model.layers.0.self_attn.q_proj.weight": [8, 8],
+        "model.layers.0.self_attn.k_proj.weight": [4, 8], "model.layers.0.self_attn.v_proj.weight": [4, 8],
+        "model.layers.0.self_attn.o_proj.weight": [8, 8]})
+    _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {
+        "model.layers.0.mlp.gate_proj.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [16, 8],
+        "model.layers.0.mlp.down_proj.weight": [8, 16], "model.layers.0.input_layernorm.weight": [8],
+        "model.layers.0.post_attention_layernorm.weight": [8], "model.norm.weight": [8]})
+    shape, params = P.load_model(str(tmp_path))
+    assert params.source == "safetensors headers"
+    assert params.total == P.count_params_from_architecture(shape).total == 80 + 192 + 384 + 24
+    assert params.embedding == 80 and params.lm_head == 0 and params.other == 24
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("chat", "expected NAME="), ("chat=p50:200", "PROMPT/OUTPUT"), ("chat=p95:1/2", "needs p50"),
+    ("chat=p50:1/2,x:3", "unknown key"), ("chat=p50:1/2,c:0", "concurrency >= 1"),
+])
+def test_bad_class_specs(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        P.parse_request_class(spec)
+
+
+def test_user_errors_are_clear(tmp_path: Path, llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(["--model", str(tmp_path / "nope"), "--memory", "8GiB"], capsys)
+    assert rc == 2 and "no config.json" in err
+    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "8GiB", "--kv-dtype", "int3"], capsys)
+    assert rc == 2 and "unknown dtype" in err
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "8GiB"], capsys)
+    assert rc == 0 and "warning: the weights and reserve do not leave any memory" in out
