@@ -1,0 +1,124 @@
+"""build_app: the FastAPI application around one AsyncLLM. No module-level app; one per call."""
+
+from __future__ import annotations
+
+import time
+from typing import TypeVar
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.serve.body_limit import BodySizeLimit
+from pagoda.serve.chat import create_chat_completion
+from pagoda.serve.completions import create_completion
+from pagoda.serve.errors import APIError, install_error_handlers, unauthorized, validation_error
+from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   ModelCard, ModelList, TokenizeRequest)
+from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
+from pagoda.serve.settings import ServerSettings
+from pagoda.serve.tenants import Tenant
+from pagoda.serve.tokenization import detokenize, tokenize
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
+
+
+def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    api_key = key.strip() if scheme.lower() == "bearer" else None
+    tenant = ctx.settings.tenants.authenticate(api_key)
+    if tenant is None:
+        raise unauthorized("Missing API key." if not api_key else "Invalid API key.")
+    return tenant
+
+
+def _record_refusal(ctx: ServeContext, endpoint: str, tenant: Tenant | None,
+                    error: APIError) -> None:
+    """Metrics and the log line of a request refused before it reached the engine."""
+    if error.recorded:
+        return
+    error.recorded = True
+    ctx.metrics.record_rejected(rejection_reason(error))
+    ctx.request_log.log(RequestLogRecord(
+        request_id=new_request_id("rejected"), endpoint=endpoint,
+        tenant=tenant.name if tenant else None, model=ctx.model_name, status=error.status,
+        error=error.message))
+
+
+async def _parse(request: Request, model: type[Body]) -> Body:
+    # Parsed by hand (not as a FastAPI body parameter) so authentication comes first.
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
+    app = FastAPI(title="pagoda", docs_url=None, redoc_url=None)
+    ctx = ServeContext.create(llm, settings)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       on_reject=lambda: ctx.metrics.record_rejected("too_large"))
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.llm.is_alive:
+            return JSONResponse({"status": "dead", "error": repr(ctx.llm.error)},
+                                status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        _authenticate(ctx, request)
+        return ModelList(data=[ModelCard(id=ctx.model_name, created=started,
+                                         root=settings.model_path,
+                                         max_model_len=llm.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant = None
+        try:
+            tenant = _authenticate(ctx, request)
+            body = await _parse(request, CompletionRequest)
+            return await create_completion(ctx, request, body, tenant)
+        except APIError as exc:
+            _record_refusal(ctx, "completions", tenant, exc)
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = None
+        try:
+            tenant = _authenticate(ctx, request)
+            body = await _parse(request, ChatCompletionRequest)
+            return await create_chat_completion(ctx, request, body, tenant)
+        except APIError as exc:
+            _record_refusal(ctx, "chat", tenant, exc)
+            raise
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        _authenticate(ctx, request)
+        body = await _parse(request, TokenizeRequest)
+        return JSONResponse(tokenize(ctx, body).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        _authenticate(ctx, request)
+        body = await _parse(request, DetokenizeRequest)
+        return JSONResponse(detokenize(ctx, body).model_dump())
+
+    return app
+

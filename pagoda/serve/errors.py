@@ -1,0 +1,142 @@
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+Everything a client can cause is an `APIError` with a 4xx status; FastAPI's own validation
+errors (422) and HTTP exceptions are mapped onto the same shape so a client never sees a 500
+for its own mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error answered to the client with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        # Set once the request's metrics and log line account for this error.
+        self.recorded = False
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, *, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def param_of_value_error(message: str) -> str | None:
+    """SamplingParams/engine messages start with the parameter's name: 'top_p must be ...'."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    message = str(exc)
+    return bad_request(message, param=param_of_value_error(message))
+
+
+def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
+    return APIError(401, message, code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
+                    param="model", code="model_not_found")
+
+
+def request_too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body exceeds the server's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+def rate_limited(message: str, retry_after: float) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": retry_after_header(retry_after)})
+
+
+def overloaded(message: str, retry_after: float) -> APIError:
+    return APIError(503, message, type="server_overloaded", code="server_busy",
+                    headers={"Retry-After": retry_after_header(retry_after)})
+
+
+def engine_unavailable(message: str = "The engine is not running.") -> APIError:
+    return APIError(503, message, type="server_error", code="engine_dead",
+                    headers={"Retry-After": "5"})
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+def _validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    fields = [str(p) for p in loc if p != "body"]
+    return fields[0] if fields else None
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """A pydantic/FastAPI validation error list -> a 400 naming the first bad field."""
+    if not errors:
+        return bad_request("Invalid request.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request("The request body is not valid JSON (or not valid UTF-8).")
+    if first.get("type") == "model_type" and not first.get("loc"):
+        return bad_request("The request body must be a JSON object.")
+    messages = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        message = err.get("msg", "invalid value")
+        messages.append(f"{where}: {message}" if where else message)
+    return bad_request("; ".join(messages), param=_validation_param(first.get("loc", ())))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        if status == 404:
+            kind = "not_found_error"
+        detail = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        return APIError(status, detail, type=kind, headers=dict(exc.headers or {})).to_response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return APIError(500, "Internal server error.", type="server_error").to_response()

@@ -1,0 +1,117 @@
+"""Prometheus metrics, on a registry owned by one app (several apps can share a process).
+
+Engine-level numbers (running/waiting, KV usage, prefix cache, preemptions, token totals) are
+read from the engine thread's latest stats snapshot at scrape time; per-request numbers
+(latencies, outcomes) are recorded by the handlers as requests end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import EngineStats
+    from pagoda.outputs import RequestMetrics
+
+PREFIX = "pagoda:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        labels = ["model_name"]
+        values = [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        get = (lambda field: getattr(stats, field)) if stats is not None else (lambda field: 0)
+        yield gauge("num_requests_running", "Requests in the engine's running set.",
+                    get("num_running"))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    get("num_waiting"))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                    get("kv_cache_usage"))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      get("prefix_cache_queries"))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      get("prefix_cache_hits"))
+        yield counter("num_preemptions", "Requests preempted to free KV blocks.",
+                      get("num_preemptions"))
+        yield counter("prompt_tokens", "Prompt tokens processed.", get("num_prompt_tokens"))
+        yield counter("generation_tokens", "Tokens generated.", get("num_generation_tokens"))
+
+
+class ServerMetrics:
+    """The metrics of one app, labelled with its served model name."""
+
+    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+        labels = ["model_name"]
+        self._success = Counter(PREFIX + "request_success", "Requests that finished.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running.",
+                                 labels + ["reason"], registry=self.registry)
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens.",
+                              labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+                              labels, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._queue = Histogram(PREFIX + "request_queue_time_seconds",
+                                "Arrival to first scheduling.", labels,
+                                buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._ttft_child = self._ttft.labels(model_name)
+        self._itl_child = self._itl.labels(model_name)
+        self._e2e_child = self._e2e.labels(model_name)
+        self._queue_child = self._queue.labels(model_name)
+
+    def record_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def record_inter_token(self, seconds: float, num_tokens: int = 1) -> None:
+        """`num_tokens` arrived `seconds` after the previous ones: that many equal gaps."""
+        if num_tokens <= 0 or seconds < 0:
+            return
+        gap = seconds / num_tokens
+        for _ in range(num_tokens):
+            self._itl_child.observe(gap)
+
+    def record_finished(self, finish_reason: str, metrics: "RequestMetrics | None") -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        if metrics is None:
+            return
+        if metrics.time_to_first_token is not None:
+            self._ttft_child.observe(metrics.time_to_first_token)
+        if metrics.queue_time is not None:
+            self._queue_child.observe(metrics.queue_time)
+        if metrics.e2e_latency is not None:
+            self._e2e_child.observe(metrics.e2e_latency)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,57 @@
+"""One structured (JSON) log line per HTTP request that reached a generation endpoint.
+
+Prompt and output text are left out unless the server runs with --log-prompts: they are the
+clients' data, not the operator's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+
+LOGGER_NAME = "pagoda.serve.requests"
+
+
+@dataclass
+class RequestLogRecord:
+    request_id: str
+    endpoint: str
+    tenant: str | None = None
+    model: str | None = None
+    status: int = 200
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    finish_reason: str | None = None
+    stream: bool = False
+    error: str | None = None
+    prompt: str | list[str] | None = None
+    output: list[str] | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class RequestLogger:
+    def __init__(self, log_prompts: bool = False, logger: logging.Logger | None = None) -> None:
+        self.log_prompts = log_prompts
+        self.logger = logger or logging.getLogger(LOGGER_NAME)
+
+    def log(self, record: RequestLogRecord) -> None:
+        if not self.logger.isEnabledFor(logging.INFO):
+            return
+        fields = dataclasses.asdict(record)
+        if not self.log_prompts:
+            fields.pop("prompt")
+            fields.pop("output")
+        extra = fields.pop("extra")
+        fields.update(extra)
+        for key in ("queue_time_s", "ttft_s", "e2e_s"):
+            if fields[key] is not None:
+                fields[key] = round(fields[key], 6)
+        line = json.dumps({k: v for k, v in fields.items() if v is not None},
+                          ensure_ascii=False, separators=(",", ":"))
+        self.logger.info(line)

@@ -1,0 +1,267 @@
+"""The path of a generation request from the handler to the engine and back.
+
+`ServeContext` is everything one app owns (engine front, tenants, limits, metrics, logs).
+`Generation` is one HTTP request's engine requests (one per prompt) from admission to the
+end: it admits them (tenant limits, rate limits, queue), submits them, yields their outputs,
+and on `close` releases every hold, aborts what is still running, records metrics and
+writes the request's log line. `close` is idempotent and must run on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.serve.admission import AdmissionController, QueueSlot
+from pagoda.serve.errors import (APIError, bad_request, engine_unavailable, from_value_error,
+                                 model_not_found)
+from pagoda.serve.metrics import ServerMetrics
+from pagoda.serve.protocol import PromptTokensDetails, Usage
+from pagoda.serve.request_log import RequestLogger, RequestLogRecord
+from pagoda.serve.settings import ServerSettings
+from pagoda.serve.tenants import Tenant, TenantLease, TenantLimiter
+
+# HTTP status logged for requests whose client went away (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass
+class ServeContext:
+    llm: AsyncLLM
+    settings: ServerSettings
+    limiter: TenantLimiter
+    admission: AdmissionController
+    metrics: ServerMetrics
+    request_log: RequestLogger
+
+    @classmethod
+    def create(cls, llm: AsyncLLM, settings: ServerSettings) -> "ServeContext":
+        return cls(
+            llm=llm,
+            settings=settings,
+            limiter=TenantLimiter(),
+            admission=AdmissionController(settings.max_queued_requests,
+                                          settings.max_queued_tokens),
+            metrics=ServerMetrics(settings.served_model_name, llm.get_stats),
+            request_log=RequestLogger(settings.log_prompts),
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def check_engine(self) -> None:
+        if not self.llm.is_alive:
+            raise engine_unavailable()
+
+
+@dataclass
+class EnginePrompt:
+    token_ids: list[int]
+    text: str | None = None  # as the client sent it, when it was text
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_token_ids(token_ids: list[int], param: str = "prompt") -> None:
+    if not token_ids:
+        raise bad_request(f"{param} must not be empty.", param=param)
+    for token_id in token_ids:
+        if token_id < 0:
+            raise bad_request(f"{param} contains a negative token id ({token_id}).", param=param)
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                         param: str = "max_tokens") -> None:
+    requested = num_prompt_tokens + (max_tokens or 0)
+    if requested > max_model_len or num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {requested} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens or 0} for the completion). Please reduce the length of the prompt "
+            f"or {param}.", param=param, code="context_length_exceeded")
+
+
+_REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found",
+                   413: "too_large", 429: "rate_limited", 503: "overloaded"}
+
+
+def rejection_reason(error: APIError) -> str:
+    if error.code == "engine_dead":
+        return "engine_dead"
+    return _REJECT_REASONS.get(error.status, str(error.status))
+
+
+@dataclass
+class Generation:
+    ctx: ServeContext
+    request_id: str
+    endpoint: str
+    tenant: Tenant
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    stream: bool
+    arrival_time: float = field(default_factory=time.time)
+    streams: list[RequestStream] = field(default_factory=list)
+    finals: list[RequestOutput | None] = field(default_factory=list)
+    latest: list[RequestOutput | None] = field(default_factory=list)
+    _slots: list[QueueSlot] = field(default_factory=list)
+    _lease: TenantLease | None = None
+    _wake: asyncio.Event | None = None
+    _closed: bool = False
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    async def start(self, max_tokens_param: str = "max_tokens") -> None:
+        """Admit and submit every prompt, or raise the APIError that refused it (and close)."""
+        ctx = self.ctx
+        try:
+            ctx.check_engine()
+            for prompt in self.prompts:
+                check_token_ids(prompt.token_ids)
+                self.tenant.check_prompt_tokens(len(prompt.token_ids))
+                check_context_length(len(prompt.token_ids), self.params.max_tokens,
+                                     ctx.llm.max_model_len, max_tokens_param)
+            self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
+            self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
+            self._wake = asyncio.Event()
+            for request_id, prompt in zip(self.engine_request_ids, self.prompts):
+                try:
+                    stream = await ctx.llm.add_request(
+                        request_id, prompt.token_ids, self.params,
+                        arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
+                        priority=self.tenant.limits.priority, wake=self._wake)
+                except ValueError as exc:
+                    raise from_value_error(exc) from None
+                except EngineDeadError:
+                    raise engine_unavailable() from None
+                self.streams.append(stream)
+            self.finals = [None] * len(self.streams)
+            self.latest = [None] * len(self.streams)
+        except APIError as exc:
+            self.close(exc.status, error=exc)
+            raise
+        except BaseException:
+            self.close(CLIENT_CLOSED_REQUEST)
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, newest output) as they arrive, until every prompt is finished."""
+        assert self._wake is not None
+        wake = self._wake
+        metrics = self.ctx.metrics
+        while not all(self.finals):
+            wake.clear()
+            got_any = False
+            for i, stream in enumerate(self.streams):
+                if self.finals[i] is not None:
+                    continue
+                try:
+                    output = stream.poll()
+                except EngineDeadError:
+                    raise engine_unavailable("The engine stopped while serving the request.")
+                if output is None:
+                    continue
+                got_any = True
+                previous = self.latest[i]
+                if previous is None:
+                    self._slots[i].leave()
+                else:
+                    _record_inter_token(metrics, previous, output)
+                self.latest[i] = output
+                if output.finished:
+                    self.finals[i] = output
+                    reason = _finish_reason(output)
+                    metrics.record_finished(reason, output.metrics)
+                yield i, output
+            if not got_any:
+                await wake.wait()
+
+    def usage(self) -> Usage:
+        outputs = [o for o in self.latest if o is not None]
+        prompt_tokens = self.num_prompt_tokens
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outputs)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def close(self, status: int, error: APIError | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ctx = self.ctx
+        unfinished = [s.request_id for s, final in zip(self.streams, self.finals) if final is None]
+        if unfinished:
+            ctx.llm.abort(unfinished)
+            for _ in unfinished:
+                ctx.metrics.record_finished("abort", None)
+        for slot in self._slots:
+            slot.leave()
+        usage = self.usage() if self.streams else None
+        if self._lease is not None:
+            self._lease.release(usage.completion_tokens if usage else 0)
+        if error is not None:
+            ctx.metrics.record_rejected(rejection_reason(error))
+            error.recorded = True
+        ctx.request_log.log(self._log_record(status, error, usage))
+
+    def _log_record(self, status: int, error: APIError | None, usage: Usage | None) -> RequestLogRecord:
+        outputs = [o for o in self.latest if o is not None]
+        record = RequestLogRecord(
+            request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant.name,
+            model=self.ctx.model_name, status=status, stream=self.stream,
+            prompt_tokens=self.num_prompt_tokens,
+            output_tokens=usage.completion_tokens if usage else 0,
+            cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
+            e2e_s=time.time() - self.arrival_time,
+            error=error.message if error is not None else None,
+        )
+        reasons = sorted({c.finish_reason for o in outputs for c in o.outputs if c.finish_reason})
+        if status == CLIENT_CLOSED_REQUEST:
+            reasons = ["abort"]
+        record.finish_reason = ",".join(reasons) or None
+        timings = [o.metrics for o in outputs if o.metrics is not None]
+        queue_times = [m.queue_time for m in timings if m.queue_time is not None]
+        ttfts = [m.time_to_first_token for m in timings if m.time_to_first_token is not None]
+        record.queue_time_s = max(queue_times) if queue_times else None
+        record.ttft_s = min(ttfts) if ttfts else None
+        record.prompt = [p.text if p.text is not None else str(p.token_ids) for p in self.prompts]
+        record.output = [c.text for o in outputs for c in o.outputs]
+        return record
+
+
+def _finish_reason(output: RequestOutput) -> str:
+    reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+    return reasons[0] if reasons else "abort"
+
+
+def _record_inter_token(metrics: ServerMetrics, previous: RequestOutput,
+                        output: RequestOutput) -> None:
+    if previous.metrics is None or output.metrics is None:
+        return
+    before, after = previous.metrics.last_token_time, output.metrics.last_token_time
+    if before is None or after is None:
+        return
+    new_tokens = max((len(c.token_ids) - len(p.token_ids)
+                      for c, p in zip(output.outputs, previous.outputs)), default=0)
+    if new_tokens > 0:
+        metrics.record_inter_token(after - before, new_tokens)

@@ -1,0 +1,30 @@
+"""ServerSettings: the HTTP side's knobs (the engine's are in EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.serve.tenants import TenantRegistry
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+DEFAULT_MAX_QUEUED_REQUESTS = 512
+DEFAULT_MAX_QUEUED_TOKENS = 1_000_000
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_path: str = ""
+    tenants: TenantRegistry = field(default_factory=TenantRegistry.open)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
+    log_prompts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,280 @@
+"""Tenants: who is calling (API key -> tenant), what each may do, and rate limiting.
+
+A keys file (YAML or JSON) lists tenants with their keys and limits::
+
+    tenants:
+      acme:
+        api_keys: [sk-acme-1, sk-acme-2]
+        requests_per_minute: 60
+        tokens_per_minute: 20000      # prompt + generated tokens
+        max_concurrent_requests: 4
+        max_prompt_tokens: 2048
+        max_output_tokens: 512
+        priority: 0                   # lower runs first with --scheduling-policy priority
+
+Every limit is optional. Without a file the server is open (one tenant, "default"), or
+guarded by a single `--api-key` shared by that one tenant.
+
+The tenant also determines the prefix-cache salt, so cached blocks never leak between
+tenants; the client has no say in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pagoda.serve.errors import bad_request, rate_limited
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "priority":
+                if not isinstance(value, int):
+                    raise ValueError(f"priority must be an integer, got {value!r}")
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                        or value < 1):
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    limits: TenantLimits = field(default_factory=TenantLimits)
+
+    @property
+    def cache_salt(self) -> str:
+        return hashlib.sha256(f"pagoda-prefix-cache\0{self.name}".encode()).hexdigest()[:32]
+
+    def check_prompt_tokens(self, num_prompt_tokens: int) -> None:
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and num_prompt_tokens > limit:
+            raise bad_request(
+                f"The prompt has {num_prompt_tokens} tokens, over this key's limit of {limit} "
+                "prompt tokens.", param="prompt", code="prompt_too_long")
+
+    def resolve_max_tokens(self, requested: int | None, param: str = "max_tokens") -> int | None:
+        """The client's max_tokens under this tenant's cap (None: up to the context length)."""
+        limit = self.limits.max_output_tokens
+        if limit is None:
+            return requested
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise bad_request(f"{param} ({requested}) is over this key's limit of {limit} output "
+                              "tokens.", param=param)
+        return requested
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class TenantRegistry:
+    """API key -> tenant. `open_access` when no key is configured at all."""
+
+    def __init__(self, keys: dict[str, Tenant] | None = None,
+                 open_tenant: Tenant | None = None) -> None:
+        # Only digests are kept, so a dict lookup reveals nothing about the keys' bytes.
+        self._by_digest = {_key_digest(k): t for k, t in (keys or {}).items()}
+        self._open_tenant = open_tenant
+
+    @classmethod
+    def open(cls) -> "TenantRegistry":
+        return cls(open_tenant=Tenant(DEFAULT_TENANT))
+
+    @classmethod
+    def single_key(cls, key: str) -> "TenantRegistry":
+        return cls({key: Tenant(DEFAULT_TENANT)})
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TenantRegistry":
+        return cls(parse_tenants(load_keys_file(path)))
+
+    @property
+    def open_access(self) -> bool:
+        return self._open_tenant is not None
+
+    def authenticate(self, api_key: str | None) -> Tenant | None:
+        if self._open_tenant is not None:
+            return self._open_tenant
+        if not api_key:
+            return None
+        return self._by_digest.get(_key_digest(api_key))
+
+
+def load_keys_file(path: str | Path) -> Any:
+    text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        return json.loads(text)
+    import yaml  # YAML is a superset of JSON, so this reads both
+
+    return yaml.safe_load(text)
+
+
+_LIMIT_FIELDS = {f.name for f in dataclasses.fields(TenantLimits)}
+
+
+def parse_tenants(data: Any) -> dict[str, Tenant]:
+    """The keys file's content -> {api key: tenant}. Raises ValueError on anything malformed."""
+    if not isinstance(data, dict) or "tenants" not in data:
+        raise ValueError("the API keys file must be a mapping with a `tenants` entry")
+    entries = data["tenants"]
+    if isinstance(entries, dict):
+        entries = [{"name": name, **(spec or {})} for name, spec in entries.items()]
+    if not isinstance(entries, list):
+        raise ValueError("`tenants` must be a mapping of name -> settings or a list")
+    keys: dict[str, Tenant] = {}
+    for spec in entries:
+        if not isinstance(spec, dict) or not spec.get("name"):
+            raise ValueError(f"each tenant needs a name, got {spec!r}")
+        spec = dict(spec)
+        name = str(spec.pop("name"))
+        api_keys = spec.pop("api_keys", [])
+        if "api_key" in spec:
+            api_keys = [*api_keys, spec.pop("api_key")]
+        unknown = set(spec) - _LIMIT_FIELDS
+        if unknown:
+            raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
+                             f"known: api_keys, {', '.join(sorted(_LIMIT_FIELDS))}")
+        try:
+            tenant = Tenant(name, TenantLimits(**spec))
+        except ValueError as exc:
+            raise ValueError(f"tenant {name!r}: {exc}") from None
+        if not api_keys:
+            raise ValueError(f"tenant {name!r} has no api_keys")
+        for key in api_keys:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"tenant {name!r}: API keys must be non-empty strings")
+            if key in keys:
+                raise ValueError(f"API key listed twice (tenants {keys[key].name!r} and {name!r})")
+            keys[key] = tenant
+    return keys
+
+
+# ---- rate limiting ---------------------------------------------------------------------------
+
+
+@dataclass
+class TokenBucket:
+    """Refills continuously to `capacity` at `capacity` per minute. May go into debt."""
+
+    capacity: float
+    level: float
+    updated: float
+
+    @property
+    def refill_per_second(self) -> float:
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.refill_per_second)
+        self.updated = now
+
+    def seconds_until(self, amount: float) -> float:
+        return max(0.0, (amount - self.level) / self.refill_per_second)
+
+
+@dataclass
+class _TenantUsage:
+    in_flight: int = 0
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+
+
+@dataclass
+class TenantLease:
+    """A tenant's hold on one admitted HTTP request; `release` exactly once when it ends."""
+
+    limiter: "TenantLimiter"
+    tenant: Tenant
+    released: bool = False
+
+    def release(self, completion_tokens: int = 0) -> None:
+        if not self.released:
+            self.released = True
+            self.limiter._release(self.tenant, completion_tokens)
+
+
+class TenantLimiter:
+    """Requests/minute, tokens/minute and concurrency per tenant. Used from the event loop only.
+
+    Token quota: a request may start while the tenant's token bucket is positive; its prompt
+    tokens are charged at admission and its generated tokens when it ends, so a burst of
+    long generations pushes the bucket into debt and delays the tenant's next requests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._usage: dict[str, _TenantUsage] = {}
+
+    def _usage_of(self, tenant: Tenant, now: float) -> _TenantUsage:
+        usage = self._usage.get(tenant.name)
+        if usage is None:
+            limits = tenant.limits
+            usage = _TenantUsage(
+                requests=(TokenBucket(limits.requests_per_minute, limits.requests_per_minute, now)
+                          if limits.requests_per_minute else None),
+                tokens=(TokenBucket(limits.tokens_per_minute, limits.tokens_per_minute, now)
+                        if limits.tokens_per_minute else None),
+            )
+            self._usage[tenant.name] = usage
+        return usage
+
+    def acquire(self, tenant: Tenant, prompt_tokens: int) -> TenantLease:
+        """Admit one request or raise a 429 with Retry-After."""
+        now = self._clock()
+        usage = self._usage_of(tenant, now)
+        limits = tenant.limits
+        if limits.max_concurrent_requests is not None and \
+                usage.in_flight >= limits.max_concurrent_requests:
+            raise rate_limited(
+                f"Too many concurrent requests for this key (limit "
+                f"{limits.max_concurrent_requests}).", retry_after=1)
+        if usage.requests is not None:
+            usage.requests.refill(now)
+            if usage.requests.level < 1:
+                raise rate_limited(
+                    f"Rate limit of {limits.requests_per_minute} requests per minute reached.",
+                    retry_after=usage.requests.seconds_until(1))
+        if usage.tokens is not None:
+            usage.tokens.refill(now)
+            if usage.tokens.level <= 0:
+                raise rate_limited(
+                    f"Token quota of {limits.tokens_per_minute} tokens per minute reached.",
+                    retry_after=usage.tokens.seconds_until(1))
+        if usage.requests is not None:
+            usage.requests.level -= 1
+        if usage.tokens is not None:
+            usage.tokens.level -= prompt_tokens
+        usage.in_flight += 1
+        return TenantLease(self, tenant)
+
+    def _release(self, tenant: Tenant, completion_tokens: int) -> None:
+        usage = self._usage_of(tenant, self._clock())
+        usage.in_flight -= 1
+        if usage.tokens is not None:
+            usage.tokens.refill(self._clock())
+            usage.tokens.level -= completion_tokens
+
+    def in_flight(self, tenant: Tenant) -> int:
+        usage = self._usage.get(tenant.name)
+        return usage.in_flight if usage else 0
+
