@@ -1,0 +1,29 @@
+"""Attention backends. `select_backend` picks one for a device."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+
+__all__ = ["AttentionBackend", "AttentionLayerSpec", "BatchLayout", "select_backend"]
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` means Triton on CUDA when it is installed, the torch reference otherwise."""
+    if name in ("auto", "triton") and device.type == "cuda":
+        try:
+            from pagoda.model.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            if name == "triton":
+                raise ValueError("attention_backend=triton needs the `triton` package "
+                                 "(pip install 'pagoda[gpu]')") from None
+        else:
+            return TritonAttentionBackend()
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend=triton needs a CUDA device")
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    from pagoda.model.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,280 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill or decode steps: each step hands each request some of the tokens it is
+behind on. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
+lowest-ranked running request is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_before: int  # position of the first token computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens, so its logits are sampled."""
+        return self.num_computed_before + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests not yet running. FCFS: arrival order, preempted ones back at the front.
+    Priority: lowest `priority` value first, then arrival."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        if self.policy == "fcfs":
+            return iter(self._fifo)
+        return (entry[-1] for entry in sorted(self._heap))
+
+    def push(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, self._key(request))
+
+    def push_front(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.appendleft(request)
+        else:  # its original arrival time already ranks it ahead of later peers
+            heapq.heappush(self._heap, self._key(request))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+
+    def _key(self, request: Request) -> tuple[int, float, int, Request]:
+        return (request.priority, request.arrival_time, next(self._counter), request)
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which found
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        """End requests from outside the step (aborts, stop strings). Frees their blocks now."""
+        for request in requests:
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            for child in request.pending_forks:
+                self._finish(child, status)
+            request.pending_forks = []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_now: dict[int, ScheduledRequest] = {}
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.prefill_limit - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            num_preempted = len(output.preempted)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                refund = scheduled_now.pop(id(victim), None)
+                if refund is not None:
+                    budget += refund.num_new_tokens
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; the next request shifted into `index`
+            scheduled_now[id(request)] = ScheduledRequest(request, num_new, request.num_computed_tokens)
+            budget -= num_new
+            if len(output.preempted) == num_preempted:
+                index += 1
+            else:  # victims standing before it shifted the list
+                index = self.running.index(request) + 1
+
+        # Admitting new work right after preempting would only thrash the cache.
+        if not output.preempted:
+            budget = self._admit_waiting(budget, scheduled_now)
+
+        output.scheduled = list(scheduled_now.values())
+        output.block_copies = self.kv_cache.take_pending_copies()
+        now = time.time()
+        for entry in output.scheduled:
+            if entry.request.metrics.first_scheduled_time is None:
+                entry.request.metrics.first_scheduled_time = now
+        return output
+
+    def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest]) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            cached = [] if request.sampling_params.prompt_logprobs is not None \
+                else self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = request.prefill_limit - num_cached
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.pop()
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if num_new > 0:
+                scheduled_now[id(request)] = ScheduledRequest(request, num_new, num_cached)
+                budget -= num_new
+            else:  # the cache served everything up to the fork point
+                self._fork_pending(request)
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance each scheduled request; append sampled tokens; finish the ones that stopped.
+
+        Returns the requests that received tokens (finished or not)."""
+        progressed: list[Request] = []
+        now = time.time()
+        for entry in output.scheduled:
+            request = entry.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if not entry.samples:
+                if request.pending_forks and request.num_computed_tokens >= request.prefill_limit:
+                    self._fork_pending(request)
+                continue
+            for token_id in sampled_token_ids[request.request_id]:
+                request.append_output_token(token_id)
+                metrics = request.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            progressed.append(request)
+        return progressed
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _fork_pending(self, lead: Request) -> None:
+        """The lead has computed all but the last prompt token: its samples start from here,
+        sharing its blocks; each computes the last prompt token itself (copy-on-write)."""
+        position = self.running.index(lead) + 1
+        for child in lead.pending_forks:
+            self.kv_cache.fork(lead, child)
+            child.status = RequestStatus.RUNNING
+            child.num_cached_tokens = lead.num_cached_tokens
+            child.metrics.first_scheduled_time = lead.metrics.first_scheduled_time
+            self.running.insert(position, child)
+            position += 1
+        lead.pending_forks = []
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.metrics.finished_time = time.time()
+        self.kv_cache.free(request)

@@ -1,0 +1,219 @@
+"""EngineCore: owns the scheduler, the KV cache manager and the model runner; `step()` runs
+one scheduled batch. Works in token ids only; text lives in the output processor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.model.attention import select_backend
+from pagoda.model.loader import load_model
+from pagoda.model.model_config import ModelConfig
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.model_runner import ModelRunner, StepTimings, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics. Token counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    last_step_timings: StepTimings
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slower than fp32 for decode on this CPU
+    return _DTYPES.get(config_dtype or "", torch.bfloat16) if config_dtype != "float32" else torch.bfloat16
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
+                        config.max_num_batched_tokens)
+
+        model = load_model(config.model, self.model_config, self.dtype, self.device)
+        self.num_blocks = self._num_kv_blocks(kv_bytes_per_block(model, config.block_size, self.dtype))
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy)
+        backend = select_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
+                                  config.seed)
+        self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention=%s",
+                    self.model_config.architecture, self.dtype, self.device, self.num_blocks,
+                    config.block_size, backend.name)
+
+    def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        num_blocks = self.config.kv_cache_bytes // bytes_per_block
+        # More than every running sequence at full length could ever use is wasted memory.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "
+                             f"({bytes_per_block} bytes each)")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
+                    cache_salt: str | None = None, priority: int = 0) -> list[Request]:
+        """Validate and queue a request; returns its samples (n of them). Raises ValueError."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_output = self._validate(prompt_token_ids, params)
+        lead = Request(
+            request_id=request_id if params.n == 1 else f"{request_id}#0",
+            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
+            arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority,
+            parent_id=request_id)
+        lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]
+        samples = [lead, *lead.pending_forks]
+        self.requests[request_id] = samples
+        self.scheduler.add_request(lead)
+        return samples
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        vocab_size = self.model_config.vocab_size
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt contains token id {bad!r} outside the vocabulary [0, {vocab_size})")
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})")
+        max_output = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max(max_output, 1) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_output} tokens ({num_prompt} in the prompt, {max_output} for the "
+                f"completion). Please reduce the length of the prompt or max_tokens.")
+        blocks_needed = self.kv_cache.num_blocks_for(num_prompt + max_output)
+        if blocks_needed > self.num_blocks:
+            raise ValueError(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {max_output} output "
+                             f"tokens) but the KV pool holds only {self.num_blocks}; lower max_tokens")
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
+        return max_output
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """End requests now and free their blocks; unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            samples = self.requests.get(request_id)
+            if samples:
+                self.scheduler.finish_requests(samples, RequestStatus.FINISHED_ABORTED)
+                aborted.extend(samples)
+        return aborted
+
+    def finish_samples(self, samples: Iterable[Request], status: RequestStatus) -> None:
+        """End individual samples (a stop string matched in the output processor)."""
+        self.scheduler.finish_requests(samples, status)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one scheduled batch. Returns the samples that received tokens this step."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        for entry in scheduler_output.scheduled:
+            entries = runner_output.prompt_logprobs.get(entry.request.request_id)
+            if entries is not None:
+                _record_prompt_logprobs(entry.request, entry.num_computed_before, entries)
+        progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        for request in progressed:
+            if request.num_output_tokens == 1:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_generation_tokens += 1
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+                request.cumulative_logprob += logprobs[request.output_token_ids[-1]].logprob
+        return progressed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_total_blocks=self.num_blocks,
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            last_step_timings=self.runner.timings,
+        )
+
+
+def _record_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:
+    """Entries score prompt positions first_position + 1, ...; a recompute after preemption
+    scores them again, and only positions not yet recorded are kept."""
+    if not request.prompt_logprobs:
+        request.prompt_logprobs.append(None)  # the first prompt token has no context
+    skip = len(request.prompt_logprobs) - (first_position + 1)
+    if skip < len(entries):
+        request.prompt_logprobs.extend(entries[max(skip, 0):])

@@ -1,0 +1,76 @@
+"""LLM: the offline front. `LLM(model=dir).generate(prompts, params)` runs them to completion."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is not None:
+            engine_args["model"] = model
+        self.engine = LLMEngine(EngineConfig(**engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False, cache_salt: str | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        request_ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                    priority=priority[i] if priority else 0)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate the reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generate", unit="req")
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    finished[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,93 @@
+"""LLMEngine: the synchronous engine in text terms — tokenizer + EngineCore + output processing.
+
+Not thread-safe: one thread drives it (LLM offline, or AsyncLLM's engine thread for the server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.engine.engine_core import EngineCore, EngineStats
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.outputs import RequestOutput
+from pagoda.request import RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+__all__ = ["LLMEngine", "EngineStats"]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        model_config = self.core.model_config
+        eos = set(model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._aborted: list[RequestOutput] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json."""
+        return dict(self.core.model_config.generation_defaults)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return SamplingParams(**{**self.generation_defaults, **overrides})
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
+        """Queue a request. A string prompt is tokenized with special tokens; a list is token ids.
+        Raises ValueError with a message fit for the client."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt_text: str | None = prompt
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text = None
+            prompt_token_ids = list(prompt)
+        samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                                        arrival_time=arrival_time, cache_salt=cache_salt, priority=priority)
+        self.output_processor.add_request(request_id, prompt_text, samples)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
+        for request_id in request_ids:
+            if self.core.abort_requests([request_id]):
+                output = self.output_processor.finish_aborted(request_id)
+                if output is not None:
+                    self._aborted.append(output)
+                self._forget(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        if self.core.has_unfinished_requests():
+            progressed = self.core.step()
+            changed, stopped = self.output_processor.process(progressed)
+            if stopped:
+                self.core.finish_samples(stopped, RequestStatus.FINISHED_STOPPED)
+            for output in changed:
+                if output.finished:
+                    self._forget(output.request_id)
+            outputs.extend(changed)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or bool(self._aborted)
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def _forget(self, request_id: str) -> None:
+        self.core.release(request_id)
+        self.output_processor.remove(request_id)

@@ -1,0 +1,57 @@
+"""The attention backend interface: a torch reference on CPU, Triton kernels on GPU.
+
+The model runner describes one step's flattened batch as a `BatchLayout`. The backend turns
+it once per step into whatever metadata its kernels want (shared by every layer), and each
+layer calls `forward`, which writes the new K/V into the paged cache and attends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """One step's requests, flattened: request i owns query tokens
+    [query_start_loc[i], query_start_loc[i+1]) at positions [context_lens[i], seq_lens[i])."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    context_lens: torch.Tensor  # [num_reqs] int64: tokens already in the cache
+    seq_lens: torch.Tensor  # [num_reqs] int64: context + new tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    block_size: int
+    # Host copies, so backends can plan without device syncs.
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_host)
+
+
+@dataclass
+class AttentionLayerSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None  # keys within the last `w` positions (self included), or None
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> object:
+        """Per-step metadata shared by all layers (index tensors, masks, ...)."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
+                spec: AttentionLayerSpec) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D].
+        Writes key/value at the layout's slots, returns the attention output [T, H, D]."""

@@ -1,0 +1,120 @@
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral) as one implementation with flags.
+
+Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3), per-layer
+sliding windows (Mistral, some Qwen), Llama 3 rope scaling, tied embeddings. q/k/v and
+gate/up are fused into single matmuls; the loader splits checkpoints' tensors into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
+from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.model_config import ModelConfig
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one step besides its input: where the KV lives and how to
+    attend over it. Passed down explicitly (no global context)."""
+
+    backend: AttentionBackend
+    metadata: object
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.spec = AttentionLayerSpec(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            scale=self.head_dim ** -0.5, sliding_window=config.layer_sliding_windows[layer_index])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+                context: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        key_cache, value_cache = context.kv_caches[self.layer_index]
+        out = context.backend.forward(q, k, v.contiguous(), key_cache, value_cache, context.metadata, self.spec)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer_index, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+                context: ForwardContext) -> torch.Tensor:
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), rotary, context)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaFamilyModel(nn.Module):
+    """Decoder stack + LM head. Parameter names match the checkpoints' (after q/k/v and
+    gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
+                                               _freeze=True)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, self.rotary, context)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

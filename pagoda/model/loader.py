@@ -1,0 +1,109 @@
+"""Load a Hugging Face checkpoint directory (one or many safetensors shards) into the model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.model_config import ModelConfig
+
+# Checkpoint tensors that are fused into one parameter: (fused name, part, part index).
+_FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, checked against the index if there is one."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ValueError(f"{index_path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{model_dir}: no *.safetensors weights found")
+    return shards
+
+
+def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt") as reader:
+            for name in reader.keys():
+                yield path, name, reader.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> LlamaFamilyModel:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    with torch.device(device):
+        model = LlamaFamilyModel(config, dtype, device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path, name, tensor in iterate_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target, offset, size = _locate(name, config)
+        if target not in params:
+            raise ValueError(f"{path.name}: unexpected tensor {name!r} for {config.architecture}")
+        param = params[target]
+        expected = (size, *param.shape[1:]) if size is not None else tuple(param.shape)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {expected} from config.json")
+        destination = param.data if size is None else param.data.narrow(0, offset, size)
+        destination.copy_(tensor.to(dtype))
+        loaded.add(name)
+    missing = [name for name in _expected_checkpoint_names(params, config) if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {shown}")
+    return model.eval()
+
+
+def _locate(name: str, config: ModelConfig) -> tuple[str, int, int | None]:
+    """Map a checkpoint tensor to (parameter name, row offset, rows) — rows None = whole."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED_PARTS:
+        fused, index = _FUSED_PARTS[parts[-2]]
+        target = ".".join(parts[:-2] + [fused, parts[-1]])
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        if fused == "qkv_proj":
+            offsets, sizes = (0, q_size, q_size + kv_size), (q_size, kv_size, kv_size)
+        else:
+            offsets, sizes = (0, config.intermediate_size), (config.intermediate_size, config.intermediate_size)
+        return target, offsets[index], sizes[index]
+    return name, 0, None
+
+
+def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> list[str]:
+    names = []
+    fused_back = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name in params:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in fused_back:
+            names.extend(".".join(parts[:-2] + [p, parts[-1]]) for p in fused_back[parts[-2]])
+        else:
+            names.append(name)
+    return names

@@ -1,0 +1,126 @@
+"""Request: the engine's unit of work.
+
+A request is a list of token ids plus `num_computed_tokens`; each step computes some of the
+tokens it is behind on. A prompt is just a request that is far behind (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.outputs import PositionLogprobs, RequestMetrics
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. For `n > 1` each sample is its own Request (see `fork`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_output_tokens: int  # max_tokens resolved against the context length
+    arrival_time: float = field(default_factory=time.time)
+    cache_salt: str | None = None
+    priority: int = 0
+    # The user-visible request this sample belongs to, and its index among the n samples.
+    parent_id: str = ""
+    sample_index: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of this request's full blocks, computed incrementally (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
+    stop_reason: int | str | None = None
+    # Samples still to be forked from this one once the prompt (all but its last token) is
+    # computed, so that they share the prompt's KV blocks (copy-on-write).
+    pending_forks: list["Request"] = field(default_factory=list)
+
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.parent_id = self.parent_id or self.request_id
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(
+                _sample_seed(self.sampling_params.seed, self.sample_index))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def prefill_limit(self) -> int:
+        """How far this request may compute before its pending samples fork off it."""
+        if self.pending_forks:
+            return max(self.num_prompt_tokens - 1, 0)
+        return self.num_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def new_sample(self, sample_index: int) -> "Request":
+        """Another sample of the same prompt; it shares this one's KV blocks once forked."""
+        child = Request(
+            request_id=f"{self.parent_id}#{sample_index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            max_output_tokens=self.max_output_tokens,
+            arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            parent_id=self.parent_id,
+            sample_index=sample_index,
+        )
+        return child
+
+
+def _sample_seed(seed: int, sample_index: int) -> int:
+    # Distinct, reproducible streams for the n samples of one seeded request.
+    return (seed * 1_000_003 + sample_index) & 0x7FFF_FFFF_FFFF_FFFF

@@ -1,0 +1,152 @@
+"""Turn one step's logits into tokens, each row with its own request's sampling knobs.
+
+Order, as in vLLM: logit bias and min_tokens masking, then penalties, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> a draw. Draws use the exponential-race trick
+(argmax p/q, q ~ Exp(1)) so that a seeded request draws only from its own generator and gets
+the same tokens whatever else is in the batch. Reported logprobs are those of the raw model
+distribution (before any processing), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.outputs import Logprob, PositionLogprobs
+from pagoda.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # per row; None where the request did not ask
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits [N, V] float32, one row per request about to receive a token."""
+        raw_logits = logits
+        logits = self._apply_processors(logits, requests)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
+
+        sampled = token_ids.tolist()
+        wanted = [r.sampling_params.logprobs for r in requests]
+        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+        if any(k is not None for k in wanted):
+            rows = [i for i, k in enumerate(wanted) if k is not None]
+            computed = position_logprobs(raw_logits[rows], [sampled[i] for i in rows], [wanted[i] for i in rows])
+            for i, entry in zip(rows, computed):
+                logprobs[i] = entry
+        return SamplerOutput(sampled, logprobs)
+
+    # ---- processing ----------------------------------------------------------------------------
+
+    def _apply_processors(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        needs_copy = any(
+            r.sampling_params.logit_bias or r.sampling_params.needs_penalties
+            or r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
+        if not needs_copy:
+            return logits
+        logits = logits.clone()
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            row = logits[i]
+            if params.logit_bias:
+                # Token ids were checked against the vocabulary when the request was added.
+                ids = torch.tensor(list(params.logit_bias), device=row.device)
+                row[ids] += torch.tensor(list(params.logit_bias.values()), device=row.device)
+            if request.num_output_tokens < params.min_tokens:
+                stop_ids = set(params.stop_token_ids) | set(request.eos_token_ids)
+                stop_ids = [t for t in stop_ids if t < self.vocab_size]
+                if stop_ids:
+                    row[torch.tensor(stop_ids, device=row.device)] = float("-inf")
+            if params.needs_penalties:
+                self._apply_penalties(row, request)
+        return logits
+
+    def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:
+        params = request.sampling_params
+        if params.repetition_penalty != 1.0:
+            # Applies to every token seen so far, prompt included (as transformers and vLLM do).
+            seen = torch.tensor(request.all_token_ids, device=row.device).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                    values * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+            # OpenAI's definition: only generated tokens count.
+            counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device),
+                                    minlength=self.vocab_size)[: self.vocab_size].to(row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temperatures = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        logits = logits / temperatures
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            probs = logits.softmax(dim=-1)
+            threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        race = torch.empty_like(probs)
+        race.exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                race[i].exponential_(generator=request.generator)
+        return (probs / race).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
+    ps = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    sorted_logits = sorted_logits.masked_fill(mass_before >= ps, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def position_logprobs(logits: torch.Tensor, chosen: Sequence[int], top_k: Sequence[int]) -> list[PositionLogprobs]:
+    """Per row: {token: Logprob} for the chosen token and the row's top-k tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_t = torch.tensor(list(chosen), device=logits.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen_t)
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    chosen_values = chosen_lp.squeeze(1).tolist()
+    max_k = max(top_k) if top_k else 0
+    top_values, top_ids = (logprobs.topk(max_k, dim=-1) if max_k else (None, None))
+    top_values = top_values.tolist() if max_k else None
+    top_ids = top_ids.tolist() if max_k else None
+    result = []
+    for row, token_id in enumerate(chosen):
+        entry: PositionLogprobs = {token_id: Logprob(chosen_values[row], ranks[row])}
+        for j in range(top_k[row]):
+            tid = top_ids[row][j]
+            if tid not in entry:
+                entry[tid] = Logprob(top_values[row][j], j + 1)
+        result.append(entry)
+    return result

@@ -1,0 +1,111 @@
+"""Tiny random-weight models of each supported architecture, built with `transformers`, plus
+a small byte-level BPE tokenizer, saved in the Hugging Face layout. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "Paged attention stores keys and values in fixed-size blocks; a block table maps them.",
+    "for i in range(10):\n    print(i * i)\n# comments, numbers 0123456789 and symbols !@#$%^&*()[]{}",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|endoftext|>\n"
+    "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE on a tiny corpus; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "bos_token": None,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }))
+    return tokenizer.get_vocab_size()
+
+
+def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
+                dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                **overrides: Any) -> Path:
+    """Save a random-weight model of `architecture` (and a tokenizer) into `directory`."""
+    import transformers
+
+    directory = Path(directory)
+    vocab_size = build_tokenizer(directory)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )
+    if architecture == "llama":
+        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
+        common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}
+    elif architecture == "qwen2":
+        config_class, model_class = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+        common["tie_word_embeddings"] = True
+    elif architecture == "qwen3":
+        config_class, model_class = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+        common["head_dim"] = 32
+    elif architecture == "mistral":
+        config_class, model_class = transformers.MistralConfig, transformers.MistralForCausalLM
+        common["sliding_window"] = 24
+    else:
+        raise ValueError(f"unknown architecture {architecture}")
+    common.update(overrides)
+    config = config_class(**common)
+    torch.manual_seed(seed)
+    model = model_class(config).to(dtype)
+    # Larger-than-default weights give peaked distributions, so greedy ties are not a coin flip.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def load_hf_model(directory: Path, dtype: torch.dtype = torch.float32):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and the raw logprob of each chosen token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+    return tokens, logprobs
