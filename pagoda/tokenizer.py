@@ -1,0 +1,402 @@
+"""Tokenizer + chat template; the incremental detokenizer that streams text and finds stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+# How many trailing prompt tokens seed the detokenizer window, as vLLM does: enough context
+# for a leading-space marker ("▁Hello", "Ġworld") to decode as it would inside the full text.
+PROMPT_CONTEXT_TOKENS = 5
+
+# A valid UTF-8 character spans at most 4 bytes, hence at most 4 tokens. If this many tokens
+# are pending and the text still ends in U+FFFD, the bytes are invalid and will never resolve:
+# release them rather than let the decode window (and its cost per token) grow without bound.
+MAX_PENDING_TOKENS = 16
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Wraps a Hugging Face fast tokenizer loaded from a local directory.
+
+    Loaded with ``transformers.AutoTokenizer.from_pretrained(path)`` from local files only,
+    never the hub.
+    """
+
+    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(
+                f"{type(hf).__name__} is not a fast (Rust `tokenizers`) tokenizer; "
+                "pagoda needs a tokenizer.json"
+            )
+        self.hf = hf
+        self.vocab_size: int = len(hf)
+        self.eos_token_id: int | None = hf.eos_token_id
+        self.bos_token_id: int | None = hf.bos_token_id
+        # Exactly the ids that `decode(skip_special_tokens=True)` drops: every added token flagged
+        # special (Llama 3's 250 reserved tokens, Qwen's <|im_start|>), not only the named ones
+        # in `hf.all_special_ids`.
+        self._skipped_ids: frozenset[int] = frozenset(
+            token_id for token_id, added in hf.added_tokens_decoder.items() if added.special
+        )
+        self.all_special_ids: set[int] = set(hf.all_special_ids) | self._skipped_ids
+        self._backend = hf.backend_tokenizer
+        self._anchor_ids, self._anchor_text = self._find_anchor()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ValueError(f"tokenizer directory {str(path)!r} does not exist or is not a folder")
+        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"no tokenizer files in {str(path)!r} "
+                f"(expected one of {', '.join(TOKENIZER_FILES)})"
+            )
+        try:
+            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {exc}") from exc
+        return cls(hf)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
+
+    # -- ids <-> text -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        # verbose=False: length limits are the engine's to enforce, not a log line per long prompt.
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = self._checked_ids(token_ids)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(self._checked_ids(token_ids)))
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token as it reads inside a longer text, for logprob display.
+
+        Decoded after an anchor token, so a SentencePiece "▁Paris" shows as " Paris" (decoding
+        it alone strips the space). A lone partial UTF-8 byte shows as U+FFFD.
+        """
+        (token_id,) = self._checked_ids([token_id])
+        if self._anchor_ids:
+            with_anchor = self._decode_raw(self._anchor_ids + [token_id], skip_special_tokens=False)
+            if with_anchor.startswith(self._anchor_text):
+                return with_anchor[len(self._anchor_text) :]
+        return self._decode_raw([token_id], skip_special_tokens=False)
+
+    def _decode_raw(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        # The Rust decoder alone: what `hf.decode` does minus Python overhead; the two are equal
+        # unless the tokenizer enables clean_up_tokenization_spaces.
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _checked_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = list(token_ids)
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"token ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"token id {token_id} is out of range for a vocabulary of {self.vocab_size}"
+                )
+        return ids
+
+    def _find_anchor(self) -> tuple[list[int], str]:
+        anchor_ids = list(self._backend.encode("a", add_special_tokens=False).ids)
+        anchor_text = self._decode_raw(anchor_ids, skip_special_tokens=False)
+        if len(anchor_ids) != 1 or anchor_text != "a":
+            return [], ""
+        return anchor_ids, anchor_text
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render a conversation to prompt text with the model's chat template.
+
+        A message's content may be a string or a list of OpenAI content parts; text parts are
+        joined with newlines (as vLLM does). Other part types raise ValueError.
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                f"the tokenizer in {self.hf.name_or_path!r} has no chat template; "
+                "use the completions API or supply a model with one"
+            )
+        conversation = _normalize_messages(messages)
+        try:
+            rendered = self.hf.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template error: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise ValueError(f"chat template rendered {type(rendered).__name__}, expected a string")
+        return rendered
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        rendered = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        # The template writes BOS itself where the model wants one; adding special tokens again
+        # would give Llama 3 two <|begin_of_text|>.
+        return self.encode(rendered, add_special_tokens=False)
+
+
+def _normalize_messages(messages: list[dict]) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} objects"
+        )
+    normalized = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{index}].role must be a non-empty string")
+        copied = dict(message)
+        if "content" in copied:
+            copied["content"] = _content_text(copied["content"], index)
+        normalized.append(copied)
+    return normalized
+
+
+def _content_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(
+            f"messages[{index}].content must be a string or a list of content parts, "
+            f"got {type(content).__name__}"
+        )
+    texts = []
+    for part_index, part in enumerate(content):
+        where = f"messages[{index}].content[{part_index}]"
+        if not isinstance(part, Mapping):
+            raise ValueError(
+                f"{where} must be a content part object like {{'type': 'text', 'text': ...}}"
+            )
+        if part.get("type") != "text":
+            raise ValueError(
+                f"{where} has type {part.get('type')!r}; only 'text' content parts are supported"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, for streaming.
+
+    The vLLM/TGI scheme: decode a small window of tokens (``prefix_offset`` .. end), diff it
+    against the already-released part of the window (``prefix_offset`` .. ``read_offset``), and
+    release only text that does not end in U+FFFD, i.e. not inside a multi-byte character.
+
+    Stop strings: the stop that completes first (ties: the one starting earlier) wins, whatever
+    the token boundaries. When stop strings are cut from the output, the longest tail of the text
+    that could still begin a stop string is withheld until it cannot, or until ``finish()``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] | None = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # Only slow (Python) tokenizers honour this; for fast ones HF decode ignores it too.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.stop: tuple[str, ...] = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.stop_string: str | None = None
+
+        self._token_ids = self._prompt_context(prompt_token_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._prefix_text_len = len(self._decode(0, self._read_offset))
+
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Every proper prefix of every stop string: a text tail in this set may still grow
+        # into a stop string, so it is withheld (only needed when stops are cut from the output).
+        self._stop_prefixes: frozenset[str] = frozenset(
+            s[:k] for s in self.stop for k in range(1, len(s))
+        )
+        self._withhold = bool(self.stop) and not include_stop_str_in_output
+        self._recent = ""  # last (max stop length - 1) chars decoded, for matches across calls
+        self._withheld = ""
+        self._released_parts: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        if len(self._released_parts) > 1:
+            self._released_parts = ["".join(self._released_parts)]
+        return self._released_parts[0] if self._released_parts else ""
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        """Feed newly generated tokens; returns the newly released text (may be "")."""
+        if self.stop_string is not None:
+            raise RuntimeError(
+                f"stop string {self.stop_string!r} already matched; the request is over"
+            )
+        if self._finished:
+            raise RuntimeError("finish() was already called; the request is over")
+        decoded = []
+        for token_id in token_ids:
+            token_id = int(token_id)
+            if not self._contributes_text(token_id):
+                continue
+            self._token_ids.append(token_id)
+            decoded.append(self._detokenize_step())
+        new_text = "".join(decoded)
+        if not new_text:
+            return ""
+        return self._release(new_text)
+
+    def finish(self) -> str:
+        """The request ended without a stop string: release text withheld for a possible stop."""
+        if self._finished or self.stop_string is not None:
+            self._finished = True
+            return ""
+        self._finished = True
+        tail, self._withheld = self._withheld, ""
+        if tail:
+            self._released_parts.append(tail)
+        return tail
+
+    # -- detokenization -----------------------------------------------------------------------
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        context: list[int] = []
+        for token_id in reversed(prompt_token_ids):
+            if len(context) == PROMPT_CONTEXT_TOKENS:
+                break
+            if self._contributes_text(int(token_id)):
+                context.append(int(token_id))
+        context.reverse()
+        return context
+
+    def _contributes_text(self, token_id: int) -> bool:
+        # Tokens that decode drops anyway (skipped specials; ids past the tokenizer's vocabulary,
+        # which a model with a padded embedding can sample) stay out of the window: it stays small.
+        if not 0 <= token_id < self.tokenizer.vocab_size:
+            return False
+        return not (self.skip_special_tokens and token_id in self.tokenizer._skipped_ids)
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer._decode_raw(
+            self._token_ids[start:end], skip_special_tokens=self.skip_special_tokens
+        )
+
+    def _detokenize_step(self) -> str:
+        """Text newly completed by the last appended token; advances the window when stable."""
+        window_text = self._decode(self._prefix_offset, len(self._token_ids))
+        pending = len(self._token_ids) - self._read_offset
+        if len(window_text) <= self._prefix_text_len:
+            return ""
+        if window_text.endswith(REPLACEMENT_CHAR) and pending < MAX_PENDING_TOKENS:
+            return ""
+        new_text = window_text[self._prefix_text_len :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self._prefix_text_len = len(self._decode(self._prefix_offset, self._read_offset))
+        return new_text
+
+    # -- stop strings -------------------------------------------------------------------------
+
+    def _release(self, new_text: str) -> str:
+        if not self.stop:
+            self._released_parts.append(new_text)
+            return new_text
+        unreleased = self._withheld + new_text
+        match = self._find_stop(new_text)
+        if match is not None:
+            stop, start, end = match
+            # Positions are in `self._recent + new_text`, which ends where `unreleased` ends.
+            cut = end if self.include_stop_str_in_output else start
+            cut_in_unreleased = max(0, len(unreleased) - (len(self._recent) + len(new_text) - cut))
+            released = unreleased[:cut_in_unreleased]
+            self.stop_string = stop
+            self._withheld = ""
+        else:
+            hold = self._stop_prefix_suffix_len(unreleased) if self._withhold else 0
+            released = unreleased[: len(unreleased) - hold]
+            self._withheld = unreleased[len(unreleased) - hold :]
+            keep = self._max_stop_len - 1
+            self._recent = (self._recent + new_text)[-keep:] if keep else ""
+        if released:
+            self._released_parts.append(released)
+        return released
+
+    def _find_stop(self, new_text: str) -> tuple[str, int, int] | None:
+        """The stop string that completes first within `new_text` (ties: earliest start)."""
+        search = self._recent + new_text
+        old_len = len(self._recent)
+        best: tuple[int, int, str] | None = None
+        for stop in self.stop:
+            # Only matches that end inside the new text; earlier ones were checked before.
+            start = search.find(stop, max(0, old_len - len(stop) + 1))
+            if start == -1:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        if best is None:
+            return None
+        end, start, stop = best
+        return stop, start, end
+
+    def _stop_prefix_suffix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        for length in range(min(len(text), self._max_stop_len - 1), 0, -1):
+            if text[-length:] in self._stop_prefixes:
+                return length
+        return 0
