@@ -1,0 +1,131 @@
+"""PNG plots of a run: latency CDFs, TTFT and ITL over time, sweeps, and side-by-side bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.records import RequestRecord
+
+MAX_SCATTER_POINTS = 20_000
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _by_class(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.ok:
+            groups.setdefault(r.class_name, []).append(r)
+    if len(groups) > 1:
+        groups = {"all": [r for r in records if r.ok], **groups}
+    return groups
+
+
+def _cdf(ax: Any, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = sorted(v * 1000 for v in values)
+    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+    ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+
+
+def plot_latency_cdfs(records: list[RequestRecord], path: Path, title: str = "") -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, group in _by_class(records).items():
+        _cdf(axes[0], [r.ttft for r in group if r.ttft is not None], name)
+        _cdf(axes[1], [g for r in group for g in r.itls], name)
+        _cdf(axes[2], [r.e2e for r in group if r.e2e is not None], name)
+    for ax, label in zip(axes, ("TTFT", "inter-token latency", "end-to-end latency")):
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("fraction of requests" if label != "inter-token latency" else "fraction of gaps")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.suptitle(title or "latency CDFs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_over_time(records: list[RequestRecord], path: Path, title: str = "") -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for name, group in _by_class(records).items():
+        if name == "all":
+            continue
+        with_ttft = [r for r in group if r.ttft is not None]
+        axes[0].scatter([r.start for r in with_ttft], [r.ttft * 1000 for r in with_ttft], s=8, label=name)
+        times, gaps = [], []
+        for r in group:
+            if r.ttft is None:
+                continue
+            t = r.start + r.ttft
+            for gap in r.itls:
+                t += gap
+                times.append(t)
+                gaps.append(gap * 1000)
+        step = max(1, len(times) // MAX_SCATTER_POINTS)
+        axes[1].scatter(times[::step], gaps[::step], s=3, alpha=0.5, label=name)
+    axes[0].set_ylabel("TTFT (ms)")
+    axes[1].set_ylabel("inter-token latency (ms)")
+    axes[1].set_xlabel("time since start (s): TTFT at the send time, ITL at the token's arrival")
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8, markerscale=2)
+    fig.suptitle(title or "latency over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(points: list[dict[str, float]], path: Path, title: str = "") -> None:
+    """points: dicts with concurrency, output_throughput and p99 latencies in seconds."""
+    plt = _pyplot()
+    xs = [p["concurrency"] for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    axes[0].plot(xs, [p["output_throughput"] for p in points], marker="o")
+    axes[0].set_ylabel("output tokens / s")
+    for key, label in (("ttft_p99", "TTFT p99"), ("itl_p99", "ITL p99"), ("e2e_p99", "end-to-end p99")):
+        ys = [p.get(key) for p in points]
+        if any(y is not None for y in ys):
+            axes[1].plot(xs, [None if y is None else y * 1000 for y in ys], marker="o", label=label)
+    axes[1].set_ylabel("latency (ms)")
+    axes[1].set_yscale("log")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("concurrency")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title or "throughput and p99 latency vs concurrency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(groups: dict[str, dict[str, float]], path: Path, title: str = "") -> None:
+    """One panel per metric, one bar per target: groups = {metric label: {target: value}}."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
+    for ax, (metric, values) in zip(axes[0], groups.items()):
+        names = list(values)
+        bars = ax.bar(range(len(names)), [values[n] for n in names], color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=15, ha="right", fontsize=8)
+        ax.set_title(metric, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
