@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random-weight models built once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_factory import build_model  # noqa: E402
+
+# Two cores in CI: one intra-op thread keeps tests from fighting each other (MEASURED.md).
+torch.set_num_threads(1)
+
+SHARED_DIR = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny model per supported architecture, keyed by architecture name."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED_DIR.is_dir():
+        pytest.skip("../shared is not beside this checkout")
+    return SHARED_DIR
