@@ -1,0 +1,83 @@
+"""Helpers for the server tests: a tiny model on disk and a live server on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.serve.app import build_app
+from pagoda.serve.settings import ServerSettings
+
+MODEL_NAME = "tiny-llama"
+
+
+def build_tiny_model(directory: Path) -> Path:
+    """A random-weight Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) with a small BPE."""
+    from model_factory import build_model
+
+    return build_model(directory, "llama")
+
+
+@dataclass
+class LiveServer:
+    url: str
+    llm: AsyncLLM
+    app: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stats(self) -> Any:
+        return self.llm.get_stats()
+
+    def wait_idle(self, timeout: float = 10.0) -> Any:
+        """Engine stats once nothing is running or waiting and every KV block is free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.llm.get_stats()
+            idle = (stats.num_running == 0 and stats.num_waiting == 0
+                    and stats.num_free_blocks == stats.num_total_blocks)
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.llm.shutdown()
+
+
+def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
+                 **settings: Any) -> LiveServer:
+    config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
+                             "max_num_seqs": 64, **(engine or {})})
+    llm = AsyncLLM(config)
+    app = build_app(llm, ServerSettings(**{"served_model_name": MODEL_NAME,
+                                           "model_path": str(model_dir), **settings}))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            llm.shutdown()
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return LiveServer(f"http://127.0.0.1:{port}", llm, app, server, thread)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
