@@ -96,9 +96,13 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-def _validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    fields = [str(p) for p in loc if p != "body"]
-    return fields[0] if fields else None
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> list[str]:
+    # pydantic names the union member that failed ("str", "list[int]"); clients want the field.
+    return [str(p) for p in loc
+            if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
 
 
 def validation_error(errors: list[Any]) -> APIError:
@@ -108,14 +112,20 @@ def validation_error(errors: list[Any]) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request("The request body is not valid JSON (or not valid UTF-8).")
-    if first.get("type") == "model_type" and not first.get("loc"):
+    if first.get("type") in ("model_type", "model_attributes_type") and not _field_path(
+            first.get("loc", ())):
         return bad_request("The request body must be a JSON object.")
-    messages = []
-    for err in errors[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    by_field: dict[str, list[str]] = {}
+    for err in errors:
+        where = ".".join(_field_path(err.get("loc", ())))
+        messages = by_field.setdefault(where, [])
         message = err.get("msg", "invalid value")
-        messages.append(f"{where}: {message}" if where else message)
-    return bad_request("; ".join(messages), param=_validation_param(first.get("loc", ())))
+        if message not in messages:
+            messages.append(message)
+    parts = [f"{where}: {' or '.join(msgs)}" if where else " or ".join(msgs)
+             for where, msgs in list(by_field.items())[:3]]
+    path = _field_path(first.get("loc", ()))
+    return bad_request("; ".join(parts), param=path[0] if path else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
