@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -48,6 +48,25 @@ class LLM:
                                     priority=priority[i] if priority else 0)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text as it is released (the first sample's)."""
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, prompt, sampling_params or self.get_default_sampling_params())
+        sent = 0
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    text = output.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if output.finished:
+                        return
+        finally:
+            self.engine.abort_request([request_id])
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list[RequestOutput]:
