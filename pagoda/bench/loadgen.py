@@ -111,7 +111,7 @@ async def send_request(client: Any, config: LoadConfig, request: BenchRequest, t
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     sent = time.perf_counter()
     record.start = sent - t0
-    last = None
+    last = first_choice = None
     num_chunks = 0
     usage = None
     try:
@@ -133,6 +133,8 @@ async def send_request(client: Any, config: LoadConfig, request: BenchRequest, t
                     break
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("choices") and first_choice is None:
+                    first_choice = time.perf_counter()
                 if _content_of(chunk):
                     now = time.perf_counter()
                     if last is None:
@@ -155,7 +157,12 @@ async def send_request(client: Any, config: LoadConfig, request: BenchRequest, t
         if details.get("cached_tokens") is not None:
             record.cached_tokens = int(details["cached_tokens"])
     if record.ttft is None and record.error is None:
-        record.error = "no content in the response"
+        # Tokens that decode to no text yet (e.g. part of a UTF-8 character) still count as
+        # generated when the server says so; the first chunk that carried a choice is then the TTFT.
+        if record.output_tokens > 0 and first_choice is not None and usage:
+            record.ttft = first_choice - sent
+        else:
+            record.error = "no content in the response"
     return record
 
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_WORD = re.compile(r"^ [A-Za-z]{2,12}$")
+_WORD = re.compile(r"^ [A-Za-z]{1,12}$")
 MAX_ADJUST_ROUNDS = 8
 
 
@@ -31,7 +31,7 @@ class PromptBuilder:
             text = tokenizer.decode([token_id])
             if _WORD.match(text) and tokenizer.encode(text, add_special_tokens=False) == [token_id]:
                 words.append(text)
-        if len(words) < 16:
+        if len(words) < 8:
             raise ValueError("the tokenizer has too few single-token words to build prompts from")
         num_special = len(tokenizer.encode("hello", add_special_tokens=True)) - len(
             tokenizer.encode("hello", add_special_tokens=False))
