@@ -496,7 +496,8 @@ def render_plan(plan: Plan) -> str:
         f"{s['num_attention_heads']} heads / {s['num_kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tie_word_embeddings'] else ''}",
         f"parameters       {plan.params:,} ({fmt_count(plan.params)}, from {plan.params_source})",
-        f"weights          {fmt_bytes(plan.weight_bytes)} = {plan.weight_bytes / 1e9:.2f} GB in {plan.dtype}"
+        f"weights          {fmt_bytes(plan.weight_bytes)}"
+        + (f" = {plan.weight_bytes / 1e9:.2f} GB" if plan.weight_bytes >= 10**7 else "") + f" in {plan.dtype}"
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
