@@ -29,6 +29,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import sysconfig  # noqa: E402
@@ -126,11 +127,18 @@ class TrainResult:
     eval_steps: list[int]
     eval_losses: list[float]
     seconds: float
+    cpu_seconds: float
     tokens_seen: int
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def cpu_seconds() -> float:
+    # CPU time next to wall time shows how much of a run was lost to other work on a shared machine.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def is_heldout(relpath: str) -> bool:
@@ -283,9 +291,9 @@ def train_model(model: torch.nn.Module, train_windows: torch.Tensor, eval_window
     warmup = max(1, min(100, steps // 10))
     eval_every = max(1, steps // 12)
     log_every = max(1, steps // 60)
-    result = TrainResult([], [], [], [], 0.0, 0)
+    result = TrainResult([], [], [], [], 0.0, 0.0, 0)
     running: list[float] = []
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     for step in range(steps):
         if cursor + batch_size > len(order):  # next epoch, in a fresh deterministic order
             order = torch.randperm(len(train_windows), generator=order_rng)
@@ -316,6 +324,7 @@ def train_model(model: torch.nn.Module, train_windows: torch.Tensor, eval_window
             result.eval_losses.append(quick_eval(model, eval_windows, device, bf16, batch_size))
             log(f"{name} step {step + 1} held-out loss {result.eval_losses[-1]:.4f}")
     result.seconds = time.perf_counter() - start
+    result.cpu_seconds = cpu_seconds() - cpu_start
     return result
 
 
@@ -598,6 +607,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokenizer_seconds": tokenizer_seconds,
             "eval_seconds": eval_seconds,
             "total_seconds": total_seconds,
+            "total_cpu_seconds": cpu_seconds(),
         },
         "evaluation": {
             "heldout_windows": len(eval_windows),
@@ -620,6 +630,7 @@ def main(argv: list[str] | None = None) -> None:
             "epochs": result.tokens_seen / max(1, train_windows[:, 1:].numel()),
             "peak_lr": args.target_lr if name == TARGET_NAME else args.draft_lr,
             "train_seconds": result.seconds,
+            "train_cpu_seconds": result.cpu_seconds,
             "train_tokens_per_second": result.tokens_seen / result.seconds,
             "final_train_loss": result.train_losses[-1],
             "loss_history": {"steps": result.steps, "train": result.train_losses,
@@ -727,8 +738,10 @@ def model_card(report: dict, name: str) -> str:
         f"on matrices), peak learning rate {me['peak_lr']:g} with warmup and cosine decay to 10%, gradient "
         f"clipping 1.0, {'bf16 autocast' if report['bf16_autocast'] else 'float32'}.",
         f"- Time: {me['train_seconds'] / 60:.1f} min for this model at {me['train_tokens_per_second']:,.0f} "
-        f"tokens/s; the whole run (tokenizer, both models, evaluation) took {training['total_seconds'] / 60:.1f} min. "
-        f"Other work shared the machine; load average at the end: "
+        f"tokens/s ({me['train_cpu_seconds'] / 60:.1f} CPU-minutes); the whole run (tokenizer, both models, "
+        f"evaluation) took {training['total_seconds'] / 60:.1f} min of wall time and "
+        f"{training['total_cpu_seconds'] / 60:.1f} CPU-minutes. Other work shared the machine during the run, so "
+        "wall time above CPU-minutes / threads is time lost to contention; load average at the end: "
         f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'] or [])}.",
         "- Loss curve: `loss_curve.png`; every number here is in `training_metrics.json`.",
         "",
