@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import create_chat_completion
 from pagoda.serve.completions import create_completion
-from pagoda.serve.errors import APIError, install_error_handlers, unauthorized, validation_error
+from pagoda.serve.errors import APIError, unauthorized, validation_error
 from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ModelCard, ModelList, TokenizeRequest)
 from pagoda.serve.request_log import RequestLogRecord
@@ -23,6 +26,8 @@ from pagoda.serve.tenants import Tenant
 from pagoda.serve.tokenization import detokenize, tokenize
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
+
+logger = logging.getLogger(__name__)
 
 
 def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
@@ -57,12 +62,42 @@ async def _parse(request: Request, model: type[Body]) -> Body:
         raise validation_error(list(exc.errors())) from None
 
 
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape; FastAPI's 422 becomes a 400."""
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        if status == 404:
+            kind = "not_found_error"
+        detail = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        return _error_response(APIError(status, detail, type=kind,
+                                        headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return _error_response(APIError(500, "Internal server error.", type="server_error"))
+
+
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
     app = FastAPI(title="pagoda", docs_url=None, redoc_url=None)
     ctx = ServeContext.create(llm, settings)
     app.state.ctx = ctx
-    install_error_handlers(app)
+    _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        on_reject=lambda: ctx.metrics.record_rejected("too_large"))
     started = int(time.time())

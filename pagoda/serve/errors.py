@@ -1,22 +1,15 @@
 """Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
 
-Everything a client can cause is an `APIError` with a 4xx status; FastAPI's own validation
-errors (422) and HTTP exceptions are mapped onto the same shape so a client never sees a 500
-for its own mistake.
+Everything a client can cause is an `APIError` with a 4xx status; the app maps FastAPI's own
+validation errors (422) and HTTP exceptions onto the same shape (`install_error_handlers` in
+app.py) so a client never sees a 500 for its own mistake. No web framework is imported here:
+the CLI imports this module's neighbours and must stay light.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -37,9 +30,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-    def to_response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, *, type: str, param: str | None = None,
@@ -126,27 +116,3 @@ def validation_error(errors: list[Any]) -> APIError:
              for where, msgs in list(by_field.items())[:3]]
     path = _field_path(first.get("loc", ()))
     return bad_request("; ".join(parts), param=path[0] if path else None)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).to_response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        status = exc.status_code
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        if status == 404:
-            kind = "not_found_error"
-        detail = exc.detail if isinstance(exc.detail, str) else "Request failed."
-        return APIError(status, detail, type=kind, headers=dict(exc.headers or {})).to_response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return APIError(500, "Internal server error.", type="server_error").to_response()

@@ -224,7 +224,8 @@ class Generation:
             error.recorded = True
         ctx.request_log.log(self._log_record(status, error, usage))
 
-    def _log_record(self, status: int, error: APIError | None, usage: Usage | None) -> RequestLogRecord:
+    def _log_record(self, status: int, error: APIError | None,
+                    usage: Usage | None) -> RequestLogRecord:
         outputs = [o for o in self.latest if o is not None]
         record = RequestLogRecord(
             request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant.name,
