@@ -489,11 +489,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows in the final evaluation")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    parser.add_argument("--cards-only", action="store_true",
+                        help="only rewrite each README.md from the training_metrics.json already in --out-dir")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.cards_only:
+        for name in (TARGET_NAME, DRAFT_NAME):
+            report = json.loads((args.out_dir / name / "training_metrics.json").read_text())
+            (args.out_dir / name / "README.md").write_text(model_card(report, name))
+        return
     preset = CUDA_PRESET if args.device == "cuda" else CPU_PRESET
     threads = args.threads or preset.threads
     target_steps = args.target_steps or preset.target_steps
@@ -673,9 +680,9 @@ def model_card(report: dict, name: str) -> str:
         f"A {me['parameters'] / 1e6:.2f}M-parameter Llama-architecture causal language model trained from scratch on "
         f"the source code of the Python {data['python_version']} standard library; {role}.",
         "",
-        "It writes Python-shaped code (imports, classes, docstrings, unittest cases) but it is tiny and was trained "
-        "for about half an hour on two CPU cores: it exists so that pagoda works offline out of the box and so that "
-        "tests have a real model to check against. Do not expect correct programs from it.",
+        "It writes Python-shaped code (imports, classes, docstrings, unittest cases) but it is tiny and briefly "
+        "trained (see Training): it exists so that pagoda works offline out of the box and so that tests have a "
+        "real model to check against. Do not expect correct programs from it.",
         "",
         "## Use",
         "",
