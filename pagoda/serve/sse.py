@@ -82,8 +82,14 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
+# Line breaks to Python's str.splitlines (which line-based SSE clients such as httpx's
+# aiter_lines use) that JSON leaves raw: escaped so an event always stays on one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 def sse_error(error: APIError) -> str:
