@@ -174,10 +174,13 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one scheduled batch. Returns the samples that received tokens this step."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        scheduled = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
+        executed = time.perf_counter()
         for entry in scheduler_output.scheduled:
             entries = runner_output.prompt_logprobs.get(entry.request.request_id)
             if entries is not None:
@@ -191,6 +194,9 @@ class EngineCore:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
                 request.cumulative_logprob += logprobs[request.output_token_ids[-1]].logprob
+        timings = self.runner.timings
+        timings.schedule = scheduled - started
+        timings.update = time.perf_counter() - executed
         return progressed
 
     def stats(self) -> EngineStats:

@@ -21,11 +21,19 @@ from pagoda.worker.sampler import Sampler, position_logprobs
 
 @dataclass
 class StepTimings:
-    """Seconds spent in each phase of the last step (host-side prep vs model vs sampling)."""
+    """Seconds spent in each phase of the last step. `schedule` and `update` (the scheduler
+    before and after the forward) are filled in by the engine core."""
 
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    schedule: float = 0.0
+    update: float = 0.0
+
+    @property
+    def host(self) -> float:
+        """Python-side work around the model: scheduling, input preparation, bookkeeping."""
+        return self.schedule + self.prepare + self.update
 
 
 @dataclass

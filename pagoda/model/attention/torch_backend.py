@@ -1,9 +1,11 @@
 """Reference attention over the paged KV cache in plain PyTorch (the CPU path).
 
-Requests with one new token (decodes) are attended together in one padded SDPA call; requests
-with several (prefill chunks, with or without a cached prefix) one at a time. Gather indices
-and masks are built once per step and shared by every layer, since gathering is what costs
-here (see MEASURED.md: only the slots in use are gathered).
+Requests with one new token (decodes) are sorted by context length and attended in padded
+SDPA calls of up to DECODE_GROUP_SIZE requests, so short contexts are not padded to the
+longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time. Each request's
+context is gathered whole blocks at a time (`index_select` on the block dimension copies
+block-sized rows, about 3x cheaper on CPU than gathering token by token), and the gather
+indices and masks are built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import torch.nn.functional as F
 from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 
 
+DECODE_GROUP_SIZE = 16
+
+
 @dataclass
 class DecodeGroup:
     token_index: torch.Tensor  # [B] rows of the flattened batch
-    slots: torch.Tensor  # [B, L] cache slots of each request's context, padded
+    block_index: torch.Tensor  # [B * max_blocks] each request's blocks, padded with block 0
+    length: int  # max_blocks * block_size: the padded context length L
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, 1, L] bool
 
 
@@ -27,23 +33,16 @@ class DecodeGroup:
 class PrefillRequest:
     start: int
     end: int
-    slots: torch.Tensor  # [context + new] cache slots
+    block_index: torch.Tensor  # [blocks] the request's blocks
+    length: int  # context + new tokens
     masks: dict[int | None, torch.Tensor | None]  # window -> [q, L] bool; None: plain causal
 
 
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRequest] = field(default_factory=list)
-
-
-def context_slots(block_tables: torch.Tensor, rows: torch.Tensor | int, length: int,
-                  block_size: int) -> torch.Tensor:
-    """Cache slots of positions [0, length) for the given block-table rows."""
-    positions = torch.arange(length, device=block_tables.device)
-    blocks = block_tables[rows][..., positions // block_size].long()
-    return blocks * block_size + positions % block_size
 
 
 def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -67,24 +66,9 @@ class TorchAttentionBackend(AttentionBackend):
         context_lens = layout.context_lens_host
         starts = layout.query_start_loc.tolist()
 
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-        decode = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=device)
-            seq_lens = layout.seq_lens[rows]
-            length = int(max(context_lens[i] + 1 for i in decode_rows))
-            key_positions = torch.arange(length, device=device)
-            query_positions = (seq_lens - 1).unsqueeze(-1)
-            masks = {}
-            for window in sliding_windows:
-                visible = visibility_mask(query_positions, key_positions, window)  # [B, 1, L]
-                masks[window] = visible.unsqueeze(1)
-            decode = DecodeGroup(
-                token_index=layout.query_start_loc[rows],
-                slots=context_slots(layout.block_tables, rows, length, layout.block_size),
-                masks=masks,
-            )
-
+        decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: context_lens[i])
+        decodes = [self._decode_group(layout, decode_rows[i:i + DECODE_GROUP_SIZE], sliding_windows)
+                   for i in range(0, len(decode_rows), DECODE_GROUP_SIZE)]
         prefills = []
         for i, n in enumerate(query_lens):
             if n <= 1:
@@ -98,12 +82,35 @@ class TorchAttentionBackend(AttentionBackend):
                     masks[window] = None
                 else:
                     masks[window] = visibility_mask(query_positions, key_positions, window)
+            num_blocks = -(-total // layout.block_size)
             prefills.append(PrefillRequest(
                 start=starts[i], end=starts[i] + n,
-                slots=context_slots(layout.block_tables, i, total, layout.block_size),
+                block_index=layout.block_tables[i, :num_blocks].long(),
+                length=total,
                 masks=masks,
             ))
-        return TorchAttentionMetadata(layout.slot_mapping, decode, prefills)
+        return TorchAttentionMetadata(layout.slot_mapping, decodes, prefills)
+
+    @staticmethod
+    def _decode_group(layout: BatchLayout, decode_rows: list[int], sliding_windows: set[int | None]) -> DecodeGroup:
+        device = layout.slot_mapping.device
+        context_lens = layout.context_lens_host
+        rows = torch.tensor(decode_rows, device=device)
+        seq_lens = layout.seq_lens[rows]
+        num_blocks = -(-max(context_lens[i] + 1 for i in decode_rows) // layout.block_size)
+        length = num_blocks * layout.block_size
+        key_positions = torch.arange(length, device=device)
+        query_positions = (seq_lens - 1).unsqueeze(-1)
+        masks = {}
+        for window in sliding_windows:
+            visible = visibility_mask(query_positions, key_positions, window)  # [B, 1, L]
+            masks[window] = visible.unsqueeze(1)
+        return DecodeGroup(
+            token_index=layout.query_start_loc[rows],
+            block_index=layout.block_tables[rows, :num_blocks].reshape(-1).long(),
+            length=length,
+            masks=masks,
+        )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
@@ -117,18 +124,21 @@ class TorchAttentionBackend(AttentionBackend):
 
         gqa = spec.num_heads != num_kv_heads
         output = torch.empty_like(query)
-        decode = metadata.decode
-        if decode is not None:
+        for decode in metadata.decodes:
+            batch = decode.token_index.shape[0]
             q = query[decode.token_index].unsqueeze(2)  # [B, H, 1, D]
-            k = flat_keys[decode.slots].transpose(1, 2)  # [B, KVH, L, D]
-            v = flat_values[decode.slots].transpose(1, 2)
+            shape = (batch, decode.length, num_kv_heads, head_dim)
+            k = key_cache.index_select(0, decode.block_index).view(shape).transpose(1, 2)  # [B, KVH, L, D]
+            v = value_cache.index_select(0, decode.block_index).view(shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.masks[spec.sliding_window],
                                                  scale=spec.scale, enable_gqa=gqa)
             output[decode.token_index] = out.squeeze(2)
         for prefill in metadata.prefills:
             q = query[prefill.start:prefill.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            k = flat_keys[prefill.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            v = flat_values[prefill.slots].transpose(0, 1).unsqueeze(0)
+            k = key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, head_dim)[:prefill.length]
+            v = value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, head_dim)[:prefill.length]
+            k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            v = v.transpose(0, 1).unsqueeze(0)
             mask = prefill.masks[spec.sliding_window]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  scale=spec.scale, enable_gqa=gqa)
