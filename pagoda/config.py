@@ -54,6 +54,16 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
     attention_backend: str = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    speculative: str | None = field(default=None, metadata={
+        "help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "tokens proposed per speculative step"})
+    ngram_min: int = field(default=1, metadata={"help": "shortest suffix the n-gram proposer matches"})
+    ngram_max: int = field(default=4, metadata={"help": "longest suffix the n-gram proposer matches"})
+    draft_model: str | None = field(default=None, metadata={
+        "help": "draft model directory for --speculative draft (same tokenizer as the target)"})
+    speculative_max_batch: int = field(default=8, metadata={
+        "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
+                "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +88,14 @@ class EngineConfig:
             fail("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             fail("scheduling_policy", f"must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            fail("speculative", f"must be ngram or draft, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            fail("draft_model", "is required with speculative=draft")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -101,7 +119,9 @@ class EngineConfig:
             if "int" in str(f.type):
                 kind = int
             choices = None
-            if f.name == "dtype":
+            if f.name == "speculative":
+                choices = ["ngram", "draft"]
+            elif f.name == "dtype":
                 choices = ["auto", "float32", "bfloat16", "float16"]
             elif f.name == "scheduling_policy":
                 choices = ["fcfs", "priority"]

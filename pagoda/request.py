@@ -63,6 +63,12 @@ class Request:
     # computed, so that they share the prompt's KV blocks (copy-on-write).
     pending_forks: list["Request"] = field(default_factory=list)
 
+    # Speculative decoding: tokens proposed for this step (verified by the target model), and
+    # how far the draft model's KV (same blocks, its own tensors) is computed.
+    num_spec_tokens: int = 0  # drafts wanted this step (set before scheduling)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed_tokens: int = 0
+
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)

@@ -41,7 +41,7 @@ def test_allocate_cache_lookup_and_free():
     assert manager.allocate_slots(first, 10)
     assert len(first.block_ids) == 3
     first.num_computed_tokens = 10
-    manager.cache_full_blocks(first)
+    manager.cache_full_blocks(first, first.num_computed_tokens)
     manager.free(first)
     assert manager.num_held_blocks() == 0
 

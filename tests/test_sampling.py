@@ -137,7 +137,7 @@ def test_presence_and_frequency_penalties_follow_openai_definition():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.9, 0.5]])
     request = make_request(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3),
                            output_ids=[3, 3, 4])
-    processed = sampler._apply_processors(logits, [request])
+    processed = sampler.process(logits, [request])
     expected = logits.clone()
     expected[0, 3] -= 0.5 + 2 * 0.3
     expected[0, 4] -= 0.5 + 0.3

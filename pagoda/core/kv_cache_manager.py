@@ -105,13 +105,12 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly completed full blocks in the prefix cache.
-
-        Only computed tokens count, so unverified (speculative) tokens never enter the cache."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks within its first `num_computed_tokens` tokens in
+        the prefix cache. Callers pass verified tokens only: drafts never enter the cache."""
         if not self.enable_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -21,13 +21,14 @@ from pagoda.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # real tokens, then `num_spec_tokens` drafted ones
     num_computed_before: int  # position of the first token computed this step
+    num_spec_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so its logits are sampled."""
-        return self.num_computed_before + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_before + self.num_new_tokens - self.num_spec_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -94,8 +95,11 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 draft_shares_blocks: bool = False) -> None:
         self.kv_cache = kv_cache
+        # A draft model keeps its KV in the same blocks: a block is cacheable once both computed it.
+        self.draft_shares_blocks = draft_shares_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -144,6 +148,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            num_spec = self._num_spec_tokens(request, budget - num_new)
+            num_new += num_spec
             num_preempted = len(output.preempted)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._pick_victim()
@@ -156,7 +162,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the next request shifted into `index`
-            scheduled_now[id(request)] = ScheduledRequest(request, num_new, request.num_computed_tokens)
+            scheduled_now[id(request)] = ScheduledRequest(request, num_new, request.num_computed_tokens, num_spec)
             budget -= num_new
             if len(output.preempted) == num_preempted:
                 index += 1
@@ -193,6 +199,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
+            request.num_draft_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
@@ -201,6 +208,15 @@ class Scheduler:
             else:  # the cache served everything up to the fork point
                 self._fork_pending(request)
         return budget
+
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """Drafted tokens to verify after a decoding request's real token, within the budget,
+        the context length and the tokens it may still emit."""
+        if not request.num_spec_tokens or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        remaining_output = request.max_output_tokens - request.num_output_tokens - 1
+        room = self.max_model_len - request.num_tokens
+        return max(0, min(request.num_spec_tokens, budget, remaining_output, room))
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -211,6 +227,9 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.num_spec_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -229,13 +248,24 @@ class Scheduler:
             request = entry.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
-            self.kv_cache.cache_full_blocks(request)
+            sampled = sampled_token_ids.get(request.request_id, [])
+            if entry.num_spec_tokens:
+                # Real token + accepted drafts are computed; KV of rejected drafts is dropped.
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens += entry.num_new_tokens - entry.num_spec_tokens + num_accepted
+                self.kv_cache.trim(request, request.num_computed_tokens)
+            else:
+                request.num_computed_tokens += entry.num_new_tokens
+            request.num_spec_tokens = 0
+            request.spec_token_ids = []
+            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
             if not entry.samples:
+                self._cache_computed_blocks(request)
                 if request.pending_forks and request.num_computed_tokens >= request.prefill_limit:
                     self._fork_pending(request)
                 continue
-            for token_id in sampled_token_ids[request.request_id]:
+            status = None
+            for token_id in sampled:
                 request.append_output_token(token_id)
                 metrics = request.metrics
                 if metrics.first_token_time is None:
@@ -243,11 +273,19 @@ class Scheduler:
                 metrics.last_token_time = now
                 status = self._check_stop(request, token_id)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
                     break
+            self._cache_computed_blocks(request)  # before finishing, so a finished prompt is reusable
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
             progressed.append(request)
         return progressed
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        cacheable = min(request.num_computed_tokens, request.num_tokens)
+        if self.draft_shares_blocks:
+            cacheable = min(cacheable, request.num_draft_computed_tokens)
+        self.kv_cache.cache_full_blocks(request, cacheable)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,12 +1,15 @@
-"""Runs one scheduled step on the model: flatten the batch, forward, sample.
+"""Runs one scheduled step on the model: flatten the batch, forward, sample or verify.
 
 Holds the KV cache tensors (one key and one value tensor per layer, shaped
-[num_blocks, block_size, num_kv_heads, head_dim]) and the model.
+[num_blocks, block_size, num_kv_heads, head_dim]) and the model. With speculative decoding a
+request's step carries its drafted tokens after its real ones; the target scores them all in
+the same forward and the rejection sampler decides how many to keep.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +19,7 @@ from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.request import Request
+from pagoda.spec_decode.rejection_sampler import verify
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
@@ -25,6 +29,7 @@ class StepTimings:
     before and after the forward) are filled in by the engine core."""
 
     prepare: float = 0.0
+    propose: float = 0.0  # the draft model's forwards (speculative decoding)
     forward: float = 0.0
     sample: float = 0.0
     schedule: float = 0.0
@@ -39,9 +44,55 @@ class StepTimings:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one per emitted token
+    num_accepted: dict[str, int] = field(default_factory=dict)  # drafts accepted, per speculating request
     # Prompt logprobs computed this step: request id -> entries for consecutive prompt positions.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """Tokens of one request computed in one forward, starting at position `start`."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+
+
+def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+    """Flatten segments into input ids, positions and the attention layout."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    context_lens: list[int] = []
+    query_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    for segment in segments:
+        block_ids = segment.request.block_ids
+        span = range(segment.start, segment.start + len(segment.token_ids))
+        input_ids.extend(segment.token_ids)
+        positions.extend(span)
+        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in span)
+        query_start_loc.append(query_start_loc[-1] + len(segment.token_ids))
+        context_lens.append(segment.start)
+        query_lens.append(len(segment.token_ids))
+        block_tables.append(block_ids)
+    max_blocks = max(len(t) for t in block_tables)
+    layout = BatchLayout(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.long, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long, device=device),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32,
+                                  device=device),
+        block_size=block_size,
+        query_lens_host=query_lens,
+        context_lens_host=context_lens,
+    )
+    return (torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device), layout)
 
 
 def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dtype) -> int:
@@ -50,129 +101,127 @@ def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dt
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
+def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    config = model.config
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int, drafter=None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        config = model.config
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
-        self.sliding_windows = set(config.layer_sliding_windows)
-        self.sampler = Sampler(config.vocab_size, device, seed)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.sliding_windows = set(model.config.layer_sliding_windows)
+        self.sampler = Sampler(model.config.vocab_size, device, seed)
+        self.drafter = drafter  # DraftModelProposer, or None
         self.timings = StepTimings()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._copy_blocks(scheduler_output.block_copies)
-        batch = self._prepare(scheduler_output)
-        metadata = self.backend.prepare(batch.layout, self.sliding_windows)
+        draft_probs: dict[str, torch.Tensor | None] = {}
+        if self.drafter is not None:
+            draft_probs = self.drafter.run(scheduler_output, self.sampler)
+        proposed = time.perf_counter()
+
+        segments = []
+        for entry in scheduler_output.scheduled:
+            request = entry.request
+            num_real = entry.num_new_tokens - entry.num_spec_tokens
+            begin = entry.num_computed_before
+            tokens = request.all_token_ids[begin:begin + num_real] + request.spec_token_ids[:entry.num_spec_tokens]
+            segments.append(Segment(request, begin, tokens))
+        input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
+        logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
+        metadata = self.backend.prepare(layout, self.sliding_windows)
         context = ForwardContext(self.backend, metadata, self.kv_caches)
         prepared = time.perf_counter()
 
-        hidden = self.model(batch.input_ids, batch.positions, context)
-        logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None
+        hidden = self.model(input_ids, positions, context)
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         forwarded = time.perf_counter()
 
         output = ModelRunnerOutput()
         if logits is not None:
-            num_sampling = len(batch.sampling_requests)
-            if num_sampling:
-                sampled = self.sampler(logits[:num_sampling], batch.sampling_requests)
-                for request, token_id, logprobs in zip(batch.sampling_requests, sampled.token_ids, sampled.logprobs):
-                    output.sampled_token_ids[request.request_id] = [token_id]
-                    if logprobs is not None:
-                        output.logprobs[request.request_id] = logprobs
-            offset = num_sampling
-            for request, targets in batch.prompt_logprob_targets:
-                rows = logits[offset:offset + len(targets)]
-                k = request.sampling_params.prompt_logprobs or 0
-                output.prompt_logprobs[request.request_id] = position_logprobs(rows, targets, [k] * len(targets))
-                offset += len(targets)
+            self._sample(logits, row_owners, draft_probs, output)
         done = time.perf_counter()
-        self.timings = StepTimings(prepared - start, forwarded - prepared, done - forwarded)
+        self.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
+                                   forward=forwarded - prepared, sample=done - forwarded)
         return output
+
+    def _logit_rows(self, scheduler_output: SchedulerOutput, layout: BatchLayout) -> tuple[list[int], list[tuple]]:
+        """Rows of the batch whose logits are needed, and what each group of rows is for:
+        ("sample", request, n) for one sampled token, ("verify", request, k + 1) for drafts,
+        ("prompt", request, targets) for prompt logprobs."""
+        rows: list[int] = []
+        owners: list[tuple] = []
+        starts = layout.query_start_loc.tolist()
+        for index, entry in enumerate(scheduler_output.scheduled):
+            request = entry.request
+            row0 = starts[index]
+            num_real = entry.num_new_tokens - entry.num_spec_tokens
+            if entry.samples:
+                first = row0 + num_real - 1
+                count = entry.num_spec_tokens + 1
+                rows.extend(range(first, first + count))
+                owners.append(("verify" if entry.num_spec_tokens else "sample", request, count))
+            if request.sampling_params.prompt_logprobs is not None:
+                # Logits at position p score prompt token p + 1.
+                begin = entry.num_computed_before
+                last = min(begin + num_real, request.num_prompt_tokens - 1)
+                if last > begin:
+                    rows.extend(range(row0, row0 + last - begin))
+                    owners.append(("prompt", request, request.prompt_token_ids[begin + 1:last + 1]))
+        return rows, owners
+
+    def _sample(self, logits: torch.Tensor, owners: list[tuple], draft_probs: dict[str, torch.Tensor | None],
+                output: ModelRunnerOutput) -> None:
+        offsets = []
+        offset = 0
+        for kind, request, extent in owners:
+            count = len(extent) if kind == "prompt" else extent
+            offsets.append(offset)
+            offset += count
+
+        plain = [(i, owner[1]) for i, owner in enumerate(owners) if owner[0] == "sample"]
+        if plain:
+            rows = torch.tensor([offsets[i] for i, _ in plain], device=logits.device)
+            requests = [request for _, request in plain]
+            sampled = self.sampler(logits[rows], requests)
+            for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+                output.sampled_token_ids[request.request_id] = [token_id]
+                if logprobs is not None:
+                    output.logprobs[request.request_id] = [logprobs]
+
+        for index, (kind, request, extent) in enumerate(owners):
+            rows = logits[offsets[index]:offsets[index] + (len(extent) if kind == "prompt" else extent)]
+            if kind == "verify":
+                drafts = request.spec_token_ids[:extent - 1]
+                result = verify(self.sampler, rows, request, drafts, draft_probs.get(request.request_id))
+                output.sampled_token_ids[request.request_id] = result.token_ids
+                output.num_accepted[request.request_id] = result.num_accepted
+                k = request.sampling_params.logprobs
+                if k is not None:
+                    emitted = result.token_ids
+                    output.logprobs[request.request_id] = position_logprobs(rows[:len(emitted)], emitted,
+                                                                            [k] * len(emitted))
+            elif kind == "prompt":
+                k = request.sampling_params.prompt_logprobs or 0
+                output.prompt_logprobs[request.request_id] = position_logprobs(rows, extent, [k] * len(extent))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
+        caches = list(self.kv_caches) + (list(self.drafter.kv_caches) if self.drafter is not None else [])
+        for key_cache, value_cache in caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
-
-    def _prepare(self, scheduler_output: SchedulerOutput) -> "_PreparedBatch":
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        context_lens: list[int] = []
-        query_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sampling_rows: list[int] = []
-        sampling_requests: list[Request] = []
-        prompt_rows: list[int] = []
-        prompt_logprob_targets: list[tuple[Request, list[int]]] = []
-
-        for entry in scheduler_output.scheduled:
-            request = entry.request
-            begin = entry.num_computed_before
-            end = begin + entry.num_new_tokens
-            block_ids = request.block_ids
-            row0 = query_start_loc[-1]
-            input_ids.extend(request.all_token_ids[begin:end])
-            span = range(begin, end)
-            positions.extend(span)
-            slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in span)
-            query_start_loc.append(row0 + entry.num_new_tokens)
-            context_lens.append(begin)
-            query_lens.append(entry.num_new_tokens)
-            block_tables.append(block_ids)
-            if entry.samples:
-                sampling_rows.append(row0 + entry.num_new_tokens - 1)
-                sampling_requests.append(request)
-            if request.sampling_params.prompt_logprobs is not None:
-                # Logits at position p score prompt token p + 1.
-                last = min(end, request.num_prompt_tokens - 1)
-                if last > begin:
-                    prompt_rows.extend(range(row0, row0 + last - begin))
-                    prompt_logprob_targets.append((request, request.prompt_token_ids[begin + 1:last + 1]))
-
-        device = self.device
-        max_blocks = max(len(t) for t in block_tables)
-        padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        layout = BatchLayout(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.long, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
-            block_size=block_size,
-            query_lens_host=query_lens,
-            context_lens_host=context_lens,
-        )
-        return _PreparedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            layout=layout,
-            logits_rows=torch.tensor(sampling_rows + prompt_rows, dtype=torch.long, device=device),
-            sampling_requests=sampling_requests,
-            prompt_logprob_targets=prompt_logprob_targets,
-        )
-
-
-@dataclass
-class _PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    layout: BatchLayout
-    logits_rows: torch.Tensor  # sampling rows first, then prompt-logprob rows
-    sampling_requests: list[Request]
-    prompt_logprob_targets: list[tuple[Request, list[int]]]

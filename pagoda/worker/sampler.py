@@ -18,6 +18,41 @@ from pagoda.outputs import Logprob, PositionLogprobs
 from pagoda.request import Request
 
 
+class DraftedRow:
+    """A request as seen at a drafted position: as if `extra` tokens had been accepted, so
+    penalties and min_tokens apply exactly as they would without speculation."""
+
+    __slots__ = ("request", "extra")
+
+    def __init__(self, request: Request, extra: list[int]) -> None:
+        self.request = request
+        self.extra = extra
+
+    @property
+    def sampling_params(self):
+        return self.request.sampling_params
+
+    @property
+    def eos_token_ids(self):
+        return self.request.eos_token_ids
+
+    @property
+    def generator(self):
+        return self.request.generator
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.extra
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.extra
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.extra)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -33,7 +68,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits [N, V] float32, one row per request about to receive a token."""
         raw_logits = logits
-        logits = self._apply_processors(logits, requests)
+        logits = self.process(logits, requests)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
 
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
@@ -57,7 +92,8 @@ class Sampler:
 
     # ---- processing ----------------------------------------------------------------------------
 
-    def _apply_processors(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, requests: Sequence[Request | DraftedRow]) -> torch.Tensor:
+        """Logit bias, min_tokens masking and penalties (the processing greedy decoding sees too)."""
         needs_copy = any(
             r.sampling_params.logit_bias or r.sampling_params.needs_penalties
             or r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
@@ -95,6 +131,26 @@ class Sampler:
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        probs = self.probabilities(logits, requests)
+        race = torch.empty_like(probs)
+        race.exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                race[i].exponential_(generator=request.generator)
+        return (probs / race).argmax(dim=-1)
+
+    def draw(self, probs: torch.Tensor, row: Request | DraftedRow) -> int:
+        """One token from a probability vector, with the request's own generator if seeded."""
+        race = torch.empty_like(probs).exponential_(generator=row.generator or self.generator)
+        return int((probs / race).argmax())
+
+    def uniform(self, row: Request | DraftedRow) -> float:
+        generator = row.generator or self.generator
+        return float(torch.rand((), generator=generator, device=generator.device))
+
+    def probabilities(self, logits: torch.Tensor, requests: Sequence[Request | DraftedRow]) -> torch.Tensor:
+        """Processed logits -> the distribution a non-greedy request samples from:
+        temperature, then top-k, top-p and min-p."""
         params = [r.sampling_params for r in requests]
         temperatures = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
         logits = logits / temperatures
@@ -107,13 +163,7 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        race = torch.empty_like(probs)
-        race.exponential_(generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                race[i].exponential_(generator=request.generator)
-        return (probs / race).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
