@@ -193,7 +193,7 @@ class EngineCore:
                              f"({self.config.max_num_batched_tokens}) with chunked prefill off")
         return max_output
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+    def abort_request(self, request_ids: Iterable[str]) -> list[Request]:
         """End requests now and free their blocks; unknown ids are ignored."""
         aborted = []
         for request_id in request_ids:

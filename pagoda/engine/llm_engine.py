@@ -63,7 +63,7 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
         for request_id in request_ids:
-            if self.core.abort_requests([request_id]):
+            if self.core.abort_request([request_id]):
                 output = self.output_processor.finish_aborted(request_id)
                 if output is not None:
                     self._aborted.append(output)
