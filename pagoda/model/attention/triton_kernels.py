@@ -1,0 +1,384 @@
+"""Triton kernels for attention over the paged KV cache, and the launchers that size them.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]; request r's token at position p
+lives in block `block_tables[r, p // block_size]`, row `p % block_size`. Kernels look the
+physical block up per key token, so a key tile may span several cache blocks and the tile
+size is independent of the cache's block size.
+
+Three kernels plus a reduction:
+- `_write_kv_kernel`: one program per new token, copies its K/V rows to its slot; slot -1 is
+  skipped (padded rows of a CUDA-graph batch).
+- `_prefill_attention_kernel`: flash-attention over any mix of requests (prefill, chunked
+  prefill over a cached prefix, decodes). One program owns BLOCK_Q query tokens of one request
+  and all query heads of one KV head (the GQA group), so each K/V tile is loaded once for the
+  whole group. Programs find their request by binary search over query_start_loc, which keeps
+  the launch free of host-side index tensors.
+- `_decode_attention_kernel` (+ `_reduce_splits_kernel`): one query token per request;
+  the context is cut into `num_splits` partitions (flash-decoding) so that a few long
+  sequences still fill the GPU, and a second kernel merges the partial softmaxes.
+
+Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale) and accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Key tile of the attention kernels (tokens); also what a decode split is rounded to.
+BLOCK_N = 64
+# Rows (query tokens x heads of one KV group) of a prefill program; tl.dot needs >= 16.
+PREFILL_BLOCK_M = 64
+MIN_BLOCK_M = 16
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+
+    key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    key_dst = key_cache_ptr + block * stride_kc_block + row * stride_kc_slot
+    tl.store(key_dst + heads[:, None] * stride_kc_head + dims[None, :], key, mask=mask)
+
+    value = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
+                    mask=mask)
+    value_dst = value_cache_ptr + block * stride_vc_block + row * stride_vc_slot
+    tl.store(value_dst + heads[:, None] * stride_vc_head + dims[None, :], value, mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, key_start, kv_end, query_pos,
+    key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, dims, dim_valid, qk_scale,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [key_start, key_start + BLOCK_N) (masked to < kv_end
+    and to each row's causal / sliding-window range). Scores are in base-2 units."""
+    keys = key_start + tl.arange(0, BLOCK_N)
+    key_valid = keys < kv_end
+    blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    rows = keys % BLOCK_SIZE
+    k_offsets = blocks * stride_kc_block + rows * stride_kc_slot + kv_head * stride_kc_head
+    k = tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
+                mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [D, N]
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N] fp32
+
+    visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+    if SLIDING_WINDOW > 0:
+        visible = visible & (keys[None, :] > query_pos[:, None] - SLIDING_WINDOW)
+    scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row with nothing visible yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_offsets = blocks * stride_vc_block + rows * stride_vc_slot + kv_head * stride_vc_head
+    v = tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
+                mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request owning grid row `q_block`: request i's rows start at
+    query_start_loc[i] // BLOCK_Q + i, which leaves room for ceil(len_i / BLOCK_Q) of them."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_row = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_row <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, num_reqs,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    # Row r is query token r // QUERIES_PER_KV of this block, head r % QUERIES_PER_KV of the group.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_index = local_block * BLOCK_Q + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (q_index < query_len)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    token = q_start + q_index
+    q = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    query_pos = context_len + q_index
+
+    # Keys this block can see: up to its last query (causal); from its first query's window.
+    kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, query_len)
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + local_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for key_start in range(kv_start, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, key_start, kv_end, query_pos,
+            key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
+            stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+            BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _decode_attention_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale, min_partition,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    head = kv_head * QUERIES_PER_KV + offs_m
+    row_valid = offs_m < QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(query_ptr + req * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + seq_len - 1
+
+    # The visible range [lo, seq_len) is cut into partitions of a whole number of tiles computed
+    # here from the device-side length, so the split count can stay fixed (CUDA graphs) while
+    # lengths change; partitions past the end are empty and contribute nothing.
+    lo = 0
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(per_split, min_partition)
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for key_start in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, key_start, end, query_pos,
+            key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
+            stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+            BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + req * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        # Partials are laid out [req, head, split] (+ [head_dim] for the accumulator).
+        part = (req * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    stride_o_token, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    part = (req * NUM_HEADS + head) * NUM_SPLITS + splits
+
+    m = tl.load(partial_max_ptr + part, mask=split_valid, other=float("-inf"))
+    s = tl.load(partial_sum_ptr + part, mask=split_valid, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_safe)  # empty partitions: exp2(-inf) = 0
+    total = tl.sum(weight * s, 0)
+    acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + req * stride_o_token + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_valid)
+
+
+# ---- launchers ------------------------------------------------------------------------------
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("KV cache rows must be contiguous in head_dim")
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """key/value [T, KVH, D] -> the caches at `slot_mapping` [T] (entries < 0 are skipped)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_cache(key_cache, value_cache)
+    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+    )
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    # fp32 models get fp32 dots (torch's own matmul default); tf32 would cost ~3 decimal digits.
+    # None: the target's default, which is what 16-bit operands use anyway.
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _head_dim_pad(head_dim: int) -> int:
+    return max(triton.next_power_of_2(head_dim), 16)
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, sliding_window: int | None, max_query_len: int) -> None:
+    """Causal attention of every query token over its request's cached context (which already
+    holds this step's K/V). query/out [T, H, D]; requests delimited by query_start_loc."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    # Short queries (decodes, spec-decode verification) waste most rows of a 64-row block.
+    target_m = PREFILL_BLOCK_M if max_query_len * queries_per_kv > MIN_BLOCK_M else MIN_BLOCK_M
+    block_m = max(target_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _check_cache(key_cache, value_cache)
+    query = _rows_contiguous(query)
+    _prefill_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, num_reqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        SLIDING_WINDOW=sliding_window or 0, DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=8 if head_dim > 128 else 4,
+    )
+
+
+def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                     num_splits: int, min_partition: int) -> None:
+    """One query token per request (token i belongs to request i). query/out [R, H, D].
+    With num_splits > 1 each request's context is split across that many programs per KV head
+    and merged by a second kernel; partitions are at least `min_partition` tokens long."""
+    num_reqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    _check_cache(key_cache, value_cache)
+    query = _rows_contiguous(query)
+    if num_splits > 1:
+        partial_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        partial_max = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused
+    head_dim_pad = _head_dim_pad(head_dim)
+    _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
+        out, partial_out, partial_max, partial_sum,
+        query, key_cache, value_cache, block_tables, seq_lens,
+        scale * LOG2E, min_partition,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_N=BLOCK_N, SLIDING_WINDOW=sliding_window or 0, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype), num_warps=4,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_reqs, num_heads)](
+            out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )

@@ -1,0 +1,182 @@
+"""Triton attention kernels against the torch reference backend, on CPU under Triton's
+interpreter (TRITON_INTERPRET=1): decode (with and without split-KV), prefill, chunked prefill
+over a cached prefix, mixed batches, GQA/MHA, sliding windows, padded CUDA-graph rows.
+
+The interpreter runs each program in numpy, so shapes are tiny. It cannot multiply bfloat16
+in `tl.dot` (triton-lang/triton#11584), so 16-bit coverage uses float16, which takes the same
+kernel path as bfloat16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+pytest.importorskip("triton")
+
+from pagoda.model.attention import triton_kernels  # noqa: E402
+from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout  # noqa: E402
+from pagoda.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+if not type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
+    triton_kernels = importlib.reload(triton_kernels)  # imported earlier without the interpreter
+    from pagoda.model.attention import triton_backend
+    importlib.reload(triton_backend)
+
+from pagoda.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype = torch.float32, seed: int = 0, pad_rows: int = 0):
+    """Random Q/K/V for requests given as (cached context, new tokens), their blocks scattered
+    over a cache full of random values. `pad_rows` adds decode rows with slot -1 and seq_len 1
+    after the real ones, as a CUDA-graph batch has."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(c + q) // BLOCK_SIZE) for c, q in requests]
+    num_blocks = sum(blocks_needed) + 3
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    block_ids = [[free.pop() for _ in range(n)] for n in blocks_needed]
+
+    slots, query_start_loc, tables = [], [0], []
+    for (context, new), ids in zip(requests, block_ids):
+        slots += [ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context, context + new)]
+        query_start_loc.append(query_start_loc[-1] + new)
+        tables.append(ids)
+    context_lens = [c for c, _ in requests]
+    query_lens = [q for _, q in requests]
+    for _ in range(pad_rows):
+        slots.append(-1)
+        query_start_loc.append(query_start_loc[-1] + 1)
+        tables.append([0])
+        context_lens.append(0)
+        query_lens.append(1)
+    width = max(len(t) for t in tables)
+    layout = BatchLayout(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.long),
+        context_lens=torch.tensor(context_lens, dtype=torch.long),
+        seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=BLOCK_SIZE, query_lens_host=query_lens, context_lens_host=context_lens)
+
+    num_tokens = len(slots)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    return layout, query, key, value, key_cache, value_cache
+
+
+def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dtype=torch.float32,
+             backend=None, pad_rows=0, seed=0):
+    layout, query, key, value, key_cache, value_cache = make_case(
+        requests, num_heads, num_kv_heads, head_dim, dtype, seed, pad_rows)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    backend = backend or TritonAttentionBackend()
+    caches = (key_cache.clone(), value_cache.clone())
+    got = backend.forward(query, key, value, *caches, backend.prepare(layout, {window}), spec)
+
+    num_real = sum(q for _, q in requests)
+    real_slots = layout.slot_mapping[:num_real]
+    ref_caches = (key_cache.clone(), value_cache.clone())
+    if pad_rows:  # the reference has no notion of skipped slots: give it the real rows only
+        layout = make_case(requests, num_heads, num_kv_heads, head_dim, dtype, seed)[0]
+    reference = TorchAttentionBackend()
+    want = reference.forward(query[:num_real].float(), key[:num_real].float(), value[:num_real].float(),
+                             ref_caches[0].float(), ref_caches[1].float(),
+                             reference.prepare(layout, {window}), spec)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got[:num_real].float(), want, atol=tolerance, rtol=tolerance)
+    # Exactly the new tokens' slots were written, with exactly their K/V.
+    for cache, new, before in ((caches[0], key, key_cache), (caches[1], value, value_cache)):
+        flat, flat_before = cache.view(-1, num_kv_heads, head_dim), before.view(-1, num_kv_heads, head_dim)
+        assert torch.equal(flat[real_slots], new[:num_real])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[real_slots] = False
+        assert torch.equal(flat[untouched], flat_before[untouched])
+    return got
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_batch(head_dim):
+    run_both([(40, 1), (7, 1), (100, 1), (0, 1)], head_dim=head_dim)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_decode_split_kv(splits):
+    backend = TritonAttentionBackend(decode_splits=splits, min_partition=16)
+    run_both([(150, 1), (5, 1), (64, 1), (33, 1)], backend=backend)
+
+
+def test_decode_split_count_from_lengths():
+    backend = TritonAttentionBackend(min_partition=16)
+    layout = make_case([(300, 1)], 4, 2, 32)[0]
+    spec = AttentionLayerSpec(4, 2, 32, 1.0, None)
+    metadata = backend.prepare(layout, {None})
+    # On CPU the "GPU" has one SM: 2 programs wanted, 2 KV heads already give them.
+    assert backend._num_splits(metadata, spec, torch.device("cpu")) == 1
+    backend._num_sms[torch.device("cuda")] = 132
+    assert backend._num_splits(metadata, spec, torch.device("cuda")) == 16  # capped by max_decode_splits
+    window_spec = AttentionLayerSpec(4, 2, 32, 1.0, 32)
+    assert backend._num_splits(metadata, window_spec, torch.device("cuda")) == 6  # (32 + 64) / 16
+
+
+def test_prefill_without_prefix():
+    run_both([(0, 37), (0, 5), (0, 80)])
+
+
+def test_chunked_prefill_with_cached_prefix():
+    run_both([(48, 20), (13, 70), (100, 3)])
+
+
+def test_mixed_prefill_and_decode():
+    run_both([(30, 1), (0, 25), (77, 1), (16, 16), (5, 1)])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (14, 2), (4, 1)])
+def test_gqa_and_mha(num_heads, num_kv_heads):
+    run_both([(20, 1), (0, 30), (40, 9)], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    run_both([(90, 1), (3, 1)], num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("window", [1, 8, 40])
+def test_sliding_window(window):
+    run_both([(60, 30), (0, 50), (130, 1)], window=window)
+    backend = TritonAttentionBackend(decode_splits=3, min_partition=16)
+    run_both([(130, 1), (10, 1), (65, 1)], window=window, backend=backend)
+
+
+def test_float16():
+    run_both([(40, 12), (0, 20), (70, 1)], head_dim=64, dtype=torch.float16)
+    backend = TritonAttentionBackend(decode_splits=2, min_partition=16)
+    run_both([(90, 1), (3, 1)], head_dim=64, dtype=torch.float16, backend=backend)
+
+
+def test_non_power_of_two_head_dim():
+    run_both([(20, 1), (0, 19), (33, 4)], head_dim=48)
+
+
+def test_padded_rows_write_nothing():
+    got = run_both([(40, 1), (3, 1)], pad_rows=3)
+    assert torch.isfinite(got).all()
+    backend = TritonAttentionBackend(decode_splits=4, min_partition=16)
+    got = run_both([(70, 1)], pad_rows=2, backend=backend)
+    assert torch.isfinite(got).all()
+
+
+def test_sdpa_prefill_path_matches():
+    # A lone prompt from position 0 goes to SDPA in 16-bit dtypes; the result must not change.
+    kernels_only = run_both([(0, 40)], dtype=torch.float16, backend=TritonAttentionBackend(sdpa_min_tokens=None))
+    with_sdpa = run_both([(0, 40)], dtype=torch.float16, backend=TritonAttentionBackend(sdpa_min_tokens=16))
+    torch.testing.assert_close(kernels_only, with_sdpa, atol=2e-3, rtol=2e-3)
