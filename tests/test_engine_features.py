@@ -184,3 +184,31 @@ def test_chunked_prefill_never_stalls_running_decodes(llama_dir):
         assert short.num_output_tokens == before + 1  # a decode every step
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_priority_policy_runs_urgent_requests_first(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1, scheduling_policy="priority"))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("low-a", [5, 6, 7], params, priority=5)
+    engine.add_request("low-b", [8, 9, 10], params, priority=5)
+    engine.step()
+    engine.add_request("urgent", [11, 12], params, priority=0)  # the one slot is taken: low-a gives way
+    finish_order = []
+    while engine.has_unfinished_requests():
+        finish_order.extend(o.request_id for o in engine.step() if o.finished)
+    assert finish_order[0] == "urgent"
+    assert engine.get_stats().num_preemptions == 1
+    assert engine.core.kv_cache.num_held_blocks() == 0
+
+
+def test_fcfs_policy_never_preempts_for_new_arrivals(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9, 10], params)
+    engine.step()
+    engine.add_request("late", [11, 12], params, priority=-10)
+    finish_order = []
+    while engine.has_unfinished_requests():
+        finish_order.extend(o.request_id for o in engine.step() if o.finished)
+    assert finish_order[-1] == "late" and engine.get_stats().num_preemptions == 0

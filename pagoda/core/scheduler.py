@@ -171,7 +171,7 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the cache.
         if not output.preempted:
-            budget = self._admit_waiting(budget, scheduled_now)
+            budget = self._admit_waiting(budget, scheduled_now, output)
 
         output.scheduled = list(scheduled_now.values())
         output.block_copies = self.kv_cache.take_pending_copies()
@@ -181,8 +181,9 @@ class Scheduler:
                 entry.request.metrics.first_scheduled_time = now
         return output
 
-    def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest]) -> int:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
+                       output: SchedulerOutput) -> int:
+        while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             cached = [] if request.sampling_params.prompt_logprobs is not None \
                 else self.kv_cache.find_cached_prefix(request)
@@ -191,8 +192,17 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, cached):
-                break
+            admitted = len(self.running) < self.max_num_seqs and self.kv_cache.allocate_slots(request, num_new, cached)
+            if not admitted:
+                victim = self._lower_priority_victim(request)
+                if victim is None:
+                    break
+                refund = scheduled_now.pop(id(victim), None)
+                if refund is not None:
+                    budget += refund.num_new_tokens
+                self._preempt(victim)
+                output.preempted.append(victim)
+                continue
             self.waiting.pop()
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
@@ -217,6 +227,15 @@ class Scheduler:
         remaining_output = request.max_output_tokens - request.num_output_tokens - 1
         room = self.max_model_len - request.num_tokens
         return max(0, min(request.num_spec_tokens, budget, remaining_output, room))
+
+    def _lower_priority_victim(self, request: Request) -> Request | None:
+        """Under the priority policy, a running request ranked below `request` (it gives way)."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim()
+        if (victim.priority, victim.arrival_time) > (request.priority, request.arrival_time):
+            return victim
+        return None
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
