@@ -13,7 +13,7 @@ falls behind simply receives bigger deltas instead of a growing backlog.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import copy
 import logging
 import queue
 import threading
@@ -121,18 +121,26 @@ class RequestStream:
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the event loop can read while the engine keeps appending to the original."""
-    return dataclasses.replace(
-        output,
-        outputs=[
-            CompletionOutput(
-                index=c.index, text=c.text, token_ids=list(c.token_ids),
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in output.outputs
-        ],
-        metrics=dataclasses.replace(output.metrics) if output.metrics is not None else None,
+    """A copy the event loop can read while the engine keeps appending to the original.
+
+    Built field by field: this runs for every request on every step, on the engine thread.
+    """
+    metrics = output.metrics
+    if metrics is not None:
+        metrics = copy.copy(metrics)
+    prompt_logprobs = output.prompt_logprobs
+    return RequestOutput(
+        request_id=output.request_id, prompt=output.prompt,
+        prompt_token_ids=output.prompt_token_ids,
+        outputs=[CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids[:],
+                                  cumulative_logprob=c.cumulative_logprob,
+                                  logprobs=c.logprobs[:] if c.logprobs is not None else None,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                 for c in output.outputs],
+        finished=output.finished,
+        prompt_logprobs=prompt_logprobs[:] if prompt_logprobs is not None else None,
+        num_cached_tokens=output.num_cached_tokens,
+        metrics=metrics,
     )
 
 

@@ -16,8 +16,8 @@ from pagoda.serve.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogpr
 from pagoda.serve.sampling import build_sampling_params
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id)
-from pagoda.serve.sse import (SSE_DONE, ClientDisconnected, EventStreamResponse,
-                              cancel_on_disconnect, sse_error, sse_event)
+from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
+                              cancel_on_disconnect, sse_error, sse_event, to_json)
 from pagoda.serve.tenants import Tenant
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -146,22 +146,20 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
             "model": ctx.model_name}
     num_top = request.top_logprobs or 0
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> str:
-        payload: dict[str, Any] = {
-            **base,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return sse_event(payload)
+    chunks = ChoiceChunks(base, include_usage)
+
+    def chunk(index: int, delta_json: str, logprobs: Any, finish_reason: str | None) -> str:
+        logprobs_json = to_json(logprobs) if logprobs is not None else "null"
+        finish_json = to_json(finish_reason) if finish_reason is not None else "null"
+        return chunks.event(f'"index":{index},"delta":{delta_json},"logprobs":{logprobs_json},'
+                            f'"finish_reason":{finish_json}')
 
     sent_chars = [0] * request.n
     sent_tokens = [0] * request.n
     finished = [False] * request.n
     try:
         for index in range(request.n):
-            yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+            yield chunk(index, '{"role":"assistant","content":""}', None, None)
         async for _, output in generation.outputs():
             for sample in output.outputs:
                 index = sample.index
@@ -183,8 +181,8 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
                     finished[index] = True
                 if not text and finish_reason is None and logprobs is None:
                     continue
-                delta = {"content": text} if text else {}
-                yield chunk(index, delta, logprobs, finish_reason)
+                delta_json = '{"content":' + to_json(text) + "}" if text else "{}"
+                yield chunk(index, delta_json, logprobs, finish_reason)
         if include_usage:
             yield sse_event({**base, "choices": [], "usage": generation.usage().model_dump()})
     except APIError as exc:

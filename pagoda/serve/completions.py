@@ -16,8 +16,8 @@ from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, Complet
 from pagoda.serve.sampling import build_sampling_params
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id)
-from pagoda.serve.sse import (SSE_DONE, ClientDisconnected, EventStreamResponse,
-                              cancel_on_disconnect, sse_error, sse_event)
+from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
+                              cancel_on_disconnect, sse_error, sse_event, to_json)
 from pagoda.serve.tenants import Tenant
 
 
@@ -151,18 +151,14 @@ async def _stream(ctx: ServeContext, generation: Generation, request: Completion
     base = {"id": generation.request_id, "object": "text_completion", "created": created,
             "model": ctx.model_name}
     choices: dict[int, _Choice] = {}
+    chunks = ChoiceChunks(base, include_usage)
 
     def chunk(choice: _Choice, text: str, logprobs: CompletionLogprobs | None,
               finish_reason: str | None) -> str:
-        payload: dict[str, Any] = {
-            **base,
-            "choices": [{"index": choice.index, "text": text,
-                         "logprobs": logprobs.model_dump() if logprobs is not None else None,
-                         "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return sse_event(payload)
+        logprobs_json = to_json(logprobs.model_dump()) if logprobs is not None else "null"
+        finish_json = to_json(finish_reason) if finish_reason is not None else "null"
+        return chunks.event(f'"index":{choice.index},"text":{to_json(text)},'
+                            f'"logprobs":{logprobs_json},"finish_reason":{finish_json}')
 
     try:
         async for i, output in generation.outputs():

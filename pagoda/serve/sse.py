@@ -87,9 +87,29 @@ class EventStreamResponse(StreamingResponse):
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
+def to_json(value: Any) -> str:
+    """Compact JSON that is safe inside one SSE line."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
 def sse_event(payload: dict[str, Any]) -> str:
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-    return f"data: {text}\n\n"
+    return f"data: {to_json(payload)}\n\n"
+
+
+class ChoiceChunks:
+    """Streamed chunks that each carry one choice, formatted from a fixed head and tail.
+
+    Every chunk of a response repeats id, object, created and model; serialising only the
+    choice keeps the per-token work of a stream small.
+    """
+
+    def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
+        self._head = "data: " + to_json(base)[:-1] + ',"choices":[{'
+        self._tail = '}],"usage":null}\n\n' if include_usage else "}]}\n\n"
+
+    def event(self, choice_fields: str) -> str:
+        """`choice_fields`: the choice object's members as JSON text, without braces."""
+        return self._head + choice_fields + self._tail
 
 
 def sse_error(error: APIError) -> str:
