@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import queue
 import threading
 from collections import defaultdict
@@ -144,12 +145,26 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
     )
 
 
+def engine_thread_count(config: EngineConfig) -> int:
+    """Intra-op threads for the engine: as configured, else every core but one.
+
+    The spare core is for the event loop (HTTP, tokenization, SSE): an engine that spreads
+    over all cores is stalled whenever the HTTP side wants one (MEASURED.md, the thread trap).
+    """
+    if config.num_threads is not None:
+        return config.num_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def _set_engine_threads(config: EngineConfig) -> None:
     # OpenMP thread counts are per calling thread, so this must run on the engine thread.
-    if config.num_threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(config.num_threads)
+    torch.set_num_threads(engine_thread_count(config))
 
 
 class AsyncLLM:
@@ -314,6 +329,11 @@ class AsyncLLM:
                                priority=message.priority)
         except ValueError as exc:
             deliveries.append((stream, exc))
+            return
+        except Exception as exc:  # a bug for this request; the engine itself keeps serving
+            logger.exception("add_request failed for %s", stream.request_id)
+            deliveries.append((stream, RuntimeError(f"the engine could not add the request: "
+                                                    f"{exc!r}")))
             return
         streams[stream.request_id] = stream
         deliveries.append((stream, _ACCEPTED))
