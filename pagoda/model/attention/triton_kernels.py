@@ -309,6 +309,12 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def _num_stages(dtype: torch.dtype) -> int:
+    # fp32 K/V tiles are twice as large: three pipeline stages need ~115 KB of shared memory
+    # for head_dim 128 (sm_80), more than consumer GPUs have.
+    return 1 if dtype == torch.float32 else 3
+
+
 def _head_dim_pad(head_dim: int) -> int:
     return max(triton.next_power_of_2(head_dim), 16)
 
@@ -339,7 +345,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SLIDING_WINDOW=sliding_window or 0, DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=8 if head_dim > 128 else 4,
+        num_warps=8 if head_dim > 128 else 4, num_stages=_num_stages(query.dtype),
     )
 
 
@@ -373,7 +379,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=BLOCK_N, SLIDING_WINDOW=sliding_window or 0, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(query.dtype), num_warps=4,
+        DOT_PRECISION=_dot_precision(query.dtype), num_warps=4, num_stages=_num_stages(query.dtype),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_reqs, num_heads)](
