@@ -9,26 +9,41 @@ kernel path as bfloat16 on a GPU.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
+import sys
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-pytest.importorskip("triton")
+from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
+from pagoda.model.attention.torch_backend import TorchAttentionBackend
 
-from pagoda.model.attention import triton_kernels  # noqa: E402
-from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout  # noqa: E402
-from pagoda.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
-if not type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
-    triton_kernels = importlib.reload(triton_kernels)  # imported earlier without the interpreter
-    from pagoda.model.attention import triton_backend
-    importlib.reload(triton_backend)
+def _import_interpreted_backend() -> type:
+    """TRITON_INTERPRET is read when functions are decorated with @triton.jit, triton's own
+    (tl.max, tl.sum, ...) included: it must be set before triton is first imported."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton")
+        from pagoda.model.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend
+    finally:  # unset again, so that subprocesses of other tests on a GPU machine compile for real
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
-from pagoda.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+TritonAttentionBackend = _import_interpreted_backend()
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton also reads it while running kernels
 
 BLOCK_SIZE = 16
 

@@ -44,6 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
     `sdpa_min_tokens` is the prompt length from which a lone prefill goes to SDPA (None: never)."""
 
     name = "triton"
+    supports_cuda_graphs = True  # metadata holds the layout's tensors and batch-size-only host values
 
     def __init__(self, decode_splits: int | None = None, max_decode_splits: int = 16, min_partition: int = 256,
                  sdpa_min_tokens: int | None = 512) -> None:
