@@ -69,16 +69,8 @@ def test_fits():
     assert not runner.fits(prefill)
 
 
-def test_padded_forward_matches_unpadded(monkeypatch):
-    """The forward a graph captures, run eagerly on CPU: padded rows must not disturb the real
-    ones or the cache. Triton kernels under the interpreter; reference: the torch backend."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
-    from pagoda.model.attention import triton_kernels
-    if not type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
-        pytest.skip("Triton kernels were imported without the interpreter in this process")
-    from pagoda.model.attention.triton_backend import TritonAttentionBackend
-    from pagoda.model.llama import ForwardContext, LlamaFamilyModel
+def tiny_model(device: torch.device):
+    from pagoda.model.llama import LlamaFamilyModel
     from pagoda.model.model_config import ModelConfig
 
     config = ModelConfig.from_dict({
@@ -86,24 +78,79 @@ def test_padded_forward_matches_unpadded(monkeypatch):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "sliding_window": 24})
     torch.manual_seed(0)
-    model = LlamaFamilyModel(config, torch.float32, torch.device("cpu"))
+    model = LlamaFamilyModel(config, torch.float32, device)
     for param in model.parameters():
         param.data.normal_(0.0, 0.2)
     cache_shape = (12, 16, config.num_kv_heads, config.head_dim)
-    caches = [(torch.randn(cache_shape), torch.randn(cache_shape)) for _ in range(config.num_layers)]
-    reference_caches = [(k.clone(), v.clone()) for k, v in caches]
-    windows = set(config.layer_sliding_windows)
+    caches = [(torch.randn(cache_shape, device=device), torch.randn(cache_shape, device=device))
+              for _ in range(config.num_layers)]
+    return model, caches, set(config.layer_sliding_windows)
 
-    layout = decode_layout([20, 3, 40], [[5, 6], [2], [9, 1, 3]])
-    input_ids, positions = torch.tensor([11, 12, 13]), torch.tensor([19, 2, 39])
-    runner = DecodeGraphRunner(model, TritonAttentionBackend(decode_splits=3, min_partition=16), caches, windows,
-                               max_num_seqs=8, max_model_len=128, block_size=16, device=torch.device("cpu"))
+
+def reference_forward(model, caches, windows, input_ids, positions, layout):
+    from pagoda.model.llama import ForwardContext
+
+    reference = TorchAttentionBackend()
     with torch.inference_mode():
-        got = runner.run_eager(input_ids, positions, layout)  # bucket 4: one padded row
-        reference = TorchAttentionBackend()
-        want = model(input_ids, positions, ForwardContext(reference, reference.prepare(layout, windows),
-                                                          reference_caches))
+        return model(input_ids, positions, ForwardContext(reference, reference.prepare(layout, windows), caches))
+
+
+def to_device(layout: BatchLayout, device: torch.device) -> BatchLayout:
+    for name in ("slot_mapping", "query_start_loc", "context_lens", "seq_lens", "block_tables"):
+        setattr(layout, name, getattr(layout, name).to(device))
+    return layout
+
+
+def test_padded_forward_matches_unpadded(monkeypatch):
+    """The forward a graph captures, run eagerly: padded rows must not disturb the real ones or
+    the cache. Triton kernels (under the interpreter without a GPU) against the torch backend."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from pagoda.model.attention import triton_kernels
+    if (device.type == "cpu") != type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
+        pytest.skip("Triton kernels were imported in the other mode (interpreted or compiled) in this process")
+    from pagoda.model.attention.triton_backend import TritonAttentionBackend
+
+    model, caches, windows = tiny_model(device)
+    reference_caches = [(k.clone(), v.clone()) for k, v in caches]
+    layout = to_device(decode_layout([20, 3, 40], [[5, 6], [2], [9, 1, 3]]), device)
+    input_ids, positions = torch.tensor([11, 12, 13], device=device), torch.tensor([19, 2, 39], device=device)
+    runner = DecodeGraphRunner(model, TritonAttentionBackend(decode_splits=3, min_partition=16), caches, windows,
+                               max_num_seqs=8, max_model_len=128, block_size=16, device=device)
+    got = runner.run_eager(input_ids, positions, layout)  # bucket 4: one padded row
+    want = reference_forward(model, reference_caches, windows, input_ids, positions, layout)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for (k, v), (k_ref, v_ref) in zip(caches, reference_caches):
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graph_replay_matches_eager():
+    """Capture every bucket, then replay batches of several sizes (different buckets, stale
+    buffer contents between them) against the eager torch backend."""
+    pytest.importorskip("triton")
+    from pagoda.model.attention.triton_backend import TritonAttentionBackend
+
+    device = torch.device("cuda")
+    model, caches, windows = tiny_model(device)
+    reference_caches = [(k.clone(), v.clone()) for k, v in caches]
+    runner = DecodeGraphRunner(model, TritonAttentionBackend(), caches, windows, max_num_seqs=8,
+                               max_model_len=128, block_size=16, device=device)
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    batches = [([20, 3, 40], [[5, 6], [2], [9, 1, 3]]),
+               ([41], [[9, 1, 3]]),
+               ([21, 4, 100, 7, 60], [[5, 6], [2], [10, 11, 4, 7, 8, 0, 3], [1], [9, 1, 3, 8]])]
+    for step, (seq_lens, tables) in enumerate(batches):
+        layout = to_device(decode_layout(seq_lens, tables), device)
+        input_ids = torch.arange(len(seq_lens), device=device) + step
+        positions = layout.seq_lens - 1
+        got = runner.run(input_ids, positions, layout).clone()
+        want = reference_forward(model, reference_caches, windows, input_ids, positions, layout)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     for (k, v), (k_ref, v_ref) in zip(caches, reference_caches):
         torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)

@@ -1,10 +1,11 @@
-"""Triton attention kernels against the torch reference backend, on CPU under Triton's
-interpreter (TRITON_INTERPRET=1): decode (with and without split-KV), prefill, chunked prefill
-over a cached prefix, mixed batches, GQA/MHA, sliding windows, padded CUDA-graph rows.
+"""Triton attention kernels against the torch reference backend: decode (with and without
+split-KV), prefill, chunked prefill over a cached prefix, mixed batches, GQA/MHA, sliding
+windows, padded CUDA-graph rows.
 
-The interpreter runs each program in numpy, so shapes are tiny. It cannot multiply bfloat16
-in `tl.dot` (triton-lang/triton#11584), so 16-bit coverage uses float16, which takes the same
-kernel path as bfloat16 on a GPU.
+With a GPU the kernels run compiled, on CUDA tensors. Without one they run on CPU under Triton's
+interpreter (TRITON_INTERPRET=1), which executes each program in numpy, so shapes are tiny. The
+interpreter cannot multiply bfloat16 in `tl.dot` (triton-lang/triton#11584), so there 16-bit
+coverage uses float16, which takes the same kernel path as bfloat16 on a GPU.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ import torch
 from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
 from pagoda.model.attention.torch_backend import TorchAttentionBackend
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = DEVICE.type == "cpu"
 
-def _import_interpreted_backend() -> type:
+
+def _import_backend() -> type:
     """TRITON_INTERPRET is read when functions are decorated with @triton.jit, triton's own
     (tl.max, tl.sum, ...) included: it must be set before triton is first imported."""
+    if not INTERPRET:
+        pytest.importorskip("triton")
+        from pagoda.model.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
     previous = os.environ.get("TRITON_INTERPRET")
@@ -38,12 +46,14 @@ def _import_interpreted_backend() -> type:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-TritonAttentionBackend = _import_interpreted_backend()
+TritonAttentionBackend = _import_backend()
 
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton also reads it while running kernels
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton also reads it while running kernels
+
 
 BLOCK_SIZE = 16
 
@@ -82,6 +92,8 @@ def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int
         seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         block_size=BLOCK_SIZE, query_lens_host=query_lens, context_lens_host=context_lens)
+    for name in ("slot_mapping", "query_start_loc", "context_lens", "seq_lens", "block_tables"):
+        setattr(layout, name, getattr(layout, name).to(DEVICE))
 
     num_tokens = len(slots)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
@@ -90,7 +102,7 @@ def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    return layout, query, key, value, key_cache, value_cache
+    return layout, *(t.to(DEVICE) for t in (query, key, value, key_cache, value_cache))
 
 
 def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dtype=torch.float32,
@@ -111,13 +123,13 @@ def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dt
     want = reference.forward(query[:num_real].float(), key[:num_real].float(), value[:num_real].float(),
                              ref_caches[0].float(), ref_caches[1].float(),
                              reference.prepare(layout, {window}), spec)
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-3
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got[:num_real].float(), want, atol=tolerance, rtol=tolerance)
     # Exactly the new tokens' slots were written, with exactly their K/V.
     for cache, new, before in ((caches[0], key, key_cache), (caches[1], value, value_cache)):
         flat, flat_before = cache.view(-1, num_kv_heads, head_dim), before.view(-1, num_kv_heads, head_dim)
         assert torch.equal(flat[real_slots], new[:num_real])
-        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
         untouched[real_slots] = False
         assert torch.equal(flat[untouched], flat_before[untouched])
     return got
@@ -172,10 +184,11 @@ def test_sliding_window(window):
     run_both([(130, 1), (10, 1), (65, 1)], window=window, backend=backend)
 
 
-def test_float16():
-    run_both([(40, 12), (0, 20), (70, 1)], head_dim=64, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16] + ([] if INTERPRET else [torch.bfloat16]))
+def test_16_bit(dtype):
+    run_both([(40, 12), (0, 20), (70, 1)], head_dim=64, dtype=dtype)
     backend = TritonAttentionBackend(decode_splits=2, min_partition=16)
-    run_both([(90, 1), (3, 1)], head_dim=64, dtype=torch.float16, backend=backend)
+    run_both([(90, 1), (3, 1)], head_dim=64, dtype=dtype, backend=backend)
 
 
 def test_non_power_of_two_head_dim():
