@@ -237,27 +237,33 @@ def compiling(fn):
                 signature[param.name], constexprs[param.name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 signature[param.name] = "*" + TYPES[value.dtype]
+            elif isinstance(value, float):
+                signature[param.name] = "fp32"
+            elif value == 1:  # as Triton's launcher specializes it
+                signature[param.name], constexprs[param.name] = "constexpr", 1
             else:
-                signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+                signature[param.name] = "i32"
         triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
     return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
 
 
 for name in ("_write_kv_kernel", "_prefill_attention_kernel", "_decode_attention_kernel", "_reduce_splits_kernel"):
     setattr(tk, name, compiling(getattr(tk, name)))
-for head_dim, heads, kv_heads, window in ((128, 32, 8, None), (64, 14, 2, 4096), (80, 8, 8, None)):
+shapes = ((128, 32, 8, None, 3, 8), (64, 14, 2, 4096, 3, 8), (80, 8, 8, None, 3, 8),
+          (128, 8, 1, None, 1, 1))  # the last: one request with a one-block table (ints equal to 1)
+for head_dim, heads, kv_heads, window, num_reqs, width in shapes:
     query = torch.empty(10, heads, head_dim, dtype=dtype)
     key = torch.empty(10, kv_heads, head_dim, dtype=dtype)
     cache = torch.empty(100, 16, kv_heads, head_dim, dtype=dtype)
-    tables = torch.zeros(3, 8, dtype=torch.int32)
-    lens = torch.zeros(3, dtype=torch.long)
+    tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    lens = torch.zeros(num_reqs, dtype=torch.long)
     tk.write_kv_cache(key, key, cache, cache, torch.zeros(10, dtype=torch.long))
     for max_query_len in (1, 100):
-        tk.prefill_attention(torch.empty_like(query), query, cache, cache, tables, torch.zeros(4, dtype=torch.long),
-                             lens, 0.1, window, max_query_len)
-    for splits in (1, 5):
-        tk.decode_attention(torch.empty_like(query[:3]), query[:3], cache, cache, tables, lens, 0.1, window,
-                            splits, 256)
+        tk.prefill_attention(torch.empty_like(query), query, cache, cache, tables,
+                             torch.zeros(num_reqs + 1, dtype=torch.long), lens, 0.1, window, max_query_len)
+    for splits, min_partition in ((1, 256), (5, 1)):
+        tk.decode_attention(torch.empty_like(query[:num_reqs]), query[:num_reqs], cache, cache, tables, lens, 0.1,
+                            window, splits, min_partition)
 '''
 
 
