@@ -156,7 +156,7 @@ def test_decode_split_count_from_lengths():
     backend._num_sms[torch.device("cuda")] = 132
     assert backend._num_splits(metadata, spec, torch.device("cuda")) == 16  # capped by max_decode_splits
     window_spec = AttentionLayerSpec(4, 2, 32, 1.0, 32)
-    assert backend._num_splits(metadata, window_spec, torch.device("cuda")) == 6  # (32 + 64) / 16
+    assert backend._num_splits(metadata, window_spec, torch.device("cuda")) == 4  # (32 + 64) / 16 = 6, down to 4
 
 
 def test_prefill_without_prefix():

@@ -97,9 +97,10 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       spec: AttentionLayerSpec) -> torch.Tensor:
-        # A whole prompt with nothing cached needs no paging: the new K/V are the full context.
-        # Here FlashAttention-2 behind SDPA (GQA supported, causal, 16-bit only) is a more tuned
-        # kernel than ours; fp32 would fall back to SDPA's math path, hence the dtype check.
+        # A whole prompt with nothing cached needs no paging: the new K/V are the full context,
+        # and FlashAttention-2 behind SDPA (causal, GQA, 16-bit only) is a kernel tuned for
+        # exactly that, with a split of the diagonal tiles ours lacks. fp32 would fall back to
+        # SDPA's math path, hence the dtype check. sdpa_min_tokens=None turns this off to compare.
         q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
@@ -110,7 +111,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _num_splits(self, metadata: TritonAttentionMetadata, spec: AttentionLayerSpec,
                     device: torch.device) -> int:
         """Enough programs to fill the GPU about twice, never a partition shorter than
-        min_partition tokens of the longest context."""
+        min_partition tokens of the longest context; a power of two, since each count is a
+        separately compiled kernel."""
         if self.decode_splits is not None:
             return self.decode_splits
         context = metadata.max_seq_len
@@ -119,7 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
         useful = -(-context // self.min_partition)
         programs = metadata.num_reqs * spec.num_kv_heads
         wanted = -(-2 * self._sm_count(device) // programs)
-        return max(1, min(wanted, useful, self.max_decode_splits))
+        splits = max(1, min(wanted, useful, self.max_decode_splits))
+        return 1 << (splits.bit_length() - 1)
 
     def _sm_count(self, device: torch.device) -> int:
         if device.type != "cuda":
