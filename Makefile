@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test chat bench install clean
+.PHONY: serve test test-triton chat install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# Triton kernels under the CPU interpreter, plus a compile of every kernel variant for sm_80/sm_90.
+# Separate from `test` because triton is a ~300 MB download (~1 GB installed).
+test-triton: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gpu]'
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/test_triton_attention.py tests/test_cuda_graphs.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -113,7 +113,8 @@ class EngineCore:
         self.ngram_proposer = NgramProposer(config.ngram_min, config.ngram_max) \
             if config.speculative == "ngram" else None
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, drafter=drafter)
+                                  config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager, drafter=drafter)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

@@ -20,6 +20,7 @@ from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.request import Request
 from pagoda.spec_decode.rejection_sampler import verify
+from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
@@ -111,7 +112,8 @@ def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int
 
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, drafter=None) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False, drafter=None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -121,6 +123,12 @@ class ModelRunner:
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.drafter = drafter  # DraftModelProposer, or None
         self.timings = StepTimings()
+        # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
+        self.decode_graphs = None
+        if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend):
+            self.decode_graphs = DecodeGraphRunner(model, backend, self.kv_caches, self.sliding_windows,
+                                                   max_num_seqs, max_model_len, block_size, device)
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -140,11 +148,14 @@ class ModelRunner:
             segments.append(Segment(request, begin, tokens))
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
-        metadata = self.backend.prepare(layout, self.sliding_windows)
-        context = ForwardContext(self.backend, metadata, self.kv_caches)
-        prepared = time.perf_counter()
-
-        hidden = self.model(input_ids, positions, context)
+        if self.decode_graphs is not None and self.decode_graphs.fits(layout):
+            prepared = time.perf_counter()
+            hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
+        else:
+            metadata = self.backend.prepare(layout, self.sliding_windows)
+            context = ForwardContext(self.backend, metadata, self.kv_caches)
+            prepared = time.perf_counter()
+            hidden = self.model(input_ids, positions, context)
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         forwarded = time.perf_counter()
 
