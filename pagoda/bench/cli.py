@@ -7,7 +7,6 @@ Heavy imports (transformers, torch, matplotlib, httpx) happen inside the run fun
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -188,10 +187,6 @@ def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object")
     return value
-
-
-def dataclass_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
 
 
 def output_dir(args: argparse.Namespace) -> Path | None:

@@ -71,6 +71,18 @@ def comparison_rows(summaries: list[Summary]) -> tuple[list[str], list[list[str]
     return headers, rows
 
 
+def plot_comparison(summaries: list[Summary], path: Path) -> None:
+    from pagoda.bench.plots import plot_bars
+
+    seconds = lambda stats, attr: getattr(stats, attr) if stats else 0.0
+    plot_bars({
+        "output tokens / s": {s.target: s.overall.output_throughput for s in summaries},
+        "E2E p50 (s)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
+        "E2E p99 (s)": {s.target: seconds(s.overall.e2e, "p99") for s in summaries},
+        "TTFT p99 (s)": {s.target: seconds(s.overall.ttft, "p99") for s in summaries},
+    }, path, "same requests, back to back")
+
+
 def compare_benchmark(args: argparse.Namespace) -> int:
     from pagoda.bench.cli import output_dir, run_metadata, workload_spec
     from pagoda.bench.report import parse_slo, write_json
@@ -97,19 +109,15 @@ def compare_benchmark(args: argparse.Namespace) -> int:
     print(render_table(headers, rows))
     out = output_dir(args)
     if out is not None:
-        from pagoda.bench.plots import plot_bars, plot_latency_cdfs
+        from pagoda.bench.plots import plot_bars, plot_target_cdfs
 
         payload: dict[str, Any] = {**run_metadata(args), "targets": [s.__dict__ for s in specs],
                                    "comparison": {"headers": headers, "rows": rows},
                                    "runs": [{"summary": s, "requests": r.records, "duration": r.duration,
                                              "started_at": r.started_at} for s, r in zip(summaries, results)]}
         write_json(out / "results.json", payload)
-        plot_bars({
-            "output tokens / s": {s.target: s.overall.output_throughput for s in summaries},
-            "E2E p99 (ms)": {s.target: (s.overall.e2e.p99 * 1000 if s.overall.e2e else 0.0) for s in summaries},
-            "TTFT p99 (ms)": {s.target: (s.overall.ttft.p99 * 1000 if s.overall.ttft else 0.0) for s in summaries},
-        }, out / "compare.png", "same requests, back to back")
-        for i, (s, r) in enumerate(zip(summaries, results)):
-            plot_latency_cdfs(r.records, out / f"latency_cdf_{i}.png", f"{s.target}: latency CDFs")
-        print(f"wrote {out}/results.json, compare.png, latency_cdf_*.png")
+        plot_comparison(summaries, out / "compare.png")
+        plot_target_cdfs({s.target: r.records for s, r in zip(summaries, results)}, out / "compare_cdf.png",
+                         "same requests, back to back: latency CDFs")
+        print(f"wrote {out}/results.json, compare.png, compare_cdf.png")
     return 0 if all(s.overall.num_ok for s in summaries) else 1

@@ -45,12 +45,18 @@ def plot_latency_cdfs(records: list[RequestRecord], path: Path, title: str = "")
         _cdf(axes[1], [g for r in group for g in r.itls], name)
         _cdf(axes[2], [r.e2e for r in group if r.e2e is not None], name)
     for ax, label in zip(axes, ("TTFT", "inter-token latency", "end-to-end latency")):
+        if not ax.has_data():
+            ax.text(0.5, 0.5, "no per-token timings\nfrom this target", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_xlabel(f"{label} (ms)")
+            continue
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("fraction of requests" if label != "inter-token latency" else "fraction of gaps")
         ax.set_xscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.suptitle(title or "latency CDFs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -114,6 +120,37 @@ def plot_sweep(points: list[dict[str, float]], path: Path, title: str = "") -> N
     plt.close(fig)
 
 
+def _short(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+METRIC_LABELS = {"ttft": "TTFT", "itl": "inter-token latency", "e2e": "end-to-end latency"}
+
+
+def plot_target_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: str = "",
+                     metrics: tuple[str, ...] = ("ttft", "e2e")) -> None:
+    """CDFs of the given metrics (ttft, itl, e2e), one line per target, on shared axes."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2), squeeze=False)
+    for label, records in runs.items():
+        ok = [r for r in records if r.ok]
+        for ax, metric in zip(axes[0], metrics):
+            values = [g for r in ok for g in r.itls] if metric == "itl" else \
+                [getattr(r, metric) for r in ok if getattr(r, metric) is not None]
+            _cdf(ax, values, label)
+    for ax, metric in zip(axes[0], metrics):
+        ax.set_xlabel(f"{METRIC_LABELS[metric]} (ms)")
+        ax.set_ylabel("fraction of gaps" if metric == "itl" else "fraction of requests")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.suptitle(title or "latency CDFs by target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_bars(groups: dict[str, dict[str, float]], path: Path, title: str = "") -> None:
     """One panel per metric, one bar per target: groups = {metric label: {target: value}}."""
     plt = _pyplot()
@@ -121,7 +158,7 @@ def plot_bars(groups: dict[str, dict[str, float]], path: Path, title: str = "") 
     for ax, (metric, values) in zip(axes[0], groups.items()):
         names = list(values)
         bars = ax.bar(range(len(names)), [values[n] for n in names], color=[f"C{i}" for i in range(len(names))])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, labels=[_short(values[n]) for n in names], fontsize=8)
         ax.set_xticks(range(len(names)), names, rotation=15, ha="right", fontsize=8)
         ax.set_title(metric, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -63,3 +65,9 @@ class RunResult:
     started_at: float  # wall clock (time.time()) of the start
     metrics_before: dict[tuple[str, str | None], float] | None = None
     metrics_after: dict[tuple[str, str | None], float] | None = None
+
+
+def records_from_json(rows: list[dict[str, Any]]) -> list[RequestRecord]:
+    """Per-request records as written to results.json, back into RequestRecords (e.g. to re-plot)."""
+    names = {f.name for f in dataclasses.fields(RequestRecord)}
+    return [RequestRecord(**{k: v for k, v in row.items() if k in names}) for row in rows]
