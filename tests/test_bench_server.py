@@ -18,15 +18,6 @@ import pytest
 from model_factory import build_model
 from pagoda.bench import cli as bench_cli
 
-# The serve subcommand's own parser, so the test does not depend on every other subcommand.
-SERVE_SNIPPET = (
-    "import argparse, sys\n"
-    "from pagoda.serve import cli\n"
-    "parser = argparse.ArgumentParser(prog='pagoda')\n"
-    "cli.add_parser(parser.add_subparsers())\n"
-    "args = parser.parse_args(sys.argv[1:])\n"
-    "sys.exit(args.func(args))\n"
-)
 SMALL = ["--length-scale", "0.03", "--max-model-len", "384", "--no-progress", "--ignore-eos"]
 ALL_CLASSES = "chat=0.3,rag=0.3,summarize=0.1,agent=0.3"
 
@@ -49,10 +40,10 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-c", SERVE_SNIPPET, "serve", "--model", str(tiny_model), "--port", str(port),
+            [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_model), "--port", str(port),
              "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "512",
              "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[1])
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
