@@ -141,6 +141,17 @@ def test_unknown_routes_and_methods(http: httpx.Client) -> None:
     assert_error(http.get("/v1/completions"), 405)
 
 
+def test_batch_with_one_bad_prompt_leaves_nothing_running(http: httpx.Client,
+                                                         server: LiveServer) -> None:
+    before = server.wait_idle().num_generation_tokens
+    response = completion(http, prompt=[[1, 2, 3], [1, 10**6]], max_tokens=400, ignore_eos=True)
+    assert_error(response, 400, "prompt")
+    stats = server.wait_idle()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    # The valid first prompt was aborted, not left to generate its 400 tokens.
+    assert stats.num_generation_tokens - before < 400
+
+
 def test_still_serving_after_errors(http: httpx.Client, server: LiveServer) -> None:
     assert completion(http).status_code == 200
     assert server.wait_idle().num_running == 0

@@ -114,13 +114,14 @@ class Generation:
     params: SamplingParams
     stream: bool
     arrival_time: float = field(default_factory=time.time)
-    streams: list[RequestStream] = field(default_factory=list)
-    finals: list[RequestOutput | None] = field(default_factory=list)
-    latest: list[RequestOutput | None] = field(default_factory=list)
-    _slots: list[QueueSlot] = field(default_factory=list)
-    _lease: TenantLease | None = None
-    _wake: asyncio.Event | None = None
-    _closed: bool = False
+    # One entry per submitted prompt: its stream, newest output, and final output.
+    streams: list[RequestStream] = field(default_factory=list, init=False)
+    latest: list[RequestOutput | None] = field(default_factory=list, init=False)
+    finals: list[RequestOutput | None] = field(default_factory=list, init=False)
+    _slots: list[QueueSlot] = field(default_factory=list, init=False)
+    _lease: TenantLease | None = field(default=None, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _closed: bool = field(default=False, init=False)
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -142,7 +143,6 @@ class Generation:
                                      ctx.llm.max_model_len, max_tokens_param)
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
-            self._wake = asyncio.Event()
             for request_id, prompt in zip(self.engine_request_ids, self.prompts):
                 try:
                     stream = await ctx.llm.add_request(
@@ -154,18 +154,20 @@ class Generation:
                 except EngineDeadError:
                     raise engine_unavailable() from None
                 self.streams.append(stream)
-            self.finals = [None] * len(self.streams)
-            self.latest = [None] * len(self.streams)
+                self.latest.append(None)
+                self.finals.append(None)
         except APIError as exc:
             self.close(exc.status, error=exc)
             raise
-        except BaseException:
+        except asyncio.CancelledError:
             self.close(CLIENT_CLOSED_REQUEST)
+            raise
+        except BaseException:
+            self.close(500)
             raise
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, newest output) as they arrive, until every prompt is finished."""
-        assert self._wake is not None
         wake = self._wake
         metrics = self.ctx.metrics
         while not all(self.finals):
