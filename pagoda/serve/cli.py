@@ -78,13 +78,21 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants = TenantRegistry.single_key(args.api_key)
     else:
         tenants = TenantRegistry.open()
-    config = EngineConfig.from_cli_args(args)
-    settings = ServerSettings(
-        served_model_name=args.served_model_name or Path(config.model).name,
-        model_path=config.model, tenants=tenants, max_request_bytes=args.max_request_bytes,
-        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
-        log_prompts=args.log_prompts)
-    llm = AsyncLLM(config)
+    try:
+        config = EngineConfig.from_cli_args(args)
+        settings = ServerSettings(
+            served_model_name=args.served_model_name or Path(config.model).name,
+            model_path=config.model, tenants=tenants, max_request_bytes=args.max_request_bytes,
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts)
+    except ValueError as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
+    try:
+        llm = AsyncLLM(config)
+    except RuntimeError as exc:
+        cause = exc.__cause__ or exc
+        raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: "
+                         f"{cause}") from None
     try:
         app = build_app(llm, settings)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
