@@ -84,3 +84,53 @@ def test_shutdown(model_dir) -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+def test_process_transport(model_dir) -> None:
+    engine = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1, num_kv_blocks=64),
+                      transport="process")
+    try:
+        assert engine.is_alive and engine.max_model_len == 512
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+        async def main() -> list:
+            whole = [o async for o in engine.generate("p1", [5, 6, 7], params)]
+            with pytest.raises(ValueError, match="empty"):
+                await engine.add_request("p2", [], SamplingParams())
+            async for output in engine.generate("p3", [5, 6], SamplingParams(max_tokens=400,
+                                                                              ignore_eos=True)):
+                if len(output.outputs[0].token_ids) >= 3:
+                    break
+            return whole
+
+        outputs = asyncio.run(main())
+        final = outputs[-1]
+        assert final.finished and len(final.outputs[0].token_ids) == 12
+        assert len(final.outputs[0].logprobs) == 12 and final.prompt_token_ids == [5, 6, 7]
+        # Deltas rebuild the same output the engine thread would have produced.
+        with_thread = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1,
+                                            num_kv_blocks=64))
+        try:
+            async def same() -> list:
+                return [o async for o in with_thread.generate("t1", [5, 6, 7], params)]
+
+            reference = asyncio.run(same())[-1].outputs[0]
+        finally:
+            with_thread.shutdown()
+        assert final.outputs[0].token_ids == reference.token_ids
+        assert final.outputs[0].text == reference.text
+        wait_idle(engine)
+
+        engine._process.kill()  # an engine crash: the front notices and fails what is pending
+        deadline = time.monotonic() + 10
+        while engine.is_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_alive and engine.error is not None
+
+        async def late() -> None:
+            await engine.add_request("p4", [1, 2], SamplingParams())
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(late())
+    finally:
+        engine.shutdown()

@@ -45,6 +45,10 @@ def add_parser(subparsers: Any) -> None:
                         default=DEFAULT_MAX_QUEUED_TOKENS,
                         help="prompt tokens of queued requests before new ones get 503 "
                              f"(default: {DEFAULT_MAX_QUEUED_TOKENS}; 'none' for no limit)")
+    server.add_argument("--engine-transport", choices=["thread", "process"], default="thread",
+                        help="run the engine on a thread of the server (default), or in its own "
+                             "process: its own GIL, so a busy HTTP side cannot stall a fast "
+                             "engine, and an engine crash leaves the server up to answer 503")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
@@ -88,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:
-        llm = AsyncLLM(config)
+        llm = AsyncLLM(config, transport=args.engine_transport)
     except RuntimeError as exc:
         cause = exc.__cause__ or exc
         raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: "
