@@ -162,3 +162,7 @@ def test_health_and_metrics(server: LiveServer) -> None:
                  "pagoda:request_queue_time_seconds_bucket"):
         assert f'{name}{{' in text and f'model_name="{MODEL_NAME}"' in text, name
     assert 'finished_reason="length"' in text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("pagoda:") and "_count{" in line}
+    assert counts["pagoda:inter_token_latency_seconds_count"] > 0
+    assert counts["pagoda:time_to_first_token_seconds_count"] > 0

@@ -119,6 +119,7 @@ class Generation:
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
     _slots: list[QueueSlot] = field(default_factory=list, init=False)
+    _itl_marks: list[tuple[float, int] | None] = field(default_factory=list, init=False)
     _lease: TenantLease | None = field(default=None, init=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
@@ -156,6 +157,7 @@ class Generation:
                 self.streams.append(stream)
                 self.latest.append(None)
                 self.finals.append(None)
+                self._itl_marks.append(None)
         except APIError as exc:
             self.close(exc.status, error=exc)
             raise
@@ -183,11 +185,9 @@ class Generation:
                 if output is None:
                     continue
                 got_any = True
-                previous = self.latest[i]
-                if previous is None:
+                if self.latest[i] is None:
                     self._slots[i].leave()
-                else:
-                    _record_inter_token(metrics, previous, output)
+                self._itl_marks[i] = _record_inter_token(metrics, self._itl_marks[i], output)
                 self.latest[i] = output
                 if output.finished:
                     self.finals[i] = output
@@ -257,14 +257,19 @@ def _finish_reason(output: RequestOutput) -> str:
     return reasons[0] if reasons else "abort"
 
 
-def _record_inter_token(metrics: ServerMetrics, previous: RequestOutput,
-                        output: RequestOutput) -> None:
-    if previous.metrics is None or output.metrics is None:
-        return
-    before, after = previous.metrics.last_token_time, output.metrics.last_token_time
-    if before is None or after is None:
-        return
-    new_tokens = max((len(c.token_ids) - len(p.token_ids)
-                      for c, p in zip(output.outputs, previous.outputs)), default=0)
-    if new_tokens > 0:
-        metrics.record_inter_token(after - before, new_tokens)
+def _record_inter_token(metrics: ServerMetrics, mark: tuple[float, int] | None,
+                        output: RequestOutput) -> tuple[float, int] | None:
+    """Observe the gaps between the tokens generated since `mark` (time, tokens so far).
+
+    Uses the engine's timestamps, so outputs the consumer never saw separately (collapsed
+    while it was busy) still count: k tokens that took t seconds are k gaps of t / k.
+    """
+    timing = output.metrics
+    if timing is None or timing.first_token_time is None or timing.last_token_time is None:
+        return mark
+    num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+    since, counted = mark if mark is not None else (timing.first_token_time, 1)
+    if num_tokens > counted:
+        metrics.record_inter_token(timing.last_token_time - since, num_tokens - counted)
+        return timing.last_token_time, num_tokens
+    return since, counted
