@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -11,19 +12,26 @@ from typing import Any, Callable
 
 import uvicorn
 
-from pagoda.config import EngineConfig
+from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.app import build_app
 from pagoda.serve.settings import ServerSettings
 
 MODEL_NAME = "tiny-llama"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def build_tiny_model(directory: Path) -> Path:
-    """A random-weight Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) with a small BPE."""
+    """A random-weight Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) with the bundled
+    model's tokenizer and chat template (8k byte-level BPE)."""
     from model_factory import build_model
+    from tokenizers import Tokenizer
 
-    return build_model(directory, "llama")
+    vocab_size = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")).get_vocab_size()
+    build_model(directory, "llama", vocab_size=vocab_size)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, directory / name)
+    return directory
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.serve.cli import add_parser
-from server_utils import build_tiny_model
+from server_utils import build_tiny_model, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,23 @@ def test_flags_cover_the_engine_config() -> None:
     args = parse("--max-queued-requests", "none", "--max-request-bytes", "1MiB")
     assert args.max_queued_requests is None and args.max_request_bytes == 2**20
     assert args.func.__name__ == "run_serve"
+
+
+def test_bundled_default_model_serves() -> None:
+    """No --model: the bundled model, its chat template and its sampling defaults."""
+    config = EngineConfig.from_cli_args(parse("--num-threads", "1", "--num-kv-blocks", "64"))
+    assert config.model == str(DEFAULT_MODEL_DIR)
+    live = start_server(DEFAULT_MODEL_DIR, engine={"num_kv_blocks": 64})
+    try:
+        assert live.llm.generation_defaults.get("temperature") == 0.7
+        response = httpx.post(live.base_url + "/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "Read a file and count its lines."}],
+            "max_tokens": 16, "seed": 1})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["usage"]["completion_tokens"] > 0 and body["choices"][0]["message"]["content"]
+    finally:
+        live.stop()
 
 
 def free_port() -> int:

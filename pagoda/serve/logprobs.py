@@ -24,14 +24,17 @@ def legacy_logprobs(token_ids: list[int], positions: list[PositionLogprobs | Non
                     tokenizer: Any, text_offset: int) -> tuple[CompletionLogprobs, int]:
     """The completions API's parallel lists for `token_ids`; returns the next text offset.
 
-    A position without logprobs (the first prompt token) gets None entries.
+    A position without logprobs (the first prompt token) gets None entries. Special tokens
+    (a BOS the tokenizer added) are not in the returned text, so they take no width there.
     """
     result = CompletionLogprobs()
+    special_ids = getattr(tokenizer, "all_special_ids", ())
     for token_id, position in zip(token_ids, positions):
         text = token_text(token_id, position, tokenizer)
         result.tokens.append(text)
         result.text_offset.append(text_offset)
-        text_offset += len(text)
+        if token_id not in special_ids:
+            text_offset += len(text)
         if position is None:
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
