@@ -67,7 +67,7 @@ def test_serve_subprocess(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port",
                str(port), "--served-model-name", "cli-model", "--api-key", "sekrit",
                "--num-kv-blocks", "64", "--num-threads", "1", "--log-level", "warning",
-               "--engine-transport", "process"]
+               "--engine-transport", "process"]  # the default, named for clarity
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

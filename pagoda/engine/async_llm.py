@@ -8,11 +8,13 @@ event loops with one `call_soon_threadsafe` per loop. When idle the engine side 
 its inbox (no busy loop).
 
 Two transports carry the same messages:
-- thread (default): the engine runs on a thread of this process. Cheapest to start, but
-  the engine and the HTTP side share one GIL: whatever Python the event loop runs (about
-  40 us per streamed token here) the engine cannot run at the same time.
-- process: the engine runs in a spawned child process with its own GIL, and an engine crash
-  leaves the front alive to report it. Outputs cross a pipe as deltas (new text, tokens and
+- thread (AsyncLLM's default): the engine runs on a thread of this process. Cheapest to
+  start, but the engine and the HTTP side share one GIL: whatever Python the event loop runs
+  (about 40-60 us per streamed token here) the engine cannot run meanwhile. At 64 streaming
+  clients on 2 cores the bundled model served ~82% of the offline engine's tok/s this way.
+- process (`pagoda serve`'s default): the engine runs in a spawned child process with its
+  own GIL (~95% of offline in the same test), and an engine crash leaves the front alive to
+  report it. Outputs cross a pipe as deltas (new text, tokens and
   logprobs since the last step), so the cost per step does not grow with output length.
   Being spawned, the child re-imports the parent's `__main__`: scripts that use this
   transport need an `if __name__ == "__main__":` guard.

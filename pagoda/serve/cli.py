@@ -45,10 +45,11 @@ def add_parser(subparsers: Any) -> None:
                         default=DEFAULT_MAX_QUEUED_TOKENS,
                         help="prompt tokens of queued requests before new ones get 503 "
                              f"(default: {DEFAULT_MAX_QUEUED_TOKENS}; 'none' for no limit)")
-    server.add_argument("--engine-transport", choices=["thread", "process"], default="thread",
-                        help="run the engine on a thread of the server (default), or in its own "
-                             "process: its own GIL, so a busy HTTP side cannot stall a fast "
-                             "engine, and an engine crash leaves the server up to answer 503")
+    server.add_argument("--engine-transport", choices=["process", "thread"], default="process",
+                        help="run the engine in its own process (default: it keeps its own GIL, "
+                             "so the HTTP side cannot stall it, and a crash leaves the server up "
+                             "to answer 503), or on a thread of the server process (starts "
+                             "faster)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
