@@ -68,10 +68,10 @@ class LiveServer:
 
 def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
                  engine_factory: Callable[[EngineConfig], Any] | None = None,
-                 **settings: Any) -> LiveServer:
+                 transport: str = "thread", **settings: Any) -> LiveServer:
     config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
                              "max_num_seqs": 64, **(engine or {})})
-    llm = AsyncLLM(config, engine_factory=engine_factory)
+    llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
     app = build_app(llm, ServerSettings(**{"served_model_name": MODEL_NAME,
                                            "model_path": str(model_dir), **settings}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",

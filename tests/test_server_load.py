@@ -42,6 +42,20 @@ def assert_idle(server: LiveServer) -> None:
 
 
 def test_cut_streams_free_everything(server: LiveServer) -> None:
+    cut_streams_at_random(server)
+
+
+def test_cut_streams_free_everything_engine_process(model_dir) -> None:
+    live = start_server(model_dir, transport="process")
+    try:
+        cut_streams_at_random(live)
+        test_non_streamed_disconnect_aborts(live)
+    finally:
+        live.stop()
+
+
+def cut_streams_at_random(server: LiveServer) -> None:
+    """50 streams cut at random points; afterwards nothing runs and every block is free."""
     rng = random.Random(0)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
