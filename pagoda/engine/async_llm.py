@@ -186,7 +186,8 @@ def _snapshot(output: RequestOutput) -> RequestOutput:
 @dataclass
 class _SampleDelta:
     index: int
-    text: str
+    text: str  # appended to the text so far, or the whole text when replace_text
+    replace_text: bool
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
@@ -232,8 +233,11 @@ class _DeltaEncoder:
             if c.logprobs is not None:
                 logprobs = c.logprobs[sent.logprobs[i]:]
                 sent.logprobs[i] = len(c.logprobs)
-            samples.append(_SampleDelta(c.index, c.text[sent.text[i]:],
-                                        c.token_ids[sent.tokens[i]:], logprobs,
+            # Text only grows (the detokenizer holds back what a stop string may remove); a
+            # shorter text would mean that changed, and is then sent whole.
+            shrunk = len(c.text) < sent.text[i]
+            samples.append(_SampleDelta(c.index, c.text if shrunk else c.text[sent.text[i]:],
+                                        shrunk, c.token_ids[sent.tokens[i]:], logprobs,
                                         c.cumulative_logprob, c.finish_reason, c.stop_reason))
             sent.text[i] = len(c.text)
             sent.tokens[i] = len(c.token_ids)
@@ -254,7 +258,7 @@ def _apply_delta(replica: RequestOutput, delta: _OutputDelta) -> None:
     """Front side: grow the replica of a request's output by one delta."""
     for sample in delta.samples:
         c = replica.outputs[sample.index]
-        c.text += sample.text
+        c.text = sample.text if sample.replace_text else c.text + sample.text
         c.token_ids.extend(sample.token_ids)
         if sample.logprobs is not None:
             if c.logprobs is None:
