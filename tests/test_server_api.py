@@ -166,3 +166,25 @@ def test_health_and_metrics(server: LiveServer) -> None:
               if line.startswith("pagoda:") and "_count{" in line}
     assert counts["pagoda:inter_token_latency_seconds_count"] > 0
     assert counts["pagoda:time_to_first_token_seconds_count"] > 0
+
+
+def test_speculative_decoding_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:
+    live = start_server(build_tiny_model(tmp_path_factory.mktemp("spec")), engine={"speculative": "ngram"})
+    try:
+        response = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "a b c d a b c d a b c d a b", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200
+        usage = response.json()["usage"]
+        assert usage["completion_tokens"] == 24  # emitted tokens only, never rejected drafts
+        text = httpx.get(live.url + "/metrics").text
+        values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("pagoda:spec_decode")}
+        drafts = values[f'pagoda:spec_decode_num_drafts_total{{model_name="{MODEL_NAME}"}}']
+        proposed = values[f'pagoda:spec_decode_num_draft_tokens_total{{model_name="{MODEL_NAME}"}}']
+        accepted = values[f'pagoda:spec_decode_num_accepted_tokens_total{{model_name="{MODEL_NAME}"}}']
+        assert drafts > 0 and proposed >= accepted >= 0
+        per_position = sum(v for k, v in values.items() if "_per_pos_total" in k)
+        assert per_position == accepted
+    finally:
+        live.stop()

@@ -65,6 +65,25 @@ class _EngineStatsCollector(Collector):
                       get("num_preemptions"))
         yield counter("prompt_tokens", "Prompt tokens processed.", get("num_prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated.", get("num_generation_tokens"))
+        yield from self._spec_decode(stats, labels, values)
+
+    @staticmethod
+    def _spec_decode(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
+        """Speculative decoding counters (vLLM's names under pagoda:); zero when it is off."""
+        spec = stats.spec_decode if stats is not None else None
+        for name, doc, field in (
+                ("spec_decode_num_drafts", "Request-steps that verified drafted tokens.", "num_drafts"),
+                ("spec_decode_num_draft_tokens", "Drafted tokens verified by the target.", "num_draft_tokens"),
+                ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", "num_accepted_tokens")):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, getattr(spec, field) if spec is not None else 0)
+            yield family
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafted tokens accepted, by position in the draft.",
+                                           labels=labels + ["position"])
+        for position, accepted in enumerate(spec.accepted_per_position if spec is not None else []):
+            per_position.add_metric(values + [str(position)], accepted)
+        yield per_position
 
 
 class _WeightedHistogram(Collector):
