@@ -6,7 +6,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagoda.outputs import CompletionOutput, PositionLogprobs
 from pagoda.serve.logprobs import join_legacy, legacy_logprobs
@@ -14,10 +14,8 @@ from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.sampling import build_sampling_params
-from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
-                                  new_request_id)
-from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
-                              cancel_on_disconnect, sse_error, sse_event, to_json)
+from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id, respond
+from pagoda.serve.sse import SSE_DONE, ChoiceChunks, sse_error, sse_event, to_json
 from pagoda.serve.tenants import Tenant
 
 
@@ -82,29 +80,8 @@ async def create_completion(ctx: ServeContext, raw: Request, request: Completion
                             params, stream=request.stream)
     await generation.start()
     created = int(time.time())
-    if request.stream:
-        body = _stream(ctx, generation, request, created)
-        return EventStreamResponse(body, on_close=lambda: generation.close(
-            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
-    try:
-        await cancel_on_disconnect(raw, _drain(generation))
-        response = _response(ctx, generation, request, created)
-    except ClientDisconnected:
-        generation.close(CLIENT_CLOSED_REQUEST)
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except APIError as exc:
-        generation.close(exc.status, exc)
-        raise
-    except BaseException:
-        generation.close(CLIENT_CLOSED_REQUEST)
-        raise
-    generation.close(200)
-    return JSONResponse(response.model_dump())
-
-
-async def _drain(generation: Generation) -> None:
-    async for _ in generation.outputs():
-        pass
+    stream_body = _stream(ctx, generation, request, created) if request.stream else None
+    return await respond(raw, generation, stream_body, lambda: _response(ctx, generation, request, created))
 
 
 def _echo_prefix(prompt: EnginePrompt, tokenizer: Any) -> str:

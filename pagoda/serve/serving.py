@@ -13,7 +13,10 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagoda.outputs import RequestOutput
@@ -25,6 +28,7 @@ from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.protocol import PromptTokensDetails, Usage
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
+from pagoda.serve.sse import ClientDisconnected, EventStreamResponse, cancel_on_disconnect
 from pagoda.serve.tenants import Tenant, TenantLease, TenantLimiter
 
 # HTTP status logged for requests whose client went away (nginx's convention).
@@ -250,6 +254,35 @@ class Generation:
         record.prompt = [p.text if p.text is not None else str(p.token_ids) for p in self.prompts]
         record.output = [c.text for o in outputs for c in o.outputs]
         return record
+
+
+async def respond(raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None,
+                  build_response: Callable[[], Any]) -> Response:
+    """Send a started generation: as server-sent events when `stream_body` is given, else wait
+    for it to finish (aborting it if the client leaves) and send `build_response()` as JSON.
+    The generation is closed with the status the client saw."""
+    if stream_body is not None:
+        return EventStreamResponse(stream_body, on_close=lambda: generation.close(
+            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
+    try:
+        await cancel_on_disconnect(raw, _drain(generation))
+        response = build_response()
+    except ClientDisconnected:
+        generation.close(CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except APIError as exc:
+        generation.close(exc.status, exc)
+        raise
+    except BaseException:
+        generation.close(CLIENT_CLOSED_REQUEST)
+        raise
+    generation.close(200)
+    return JSONResponse(response.model_dump())
+
+
+async def _drain(generation: Generation) -> None:
+    async for _ in generation.outputs():
+        pass
 
 
 def _finish_reason(output: RequestOutput) -> str:
