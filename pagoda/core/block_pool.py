@@ -153,9 +153,3 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
             block.token_ids = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached_blocks.values():
-            block.block_hash = None
-            block.token_ids = None
-        self.cached_blocks.clear()
