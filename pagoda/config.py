@@ -64,6 +64,11 @@ class EngineConfig:
     speculative_max_batch: int = field(default=8, metadata={
         "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
                 "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+    # ---- structured output (pagoda/structured) ----
+    structured_output_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
+    structured_output_compile_threads: int = field(default=1, metadata={
+        "help": "threads compiling grammars beside the engine loop"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,6 +99,10 @@ class EngineConfig:
             fail("draft_model", "is required with speculative=draft")
         if not 1 <= self.num_speculative_tokens <= 16:
             fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if not self.structured_output_timeout > 0:
+            fail("structured_output_timeout", f"must be > 0, got {self.structured_output_timeout}")
+        if self.structured_output_compile_threads < 1:
+            fail("structured_output_compile_threads", f"must be >= 1, got {self.structured_output_compile_threads}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 
@@ -118,6 +127,8 @@ class EngineConfig:
             kind: Any = str
             if "int" in str(f.type):
                 kind = int
+            elif "float" in str(f.type):
+                kind = float
             choices = None
             if f.name == "speculative":
                 choices = ["ngram", "draft"]

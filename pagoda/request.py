@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.outputs import PositionLogprobs, RequestMetrics
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.structured.matcher import RequestMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +77,8 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Grammar state of a structured-output request (set once its grammar is compiled).
+    structured_output: "RequestMatcher | None" = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.structured.params import StructuredOutputsParams
+
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -40,6 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Grammar-constrained output (JSON schema, regex, choice, grammar, ...); see pagoda/structured.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +54,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

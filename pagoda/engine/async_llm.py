@@ -320,11 +320,16 @@ def _run_engine_loop(engine: "LLMEngine", take: Callable[[bool], list[object]],
             if isinstance(message, _Shutdown):
                 return
             if isinstance(message, _Add):
-                emitted.append((message.request_id, _add(engine, message)))
+                result = _add(engine, message)
+                if result is not None:  # None: accepted once its grammar compiles
+                    emitted.append((message.request_id, result))
             elif isinstance(message, _Abort):
                 engine.abort_request(message.request_ids)
         if engine.has_unfinished_requests():
-            for output in engine.step():
+            outputs = engine.step()
+            emitted.extend((request_id, ACCEPTED if error is None else ValueError(error))
+                           for request_id, error in engine.take_grammar_outcomes())
+            for output in outputs:
                 emitted.append((output.request_id, encode(output)))
         emit(emitted, engine.get_stats())
 
@@ -339,7 +344,7 @@ def _add(engine: "LLMEngine", message: _Add) -> object:
     except Exception as exc:  # a bug for this request; the engine itself keeps serving
         logger.exception("add_request failed for %s", message.request_id)
         return RuntimeError(f"the engine could not add the request: {exc!r}")
-    return ACCEPTED
+    return None if engine.is_waiting_for_grammar(message.request_id) else ACCEPTED
 
 
 def _engine_process_main(conn: "Connection", config: EngineConfig,

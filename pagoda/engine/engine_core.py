@@ -20,6 +20,8 @@ from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
 from pagoda.spec_decode.ngram_proposer import NgramProposer
+from pagoda.structured.compiler import StructuredOutputStats
+from pagoda.structured.manager import StructuredOutputManager
 from pagoda.worker.model_runner import ModelRunner, StepTimings, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class EngineStats:
     num_generation_tokens: int
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
+    structured_output: StructuredOutputStats | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,6 +119,13 @@ class EngineCore:
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager, drafter=drafter)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
+        # Grammars compile beside the loop; its tokenizer index starts building now.
+        self.structured = StructuredOutputManager(
+            config.tokenizer or config.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
+            timeout_s=config.structured_output_timeout, max_workers=config.structured_output_compile_threads)
+        # Structured-output requests whose grammar finished compiling since the last call:
+        # (request id, None) once scheduled, (request id, error message) if it failed.
+        self.grammar_outcomes: list[tuple[str, str | None]] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -164,7 +174,10 @@ class EngineCore:
         lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]
         samples = [lead, *lead.pending_forks]
         self.requests[request_id] = samples
-        self.scheduler.add_request(lead)
+        if params.structured_outputs is not None:
+            self.structured.submit(request_id, samples)  # joins the scheduler once compiled
+        else:
+            self.scheduler.add_request(lead)
         return samples
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -213,13 +226,36 @@ class EngineCore:
         self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.has_pending
+
+    def is_waiting_for_grammar(self, request_id: str) -> bool:
+        samples = self.requests.get(request_id)
+        return bool(samples) and samples[0].sampling_params.structured_outputs is not None \
+            and samples[0].structured_output is None and not samples[0].is_finished
+
+    def take_grammar_outcomes(self) -> list[tuple[str, str | None]]:
+        outcomes, self.grammar_outcomes = self.grammar_outcomes, []
+        return outcomes
+
+    def _admit_compiled(self) -> None:
+        if not self.structured.has_pending:
+            return
+        if not self.scheduler.has_unfinished_requests():
+            self.structured.wait(0.01)  # nothing else to do: don't spin
+        ready, failed = self.structured.poll()
+        for request_id, samples in ready:
+            self.scheduler.add_request(samples[0])
+            self.grammar_outcomes.append((request_id, None))
+        for request_id, message in failed:
+            self.scheduler.finish_requests(self.requests.get(request_id, []), RequestStatus.FINISHED_ABORTED)
+            self.grammar_outcomes.append((request_id, message))
 
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
         """Run one scheduled batch. Returns the samples that received tokens this step."""
         started = time.perf_counter()
+        self._admit_compiled()
         self._plan_speculation()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -234,6 +270,9 @@ class EngineCore:
         outputs_before = {id(e.request): e.request.num_output_tokens for e in scheduler_output.scheduled}
         self._record_speculation(scheduler_output, runner_output.num_accepted)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        grammar_done = self.structured.advance(progressed, outputs_before)
+        if grammar_done:
+            self.scheduler.finish_requests(grammar_done, RequestStatus.FINISHED_STOPPED)
         for request in progressed:
             num_before = outputs_before[id(request)]
             if num_before == 0:
@@ -296,6 +335,7 @@ class EngineCore:
             spec_decode=SpecDecodeStats(self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens,
                                         self.spec_stats.num_accepted_tokens,
                                         list(self.spec_stats.accepted_per_position)),
+            structured_output=self.structured.stats(),
         )
 
 

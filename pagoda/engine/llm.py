@@ -56,7 +56,11 @@ class LLM:
         sent = 0
         try:
             while True:
-                for output in self.engine.step():
+                outputs = self.engine.step()
+                for failed_id, error in self.engine.take_grammar_outcomes():
+                    if error is not None and failed_id == request_id:
+                        raise ValueError(error)
+                for output in outputs:
                     if output.request_id != request_id:
                         continue
                     text = output.outputs[0].text
@@ -84,7 +88,13 @@ class LLM:
 
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         while pending:
-            for output in self.engine.step():
+            outputs = self.engine.step()
+            failed = [error for request_id, error in self.engine.take_grammar_outcomes()
+                      if error is not None and request_id in pending]
+            if failed:  # a grammar failed to compile in time: nothing else of this call is kept
+                self.engine.abort_request(pending)
+                raise ValueError(failed[0])
+            for output in outputs:
                 if output.finished and output.request_id in pending:
                     pending.discard(output.request_id)
                     finished[output.request_id] = output

@@ -31,6 +31,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._aborted: list[RequestOutput] = []
+        self._grammar_outcomes: list[tuple[str, str | None]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -73,6 +74,10 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if self.core.has_unfinished_requests():
             progressed = self.core.step()
+            for request_id, error in self.core.take_grammar_outcomes():
+                if error is not None:  # its grammar failed: it never ran
+                    self._forget(request_id)
+                self._grammar_outcomes.append((request_id, error))
             changed, stopped = self.output_processor.process(progressed)
             if stopped:
                 self.core.finish_samples(stopped, RequestStatus.FINISHED_STOPPED)
@@ -84,6 +89,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or bool(self._aborted)
+
+    def is_waiting_for_grammar(self, request_id: str) -> bool:
+        """A structured-output request accepted only once its grammar compiles (see step)."""
+        return self.core.is_waiting_for_grammar(request_id)
+
+    def take_grammar_outcomes(self) -> list[tuple[str, str | None]]:
+        """Structured-output requests decided by the steps since the last call: (request id,
+        None) when its grammar compiled and it was scheduled, (request id, message) when it
+        failed (bad grammar or --structured-output-timeout); a failed one is already forgotten."""
+        outcomes, self._grammar_outcomes = self._grammar_outcomes, []
+        return outcomes
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()

@@ -20,6 +20,7 @@ from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.request import Request
 from pagoda.spec_decode.rejection_sampler import verify
+from pagoda.structured.manager import apply_grammar_masks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.sampler import Sampler, position_logprobs
 
@@ -200,6 +201,8 @@ class ModelRunner:
             count = len(extent) if kind == "prompt" else extent
             offsets.append(offset)
             offset += count
+        apply_grammar_masks(logits, [(offsets[i], request, request.spec_token_ids[:extent - 1] if kind == "verify"
+                                      else []) for i, (kind, request, extent) in enumerate(owners) if kind != "prompt"])
 
         plain = [(i, owner[1]) for i, owner in enumerate(owners) if owner[0] == "sample"]
         if plain:

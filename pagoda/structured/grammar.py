@@ -1,0 +1,118 @@
+"""A request's constraint -> llguidance grammar text, checked before it reaches the engine.
+
+Errors are ValueError whose message starts with the request field at fault, so the server can
+answer 400 naming it. Checking needs no tokenizer, so the API server does it up front and only
+well-formed grammars ever wait for compilation in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from pagoda.structured.params import StructuredOutputsParams
+
+# JSON as OpenAI and vLLM emit it under a schema: compact separators, no free whitespace (a
+# model cannot pad forever), properties in schema order.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; `field` names the request field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+def build_grammar(params: StructuredOutputsParams, field: str | None = None) -> str:
+    """The llguidance grammar for `params`, validated. Raises GrammarError."""
+    kind = params.kind
+    field = field or f"structured_outputs.{kind}"
+    try:
+        grammar = _translate(params)
+    except GrammarError:
+        raise
+    except Exception as exc:  # llguidance raises ValueError/RuntimeError with its reason
+        raise GrammarError(field, _short(exc)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(field, _short(error))
+    return grammar
+
+
+def _translate(params: StructuredOutputsParams) -> str:
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError("structured_outputs.json", f"is not valid JSON: {exc}") from None
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarError("structured_outputs.json", "must be a JSON schema object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in params.choice))
+    if kind == "grammar":
+        # Lark as llguidance reads it, or GBNF/EBNF as llama.cpp writes it (`root ::= ...`).
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
+    if kind == "structural_tag":
+        return structural_tag_grammar(params.structural_tag)
+    raise GrammarError("structured_outputs", f"unknown kind {kind!r}")
+
+
+def structural_tag_grammar(spec: dict[str, Any] | str) -> str:
+    """vLLM's structural tag: free text in which a segment that starts with one of `triggers`
+    must be `begin`, then JSON matching `schema`, then `end`."""
+    field = "structured_outputs.structural_tag"
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(field, f"is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise GrammarError(field, "must be an object with structures and triggers")
+    structures = spec.get("structures")
+    triggers = spec.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError(field, "needs a non-empty list `structures` of {begin, schema, end}")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError(field, "needs a non-empty list `triggers` of strings")
+    tags = []
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str):
+            raise GrammarError(field, f"structures[{i}] needs a string `begin`")
+        begin = structure["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise GrammarError(field, f"structures[{i}].begin {begin!r} starts with none of the triggers")
+        schema = structure.get("schema", {})
+        if not isinstance(schema, dict):
+            raise GrammarError(field, f"structures[{i}].schema must be a JSON schema object")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema,
+                                         end=str(structure.get("end", ""))))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
+def _lark_string(text: str) -> str:
+    # JSON string escapes are valid Lark string escapes.
+    return json.dumps(text)
+
+
+def _short(error: object) -> str:
+    """llguidance errors can carry a dump of the grammar; the first line says what is wrong."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "invalid grammar"

@@ -1,0 +1,145 @@
+"""What the engine core and the model runner call for structured output.
+
+A constrained request waits here (not in the scheduler) until its grammar is compiled, so a
+slow grammar never holds up the batch or the requests queued behind it. Once compiled, each
+of its samples gets its own matcher and the lead is handed to the scheduler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.request import Request
+from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.structured.compiler import GrammarCompiler, StructuredOutputStats
+from pagoda.structured.grammar import GrammarError
+from pagoda.structured.matcher import RequestMatcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    samples: list[Request]
+    future: concurrent.futures.Future
+    submitted: float
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 timeout_s: float, max_workers: int = 1) -> None:
+        self.timeout_s = timeout_s
+        self.compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids), max_workers=max_workers)
+        self._pending: list[_Pending] = []
+
+    # ---- waiting for grammars ------------------------------------------------------------------
+
+    def submit(self, request_id: str, samples: list[Request]) -> None:
+        params = samples[0].sampling_params.structured_outputs
+        future = self.compiler.submit(params)
+        self._pending.append(_Pending(request_id, samples, future, time.monotonic()))
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pending grammar is done or `timeout_s` passes (an otherwise idle step)."""
+        if self._pending:
+            concurrent.futures.wait([p.future for p in self._pending], timeout=timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def poll(self) -> tuple[list[tuple[str, list[Request]]], list[tuple[str, str]]]:
+        """(request id, samples) whose grammars are ready, matchers attached; and
+        (request id, error message) for those that failed or timed out."""
+        ready, failed, still = [], [], []
+        now = time.monotonic()
+        for pending in self._pending:
+            if all(s.is_finished for s in pending.samples):
+                continue  # aborted while waiting
+            if pending.future.done():
+                error = pending.future.exception()
+                if error is None:
+                    template = pending.future.result()
+                    kind = pending.samples[0].sampling_params.structured_outputs.kind
+                    for sample in pending.samples:
+                        sample.structured_output = RequestMatcher(template.deep_copy(), kind)
+                    ready.append((pending.request_id, pending.samples))
+                else:
+                    self.compiler.record(failure=True)
+                    message = str(error) if isinstance(error, GrammarError) else \
+                        f"structured_outputs: the grammar could not be compiled: {error}"
+                    failed.append((pending.request_id, message))
+            elif now - pending.submitted > self.timeout_s:
+                self.compiler.record(timeout=True)
+                failed.append((pending.request_id,
+                               f"structured_outputs: compiling the grammar took longer than "
+                               f"{self.timeout_s:g} s (--structured-output-timeout)"))
+            else:
+                still.append(pending)
+        self._pending = still
+        return ready, failed
+
+    # ---- each step -----------------------------------------------------------------------------
+
+    @staticmethod
+    def advance(progressed: Sequence[Request], outputs_before: dict[int, int]) -> list[Request]:
+        """Feed this step's new tokens to the matchers. Returns the unfinished requests whose
+        grammar is now complete (they stop here: nothing but EOS could follow)."""
+        done = []
+        for request in progressed:
+            matcher = request.structured_output
+            if matcher is None:
+                continue
+            new_tokens = request.output_token_ids[outputs_before[id(request)]:]
+            extra = len(new_tokens) - matcher.accept(new_tokens)
+            if extra and matcher.is_terminated:
+                # A speculative step can emit tokens past the grammar's end (EOS); a step
+                # without speculation would have stopped before them, so they are dropped.
+                del request.output_token_ids[-extra:]
+                del request.all_token_ids[-extra:]
+                request.stop_reason = None
+            elif extra:
+                logger.warning("request %s emitted a token its grammar rejects; stopping it", request.request_id)
+            if not request.is_finished and (matcher.is_terminated or matcher.failed):
+                done.append(request)
+        return done
+
+    def stats(self) -> StructuredOutputStats:
+        return self.compiler.snapshot()
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
+
+
+def apply_grammar_masks(logits: torch.Tensor, groups: Sequence[tuple[int, Request, Sequence[int]]]) -> None:
+    """Mask the logits rows of constrained requests in one operation.
+
+    `groups`: (first logits row, request, drafts) per request about to sample; a request with
+    k drafts owns k + 1 consecutive rows. Rows of unconstrained requests are left untouched.
+    Masking happens before logit bias, penalties, temperature and top-k/p, and before logprobs
+    are computed: reported logprobs are those of the masked distribution, as in vLLM (its model
+    runner applies the grammar bitmask to the logits before its sampler sees them).
+    """
+    constrained = [(row, request, drafts) for row, request, drafts in groups
+                   if request.structured_output is not None]
+    if not constrained:
+        return
+    num_rows = sum(len(drafts) + 1 for _, _, drafts in constrained)
+    bitmask = allocate_bitmask(num_rows, logits.shape[-1])
+    rows: list[int] = []
+    for row, request, drafts in constrained:
+        matcher = request.structured_output
+        if drafts:
+            matcher.fill_draft_masks(bitmask, len(rows), drafts)
+        else:
+            matcher.fill_mask(bitmask, len(rows))
+        rows.extend(range(row, row + len(drafts) + 1))
+    apply_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))

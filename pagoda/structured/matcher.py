@@ -1,0 +1,70 @@
+"""The per-request grammar state: advances with each accepted token, rolls back drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+
+class RequestMatcher:
+    """One sample's position in its grammar.
+
+    Preemption needs nothing here: a preempted request keeps its output tokens (only their KV
+    is recomputed), so the matcher's state stays valid. Speculative drafts are consumed
+    tentatively to compute their masks and rolled back before verification.
+    """
+
+    __slots__ = ("matcher", "kind", "num_accepted", "failed")
+
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str) -> None:
+        self.matcher = matcher
+        self.kind = kind
+        self.num_accepted = 0
+        self.failed = False
+
+    def accept(self, token_ids: Sequence[int]) -> int:
+        """Advance over sampled tokens, stopping at the grammar's end or at a token it rejects
+        (possible only when something outside the grammar, e.g. min_tokens, overrode the
+        mask). Returns how many tokens were consumed."""
+        consumed = 0
+        for token_id in token_ids:
+            if self.is_terminated:
+                break
+            if not self.matcher.consume_token(int(token_id)):
+                self.failed = True
+                break
+            consumed += 1
+        self.num_accepted += consumed
+        return consumed
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and admits nothing more (EOS aside): the request is done."""
+        return self.matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits for the current position into bitmask[row] (int32, CPU)."""
+        target = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+
+    def fill_draft_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> None:
+        """Masks for the positions of a speculative step: the current one, then after each draft.
+        A draft the grammar rejects ends the chain (its row and later ones repeat the last valid
+        mask: the verifier rejects that draft anyway, since its masked probability is zero)."""
+        consumed = 0
+        self.fill_mask(bitmask, first_row)
+        for i, draft in enumerate(drafts):
+            row = first_row + i + 1
+            if consumed == i and self.matcher.try_consume_tokens([int(draft)]) == 1:
+                consumed += 1
+                self.fill_mask(bitmask, row)
+            else:
+                bitmask[row] = bitmask[row - 1]
+        if consumed:
+            self.matcher.rollback(consumed)

@@ -1,0 +1,206 @@
+"""Structured output in the engine: constrained outputs are valid whatever the (random)
+model prefers, masking is exact, and unconstrained requests are untouched."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import llguidance
+import pytest
+
+from model_factory import build_model
+from pagoda import LLM, SamplingParams
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.config import EngineConfig
+from pagoda.structured import StructuredOutputsParams
+from pagoda.structured.grammar import build_grammar
+from structured_schemas import random_object_schema
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(model=str(llama_dir))
+
+
+def constrained(temperature: float = 0.0, max_tokens: int = 200, **kind) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=7 if temperature else None,
+                          structured_outputs=StructuredOutputsParams(**kind))
+
+
+def test_fifty_random_json_schemas_parse_and_validate(llm):
+    rng = random.Random(0)
+    schemas = [random_object_schema(rng) for _ in range(50)]
+    params = [constrained(temperature=rng.choice([0.0, 1.0]), max_tokens=300, json=s) for s in schemas]
+    outputs = llm.generate(["{"] * 25 + ["def f(x):"] * 25, params)
+    for schema, output in zip(schemas, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (schema, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+    stats = llm.engine.get_stats().structured_output
+    assert stats.requests_by_kind["json"] >= 50 and stats.num_compiles >= 1
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    regex = r"[0-9]{3}-[a-z]{2,4}(\.[a-z]+)?"
+    choices = ["yes", "no", "maybe so"]
+    outputs = llm.generate(["a b c"] * 5, [
+        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=50,
+                       structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=50,
+                       structured_outputs=StructuredOutputsParams(choice=choices)),
+        constrained(grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?', max_tokens=60),
+        constrained(json_object=True, max_tokens=300),
+        constrained(json={"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}),
+    ])
+    assert all(re.fullmatch(regex, c.text) for c in outputs[0].outputs)
+    assert all(c.text in choices for c in outputs[1].outputs)
+    grammar_text = outputs[2].outputs[0].text
+    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", grammar_text) or \
+        outputs[2].outputs[0].finish_reason == "length"
+    assert isinstance(json.loads(outputs[3].outputs[0].text), dict)
+    value = json.loads(outputs[4].outputs[0].text)
+    assert len(value) == 2 and all(isinstance(v, bool) for v in value)
+
+
+def test_masked_sampling_never_emits_a_rejected_token(llm):
+    """Property: replaying every emitted token through a fresh matcher accepts all of them,
+    for random schemas and sampled (not greedy) decoding with top-k/p and penalties."""
+    rng = random.Random(1)
+    tokenizer = llm.engine.core.structured.compiler.tokenizer
+    for _ in range(3):
+        schemas = [random_object_schema(rng) for _ in range(6)]
+        params = [SamplingParams(temperature=1.3, top_p=0.9, top_k=50, presence_penalty=1.0, seed=rng.randint(0, 99),
+                                 max_tokens=120, structured_outputs=StructuredOutputsParams(json=s))
+                  for s in schemas]
+        for schema, output in zip(schemas, llm.generate(["x = "] * 6, params)):
+            tokens = output.outputs[0].token_ids
+            matcher = llguidance.LLMatcher(tokenizer, build_grammar(StructuredOutputsParams(json=schema)))
+            for token in tokens:
+                assert matcher.consume_token(token), matcher.get_error()
+            if output.outputs[0].finish_reason == "stop":
+                assert matcher.is_accepting()
+
+
+def test_unconstrained_rows_are_bit_identical_in_a_mixed_batch(llama_dir):
+    """The same batch shapes step by step (the stand-ins run exactly as long as the constrained
+    requests did; no prefix cache), so any difference could only come from the mask."""
+    llm = LLM(model=str(llama_dir), enable_prefix_caching=False)
+    prompts = ["def main():", "import os", "class A:", "x = [1, 2"]
+    plain = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+             SamplingParams(temperature=0.9, seed=11, max_tokens=24, logprobs=2, ignore_eos=True)]
+    mixed_params = plain + [constrained(json=SCHEMA, max_tokens=24),
+                            constrained(temperature=1.0, regex="[a-z]{5,30}", max_tokens=24)]
+    llm.generate(prompts, mixed_params)  # compiled grammars are cached: next time none waits a step
+    mixed = llm.generate(prompts, mixed_params)
+    stand_ins = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids))
+                 for o in mixed[2:]]
+    alone = llm.generate(prompts, plain + stand_ins)
+    for a, b in zip(alone[:2], mixed[:2]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact floats, not approximately
+
+
+def test_logprobs_are_those_of_the_masked_distribution(llm):
+    output = llm.generate(["hi"], constrained(choice=["yes", "no"], max_tokens=5).clone(logprobs=5))[0]
+    first = output.outputs[0].logprobs[0]
+    finite = {t: lp.logprob for t, lp in first.items() if lp.logprob != float("-inf")}
+    assert output.outputs[0].token_ids[0] in finite
+    assert abs(sum(2.718281828459045 ** lp for lp in finite.values()) - 1.0) < 1e-3 or len(finite) <= 5
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, llama_dir):
+    return build_model(tmp_path_factory.mktemp("so-draft") / "draft", "llama", seed=5, num_hidden_layers=1)
+
+
+def test_same_constrained_output_with_engine_features(llama_dir, draft_dir):
+    """Greedy constrained outputs do not change with prefix caching, chunked prefill,
+    preemption, n > 1 or speculative decoding (drafts checked against the matcher)."""
+    prompt = "def handler(event, context):\n    return " * 3
+    params = [constrained(json=SCHEMA, max_tokens=80), constrained(regex=r"(ab|cd|[0-9]){4,12}", max_tokens=40),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    prompts = [prompt, prompt + "x", "y" + prompt]
+    baseline = [o.outputs[0].token_ids for o in LLM(model=str(llama_dir), enable_prefix_caching=False)
+                .generate(prompts, params)]
+    json.loads(LLM(model=str(llama_dir)).engine.tokenizer.decode(baseline[0]))
+    runs = {
+        "prefix cache": dict(),
+        "chunked": dict(max_num_batched_tokens=16),
+        "preempted": dict(num_kv_blocks=14, max_num_batched_tokens=32),
+        "ngram": dict(speculative="ngram"),
+        "draft": dict(speculative="draft", draft_model=str(draft_dir), num_speculative_tokens=3),
+    }
+    for name, engine_args in runs.items():
+        llm = LLM(model=str(llama_dir), **engine_args)
+        llm.generate(prompts, params)  # warm the prefix cache
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert outputs == baseline, name
+        stats = llm.engine.get_stats()
+        if name == "preempted":
+            assert stats.num_preemptions > 0
+        if name in ("ngram", "draft"):
+            assert stats.spec_decode.num_drafts > 0
+        assert stats.structured_output.cache_hits > 0
+    n_out = LLM(model=str(llama_dir)).generate([prompt], params[0].clone(n=3))[0]
+    assert [c.token_ids for c in n_out.outputs] == [baseline[0]] * 3
+
+
+def test_grammar_end_stops_the_request(llm):
+    output = llm.generate(["z"], constrained(choice=["done"], max_tokens=50))[0].outputs[0]
+    assert output.text == "done" and output.finish_reason == "stop"
+
+
+def test_bad_grammar_and_compile_timeout_fail_only_their_request(llama_dir, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), structured_output_timeout=0.2,
+                                  structured_output_compile_threads=2))
+    compiler = engine.core.structured.compiler
+    original = compiler._compile
+
+    def slow_compile(params):
+        if params.regex == "slow":
+            time.sleep(1.0)
+        return original(params)
+
+    monkeypatch.setattr(compiler, "_compile", slow_compile)
+    engine.add_request("slow", "a", constrained(regex="slow"))
+    engine.add_request("bad", "a", constrained(regex="[a-"))
+    engine.add_request("plain", "a", SamplingParams(temperature=0.0, max_tokens=5))
+    assert engine.is_waiting_for_grammar("slow") and not engine.is_waiting_for_grammar("plain")
+    outcomes, finished = {}, {}
+    deadline = time.time() + 30
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        outcomes.update(engine.take_grammar_outcomes())
+    assert "structured_outputs.regex" in outcomes["bad"]
+    assert "--structured-output-timeout" in outcomes["slow"]
+    assert finished["plain"].outputs[0].finish_reason == "length"
+    assert not engine.core.requests and engine.core.kv_cache.num_held_blocks() == 0
+    stats = engine.get_stats().structured_output
+    assert stats.num_timeouts == 1 and stats.num_failures == 1
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        LLM(model=str(llama_dir)).generate(["a"], constrained(json={"type": "no such type"}))
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    params = SamplingParams(structured_outputs={"json": {"type": "object"}})
+    assert params.structured_outputs.kind == "json"
+    assert StructuredOutputsParams(json={"b": 1, "a": 2}).cache_key() == \
+        StructuredOutputsParams(json={"a": 2, "b": 1}).cache_key()
