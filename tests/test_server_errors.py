@@ -84,7 +84,7 @@ def test_invalid_completion_parameters(http: httpx.Client, fields: dict, param: 
     ({"messages": "hi"}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 99}, "logprobs"),
     ({"max_completion_tokens": 0}, "max_tokens"),

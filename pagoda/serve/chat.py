@@ -14,25 +14,16 @@ from pagoda.serve.logprobs import chat_logprobs
 from pagoda.serve.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatMessage)
 from pagoda.serve.sampling import build_sampling_params
+from pagoda.serve.structured_request import with_structured_outputs
+from pagoda.serve.tool_calls import ToolCallStream, ToolPlan, plan_tools, template_message, with_tool_constraint
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id, respond
 from pagoda.serve.sse import SSE_DONE, ChoiceChunks, sse_error, sse_event, to_json
 from pagoda.serve.tenants import Tenant
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def reject_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools:
-        raise bad_request("tools are not supported.", param="tools")
-    if request.functions:
-        raise bad_request("functions are not supported.", param="functions")
-    if request.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported.", param="tool_choice")
-    if request.function_call not in (None, "none"):
-        raise bad_request("function_call is not supported.", param="function_call")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format type {request.response_format.type!r} is not "
-                          "supported; only 'text' is.", param="response_format")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     if request.stream_options is not None and not request.stream:
@@ -49,8 +40,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if message.role not in ROLES:
             raise bad_request(f"messages[{i}].role {message.role!r} is not supported; use one "
                               f"of {', '.join(ROLES)}.", param="messages")
-        if (message.model_extra or {}).get("tool_calls"):
-            raise bad_request(f"messages[{i}].tool_calls is not supported.", param="messages")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -61,7 +50,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if message.role == "developer" else message.role
-        result.append({"role": role, "content": content or ""})
+        extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
+        result.append(template_message({"role": role, "content": content or "", **extra}))
     return result
 
 
@@ -71,12 +61,13 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
     reject_unsupported(request)
     tokenizer = ctx.llm.tokenizer
     messages = template_messages(request.messages)
+    tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
     if not getattr(tokenizer, "has_chat_template", True):
         raise bad_request("This model has no chat template; use /v1/completions.",
                           param="messages")
     try:
-        token_ids = tokenizer.encode_chat(messages,
-                                          add_generation_prompt=request.add_generation_prompt)
+        token_ids = tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                          **({"tools": tools.tools} if tools else {}))
     except ValueError as exc:
         raise bad_request(f"messages could not be formatted: {exc}", param="messages") from None
     max_param = "max_completion_tokens" if request.max_completion_tokens is not None \
@@ -87,17 +78,19 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
     num_top = request.top_logprobs or 0
     params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                    logprobs=num_top if request.logprobs else None)
+    params = with_structured_outputs(params, request)
+    params = with_tool_constraint(params, tools)
     prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
     generation = Generation(ctx, new_request_id("chatcmpl"), "chat", tenant, [prompt], params,
                             stream=request.stream)
     await generation.start(max_param)
     created = int(time.time())
-    stream_body = _stream(ctx, generation, request, created) if request.stream else None
-    return await respond(raw, generation, stream_body, lambda: _response(ctx, generation, request, created))
+    stream_body = _stream(ctx, generation, request, created, tools) if request.stream else None
+    return await respond(raw, generation, stream_body, lambda: _response(ctx, generation, request, created, tools))
 
 
 def _response(ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
-              created: int) -> ChatCompletionResponse:
+              created: int, tools: ToolPlan | None) -> ChatCompletionResponse:
     final = generation.finals[0]
     assert final is not None
     choices = []
@@ -107,16 +100,18 @@ def _response(ctx: ServeContext, generation: Generation, request: ChatCompletion
             logprobs = ChatChoiceLogprobs(content=chat_logprobs(
                 sample.token_ids, list(sample.logprobs or []), request.top_logprobs or 0,
                 ctx.llm.tokenizer))
-        choices.append(ChatChoice(index=sample.index,
-                                  message=AssistantMessage(content=sample.text),
-                                  logprobs=logprobs, finish_reason=sample.finish_reason))
+        message, finish_reason = AssistantMessage(content=sample.text), sample.finish_reason
+        if tools is not None:
+            message, finish_reason = tools.message(sample.text, finish_reason)
+        choices.append(ChatChoice(index=sample.index, message=message,
+                                  logprobs=logprobs, finish_reason=finish_reason))
     return ChatCompletionResponse(id=generation.request_id, created=created,
                                   model=ctx.model_name, choices=choices,
                                   usage=generation.usage())
 
 
 async def _stream(ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, tools: ToolPlan | None = None) -> AsyncIterator[str]:
     tokenizer = ctx.llm.tokenizer
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     base = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
@@ -134,6 +129,8 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
     sent_chars = [0] * request.n
     sent_tokens = [0] * request.n
     finished = [False] * request.n
+    tool_streams = [ToolCallStream(tools.parser, tools.forced) if tools and tools.parse else None
+                    for _ in range(request.n)]
     try:
         for index in range(request.n):
             yield chunk(index, '{"role":"assistant","content":""}', None, None)
@@ -143,6 +140,22 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
                 if finished[index]:
                     continue
                 text = sample.text[sent_chars[index]:]
+                tool_finish = None
+                tool_stream = tool_streams[index]
+                if tool_stream is not None:  # content up to a tool call; the calls once complete
+                    text = tool_stream.content_delta(sample.text)
+                    if sample.finish_reason is not None:
+                        rest, call_deltas = tool_stream.finish(sample.text)
+                        if rest or call_deltas:
+                            delta = {"content": text + rest} if text + rest else {}
+                            if call_deltas:
+                                delta = {**delta, "tool_calls": call_deltas[:1]}
+                            yield chunk(index, to_json(delta), None, None)
+                            for extra in call_deltas[1:]:
+                                yield chunk(index, to_json({"tool_calls": [extra]}), None, None)
+                            text = ""
+                        if call_deltas and sample.finish_reason == "stop":
+                            tool_finish = "tool_calls"
                 logprobs = None
                 if request.logprobs:
                     new_ids = sample.token_ids[sent_tokens[index]:]
@@ -153,7 +166,7 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
                                     "refusal": None}
                 sent_chars[index] = max(sent_chars[index], len(sample.text))
                 sent_tokens[index] = len(sample.token_ids)
-                finish_reason = sample.finish_reason
+                finish_reason = tool_finish or sample.finish_reason
                 if finish_reason is not None:
                     finished[index] = True
                 if not text and finish_reason is None and logprobs is None:

@@ -50,6 +50,8 @@ def add_parser(subparsers: Any) -> None:
                              "so the HTTP side cannot stall it, and a crash leaves the server up "
                              "to answer 503), or on a thread of the server process (starts "
                              "faster)")
+    server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default="hermes",
+                        help="how the model writes tool calls (default: hermes, as Qwen2.5/3 do)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
@@ -89,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name or Path(config.model).name,
             model_path=config.model, tenants=tenants, max_request_bytes=args.max_request_bytes,
             max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts)
+            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts,
+            tool_call_parser=args.tool_call_parser)
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:

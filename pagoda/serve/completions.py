@@ -14,6 +14,7 @@ from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.sampling import build_sampling_params
+from pagoda.serve.structured_request import with_structured_outputs
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id, respond
 from pagoda.serve.sse import SSE_DONE, ChoiceChunks, sse_error, sse_event, to_json
 from pagoda.serve.tenants import Tenant
@@ -76,6 +77,7 @@ async def create_completion(ctx: ServeContext, raw: Request, request: Completion
     params = build_sampling_params(
         request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+    params = with_structured_outputs(params, request)
     generation = Generation(ctx, new_request_id("cmpl"), "completions", tenant, prompts,
                             params, stream=request.stream)
     await generation.start()

@@ -43,8 +43,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def param_of_value_error(message: str) -> str | None:
     """SamplingParams/engine messages start with the parameter's name: 'top_p must be ...'."""
-    first = message.split(" ", 1)[0]
-    return first if first.isidentifier() else None
+    first = message.split(" ", 1)[0].rstrip(":")  # also 'structured_outputs.regex: ...'
+    return first if first.replace(".", "_").isidentifier() else None
 
 
 def from_value_error(exc: ValueError) -> APIError:

@@ -20,6 +20,7 @@ class ServerSettings:
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     log_prompts: bool = False
+    tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:

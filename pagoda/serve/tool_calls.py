@@ -1,0 +1,363 @@
+"""Tool calling: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` on top of the chat
+template and the grammar engine, and the parsers that turn model output into `tool_calls`.
+
+- The chat template receives `tools` (transformers' `apply_chat_template(tools=...)`);
+  assistant messages with `tool_calls` and `tool` messages render in the history.
+- `tool_choice`: "none" (tools not shown, output not parsed), "auto" (for hermes, the
+  arguments are constrained by the grammar once a `<tool_call>` has started), "required" and
+  a named function (the grammar forces one call or more, with schema-valid arguments).
+- Parsers (`--tool-call-parser`): hermes (`<tool_call>{json}</tool_call>`, Qwen2.5/3,
+  Hermes), llama3_json (`{"name", "parameters"}`, optionally after `<|python_tag|>`), mistral
+  (`[TOOL_CALLS][{"name", "arguments"}, ...]`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.sampling_params import SamplingParams
+from pagoda.serve.errors import bad_request
+from pagoda.serve.protocol import AssistantMessage
+from pagoda.structured.grammar import JSON_OPTIONS
+from pagoda.structured.params import StructuredOutputsParams
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+# ---- parsers ---------------------------------------------------------------------------------
+
+
+class ToolCallParser:
+    """Splits a completed output into content and tool calls. `start_marker` is where a call
+    begins: streamed content is held back from there on."""
+
+    name = ""
+    start_marker = ""
+    arguments_key = "arguments"
+
+    def parse(self, text: str) -> ParsedOutput:
+        raise NotImplementedError
+
+    def _calls(self, objects: list[Any]) -> list[ToolCall] | None:
+        calls = []
+        for obj in objects:
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return None
+            arguments = obj.get(self.arguments_key, obj.get("arguments", obj.get("parameters", {})))
+            calls.append(ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+    # Grammar pieces: the text of one call and of a sequence of calls.
+    def call_lark(self, call_schema: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
+        more = ' ("\\n" call)*' if parallel else ""
+        return f"start: call{more}\ncall: {self.call_lark(call_schema)}\n"
+
+
+class HermesParser(ToolCallParser):
+    name = "hermes"
+    start_marker = "<tool_call>"
+    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.start_marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        objects = []
+        for match in self._pattern.finditer(text, start):
+            try:
+                objects.append(json.loads(match.group(1)))
+            except json.JSONDecodeError:
+                return ParsedOutput(text, [])
+        calls = self._calls(objects)
+        if not calls:
+            return ParsedOutput(text, [])
+        content = text[:start].strip()
+        return ParsedOutput(content or None, calls)
+
+    def call_lark(self, call_schema: dict[str, Any]) -> str:
+        return f'"<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>"'
+
+
+class Llama3JsonParser(ToolCallParser):
+    name = "llama3_json"
+    start_marker = "{"
+    arguments_key = "parameters"
+
+    def parse(self, text: str) -> ParsedOutput:
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):]
+        if not body.startswith("{"):
+            return ParsedOutput(text, [])
+        objects = []
+        for part in _split_json_sequence(body, ";"):
+            try:
+                objects.append(json.loads(part))
+            except json.JSONDecodeError:
+                return ParsedOutput(text, [])
+        calls = self._calls(objects)
+        return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
+
+    def call_lark(self, call_schema: dict[str, Any]) -> str:
+        return f"%json {json.dumps(call_schema)}"
+
+    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
+        more = ' "; " call' if parallel else ""
+        more = f"({more})*" if more else ""
+        return f"start: call{more}\ncall: {self.call_lark(call_schema)}\n"
+
+
+class MistralParser(ToolCallParser):
+    name = "mistral"
+    start_marker = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.start_marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        try:
+            objects = json.loads(text[start + len(self.start_marker):].strip())
+        except json.JSONDecodeError:
+            return ParsedOutput(text, [])
+        calls = self._calls(objects if isinstance(objects, list) else [objects])
+        if not calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(text[:start].strip() or None, calls)
+
+    def call_lark(self, call_schema: dict[str, Any]) -> str:
+        return f"%json {json.dumps(call_schema)}"
+
+    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
+        array = {"type": "array", "items": call_schema, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        return f'start: "[TOOL_CALLS]" %json {json.dumps(array)}\n'
+
+
+def _split_json_sequence(text: str, separator: str) -> list[str]:
+    """Top-level JSON values separated by `separator` (not inside strings or brackets)."""
+    parts, depth, in_string, escaped, begin = [], 0, False, False, 0
+    for i, char in enumerate(text):
+        if in_string:
+            escaped = not escaped and char == "\\"
+            if char == '"' and not escaped:
+                in_string = False
+            continue
+        if char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append(text[begin:i].strip())
+            begin = i + 1
+    parts.append(text[begin:].strip())
+    return [p for p in parts if p]
+
+
+def get_parser(name: str) -> ToolCallParser:
+    parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+    if name not in parsers:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
+    return parsers[name]()
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools mean for rendering, decoding and parsing."""
+
+    tools: list[dict[str, Any]]  # OpenAI's tool objects, passed to the chat template
+    parser: ToolCallParser
+    structured_outputs: StructuredOutputsParams | None
+    forced: bool  # required / named: the output is only tool calls
+    parse: bool = True  # False for tool_choice "none": tools are shown, the output is content
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        """The assistant message for a finished output, and its finish_reason."""
+        parsed = self.parser.parse(text) if self.parse else None
+        if parsed is None or not parsed.tool_calls:
+            return AssistantMessage(content=text), finish_reason
+        message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger)."""
+    if plan is None or plan.structured_outputs is None:
+        return params
+    if params.structured_outputs is not None:
+        if plan.forced:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with "
+                              "response_format or structured_outputs.", param="tool_choice")
+        return params  # auto: the requested format wins over the tools' trigger
+    return params.clone(structured_outputs=plan.structured_outputs)
+
+
+def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> ToolPlan | None:
+    """Validate `tools` / `tool_choice` / `parallel_tool_calls`; None when tools play no part.
+    Raises a 400 APIError naming the field."""
+    extra = request.model_extra or {}
+    tools = request.tools
+    choice = request.tool_choice
+    if request.functions or request.function_call not in (None, "none"):
+        raise bad_request("functions / function_call are deprecated and not supported; use tools.",
+                          param="functions")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools.", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of function tools.", param="tools")
+    functions = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                              "\"parameters\"}}}.", param="tools")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
+        functions[function["name"]] = parameters
+    if choice in (None, "auto"):
+        mode, names = "auto", list(functions)
+    elif choice == "none":  # as vLLM: the template still shows the tools; nothing is parsed
+        mode, names = "none", []
+    elif choice == "required":
+        mode, names = "required", list(functions)
+    elif isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        name = choice["function"]["name"]
+        if name not in functions:
+            raise bad_request(f"tool_choice names function {name!r}, which is not in tools.", param="tool_choice")
+        mode, names = "named", [name]
+    else:
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}.", param="tool_choice")
+    if not chat_template or "tools" not in chat_template:
+        raise bad_request("This model's chat template does not support tools.", param="tools")
+    parser = get_parser(parser_name)
+    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named"
+    call_schemas = [{"type": "object", "additionalProperties": False, "required": ["name", parser.arguments_key],
+                     "properties": {"name": {"const": name}, parser.arguments_key: functions[name]}}
+                    for name in names]
+    call_schema = dict(call_schemas[0]) if len(call_schemas) == 1 else {"anyOf": call_schemas or [{}]}
+    call_schema["x-guidance"] = JSON_OPTIONS  # compact JSON: a model cannot pad it forever
+    if mode == "none":
+        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False)
+    if mode == "auto":
+        structured = _auto_constraint(parser, names, functions)
+    else:
+        structured = StructuredOutputsParams(grammar=parser.calls_lark(call_schema, parallel))
+    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto")
+
+
+def _auto_constraint(parser: ToolCallParser, names: list[str], functions: dict[str, Any]) -> StructuredOutputsParams | None:
+    """Free text, but once a hermes `<tool_call>` starts, the call and its arguments follow
+    the tools' schemas. The other formats start calls with text too ambiguous to trigger on."""
+    if not isinstance(parser, HermesParser):
+        return None
+    structures = [{"begin": f'<tool_call>\n{{"name": "{name}", "arguments": ',
+                   "schema": {**functions[name], "x-guidance": JSON_OPTIONS},
+                   "end": "}\n</tool_call>"} for name in names]
+    return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": ["<tool_call>"]})
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool_calls with arguments as objects (the form chat templates
+    render with `tojson`); OpenAI sends them as JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    rendered = []
+    for call in calls:
+        function = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise bad_request("an assistant message's tool_calls[].function.arguments is not valid JSON.",
+                                  param="messages") from None
+        rendered.append({**call, "function": function})
+    return {**message, "tool_calls": rendered}
+
+
+# ---- streaming -------------------------------------------------------------------------------
+
+
+class ToolCallStream:
+    """Streams content until a tool call may be starting, then holds the rest; at the end sends
+    the calls as OpenAI does: per call a delta with index, id, type and name (arguments ""),
+    then one with the arguments. Streamed and non-streamed responses parse the same text."""
+
+    def __init__(self, parser: ToolCallParser, forced: bool) -> None:
+        self.parser = parser
+        self.forced = forced
+        self.sent = 0
+        self.holding = forced
+
+    def content_delta(self, text: str) -> str:
+        """New content that is safe to send (it cannot be part of a tool call)."""
+        if self.holding:
+            return ""
+        marker = self.parser.start_marker
+        start = text.find(marker, max(self.sent - len(marker), 0))
+        if start >= 0:
+            self.holding = True
+            limit = start
+        else:
+            limit = len(text) - _partial_suffix(text, marker)
+        delta = text[self.sent:limit] if limit > self.sent else ""
+        self.sent = max(self.sent, limit)
+        return delta
+
+    def finish(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(remaining content, tool_call deltas) once the output is complete."""
+        parsed = self.parser.parse(text)
+        if not parsed.tool_calls:
+            rest = text[self.sent:]
+            self.sent = len(text)
+            return rest, []
+        content = (parsed.content or "")[self.sent:] if not self.forced else ""
+        deltas = []
+        for index, call in enumerate(parsed.tool_calls):
+            deltas.append({"index": index, "id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": ""}})
+            deltas.append({"index": index, "function": {"arguments": call.arguments}})
+        return content, deltas
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
