@@ -212,3 +212,16 @@ def test_auto_tool_choice_constrains_arguments_once_a_call_starts(http: httpx.Cl
     assert response.status_code == 200 and choice["finish_reason"] in ("length", "stop", "tool_calls")
     if choice["finish_reason"] != "tool_calls":
         assert choice["message"]["content"] is not None and not choice["message"]["tool_calls"]
+
+
+def test_metrics_report_compiles_cache_hits_and_kinds(http: httpx.Client) -> None:
+    for _ in range(2):
+        assert completion(http, guided_choice=["a", "b"]).status_code == 200
+    text = http.get("/metrics").text
+    values = {line.split("{")[0] + ("{" + line.split("{")[1].split("}")[0] + "}" if "kind=" in line else ""):
+              float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pagoda:structured")}
+    assert values["pagoda:structured_output_compile_time_seconds_count"] >= 1
+    assert values["pagoda:structured_output_cache_hits_total"] >= 1
+    assert values["pagoda:structured_output_cache_queries_total"] > values["pagoda:structured_output_cache_hits_total"]
+    kind_choice = next(v for k, v in values.items() if 'kind="choice"' in k)
+    assert kind_choice >= 2

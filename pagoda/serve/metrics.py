@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pagoda.serve.structured_metrics import structured_output_families
+
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
     from pagoda.outputs import RequestMetrics
@@ -66,6 +68,7 @@ class _EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens processed.", get("num_prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated.", get("num_generation_tokens"))
         yield from self._spec_decode(stats, labels, values)
+        yield from structured_output_families(getattr(stats, "structured_output", None), PREFIX, labels, values)
 
     @staticmethod
     def _spec_decode(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
