@@ -55,18 +55,27 @@ def test_parsers_split_content_and_calls() -> None:
         assert parsed.content == text and parsed.tool_calls == []
 
 
-def test_stream_holds_back_a_possible_call_start() -> None:
+def test_stream_holds_back_a_possible_call_start_and_streams_arguments() -> None:
+    text = 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
     stream = ToolCallStream(get_parser("hermes"), forced=False)
-    assert stream.content_delta("Sure <tool") == "Sure "
-    assert stream.content_delta("Sure <tool_call>\n{\"na") == ""
-    text = 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    rest, deltas = stream.finish(text)
-    assert rest == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert deltas[0]["id"].startswith("call_") and deltas[0]["index"] == 0
-    assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Oslo"}
+    content, deltas = "", []
+    for end in range(1, len(text) + 1):  # one character per step: the worst case for partial markers
+        new_content, new_deltas = stream.step(text[:end], finished=end == len(text))
+        content += new_content
+        deltas.extend(new_deltas)
+    assert content == "Sure "
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["type"] == "function"
+    assert all(d["index"] == 0 for d in deltas) and len(deltas) > 3  # arguments came in fragments
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert arguments == get_parser("hermes").parse(text).tool_calls[0].arguments == '{"city": "Oslo", "days": 2}'
     plain = ToolCallStream(get_parser("hermes"), forced=False)
     assert plain.content_delta("a < b") == "a < b"
     assert plain.finish("a < b <") == (" <", [])
+    mistral = ToolCallStream(get_parser("mistral"), forced=True)
+    assert mistral.step("[TOOL_CALLS][{", False) == ("", [])
+    _, deltas = mistral.step('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', True)
+    assert [d["function"] for d in deltas] == [{"name": "f", "arguments": ""}, {"arguments": '{"a": 1}'}]
 
 
 def test_required_and_named_grammars_accept_only_valid_calls(lltokenizer) -> None:

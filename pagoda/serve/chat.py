@@ -142,20 +142,14 @@ async def _stream(ctx: ServeContext, generation: Generation, request: ChatComple
                 text = sample.text[sent_chars[index]:]
                 tool_finish = None
                 tool_stream = tool_streams[index]
-                if tool_stream is not None:  # content up to a tool call; the calls once complete
-                    text = tool_stream.content_delta(sample.text)
-                    if sample.finish_reason is not None:
-                        rest, call_deltas = tool_stream.finish(sample.text)
-                        if rest or call_deltas:
-                            delta = {"content": text + rest} if text + rest else {}
-                            if call_deltas:
-                                delta = {**delta, "tool_calls": call_deltas[:1]}
-                            yield chunk(index, to_json(delta), None, None)
-                            for extra in call_deltas[1:]:
-                                yield chunk(index, to_json({"tool_calls": [extra]}), None, None)
-                            text = ""
-                        if call_deltas and sample.finish_reason == "stop":
-                            tool_finish = "tool_calls"
+                if tool_stream is not None:  # content up to a tool call, then the calls
+                    text, call_deltas = tool_stream.step(sample.text, sample.finish_reason is not None)
+                    for position, call_delta in enumerate(call_deltas):
+                        delta = {"content": text} if text and position == 0 else {}
+                        yield chunk(index, to_json({**delta, "tool_calls": [call_delta]}), None, None)
+                    text = "" if call_deltas else text
+                    if tool_stream.has_calls and sample.finish_reason == "stop":
+                        tool_finish = "tool_calls"
                 logprobs = None
                 if request.logprobs:
                     new_ids = sample.token_ids[sent_tokens[index]:]

@@ -79,23 +79,65 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     name = "hermes"
     start_marker = "<tool_call>"
-    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    end_marker = "</tool_call>"
+    _head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(self.start_marker)
         if start < 0:
             return ParsedOutput(text, [])
-        objects = []
-        for match in self._pattern.finditer(text, start):
-            try:
-                objects.append(json.loads(match.group(1)))
+        calls = []
+        for segment in self._segments(text[start:]):
+            raw = self._raw_call(segment)
+            if raw is not None and raw[1] is not None and raw[2]:
+                calls.append(ToolCall(raw[0], raw[1]))  # the model's own argument text
+                continue
+            try:  # other key orders or spacing
+                obj = json.loads(segment.strip())
             except json.JSONDecodeError:
                 return ParsedOutput(text, [])
-        calls = self._calls(objects)
+            parsed = self._calls([obj])
+            if not parsed:
+                return ParsedOutput(text, [])
+            calls.extend(parsed)
         if not calls:
             return ParsedOutput(text, [])
-        content = text[:start].strip()
-        return ParsedOutput(content or None, calls)
+        return ParsedOutput(text[:start].strip() or None, calls)
+
+    def partial_calls(self, text: str) -> list[tuple[str, str]]:
+        """(name, argument text so far) of each call begun in `text`, while it is generated;
+        the argument texts only ever grow, and end as `parse` returns them."""
+        start = text.find(self.start_marker)
+        if start < 0:
+            return []
+        calls = []
+        for segment in self._segments(text[start:]):
+            raw = self._raw_call(segment)
+            if raw is None:
+                break
+            name, complete, _ = raw
+            calls.append((name, complete if complete is not None else segment[self._head.match(segment).end():]))
+        return calls
+
+    def _segments(self, text: str) -> list[str]:
+        parts = text.split(self.start_marker)[1:]
+        return [part.split(self.end_marker, 1)[0] for part in parts]
+
+    def _raw_call(self, segment: str) -> tuple[str, str | None, bool] | None:
+        """(name, complete argument text or None, whether the call's object closes after it)."""
+        head = self._head.match(segment)
+        if head is None:
+            return None
+        try:
+            name = json.loads(f'"{head.group(1)}"')
+        except json.JSONDecodeError:
+            return None
+        try:
+            _, end = json.JSONDecoder().raw_decode(segment, head.end())
+        except json.JSONDecodeError:  # the arguments are still being generated
+            return name, None, False
+        closes = segment[end:].strip() == "}"
+        return name, segment[head.end():end], closes
 
     def call_lark(self, call_schema: dict[str, Any]) -> str:
         return f'"<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>"'
@@ -314,15 +356,46 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolCallStream:
-    """Streams content until a tool call may be starting, then holds the rest; at the end sends
-    the calls as OpenAI does: per call a delta with index, id, type and name (arguments ""),
-    then one with the arguments. Streamed and non-streamed responses parse the same text."""
+    """Streams content until a tool call may be starting, then the calls as OpenAI does: per
+    call first a delta with index, id, type and name (arguments ""), then argument fragments.
+    Hermes calls stream their arguments as they are generated; the other formats send each
+    call once the output is complete. Streamed and non-streamed responses parse the same text."""
 
     def __init__(self, parser: ToolCallParser, forced: bool) -> None:
         self.parser = parser
         self.forced = forced
         self.sent = 0
         self.holding = forced
+        self.sent_arguments: list[int] = []  # per call begun: argument characters sent
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.sent_arguments)
+
+    def step(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(new content, new tool_call deltas) for the output so far."""
+        content = self.content_delta(text)
+        deltas: list[dict[str, Any]] = []
+        if isinstance(self.parser, HermesParser) and not finished:
+            for index, (name, arguments) in enumerate(self.parser.partial_calls(text)):
+                deltas.extend(self._call_deltas(index, name, arguments))
+        if finished:
+            rest, final = self.finish(text)
+            content += rest
+            deltas.extend(final)
+        return content, deltas
+
+    def _call_deltas(self, index: int, name: str, arguments: str, call_id: str | None = None) -> list[dict]:
+        deltas = []
+        if index == len(self.sent_arguments):
+            self.sent_arguments.append(0)
+            deltas.append({"index": index, "id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+        fragment = arguments[self.sent_arguments[index]:]
+        if fragment:
+            self.sent_arguments[index] = len(arguments)
+            deltas.append({"index": index, "function": {"arguments": fragment}})
+        return deltas
 
     def content_delta(self, text: str) -> str:
         """New content that is safe to send (it cannot be part of a tool call)."""
@@ -340,18 +413,16 @@ class ToolCallStream:
         return delta
 
     def finish(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(remaining content, tool_call deltas) once the output is complete."""
+        """(remaining content, remaining tool_call deltas) once the output is complete."""
         parsed = self.parser.parse(text)
         if not parsed.tool_calls:
-            rest = text[self.sent:]
+            rest = text[self.sent:] if not self.has_calls else ""
             self.sent = len(text)
             return rest, []
         content = (parsed.content or "")[self.sent:] if not self.forced else ""
         deltas = []
         for index, call in enumerate(parsed.tool_calls):
-            deltas.append({"index": index, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
+            deltas.extend(self._call_deltas(index, call.name, call.arguments, call.id))
         return content, deltas
 
 
