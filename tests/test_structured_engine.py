@@ -204,3 +204,42 @@ def test_params_need_exactly_one_constraint():
     assert params.structured_outputs.kind == "json"
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).cache_key() == \
         StructuredOutputsParams(json={"a": 2, "b": 1}).cache_key()
+
+
+def test_abort_while_waiting_for_the_grammar(llama_dir, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    compiler = engine.core.structured.compiler
+    original = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda params: (time.sleep(0.3), original(params))[1])
+    engine.add_request("waiting", "a", constrained(regex="[a-z]{3}"))
+    engine.step()
+    engine.abort_request(["waiting"])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
+    assert not engine.core.requests and engine.take_grammar_outcomes() == []
+
+
+def test_a_matcher_error_stops_only_its_request(llm):
+    """A grammar that errs mid-generation (here: forced by consuming a token it rejects) ends
+    that request; the batch samples on."""
+    from pagoda.structured.matcher import RequestMatcher
+
+    original = RequestMatcher.fill_mask
+
+    def failing(self, bitmask, row):
+        original(self, bitmask, row)
+        if self.num_accepted == 2 and self.kind == "regex":
+            self.matcher.consume_token(0)  # EOS where the regex needs letters: error state
+            original(self, bitmask, row)
+
+    RequestMatcher.fill_mask = failing
+    try:
+        outputs = llm.generate(["q", "r"], [constrained(regex="[a-z]{20}", max_tokens=30),
+                                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)])
+    finally:
+        RequestMatcher.fill_mask = original
+    failed = outputs[0].outputs[0]  # the token sampled after the error is not emitted
+    assert failed.finish_reason == "stop" and len(failed.token_ids) == 2 and re.fullmatch("[a-z]+", failed.text)
+    assert len(outputs[1].outputs[0].token_ids) == 10

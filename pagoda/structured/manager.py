@@ -100,14 +100,16 @@ class StructuredOutputManager:
                 continue
             new_tokens = request.output_token_ids[outputs_before[id(request)]:]
             extra = len(new_tokens) - matcher.accept(new_tokens)
-            if extra and matcher.is_terminated:
-                # A speculative step can emit tokens past the grammar's end (EOS); a step
-                # without speculation would have stopped before them, so they are dropped.
+            if extra:
+                # Tokens the grammar did not take are never emitted: past its end (a speculative
+                # step can verify EOS there, where a plain step would already have stopped), or
+                # sampled from an all-allowed row after the matcher failed.
                 del request.output_token_ids[-extra:]
                 del request.all_token_ids[-extra:]
                 request.stop_reason = None
-            elif extra:
-                logger.warning("request %s emitted a token its grammar rejects; stopping it", request.request_id)
+            if matcher.failed:
+                logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id,
+                               matcher.matcher.get_error() or "a token outside the grammar")
             if not request.is_finished and (matcher.is_terminated or matcher.failed):
                 done.append(request)
         return done

@@ -32,7 +32,11 @@ class RequestMatcher:
         for token_id in token_ids:
             if self.is_terminated:
                 break
-            if not self.matcher.consume_token(int(token_id)):
+            try:
+                ok = self.matcher.consume_token(int(token_id))
+            except (RuntimeError, ValueError):
+                ok = False
+            if not ok:
                 self.failed = True
                 break
             consumed += 1
@@ -49,9 +53,19 @@ class RequestMatcher:
         return self.matcher.is_accepting()
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits for the current position into bitmask[row] (int32, CPU)."""
+        """Write the allowed-token bits for the current position into bitmask[row] (int32, CPU).
+
+        A matcher in error (e.g. llguidance's per-step limits on a pathological grammar) marks
+        the request failed and leaves its row all-allowed, so the batch samples normally; the
+        engine stops the request after this step."""
         target = bitmask[row]
-        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        try:
+            self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        except (RuntimeError, ValueError):
+            self.failed = True
+        if self.failed or self.matcher.is_error():
+            self.failed = True
+            target.fill_(-1)
 
     def fill_draft_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> None:
         """Masks for the positions of a speculative step: the current one, then after each draft.
@@ -59,6 +73,9 @@ class RequestMatcher:
         mask: the verifier rejects that draft anyway, since its masked probability is zero)."""
         consumed = 0
         self.fill_mask(bitmask, first_row)
+        if self.failed:
+            bitmask[first_row:first_row + len(drafts) + 1] = -1
+            return
         for i, draft in enumerate(drafts):
             row = first_row + i + 1
             if consumed == i and self.matcher.try_consume_tokens([int(draft)]) == 1:
