@@ -243,3 +243,29 @@ def test_a_matcher_error_stops_only_its_request(llm):
     failed = outputs[0].outputs[0]  # the token sampled after the error is not emitted
     assert failed.finish_reason == "stop" and len(failed.token_ids) == 2 and re.fullmatch("[a-z]+", failed.text)
     assert len(outputs[1].outputs[0].token_ids) == 10
+
+
+def test_process_transport_defers_acceptance_until_the_grammar_compiles(llama_dir):
+    """Across the engine process: a constrained request is accepted once compiled, a grammar
+    the engine cannot compile fails its add_request with ValueError, and stats carry the
+    structured-output counters."""
+    import asyncio
+
+    from pagoda.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64), transport="process")
+    try:
+        async def main() -> tuple:
+            outputs = [o async for o in engine.generate("ok", [5, 6, 7], constrained(choice=["alpha", "beta"]))]
+            with pytest.raises(ValueError, match="structured_outputs.regex"):
+                await engine.add_request("bad", [5, 6], constrained(regex="(unclosed"))
+            plain = [o async for o in engine.generate("plain", [5, 6], SamplingParams(max_tokens=3))]
+            return outputs[-1], plain[-1]
+
+        constrained_output, plain_output = asyncio.run(main())
+        assert constrained_output.outputs[0].text in ("alpha", "beta")
+        assert plain_output.finished
+        stats = engine.get_stats().structured_output
+        assert stats.requests_by_kind["choice"] == 1 and stats.num_failures == 1
+    finally:
+        engine.shutdown()
