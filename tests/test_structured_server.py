@@ -137,6 +137,8 @@ def test_every_request_field_constrains_completions_and_chat(http: httpx.Client)
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_constraints_are_400_naming_the_field(http: httpx.Client, fields: dict, param: str) -> None:
     response = chat(http, **fields)

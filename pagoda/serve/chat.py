@@ -78,8 +78,8 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
     num_top = request.top_logprobs or 0
     params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                    logprobs=num_top if request.logprobs else None)
-    params = with_structured_outputs(params, request)
-    params = with_tool_constraint(params, tools)
+    params = await with_structured_outputs(params, request)
+    params = await with_tool_constraint(params, tools)
     prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
     generation = Generation(ctx, new_request_id("chatcmpl"), "chat", tenant, [prompt], params,
                             stream=request.stream)

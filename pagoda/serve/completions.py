@@ -77,7 +77,7 @@ async def create_completion(ctx: ServeContext, raw: Request, request: Completion
     params = build_sampling_params(
         request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
-    params = with_structured_outputs(params, request)
+    params = await with_structured_outputs(params, request)
     generation = Generation(ctx, new_request_id("cmpl"), "completions", tenant, prompts,
                             params, stream=request.stream)
     await generation.start()

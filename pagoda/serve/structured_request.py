@@ -13,6 +13,7 @@ wait for compilation in the engine.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pagoda.sampling_params import SamplingParams
@@ -24,16 +25,31 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingParams:
-    """`params` constrained as the request asks (unchanged when it asks nothing)."""
-    found = requested_structured_outputs(request)
+async def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingParams:
+    """`params` constrained as the request asks (unchanged when it asks nothing). The check
+    runs in a worker thread: a schema with thousands of properties takes a few hundred ms,
+    which must not stall the event loop (llguidance releases the GIL meanwhile)."""
+    found = requested_structured_outputs(request, validate=False)
     if found is None:
         return params
-    return params.clone(structured_outputs=found)
+    field, constraint = found
+    await asyncio.to_thread(check_grammar, constraint, field)
+    return params.clone(structured_outputs=constraint)
 
 
-def requested_structured_outputs(request: Any) -> StructuredOutputsParams | None:
-    """The request's constraint, validated, or None. Raises a 400 APIError naming the field."""
+def check_grammar(params: StructuredOutputsParams, field: str) -> None:
+    """Raises a 400 APIError naming `field` when the constraint cannot be compiled."""
+    try:
+        build_grammar(params, field=field)
+    except GrammarError as exc:
+        raise bad_request(f"Invalid {exc.field}: {exc.reason}", param=exc.field) from None
+
+
+def requested_structured_outputs(request: Any, validate: bool = True
+                                 ) -> StructuredOutputsParams | tuple[str, StructuredOutputsParams] | None:
+    """The request's constraint, or None. Raises a 400 APIError naming the field. With
+    `validate=False` the grammar is not checked and (field to name in errors, constraint) is
+    returned, for the caller to check off the event loop."""
     extra = dict(request.model_extra or {})
     sources: list[tuple[str, StructuredOutputsParams]] = []
 
@@ -64,10 +80,9 @@ def requested_structured_outputs(request: Any) -> StructuredOutputsParams | None
     param_name = field if field != "structured_outputs" else f"structured_outputs.{params.kind}"
     if field == "response_format":
         param_name = "response_format.json_schema.schema" if params.kind == "json" else "response_format"
-    try:
-        build_grammar(params, field=param_name)
-    except GrammarError as exc:
-        raise bad_request(f"Invalid {exc.field}: {exc.reason}", param=exc.field) from None
+    if not validate:
+        return param_name, params
+    check_grammar(params, param_name)
     return params
 
 
@@ -122,4 +137,4 @@ def _as_dict(value: Any) -> dict[str, Any]:
     raise bad_request("response_format must be an object.", param="response_format")
 
 
-__all__ = ["APIError", "requested_structured_outputs", "with_structured_outputs"]
+__all__ = ["APIError", "check_grammar", "requested_structured_outputs", "with_structured_outputs"]

@@ -13,6 +13,7 @@ template and the grammar engine, and the parsers that turn model output into `to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -22,6 +23,7 @@ from typing import Any
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
 from pagoda.serve.protocol import AssistantMessage
+from pagoda.serve.structured_request import check_grammar
 from pagoda.structured.grammar import JSON_OPTIONS
 from pagoda.structured.params import StructuredOutputsParams
 
@@ -250,8 +252,9 @@ class ToolPlan:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
-    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger)."""
+async def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger);
+    a tool whose parameters are not a usable JSON schema is a 400 naming `tools`."""
     if plan is None or plan.structured_outputs is None:
         return params
     if params.structured_outputs is not None:
@@ -259,6 +262,7 @@ def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> Sampl
             raise bad_request("tool_choice 'required' or a named function cannot be combined with "
                               "response_format or structured_outputs.", param="tool_choice")
         return params  # auto: the requested format wins over the tools' trigger
+    await asyncio.to_thread(check_grammar, plan.structured_outputs, "tools")
     return params.clone(structured_outputs=plan.structured_outputs)
 
 
