@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.cli_args import add_structured_output_args, structured_outputs_from_args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, default_max_tokens: int) -> None:
@@ -19,6 +20,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, default_max_tokens: in
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+    add_structured_output_args(parser)
 
 
 def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any], **extra: Any) -> SamplingParams:
@@ -27,5 +29,6 @@ def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any]
         value = getattr(args, name)
         if value is not None:
             values[name] = value
-    values.update(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, **extra)
+    values.update(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                  structured_outputs=structured_outputs_from_args(args), **extra)
     return SamplingParams(**values)

@@ -114,5 +114,10 @@ def _lark_string(text: str) -> str:
 
 def _short(error: object) -> str:
     """llguidance errors can carry a dump of the grammar; the first line says what is wrong."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "invalid grammar"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return "invalid grammar"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if lines[0].endswith(":") and reason:  # 'regex parse error:', the pattern, a caret, 'error: ...'
+        return f"{lines[0]} {reason[len('error:'):].strip()}"[:500]
+    return lines[0][:500]
