@@ -63,6 +63,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        # Fills the masks of a batch's matchers in parallel (llguidance's own threads).
+        self.executor = llguidance.LLExecutor()
         self._tokenizer: Future = self._pool.submit(self._build_tokenizer, eos_token_ids)
 
     def _build_tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:

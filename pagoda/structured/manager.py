@@ -70,7 +70,7 @@ class StructuredOutputManager:
                     template = pending.future.result()
                     kind = pending.samples[0].sampling_params.structured_outputs.kind
                     for sample in pending.samples:
-                        sample.structured_output = RequestMatcher(template.deep_copy(), kind)
+                        sample.structured_output = RequestMatcher(template.deep_copy(), kind, self.compiler.executor)
                     ready.append((pending.request_id, pending.samples))
                 else:
                     self.compiler.record(failure=True)
@@ -137,11 +137,26 @@ def apply_grammar_masks(logits: torch.Tensor, groups: Sequence[tuple[int, Reques
     num_rows = sum(len(drafts) + 1 for _, _, drafts in constrained)
     bitmask = allocate_bitmask(num_rows, logits.shape[-1])
     rows: list[int] = []
+    batched: list[tuple[RequestMatcher, int]] = []  # (matcher, bitmask row), filled in one call
     for row, request, drafts in constrained:
         matcher = request.structured_output
         if drafts:
             matcher.fill_draft_masks(bitmask, len(rows), drafts)
+        elif matcher.executor is not None and not matcher.failed:
+            batched.append((matcher, len(rows)))
         else:
             matcher.fill_mask(bitmask, len(rows))
         rows.extend(range(row, row + len(drafts) + 1))
+    if len(batched) == 1:
+        batched[0][0].fill_mask(bitmask, batched[0][1])
+    elif batched:
+        executor = batched[0][0].executor
+        try:
+            executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in batched], bitmask.data_ptr(),
+                                             bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
+        except (RuntimeError, ValueError):  # one matcher's failure: redo row by row to find it
+            for matcher, row in batched:
+                matcher.fill_mask(bitmask, row)
+        for matcher, row in batched:
+            matcher.check_filled(bitmask, row)
     apply_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))

@@ -16,13 +16,14 @@ class RequestMatcher:
     tentatively to compute their masks and rolled back before verification.
     """
 
-    __slots__ = ("matcher", "kind", "num_accepted", "failed")
+    __slots__ = ("matcher", "kind", "num_accepted", "failed", "executor")
 
-    def __init__(self, matcher: llguidance.LLMatcher, kind: str) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str, executor: llguidance.LLExecutor | None = None) -> None:
         self.matcher = matcher
         self.kind = kind
         self.num_accepted = 0
         self.failed = False
+        self.executor = executor  # shared thread pool that fills many rows' masks at once
 
     def accept(self, token_ids: Sequence[int]) -> int:
         """Advance over sampled tokens, stopping at the grammar's end or at a token it rejects
@@ -66,6 +67,12 @@ class RequestMatcher:
         if self.failed or self.matcher.is_error():
             self.failed = True
             target.fill_(-1)
+
+    def check_filled(self, bitmask: torch.Tensor, row: int) -> None:
+        """After a batched fill: the same error handling as fill_mask."""
+        if self.failed or self.matcher.is_error():
+            self.failed = True
+            bitmask[row].fill_(-1)
 
     def fill_draft_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> None:
         """Masks for the positions of a speculative step: the current one, then after each draft.
