@@ -42,3 +42,53 @@ def test_apply_matches_a_token_by_token_reference():
     wider = torch.randn(2, vocab + 40, generator=generator)  # logits past the tokenizer's vocabulary
     apply_bitmask(wider, allocate_bitmask(2, vocab))
     assert torch.isinf(wider[:, 128:]).all() and torch.isfinite(wider[:, :vocab]).all()
+
+
+def test_parallel_fill_and_background_fill_match_row_by_row():
+    """GrammarMasks fills rows with llguidance's executor (many cores) or one by one, in a
+    worker thread or inline: the bitmask is the same."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from pagoda.config import DEFAULT_MODEL_DIR
+    from pagoda.request import Request
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.structured.grammar import build_grammar
+    from pagoda.structured.manager import GrammarMasks
+    from pagoda.structured.matcher import RequestMatcher
+    from pagoda.structured.params import StructuredOutputsParams
+
+    hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}}
+    template = llguidance.LLMatcher(tokenizer, build_grammar(StructuredOutputsParams(json=schema)))
+    prefixes = ['{"a": 1', '{"a": 12, "b": ', "", '{"a": -']
+
+    def requests(executor):
+        result = []
+        for i, prefix in enumerate(prefixes):
+            request = Request(f"r{i}", [1], SamplingParams(), frozenset(), 8)
+            request.structured_output = RequestMatcher(template.deep_copy(), "json", executor)
+            assert request.structured_output.accept(tokenizer.tokenize_str(prefix)) == len(tokenizer.tokenize_str(prefix))
+            result.append(request)
+        return result
+
+    vocab = len(hf)
+    plain = requests(None)
+    drafts = hf.encode("3, ", add_special_tokens=False)  # the first request verifies drafts
+    groups, row = [], 0
+    for i, request in enumerate(plain):
+        groups.append((row, request, drafts if i == 0 else []))
+        row += 1 + (len(drafts) if i == 0 else 0)
+    expected = GrammarMasks(groups, vocab).bitmask
+    with ThreadPoolExecutor(1) as pool:
+        for executor in (None, llguidance.LLExecutor(2)):
+            other = requests(executor)
+            masks = GrammarMasks([(row, other[i], d) for i, (row, _, d) in enumerate(groups)], vocab, pool)
+            logits = torch.zeros(row, vocab)
+            masks.apply(logits)
+            assert torch.equal(masks.bitmask, expected)
+    assert plain[0].structured_output.num_accepted == len(tokenizer.tokenize_str('{"a": 1'))  # drafts rolled back

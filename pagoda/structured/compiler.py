@@ -8,6 +8,7 @@ holding the GIL), so it is built once, in the pool, as soon as the engine starts
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -63,8 +64,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
-        # Fills the masks of a batch's matchers in parallel (llguidance's own threads).
-        self.executor = llguidance.LLExecutor()
+        # Fills the masks of a batch's matchers in parallel (llguidance's own threads); on a
+        # machine with few cores the hand-off costs more than it saves (measured on 2 cores).
+        self.executor = llguidance.LLExecutor() if (os.cpu_count() or 1) >= 8 else None
         self._tokenizer: Future = self._pool.submit(self._build_tokenizer, eos_token_ids)
 
     def _build_tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:

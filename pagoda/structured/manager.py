@@ -121,8 +121,10 @@ class StructuredOutputManager:
         self.compiler.shutdown()
 
 
-def apply_grammar_masks(logits: torch.Tensor, groups: Sequence[tuple[int, Request, Sequence[int]]]) -> None:
-    """Mask the logits rows of constrained requests in one operation.
+class GrammarMasks:
+    """One step's bitmask for the rows of constrained requests, filled in a worker thread while
+    the model's forward runs (llguidance releases the GIL while it computes a mask), then
+    applied to the logits in one operation.
 
     `groups`: (first logits row, request, drafts) per request about to sample; a request with
     k drafts owns k + 1 consecutive rows. Rows of unconstrained requests are left untouched.
@@ -130,33 +132,57 @@ def apply_grammar_masks(logits: torch.Tensor, groups: Sequence[tuple[int, Reques
     are computed: reported logprobs are those of the masked distribution, as in vLLM (its model
     runner applies the grammar bitmask to the logits before its sampler sees them).
     """
-    constrained = [(row, request, drafts) for row, request, drafts in groups
-                   if request.structured_output is not None]
-    if not constrained:
-        return
-    num_rows = sum(len(drafts) + 1 for _, _, drafts in constrained)
-    bitmask = allocate_bitmask(num_rows, logits.shape[-1])
-    rows: list[int] = []
-    batched: list[tuple[RequestMatcher, int]] = []  # (matcher, bitmask row), filled in one call
-    for row, request, drafts in constrained:
-        matcher = request.structured_output
-        if drafts:
-            matcher.fill_draft_masks(bitmask, len(rows), drafts)
-        elif matcher.executor is not None and not matcher.failed:
-            batched.append((matcher, len(rows)))
-        else:
-            matcher.fill_mask(bitmask, len(rows))
-        rows.extend(range(row, row + len(drafts) + 1))
-    if len(batched) == 1:
-        batched[0][0].fill_mask(bitmask, batched[0][1])
-    elif batched:
-        executor = batched[0][0].executor
-        try:
-            executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in batched], bitmask.data_ptr(),
-                                             bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
-        except (RuntimeError, ValueError):  # one matcher's failure: redo row by row to find it
+
+    def __init__(self, groups: Sequence[tuple[int, Request, Sequence[int]]], vocab_size: int,
+                 pool: concurrent.futures.Executor | None = None) -> None:
+        self.constrained = [(row, request, list(drafts)) for row, request, drafts in groups
+                            if request.structured_output is not None]
+        self.rows = [r for row, _, drafts in self.constrained for r in range(row, row + len(drafts) + 1)]
+        self.bitmask = allocate_bitmask(len(self.rows), vocab_size) if self.constrained else None
+        self._filled = pool.submit(self._fill) if pool is not None and self.constrained else None
+        if self._filled is None and self.constrained:
+            self._fill()
+
+    def _fill(self) -> None:
+        # The bitmask may be an inference tensor (allocated inside the runner's inference_mode);
+        # the worker thread edits it under the same mode.
+        with torch.inference_mode():
+            self._fill_rows()
+
+    def _fill_rows(self) -> None:
+        bitmask = self.bitmask
+        batched: list[tuple[RequestMatcher, int]] = []  # (matcher, bitmask row), filled in one call
+        position = 0
+        for _, request, drafts in self.constrained:
+            matcher = request.structured_output
+            if drafts:
+                matcher.fill_draft_masks(bitmask, position, drafts)
+            elif matcher.executor is not None and not matcher.failed:
+                batched.append((matcher, position))
+            else:
+                matcher.fill_mask(bitmask, position)
+            position += len(drafts) + 1
+        if len(batched) == 1:
+            batched[0][0].fill_mask(bitmask, batched[0][1])
+        elif batched:
+            executor = batched[0][0].executor
+            try:
+                executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in batched], bitmask.data_ptr(),
+                                                 bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
+            except (RuntimeError, ValueError):  # one matcher's failure: redo row by row to find it
+                for matcher, row in batched:
+                    matcher.fill_mask(bitmask, row)
             for matcher, row in batched:
-                matcher.fill_mask(bitmask, row)
-        for matcher, row in batched:
-            matcher.check_filled(bitmask, row)
-    apply_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+                matcher.check_filled(bitmask, row)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        if not self.constrained:
+            return
+        if self._filled is not None:
+            self._filled.result()
+        apply_bitmask(logits, self.bitmask, torch.tensor(self.rows, device=logits.device))
+
+
+def apply_grammar_masks(logits: torch.Tensor, groups: Sequence[tuple[int, Request, Sequence[int]]]) -> None:
+    """Fill and apply at once (see GrammarMasks)."""
+    GrammarMasks(groups, logits.shape[-1]).apply(logits)

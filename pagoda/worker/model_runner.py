@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.request import Request
 from pagoda.spec_decode.rejection_sampler import verify
-from pagoda.structured.manager import apply_grammar_masks
+from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.sampler import Sampler, position_logprobs
 
@@ -123,6 +124,8 @@ class ModelRunner:
         self.sliding_windows = set(model.config.layer_sliding_windows)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.drafter = drafter  # DraftModelProposer, or None
+        # Structured output: grammar bitmasks are filled here while the forward runs.
+        self.mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self.timings = StepTimings()
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
@@ -149,6 +152,7 @@ class ModelRunner:
             segments.append(Segment(request, begin, tokens))
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
+        grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.decode_graphs is not None and self.decode_graphs.fits(layout):
             prepared = time.perf_counter()
             hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
@@ -162,6 +166,7 @@ class ModelRunner:
 
         output = ModelRunnerOutput()
         if logits is not None:
+            grammar_masks.apply(logits)  # filled while the forward ran
             self._sample(logits, row_owners, draft_probs, output)
         done = time.perf_counter()
         self.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
@@ -201,8 +206,6 @@ class ModelRunner:
             count = len(extent) if kind == "prompt" else extent
             offsets.append(offset)
             offset += count
-        apply_grammar_masks(logits, [(offsets[i], request, request.spec_token_ids[:extent - 1] if kind == "verify"
-                                      else []) for i, (kind, request, extent) in enumerate(owners) if kind != "prompt"])
 
         plain = [(i, owner[1]) for i, owner in enumerate(owners) if owner[0] == "sample"]
         if plain:
@@ -239,3 +242,13 @@ class ModelRunner:
         for key_cache, value_cache in caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+
+def _grammar_groups(owners: list[tuple]) -> list[tuple[int, Request, list[int]]]:
+    """(first logits row, request, drafts) for each request about to sample, in logits order."""
+    groups, offset = [], 0
+    for kind, request, extent in owners:
+        if kind != "prompt":
+            groups.append((offset, request, request.spec_token_ids[:extent - 1] if kind == "verify" else []))
+        offset += len(extent) if kind == "prompt" else extent
+    return groups
