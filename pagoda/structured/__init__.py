@@ -5,7 +5,9 @@ grammar     request constraint -> llguidance grammar text, validated (errors nam
 compiler    compile cache keyed by (constraint, tokenizer), compiling in a thread pool
 matcher     the per-request matcher that advances with each accepted token
 bitmask     the batch token bitmask, applied to the logits in one operation
-manager     what the engine core calls: submit, poll, fill masks, accept tokens, stats
+manager     what the engine core and runner call: submit, poll, GrammarMasks (filled during the
+            forward), advance matchers, stats
+cli_args    --json-schema / --regex / --choice / --grammar flags of `pagoda generate` and `chat`
 """
 
 from pagoda.structured.params import StructuredOutputsParams
