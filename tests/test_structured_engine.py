@@ -269,3 +269,19 @@ def test_process_transport_defers_acceptance_until_the_grammar_compiles(llama_di
         assert stats.requests_by_kind["choice"] == 1 and stats.num_failures == 1
     finally:
         engine.shutdown()
+
+
+def test_a_failure_while_filling_masks_stops_those_requests_not_the_engine(llm, monkeypatch):
+    from pagoda.structured.manager import GrammarMasks
+
+    def broken(self):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(GrammarMasks, "_fill_rows", broken)
+    outputs = llm.generate(["q", "r"], [constrained(regex="[a-z]{20}", max_tokens=30),
+                                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)])
+    assert outputs[0].outputs[0].finish_reason == "stop" and outputs[0].outputs[0].token_ids == []
+    assert len(outputs[1].outputs[0].token_ids) == 5
+    monkeypatch.undo()
+    assert re.fullmatch("[a-z]{20}", llm.generate(["q"], constrained(regex="[a-z]{20}", max_tokens=30))[0]
+                        .outputs[0].text)

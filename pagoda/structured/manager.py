@@ -179,7 +179,13 @@ class GrammarMasks:
         if not self.constrained:
             return
         if self._filled is not None:
-            self._filled.result()
+            try:
+                self._filled.result()
+            except Exception:  # a bug in filling: stop these requests, never the engine
+                logger.exception("filling grammar masks failed; stopping %d requests", len(self.constrained))
+                for _, request, _ in self.constrained:
+                    request.structured_output.failed = True
+                self.bitmask.fill_(-1)
         apply_bitmask(logits, self.bitmask, torch.tensor(self.rows, device=logits.device))
 
 

@@ -30,6 +30,8 @@ class RequestMatcher:
         (possible only when something outside the grammar, e.g. min_tokens, overrode the
         mask). Returns how many tokens were consumed."""
         consumed = 0
+        if self.failed:  # its row was not masked: whatever was sampled there is not kept
+            return 0
         for token_id in token_ids:
             if self.is_terminated:
                 break
