@@ -227,3 +227,37 @@ def test_metrics_report_compiles_cache_hits_and_kinds(http: httpx.Client) -> Non
     assert values["pagoda:structured_output_cache_queries_total"] > values["pagoda:structured_output_cache_hits_total"]
     kind_choice = next(v for k, v in values.items() if 'kind="choice"' in k)
     assert kind_choice >= 2
+
+
+def test_compile_timeout_is_a_400_and_others_are_served(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import time
+
+    from pagoda.engine.llm_engine import LLMEngine
+
+    def slow_engine(config):
+        engine = LLMEngine(config)
+        compiler = engine.core.structured.compiler
+        original = compiler._compile
+
+        def compile_slowly(params):
+            if params.regex == "slow+":
+                time.sleep(2.0)
+            return original(params)
+
+        compiler._compile = compile_slowly
+        return engine
+
+    live = start_server(build_tiny_model(tmp_path_factory.mktemp("slow")), engine_factory=slow_engine,
+                        engine={"structured_output_timeout": 0.3, "structured_output_compile_threads": 2})
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            started = time.monotonic()
+            slow = completion(http, guided_regex="slow+")
+            assert slow.status_code == 400 and "--structured-output-timeout" in slow.json()["error"]["message"]
+            assert slow.json()["error"]["param"] == "structured_outputs"
+            assert time.monotonic() - started < 1.8  # answered at the timeout, not when compiling ended
+            assert completion(http, guided_regex="[ab]{3}").json()["choices"][0]["text"] in \
+                {a + b + c for a in "ab" for b in "ab" for c in "ab"}
+            assert http.get("/health").status_code == 200
+    finally:
+        live.stop()
