@@ -17,7 +17,7 @@ import asyncio
 from typing import Any
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import APIError, bad_request
+from pagoda.serve.errors import bad_request
 from pagoda.structured.grammar import GrammarError, build_grammar
 from pagoda.structured.params import KINDS, StructuredOutputsParams
 
@@ -137,4 +137,4 @@ def _as_dict(value: Any) -> dict[str, Any]:
     raise bad_request("response_format must be an object.", param="response_format")
 
 
-__all__ = ["APIError", "check_grammar", "requested_structured_outputs", "with_structured_outputs"]
+__all__ = ["check_grammar", "requested_structured_outputs", "with_structured_outputs"]
