@@ -113,3 +113,15 @@ def test_bad_tool_requests(fields, template, param) -> None:
     with pytest.raises(APIError) as caught:
         plan_tools(request(**fields), "hermes", template)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_parsers_whose_marker_is_a_special_token_keep_special_tokens() -> None:
+    import asyncio
+
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.serve.tool_calls import with_tool_constraint
+
+    for parser, keeps in (("hermes", True), ("mistral", False), ("llama3_json", False)):
+        plan = plan_tools(request(tool_choice="auto"), parser, TEMPLATE_WITH_TOOLS)
+        params = asyncio.run(with_tool_constraint(SamplingParams(), plan))
+        assert params.skip_special_tokens is keeps

@@ -56,6 +56,8 @@ class ToolCallParser:
     name = ""
     start_marker = ""
     arguments_key = "arguments"
+    # The call marker may be a special token ([TOOL_CALLS], <|python_tag|>): keep it in the text.
+    keeps_special_tokens = False
 
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
@@ -149,6 +151,7 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     start_marker = "{"
     arguments_key = "parameters"
+    keeps_special_tokens = True
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
@@ -177,6 +180,7 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     name = "mistral"
     start_marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(self.start_marker)
@@ -255,6 +259,8 @@ class ToolPlan:
 async def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
     """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger);
     a tool whose parameters are not a usable JSON schema is a 400 naming `tools`."""
+    if plan is not None and plan.parse and plan.parser.keeps_special_tokens:
+        params = params.clone(skip_special_tokens=False)
     if plan is None or plan.structured_outputs is None:
         return params
     if params.structured_outputs is not None:
