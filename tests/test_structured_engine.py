@@ -285,3 +285,24 @@ def test_a_failure_while_filling_masks_stops_those_requests_not_the_engine(llm, 
     monkeypatch.undo()
     assert re.fullmatch("[a-z]{20}", llm.generate(["q"], constrained(regex="[a-z]{20}", max_tokens=30))[0]
                         .outputs[0].text)
+
+
+def test_llm_chat_with_a_schema_and_tools(llama_dir, tmp_path):
+    """LLM.chat passes tools to the template and honours structured_outputs."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ("{% for tool in tools or [] %}{{ tool.function.name }};{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    config_path.write_text(json.dumps(config))
+    llm = LLM(model=str(model))
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = llm.chat(messages, constrained(choice=["A", "B"]), tools=[tool])[0]
+    without = llm.chat(messages, constrained(choice=["A", "B"]))[0]
+    assert with_tools.outputs[0].text in ("A", "B")
+    assert llm.tokenizer.decode(with_tools.prompt_token_ids).startswith("lookup;")
+    assert len(with_tools.prompt_token_ids) > len(without.prompt_token_ids)

@@ -73,10 +73,13 @@ class LLM:
             self.engine.abort_request([request_id])
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate the reply."""
+             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate the reply.
+        `tools` (OpenAI function tools) are passed to the template, as vLLM's LLM.chat does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(conversation) for conversation in conversations]
+        extra = {"tools": tools} if tools else {}
+        prompts = [self.tokenizer.encode_chat(conversation, **extra) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
