@@ -53,10 +53,8 @@ class EngineTransport(ABC):
     info: EngineInfo
     tokenizer: "Tokenizer"
 
-    def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
-                 on_death: OnDeath) -> None:
+    def __init__(self, config: EngineConfig, on_emitted: OnEmitted, on_death: OnDeath) -> None:
         self.config = config
-        self._factory = factory
         self._on_emitted = on_emitted
         self._on_death = on_death
 

@@ -33,7 +33,7 @@ class ProcessTransport(EngineTransport):
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
         """`factory` must be picklable (a module-level function)."""
-        super().__init__(config, factory, on_emitted, on_death)
+        super().__init__(config, on_emitted, on_death)
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         process = context.Process(target=_engine_process_main, name="pagoda-engine",

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 class ThreadTransport(EngineTransport):
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
-        super().__init__(config, factory, on_emitted, on_death)
+        super().__init__(config, on_emitted, on_death)
         self._inbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
         ready = threading.Event()
         built: list = []
