@@ -31,7 +31,7 @@ prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
 from pagoda.engine.threads import set_engine_threads  # noqa: E402
-from pagoda.outputs import RequestOutput  # noqa: E402
+from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "pagoda-coder-draft"
@@ -77,7 +77,7 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
     pending = list(enumerate(prompts))
     in_flight: set[str] = set()
     finished = []
-    building: dict[str, RequestOutput] = {}  # step() returns deltas: the outputs built from them
+    outputs = OutputAccumulator()  # step() returns deltas: the outputs built from them
     start = time.perf_counter()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
@@ -85,14 +85,10 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
             engine.add_request(str(index), prompt, params)
             in_flight.add(str(index))
         for delta in engine.step():
-            output = building.get(delta.request_id)
-            if output is None:
-                output = building[delta.request_id] = RequestOutput.from_delta(delta)
-            else:
-                output.add(delta)
+            output = outputs.add(delta)
             if output.finished:
                 in_flight.discard(output.request_id)
-                finished.append(building.pop(output.request_id))
+                finished.append(output)
     elapsed = time.perf_counter() - start
     itls = []
     for output in finished:

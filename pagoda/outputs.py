@@ -132,6 +132,24 @@ class RequestOutput:
             metrics=copy.copy(self.metrics))
 
 
+class OutputAccumulator:
+    """Whole RequestOutputs of many requests, built from their deltas as they arrive."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, RequestOutput] = {}
+
+    def add(self, delta: "RequestOutputDelta") -> RequestOutput:
+        """The request's output so far, this delta included; forgotten once finished."""
+        output = self._outputs.get(delta.request_id)
+        if output is None:
+            output = self._outputs[delta.request_id] = RequestOutput.from_delta(delta)
+        else:
+            output.add(delta)
+        if output.finished:
+            del self._outputs[delta.request_id]
+        return output
+
+
 @dataclass
 class CompletionDelta:
     """What one sample gained since its previous delta. Text only ever grows (the detokenizer

@@ -6,7 +6,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import OutputAccumulator
 from pagoda.config import EngineConfig
 
 
@@ -105,9 +105,8 @@ def test_seeded_samples_are_reproducible_and_share_prompt_blocks(llama_dir):
     assert all(pool.blocks[b].ref_cnt == 4 for b in shared_full_blocks)
     while engine.has_unfinished_requests():
         deltas.extend(engine.step())
-    final = RequestOutput.from_delta(deltas[0])
-    for delta in deltas[1:]:
-        final.add(delta)
+    outputs = OutputAccumulator()
+    final = [outputs.add(delta) for delta in deltas][-1]
     first = [c.token_ids for c in final.outputs]
     assert engine.core.kv_cache.num_held_blocks() == 0
 

@@ -169,3 +169,15 @@ def test_processor_groups_samples_and_abort_finishes_the_rest(tokenizer: Tokeniz
     assert aborted.finished and {s.index: s.finish_reason for s in aborted.outputs} == \
         {0: "abort", 1: "abort"}
     assert second.output_token_ids == []
+
+
+def test_accumulator_builds_and_forgets_finished_requests() -> None:
+    from pagoda.outputs import OutputAccumulator
+
+    outputs = OutputAccumulator()
+    outputs.add(delta("a", CompletionDelta(0, "x", [1]), prompt_token_ids=[4]))
+    outputs.add(delta("b", CompletionDelta(0, "y", [2]), prompt_token_ids=[5]))
+    done = outputs.add(delta("a", CompletionDelta(0, "z", [3], finish_reason="length"), finished=True))
+    assert done.finished and done.outputs[0].text == "xz" and done.prompt_token_ids == [4]
+    again = outputs.add(delta("a", CompletionDelta(0, "new", [9]), prompt_token_ids=[6]))
+    assert again.outputs[0].text == "new"  # a finished request id starts afresh

@@ -22,7 +22,7 @@ from pagoda.engine.transport.base import EngineFactory
 from pagoda.engine.transport.messages import EmittedItem
 from pagoda.engine.validation import RequestLimits, validate_request
 from pagoda.errors import InvalidRequest
-from pagoda.outputs import RequestOutput, RequestOutputDelta
+from pagoda.outputs import OutputAccumulator, RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -109,14 +109,10 @@ class AsyncLLM:
         copies); the request is aborted if the consumer stops early."""
         stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
                                         cache_salt=cache_salt, priority=priority)
-        output: RequestOutput | None = None
+        outputs = OutputAccumulator()
         try:
             async for delta in stream:
-                if output is None:
-                    output = RequestOutput.from_delta(delta)
-                else:
-                    output.add(delta)
-                yield output.snapshot()
+                yield outputs.add(delta).snapshot()
         finally:
             if not stream.finished:
                 self.abort([request_id])

@@ -9,7 +9,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.threads import set_engine_threads
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import OutputAccumulator, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -79,7 +79,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
-        building: dict[str, RequestOutput] = {}
+        outputs = OutputAccumulator()
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -90,14 +90,10 @@ class LLM:
             for delta in self.engine.step():
                 if delta.request_id not in pending:
                     continue
-                output = building.get(delta.request_id)
-                if output is None:
-                    output = building[delta.request_id] = RequestOutput.from_delta(delta)
-                else:
-                    output.add(delta)
+                output = outputs.add(delta)
                 if output.finished:
                     pending.discard(delta.request_id)
-                    finished[delta.request_id] = building.pop(delta.request_id)
+                    finished[delta.request_id] = output
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
