@@ -11,14 +11,14 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import engine_thread_count
-from pagoda.engine.validation import RequestLimits, validate_request
+from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import invalid_request
 from pagoda.tokenizer import normalize_messages
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
-LIMITS = RequestLimits(max_model_len=512, vocab_size=1000, num_kv_blocks=64, block_size=16,
+LIMITS = EngineLimits(max_model_len=512, vocab_size=1000, num_kv_blocks=64, block_size=16,
                        max_num_batched_tokens=256, enable_chunked_prefill=True)
 
 
@@ -47,10 +47,10 @@ def test_sampling_params_name_the_field(fields: dict, param: str) -> None:
     ([1] * 100, {"max_tokens": 500}, LIMITS, "max_tokens", "context_length_exceeded"),
     ([1] * 10, {"logit_bias": {5000: 1.0}}, LIMITS, "logit_bias", None),
     ([1] * 10, {"max_tokens": 100},
-     RequestLimits(512, 1000, num_kv_blocks=4, block_size=16, max_num_batched_tokens=256,
+     EngineLimits(512, 1000, num_kv_blocks=4, block_size=16, max_num_batched_tokens=256,
                    enable_chunked_prefill=True), "max_tokens", None),
     ([1] * 300, {"max_tokens": 4},
-     RequestLimits(512, 1000, num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
+     EngineLimits(512, 1000, num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
                    enable_chunked_prefill=False), "prompt", None),
 ])
 def test_engine_checks_name_the_field(prompt, fields, limits, param, code) -> None:

@@ -20,7 +20,7 @@ from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineD
                                      TransportKind, create_transport)
 from pagoda.engine.transport.base import EngineFactory
 from pagoda.engine.transport.messages import EmittedItem
-from pagoda.engine.validation import RequestLimits, validate_request
+from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import OutputAccumulator, RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class AsyncLLM:
         self.tokenizer = self._transport.tokenizer
         self.max_model_len: int = info.max_model_len
         self.generation_defaults: dict = info.generation_defaults
-        self.request_limits: RequestLimits | None = info.request_limits
+        self.engine_limits: EngineLimits | None = info.engine_limits
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -74,8 +74,8 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if the engine would refuse this request (the engine's own
         check, run here so a caller can refuse it before queueing it)."""
-        if self.request_limits is not None:
-            validate_request(prompt_token_ids, params, self.request_limits)
+        if self.engine_limits is not None:
+            validate_request(prompt_token_ids, params, self.engine_limits)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, arrival_time: float | None = None, cache_salt: str | None = None,

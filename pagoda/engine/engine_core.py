@@ -13,7 +13,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.validation import RequestLimits, validate_request
+from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model
@@ -116,7 +116,7 @@ class EngineCore:
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager, drafter=drafter)
-        self.request_limits = RequestLimits(
+        self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks, block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -160,7 +160,7 @@ class EngineCore:
         """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        max_output = validate_request(prompt_token_ids, params, self.request_limits)
+        max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
             prompt_token_ids=list(prompt_token_ids), sampling_params=params,

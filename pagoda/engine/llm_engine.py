@@ -12,7 +12,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.validation import RequestLimits
+from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import RequestOutputDelta
 from pagoda.request import RequestStatus
@@ -40,8 +40,8 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
-    def request_limits(self) -> RequestLimits:
-        return self.core.request_limits
+    def engine_limits(self) -> EngineLimits:
+        return self.core.engine_limits
 
     @property
     def generation_defaults(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What makes a request invalid for this engine: the one place that answers it.
 
 `validate_request` checks a tokenized prompt and its SamplingParams against the engine's
-`RequestLimits` and raises `InvalidRequest` naming the field at fault. The engine core runs it
+`EngineLimits` and raises `InvalidRequest` naming the field at fault. The engine core runs it
 on every add; the server runs the same function (with the limits the engine reported at start)
 before it admits a request, so a hopeless request never takes a queue slot. Per-field checks
 of the sampling knobs live in SamplingParams itself; chat-message checks in the tokenizer.
@@ -16,7 +16,7 @@ from pagoda.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class RequestLimits:
+class EngineLimits:
     """The engine's limits a request is checked against (picklable: sent at start-up)."""
 
     max_model_len: int
@@ -31,7 +31,7 @@ class RequestLimits:
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams,
-                     limits: RequestLimits) -> int:
+                     limits: EngineLimits) -> int:
     """Raise InvalidRequest if the engine cannot serve this request; else return the most
     output tokens it may generate (max_tokens, or what the context leaves)."""
     vocab_size = limits.vocab_size

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pagoda.config import EngineConfig
 from pagoda.engine.transport.messages import Emitted, ToEngine
-from pagoda.engine.validation import RequestLimits
+from pagoda.engine.validation import EngineLimits
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats, LLMEngine
@@ -29,7 +29,7 @@ class EngineInfo:
     """What the front learns once the engine is built (sent over the pipe by the process)."""
 
     max_model_len: int
-    request_limits: RequestLimits | None
+    engine_limits: EngineLimits | None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     stats: "EngineStats | None" = None
 
@@ -37,7 +37,7 @@ class EngineInfo:
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
         # getattr: an engine_factory may build a stand-in without every attribute.
         return cls(max_model_len=engine.max_model_len,
-                   request_limits=getattr(engine, "request_limits", None),
+                   engine_limits=getattr(engine, "engine_limits", None),
                    generation_defaults=dict(getattr(engine, "generation_defaults", {}) or {}),
                    stats=engine.get_stats())
 
