@@ -6,12 +6,10 @@ safetensors headers (the first few KiB of each file).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import struct
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -543,58 +541,38 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
-# ---- CLI -------------------------------------------------------------------------------------
+# ---- from options to a plan -------------------------------------------------------------------
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="capacity worksheet: weights, KV cache, concurrency",
-        description="How many sequences fit: weight bytes, KV bytes per token/sequence, blocks, "
-                    "per-class concurrency, and what quantization or a shorter context would change. "
-                    "Pure arithmetic from config.json (and safetensors headers when present).",
-        formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory or its config.json")
-    parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
-    parser.add_argument("--dtype", default=None,
-                        help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
-                        "(default: --dtype, or bf16 if that is a quantized type)")
-    parser.add_argument("--context", type=int, default=None,
-                        help=f"tokens per sequence (default: max_position_embeddings, else {DEFAULT_CONTEXT})")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--reserve", default="10%",
-                        help="memory kept back for activations, CUDA context and fragmentation:\n"
-                             "a percentage of --memory or bytes (default: 10%%)")
-    parser.add_argument("--classes", nargs="+", default=None, metavar="SPEC", help=CLASSES_HELP)
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(func=run_plan)
+@dataclass
+class PlanOptions:
+    """What `pagoda plan` is asked: the model, the memory, and the knobs that change the answer."""
+
+    model: str  # model directory or its config.json
+    memory: str  # accelerator memory, e.g. 80GiB
+    dtype: str | None = None  # weight dtype (default: the config's, else bf16)
+    kv_dtype: str | None = None  # default: the weight dtype, or bf16 if that is quantized
+    context: int | None = None  # default: max_position_embeddings, else DEFAULT_CONTEXT
+    block_size: int = 16
+    reserve: str = "10%"  # percentage of memory or bytes
+    classes: list[str] | None = None  # request class specs; default: DEFAULT_CLASSES
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    shape, params = load_model(args.model)
-    dtype = normalize_dtype(args.dtype) if args.dtype else (shape.config_dtype or "bf16")
+def plan_from_options(options: PlanOptions) -> Plan:
+    shape, params = load_model(options.model)
+    dtype = normalize_dtype(options.dtype) if options.dtype else (shape.config_dtype or "bf16")
     if dtype == "fp8":
         raise ValueError("--dtype fp8 is not supported for weights; use int8 or int4")
-    if args.kv_dtype:
-        kv_dtype = normalize_dtype(args.kv_dtype)
+    if options.kv_dtype:
+        kv_dtype = normalize_dtype(options.kv_dtype)
     else:
         kv_dtype = dtype if dtype in KV_DTYPES and dtype not in ("int8",) else "bf16"
-    memory = parse_bytes(args.memory)
-    context = args.context or shape.max_position_embeddings or DEFAULT_CONTEXT
-    if args.classes:
-        classes = [parse_request_class(spec) for spec in args.classes]
+    memory = parse_bytes(options.memory)
+    context = options.context or shape.max_position_embeddings or DEFAULT_CONTEXT
+    if options.classes:
+        classes = [parse_request_class(spec) for spec in options.classes]
     else:
         classes = [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
-    return build_plan(shape, params, model=args.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
-                      context=context, block_size=args.block_size,
-                      reserve_bytes=parse_reserve(args.reserve, memory), classes=classes)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    try:
-        plan = plan_from_args(args)
-    except ValueError as e:
-        print(f"pagoda plan: error: {e}", file=sys.stderr)
-        return 2
-    print(plan.to_json() if args.json else render_plan(plan))
-    return 0
+    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
+                      context=context, block_size=options.block_size,
+                      reserve_bytes=parse_reserve(options.reserve, memory), classes=classes)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pagoda.bench import cli as bench_cli
+from pagoda.cli import bench as bench_cli
 from pagoda.bench.lengths import LengthDist, fixed, lognormal, parse_length
 from pagoda.bench.loadgen import arrival_intervals
 from pagoda.bench.prompts import PromptBuilder

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from model_factory import build_model
-from pagoda.bench import cli as bench_cli
+from pagoda.cli import bench as bench_cli
 
 SMALL = ["--length-scale", "0.03", "--max-model-len", "384", "--no-progress", "--ignore-eos"]
 ALL_CLASSES = "chat=0.3,rag=0.3,summarize=0.1,agent=0.3"

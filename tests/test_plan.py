@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import plan as P
+from pagoda.cli import plan as plan_cli
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -24,7 +25,7 @@ LLAMA3_8B_PARAMS = 2 * 525_336_576 + 32 * 218_112_000 + 4096
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
-    P.add_parser(parser.add_subparsers())
+    plan_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     rc = args.func(args)
     out = capsys.readouterr()
