@@ -17,7 +17,7 @@ from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.cli.serve import add_parser
 from server_utils import build_tiny_model, start_server
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
