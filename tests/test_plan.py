@@ -162,3 +162,17 @@ def test_user_errors_are_clear(tmp_path: Path, llama3_config: Path, capsys: pyte
     assert rc == 2 and "unknown dtype" in err
     rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "8GiB"], capsys)
     assert rc == 0 and "warning: the weights and reserve do not leave any memory" in out
+
+
+def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> None:
+    from pagoda.model.model_config import ModelConfig
+
+    gemma_like = {**LLAMA3_8B, "architectures": ["SomeNewForCausalLM"], "model_type": "somenew",
+                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_dict(gemma_like)  # the engine refuses it ...
+    shape = P.model_shape_from_config(gemma_like)  # ... the worksheet still reads its shape
+    assert (shape.model_type, shape.num_layers, shape.num_kv_heads) == ("somenew", 32, 8)
+    # One KV formula: the engine's pool sizing (ModelConfig) and the worksheet agree.
+    engine_config = ModelConfig.from_dict(LLAMA3_8B)
+    assert engine_config.kv_bytes_per_token(2) == P.kv_bytes_per_token(P.model_shape_from_config(LLAMA3_8B), "bf16")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagoda.cli.options import options_from_args
-from pagoda.plan import CLASSES_HELP, DEFAULT_CONTEXT, PlanOptions, plan_from_options, render_plan
+from pagoda.plan import CLASSES_HELP, PlanOptions, plan_from_options, render_plan
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
                         "(default: --dtype, or bf16 if that is a quantized type)")
     parser.add_argument("--context", type=int, default=None,
-                        help=f"tokens per sequence (default: max_position_embeddings, else {DEFAULT_CONTEXT})")
+                        help="tokens per sequence (default: the model's max_position_embeddings)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--reserve", default="10%",
                         help="memory kept back for activations, CUDA context and fragmentation:\n"

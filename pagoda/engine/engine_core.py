@@ -20,7 +20,7 @@ from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
-from pagoda.worker.model_runner import ModelRunner, StepTimings, kv_bytes_per_block
+from pagoda.worker.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,11 @@ class EngineCore:
 
         model = load_model(config.model, self.model_config, self.dtype, self.device)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
-        bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
+        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token).
+        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes) * config.block_size
         if draft_model is not None:
-            bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype)
+            bytes_per_block += draft_model.config.kv_bytes_per_token(element_bytes) * config.block_size
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

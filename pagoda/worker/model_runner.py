@@ -118,12 +118,6 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             torch.tensor(positions, dtype=torch.long, device=device), layout)
 
 
-def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dtype) -> int:
-    config = model.config
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
-
-
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = model.config
