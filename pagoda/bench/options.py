@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.config import EngineConfig
 
 if TYPE_CHECKING:
+    from pagoda.bench.loadgen import LoadConfig
     from pagoda.bench.records import BenchRequest
     from pagoda.bench.workloads import Workload, WorkloadSpec
 
@@ -64,51 +65,41 @@ class ReportOptions:
         return path
 
 
-@dataclass
-class ServeBenchOptions:
-    """`pagoda bench serve`: load-test an OpenAI-compatible server over HTTP."""
+@dataclass(kw_only=True)
+class BenchRunOptions:
+    """What every benchmark run has: the requests to send and how to report."""
 
-    base_url: str
-    model: str
-    endpoint: str = "completions"
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    concurrency: int | None = None
-    duration: float | None = None
-    sweep_concurrency: str | None = None
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    extra_body: str | None = None  # JSON merged into every request body
-    api_key: str | None = None
-    timeout: float = 600.0
-    warmup: int = 0
     workload: WorkloadOptions = field(default_factory=WorkloadOptions)
     report: ReportOptions = field(default_factory=ReportOptions)
 
 
-@dataclass
-class OfflineBenchOptions:
+@dataclass(kw_only=True)
+class ServeBenchOptions(BenchRunOptions):
+    """`pagoda bench serve`: load-test an OpenAI-compatible server over HTTP."""
+
+    load: LoadConfig  # target, arrivals, request knobs, warmup
+    sweep_concurrency: str | None = None  # "1,4,16,64": one closed-loop run per concurrency
+
+
+@dataclass(kw_only=True)
+class OfflineBenchOptions(BenchRunOptions):
     """`pagoda bench offline`: the engine in-process, every request at once."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    static_batch: int | None = None
+    static_batch: int | None = None  # run B requests at a time, each group to completion
     warmup: int = 2
-    workload: WorkloadOptions = field(default_factory=WorkloadOptions)
-    report: ReportOptions = field(default_factory=ReportOptions)
 
 
-@dataclass
-class CompareBenchOptions:
+@dataclass(kw_only=True)
+class CompareBenchOptions(BenchRunOptions):
     """`pagoda bench compare`: several targets on one request list, back to back."""
 
     model: str
     targets: list[str] = field(default_factory=list)
-    num_threads: int | None = None
-    concurrency: int | None = None
-    request_rate: float = math.inf
+    num_threads: int | None = None  # torch threads of in-process targets
+    concurrency: int | None = None  # HTTP targets: closed-loop clients
+    request_rate: float = math.inf  # HTTP targets: open-loop rate
     warmup: int = 2
-    workload: WorkloadOptions = field(default_factory=WorkloadOptions)
-    report: ReportOptions = field(default_factory=ReportOptions)
 
 
 @dataclass
@@ -144,12 +135,15 @@ def run_metadata(options: Any) -> dict[str, Any]:
     """What ran, when, where and with which options (the API key redacted), for results.json."""
     from pagoda.bench.report import machine_info
 
-    args = dataclasses.asdict(options)
-    if args.get("api_key"):
-        args["api_key"] = "<redacted>"
     return {
         "command": " ".join(["pagoda"] + sys.argv[1:]) if sys.argv and "pagoda" in sys.argv[0] else " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
-        "args": args,
+        "args": _redact_api_keys(dataclasses.asdict(options)),
     }
+
+
+def _redact_api_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<redacted>" if k == "api_key" and v else _redact_api_keys(v) for k, v in value.items()}
+    return value

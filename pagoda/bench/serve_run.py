@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.loadgen import LoadConfig, run_load
-from pagoda.bench.options import (DEFAULT_NUM_REQUESTS, WARMUP_SEED_OFFSET, ServeBenchOptions, parse_json_arg,
-                                  run_metadata)
+from pagoda.bench.options import WARMUP_SEED_OFFSET, ServeBenchOptions, run_metadata
 from pagoda.bench.records import RunResult
 from pagoda.bench.report import Summary, parse_slo, render_summary, render_table, summarize, write_json
 from pagoda.bench.server_metrics import metrics_delta
@@ -23,22 +22,6 @@ def parse_sweep(text: str) -> list[int]:
     if not points or min(points) < 1:
         raise ValueError("--sweep-concurrency needs concurrencies >= 1")
     return points
-
-
-def load_config(options: ServeBenchOptions, **changes: Any) -> LoadConfig:
-    num_requests = options.workload.num_requests
-    if num_requests is None and options.duration is None:
-        num_requests = DEFAULT_NUM_REQUESTS
-    values = dict(
-        base_url=options.base_url, model=options.model, endpoint=options.endpoint,
-        request_rate=options.request_rate, burstiness=options.burstiness, concurrency=options.concurrency,
-        num_requests=num_requests, duration=options.duration, ignore_eos=options.ignore_eos,
-        temperature=options.temperature, timeout=options.timeout, api_key=options.api_key,
-        extra_body=parse_json_arg(options.extra_body, "--extra-body"), seed=options.workload.seed,
-        warmup=options.warmup,
-    )
-    values.update(changes)
-    return LoadConfig(**values)
 
 
 def _requests(workload: Workload, config: LoadConfig) -> Any:
@@ -87,9 +70,9 @@ def write_outputs(out: Path, payload: dict[str, Any], result: RunResult, summary
 
 def serve_benchmark(options: ServeBenchOptions) -> int:
     parse_slo(options.report.slo)  # a bad flag fails before any work
-    label = options.report.label or options.base_url
+    label = options.report.label or options.load.base_url
     out = options.report.output_dir()
-    base = load_config(options)
+    base = options.load
     meta = run_metadata(options)
     workload_options = options.workload
     shown_config = dataclasses.replace(base, api_key="<redacted>" if base.api_key else None)
@@ -97,7 +80,7 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
     if options.sweep_concurrency:
         points, runs = [], []
         for i, concurrency in enumerate(parse_sweep(options.sweep_concurrency)):
-            config = load_config(options, concurrency=concurrency, request_rate=math.inf)
+            config = dataclasses.replace(base, concurrency=concurrency, request_rate=math.inf)
             # A fresh seed per point: a repeated prompt would be served from the prefix cache.
             workload = make_workload(workload_options.spec(seed_offset=i), workload_options.tokenizer)
             warmup = Workload(workload_options.spec(WARMUP_SEED_OFFSET), workload.builder) if i == 0 else None

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pagoda.bench.lengths import LENGTH_SPEC_HELP
-from pagoda.bench.options import (CompareBenchOptions, OfflineBenchOptions, ReportOptions, ServeBenchOptions,
-                                  WorkloadOptions)
+from pagoda.bench.options import (DEFAULT_NUM_REQUESTS, CompareBenchOptions, OfflineBenchOptions, ReportOptions,
+                                  ServeBenchOptions, WorkloadOptions, parse_json_arg)
 from pagoda.cli.options import options_from_args
 from pagoda.config import EngineConfig
 
@@ -126,10 +126,20 @@ def _report_options(args: argparse.Namespace) -> ReportOptions:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pagoda.bench.loadgen import LoadConfig
     from pagoda.bench.serve_run import serve_benchmark
 
-    options = options_from_args(ServeBenchOptions, args, workload=options_from_args(WorkloadOptions, args),
-                                report=_report_options(args))
+    try:
+        # Without a count or a duration, send the default number of requests.
+        num_requests = args.num_requests
+        if num_requests is None and args.duration is None:
+            num_requests = DEFAULT_NUM_REQUESTS
+        load = options_from_args(LoadConfig, args, num_requests=num_requests,
+                                 extra_body=parse_json_arg(args.extra_body, "--extra-body"))
+    except ValueError as e:
+        return _fail("serve", e)
+    options = ServeBenchOptions(load=load, sweep_concurrency=args.sweep_concurrency,
+                                workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
     return _run("serve", serve_benchmark, options)
 
 

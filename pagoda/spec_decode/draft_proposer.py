@@ -12,22 +12,13 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
-from pagoda.model.attention import AttentionBackend
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.request import Request
-from pagoda.worker.model_runner import Segment, allocate_kv_caches, build_batch
+from pagoda.worker.model_runner import PagedModel, Segment, build_batch
 from pagoda.worker.sampler import DraftedRow, Sampler
 
 
-class DraftModelProposer:
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
-        self.sliding_windows = set(model.config.layer_sliding_windows)
+class DraftModelProposer(PagedModel):
+    """The draft model with its own KV tensors (PagedModel), proposing drafts each step."""
 
     def run(self, scheduler_output: SchedulerOutput, sampler: Sampler) -> dict[str, torch.Tensor | None]:
         """Fill `spec.token_ids` of the speculating requests. Returns, per such request, the
@@ -66,8 +57,7 @@ class DraftModelProposer:
     def _forward(self, segments: list[Segment], wanted: list[int]) -> torch.Tensor:
         """Run the draft on the segments; logits at the last token of each wanted segment."""
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
-        metadata = self.backend.prepare(layout, self.sliding_windows)
-        hidden = self.model(input_ids, positions, ForwardContext(self.backend, metadata, self.kv_caches))
+        hidden = self.model(input_ids, positions, self.forward_context(layout))
         if not wanted:
             return hidden.new_empty(0, self.model.config.vocab_size)
         last_rows = layout.query_start_loc[1:] - 1

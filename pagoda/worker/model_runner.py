@@ -126,16 +126,30 @@ def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int
             for _ in range(config.num_layers)]
 
 
-class ModelRunner:
+class PagedModel:
+    """A model with its own paged KV cache. The runner holds the target model's; a draft model
+    (spec_decode) holds its own, indexed by the same block ids and slots."""
+
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, speculator: Speculator | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
         self.sliding_windows = set(model.config.layer_sliding_windows)
+
+    def forward_context(self, layout: BatchLayout) -> ForwardContext:
+        """Attention metadata for one batch, over this model's caches."""
+        metadata = self.backend.prepare(layout, self.sliding_windows)
+        return ForwardContext(self.backend, metadata, self.kv_caches)
+
+
+class ModelRunner(PagedModel):
+    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False, speculator: Speculator | None = None) -> None:
+        super().__init__(model, backend, num_blocks, block_size, dtype, device)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
@@ -167,8 +181,7 @@ class ModelRunner:
             prepared = time.perf_counter()
             hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
         else:
-            metadata = self.backend.prepare(layout, self.sliding_windows)
-            context = ForwardContext(self.backend, metadata, self.kv_caches)
+            context = self.forward_context(layout)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
