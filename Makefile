@@ -21,8 +21,9 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/pagoda chat $(ARGS)
 
+# -rs lists every skipped test with its reason under the summary.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -rs $(ARGS)
 
 # Triton kernels under the CPU interpreter, plus a compile of every kernel variant for sm_80/sm_90.
 # Separate from `test` because triton is a ~300 MB download (~1 GB installed).

@@ -1,7 +1,7 @@
 """Request: the engine's unit of work.
 
 A request is a list of token ids plus `num_computed_tokens`; each step computes some of the
-tokens it is behind on. A prompt is just a request that is far behind (see DESIGN.md).
+tokens it is behind on. A prompt is just a request that is far behind (see docs/DESIGN.md).
 """
 
 from __future__ import annotations

@@ -79,10 +79,10 @@ def plot_comparison(summaries: list[Summary], path: Path) -> None:
 
     seconds = lambda stats, attr: getattr(stats, attr) if stats else 0.0
     plot_bars({
-        "output tokens / s": {s.target: s.overall.output_throughput for s in summaries},
-        "E2E p50 (s)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
-        "E2E p99 (s)": {s.target: seconds(s.overall.e2e, "p99") for s in summaries},
-        "TTFT p99 (s)": {s.target: seconds(s.overall.ttft, "p99") for s in summaries},
+        "output tokens / s\n(higher is better)": {s.target: s.overall.output_throughput for s in summaries},
+        "E2E p50 (s)\n(lower is better)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
+        "E2E p99 (s)\n(lower is better)": {s.target: seconds(s.overall.e2e, "p99") for s in summaries},
+        "TTFT p99 (s)\n(lower is better)": {s.target: seconds(s.overall.ttft, "p99") for s in summaries},
     }, path, "same requests, back to back")
 
 
