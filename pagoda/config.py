@@ -141,8 +141,10 @@ class EngineConfig:
                 choices = ["auto", "float32", "bfloat16", "float16"]
             elif f.name == "scheduling_policy":
                 choices = ["fcfs", "priority"]
-            group.add_argument(flag, type=kind, default=f.default, choices=choices,
-                               help=f"{help_text} (default: {f.default})")
+            # A help text that already states its default ("(default: the model's)") keeps it.
+            if "(default" not in help_text:
+                help_text = f"{help_text} (default: {f.default})"
+            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":

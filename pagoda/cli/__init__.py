@@ -35,5 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: no traceback
+        return 130
     return int(result or 0)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagoda.cli.options import options_from_args
 from pagoda.config import EngineConfig, parse_bytes
-from pagoda.serve.launch import ServeOptions, launch_server
+from pagoda.serve.launch import DEFAULT_SHUTDOWN_TIMEOUT_S, ServeOptions, launch_server
 from pagoda.serve.settings import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOKENS,
                                    DEFAULT_MAX_REQUEST_BYTES)
 
@@ -23,8 +23,8 @@ def add_parser(subparsers: Any) -> None:
                     "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                     "/detokenize, /health, /metrics).")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     server.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the model directory's name)")
     server.add_argument("--api-key", default=None,
@@ -49,7 +49,21 @@ def add_parser(subparsers: Any) -> None:
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log level (default: info)")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on Ctrl-C or SIGTERM, seconds to let running requests finish while new "
+                             "ones get 503; a second Ctrl-C exits at once "
+                             f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    server.add_argument("--target-ttft-ms", type=float, default=None,
+                        help="latency-aware admission: refuse new requests (503 + Retry-After) while "
+                             "the recent p90 time to first token exceeds this (default: off)")
+    server.add_argument("--target-itl-ms", type=float, default=None,
+                        help="latency-aware admission: refuse new requests while the recent p90 "
+                             "inter-token latency exceeds this (default: off)")
+    server.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
+                        help="also export every metric under vLLM's vllm: names, for existing vLLM "
+                             "dashboards (default: none)")
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
