@@ -76,6 +76,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def servers(models: dict[str, Path]) -> Iterator[dict[str, LiveServer]]:
     live = {name: start_server(path) for name, path in models.items()}
     live["twin"] = start_server(models["base"])
+    live["spec"] = start_server(models["base"], engine={"speculative": "ngram"})
     yield live
     for server in live.values():
         server.stop()
@@ -143,6 +144,16 @@ def test_different_weights_are_caught(servers: dict[str, LiveServer], suite_file
     assert rule(result, "outputs.logprob_drift_max").status in ("fail", "skipped")
     assert rule(result, "tokenization.prompt_mismatches").status == "pass"
     assert rule(result, "contract.new_failures").status == "pass"
+
+
+def test_speculative_decoding_keeps_greedy_outputs(servers: dict[str, LiveServer],
+                                                   suite_file: Path) -> None:
+    """Speculation on vs off is a release that must not change greedy text: the output rules
+    hold, and the logprobs over the shared prefix agree to float32 noise."""
+    result = gate(servers["base"].url, servers["spec"].url, suite_file)
+    assert result.passed, [r.to_json() for r in result.rules if r.status == "fail"]
+    assert rule(result, "outputs.exact_match_rate").value == 1.0
+    assert rule(result, "outputs.logprob_drift_max").value < 1e-3
 
 
 def test_latency_section(servers: dict[str, LiveServer], suite_file: Path) -> None:
