@@ -273,6 +273,12 @@ def compare_contract(suite: Suite, base: SideResult, cand: SideResult) -> Compar
     return result
 
 
+def _latency_value(metric: str, value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f} tok/s" if metric == "throughput" else f"{value * 1000:.1f} ms"
+
+
 def compare_latency(summary: dict[str, Any] | None) -> Comparison:
     result = Comparison()
     if summary is None:
@@ -282,8 +288,9 @@ def compare_latency(summary: dict[str, Any] | None) -> Comparison:
         ratio = summary["ratios"][metric]
         sides = summary["sides"]
         result.add(f"latency.{metric}_ratio", ratio, [
-            f"baseline {sides['baseline'][metric]}, candidate {sides['candidate'][metric]} "
-            f"(medians of {len(sides['baseline']['repeats'])} runs), noise band "
+            f"baseline {_latency_value(metric, sides['baseline'][metric])}, candidate "
+            f"{_latency_value(metric, sides['candidate'][metric])} (medians of "
+            f"{len(sides['baseline']['repeats'])} runs each), noise band "
             f"±{summary['noise'][metric]:.3f}"])
     failed = summary["sides"]["candidate"]["failed_requests"]
     if failed:

@@ -113,7 +113,11 @@ def summarize(runs: dict[str, list[RunStats]]) -> dict[str, Any]:
         base = summary["sides"]["baseline"][metric]
         cand = summary["sides"]["candidate"][metric]
         summary["ratios"][metric] = cand / base if base and cand is not None else None
-        spreads = [_spread([v for s in stats if (v := getattr(s, metric)) is not None])
-                   for stats in runs.values()]
-        summary["noise"][metric] = max(spreads) if spreads else 0.0
+        # The band is the baseline's disagreement with itself: the measurement noise of this
+        # machine and load. The candidate's own spread is reported but never widens its
+        # tolerance (an erratic candidate must not pass more easily).
+        spreads = {side: _spread([v for s in stats if (v := getattr(s, metric)) is not None])
+                   for side, stats in runs.items()}
+        summary["noise"][metric] = spreads["baseline"]
+        summary.setdefault("candidate_spread", {})[metric] = spreads["candidate"]
     return summary

@@ -13,7 +13,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -44,11 +43,6 @@ class Target:
 
     def url(self, path: str) -> str:
         return self.base_url + path
-
-    @property
-    def is_loopback(self) -> bool:
-        host = urlsplit(self.base_url).hostname or ""
-        return host in ("localhost", "::1") or host.startswith("127.")
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"base_url": self.base_url, "model": self.model}
