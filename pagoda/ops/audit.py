@@ -165,6 +165,20 @@ def mitigated_launch(args: list[str], probe: str, keys: dict[str, str | None],
     return [*args, "--api-keys", str(path)], new_keys
 
 
+def _redacted(tenants: dict[str, Any], keys: dict[str, str | None]) -> dict[str, Any]:
+    """Tenants as the report shows them: API keys replaced by which seat they are."""
+    names = {key: f"<key-{seat}>" for seat, key in keys.items() if key}
+    result = {}
+    for name, spec in tenants.items():
+        spec = dict(spec)
+        for field in ("api_keys", "api_key"):
+            if field in spec:
+                values = spec[field] if isinstance(spec[field], list) else [spec[field]]
+                spec[field] = [names.get(v, "<other key>") for v in values]
+        result[name] = spec
+    return result
+
+
 def _without_flag(args: list[str], flag: str) -> list[str]:
     result, skip = [], False
     for arg in args:
@@ -223,6 +237,9 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
                 if again:
                     finding.rerun = {"launch": "pagoda serve " + shlex.join(args),
                                      **again[0].to_json()}
+                    tenants = _keys_file_tenants(args)[0]
+                    if tenants is not None:  # the temporary file goes; its content stays
+                        finding.rerun["tenants"] = _redacted(tenants, new_keys)
                     finding.rerun.pop("rerun", None)
                     finding.rerun.pop("mitigation", None)
     return {
