@@ -11,7 +11,7 @@ A policy file (YAML or JSON)::
 A rule on a metric the run could not measure (no /tokenize, no schemas in the suite, latency
 skipped) is reported as skipped and does not fail the gate unless it says `required: true`.
 Ratio rules on latency metrics compare against the threshold widened by that metric's noise
-band (half the relative range of the baseline's repeated runs), so measurement noise alone
+band (the relative range of the baseline's repeated runs), so measurement noise alone
 rarely fails a release and a real regression larger than the noise still does.
 """
 
