@@ -320,3 +320,35 @@ def test_cli(servers: dict[str, LiveServer], suite_file: Path, tmp_path: Path,
     assert pagoda_main(["gate", "record", "--from-text", str(text), "-o",
                         str(tmp_path / "rec.jsonl")]) == 0
     assert len(load_suite(tmp_path / "rec.jsonl").cases) == 2
+
+
+def test_structured_validity_is_compared() -> None:
+    """json_schema cases: the validity rate of each side and the drop, from the replies."""
+    from pagoda.ops.calls import Completion
+    from pagoda.ops.gate import SideResult, compare_structured
+    from pagoda.ops.schema_check import validate_text
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": False}
+    assert validate_text('{"x": 3}', schema) is None
+    assert "missing required 'x'" in validate_text("{}", schema)
+    assert "expected integer" in validate_text('{"x": 1.5}', schema)
+    assert "unexpected property" in validate_text('{"x": 1, "y": 2}', schema)
+    assert "not JSON" in validate_text("x = 3", schema)
+    suite = parse_suite([json.dumps({"id": f"s{i}", "prompt": "p", "schema": schema})
+                         for i in range(2)], "s")
+    base = SideResult(Target("http://b", label="baseline"),
+                      structured={"s0": Completion(200, text='{"x": 1}'),
+                                  "s1": Completion(200, text='{"x": 2}')})
+    cand = SideResult(Target("http://c", label="candidate"),
+                      structured={"s0": Completion(200, text='{"x": 1}'),
+                                  "s1": Completion(200, text='{"x": "two"}')})
+    result = compare_structured(suite, base, cand)
+    assert result.metrics["structured.validity_rate_baseline"] == 1.0
+    assert result.metrics["structured.validity_drop"] == 0.5
+    assert "candidate s1: $.x: expected integer" in result.evidence["structured.validity_drop"][0]
+    rejecting = SideResult(Target("http://c", label="candidate"), structured={
+        name: Completion(400, error="response_format is not supported") for name in ("s0", "s1")})
+    result = compare_structured(suite, base, rejecting)
+    assert result.metrics["structured.validity_rate_candidate"] is None
+    assert result.metrics["structured.validity_drop"] == 1.0
