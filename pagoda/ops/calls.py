@@ -81,7 +81,12 @@ def tokenize(client: httpx.Client, target: Target, case: SuiteCase) -> Tokenized
     if response.status_code != 200:
         return Tokenized(response.status_code, error=error_message(response))
     payload = response.json()
-    return Tokenized(200, list(payload.get("tokens") or []), payload.get("token_strs"))
+    tokens = payload.get("tokens") if isinstance(payload, dict) else None
+    if not tokens:
+        # Another /tokenize shape (llama.cpp's takes `content`): comparing it would compare
+        # nothing, so it counts as no /tokenize rather than as an empty tokenization.
+        return Tokenized(501, error="/tokenize answered without tokens (not vLLM's shape)")
+    return Tokenized(200, [int(t) for t in tokens], payload.get("token_strs"))
 
 
 def generation_body(target: Target, case: SuiteCase, *, stream: bool = False,
