@@ -28,11 +28,15 @@ def _md_escape(text: str) -> str:
 # ---- gate ------------------------------------------------------------------------------------
 
 
+def _side(info: dict[str, Any]) -> str:
+    """`pagoda serve ARGS` for a side the gate launched, else its URL; and the model."""
+    return f"`{info.get('launched') or info['base_url']}` ({info['model']})"
+
+
 def gate_markdown(report: dict[str, Any]) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines = [f"## pagoda gate: {verdict}", "",
-             f"baseline `{report['baseline']['base_url']}` ({report['baseline']['model']}) vs "
-             f"candidate `{report['candidate']['base_url']}` ({report['candidate']['model']}), "
+             f"baseline {_side(report['baseline'])} vs candidate {_side(report['candidate'])}, "
              f"suite `{report['suite']['name']}` ({report['suite']['cases']} cases, "
              f"{report['suite']['bad_requests']} bad requests), {report['duration_s']} s", "",
              "| rule | value | threshold | result |", "|---|---|---|---|"]
@@ -169,8 +173,7 @@ suite {esc(report['suite']['name'])}: {report['suite']['cases']} cases,
 
 
 def audit_markdown(report: dict[str, Any]) -> str:
-    lines = [f"## pagoda audit of `{report['target']['base_url']}` "
-             f"({report['target']['model']})", "",
+    lines = [f"## pagoda audit of {_side(report['target'])}", "",
              f"{report['requests_sent']} requests, {report['duration_s']} s", "",
              "| probe | severity | statistic | mitigation | with mitigation |",
              "|---|---|---|---|---|"]
@@ -184,6 +187,8 @@ def audit_markdown(report: dict[str, Any]) -> str:
     for finding in report["findings"]:
         lines.append(f"- **{finding['probe']}** ({finding['severity']})")
         lines += [f"  - {_md_escape(e)}" for e in finding["evidence"]]
+    if report["notes"]:
+        lines += ["", "### Notes", ""] + [f"- {_md_escape(n)}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -198,12 +203,14 @@ def audit_html(report: dict[str, Any]) -> str:
         rows.append([esc(f["probe"]), f'<span class="{esc(f["severity"])}">'
                      f'{esc(f["severity"])}</span>', esc(f["summary"]),
                      _evidence_html(f["evidence"]), esc(f["mitigation"]), after])
+    notes = "".join(f"<li>{esc(n)}</li>" for n in report["notes"])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>pagoda audit</title>
 <style>{HTML_STYLE}</style></head><body>
 <h1>pagoda audit</h1>
 <p>target <code>{esc(json.dumps(report['target']))}</code>; {report['requests_sent']} requests,
 {report['duration_s']} s</p>
 {_table(['probe', 'severity', 'statistic', 'evidence', 'mitigation', 'with mitigation'], rows)}
+<h2>Notes</h2><ul>{notes or '<li>none</li>'}</ul>
 </body></html>
 """
 
