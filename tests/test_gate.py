@@ -286,18 +286,22 @@ def test_record_from_text_and_log(tmp_path: Path) -> None:
         '"status":200,"prompt":["[1, 2, 3]"]}',
         '2026-01-01 INFO pagoda.serve.requests: {"request_id":"3","endpoint":"/v1/completions",'
         '"status":200}',
+        '2026-01-01 INFO pagoda.serve.requests: ' + json.dumps({
+            "request_id": "5", "endpoint": "/v1/chat/completions", "status": 200,
+            "prompt": [json.dumps([{"role": "user", "content": "hi"}])]}),
         '2026-01-01 INFO pagoda.serve.requests: {"request_id":"4","endpoint":"/v1/completions",'
         '"status":400,"prompt":["bad"]}',
         'INFO: uvicorn noise',
     ]
     suite, without = suite_from_request_log(log, "log")
-    assert [c.prompt for c in suite.cases] == ["hello", "world", [1, 2, 3]]
+    assert [c.prompt for c in suite.cases] == ["hello", "world", [1, 2, 3], None]
+    assert suite.cases[3].messages == [{"role": "user", "content": "hi"}]
     assert suite.cases[0].max_tokens == 5 and without == 1
     with pytest.raises(SuiteError, match="--log-prompts"):
         suite_from_request_log(log[2:3], "log")
     path = tmp_path / "s.jsonl"
     suite.write(path)
-    assert [c.prompt for c in load_suite(path).cases] == ["hello", "world", [1, 2, 3]]
+    assert [c.prompt for c in load_suite(path).cases] == ["hello", "world", [1, 2, 3], None]
 
 
 def test_cli(servers: dict[str, LiveServer], suite_file: Path, tmp_path: Path,
@@ -352,3 +356,30 @@ def test_structured_validity_is_compared() -> None:
     result = compare_structured(suite, base, rejecting)
     assert result.metrics["structured.validity_rate_candidate"] is None
     assert result.metrics["structured.validity_drop"] == 1.0
+
+
+def test_record_from_a_live_server_log(models: dict[str, Path],
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """What `pagoda serve --log-prompts` really logs becomes a suite that replays the same
+    prompts and conversations."""
+    import httpx
+
+    live = start_server(models["base"], log_prompts=True)
+    conversation = [{"role": "user", "content": "reverse a string"}]
+    try:
+        with caplog.at_level("INFO", logger="pagoda.serve.requests"):
+            httpx.post(live.url + "/v1/completions", json={"prompt": "def f():", "max_tokens": 3},
+                       timeout=30).raise_for_status()
+            httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+                "messages": conversation, "max_tokens": 2}).raise_for_status()
+            deadline = time.monotonic() + 10
+            while len(caplog.records) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        live.stop()
+    lines = [f"2026-01-01 INFO {r.name}: {r.getMessage()}" for r in caplog.records]
+    suite, without = suite_from_request_log(lines, "live")
+    assert without == 0
+    assert [(c.prompt, c.messages) for c in suite.cases] == [("def f():", None),
+                                                              (None, conversation)]
+    assert [c.max_tokens for c in suite.cases] == [3, 2]

@@ -219,6 +219,19 @@ def _log_json(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) and "endpoint" in row and "request_id" in row else None
 
 
+def _logged_messages(prompt: str) -> list[dict[str, str]] | None:
+    """A chat request's conversation as pagoda logs it (its messages as JSON), else None."""
+    try:
+        messages = json.loads(prompt)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return None
+
+
 def suite_from_request_log(lines: Iterable[str], name: str, *,
                            max_tokens: int | None = None) -> tuple[Suite, int]:
     """Cases from a pagoda request log (`pagoda serve --log-prompts`): every successful
@@ -234,19 +247,25 @@ def suite_from_request_log(lines: Iterable[str], name: str, *,
         if prompts is None:
             without_prompt += 1
             continue
+        chat = "chat" in str(row.get("endpoint"))
         for prompt in prompts if isinstance(prompts, list) else [prompts]:
+            messages = _logged_messages(prompt) if chat else None
             value: str | list[int] = prompt
             if re.fullmatch(r"\[\s*\d+(\s*,\s*\d+)*\s*\]", prompt):  # logged token ids
                 value = json.loads(prompt)
-            key = json.dumps(value)
+            key = json.dumps(messages if messages is not None else value)
             if key in seen:
                 continue
             seen.add(key)
             tokens = max_tokens or max(1, min(int(row.get("output_tokens") or 0) or
                                               DEFAULT_MAX_TOKENS, 256))
-            tag = "chat" if "chat" in str(row.get("endpoint")) else "completions"
-            cases.append(SuiteCase(f"{name}-{len(cases)}", prompt=value, max_tokens=tokens,
-                                   tags=["recorded", tag]))
+            case = SuiteCase(f"{name}-{len(cases)}", max_tokens=tokens,
+                             tags=["recorded", "chat" if chat else "completions"])
+            if messages is not None:
+                case.messages = messages
+            else:
+                case.prompt = value
+            cases.append(case)
     if not cases:
         hint = (" (the server logged none: run it with --log-prompts)" if without_prompt
                 else "")
