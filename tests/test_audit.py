@@ -4,7 +4,6 @@ per-tenant salts; mitigations are re-run on a pagoda the audit launches itself."
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 

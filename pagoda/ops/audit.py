@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from pagoda.ops.probes import (BudgetExceeded, Finding, Session, cache_probe, length_probe,
                                queue_probe, stream_probe)
-from pagoda.ops.target import Target, TargetError, launch_pagoda, resolve_model
+from pagoda.ops.target import Target, TargetError, launch_pagoda
 
 PROBES = ("cache", "length", "queue", "stream")
 AUDIT_KEYS = {"a": "pagoda-audit-key-a", "b": "pagoda-audit-key-b"}
