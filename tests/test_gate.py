@@ -383,3 +383,17 @@ def test_record_from_a_live_server_log(models: dict[str, Path],
     assert [(c.prompt, c.messages) for c in suite.cases] == [("def f():", None),
                                                               (None, conversation)]
     assert [c.max_tokens for c in suite.cases] == [3, 2]
+
+
+def test_cli_launches_a_pagoda_side(servers: dict[str, LiveServer], models: dict[str, Path],
+                                    suite_file: Path, tmp_path: Path) -> None:
+    """`pagoda:ARGS` runs `pagoda serve ARGS` on a free loopback port for the gate, then stops it."""
+    launched = (f"pagoda:--model {models['base']} --engine-transport thread --num-threads 1 "
+                "--num-kv-blocks 256")
+    out = tmp_path / "launched"
+    assert pagoda_main(["gate", servers["base"].url, launched, "--suite", str(suite_file),
+                        "--no-latency", "--max-tokens", "4", "--no-progress", "--out",
+                        str(out)]) == 0  # default policy; skipped rules do not fail
+    report = json.loads((out / "report.json").read_text())
+    assert report["candidate"]["launched"].startswith("pagoda serve --model")
+    assert report["sections"]["outputs"]["metrics"]["outputs.exact_match_rate"] == 1.0
