@@ -1,4 +1,4 @@
-"""`pagoda` command line: serve | generate | chat | bench | plan.
+"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit.
 
 One module per command in this package; each exposes `add_parser(subparsers)`, which registers
 the command's flags and sets `func` to the function that runs it. Adding a command is one
@@ -22,6 +22,8 @@ COMMANDS = (
     "pagoda.cli.chat",       # pagoda chat
     "pagoda.cli.bench",      # pagoda bench serve|offline|compare
     "pagoda.cli.plan",       # pagoda plan
+    "pagoda.cli.gate",       # pagoda gate | gate record
+    "pagoda.cli.audit",      # pagoda audit
 )
 
 

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("pagoda",),
     ("serve", "bench", "plan"),
+    ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
 ]
 LAYER_OF = {unit: index for index, units in enumerate(LAYERS) for unit in units}
