@@ -13,6 +13,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model
 from pagoda.model.model_config import ModelConfig
@@ -62,6 +63,7 @@ class EngineStats:
     num_generation_tokens: int
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
+    kv_tiers: KVTierStats | None = None  # None when no host tier is configured
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,7 +102,11 @@ class EngineCore:
         if draft_model is not None:
             bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype)
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_tiers = KVTiers(config, bytes_per_block, str(self.dtype).removeprefix("torch.")) \
+            if config.kv_offload_memory is not None else None
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       host_tier=self.kv_tiers.host if self.kv_tiers else None,
+                                       preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -115,6 +121,11 @@ class EngineCore:
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager, drafter=drafter)
+        if self.kv_tiers is not None:
+            caches = [t for pair in self.runner.kv_caches for t in pair]
+            if drafter is not None:
+                caches += [t for pair in drafter.kv_caches for t in pair]
+            self.runner.kv_transfer = self.kv_tiers.attach(caches)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -247,7 +258,14 @@ class EngineCore:
         timings = self.runner.timings
         timings.schedule = scheduled - started
         timings.update = time.perf_counter() - executed
+        if self.kv_tiers is not None:
+            self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, timings.forward)
         return progressed
+
+    def close(self) -> None:
+        """Finish pending KV copies and remove the disk tier's files (unless they persist)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def _plan_speculation(self) -> None:
         """Decide each decoding request's drafts for this step. Beyond speculative_max_batch
@@ -296,6 +314,8 @@ class EngineCore:
             spec_decode=SpecDecodeStats(self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens,
                                         self.spec_stats.num_accepted_tokens,
                                         list(self.spec_stats.accepted_per_position)),
+            kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
+                                         self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
         )
 
 

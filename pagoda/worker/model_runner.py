@@ -123,6 +123,7 @@ class ModelRunner:
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.drafter = drafter  # DraftModelProposer, or None
         self.timings = StepTimings()
+        self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend):
@@ -133,6 +134,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        if scheduler_output.kv_transfers:  # tier copies go first: CoW targets may be evicted blocks
+            self.kv_transfer.run(scheduler_output.kv_transfers)
         self._copy_blocks(scheduler_output.block_copies)
         draft_probs: dict[str, torch.Tensor | None] = {}
         if self.drafter is not None:

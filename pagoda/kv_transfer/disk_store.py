@@ -1,0 +1,84 @@
+"""Files of the disk tier: one file per block, named by the tier (salted hash + fingerprint).
+
+The files hold other users' context: the directory is owner-only (0700) and every file is
+created 0600, written under a temporary name and renamed into place, so a crash never leaves
+a half-written block under a real name. Each file records the fingerprint and block hash it
+was written for; a startup with another fingerprint ignores it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+
+
+class DiskStore:
+    def __init__(self, directory: str | Path, fingerprint: bytes) -> None:
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+        self.written: set[str] = set()  # names written by this instance (or adopted at startup)
+
+    def path(self, name: str) -> Path:
+        if os.sep in name or not name.endswith(SUFFIX):
+            raise ValueError(f"not a disk-tier file name: {name!r}")
+        return self.directory / name
+
+    def write(self, name: str, block_hash: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        buffer = io.BytesIO()
+        torch.save({"fingerprint": self.fingerprint.hex(), "block_hash": block_hash.hex(),
+                    "token_ids": list(token_ids), "tensors": [t.contiguous() for t in tensors]}, buffer)
+        path = self.path(name)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getbuffer())
+        os.replace(tmp, path)
+        self.written.add(name)
+
+    def read(self, name: str) -> list[torch.Tensor]:
+        data = torch.load(self.path(name), weights_only=True)
+        if data["fingerprint"] != self.fingerprint.hex():
+            raise RuntimeError(f"disk-tier file {name} belongs to another model or config")
+        return data["tensors"]
+
+    def delete(self, name: str) -> None:
+        self.written.discard(name)
+        try:
+            os.unlink(self.path(name))
+        except FileNotFoundError:
+            pass
+
+    def scan(self) -> list[tuple[str, bytes, tuple[int, ...]]]:
+        """Blocks persisted by an earlier instance with this fingerprint, oldest first."""
+        found = []
+        for path in sorted(self.directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            try:
+                data = torch.load(path, weights_only=True)
+            except Exception:  # a foreign or damaged file: never ours to reuse
+                logger.warning("ignoring unreadable disk-tier file %s", path.name)
+                continue
+            if data.get("fingerprint") != self.fingerprint.hex():
+                continue
+            found.append((path.name, bytes.fromhex(data["block_hash"]), tuple(data["token_ids"])))
+            self.written.add(path.name)
+        return found
+
+    def files(self) -> set[str]:
+        """Names of this fingerprint's files in the directory (for index checks)."""
+        return {name for name in os.listdir(self.directory) if name.endswith(SUFFIX) and name in self.written}
+
+    def remove_all(self) -> None:
+        """Delete every file this instance wrote or adopted (clean shutdown without persist)."""
+        for name in list(self.written):
+            self.delete(name)
