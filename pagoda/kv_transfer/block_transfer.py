@@ -206,6 +206,10 @@ class BlockTransfer:
         for future in futures:
             future.result()
 
+    def flush(self) -> None:
+        """Wait for every copy and file operation queued so far."""
+        self._worker.submit(lambda: None).result()
+
     def close(self) -> None:
         self.wait_all()
         self._worker.shutdown(wait=True)

@@ -1,0 +1,93 @@
+"""The disk KV tier: owner-only files named by salted hashes, matching the index, deleted at
+clean shutdown unless persisted, and reused only by an engine with the same fingerprint."""
+
+from __future__ import annotations
+
+import re
+import stat
+
+from pagoda import SamplingParams
+from pagoda.config import EngineConfig
+from pagoda.engine.engine_core import EngineCore
+
+from test_kv_tiers_engine import assert_tiers_idle, block_bytes, distinct_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def run(core: EngineCore, prompts) -> tuple[list[list[int]], list[int]]:
+    samples = [core.add_request(f"p{i}-{id(prompts)}", p, GREEDY)[0] for i, p in enumerate(prompts)]
+    while core.has_unfinished_requests():
+        core.step()
+    for sample in samples:
+        core.release(sample.parent_id)
+    return [s.output_token_ids for s in samples], [s.num_cached_tokens for s in samples]
+
+
+def engine(model_dir, disk_dir, persist: bool) -> EngineCore:
+    per_block = block_bytes(model_dir)
+    return EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=8, max_num_seqs=1,
+                                   kv_offload_memory=str(4 * per_block), kv_offload_disk=str(disk_dir),
+                                   kv_offload_disk_size=str(64 * per_block), kv_offload_disk_persist=persist))
+
+
+def disk_files(directory) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def assert_disk_matches_index(core: EngineCore, directory) -> None:
+    core.kv_tiers.transfer.flush()
+    indexed = {e.location for e in core.kv_tiers.disk.entries.values()}
+    assert disk_files(directory) == indexed
+
+
+def test_disk_tier_spills_persists_and_respects_the_fingerprint(model_dirs, tmp_path):
+    llama = model_dirs["llama"]
+    disk_dir = tmp_path / "kv"
+    prompts = distinct_prompts(5, 40, seed=5)
+    baseline = EngineCore(EngineConfig(model=str(llama), num_kv_blocks=8, max_num_seqs=1))
+    expected, _ = run(baseline, prompts)
+
+    first = engine(llama, disk_dir, persist=True)
+    outputs, _ = run(first, prompts)
+    assert outputs == expected
+    assert len(first.kv_tiers.disk) > 0  # the 4-block host tier spilled to disk
+    assert_disk_matches_index(first, disk_dir)
+    assert stat.S_IMODE(disk_dir.stat().st_mode) == 0o700
+    for path in disk_dir.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert re.fullmatch(r"[0-9a-f]{40}\.kv", path.name)  # a hash, no token ids
+    again, cached = run(first, prompts[:1])  # the oldest prompt's blocks come back from disk
+    assert again == expected[:1] and cached[0] == 32
+    assert first.kv_cache.tier_hits["disk"] > 0
+    assert_tiers_idle(first)
+    assert_disk_matches_index(first, disk_dir)
+    first.close()
+    persisted = disk_files(disk_dir)
+    assert persisted
+
+    # Same model and config, persist: the files are adopted and hit from a fresh engine.
+    second = engine(llama, disk_dir, persist=False)
+    assert len(second.kv_tiers.disk) == 0  # without persist, earlier files are never reused
+    second.close()
+    assert disk_files(disk_dir) == persisted  # and not deleted either: they were not its own
+
+    third = engine(llama, disk_dir, persist=True)
+    assert {e.location for e in third.kv_tiers.disk.entries.values()} == persisted
+    outputs, cached = run(third, prompts)
+    assert outputs == expected and sum(cached) > 0 and third.kv_cache.tier_hits["disk"] > 0
+    third.close()
+
+    # Another model: a different fingerprint never reuses the files.
+    other = engine(model_dirs["qwen2"], disk_dir, persist=True)
+    assert len(other.kv_tiers.disk) == 0
+    other.close()
+
+    # A clean shutdown without persist deletes what the engine wrote.
+    fresh_dir = tmp_path / "fresh"
+    fourth = engine(llama, fresh_dir, persist=False)
+    run(fourth, prompts)
+    fourth.kv_tiers.transfer.flush()
+    assert disk_files(fresh_dir)
+    fourth.close()
+    assert disk_files(fresh_dir) == set()
