@@ -163,3 +163,21 @@ def test_swap_needs_a_host_tier():
         EngineConfig(preemption_mode="swap")
     with pytest.raises(ValueError, match="kv_offload_memory"):
         EngineConfig(kv_offload_disk="/tmp/x")
+
+
+def test_draft_model_kv_moves_with_the_target_kv(llama_dir):
+    """With a draft model its KV shares the block ids: offload and swap must carry both. A
+    draft equal to the target accepts every token only if its restored KV is right."""
+    prompts = distinct_prompts(6, 60, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = greedy(LLM(model=str(llama_dir)), prompts, params)
+    llm = LLM(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64, speculative="draft",
+              draft_model=str(llama_dir), kv_offload_memory=str(128 * block_bytes(llama_dir)),
+              preemption_mode="swap")
+    assert greedy(llm, prompts, params) == expected
+    assert greedy(llm, prompts[:2], params) == expected[:2]
+    stats = llm.engine.get_stats()
+    assert stats.kv_tiers.preemptions["swap"] > 0 and stats.kv_tiers.hits["host"] > 0
+    assert stats.spec_decode.num_drafts > 0
+    assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
+    assert_tiers_idle(llm.engine.core)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,6 +68,16 @@ def num_disk_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return blocks
 
 
+def kv_tier_plan(config: EngineConfig, bytes_per_block: int) -> list[tuple[str, int, int]]:
+    """(tier, blocks, tokens) of the configured lower tiers, for `pagoda plan`'s worksheet."""
+    rows = []
+    for tier, blocks in (("host", num_host_blocks(config, bytes_per_block)),
+                         ("disk", num_disk_blocks(config, bytes_per_block))):
+        if blocks:
+            rows.append((tier, blocks, blocks * config.block_size))
+    return rows
+
+
 class KVTiers:
     """The engine's tiers: bookkeeping for the scheduler, copies for the runner."""
 
@@ -78,6 +89,8 @@ class KVTiers:
             fingerprint = model_fingerprint(config, dtype_name)
             self.disk_store = DiskStore(config.kv_offload_disk, fingerprint)
             existing = self.disk_store.scan() if config.kv_offload_disk_persist else []
+            if not config.kv_offload_disk_persist:  # an engine dropped without close() cleans up too
+                self._remove_files = weakref.finalize(self, self.disk_store.remove_all)
             disk = DiskTier(num_disk_blocks(config, bytes_per_block), fingerprint, existing)
             if existing:
                 logger.info("disk KV tier: reusing %d persisted blocks", len(disk))
@@ -117,4 +130,4 @@ class KVTiers:
         if self.transfer is not None:
             self.transfer.close()
         if self.disk_store is not None and not self.config.kv_offload_disk_persist:
-            self.disk_store.remove_all()
+            self._remove_files()
