@@ -181,3 +181,27 @@ def test_draft_model_kv_moves_with_the_target_kv(llama_dir):
     assert stats.spec_decode.num_drafts > 0
     assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
     assert_tiers_idle(llm.engine.core)
+
+
+def test_host_tier_bookkeeping_records_copies_in_order():
+    from pagoda.core.kv_tiers import DiskTier, HostTier, TransferPlan
+
+    plan = TransferPlan()
+    disk = DiskTier(2, b"fp")
+    host = HostTier(2, disk)
+    host.bind(plan)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    assert host.offer(a, (1,), plan) is not None and host.offer(b, (2,), plan) is not None
+    assert host.offer(a, (1,), plan) is None  # already held: only its LRU position moves
+    host.offer(c, (3,), plan)  # evicts b (least recent) to disk
+    assert [op.kind for op in plan.ops] == ["spill"] and plan.ops[0].dst[0][1] == b
+    assert host.lookup(b, (9,), plan) is None  # same hash, other tokens: a collision, not a hit
+    entry = host.lookup(b, (2,), plan)  # fetched back from disk into a host block
+    assert entry is not None and entry.tier == "disk"
+    ops = plan.take()  # consecutive copies of one kind form one bulk op: a was spilled to make room
+    assert [op.kind for op in ops] == ["spill", "fetch"] and [f[1] for f in ops[0].dst] == [b, a]
+    assert host.allocate_private(3) is None and host.num_private == 0  # never partially
+    ids = host.allocate_private(2)
+    assert ids is not None and host.num_used == 2 and not host.cached
+    host.free_private(ids)
+    assert host.num_used == 0 and len(disk) == 2

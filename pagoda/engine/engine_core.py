@@ -234,6 +234,8 @@ class EngineCore:
         self._plan_speculation()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
+                self.runner.kv_transfer.run(scheduler_output.kv_transfers)
             return []
         scheduled = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
