@@ -90,7 +90,7 @@ class BlockTransfer:
 
         def write() -> None:
             for host_id, (name, block_hash, token_ids) in zip(host_ids, files):
-                disk.write(name, block_hash, token_ids, [host[host_id].clone() for host in self.host_caches])
+                disk.write(name, block_hash, token_ids, [host[host_id] for host in self.host_caches])
 
         self._worker.submit(write)
 
@@ -100,10 +100,7 @@ class BlockTransfer:
 
         def read() -> None:
             for name, host_id in zip(names, host_ids):
-                tensors = disk.read(name)
-                with torch.inference_mode():
-                    for host, data in zip(self.host_caches, tensors):
-                        host[host_id].copy_(data)
+                disk.read_into(name, [host[host_id] for host in self.host_caches])
 
         future = self._worker.submit(read)
         with self._lock:

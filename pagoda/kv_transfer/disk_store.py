@@ -4,13 +4,18 @@ The files hold other users' context: the directory is owner-only (0700) and ever
 created 0600, written under a temporary name and renamed into place, so a crash never leaves
 a half-written block under a real name. Each file records the fingerprint and block hash it
 was written for; a startup with another fingerprint ignores it.
+
+Format: a 4-byte little-endian header length, a JSON header (fingerprint, block hash, token ids,
+payload size), then the block's raw bytes, every cache tensor's slice of it in order (a flat
+read, several times cheaper than unpickling tensors).
 """
 
 from __future__ import annotations
 
-import io
+import json
 import logging
 import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +24,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """A writable numpy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return tensor.view(torch.uint8).reshape(-1).numpy()
 
 
 class DiskStore:
@@ -35,22 +45,36 @@ class DiskStore:
         return self.directory / name
 
     def write(self, name: str, block_hash: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        buffer = io.BytesIO()
-        torch.save({"fingerprint": self.fingerprint.hex(), "block_hash": block_hash.hex(),
-                    "token_ids": list(token_ids), "tensors": [t.contiguous() for t in tensors]}, buffer)
+        payload = [_bytes_of(t.contiguous()) for t in tensors]
+        header = json.dumps({"fingerprint": self.fingerprint.hex(), "block_hash": block_hash.hex(),
+                             "token_ids": list(token_ids), "payload_bytes": sum(p.nbytes for p in payload)}).encode()
         path = self.path(name)
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(struct.pack("<I", len(header)) + header)
+            for chunk in payload:
+                f.write(memoryview(chunk))
         os.replace(tmp, path)
         self.written.add(name)
 
-    def read(self, name: str) -> list[torch.Tensor]:
-        data = torch.load(self.path(name), weights_only=True)
-        if data["fingerprint"] != self.fingerprint.hex():
-            raise RuntimeError(f"disk-tier file {name} belongs to another model or config")
-        return data["tensors"]
+    def read_into(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Fill `tensors` (one host block's slice of every cache tensor) from a file."""
+        with open(self.path(name), "rb") as f:
+            header = self._header(f)
+            if header["fingerprint"] != self.fingerprint.hex():
+                raise RuntimeError(f"disk-tier file {name} belongs to another model or config")
+            if header["payload_bytes"] != sum(t.numel() * t.element_size() for t in tensors):
+                raise RuntimeError(f"disk-tier file {name} holds a block of another layout")
+            for tensor in tensors:  # straight into the host block's memory: no staging copy
+                target = _bytes_of(tensor)
+                if f.readinto(memoryview(target)) != target.nbytes:
+                    raise RuntimeError(f"disk-tier file {name} is truncated")
+
+    @staticmethod
+    def _header(f) -> dict:
+        (length,) = struct.unpack("<I", f.read(4))
+        return json.loads(f.read(length))
 
     def delete(self, name: str) -> None:
         self.written.discard(name)
@@ -64,8 +88,9 @@ class DiskStore:
         found = []
         for path in sorted(self.directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
-                data = torch.load(path, weights_only=True)
-            except Exception:  # a foreign or damaged file: never ours to reuse
+                with open(path, "rb") as f:
+                    data = self._header(f)
+            except (OSError, ValueError, struct.error):  # a foreign or damaged file: never ours to reuse
                 logger.warning("ignoring unreadable disk-tier file %s", path.name)
                 continue
             if data.get("fingerprint") != self.fingerprint.hex():
