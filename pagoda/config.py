@@ -68,12 +68,12 @@ class EngineConfig:
     # ---- KV cache tiers (pagoda/core/kv_tiers.py) ----
     kv_offload_memory: str | None = field(default=None, metadata={
         "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
-                "(pinned on CUDA; a second pool on CPU) (default: off)"})
+                "(pinned on CUDA; a second pool on CPU); off when unset"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={
         "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
                 "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
     kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "directory of a disk KV tier under the host tier (owner-only files; default: off)"})
+        "help": "directory of a disk KV tier under the host tier (owner-only files); off when unset"})
     kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
     kv_offload_disk_persist: bool = field(default=False, metadata={
         "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
@@ -112,15 +112,19 @@ class EngineConfig:
             fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             fail("preemption_mode", f"must be recompute, swap or auto, got {self.preemption_mode!r}")
-        if self.kv_offload_memory is not None and self.kv_offload_bytes <= 0:
-            fail("kv_offload_memory", f"must be positive, got {self.kv_offload_memory}")
+        for name in ("kv_offload_memory", "kv_offload_disk_size"):
+            value = getattr(self, name)
+            try:
+                size = parse_bytes(value) if value is not None else 1
+            except ValueError:
+                size = 0
+            if size <= 0:
+                fail(name, f"must be a positive size like 8GiB, got {value!r}")
         if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
             fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
-            if parse_bytes(self.kv_offload_disk_size) <= 0:
-                fail("kv_offload_disk_size", f"must be positive, got {self.kv_offload_disk_size}")
 
     @property
     def kv_cache_bytes(self) -> int:

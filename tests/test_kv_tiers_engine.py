@@ -163,6 +163,10 @@ def test_swap_needs_a_host_tier():
         EngineConfig(preemption_mode="swap")
     with pytest.raises(ValueError, match="kv_offload_memory"):
         EngineConfig(kv_offload_disk="/tmp/x")
+    with pytest.raises(ValueError, match="kv_offload_memory must be a positive size"):
+        EngineConfig(kv_offload_memory="lots")
+    with pytest.raises(ValueError, match="kv_offload_disk_size must be a positive size"):
+        EngineConfig(kv_offload_memory="1GiB", kv_offload_disk="/tmp/x", kv_offload_disk_size="0")
 
 
 def test_draft_model_kv_moves_with_the_target_kv(llama_dir):
