@@ -91,3 +91,27 @@ def test_disk_tier_spills_persists_and_respects_the_fingerprint(model_dirs, tmp_
     assert disk_files(fresh_dir)
     fourth.close()
     assert disk_files(fresh_dir) == set()
+
+
+def test_failed_disk_writes_are_misses_not_errors(llama_dir, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    disk_dir = tmp_path / "full"
+    real_replace = os.replace
+
+    def disk_full(src, dst, *args, **kwargs):
+        if str(disk_dir) in str(dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    prompts = distinct_prompts(5, 40, seed=5)
+    expected, _ = run(EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=8, max_num_seqs=1)), prompts)
+    core = engine(llama_dir, disk_dir, persist=False)
+    assert run(core, prompts)[0] == expected
+    assert run(core, prompts)[0] == expected  # the index names blocks whose files never landed
+    core.kv_tiers.transfer.flush()
+    assert len(core.kv_tiers.disk) > 0 and core.kv_cache.tier_hits["disk"] == 0
+    assert disk_files(disk_dir) == set()  # no temporary files left behind
+    core.close()

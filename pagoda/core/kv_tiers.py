@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -73,11 +73,15 @@ class DiskTier:
     """Index of blocks spilled to files, with its own LRU and a capacity in blocks."""
 
     def __init__(self, num_blocks: int, fingerprint: bytes,
-                 existing: Sequence[tuple[str, bytes, tuple[int, ...]]] = ()) -> None:
+                 existing: Sequence[tuple[str, bytes, tuple[int, ...]]] = (),
+                 is_written: Callable[[str], bool] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the disk tier needs room for at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.fingerprint = fingerprint
+        # Files are written asynchronously: one still in flight (or whose write failed, e.g. a
+        # full disk) is a miss, never a read of something absent.
+        self.is_written = is_written
         self.entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # LRU first
         for name, block_hash, token_ids in existing[-num_blocks:] if existing else ():
             self.entries[block_hash] = TierEntry(name, block_hash, tuple(token_ids), "disk")
@@ -92,6 +96,8 @@ class DiskTier:
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> TierEntry | None:
         entry = self.entries.get(block_hash)
         if entry is None or entry.token_ids != tuple(token_ids):
+            return None
+        if self.is_written is not None and not self.is_written(entry.location):  # type: ignore[arg-type]
             return None
         self.entries.move_to_end(block_hash)
         return entry

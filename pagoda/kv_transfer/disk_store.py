@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pagoda.core.kv_tiers import disk_file_name
+
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
@@ -37,7 +39,8 @@ class DiskStore:
         self.fingerprint = fingerprint
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
-        self.written: set[str] = set()  # names written by this instance (or adopted at startup)
+        self.written: set[str] = set()  # complete files written by this instance (or adopted at startup)
+        self.owned: set[str] = set()  # every name this instance wrote or tried to (removed at shutdown)
 
     def path(self, name: str) -> Path:
         if os.sep in name or not name.endswith(SUFFIX):
@@ -50,13 +53,23 @@ class DiskStore:
                              "token_ids": list(token_ids), "payload_bytes": sum(p.nbytes for p in payload)}).encode()
         path = self.path(name)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<I", len(header)) + header)
-            for chunk in payload:
-                f.write(memoryview(chunk))
-        os.replace(tmp, path)
+        self.written.discard(name)  # a rewrite: not readable until it is complete again
+        self.owned.add(name)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(struct.pack("<I", len(header)) + header)
+                for chunk in payload:
+                    f.write(memoryview(chunk))
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or failing disk loses this block, never a request
+            logger.warning("disk KV tier: could not write %s: %s", name, exc)
+            tmp.unlink(missing_ok=True)
+            return
         self.written.add(name)
+
+    def is_written(self, name: str) -> bool:
+        return name in self.written
 
     def read_into(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
         """Fill `tensors` (one host block's slice of every cache tensor) from a file."""
@@ -78,6 +91,7 @@ class DiskStore:
 
     def delete(self, name: str) -> None:
         self.written.discard(name)
+        self.owned.discard(name)
         try:
             os.unlink(self.path(name))
         except FileNotFoundError:
@@ -93,17 +107,17 @@ class DiskStore:
             except (OSError, ValueError, struct.error):  # a foreign or damaged file: never ours to reuse
                 logger.warning("ignoring unreadable disk-tier file %s", path.name)
                 continue
-            if data.get("fingerprint") != self.fingerprint.hex():
+            if not isinstance(data, dict) or data.get("fingerprint") != self.fingerprint.hex():
                 continue
-            found.append((path.name, bytes.fromhex(data["block_hash"]), tuple(data["token_ids"])))
+            block_hash = bytes.fromhex(data["block_hash"])
+            if path.name != disk_file_name(self.fingerprint, block_hash):
+                continue  # renamed or copied in: its name does not vouch for its contents
+            found.append((path.name, block_hash, tuple(data["token_ids"])))
             self.written.add(path.name)
+            self.owned.add(path.name)
         return found
-
-    def files(self) -> set[str]:
-        """Names of this fingerprint's files in the directory (for index checks)."""
-        return {name for name in os.listdir(self.directory) if name.endswith(SUFFIX) and name in self.written}
 
     def remove_all(self) -> None:
         """Delete every file this instance wrote or adopted (clean shutdown without persist)."""
-        for name in list(self.written):
+        for name in list(self.owned | self.written):
             self.delete(name)

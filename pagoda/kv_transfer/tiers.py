@@ -91,7 +91,10 @@ class KVTiers:
             existing = self.disk_store.scan() if config.kv_offload_disk_persist else []
             if not config.kv_offload_disk_persist:  # an engine dropped without close() cleans up too
                 self._remove_files = weakref.finalize(self, self.disk_store.remove_all)
-            disk = DiskTier(num_disk_blocks(config, bytes_per_block), fingerprint, existing)
+            disk = DiskTier(num_disk_blocks(config, bytes_per_block), fingerprint, existing,
+                            is_written=self.disk_store.is_written)
+            for name, _, _ in existing[:max(0, len(existing) - disk.num_blocks)]:
+                self.disk_store.delete(name)  # the oldest beyond this run's capacity
             if existing:
                 logger.info("disk KV tier: reusing %d persisted blocks", len(disk))
         self.host = HostTier(num_host_blocks(config, bytes_per_block), disk)
