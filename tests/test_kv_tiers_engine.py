@@ -209,3 +209,14 @@ def test_host_tier_bookkeeping_records_copies_in_order():
     assert ids is not None and host.num_used == 2 and not host.cached
     host.free_private(ids)
     assert host.num_used == 0 and len(disk) == 2
+
+
+def test_a_host_block_reused_within_a_step_splits_the_bulk_copy():
+    from pagoda.core.kv_tiers import HostTier, TransferPlan
+
+    plan = TransferPlan()
+    host = HostTier(1)
+    host.bind(plan)
+    for device_id, block_hash in enumerate((b"a" * 16, b"b" * 16)):
+        plan.add("store", device_id, host.offer(block_hash, (device_id,), plan))
+    assert [(op.kind, op.src, op.dst) for op in plan.take()] == [("store", [0], [0]), ("store", [1], [0])]

@@ -33,6 +33,7 @@ class TransferOp:
     kind: TransferKind
     src: list = field(default_factory=list)
     dst: list = field(default_factory=list)
+    targets: set = field(default_factory=set, repr=False)  # dst, for the duplicate check
 
 
 class TransferPlan:
@@ -42,11 +43,17 @@ class TransferPlan:
         self.ops: list[TransferOp] = []
 
     def add(self, kind: TransferKind, src, dst) -> None:
-        if self.ops and self.ops[-1].kind == kind:
-            self.ops[-1].src.append(src)
-            self.ops[-1].dst.append(dst)
-        else:
-            self.ops.append(TransferOp(kind, [src], [dst]))
+        """Append a copy, merged into the last op when it is of the same kind. A target already
+        written by that op (a host block reused within one step) starts a new op: a bulk
+        scatter with repeated indices would leave either value."""
+        last = self.ops[-1] if self.ops else None
+        if last is None or last.kind != kind or (dst is not None and dst in last.targets):
+            last = TransferOp(kind)
+            self.ops.append(last)
+        last.src.append(src)
+        last.dst.append(dst)
+        if dst is not None:
+            last.targets.add(dst)
 
     def take(self) -> list[TransferOp]:
         ops, self.ops = self.ops, []
