@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import stat
 
+import torch
+
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
@@ -114,4 +116,38 @@ def test_failed_disk_writes_are_misses_not_errors(llama_dir, tmp_path, monkeypat
     core.kv_tiers.transfer.flush()
     assert len(core.kv_tiers.disk) > 0 and core.kv_cache.tier_hits["disk"] == 0
     assert disk_files(disk_dir) == set()  # no temporary files left behind
+    core.close()
+
+
+def test_all_tiers_under_pressure_match_the_plain_engine(llama_dir, tmp_path):
+    """Shared prefixes, a tiny host tier over a disk tier, swap preemption and waves of
+    requests: every copy path at once (host blocks reused within a step, spills and fetches
+    of the same blocks, swaps), and the greedy outputs must not move."""
+    generator = torch.Generator().manual_seed(21)
+    shared = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (35, 50)]
+    prompts = [shared[i % 2] + torch.randint(5, 300, (5 + 9 * i,), generator=generator).tolist()
+               for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def waves(core: EngineCore) -> list[list[int]]:
+        outputs = {}
+        for wave in (prompts[:4], prompts[4:], prompts[::3]):
+            samples = [core.add_request(f"w{len(outputs) + i}", p, params)[0] for i, p in enumerate(wave)]
+            while core.has_unfinished_requests():
+                core.step()
+            for sample in samples:
+                outputs[sample.request_id] = sample.output_token_ids
+                core.release(sample.parent_id)
+        return list(outputs.values())
+
+    expected = waves(EngineCore(EngineConfig(model=str(llama_dir))))
+    per_block = block_bytes(llama_dir)
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=12, max_num_batched_tokens=48,
+                                   kv_offload_memory=str(12 * per_block), preemption_mode="swap",
+                                   kv_offload_disk=str(tmp_path / "kv"), kv_offload_disk_size=str(40 * per_block)))
+    assert waves(core) == expected
+    stats = core.stats().kv_tiers
+    assert stats.hits["host"] > 0 and stats.hits["disk"] > 0 and stats.preemptions["swap"] > 0
+    assert_tiers_idle(core)
+    assert_disk_matches_index(core, tmp_path / "kv")
     core.close()
