@@ -217,7 +217,7 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
                 request.num_computed_tokens = num_cached
-                request.num_draft_computed_tokens = num_cached
+                request.spec.num_draft_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
@@ -230,11 +230,11 @@ class Scheduler:
     def _num_spec_tokens(self, request: Request, budget: int) -> int:
         """Drafted tokens to verify after a decoding request's real token, within the budget,
         the context length and the tokens it may still emit."""
-        if not request.num_spec_tokens or request.num_computed_tokens != request.num_tokens - 1:
+        if not request.spec.num_wanted or request.num_computed_tokens != request.num_tokens - 1:
             return 0
         remaining_output = request.max_output_tokens - request.num_output_tokens - 1
         room = self.max_model_len - request.num_tokens
-        return max(0, min(request.num_spec_tokens, budget, remaining_output, room))
+        return max(0, min(request.spec.num_wanted, budget, remaining_output, room))
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
         """Under the priority policy, a running request ranked below `request` (it gives way)."""
@@ -253,13 +253,14 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         swapped = self.kv_cache.swap_out(request)
-        if not swapped:
+        if swapped:
+            # The KV (the draft model's too) comes back with the request: only the drafts go.
+            request.spec.clear_drafts()
+        else:
             self.kv_cache.free(request)
             request.num_computed_tokens = 0
-            request.num_draft_computed_tokens = 0
+            request.spec.reset()
         self.num_preemptions_by_mode["swap" if swapped else "recompute"] += 1
-        request.num_spec_tokens = 0
-        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -286,9 +287,7 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_computed_tokens)
             else:
                 request.num_computed_tokens += entry.num_new_tokens
-            request.num_spec_tokens = 0
-            request.spec_token_ids = []
-            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            request.spec.after_step(request.num_computed_tokens)
             if not entry.samples:
                 self._cache_computed_blocks(request)
                 if request.pending_forks and request.num_computed_tokens >= request.prefill_limit:
@@ -314,7 +313,7 @@ class Scheduler:
     def _cache_computed_blocks(self, request: Request) -> None:
         cacheable = min(request.num_computed_tokens, request.num_tokens)
         if self.draft_shares_blocks:
-            cacheable = min(cacheable, request.num_draft_computed_tokens)
+            cacheable = min(cacheable, request.spec.num_draft_computed_tokens)
         self.kv_cache.cache_full_blocks(request, cacheable)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

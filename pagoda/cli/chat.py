@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagoda.config import EngineConfig
-from pagoda.sampling_cli import add_sampling_args, sampling_params_from_args
+from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
 

@@ -1,17 +1,13 @@
-"""`pagoda serve`: the OpenAI-compatible HTTP server.
-
-Heavy imports (torch, fastapi, uvicorn) happen inside `run_serve` so `pagoda --help` is fast
-and so the OpenMP wait policy can be set before torch loads.
-"""
+"""`pagoda serve`: flags of the OpenAI-compatible HTTP server; serve/launch.py starts it."""
 
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
+from pagoda.cli.options import options_from_args
 from pagoda.config import EngineConfig, parse_bytes
+from pagoda.serve.launch import DEFAULT_SHUTDOWN_TIMEOUT_S, ServeOptions, launch_server
 from pagoda.serve.settings import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOKENS,
                                    DEFAULT_MAX_REQUEST_BYTES)
 
@@ -27,8 +23,8 @@ def add_parser(subparsers: Any) -> None:
                     "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                     "/detokenize, /health, /metrics).")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     server.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the model directory's name)")
     server.add_argument("--api-key", default=None,
@@ -53,55 +49,28 @@ def add_parser(subparsers: Any) -> None:
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="server log level (default: info)")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on Ctrl-C or SIGTERM, seconds to let running requests finish while new "
+                             "ones get 503; a second Ctrl-C exits at once "
+                             f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    server.add_argument("--target-ttft-ms", type=float, default=None,
+                        help="latency-aware admission: refuse new requests (503 + Retry-After) while "
+                             "the recent p90 time to first token exceeds this (default: off)")
+    server.add_argument("--target-itl-ms", type=float, default=None,
+                        help="latency-aware admission: refuse new requests while the recent p90 "
+                             "inter-token latency exceeds this (default: off)")
+    server.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
+                        help="also export every metric under vLLM's vllm: names, for existing vLLM "
+                             "dashboards (default: none)")
     EngineConfig.add_cli_args(parser)
     parser.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    # Spinning OpenMP workers steal the cores the HTTP thread needs (see MEASURED.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import logging
-
-    import uvicorn
-
-    from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.serve.app import build_app
-    from pagoda.serve.settings import ServerSettings
-    from pagoda.serve.tenants import TenantRegistry
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.api_key and args.api_keys:
-        raise SystemExit("pagoda serve: use --api-key or --api-keys, not both")
-    if args.api_keys:
-        try:
-            tenants = TenantRegistry.from_file(args.api_keys)
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"pagoda serve: {args.api_keys}: {exc}") from None
-    elif args.api_key:
-        tenants = TenantRegistry.single_key(args.api_key)
-    else:
-        tenants = TenantRegistry.open()
     try:
-        config = EngineConfig.from_cli_args(args)
-        settings = ServerSettings(
-            served_model_name=args.served_model_name or Path(config.model).name,
-            model_path=config.model, tenants=tenants, max_request_bytes=args.max_request_bytes,
-            max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts)
+        engine = EngineConfig.from_cli_args(args)
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
-    try:
-        llm = AsyncLLM(config, transport=args.engine_transport)
-    except RuntimeError as exc:
-        cause = exc.__cause__ or exc
-        raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: "
-                         f"{cause}") from None
-    try:
-        app = build_app(llm, settings)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
-    finally:
-        llm.shutdown()
-    return 0
+    return launch_server(options_from_args(ServeOptions, args, engine=engine))

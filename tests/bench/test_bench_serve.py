@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pagoda.bench import cli as bench_cli
+from pagoda.cli import bench as bench_cli
 from pagoda.bench.lengths import LengthDist, fixed, lognormal, parse_length
 from pagoda.bench.loadgen import arrival_intervals
 from pagoda.bench.prompts import PromptBuilder
@@ -323,3 +323,19 @@ def test_user_errors(tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]) ->
     assert bench(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
                   str(tokenizer_dir), "--slo", "ttft"]) == 2
     assert "bad --slo" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama2-spm", "llama3-bpe", "qwen2-bpe"])
+def test_prompt_builder_on_real_tokenizer_families(name: str) -> None:
+    """SentencePiece (leading space as "▁", dropped by a lone decode) and byte-level BPE alike."""
+    from tokenizer_fixtures import tokenizer_dir
+
+    builder = PromptBuilder.from_tokenizer(load_tokenizer(str(tokenizer_dir(name))))
+    assert len(builder.words) > 1000
+    spec = WorkloadSpec(mix=parse_mix(ALL_CLASSES), length_scale=0.05, max_model_len=1024, seed=5)
+    requests = Workload(spec, builder).build(24)
+    for r in requests:
+        assert builder.count(r.prompt) == r.prompt_len
+    rng = random.Random(0)
+    for target in (1, 2, 17, 300):
+        assert builder.count(builder.extend_to("", target, rng)) == target

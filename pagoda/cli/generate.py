@@ -8,7 +8,7 @@ import sys
 import time
 
 from pagoda.config import EngineConfig
-from pagoda.sampling_cli import add_sampling_args, sampling_params_from_args
+from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
-from pagoda.serve.cli import add_parser
+from pagoda.cli.serve import add_parser
 from server_utils import build_tiny_model, start_server
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from model_factory import build_model
-from pagoda.bench import cli as bench_cli
+from pagoda.cli import bench as bench_cli
 from pagoda.bench.targets import TargetSpec, parse_target
 
 WORKLOAD = ["--mix", "chat=0.5,rag=0.3,summarize=0.2", "--length-scale", "0.03", "--num-requests", "12",

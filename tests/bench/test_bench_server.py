@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from model_factory import build_model
-from pagoda.bench import cli as bench_cli
+from pagoda.cli import bench as bench_cli
 
 SMALL = ["--length-scale", "0.03", "--max-model-len", "384", "--no-progress", "--ignore-eos"]
 ALL_CLASSES = "chat=0.3,rag=0.3,summarize=0.1,agent=0.3"
@@ -43,7 +43,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_model), "--port", str(port),
              "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "512",
              "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[1])
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2])
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -1,4 +1,4 @@
-"""`pagoda bench serve | offline | compare`: flags and the functions that run them.
+"""`pagoda bench serve | offline | compare`: flags, turned into the bench/options.py dataclasses.
 
 Heavy imports (transformers, torch, matplotlib, httpx) happen inside the run functions so that
 `pagoda --help` stays fast.
@@ -7,14 +7,16 @@ Heavy imports (transformers, torch, matplotlib, httpx) happen inside the run fun
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from pagoda.bench.lengths import LENGTH_SPEC_HELP
+from pagoda.bench.options import (DEFAULT_NUM_REQUESTS, CompareBenchOptions, OfflineBenchOptions, ReportOptions,
+                                  ServeBenchOptions, WorkloadOptions, parse_json_arg)
+from pagoda.cli.options import options_from_args
+from pagoda.config import EngineConfig
 
 MIX_HELP = ("request classes and weights, e.g. chat=0.6,rag=0.3,summarize=0.1. Classes: chat (short in, short "
             "out), rag (a few shared documents + a question: prefix-cache friendly), summarize (long in, long "
@@ -83,8 +85,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="emulate static batching: run B requests at a time, each group to completion")
     offline.add_argument("--warmup", type=int, default=2, help="requests run (and not measured) first")
     add_output_args(offline)
-    from pagoda.config import EngineConfig
-
     EngineConfig.add_cli_args(offline)
     offline.set_defaults(func=run_offline)
 
@@ -118,80 +118,61 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-# ---- shared ---------------------------------------------------------------------------------
+# ---- from flags to options ----------------------------------------------------------------
 
 
-def workload_spec(args: argparse.Namespace, seed_offset: int = 0) -> Any:
-    from pagoda.bench.workloads import WorkloadSpec, parse_mix, parse_params
-
-    if args.length_scale <= 0:
-        raise ValueError(f"--length-scale must be > 0, got {args.length_scale}")
-    return WorkloadSpec(mix=parse_mix(args.mix), overrides=parse_params(args.param),
-                        length_scale=args.length_scale, max_model_len=args.max_model_len,
-                        seed=args.seed + seed_offset)
-
-
-def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
-    from pagoda.bench.report import machine_info
-
-    return {
-        "command": " ".join(["pagoda"] + sys.argv[1:]) if sys.argv and "pagoda" in sys.argv[0] else " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(),
-        "args": {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items() if k != "func"},
-    }
-
-
-def _fail(command: str, error: Exception) -> int:
-    print(f"pagoda bench {command}: error: {error}", file=sys.stderr)
-    return 2
-
-
-# ---- serve ----------------------------------------------------------------------------------
+def _report_options(args: argparse.Namespace) -> ReportOptions:
+    return options_from_args(ReportOptions, args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pagoda.bench.loadgen import LoadConfig
     from pagoda.bench.serve_run import serve_benchmark
 
     try:
-        return serve_benchmark(args)
+        # Without a count or a duration, send the default number of requests.
+        num_requests = args.num_requests
+        if num_requests is None and args.duration is None:
+            num_requests = DEFAULT_NUM_REQUESTS
+        load = options_from_args(LoadConfig, args, num_requests=num_requests,
+                                 extra_body=parse_json_arg(args.extra_body, "--extra-body"))
     except ValueError as e:
         return _fail("serve", e)
+    options = ServeBenchOptions(load=load, sweep_concurrency=args.sweep_concurrency,
+                                workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
+    return _run("serve", serve_benchmark, options)
 
 
 def run_offline(args: argparse.Namespace) -> int:
     from pagoda.bench.offline import offline_benchmark
 
     try:
-        return offline_benchmark(args)
+        engine = EngineConfig.from_cli_args(args)
     except ValueError as e:
         return _fail("offline", e)
+    # The workload's tokenizer, length cap and seed are the engine's.
+    workload = options_from_args(WorkloadOptions, args, tokenizer=engine.tokenizer,
+                                 max_model_len=engine.max_model_len, seed=engine.seed)
+    options = options_from_args(OfflineBenchOptions, args, engine=engine, workload=workload,
+                                report=_report_options(args))
+    return _run("offline", offline_benchmark, options)
 
 
 def run_compare(args: argparse.Namespace) -> int:
     from pagoda.bench.compare import compare_benchmark
 
+    options = options_from_args(CompareBenchOptions, args, targets=args.target,
+                                workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
+    return _run("compare", compare_benchmark, options)
+
+
+def _run(command: str, benchmark: Callable[[Any], int], options: Any) -> int:
     try:
-        return compare_benchmark(args)
+        return benchmark(options)
     except ValueError as e:
-        return _fail("compare", e)
+        return _fail(command, e)
 
 
-def parse_json_arg(text: str | None, flag: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag} must be a JSON object")
-    return value
-
-
-def output_dir(args: argparse.Namespace) -> Path | None:
-    if not args.out:
-        return None
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _fail(command: str, error: Exception) -> int:
+    print(f"pagoda bench {command}: error: {error}", file=sys.stderr)
+    return 2
