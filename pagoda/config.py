@@ -79,12 +79,12 @@ class EngineConfig:
     # ---- KV cache tiers (pagoda/core/kv_tiers.py) ----
     kv_offload_memory: str | None = field(default=None, metadata={
         "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
-                "(pinned on CUDA; a second pool on CPU); off when unset"})
+                "(pinned on CUDA; a second pool on CPU) (default: off)"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={
         "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
                 "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
     kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "directory of a disk KV tier under the host tier (owner-only files); off when unset"})
+        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
     kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
     kv_offload_disk_persist: bool = field(default=False, metadata={
         "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
