@@ -75,7 +75,7 @@ class _EngineStatsCollector(Collector):
                       get("prefix_cache_hits"))
         preemptions = CounterMetricFamily(PREFIX + "num_preemptions",
                                           "Requests preempted to free KV blocks, by mode.", labels=labels + ["mode"])
-        tiers = stats.kv_tiers if stats is not None else None
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
         for mode, count in (tiers.preemptions.items() if tiers else [("recompute", get("num_preemptions"))]):
             preemptions.add_metric(values + [mode], count)
         yield preemptions
@@ -117,7 +117,7 @@ class _EngineStatsCollector(Collector):
     @staticmethod
     def _kv_tiers(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
         """KV tier metrics (pagoda/core/kv_tiers.py); zero when no host tier is configured."""
-        tiers = stats.kv_tiers if stats is not None else None
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
         swapped = GaugeMetricFamily(PREFIX + "num_requests_swapped",
                                     "Requests whose KV is swapped out to the host tier.", labels=labels)
         swapped.add_metric(values, tiers.num_swapped if tiers else 0)
