@@ -43,6 +43,9 @@ def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
         emitted: Emitted = []
         for message in messages:
             if isinstance(message, Shutdown):
+                close = getattr(engine, "close", None)  # clean shutdown: the disk KV tier's files
+                if close is not None:
+                    close()
                 return
             if isinstance(message, AddRequest):
                 emitted.append((message.request_id, _add(engine, message)))
