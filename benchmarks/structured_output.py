@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
+from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.structured import StructuredOutputsParams  # noqa: E402
 from pagoda.structured.compiler import GrammarCompiler  # noqa: E402
@@ -80,8 +81,9 @@ def batch_run(engine: LLMEngine, prompts: list[str], constrained: int, max_token
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured))
     started = time.perf_counter()
     finished = []
+    outputs = OutputAccumulator()  # step() returns deltas: whole outputs are built from them
     while engine.has_unfinished_requests():
-        finished.extend(o for o in engine.step() if o.finished)
+        finished.extend(o for o in map(outputs.add, engine.step()) if o.finished)
     wall = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in finished)
     itls = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
@@ -122,8 +124,9 @@ def ttft_large_schema(model: str) -> dict:
                                 structured_outputs=StructuredOutputsParams(json=large_schema()))
         engine.add_request(label, "def main():", params)
         output = None
+        outputs = OutputAccumulator()
         while engine.has_unfinished_requests():
-            output = next((o for o in engine.step() if o.finished), output)
+            output = next((o for o in map(outputs.add, engine.step()) if o.finished), output)
         result[label + "_ms"] = 1000 * output.metrics.time_to_first_token
     return result
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.structured.params import StructuredOutputsParams
+from pagoda.errors import InvalidRequest
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -14,12 +15,73 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+# ---- structured output (decoded under a grammar: pagoda/structured) ----------------------------
+# Here, beside SamplingParams (as in vLLM), because SamplingParams holds one; the grammar
+# machinery that serves it lives in pagoda/structured, above the request layer.
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint: a JSON schema (`json`, a dict or its JSON text), a regular
+    expression, a list of choices, an EBNF/GBNF or Lark grammar, any JSON object
+    (`json_object=True`), or a structural tag (vLLM's `{"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`: free text in which each tagged segment follows its schema).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise InvalidRequest("structured_outputs must set exactly one of " + ", ".join(KINDS)
+                                 + (f"; got {', '.join(set_fields)}" if set_fields else ""),
+                                 param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str, bool)):
+            raise InvalidRequest("structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                                 param="structured_outputs.json")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise InvalidRequest("structured_outputs.regex must be a string", param="structured_outputs.regex")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequest("structured_outputs.choice must be a non-empty list of strings",
+                                     param="structured_outputs.choice")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise InvalidRequest("structured_outputs.grammar must be a non-empty grammar text",
+                                 param="structured_outputs.grammar")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+    def cache_key(self) -> tuple[str, str]:
+        """A canonical key: equal constraints (dict key order aside) share a compiled grammar."""
+        spec = self.spec
+        if isinstance(spec, (dict, list)):
+            text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        else:
+            text = str(spec)
+        return self.kind, text
+
+
 @dataclass
 class SamplingParams:
     """How to turn logits into tokens for one request.
 
     Field names and defaults follow vLLM's ``SamplingParams`` so clients can move over unchanged.
-    Invalid values raise ``ValueError`` naming the parameter.
+    Invalid values raise ``InvalidRequest`` (a ValueError) whose ``param`` names the field.
     """
 
     n: int = 1
@@ -60,7 +122,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def fail(param: str, message: str) -> None:
-            raise ValueError(f"{param} {message}")
+            raise InvalidRequest(f"{param} {message}", param=param)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")

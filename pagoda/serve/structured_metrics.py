@@ -9,7 +9,7 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from pagoda.structured.compiler import COMPILE_TIME_BUCKETS, StructuredOutputStats
-from pagoda.structured.params import KINDS
+from pagoda.sampling_params import KINDS
 
 
 def structured_output_families(stats: StructuredOutputStats | None, prefix: str, labels: list[str],

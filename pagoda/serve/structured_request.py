@@ -13,28 +13,31 @@ wait for compilation in the engine.
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+import functools
+from typing import Any, Callable
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
 from pagoda.structured.grammar import GrammarError, build_grammar
-from pagoda.structured.params import KINDS, StructuredOutputsParams
+from pagoda.sampling_params import KINDS, StructuredOutputsParams
+
+# A check that raises a 400 APIError; blocking (llguidance), so run off the event loop.
+GrammarCheck = Callable[[], None]
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
 
-async def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingParams:
-    """`params` constrained as the request asks (unchanged when it asks nothing). The check
-    runs in a worker thread: a schema with thousands of properties takes a few hundred ms,
-    which must not stall the event loop (llguidance releases the GIL meanwhile)."""
+def with_structured_outputs(params: SamplingParams, request: Any) -> tuple[SamplingParams, GrammarCheck | None]:
+    """`params` constrained as the request asks (unchanged when it asks nothing), and the
+    grammar check to run before the request starts. The handler runs that check in a worker
+    thread (PreparedRequest.blocking_check): a schema with thousands of properties takes a few
+    hundred ms, which must not stall the event loop (llguidance releases the GIL meanwhile)."""
     found = requested_structured_outputs(request, validate=False)
     if found is None:
-        return params
+        return params, None
     field, constraint = found
-    await asyncio.to_thread(check_grammar, constraint, field)
-    return params.clone(structured_outputs=constraint)
+    return params.clone(structured_outputs=constraint), functools.partial(check_grammar, constraint, field)
 
 
 def check_grammar(params: StructuredOutputsParams, field: str) -> None:

@@ -13,19 +13,20 @@ template and the grammar engine, and the parsers that turn model output into `to
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
 from pagoda.serve.protocol import AssistantMessage
-from pagoda.serve.structured_request import check_grammar
+from pagoda.serve.structured_request import GrammarCheck, check_grammar
 from pagoda.structured.grammar import JSON_OPTIONS
-from pagoda.structured.params import StructuredOutputsParams
+from pagoda.sampling_params import StructuredOutputsParams
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -256,20 +257,22 @@ class ToolPlan:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-async def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
-    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger);
-    a tool whose parameters are not a usable JSON schema is a 400 naming `tools`."""
+def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None
+                         ) -> tuple[SamplingParams, GrammarCheck | None]:
+    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger),
+    and the check to run off the event loop before the request starts: a tool whose
+    parameters are not a usable JSON schema is a 400 naming `tools`."""
     if plan is not None and plan.parse and plan.parser.keeps_special_tokens:
         params = params.clone(skip_special_tokens=False)
     if plan is None or plan.structured_outputs is None:
-        return params
+        return params, None
     if params.structured_outputs is not None:
         if plan.forced:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with "
                               "response_format or structured_outputs.", param="tool_choice")
-        return params  # auto: the requested format wins over the tools' trigger
-    await asyncio.to_thread(check_grammar, plan.structured_outputs, "tools")
-    return params.clone(structured_outputs=plan.structured_outputs)
+        return params, None  # auto: the requested format wins over the tools' trigger
+    return (params.clone(structured_outputs=plan.structured_outputs),
+            functools.partial(check_grammar, plan.structured_outputs, "tools"))
 
 
 def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> ToolPlan | None:
@@ -356,8 +359,8 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
             try:
                 function["arguments"] = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
-                raise bad_request("an assistant message's tool_calls[].function.arguments is not valid JSON.",
-                                  param="messages") from None
+                raise InvalidRequest("an assistant message's tool_calls[].function.arguments is not valid JSON.",
+                                     param="messages") from None
         rendered.append({**call, "function": function})
     return {**message, "tool_calls": rendered}
 

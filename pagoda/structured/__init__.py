@@ -1,6 +1,7 @@
 """Structured output: grammar-constrained decoding on llguidance.
 
-params      StructuredOutputsParams (what a request asks for; no heavy imports)
+StructuredOutputsParams (what a request asks for) is pagoda.sampling_params's, re-exported here.
+
 grammar     request constraint -> llguidance grammar text, validated (errors name the field)
 compiler    compile cache keyed by (constraint, tokenizer), compiling in a thread pool
 matcher     the per-request matcher that advances with each accepted token
@@ -10,6 +11,6 @@ manager     what the engine core and runner call: submit, poll, GrammarMasks (fi
 cli_args    --json-schema / --regex / --choice / --grammar flags of `pagoda generate` and `chat`
 """
 
-from pagoda.structured.params import StructuredOutputsParams
+from pagoda.sampling_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

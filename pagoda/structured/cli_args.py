@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pagoda.structured.params import StructuredOutputsParams
+from pagoda.sampling_params import StructuredOutputsParams
 
 
 def add_structured_output_args(parser: argparse.ArgumentParser) -> None:

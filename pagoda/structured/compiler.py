@@ -19,7 +19,7 @@ import llguidance
 import llguidance.hf
 
 from pagoda.structured.grammar import GrammarError, build_grammar
-from pagoda.structured.params import KINDS, StructuredOutputsParams
+from pagoda.sampling_params import KINDS, StructuredOutputsParams
 
 # Prometheus-style buckets for the compile time histogram (seconds).
 COMPILE_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

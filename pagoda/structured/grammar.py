@@ -1,7 +1,7 @@
 """A request's constraint -> llguidance grammar text, checked before it reaches the engine.
 
-Errors are ValueError whose message starts with the request field at fault, so the server can
-answer 400 naming it. Checking needs no tokenizer, so the API server does it up front and only
+Errors are InvalidRequest whose `param` (and message prefix) is the request field at fault, so
+the server can answer 400 naming it. Checking needs no tokenizer, so the API server does it up front and only
 well-formed grammars ever wait for compilation in the engine.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from pagoda.structured.params import StructuredOutputsParams
+from pagoda.errors import InvalidRequest
+from pagoda.sampling_params import StructuredOutputsParams
 
 # JSON as OpenAI and vLLM emit it under a schema: compact separators, no free whitespace (a
 # model cannot pad forever), properties in schema order.
@@ -21,13 +22,23 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
                                 "key_separator": ": "}
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidRequest):
     """A constraint that cannot be compiled; `field` names the request field at fault."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field}: {message}", param=field)
         self.field = field
         self.reason = message
+
+    def __reduce__(self):  # picklable across the engine process's pipe, as InvalidRequest
+        return (GrammarError, (self.field, self.reason))
+
+
+def grammar_failure(message: str) -> InvalidRequest:
+    """The engine's outcome message for a grammar that failed ("structured_outputs.json: ...",
+    or a compile timeout) as the request's InvalidRequest, `param` naming that field."""
+    field = message.split(":", 1)[0]
+    return InvalidRequest(message, param=field if field.startswith("structured_outputs") else "structured_outputs")
 
 
 def build_grammar(params: StructuredOutputsParams, field: str | None = None) -> str:

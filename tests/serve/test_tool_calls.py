@@ -1,0 +1,125 @@
+"""Tool-call parsers, streaming deltas and the grammars behind tool_choice (no model needed)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import llguidance
+import llguidance.hf
+import pytest
+from transformers import AutoTokenizer
+
+from pagoda.config import DEFAULT_MODEL_DIR
+from pagoda.serve.errors import APIError
+from pagoda.serve.tool_calls import ToolCallStream, get_parser, plan_tools
+from pagoda.structured.grammar import build_grammar
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TEMPLATE_WITH_TOOLS = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ messages[0].content }}"
+
+
+def request(**fields) -> SimpleNamespace:
+    extra = {k: fields.pop(k) for k in list(fields) if k == "parallel_tool_calls"}
+    defaults = dict(tools=[TOOL], tool_choice=None, functions=None, function_call=None)
+    return SimpleNamespace(**{**defaults, **fields}, model_extra=extra)
+
+
+@pytest.fixture(scope="module")
+def lltokenizer():
+    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR))
+
+
+def accepts(lltokenizer, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(lltokenizer, grammar)
+    return matcher.consume_tokens(lltokenizer.tokenize_str(text)) and not matcher.is_error()
+
+
+def test_parsers_split_content_and_calls() -> None:
+    hermes = get_parser("hermes").parse('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+                                        '{"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "f", '
+                                        '"arguments": {}}\n</tool_call>')
+    assert hermes.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in hermes.tool_calls] == [("get_weather", {"city": "Oslo"}),
+                                                                              ("f", {})]
+    llama = get_parser("llama3_json").parse('<|python_tag|>{"name": "a", "parameters": {"x": "1;2"}}; '
+                                            '{"name": "b", "parameters": {}}')
+    assert [(c.name, json.loads(c.arguments)) for c in llama.tool_calls] == [("a", {"x": "1;2"}), ("b", {})]
+    mistral = get_parser("mistral").parse('[TOOL_CALLS][{"name": "a", "arguments": {"k": [1]}}]')
+    assert mistral.content is None and json.loads(mistral.tool_calls[0].arguments) == {"k": [1]}
+    for name, text in (("hermes", "no call here"), ("hermes", "<tool_call>{broken"),
+                       ("llama3_json", "plain text"), ("mistral", "[TOOL_CALLS] nope")):
+        parsed = get_parser(name).parse(text)
+        assert parsed.content == text and parsed.tool_calls == []
+
+
+def test_stream_holds_back_a_possible_call_start_and_streams_arguments() -> None:
+    text = 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    stream = ToolCallStream(get_parser("hermes"), forced=False)
+    content, deltas = "", []
+    for end in range(1, len(text) + 1):  # one character per step: the worst case for partial markers
+        new_content, new_deltas = stream.step(text[:end], finished=end == len(text))
+        content += new_content
+        deltas.extend(new_deltas)
+    assert content == "Sure "
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["type"] == "function"
+    assert all(d["index"] == 0 for d in deltas) and len(deltas) > 3  # arguments came in fragments
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert arguments == get_parser("hermes").parse(text).tool_calls[0].arguments == '{"city": "Oslo", "days": 2}'
+    plain = ToolCallStream(get_parser("hermes"), forced=False)
+    assert plain.content_delta("a < b") == "a < b"
+    assert plain.finish("a < b <") == (" <", [])
+    mistral = ToolCallStream(get_parser("mistral"), forced=True)
+    assert mistral.step("[TOOL_CALLS][{", False) == ("", [])
+    _, deltas = mistral.step('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', True)
+    assert [d["function"] for d in deltas] == [{"name": "f", "arguments": ""}, {"arguments": '{"a": 1}'}]
+
+
+def test_required_and_named_grammars_accept_only_valid_calls(lltokenizer) -> None:
+    plan = plan_tools(request(tool_choice="required", parallel_tool_calls=False), "hermes", TEMPLATE_WITH_TOOLS)
+    grammar = build_grammar(plan.structured_outputs)
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+    assert accepts(lltokenizer, grammar, good)
+    assert not accepts(lltokenizer, grammar, '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>')
+    assert not accepts(lltokenizer, grammar, good.replace('"days": 3', '"days": 9'))
+    assert not accepts(lltokenizer, grammar, "Hello")
+    for parser in ("llama3_json", "mistral"):
+        plan = plan_tools(request(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                          parser, TEMPLATE_WITH_TOOLS)
+        assert build_grammar(plan.structured_outputs)
+
+
+def test_auto_constrains_arguments_once_a_call_starts(lltokenizer) -> None:
+    plan = plan_tools(request(tool_choice="auto"), "hermes", TEMPLATE_WITH_TOOLS)
+    grammar = build_grammar(plan.structured_outputs)
+    assert accepts(lltokenizer, grammar, "Just text, no call.")
+    assert accepts(lltokenizer, grammar, 'I will look. <tool_call>\n{"name": "get_weather", "arguments": '
+                                         '{"city": "Oslo"}}\n</tool_call>')
+    assert not accepts(lltokenizer, grammar, '<tool_call>\n{"name": "get_weather", "arguments": {"town": 1')
+
+
+@pytest.mark.parametrize("fields, template, param", [
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), TEMPLATE_WITH_TOOLS, "tool_choice"),
+    (dict(tool_choice="sometimes"), TEMPLATE_WITH_TOOLS, "tool_choice"),
+    (dict(tools=None, tool_choice="required"), TEMPLATE_WITH_TOOLS, "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {}}]), TEMPLATE_WITH_TOOLS, "tools"),
+    (dict(), "{{ messages[0].content }}", "tools"),
+    (dict(functions=[{"name": "f"}]), TEMPLATE_WITH_TOOLS, "functions"),
+])
+def test_bad_tool_requests(fields, template, param) -> None:
+    with pytest.raises(APIError) as caught:
+        plan_tools(request(**fields), "hermes", template)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_parsers_whose_marker_is_a_special_token_keep_special_tokens() -> None:
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.serve.tool_calls import with_tool_constraint
+
+    for parser, keeps in (("hermes", True), ("mistral", False), ("llama3_json", False)):
+        plan = plan_tools(request(tool_choice="auto"), parser, TEMPLATE_WITH_TOOLS)
+        params, _ = with_tool_constraint(SamplingParams(), plan)
+        assert params.skip_special_tokens is keeps
