@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary piece, in characters (byte-level pieces spell one byte each)."""
+        return max((len(piece) for piece in self.hf.get_vocab()), default=1)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` that costs no encoding, to refuse a prompt far
+        over the context before spending seconds on it. A token covers at most
+        `max_token_chars` characters (bytes, for byte-level BPE) of normalized text, and Unicode
+        normalization (NFC/NFKC composition, e.g. Hangul jamo) shrinks a text at most 3x."""
+        return len(text) // (3 * self.max_token_chars)
 
     # -- ids <-> text -------------------------------------------------------------------------
 

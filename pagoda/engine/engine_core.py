@@ -13,6 +13,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
@@ -47,6 +48,7 @@ class EngineStats:
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
     kv_tiers: KVTierStats | None = None  # None when no host tier is configured
+    iteration_tokens: TokenHistogram | None = None  # tokens computed per step
 
 
 def resolve_device(name: str) -> torch.device:
@@ -120,6 +122,7 @@ class EngineCore:
         # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.iteration_tokens = TokenHistogram()
         self.last_step_timings = StepTimings()
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention=%s",
                     self.model_config.architecture, self.dtype, self.device, self.num_blocks,
@@ -202,6 +205,7 @@ class EngineCore:
                 self.runner.kv_transfer.run(scheduler_output.kv_transfers)
             return []
         scheduled = time.perf_counter()
+        self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
         runner_output = self.runner.execute(scheduler_output)
         executed = time.perf_counter()
         for entry in scheduler_output.scheduled:
@@ -246,6 +250,7 @@ class EngineCore:
             num_generation_tokens=self.num_generation_tokens,
             last_step_timings=self.last_step_timings,
             spec_decode=self.speculation.stats(),
+            iteration_tokens=self.iteration_tokens.copy(),
             kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
         )

@@ -17,6 +17,7 @@ Where the next features plug in:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -84,7 +85,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
         ctx.check_model(request.model)
-        prepared = self.prepare(ctx, request, tenant)
+        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
+        # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
+        # keeps the event loop (every other request, /health) answering meanwhile.
+        prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
                                 prepared.prompts, prepared.params, stream=request.stream)
         await generation.start(prepared.param_names)
