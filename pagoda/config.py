@@ -12,6 +12,12 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "bundled_models" / "pagoda-coder"
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# Allowed values of the quantization knobs (pagoda.quant implements them).
+QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
+    "quantization": ("none", "int8", "int4"),
+    "quantization_group_size": (32, 64, 128),
+    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -64,6 +70,17 @@ class EngineConfig:
     speculative_max_batch: int = field(default=8, metadata={
         "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
                 "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+    # ---- quantized serving (pagoda.quant) ----
+    quantization: str = field(default="none", metadata={
+        "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
+                "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
+    quantization_group_size: int = field(default=128, metadata={
+        "help": "int4 group size along the input dimension: 32, 64 or 128"})
+    quantization_zero_point: bool = field(default=True, metadata={
+        "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
+                "(quantized per token and head on write)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +113,9 @@ class EngineConfig:
             fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        for name, allowed in QUANT_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -125,6 +145,8 @@ class EngineConfig:
                 choices = ["auto", "float32", "bfloat16", "float16"]
             elif f.name == "scheduling_policy":
                 choices = ["fcfs", "priority"]
+            elif f.name in QUANT_CHOICES:
+                choices = list(QUANT_CHOICES[f.name])
             group.add_argument(flag, type=kind, default=f.default, choices=choices,
                                help=f"{help_text} (default: {f.default})")
 

@@ -16,6 +16,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model
 from pagoda.model.model_config import ModelConfig
+from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
@@ -94,7 +95,10 @@ class EngineCore:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
                         config.max_num_batched_tokens)
 
-        model = load_model(config.model, self.model_config, self.dtype, self.device)
+        self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
+                                                config.quantization_zero_point)
+        self.weight_format.check_kernel(self.device, self.dtype)
+        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
         bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
         if draft_model is not None:
@@ -119,9 +123,9 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention=%s",
-                    self.model_config.architecture, self.dtype, self.device, self.num_blocks,
-                    config.block_size, backend.name)
+        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens, attention=%s",
+                    self.model_config.architecture, self.dtype, self.device, self.weight_format.name,
+                    self.num_blocks, config.block_size, backend.name)
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
@@ -132,7 +136,7 @@ class EngineCore:
         if draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
                              f"fewer than max_model_len {self.max_model_len}")
-        return load_model(draft_dir, draft_config, self.dtype, self.device)
+        return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format)
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_kv_blocks is not None:

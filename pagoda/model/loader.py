@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
+from pagoda.quant.weight_formats import WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index).
 _FUSED_PARTS = {
@@ -51,11 +53,10 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaFamilyModel:
+               device: torch.device, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    with torch.device(device):
-        model = LlamaFamilyModel(config, dtype, device)
+    model = build_empty_model(config, dtype, device, weight_format)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path, name, tensor in iterate_tensors(files):
@@ -78,7 +79,27 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {shown}")
+    finalize_linears(model)
     return model.eval()
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      weight_format: WeightFormat | None) -> LlamaFamilyModel:
+    """The model with unfilled parameters; fails before any loading if a layer's shape does
+    not fit the weight format."""
+    with torch.device(device):
+        model = LlamaFamilyModel(config, dtype, device, weight_format)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.weight_format.check_shape(name, module.in_features, module.out_features)
+    return model
+
+
+def finalize_linears(model: LlamaFamilyModel) -> None:
+    """Let each Linear's weight format quantize/pack what the loader staged."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.finalize(name)
 
 
 def _locate(name: str, config: ModelConfig) -> tuple[str, int, int | None]:
