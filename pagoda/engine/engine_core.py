@@ -14,8 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.model.attention import select_backend
-from pagoda.model.loader import load_model
-from pagoda.model.model_config import ModelConfig
+from pagoda.model.loader import load_model, load_model_config
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -84,7 +83,7 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = load_model_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -124,12 +123,13 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens, attention=%s",
-                    self.model_config.architecture, self.dtype, self.device, self.weight_format.name,
+                    self.model_config.architecture, self.dtype, self.device,
+                    model.model.layers[0].mlp.down_proj.weight_format.name,
                     self.num_blocks, config.block_size, backend.name)
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
-        draft_config = ModelConfig.from_dir(draft_dir)
+        draft_config = load_model_config(draft_dir)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
                              f"target {self.model_config.vocab_size}: they must share the tokenizer")

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
-from pagoda.quant.weight_formats import WeightFormat
+from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
+from pagoda.quant.weight_formats import Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index).
 _FUSED_PARTS = {
@@ -52,35 +53,72 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
                 yield path, name, reader.get_tensor(name)
 
 
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The config of a Hugging Face directory or of a GGUF file (or a directory holding one)."""
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return ModelConfig.from_dict(GGUFCheckpoint(gguf_file).hf_config(), source=str(gguf_file))
+    return ModelConfig.from_dir(model)
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, config, dtype, device, weight_format)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     model = build_empty_model(config, dtype, device, weight_format)
+    tensors = ((path.name, name, tensor, None) for path, name, tensor in iterate_tensors(files))
+    _fill(model, tensors, config, dtype, str(model_dir))
+    return model.eval()
+
+
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               weight_format: WeightFormat | None) -> LlamaFamilyModel:
+    checkpoint = GGUFCheckpoint(path)
+    weight_format = gguf_weight_format(checkpoint, weight_format)
+    weight_format.check_kernel(device, dtype)
+    model = build_empty_model(config, dtype, device, weight_format)
+    keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
+    tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
+               for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
+    _fill(model, tensors, config, dtype, str(path))
+    return model.eval()
+
+
+def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
+          config: ModelConfig, dtype: torch.dtype, source: str) -> None:
+    """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
+    let the weight formats finalize."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path, name, tensor in iterate_tensors(files):
+    for file_name, name, tensor, int4_codes in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target, offset, size = _locate(name, config)
         if target not in params:
-            raise ValueError(f"{path.name}: unexpected tensor {name!r} for {config.architecture}")
+            raise ValueError(f"{file_name}: unexpected tensor {name!r} for {config.architecture}")
         param = params[target]
         expected = (size, *param.shape[1:]) if size is not None else tuple(param.shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {expected} from config.json")
-        destination = param.data if size is None else param.data.narrow(0, offset, size)
-        destination.copy_(tensor.to(dtype))
+        shape = tuple(tensor.shape) if tensor is not None else tuple(int4_codes[0].shape)
+        if shape != expected:
+            raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
+                             f"expected {expected} from the model's config")
+        if int4_codes is not None:
+            layer = model.get_submodule(target.rsplit(".", 1)[0])
+            layer.weight_format.stage_codes(layer, offset, *int4_codes)
+        else:
+            destination = param.data if size is None else param.data.narrow(0, offset, size)
+            destination.copy_(tensor.to(dtype))
         loaded.add(name)
     missing = [name for name in _expected_checkpoint_names(params, config) if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {shown}")
+        raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
     finalize_linears(model)
-    return model.eval()
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -148,11 +148,34 @@ class Int4Weight(WeightFormat):
             raise ValueError(f"{layer_name}: int4 needs an output dimension divisible by 16 "
                              f"(the packed kernel's tile), got {out_features}")
 
+    def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None = None) -> None:
+        """Load rows that are already int4 in this layout (e.g. GGUF Q4_0) without re-quantizing:
+        w = (codes - 8) * scales + zeros, codes int32 [rows, K], scales/zeros [rows, K / group]."""
+        if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
+            raise ValueError(f"int4 codes of shape {tuple(codes.shape)} / scales {tuple(scales.shape)} do not "
+                             f"fit a [{layer.out_features}, {layer.in_features}] layer with group {self.group_size}")
+        zeros = torch.zeros_like(scales) if zeros is None else zeros
+        if not hasattr(layer, "staged_codes"):
+            layer.staged_codes = []
+        layer.staged_codes.append((row_offset, codes, scales, zeros))
+
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         out_features, in_features = layer.weight.shape
         self.check_shape(layer_name, in_features, out_features)
-        weight = layer.weight.detach().float()
-        codes, scales, zeros = quantize_int4_grouped(weight, self.group_size, self.zero_point)
+        staged = getattr(layer, "staged_codes", [])
+        if sum(codes.shape[0] for _, codes, _, _ in staged) == out_features:
+            codes = torch.empty(out_features, in_features, dtype=torch.int32)
+            scales = torch.empty(out_features, in_features // self.group_size)
+            zeros = torch.empty_like(scales)
+        else:  # some rows came as floats: round them to nearest; staged rows overwrite theirs
+            codes, scales, zeros = quantize_int4_grouped(layer.weight.detach().float().cpu(), self.group_size,
+                                                         self.zero_point)
+        for row_offset, part_codes, part_scales, part_zeros in staged:
+            rows = slice(row_offset, row_offset + part_codes.shape[0])
+            codes[rows], scales[rows], zeros[rows] = part_codes, part_scales, part_zeros
+        if staged:
+            del layer.staged_codes
         self.load_codes(layer, codes, scales, zeros)
 
     def load_codes(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
