@@ -1,4 +1,4 @@
-"""`pagoda` command line: serve | generate | chat | bench | plan.
+"""`pagoda` command line: serve | generate | chat | bench | plan | eval.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`, which registers its
 flags and sets `func` to the function that runs it. Modules import heavy packages (torch,
@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "pagoda.chat_cli",       # pagoda chat
     "pagoda.bench.cli",      # pagoda bench serve|offline|compare
     "pagoda.plan",           # pagoda plan
+    "pagoda.eval.cli",       # pagoda eval perplexity
 )
 
 

@@ -15,6 +15,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
+from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -99,16 +100,17 @@ class EngineCore:
         self.weight_format.check_kernel(self.device, self.dtype)
         model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
-        bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
+        self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
+        bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype, self.kv_format)
         if draft_model is not None:
-            bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype)
+            bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype, self.kv_format)
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None)
-        backend = select_backend(config.attention_backend, self.device)
+        backend = select_backend(config.attention_backend, self.device, self.kv_format)
         drafter = None
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
@@ -122,10 +124,10 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
-        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens, attention=%s",
+        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
                     model.model.layers[0].mlp.down_proj.weight_format.name,
-                    self.num_blocks, config.block_size, backend.name)
+                    self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model

@@ -26,7 +26,8 @@ class DraftModelProposer:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device,
+                                            getattr(backend, "kv_format", None))
         self.sliding_windows = set(model.config.layer_sliding_windows)
 
     def run(self, scheduler_output: SchedulerOutput, sampler: Sampler) -> dict[str, torch.Tensor | None]:

@@ -18,6 +18,7 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
+from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.spec_decode.rejection_sampler import verify
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
@@ -96,17 +97,21 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             torch.tensor(positions, dtype=torch.long, device=device), layout)
 
 
-def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dtype,
+                       kv_format: KVCacheFormat | None = None) -> int:
     config = model.config
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    kv_format = kv_format or KVCacheFormat("auto", dtype)
+    return block_size * kv_format.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
 
 
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       device: torch.device, kv_format: KVCacheFormat | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = model.config
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    kv_format = kv_format or KVCacheFormat("auto", dtype)
+    shape = (num_blocks, block_size, config.num_kv_heads, kv_format.entry_size(config.head_dim))
+    storage = kv_format.storage_dtype
+    return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
             for _ in range(config.num_layers)]
 
 
@@ -118,7 +123,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device,
+                                            getattr(backend, "kv_format", None))
         self.sliding_windows = set(model.config.layer_sliding_windows)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.drafter = drafter  # DraftModelProposer, or None
