@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
+from pagoda.quant.hf_quantized import check_checkpoint_quantization
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.weight_formats import Int4Weight, WeightFormat
 
@@ -48,9 +49,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in files:
-        with safe_open(str(path), framework="pt") as reader:
-            for name in reader.keys():
-                yield path, name, reader.get_tensor(name)
+        name = None
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():
+                    tensor = reader.get_tensor(name)
+                    yield path, name, tensor
+        except SafetensorError as error:  # truncated or corrupt file
+            where = f"tensor {name!r}" if name is not None else "header"
+            raise ValueError(f"{path}: unreadable safetensors file, corrupt or truncated ({where}: {error})") from None
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -58,6 +65,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
     gguf_file = find_gguf_file(model)
     if gguf_file is not None:
         return ModelConfig.from_dict(GGUFCheckpoint(gguf_file).hf_config(), source=str(gguf_file))
+    check_checkpoint_quantization(Path(model))
     return ModelConfig.from_dir(model)
 
 
@@ -68,7 +76,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         return _load_gguf(gguf_file, config, dtype, device, weight_format)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    model = build_empty_model(config, dtype, device, weight_format)
+    model = build_empty_model(config, dtype, device, weight_format, str(model_dir))
     tensors = ((path.name, name, tensor, None) for path, name, tensor in iterate_tensors(files))
     _fill(model, tensors, config, dtype, str(model_dir))
     return model.eval()
@@ -79,7 +87,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     checkpoint = GGUFCheckpoint(path)
     weight_format = gguf_weight_format(checkpoint, weight_format)
     weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format)
+    model = build_empty_model(config, dtype, device, weight_format, str(path))
     keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
                for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
@@ -122,14 +130,17 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      weight_format: WeightFormat | None) -> LlamaFamilyModel:
+                      weight_format: WeightFormat | None, source: str = "model") -> LlamaFamilyModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format."""
     with torch.device(device):
         model = LlamaFamilyModel(config, dtype, device, weight_format)
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.weight_format.check_shape(name, module.in_features, module.out_features)
+            try:
+                module.weight_format.check_shape(name, module.in_features, module.out_features)
+            except ValueError as error:
+                raise ValueError(f"{source}: {error}") from None
     return model
 
 
