@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
-from pagoda.quant.hf_quantized import check_checkpoint_quantization
+from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.weight_formats import Int4Weight, WeightFormat
 
@@ -76,8 +76,17 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         return _load_gguf(gguf_file, config, dtype, device, weight_format)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
+    requested = weight_format.name if weight_format is not None else "none"
+    checkpoint_format, quantization = resolve_checkpoint_format(model_dir, "none" if requested == "full" else requested)
+    if checkpoint_format is not None:  # a GPTQ checkpoint: its codes load as they are
+        weight_format = checkpoint_format
+        weight_format.check_kernel(device, dtype)
     model = build_empty_model(config, dtype, device, weight_format, str(model_dir))
-    tensors = ((path.name, name, tensor, None) for path, name, tensor in iterate_tensors(files))
+    plain = ((path.name, name, tensor) for path, name, tensor in iterate_tensors(files))
+    if quantization is not None:
+        tensors = gptq_tensors(plain, quantization)
+    else:
+        tensors = ((file_name, name, tensor, None) for file_name, name, tensor in plain)
     _fill(model, tensors, config, dtype, str(model_dir))
     return model.eval()
 
