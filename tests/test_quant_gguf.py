@@ -132,3 +132,11 @@ def test_bad_gguf_files_are_clear_errors(gguf_files: dict[str, Path], tmp_path: 
     (two / "b.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="holds several GGUF files"):
         load_model_config(two)
+
+
+def test_supported_types_include_k_quants() -> None:
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
+
+    supported = GGUFCheckpoint.supported_types()
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"):
+        assert name in supported

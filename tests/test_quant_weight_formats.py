@@ -113,3 +113,18 @@ def test_quantized_bundled_model_greedy_agreement() -> None:
     for quantization, limit in (("int8", 0.9), ("int4", 0.5)):
         agree = sum(a == b for x, y in zip(outputs["none"], outputs[quantization]) for a, b in zip(x, y))
         assert agree >= limit * total, (quantization, agree, total)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_chunking_and_preemption_stay_output_neutral_with_quantized_weights(llama_dir, quantization: str) -> None:
+    from pagoda import SamplingParams
+    from test_engine_features import prompts_for, run
+
+    prompts = prompts_for(300)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    flags = dict(quantization=quantization, quantization_group_size=32)
+    reference, _ = run(llama_dir, prompts, params, max_num_batched_tokens=4096, enable_prefix_caching=False, **flags)
+    chunked, _ = run(llama_dir, prompts, params, max_num_batched_tokens=16, **flags)
+    preempted, llm = run(llama_dir, prompts, params, num_kv_blocks=16, enable_prefix_caching=False, **flags)
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert chunked == reference and preempted == reference
