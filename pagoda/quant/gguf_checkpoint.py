@@ -100,9 +100,10 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; pagoda "
                              f"serves {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        dequantizable = _dequantizable_type_names()
         for tensor in self.reader.tensors:
             type_name = tensor.tensor_type.name
-            if type_name not in _PLAIN_TYPES and type_name != "Q4_0" and not self._can_dequantize(tensor):
+            if type_name not in _PLAIN_TYPES and type_name != "Q4_0" and type_name not in dequantizable:
                 raise ValueError(f"{self.path}: tensor {tensor.name!r} has type {type_name}, which pagoda "
                                  f"cannot read; supported: {', '.join(self.supported_types())}")
 
@@ -168,9 +169,6 @@ class GGUFCheckpoint:
         dequantizable = [t.name for t in gguf.GGMLQuantizationType
                          if t.name not in _PLAIN_TYPES and t.name in _dequantizable_type_names()]
         return list(_PLAIN_TYPES) + sorted(set(dequantizable) | {"Q4_0"})
-
-    def _can_dequantize(self, tensor: Any) -> bool:
-        return tensor.tensor_type.name in _dequantizable_type_names()
 
     def type_counts(self) -> Counter[str]:
         return Counter(t.tensor_type.name for t in self.reader.tensors)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,7 @@ class Int4Weight(WeightFormat):
 
     group_size: int = 128
     zero_point: bool = True
-    name: str = "int4"
+    name: ClassVar[str] = "int4"
 
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
         if in_features % self.group_size:
