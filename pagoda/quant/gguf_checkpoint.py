@@ -45,10 +45,6 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def is_gguf(path: str | Path) -> bool:
-    return find_gguf_file(path) is not None
-
-
 def find_gguf_file(path: str | Path) -> Path | None:
     """`path` itself when it is a .gguf file, the one .gguf in a directory without safetensors,
     else None. Several .gguf files in one directory: ValueError (which one is meant?)."""
@@ -169,9 +165,6 @@ class GGUFCheckpoint:
         dequantizable = [t.name for t in gguf.GGMLQuantizationType
                          if t.name not in _PLAIN_TYPES and t.name in _dequantizable_type_names()]
         return list(_PLAIN_TYPES) + sorted(set(dequantizable) | {"Q4_0"})
-
-    def type_counts(self) -> Counter[str]:
-        return Counter(t.tensor_type.name for t in self.reader.tensors)
 
     def linear_types(self) -> set[str]:
         """Tensor types of the decoder's projection weights (what the weight format is chosen from)."""
