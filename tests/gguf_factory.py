@@ -34,7 +34,24 @@ def _gguf_name(name: str) -> str:
     return f"{_GLOBAL_NAMES[stem]}.{suffix}"
 
 
-def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32") -> Path:
+# Bytes per 256-value block and the offsets of its float16 scales, for K-quants the gguf package
+# cannot quantize: tests fill such tensors with random codes and known scales.
+K_QUANT_LAYOUTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def random_k_quant(rows: int, columns: int, type_name: str, seed: int) -> np.ndarray:
+    """Valid `type_name` data [rows, bytes] with random codes and small float16 scales."""
+    block_bytes, scale_offsets = K_QUANT_LAYOUTS[type_name]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows * columns // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        blocks[:, offset:offset + 2] = np.full((blocks.shape[0], 1), 0.002, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32",
+               k_quants: dict[str, str] | None = None) -> Path:
+    """`k_quants` maps llama.cpp tensor kinds (e.g. "ffn_down") to a K-quant type filled by
+    `random_k_quant` (seeded by the tensor's position) instead of the model's weights."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -77,8 +94,14 @@ def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32") -> Path:
         writer.add_chat_template(tokenizer_config["chat_template"])
 
     tensors = load_file(str(model_dir / "model.safetensors"))
-    for name, values in tensors.items():
+    for index, (name, values) in enumerate(tensors.items()):
         values = values.astype(np.float32)
+        kind = _gguf_name(name).split(".")[2] if name.startswith("model.layers.") else ""
+        if k_quants and kind in k_quants:
+            k_type = gguf.GGMLQuantizationType[k_quants[kind]]
+            writer.add_tensor(_gguf_name(name), random_k_quant(*values.shape, k_quants[kind], seed=index),
+                              raw_dtype=k_type)
+            continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = _permute(values, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):

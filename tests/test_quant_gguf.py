@@ -140,3 +140,34 @@ def test_supported_types_include_k_quants() -> None:
     supported = GGUFCheckpoint.supported_types()
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"):
         assert name in supported
+
+
+def test_k_quant_tensors_are_dequantized_and_unpermuted(tmp_path: Path) -> None:
+    """Q4_K (a permuted Llama q projection), Q5_K and Q6_K load as the gguf package's
+    dequantized values; the model then serves in full precision."""
+    from pagoda.model.loader import load_model, load_model_config
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
+
+    # K-quant blocks hold 256 values: every input dimension must be a multiple of 256.
+    model_dir = build_model(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    path = write_gguf(model_dir, tmp_path / "kq.gguf", "F32",
+                      k_quants={"attn_q": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"})
+    checkpoint = GGUFCheckpoint(path)
+
+    def dequantized(name: str) -> torch.Tensor:
+        tensor = checkpoint.tensors[name]
+        assert tensor.tensor_type.name in ("Q4_K", "Q5_K", "Q6_K")
+        return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+
+    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"))
+    layer = model.model.layers[1]
+    assert layer.mlp.down_proj.weight_format.name == "full"
+    torch.testing.assert_close(layer.mlp.down_proj.weight, dequantized("blk.1.ffn_down.weight"))
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight[512:], dequantized("blk.1.ffn_up.weight"))
+    # transformers' reverse of llama.cpp's q permutation, 4 heads.
+    q = dequantized("blk.1.attn_q.weight")
+    unpermuted = q.reshape(4, q.shape[0] // 8, 2, -1).transpose(1, 2).reshape(q.shape)
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[:256], unpermuted)
+    _, outputs = _greedy(path, PROMPTS[:1], max_tokens=4)
+    assert len(outputs[0].outputs[0].token_ids) == 4
