@@ -156,10 +156,8 @@ def measure_decode(model_dir: Path, threads: int, repeats: int) -> list[dict]:
 
 
 def kv_blocks_per_gib() -> dict:
-    import torch
-
     from pagoda.model.model_config import ModelConfig
-    from pagoda.quant.kv_cache_dtype import kv_cache_bytes_per_token
+    from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
     bundled = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
     shapes = {"pagoda-coder (6 layers, 2 kv heads x 64)": (bundled.num_layers, bundled.num_kv_heads, bundled.head_dim),
@@ -168,7 +166,7 @@ def kv_blocks_per_gib() -> dict:
     for label, (layers, heads, head_dim) in shapes.items():
         row = {}
         for dtype in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
-            per_token = kv_cache_bytes_per_token(layers, heads, head_dim, dtype, torch.float32)
+            per_token = kv_cache_bytes_per_token(layers, heads, head_dim, dtype, 4)
             row[dtype] = (2**30) // (per_token * 16)
         row["int8_vs_fp32"] = row["int8"] / row["auto"]
         table[label] = row

@@ -8,7 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "bundled_models" / "pagoda-coder"
+BUNDLED_MODELS_DIR = Path(__file__).parent / "bundled_models"
+DEFAULT_MODEL_DIR = BUNDLED_MODELS_DIR / "pagoda-coder"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A bundled model's name ("pagoda-coder") -> its directory; anything else is a path, unchanged.
+
+    A local file or directory of the same name wins over a bundled model."""
+    bundled = BUNDLED_MODELS_DIR / name_or_path
+    if "/" not in name_or_path and not Path(name_or_path).exists() and (bundled / "config.json").is_file():
+        return str(bundled)
+    return name_or_path
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -83,6 +94,11 @@ class EngineConfig:
                 "(quantized per token and head on write)"})
 
     def __post_init__(self) -> None:
+        self.model = resolve_model_path(self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model_path(self.tokenizer)
+        if self.draft_model is not None:
+            self.draft_model = resolve_model_path(self.draft_model)
         self.validate()
 
     def validate(self) -> None:
@@ -147,8 +163,10 @@ class EngineConfig:
                 choices = ["fcfs", "priority"]
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
-            group.add_argument(flag, type=kind, default=f.default, choices=choices,
-                               help=f"{help_text} (default: {f.default})")
+            # A help text that already states its default ("(default: the model's)") keeps it.
+            if "(default" not in help_text:
+                help_text = f"{help_text} (default: {f.default})"
+            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":

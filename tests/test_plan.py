@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import plan as P
+from pagoda.cli import plan as plan_cli
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -24,7 +25,7 @@ LLAMA3_8B_PARAMS = 2 * 525_336_576 + 32 * 218_112_000 + 4096
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
-    P.add_parser(parser.add_subparsers())
+    plan_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     rc = args.func(args)
     out = capsys.readouterr()
@@ -44,7 +45,8 @@ def test_llama3_8b_param_count_and_kv_bytes() -> None:
     assert params.total == LLAMA3_8B_PARAMS == 8_030_261_248
     assert shape.config_dtype == "bf16"
     assert P.kv_bytes_per_token(shape, "bf16") == 131_072  # 32 * 2 * 8 * 128 * 2
-    assert P.kv_bytes_per_token(shape, "fp8") == 65_536
+    # fp8 as pagoda's KV cache stores it: 1 byte per element + a 4-byte scale per head vector.
+    assert P.kv_bytes_per_token(shape, "fp8") == 32 * 2 * 8 * (128 + 4) == 67_584
     assert P.weight_bytes(params, "bf16") == 2 * LLAMA3_8B_PARAMS  # ~16.06 GB
 
 
@@ -64,7 +66,7 @@ def test_llama3_8b_plan_on_80gib(llama3_config: Path, capsys: pytest.CaptureFixt
     assert plan["num_blocks"] == kv_memory // block_bytes == 29_205
     assert plan["full_context_seqs"] == 29_205 // 512 == 57
     scenarios = {s["name"]: s for s in plan["scenarios"]}
-    assert scenarios["KV cache fp8"]["full_context_seqs"] == (kv_memory // (block_bytes // 2)) // 512
+    assert scenarios["KV cache fp8"]["full_context_seqs"] == (kv_memory // (67_584 * 16)) // 512
     assert scenarios["context 4096"]["full_context_seqs"] == 29_205 // 256
     # Decoder linears in int8, embeddings + lm_head + norms in bf16.
     linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
@@ -161,3 +163,17 @@ def test_user_errors_are_clear(tmp_path: Path, llama3_config: Path, capsys: pyte
     assert rc == 2 and "unknown dtype" in err
     rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "8GiB"], capsys)
     assert rc == 0 and "warning: the weights and reserve do not leave any memory" in out
+
+
+def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> None:
+    from pagoda.model.model_config import ModelConfig
+
+    gemma_like = {**LLAMA3_8B, "architectures": ["SomeNewForCausalLM"], "model_type": "somenew",
+                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_dict(gemma_like)  # the engine refuses it ...
+    shape = P.model_shape_from_config(gemma_like)  # ... the worksheet still reads its shape
+    assert (shape.model_type, shape.num_layers, shape.num_kv_heads) == ("somenew", 32, 8)
+    # One KV formula: the engine's pool sizing (ModelConfig) and the worksheet agree.
+    engine_config = ModelConfig.from_dict(LLAMA3_8B)
+    assert engine_config.kv_bytes_per_token(2) == P.kv_bytes_per_token(P.model_shape_from_config(LLAMA3_8B), "bf16")

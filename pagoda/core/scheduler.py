@@ -209,7 +209,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
-            request.num_draft_computed_tokens = num_cached
+            request.spec.num_draft_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
@@ -222,11 +222,11 @@ class Scheduler:
     def _num_spec_tokens(self, request: Request, budget: int) -> int:
         """Drafted tokens to verify after a decoding request's real token, within the budget,
         the context length and the tokens it may still emit."""
-        if not request.num_spec_tokens or request.num_computed_tokens != request.num_tokens - 1:
+        if not request.spec.num_wanted or request.num_computed_tokens != request.num_tokens - 1:
             return 0
         remaining_output = request.max_output_tokens - request.num_output_tokens - 1
         room = self.max_model_len - request.num_tokens
-        return max(0, min(request.num_spec_tokens, budget, remaining_output, room))
+        return max(0, min(request.spec.num_wanted, budget, remaining_output, room))
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
         """Under the priority policy, a running request ranked below `request` (it gives way)."""
@@ -246,9 +246,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.num_draft_computed_tokens = 0
-        request.num_spec_tokens = 0
-        request.spec_token_ids = []
+        request.spec.reset()
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -275,9 +273,7 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_computed_tokens)
             else:
                 request.num_computed_tokens += entry.num_new_tokens
-            request.num_spec_tokens = 0
-            request.spec_token_ids = []
-            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            request.spec.after_step(request.num_computed_tokens)
             if not entry.samples:
                 self._cache_computed_blocks(request)
                 if request.pending_forks and request.num_computed_tokens >= request.prefill_limit:
@@ -303,7 +299,7 @@ class Scheduler:
     def _cache_computed_blocks(self, request: Request) -> None:
         cacheable = min(request.num_computed_tokens, request.num_tokens)
         if self.draft_shares_blocks:
-            cacheable = min(cacheable, request.num_draft_computed_tokens)
+            cacheable = min(cacheable, request.spec.num_draft_computed_tokens)
         self.kv_cache.cache_full_blocks(request, cacheable)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

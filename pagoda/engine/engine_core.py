@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,32 +19,13 @@ from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
-from pagoda.spec_decode.ngram_proposer import NgramProposer
-from pagoda.worker.model_runner import ModelRunner, StepTimings, kv_bytes_per_block
+from pagoda.worker.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class SpecDecodeStats:
-    """Cumulative speculative-decoding counters (vLLM's names, pagoda: prefix)."""
-
-    num_drafts: int = 0  # request-steps that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # index i: drafts accepted at position i
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verifying step: accepted drafts plus the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -101,9 +82,13 @@ class EngineCore:
         model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
-        bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype, self.kv_format)
+        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
+        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, kv_cache_dtype=config.kv_cache_dtype) \
+            * config.block_size
         if draft_model is not None:
-            bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype, self.kv_format)
+            bytes_per_block += draft_model.config.kv_bytes_per_token(
+                element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -114,16 +99,18 @@ class EngineCore:
         drafter = None
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
-                                         self.device)
-        self.ngram_proposer = NgramProposer(config.ngram_min, config.ngram_max) \
-            if config.speculative == "ngram" else None
+                                         self.device, self.kv_format)
+        self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager, drafter=drafter)
+                                  enforce_eager=config.enforce_eager,
+                                  speculator=self.speculation if config.speculative else None,
+                                  kv_format=self.kv_format)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
+        # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.last_step_timings = StepTimings()
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
                     model.model.layers[0].mlp.down_proj.weight_format.name,
@@ -226,7 +213,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one scheduled batch. Returns the samples that received tokens this step."""
         started = time.perf_counter()
-        self._plan_speculation()
+        self.speculation.plan(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -238,7 +225,7 @@ class EngineCore:
             if entries is not None:
                 _record_prompt_logprobs(entry.request, entry.num_computed_before, entries)
         outputs_before = {id(e.request): e.request.num_output_tokens for e in scheduler_output.scheduled}
-        self._record_speculation(scheduler_output, runner_output.num_accepted)
+        self.speculation.record(scheduler_output, runner_output.num_accepted)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         for request in progressed:
             num_before = outputs_before[id(request)]
@@ -250,41 +237,9 @@ class EngineCore:
                 for entry, token_id in zip(entries, request.output_token_ids[num_before:]):
                     request.output_logprobs.append(entry)
                     request.cumulative_logprob += entry[token_id].logprob
-        timings = self.runner.timings
-        timings.schedule = scheduled - started
-        timings.update = time.perf_counter() - executed
+        self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
+                                         update=time.perf_counter() - executed)
         return progressed
-
-    def _plan_speculation(self) -> None:
-        """Decide each decoding request's drafts for this step. Beyond speculative_max_batch
-        running requests a step is compute-bound and verifying drafts costs more than it saves,
-        so speculation pauses (see benchmarks/spec_decode.py for the measurement)."""
-        if self.config.speculative is None:
-            return
-        running = self.scheduler.running
-        enabled = len(running) <= self.config.speculative_max_batch
-        k = self.config.num_speculative_tokens
-        for request in running:
-            if not enabled or request.num_computed_tokens != request.num_tokens - 1 or request.pending_forks:
-                request.num_spec_tokens = 0
-                request.spec_token_ids = []
-            elif self.ngram_proposer is not None:
-                request.spec_token_ids = self.ngram_proposer.propose(request.all_token_ids, k)
-                request.num_spec_tokens = len(request.spec_token_ids)
-            else:
-                request.num_spec_tokens = k  # the draft model fills spec_token_ids in the runner
-
-    def _record_speculation(self, scheduler_output, num_accepted: dict[str, int]) -> None:
-        stats = self.spec_stats
-        for entry in scheduler_output.scheduled:
-            accepted = num_accepted.get(entry.request.request_id)
-            if accepted is None:
-                continue
-            stats.num_drafts += 1
-            stats.num_draft_tokens += entry.num_spec_tokens
-            stats.num_accepted_tokens += accepted
-            for position in range(accepted):
-                stats.accepted_per_position[position] += 1
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -298,10 +253,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            last_step_timings=self.runner.timings,
-            spec_decode=SpecDecodeStats(self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens,
-                                        self.spec_stats.num_accepted_tokens,
-                                        list(self.spec_stats.accepted_per_position)),
+            last_step_timings=self.last_step_timings,
+            spec_decode=self.speculation.stats(),
         )
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # one prompt as the engine takes it
 
 
 class LLM:
@@ -25,16 +26,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer, as vLLM's `LLM.get_tokenizer()` returns it."""
+        return self.engine.tokenizer.hf
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, cache_salt: str | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Generate for each prompt; outputs come back in prompt order. A prompt is text, token ids,
+        `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt)."""
+        prompts = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):

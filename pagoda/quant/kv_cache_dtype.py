@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
-SCALE_BYTES = 4
+from pagoda.quant.storage_bytes import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_cache_bytes_per_token
+from pagoda.quant.storage_bytes import KV_SCALE_BYTES as SCALE_BYTES
 # Stored element type and the largest magnitude it represents.
 _QUANTIZED = {
     "int8": (torch.int8, 127.0),
@@ -53,9 +53,9 @@ class KVCacheFormat:
         return head_dim + SCALE_BYTES if self.quantized else head_dim
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Cache bytes one token takes across all layers, keys and values."""
-        element = torch.tensor([], dtype=self.storage_dtype).element_size()
-        return 2 * num_layers * num_kv_heads * self.entry_size(head_dim) * element
+        """Cache bytes one token takes across all layers, keys and values (storage_bytes' formula)."""
+        element = torch.tensor([], dtype=self.model_dtype).element_size()
+        return kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, self.name, element)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """[..., head_dim] in the model dtype -> cache entries [..., entry_size]."""
@@ -83,12 +83,6 @@ class KVCacheFormat:
 
 
 def make_kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {name!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    check_kv_cache_dtype(name)
     return KVCacheFormat(name, model_dtype)
 
-
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                             model_dtype: torch.dtype) -> int:
-    """What `pagoda plan` needs: KV bytes per token for a model shape and a --kv-cache-dtype."""
-    return make_kv_cache_format(kv_cache_dtype, model_dtype).bytes_per_token(num_layers, num_kv_heads, head_dim)

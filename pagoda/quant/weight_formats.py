@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_CHOICES = ("none", "int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)
+from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, linear_weight_bytes
+from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
+
 INT8_K_TILE = 16
 
 
@@ -67,7 +68,7 @@ class WeightFormat(ABC):
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         """Bytes one layer's weight takes in this format (for planning and logs)."""
-        return in_features * out_features * element_size
+        return linear_weight_bytes(in_features, out_features, "none", element_size)
 
 
 class FullWeight(WeightFormat):
@@ -122,7 +123,7 @@ class Int8Weight(WeightFormat):
         _probe_kernel("int8", "aten._weight_int8pack_mm", device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
-        return in_features * out_features + out_features * 2
+        return linear_weight_bytes(in_features, out_features, "int8", element_size)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +218,7 @@ class Int4Weight(WeightFormat):
         _probe_kernel("int4", name, device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
-        return in_features * out_features / 2 + 2 * 2 * out_features * (in_features // self.group_size)
+        return linear_weight_bytes(in_features, out_features, "int4", element_size, self.group_size)
 
 
 def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: bool
