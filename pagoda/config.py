@@ -23,6 +23,7 @@ def resolve_model_path(name_or_path: str) -> str:
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
 # Allowed values of the quantization knobs (pagoda.quant implements them).
 QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "quantization": ("none", "int8", "int4"),
@@ -81,6 +82,19 @@ class EngineConfig:
     speculative_max_batch: int = field(default=8, metadata={
         "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
                 "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+    # ---- KV cache tiers (pagoda/core/kv_tiers.py) ----
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
+                "(pinned on CUDA; a second pool on CPU) (default: off)"})
+    preemption_mode: PreemptionMode = field(default="recompute", metadata={
+        "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
+                "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
+    kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
+    kv_offload_disk_persist: bool = field(default=False, metadata={
+        "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
+                "model and config"})
     # ---- quantized serving (pagoda.quant) ----
     quantization: str = field(default="none", metadata={
         "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
@@ -129,6 +143,21 @@ class EngineConfig:
             fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            fail("preemption_mode", f"must be recompute, swap or auto, got {self.preemption_mode!r}")
+        for name in ("kv_offload_memory", "kv_offload_disk_size"):
+            value = getattr(self, name)
+            try:
+                size = parse_bytes(value) if value is not None else 1
+            except ValueError:
+                size = 0
+            if size <= 0:
+                fail(name, f"must be a positive size like 8GiB, got {value!r}")
+        if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
+            fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
+        if self.kv_offload_disk is not None:
+            if self.kv_offload_memory is None:
+                fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
         for name, allowed in QUANT_CHOICES.items():
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
@@ -136,6 +165,10 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_memory) if self.kv_offload_memory is not None else 0
 
     # ---- CLI -------------------------------------------------------------------------------
 
@@ -161,6 +194,8 @@ class EngineConfig:
                 choices = ["auto", "float32", "bfloat16", "float16"]
             elif f.name == "scheduling_policy":
                 choices = ["fcfs", "priority"]
+            elif f.name == "preemption_mode":
+                choices = ["recompute", "swap", "auto"]
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.

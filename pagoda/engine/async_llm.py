@@ -318,6 +318,9 @@ def _run_engine_loop(engine: "LLMEngine", take: Callable[[bool], list[object]],
         emitted: Emitted = []
         for message in messages:
             if isinstance(message, _Shutdown):
+                close = getattr(engine, "close", None)  # clean shutdown: the disk KV tier's files
+                if close is not None:
+                    close()
                 return
             if isinstance(message, _Add):
                 emitted.append((message.request_id, _add(engine, message)))

@@ -13,6 +13,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
@@ -44,6 +45,7 @@ class EngineStats:
     num_generation_tokens: int
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
+    kv_tiers: KVTierStats | None = None  # None when no host tier is configured
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,7 +92,11 @@ class EngineCore:
             bytes_per_block += draft_model.config.kv_bytes_per_token(
                 element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_tiers = KVTiers(config, bytes_per_block, str(self.dtype).removeprefix("torch.")) \
+            if config.kv_offload_memory is not None else None
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       host_tier=self.kv_tiers.host if self.kv_tiers else None,
+                                       preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -106,6 +112,12 @@ class EngineCore:
                                   enforce_eager=config.enforce_eager,
                                   speculator=self.speculation if config.speculative else None,
                                   kv_format=self.kv_format)
+        if self.kv_tiers is not None:
+            # The same caches _copy_blocks copies: the target's, then the draft model's, so a
+            # block's KV travels between tiers for both models at once.
+            caches = [t for pair in self.runner.kv_caches for t in pair]
+            caches += [t for pair in self.speculation.kv_caches for t in pair]
+            self.runner.kv_transfer = self.kv_tiers.attach(caches)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
@@ -216,6 +228,8 @@ class EngineCore:
         self.speculation.plan(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
+                self.runner.kv_transfer.run(scheduler_output.kv_transfers)
             return []
         scheduled = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
@@ -239,7 +253,14 @@ class EngineCore:
                     request.cumulative_logprob += entry[token_id].logprob
         self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
                                          update=time.perf_counter() - executed)
+        if self.kv_tiers is not None:
+            self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
         return progressed
+
+    def close(self) -> None:
+        """Finish pending KV copies and remove the disk tier's files (unless they persist)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -255,6 +276,8 @@ class EngineCore:
             num_generation_tokens=self.num_generation_tokens,
             last_step_timings=self.last_step_timings,
             spec_decode=self.speculation.stats(),
+            kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
+                                         self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
         )
 
 

@@ -88,6 +88,10 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return self.core.stats()
 
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the disk KV tier's files)."""
+        self.core.close()
+
     def _forget(self, request_id: str) -> None:
         self.core.release(request_id)
         self.output_processor.remove(request_id)

@@ -73,12 +73,17 @@ class _EngineStatsCollector(Collector):
                       get("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       get("prefix_cache_hits"))
-        yield counter("num_preemptions", "Requests preempted to free KV blocks.",
-                      get("num_preemptions"))
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions",
+                                          "Requests preempted to free KV blocks, by mode.", labels=labels + ["mode"])
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
+        for mode, count in (tiers.preemptions.items() if tiers else [("recompute", get("num_preemptions"))]):
+            preemptions.add_metric(values + [mode], count)
+        yield preemptions
         yield counter("prompt_tokens", "Prompt tokens processed.", get("num_prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated.", get("num_generation_tokens"))
         yield self._iteration_tokens(stats, labels, values)
         yield from self._spec_decode(stats, labels, values)
+        yield from self._kv_tiers(stats, labels, values)
 
     @staticmethod
     def _iteration_tokens(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Any:
@@ -108,6 +113,24 @@ class _EngineStatsCollector(Collector):
         for position, accepted in enumerate(spec.accepted_per_position if spec is not None else []):
             per_position.add_metric(values + [str(position)], accepted)
         yield per_position
+
+    @staticmethod
+    def _kv_tiers(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
+        """KV tier metrics (pagoda/core/kv_tiers.py); zero when no host tier is configured."""
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
+        swapped = GaugeMetricFamily(PREFIX + "num_requests_swapped",
+                                    "Requests whose KV is swapped out to the host tier.", labels=labels)
+        swapped.add_metric(values, tiers.num_swapped if tiers else 0)
+        yield swapped
+        for name, doc, label, kind, field in (
+                ("kv_offload_usage_perc", "Fraction of a KV tier's blocks in use (0..1).", "tier", "gauge", "usage"),
+                ("kv_offload_hits", "Prompt tokens found in the prefix cache, per tier.", "tier", "counter", "hits"),
+                ("kv_transfer_bytes", "KV bytes copied between tiers.", "direction", "counter", "transfer_bytes")):
+            family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_type(PREFIX + name, doc, labels=labels + [label])
+            for key, value in (getattr(tiers, field).items() if tiers else ()):
+                family.add_metric(values + [key], value)
+            yield family
 
 
 class _WeightedHistogram(Collector):

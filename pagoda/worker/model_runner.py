@@ -159,6 +159,7 @@ class ModelRunner(PagedModel):
         super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
+        self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend):
@@ -169,6 +170,8 @@ class ModelRunner(PagedModel):
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        if scheduler_output.kv_transfers:  # tier copies go first: CoW targets may be evicted blocks
+            self.kv_transfer.run(scheduler_output.kv_transfers)
         self._copy_blocks(scheduler_output.block_copies)
         draft_probs: dict[str, torch.Tensor | None] = {}
         if self.speculator is not None:

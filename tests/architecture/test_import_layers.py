@@ -1,4 +1,4 @@
-"""Imports run one way: core <- worker <- spec_decode <- engine <- serve/bench/cli.
+"""Imports run one way: core <- kv_transfer <- worker <- spec_decode <- engine <- serve/bench/cli.
 
 Parses every module of the package (imports inside functions included: a lazy import is still
 a dependency) and fails on an import from a lower layer into a higher one, on an import between
@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
     ("model",),
     ("core",),
+    ("kv_transfer",),
     ("worker",),
     ("spec_decode",),
     ("engine",),

@@ -91,3 +91,27 @@ def test_triton_backend_refuses_quantized_kv() -> None:
 
     with pytest.raises(ValueError, match="kv_cache_dtype int8 is supported by the torch attention backend only"):
         select_backend("triton", torch.device("cpu"), KVCacheFormat("int8", torch.float32))
+
+
+def test_quantized_kv_swaps_through_the_host_tier_unchanged(llama_dir) -> None:
+    # Quantized entries (values + scales, uint8) go to the host tier and back bit for bit: swap
+    # preemption gives the greedy tokens of recompute within the int8 KV dtype.
+    from pagoda.config import EngineConfig
+    from pagoda.kv_transfer.tiers import model_fingerprint
+
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 300, (60 + 7 * i,), generator=generator).tolist() for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    common = dict(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64, kv_cache_dtype="int8",
+                  kv_offload_memory="1MiB")
+    expected = [o.outputs[0].token_ids for o in LLM(**common, preemption_mode="recompute").generate(prompts, params)]
+    llm = LLM(**common, preemption_mode="swap")
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.get_stats().kv_tiers.preemptions["swap"] > 0
+    assert llm.engine.core.kv_tiers.transfer.host_caches[0].dtype == torch.uint8
+    assert_idle(llm)
+    # Persisted disk blocks of one KV dtype (or weight format) are never read by another.
+    fingerprints = {model_fingerprint(EngineConfig(model=str(llama_dir), **knobs), "float32")
+                    for knobs in ({}, {"kv_cache_dtype": "int8"}, {"quantization": "int8"})}
+    assert len(fingerprints) == 3
