@@ -68,7 +68,8 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
         "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
     num_threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads on CPU (default: all cores)"})
+        "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
+                "but one when serving, that one left for the HTTP event loop)"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
     attention_backend: str = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})

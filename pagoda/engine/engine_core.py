@@ -13,6 +13,8 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.validation import EngineLimits, validate_request
+from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
@@ -64,9 +66,8 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        # Torch's thread count is the driver's to set (pagoda.engine.threads), on its own thread.
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_config = load_model_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
@@ -112,6 +113,11 @@ class EngineCore:
                                   enforce_eager=config.enforce_eager,
                                   speculator=self.speculation if config.speculative else None,
                                   kv_format=self.kv_format)
+        self.engine_limits = EngineLimits(
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            num_kv_blocks=self.num_blocks, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill)
         if self.kv_tiers is not None:
             # The same caches _copy_blocks copies: the target's, then the draft model's, so a
             # block's KV travels between tiers for both models at once.
@@ -156,10 +162,10 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> list[Request]:
-        """Validate and queue a request; returns its samples (n of them). Raises ValueError."""
+        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        max_output = self._validate(prompt_token_ids, params)
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
             prompt_token_ids=list(prompt_token_ids), sampling_params=params,
@@ -171,33 +177,6 @@ class EngineCore:
         self.requests[request_id] = samples
         self.scheduler.add_request(lead)
         return samples
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        vocab_size = self.model_config.vocab_size
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt contains token id {bad!r} outside the vocabulary [0, {vocab_size})")
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})")
-        max_output = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max(max_output, 1) > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_output} tokens ({num_prompt} in the prompt, {max_output} for the "
-                f"completion). Please reduce the length of the prompt or max_tokens.")
-        blocks_needed = self.kv_cache.num_blocks_for(num_prompt + max_output)
-        if blocks_needed > self.num_blocks:
-            raise ValueError(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {max_output} output "
-                             f"tokens) but the KV pool holds only {self.num_blocks}; lower max_tokens")
-        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
-            raise ValueError(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
-        return max_output
 
     def abort_request(self, request_ids: Iterable[str]) -> list[Request]:
         """End requests now and free their blocks; unknown ids are ignored."""

@@ -6,12 +6,12 @@ policy can be set before torch loads and so that `pagoda --help` stays fast.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pagoda.config import EngineConfig
+from pagoda.engine.threads import prefer_passive_omp_wait
 from pagoda.serve.settings import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOKENS,
                                    DEFAULT_MAX_REQUEST_BYTES)
 
@@ -43,8 +43,8 @@ class ServeOptions:
 def launch_server(options: ServeOptions) -> int:
     """Serve until interrupted. User errors (bad key file, an engine that cannot start) end the
     process with a one-line message (SystemExit)."""
-    # Spinning OpenMP workers steal the cores the HTTP thread needs (see MEASURED.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Spinning OpenMP workers steal the cores the HTTP thread needs: pagoda/engine/threads.py.
+    prefer_passive_omp_wait()
     import logging
 
     import uvicorn

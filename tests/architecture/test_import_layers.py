@@ -17,6 +17,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # lower layers and itself, nothing else. "pagoda" is the package's front (`from pagoda import
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
+    ("errors",),  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
     ("config", "sampling_params", "outputs", "tokenizer"),
     ("request",),
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan

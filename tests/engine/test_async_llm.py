@@ -8,7 +8,8 @@ import time
 import pytest
 
 from pagoda.config import EngineConfig
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, engine_thread_count
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.engine.threads import engine_thread_count
 from pagoda.sampling_params import SamplingParams
 from server_utils import build_tiny_model
 
@@ -121,7 +122,7 @@ def test_process_transport(model_dir) -> None:
         assert final.outputs[0].text == reference.text
         wait_idle(engine)
 
-        engine._process.kill()  # an engine crash: the front notices and fails what is pending
+        engine._transport.process.kill()  # an engine crash: the front notices and fails what is pending
         deadline = time.monotonic() + 10
         while engine.is_alive and time.monotonic() < deadline:
             time.sleep(0.05)

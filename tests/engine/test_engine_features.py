@@ -7,6 +7,7 @@ import torch
 from engine_helpers import assert_idle, prompts_for, run
 from pagoda import LLM, SamplingParams
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import OutputAccumulator
 from pagoda.config import EngineConfig
 
 
@@ -69,18 +70,20 @@ def test_seeded_samples_are_reproducible_and_share_prompt_blocks(llama_dir):
 
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
     engine.add_request("r", prompt, params)
+    deltas = []  # step() returns what each request gained: collect it all
     while engine.core.requests["r"][0].pending_forks:
-        engine.step()
+        deltas.extend(engine.step())
     samples = engine.core.requests["r"]
     pool = engine.core.kv_cache.pool
     shared_full_blocks = samples[0].block_ids[:2]
     for sample in samples:
         assert sample.block_ids[:2] == shared_full_blocks  # shared, not copied
     assert all(pool.blocks[b].ref_cnt == 4 for b in shared_full_blocks)
-    outputs = []
     while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    first = [c.token_ids for c in outputs[-1].outputs]
+        deltas.extend(engine.step())
+    outputs = OutputAccumulator()
+    final = [outputs.add(delta) for delta in deltas][-1]
+    first = [c.token_ids for c in final.outputs]
     assert engine.core.kv_cache.num_held_blocks() == 0
 
     second = LLM(model=str(llama_dir)).generate([prompt], params)[0]
