@@ -34,6 +34,17 @@ def reject_unsupported(request: ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
+def _message_texts(messages: list[Any]) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part.text for part in content if part.text)
+    return texts
+
+
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     name = "chat"
     id_prefix = "chatcmpl"
@@ -42,6 +53,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
+        ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
         try:
             messages = template_messages(request.messages)
@@ -59,13 +71,12 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                        logprobs=(request.top_logprobs or 0) if request.logprobs
                                        else None)
-        # Structured output and tool calling: at most one grammar, checked off the event loop.
-        params, grammar_check = with_structured_outputs(params, request)
-        params, tool_check = with_tool_constraint(params, tools)
+        # Structured output and tool calling (at most one grammar, checked here: prepare runs
+        # off the event loop).
+        params = with_tool_constraint(with_structured_outputs(params, request), tools)
         prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
         return PreparedRequest([prompt], params,
-                               param_names={"prompt": "messages", "max_tokens": max_param},
-                               blocking_check=tool_check or grammar_check)
+                               param_names={"prompt": "messages", "max_tokens": max_param})
 
     def formatter(self, ctx: ServeContext, generation: Generation,
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:

@@ -7,9 +7,9 @@ delta, and the final response body. Everything it formats comes from one Request
 stream (`Generation.deltas`); non-streamed answers read the outputs built from that stream.
 
 Where the next features plug in:
-- structured output / tool calling: `prepare` carries response_format / tools into the params
-  (its grammar check, `blocking_check`, runs in a worker thread); a chat `ChunkFormatter` parses
-  tool calls out of each delta's text, `response` out of the final text.
+- structured output / tool calling: `prepare` carries response_format / tools into the params;
+  a chat `ChunkFormatter` parses tool calls out of each delta's text, `response` out of the
+  final text.
 - guardrails: an input check belongs in `handle` after `prepare` (before `Generation.start`);
   an output filter wraps `Generation.deltas` (hold back or redact a delta's text, or end a
   sample with finish_reason "content_filter" and abort it), which both answer shapes read.
@@ -48,10 +48,6 @@ class PreparedRequest:
     params: SamplingParams
     # The engine's parameter names -> this endpoint's, for error messages.
     param_names: dict[str, str] = field(default_factory=dict)
-    # A check too slow for the event loop (a structured output's grammar, pagoda/serve/
-    # structured_request.py); it runs in a worker thread before the request starts and raises
-    # APIError.
-    blocking_check: Callable[[], None] | None = None
 
 
 class ChunkFormatter(ABC):
@@ -89,9 +85,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
         ctx.check_model(request.model)
-        prepared = self.prepare(ctx, request, tenant)
-        if prepared.blocking_check is not None:  # structured output: grammar checked off the loop
-            await asyncio.to_thread(prepared.blocking_check)
+        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
+        # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
+        # keeps the event loop (every other request, /health) answering meanwhile.
+        prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
                                 prepared.prompts, prepared.params, stream=request.stream)
         await generation.start(prepared.param_names)

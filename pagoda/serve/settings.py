@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagoda.serve.latency_targets import LatencyTargets
+from pagoda.serve.request_limits import RequestLimits
 from pagoda.serve.tenants import TenantRegistry
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -22,6 +23,7 @@ class ServerSettings:
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     log_prompts: bool = False
     latency_targets: LatencyTargets | None = None
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
     tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
 

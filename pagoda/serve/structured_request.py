@@ -13,31 +13,25 @@ wait for compilation in the engine.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
 from pagoda.structured.grammar import GrammarError, build_grammar
 from pagoda.sampling_params import KINDS, StructuredOutputsParams
 
-# A check that raises a 400 APIError; blocking (llguidance), so run off the event loop.
-GrammarCheck = Callable[[], None]
-
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
 
-def with_structured_outputs(params: SamplingParams, request: Any) -> tuple[SamplingParams, GrammarCheck | None]:
-    """`params` constrained as the request asks (unchanged when it asks nothing), and the
-    grammar check to run before the request starts. The handler runs that check in a worker
-    thread (PreparedRequest.blocking_check): a schema with thousands of properties takes a few
-    hundred ms, which must not stall the event loop (llguidance releases the GIL meanwhile)."""
-    found = requested_structured_outputs(request, validate=False)
-    if found is None:
-        return params, None
-    field, constraint = found
-    return params.clone(structured_outputs=constraint), functools.partial(check_grammar, constraint, field)
+def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingParams:
+    """`params` constrained as the request asks (unchanged when it asks nothing). The grammar
+    check blocks (a schema with thousands of properties takes a few hundred ms): callers run
+    it off the event loop, as GenerationEndpoint.handle runs `prepare`."""
+    constraint = requested_structured_outputs(request)
+    if constraint is None:
+        return params
+    return params.clone(structured_outputs=constraint)
 
 
 def check_grammar(params: StructuredOutputsParams, field: str) -> None:
@@ -48,11 +42,9 @@ def check_grammar(params: StructuredOutputsParams, field: str) -> None:
         raise bad_request(f"Invalid {exc.field}: {exc.reason}", param=exc.field) from None
 
 
-def requested_structured_outputs(request: Any, validate: bool = True
-                                 ) -> StructuredOutputsParams | tuple[str, StructuredOutputsParams] | None:
-    """The request's constraint, or None. Raises a 400 APIError naming the field. With
-    `validate=False` the grammar is not checked and (field to name in errors, constraint) is
-    returned, for the caller to check off the event loop."""
+def requested_structured_outputs(request: Any) -> StructuredOutputsParams | None:
+    """The request's constraint, its grammar checked, or None. Raises a 400 APIError naming
+    the field."""
     extra = dict(request.model_extra or {})
     sources: list[tuple[str, StructuredOutputsParams]] = []
 
@@ -83,8 +75,6 @@ def requested_structured_outputs(request: Any, validate: bool = True
     param_name = field if field != "structured_outputs" else f"structured_outputs.{params.kind}"
     if field == "response_format":
         param_name = "response_format.json_schema.schema" if params.kind == "json" else "response_format"
-    if not validate:
-        return param_name, params
     check_grammar(params, param_name)
     return params
 

@@ -13,7 +13,6 @@ template and the grammar engine, and the parsers that turn model output into `to
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
@@ -24,7 +23,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
 from pagoda.serve.protocol import AssistantMessage
-from pagoda.serve.structured_request import GrammarCheck, check_grammar
+from pagoda.serve.structured_request import check_grammar
 from pagoda.structured.grammar import JSON_OPTIONS
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -257,22 +256,21 @@ class ToolPlan:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None
-                         ) -> tuple[SamplingParams, GrammarCheck | None]:
-    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger),
-    and the check to run off the event loop before the request starts: a tool whose
-    parameters are not a usable JSON schema is a 400 naming `tools`."""
+def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """Constrain decoding to the tool calls' grammar (required / named, or auto's trigger);
+    a tool whose parameters are not a usable JSON schema is a 400 naming `tools`. The check
+    blocks: callers run it off the event loop."""
     if plan is not None and plan.parse and plan.parser.keeps_special_tokens:
         params = params.clone(skip_special_tokens=False)
     if plan is None or plan.structured_outputs is None:
-        return params, None
+        return params
     if params.structured_outputs is not None:
         if plan.forced:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with "
                               "response_format or structured_outputs.", param="tool_choice")
-        return params, None  # auto: the requested format wins over the tools' trigger
-    return (params.clone(structured_outputs=plan.structured_outputs),
-            functools.partial(check_grammar, plan.structured_outputs, "tools"))
+        return params  # auto: the requested format wins over the tools' trigger
+    check_grammar(plan.structured_outputs, "tools")
+    return params.clone(structured_outputs=plan.structured_outputs)
 
 
 def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> ToolPlan | None:

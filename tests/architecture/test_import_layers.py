@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "sampling_params", "outputs", "tokenizer"),
     ("request",),
     ("structured",),  # grammar-constrained decoding on llguidance: used by worker, engine, serve, cli
+    ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
     ("model",),
     ("core",),
     ("kv_transfer",),
@@ -28,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),
     ("engine",),
     ("pagoda",),
-    ("serve", "bench", "plan"),
+    ("serve", "bench", "plan", "eval"),
     ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
 ]

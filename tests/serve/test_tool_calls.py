@@ -121,5 +121,5 @@ def test_parsers_whose_marker_is_a_special_token_keep_special_tokens() -> None:
 
     for parser, keeps in (("hermes", True), ("mistral", False), ("llama3_json", False)):
         plan = plan_tools(request(tool_choice="auto"), parser, TEMPLATE_WITH_TOOLS)
-        params, _ = with_tool_constraint(SamplingParams(), plan)
+        params = with_tool_constraint(SamplingParams(), plan)
         assert params.skip_special_tokens is keeps
