@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import llguidance
 import llguidance.hf
 
-from pagoda.structured.grammar import GrammarError, build_grammar
 from pagoda.sampling_params import KINDS, StructuredOutputsParams
+from pagoda.structured.grammar import GrammarError, build_grammar
+from pagoda.tokenizer import Tokenizer
 
 # Prometheus-style buckets for the compile time histogram (seconds).
 COMPILE_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -70,9 +71,8 @@ class GrammarCompiler:
         self._tokenizer: Future = self._pool.submit(self._build_tokenizer, eos_token_ids)
 
     def _build_tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        # The engine's own loader: a tokenizer directory or a GGUF file's metadata, local files only.
+        hf = Tokenizer.from_pretrained(self.tokenizer_path).hf
         eos = set(eos_token_ids)
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)

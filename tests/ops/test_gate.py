@@ -110,9 +110,11 @@ def test_identical_servers_pass(servers: dict[str, LiveServer], suite_file: Path
     assert metrics["tokenization.chat_mismatches"] == 0
     assert result.sections["tokenization"].details["compared"] == 5  # token ids are not sent
     assert metrics["contract.candidate_failures"] == 0
-    # pagoda rejects json_schema today: skipped with a note, not failed.
-    assert rule(result, "structured.validity_drop").status == "skipped"
-    assert any("json_schema" in n for n in result.sections["structured"].notes)
+    # pagoda serves response_format json_schema (pagoda/structured): validity is measured on
+    # both sides and equal (a server that rejected it would be skipped with a note instead).
+    assert rule(result, "structured.validity_drop").status == "pass"
+    assert metrics["structured.validity_rate_baseline"] is not None
+    assert metrics["structured.validity_rate_candidate"] == metrics["structured.validity_rate_baseline"]
     paths = write_reports(tmp_path, "report", result.to_json())
     assert json.loads(paths[0].read_text())["passed"] is True
     assert "pagoda gate: PASSED" in paths[1].read_text()
