@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import create_chat_completion
+from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.completions import create_completion
 from pagoda.serve.errors import APIError, unauthorized, validation_error
 from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -113,6 +114,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
+
+    # --- dashboard hook (issue 21): GET /dashboard, /dashboard/events ---
+    install_dashboard(app, lambda request: _authenticate(ctx, request), settings.tenants,
+                      DashboardWindow(ctx.metrics.registry), ctx.request_log)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:

@@ -11,6 +11,9 @@ A keys file (YAML or JSON) lists tenants with their keys and limits::
         max_prompt_tokens: 2048
         max_output_tokens: 512
         priority: 0                   # lower runs first with --scheduling-policy priority
+      ops:
+        api_keys: [sk-ops]
+        admin: true                   # sees every tenant's figures on /dashboard
 
 Every limit is optional. Without a file the server is open (one tenant, "default"), or
 guarded by a single `--api-key` shared by that one tenant.
@@ -58,6 +61,8 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits = field(default_factory=TenantLimits)
+    # An admin key sees every tenant's figures on /dashboard; others see only their own.
+    admin: bool = False
 
     @property
     def cache_salt(self) -> str:
@@ -102,7 +107,7 @@ class TenantRegistry:
 
     @classmethod
     def single_key(cls, key: str) -> "TenantRegistry":
-        return cls({key: Tenant(DEFAULT_TENANT)})
+        return cls({key: Tenant(DEFAULT_TENANT, admin=True)})
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TenantRegistry":
@@ -150,12 +155,15 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         api_keys = spec.pop("api_keys", [])
         if "api_key" in spec:
             api_keys = [*api_keys, spec.pop("api_key")]
+        admin = spec.pop("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"tenant {name!r}: admin must be true or false, got {admin!r}")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: api_keys, {', '.join(sorted(_LIMIT_FIELDS))}")
+                             f"known: admin, api_keys, {', '.join(sorted(_LIMIT_FIELDS))}")
         try:
-            tenant = Tenant(name, TenantLimits(**spec))
+            tenant = Tenant(name, TenantLimits(**spec), admin=admin)
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:
