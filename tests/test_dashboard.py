@@ -161,3 +161,22 @@ def test_totals_match_metrics_and_events_stream(server: LiveServer) -> None:
                 break
     assert events[1]["time"] > events[0]["time"]
     assert set(events[1]["tenants"]) <= {"bob"}
+
+
+def test_grafana_board_uses_only_metrics_the_server_exports(server: LiveServer) -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    board = json.loads((examples / "grafana" / "pagoda.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    used = {re.sub(r"_(bucket|total)$", "", name)
+            for expr in exprs for name in re.findall(r"pagoda:[a-z0-9_]+", expr)}
+    exported = {family.name for family in text_string_to_metric_families(
+        httpx.get(server.url + "/metrics").text)}
+    assert used and used <= exported, used - exported
+    scrape = yaml.safe_load((examples / "prometheus.yaml").read_text())
+    assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
