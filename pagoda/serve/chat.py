@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.serve.errors import APIError, bad_request
+from pagoda.serve.guardrails import guard_chat_messages
 from pagoda.serve.logprobs import chat_logprobs
 from pagoda.serve.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatMessage)
@@ -71,6 +72,7 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
     reject_unsupported(request)
     tokenizer = ctx.llm.tokenizer
     messages = template_messages(request.messages)
+    messages, input_decision = await guard_chat_messages(ctx, tenant, messages)  # guardrails hook
     if not getattr(tokenizer, "has_chat_template", True):
         raise bad_request("This model has no chat template; use /v1/completions.",
                           param="messages")
@@ -89,7 +91,7 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
                                    logprobs=num_top if request.logprobs else None)
     prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
     generation = Generation(ctx, new_request_id("chatcmpl"), "chat", tenant, [prompt], params,
-                            stream=request.stream)
+                            stream=request.stream, input_decision=input_decision)
     await generation.start(max_param)
     created = int(time.time())
     stream_body = _stream(ctx, generation, request, created) if request.stream else None

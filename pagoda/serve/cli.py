@@ -50,6 +50,9 @@ def add_parser(subparsers: Any) -> None:
                              "so the HTTP side cannot stall it, and a crash leaves the server up "
                              "to answer 503), or on a thread of the server process (starts "
                              "faster)")
+    server.add_argument("--guardrails", default=None, metavar="FILE",
+                        help="YAML file of input/output guardrail rules (regex, blocklist, pii, "
+                             "classifier) per tenant")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",
@@ -83,13 +86,22 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants = TenantRegistry.single_key(args.api_key)
     else:
         tenants = TenantRegistry.open()
+    guardrails = None
+    if args.guardrails:
+        from pagoda.guard import GuardrailsConfigError, load_guardrails
+
+        try:
+            guardrails = load_guardrails(args.guardrails)
+        except GuardrailsConfigError as exc:
+            raise SystemExit(f"pagoda serve: {args.guardrails}: {exc}") from None
     try:
         config = EngineConfig.from_cli_args(args)
         settings = ServerSettings(
             served_model_name=args.served_model_name or Path(config.model).name,
             model_path=config.model, tenants=tenants, max_request_bytes=args.max_request_bytes,
             max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts)
+            max_queued_tokens=args.max_queued_tokens, log_prompts=args.log_prompts,
+            guardrails=guardrails)
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:

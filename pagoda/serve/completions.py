@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pagoda.outputs import CompletionOutput, PositionLogprobs
 from pagoda.serve.logprobs import join_legacy, legacy_logprobs
 from pagoda.serve.errors import APIError, bad_request
+from pagoda.serve.guardrails import guard_completion_prompts
 from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.sampling import build_sampling_params
@@ -71,13 +72,14 @@ async def create_completion(ctx: ServeContext, raw: Request, request: Completion
     reject_unsupported(request)
     tokenizer = ctx.llm.tokenizer
     prompts = completion_prompts(request.prompt, tokenizer)
+    prompts, input_decision = await guard_completion_prompts(ctx, tenant, prompts, tokenizer)  # guardrails hook
     max_tokens = tenant.resolve_max_tokens(request.max_tokens)
     want_prompt_logprobs = request.echo and request.logprobs is not None
     params = build_sampling_params(
         request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
     generation = Generation(ctx, new_request_id("cmpl"), "completions", tenant, prompts,
-                            params, stream=request.stream)
+                            params, stream=request.stream, input_decision=input_decision)
     await generation.start()
     created = int(time.time())
     stream_body = _stream(ctx, generation, request, created) if request.stream else None

@@ -22,8 +22,11 @@ from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
+from pagoda.guard import Decision
 from pagoda.serve.errors import (APIError, bad_request, engine_unavailable, from_value_error,
                                  model_not_found)
+from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
+                                     guard_log_fields)
 from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.protocol import PromptTokensDetails, Usage
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
@@ -43,10 +46,11 @@ class ServeContext:
     admission: AdmissionController
     metrics: ServerMetrics
     request_log: RequestLogger
+    guard: ServerGuard | None = None  # --guardrails
 
     @classmethod
     def create(cls, llm: AsyncLLM, settings: ServerSettings) -> "ServeContext":
-        return cls(
+        ctx = cls(
             llm=llm,
             settings=settings,
             limiter=TenantLimiter(),
@@ -55,6 +59,9 @@ class ServeContext:
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats),
             request_log=RequestLogger(settings.log_prompts),
         )
+        if settings.guardrails is not None:  # guardrails hook
+            ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
+        return ctx
 
     @property
     def model_name(self) -> str:
@@ -103,8 +110,8 @@ _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_
 
 
 def rejection_reason(error: APIError) -> str:
-    if error.code == "engine_dead":
-        return "engine_dead"
+    if error.code in ("engine_dead", "content_filter"):
+        return error.code
     return _REJECT_REASONS.get(error.status, str(error.status))
 
 
@@ -118,6 +125,7 @@ class Generation:
     params: SamplingParams
     stream: bool
     arrival_time: float = field(default_factory=time.time)
+    input_decision: Decision | None = None  # the input guardrails' decision, if any
     # One entry per submitted prompt: its stream, newest output, and final output.
     streams: list[RequestStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -127,6 +135,7 @@ class Generation:
     _lease: TenantLease | None = field(default=None, init=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
+    _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -146,6 +155,7 @@ class Generation:
                 self.tenant.check_prompt_tokens(len(prompt.token_ids))
                 check_context_length(len(prompt.token_ids), self.params.max_tokens,
                                      ctx.llm.max_model_len, max_tokens_param)
+            self._output_guard = guard_generation_output(ctx, self.tenant, self.params)  # guardrails hook
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
             for request_id, prompt in zip(self.engine_request_ids, self.prompts):
@@ -189,6 +199,8 @@ class Generation:
                 if output is None:
                     continue
                 got_any = True
+                if self._output_guard is not None:  # guardrails hook
+                    output = await self._output_guard.filter(i, output)
                 if self.latest[i] is None:
                     self._slots[i].leave()
                 self._itl_marks[i] = _record_inter_token(metrics, self._itl_marks[i], output)
@@ -253,6 +265,7 @@ class Generation:
         record.ttft_s = min(ttfts) if ttfts else None
         record.prompt = [p.text if p.text is not None else str(p.token_ids) for p in self.prompts]
         record.output = [c.text for o in outputs for c in o.outputs]
+        record.extra.update(guard_log_fields(self.input_decision, self._output_guard))  # guardrails hook
         return record
 
 

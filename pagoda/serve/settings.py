@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.serve.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from pagoda.guard import GuardrailsConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
@@ -20,6 +24,7 @@ class ServerSettings:
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     log_prompts: bool = False
+    guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
