@@ -369,3 +369,34 @@ def test_guard_latency_is_in_metrics(server: LiveServer) -> None:
     rejected = [s for s in families["pagoda:request_rejected"].samples
                 if s.labels.get("reason") == "content_filter"]
     assert rejected and rejected[0].value > 0
+
+
+def test_streaming_holds_back_only_what_could_still_match() -> None:
+    config = parse_guardrails({"output_hold_chars": 32, "rules": [
+        {"name": "pii", "kind": "pii", "action": "redact"},
+        {"name": "words", "kind": "blocklist", "words": ["forbidden"], "action": "block"}]})
+    output_filter = Guardrails(config).output_filter("any")
+    released = "".join(run(output_filter.feed(c)) for c in "for i in range(10): print(i) ")
+    # Everything but the last unfinished word (an email could still start there) is out.
+    assert released == "for i in range(10): print(i) "
+    partial = "".join(run(output_filter.feed(c)) for c in "mail bob@example.")
+    assert partial == "mail "  # the address is still forming
+    rest = run(output_filter.feed("org today")) + run(output_filter.finish())
+    assert rest == "[REDACTED_EMAIL] today"
+
+
+def test_classifier_batches_concurrent_checks(guard_dir: Path) -> None:
+    import asyncio
+
+    model = guard_rules(guard_dir).config.models["guard"]
+    calls = []
+    original = model.classify_batch
+    model.classify_batch = lambda items: calls.append(len(items)) or original(items)
+
+    async def many() -> list[Any]:
+        texts = [f"line {i}" + (TRIGGER if i % 3 == 0 else "") for i in range(9)]
+        return await asyncio.gather(*(model.classify_async(t) for t in texts))
+
+    verdicts = run(many())
+    assert [v.unsafe for v in verdicts] == [i % 3 == 0 for i in range(9)]
+    assert sum(calls) == 9 and len(calls) <= 2  # one engine call for checks that came together

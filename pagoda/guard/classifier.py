@@ -1,10 +1,12 @@
 """The classifier guard: a second, local causal LM that pagoda loads and prompts with a
 guard template (Llama Guard's style by default) to label a text safe or unsafe.
 
-The model runs on pagoda's own offline engine in the server process. Calls are serialised
-(one engine, one lock) and run on a worker thread so the event loop keeps serving; the
-verdict is the first line of a short greedy generation: `unsafe_label` (optionally followed
-by categories on the next line, as Llama Guard writes them) or `safe_label`.
+The model runs on pagoda's own offline engine in the server process, on a worker thread so
+the event loop keeps serving. Concurrent checks are batched: while one batch runs, new
+requests queue, and the next batch takes up to `max_batch` of them in one engine call
+(continuous batching inside the guard's engine). The verdict is the first line of a short
+greedy generation: `unsafe_label` (optionally followed by categories on the next line, as
+Llama Guard writes them) or `safe_label`.
 """
 
 from __future__ import annotations
@@ -48,15 +50,20 @@ class GuardModel:
     safe_label: str = "safe"
     unsafe_label: str = "unsafe"
     max_tokens: int = 10
+    max_batch: int = 16
     engine_args: dict[str, Any] = field(default_factory=dict)
     _llm: Any = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    # Checks waiting for the next batch, and whether a batch is running (event loop only).
+    _queue: list[tuple[str, str, "asyncio.Future[Verdict]"]] = field(
+        default_factory=list, init=False, repr=False)
+    _draining: bool = field(default=False, init=False, repr=False)
 
     def load(self) -> None:
         """Load the weights (raises with the cause when the model cannot be loaded)."""
         from pagoda.engine.llm import LLM
 
-        args = {"num_kv_blocks": 256, "max_num_seqs": 8, "num_threads": 1,
+        args = {"num_kv_blocks": 512, "max_num_seqs": self.max_batch, "num_threads": 1,
                 **self.engine_args}
         self._llm = LLM(model=self.path, **args)
 
@@ -68,22 +75,64 @@ class GuardModel:
                                          add_generation_prompt=True)
         return body
 
-    def classify(self, text: str, role: str = "User") -> Verdict:
-        """Blocking: the model's verdict on `text`. Raises GuardModelError on any failure."""
+    def classify_batch(self, items: list[tuple[str, str]]) -> list[Verdict | GuardModelError]:
+        """Blocking: a verdict (or the error that prevented one) for each (text, role)."""
         from pagoda.sampling_params import SamplingParams
 
         if self._llm is None:
-            raise GuardModelError(f"guard model {self.name!r} is not loaded")
+            return [GuardModelError(f"guard model {self.name!r} is not loaded")] * len(items)
         params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
         try:
             with self._lock:
-                [output] = self._llm.generate([self.prompt(text, role)], params)
+                outputs = self._llm.generate([self.prompt(text, role) for text, role in items],
+                                             params)
         except Exception as exc:  # the guard must never take the server down
-            raise GuardModelError(f"guard model {self.name!r} failed: {exc!r}") from exc
-        return self.parse(output.outputs[0].text)
+            error = GuardModelError(f"guard model {self.name!r} failed: {exc!r}")
+            return [error] * len(items)
+        verdicts: list[Verdict | GuardModelError] = []
+        for output in outputs:
+            try:
+                verdicts.append(self.parse(output.outputs[0].text))
+            except GuardModelError as exc:
+                verdicts.append(exc)
+        return verdicts
+
+    def classify(self, text: str, role: str = "User") -> Verdict:
+        """Blocking: the model's verdict on `text`. Raises GuardModelError on any failure."""
+        [verdict] = self.classify_batch([(text, role)])
+        if isinstance(verdict, GuardModelError):
+            raise verdict
+        return verdict
 
     async def classify_async(self, text: str, role: str = "User") -> Verdict:
-        return await asyncio.to_thread(self.classify, text, role)
+        """The verdict on `text`, batched with the other checks waiting at the same time."""
+        future: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._queue.append((text, role, future))
+        if not self._draining:
+            self._draining = True
+            asyncio.ensure_future(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch = self._queue[:self.max_batch]
+                del self._queue[:self.max_batch]
+                items = [(text, role) for text, role, _ in batch]
+                try:
+                    verdicts = await asyncio.to_thread(self.classify_batch, items)
+                except Exception as exc:  # e.g. no thread could be started
+                    verdicts = [GuardModelError(f"guard model {self.name!r} failed: "
+                                                f"{exc!r}")] * len(batch)
+                for (_, _, future), verdict in zip(batch, verdicts):
+                    if future.done():  # its request went away meanwhile
+                        continue
+                    if isinstance(verdict, GuardModelError):
+                        future.set_exception(verdict)
+                    else:
+                        future.set_result(verdict)
+        finally:
+            self._draining = False
 
     def parse(self, answer: str) -> Verdict:
         lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]

@@ -2,7 +2,7 @@
 GuardrailsConfigError naming the rule (or model) and what is wrong with it::
 
     fail_mode: closed            # classifier failure: closed = treat as blocked, open = allow
-    output_hold_chars: 64        # pattern rules: streamed text held back to catch matches
+    output_hold_chars: 64        # pattern rules: most streamed text held back for a match
     classifier_window_chars: 256 # classifier rules: output checked in windows this long
     models:
       guard:
@@ -12,6 +12,7 @@ GuardrailsConfigError naming the rule (or model) and what is wrong with it::
         safe_label: safe
         unsafe_label: unsafe
         max_tokens: 10
+        max_batch: 16            # concurrent checks labelled in one engine call
         engine: {num_kv_blocks: 512}   # any EngineConfig field
     rules:
       - {name: no-pii, kind: pii, types: [email, phone, credit_card, api_key], action: redact}
@@ -25,10 +26,11 @@ GuardrailsConfigError naming the rule (or model) and what is wrong with it::
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from pagoda.guard.classifier import GuardModel
 from pagoda.guard.decision import ACTIONS, STAGES
@@ -61,7 +63,7 @@ _KIND_KEYS = {
     "classifier": {"model"},
 }
 _MODEL_KEYS = {"path", "template", "chat_template", "safe_label", "unsafe_label", "max_tokens",
-               "engine"}
+               "max_batch", "engine"}
 
 
 def _positive_int(data: dict[str, Any], key: str, default: int) -> int:
@@ -115,6 +117,7 @@ def _parse_model(name: str, spec: Any) -> GuardModel:
     model.use_chat_template = bool(spec.get("chat_template", True))
     try:
         model.max_tokens = _positive_int(spec, "max_tokens", model.max_tokens)
+        model.max_batch = _positive_int(spec, "max_batch", model.max_batch)
     except GuardrailsConfigError as exc:
         raise GuardrailsConfigError(f"{where}: {exc}") from None
     engine = spec.get("engine", {})
@@ -163,8 +166,8 @@ def _parse_rule(index: int, spec: Any, models: dict[str, GuardModel]) -> Rule:
         if not isinstance(pattern, str) or not pattern:
             raise GuardrailsConfigError(f"{where}: pattern (a regular expression) is required")
         try:
-            compiled = re.compile(pattern, 0 if case_sensitive else re.IGNORECASE)
-        except re.error as exc:
+            compiled = regex.compile(pattern, 0 if case_sensitive else regex.IGNORECASE)
+        except regex.error as exc:
             raise GuardrailsConfigError(f"{where}: bad regex {pattern!r}: {exc}") from None
         if compiled.fullmatch(""):
             raise GuardrailsConfigError(f"{where}: the regex matches the empty string")

@@ -2,10 +2,10 @@
 deltas of one generated sample.
 
 Streaming output is held back so that what reaches the client has been checked:
-- pattern rules: the last `output_hold_chars` characters stay pending (a match can only be
-  caught whole if it is at most that long; a longer match that straddles released text is
-  caught only from the release point on). A match that overlaps the release point is held
-  back whole.
+- pattern rules: text from the start of a match that the next characters could still
+  complete or extend (a partial match at the end, e.g. the current word for the email
+  detector) stays pending, at most the last `output_hold_chars` characters: a match longer
+  than that is caught only from the release point on. Ordinary text passes at once.
 - classifier rules: text is released only after the window it belongs to was labelled
   (`classifier_window_chars` per window, the previous window as context), so at most one
   window is pending; the rest of the text is labelled when the sample ends.
@@ -219,8 +219,12 @@ class OutputFilter:
 
     async def _release(self, final: bool) -> str:
         pending = self._pending
-        hold = self.hold_chars if self.patterns and not final else 0
-        cut = max(0, len(pending) - hold)
+        cut = len(pending)
+        if not final:
+            starts = [s for s in (r.unfinished_start(pending) for r in self.patterns)
+                      if s is not None]
+            if starts:
+                cut = max(min(starts), len(pending) - self.hold_chars)
         if self.classifiers:
             if not await self._label_windows(final):
                 self._pending = ""

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import regex  # the `re` superset with partial matching, to hold back a match still forming
+
 PII_TYPES = ("email", "phone", "credit_card", "api_key")
 
 
@@ -21,13 +23,13 @@ class Span:
     label: str  # what was found: "email", "phone", the rule's name for regex, ...
 
 
-_EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
+_EMAIL = regex.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
                     r"\.[A-Za-z]{2,24}(?![\w-])")
 # +CC (optional), then groups of digits separated by space, dot, dash or parentheses.
-_PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}"
+_PHONE = regex.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}"
                     r"(?:[\s.-]?\d{2,4}){2,4}(?![\w])")
-_CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
-_API_KEY = re.compile(
+_CARD = regex.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+_API_KEY = regex.compile(
     r"(?<![\w-])(?:"
     r"sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}"       # OpenAI / Anthropic style
     r"|AKIA[0-9A-Z]{16}"                          # AWS access key id
@@ -88,7 +90,19 @@ DETECTORS: dict[str, Callable[[str], Iterator[Span]]] = {
 }
 
 
+PATTERNS = {"email": _EMAIL, "phone": _PHONE, "credit_card": _CARD, "api_key": _API_KEY}
+
+
 def find_pii(text: str, types: tuple[str, ...] = PII_TYPES) -> list[Span]:
     """Every detected span of the given types, sorted by start."""
     spans = [span for kind in types for span in DETECTORS[kind](text)]
     return sorted(spans, key=lambda s: (s.start, -s.end))
+
+
+def unfinished_start(pattern: "regex.Pattern[str]", text: str) -> int | None:
+    """Where a match of `pattern` that more text could still extend begins: a partial match
+    at the end of `text`, or a complete one that touches the end. None if there is none."""
+    for match in pattern.finditer(text, partial=True):
+        if match.end() == len(text) and match.start() < len(text):
+            return match.start()
+    return None

@@ -4,11 +4,12 @@ stages (input, output) it checks and the tenants it applies to."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagoda.guard.pii import PII_TYPES, Span, find_pii
+import regex
+
+from pagoda.guard.pii import PATTERNS, PII_TYPES, Span, find_pii, unfinished_start
 
 if TYPE_CHECKING:
     from pagoda.guard.classifier import GuardModel
@@ -32,7 +33,7 @@ class Rule:
 class PatternRule(Rule):
     """regex, blocklist and pii rules: spans of the text, each replaced when redacting."""
 
-    pattern: re.Pattern[str] | None = None  # regex and blocklist
+    pattern: "regex.Pattern[str] | None" = None  # regex and blocklist
     pii_types: tuple[str, ...] = PII_TYPES
     replacement: str | None = None  # None: "[REDACTED_<LABEL>]" for pii, "[REDACTED]" else
 
@@ -42,6 +43,12 @@ class PatternRule(Rule):
         assert self.pattern is not None  # set for every non-pii kind by the config parser
         return [Span(m.start(), m.end(), self.name) for m in self.pattern.finditer(text)
                 if m.end() > m.start()]
+
+    def unfinished_start(self, text: str) -> int | None:
+        """Where a match that the next characters could complete or extend begins."""
+        patterns = [PATTERNS[t] for t in self.pii_types] if self.kind == "pii" else [self.pattern]
+        starts = [s for s in (unfinished_start(p, text) for p in patterns) if s is not None]
+        return min(starts, default=None)
 
     def replacement_for(self, span: Span) -> str:
         if self.replacement is not None:
@@ -58,12 +65,12 @@ class ClassifierRule(Rule):
     model: "GuardModel | None" = None
 
 
-def blocklist_pattern(words: list[str], case_sensitive: bool) -> re.Pattern[str]:
+def blocklist_pattern(words: list[str], case_sensitive: bool) -> "regex.Pattern[str]":
     """Whole-word matches of any of `words` (longest first, so overlapping entries prefer
     the longer one)."""
-    escaped = [re.escape(w) for w in sorted(words, key=len, reverse=True)]
+    escaped = [regex.escape(w) for w in sorted(words, key=len, reverse=True)]
     # \b only where the word starts/ends with a word character: "c++" still matches.
     parts = [(r"\b" if w[0].isalnum() or w[0] == "_" else "") + e +
              (r"\b" if w[-1].isalnum() or w[-1] == "_" else "")
              for w, e in zip(sorted(words, key=len, reverse=True), escaped)]
-    return re.compile("|".join(parts), 0 if case_sensitive else re.IGNORECASE)
+    return regex.compile("|".join(parts), 0 if case_sensitive else regex.IGNORECASE)
