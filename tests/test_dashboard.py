@@ -10,8 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.guard import GuardMetrics
 from pagoda.serve.dashboard import DashboardWindow, Histogram
 from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.request_log import RequestLogRecord
@@ -177,6 +179,9 @@ def test_grafana_board_uses_only_metrics_the_server_exports(server: LiveServer) 
             for expr in exprs for name in re.findall(r"pagoda:[a-z0-9_]+", expr)}
     exported = {family.name for family in text_string_to_metric_families(
         httpx.get(server.url + "/metrics").text)}
+    guard_registry = CollectorRegistry()  # registered only when --guardrails is given
+    GuardMetrics(guard_registry, MODEL_NAME)
+    exported |= {family.name for family in guard_registry.collect()}
     assert used and used <= exported, used - exported
     scrape = yaml.safe_load((examples / "prometheus.yaml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
