@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import create_chat_completion
-from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.completions import create_completion
+from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
 from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ModelCard, ModelList, TokenizeRequest)

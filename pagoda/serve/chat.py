@@ -72,10 +72,10 @@ async def create_chat_completion(ctx: ServeContext, raw: Request, request: ChatC
     reject_unsupported(request)
     tokenizer = ctx.llm.tokenizer
     messages = template_messages(request.messages)
-    messages, input_decision = await guard_chat_messages(ctx, tenant, messages)  # guardrails hook
     if not getattr(tokenizer, "has_chat_template", True):
         raise bad_request("This model has no chat template; use /v1/completions.",
                           param="messages")
+    messages, input_decision = await guard_chat_messages(ctx, tenant, messages)  # guardrails hook
     try:
         token_ids = tokenizer.encode_chat(messages,
                                           add_generation_prompt=request.add_generation_prompt)

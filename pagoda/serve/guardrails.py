@@ -14,6 +14,7 @@ Call sites (kept to a line or two each, marked `# guardrails hook`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 CONTENT_FILTER = "content_filter"
 
+logger = logging.getLogger(__name__)
+
 
 def content_filtered(rule: str, param: str) -> APIError:
     """OpenAI's shape for a prompt refused by a content filter (Azure: code content_filter)."""
@@ -46,6 +49,12 @@ class ServerGuard:
         self.guardrails = Guardrails(config)
         self.input = self.guardrails.input_guard()
         self.metrics = GuardMetrics(registry, model_name)
+        logger.info("guardrails from %s: rules %s; a failing guard model fails %s (%s); "
+                    "streamed output held back up to %d chars (pattern rules) / one %d-char "
+                    "window (classifier rules)", config.source,
+                    ", ".join(f"{r.name} ({r.kind}, {r.action})" for r in config.rules),
+                    config.fail_mode, "blocks" if config.fail_mode == "closed" else "allows",
+                    config.output_hold_chars, config.classifier_window_chars)
 
     def _record_input(self, tenant: Tenant, decision: Decision, started: float,
                       param: str) -> None:

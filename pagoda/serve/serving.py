@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagoda.guard import Decision
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
-from pagoda.guard import Decision
 from pagoda.serve.errors import (APIError, bad_request, engine_unavailable, from_value_error,
                                  model_not_found)
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
