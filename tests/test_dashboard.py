@@ -82,6 +82,20 @@ def test_window_rates_and_percentiles_over_the_window() -> None:
     assert window.snapshot()["now"]["itl_p50"] is None
 
 
+def test_window_shows_guardrail_decisions_only_when_configured() -> None:
+    from pagoda.guard import RuleHit
+
+    metrics = ServerMetrics("m", lambda: None)
+    window = DashboardWindow(metrics.registry)
+    assert window.snapshot()["totals"]["guard_blocks"] is None
+    guarded = ServerMetrics("m", lambda: None)
+    guard = GuardMetrics(guarded.registry, "m")
+    guard.record_hit("a", RuleHit("pii", "pii", "redact", "output", count=3, label="email"))
+    guard.record_hit("b", RuleHit("words", "blocklist", "block", "input"))
+    totals = DashboardWindow(guarded.registry).snapshot()["totals"]
+    assert (totals["guard_blocks"], totals["guard_redactions"], totals["guard_flags"]) == (1, 3, 0)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("dashboard")

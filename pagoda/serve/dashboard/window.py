@@ -40,6 +40,12 @@ _SCALARS = {
     "requests_finished": "request_success",
     "requests_rejected": "request_rejected",
 }
+# Counters of one label value, present only when their family is (None otherwise).
+_LABELLED = {
+    "guard_blocks": ("guardrail_decisions", "action", "block"),
+    "guard_redactions": ("guardrail_decisions", "action", "redact"),
+    "guard_flags": ("guardrail_decisions", "action", "flag"),
+}
 _HISTOGRAMS = {
     "ttft": "time_to_first_token_seconds",
     "itl": "inter_token_latency_seconds",
@@ -87,7 +93,7 @@ class Histogram:
 @dataclass
 class Sample:
     time: float
-    scalars: dict[str, float]
+    scalars: dict[str, float | None]
     histograms: dict[str, Histogram]
 
 
@@ -95,9 +101,14 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
     """One reading of the pagoda:* families the dashboard shows."""
     scalar_keys = {PREFIX + family: key for key, family in _SCALARS.items()}
     histogram_keys = {PREFIX + family: key for key, family in _HISTOGRAMS.items()}
-    scalars = {key: 0.0 for key in _SCALARS}
+    scalars: dict[str, float | None] = {key: 0.0 for key in _SCALARS}
+    scalars.update({key: None for key in _LABELLED})
     histograms: dict[str, Histogram] = {}
     for family in registry.collect():
+        for key, (name, label, value) in _LABELLED.items():
+            if family.name == PREFIX + name:
+                scalars[key] = sum(s.value for s in family.samples if s.name.endswith("_total")
+                                   and s.labels.get(label) == value)
         if family.name in scalar_keys:
             key = scalar_keys[family.name]
             scalars[key] = sum(s.value for s in family.samples
@@ -134,6 +145,7 @@ class DashboardWindow:
     sample_interval: float = 1.0
     history_points: int = 120
     max_timelines: int = 30
+    max_records: int = 100_000  # a hard bound on the records kept for the window
     clock: Callable[[], float] = time.time
     _samples: deque[Sample] = field(default_factory=deque, init=False)
     _history: deque[dict[str, Any]] = field(default_factory=deque, init=False)
@@ -150,7 +162,8 @@ class DashboardWindow:
         self._records.append((self.clock(), record))
         # Kept for the window and at least the last `max_timelines` requests.
         horizon = self.clock() - self.window_s
-        while len(self._records) > self.max_timelines and self._records[0][0] < horizon:
+        while len(self._records) > self.max_timelines and self._records[0][0] < horizon \
+                or len(self._records) > self.max_records:
             self._records.popleft()
 
     def sample(self) -> Sample:
@@ -221,6 +234,8 @@ class DashboardWindow:
             "preemptions_window": delta("preemptions"),
             "prefix_hit_rate": delta("prefix_hits") / queries if queries > 0 else None,
             "spec_acceptance_rate": delta("spec_accepted_tokens") / draft if draft > 0 else None,
+            # None when the server runs without --guardrails.
+            **{key: s[key] for key in _LABELLED},
         }
 
     def _tenants(self, visible: Callable[[str | None], bool], now: float) -> dict[str, Any]:

@@ -21,6 +21,9 @@ const TILES = [
   ["preemptions", "preemptions", (s) => s.totals.preemptions,
    (s) => fmt(s.totals.preemptions_window) + " in window"],
   ["spec_acceptance", "spec. acceptance", (s) => s.totals.spec_acceptance_rate, null, "%"],
+  ["guard_blocks", "guardrail blocks", (s) => s.totals.guard_blocks,
+   (s) => s.totals.guard_blocks == null ? "guardrails off"
+     : fmt(s.totals.guard_redactions) + " redacted · " + fmt(s.totals.guard_flags) + " flagged"],
 ];
 
 const CHARTS = [
