@@ -82,6 +82,17 @@ def test_window_rates_and_percentiles_over_the_window() -> None:
     assert window.snapshot()["now"]["itl_p50"] is None
 
 
+def test_admin_is_a_tenant_setting() -> None:
+    from pagoda.serve.tenants import parse_tenants
+
+    keys = parse_tenants({"tenants": {"ops": {"api_keys": ["k1"], "admin": True},
+                                      "app": {"api_keys": ["k2"]}}})
+    assert keys["k1"].admin and not keys["k2"].admin
+    with pytest.raises(ValueError, match="tenant 'ops': admin must be true or false"):
+        parse_tenants({"tenants": {"ops": {"api_keys": ["k"], "admin": "yes"}}})
+    assert TenantRegistry.single_key("k").authenticate("k").admin
+
+
 def test_window_shows_guardrail_decisions_only_when_configured() -> None:
     from pagoda.guard import RuleHit
 

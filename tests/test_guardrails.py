@@ -400,3 +400,33 @@ def test_classifier_batches_concurrent_checks(guard_dir: Path) -> None:
     verdicts = run(many())
     assert [v.unsafe for v in verdicts] == [i % 3 == 0 for i in range(9)]
     assert sum(calls) == 9 and len(calls) <= 2  # one engine call for checks that came together
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_is_filtered_on_its_own(server: LiveServer, reference: dict[str, str],
+                                             stream: bool) -> None:
+    original = reference["completion"]
+    expected = original.replace(middle(original), "[X]")
+    response = request(server, "redact", n=2, stream=stream)
+    assert response.status_code == 200, response.text
+    texts = {0: "", 1: ""}
+    if stream:
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    else:
+        texts = {c["index"]: c["text"] for c in response.json()["choices"]}
+    assert texts == {0: expected, 1: expected}
+
+
+def test_output_decisions_reach_the_request_log(server: LiveServer, reference: dict[str, str],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        answer(request(server, "block"))
+    [line] = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == LOGGER_NAME and '"tenant":"block"' in r.getMessage()]
+    assert line["blocked_by"] == "block-out" and line["finish_reason"] == "content_filter"
+    assert {"rule": "block-out", "action": "block", "stage": "output", "count": 1} in \
+        line["guardrails"]
+    assert middle(reference["completion"]) not in json.dumps(line)  # --log-prompts is on

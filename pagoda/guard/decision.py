@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 ACTIONS = ("block", "redact", "flag")
 STAGES = ("input", "output")
@@ -18,15 +17,8 @@ class RuleHit:
     action: str  # block | redact | flag; "error" when the rule could not run
     stage: str
     count: int = 1
-    label: str | None = None  # what was found: "email", a classifier category, ...
-
-    def log_fields(self) -> dict[str, Any]:
-        """For the request log: never the matched text, only what kind of thing it was."""
-        fields: dict[str, Any] = {"rule": self.rule, "action": self.action, "stage": self.stage,
-                                  "count": self.count}
-        if self.label:
-            fields["label"] = self.label
-        return fields
+    # What was found ("email", a classifier's categories, ...): never the matched text.
+    label: str | None = None
 
 
 @dataclass

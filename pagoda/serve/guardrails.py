@@ -189,10 +189,16 @@ def guard_log_fields(input_decision: Decision | None,
     """The request log's record of the guardrails: which rules fired, never the text."""
     decisions = ([input_decision] if input_decision is not None else []) + \
         (output_guard.decisions() if output_guard is not None else [])
-    hits = [hit.log_fields() for decision in decisions for hit in decision.hits]
+    counts: dict[tuple[str, str, str, str | None], int] = {}
+    for hit in (hit for decision in decisions for hit in decision.hits):
+        key = (hit.rule, hit.action, hit.stage, hit.label)
+        counts[key] = counts.get(key, 0) + hit.count
     fields: dict[str, Any] = {}
-    if hits:
-        fields["guardrails"] = hits
+    if counts:
+        fields["guardrails"] = [
+            {"rule": rule, "action": action, "stage": stage, "count": count,
+             **({"label": label} if label else {})}
+            for (rule, action, stage, label), count in counts.items()]
     blocked = [d.blocked_by for d in decisions if d.blocked_by]
     if blocked:
         fields["blocked_by"] = blocked[0]
