@@ -430,3 +430,13 @@ def test_output_decisions_reach_the_request_log(server: LiveServer, reference: d
     assert {"rule": "block-out", "action": "block", "stage": "output", "count": 1} in \
         line["guardrails"]
     assert middle(reference["completion"]) not in json.dumps(line)  # --log-prompts is on
+
+
+def test_token_id_prompts_are_checked_as_text(server: LiveServer) -> None:
+    tokenizer = server.llm.tokenizer
+    ids = tokenizer.encode("write to bob@example.org", add_special_tokens=False)
+    response = request(server, "pii", prompt=ids, echo=True, max_tokens=1)
+    text, _ = answer(response)
+    assert text.startswith("write to [REDACTED_EMAIL]") and "bob@" not in text
+    blocked = request(server, "words", prompt=tokenizer.encode("forbidden", add_special_tokens=False))
+    assert blocked.status_code == 400 and blocked.json()["error"]["code"] == "content_filter"
