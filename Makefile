@@ -21,14 +21,15 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/pagoda chat $(ARGS)
 
+# -rs lists every skipped test with its reason under the summary.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -rs $(ARGS)
 
 # Triton kernels under the CPU interpreter, plus a compile of every kernel variant for sm_80/sm_90.
 # Separate from `test` because triton is a ~300 MB download (~1 GB installed).
 test-triton: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gpu]'
-	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/test_triton_attention.py tests/test_cuda_graphs.py
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_attention.py tests/worker/test_cuda_graphs.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

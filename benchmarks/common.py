@@ -127,7 +127,7 @@ def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> I
 
 def bench(argv: list[str]) -> int:
     """Run `pagoda bench ...` in this process (so the load generator is not the server's process)."""
-    from pagoda.bench import cli as bench_cli
+    from pagoda.cli import bench as bench_cli
 
     parser = argparse.ArgumentParser(prog="pagoda")
     bench_cli.add_parser(parser.add_subparsers())

@@ -205,16 +205,17 @@ def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[s
     engine.add_request("single-stream", prompt, params)
     start = time.perf_counter()
     first_time = first_count = None
+    count = 0
     while True:
-        outputs = engine.step()
+        deltas = engine.step()
         now = time.perf_counter()
-        output = next((o for o in outputs if o.request_id == "single-stream"), None)
-        if output is None:
+        delta = next((d for d in deltas if d.request_id == "single-stream"), None)
+        if delta is None:
             continue
-        count = len(output.outputs[0].token_ids)
+        count += sum(len(sample.token_ids) for sample in delta.outputs)
         if first_time is None and count:
             first_time, first_count = now, count
-        if output.finished:
+        if delta.finished:
             break
     decode_tokens = count - first_count
     return {"time_to_first_token_s": first_time - start, "decode_tokens": decode_tokens,

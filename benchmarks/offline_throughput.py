@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from pagoda.engine.threads import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 import torch  # noqa: E402
 

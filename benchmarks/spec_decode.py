@@ -24,10 +24,14 @@ import sysconfig
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from pagoda.engine.threads import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
+from pagoda.engine.threads import set_engine_threads  # noqa: E402
+from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "pagoda-coder-draft"
@@ -73,13 +77,15 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
     pending = list(enumerate(prompts))
     in_flight: set[str] = set()
     finished = []
+    outputs = OutputAccumulator()  # step() returns deltas: the outputs built from them
     start = time.perf_counter()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             index, prompt = pending.pop(0)
             engine.add_request(str(index), prompt, params)
             in_flight.add(str(index))
-        for output in engine.step():
+        for delta in engine.step():
+            output = outputs.add(delta)
             if output.finished:
                 in_flight.discard(output.request_id)
                 finished.append(output)
@@ -108,7 +114,9 @@ def measure(mode: str, workload: list[str], concurrency: int, max_tokens: int, t
         extra = dict(speculative="ngram", num_speculative_tokens=num_speculative_tokens)
     elif mode == "draft":
         extra = dict(speculative="draft", draft_model=str(DRAFT_DIR), num_speculative_tokens=num_speculative_tokens)
-    engine = LLMEngine(EngineConfig(num_threads=threads, speculative_max_batch=max_batch, **extra))
+    config = EngineConfig(num_threads=threads, speculative_max_batch=max_batch, **extra)
+    set_engine_threads(config, serving=False)
+    engine = LLMEngine(config)
     result = run_closed_loop(engine, workload, concurrency, max_tokens)
     spec = engine.get_stats().spec_decode
     result.update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,

@@ -1,13 +1,9 @@
 """pagoda: an LLM inference server."""
 
-import os
-import sys
+from pagoda.engine.threads import prefer_passive_omp_wait
 
-# The OpenMP thread trap (see ../shared/MEASURED.md): with spin-waiting OpenMP threads a decode
-# step slows 25-100x as soon as another thread wants a core. Passive waiting must be set before
-# torch is first imported to take effect.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before anything imports torch: see pagoda/engine/threads.py (the OpenMP thread trap).
+prefer_passive_omp_wait()
 
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 

@@ -8,10 +8,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "bundled_models" / "pagoda-coder"
+BUNDLED_MODELS_DIR = Path(__file__).parent / "bundled_models"
+DEFAULT_MODEL_DIR = BUNDLED_MODELS_DIR / "pagoda-coder"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A bundled model's name ("pagoda-coder") -> its directory; anything else is a path, unchanged.
+
+    A local file or directory of the same name wins over a bundled model."""
+    bundled = BUNDLED_MODELS_DIR / name_or_path
+    if "/" not in name_or_path and not Path(name_or_path).exists() and (bundled / "config.json").is_file():
+        return str(bundled)
+    return name_or_path
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
 
 
 def parse_bytes(text: str | int) -> int:
@@ -50,7 +62,8 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
         "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
     num_threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads on CPU (default: all cores)"})
+        "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
+                "but one when serving, that one left for the HTTP event loop)"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
     attention_backend: str = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
@@ -64,8 +77,26 @@ class EngineConfig:
     speculative_max_batch: int = field(default=8, metadata={
         "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
                 "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+    # ---- KV cache tiers (pagoda/core/kv_tiers.py) ----
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
+                "(pinned on CUDA; a second pool on CPU) (default: off)"})
+    preemption_mode: PreemptionMode = field(default="recompute", metadata={
+        "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
+                "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
+    kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
+    kv_offload_disk_persist: bool = field(default=False, metadata={
+        "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
+                "model and config"})
 
     def __post_init__(self) -> None:
+        self.model = resolve_model_path(self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model_path(self.tokenizer)
+        if self.draft_model is not None:
+            self.draft_model = resolve_model_path(self.draft_model)
         self.validate()
 
     def validate(self) -> None:
@@ -96,10 +127,29 @@ class EngineConfig:
             fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            fail("preemption_mode", f"must be recompute, swap or auto, got {self.preemption_mode!r}")
+        for name in ("kv_offload_memory", "kv_offload_disk_size"):
+            value = getattr(self, name)
+            try:
+                size = parse_bytes(value) if value is not None else 1
+            except ValueError:
+                size = 0
+            if size <= 0:
+                fail(name, f"must be a positive size like 8GiB, got {value!r}")
+        if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
+            fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
+        if self.kv_offload_disk is not None:
+            if self.kv_offload_memory is None:
+                fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_memory) if self.kv_offload_memory is not None else 0
 
     # ---- CLI -------------------------------------------------------------------------------
 
@@ -125,8 +175,12 @@ class EngineConfig:
                 choices = ["auto", "float32", "bfloat16", "float16"]
             elif f.name == "scheduling_policy":
                 choices = ["fcfs", "priority"]
-            group.add_argument(flag, type=kind, default=f.default, choices=choices,
-                               help=f"{help_text} (default: {f.default})")
+            elif f.name == "preemption_mode":
+                choices = ["recompute", "swap", "auto"]
+            # A help text that already states its default ("(default: the model's)") keeps it.
+            if "(default" not in help_text:
+                help_text = f"{help_text} (default: {f.default})"
+            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":

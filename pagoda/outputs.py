@@ -1,7 +1,15 @@
-"""What the engine hands back: RequestOutput with one CompletionOutput per sample (n > 1)."""
+"""What the engine hands back.
+
+`RequestOutputDelta` is the one thing that travels: the output processor emits one per request
+that changed in a step (the text, tokens and logprobs it gained), both AsyncLLM transports carry
+it, a request stream merges the deltas its consumer has not read yet, and the server formats
+chunks straight from it. `RequestOutput` (one `CompletionOutput` per sample) is the whole
+result, built from deltas by a consumer that wants it (`LLM.generate`, non-streamed answers).
+"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -77,3 +85,137 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+
+    @classmethod
+    def from_delta(cls, delta: "RequestOutputDelta") -> "RequestOutput":
+        """A request's output so far, starting from its first delta."""
+        output = cls(request_id=delta.request_id, prompt=delta.prompt,
+                     prompt_token_ids=list(delta.prompt_token_ids or []),
+                     outputs=[CompletionOutput(index=i) for i in range(delta.num_samples)])
+        output.add(delta)
+        return output
+
+    def add(self, delta: "RequestOutputDelta") -> None:
+        """Grow this output by a later delta of the same request (in place)."""
+        for sample in delta.outputs:
+            completion = self.outputs[sample.index]
+            if sample.text:
+                completion.text += sample.text
+            completion.token_ids.extend(sample.token_ids)
+            if sample.logprobs is not None:
+                if completion.logprobs is None:
+                    completion.logprobs = []
+                completion.logprobs.extend(sample.logprobs)
+            completion.cumulative_logprob = sample.cumulative_logprob
+            completion.finish_reason = sample.finish_reason
+            completion.stop_reason = sample.stop_reason
+        if delta.prompt_logprobs:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.metrics = delta.metrics
+
+    def snapshot(self) -> "RequestOutput":
+        """A copy whose lists later `add` calls do not change."""
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids[:],
+                                      cumulative_logprob=c.cumulative_logprob,
+                                      logprobs=c.logprobs[:] if c.logprobs is not None else None,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for c in self.outputs],
+            finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs[:] if self.prompt_logprobs is not None else None,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=copy.copy(self.metrics))
+
+
+class OutputAccumulator:
+    """Whole RequestOutputs of many requests, built from their deltas as they arrive."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, RequestOutput] = {}
+
+    def add(self, delta: "RequestOutputDelta") -> RequestOutput:
+        """The request's output so far, this delta included; forgotten once finished."""
+        output = self._outputs.get(delta.request_id)
+        if output is None:
+            output = self._outputs[delta.request_id] = RequestOutput.from_delta(delta)
+        else:
+            output.add(delta)
+        if output.finished:
+            del self._outputs[delta.request_id]
+        return output
+
+
+@dataclass
+class CompletionDelta:
+    """What one sample gained since its previous delta. Text only ever grows (the detokenizer
+    holds back what a stop string may still remove), so a delta is always appended."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None  # one entry per new token; None: not requested
+    cumulative_logprob: float | None = None  # of all the sample's tokens so far
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, later: "CompletionDelta") -> None:
+        """Append a later delta of the same sample (in place)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+
+
+@dataclass
+class RequestOutputDelta:
+    """What one request gained in one or more engine steps: only the samples that changed.
+
+    Owned by whoever holds it: the engine side keeps no reference to its lists, so a stream
+    may merge a later delta into it.
+    """
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    num_samples: int  # n: the request's samples are indexed 0 .. n-1
+    finished: bool = False  # every sample is done
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None  # a copy, as of the newest step
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # entries not sent before
+    # Carried by a request's first delta only (they do not change).
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def merge(self, later: "RequestOutputDelta") -> "RequestOutputDelta":
+        """Fold a later delta of the same request into this one (in place); returns self.
+
+        A consumer that lags behind the engine therefore reads one bigger delta instead of a
+        backlog of small ones.
+        """
+        by_index = {sample.index: sample for sample in self.outputs}
+        for sample in later.outputs:
+            mine = by_index.get(sample.index)
+            if mine is None:
+                self.outputs.append(sample)
+                by_index[sample.index] = sample
+            else:
+                mine.merge(sample)
+        if later.prompt_logprobs:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
+        if self.prompt_token_ids is None:
+            self.prompt, self.prompt_token_ids = later.prompt, later.prompt_token_ids
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        return self

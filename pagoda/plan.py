@@ -6,17 +6,16 @@ safetensors headers (the first few KiB of each file).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import struct
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagoda.config import parse_bytes
+from pagoda.model.model_config import ModelConfig, kv_cache_bytes_per_token
 
 GIB = 2**30
 
@@ -38,7 +37,6 @@ SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
-DEFAULT_CONTEXT = 8192
 
 # Typical traffic shapes when --classes is not given: (p50 prompt, p50 output, p95 prompt, p95 output).
 DEFAULT_CLASSES = {
@@ -68,7 +66,8 @@ def normalize_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers the worksheet needs, read from config.json."""
+    """The architecture numbers the worksheet shows and computes with. Parsed by the engine's own
+    ModelConfig (pagoda/model/model_config.py); this is only the worksheet's view of it."""
 
     model_type: str
     num_layers: int
@@ -83,51 +82,30 @@ class ModelShape:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    config_dtype: str | None
-    max_position_embeddings: int | None
+    config_dtype: str | None  # normalized: bf16, fp16, fp32, ...
+    max_position_embeddings: int  # 2048 where config.json has none, as transformers assumes
 
     @property
     def is_mha(self) -> bool:
         return self.num_kv_heads == self.num_attention_heads
 
-
-def _require(config: dict[str, Any], key: str, source: str) -> Any:
-    if key not in config:
-        raise ValueError(f"{source} has no {key!r}; is it a decoder-only transformer config?")
-    return config[key]
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> "ModelShape":
+        dtype = config.config_dtype
+        return cls(
+            model_type=config.model_type, num_layers=config.num_layers, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            tie_word_embeddings=config.tie_word_embeddings, qkv_bias=config.qkv_bias, o_bias=config.o_bias,
+            mlp_bias=config.mlp_bias, qk_norm=config.qk_norm,
+            config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
+            max_position_embeddings=config.max_position_embeddings,
+        )
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
     """Llama / Qwen2 / Qwen3 / Mistral family; other decoder-only configs with the same keys work too."""
-    if "text_config" in config and "num_hidden_layers" not in config:
-        config = {**config, **config["text_config"]}
-    model_type = str(config.get("model_type", "llama"))
-    hidden = int(_require(config, "hidden_size", source))
-    heads = int(_require(config, "num_attention_heads", source))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    attention_bias = bool(config.get("attention_bias", False))
-    # Qwen2 always has q/k/v biases (and no o bias); its configs do not say so.
-    qkv_bias = attention_bias or model_type in ("qwen2", "qwen2_moe")
-    o_bias = attention_bias and model_type not in ("qwen2", "qwen2_moe")
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    return ModelShape(
-        model_type=model_type,
-        num_layers=int(_require(config, "num_hidden_layers", source)),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
-        intermediate_size=int(_require(config, "intermediate_size", source)),
-        vocab_size=int(_require(config, "vocab_size", source)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=model_type.startswith("qwen3"),
-        config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
-        max_position_embeddings=config.get("max_position_embeddings"),
-    )
+    return ModelShape.from_model_config(ModelConfig.from_dict(config, source, require_supported=False))
 
 
 @dataclass(frozen=True)
@@ -317,7 +295,7 @@ class Plan:
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | None = None) -> int:
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return int(shape.num_layers * 2 * heads * shape.head_dim * DTYPE_BYTES[kv_dtype])
+    return kv_cache_bytes_per_token(shape.num_layers, heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
 
 
 def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None) -> int:
@@ -358,69 +336,21 @@ def build_plan(
     reserve_bytes: int,
     classes: list[RequestClass],
 ) -> Plan:
-    if context < 1:
-        raise ValueError(f"--context must be >= 1, got {context}")
-    if block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {block_size}")
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    _check_knobs(context, block_size, kv_dtype)
     warnings = []
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
         warnings.append(f"context {context} exceeds the model's max_position_embeddings "
                         f"{shape.max_position_embeddings}")
-    # int8/int4 name the decoder linears' format; everything else stays in bf16.
-    quantized = dtype in ("int8", "int4")
-    base_dtype = "bf16" if quantized else dtype
-    w_bytes = weight_bytes(params, base_dtype, dtype if quantized else None)
+    w_bytes = _configured_weight_bytes(params, dtype)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     base = _scenario("as configured", w_bytes, kv_token, context, block_size, memory_bytes, reserve_bytes)
     if base.kv_memory_bytes == 0:
         warnings.append("the weights and reserve do not leave any memory for the KV cache")
-    blocks_per_seq = _blocks(context, block_size)
-
     block_bytes = kv_token * block_size
-    class_rows = []
-    total_p50 = total_p95 = 0
-    any_target = False
-    for rc in classes:
-        p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
-        p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
-        if rc.p95_prompt + rc.p95_output > context:
-            warnings.append(f"class {rc.name}: p95 prompt+output exceeds the context {context}; clipped")
-        p50_blocks, p95_blocks = _blocks(p50_tokens, block_size), _blocks(p95_tokens, block_size)
-        need50 = need95 = mem50 = mem95 = None
-        if rc.concurrency is not None:
-            any_target = True
-            need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
-            mem50, mem95 = need50 * block_bytes, need95 * block_bytes
-            total_p50 += mem50
-            total_p95 += mem95
-        class_rows.append(ClassCapacity(
-            rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
-            base.num_blocks // max(p50_blocks, 1), base.num_blocks // max(p95_blocks, 1),
-            rc.concurrency, need50, need95, mem50, mem95))
-
-    scenarios = [base]
-    for quant in ("int8", "int4"):
-        if DTYPE_BYTES[quant] < DTYPE_BYTES[dtype]:
-            scenarios.append(_scenario(f"weights {quant}", weight_bytes(params, base_dtype, quant), kv_token,
-                                       context, block_size, memory_bytes, reserve_bytes))
-    for quant in ("fp8", "int8"):
-        if DTYPE_BYTES[quant] < DTYPE_BYTES[kv_dtype]:
-            scenarios.append(_scenario(f"KV cache {quant}", w_bytes, kv_bytes_per_token(shape, quant),
-                                       context, block_size, memory_bytes, reserve_bytes))
-    for divisor in (2, 4):
-        if context // divisor >= block_size:
-            scenarios.append(_scenario(f"context {context // divisor}", w_bytes, kv_token,
-                                       context // divisor, block_size, memory_bytes, reserve_bytes))
-    if shape.is_mha:
-        for group in (4, 8):
-            kv_heads = shape.num_attention_heads // group
-            if kv_heads >= 1 and shape.num_attention_heads % group == 0:
-                scenarios.append(_scenario(
-                    f"GQA {kv_heads} KV heads", w_bytes, kv_bytes_per_token(shape, kv_dtype, kv_heads),
-                    context, block_size, memory_bytes, reserve_bytes))
-
+    class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings)
+                  for rc in classes]
+    targeted = [row for row in class_rows if row.target_concurrency is not None]
+    blocks_per_seq = _blocks(context, block_size)
     return Plan(
         model=model,
         params=params.total,
@@ -440,12 +370,76 @@ def build_plan(
         num_blocks=base.num_blocks,
         full_context_seqs=base.full_context_seqs,
         classes=class_rows,
-        classes_total_memory_p50=total_p50 if any_target else None,
-        classes_total_memory_p95=total_p95 if any_target else None,
-        scenarios=scenarios,
+        classes_total_memory_p50=sum(row.memory_needed_p50 for row in targeted) if targeted else None,
+        classes_total_memory_p95=sum(row.memory_needed_p95 for row in targeted) if targeted else None,
+        scenarios=[base, *_what_if_scenarios(shape, params, base, dtype=dtype, kv_dtype=kv_dtype,
+                                             block_size=block_size, memory_bytes=memory_bytes,
+                                             reserve_bytes=reserve_bytes)],
         shape=dataclasses.asdict(shape),
         warnings=warnings,
     )
+
+
+def _check_knobs(context: int, block_size: int, kv_dtype: str) -> None:
+    if context < 1:
+        raise ValueError(f"--context must be >= 1, got {context}")
+    if block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {block_size}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+
+
+def _configured_weight_bytes(params: ParamCount, dtype: str) -> int:
+    """int8/int4 name the decoder linears' format; everything else stays in bf16."""
+    if dtype in ("int8", "int4"):
+        return weight_bytes(params, "bf16", dtype)
+    return weight_bytes(params, dtype)
+
+
+def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes: int, num_blocks: int,
+                    warnings: list[str]) -> ClassCapacity:
+    """How many requests of one class fit at p50 and p95, and what its target concurrency needs."""
+    p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
+    p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
+    if rc.p95_prompt + rc.p95_output > context:
+        warnings.append(f"class {rc.name}: p95 prompt+output exceeds the context {context}; clipped")
+    p50_blocks, p95_blocks = _blocks(p50_tokens, block_size), _blocks(p95_tokens, block_size)
+    need50 = need95 = mem50 = mem95 = None
+    if rc.concurrency is not None:
+        need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
+        mem50, mem95 = need50 * block_bytes, need95 * block_bytes
+    return ClassCapacity(rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
+                         num_blocks // max(p50_blocks, 1), num_blocks // max(p95_blocks, 1),
+                         rc.concurrency, need50, need95, mem50, mem95)
+
+
+def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *, dtype: str, kv_dtype: str,
+                       block_size: int, memory_bytes: int, reserve_bytes: int) -> list[Scenario]:
+    """Each lever alone: quantized weights, a smaller KV dtype, a shorter context, GQA."""
+    base_dtype = "bf16" if dtype in ("int8", "int4") else dtype
+    context = base.context
+
+    def scenario(name: str, *, w: int = base.weight_bytes, kv: int = base.kv_bytes_per_token,
+                 ctx: int = context) -> Scenario:
+        return _scenario(name, w, kv, ctx, block_size, memory_bytes, reserve_bytes)
+
+    scenarios = []
+    for quant in ("int8", "int4"):
+        if DTYPE_BYTES[quant] < DTYPE_BYTES[dtype]:
+            scenarios.append(scenario(f"weights {quant}", w=weight_bytes(params, base_dtype, quant)))
+    for quant in ("fp8", "int8"):
+        if DTYPE_BYTES[quant] < DTYPE_BYTES[kv_dtype]:
+            scenarios.append(scenario(f"KV cache {quant}", kv=kv_bytes_per_token(shape, quant)))
+    for divisor in (2, 4):
+        if context // divisor >= block_size:
+            scenarios.append(scenario(f"context {context // divisor}", ctx=context // divisor))
+    if shape.is_mha:
+        for group in (4, 8):
+            kv_heads = shape.num_attention_heads // group
+            if kv_heads >= 1 and shape.num_attention_heads % group == 0:
+                scenarios.append(scenario(f"GQA {kv_heads} KV heads",
+                                          kv=kv_bytes_per_token(shape, kv_dtype, kv_heads)))
+    return scenarios
 
 
 # ---- loading and rendering -----------------------------------------------------------------
@@ -543,58 +537,38 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
-# ---- CLI -------------------------------------------------------------------------------------
+# ---- from options to a plan -------------------------------------------------------------------
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="capacity worksheet: weights, KV cache, concurrency",
-        description="How many sequences fit: weight bytes, KV bytes per token/sequence, blocks, "
-                    "per-class concurrency, and what quantization or a shorter context would change. "
-                    "Pure arithmetic from config.json (and safetensors headers when present).",
-        formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory or its config.json")
-    parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
-    parser.add_argument("--dtype", default=None,
-                        help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
-                        "(default: --dtype, or bf16 if that is a quantized type)")
-    parser.add_argument("--context", type=int, default=None,
-                        help=f"tokens per sequence (default: max_position_embeddings, else {DEFAULT_CONTEXT})")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--reserve", default="10%",
-                        help="memory kept back for activations, CUDA context and fragmentation:\n"
-                             "a percentage of --memory or bytes (default: 10%%)")
-    parser.add_argument("--classes", nargs="+", default=None, metavar="SPEC", help=CLASSES_HELP)
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(func=run_plan)
+@dataclass
+class PlanOptions:
+    """What `pagoda plan` is asked: the model, the memory, and the knobs that change the answer."""
+
+    model: str  # model directory or its config.json
+    memory: str  # accelerator memory, e.g. 80GiB
+    dtype: str | None = None  # weight dtype (default: the config's, else bf16)
+    kv_dtype: str | None = None  # default: the weight dtype, or bf16 if that is quantized
+    context: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    reserve: str = "10%"  # percentage of memory or bytes
+    classes: list[str] | None = None  # request class specs; default: DEFAULT_CLASSES
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
-    shape, params = load_model(args.model)
-    dtype = normalize_dtype(args.dtype) if args.dtype else (shape.config_dtype or "bf16")
+def plan_from_options(options: PlanOptions) -> Plan:
+    shape, params = load_model(options.model)
+    dtype = normalize_dtype(options.dtype) if options.dtype else (shape.config_dtype or "bf16")
     if dtype == "fp8":
         raise ValueError("--dtype fp8 is not supported for weights; use int8 or int4")
-    if args.kv_dtype:
-        kv_dtype = normalize_dtype(args.kv_dtype)
+    if options.kv_dtype:
+        kv_dtype = normalize_dtype(options.kv_dtype)
     else:
         kv_dtype = dtype if dtype in KV_DTYPES and dtype not in ("int8",) else "bf16"
-    memory = parse_bytes(args.memory)
-    context = args.context or shape.max_position_embeddings or DEFAULT_CONTEXT
-    if args.classes:
-        classes = [parse_request_class(spec) for spec in args.classes]
+    memory = parse_bytes(options.memory)
+    context = options.context or shape.max_position_embeddings
+    if options.classes:
+        classes = [parse_request_class(spec) for spec in options.classes]
     else:
         classes = [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
-    return build_plan(shape, params, model=args.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
-                      context=context, block_size=args.block_size,
-                      reserve_bytes=parse_reserve(args.reserve, memory), classes=classes)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    try:
-        plan = plan_from_args(args)
-    except ValueError as e:
-        print(f"pagoda plan: error: {e}", file=sys.stderr)
-        return 2
-    print(plan.to_json() if args.json else render_plan(plan))
-    return 0
+    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
+                      context=context, block_size=options.block_size,
+                      reserve_bytes=parse_reserve(options.reserve, memory), classes=classes)

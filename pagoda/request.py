@@ -1,7 +1,7 @@
 """Request: the engine's unit of work.
 
 A request is a list of token ids plus `num_computed_tokens`; each step computes some of the
-tokens it is behind on. A prompt is just a request that is far behind (see DESIGN.md).
+tokens it is behind on. A prompt is just a request that is far behind (see docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,32 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
+@dataclass
+class SpecState:
+    """A request's speculative-decoding state. The spec-decode controller (and its proposers)
+    decide the drafts; the scheduler only drops what a step or a preemption made stale."""
+
+    num_wanted: int = 0  # drafts wanted this step (set before scheduling)
+    token_ids: list[int] = field(default_factory=list)  # drafts proposed this step, verified by the target
+    # How far the draft model's KV (same blocks as the target's, its own tensors) is computed.
+    num_draft_computed_tokens: int = 0
+
+    def clear_drafts(self) -> None:
+        self.num_wanted = 0
+        self.token_ids = []
+
+    def after_step(self, num_computed_tokens: int) -> None:
+        """The step verified (or never ran) this step's drafts; the draft model's KV of
+        rejected drafts is no longer valid."""
+        self.clear_drafts()
+        self.num_draft_computed_tokens = min(self.num_draft_computed_tokens, num_computed_tokens)
+
+    def reset(self) -> None:
+        """Preempted: every block is freed, the draft model's KV with it."""
+        self.clear_drafts()
+        self.num_draft_computed_tokens = 0
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. For `n > 1` each sample is its own Request (see `fork`)."""
@@ -63,11 +89,7 @@ class Request:
     # computed, so that they share the prompt's KV blocks (copy-on-write).
     pending_forks: list["Request"] = field(default_factory=list)
 
-    # Speculative decoding: tokens proposed for this step (verified by the target model), and
-    # how far the draft model's KV (same blocks, its own tensors) is computed.
-    num_spec_tokens: int = 0  # drafts wanted this step (set before scheduling)
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_draft_computed_tokens: int = 0
+    spec: SpecState = field(default_factory=SpecState)
 
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.errors import InvalidRequest
+
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -17,7 +19,7 @@ class SamplingParams:
     """How to turn logits into tokens for one request.
 
     Field names and defaults follow vLLM's ``SamplingParams`` so clients can move over unchanged.
-    Invalid values raise ``ValueError`` naming the parameter.
+    Invalid values raise ``InvalidRequest`` (a ValueError) whose ``param`` names the field.
     """
 
     n: int = 1
@@ -54,7 +56,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def fail(param: str, message: str) -> None:
-            raise ValueError(f"{param} {message}")
+            raise InvalidRequest(f"{param} {message}", param=param)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")

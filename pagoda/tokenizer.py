@@ -9,6 +9,8 @@ from typing import Any
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.errors import InvalidRequest
+
 # Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -142,14 +144,15 @@ class Tokenizer:
         """Render a conversation to prompt text with the model's chat template.
 
         A message's content may be a string or a list of OpenAI content parts; text parts are
-        joined with newlines (as vLLM does). Other part types raise ValueError.
+        joined with newlines (as vLLM does); see `normalize_messages`. Bad messages and template
+        errors raise InvalidRequest (a ValueError) with param "messages".
         """
         if not self.has_chat_template:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the tokenizer in {self.hf.name_or_path!r} has no chat template; "
-                "use the completions API or supply a model with one"
+                "use the completions API or supply a model with one", param="messages"
             )
-        conversation = _normalize_messages(messages)
+        conversation = normalize_messages(messages)
         try:
             rendered = self.hf.apply_chat_template(
                 conversation,
@@ -158,7 +161,7 @@ class Tokenizer:
                 **template_kwargs,
             )
         except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template error: {exc}") from exc
+            raise InvalidRequest(f"chat template error: {exc}", param="messages") from exc
         if not isinstance(rendered, str):
             raise ValueError(f"chat template rendered {type(rendered).__name__}, expected a string")
         return rendered
@@ -177,47 +180,62 @@ class Tokenizer:
         return self.encode(rendered, add_special_tokens=False)
 
 
-def _normalize_messages(messages: list[dict]) -> list[dict]:
+def normalize_messages(messages: Any, roles: Sequence[str] | None = None) -> list[dict]:
+    """Messages as chat templates expect them: dicts with a role and string content.
+
+    The one place messages are checked and normalized (the server's endpoints and `LLM.chat`
+    both come through here). Content may be a string or a list of OpenAI content parts; text
+    parts are joined with newlines (as vLLM does), other part types are refused. "developer"
+    (OpenAI's newer name for the system role) becomes "system"; missing content becomes "".
+    `roles`, when given, is the allowed set (before that renaming). Raises InvalidRequest with
+    param "messages".
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(
-            "messages must be a non-empty list of {'role': ..., 'content': ...} objects"
-        )
+        raise InvalidRequest(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} objects",
+            param="messages")
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+            raise InvalidRequest(f"messages[{index}] must be an object, got {type(message).__name__}",
+                                 param="messages")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{index}].role must be a non-empty string")
+            raise InvalidRequest(f"messages[{index}].role must be a non-empty string", param="messages")
+        if roles is not None and role not in roles:
+            raise InvalidRequest(f"messages[{index}].role {role!r} is not supported; use one of "
+                                 f"{', '.join(roles)}.", param="messages")
         copied = dict(message)
-        if "content" in copied:
-            copied["content"] = _content_text(copied["content"], index)
+        if role == "developer":
+            copied["role"] = "system"
+        copied["content"] = _content_text(copied.get("content"), index)
         normalized.append(copied)
     return normalized
 
 
-def _content_text(content: Any, index: int) -> str | None:
-    if content is None or isinstance(content, str):
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if not isinstance(content, (list, tuple)):
-        raise ValueError(
+        raise InvalidRequest(
             f"messages[{index}].content must be a string or a list of content parts, "
-            f"got {type(content).__name__}"
-        )
+            f"got {type(content).__name__}", param="messages")
     texts = []
     for part_index, part in enumerate(content):
         where = f"messages[{index}].content[{part_index}]"
         if not isinstance(part, Mapping):
-            raise ValueError(
-                f"{where} must be a content part object like {{'type': 'text', 'text': ...}}"
-            )
+            raise InvalidRequest(
+                f"{where} must be a content part object like {{'type': 'text', 'text': ...}}",
+                param="messages")
         if part.get("type") != "text":
-            raise ValueError(
-                f"{where} has type {part.get('type')!r}; only 'text' content parts are supported"
-            )
+            raise InvalidRequest(
+                f"{where} has type {part.get('type')!r}; only 'text' content parts are supported",
+                param="messages")
         text = part.get("text")
         if not isinstance(text, str):
-            raise ValueError(f"{where}.text must be a string")
+            raise InvalidRequest(f"{where}.text must be a string", param="messages")
         texts.append(text)
     return "\n".join(texts)
 

@@ -15,8 +15,6 @@ from model_factory import build_model  # noqa: E402
 # Two cores in CI: one intra-op thread keeps tests from fighting each other (MEASURED.md).
 torch.set_num_threads(1)
 
-SHARED_DIR = Path(__file__).resolve().parents[1].parent / "shared"
-
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -28,10 +26,3 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
-
-
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    if not SHARED_DIR.is_dir():
-        pytest.skip("../shared is not beside this checkout")
-    return SHARED_DIR

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import plan as P
+from pagoda.cli import plan as plan_cli
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -24,7 +25,7 @@ LLAMA3_8B_PARAMS = 2 * 525_336_576 + 32 * 218_112_000 + 4096
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
-    P.add_parser(parser.add_subparsers())
+    plan_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     rc = args.func(args)
     out = capsys.readouterr()
@@ -161,3 +162,17 @@ def test_user_errors_are_clear(tmp_path: Path, llama3_config: Path, capsys: pyte
     assert rc == 2 and "unknown dtype" in err
     rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "8GiB"], capsys)
     assert rc == 0 and "warning: the weights and reserve do not leave any memory" in out
+
+
+def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> None:
+    from pagoda.model.model_config import ModelConfig
+
+    gemma_like = {**LLAMA3_8B, "architectures": ["SomeNewForCausalLM"], "model_type": "somenew",
+                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelConfig.from_dict(gemma_like)  # the engine refuses it ...
+    shape = P.model_shape_from_config(gemma_like)  # ... the worksheet still reads its shape
+    assert (shape.model_type, shape.num_layers, shape.num_kv_heads) == ("somenew", 32, 8)
+    # One KV formula: the engine's pool sizing (ModelConfig) and the worksheet agree.
+    engine_config = ModelConfig.from_dict(LLAMA3_8B)
+    assert engine_config.kv_bytes_per_token(2) == P.kv_bytes_per_token(P.model_shape_from_config(LLAMA3_8B), "bf16")

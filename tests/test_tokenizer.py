@@ -12,8 +12,7 @@ import pytest
 
 from pagoda.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, Tokenizer
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "tokenizers"
-NAMES = ["llama2-spm", "llama3-bpe", "qwen2-bpe"]
+from tokenizer_fixtures import NAMES, tokenizer_dir
 
 TEXTS = {
     "ascii": "def main():\n    return 42  # the answer, of course\n",
@@ -36,13 +35,6 @@ CONVERSATIONS = [
 ]
 
 
-def fixture_dir(name: str) -> Path:
-    path = FIXTURES / name
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"tokenizer fixture {path} is absent")
-    return path
-
-
 @pytest.fixture(scope="module")
 def load() -> Callable[[str], Tokenizer]:
     """Loads each fixture tokenizer once for the whole module (loading takes ~1 s each)."""
@@ -50,7 +42,7 @@ def load() -> Callable[[str], Tokenizer]:
 
     def load_one(name: str) -> Tokenizer:
         if name not in loaded:
-            loaded[name] = Tokenizer.from_pretrained(fixture_dir(name))
+            loaded[name] = Tokenizer.from_pretrained(tokenizer_dir(name))
         return loaded[name]
 
     return load_one
@@ -297,7 +289,7 @@ def test_template_exception_becomes_value_error(llama2: Tokenizer) -> None:
 
 
 def test_missing_chat_template_raises(tmp_path: Path) -> None:
-    source = fixture_dir("llama2-spm")
+    source = tokenizer_dir("llama2-spm")
     shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((source / "tokenizer_config.json").read_text())
     config.pop("chat_template")

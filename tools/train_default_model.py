@@ -75,7 +75,7 @@ CHAT_TEMPLATE = (
 
 SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_python_files(path):"]
 CHAT_SAMPLE = [{"role": "user", "content": "Return the n-th Fibonacci number."}]
-TEST_SAMPLE_FILES = 8  # held-out files whose first seq_len tokens tests/test_bundled_model.py scores
+TEST_SAMPLE_FILES = 8  # held-out files whose first seq_len tokens tests/model/test_bundled_model.py scores
 TEST_SAMPLE_TOKENS = 512
 # What --reevaluate keeps from the previous training_metrics.json: facts about training, not quality.
 TRAINING_KEYS = (
@@ -425,7 +425,7 @@ def greedy_samples(model_dir: Path, model: torch.nn.Module, device: torch.device
 @torch.no_grad()
 def test_sample_metrics(model_dir: Path, model: torch.nn.Module, stdlib_root: Path,
                         heldout: list[SourceFile]) -> dict:
-    """Exactly what tests/test_bundled_model.py recomputes: float32 loss on the first
+    """Exactly what tests/model/test_bundled_model.py recomputes: float32 loss on the first
     TEST_SAMPLE_TOKENS tokens (tokenizer defaults, so BOS first) of the first held-out files."""
     from transformers import AutoTokenizer
 
@@ -859,7 +859,7 @@ def model_card(report: dict, name: str) -> str:
     test_sample = report["test_sample"]
     if is_target:
         lines += [
-            f"`tests/test_bundled_model.py` recomputes the float32 perplexity on the first {test_sample['max_tokens_per_file']} "
+            f"`tests/model/test_bundled_model.py` recomputes the float32 perplexity on the first {test_sample['max_tokens_per_file']} "
             f"tokens of the first {len(test_sample['files'])} held-out files ({test_sample['num_predicted_tokens']} "
             f"predicted tokens): {test_sample['perplexity']:.2f} when trained, and the test requires it to stay within "
             "15% of that.",

@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
 
+from pagoda.bench.options import CompareBenchOptions, prepare_requests, run_metadata
 from pagoda.bench.records import BenchRequest, RunResult
 from pagoda.bench.report import Summary, render_summary, render_table, summarize
 from pagoda.bench.targets import TargetSpec, parse_target
 
 
-def run_target(spec: TargetSpec, args: argparse.Namespace, requests: list[BenchRequest],
+def run_target(spec: TargetSpec, options: CompareBenchOptions, requests: list[BenchRequest],
                warmup: list[BenchRequest], encode: Any) -> RunResult:
-    options = dict(spec.options)
+    target_options = dict(spec.options)
+    max_model_len = options.workload.max_model_len
     if spec.kind in ("pagoda", "pagoda-static"):
         from pagoda.bench.offline import build_llm, release, run_pagoda
 
-        static_batch = options.pop("batch", None)
+        static_batch = target_options.pop("batch", None)
         if static_batch is not None:
-            options.setdefault("max_num_seqs", static_batch)
-        options.setdefault("num_threads", args.num_threads)
-        if args.max_model_len is not None:
-            options.setdefault("max_model_len", args.max_model_len)
-        llm = build_llm(args.model, options)
+            target_options.setdefault("max_num_seqs", static_batch)
+        target_options.setdefault("num_threads", options.num_threads)
+        if max_model_len is not None:
+            target_options.setdefault("max_model_len", max_model_len)
+        llm = build_llm(options.model, target_options)
         try:
             return run_pagoda(llm, requests, encode, static_batch=static_batch, warmup_requests=warmup)
         finally:
@@ -33,19 +34,21 @@ def run_target(spec: TargetSpec, args: argparse.Namespace, requests: list[BenchR
         from pagoda.bench.hf_baseline import HFGenerateTarget
         from pagoda.bench.offline import release
 
-        target = HFGenerateTarget(args.model, batch_size=int(options.get("batch_size", 8)),
-                                  dtype=str(options.get("dtype", "float32")), num_threads=args.num_threads)
+        target = HFGenerateTarget(options.model, batch_size=int(target_options.get("batch_size", 8)),
+                                  dtype=str(target_options.get("dtype", "float32")),
+                                  num_threads=options.num_threads)
         try:
             return target.run(requests, encode, warmup_requests=warmup)
         finally:
             release(target)
     from pagoda.bench.loadgen import LoadConfig, run_load
 
-    config = LoadConfig(base_url=options["url"], model=str(options.get("model", Path(args.model).name)),
-                        endpoint=str(options.get("endpoint", "completions")), request_rate=args.request_rate,
-                        concurrency=args.concurrency, num_requests=len(requests), ignore_eos=True,
-                        seed=args.seed)
-    return run_load(config, requests, progress=not args.no_progress, warmup_requests=warmup)
+    config = LoadConfig(base_url=target_options["url"],
+                        model=str(target_options.get("model", Path(options.model).name)),
+                        endpoint=str(target_options.get("endpoint", "completions")),
+                        request_rate=options.request_rate, concurrency=options.concurrency,
+                        num_requests=len(requests), ignore_eos=True, seed=options.workload.seed)
+    return run_load(config, requests, progress=not options.report.no_progress, warmup_requests=warmup)
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -76,30 +79,26 @@ def plot_comparison(summaries: list[Summary], path: Path) -> None:
 
     seconds = lambda stats, attr: getattr(stats, attr) if stats else 0.0
     plot_bars({
-        "output tokens / s": {s.target: s.overall.output_throughput for s in summaries},
-        "E2E p50 (s)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
-        "E2E p99 (s)": {s.target: seconds(s.overall.e2e, "p99") for s in summaries},
-        "TTFT p99 (s)": {s.target: seconds(s.overall.ttft, "p99") for s in summaries},
+        "output tokens / s\n(higher is better)": {s.target: s.overall.output_throughput for s in summaries},
+        "E2E p50 (s)\n(lower is better)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
+        "E2E p99 (s)\n(lower is better)": {s.target: seconds(s.overall.e2e, "p99") for s in summaries},
+        "TTFT p99 (s)\n(lower is better)": {s.target: seconds(s.overall.ttft, "p99") for s in summaries},
     }, path, "same requests, back to back")
 
 
-def compare_benchmark(args: argparse.Namespace) -> int:
-    from pagoda.bench.cli import output_dir, run_metadata, workload_spec
+def compare_benchmark(options: CompareBenchOptions) -> int:
     from pagoda.bench.report import parse_slo, write_json
-    from pagoda.bench.serve_run import DEFAULT_NUM_REQUESTS, WARMUP_SEED_OFFSET
-    from pagoda.bench.workloads import Workload, make_workload
 
-    slo = parse_slo(args.slo)
-    specs = [parse_target(t) for t in args.target]
-    if math.isfinite(args.request_rate) and args.request_rate <= 0:
+    slo = parse_slo(options.report.slo)
+    specs = [parse_target(t) for t in options.targets]
+    if math.isfinite(options.request_rate) and options.request_rate <= 0:
         raise ValueError("--request-rate must be > 0")
-    workload = make_workload(workload_spec(args), args.tokenizer or args.model)
-    requests = workload.build(args.num_requests or DEFAULT_NUM_REQUESTS)
-    warmup = Workload(workload_spec(args, WARMUP_SEED_OFFSET), workload.builder).build(args.warmup)
+    prepared = prepare_requests(options.workload, options.workload.tokenizer or options.model, options.warmup)
+    requests, warmup = prepared.requests, prepared.warmup
     summaries, results = [], []
     for spec in specs:
         print(f"--- {spec.label}", flush=True)
-        result = run_target(spec, args, requests, warmup, workload.builder.encode)
+        result = run_target(spec, options, requests, warmup, prepared.workload.builder.encode)
         summary = summarize(spec.label, result.records, result.duration, slo)
         print(render_summary(summary), "\n", flush=True)
         summaries.append(summary)
@@ -107,11 +106,11 @@ def compare_benchmark(args: argparse.Namespace) -> int:
     headers, rows = comparison_rows(summaries)
     print("latencies in ms; every target ran the same %d requests" % len(requests))
     print(render_table(headers, rows))
-    out = output_dir(args)
+    out = options.report.output_dir()
     if out is not None:
         from pagoda.bench.plots import plot_bars, plot_target_cdfs
 
-        payload: dict[str, Any] = {**run_metadata(args), "targets": [s.__dict__ for s in specs],
+        payload: dict[str, Any] = {**run_metadata(options), "targets": [s.__dict__ for s in specs],
                                    "comparison": {"headers": headers, "rows": rows},
                                    "runs": [{"summary": s, "requests": r.records, "duration": r.duration,
                                              "started_at": r.started_at} for s, r in zip(summaries, results)]}

@@ -8,13 +8,13 @@ Agent turns are sent together with everything else (no turn waits for the previo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagoda.bench.options import OfflineBenchOptions, prepare_requests, run_metadata
 from pagoda.bench.records import BenchRequest, RequestRecord, RunResult
 
 Encode = Callable[[str], list[int]]
@@ -79,33 +79,29 @@ def release(obj: Any) -> None:
     gc.collect()
 
 
-def offline_benchmark(args: argparse.Namespace) -> int:
-    from pagoda.bench.cli import output_dir, run_metadata, workload_spec
+def offline_benchmark(options: OfflineBenchOptions) -> int:
     from pagoda.bench.report import parse_slo, render_summary, summarize, write_json
-    from pagoda.bench.serve_run import DEFAULT_NUM_REQUESTS, WARMUP_SEED_OFFSET
-    from pagoda.bench.workloads import Workload, make_workload
-    from pagoda.config import EngineConfig
 
-    slo = parse_slo(args.slo)
-    if args.static_batch is not None and args.static_batch < 1:
-        raise ValueError(f"--static-batch must be >= 1, got {args.static_batch}")
-    config = EngineConfig.from_cli_args(args)
-    tokenizer = config.tokenizer or config.model
-    workload = make_workload(workload_spec(args), tokenizer)
-    requests = workload.build(args.num_requests or DEFAULT_NUM_REQUESTS)
-    warmup = Workload(workload_spec(args, WARMUP_SEED_OFFSET), workload.builder).build(args.warmup)
+    report = options.report
+    slo = parse_slo(report.slo)
+    if options.static_batch is not None and options.static_batch < 1:
+        raise ValueError(f"--static-batch must be >= 1, got {options.static_batch}")
+    config = options.engine
+    prepared = prepare_requests(options.workload, config.tokenizer or config.model, options.warmup)
     engine_kwargs = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     llm = build_llm(config.model, engine_kwargs)
-    result = run_pagoda(llm, requests, workload.builder.encode, static_batch=args.static_batch,
-                        warmup_requests=warmup, progress=not args.no_progress)
-    label = args.label or ("pagoda static batch %d" % args.static_batch if args.static_batch else "pagoda")
+    result = run_pagoda(llm, prepared.requests, prepared.workload.builder.encode,
+                        static_batch=options.static_batch, warmup_requests=prepared.warmup,
+                        progress=not report.no_progress)
+    label = report.label or ("pagoda static batch %d" % options.static_batch if options.static_batch
+                             else "pagoda")
     summary = summarize(label, result.records, result.duration, slo)
     print(render_summary(summary))
-    out = output_dir(args)
+    out = report.output_dir()
     if out is not None:
         from pagoda.bench.plots import plot_latency_cdfs
 
-        write_json(out / "results.json", {**run_metadata(args), "engine_config": config, "summary": summary,
+        write_json(out / "results.json", {**run_metadata(options), "engine_config": config, "summary": summary,
                                           "requests": result.records, "started_at": result.started_at,
                                           "duration": result.duration})
         plot_latency_cdfs(result.records, out / "latency_cdf.png", f"{label}: latency CDFs")

@@ -19,6 +19,21 @@ def _pyplot() -> Any:
     return plt
 
 
+def _log_axis(ax: Any, which: str = "x", ticks: list[float] | None = None) -> None:
+    """A log axis labelled in plain numbers (1, 4, 8 — not 2⁰, 2², 2³), major ticks only so the
+    labels never overlap; `ticks` pins the labels to the measured points (e.g. concurrencies)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    if ticks:
+        axis.set_major_locator(FixedLocator(sorted(set(ticks))))
+    else:
+        axis.set_major_locator(LogLocator(base=10, numticks=6))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:.3g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _by_class(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
     groups: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -54,7 +69,7 @@ def plot_latency_cdfs(records: list[RequestRecord], path: Path, title: str = "")
             continue
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("fraction of requests" if label != "inter-token latency" else "fraction of gaps")
-        ax.set_xscale("log")
+        _log_axis(ax)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "latency CDFs")
@@ -86,7 +101,7 @@ def plot_over_time(records: list[RequestRecord], path: Path, title: str = "") ->
     axes[1].set_ylabel("inter-token latency (ms)")
     axes[1].set_xlabel("time since start (s): TTFT at the send time, ITL at the token's arrival")
     for ax in axes:
-        ax.set_yscale("log")
+        _log_axis(ax, "y")
         ax.grid(True, which="both", alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8, markerscale=2)
@@ -108,12 +123,12 @@ def plot_sweep(points: list[dict[str, float]], path: Path, title: str = "") -> N
         if any(y is not None for y in ys):
             axes[1].plot(xs, [None if y is None else y * 1000 for y in ys], marker="o", label=label)
     axes[1].set_ylabel("latency (ms)")
-    axes[1].set_yscale("log")
+    _log_axis(axes[1], "y")
     axes[1].legend(fontsize=8)
     for ax in axes:
         ax.set_xlabel("concurrency")
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
+        _log_axis(ax, "x", ticks=xs)
+        ax.grid(True, which="major", alpha=0.3)
     fig.suptitle(title or "throughput and p99 latency vs concurrency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -141,7 +156,7 @@ def plot_target_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: st
     for ax, metric in zip(axes[0], metrics):
         ax.set_xlabel(f"{METRIC_LABELS[metric]} (ms)")
         ax.set_ylabel("fraction of gaps" if metric == "itl" else "fraction of requests")
-        ax.set_xscale("log")
+        _log_axis(ax)
         ax.grid(True, which="both", alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
@@ -152,7 +167,8 @@ def plot_target_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: st
 
 
 def plot_bars(groups: dict[str, dict[str, float]], path: Path, title: str = "") -> None:
-    """One panel per metric, one bar per target: groups = {metric label: {target: value}}."""
+    """One panel per metric, one bar per target: groups = {metric label: {target: value}}.
+    Labels should say which way is better, e.g. "output tokens / s (higher is better)"."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4.2), squeeze=False)
     for ax, (metric, values) in zip(axes[0], groups.items()):

@@ -3,6 +3,11 @@
 Prompts are built from the tokenizer's own single-token words (" the", " return", ...) so a run of
 N of them is usually exactly N tokens; every piece is then checked with the tokenizer and the tail
 adjusted until the whole text has the requested count.
+
+A word is found from the vocabulary's pieces, not from decoding one token alone: SentencePiece
+(Llama 2) writes a leading space as "▁" and drops it when a token is decoded on its own, while
+byte-level BPE (Llama 3, Qwen2, GPT-2) writes it as "Ġ". Each candidate is then checked in
+context ("the" + word must add exactly that one token), which is how words are used in a prompt.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _WORD = re.compile(r"^ [A-Za-z]{1,12}$")
+_SPACE_MARKERS = ("\u2581", "\u0120")  # SentencePiece "▁", byte-level BPE "Ġ"
+_ANCHOR = "the"
 MAX_ADJUST_ROUNDS = 8
 
 
@@ -26,13 +33,17 @@ class PromptBuilder:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> "PromptBuilder":
+        anchor = tokenizer.encode(_ANCHOR, add_special_tokens=False)
         words = []
-        for token_id in range(len(tokenizer)):
-            text = tokenizer.decode([token_id])
-            if _WORD.match(text) and tokenizer.encode(text, add_special_tokens=False) == [token_id]:
+        for token_id, text in _space_led_pieces(tokenizer):
+            if not _WORD.match(text):
+                continue
+            in_context = tokenizer.encode(_ANCHOR + text, add_special_tokens=False)
+            if in_context == anchor + [token_id]:
                 words.append(text)
         if len(words) < 8:
-            raise ValueError("the tokenizer has too few single-token words to build prompts from")
+            raise ValueError(f"the tokenizer has too few single-token words to build prompts from "
+                             f"({len(words)} found; need 8)")
         num_special = len(tokenizer.encode("hello", add_special_tokens=True)) - len(
             tokenizer.encode("hello", add_special_tokens=False))
         return cls(tokenizer, words, num_special)
@@ -69,3 +80,10 @@ class PromptBuilder:
             else:
                 del suffix_words[max(0, len(suffix_words) + diff):]
         raise ValueError(f"could not reach exactly {target} tokens with this tokenizer")
+
+
+def _space_led_pieces(tokenizer: Any) -> list[tuple[int, str]]:
+    """(token id, text with a real leading space) for every vocabulary piece led by a space marker."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [(token_id, " " + piece[1:]) for token_id, piece in enumerate(pieces)
+            if isinstance(piece, str) and piece[:1] in _SPACE_MARKERS]

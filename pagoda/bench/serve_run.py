@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.cli import output_dir, parse_json_arg, run_metadata, workload_spec
 from pagoda.bench.loadgen import LoadConfig, run_load
+from pagoda.bench.options import WARMUP_SEED_OFFSET, ServeBenchOptions, run_metadata
 from pagoda.bench.records import RunResult
 from pagoda.bench.report import Summary, parse_slo, render_summary, render_table, summarize, write_json
 from pagoda.bench.server_metrics import metrics_delta
 from pagoda.bench.workloads import Workload, make_workload
-
-DEFAULT_NUM_REQUESTS = 100
-WARMUP_SEED_OFFSET = 7919
-
 
 def parse_sweep(text: str) -> list[int]:
     try:
@@ -29,34 +24,19 @@ def parse_sweep(text: str) -> list[int]:
     return points
 
 
-def load_config(args: argparse.Namespace, **changes: Any) -> LoadConfig:
-    num_requests = args.num_requests
-    if num_requests is None and args.duration is None:
-        num_requests = DEFAULT_NUM_REQUESTS
-    values = dict(
-        base_url=args.base_url, model=args.model, endpoint=args.endpoint, request_rate=args.request_rate,
-        burstiness=args.burstiness, concurrency=args.concurrency, num_requests=num_requests,
-        duration=args.duration, ignore_eos=args.ignore_eos, temperature=args.temperature, timeout=args.timeout,
-        api_key=args.api_key, extra_body=parse_json_arg(args.extra_body, "--extra-body"), seed=args.seed,
-        warmup=args.warmup,
-    )
-    values.update(changes)
-    return LoadConfig(**values)
-
-
 def _requests(workload: Workload, config: LoadConfig) -> Any:
     # With a request count, build every prompt before the clock starts; with only a duration, lazily.
     return workload.build(config.num_requests) if config.num_requests is not None else iter(workload)
 
 
-def one_run(args: argparse.Namespace, config: LoadConfig, workload: Workload, warmup: Workload | None,
+def one_run(options: ServeBenchOptions, config: LoadConfig, workload: Workload, warmup: Workload | None,
             label: str) -> tuple[RunResult, Summary]:
     warmup_requests = warmup.build(config.warmup) if warmup and config.warmup else None
-    result = run_load(config, _requests(workload, config), progress=not args.no_progress,
+    result = run_load(config, _requests(workload, config), progress=not options.report.no_progress,
                       warmup_requests=warmup_requests)
     server = (metrics_delta(result.metrics_before, result.metrics_after)
               if result.metrics_before is not None and result.metrics_after is not None else None)
-    summary = summarize(label, result.records, result.duration, parse_slo(args.slo), server,
+    summary = summarize(label, result.records, result.duration, parse_slo(options.report.slo), server,
                         concurrency=config.concurrency,
                         request_rate=config.request_rate if math.isfinite(config.request_rate) else None)
     return result, summary
@@ -88,22 +68,23 @@ def write_outputs(out: Path, payload: dict[str, Any], result: RunResult, summary
     plot_over_time(result.records, out / "over_time.png", f"{summary.target}: TTFT and ITL over time")
 
 
-def serve_benchmark(args: argparse.Namespace) -> int:
-    parse_slo(args.slo)  # a bad flag fails before any work
-    label = args.label or args.base_url
-    out = output_dir(args)
-    base = load_config(args)
-    meta = run_metadata(args)
+def serve_benchmark(options: ServeBenchOptions) -> int:
+    parse_slo(options.report.slo)  # a bad flag fails before any work
+    label = options.report.label or options.load.base_url
+    out = options.report.output_dir()
+    base = options.load
+    meta = run_metadata(options)
+    workload_options = options.workload
     shown_config = dataclasses.replace(base, api_key="<redacted>" if base.api_key else None)
 
-    if args.sweep_concurrency:
+    if options.sweep_concurrency:
         points, runs = [], []
-        for i, concurrency in enumerate(parse_sweep(args.sweep_concurrency)):
-            config = load_config(args, concurrency=concurrency, request_rate=math.inf)
+        for i, concurrency in enumerate(parse_sweep(options.sweep_concurrency)):
+            config = dataclasses.replace(base, concurrency=concurrency, request_rate=math.inf)
             # A fresh seed per point: a repeated prompt would be served from the prefix cache.
-            workload = make_workload(workload_spec(args, seed_offset=i), args.tokenizer)
-            warmup = Workload(workload_spec(args, WARMUP_SEED_OFFSET), workload.builder) if i == 0 else None
-            result, summary = one_run(args, config, workload, warmup, f"{label} c={concurrency}")
+            workload = make_workload(workload_options.spec(seed_offset=i), workload_options.tokenizer)
+            warmup = Workload(workload_options.spec(WARMUP_SEED_OFFSET), workload.builder) if i == 0 else None
+            result, summary = one_run(options, config, workload, warmup, f"{label} c={concurrency}")
             print(render_summary(summary), "\n", flush=True)
             points.append(sweep_point(summary))
             runs.append((result, summary))
@@ -120,9 +101,9 @@ def serve_benchmark(args: argparse.Namespace) -> int:
             print(f"wrote {out}/results.json, latency_cdf.png, over_time.png, sweep.png")
         return 0
 
-    workload = make_workload(workload_spec(args), args.tokenizer)
-    warmup = Workload(workload_spec(args, WARMUP_SEED_OFFSET), workload.builder)
-    result, summary = one_run(args, base, workload, warmup, label)
+    workload = make_workload(workload_options.spec(), workload_options.tokenizer)
+    warmup = Workload(workload_options.spec(WARMUP_SEED_OFFSET), workload.builder)
+    result, summary = one_run(options, base, workload, warmup, label)
     print(render_summary(summary))
     if out is not None:
         payload = {**meta, "config": shown_config, "summary": summary, "requests": result.records,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
@@ -85,7 +85,8 @@ class FreeBlockQueue:
 class BlockPool:
     """All physical blocks of the KV cache and the map from block hash to cached block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -93,6 +94,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
+        self.on_evict = on_evict  # sees a cached block just before its contents are dropped
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,5 +153,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block)
             block.block_hash = None
             block.token_ids = None

@@ -2,7 +2,8 @@
 
 There are no prefill or decode steps: each step hands each request some of the tokens it is
 behind on. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
-lowest-ranked running request is preempted (its blocks freed, recomputed later).
+lowest-ranked running request is preempted: its blocks freed and recomputed later, or, with a
+host tier and --preemption-mode swap/auto, copied out and back (kv_cache.swap_out/swap_in).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
+    kv_transfers: list = field(default_factory=list)  # KV tier copies (TransferOp), before block_copies
 
     @property
     def num_batched_tokens(self) -> int:
@@ -108,6 +110,7 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
 
@@ -175,6 +178,7 @@ class Scheduler:
 
         output.scheduled = list(scheduled_now.values())
         output.block_copies = self.kv_cache.take_pending_copies()
+        output.kv_transfers = self.kv_cache.take_transfers()
         now = time.time()
         for entry in output.scheduled:
             if entry.request.metrics.first_scheduled_time is None:
@@ -185,14 +189,17 @@ class Scheduler:
                        output: SchedulerOutput) -> int:
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
-            cached = [] if request.sampling_params.prompt_logprobs is not None \
+            swapped = self.kv_cache.is_swapped(request)  # its computed KV waits in the host tier
+            cached = [] if swapped or request.sampling_params.prompt_logprobs is not None \
                 else self.kv_cache.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             num_new = request.prefill_limit - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            admitted = len(self.running) < self.max_num_seqs and self.kv_cache.allocate_slots(request, num_new, cached)
+            admitted = len(self.running) < self.max_num_seqs and (
+                self.kv_cache.swap_in(request, num_new) if swapped
+                else self.kv_cache.allocate_slots(request, num_new, cached))
             if not admitted:
                 victim = self._lower_priority_victim(request)
                 if victim is None:
@@ -204,12 +211,13 @@ class Scheduler:
                 output.preempted.append(victim)
                 continue
             self.waiting.pop()
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            request.num_draft_computed_tokens = num_cached
+            if not swapped:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_cached
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached
+                request.num_computed_tokens = num_cached
+                request.spec.num_draft_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
@@ -222,11 +230,11 @@ class Scheduler:
     def _num_spec_tokens(self, request: Request, budget: int) -> int:
         """Drafted tokens to verify after a decoding request's real token, within the budget,
         the context length and the tokens it may still emit."""
-        if not request.num_spec_tokens or request.num_computed_tokens != request.num_tokens - 1:
+        if not request.spec.num_wanted or request.num_computed_tokens != request.num_tokens - 1:
             return 0
         remaining_output = request.max_output_tokens - request.num_output_tokens - 1
         room = self.max_model_len - request.num_tokens
-        return max(0, min(request.num_spec_tokens, budget, remaining_output, room))
+        return max(0, min(request.spec.num_wanted, budget, remaining_output, room))
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
         """Under the priority policy, a running request ranked below `request` (it gives way)."""
@@ -244,11 +252,15 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.num_draft_computed_tokens = 0
-        request.num_spec_tokens = 0
-        request.spec_token_ids = []
+        swapped = self.kv_cache.swap_out(request)
+        if swapped:
+            # The KV (the draft model's too) comes back with the request: only the drafts go.
+            request.spec.clear_drafts()
+        else:
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            request.spec.reset()
+        self.num_preemptions_by_mode["swap" if swapped else "recompute"] += 1
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -275,9 +287,7 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_computed_tokens)
             else:
                 request.num_computed_tokens += entry.num_new_tokens
-            request.num_spec_tokens = 0
-            request.spec_token_ids = []
-            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            request.spec.after_step(request.num_computed_tokens)
             if not entry.samples:
                 self._cache_computed_blocks(request)
                 if request.pending_forks and request.num_computed_tokens >= request.prefill_limit:
@@ -303,7 +313,7 @@ class Scheduler:
     def _cache_computed_blocks(self, request: Request) -> None:
         cacheable = min(request.num_computed_tokens, request.num_tokens)
         if self.draft_shares_blocks:
-            cacheable = min(cacheable, request.num_draft_computed_tokens)
+            cacheable = min(cacheable, request.spec.num_draft_computed_tokens)
         self.kv_cache.cache_full_blocks(request, cacheable)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -6,44 +6,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.validation import EngineLimits, validate_request
+from pagoda.errors import InvalidRequest
+from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model
 from pagoda.model.model_config import ModelConfig
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
-from pagoda.spec_decode.ngram_proposer import NgramProposer
-from pagoda.worker.model_runner import ModelRunner, StepTimings, kv_bytes_per_block
+from pagoda.worker.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class SpecDecodeStats:
-    """Cumulative speculative-decoding counters (vLLM's names, pagoda: prefix)."""
-
-    num_drafts: int = 0  # request-steps that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # index i: drafts accepted at position i
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verifying step: accepted drafts plus the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -62,6 +46,7 @@ class EngineStats:
     num_generation_tokens: int
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
+    kv_tiers: KVTierStats | None = None  # None when no host tier is configured
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,9 +65,8 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        # Torch's thread count is the driver's to set (pagoda.engine.threads), on its own thread.
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
@@ -96,11 +80,17 @@ class EngineCore:
 
         model = load_model(config.model, self.model_config, self.dtype, self.device)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
-        bytes_per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
+        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token).
+        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes) * config.block_size
         if draft_model is not None:
-            bytes_per_block += kv_bytes_per_block(draft_model, config.block_size, self.dtype)
+            bytes_per_block += draft_model.config.kv_bytes_per_token(element_bytes) * config.block_size
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_tiers = KVTiers(config, bytes_per_block, str(self.dtype).removeprefix("torch.")) \
+            if config.kv_offload_memory is not None else None
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                       host_tier=self.kv_tiers.host if self.kv_tiers else None,
+                                       preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -110,15 +100,27 @@ class EngineCore:
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
                                          self.device)
-        self.ngram_proposer = NgramProposer(config.ngram_min, config.ngram_max) \
-            if config.speculative == "ngram" else None
+        self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager, drafter=drafter)
+                                  enforce_eager=config.enforce_eager,
+                                  speculator=self.speculation if config.speculative else None)
+        self.engine_limits = EngineLimits(
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            num_kv_blocks=self.num_blocks, block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill)
+        if self.kv_tiers is not None:
+            # The same caches _copy_blocks copies: the target's, then the draft model's, so a
+            # block's KV travels between tiers for both models at once.
+            caches = [t for pair in self.runner.kv_caches for t in pair]
+            caches += [t for pair in self.speculation.kv_caches for t in pair]
+            self.runner.kv_transfer = self.kv_tiers.attach(caches)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
+        # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.last_step_timings = StepTimings()
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention=%s",
                     self.model_config.architecture, self.dtype, self.device, self.num_blocks,
                     config.block_size, backend.name)
@@ -151,10 +153,10 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0) -> list[Request]:
-        """Validate and queue a request; returns its samples (n of them). Raises ValueError."""
+        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        max_output = self._validate(prompt_token_ids, params)
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
             prompt_token_ids=list(prompt_token_ids), sampling_params=params,
@@ -166,33 +168,6 @@ class EngineCore:
         self.requests[request_id] = samples
         self.scheduler.add_request(lead)
         return samples
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        vocab_size = self.model_config.vocab_size
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt contains token id {bad!r} outside the vocabulary [0, {vocab_size})")
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})")
-        max_output = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max(max_output, 1) > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_output} tokens ({num_prompt} in the prompt, {max_output} for the "
-                f"completion). Please reduce the length of the prompt or max_tokens.")
-        blocks_needed = self.kv_cache.num_blocks_for(num_prompt + max_output)
-        if blocks_needed > self.num_blocks:
-            raise ValueError(f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {max_output} output "
-                             f"tokens) but the KV pool holds only {self.num_blocks}; lower max_tokens")
-        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
-            raise ValueError(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
-        return max_output
 
     def abort_request(self, request_ids: Iterable[str]) -> list[Request]:
         """End requests now and free their blocks; unknown ids are ignored."""
@@ -220,9 +195,11 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one scheduled batch. Returns the samples that received tokens this step."""
         started = time.perf_counter()
-        self._plan_speculation()
+        self.speculation.plan(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
+                self.runner.kv_transfer.run(scheduler_output.kv_transfers)
             return []
         scheduled = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
@@ -232,7 +209,7 @@ class EngineCore:
             if entries is not None:
                 _record_prompt_logprobs(entry.request, entry.num_computed_before, entries)
         outputs_before = {id(e.request): e.request.num_output_tokens for e in scheduler_output.scheduled}
-        self._record_speculation(scheduler_output, runner_output.num_accepted)
+        self.speculation.record(scheduler_output, runner_output.num_accepted)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         for request in progressed:
             num_before = outputs_before[id(request)]
@@ -244,41 +221,16 @@ class EngineCore:
                 for entry, token_id in zip(entries, request.output_token_ids[num_before:]):
                     request.output_logprobs.append(entry)
                     request.cumulative_logprob += entry[token_id].logprob
-        timings = self.runner.timings
-        timings.schedule = scheduled - started
-        timings.update = time.perf_counter() - executed
+        self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
+                                         update=time.perf_counter() - executed)
+        if self.kv_tiers is not None:
+            self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
         return progressed
 
-    def _plan_speculation(self) -> None:
-        """Decide each decoding request's drafts for this step. Beyond speculative_max_batch
-        running requests a step is compute-bound and verifying drafts costs more than it saves,
-        so speculation pauses (see benchmarks/spec_decode.py for the measurement)."""
-        if self.config.speculative is None:
-            return
-        running = self.scheduler.running
-        enabled = len(running) <= self.config.speculative_max_batch
-        k = self.config.num_speculative_tokens
-        for request in running:
-            if not enabled or request.num_computed_tokens != request.num_tokens - 1 or request.pending_forks:
-                request.num_spec_tokens = 0
-                request.spec_token_ids = []
-            elif self.ngram_proposer is not None:
-                request.spec_token_ids = self.ngram_proposer.propose(request.all_token_ids, k)
-                request.num_spec_tokens = len(request.spec_token_ids)
-            else:
-                request.num_spec_tokens = k  # the draft model fills spec_token_ids in the runner
-
-    def _record_speculation(self, scheduler_output, num_accepted: dict[str, int]) -> None:
-        stats = self.spec_stats
-        for entry in scheduler_output.scheduled:
-            accepted = num_accepted.get(entry.request.request_id)
-            if accepted is None:
-                continue
-            stats.num_drafts += 1
-            stats.num_draft_tokens += entry.num_spec_tokens
-            stats.num_accepted_tokens += accepted
-            for position in range(accepted):
-                stats.accepted_per_position[position] += 1
+    def close(self) -> None:
+        """Finish pending KV copies and remove the disk tier's files (unless they persist)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -292,10 +244,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            last_step_timings=self.runner.timings,
-            spec_decode=SpecDecodeStats(self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens,
-                                        self.spec_stats.num_accepted_tokens,
-                                        list(self.spec_stats.accepted_per_position)),
+            last_step_timings=self.last_step_timings,
+            spec_decode=self.speculation.stats(),
+            kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
+                                         self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
         )
 
 

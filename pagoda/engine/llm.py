@@ -8,33 +8,42 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
+from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
+from pagoda.engine.threads import set_engine_threads
+from pagoda.outputs import OutputAccumulator, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # one prompt as the engine takes it
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is not None:
             engine_args["model"] = model
-        self.engine = LLMEngine(EngineConfig(**engine_args))
+        config = EngineConfig(**engine_args)
+        # The offline engine steps on the caller's thread, with no event loop beside it.
+        set_engine_threads(config, serving=False)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer, as vLLM's `LLM.get_tokenizer()` returns it."""
+        return self.engine.tokenizer.hf
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, cache_salt: str | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Generate for each prompt; outputs come back in prompt order. A prompt is text, token ids,
+        `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt)."""
+        prompts = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -53,17 +62,15 @@ class LLM:
         """Generate for one prompt, yielding text as it is released (the first sample's)."""
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, prompt, sampling_params or self.get_default_sampling_params())
-        sent = 0
         try:
             while True:
-                for output in self.engine.step():
-                    if output.request_id != request_id:
+                for delta in self.engine.step():
+                    if delta.request_id != request_id:
                         continue
-                    text = output.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
-                    if output.finished:
+                    text = "".join(sample.text for sample in delta.outputs if sample.index == 0)
+                    if text:
+                        yield text
+                    if delta.finished:
                         return
         finally:
             self.engine.abort_request([request_id])
@@ -77,6 +84,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
+        outputs = OutputAccumulator()
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -84,10 +92,13 @@ class LLM:
 
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         while pending:
-            for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    pending.discard(output.request_id)
-                    finished[output.request_id] = output
+            for delta in self.engine.step():
+                if delta.request_id not in pending:
+                    continue
+                output = outputs.add(delta)
+                if output.finished:
+                    pending.discard(delta.request_id)
+                    finished[delta.request_id] = output
                     if progress is not None:
                         progress.update(1)
         if progress is not None:

@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous engine in text terms — tokenizer + EngineCore + output processing.
 
-Not thread-safe: one thread drives it (LLM offline, or AsyncLLM's engine thread for the server).
+Not thread-safe: one thread drives it (LLM offline, or AsyncLLM's engine thread or process for
+the server). `step()` returns one RequestOutputDelta per request that changed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.outputs import RequestOutput
+from pagoda.engine.validation import EngineLimits
+from pagoda.errors import InvalidRequest
+from pagoda.outputs import RequestOutputDelta
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -30,11 +33,15 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._aborted: list[RequestOutput] = []
+        self._aborted: list[RequestOutputDelta] = []
 
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def engine_limits(self) -> EngineLimits:
+        return self.core.engine_limits
 
     @property
     def generation_defaults(self) -> dict[str, Any]:
@@ -47,10 +54,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a request. A string prompt is tokenized with special tokens; a list is token ids.
-        Raises ValueError with a message fit for the client."""
+        Raises InvalidRequest (a ValueError) with a message fit for the client."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidRequest("prompt is empty", param="prompt")
             prompt_text: str | None = prompt
             prompt_token_ids = self.tokenizer.encode(prompt)
         else:
@@ -64,29 +71,34 @@ class LLMEngine:
         """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
         for request_id in request_ids:
             if self.core.abort_request([request_id]):
-                output = self.output_processor.finish_aborted(request_id)
-                if output is not None:
-                    self._aborted.append(output)
+                delta = self.output_processor.finish_aborted(request_id)
+                if delta is not None:
+                    self._aborted.append(delta)
                 self._forget(request_id)
 
-    def step(self) -> list[RequestOutput]:
-        outputs, self._aborted = self._aborted, []
+    def step(self) -> list[RequestOutputDelta]:
+        """Run one engine step; returns what each changed request gained in it."""
+        deltas, self._aborted = self._aborted, []
         if self.core.has_unfinished_requests():
             progressed = self.core.step()
             changed, stopped = self.output_processor.process(progressed)
             if stopped:
                 self.core.finish_samples(stopped, RequestStatus.FINISHED_STOPPED)
-            for output in changed:
-                if output.finished:
-                    self._forget(output.request_id)
-            outputs.extend(changed)
-        return outputs
+            for delta in changed:
+                if delta.finished:
+                    self._forget(delta.request_id)
+            deltas.extend(changed)
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or bool(self._aborted)
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (the disk KV tier's files)."""
+        self.core.close()
 
     def _forget(self, request_id: str) -> None:
         self.core.release(request_id)

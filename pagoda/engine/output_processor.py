@@ -1,11 +1,17 @@
-"""From samples that got tokens to user-facing RequestOutputs: incremental detokenization,
-stop strings, decoded logprob tokens, and merging the n samples of one request."""
+"""From samples that got tokens to user-facing deltas: incremental detokenization, stop
+strings, decoded logprob tokens, and the n samples of one request grouped under its id.
+
+Every call to `process` returns one `RequestOutputDelta` per request that changed: the text,
+tokens and logprobs each sample gained since the previous call. Nothing cumulative is kept
+here beyond the counters of what was already emitted.
+"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
-from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestMetrics, RequestOutputDelta
 from pagoda.request import Request, RequestStatus
 from pagoda.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -14,16 +20,22 @@ from pagoda.tokenizer import IncrementalDetokenizer, Tokenizer
 class _SampleState:
     request: Request
     detokenizer: IncrementalDetokenizer
-    completion: CompletionOutput
-    num_tokens_seen: int = 0
-    num_logprobs_decoded: int = 0
+    num_tokens_emitted: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
 class _RequestState:
-    output: RequestOutput
+    request_id: str
+    prompt: str | None
     samples: list[_SampleState] = field(default_factory=list)
-    num_prompt_logprobs_decoded: int = 0
+    num_prompt_logprobs_emitted: int = 0
+    sent_first: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
 
 
 class OutputProcessor:
@@ -34,76 +46,74 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, samples: list[Request]) -> None:
         lead = samples[0]
         params = lead.sampling_params
-        states = []
+        state = _RequestState(request_id, prompt)
         for sample in samples:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, lead.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output)
-            completion = CompletionOutput(
-                index=sample.sample_index, token_ids=sample.output_token_ids,
-                logprobs=sample.output_logprobs if params.logprobs is not None else None)
-            states.append(_SampleState(sample, detokenizer, completion))
-        output = RequestOutput(
-            request_id=request_id, prompt=prompt, prompt_token_ids=lead.prompt_token_ids,
-            outputs=[s.completion for s in states], metrics=lead.metrics)
-        self._states[request_id] = _RequestState(output, states)
+            state.samples.append(_SampleState(sample, detokenizer))
+        self._states[request_id] = state
 
-    def process(self, progressed: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
-        """Returns the outputs that changed, and the samples a stop string ended (the engine
-        must stop them)."""
-        changed: dict[str, _RequestState] = {}
+    def process(self, progressed: list[Request]) -> tuple[list[RequestOutputDelta], list[Request]]:
+        """Returns one delta per request that changed, and the samples a stop string ended
+        (the engine must stop them)."""
+        changed: dict[str, list[CompletionDelta]] = {}
         stopped: list[Request] = []
         for sample in progressed:
             state = self._states.get(sample.parent_id)
             if state is None:
                 continue
-            sample_state = state.samples[sample.sample_index]
-            if self._update_sample(sample_state):
+            delta, stopped_by_string = self._sample_delta(state.samples[sample.sample_index])
+            if stopped_by_string:
                 stopped.append(sample)
-            changed[sample.parent_id] = state
-        return [self._refresh(state) for state in changed.values()], stopped
+            changed.setdefault(sample.parent_id, []).append(delta)
+        return [self._request_delta(self._states[request_id], samples)
+                for request_id, samples in changed.items()], stopped
 
-    def finish_aborted(self, request_id: str) -> RequestOutput | None:
+    def finish_aborted(self, request_id: str) -> RequestOutputDelta | None:
+        """The delta that ends an aborted request: every unfinished sample gets "abort"."""
         state = self._states.get(request_id)
         if state is None:
             return None
+        samples = []
         for sample_state in state.samples:
-            if sample_state.completion.finish_reason is None:
-                sample_state.completion.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
-        return self._refresh(state)
+            if sample_state.finish_reason is None:
+                sample_state.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+                samples.append(CompletionDelta(index=sample_state.request.sample_index,
+                                               finish_reason=sample_state.finish_reason))
+        return self._request_delta(state, samples)
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def _update_sample(self, state: _SampleState) -> bool:
-        """Feed new tokens to the detokenizer; True if a stop string ended the sample."""
+    def _sample_delta(self, state: _SampleState) -> tuple[CompletionDelta, bool]:
+        """Feed new tokens to the detokenizer; also True if a stop string ended the sample."""
         request = state.request
-        completion = state.completion
-        new_tokens = request.output_token_ids[state.num_tokens_seen:]
-        state.num_tokens_seen = request.num_output_tokens
+        start = state.num_tokens_emitted
+        new_tokens = request.output_token_ids[start:]
+        state.num_tokens_emitted = request.num_output_tokens
+        text = ""
         stopped_by_string = False
         if new_tokens and state.detokenizer.stop_string is None:
-            state.detokenizer.add_tokens(new_tokens)
+            text = state.detokenizer.add_tokens(new_tokens)
             if state.detokenizer.stop_string is not None:
                 stopped_by_string = True
-                completion.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
-                completion.stop_reason = state.detokenizer.stop_string
-        if completion.finish_reason is None and request.is_finished:
-            state.detokenizer.finish()
-            completion.finish_reason = request.status.finish_reason
-            completion.stop_reason = request.stop_reason
-        completion.text = state.detokenizer.text
-        if completion.logprobs is not None:
-            self._decode_logprobs(state)
-            completion.cumulative_logprob = request.cumulative_logprob
-        return stopped_by_string and not request.is_finished
-
-    def _decode_logprobs(self, state: _SampleState) -> None:
-        entries = state.request.output_logprobs
-        for entry in entries[state.num_logprobs_decoded:]:
-            self._decode_entry(entry)
-        state.num_logprobs_decoded = len(entries)
+                state.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                state.stop_reason = state.detokenizer.stop_string
+        if state.finish_reason is None and request.is_finished:
+            text += state.detokenizer.finish()
+            state.finish_reason = request.status.finish_reason
+            state.stop_reason = request.stop_reason
+        delta = CompletionDelta(index=request.sample_index, text=text, token_ids=new_tokens,
+                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        if request.sampling_params.logprobs is not None:
+            entries = request.output_logprobs[start:state.num_tokens_emitted]
+            for entry in entries:
+                self._decode_entry(entry)
+            delta.logprobs = entries
+            delta.cumulative_logprob = request.cumulative_logprob
+        return delta, stopped_by_string and not request.is_finished
 
     def _decode_entry(self, entry: PositionLogprobs | None) -> None:
         if entry is None:
@@ -112,19 +122,26 @@ class OutputProcessor:
             if logprob.decoded_token is None:
                 logprob.decoded_token = self.tokenizer.decode_token(token_id)
 
-    def _refresh(self, state: _RequestState) -> RequestOutput:
-        output = state.output
+    def _request_delta(self, state: _RequestState, samples: list[CompletionDelta]) -> RequestOutputDelta:
         lead = state.samples[0].request
-        output.num_cached_tokens = max(lead.num_cached_tokens, 0)
-        if lead.sampling_params.prompt_logprobs is not None and lead.prompt_logprobs:
-            for entry in lead.prompt_logprobs[state.num_prompt_logprobs_decoded:]:
-                self._decode_entry(entry)
-            state.num_prompt_logprobs_decoded = len(lead.prompt_logprobs)
-            output.prompt_logprobs = lead.prompt_logprobs
-        output.finished = all(s.completion.finish_reason is not None for s in state.samples)
+        delta = RequestOutputDelta(
+            request_id=state.request_id, outputs=samples, num_samples=len(state.samples),
+            finished=state.finished, num_cached_tokens=max(lead.num_cached_tokens, 0))
         if len(state.samples) > 1:
-            output.metrics = _merged_metrics([s.request.metrics for s in state.samples])
-        return output
+            delta.metrics = _merged_metrics([s.request.metrics for s in state.samples])
+        else:
+            delta.metrics = copy.copy(lead.metrics)  # the engine keeps updating the original
+        if lead.sampling_params.prompt_logprobs is not None and lead.prompt_logprobs:
+            entries = lead.prompt_logprobs[state.num_prompt_logprobs_emitted:]
+            for entry in entries:
+                self._decode_entry(entry)
+            state.num_prompt_logprobs_emitted = len(lead.prompt_logprobs)
+            if entries:
+                delta.prompt_logprobs = entries
+        if not state.sent_first:
+            state.sent_first = True
+            delta.prompt, delta.prompt_token_ids = state.prompt, lead.prompt_token_ids
+        return delta
 
 
 def _merged_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:

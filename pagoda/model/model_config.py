@@ -14,6 +14,12 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> int:
+    """KV cache bytes one token takes: a key and a value vector per KV head in every layer.
+    The one formula behind the engine's pool sizing and `pagoda plan`."""
+    return int(num_layers * 2 * num_kv_heads * head_dim * bytes_per_element)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -38,6 +44,12 @@ class ModelConfig:
     config_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    model_type: str = "llama"
+
+    def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None) -> int:
+        """KV cache bytes per token at this element size (num_kv_heads: a what-if other than the model's)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, bytes_per_element)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -53,12 +65,20 @@ class ModelConfig:
         return model_config
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, config: dict[str, Any], source: str = "config.json", *,
+                  require_supported: bool = True) -> "ModelConfig":
+        """require_supported=False reads the shape of any Llama-like decoder (for `pagoda plan`):
+        other architectures and rope types are accepted, not only those pagoda can run."""
+        if "text_config" in config and "num_hidden_layers" not in config:
+            config = {**config, **config["text_config"]}  # a multimodal wrapper around a decoder
+        model_type = str(config.get("model_type", "llama"))
         architectures = config.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
-            raise ValueError(f"{source}: unsupported architecture {architectures or '(none)'}; "
-                             f"pagoda supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+            if require_supported:
+                raise ValueError(f"{source}: unsupported architecture {architectures or '(none)'}; "
+                                 f"pagoda supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+            architecture = architectures[0] if architectures else model_type
         try:
             hidden_size = int(config["hidden_size"])
             num_heads = int(config["num_attention_heads"])
@@ -76,12 +96,14 @@ class ModelConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in ("default", "llama3"):
+        if rope_type not in ("default", "llama3") and require_supported:
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, llama3)")
         rope_scaling = rope if rope_type == "llama3" else None
 
         attention_bias = bool(config.get("attention_bias") or False)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        # Transformers picks the model class by model_type; the architecture names it too.
+        is_qwen2 = architecture == "Qwen2ForCausalLM" or model_type in ("qwen2", "qwen2_moe")
+        is_qwen3 = architecture == "Qwen3ForCausalLM" or model_type.startswith("qwen3")
         return cls(
             architecture=architecture,
             vocab_size=vocab_size,
@@ -99,10 +121,11 @@ class ModelConfig:
             qkv_bias=True if is_qwen2 else attention_bias,  # Qwen2 always has q/k/v bias
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(config.get("mlp_bias") or False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=is_qwen3,
             layer_sliding_windows=_layer_sliding_windows(config, architecture, num_layers),
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
             eos_token_ids=_as_id_list(config.get("eos_token_id")),
+            model_type=model_type,
         )
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -14,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.body_limit import BodySizeLimit
-from pagoda.serve.chat import create_chat_completion
-from pagoda.serve.completions import create_completion
+from pagoda.serve.chat import ChatEndpoint
+from pagoda.serve.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
 from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -126,39 +127,38 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                          root=settings.model_path,
                                          max_model_len=llm.max_model_len)])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        tenant = None
-        try:
-            tenant = _authenticate(ctx, request)
-            body = await _parse(request, CompletionRequest)
-            return await create_completion(ctx, request, body, tenant)
-        except APIError as exc:
-            _record_refusal(ctx, "completions", tenant, exc)
-            raise
+    def route(path: str, body_model: type[Body],
+              run: Callable[[Request, Any, Tenant], Awaitable[Response]],
+              endpoint: str | None = None) -> None:
+        """POST `path`: authenticate, parse the body as `body_model`, then `run` it. Refusals
+        of a generation `endpoint` are counted in metrics and logged."""
+        async def handler(request: Request) -> Response:
+            tenant = None
+            try:
+                tenant = _authenticate(ctx, request)
+                body = await _parse(request, body_model)
+                return await run(request, body, tenant)
+            except APIError as exc:
+                if endpoint is not None:
+                    _record_refusal(ctx, endpoint, tenant, exc)
+                raise
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        tenant = None
-        try:
-            tenant = _authenticate(ctx, request)
-            body = await _parse(request, ChatCompletionRequest)
-            return await create_chat_completion(ctx, request, body, tenant)
-        except APIError as exc:
-            _record_refusal(ctx, "chat", tenant, exc)
-            raise
+        app.add_api_route(path, handler, methods=["POST"])
 
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
-        _authenticate(ctx, request)
-        body = await _parse(request, TokenizeRequest)
+    for path, generation_endpoint, body_model in (
+            ("/v1/completions", CompletionsEndpoint(), CompletionRequest),
+            ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest)):
+        route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
+              generation_endpoint.name)
+
+    async def tokenize_body(_: Request, body: TokenizeRequest, __: Tenant) -> Response:
         return JSONResponse(tokenize(ctx, body).model_dump())
 
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
-        _authenticate(ctx, request)
-        body = await _parse(request, DetokenizeRequest)
+    async def detokenize_body(_: Request, body: DetokenizeRequest, __: Tenant) -> Response:
         return JSONResponse(detokenize(ctx, body).model_dump())
+
+    route("/tokenize", TokenizeRequest, tokenize_body)
+    route("/detokenize", DetokenizeRequest, detokenize_body)
 
     return app
 

@@ -1,22 +1,22 @@
-"""POST /v1/completions: legacy text completions, streamed or not."""
+"""POST /v1/completions: legacy text completions, streamed or not.
+
+Only what is this endpoint's own: prompts from `prompt`, echo, the legacy logprobs lists and
+the chunk / body shapes. The rest is handler.py's skeleton.
+"""
 
 from __future__ import annotations
 
-import time
-from typing import Any, AsyncIterator
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import Response
-
-from pagoda.outputs import CompletionOutput, PositionLogprobs
+from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestOutputDelta
+from pagoda.serve.errors import bad_request
+from pagoda.serve.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
 from pagoda.serve.logprobs import join_legacy, legacy_logprobs
-from pagoda.serve.errors import APIError, bad_request
-from pagoda.serve.guardrails import guard_completion_prompts
 from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.sampling import build_sampling_params
-from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id, respond
-from pagoda.serve.sse import SSE_DONE, ChoiceChunks, sse_error, sse_event, to_json
+from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
+from pagoda.serve.sse import ChoiceChunks, to_json
 from pagoda.serve.tenants import Tenant
 
 
@@ -52,38 +52,97 @@ def completion_prompts(prompt: Any, tokenizer: Any) -> list[EnginePrompt]:
     return prompts
 
 
-class _Choice:
-    """What has been sent of one choice while streaming."""
+class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
+    name = "completions"
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
 
-    __slots__ = ("index", "num_chars", "num_tokens", "text_offset", "finished", "started")
+    def prepare(self, ctx: ServeContext, request: CompletionRequest,
+                tenant: Tenant) -> PreparedRequest:
+        reject_unsupported(request)
+        prompts = completion_prompts(request.prompt, ctx.llm.tokenizer)
+        max_tokens = tenant.resolve_max_tokens(request.max_tokens)
+        want_prompt_logprobs = request.echo and request.logprobs is not None
+        params = build_sampling_params(
+            request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
+            prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+        return PreparedRequest(prompts, params)
 
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.num_chars = 0
-        self.num_tokens = 0
-        self.text_offset = 0
-        self.finished = False
-        self.started = False
+    def formatter(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
+                  chunks: ChoiceChunks) -> ChunkFormatter:
+        return _CompletionChunks(generation, request, ctx.llm.tokenizer, chunks)
+
+    def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
+                 created: int) -> CompletionResponse:
+        tokenizer = ctx.llm.tokenizer
+        choices = []
+        for i, final in enumerate(generation.finals):
+            assert final is not None
+            prompt = generation.prompts[i]
+            for sample in final.outputs:
+                text, logprobs, offset = sample.text, None, 0
+                if request.echo:
+                    prefix = _echo_prefix(prompt, tokenizer)
+                    text = prefix + text
+                    if request.logprobs is not None:
+                        logprobs, _ = legacy_logprobs(
+                            prompt.token_ids, _prompt_positions(final.prompt_logprobs, prompt),
+                            tokenizer, 0)
+                    offset = len(prefix)
+                if request.logprobs is not None:
+                    sampled, _ = legacy_logprobs(sample.token_ids, list(sample.logprobs or []),
+                                                 tokenizer, offset)
+                    logprobs = join_legacy(logprobs, sampled)
+                choices.append(CompletionChoice(index=i * request.n + sample.index, text=text,
+                                                logprobs=logprobs,
+                                                finish_reason=sample.finish_reason))
+        return CompletionResponse(id=generation.request_id, created=created,
+                                  model=ctx.model_name, choices=choices, usage=generation.usage())
 
 
-async def create_completion(ctx: ServeContext, raw: Request, request: CompletionRequest,
-                            tenant: Tenant) -> Response:
-    ctx.check_model(request.model)
-    reject_unsupported(request)
-    tokenizer = ctx.llm.tokenizer
-    prompts = completion_prompts(request.prompt, tokenizer)
-    prompts, input_decision = await guard_completion_prompts(ctx, tenant, prompts, tokenizer)  # guardrails hook
-    max_tokens = tenant.resolve_max_tokens(request.max_tokens)
-    want_prompt_logprobs = request.echo and request.logprobs is not None
-    params = build_sampling_params(
-        request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
-        prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
-    generation = Generation(ctx, new_request_id("cmpl"), "completions", tenant, prompts,
-                            params, stream=request.stream, input_decision=input_decision)
-    await generation.start()
-    created = int(time.time())
-    stream_body = _stream(ctx, generation, request, created) if request.stream else None
-    return await respond(raw, generation, stream_body, lambda: _response(ctx, generation, request, created))
+class _CompletionChunks(ChunkFormatter):
+    """A choice's first chunk carries the echoed prompt; legacy logprobs need each token's
+    offset in the choice's text, so that offset is kept per choice."""
+
+    def __init__(self, generation: Generation, request: CompletionRequest, tokenizer: Any,
+                 chunks: ChoiceChunks) -> None:
+        self.generation = generation
+        self.request = request
+        self.tokenizer = tokenizer
+        self.chunks = chunks
+        self.text_offsets: dict[int, int] = {}  # choice index -> offset of its next token
+
+    def chunk(self, prompt_index: int, sample: CompletionDelta,
+              delta: RequestOutputDelta) -> str | None:
+        request, tokenizer = self.request, self.tokenizer
+        index = prompt_index * request.n + sample.index
+        text = sample.text
+        logprobs: CompletionLogprobs | None = None
+        offset = self.text_offsets.get(index)
+        if offset is None:  # the choice's first chunk
+            offset = 0
+            if request.echo:
+                prompt = self.generation.prompts[prompt_index]
+                prefix = _echo_prefix(prompt, tokenizer)
+                if request.logprobs is not None:
+                    output = self.generation.latest[prompt_index]
+                    prompt_logprobs = output.prompt_logprobs if output is not None else None
+                    logprobs, _ = legacy_logprobs(
+                        prompt.token_ids, _prompt_positions(prompt_logprobs, prompt), tokenizer, 0)
+                offset = len(prefix)
+                text = prefix + text
+        if request.logprobs is not None:
+            sampled, offset = legacy_logprobs(sample.token_ids, list(sample.logprobs or []),
+                                              tokenizer, offset)
+            logprobs = join_legacy(logprobs, sampled)
+        self.text_offsets[index] = offset
+        finish_reason = sample.finish_reason
+        if not text and finish_reason is None and (logprobs is None or not logprobs.tokens):
+            return None
+        logprobs_json = to_json(logprobs.model_dump()) if logprobs is not None else "null"
+        finish_json = to_json(finish_reason) if finish_reason is not None else "null"
+        return self.chunks.event(f'"index":{index},"text":{to_json(text)},'
+                                 f'"logprobs":{logprobs_json},"finish_reason":{finish_json}')
 
 
 def _echo_prefix(prompt: EnginePrompt, tokenizer: Any) -> str:
@@ -93,99 +152,3 @@ def _echo_prefix(prompt: EnginePrompt, tokenizer: Any) -> str:
 def _prompt_positions(prompt_logprobs: list[PositionLogprobs | None] | None,
                       prompt: EnginePrompt) -> list[PositionLogprobs | None]:
     return list(prompt_logprobs) if prompt_logprobs else [None] * len(prompt.token_ids)
-
-
-def _response(ctx: ServeContext, generation: Generation, request: CompletionRequest,
-              created: int) -> CompletionResponse:
-    tokenizer = ctx.llm.tokenizer
-    choices = []
-    for i, final in enumerate(generation.finals):
-        assert final is not None
-        prompt = generation.prompts[i]
-        for sample in final.outputs:
-            text, logprobs, offset = sample.text, None, 0
-            if request.echo:
-                prefix = _echo_prefix(prompt, tokenizer)
-                text = prefix + text
-                if request.logprobs is not None:
-                    logprobs, _ = legacy_logprobs(
-                        prompt.token_ids, _prompt_positions(final.prompt_logprobs, prompt),
-                        tokenizer, 0)
-                offset = len(prefix)
-            if request.logprobs is not None:
-                sampled, _ = legacy_logprobs(sample.token_ids, list(sample.logprobs or []),
-                                             tokenizer, offset)
-                logprobs = join_legacy(logprobs, sampled)
-            choices.append(CompletionChoice(index=i * request.n + sample.index, text=text,
-                                            logprobs=logprobs,
-                                            finish_reason=sample.finish_reason))
-    return CompletionResponse(id=generation.request_id, created=created, model=ctx.model_name,
-                              choices=choices, usage=generation.usage())
-
-
-async def _stream(ctx: ServeContext, generation: Generation, request: CompletionRequest,
-                  created: int) -> AsyncIterator[str]:
-    tokenizer = ctx.llm.tokenizer
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    base = {"id": generation.request_id, "object": "text_completion", "created": created,
-            "model": ctx.model_name}
-    choices: dict[int, _Choice] = {}
-    chunks = ChoiceChunks(base, include_usage)
-
-    def chunk(choice: _Choice, text: str, logprobs: CompletionLogprobs | None,
-              finish_reason: str | None) -> str:
-        logprobs_json = to_json(logprobs.model_dump()) if logprobs is not None else "null"
-        finish_json = to_json(finish_reason) if finish_reason is not None else "null"
-        return chunks.event(f'"index":{choice.index},"text":{to_json(text)},'
-                            f'"logprobs":{logprobs_json},"finish_reason":{finish_json}')
-
-    try:
-        async for i, output in generation.outputs():
-            prompt = generation.prompts[i]
-            for sample in output.outputs:
-                index = i * request.n + sample.index
-                choice = choices.get(index)
-                if choice is None:
-                    choice = choices[index] = _Choice(index)
-                if choice.finished:
-                    continue
-                event = _sample_delta(choice, sample, prompt, output.prompt_logprobs, request,
-                                      tokenizer)
-                if event is not None:
-                    yield chunk(choice, *event)
-        if include_usage:
-            yield sse_event({**base, "choices": [], "usage": generation.usage().model_dump()})
-    except APIError as exc:
-        yield sse_error(exc)
-    yield SSE_DONE
-
-
-def _sample_delta(choice: _Choice, sample: CompletionOutput, prompt: EnginePrompt,
-                  prompt_logprobs: list[PositionLogprobs | None] | None,
-                  request: CompletionRequest, tokenizer: Any
-                  ) -> tuple[str, CompletionLogprobs | None, str | None] | None:
-    text = sample.text[choice.num_chars:]
-    logprobs = None
-    if not choice.started:
-        choice.started = True
-        if request.echo:
-            prefix = _echo_prefix(prompt, tokenizer)
-            if request.logprobs is not None:
-                logprobs, _ = legacy_logprobs(
-                    prompt.token_ids, _prompt_positions(prompt_logprobs, prompt), tokenizer, 0)
-            choice.text_offset = len(prefix)
-            text = prefix + text
-    if request.logprobs is not None:
-        new_ids = sample.token_ids[choice.num_tokens:]
-        positions = list((sample.logprobs or [])[choice.num_tokens:])
-        sampled, choice.text_offset = legacy_logprobs(new_ids, positions, tokenizer,
-                                                      choice.text_offset)
-        logprobs = join_legacy(logprobs, sampled)
-    choice.num_chars = max(choice.num_chars, len(sample.text))
-    choice.num_tokens = len(sample.token_ids)
-    finish_reason = sample.finish_reason
-    if finish_reason is not None:
-        choice.finished = True
-    if not text and finish_reason is None and (logprobs is None or not logprobs.tokens):
-        return None
-    return text, logprobs, finish_reason

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pagoda.errors import InvalidRequest
+
 
 class APIError(Exception):
     """An error answered to the client with `status` and OpenAI's error body."""
@@ -41,15 +43,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def param_of_value_error(message: str) -> str | None:
-    """SamplingParams/engine messages start with the parameter's name: 'top_p must be ...'."""
-    first = message.split(" ", 1)[0]
-    return first if first.isidentifier() else None
-
-
-def from_value_error(exc: ValueError) -> APIError:
-    message = str(exc)
-    return bad_request(message, param=param_of_value_error(message))
+def invalid_request(exc: InvalidRequest, names: dict[str, str] | None = None) -> APIError:
+    """The engine's InvalidRequest as a 400; `names` renames its param into this endpoint's
+    terms (chat: {"prompt": "messages"})."""
+    if names:
+        exc = exc.renamed(names)
+    return bad_request(exc.message, param=exc.param, code=exc.code)
 
 
 def unauthorized(message: str = "Missing or invalid API key.") -> APIError:

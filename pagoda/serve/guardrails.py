@@ -1,14 +1,15 @@
-"""The server's guardrail hooks: input checks in the handlers, the output filter inside a
-Generation, decisions into /metrics and the request log.
+"""The server's guardrail hooks: the input check of every generation endpoint, the output
+filter inside a Generation, decisions into /metrics and the request log.
 
 Call sites (kept to a line or two each, marked `# guardrails hook`):
-- chat.py / completions.py: `guard_chat_messages` / `guard_completion_prompts` before
-  tokenizing (a block is a 400 with code "content_filter"; redaction rewrites the prompt,
-  so the engine, echo and the log only see the redacted text), and `input_decision=` on
-  the Generation.
+- handler.py `GenerationEndpoint.handle`: `guard_input` right after `prepare` (a block is a
+  400 with code "content_filter"; redaction rewrites the prepared prompts, so the engine,
+  echo and the log only see the redacted text), and `input_decision=` on the Generation.
 - serving.py `Generation.start`: `guard_generation_output` (None when no output rule
-  applies to the tenant); `Generation.outputs`: `GenerationOutputGuard.filter` rewrites
-  each output's text to what the filter released; `_log_record`: `guard_log_fields`.
+  applies to the tenant); `Generation.deltas`: `GenerationOutputGuard.filter` rewrites each
+  delta's text to what the filter released, before the delta is added to the prompt's
+  output, so streamed chunks and non-streamed bodies read the same filtered text;
+  `_log_record`: `guard_log_fields`.
 """
 
 from __future__ import annotations
@@ -17,18 +18,15 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from pagoda.guard import Decision, GuardMetrics, Guardrails, GuardrailsConfig, OutputFilter
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.tenants import Tenant
-
-if TYPE_CHECKING:
-    from pagoda.serve.serving import EnginePrompt, ServeContext
 
 CONTENT_FILTER = "content_filter"
 
@@ -65,13 +63,45 @@ class ServerGuard:
             raise content_filtered(decision.blocked_by, param)
 
 
-async def guard_completion_prompts(ctx: "ServeContext", tenant: Tenant,
-                                   prompts: list["EnginePrompt"], tokenizer: Any
-                                   ) -> tuple[list["EnginePrompt"], Decision | None]:
-    """Each prompt through the input rules; token-id prompts are checked as their text."""
-    guard: ServerGuard | None = ctx.guard
+class GuardedPrompt(Protocol):
+    """A prompt as the handlers hold it (serving.EnginePrompt)."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+class GuardedRequest(Protocol):
+    """A prepared request as the input check reads it (handler.PreparedRequest)."""
+
+    prompts: list[Any]
+    messages: list[dict[str, Any]] | None
+    render_messages: Callable[[list[dict[str, Any]]], Any] | None
+
+
+PromptT = TypeVar("PromptT", bound=GuardedPrompt)
+RequestT = TypeVar("RequestT", bound=GuardedRequest)
+
+
+async def guard_input(guard: ServerGuard | None, tokenizer: Any, tenant: Tenant,
+                      prepared: RequestT) -> tuple[RequestT, Decision | None]:
+    """A prepared request through the tenant's input rules: chat requests as their messages
+    (roles kept, the prompt rendered again when a message is redacted), other endpoints as
+    each prompt's text. Raises the content_filter 400 on a block."""
     if guard is None or not guard.guardrails.rules_for(tenant.name, "input"):
-        return prompts, None
+        return prepared, None
+    if prepared.messages is not None and prepared.render_messages is not None:
+        messages, decision = await guard_chat_messages(guard, tenant, prepared.messages)
+        if messages != prepared.messages:
+            prepared = dataclasses.replace(prepared, messages=messages,  # type: ignore[type-var]
+                                           prompts=[prepared.render_messages(messages)])
+        return prepared, decision
+    prompts, decision = await guard_completion_prompts(guard, tenant, prepared.prompts, tokenizer)
+    return dataclasses.replace(prepared, prompts=prompts), decision  # type: ignore[type-var]
+
+
+async def guard_completion_prompts(guard: ServerGuard, tenant: Tenant, prompts: list[PromptT],
+                                   tokenizer: Any) -> tuple[list[PromptT], Decision]:
+    """Each prompt through the input rules; token-id prompts are checked as their text."""
     started = time.perf_counter()
     decision = Decision("")
     checked = []
@@ -82,19 +112,17 @@ async def guard_completion_prompts(ctx: "ServeContext", tenant: Tenant,
         if decision.blocked:
             break
         if one.text != text:  # redacted: the engine gets the rewritten text
-            prompt = dataclasses.replace(prompt, text=one.text, token_ids=tokenizer.encode(
-                one.text, add_special_tokens=True))
+            prompt = dataclasses.replace(prompt, text=one.text,  # type: ignore[type-var]
+                                         token_ids=tokenizer.encode(one.text,
+                                                                    add_special_tokens=True))
         checked.append(prompt)
     guard._record_input(tenant, decision, started, "prompt")
     return checked, decision
 
 
-async def guard_chat_messages(ctx: "ServeContext", tenant: Tenant,
-                              messages: list[dict[str, str]]
-                              ) -> tuple[list[dict[str, str]], Decision | None]:
-    guard: ServerGuard | None = ctx.guard
-    if guard is None or not guard.guardrails.rules_for(tenant.name, "input"):
-        return messages, None
+async def guard_chat_messages(guard: ServerGuard, tenant: Tenant,
+                              messages: list[dict[str, Any]]
+                              ) -> tuple[list[dict[str, Any]], Decision]:
     started = time.perf_counter()
     checked, decision = await guard.input.check_messages(tenant.name, messages)
     guard._record_input(tenant, decision, started, "messages")
@@ -104,11 +132,9 @@ async def guard_chat_messages(ctx: "ServeContext", tenant: Tenant,
 @dataclass
 class _SampleState:
     filter: OutputFilter
-    raw_chars: int = 0  # characters of the engine's text fed to the filter
-    released: str = ""
     first_text_time: float | None = None
     delay_recorded: bool = False
-    final: CompletionOutput | None = None
+    ended: bool = False  # its finish_reason was released: later deltas are dropped
 
 
 @dataclass
@@ -131,57 +157,56 @@ class GenerationOutputGuard:
             state = self._samples[key] = _SampleState(output_filter)
         return state
 
-    async def filter(self, prompt_index: int, output: RequestOutput) -> RequestOutput:
-        """`output` with each sample's text replaced by what the filter released so far
-        (cumulative, like the engine's); a blocked sample ends with "content_filter", and
-        when every sample of the request has ended its engine request is aborted."""
+    async def filter(self, prompt_index: int, delta: RequestOutputDelta) -> RequestOutputDelta:
+        """`delta` with each sample's text replaced by what the filter releases now; a blocked
+        sample ends with "content_filter" (nothing of it is sent afterwards), and when every
+        sample of the prompt has ended its engine request is aborted."""
         started = time.perf_counter()
         samples = []
-        for sample in output.outputs:
+        for sample in delta.outputs:
             state = self._state(prompt_index, sample.index)
-            if state.final is not None:
-                samples.append(state.final)
+            if state.ended:
                 continue
-            delta = sample.text[state.raw_chars:]
-            state.raw_chars = len(sample.text)
             now = time.perf_counter()
-            if delta and state.first_text_time is None:
+            if sample.text and state.first_text_time is None:
                 state.first_text_time = now
-            released = await state.filter.feed(delta) if delta else ""
+            released = await state.filter.feed(sample.text) if sample.text else ""
             if sample.finish_reason is not None:
                 released += await state.filter.finish()
-            state.released += released
             if released and not state.delay_recorded and state.first_text_time is not None:
                 state.delay_recorded = True
                 self.guard.metrics.record_first_release_delay(
                     time.perf_counter() - state.first_text_time)
-            finish_reason = CONTENT_FILTER if state.filter.blocked else sample.finish_reason
-            rewritten = dataclasses.replace(sample, text=state.released,
-                                            finish_reason=finish_reason)
-            if finish_reason is not None:
-                state.final = rewritten
-            samples.append(rewritten)
-        finished = output.finished or all(s.finish_reason is not None for s in samples)
-        if finished and not output.finished:
-            self.abort([output.request_id])  # every sample is blocked: stop generating
+            blocked = state.filter.blocked
+            finish_reason = CONTENT_FILTER if blocked else sample.finish_reason
+            state.ended = finish_reason is not None
+            samples.append(dataclasses.replace(
+                sample, text=released, finish_reason=finish_reason,
+                stop_reason=None if blocked else sample.stop_reason))
+        ended = sum(1 for (i, _), state in self._samples.items()
+                    if i == prompt_index and state.ended)
+        finished = delta.finished or ended == delta.num_samples
+        if finished and not delta.finished:
+            self.abort([delta.request_id])  # every sample is blocked: stop generating
         self.guard.metrics.record_output_seconds(time.perf_counter() - started)
-        return dataclasses.replace(output, outputs=samples, finished=finished)
+        return dataclasses.replace(delta, outputs=samples, finished=finished)
 
     def decisions(self) -> list[Decision]:
         return [state.filter.decision for state in self._samples.values()]
 
 
-def guard_generation_output(ctx: "ServeContext", tenant: Tenant,
-                            params: SamplingParams) -> GenerationOutputGuard | None:
-    """The request's output guard, or None when no output rule applies to `tenant`."""
-    guard: ServerGuard | None = ctx.guard
+def guard_generation_output(guard: ServerGuard | None, abort: Callable[[list[str]], None],
+                            tenant: Tenant, params: SamplingParams
+                            ) -> GenerationOutputGuard | None:
+    """The request's output guard (`abort` stops engine requests), or None when no output rule
+    applies to `tenant`."""
     if guard is None or not guard.guardrails.rules_for(tenant.name, "output"):
         return None
     if params.logprobs is not None:
         raise bad_request("logprobs are not available while output guardrails apply to this "
                           "key: they would reveal text the guardrails hold back, redact or "
                           "block.", param="logprobs")
-    return GenerationOutputGuard(guard, tenant, ctx.llm.abort)
+    return GenerationOutputGuard(guard, tenant, abort)
 
 
 def guard_log_fields(input_decision: Decision | None,

@@ -1,14 +1,18 @@
 """Prometheus metrics, on a registry owned by one app (several apps can share a process).
 
-Engine-level numbers (running/waiting, KV usage, prefix cache, preemptions, token totals) are
-read from the engine thread's latest stats snapshot at scrape time; per-request numbers
-(latencies, outcomes) are recorded by the handlers as requests end.
+Engine-level numbers (running/waiting, KV usage, prefix cache, preemptions, token totals,
+tokens per step) are read from the engine's latest stats snapshot at scrape time; per-request
+numbers (latencies, phases, token counts, outcomes) are recorded by the handlers as requests end.
+
+Names follow vLLM's under `pagoda:`. With `metrics_compat="vllm"` every series is exported a
+second time under `vllm:` (plus vLLM's older `gpu_cache_usage_perc` and
+`time_per_output_token_seconds` names), so an existing vLLM Grafana dashboard works unchanged.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,11 +25,19 @@ if TYPE_CHECKING:
     from pagoda.outputs import RequestMetrics
 
 PREFIX = "pagoda:"
+VLLM_PREFIX = "vllm:"
+MetricsCompat = Literal["none", "vllm"]
+# vLLM's older names for two series, still read by many dashboards.
+VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
+                "inter_token_latency_seconds": "time_per_output_token_seconds"}
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# Tokens per engine step and per request: powers of two and their 1.5x, as vLLM's 1-2-5 series.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+                 2048, 3072, 4096, 6144, 8192, 12288, 16384, 32768, 65536, 131072)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -61,11 +73,28 @@ class _EngineStatsCollector(Collector):
                       get("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       get("prefix_cache_hits"))
-        yield counter("num_preemptions", "Requests preempted to free KV blocks.",
-                      get("num_preemptions"))
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions",
+                                          "Requests preempted to free KV blocks, by mode.", labels=labels + ["mode"])
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
+        for mode, count in (tiers.preemptions.items() if tiers else [("recompute", get("num_preemptions"))]):
+            preemptions.add_metric(values + [mode], count)
+        yield preemptions
         yield counter("prompt_tokens", "Prompt tokens processed.", get("num_prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated.", get("num_generation_tokens"))
+        yield self._iteration_tokens(stats, labels, values)
         yield from self._spec_decode(stats, labels, values)
+        yield from self._kv_tiers(stats, labels, values)
+
+    @staticmethod
+    def _iteration_tokens(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Any:
+        """Tokens computed per engine step (prompt chunks + decodes + verified drafts)."""
+        family = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
+                                       labels=labels)
+        histogram = getattr(stats, "iteration_tokens", None)
+        counts = list(histogram.counts) if histogram is not None else [0] * (len(TOKEN_BUCKETS) + 1)
+        total = histogram.sum if histogram is not None else 0
+        family.add_metric(values, _cumulative_buckets(TOKEN_BUCKETS, counts), total)
+        return family
 
     @staticmethod
     def _spec_decode(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
@@ -84,6 +113,24 @@ class _EngineStatsCollector(Collector):
         for position, accepted in enumerate(spec.accepted_per_position if spec is not None else []):
             per_position.add_metric(values + [str(position)], accepted)
         yield per_position
+
+    @staticmethod
+    def _kv_tiers(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Iterator[Any]:
+        """KV tier metrics (pagoda/core/kv_tiers.py); zero when no host tier is configured."""
+        tiers = getattr(stats, "kv_tiers", None)  # None without a host tier (or no stats yet)
+        swapped = GaugeMetricFamily(PREFIX + "num_requests_swapped",
+                                    "Requests whose KV is swapped out to the host tier.", labels=labels)
+        swapped.add_metric(values, tiers.num_swapped if tiers else 0)
+        yield swapped
+        for name, doc, label, kind, field in (
+                ("kv_offload_usage_perc", "Fraction of a KV tier's blocks in use (0..1).", "tier", "gauge", "usage"),
+                ("kv_offload_hits", "Prompt tokens found in the prefix cache, per tier.", "tier", "counter", "hits"),
+                ("kv_transfer_bytes", "KV bytes copied between tiers.", "direction", "counter", "transfer_bytes")):
+            family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_type(PREFIX + name, doc, labels=labels + [label])
+            for key, value in (getattr(tiers, field).items() if tiers else ()):
+                family.add_metric(values + [key], value)
+            yield family
 
 
 class _WeightedHistogram(Collector):
@@ -107,18 +154,52 @@ class _WeightedHistogram(Collector):
 
     def collect(self) -> Iterator[Any]:
         family = HistogramMetricFamily(self._name, self._doc, labels=["model_name"])
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(floatToGoString, self._bounds), "+Inf"], self._counts):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        family.add_metric([self._model_name], buckets, self._sum)
+        family.add_metric([self._model_name], _cumulative_buckets(self._bounds, self._counts), self._sum)
         yield family
+
+
+def _cumulative_buckets(bounds: "tuple[float, ...] | list[float]", counts: list[int]) -> list[tuple[str, int]]:
+    """Per-bucket counts (one more than bounds, the last for +Inf) -> Prometheus' cumulative pairs."""
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return buckets
+
+
+class _RenamedCollector(Collector):
+    """Every family of `source` again under `prefix` (and aliases): vLLM-compatible names."""
+
+    def __init__(self, source: CollectorRegistry, prefix: str, aliases: dict[str, str]) -> None:
+        self._source = source
+        self._prefix = prefix
+        self._aliases = aliases
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._source.collect():
+            if not family.name.startswith(PREFIX):
+                continue
+            short = family.name[len(PREFIX):]
+            for new_short in (short, self._aliases.get(short)):
+                if new_short is not None:
+                    yield _renamed(family, PREFIX + short, self._prefix + new_short)
+
+
+def _renamed(family: Any, old: str, new: str) -> Any:
+    copy = type(family).__new__(type(family))
+    copy.__dict__.update(family.__dict__)
+    copy.name = new
+    copy.samples = [sample._replace(name=new + sample.name[len(old):]) for sample in family.samples]
+    return copy
 
 
 class ServerMetrics:
     """The metrics of one app, labelled with its served model name."""
 
-    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
+                 compat: MetricsCompat = "none") -> None:
+        if compat not in ("none", "vllm"):
+            raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineStatsCollector(model_name, stats))
@@ -137,9 +218,31 @@ class ServerMetrics:
         self._queue = Histogram(PREFIX + "request_queue_time_seconds",
                                 "Arrival to first scheduling.", labels,
                                 buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._prefill = Histogram(PREFIX + "request_prefill_time_seconds",
+                                  "First scheduling to first token (the prompt's computation).",
+                                  labels, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._decode = Histogram(PREFIX + "request_decode_time_seconds", "First token to finish.",
+                                 labels, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._inference = Histogram(PREFIX + "request_inference_time_seconds",
+                                    "First scheduling to finish (prefill + decode).", labels,
+                                    buckets=REQUEST_BUCKETS, registry=self.registry)
+        self._prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
+                                        labels, buckets=TOKEN_BUCKETS, registry=self.registry)
+        self._generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                            "Generated tokens per request (all samples).", labels,
+                                            buckets=TOKEN_BUCKETS, registry=self.registry)
         self._ttft_child = self._ttft.labels(model_name)
         self._e2e_child = self._e2e.labels(model_name)
         self._queue_child = self._queue.labels(model_name)
+        self._prefill_child = self._prefill.labels(model_name)
+        self._decode_child = self._decode.labels(model_name)
+        self._inference_child = self._inference.labels(model_name)
+        self._prompt_tokens_child = self._prompt_tokens.labels(model_name)
+        self._generation_tokens_child = self._generation_tokens.labels(model_name)
+        self._compat_registry: CollectorRegistry | None = None
+        if compat == "vllm":
+            self._compat_registry = CollectorRegistry(auto_describe=False)
+            self._compat_registry.register(_RenamedCollector(self.registry, VLLM_PREFIX, VLLM_ALIASES))
 
     def record_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
@@ -150,8 +253,13 @@ class ServerMetrics:
             return
         self._itl.observe(seconds / num_tokens, num_tokens)
 
-    def record_finished(self, finish_reason: str, metrics: "RequestMetrics | None") -> None:
+    def record_finished(self, finish_reason: str, metrics: "RequestMetrics | None", *,
+                        num_prompt_tokens: int | None = None, num_generation_tokens: int | None = None) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
+        if num_prompt_tokens is not None:
+            self._prompt_tokens_child.observe(num_prompt_tokens)
+        if num_generation_tokens is not None:
+            self._generation_tokens_child.observe(num_generation_tokens)
         if metrics is None:
             return
         if metrics.time_to_first_token is not None:
@@ -160,6 +268,17 @@ class ServerMetrics:
             self._queue_child.observe(metrics.queue_time)
         if metrics.e2e_latency is not None:
             self._e2e_child.observe(metrics.e2e_latency)
+        scheduled, first_token, finished = (metrics.first_scheduled_time, metrics.first_token_time,
+                                            metrics.finished_time)
+        if scheduled is not None and first_token is not None:
+            self._prefill_child.observe(max(first_token - scheduled, 0.0))
+        if first_token is not None and finished is not None:
+            self._decode_child.observe(max(finished - first_token, 0.0))
+        if scheduled is not None and finished is not None:
+            self._inference_child.observe(max(finished - scheduled, 0.0))
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        body = generate_latest(self.registry)
+        if self._compat_registry is not None:
+            body += generate_latest(self._compat_registry)
+        return body, CONTENT_TYPE_LATEST

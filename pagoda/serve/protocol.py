@@ -2,8 +2,8 @@
 
 Requests accept unknown fields and ignore them, as OpenAI does; fields that would change the
 meaning of a request but are not supported are declared here so the handlers can refuse them
-with a 400 instead of silently ignoring them. Streamed chunks are built as plain dicts in
-`streaming.py` for speed; these models describe the non-streamed bodies.
+with a 400 instead of silently ignoring them. Streamed chunks are formatted as JSON text by
+each endpoint's ChunkFormatter for speed; these models describe the non-streamed bodies.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import bad_request, from_value_error
+from pagoda.errors import InvalidRequest
+from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.serve.protocol import SamplingFields
 
 # Knobs for which the model's generation_config.json supplies a default when the client
@@ -58,5 +59,5 @@ def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
     )
     try:
         return SamplingParams(**{k: v for k, v in values.items() if k in _SAMPLING_FIELDS})
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except InvalidRequest as exc:
+        raise invalid_request(exc) from None

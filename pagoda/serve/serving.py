@@ -2,9 +2,11 @@
 
 `ServeContext` is everything one app owns (engine front, tenants, limits, metrics, logs).
 `Generation` is one HTTP request's engine requests (one per prompt) from admission to the
-end: it admits them (tenant limits, rate limits, queue), submits them, yields their outputs,
-and on `close` releases every hold, aborts what is still running, records metrics and
-writes the request's log line. `close` is idempotent and must run on every path.
+end: it admits them (tenant limits, the engine's own request checks, rate limits, queue),
+submits them, yields their deltas while building each prompt's whole output (for usage, the
+log line and non-streamed answers), and on `close` releases every hold, aborts what is still
+running, records metrics and writes the request's log line. `close` is idempotent and must
+run on every path. The endpoints drive it through the skeleton in handler.py.
 """
 
 from __future__ import annotations
@@ -13,25 +15,21 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from typing import AsyncIterator
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
-from pagoda.serve.errors import (APIError, bad_request, engine_unavailable, from_value_error,
-                                 model_not_found)
+from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
 from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.protocol import PromptTokensDetails, Usage
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
-from pagoda.serve.sse import ClientDisconnected, EventStreamResponse, cancel_on_disconnect
 from pagoda.serve.tenants import Tenant, TenantLease, TenantLimiter
 
 # HTTP status logged for requests whose client went away (nginx's convention).
@@ -86,25 +84,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_token_ids(token_ids: list[int], param: str = "prompt") -> None:
-    if not token_ids:
-        raise bad_request(f"{param} must not be empty.", param=param)
-    for token_id in token_ids:
-        if token_id < 0:
-            raise bad_request(f"{param} contains a negative token id ({token_id}).", param=param)
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                         param: str = "max_tokens") -> None:
-    requested = num_prompt_tokens + (max_tokens or 0)
-    if requested > max_model_len or num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {requested} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens or 0} for the completion). Please reduce the length of the prompt "
-            f"or {param}.", param=param, code="context_length_exceeded")
-
-
 _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found",
                    413: "too_large", 429: "rate_limited", 503: "overloaded"}
 
@@ -126,7 +105,7 @@ class Generation:
     stream: bool
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
-    # One entry per submitted prompt: its stream, newest output, and final output.
+    # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[RequestStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -145,17 +124,22 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
 
-    async def start(self, max_tokens_param: str = "max_tokens") -> None:
-        """Admit and submit every prompt, or raise the APIError that refused it (and close)."""
+    async def start(self, param_names: dict[str, str] | None = None) -> None:
+        """Admit and submit every prompt, or raise the APIError that refused it (and close).
+
+        `param_names` renames the engine's parameter names in errors into the endpoint's
+        (chat: the prompt is "messages")."""
         ctx = self.ctx
         try:
             ctx.check_engine()
             for prompt in self.prompts:
-                check_token_ids(prompt.token_ids)
                 self.tenant.check_prompt_tokens(len(prompt.token_ids))
-                check_context_length(len(prompt.token_ids), self.params.max_tokens,
-                                     ctx.llm.max_model_len, max_tokens_param)
-            self._output_guard = guard_generation_output(ctx, self.tenant, self.params)  # guardrails hook
+                try:
+                    ctx.llm.validate(prompt.token_ids, self.params)
+                except InvalidRequest as exc:
+                    raise invalid_request(exc, param_names) from None
+            self._output_guard = guard_generation_output(  # guardrails hook
+                ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
             for request_id, prompt in zip(self.engine_request_ids, self.prompts):
@@ -164,8 +148,8 @@ class Generation:
                         request_id, prompt.token_ids, self.params,
                         arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
                         priority=self.tenant.limits.priority, wake=self._wake)
-                except ValueError as exc:
-                    raise from_value_error(exc) from None
+                except InvalidRequest as exc:
+                    raise invalid_request(exc, param_names) from None
                 except EngineDeadError:
                     raise engine_unavailable() from None
                 self.streams.append(stream)
@@ -182,8 +166,9 @@ class Generation:
             self.close(500)
             raise
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, newest output) as they arrive, until every prompt is finished."""
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+        """(prompt index, what it gained) as they arrive, until every prompt is finished.
+        `latest[i]` is prompt i's whole output so far, already including the delta."""
         wake = self._wake
         metrics = self.ctx.metrics
         while not all(self.finals):
@@ -193,23 +178,26 @@ class Generation:
                 if self.finals[i] is not None:
                     continue
                 try:
-                    output = stream.poll()
+                    delta = stream.poll()
                 except EngineDeadError:
                     raise engine_unavailable("The engine stopped while serving the request.")
-                if output is None:
+                if delta is None:
                     continue
                 got_any = True
                 if self._output_guard is not None:  # guardrails hook
-                    output = await self._output_guard.filter(i, output)
-                if self.latest[i] is None:
+                    delta = await self._output_guard.filter(i, delta)
+                output = self.latest[i]
+                if output is None:
                     self._slots[i].leave()
+                    output = self.latest[i] = RequestOutput.from_delta(delta)
+                else:
+                    output.add(delta)
                 self._itl_marks[i] = _record_inter_token(metrics, self._itl_marks[i], output)
-                self.latest[i] = output
                 if output.finished:
                     self.finals[i] = output
                     reason = _finish_reason(output)
                     metrics.record_finished(reason, output.metrics)
-                yield i, output
+                yield i, delta
             if not got_any:
                 await wake.wait()
 
@@ -267,35 +255,6 @@ class Generation:
         record.output = [c.text for o in outputs for c in o.outputs]
         record.extra.update(guard_log_fields(self.input_decision, self._output_guard))  # guardrails hook
         return record
-
-
-async def respond(raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None,
-                  build_response: Callable[[], Any]) -> Response:
-    """Send a started generation: as server-sent events when `stream_body` is given, else wait
-    for it to finish (aborting it if the client leaves) and send `build_response()` as JSON.
-    The generation is closed with the status the client saw."""
-    if stream_body is not None:
-        return EventStreamResponse(stream_body, on_close=lambda: generation.close(
-            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
-    try:
-        await cancel_on_disconnect(raw, _drain(generation))
-        response = build_response()
-    except ClientDisconnected:
-        generation.close(CLIENT_CLOSED_REQUEST)
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except APIError as exc:
-        generation.close(exc.status, exc)
-        raise
-    except BaseException:
-        generation.close(CLIENT_CLOSED_REQUEST)
-        raise
-    generation.close(200)
-    return JSONResponse(response.model_dump())
-
-
-async def _drain(generation: Generation) -> None:
-    async for _ in generation.outputs():
-        pass
 
 
 def _finish_reason(output: RequestOutput) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.serve.latency_targets import LatencyTargets
 from pagoda.serve.tenants import TenantRegistry
 
 if TYPE_CHECKING:
@@ -24,9 +25,13 @@ class ServerSettings:
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     log_prompts: bool = False
+    latency_targets: LatencyTargets | None = None
+    metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
     guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
 
     def __post_init__(self) -> None:
+        if self.metrics_compat not in ("none", "vllm"):
+            raise ValueError(f"metrics_compat must be none or vllm, got {self.metrics_compat!r}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         for name in ("max_queued_requests", "max_queued_tokens"):

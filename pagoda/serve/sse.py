@@ -104,6 +104,8 @@ class ChoiceChunks:
     """
 
     def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
+        self.base = base
+        self.include_usage = include_usage
         self._head = "data: " + to_json(base)[:-1] + ',"choices":[{'
         self._tail = '}],"usage":null}\n\n' if include_usage else "}]}\n\n"
 

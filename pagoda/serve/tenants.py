@@ -19,7 +19,10 @@ Every limit is optional. Without a file the server is open (one tenant, "default
 guarded by a single `--api-key` shared by that one tenant.
 
 The tenant also determines the prefix-cache salt, so cached blocks never leak between
-tenants; the client has no say in it.
+tenants; the client has no say in it. An operator may deliberately let several tenants share
+cached prefixes (e.g. one organisation's keys split for quotas) by giving them the same
+`cache_scope: NAME`; the default scope is the tenant's own name. `pagoda audit` reports a
+shared scope as a cross-tenant side channel.
 """
 
 from __future__ import annotations
@@ -61,12 +64,15 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits = field(default_factory=TenantLimits)
+    # Tenants with the same scope share prefix-cache entries; None: the tenant's own name.
+    cache_scope: str | None = None
     # An admin key sees every tenant's figures on /dashboard; others see only their own.
     admin: bool = False
 
     @property
     def cache_salt(self) -> str:
-        return hashlib.sha256(f"pagoda-prefix-cache\0{self.name}".encode()).hexdigest()[:32]
+        scope = self.cache_scope or self.name
+        return hashlib.sha256(f"pagoda-prefix-cache\0{scope}".encode()).hexdigest()[:32]
 
     def check_prompt_tokens(self, num_prompt_tokens: int) -> None:
         limit = self.limits.max_prompt_tokens
@@ -158,12 +164,16 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         admin = spec.pop("admin", False)
         if not isinstance(admin, bool):
             raise ValueError(f"tenant {name!r}: admin must be true or false, got {admin!r}")
+        cache_scope = spec.pop("cache_scope", None)
+        if cache_scope is not None and (not isinstance(cache_scope, str) or not cache_scope):
+            raise ValueError(f"tenant {name!r}: cache_scope must be a non-empty string")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: admin, api_keys, {', '.join(sorted(_LIMIT_FIELDS))}")
+                             f"known: admin, api_keys, cache_scope, "
+                             f"{', '.join(sorted(_LIMIT_FIELDS))}")
         try:
-            tenant = Tenant(name, TenantLimits(**spec), admin=admin)
+            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin)
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pagoda.serve.chat import template_messages
-from pagoda.serve.errors import bad_request
+from pagoda.errors import InvalidRequest
+from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.serve.messages import template_messages
 from pagoda.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                    TokenizeResponse)
 from pagoda.serve.serving import ServeContext
@@ -18,9 +19,8 @@ def tokenize(ctx: ServeContext, request: TokenizeRequest) -> TokenizeResponse:
         try:
             tokens = tokenizer.encode_chat(template_messages(request.messages),
                                            add_generation_prompt=request.add_generation_prompt)
-        except ValueError as exc:
-            raise bad_request(f"messages could not be formatted: {exc}",
-                              param="messages") from None
+        except InvalidRequest as exc:
+            raise invalid_request(exc) from None
     else:
         assert request.prompt is not None
         tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
@@ -38,3 +38,4 @@ def detokenize(ctx: ServeContext, request: DetokenizeRequest) -> DetokenizeRespo
             raise bad_request(f"tokens contains {token_id}, outside the vocabulary "
                               f"[0, {vocab_size}).", param="tokens")
     return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+

@@ -12,38 +12,29 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
-from pagoda.model.attention import AttentionBackend
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.request import Request
-from pagoda.worker.model_runner import Segment, allocate_kv_caches, build_batch
+from pagoda.worker.model_runner import PagedModel, Segment, build_batch
 from pagoda.worker.sampler import DraftedRow, Sampler
 
 
-class DraftModelProposer:
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
-        self.sliding_windows = set(model.config.layer_sliding_windows)
+class DraftModelProposer(PagedModel):
+    """The draft model with its own KV tensors (PagedModel), proposing drafts each step."""
 
     def run(self, scheduler_output: SchedulerOutput, sampler: Sampler) -> dict[str, torch.Tensor | None]:
-        """Fill `spec_token_ids` of the speculating requests. Returns, per such request, the
+        """Fill `spec.token_ids` of the speculating requests. Returns, per such request, the
         draft distributions [K, V] its drafts were sampled from (None for greedy requests)."""
         segments: list[Segment] = []
         speculating: list[tuple[int, Request, int]] = []  # (segment index, request, drafts wanted)
         for entry in scheduler_output.scheduled:
             request = entry.request
             end = entry.num_computed_before + entry.num_new_tokens - entry.num_spec_tokens
-            start = request.num_draft_computed_tokens
+            start = request.spec.num_draft_computed_tokens
             if start >= end:
                 continue
             segments.append(Segment(request, start, request.all_token_ids[start:end]))
-            request.num_draft_computed_tokens = end
+            request.spec.num_draft_computed_tokens = end
             if entry.num_spec_tokens:
-                request.spec_token_ids = []
+                request.spec.token_ids = []
                 speculating.append((len(segments) - 1, request, entry.num_spec_tokens))
         if not segments:
             return {}
@@ -55,9 +46,9 @@ class DraftModelProposer:
             active = [request for _, request, wanted in speculating if wanted > step]
             segments = []
             for request in active:
-                position = request.num_draft_computed_tokens
-                segments.append(Segment(request, position, [request.spec_token_ids[-1]]))
-                request.num_draft_computed_tokens = position + 1
+                position = request.spec.num_draft_computed_tokens
+                segments.append(Segment(request, position, [request.spec.token_ids[-1]]))
+                request.spec.num_draft_computed_tokens = position + 1
             logits = self._forward(segments, list(range(len(segments))))
             self._propose(logits, active, sampler, distributions)
 
@@ -66,8 +57,7 @@ class DraftModelProposer:
     def _forward(self, segments: list[Segment], wanted: list[int]) -> torch.Tensor:
         """Run the draft on the segments; logits at the last token of each wanted segment."""
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
-        metadata = self.backend.prepare(layout, self.sliding_windows)
-        hidden = self.model(input_ids, positions, ForwardContext(self.backend, metadata, self.kv_caches))
+        hidden = self.model(input_ids, positions, self.forward_context(layout))
         if not wanted:
             return hidden.new_empty(0, self.model.config.vocab_size)
         last_rows = layout.query_start_loc[1:] - 1
@@ -76,12 +66,12 @@ class DraftModelProposer:
     @staticmethod
     def _propose(logits: torch.Tensor, requests: list[Request], sampler: Sampler,
                  distributions: dict[str, list[torch.Tensor]]) -> None:
-        rows = [DraftedRow(request, request.spec_token_ids) for request in requests]
+        rows = [DraftedRow(request, request.spec.token_ids) for request in requests]
         processed = sampler.process(logits, rows)
         for i, (request, row) in enumerate(zip(requests, rows)):
             if request.sampling_params.is_greedy:
-                request.spec_token_ids.append(int(processed[i].argmax()))
+                request.spec.token_ids.append(int(processed[i].argmax()))
                 continue
             probs = sampler.probabilities(processed[i:i + 1], [row])[0]
-            request.spec_token_ids.append(sampler.draw(probs, row))
+            request.spec.token_ids.append(sampler.draw(probs, row))
             distributions[request.request_id].append(probs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -19,15 +20,15 @@ from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.request import Request
-from pagoda.spec_decode.rejection_sampler import verify
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
 @dataclass
 class StepTimings:
-    """Seconds spent in each phase of the last step. `schedule` and `update` (the scheduler
-    before and after the forward) are filled in by the engine core."""
+    """Seconds spent in each phase of one step. The runner measures its phases (prepare,
+    propose, forward, sample); the engine core, which owns the step record, adds `schedule`
+    and `update` (the scheduler before and after the forward)."""
 
     prepare: float = 0.0
     propose: float = 0.0  # the draft model's forwards (speculative decoding)
@@ -49,6 +50,27 @@ class ModelRunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)  # drafts accepted, per speculating request
     # Prompt logprobs computed this step: request id -> entries for consecutive prompt positions.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)  # the runner's phases of this step
+
+
+class Verified(Protocol):
+    token_ids: list[int]  # accepted drafts, then one token from the target
+    num_accepted: int
+
+
+class Speculator(Protocol):
+    """What the runner needs from speculative decoding (spec_decode.SpecDecodeController)."""
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A draft model's own KV tensors, copied with the target's on copy-on-write."""
+
+    def propose(self, scheduler_output: SchedulerOutput, sampler: Sampler) -> dict[str, torch.Tensor | None]:
+        """Fill the drafts of the speculating requests; their draft distributions (None: point masses)."""
+
+    def verify(self, sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int],
+               draft_probs: torch.Tensor | None) -> Verified:
+        """Accept a prefix of the drafts from the target's logits [K + 1, V]."""
 
 
 @dataclass
@@ -96,12 +118,6 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             torch.tensor(positions, dtype=torch.long, device=device), layout)
 
 
-def kv_bytes_per_block(model: LlamaFamilyModel, block_size: int, dtype: torch.dtype) -> int:
-    config = model.config
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
-
-
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = model.config
@@ -110,19 +126,33 @@ def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int
             for _ in range(config.num_layers)]
 
 
-class ModelRunner:
+class PagedModel:
+    """A model with its own paged KV cache. The runner holds the target model's; a draft model
+    (spec_decode) holds its own, indexed by the same block ids and slots."""
+
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, drafter=None) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
         self.sliding_windows = set(model.config.layer_sliding_windows)
+
+    def forward_context(self, layout: BatchLayout) -> ForwardContext:
+        """Attention metadata for one batch, over this model's caches."""
+        metadata = self.backend.prepare(layout, self.sliding_windows)
+        return ForwardContext(self.backend, metadata, self.kv_caches)
+
+
+class ModelRunner(PagedModel):
+    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False, speculator: Speculator | None = None) -> None:
+        super().__init__(model, backend, num_blocks, block_size, dtype, device)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
-        self.drafter = drafter  # DraftModelProposer, or None
-        self.timings = StepTimings()
+        self.speculator = speculator
+        self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend):
@@ -133,10 +163,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        if scheduler_output.kv_transfers:  # tier copies go first: CoW targets may be evicted blocks
+            self.kv_transfer.run(scheduler_output.kv_transfers)
         self._copy_blocks(scheduler_output.block_copies)
         draft_probs: dict[str, torch.Tensor | None] = {}
-        if self.drafter is not None:
-            draft_probs = self.drafter.run(scheduler_output, self.sampler)
+        if self.speculator is not None:
+            draft_probs = self.speculator.propose(scheduler_output, self.sampler)
         proposed = time.perf_counter()
 
         segments = []
@@ -144,7 +176,7 @@ class ModelRunner:
             request = entry.request
             num_real = entry.num_new_tokens - entry.num_spec_tokens
             begin = entry.num_computed_before
-            tokens = request.all_token_ids[begin:begin + num_real] + request.spec_token_ids[:entry.num_spec_tokens]
+            tokens = request.all_token_ids[begin:begin + num_real] + request.spec.token_ids[:entry.num_spec_tokens]
             segments.append(Segment(request, begin, tokens))
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
@@ -152,8 +184,7 @@ class ModelRunner:
             prepared = time.perf_counter()
             hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
         else:
-            metadata = self.backend.prepare(layout, self.sliding_windows)
-            context = ForwardContext(self.backend, metadata, self.kv_caches)
+            context = self.forward_context(layout)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
@@ -163,8 +194,8 @@ class ModelRunner:
         if logits is not None:
             self._sample(logits, row_owners, draft_probs, output)
         done = time.perf_counter()
-        self.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
-                                   forward=forwarded - prepared, sample=done - forwarded)
+        output.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
+                                     forward=forwarded - prepared, sample=done - forwarded)
         return output
 
     def _logit_rows(self, scheduler_output: SchedulerOutput, layout: BatchLayout) -> tuple[list[int], list[tuple]]:
@@ -214,8 +245,10 @@ class ModelRunner:
         for index, (kind, request, extent) in enumerate(owners):
             rows = logits[offsets[index]:offsets[index] + (len(extent) if kind == "prompt" else extent)]
             if kind == "verify":
-                drafts = request.spec_token_ids[:extent - 1]
-                result = verify(self.sampler, rows, request, drafts, draft_probs.get(request.request_id))
+                drafts = request.spec.token_ids[:extent - 1]
+                assert self.speculator is not None  # verify rows exist only for drafted requests
+                result = self.speculator.verify(self.sampler, rows, request, drafts,
+                                                draft_probs.get(request.request_id))
                 output.sampled_token_ids[request.request_id] = result.token_ids
                 output.num_accepted[request.request_id] = result.num_accepted
                 k = request.sampling_params.logprobs
@@ -232,7 +265,7 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        caches = list(self.kv_caches) + (list(self.drafter.kv_caches) if self.drafter is not None else [])
+        caches = list(self.kv_caches) + (self.speculator.kv_caches if self.speculator is not None else [])
         for key_cache, value_cache in caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]

@@ -1,0 +1,44 @@
+"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit.
+
+One module per command in this package; each exposes `add_parser(subparsers)`, which registers
+the command's flags and sets `func` to the function that runs it. Adding a command is one
+module plus one line in `COMMANDS`.
+
+Only argument parsing lives here: a command turns its flags into the dataclass its domain
+module takes (EngineConfig, ServeOptions, the bench options, PlanOptions) and calls it. Command
+modules import heavy packages (torch, fastapi, transformers) inside their run functions so that
+`pagoda --help` and `pagoda COMMAND --help` stay fast (tests/cli/test_cli_startup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# The command modules, in the order `pagoda --help` lists them.
+COMMANDS = (
+    "pagoda.cli.serve",      # pagoda serve
+    "pagoda.cli.generate",   # pagoda generate
+    "pagoda.cli.chat",       # pagoda chat
+    "pagoda.cli.bench",      # pagoda bench serve|offline|compare
+    "pagoda.cli.plan",       # pagoda plan
+    "pagoda.cli.gate",       # pagoda gate | gate record
+    "pagoda.cli.audit",      # pagoda audit
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="An LLM inference server.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMANDS:
+        importlib.import_module(module_name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: no traceback
+        return 130
+    return int(result or 0)

@@ -1,0 +1,178 @@
+"""`pagoda bench serve | offline | compare`: flags, turned into the bench/options.py dataclasses.
+
+Heavy imports (transformers, torch, matplotlib, httpx) happen inside the run functions so that
+`pagoda --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pagoda.bench.lengths import LENGTH_SPEC_HELP
+from pagoda.bench.options import (DEFAULT_NUM_REQUESTS, CompareBenchOptions, OfflineBenchOptions, ReportOptions,
+                                  ServeBenchOptions, WorkloadOptions, parse_json_arg)
+from pagoda.cli.options import options_from_args
+from pagoda.config import EngineConfig
+
+MIX_HELP = ("request classes and weights, e.g. chat=0.6,rag=0.3,summarize=0.1. Classes: chat (short in, short "
+            "out), rag (a few shared documents + a question: prefix-cache friendly), summarize (long in, long "
+            "out), agent (multi-turn sessions resending the conversation + a tool result), file:PATH.jsonl "
+            "(lines with prompt, messages or prompt_len, and optional output_len, class). Default: chat")
+
+
+def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: bool = False) -> None:
+    """Workload flags; with_engine_flags: --tokenizer, --max-model-len and --seed come from EngineConfig."""
+    group = parser.add_argument_group("workload")
+    if not with_engine_flags:
+        group.add_argument("--tokenizer", required=parser.prog.endswith("serve"),
+                           help="local tokenizer directory; lengths are exact token counts for it"
+                                + ("" if parser.prog.endswith("serve") else " (default: --model)"))
+    group.add_argument("--mix", default="chat", help=MIX_HELP)
+    group.add_argument("--param", action="append", default=[], metavar="CLASS.FIELD=LENGTH",
+                       help=f"override a class's lengths (repeatable); LENGTH is {LENGTH_SPEC_HELP}. "
+                            "Fields: chat/summarize: prompt, output; rag: doc, docs, question, output; "
+                            "agent: prompt, tool, output, turns, sessions")
+    group.add_argument("--length-scale", type=float, default=1.0,
+                       help="multiply every default token length (e.g. 0.1 for a tiny model)")
+    group.add_argument("--num-requests", type=int, default=None, help="requests to send (default 100)")
+    if not with_engine_flags:
+        group.add_argument("--max-model-len", type=int, default=None,
+                           help="cap prompt + output to the target's context length")
+        group.add_argument("--seed", type=int, default=0, help="seed of every length, prompt and arrival draw")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
+                                  description="Benchmarks with request classes that mirror real traffic.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare}", required=True)
+
+    serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
+                           description="Drive any OpenAI-compatible server (pagoda, vLLM, llama-server) with "
+                                       "streaming requests; report TTFT, ITL, TPOT, latency, throughput, "
+                                       "goodput and the server's own counters.")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
+    serve.add_argument("--model", required=True, help="model name to send in each request")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    add_workload_args(serve)
+    arrivals = serve.add_argument_group("arrivals")
+    arrivals.add_argument("--request-rate", type=float, default=math.inf,
+                          help="open loop: mean requests per second (default inf: all at once, or closed "
+                               "loop when --concurrency is given)")
+    arrivals.add_argument("--burstiness", type=float, default=1.0,
+                          help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
+    arrivals.add_argument("--concurrency", type=int, default=None,
+                          help="closed loop: this many clients; with --request-rate: the most in flight")
+    arrivals.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    arrivals.add_argument("--sweep-concurrency", default=None, metavar="1,4,16,64",
+                          help="closed-loop runs at each concurrency; plots throughput and p99 vs concurrency")
+    serve.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (exact output lengths)")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    serve.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    serve.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before the run")
+    add_output_args(serve)
+    serve.set_defaults(func=run_serve)
+
+    offline = sub.add_parser("offline", help="benchmark the engine in-process (pagoda.LLM), no HTTP",
+                             description="Every request arrives at once; the engine runs them to completion.")
+    add_workload_args(offline, with_engine_flags=True)
+    offline.add_argument("--static-batch", type=int, default=None, metavar="B",
+                         help="emulate static batching: run B requests at a time, each group to completion")
+    offline.add_argument("--warmup", type=int, default=2, help="requests run (and not measured) first")
+    add_output_args(offline)
+    EngineConfig.add_cli_args(offline)
+    offline.set_defaults(func=run_offline)
+
+    compare = sub.add_parser("compare", help="run several targets on the same request list and print ratios",
+                             description="Targets run back to back on one request list; ratios are to the first.",
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             epilog=_compare_epilog())
+    compare.add_argument("--model", required=True, help="model directory for the in-process targets")
+    compare.add_argument("--target", action="append", required=True, metavar="SPEC", help="repeatable; see below")
+    add_workload_args(compare)
+    compare.add_argument("--num-threads", type=int, default=None, help="torch threads for in-process targets")
+    compare.add_argument("--concurrency", type=int, default=None, help="HTTP targets: closed-loop clients")
+    compare.add_argument("--request-rate", type=float, default=math.inf, help="HTTP targets: open-loop rate")
+    compare.add_argument("--warmup", type=int, default=2, help="requests run (and not measured) per target")
+    add_output_args(compare)
+    compare.set_defaults(func=run_compare)
+
+
+def _compare_epilog() -> str:
+    from pagoda.bench.targets import TARGET_HELP
+
+    return TARGET_HELP
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--slo", default=None, help="latency targets for goodput, e.g. ttft=0.5,itl=0.05 "
+                                                   "(seconds or ms suffix; keys ttft, itl, tpot, e2e)")
+    group.add_argument("--out", default=None, help="directory for results.json (every request) and PNG plots")
+    group.add_argument("--label", default=None, help="name of the target in the report")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---- from flags to options ----------------------------------------------------------------
+
+
+def _report_options(args: argparse.Namespace) -> ReportOptions:
+    return options_from_args(ReportOptions, args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pagoda.bench.loadgen import LoadConfig
+    from pagoda.bench.serve_run import serve_benchmark
+
+    try:
+        # Without a count or a duration, send the default number of requests.
+        num_requests = args.num_requests
+        if num_requests is None and args.duration is None:
+            num_requests = DEFAULT_NUM_REQUESTS
+        load = options_from_args(LoadConfig, args, num_requests=num_requests,
+                                 extra_body=parse_json_arg(args.extra_body, "--extra-body"))
+    except ValueError as e:
+        return _fail("serve", e)
+    options = ServeBenchOptions(load=load, sweep_concurrency=args.sweep_concurrency,
+                                workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
+    return _run("serve", serve_benchmark, options)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from pagoda.bench.offline import offline_benchmark
+
+    try:
+        engine = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        return _fail("offline", e)
+    # The workload's tokenizer, length cap and seed are the engine's.
+    workload = options_from_args(WorkloadOptions, args, tokenizer=engine.tokenizer,
+                                 max_model_len=engine.max_model_len, seed=engine.seed)
+    options = options_from_args(OfflineBenchOptions, args, engine=engine, workload=workload,
+                                report=_report_options(args))
+    return _run("offline", offline_benchmark, options)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from pagoda.bench.compare import compare_benchmark
+
+    options = options_from_args(CompareBenchOptions, args, targets=args.target,
+                                workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
+    return _run("compare", compare_benchmark, options)
+
+
+def _run(command: str, benchmark: Callable[[Any], int], options: Any) -> int:
+    try:
+        return benchmark(options)
+    except ValueError as e:
+        return _fail(command, e)
+
+
+def _fail(command: str, error: Exception) -> int:
+    print(f"pagoda bench {command}: error: {error}", file=sys.stderr)
+    return 2

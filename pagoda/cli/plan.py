@@ -1,0 +1,43 @@
+"""`pagoda plan`: flags of the capacity worksheet; pagoda/plan.py does the arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagoda.cli.options import options_from_args
+from pagoda.plan import CLASSES_HELP, PlanOptions, plan_from_options, render_plan
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="capacity worksheet: weights, KV cache, concurrency",
+        description="How many sequences fit: weight bytes, KV bytes per token/sequence, blocks, "
+                    "per-class concurrency, and what quantization or a shorter context would change. "
+                    "Pure arithmetic from config.json (and safetensors headers when present).",
+        formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory or its config.json")
+    parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
+    parser.add_argument("--dtype", default=None,
+                        help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
+    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
+                        "(default: --dtype, or bf16 if that is a quantized type)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens per sequence (default: the model's max_position_embeddings)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--reserve", default="10%",
+                        help="memory kept back for activations, CUDA context and fragmentation:\n"
+                             "a percentage of --memory or bytes (default: 10%%)")
+    parser.add_argument("--classes", nargs="+", default=None, metavar="SPEC", help=CLASSES_HELP)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_options(options_from_args(PlanOptions, args))
+    except ValueError as e:
+        print(f"pagoda plan: error: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else render_plan(plan))
+    return 0

@@ -1,0 +1,84 @@
+"""RequestStream: the deltas of one request, read on the event loop that submitted it.
+
+The engine side hands each step's delta over with `call_soon_threadsafe`; the stream merges
+what its consumer has not read yet into one pending delta (as vLLM's RequestOutputCollector
+does), so a consumer that falls behind reads one bigger delta instead of a growing backlog,
+and never misses text or tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagoda.engine.transport.messages import ACCEPTED, EmittedItem
+from pagoda.outputs import RequestOutputDelta
+
+
+class RequestStream:
+    """The deltas of one request, read on the event loop that created it."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 wake: asyncio.Event | None = None) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False  # the finishing delta has been read
+        self._accepted: asyncio.Future[None] = loop.create_future()
+        self._pending: RequestOutputDelta | None = None
+        self._error: BaseException | None = None
+        # Several streams may share one wake event so a caller can wait on all of them.
+        self._ready = wake if wake is not None else asyncio.Event()
+
+    def deliver(self, item: EmittedItem) -> None:
+        """Called on the stream's event loop with what the engine emitted for the request."""
+        if isinstance(item, str):
+            if item == ACCEPTED and not self._accepted.done():
+                self._accepted.set_result(None)
+            return
+        if isinstance(item, BaseException):
+            if not self._accepted.done():
+                self._accepted.set_exception(item)
+                # The creator may already be gone (cancelled); don't warn about it.
+                self._accepted.exception()
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            self._pending.merge(item)
+        self._ready.set()
+
+    async def wait_accepted(self) -> None:
+        await self._accepted
+
+    def poll(self) -> RequestOutputDelta | None:
+        """Everything the request gained since the last read, if anything; raises once the
+        engine has died (after the deltas that arrived before)."""
+        delta, self._pending = self._pending, None
+        if delta is None:
+            if self._error is not None:
+                raise self._error
+            return None
+        if delta.finished:
+            self.finished = True
+        return delta
+
+    async def get(self) -> RequestOutputDelta:
+        """The next delta, waiting for one if none is pending."""
+        while True:
+            self._ready.clear()
+            delta = self.poll()
+            if delta is not None:
+                return delta
+            await self._ready.wait()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutputDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+def deliver_all(items: list[tuple[RequestStream, EmittedItem]]) -> None:
+    for stream, item in items:
+        stream.deliver(item)

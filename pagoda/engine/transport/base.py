@@ -1,0 +1,71 @@
+"""The interface both transports implement, and what the engine reports when it is up."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from pagoda.config import EngineConfig
+from pagoda.engine.transport.messages import Emitted, ToEngine
+from pagoda.engine.validation import EngineLimits
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import EngineStats, LLMEngine
+    from pagoda.tokenizer import Tokenizer
+
+TransportKind = Literal["thread", "process"]
+EngineFactory = Callable[[EngineConfig], "LLMEngine"]
+OnEmitted = Callable[[Emitted, "EngineStats"], None]
+OnDeath = Callable[[BaseException], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped; no request can be served any more."""
+
+
+@dataclass
+class EngineInfo:
+    """What the front learns once the engine is built (sent over the pipe by the process)."""
+
+    max_model_len: int
+    engine_limits: EngineLimits | None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    stats: "EngineStats | None" = None
+
+    @classmethod
+    def of(cls, engine: "LLMEngine") -> "EngineInfo":
+        # getattr: an engine_factory may build a stand-in without every attribute.
+        return cls(max_model_len=engine.max_model_len,
+                   engine_limits=getattr(engine, "engine_limits", None),
+                   generation_defaults=dict(getattr(engine, "generation_defaults", {}) or {}),
+                   stats=engine.get_stats())
+
+
+class EngineTransport(ABC):
+    """Runs an engine away from the event loop and carries messages both ways.
+
+    The constructor starts the engine and returns once it is ready (or raises). Afterwards
+    `send` never blocks; every step's results arrive through `on_emitted` and an engine that
+    dies is reported once through `on_death`, both called from a thread of the transport.
+    """
+
+    info: EngineInfo
+    tokenizer: "Tokenizer"
+
+    def __init__(self, config: EngineConfig, on_emitted: OnEmitted, on_death: OnDeath) -> None:
+        self.config = config
+        self._on_emitted = on_emitted
+        self._on_death = on_death
+
+    @abstractmethod
+    def send(self, message: ToEngine) -> None:
+        """Queue a message for the engine (returns at once)."""
+
+    @abstractmethod
+    def is_alive(self) -> bool:
+        """Whether the engine's thread or process is still running."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float | None) -> None:
+        """Ask the engine to stop and wait for it (a process is killed after `timeout`)."""

@@ -1,0 +1,72 @@
+"""The engine side of either transport: build the engine on its own thread, then apply
+messages, step while there is work and emit after every step. When idle it blocks on its
+inbox (no busy loop)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from pagoda.config import EngineConfig
+from pagoda.engine.threads import set_engine_threads
+from pagoda.engine.transport.base import EngineFactory, OnEmitted
+from pagoda.engine.transport.messages import (ACCEPTED, AbortRequests, AddRequest, Emitted,
+                                              EmittedItem, Shutdown, ToEngine)
+from pagoda.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# take(block): the messages waiting in the inbox; with block=True, waits for at least one.
+Take = Callable[[bool], list[ToEngine]]
+
+
+def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEngine":
+    # Torch's thread count is per calling thread: this runs on the thread that will step.
+    set_engine_threads(config, serving=True)
+    if factory is not None:
+        return factory(config)
+    from pagoda.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
+    """Apply messages, step while there is work, emit after every step; return on Shutdown.
+
+    An exception from the engine ends the loop (the engine's state is unknown after it).
+    """
+    while True:
+        messages = take(not engine.has_unfinished_requests())
+        emitted: Emitted = []
+        for message in messages:
+            if isinstance(message, Shutdown):
+                close = getattr(engine, "close", None)  # clean shutdown: the disk KV tier's files
+                if close is not None:
+                    close()
+                return
+            if isinstance(message, AddRequest):
+                emitted.append((message.request_id, _add(engine, message)))
+            elif isinstance(message, AbortRequests):
+                engine.abort_request(message.request_ids)
+        if engine.has_unfinished_requests():
+            for delta in engine.step():
+                emitted.append((delta.request_id, delta))
+        emit(emitted, engine.get_stats())
+
+
+def _add(engine: "LLMEngine", message: AddRequest) -> EmittedItem:
+    try:
+        engine.add_request(message.request_id, message.prompt, message.params,
+                           arrival_time=message.arrival_time, cache_salt=message.cache_salt,
+                           priority=message.priority)
+    except InvalidRequest as exc:
+        return exc
+    except ValueError as exc:
+        return InvalidRequest(str(exc))
+    except Exception as exc:  # a bug for this request; the engine itself keeps serving
+        logger.exception("add_request failed for %s", message.request_id)
+        return RuntimeError(f"the engine could not add the request: {exc!r}")
+    return ACCEPTED

@@ -1,0 +1,49 @@
+"""Small statistics the gate and the audit share: percentiles, AUC, bootstrap intervals."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return percentile(values, 50)
+
+
+def auc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
+    """P(score of a positive > score of a negative), ties counting half (Mann-Whitney U)."""
+    if not positives or not negatives:
+        return None
+    wins = 0.0
+    for p in positives:
+        for n in negatives:
+            wins += 1.0 if p > n else 0.5 if p == n else 0.0
+    return wins / (len(positives) * len(negatives))
+
+
+def bootstrap_auc_interval(positives: Sequence[float], negatives: Sequence[float], *,
+                           num_resamples: int = 1000, level: float = 0.95,
+                           seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap confidence interval of the AUC, resampling each class."""
+    if not positives or not negatives:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(num_resamples):
+        pos = [rng.choice(positives) for _ in positives]
+        neg = [rng.choice(negatives) for _ in negatives]
+        values.append(auc(pos, neg) or 0.5)
+    tail = (1 - level) / 2 * 100
+    return percentile(values, tail) or 0.0, percentile(values, 100 - tail) or 0.0

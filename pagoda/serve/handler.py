@@ -1,0 +1,156 @@
+"""The skeleton every generation endpoint shares: prepare, admit and submit, then answer as
+server-sent events or as one JSON body, with usage, finish handling and client disconnects.
+
+An endpoint (completions.py, chat.py) subclasses `GenerationEndpoint` and keeps only what is
+its own: turning its request body into prompts and SamplingParams, the chunk of one streamed
+delta, and the final response body. Everything it formats comes from one RequestOutputDelta
+stream (`Generation.deltas`); non-streamed answers read the outputs built from that stream.
+
+Where the next features plug in:
+- structured output / tool calling: `prepare` carries response_format / tools into the params;
+  a chat `ChunkFormatter` parses tool calls out of each delta's text, `response` out of the
+  final text.
+- guardrails: an input check belongs in `handle` after `prepare` (before `Generation.start`);
+  an output filter wraps `Generation.deltas` (hold back or redact a delta's text, or end a
+  sample with finish_reason "content_filter" and abort it), which both answer shapes read.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Generic, Iterable, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagoda.outputs import CompletionDelta, RequestOutputDelta
+from pagoda.sampling_params import SamplingParams
+from pagoda.serve.errors import APIError
+from pagoda.serve.guardrails import guard_input
+from pagoda.serve.protocol import SamplingFields
+from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
+                                  new_request_id)
+from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
+                              cancel_on_disconnect, sse_error, sse_event)
+from pagoda.serve.tenants import Tenant
+
+Body = TypeVar("Body", bound=SamplingFields)
+
+
+@dataclass
+class PreparedRequest:
+    """An endpoint's request in engine terms."""
+
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    # The engine's parameter names -> this endpoint's, for error messages.
+    param_names: dict[str, str] = field(default_factory=dict)
+    # Chat: the templated messages behind the one prompt, and how to render a prompt from
+    # messages again (an input guardrail that redacts a message re-renders the prompt).
+    messages: list[dict[str, Any]] | None = None
+    render_messages: Callable[[list[dict[str, Any]]], EnginePrompt] | None = None
+
+
+class ChunkFormatter(ABC):
+    """Formats one streamed response's chunks; may keep per-choice state (offsets, parsers)."""
+
+    def opening(self) -> Iterable[str]:
+        """Events sent before the first delta (chat: each choice's role)."""
+        return ()
+
+    @abstractmethod
+    def chunk(self, prompt_index: int, sample: CompletionDelta,
+              delta: RequestOutputDelta) -> str | None:
+        """The event for what one sample gained, or None when there is nothing to send."""
+
+
+class GenerationEndpoint(ABC, Generic[Body]):
+    name: str  # in metrics and log lines
+    id_prefix: str  # of response ids
+    chunk_object: str  # "object" of streamed chunks
+
+    @abstractmethod
+    def prepare(self, ctx: ServeContext, request: Body, tenant: Tenant) -> PreparedRequest:
+        """Check the body and build prompts and params; raises APIError."""
+
+    @abstractmethod
+    def formatter(self, ctx: ServeContext, generation: Generation, request: Body,
+                  chunks: ChoiceChunks) -> ChunkFormatter:
+        """The formatter of this request's stream."""
+
+    @abstractmethod
+    def response(self, ctx: ServeContext, generation: Generation, request: Body,
+                 created: int) -> pydantic.BaseModel:
+        """The non-streamed body, once every prompt is finished (`generation.finals`)."""
+
+    async def handle(self, ctx: ServeContext, raw: Request, request: Body,
+                     tenant: Tenant) -> Response:
+        ctx.check_model(request.model)
+        prepared = self.prepare(ctx, request, tenant)
+        prepared, input_decision = await guard_input(  # guardrails hook
+            ctx.guard, ctx.llm.tokenizer, tenant, prepared)
+        generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
+                                prepared.prompts, prepared.params, stream=request.stream,
+                                input_decision=input_decision)  # guardrails hook
+        await generation.start(prepared.param_names)
+        created = int(time.time())
+        stream_body = None
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            base = {"id": generation.request_id, "object": self.chunk_object, "created": created,
+                    "model": ctx.model_name}
+            chunks = ChoiceChunks(base, include_usage)
+            stream_body = _events(generation, self.formatter(ctx, generation, request, chunks),
+                                  chunks)
+        return await respond(raw, generation, stream_body,
+                             lambda: self.response(ctx, generation, request, created))
+
+
+async def _events(generation: Generation, formatter: ChunkFormatter,
+                  chunks: ChoiceChunks) -> AsyncIterator[str]:
+    try:
+        for event in formatter.opening():
+            yield event
+        async for i, delta in generation.deltas():
+            for sample in delta.outputs:
+                event = formatter.chunk(i, sample, delta)
+                if event is not None:
+                    yield event
+        if chunks.include_usage:
+            yield sse_event({**chunks.base, "choices": [],
+                             "usage": generation.usage().model_dump()})
+    except APIError as exc:
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+async def respond(raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None,
+                  build_response: Callable[[], Any]) -> Response:
+    """Send a started generation: as server-sent events when `stream_body` is given, else wait
+    for it to finish (aborting it if the client leaves) and send `build_response()` as JSON.
+    The generation is closed with the status the client saw."""
+    if stream_body is not None:
+        return EventStreamResponse(stream_body, on_close=lambda: generation.close(
+            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
+    try:
+        await cancel_on_disconnect(raw, _drain(generation))
+        response = build_response()
+    except ClientDisconnected:
+        generation.close(CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except APIError as exc:
+        generation.close(exc.status, exc)
+        raise
+    except BaseException:
+        generation.close(CLIENT_CLOSED_REQUEST)
+        raise
+    generation.close(200)
+    return JSONResponse(response.model_dump())
+
+
+async def _drain(generation: Generation) -> None:
+    async for _ in generation.deltas():
+        pass
