@@ -24,6 +24,12 @@ def resolve_model_path(name_or_path: str) -> str:
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
+# Allowed values of the quantization knobs (pagoda.quant implements them).
+QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
+    "quantization": ("none", "int8", "int4"),
+    "quantization_group_size": (32, 64, 128),
+    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -90,6 +96,17 @@ class EngineConfig:
     kv_offload_disk_persist: bool = field(default=False, metadata={
         "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
                 "model and config"})
+    # ---- quantized serving (pagoda.quant) ----
+    quantization: str = field(default="none", metadata={
+        "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
+                "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
+    quantization_group_size: int = field(default=128, metadata={
+        "help": "int4 group size along the input dimension: 32, 64 or 128"})
+    quantization_zero_point: bool = field(default=True, metadata={
+        "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
+                "(quantized per token and head on write)"})
 
     def __post_init__(self) -> None:
         self.model = resolve_model_path(self.model)
@@ -142,6 +159,9 @@ class EngineConfig:
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
+        for name, allowed in QUANT_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -177,6 +197,8 @@ class EngineConfig:
                 choices = ["fcfs", "priority"]
             elif f.name == "preemption_mode":
                 choices = ["recompute", "swap", "auto"]
+            elif f.name in QUANT_CHOICES:
+                choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.
             if "(default" not in help_text:
                 help_text = f"{help_text} (default: {f.default})"

@@ -15,16 +15,22 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.config import parse_bytes
-from pagoda.model.model_config import ModelConfig, kv_cache_bytes_per_token
+from pagoda.model.model_config import ModelConfig
+from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, kv_cache_bytes_per_token,
+                                        weight_bytes_per_parameter)
 
 GIB = 2**30
 
-# Bytes per element. int4 weights carry one fp16 scale per group of 128 (GPTQ/AWQ layout).
+# Bytes per element, as pagoda stores them (pagoda/quant/storage_bytes.py). int4 weights carry an
+# fp16 (scale, zero) pair per group (--quantization-group-size, default 128); fp8/int8 KV add a
+# 4-byte scale per head vector on top of one byte per element.
 INT4_GROUP_SIZE = 128
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
-    "int4": 0.5 + 2.0 / INT4_GROUP_SIZE,
+    "int4": weight_bytes_per_parameter("int4", 2.0, INT4_GROUP_SIZE),
 }
+# The engine's --kv-cache-dtype for each KV dtype of the worksheet ("auto": the model dtype's bytes).
+KV_CACHE_DTYPE_OF = {"fp32": "auto", "bf16": "auto", "fp16": "auto", "fp8": "fp8_e4m3", "int8": "int8"}
 DTYPE_ALIASES = {
     "float32": "fp32", "float": "fp32", "fp32": "fp32",
     "bfloat16": "bf16", "bf16": "bf16",
@@ -288,19 +294,26 @@ class Plan:
     scenarios: list[Scenario] = field(default_factory=list)
     shape: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    quantization_group_size: int = INT4_GROUP_SIZE  # int4 weights: inputs per (scale, zero) pair
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | None = None) -> int:
+    """The engine's formula (the one ModelConfig.kv_bytes_per_token sizes the pool with) for a
+    worksheet KV dtype."""
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return kv_cache_bytes_per_token(shape.num_layers, heads, shape.head_dim, DTYPE_BYTES[kv_dtype])
+    return kv_cache_bytes_per_token(shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype],
+                                    DTYPE_BYTES[kv_dtype])
 
 
-def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None) -> int:
+def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None,
+                 group_size: int = INT4_GROUP_SIZE) -> int:
+    """Decoder linears in `weight_quant` (int8/int4, as pagoda's weight formats store them) or
+    `dtype`; embeddings, lm_head, norms and biases in `dtype`."""
     base = DTYPE_BYTES[dtype]
-    linear_bytes = DTYPE_BYTES[weight_quant] if weight_quant else base
+    linear_bytes = weight_bytes_per_parameter(weight_quant, base, group_size) if weight_quant else base
     return int(params.linear * linear_bytes + (params.embedding + params.lm_head + params.other) * base)
 
 
@@ -335,13 +348,14 @@ def build_plan(
     block_size: int,
     reserve_bytes: int,
     classes: list[RequestClass],
+    group_size: int = INT4_GROUP_SIZE,
 ) -> Plan:
-    _check_knobs(context, block_size, kv_dtype)
+    _check_knobs(context, block_size, kv_dtype, group_size)
     warnings = []
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
         warnings.append(f"context {context} exceeds the model's max_position_embeddings "
                         f"{shape.max_position_embeddings}")
-    w_bytes = _configured_weight_bytes(params, dtype)
+    w_bytes = _configured_weight_bytes(params, dtype, group_size)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     base = _scenario("as configured", w_bytes, kv_token, context, block_size, memory_bytes, reserve_bytes)
     if base.kv_memory_bytes == 0:
@@ -374,25 +388,29 @@ def build_plan(
         classes_total_memory_p95=sum(row.memory_needed_p95 for row in targeted) if targeted else None,
         scenarios=[base, *_what_if_scenarios(shape, params, base, dtype=dtype, kv_dtype=kv_dtype,
                                              block_size=block_size, memory_bytes=memory_bytes,
-                                             reserve_bytes=reserve_bytes)],
+                                             reserve_bytes=reserve_bytes, group_size=group_size)],
         shape=dataclasses.asdict(shape),
         warnings=warnings,
+        quantization_group_size=group_size,
     )
 
 
-def _check_knobs(context: int, block_size: int, kv_dtype: str) -> None:
+def _check_knobs(context: int, block_size: int, kv_dtype: str, group_size: int) -> None:
     if context < 1:
         raise ValueError(f"--context must be >= 1, got {context}")
     if block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"--quantization-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                         f"got {group_size}")
 
 
-def _configured_weight_bytes(params: ParamCount, dtype: str) -> int:
+def _configured_weight_bytes(params: ParamCount, dtype: str, group_size: int) -> int:
     """int8/int4 name the decoder linears' format; everything else stays in bf16."""
     if dtype in ("int8", "int4"):
-        return weight_bytes(params, "bf16", dtype)
+        return weight_bytes(params, "bf16", dtype, group_size)
     return weight_bytes(params, dtype)
 
 
@@ -414,7 +432,8 @@ def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes
 
 
 def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *, dtype: str, kv_dtype: str,
-                       block_size: int, memory_bytes: int, reserve_bytes: int) -> list[Scenario]:
+                       block_size: int, memory_bytes: int, reserve_bytes: int,
+                       group_size: int = INT4_GROUP_SIZE) -> list[Scenario]:
     """Each lever alone: quantized weights, a smaller KV dtype, a shorter context, GQA."""
     base_dtype = "bf16" if dtype in ("int8", "int4") else dtype
     context = base.context
@@ -426,7 +445,7 @@ def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *,
     scenarios = []
     for quant in ("int8", "int4"):
         if DTYPE_BYTES[quant] < DTYPE_BYTES[dtype]:
-            scenarios.append(scenario(f"weights {quant}", w=weight_bytes(params, base_dtype, quant)))
+            scenarios.append(scenario(f"weights {quant}", w=weight_bytes(params, base_dtype, quant, group_size)))
     for quant in ("fp8", "int8"):
         if DTYPE_BYTES[quant] < DTYPE_BYTES[kv_dtype]:
             scenarios.append(scenario(f"KV cache {quant}", kv=kv_bytes_per_token(shape, quant)))
@@ -482,6 +501,13 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _kv_vector(kv_dtype: str, head_dim: int) -> str:
+    """One head's key (or value) vector as the cache stores it."""
+    if KV_CACHE_DTYPE_OF[kv_dtype] == "auto":
+        return f"{head_dim} x {DTYPE_BYTES[kv_dtype]:g} B {kv_dtype}"
+    return f"({head_dim} x 1 B + {KV_SCALE_BYTES} B scale) {kv_dtype}"
+
+
 def render_plan(plan: Plan) -> str:
     s = plan.shape
     out = [
@@ -496,7 +522,7 @@ def render_plan(plan: Plan) -> str:
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
         f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers']} layers x 2 x "
-        f"{s['num_kv_heads']} KV heads x {s['head_dim']} x {DTYPE_BYTES[plan.kv_dtype]:g} B {plan.kv_dtype})",
+        f"{s['num_kv_heads']} KV heads x {_kv_vector(plan.kv_dtype, s['head_dim'])})",
         f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
         f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "
         f"({plan.blocks_per_sequence} blocks)",
@@ -530,8 +556,9 @@ def render_plan(plan: Plan) -> str:
     out.append("what if")
     out.append(_table(["scenario", "weights", "KV B/token", "context", "KV memory", "blocks",
                        "full-context seqs", "vs now"], rows))
-    out.append(f"(int4 = 4-bit decoder linears + one fp16 scale per {INT4_GROUP_SIZE}; embeddings, lm_head "
-               "and norms stay in the model dtype)")
+    out.append(f"(int4 = 4-bit decoder linears + an fp16 (scale, zero) pair per {plan.quantization_group_size} "
+               "inputs; embeddings, lm_head and norms stay in the model dtype; fp8/int8 KV = 1 byte per "
+               "element + a 4-byte scale per head vector)")
     for w in plan.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)
@@ -552,6 +579,7 @@ class PlanOptions:
     block_size: int = 16
     reserve: str = "10%"  # percentage of memory or bytes
     classes: list[str] | None = None  # request class specs; default: DEFAULT_CLASSES
+    quantization_group_size: int = INT4_GROUP_SIZE  # int4 weights (--dtype int4): inputs per scale/zero
 
 
 def plan_from_options(options: PlanOptions) -> Plan:
@@ -571,4 +599,5 @@ def plan_from_options(options: PlanOptions) -> Plan:
         classes = [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
     return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
                       context=context, block_size=options.block_size,
-                      reserve_bytes=parse_reserve(options.reserve, memory), classes=classes)
+                      reserve_bytes=parse_reserve(options.reserve, memory), classes=classes,
+                      group_size=options.quantization_group_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
         directory = Path(path)
+        if directory.is_file() and directory.suffix == ".gguf" or (
+                directory.is_dir() and not any((directory / n).is_file() for n in TOKENIZER_FILES)
+                and any(directory.glob("*.gguf"))):
+            return cls._from_gguf(directory)
         if not directory.is_dir():
             raise ValueError(f"tokenizer directory {str(path)!r} does not exist or is not a folder")
         if not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -75,8 +81,32 @@ class Tokenizer:
             raise ValueError(f"could not load the tokenizer in {str(path)!r}: {exc}") from exc
         return cls(hf)
 
+    @classmethod
+    def _from_gguf(cls, path: Path) -> "Tokenizer":
+        """The tokenizer stored in a GGUF file's metadata (transformers converts it)."""
+        gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+        try:
+            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                               local_files_only=True)
+        except Exception as exc:  # transformers raises many types for GGUF vocabularies it cannot convert
+            raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
+                             f"{exc}); pass --tokenizer DIR") from None
+        return cls(hf)
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary piece, in characters (byte-level pieces spell one byte each)."""
+        return max((len(piece) for piece in self.hf.get_vocab()), default=1)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` that costs no encoding, to refuse a prompt far
+        over the context before spending seconds on it. A token covers at most
+        `max_token_chars` characters (bytes, for byte-level BPE) of normalized text, and Unicode
+        normalization (NFC/NFKC composition, e.g. Hangul jamo) shrinks a text at most 3x."""
+        return len(text) // (3 * self.max_token_chars)
 
     # -- ids <-> text -------------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ def test_llama3_8b_param_count_and_kv_bytes() -> None:
     assert params.total == LLAMA3_8B_PARAMS == 8_030_261_248
     assert shape.config_dtype == "bf16"
     assert P.kv_bytes_per_token(shape, "bf16") == 131_072  # 32 * 2 * 8 * 128 * 2
-    assert P.kv_bytes_per_token(shape, "fp8") == 65_536
+    # fp8 as pagoda's KV cache stores it: 1 byte per element + a 4-byte scale per head vector.
+    assert P.kv_bytes_per_token(shape, "fp8") == 32 * 2 * 8 * (128 + 4) == 67_584
     assert P.weight_bytes(params, "bf16") == 2 * LLAMA3_8B_PARAMS  # ~16.06 GB
 
 
@@ -65,7 +66,7 @@ def test_llama3_8b_plan_on_80gib(llama3_config: Path, capsys: pytest.CaptureFixt
     assert plan["num_blocks"] == kv_memory // block_bytes == 29_205
     assert plan["full_context_seqs"] == 29_205 // 512 == 57
     scenarios = {s["name"]: s for s in plan["scenarios"]}
-    assert scenarios["KV cache fp8"]["full_context_seqs"] == (kv_memory // (block_bytes // 2)) // 512
+    assert scenarios["KV cache fp8"]["full_context_seqs"] == (kv_memory // (67_584 * 16)) // 512
     assert scenarios["context 4096"]["full_context_seqs"] == 29_205 // 256
     # Decoder linears in int8, embeddings + lm_head + norms in bf16.
     linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)

@@ -1,11 +1,11 @@
-"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit.
+"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit | eval.
 
 One module per command in this package; each exposes `add_parser(subparsers)`, which registers
 the command's flags and sets `func` to the function that runs it. Adding a command is one
 module plus one line in `COMMANDS`.
 
 Only argument parsing lives here: a command turns its flags into the dataclass its domain
-module takes (EngineConfig, ServeOptions, the bench options, PlanOptions) and calls it. Command
+module takes (EngineConfig, ServeOptions, the bench options, PlanOptions, PerplexityOptions) and calls it. Command
 modules import heavy packages (torch, fastapi, transformers) inside their run functions so that
 `pagoda --help` and `pagoda COMMAND --help` stay fast (tests/cli/test_cli_startup.py).
 """
@@ -24,6 +24,7 @@ COMMANDS = (
     "pagoda.cli.plan",       # pagoda plan
     "pagoda.cli.gate",       # pagoda gate | gate record
     "pagoda.cli.audit",      # pagoda audit
+    "pagoda.cli.eval",       # pagoda eval perplexity
 )
 
 

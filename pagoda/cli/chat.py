@@ -24,7 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from pagoda.engine.llm import LLM
 
-    llm = LLM(**vars(EngineConfig.from_cli_args(args, skip=("seed",))))
+    try:
+        llm = LLM(**vars(EngineConfig.from_cli_args(args, skip=("seed",))))
+    except ValueError as error:  # bad model / quantization input: one line, no traceback
+        print(f"pagoda chat: {error}", file=sys.stderr)
+        return 2
     if not llm.tokenizer.has_chat_template:
         print("pagoda chat: this model has no chat template", file=sys.stderr)
         return 2

@@ -20,8 +20,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
     parser.add_argument("--dtype", default=None,
                         help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8 "
+    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8; fp8/int8 "
+                        "as --kv-cache-dtype stores them,\nwith a scale per head vector "
                         "(default: --dtype, or bf16 if that is a quantized type)")
+    parser.add_argument("--quantization-group-size", type=int, default=128,
+                        help="int4 weights: inputs per (scale, zero) pair, 32, 64 or 128 (default: 128)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens per sequence (default: the model's max_position_embeddings)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

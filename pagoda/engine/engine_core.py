@@ -13,12 +13,14 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.model.attention import select_backend
-from pagoda.model.loader import load_model
-from pagoda.model.model_config import ModelConfig
+from pagoda.model.loader import load_model, load_model_config
+from pagoda.quant.kv_cache_dtype import make_kv_cache_format
+from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
@@ -47,6 +49,7 @@ class EngineStats:
     last_step_timings: StepTimings
     spec_decode: SpecDecodeStats
     kv_tiers: KVTierStats | None = None  # None when no host tier is configured
+    iteration_tokens: TokenHistogram | None = None  # tokens computed per step
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,7 +70,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         # Torch's thread count is the driver's to set (pagoda.engine.threads), on its own thread.
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = load_model_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -78,13 +81,19 @@ class EngineCore:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
                         config.max_num_batched_tokens)
 
-        model = load_model(config.model, self.model_config, self.dtype, self.device)
+        self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
+                                                config.quantization_zero_point)
+        self.weight_format.check_kernel(self.device, self.dtype)
+        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
-        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token).
+        self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
+        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
         element_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = model.config.kv_bytes_per_token(element_bytes) * config.block_size
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, kv_cache_dtype=config.kv_cache_dtype) \
+            * config.block_size
         if draft_model is not None:
-            bytes_per_block += draft_model.config.kv_bytes_per_token(element_bytes) * config.block_size
+            bytes_per_block += draft_model.config.kv_bytes_per_token(
+                element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         self.num_blocks = self._num_kv_blocks(bytes_per_block)
         self.kv_tiers = KVTiers(config, bytes_per_block, str(self.dtype).removeprefix("torch.")) \
             if config.kv_offload_memory is not None else None
@@ -95,16 +104,17 @@ class EngineCore:
             self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None)
-        backend = select_backend(config.attention_backend, self.device)
+        backend = select_backend(config.attention_backend, self.device, self.kv_format)
         drafter = None
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
-                                         self.device)
+                                         self.device, self.kv_format)
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager,
-                                  speculator=self.speculation if config.speculative else None)
+                                  speculator=self.speculation if config.speculative else None,
+                                  kv_format=self.kv_format)
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks, block_size=config.block_size,
@@ -120,21 +130,23 @@ class EngineCore:
         # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.iteration_tokens = TokenHistogram()
         self.last_step_timings = StepTimings()
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention=%s",
-                    self.model_config.architecture, self.dtype, self.device, self.num_blocks,
-                    config.block_size, backend.name)
+        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
+                    self.model_config.architecture, self.dtype, self.device,
+                    model.model.layers[0].mlp.down_proj.weight_format.name,
+                    self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
-        draft_config = ModelConfig.from_dir(draft_dir)
+        draft_config = load_model_config(draft_dir)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
                              f"target {self.model_config.vocab_size}: they must share the tokenizer")
         if draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
                              f"fewer than max_model_len {self.max_model_len}")
-        return load_model(draft_dir, draft_config, self.dtype, self.device)
+        return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format)
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -202,6 +214,7 @@ class EngineCore:
                 self.runner.kv_transfer.run(scheduler_output.kv_transfers)
             return []
         scheduled = time.perf_counter()
+        self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
         runner_output = self.runner.execute(scheduler_output)
         executed = time.perf_counter()
         for entry in scheduler_output.scheduled:
@@ -246,6 +259,7 @@ class EngineCore:
             num_generation_tokens=self.num_generation_tokens,
             last_step_timings=self.last_step_timings,
             spec_decode=self.speculation.stats(),
+            iteration_tokens=self.iteration_tokens.copy(),
             kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
         )

@@ -36,14 +36,22 @@ class KVTierStats:
 
 def model_fingerprint(config: EngineConfig, dtype_name: str) -> bytes:
     """Identity of everything a block's contents depend on besides its tokens: the model's
-    config and weight files (names and sizes), the draft model's, dtype and block size."""
+    config and weight files (names and sizes; a GGUF file stands for both), the draft model's,
+    dtype, block size, and the weight quantization and KV cache dtype (both change the stored K/V)."""
     h = hashlib.blake2b(digest_size=16)
-    for model_dir in filter(None, (config.model, config.draft_model)):
-        directory = Path(model_dir)
-        h.update((directory / "config.json").read_bytes())
-        for weights in sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin")):
+    for model_path in filter(None, (config.model, config.draft_model)):
+        path = Path(model_path)
+        if path.is_file():  # a GGUF file: config and weights in one
+            h.update(f"{path.name}:{path.stat().st_size}".encode())
+            continue
+        if (path / "config.json").is_file():
+            h.update((path / "config.json").read_bytes())
+        weight_files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.gguf"))
+        for weights in weight_files:
             h.update(f"{weights.name}:{weights.stat().st_size}".encode())
     h.update(f"{dtype_name}|{config.block_size}".encode())
+    h.update(f"|{config.quantization}:{config.quantization_group_size}:{config.quantization_zero_point}"
+             f"|kv {config.kv_cache_dtype}".encode())
     return h.digest()
 
 

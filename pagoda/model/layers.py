@@ -13,18 +13,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.quant.weight_formats import FullWeight, WeightFormat
+
 
 class Linear(nn.Module):
+    """y = x @ W^T + b, with W stored and multiplied by a weight format (pagoda.quant).
+
+    The shape other features build on (DESIGN.md, "One linear layer"):
+    - `weight_format` owns storage, loading and the matmul: loaders write full-precision rows
+      into the staging `weight` [out_features, in_features] (fused parts by row offset), then
+      call `finalize(name)`, which lets the format quantize and pack; `forward` calls
+      `weight_format.apply`. The model code never branches on the format.
+    - Tensor parallelism (to come) adds a shard (column/row, rank, world size): in/out features
+      become the rank's slice, loaders narrow checkpoint tensors by it, and a row-parallel
+      layer all-reduces its output in `forward` after `apply`.
+    - LoRA (to come) wraps a Linear and adds its batched delta to `forward`'s output; it needs
+      only `in_features`/`out_features`, never the base weight's storage.
+    """
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, weight_format: WeightFormat | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_format = weight_format or FullWeight()
+        self.weight_format.create_weights(self, in_features, out_features, dtype, device)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
 
+    def finalize(self, name: str) -> None:
+        """After loading: let the weight format convert the staged weight (quantize, pack)."""
+        self.weight_format.finalize(self, name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.weight_format.apply(self, x, self.bias)
 
 
 class RMSNorm(nn.Module):

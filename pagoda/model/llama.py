@@ -16,6 +16,7 @@ from torch import nn
 from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.model_config import ModelConfig
+from pagoda.quant.weight_formats import WeightFormat
 
 
 @dataclass
@@ -29,7 +30,8 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
+                 weight_format: WeightFormat | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_heads
@@ -37,8 +39,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device,
+                               weight_format)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device, weight_format)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.spec = AttentionLayerSpec(
@@ -62,11 +65,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 weight_format: WeightFormat | None = None) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device,
+                                   weight_format)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device,
+                                weight_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -74,12 +80,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
+                 weight_format: WeightFormat | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, layer_index, dtype, device)
+        self.self_attn = Attention(config, layer_index, dtype, device, weight_format)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, dtype, device, weight_format)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
@@ -93,15 +100,19 @@ class DecoderLayer(nn.Module):
 
 class LlamaFamilyModel(nn.Module):
     """Decoder stack + LM head. Parameter names match the checkpoints' (after q/k/v and
-    gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`."""
+    gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    `weight_format` is used by the decoder layers' projections; embeddings and the LM head stay
+    in full precision (as vLLM and llama.cpp's default mixes keep them)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 weight_format: WeightFormat | None = None) -> None:
         super().__init__()
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
                                                _freeze=True)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, weight_format) for i in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device)

@@ -7,10 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
+from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
+from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
+from pagoda.quant.weight_formats import Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index).
 _FUSED_PARTS = {
@@ -45,40 +49,115 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in files:
-        with safe_open(str(path), framework="pt") as reader:
-            for name in reader.keys():
-                yield path, name, reader.get_tensor(name)
+        name = None
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():
+                    tensor = reader.get_tensor(name)
+                    yield path, name, tensor
+        except SafetensorError as error:  # truncated or corrupt file
+            where = f"tensor {name!r}" if name is not None else "header"
+            raise ValueError(f"{path}: unreadable safetensors file, corrupt or truncated ({where}: {error})") from None
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The config of a Hugging Face directory or of a GGUF file (or a directory holding one)."""
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return ModelConfig.from_dict(GGUFCheckpoint(gguf_file).hf_config(), source=str(gguf_file))
+    check_checkpoint_quantization(Path(model))
+    return ModelConfig.from_dir(model)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaFamilyModel:
+               device: torch.device, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, config, dtype, device, weight_format)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    with torch.device(device):
-        model = LlamaFamilyModel(config, dtype, device)
+    requested = weight_format.name if weight_format is not None else "none"
+    checkpoint_format, quantization = resolve_checkpoint_format(model_dir, "none" if requested == "full" else requested)
+    if checkpoint_format is not None:  # a GPTQ checkpoint: its codes load as they are
+        weight_format = checkpoint_format
+        weight_format.check_kernel(device, dtype)
+    model = build_empty_model(config, dtype, device, weight_format, str(model_dir))
+    plain = ((path.name, name, tensor) for path, name, tensor in iterate_tensors(files))
+    if quantization is not None:
+        tensors = gptq_tensors(plain, quantization)
+    else:
+        tensors = ((file_name, name, tensor, None) for file_name, name, tensor in plain)
+    _fill(model, tensors, config, dtype, str(model_dir))
+    return model.eval()
+
+
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               weight_format: WeightFormat | None) -> LlamaFamilyModel:
+    checkpoint = GGUFCheckpoint(path)
+    weight_format = gguf_weight_format(checkpoint, weight_format)
+    weight_format.check_kernel(device, dtype)
+    model = build_empty_model(config, dtype, device, weight_format, str(path))
+    keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
+    tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
+               for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
+    _fill(model, tensors, config, dtype, str(path))
+    return model.eval()
+
+
+def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
+          config: ModelConfig, dtype: torch.dtype, source: str) -> None:
+    """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
+    let the weight formats finalize."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path, name, tensor in iterate_tensors(files):
+    for file_name, name, tensor, int4_codes in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target, offset, size = _locate(name, config)
         if target not in params:
-            raise ValueError(f"{path.name}: unexpected tensor {name!r} for {config.architecture}")
+            raise ValueError(f"{file_name}: unexpected tensor {name!r} for {config.architecture}")
         param = params[target]
         expected = (size, *param.shape[1:]) if size is not None else tuple(param.shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {expected} from config.json")
-        destination = param.data if size is None else param.data.narrow(0, offset, size)
-        destination.copy_(tensor.to(dtype))
+        shape = tuple(tensor.shape) if tensor is not None else tuple(int4_codes[0].shape)
+        if shape != expected:
+            raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
+                             f"expected {expected} from the model's config")
+        if int4_codes is not None:
+            layer = model.get_submodule(target.rsplit(".", 1)[0])
+            layer.weight_format.stage_codes(layer, offset, *int4_codes)
+        else:
+            destination = param.data if size is None else param.data.narrow(0, offset, size)
+            destination.copy_(tensor.to(dtype))
         loaded.add(name)
     missing = [name for name in _expected_checkpoint_names(params, config) if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {shown}")
-    return model.eval()
+        raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
+    finalize_linears(model)
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      weight_format: WeightFormat | None, source: str = "model") -> LlamaFamilyModel:
+    """The model with unfilled parameters; fails before any loading if a layer's shape does
+    not fit the weight format."""
+    with torch.device(device):
+        model = LlamaFamilyModel(config, dtype, device, weight_format)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            try:
+                module.weight_format.check_shape(name, module.in_features, module.out_features)
+            except ValueError as error:
+                raise ValueError(f"{source}: {error}") from None
+    return model
+
+
+def finalize_linears(model: LlamaFamilyModel) -> None:
+    """Let each Linear's weight format quantize/pack what the loader staged."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.finalize(name)
 
 
 def _locate(name: str, config: ModelConfig) -> tuple[str, int, int | None]:

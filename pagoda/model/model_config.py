@@ -11,13 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-
-
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> int:
-    """KV cache bytes one token takes: a key and a value vector per KV head in every layer.
-    The one formula behind the engine's pool sizing and `pagoda plan`."""
-    return int(num_layers * 2 * num_kv_heads * head_dim * bytes_per_element)
 
 
 @dataclass
@@ -46,10 +42,13 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_type: str = "llama"
 
-    def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None) -> int:
-        """KV cache bytes per token at this element size (num_kv_heads: a what-if other than the model's)."""
+    def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None, *,
+                           kv_cache_dtype: str = "auto") -> int:
+        """KV cache bytes per token: the model dtype's `bytes_per_element` each ("auto"), or a
+        quantized `kv_cache_dtype` with its per-vector scales; num_kv_heads: a what-if other than
+        the model's. The one formula behind the engine's pool sizing and `pagoda plan`."""
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, bytes_per_element)
+        return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

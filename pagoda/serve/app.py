@@ -8,6 +8,7 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pydantic
+import pydantic.json_schema
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -19,8 +20,9 @@ from pagoda.serve.chat import ChatEndpoint
 from pagoda.serve.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
-from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   ModelCard, ModelList, TokenizeRequest)
+from pagoda.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                   CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from pagoda.serve.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 from pagoda.serve.settings import ServerSettings
@@ -96,7 +98,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
-    app = FastAPI(title="pagoda", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pagoda", description="OpenAI-compatible LLM inference server",
+                  docs_url="/docs", redoc_url=None)
     ctx = ServeContext.create(llm, settings)
     app.state.ctx = ctx
     _install_error_handlers(app)
@@ -127,9 +130,12 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                          root=settings.model_path,
                                          max_model_len=llm.max_model_len)])
 
+    documented: dict[str, tuple[type[pydantic.BaseModel], type[pydantic.BaseModel] | None]] = {}
+
     def route(path: str, body_model: type[Body],
               run: Callable[[Request, Any, Tenant], Awaitable[Response]],
-              endpoint: str | None = None) -> None:
+              endpoint: str | None = None,
+              response_model: type[pydantic.BaseModel] | None = None) -> None:
         """POST `path`: authenticate, parse the body as `body_model`, then `run` it. Refusals
         of a generation `endpoint` are counted in metrics and logged."""
         async def handler(request: Request) -> Response:
@@ -144,12 +150,13 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                 raise
 
         app.add_api_route(path, handler, methods=["POST"])
+        documented[path] = (body_model, response_model)
 
-    for path, generation_endpoint, body_model in (
-            ("/v1/completions", CompletionsEndpoint(), CompletionRequest),
-            ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest)):
+    for path, generation_endpoint, body_model, response_model in (
+            ("/v1/completions", CompletionsEndpoint(), CompletionRequest, CompletionResponse),
+            ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest, ChatCompletionResponse)):
         route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
-              generation_endpoint.name)
+              generation_endpoint.name, response_model)
 
     async def tokenize_body(_: Request, body: TokenizeRequest, __: Tenant) -> Response:
         return JSONResponse(tokenize(ctx, body).model_dump())
@@ -157,8 +164,37 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def detokenize_body(_: Request, body: DetokenizeRequest, __: Tenant) -> Response:
         return JSONResponse(detokenize(ctx, body).model_dump())
 
-    route("/tokenize", TokenizeRequest, tokenize_body)
-    route("/detokenize", DetokenizeRequest, detokenize_body)
-
+    route("/tokenize", TokenizeRequest, tokenize_body, response_model=TokenizeResponse)
+    route("/detokenize", DetokenizeRequest, detokenize_body, response_model=DetokenizeResponse)
+    _document_bodies(app, documented)
     return app
+
+
+def _document_bodies(app: FastAPI, routes: dict[str, tuple[type[pydantic.BaseModel],
+                                                         type[pydantic.BaseModel] | None]]) -> None:
+    """Put the request (and response) models of the POST routes into /openapi.json: bodies are
+    parsed by hand after authentication, so FastAPI cannot infer them, but clients, /docs and
+    schema-driven fuzzers need them."""
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = base_openapi()
+        models = {model for pair in routes.values() for model in pair if model is not None}
+        _, definitions = pydantic.json_schema.models_json_schema(
+            [(model, "validation") for model in sorted(models, key=lambda m: m.__name__)],
+            ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+        for path, (body_model, response_model) in routes.items():
+            operation = schema["paths"][path]["post"]
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{body_model.__name__}"}}}}
+            if response_model is not None:
+                operation["responses"]["200"]["content"] = {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{response_model.__name__}"}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 

@@ -42,6 +42,17 @@ def reject_unsupported(request: ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
+def _message_texts(messages: list[Any]) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part.text for part in content if part.text)
+    return texts
+
+
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     name = "chat"
     id_prefix = "chatcmpl"
@@ -50,6 +61,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
+        ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:

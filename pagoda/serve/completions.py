@@ -20,7 +20,25 @@ from pagoda.serve.sse import ChoiceChunks, to_json
 from pagoda.serve.tenants import Tenant
 
 
+def _scores_prompt_only(request: CompletionRequest) -> bool:
+    return request.echo and request.max_tokens == 0
+
+
+def _prompt_only_choice(index: int, prompt: EnginePrompt, final: Any, request: CompletionRequest,
+                        tokenizer: Any) -> CompletionChoice:
+    """The echoed prompt and its logprobs alone, for `max_tokens: 0, echo: true`."""
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs, _ = legacy_logprobs(prompt.token_ids, _prompt_positions(final.prompt_logprobs, prompt),
+                                      tokenizer, 0)
+    return CompletionChoice(index=index, text=_echo_prefix(prompt, tokenizer), logprobs=logprobs,
+                            finish_reason="length")
+
+
 def reject_unsupported(request: CompletionRequest) -> None:
+    if _scores_prompt_only(request) and request.stream:
+        raise bad_request("max_tokens 0 with echo returns the scored prompt only; send it with "
+                          "stream false.", param="stream")
     if request.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -60,8 +78,14 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
     def prepare(self, ctx: ServeContext, request: CompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
+        texts = [request.prompt] if isinstance(request.prompt, str) else \
+            [p for p in request.prompt if isinstance(p, str)]
+        for text in texts:
+            ctx.check_text_fits(text, "prompt")
         prompts = completion_prompts(request.prompt, ctx.llm.tokenizer)
-        max_tokens = tenant.resolve_max_tokens(request.max_tokens)
+        # Scoring a prompt (lm-eval's loglikelihood): the engine computes one token, which the
+        # answer leaves out, as vLLM does.
+        max_tokens = tenant.resolve_max_tokens(1 if _scores_prompt_only(request) else request.max_tokens)
         want_prompt_logprobs = request.echo and request.logprobs is not None
         params = build_sampling_params(
             request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
@@ -75,11 +99,16 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
     def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
                  created: int) -> CompletionResponse:
         tokenizer = ctx.llm.tokenizer
+        prompt_only = _scores_prompt_only(request)
         choices = []
         for i, final in enumerate(generation.finals):
             assert final is not None
             prompt = generation.prompts[i]
             for sample in final.outputs:
+                if prompt_only:
+                    choices.append(_prompt_only_choice(i * request.n + sample.index, prompt, final,
+                                                       request, tokenizer))
+                    continue
                 text, logprobs, offset = sample.text, None, 0
                 if request.echo:
                     prefix = _echo_prefix(prompt, tokenizer)
@@ -96,8 +125,11 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                 choices.append(CompletionChoice(index=i * request.n + sample.index, text=text,
                                                 logprobs=logprobs,
                                                 finish_reason=sample.finish_reason))
+        usage = generation.usage()
+        if prompt_only:
+            usage = usage.model_copy(update={"completion_tokens": 0, "total_tokens": usage.prompt_tokens})
         return CompletionResponse(id=generation.request_id, created=created,
-                                  model=ctx.model_name, choices=choices, usage=generation.usage())
+                                  model=ctx.model_name, choices=choices, usage=usage)
 
 
 class _CompletionChunks(ChunkFormatter):

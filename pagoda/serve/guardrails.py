@@ -14,6 +14,7 @@ Call sites (kept to a line or two each, marked `# guardrails hook`):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -92,8 +93,10 @@ async def guard_input(guard: ServerGuard | None, tokenizer: Any, tenant: Tenant,
     if prepared.messages is not None and prepared.render_messages is not None:
         messages, decision = await guard_chat_messages(guard, tenant, prepared.messages)
         if messages != prepared.messages:
+            # Templating may take seconds for a huge conversation: off the event loop.
+            prompt = await asyncio.to_thread(prepared.render_messages, messages)
             prepared = dataclasses.replace(prepared, messages=messages,  # type: ignore[type-var]
-                                           prompts=[prepared.render_messages(messages)])
+                                           prompts=[prompt])
         return prepared, decision
     prompts, decision = await guard_completion_prompts(guard, tenant, prepared.prompts, tokenizer)
     return dataclasses.replace(prepared, prompts=prompts), decision  # type: ignore[type-var]

@@ -10,13 +10,15 @@ Where the next features plug in:
 - structured output / tool calling: `prepare` carries response_format / tools into the params;
   a chat `ChunkFormatter` parses tool calls out of each delta's text, `response` out of the
   final text.
-- guardrails: an input check belongs in `handle` after `prepare` (before `Generation.start`);
-  an output filter wraps `Generation.deltas` (hold back or redact a delta's text, or end a
-  sample with finish_reason "content_filter" and abort it), which both answer shapes read.
+- guardrails (serve/guardrails.py): the input check runs in `handle` after `prepare` (before
+  `Generation.start`); the output filter rewrites each delta inside `Generation.deltas` (hold
+  back or redact its text, or end a sample with finish_reason "content_filter" and abort it),
+  which both answer shapes read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -89,7 +91,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
         ctx.check_model(request.model)
-        prepared = self.prepare(ctx, request, tenant)
+        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
+        # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
+        # keeps the event loop (every other request, /health) answering meanwhile.
+        prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
         prepared, input_decision = await guard_input(  # guardrails hook
             ctx.guard, ctx.llm.tokenizer, tenant, prepared)
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,

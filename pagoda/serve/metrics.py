@@ -20,6 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+# Tokens per engine step and per request share the engine's bounds.
+from pagoda.engine.token_histogram import TOKEN_BUCKETS
+
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
     from pagoda.outputs import RequestMetrics
@@ -35,9 +38,6 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-# Tokens per engine step and per request: powers of two and their 1.5x, as vLLM's 1-2-5 series.
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
-                 2048, 3072, 4096, 6144, 8192, 12288, 16384, 32768, 65536, 131072)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 

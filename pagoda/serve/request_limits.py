@@ -37,7 +37,8 @@ class RequestLimits:
             if value is not None and value > max_samples:
                 _refuse(name, f"{name} must be at most {max_samples} on this server "
                               f"({'--max-num-seqs' if max_num_seqs < self.max_n else 'the API limit'}), got {value}.")
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        # Chat's top_logprobs is bounded by SamplingParams (it is the engine's logprobs).
+        for name in ("logprobs", "prompt_logprobs"):
             value = getattr(body, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
                 _refuse(name, f"{name} must be at most {self.max_logprobs}, got {value}.")

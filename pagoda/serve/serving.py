@@ -53,8 +53,9 @@ class ServeContext:
             settings=settings,
             limiter=TenantLimiter(),
             admission=AdmissionController(settings.max_queued_requests,
-                                          settings.max_queued_tokens),
-            metrics=ServerMetrics(settings.served_model_name, llm.get_stats),
+                                          settings.max_queued_tokens, settings.latency_targets),
+            metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
+                                  compat=settings.metrics_compat),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -72,6 +73,15 @@ class ServeContext:
     def check_engine(self) -> None:
         if not self.llm.is_alive:
             raise engine_unavailable()
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Refuse, without tokenizing, a text whose token count provably exceeds the context."""
+        at_least = self.llm.tokenizer.min_num_tokens(text)
+        if at_least > self.llm.max_model_len:
+            raise invalid_request(InvalidRequest(
+                f"This model's maximum context length is {self.llm.max_model_len} tokens; the "
+                f"{param} ({len(text)} characters) is at least {at_least} tokens.",
+                param=param, code="context_length_exceeded"))
 
 
 @dataclass
@@ -190,13 +200,17 @@ class Generation:
                 if output is None:
                     self._slots[i].leave()
                     output = self.latest[i] = RequestOutput.from_delta(delta)
+                    if output.metrics is not None and output.metrics.time_to_first_token is not None:
+                        self.ctx.admission.observe_first_token(output.metrics.time_to_first_token)
                 else:
                     output.add(delta)
-                self._itl_marks[i] = _record_inter_token(metrics, self._itl_marks[i], output)
+                self._itl_marks[i] = _record_inter_token(self.ctx, self._itl_marks[i], output)
                 if output.finished:
                     self.finals[i] = output
                     reason = _finish_reason(output)
-                    metrics.record_finished(reason, output.metrics)
+                    metrics.record_finished(
+                        reason, output.metrics, num_prompt_tokens=len(self.prompts[i].token_ids),
+                        num_generation_tokens=sum(len(c.token_ids) for c in output.outputs))
                 yield i, delta
             if not got_any:
                 await wake.wait()
@@ -262,7 +276,7 @@ def _finish_reason(output: RequestOutput) -> str:
     return reasons[0] if reasons else "abort"
 
 
-def _record_inter_token(metrics: ServerMetrics, mark: tuple[float, int] | None,
+def _record_inter_token(ctx: ServeContext, mark: tuple[float, int] | None,
                         output: RequestOutput) -> tuple[float, int] | None:
     """Observe the gaps between the tokens generated since `mark` (time, tokens so far).
 
@@ -275,6 +289,7 @@ def _record_inter_token(metrics: ServerMetrics, mark: tuple[float, int] | None,
     num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
     since, counted = mark if mark is not None else (timing.first_token_time, 1)
     if num_tokens > counted:
-        metrics.record_inter_token(timing.last_token_time - since, num_tokens - counted)
+        ctx.metrics.record_inter_token(timing.last_token_time - since, num_tokens - counted)
+        ctx.admission.observe_inter_token(timing.last_token_time - since, num_tokens - counted)
         return timing.last_token_time, num_tokens
     return since, counted

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.serve.latency_targets import LatencyTargets
+from pagoda.serve.request_limits import RequestLimits
 from pagoda.serve.tenants import TenantRegistry
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class ServerSettings:
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     log_prompts: bool = False
     latency_targets: LatencyTargets | None = None
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
     guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
 

@@ -19,6 +19,7 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
+from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.sampler import Sampler, position_logprobs
@@ -119,24 +120,29 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
 
 
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       device: torch.device, kv_format: KVCacheFormat | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = model.config
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    kv_format = kv_format or KVCacheFormat("auto", dtype)
+    shape = (num_blocks, block_size, config.num_kv_heads, kv_format.entry_size(config.head_dim))
+    storage = kv_format.storage_dtype
+    return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
             for _ in range(config.num_layers)]
 
 
 class PagedModel:
     """A model with its own paged KV cache. The runner holds the target model's; a draft model
-    (spec_decode) holds its own, indexed by the same block ids and slots."""
+    (spec_decode) holds its own, indexed by the same block ids and slots. `kv_format` is how the
+    caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
 
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device)
+        self.kv_format = kv_format
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device, kv_format)
         self.sliding_windows = set(model.config.layer_sliding_windows)
 
     def forward_context(self, layout: BatchLayout) -> ForwardContext:
@@ -148,8 +154,9 @@ class PagedModel:
 class ModelRunner(PagedModel):
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, speculator: Speculator | None = None) -> None:
-        super().__init__(model, backend, num_blocks, block_size, dtype, device)
+                 enforce_eager: bool = False, speculator: Speculator | None = None,
+                 kv_format: KVCacheFormat | None = None) -> None:
+        super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format)
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
     ("config", "sampling_params", "outputs", "tokenizer"),
     ("request",),
+    ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
     ("model",),
     ("core",),
     ("kv_transfer",),
@@ -28,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
-    ("serve", "bench", "plan"),
+    ("serve", "bench", "plan", "eval"),
     ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
 ]

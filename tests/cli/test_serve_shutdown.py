@@ -83,7 +83,9 @@ def start(model: Path, port: int, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", str(port),
                "--num-kv-blocks", "64", "--num-threads", "1", "--log-level", "info", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its own session and process group, as in a terminal: Ctrl-C reaches the whole group.
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
     deadline = time.monotonic() + 90
     while True:
         if process.poll() is not None:
@@ -145,10 +147,10 @@ def test_serve_banner_sigterm_and_ctrl_c_twice(tmp_path: Path) -> None:
         "prompt": "hello", "max_tokens": 400, "n": 16, "ignore_eos": True}), daemon=True).start()
     try:
         time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)
         time.sleep(0.2)
         started = time.monotonic()
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)
         process.wait(20)
         assert time.monotonic() - started < 15  # not the 60 s drain
     finally:
@@ -157,3 +159,28 @@ def test_serve_banner_sigterm_and_ctrl_c_twice(tmp_path: Path) -> None:
     output = process.stdout.read()
     assert "Traceback" not in output, output
     wait_gone(engines)
+
+
+def test_ctrl_c_to_the_process_group_lets_a_running_stream_finish(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals the engine process too: it must keep serving the drain."""
+    model = build_tiny_model(tmp_path / "model")
+    port = free_port()
+    process = start(model, port, "--shutdown-timeout", "60")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "prompt": "hello", "max_tokens": 300, "n": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+            os.killpg(process.pid, signal.SIGINT)  # the request is in flight
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert '"completion_tokens":1200' in rest[-2]  # all 4 x 300 tokens: drained, not cut
+        process.wait(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert process.returncode == 0 and "Traceback" not in output, output

@@ -4,35 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from engine_helpers import assert_idle, prompts_for, run
 from pagoda import LLM, SamplingParams
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import OutputAccumulator
 from pagoda.config import EngineConfig
-
-
-def prompts_for(vocab_size: int, lengths=(5, 23, 70, 41, 9, 100, 33, 64)) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(7)
-    shared = torch.randint(5, vocab_size, (32,), generator=generator).tolist()
-    prompts = []
-    for i, n in enumerate(lengths):
-        tail = torch.randint(5, vocab_size, (n,), generator=generator).tolist()
-        prompts.append(shared + tail if i % 2 else tail)  # half share a 2-block prefix
-    return prompts
-
-
-def run(directory, prompts, params=None, **engine_args):
-    llm = LLM(model=str(directory), **engine_args)
-    params = params or SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    return [o.outputs[0].token_ids for o in outputs], llm
-
-
-def assert_idle(llm: LLM) -> None:
-    core = llm.engine.core
-    assert not core.has_unfinished_requests()
-    assert core.kv_cache.num_held_blocks() == 0
-    assert all(block.ref_cnt == 0 for block in core.kv_cache.pool.blocks)
-    assert core.requests == {}
 
 
 def test_prefix_caching_does_not_change_outputs(llama_dir):

@@ -76,3 +76,15 @@ def test_vllm_compat_exports_every_series_twice_with_aliases() -> None:
 def test_unknown_compat_is_refused() -> None:
     with pytest.raises(ValueError, match="metrics_compat"):
         ServerMetrics("m", lambda: None, compat="sglang")  # type: ignore[arg-type]
+
+
+def test_iteration_tokens_come_from_a_real_engine(llama_dir) -> None:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model=str(llama_dir), num_kv_blocks=64, max_num_batched_tokens=8)
+    llm.generate(["hello world, this prompt is chunked"], SamplingParams(temperature=0, max_tokens=3))
+    stats = llm.engine.get_stats()
+    samples = scrape(ServerMetrics("m", lambda: stats))
+    steps = value(samples, "pagoda:iteration_tokens_total_count")
+    assert steps >= 3 and value(samples, "pagoda:iteration_tokens_total_sum") == stats.iteration_tokens.sum
+    assert value(samples, "pagoda:iteration_tokens_total_bucket", le="8.0") == steps  # budget 8

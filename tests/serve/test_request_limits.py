@@ -24,7 +24,6 @@ def chat(**fields) -> ChatCompletionRequest:
     (completion(n=129), "n"),
     (completion(best_of=1000), "best_of"),
     (completion(logprobs=21), "logprobs"),
-    (chat(logprobs=True, top_logprobs=10**6), "top_logprobs"),
     (completion(seed=2**70), "seed"),
     (completion(stop=["x"] * 65), "stop"),
     (completion(stop="y" * 5000), "stop"),

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
+import signal
 import threading
 from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
+from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
 from pagoda.engine.transport.engine_loop import build_engine, run_engine_loop
@@ -37,7 +40,7 @@ class ProcessTransport(EngineTransport):
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         process = context.Process(target=_engine_process_main, name="pagoda-engine",
-                                  args=(child_conn, config, factory), daemon=True)
+                                  args=(child_conn, config, factory, os.getpid()), daemon=True)
         process.start()
         child_conn.close()
         from pagoda.tokenizer import Tokenizer  # loaded here while the child loads the model
@@ -110,8 +113,16 @@ class ProcessTransport(EngineTransport):
 
 
 def _engine_process_main(conn: "Connection", config: EngineConfig,
-                         factory: EngineFactory | None) -> None:
-    """Entry point of the engine process."""
+                         factory: EngineFactory | None, parent_pid: int) -> None:
+    """Entry point of the engine process.
+
+    Its lifetime is the server's: Ctrl-C in a terminal (SIGINT to the whole process group) or a
+    SIGTERM to the group must not kill it under running requests while the server drains, so
+    both are ignored here; the server stops it through the pipe and escalates to SIGKILL, and
+    it exits by itself when the server dies (parent_watch)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_when_parent_dies(parent_pid)
     try:
         engine = build_engine(config, factory)
     except BaseException as exc:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
 DECODE_GROUP_SIZE = 16
@@ -59,6 +60,11 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, kv_format: KVCacheFormat | None = None) -> None:
+        # None: caches hold the model dtype. A quantized format stores encoded entries
+        # (pagoda.quant.kv_cache_dtype) that are decoded after the block gather.
+        self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TorchAttentionMetadata:
         device = layout.slot_mapping.device
@@ -117,26 +123,29 @@ class TorchAttentionBackend(AttentionBackend):
                 spec: AttentionLayerSpec) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key)
-        flat_values.index_copy_(0, metadata.slot_mapping, value)
+        entry = key_cache.shape[-1]  # head_dim, or more for a quantized format's entries
+        kv_format = self.kv_format
+        load = kv_format.decode if kv_format is not None else (lambda entries: entries)
+        flat_keys = key_cache.view(-1, num_kv_heads, entry)
+        flat_values = value_cache.view(-1, num_kv_heads, entry)
+        flat_keys.index_copy_(0, metadata.slot_mapping, key if kv_format is None else kv_format.encode(key))
+        flat_values.index_copy_(0, metadata.slot_mapping, value if kv_format is None else kv_format.encode(value))
 
         gqa = spec.num_heads != num_kv_heads
         output = torch.empty_like(query)
         for decode in metadata.decodes:
             batch = decode.token_index.shape[0]
             q = query[decode.token_index].unsqueeze(2)  # [B, H, 1, D]
-            shape = (batch, decode.length, num_kv_heads, head_dim)
-            k = key_cache.index_select(0, decode.block_index).view(shape).transpose(1, 2)  # [B, KVH, L, D]
-            v = value_cache.index_select(0, decode.block_index).view(shape).transpose(1, 2)
+            shape = (batch, decode.length, num_kv_heads, entry)
+            k = load(key_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)  # [B, KVH, L, D]
+            v = load(value_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.masks[spec.sliding_window],
                                                  scale=spec.scale, enable_gqa=gqa)
             output[decode.token_index] = out.squeeze(2)
         for prefill in metadata.prefills:
             q = query[prefill.start:prefill.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            k = key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, head_dim)[:prefill.length]
-            v = value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, head_dim)[:prefill.length]
+            k = load(key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
+            v = load(value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
             k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             v = v.transpose(0, 1).unsqueeze(0)
             mask = prefill.masks[spec.sliding_window]

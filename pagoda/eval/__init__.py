@@ -1,0 +1,1 @@
+"""Quality evaluation with the engine itself (perplexity)."""

@@ -1,0 +1,1 @@
+"""Quantized serving: weight formats, KV cache dtypes, GGUF and quantized checkpoints."""

@@ -1,0 +1,276 @@
+"""GGUF checkpoints (llama.cpp's format): config from the metadata, tensors by their HF names.
+
+Read with the `gguf` package. Tensor types: F32/F16/BF16 as they are; Q4_0 maps exactly onto
+pagoda's int4 format (group 32, w = d * (q - 8): codes q, scale d, zero 0); every other type
+the package can dequantize (Q8_0, Q4_1, Q5_0/1, K-quants Q2_K..Q6_K, ...) is dequantized to the
+model dtype at load and logged (re-quantize with `--quantization int8|int4` if wanted).
+
+llama.cpp permutes the rows of Llama's q/k projections (its rope pairs adjacent dimensions,
+transformers' rotates halves; convert_hf_to_gguf.py `LlamaModel.permute`): undone here for the
+`llama` architecture, as transformers' GGUF loader does. Qwen2/Qwen3 are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda.quant.weight_formats import FullWeight, Int4Weight, WeightFormat
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` -> transformers architecture.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PLAIN_TYPES = ("F32", "F16", "BF16")
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def find_gguf_file(path: str | Path) -> Path | None:
+    """`path` itself when it is a .gguf file, the one .gguf in a directory without safetensors,
+    else None. Several .gguf files in one directory: ValueError (which one is meant?)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" or _has_gguf_magic(path) else None
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path}: holds several GGUF files ({', '.join(p.name for p in found)}); "
+                         f"pass one of them as --model")
+    return found[0] if found else None
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+@dataclass
+class GGUFTensor:
+    hf_name: str
+    type_name: str
+    tensor: torch.Tensor | None  # float values (None for Q4_0 kept as codes)
+    int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [N, K] 0..15, scales [N, K/32])
+
+
+class GGUFCheckpoint:
+    """An opened GGUF file. Raises ValueError naming the file for anything it cannot serve."""
+
+    def __init__(self, path: str | Path) -> None:
+        found = find_gguf_file(path)
+        if found is None:
+            raise ValueError(f"{path}: not a GGUF file")
+        self.path = found
+        try:
+            import gguf
+        except ImportError:
+            raise ValueError(f"{self.path}: reading GGUF needs the `gguf` package (pip install gguf)") from None
+        self._gguf = gguf
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as error:  # the reader raises ValueError, IndexError, struct/numpy errors on bad bytes
+            raise ValueError(f"{self.path}: not a readable GGUF file, corrupt or truncated "
+                             f"({type(error).__name__}: {error})") from None
+        self.architecture = self._string("general.architecture")
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ValueError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; pagoda "
+                             f"serves {', '.join(sorted(GGUF_ARCHITECTURES))}")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        dequantizable = _dequantizable_type_names()
+        for tensor in self.reader.tensors:
+            type_name = tensor.tensor_type.name
+            if type_name not in _PLAIN_TYPES and type_name != "Q4_0" and type_name not in dequantizable:
+                raise ValueError(f"{self.path}: tensor {tensor.name!r} has type {type_name}, which pagoda "
+                                 f"cannot read; supported: {', '.join(self.supported_types())}")
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def _field(self, key: str) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except Exception as error:
+            raise ValueError(f"{self.path}: metadata {key!r} is unreadable ({error})") from None
+
+    def _string(self, key: str) -> str:
+        value = self._field(key)
+        if value is None:
+            raise ValueError(f"{self.path}: missing metadata {key!r}")
+        return str(value)
+
+    def _arch_value(self, key: str, default: Any = None) -> Any:
+        value = self._field(f"{self.architecture}.{key}")
+        return default if value is None else value
+
+    def hf_config(self) -> dict[str, Any]:
+        """A transformers-style config.json dict built from the GGUF metadata."""
+        required = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+                    "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
+        config: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[self.architecture]]}
+        for key, name in required.items():
+            value = self._arch_value(key)
+            if value is None:
+                raise ValueError(f"{self.path}: missing metadata {self.architecture}.{key}")
+            config[name] = int(value)
+        config["num_key_value_heads"] = int(self._arch_value("attention.head_count_kv",
+                                                             config["num_attention_heads"]))
+        head_dim = self._arch_value("attention.key_length") or self._arch_value("rope.dimension_count")
+        if head_dim is not None:
+            config["head_dim"] = int(head_dim)
+        config["max_position_embeddings"] = int(self._arch_value("context_length", 2048))
+        config["rope_theta"] = float(self._arch_value("rope.freq_base", 10000.0))
+        config["rms_norm_eps"] = float(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6))
+        if "rope_freqs.weight" in self.tensors or self._arch_value("rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"{self.path}: GGUF rope scaling (rope_freqs / rope.scaling.type) is not "
+                             f"supported yet; pagoda reads unscaled rope from GGUF")
+        embeddings = self.tensors.get("token_embd.weight")
+        if embeddings is None:
+            raise ValueError(f"{self.path}: missing tensor 'token_embd.weight'")
+        config["vocab_size"] = int(embeddings.shape[1])  # GGUF shapes list the fastest dimension first
+        config["tie_word_embeddings"] = "output.weight" not in self.tensors
+        config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors and self.architecture == "llama"
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        if eos is not None:
+            config["eos_token_id"] = int(eos)
+        return config
+
+    # ---- tensors ----------------------------------------------------------------------------
+
+    @classmethod
+    def supported_types(cls) -> list[str]:
+        import gguf
+
+        dequantizable = [t.name for t in gguf.GGMLQuantizationType
+                         if t.name not in _PLAIN_TYPES and t.name in _dequantizable_type_names()]
+        return list(_PLAIN_TYPES) + sorted(set(dequantizable) | {"Q4_0"})
+
+    def linear_types(self) -> set[str]:
+        """Tensor types of the decoder's projection weights (what the weight format is chosen from)."""
+        return {t.tensor_type.name for name, t in self.tensors.items()
+                if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim == 2
+                and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                           "ffn_down")}
+
+    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool) -> Iterator[GGUFTensor]:
+        """Every tensor under its Hugging Face name. Q4_0 projection weights come as int4 codes
+        when `keep_q4_0_codes`, other quantized types dequantized to float32."""
+        dequantized: Counter[str] = Counter()
+        for name, tensor in self.tensors.items():
+            hf_name = self._hf_name(name)
+            type_name = tensor.tensor_type.name
+            is_projection = hf_name.endswith("_proj.weight")
+            try:
+                if type_name == "Q4_0" and keep_q4_0_codes and is_projection:
+                    codes, scales = _q4_0_codes(np.asarray(tensor.data))
+                    codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
+                    yield GGUFTensor(hf_name, type_name, None, (codes, scales))
+                    continue
+                values = self._float_values(tensor)
+            except ValueError:
+                raise
+            except Exception as error:
+                raise ValueError(f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
+                                 f"truncated ({type(error).__name__}: {error})") from None
+            if type_name not in _PLAIN_TYPES:
+                dequantized[type_name] += 1
+            yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, values))
+        for type_name, count in sorted(dequantized.items()):
+            logger.info("%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
+                        self.path.name, count, type_name, type_name)
+
+    def _float_values(self, tensor: Any) -> torch.Tensor:
+        type_name = tensor.tensor_type.name
+        data = np.asarray(tensor.data)
+        if type_name in ("F32", "F16"):
+            values = torch.from_numpy(data.astype(np.float32, copy=False).copy())
+        else:
+            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(data, tensor.tensor_type),
+                                                           dtype=np.float32))
+        expected = tuple(int(d) for d in reversed(tensor.shape))
+        if tuple(values.shape) != expected:
+            values = values.reshape(expected)
+        return values
+
+    def _hf_name(self, name: str) -> str:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) >= 4 and parts[2] in _LAYER_TENSORS:
+            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        if parts[0] in _GLOBAL_TENSORS and len(parts) == 2:
+            return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+        raise ValueError(f"{self.path}: unexpected tensor {name!r} for GGUF architecture {self.architecture}")
+
+    def _unpermute(self, name: str, config: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's q/k row permutation (Llama only)."""
+        if self.architecture != "llama":
+            return rows
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if kind == "attn_q":
+            heads = config["num_attention_heads"]
+        elif kind == "attn_k":
+            heads = config["num_key_value_heads"]
+        else:
+            return rows
+        shape = rows.shape
+        half = shape[0] // heads // 2
+        return rows.reshape(heads, half, 2, *shape[1:]).transpose(1, 2).reshape(shape).contiguous()
+
+
+def _dequantizable_type_names() -> set[str]:
+    from gguf import quants
+
+    names = set()
+    for value in vars(quants).values():
+        qtype = getattr(value, "qtype", None)
+        if qtype is not None and "dequantize_blocks" in vars(value):
+            names.add(qtype.name)
+    return names
+
+
+def _q4_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q4_0 rows [N, K/32 * 18 bytes] -> (codes int32 [N, K], scales float32 [N, K/32]).
+    A block is a float16 scale d and 32 4-bit codes q, value d * (q - 8); byte j holds code j
+    in its low nibble and code j + 16 in its high nibble."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, 18)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 2:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int32)
+    return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
+
+
+def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | None) -> WeightFormat:
+    """The decoder projections' format for a GGUF file: a requested int8/int4 format wins
+    (tensors dequantized and re-quantized, except Q4_0 into int4 group 32, which is exact);
+    otherwise Q4_0 projections are served as int4 group 32 and everything else as floats."""
+    if requested is not None and not isinstance(requested, FullWeight):
+        return requested
+    types = checkpoint.linear_types()
+    if "Q4_0" in types:
+        others = sorted(types - {"Q4_0"})
+        if others:
+            logger.info("%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
+                        checkpoint.path.name, ", ".join(others))
+        return Int4Weight(group_size=32, zero_point=False)
+    return requested or FullWeight()

@@ -1,0 +1,281 @@
+"""Weight formats (vLLM: quant methods): how a `Linear`'s weight is stored, loaded and multiplied.
+
+A format is a small stateless-per-layer strategy object shared by every quantized `Linear`:
+
+- `create_weights(layer, ...)` registers a full-precision staging `weight` [out, in] that the
+  loaders fill row slice by row slice (fused q/k/v and gate/up included);
+- `finalize(layer, name)` converts the staged weight once loading is done (round-to-nearest
+  quantization, packing into the kernel's layout) and frees it;
+- `apply(layer, x, bias)` computes `x @ W^T + b` with the format's kernel.
+
+Formats (weight-only: activations stay in floating point):
+
+- `full`: the weight as loaded, `F.linear`.
+- `int8`: per-output-channel symmetric int8, scale = max|w_row| / 127, round to nearest;
+  `aten._weight_int8pack_mm`.
+- `int4`: group-wise int4 along the input dimension (group 32/64/128). With zero points
+  (default) each group maps [min, max] onto 0..15; symmetric maps [-max|w|, max|w|] onto
+  -7..7 (zero point 0). Stored as tinygemm's packed layout with (scale, zero) pairs, where
+  w = (q - 8) * scale + zero; `aten._weight_int4pack_mm_for_cpu` (CPU) or
+  `aten._weight_int4pack_mm` (CUDA).
+
+PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (measured
+on this project's CPU: with float32 inputs they run 8x slower than a float32 dense matmul,
+with bfloat16 1.6-2x faster), so quantized layers of a float32 model compute in bfloat16 and
+cast the output back. A format whose kernel is missing on the device fails at startup
+(`check_kernel`), never falls back to a slow path silently.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, linear_weight_bytes
+from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
+
+INT8_K_TILE = 16
+
+
+class WeightFormat(ABC):
+    """Strategy owning the storage and the matmul of a `Linear`'s weight."""
+
+    name: str
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Register the full-precision staging weight the loaders write into."""
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                    requires_grad=False)
+
+    def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
+        """Raise ValueError when this format cannot hold a layer of this shape."""
+
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        """Called once after every tensor of the layer was loaded."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+
+    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ValueError when this format's kernel does not run on `device`."""
+
+    def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
+        """Bytes one layer's weight takes in this format (for planning and logs)."""
+        return linear_weight_bytes(in_features, out_features, "none", element_size)
+
+
+class FullWeight(WeightFormat):
+    name = "full"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Activation dtype the packed kernels run in for a model of `dtype` (see module docstring)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def _replace_staging_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
+    del layer.weight
+    for name, tensor in buffers.items():
+        layer.register_buffer(name, tensor, persistent=False)
+
+
+class Int8Weight(WeightFormat):
+    """Per-output-channel symmetric int8, weight-only."""
+
+    name = "int8"
+
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        weight = layer.weight.detach().float()
+        qweight, scales = quantize_int8_per_channel(weight)
+        # The bf16 CPU kernel reads the input dimension in tiles of 16 (and crashes on a
+        # remainder): pad odd sizes with zero columns; apply() pads x to match.
+        padding = -weight.shape[1] % INT8_K_TILE
+        if padding:
+            qweight = F.pad(qweight, (0, padding))
+        _replace_staging_weight(layer, qweight=qweight.contiguous(),
+                                scales=scales.to(kernel_dtype(layer.weight.dtype)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(layer.scales.dtype)
+        if flat.shape[1] != layer.qweight.shape[1]:
+            flat = F.pad(flat, (0, layer.qweight.shape[1] - flat.shape[1]))
+        out = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
+        out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
+        def probe() -> None:
+            x = torch.ones(1, 16, dtype=kernel_dtype(dtype), device=device)
+            w = torch.ones(16, 16, dtype=torch.int8, device=device)
+            torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(16, dtype=x.dtype, device=device))
+
+        _probe_kernel("int8", "aten._weight_int8pack_mm", device, probe)
+
+    def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
+        return linear_weight_bytes(in_features, out_features, "int8", element_size)
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric int8 per row: (int8 [N, K], float32 scales [N])."""
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight, scales
+
+
+@dataclass(frozen=True)
+class Int4Weight(WeightFormat):
+    """Group-wise int4 (tinygemm layout), with zero points or symmetric."""
+
+    group_size: int = 128
+    zero_point: bool = True
+    name: ClassVar[str] = "int4"
+
+    def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
+        if in_features % self.group_size:
+            raise ValueError(f"{layer_name}: int4 group size {self.group_size} does not divide its input "
+                             f"dimension {in_features}; use a group size among "
+                             f"{', '.join(str(g) for g in INT4_GROUP_SIZES)} that divides it")
+        if out_features % 16:
+            raise ValueError(f"{layer_name}: int4 needs an output dimension divisible by 16 "
+                             f"(the packed kernel's tile), got {out_features}")
+
+    def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None = None) -> None:
+        """Load rows that are already int4 in this layout (e.g. GGUF Q4_0) without re-quantizing:
+        w = (codes - 8) * scales + zeros, codes int32 [rows, K], scales/zeros [rows, K / group]."""
+        if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
+            raise ValueError(f"int4 codes of shape {tuple(codes.shape)} / scales {tuple(scales.shape)} do not "
+                             f"fit a [{layer.out_features}, {layer.in_features}] layer with group {self.group_size}")
+        zeros = torch.zeros_like(scales) if zeros is None else zeros
+        if not hasattr(layer, "staged_codes"):
+            layer.staged_codes = []
+        layer.staged_codes.append((row_offset, codes, scales, zeros))
+
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        out_features, in_features = layer.weight.shape
+        self.check_shape(layer_name, in_features, out_features)
+        staged = getattr(layer, "staged_codes", [])
+        if sum(codes.shape[0] for _, codes, _, _ in staged) == out_features:
+            codes = torch.empty(out_features, in_features, dtype=torch.int32)
+            scales = torch.empty(out_features, in_features // self.group_size)
+            zeros = torch.empty_like(scales)
+        else:  # some rows came as floats: round them to nearest; staged rows overwrite theirs
+            codes, scales, zeros = quantize_int4_grouped(layer.weight.detach().float().cpu(), self.group_size,
+                                                         self.zero_point)
+        for row_offset, part_codes, part_scales, part_zeros in staged:
+            rows = slice(row_offset, row_offset + part_codes.shape[0])
+            codes[rows], scales[rows], zeros[rows] = part_codes, part_scales, part_zeros
+        if staged:
+            del layer.staged_codes
+        self.load_codes(layer, codes, scales, zeros)
+
+    def load_codes(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Install already-quantized codes: w = (codes - 8) * scales + zeros per group.
+        codes int32 [N, K] in 0..15; scales/zeros [N, K / group_size]."""
+        dtype = kernel_dtype(layer.weight.dtype)
+        device = layer.weight.device
+        # tinygemm wants [K / group, N, 2] (scale, zero) pairs.
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        packed = _pack_int4(codes.to(device), device)
+        _replace_staging_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(device))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(layer.scales_and_zeros.dtype)
+        if flat.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.qweight, self.group_size,
+                                                               layer.scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(flat, layer.qweight, self.group_size, layer.scales_and_zeros)
+        out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
+        name = "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else "aten._weight_int4pack_mm"
+
+        def probe() -> None:
+            k = max(self.group_size, 256)
+            codes = torch.zeros(16, k, dtype=torch.int32, device=device)
+            packed = _pack_int4(codes, device)
+            sz = torch.ones(k // self.group_size, 16, 2, dtype=kernel_dtype(dtype), device=device)
+            x = torch.ones(1, k, dtype=kernel_dtype(dtype), device=device)
+            if device.type == "cpu":
+                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, sz)
+            else:
+                torch.ops.aten._weight_int4pack_mm(x, packed, self.group_size, sz)
+
+        _probe_kernel("int4", name, device, probe)
+
+    def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
+        return linear_weight_bytes(in_features, out_features, "int4", element_size, self.group_size)
+
+
+def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 per group of `group_size` inputs.
+
+    Returns (codes int32 [N, K] in 0..15, scales [N, G], zeros [N, G]) with
+    w ~= (codes - 8) * scale + zero (tinygemm's convention)."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // group_size, group_size)
+    if zero_point:
+        low = groups.amin(dim=-1)
+        high = groups.amax(dim=-1)
+        scales = ((high - low) / 15.0).clamp(min=1e-12)
+        codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+        zeros = low + 8.0 * scales
+    else:
+        scales = (groups.abs().amax(dim=-1) / 7.0).clamp(min=1e-12)
+        codes = torch.round(groups / scales[..., None]).clamp(-8, 7) + 8
+        zeros = torch.zeros_like(scales)
+    return codes.reshape(out_features, in_features).to(torch.int32), scales, zeros
+
+
+def dequantize_int4_grouped(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int) -> torch.Tensor:
+    out_features, in_features = codes.shape
+    groups = codes.reshape(out_features, -1, group_size).float() - 8.0
+    return (groups * scales[..., None] + zeros[..., None]).reshape(out_features, in_features)
+
+
+def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    # CUDA tinygemm: two codes per byte (even index in the high nibble), 8 inner k tiles.
+    as_bytes = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(as_bytes, 8)
+
+
+def _probe_kernel(format_name: str, kernel: str, device: torch.device, probe) -> None:
+    try:
+        probe()
+    except (RuntimeError, NotImplementedError, AttributeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"quantization {format_name}: its kernel {kernel} does not run on {device} "
+                         f"with torch {torch.__version__} ({first_line})") from None
+
+
+def make_weight_format(quantization: str, group_size: int = 128, zero_point: bool = True) -> WeightFormat:
+    """The format for `--quantization`; ValueError for unknown names or group sizes."""
+    if quantization in ("none", "full"):
+        return FullWeight()
+    if quantization == "int8":
+        return Int8Weight()
+    if quantization == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}")
+        return Int4Weight(group_size=group_size, zero_point=zero_point)
+    raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
+                     f"{', '.join(QUANTIZATION_CHOICES)}")
