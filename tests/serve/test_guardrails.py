@@ -283,6 +283,10 @@ def test_input_redaction_reaches_neither_engine_nor_log(server: LiveServer,
     assert response.json()["usage"]["prompt_tokens"] == len(
         server.llm.tokenizer.encode(redacted, add_special_tokens=True))
     assert chat.status_code == 200
+    # The chat prompt is rendered again from the redacted message: the engine got only that.
+    redacted_chat = [{"role": "user", "content": "my key is [REDACTED_API_KEY]"}]
+    assert chat.json()["usage"]["prompt_tokens"] == len(
+        server.llm.tokenizer.encode_chat(redacted_chat, add_generation_prompt=True))
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
     logged = json.dumps(lines)
     for secret in ("jane@example.com", "4111 1111 1111 1111", "sk-abcdefghijklmnopqrstuvwxyz0123"):
