@@ -46,6 +46,9 @@ def add_parser(subparsers: Any) -> None:
                              "so the HTTP side cannot stall it, and a crash leaves the server up "
                              "to answer 503), or on a thread of the server process (starts "
                              "faster)")
+    server.add_argument("--guardrails", default=None, metavar="FILE",
+                        help="YAML file of input/output guardrail rules (regex, blocklist, pii, "
+                             "classifier) per tenant (default: off)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",

@@ -62,12 +62,21 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
         ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
+        tokenizer = ctx.llm.tokenizer
+
+        def render(messages: list[dict[str, Any]]) -> EnginePrompt:
+            try:
+                token_ids = tokenizer.encode_chat(
+                    messages, add_generation_prompt=request.add_generation_prompt)
+            except InvalidRequest as exc:
+                raise invalid_request(exc) from None
+            return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
+
         try:
             messages = template_messages(request.messages)
-            token_ids = ctx.llm.tokenizer.encode_chat(
-                messages, add_generation_prompt=request.add_generation_prompt)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
+        prompt = render(messages)
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None \
             else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -76,9 +85,9 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                        logprobs=(request.top_logprobs or 0) if request.logprobs
                                        else None)
-        prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
         return PreparedRequest([prompt], params,
-                               param_names={"prompt": "messages", "max_tokens": max_param})
+                               param_names={"prompt": "messages", "max_tokens": max_param},
+                               messages=messages, render_messages=render)
 
     def formatter(self, ctx: ServeContext, generation: Generation,
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:

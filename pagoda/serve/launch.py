@@ -38,6 +38,7 @@ class ServeOptions:
     target_ttft_ms: float | None = None  # latency-aware admission (serve/latency_targets.py)
     target_itl_ms: float | None = None
     metrics_compat: Literal["none", "vllm"] = "none"
+    guardrails: str | None = None  # YAML file of guardrail rules (pagoda/guard/config.py)
 
 
 def launch_server(options: ServeOptions) -> int:
@@ -69,6 +70,14 @@ def launch_server(options: ServeOptions) -> int:
         tenants = TenantRegistry.single_key(options.api_key)
     else:
         tenants = TenantRegistry.open()
+    guardrails = None
+    if options.guardrails:
+        from pagoda.guard import GuardrailsConfigError, load_guardrails
+
+        try:
+            guardrails = load_guardrails(options.guardrails)
+        except GuardrailsConfigError as exc:
+            raise SystemExit(f"pagoda serve: {options.guardrails}: {exc}") from None
     config = options.engine
     try:
         settings = ServerSettings(
@@ -79,7 +88,7 @@ def launch_server(options: ServeOptions) -> int:
             latency_targets=LatencyTargets(
                 ttft_s=None if options.target_ttft_ms is None else options.target_ttft_ms / 1000,
                 itl_s=None if options.target_itl_ms is None else options.target_itl_ms / 1000),
-            metrics_compat=options.metrics_compat)
+            metrics_compat=options.metrics_compat, guardrails=guardrails)
         if options.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     except ValueError as exc:
@@ -124,6 +133,7 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         ("latency targets", settings.latency_targets is not None  # type: ignore[attr-defined]
          and settings.latency_targets.enabled),  # type: ignore[attr-defined]
         ("vllm: metric names", options.metrics_compat == "vllm"),
+        ("guardrails", options.guardrails is not None),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",
