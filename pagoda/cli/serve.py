@@ -48,6 +48,9 @@ def add_parser(subparsers: Any) -> None:
                              "faster)")
     server.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default="hermes",
                         help="how the model writes tool calls (default: hermes, as Qwen2.5/3 do)")
+    server.add_argument("--guardrails", default=None, metavar="FILE",
+                        help="YAML file of input/output guardrail rules (regex, blocklist, pii, "
+                             "classifier) per tenant (default: off)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",

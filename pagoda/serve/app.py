@@ -18,6 +18,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import ChatEndpoint
 from pagoda.serve.completions import CompletionsEndpoint
+from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
 from pagoda.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
@@ -117,6 +118,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
+
+    # --- dashboard hook (issue 21): GET /dashboard, /dashboard/events ---
+    install_dashboard(app, lambda request: _authenticate(ctx, request), settings.tenants,
+                      DashboardWindow(ctx.metrics.registry), ctx.request_log)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:

@@ -55,14 +55,23 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         reject_unsupported(request)
         ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
+        # Tool calling: the tools are validated here and shown to the chat template.
+        tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
+        template_tools = {"tools": tools.tools} if tools else {}
+
+        def render(messages: list[dict[str, Any]]) -> EnginePrompt:
+            try:
+                token_ids = tokenizer.encode_chat(
+                    messages, add_generation_prompt=request.add_generation_prompt, **template_tools)
+            except InvalidRequest as exc:
+                raise invalid_request(exc) from None
+            return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
+
         try:
             messages = template_messages(request.messages)
-            tools = plan_tools(request, ctx.settings.tool_call_parser,
-                               getattr(tokenizer.hf, "chat_template", None))
-            token_ids = tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
-                                              **({"tools": tools.tools} if tools else {}))
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
+        prompt = render(messages)
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None \
             else "max_tokens"
         requested = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -74,9 +83,9 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         # Structured output and tool calling (at most one grammar, checked here: prepare runs
         # off the event loop).
         params = with_tool_constraint(with_structured_outputs(params, request), tools)
-        prompt = EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
         return PreparedRequest([prompt], params,
-                               param_names={"prompt": "messages", "max_tokens": max_param})
+                               param_names={"prompt": "messages", "max_tokens": max_param},
+                               messages=messages, render_messages=render)
 
     def formatter(self, ctx: ServeContext, generation: Generation,
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:

@@ -10,9 +10,10 @@ Where the next features plug in:
 - structured output / tool calling: `prepare` carries response_format / tools into the params;
   a chat `ChunkFormatter` parses tool calls out of each delta's text, `response` out of the
   final text.
-- guardrails: an input check belongs in `handle` after `prepare` (before `Generation.start`);
-  an output filter wraps `Generation.deltas` (hold back or redact a delta's text, or end a
-  sample with finish_reason "content_filter" and abort it), which both answer shapes read.
+- guardrails (serve/guardrails.py): the input check runs in `handle` after `prepare` (before
+  `Generation.start`); the output filter rewrites each delta inside `Generation.deltas` (hold
+  back or redact its text, or end a sample with finish_reason "content_filter" and abort it),
+  which both answer shapes read.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError
+from pagoda.serve.guardrails import guard_input
 from pagoda.serve.protocol import SamplingFields
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id)
@@ -48,6 +50,10 @@ class PreparedRequest:
     params: SamplingParams
     # The engine's parameter names -> this endpoint's, for error messages.
     param_names: dict[str, str] = field(default_factory=dict)
+    # Chat: the templated messages behind the one prompt, and how to render a prompt from
+    # messages again (an input guardrail that redacts a message re-renders the prompt).
+    messages: list[dict[str, Any]] | None = None
+    render_messages: Callable[[list[dict[str, Any]]], EnginePrompt] | None = None
 
 
 class ChunkFormatter(ABC):
@@ -89,8 +95,11 @@ class GenerationEndpoint(ABC, Generic[Body]):
         # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
         # keeps the event loop (every other request, /health) answering meanwhile.
         prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
+        prepared, input_decision = await guard_input(  # guardrails hook
+            ctx.guard, ctx.llm.tokenizer, tenant, prepared)
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
-                                prepared.prompts, prepared.params, stream=request.stream)
+                                prepared.prompts, prepared.params, stream=request.stream,
+                                input_decision=input_decision)  # guardrails hook
         await generation.start(prepared.param_names)
         created = int(time.time())
         stream_body = None

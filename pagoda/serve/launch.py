@@ -39,6 +39,7 @@ class ServeOptions:
     target_itl_ms: float | None = None
     metrics_compat: Literal["none", "vllm"] = "none"
     tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
+    guardrails: str | None = None  # YAML file of guardrail rules (pagoda/guard/config.py)
 
 
 def launch_server(options: ServeOptions) -> int:
@@ -70,6 +71,14 @@ def launch_server(options: ServeOptions) -> int:
         tenants = TenantRegistry.single_key(options.api_key)
     else:
         tenants = TenantRegistry.open()
+    guardrails = None
+    if options.guardrails:
+        from pagoda.guard import GuardrailsConfigError, load_guardrails
+
+        try:
+            guardrails = load_guardrails(options.guardrails)
+        except GuardrailsConfigError as exc:
+            raise SystemExit(f"pagoda serve: {options.guardrails}: {exc}") from None
     config = options.engine
     try:
         settings = ServerSettings(
@@ -80,7 +89,8 @@ def launch_server(options: ServeOptions) -> int:
             latency_targets=LatencyTargets(
                 ttft_s=None if options.target_ttft_ms is None else options.target_ttft_ms / 1000,
                 itl_s=None if options.target_itl_ms is None else options.target_itl_ms / 1000),
-            metrics_compat=options.metrics_compat, tool_call_parser=options.tool_call_parser)
+            metrics_compat=options.metrics_compat, guardrails=guardrails,
+            tool_call_parser=options.tool_call_parser)
         if options.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     except ValueError as exc:
@@ -125,6 +135,7 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         ("latency targets", settings.latency_targets is not None  # type: ignore[attr-defined]
          and settings.latency_targets.enabled),  # type: ignore[attr-defined]
         ("vllm: metric names", options.metrics_compat == "vllm"),
+        ("guardrails", options.guardrails is not None),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",

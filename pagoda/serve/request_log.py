@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 LOGGER_NAME = "pagoda.serve.requests"
 
@@ -39,8 +40,15 @@ class RequestLogger:
     def __init__(self, log_prompts: bool = False, logger: logging.Logger | None = None) -> None:
         self.log_prompts = log_prompts
         self.logger = logger or logging.getLogger(LOGGER_NAME)
+        # Called with every record whatever the log level (the live dashboard reads them).
+        self._listeners: list[Callable[[RequestLogRecord], None]] = []
+
+    def add_listener(self, listener: Callable[[RequestLogRecord], None]) -> None:
+        self._listeners.append(listener)
 
     def log(self, record: RequestLogRecord) -> None:
+        for listener in self._listeners:
+            listener(record)
         if not self.logger.isEnabledFor(logging.INFO):
             return
         fields = dataclasses.asdict(record)

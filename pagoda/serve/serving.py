@@ -19,10 +19,13 @@ from typing import AsyncIterator
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagoda.errors import InvalidRequest
+from pagoda.guard import Decision
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
+from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
+                                     guard_log_fields)
 from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.protocol import PromptTokensDetails, Usage
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
@@ -41,10 +44,11 @@ class ServeContext:
     admission: AdmissionController
     metrics: ServerMetrics
     request_log: RequestLogger
+    guard: ServerGuard | None = None  # --guardrails
 
     @classmethod
     def create(cls, llm: AsyncLLM, settings: ServerSettings) -> "ServeContext":
-        return cls(
+        ctx = cls(
             llm=llm,
             settings=settings,
             limiter=TenantLimiter(),
@@ -54,6 +58,9 @@ class ServeContext:
                                   compat=settings.metrics_compat),
             request_log=RequestLogger(settings.log_prompts),
         )
+        if settings.guardrails is not None:  # guardrails hook
+            ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
+        return ctx
 
     @property
     def model_name(self) -> str:
@@ -92,8 +99,8 @@ _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_
 
 
 def rejection_reason(error: APIError) -> str:
-    if error.code == "engine_dead":
-        return "engine_dead"
+    if error.code in ("engine_dead", "content_filter"):
+        return error.code
     return _REJECT_REASONS.get(error.status, str(error.status))
 
 
@@ -107,6 +114,7 @@ class Generation:
     params: SamplingParams
     stream: bool
     arrival_time: float = field(default_factory=time.time)
+    input_decision: Decision | None = None  # the input guardrails' decision, if any
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[RequestStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -116,6 +124,7 @@ class Generation:
     _lease: TenantLease | None = field(default=None, init=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
+    _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -139,6 +148,8 @@ class Generation:
                     ctx.llm.validate(prompt.token_ids, self.params)
                 except InvalidRequest as exc:
                     raise invalid_request(exc, param_names) from None
+            self._output_guard = guard_generation_output(  # guardrails hook
+                ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
             for request_id, prompt in zip(self.engine_request_ids, self.prompts):
@@ -183,6 +194,8 @@ class Generation:
                 if delta is None:
                     continue
                 got_any = True
+                if self._output_guard is not None:  # guardrails hook
+                    delta = await self._output_guard.filter(i, delta)
                 output = self.latest[i]
                 if output is None:
                     self._slots[i].leave()
@@ -254,6 +267,7 @@ class Generation:
         record.ttft_s = min(ttfts) if ttfts else None
         record.prompt = [p.text if p.text is not None else str(p.token_ids) for p in self.prompts]
         record.output = [c.text for o in outputs for c in o.outputs]
+        record.extra.update(guard_log_fields(self.input_decision, self._output_guard))  # guardrails hook
         return record
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.serve.latency_targets import LatencyTargets
 from pagoda.serve.request_limits import RequestLimits
 from pagoda.serve.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from pagoda.guard import GuardrailsConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
@@ -26,6 +30,7 @@ class ServerSettings:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
     tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
+    guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
 
     def __post_init__(self) -> None:
         if self.metrics_compat not in ("none", "vllm"):

@@ -11,6 +11,9 @@ A keys file (YAML or JSON) lists tenants with their keys and limits::
         max_prompt_tokens: 2048
         max_output_tokens: 512
         priority: 0                   # lower runs first with --scheduling-policy priority
+      ops:
+        api_keys: [sk-ops]
+        admin: true                   # sees every tenant's figures on /dashboard
 
 Every limit is optional. Without a file the server is open (one tenant, "default"), or
 guarded by a single `--api-key` shared by that one tenant.
@@ -63,6 +66,8 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     # Tenants with the same scope share prefix-cache entries; None: the tenant's own name.
     cache_scope: str | None = None
+    # An admin key sees every tenant's figures on /dashboard; others see only their own.
+    admin: bool = False
 
     @property
     def cache_salt(self) -> str:
@@ -108,7 +113,7 @@ class TenantRegistry:
 
     @classmethod
     def single_key(cls, key: str) -> "TenantRegistry":
-        return cls({key: Tenant(DEFAULT_TENANT)})
+        return cls({key: Tenant(DEFAULT_TENANT, admin=True)})
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TenantRegistry":
@@ -156,15 +161,19 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         api_keys = spec.pop("api_keys", [])
         if "api_key" in spec:
             api_keys = [*api_keys, spec.pop("api_key")]
+        admin = spec.pop("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"tenant {name!r}: admin must be true or false, got {admin!r}")
         cache_scope = spec.pop("cache_scope", None)
         if cache_scope is not None and (not isinstance(cache_scope, str) or not cache_scope):
             raise ValueError(f"tenant {name!r}: cache_scope must be a non-empty string")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: api_keys, cache_scope, {', '.join(sorted(_LIMIT_FIELDS))}")
+                             f"known: admin, api_keys, cache_scope, "
+                             f"{', '.join(sorted(_LIMIT_FIELDS))}")
         try:
-            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope)
+            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin)
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:

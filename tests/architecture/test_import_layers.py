@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),
     ("engine",),
     ("pagoda",),
+    ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
     ("serve", "bench", "plan", "eval"),
     ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
