@@ -25,6 +25,9 @@ def _log_axis(ax: Any, which: str = "x", ticks: list[float] | None = None) -> No
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
     axis = ax.xaxis if which == "x" else ax.yaxis
+    low, high = ax.dataLim.intervalx if which == "x" else ax.dataLim.intervaly
+    if not high > 0:  # nothing positive to put on a log axis (e.g. every gap was 0): stay linear
+        return
     (ax.set_xscale if which == "x" else ax.set_yscale)("log")
     if ticks:
         axis.set_major_locator(FixedLocator(sorted(set(ticks))))

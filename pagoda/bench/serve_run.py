@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.loadgen import LoadConfig, run_load
-from pagoda.bench.options import WARMUP_SEED_OFFSET, ServeBenchOptions, run_metadata
+from pagoda.bench.options import WARMUP_SEED_OFFSET, ServeBenchOptions, WorkloadOptions, run_metadata
 from pagoda.bench.records import RunResult
 from pagoda.bench.report import Summary, parse_slo, render_summary, render_table, summarize, write_json
 from pagoda.bench.server_metrics import metrics_delta
@@ -68,8 +68,32 @@ def write_outputs(out: Path, payload: dict[str, Any], result: RunResult, summary
     plot_over_time(result.records, out / "over_time.png", f"{summary.target}: TTFT and ITL over time")
 
 
+def _with_served_model(options: ServeBenchOptions) -> WorkloadOptions:
+    """The tokenizer and context length default to the served model's, when the server says."""
+    from pagoda.bench.served_model import discover_served_model
+    from pagoda.config import resolve_model_path
+
+    workload = options.workload
+    if workload.tokenizer is not None and workload.max_model_len is not None:
+        return dataclasses.replace(workload, tokenizer=resolve_model_path(workload.tokenizer))
+    served = discover_served_model(options.load.base_url, options.load.model, options.load.api_key)
+    tokenizer = workload.tokenizer
+    if tokenizer is None:
+        if served.local_dir is None:
+            raise ValueError("--tokenizer is required: the server does not name a local model directory "
+                             "in /v1/models")
+        tokenizer = served.local_dir
+        print(f"tokenizer: {tokenizer} (the served model's, from /v1/models)")
+    max_model_len = workload.max_model_len
+    if max_model_len is None and served.max_model_len is not None:
+        max_model_len = served.max_model_len
+        print(f"lengths capped at the served context: {max_model_len} tokens (from /v1/models)")
+    return dataclasses.replace(workload, tokenizer=resolve_model_path(tokenizer), max_model_len=max_model_len)
+
+
 def serve_benchmark(options: ServeBenchOptions) -> int:
     parse_slo(options.report.slo)  # a bad flag fails before any work
+    options = dataclasses.replace(options, workload=_with_served_model(options))
     label = options.report.label or options.load.base_url
     out = options.report.output_dir()
     base = options.load

@@ -28,9 +28,10 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
     """Workload flags; with_engine_flags: --tokenizer, --max-model-len and --seed come from EngineConfig."""
     group = parser.add_argument_group("workload")
     if not with_engine_flags:
-        group.add_argument("--tokenizer", required=parser.prog.endswith("serve"),
+        group.add_argument("--tokenizer", default=None,
                            help="local tokenizer directory; lengths are exact token counts for it"
-                                + ("" if parser.prog.endswith("serve") else " (default: --model)"))
+                                + (" (default: the served model's directory, from /v1/models)"
+                                   if parser.prog.endswith("serve") else " (default: --model)"))
     group.add_argument("--mix", default="chat", help=MIX_HELP)
     group.add_argument("--param", action="append", default=[], metavar="CLASS.FIELD=LENGTH",
                        help=f"override a class's lengths (repeatable); LENGTH is {LENGTH_SPEC_HELP}. "
@@ -150,9 +151,16 @@ def run_offline(args: argparse.Namespace) -> int:
         engine = EngineConfig.from_cli_args(args)
     except ValueError as e:
         return _fail("offline", e)
-    # The workload's tokenizer, length cap and seed are the engine's.
+    # The workload's tokenizer, length cap and seed are the engine's; lengths never exceed the
+    # model's context (the bundled model's is 1,024 tokens, less than the default classes ask).
+    max_model_len = engine.max_model_len
+    if max_model_len is None:
+        from pagoda.model.loader import load_model_config
+
+        max_model_len = load_model_config(engine.model).max_position_embeddings
+        print(f"lengths capped at the model's context: {max_model_len} tokens", file=sys.stderr)
     workload = options_from_args(WorkloadOptions, args, tokenizer=engine.tokenizer,
-                                 max_model_len=engine.max_model_len, seed=engine.seed)
+                                 max_model_len=max_model_len, seed=engine.seed)
     options = options_from_args(OfflineBenchOptions, args, engine=engine, workload=workload,
                                 report=_report_options(args))
     return _run("offline", offline_benchmark, options)

@@ -16,7 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "per-class concurrency, and what quantization or a shorter context would change. "
                     "Pure arithmetic from config.json (and safetensors headers when present).",
         formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory or its config.json")
+    parser.add_argument("--model", required=True,
+                        help="model directory or its config.json, or a bundled model's name (pagoda-coder)")
     parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
     parser.add_argument("--dtype", default=None,
                         help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
@@ -38,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        plan = plan_from_options(options_from_args(PlanOptions, args))
+        from pagoda.config import resolve_model_path
+
+        plan = plan_from_options(options_from_args(PlanOptions, args, model=resolve_model_path(args.model)))
     except ValueError as e:
         print(f"pagoda plan: error: {e}", file=sys.stderr)
         return 2

@@ -78,3 +78,12 @@ def test_target_specs() -> None:
                          ("pagoda-static", "needs batch"), ("pagoda:x", "KEY=VALUE")):
         with pytest.raises(ValueError, match=message):
             parse_target(bad)
+
+
+def test_offline_defaults_fit_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """No length flags on the bundled model (1,024-token context): lengths adapt and say so."""
+    rc = bench(["offline", "--model", "pagoda-coder", "--num-threads", "1", "--num-requests", "2",
+                "--warmup", "0", "--no-progress", "--mix", "summarize"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert "lengths capped at the model's context: 1024 tokens" in captured.err

@@ -116,3 +116,19 @@ def test_open_loop_chat_every_class(server: str, tiny_model: Path, tmp_path: Pat
     result = check_run(out, 16)
     assert result["summary"]["overall"]["num_good"] == 16
     assert {r["class_name"] for r in result["requests"]} >= {"chat", "rag", "agent"}
+
+
+def test_tokenizer_and_context_default_to_the_served_models(server: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """No --tokenizer, no --max-model-len: both come from the local server's /v1/models."""
+    out = tmp_path / "defaults"
+    rc = bench(["serve", "--base-url", server, "--model", "tiny", "--mix", "summarize",
+                "--num-requests", "3", "--concurrency", "3", "--no-progress", "--out", str(out)])
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert rc == 0, captured.err
+    assert "the served model's, from /v1/models" in printed
+    assert "lengths capped at the served context: 512 tokens" in printed
+    requests = json.loads((out / "results.json").read_text())["requests"]
+    assert requests and all(r["prompt_len"] + r["output_len"] <= 512 for r in requests)
+    assert bench(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "1"]) == 2

@@ -1,0 +1,107 @@
+"""Every request field pagoda knows, per endpoint: supported, accepted and ignored, or refused.
+
+One table answers "what happens to field X" for both endpoints, so nothing a client sends is
+silently dropped when it would change the answer. A field is *ignored* only when it cannot
+change the output (bookkeeping such as `user`, `metadata`, `store`); a field that would change
+the output and that pagoda does not implement is *refused* with a 400 naming it, whatever the
+client meant by it. A refused field set to its inert value (false, null, empty) is accepted:
+`"use_beam_search": false` asks for nothing. Fields missing from the table are unknown and are
+ignored, as vLLM does (OpenAI's own unknown-field check is the pydantic model's business, not
+ours). tests/serve/test_request_fields.py walks the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pagoda.serve.errors import bad_request
+
+
+class Support(Enum):
+    SUPPORTED = "supported"
+    IGNORED = "ignored"  # accepted; cannot change the output
+    REFUSED = "refused"  # 400 naming the field unless it holds an inert value
+
+
+@dataclass(frozen=True)
+class Field:
+    support: Support
+    why: str = ""  # for refused and ignored fields: what the client should know
+    example: Any = None  # a non-inert value, for the table's test
+
+
+S, I, R = Support.SUPPORTED, Support.IGNORED, Support.REFUSED
+
+_SHARED = {
+    **{name: Field(S) for name in (
+        "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+        "seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
+        "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+        "include_stop_str_in_output", "skip_special_tokens", "response_format",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+    "metadata": Field(I, "not stored", {"k": "v"}),
+    "store": Field(I, "pagoda stores no completions", True),
+    "service_tier": Field(I, "one tier; priority comes from the tenant", "flex"),
+    "priority": Field(I, "scheduling priority comes from the API key's tenant", 5),
+    "request_id": Field(I, "pagoda assigns its own ids", "my-id"),
+    "guided_decoding_backend": Field(I, "pagoda has one grammar engine (llguidance)", "xgrammar"),
+    "cache_salt": Field(I, "prefix caches are salted per tenant by the server", "salt"),
+    "use_beam_search": Field(R, "beam search is not supported", True),
+    "length_penalty": Field(R, "beam search is not supported", 0.5),
+    "prompt_logprobs": Field(R, "use echo with logprobs (completions)", 1),
+    "truncate_prompt_tokens": Field(R, "prompts are never truncated", 16),
+    "allowed_token_ids": Field(R, "not supported; use logit_bias or structured_outputs", [1, 2]),
+    "bad_words": Field(R, "not supported; use logit_bias", ["x"]),
+    "guided_whitespace_pattern": Field(R, "not supported", "[ ]?"),
+    "return_tokens_as_token_ids": Field(R, "not supported", True),
+    "kv_transfer_params": Field(R, "prefill/decode disaggregation is not supported", {"x": 1}),
+    "lora_request": Field(R, "LoRA adapters are not supported", {"name": "a"}),
+    "spaces_between_special_tokens": Field(R, "not configurable per request", False),
+    "logits_processors": Field(R, "custom logits processors are not supported", ["x"]),
+}
+
+COMPLETIONS: dict[str, Field] = {
+    **_SHARED,
+    **{name: Field(S) for name in ("prompt", "echo", "logprobs", "best_of")},
+    "suffix": Field(R, "insertion (suffix) is not supported", "tail"),
+}
+
+CHAT: dict[str, Field] = {
+    **_SHARED,
+    **{name: Field(S) for name in ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                   "tools", "tool_choice", "parallel_tool_calls",
+                                   "add_generation_prompt")},
+    "functions": Field(R, "the deprecated functions API is not supported; use tools", [{"name": "f"}]),
+    "function_call": Field(R, "the deprecated functions API is not supported; use tool_choice", "auto"),
+    "continue_final_message": Field(R, "not supported", True),
+    "chat_template": Field(R, "the model's own chat template is always used", "{{ messages }}"),
+    "chat_template_kwargs": Field(R, "not supported", {"enable_thinking": False}),
+    "documents": Field(R, "not supported", [{"text": "d"}]),
+    "echo": Field(R, "chat echo is not supported", True),
+    "modalities": Field(R, "text only", ["audio"]),
+    "audio": Field(R, "text only", {"voice": "x"}),
+    "prediction": Field(R, "predicted outputs are not supported", {"type": "content", "content": "x"}),
+    "reasoning_effort": Field(R, "no reasoning models are supported", "low"),
+    "web_search_options": Field(R, "not supported", {}),
+}
+
+TABLES = {"completions": COMPLETIONS, "chat": CHAT}
+
+
+def is_inert(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def check_fields(body: Any, endpoint: str) -> None:
+    """Raise a 400 naming the first refused field the body sets to a non-inert value."""
+    table = TABLES[endpoint]
+    present = dict(getattr(body, "model_extra", None) or {})
+    for name in getattr(body, "model_fields_set", ()):
+        present[name] = getattr(body, name)
+    for name, value in present.items():
+        field = table.get(name)
+        if field is not None and field.support is Support.REFUSED and not is_inert(value):
+            raise bad_request(f"{name} is not supported: {field.why}.", param=name, code="unsupported_field")
