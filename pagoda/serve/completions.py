@@ -40,8 +40,6 @@ def reject_unsupported(request: CompletionRequest) -> None:
     if _scores_prompt_only(request) and request.stream:
         raise bad_request("max_tokens 0 with echo returns the scored prompt only; send it with "
                           "stream false.", param="stream")
-    if request.suffix:
-        raise bad_request("suffix is not supported.", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request(f"best_of ({request.best_of}) different from n ({request.n}) is not "
                           "supported.", param="best_of")

@@ -33,6 +33,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError
 from pagoda.serve.guardrails import guard_input
 from pagoda.serve.protocol import SamplingFields
+from pagoda.serve.request_fields import check_fields
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id)
 from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
@@ -91,6 +92,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
         ctx.check_model(request.model)
+        check_fields(request, self.name)
         ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
         # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
         # keeps the event loop (every other request, /health) answering meanwhile.

@@ -47,6 +47,7 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingFields):

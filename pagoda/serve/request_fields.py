@@ -30,6 +30,8 @@ class Field:
     support: Support
     why: str = ""  # for refused and ignored fields: what the client should know
     example: Any = None  # a non-inert value, for the table's test
+    # The values that ask for nothing; None means the usual null / false / empty.
+    inert: tuple[Any, ...] | None = None
 
 
 S, I, R = Support.SUPPORTED, Support.IGNORED, Support.REFUSED
@@ -39,7 +41,8 @@ _SHARED = {
         "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
         "seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-        "include_stop_str_in_output", "skip_special_tokens", "response_format",
+        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+        "response_format",
         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
     "metadata": Field(I, "not stored", {"k": "v"}),
@@ -59,7 +62,6 @@ _SHARED = {
     "return_tokens_as_token_ids": Field(R, "not supported", True),
     "kv_transfer_params": Field(R, "prefill/decode disaggregation is not supported", {"x": 1}),
     "lora_request": Field(R, "LoRA adapters are not supported", {"name": "a"}),
-    "spaces_between_special_tokens": Field(R, "not configurable per request", False),
     "logits_processors": Field(R, "custom logits processors are not supported", ["x"]),
 }
 
@@ -75,7 +77,8 @@ CHAT: dict[str, Field] = {
                                    "tools", "tool_choice", "parallel_tool_calls",
                                    "add_generation_prompt")},
     "functions": Field(R, "the deprecated functions API is not supported; use tools", [{"name": "f"}]),
-    "function_call": Field(R, "the deprecated functions API is not supported; use tool_choice", "auto"),
+    "function_call": Field(R, "the deprecated functions API is not supported; use tool_choice", "auto",
+                           inert=("none", "")),
     "continue_final_message": Field(R, "not supported", True),
     "chat_template": Field(R, "the model's own chat template is always used", "{{ messages }}"),
     "chat_template_kwargs": Field(R, "not supported", {"enable_thinking": False}),
@@ -85,14 +88,18 @@ CHAT: dict[str, Field] = {
     "audio": Field(R, "text only", {"voice": "x"}),
     "prediction": Field(R, "predicted outputs are not supported", {"type": "content", "content": "x"}),
     "reasoning_effort": Field(R, "no reasoning models are supported", "low"),
-    "web_search_options": Field(R, "not supported", {}),
+    "web_search_options": Field(R, "not supported", {}, inert=()),  # {} asks for a web search
 }
 
 TABLES = {"completions": COMPLETIONS, "chat": CHAT}
 
 
-def is_inert(value: Any) -> bool:
-    return value is None or value is False or value == "" or value == [] or value == {}
+def is_inert(value: Any, field: Field | None = None) -> bool:
+    if value is None:
+        return True
+    if field is not None and field.inert is not None:
+        return any(value == inert for inert in field.inert)
+    return value is False or value == "" or value == [] or value == {}
 
 
 def check_fields(body: Any, endpoint: str) -> None:
@@ -103,5 +110,5 @@ def check_fields(body: Any, endpoint: str) -> None:
         present[name] = getattr(body, name)
     for name, value in present.items():
         field = table.get(name)
-        if field is not None and field.support is Support.REFUSED and not is_inert(value):
+        if field is not None and field.support is Support.REFUSED and not is_inert(value, field):
             raise bad_request(f"{name} is not supported: {field.why}.", param=name, code="unsupported_field")

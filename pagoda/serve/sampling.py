@@ -56,6 +56,7 @@ def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
     )
     try:
         return SamplingParams(**{k: v for k, v in values.items() if k in _SAMPLING_FIELDS})
