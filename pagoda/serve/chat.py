@@ -29,9 +29,6 @@ from pagoda.serve.tool_calls import ToolCallStream, ToolPlan, plan_tools, with_t
 def reject_unsupported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("stream_options is only allowed when stream is true.",
-                          param="stream_options")
 
 
 def _message_texts(messages: list[Any]) -> list[str]:

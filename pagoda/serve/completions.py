@@ -43,9 +43,6 @@ def reject_unsupported(request: CompletionRequest) -> None:
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request(f"best_of ({request.best_of}) different from n ({request.n}) is not "
                           "supported.", param="best_of")
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("stream_options is only allowed when stream is true.",
-                          param="stream_options")
 
 
 def completion_prompts(prompt: Any, tokenizer: Any) -> list[EnginePrompt]:

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import APIError
+from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.guardrails import guard_input
 from pagoda.serve.protocol import SamplingFields
 from pagoda.serve.request_fields import check_fields
@@ -93,6 +93,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
                      tenant: Tenant) -> Response:
         ctx.check_model(request.model)
         check_fields(request, self.name)
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
         ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
         # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
         # keeps the event loop (every other request, /health) answering meanwhile.
