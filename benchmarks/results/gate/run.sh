@@ -7,3 +7,4 @@ pagoda gate "pagoda:--num-threads 1" "pagoda:--num-threads 1" --out identical --
 pagoda gate "pagoda:--num-threads 1" "pagoda:--num-threads 1 --speculative ngram" --out spec-ngram --no-progress
 pagoda gate "pagoda:--num-threads 1 --max-num-batched-tokens 2048" "pagoda:--num-threads 1 --max-num-batched-tokens 512" --out chunk-512-vs-2048 --no-progress
 pagoda audit "pagoda:--num-threads 1" --out audit-default --no-progress
+pagoda gate "pagoda:--num-threads 1" "pagoda:--num-threads 1 --quantization int8" --out int8-weights --no-progress   # fails the default policy on exact match (0.82)
