@@ -77,6 +77,7 @@ def servers(models: dict[str, Path]) -> Iterator[dict[str, LiveServer]]:
     live = {name: start_server(path) for name, path in models.items()}
     live["twin"] = start_server(models["base"])
     live["spec"] = start_server(models["base"], engine={"speculative": "ngram"})
+    live["fp8kv"] = start_server(models["base"], engine={"kv_cache_dtype": "fp8_e5m2"})
     yield live
     for server in live.values():
         server.stop()
@@ -144,6 +145,20 @@ def test_different_weights_are_caught(servers: dict[str, LiveServer], suite_file
     # Drift is measured over the shared prefix only; random weights share none, which the
     # report says instead of inventing a number.
     assert rule(result, "outputs.logprob_drift_max").status in ("fail", "skipped")
+    assert rule(result, "tokenization.prompt_mismatches").status == "pass"
+    assert rule(result, "contract.new_failures").status == "pass"
+
+
+def test_kv_cache_dtype_change_shows_as_logprob_drift(servers: dict[str, LiveServer],
+                                                      suite_file: Path) -> None:
+    """fp8 KV keeps tokenization and the API contract but moves the logprobs: the output
+    rules carry the evidence (drift over the shared prefix, or the first divergence)."""
+    result = gate(servers["base"].url, servers["fp8kv"].url, suite_file)
+    drift = rule(result, "outputs.logprob_drift_max")
+    exact = rule(result, "outputs.exact_match_rate")
+    assert drift.value is not None and drift.value > 1e-3  # fp32 KV twins drift by 0
+    assert drift.evidence or exact.evidence
+    assert drift.status == "fail" or exact.status == "fail"
     assert rule(result, "tokenization.prompt_mismatches").status == "pass"
     assert rule(result, "contract.new_failures").status == "pass"
 
