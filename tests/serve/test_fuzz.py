@@ -412,3 +412,23 @@ def test_concurrent_mutated_streams_and_disconnects_leave_nothing_behind(
     recorder.assert_clean()
     assert recorder.statuses.get(200, 0) >= 60
     assert_server_healthy(server, rss_before)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_while_a_big_batch_is_submitted_aborts_all_of_it(
+        server: LiveServer, stream: bool) -> None:
+    """Regression: the prompts of a batch were submitted one engine round trip each, with no
+    one listening for a disconnect, so a client that gave up on 1024 prompts x n=4 left the
+    engine busy with all of them for a minute and more."""
+    body = {"model": MODEL_NAME, "prompt": ["a b c"] * 1024, "n": 4, "max_tokens": 50,
+            "stream": stream}
+    with httpx.Client(timeout=1.5) as client:
+        try:
+            with client.stream("POST", server.base_url + "/completions", json=body) as response:
+                next(response.iter_bytes(), None)  # a stream's first chunk, then hang up
+        except httpx.TimeoutException:
+            pass  # the client gave up waiting
+    stats = server.wait_idle(timeout=10)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
