@@ -104,7 +104,12 @@ class GenerationEndpoint(ABC, Generic[Body]):
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
                                 prepared.prompts, prepared.params, stream=request.stream,
                                 input_decision=input_decision)  # guardrails hook
-        await generation.start(prepared.param_names)
+        # Submitting a batch of prompts takes engine round trips: a client that leaves
+        # meanwhile must not leave its prompts running (start closes and aborts on cancel).
+        try:
+            await cancel_on_disconnect(raw, generation.start(prepared.param_names))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         created = int(time.time())
         stream_body = None
         if request.stream:

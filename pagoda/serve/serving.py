@@ -152,24 +152,36 @@ class Generation:
                 ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
-            for request_id, prompt in zip(self.engine_request_ids, self.prompts):
-                try:
-                    stream = await ctx.llm.add_request(
-                        request_id, prompt.token_ids, self.params,
-                        arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
-                        priority=self.tenant.limits.priority, wake=self._wake)
-                except InvalidRequest as exc:
-                    raise invalid_request(exc, param_names) from None
-                except EngineDeadError:
+            # All prompts are sent at once (in order) and their acceptances awaited together:
+            # one engine round trip per batch, not one per prompt (2048 prompts once took 80 s
+            # to submit while the engine was busy).
+            submitted = await asyncio.gather(*(
+                ctx.llm.add_request(request_id, prompt.token_ids, self.params,
+                                    arrival_time=self.arrival_time,
+                                    cache_salt=self.tenant.cache_salt,
+                                    priority=self.tenant.limits.priority, wake=self._wake)
+                for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
+                return_exceptions=True)
+            for stream in submitted:
+                if isinstance(stream, RequestStream):  # accepted: close() aborts it on error
+                    self.streams.append(stream)
+                    self.latest.append(None)
+                    self.finals.append(None)
+                    self._itl_marks.append(None)
+            for outcome in submitted:
+                if isinstance(outcome, InvalidRequest):
+                    raise invalid_request(outcome, param_names) from None
+                if isinstance(outcome, EngineDeadError):
                     raise engine_unavailable() from None
-                self.streams.append(stream)
-                self.latest.append(None)
-                self.finals.append(None)
-                self._itl_marks.append(None)
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except APIError as exc:
             self.close(exc.status, error=exc)
             raise
         except asyncio.CancelledError:
+            # Cancelled inside the gather, prompts already accepted are not in self.streams
+            # yet (close() aborts only those): abort every id not recorded there.
+            ctx.llm.abort(self.engine_request_ids[len(self.streams):])
             self.close(CLIENT_CLOSED_REQUEST)
             raise
         except BaseException:
