@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
+import pytest
 import uvicorn
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -90,3 +96,35 @@ def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_serve_process(model_dir: Path, port: int, *flags: str, timeout: float = 90) -> subprocess.Popen:
+    """`pagoda serve` in a subprocess (its own process group, as in a terminal), once /health
+    answers 200; stdout and stderr together in `process.stdout`."""
+    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
+               "--num-threads", "1", *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"pagoda serve exited: {process.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("pagoda serve did not come up")
+        time.sleep(0.2)

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.cli.serve import add_parser
-from server_utils import build_tiny_model, start_server
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from server_utils import build_tiny_model, free_port, start_serve_process, start_server
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -55,35 +48,14 @@ def test_bundled_default_model_serves() -> None:
         live.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_subprocess(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model")
     port = free_port()
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port",
-               str(port), "--served-model-name", "cli-model", "--api-key", "sekrit",
-               "--num-kv-blocks", "64", "--num-threads", "1", "--log-level", "warning",
-               "--engine-transport", "process"]  # the default, named for clarity
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = start_serve_process(model, port, "--served-model-name", "cli-model", "--api-key", "sekrit",
+                                  "--num-kv-blocks", "64", "--log-level", "warning",
+                                  "--engine-transport", "process")  # the default, named for clarity
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"pagoda serve exited: {process.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pagoda serve did not come up"
-            time.sleep(0.2)
         headers = {"Authorization": "Bearer sekrit"}
         models = httpx.get(url + "/v1/models", headers=headers).json()
         assert [m["id"] for m in models["data"]] == ["cli-model"]

@@ -8,18 +8,16 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 import uvicorn
 
 from pagoda.serve.drain import DrainGate, DrainingServer
 from server_utils import build_tiny_model
-from test_serve_cli import REPO_ROOT, free_port
+from server_utils import free_port, start_serve_process
 
 
 # ---- the drain itself, in process (signals are simulated by calling the handler) -----------
@@ -80,23 +78,7 @@ def test_drain_is_bounded_and_a_second_signal_forces_the_exit() -> None:
 
 
 def start(model: Path, port: int, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", str(port),
-               "--num-kv-blocks", "64", "--num-threads", "1", "--log-level", "info", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    # Its own session and process group, as in a terminal: Ctrl-C reaches the whole group.
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    deadline = time.monotonic() + 90
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"pagoda serve exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "pagoda serve did not come up"
-        time.sleep(0.2)
+    return start_serve_process(model, port, "--num-kv-blocks", "64", "--log-level", "info", *extra)
 
 
 def engine_children(pid: int) -> list[int]:
