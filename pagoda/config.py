@@ -31,6 +31,8 @@ QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
 }
 
+ROUTER_CHOICES = ("round_robin", "least_load", "cache_aware")  # pagoda/replicas/policies.py
+
 
 def parse_bytes(text: str | int) -> int:
     """'2GiB', '512MB', '1e9' or an int -> bytes."""
@@ -113,6 +115,20 @@ class EngineConfig:
     structured_output_compile_threads: int = field(default=1, metadata={
         "help": "threads compiling grammars beside the engine loop"})
 
+    # ---- data-parallel replicas (pagoda/replicas) ----
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
+    router: str = field(default="cache_aware", metadata={
+        "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
+                "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
+                "else least load)"})
+    replica_pools: str | None = field(default=None, metadata={
+        "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
+                "--route-rules sends requests to pools) (default: one pool)"})
+    route_rules: str | None = field(default=None, metadata={
+        "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
+                "request to a replica pool (default: none)"})
+
     def __post_init__(self) -> None:
         self.model = resolve_model_path(self.model)
         if self.tokenizer is not None:
@@ -168,6 +184,19 @@ class EngineConfig:
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
+        if self.data_parallel_size < 1:
+            fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
+        if self.router not in ROUTER_CHOICES:
+            fail("router", f"must be one of {', '.join(ROUTER_CHOICES)}, got {self.router!r}")
+        if self.replica_pools is not None:
+            counts = [part.partition("=")[2].strip() for part in self.replica_pools.split(",")]
+            if not all(c.isdigit() for c in counts):
+                fail("replica_pools", f"must look like chat=2,long=1, got {self.replica_pools!r}")
+            if sum(map(int, counts)) != self.data_parallel_size:
+                fail("replica_pools", f"counts add up to {sum(map(int, counts))} replicas but "
+                                      f"data_parallel_size is {self.data_parallel_size}")
+        if self.route_rules is not None and self.replica_pools is None:
+            fail("route_rules", "sends requests to pools: set replica_pools too")
         for name, allowed in QUANT_CHOICES.items():
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
@@ -208,6 +237,8 @@ class EngineConfig:
                 choices = ["fcfs", "priority"]
             elif f.name == "preemption_mode":
                 choices = ["recompute", "swap", "auto"]
+            elif f.name == "router":
+                choices = list(ROUTER_CHOICES)
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.

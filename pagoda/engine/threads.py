@@ -7,7 +7,7 @@ Two facts drive it (MEASURED.md, "the thread trap"):
   inherits the setting through its environment.
 - A server's engine shares the machine with its HTTP event loop (requests, tokenization, SSE):
   spread over every core it stalls whenever that loop wants one. So a serving engine leaves
-  one core free; the offline engine (`LLM`), with no loop beside it, keeps the process's torch
+  one core free (shared by the engines of `--data-parallel-size` replicas); the offline engine (`LLM`), with no loop beside it, keeps the process's torch
   setting (torch's default: every core; a caller may have lowered it, as the tests do).
 `--num-threads` overrides both defaults.
 
@@ -38,12 +38,13 @@ def available_cores() -> int:
 
 def engine_thread_count(config: EngineConfig, *, serving: bool = True) -> int | None:
     """Intra-op threads: as configured, else every core but one when serving (the spare one
-    for the event loop); None offline: keep the process's torch setting."""
+    for the event loop), split between the data-parallel replicas; None offline: keep the
+    process's torch setting."""
     if config.num_threads is not None:
         return config.num_threads
     if not serving:
         return None
-    return max(1, available_cores() - 1)
+    return max(1, (available_cores() - 1) // config.data_parallel_size)
 
 
 def set_engine_threads(config: EngineConfig, *, serving: bool) -> int:

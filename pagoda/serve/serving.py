@@ -22,6 +22,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
+from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.serve.admission import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
@@ -38,7 +39,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass
 class ServeContext:
-    llm: AsyncLLM
+    llm: AsyncLLM | ReplicaSet
     settings: ServerSettings
     limiter: TenantLimiter
     admission: AdmissionController
@@ -47,7 +48,7 @@ class ServeContext:
     guard: ServerGuard | None = None  # --guardrails
 
     @classmethod
-    def create(cls, llm: AsyncLLM, settings: ServerSettings) -> "ServeContext":
+    def create(cls, llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> "ServeContext":
         ctx = cls(
             llm=llm,
             settings=settings,
@@ -55,7 +56,8 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat),
+                                  compat=settings.metrics_compat,
+                                  replica_stats=getattr(llm, "replica_stats", None)),  # replicas
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -69,6 +71,12 @@ class ServeContext:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
+
+    def route_hints(self, tenant: Tenant) -> dict[str, str]:
+        """What a replica router's pool rules match on; nothing for a single engine."""
+        if isinstance(self.llm, ReplicaSet):
+            return {"tenant": tenant.name, "model": self.model_name}
+        return {}
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:
@@ -159,11 +167,12 @@ class Generation:
                 ctx.llm.add_request(request_id, prompt.token_ids, self.params,
                                     arrival_time=self.arrival_time,
                                     cache_salt=self.tenant.cache_salt,
-                                    priority=self.tenant.limits.priority, wake=self._wake)
+                                    priority=self.tenant.limits.priority, wake=self._wake,
+                                    **ctx.route_hints(self.tenant))
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
                 return_exceptions=True)
             for stream in submitted:
-                if isinstance(stream, RequestStream):  # accepted: close() aborts it on error
+                if not isinstance(stream, BaseException):  # accepted: close() aborts it on error
                     self.streams.append(stream)
                     self.latest.append(None)
                     self.finals.append(None)

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("worker",),
     ("spec_decode",),
     ("engine",),
+    ("replicas",),  # data-parallel replicas and their router: AsyncLLMs behind one front
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
     ("serve", "bench", "plan", "eval"),
