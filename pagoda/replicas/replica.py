@@ -18,6 +18,7 @@ class Replica:
     outstanding_tokens: int = 0  # charged by routed requests, paid back as they progress
     num_requests: int = 0  # routed and not finished
     num_routed: int = 0  # since start
+    num_moved_away: int = 0  # requests sent elsewhere after this replica died under them
     out_of_rotation: bool = False  # seen dead: never chosen again
 
     @property

@@ -115,7 +115,7 @@ class ReplicaSet:
         status = "ok" if all(alive) else "degraded" if any(alive) else "dead"
         return {"status": status, "replicas": [
             {"replica": r.label, "pool": r.pool, "alive": up, "requests": r.num_requests,
-             "outstanding_tokens": r.outstanding_tokens,
+             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
              **({"error": repr(r.llm.error)} if r.llm.error is not None else {})}
             for r, up in zip(self.replicas, alive)]}
 

@@ -102,6 +102,7 @@ class RoutedStream:
     def _begin_retry(self, cause: EngineDeadError) -> None:
         dead = self.flight.replica.index
         self._failed_on.add(dead)
+        self.flight.replica.num_moved_away += 1
         self._inner = None
         logger.warning("replica %d died before request %s started; sending it to another replica",
                        dead, self.request_id)
