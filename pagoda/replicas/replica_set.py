@@ -222,6 +222,7 @@ class ReplicaSet:
                                                        **kwargs)
             except EngineDeadError:
                 flight.close()
+                replica.num_moved_away += 1
                 excluded.add(replica.index)  # died since the last look: try the next choice
                 continue
             except BaseException:
