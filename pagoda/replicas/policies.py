@@ -113,7 +113,7 @@ class CacheAware(RouterPolicy):
 
     def __init__(self, block_size: int = 16, capacity_blocks: int = 1 << 16, *,
                  min_match_blocks: int = 1, balance_rel: float = 1.25,
-                 balance_abs_tokens: int = 512) -> None:
+                 balance_abs_tokens: int = 256) -> None:
         self.tree = PrefixTree(block_size, capacity_blocks)
         self.min_match_blocks = min_match_blocks
         self.balance_rel = balance_rel
