@@ -115,6 +115,13 @@ class EngineConfig:
     structured_output_compile_threads: int = field(default=1, metadata={
         "help": "threads compiling grammars beside the engine loop"})
 
+    # ---- distributed backend (shared with tensor parallelism) ----
+    distributed_executor_backend: str = field(default="mp", metadata={
+        "help": "mp (local processes, no Ray needed) or ray (replicas as Ray actors, one placement "
+                "group each; needs pip install pagoda[ray])"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "Ray cluster to join with --distributed-executor-backend ray: auto (the one `ray start` "
+                "runs here) or ray://host:port (default: start a local Ray on demand)"})
     # ---- data-parallel replicas (pagoda/replicas) ----
     data_parallel_size: int = field(default=1, metadata={
         "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
@@ -184,6 +191,8 @@ class EngineConfig:
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            fail("distributed_executor_backend", f"must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.data_parallel_size < 1:
             fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
         if self.router not in ROUTER_CHOICES:
@@ -237,6 +246,8 @@ class EngineConfig:
                 choices = ["fcfs", "priority"]
             elif f.name == "preemption_mode":
                 choices = ["recompute", "swap", "auto"]
+            elif f.name == "distributed_executor_backend":
+                choices = ["mp", "ray"]
             elif f.name == "router":
                 choices = list(ROUTER_CHOICES)
             elif f.name in QUANT_CHOICES:

@@ -35,9 +35,11 @@ class StepCost:
         return asdict(self)
 
 
-# calibrate("pagoda-coder", num_threads=1) on the project machine (2 vCPU Zen 4), shared.
-DEFAULT_STEP_COST = StepCost(base_s=2.6e-3, per_prefill_token_s=6.0e-5, per_decode_seq_s=4.0e-4,
-                             per_context_token_s=2.0e-7, source="pagoda-coder, 1 thread, 2-core CPU")
+# calibrate("pagoda-coder", num_threads=1) on the project machine (2 vCPU Zen 4) while it was
+# shared with other work (load average ~9): slower than a quiet machine, as a busy server is.
+DEFAULT_STEP_COST = StepCost(base_s=1.24e-2, per_prefill_token_s=4.08e-4, per_decode_seq_s=2.34e-3,
+                             per_context_token_s=1.14e-6,
+                             source="pagoda-coder, 1 thread, 2-core CPU (shared)")
 
 
 def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost:

@@ -10,13 +10,19 @@ from pagoda.replicas.replica_set import ReplicaSet, replica_config
 
 def start_engines(config: EngineConfig, *, transport: TransportKind = "process",
                   startup_timeout: float | None = None) -> AsyncLLM | ReplicaSet:
-    """One engine as before when there is one replica and no pool; else a replica set, its
-    replicas on `transport` (each its own engine process by default).
+    """One engine as before when there is one replica, no pool and no Ray; else a replica set,
+    its replicas on `transport` (each its own engine process by default) or, with
+    `distributed_executor_backend="ray"`, Ray actors (ray_actors.py).
 
     Raises RuntimeError when an engine cannot start, ValueError (or OSError) for bad pool
     settings or an unreadable route rules file."""
-    if config.data_parallel_size == 1 and config.replica_pools is None:
+    ray = config.distributed_executor_backend == "ray"
+    if config.data_parallel_size == 1 and config.replica_pools is None and not ray:
         return AsyncLLM(config, transport=transport, startup_timeout=startup_timeout)
+    if ray:
+        from pagoda.replicas.ray_actors import start_ray_replica
+
+        return ReplicaSet.start(config, start_ray_replica)
 
     def start_replica(index: int, config: EngineConfig) -> AsyncLLM:
         return AsyncLLM(replica_config(config, index), transport=transport,

@@ -74,3 +74,19 @@ def test_config_checks_pools_against_replicas() -> None:
         EngineConfig(router="random")
     with pytest.raises(ValueError, match="data_parallel_size"):
         EngineConfig(data_parallel_size=0)
+
+
+
+def test_ray_is_imported_only_where_the_ray_backend_runs() -> None:
+    """Ray is optional: no module imports it at load time (only inside the functions that run
+    with --distributed-executor-backend ray)."""
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "pagoda"
+    eager = []
+    for path in package.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            eager += [f"{path.relative_to(package)}: {n}" for n in names if n.split(".")[0] == "ray"]
+    assert eager == []
