@@ -256,7 +256,8 @@ class RouteSimOptions:
     replicas: list[int] = field(default_factory=lambda: [2, 8, 32, 64])
     policies: list[str] = field(default_factory=lambda: list(POLICIES))
     requests_per_replica: int = 150
-    rate_per_replica: float = 12.0  # requests per second per replica
+    rate_per_replica: float = 2.0  # requests per second per replica
+    tenants_per_replica: int | None = None  # generated traces: the shape's default
     model: ReplicaModel = ReplicaModel()
     tokenizer: str | None = None  # to tokenize text prompts of a trace file
     seed: int = 0
@@ -281,7 +282,8 @@ def route_sim(options: RouteSimOptions) -> dict[str, Any]:
     for n in options.replicas:
         trace = fixed_trace if fixed_trace is not None else generate_trace(
             options.trace, n, requests_per_replica=options.requests_per_replica,
-            rate_per_replica=options.rate_per_replica, seed=options.seed)
+            rate_per_replica=options.rate_per_replica, seed=options.seed,
+            tenants_per_replica=options.tenants_per_replica)
         traces[n] = trace_summary(trace)
         for name in options.policies:
             policy = make_policy(name, block_size=options.model.block_size,
@@ -292,6 +294,7 @@ def route_sim(options: RouteSimOptions) -> dict[str, Any]:
         "replica_model": {**asdict(options.model), "cost": options.model.cost.to_dict()},
         "requests_per_replica": options.requests_per_replica,
         "rate_per_replica": options.rate_per_replica,
+        "tenants_per_replica": options.tenants_per_replica,
         "results": [asdict(r) for r in results],
     }
     if options.out:

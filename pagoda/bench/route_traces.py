@@ -56,17 +56,20 @@ class RagShape:
 
 
 def generate_trace(kind: str, num_replicas: int, *, requests_per_replica: int,
-                   rate_per_replica: float, seed: int = 0, vocab_size: int = 32000) -> list[TraceRequest]:
+                   rate_per_replica: float, seed: int = 0, vocab_size: int = 32000,
+                   tenants_per_replica: int | None = None) -> list[TraceRequest]:
     """A trace for a fleet of `num_replicas`: tenants, requests and the arrival rate all grow
-    with the fleet, so each replica sees the same load at every size."""
+    with the fleet, so each replica sees the same load at every size. `tenants_per_replica`
+    overrides the shape's (8 for chat, 2 for rag)."""
     rng = random.Random(seed)
     num_requests = requests_per_replica * num_replicas
     arrivals = _poisson(rng, rate_per_replica * num_replicas)
     tokens = _TokenSource(rng, vocab_size)
+    tenants = {} if tenants_per_replica is None else {"tenants_per_replica": tenants_per_replica}
     if kind == "chat":
-        requests = _chat(rng, tokens, ChatShape(), num_replicas)
+        requests = _chat(rng, tokens, ChatShape(**tenants), num_replicas)
     elif kind == "rag":
-        requests = _rag(rng, tokens, RagShape(), num_replicas)
+        requests = _rag(rng, tokens, RagShape(**tenants), num_replicas)
     else:
         raise ValueError(f"trace must be one of {', '.join(TRACE_KINDS)} or a file, got {kind!r}")
     return [TraceRequest(next(arrivals), tenant, prompt, output)

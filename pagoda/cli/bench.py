@@ -122,8 +122,10 @@ def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
                      help="router policies to compare (default: all three)")
     sim.add_argument("--requests-per-replica", type=int, default=150,
                      help="generated traces: requests per replica (they scale with the fleet; default 150)")
-    sim.add_argument("--rate-per-replica", type=float, default=12.0,
-                     help="mean arrivals per second per replica (Poisson; default 12)")
+    sim.add_argument("--rate-per-replica", type=float, default=2.0,
+                     help="mean arrivals per second per replica (Poisson; default 2)")
+    sim.add_argument("--tenants-per-replica", type=int, default=None,
+                     help="generated traces: tenants per replica (default: 8 for chat, 2 for rag)")
     sim.add_argument("--cache-blocks", type=int, default=2048,
                      help="prefix cache of each simulated replica, in blocks (default 2048)")
     sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
@@ -229,7 +231,8 @@ def run_route_sim(args: argparse.Namespace) -> int:
         options = RouteSimOptions(trace=args.trace, replicas=replicas,
                                   policies=[p.strip() for p in args.policies.split(",")],
                                   requests_per_replica=args.requests_per_replica,
-                                  rate_per_replica=args.rate_per_replica, model=model,
+                                  rate_per_replica=args.rate_per_replica,
+                                  tenants_per_replica=args.tenants_per_replica, model=model,
                                   tokenizer=args.tokenizer, seed=args.seed, out=args.out)
         report = route_sim(options)
     except (ValueError, OSError) as e:
