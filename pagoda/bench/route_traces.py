@@ -96,14 +96,7 @@ def load_trace(path: str | Path, *, rate: float, tokenize: Callable[[str], list[
             continue
         prompt = entry.get("prompt_token_ids")
         if prompt is None:
-            text = entry.get("prompt")
-            if isinstance(text, list):
-                text = "".join(text)
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{number}: a line needs prompt_token_ids or prompt text")
-            if tokenize is None:
-                raise ValueError(f"{path}:{number}: text prompts need --tokenizer")
-            prompt = tokenize(text)
+            prompt = _logged_prompt(entry.get("prompt"), tokenize, f"{path}:{number}")
         arrival = entry.get("arrival_s")
         trace.append(TraceRequest(float(arrival) if arrival is not None else next(arrivals),
                                   str(entry.get("tenant") or ""), list(prompt),
@@ -114,6 +107,28 @@ def load_trace(path: str | Path, *, rate: float, tokenize: Callable[[str], list[
         raise ValueError(f"{path}: no requests (lines with output_tokens and a prompt)")
     trace.sort(key=lambda r: r.arrival_s)
     return trace
+
+
+def _logged_prompt(prompt: Any, tokenize: Callable[[str], list[int]] | None, where: str) -> list[int]:
+    """A request log's prompt: text, or a list of prompts (one request's prompts, joined),
+    each text or the string of a token-id list (prompts the client sent as ids)."""
+    parts = prompt if isinstance(prompt, list) else [prompt]
+    tokens: list[int] = []
+    for part in parts:
+        if not isinstance(part, str):
+            raise ValueError(f"{where}: a line needs prompt_token_ids or prompt text")
+        if part.startswith("[") and part.endswith("]"):
+            try:
+                ids = json.loads(part)
+            except json.JSONDecodeError:
+                ids = None
+            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+                tokens.extend(ids)
+                continue
+        if tokenize is None:
+            raise ValueError(f"{where}: text prompts need --tokenizer")
+        tokens.extend(tokenize(part))
+    return tokens
 
 
 def save_trace(path: str | Path, trace: list[TraceRequest]) -> None:

@@ -55,9 +55,12 @@ def test_traces_scale_with_the_fleet_and_round_trip(tmp_path: Path) -> None:
     log = tmp_path / "requests.log"
     log.write_text('2026-01-01 INFO pagoda.serve.requests: {"request_id":"x","tenant":"a","status":200,'
                    '"prompt":"hello","output_tokens":5}\nnoise\n'
-                   '2026-01-01 INFO pagoda.serve.requests: {"request_id":"y","status":429,"output_tokens":0}\n')
-    (request,) = load_trace(log, rate=2.0, tokenize=lambda text: [ord(c) for c in text])
+                   '2026-01-01 INFO pagoda.serve.requests: {"request_id":"y","status":429,"output_tokens":0}\n'
+                   '2026-01-01 INFO pagoda.serve.requests: {"request_id":"z","tenant":"b","status":200,'
+                   '"prompt":["[1, 2, 3]"],"output_tokens":2}\n')
+    request, ids = load_trace(log, rate=2.0, tokenize=lambda text: [ord(c) for c in text])
     assert (request.tenant, request.prompt_token_ids, request.output_tokens) == ("a", [104, 101, 108, 108, 111], 5)
+    assert (ids.tenant, ids.prompt_token_ids, ids.output_tokens) == ("b", [1, 2, 3], 2)
     with pytest.raises(ValueError, match="tokenizer"):
         load_trace(log, rate=2.0)
 
