@@ -110,7 +110,10 @@ class RouteRules:
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"not valid YAML: {exc}") from None
         return cls.from_dict(data)
 
 

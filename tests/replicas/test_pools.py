@@ -47,6 +47,10 @@ def test_rules_pick_pools_first_match_wins(tmp_path: Path) -> None:
     json_path.write_text(json.dumps({"rules": [{"pool": "long", "min_prompt_tokens": 5}]}))
     assert RouteRules.from_file(json_path).pool_of(route(3)) is None  # no default: any replica
     rules.check_pools({"chat", "long", "batch"})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rules: [pool: long\n")
+    with pytest.raises(ValueError, match="YAML"):
+        RouteRules.from_file(broken)
     with pytest.raises(ValueError, match="batch"):
         rules.check_pools({"chat", "long"})
 
