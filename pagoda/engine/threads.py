@@ -7,8 +7,9 @@ Two facts drive it (MEASURED.md, "the thread trap"):
   inherits the setting through its environment.
 - A server's engine shares the machine with its HTTP event loop (requests, tokenization, SSE):
   spread over every core it stalls whenever that loop wants one. So a serving engine leaves
-  one core free (shared by the engines of `--data-parallel-size` replicas); the offline engine (`LLM`), with no loop beside it, keeps the process's torch
-  setting (torch's default: every core; a caller may have lowered it, as the tests do).
+  one core free (the rest split between `--data-parallel-size` replicas); the offline engine
+  (`LLM`), with no loop beside it, keeps the process's torch setting (torch's default: every
+  core; a caller may have lowered it, as the tests do).
 `--num-threads` overrides both defaults.
 
 Torch's intra-op thread count is per calling thread, so whoever drives the engine calls

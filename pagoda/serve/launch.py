@@ -142,7 +142,7 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     return "\n".join([
         "pagoda serve is ready",
         f"  model      {settings.served_model_name} ({config.model})",  # type: ignore[attr-defined]
-        f"  device     {device.type}, {dtype}, engine in a {options.engine_transport}"
+        f"  device     {device.type}, {dtype}, engine in a {getattr(llm, 'transport', options.engine_transport)}"
         + (f", {config.data_parallel_size} replicas ({config.router} router)"
            if config.data_parallel_size > 1 else ""),
         f"  context    {max_model_len} tokens",

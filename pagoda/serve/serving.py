@@ -21,8 +21,9 @@ from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.outputs import RequestOutput, RequestOutputDelta
-from pagoda.sampling_params import SamplingParams
 from pagoda.replicas.replica_set import ReplicaSet
+from pagoda.replicas.routed_stream import RoutedStream
+from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
@@ -124,7 +125,7 @@ class Generation:
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     # One entry per submitted prompt: its stream, its output so far, and its final output.
-    streams: list[RequestStream] = field(default_factory=list, init=False)
+    streams: list[RequestStream | RoutedStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
     _slots: list[QueueSlot] = field(default_factory=list, init=False)
