@@ -47,7 +47,8 @@ class ReplicaSet:
 
     def __init__(self, replicas: Sequence[AsyncLLM], policy: RouterPolicy, *,
                  pools: Sequence[str | None] | None = None,
-                 rules: RouteRules | None = None) -> None:
+                 rules: RouteRules | None = None,
+                 keepers: Sequence["_ReplicaKeeper"] = ()) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
         if pools is not None and len(pools) != len(replicas):
@@ -69,30 +70,27 @@ class ReplicaSet:
         self._lock = threading.Lock()  # guards the routing state when loops on several threads submit
         self._flights: dict[str, RoutedStream] = {}
         self._stopped = False
+        self._keepers = list(keepers)
 
     @classmethod
     def start(cls, config: EngineConfig, starter: ReplicaStarter) -> "ReplicaSet":
-        """Start `config.data_parallel_size` replicas and the router `config.router` in front;
-        replicas already up are shut down if one fails.
-
-        One after the other, on this thread: an engine process dies with the thread that
-        spawned it (PR_SET_PDEATHSIG, engine/parent_watch.py), so no short-lived helper thread
-        may start one."""
+        """Start `config.data_parallel_size` replicas side by side and the router
+        `config.router` in front; replicas already up are shut down if one fails."""
         pools = parse_replica_pools(config.replica_pools) if config.replica_pools else None
         rules = RouteRules.from_file(config.route_rules) if config.route_rules else None
-        started: list[AsyncLLM] = []
+        keepers = [_ReplicaKeeper(starter, index, config)
+                   for index in range(config.data_parallel_size)]
         try:
-            for index in range(config.data_parallel_size):
-                started.append(starter(index, config))
+            started = [keeper.result() for keeper in keepers]
             stats = started[0].get_stats()
             # The prefix tree mirrors about one replica's KV pool.
             capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
             policy = make_policy(config.router, block_size=config.block_size,
                                  capacity_blocks=capacity)
-            return cls(started, policy, pools=pools, rules=rules)
+            return cls(started, policy, pools=pools, rules=rules, keepers=keepers)
         except BaseException:
-            for llm in started:
-                llm.shutdown()
+            for keeper in keepers:
+                keeper.stop()
             raise
 
     # ---- the AsyncLLM surface ------------------------------------------------------------------
@@ -184,6 +182,8 @@ class ReplicaSet:
         self._stopped = True
         with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
             list(pool.map(lambda r: r.llm.shutdown(timeout), self.replicas))
+        for keeper in self._keepers:
+            keeper.stop()
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -245,6 +245,46 @@ class ReplicaSet:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._flights.pop(request_id, None)
+
+
+class _ReplicaKeeper:
+    """Starts one replica on a thread of its own, which then lives as long as the replica.
+
+    Replicas load side by side (each takes seconds), but an engine process is killed when the
+    thread that spawned it exits (PR_SET_PDEATHSIG, engine/parent_watch.py): so the thread that
+    starts a replica waits, parked, until the replica is shut down."""
+
+    def __init__(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
+        self._started = threading.Event()
+        self._release = threading.Event()
+        self._llm: AsyncLLM | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(starter, index, config),
+                         name=f"pagoda-replica-{index}", daemon=True).start()
+
+    def _run(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
+        try:
+            self._llm = starter(index, config)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+        self._release.wait()
+
+    def result(self) -> AsyncLLM:
+        """The started replica; raises what stopped it from starting."""
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._llm is not None
+        return self._llm
+
+    def stop(self) -> None:
+        """Shut the replica down (if it started) and let its thread end."""
+        self._started.wait()
+        if self._llm is not None:
+            self._llm.shutdown()
+        self._release.set()
 
 
 def _max_output_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:

@@ -20,8 +20,9 @@ def start_engines(config: EngineConfig, *, transport: TransportKind = "process",
     if config.data_parallel_size == 1 and config.replica_pools is None and not ray:
         return AsyncLLM(config, transport=transport, startup_timeout=startup_timeout)
     if ray:
-        from pagoda.replicas.ray_actors import start_ray_replica
+        from pagoda.replicas.ray_actors import connect_ray, start_ray_replica
 
+        connect_ray(config.ray_address)  # once, before the replicas start side by side
         return ReplicaSet.start(config, start_ray_replica)
 
     def start_replica(index: int, config: EngineConfig) -> AsyncLLM:
