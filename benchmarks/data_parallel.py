@@ -7,7 +7,7 @@ alternates between rounds), and drives it with the same closed-loop streaming wo
 output tok/s and TTFT / ITL percentiles per configuration, the median over rounds, and the
 ratio DP=2 / DP=1 of the per-round medians.
 
-    .venv/bin/python benchmarks/data_parallel.py --rounds 3
+    .venv/bin/python benchmarks/data_parallel.py --rounds 5
 """
 
 from __future__ import annotations
