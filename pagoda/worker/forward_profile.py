@@ -35,7 +35,7 @@ def _kind_of(name: str, module: nn.Module) -> str | None:
         return "rotary"
     if isinstance(module, Linear):
         leaf = name.rsplit(".", 1)[-1]
-        return leaf if leaf in KINDS else None  # lm_head is timed through compute_logits
+        return leaf if leaf in KINDS and leaf != "lm_head" else None  # timed through compute_logits
     return None
 
 
