@@ -2,7 +2,7 @@
 
 The benchmark model (safetensors, float32) is served by `pagoda serve`; its f32 GGUF conversion
 (llama.cpp's `convert_hf_to_gguf.py`, f32 KV cache) by `llama-server`. Before any timing, both
-answer the same token-id prompts greedily and the texts must agree (token ids, not text
+answer the same token-id prompts greedily and the texts must agree up to near ties (token ids, not text
 prompts: llama.cpp and `transformers` may split words differently). Then both get the same
 closed-loop load (every client sends its next request when the previous one ends; prompts of
 --prompt-len random token ids, --output-len tokens with ignore_eos, greedy) at each
@@ -130,17 +130,58 @@ def token_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[l
     return [[rng.randrange(1, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def greedy_texts(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+# Two fp32 implementations sum in different orders, so logprobs differ slightly; where the top
+# two tokens are closer than this (nats), greedy decoding may pick either. Measured on the
+# random benchmark model (flat distributions): divergences after 16-54 identical tokens, at
+# top-2 margins of 0.001-0.015 nats, pagoda always continuing with llama-server's runner-up
+# (pagoda's own greedy output equals transformers' in tests/model/test_model_correctness.py).
+NEAR_TIE = 5e-2
+
+
+def greedy_completion(url: str, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> dict[str, Any]:
     import httpx
 
-    texts = []
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if logprobs:
+        body["logprobs"] = logprobs
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120.0, trust_env=False)
+    response.raise_for_status()
+    return response.json()["choices"][0]
+
+
+def check_greedy_agreement(pagoda_url: str, llama_url: str, prompts: list[list[int]],
+                           max_tokens: int) -> dict[str, Any]:
+    """Greedy texts of both servers on the same token-id prompts. Where they differ, the first
+    differing token must be a near tie in llama-server's own top-2 logprobs, with pagoda's
+    text continuing with the runner-up; anything else is a real disagreement."""
+    identical, near_ties, disagreements = 0, [], []
+    for index, prompt in enumerate(prompts):
+        ours = greedy_completion(pagoda_url, prompt, max_tokens)["text"]
+        theirs = greedy_completion(llama_url, prompt, max_tokens, logprobs=2)
+        if ours == theirs["text"]:
+            identical += 1
+            continue
+        offset = 0
+        for position, entry in enumerate(theirs["logprobs"]["content"]):
+            if ours[offset:offset + len(entry["token"])] != entry["token"]:
+                break
+            offset += len(entry["token"])
+        top = entry["top_logprobs"]
+        margin = top[0]["logprob"] - top[1]["logprob"]
+        case = {"prompt": index, "token_position": position, "top2_margin": margin,
+                "llama_server": top[0]["token"], "runner_up": top[1]["token"],
+                "pagoda": ours[offset:offset + 20], "llama_server_text": theirs["text"][offset:offset + 20]}
+        if margin < NEAR_TIE and ours[offset:].startswith(top[1]["token"]):
+            near_ties.append(case)
+        else:
+            disagreements.append(case)
+    return {"prompts": len(prompts), "identical": identical, "near_tie_divergences": near_ties,
+            "disagreements": disagreements}
+
+
+def warm(url: str, prompts: list[list[int]]) -> None:
     for prompt in prompts:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True}
-        response = httpx.post(url + "/v1/completions", json=body, timeout=120.0, trust_env=False)
-        response.raise_for_status()
-        texts.append(response.json()["choices"][0]["text"])
-    return texts
+        greedy_completion(url, prompt, 8)
 
 
 def run_load(url: str, pid: int | None, prompts: list[list[int]], output_len: int,
@@ -230,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pagoda-flag", action="append", default=[],
                         help="extra `pagoda serve` flag (repeatable, e.g. --pagoda-flag=--num-threads=2); "
                              "default: pagoda's own thread policy")
-    parser.add_argument("--check-prompts", type=int, default=4, help="token-id prompts whose greedy outputs must agree")
+    parser.add_argument("--check-prompts", type=int, default=8, help="token-id prompts whose greedy outputs must agree")
+    parser.add_argument("--check-tokens", type=int, default=64, help="greedy tokens compared per prompt")
     args = parser.parse_args(argv)
 
     levels = sorted({int(c) for c in args.concurrency.split(",")})
@@ -243,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
-    context = args.prompt_len + args.output_len + 16
+    context = args.prompt_len + max(args.output_len, args.check_tokens) + 16
 
     binary = find_llama_server(args.llama_server)
     peer: dict[str, Any] = {"available": binary is not None}
@@ -267,18 +309,19 @@ def main(argv: list[str] | None = None) -> int:
                         flags=f"-np {max(levels)} -c {max(levels) * context} -t {args.llama_threads} "
                               f"-tb {args.llama_threads} -ctk f32 -ctv f32")
 
-        check = token_prompts(args.check_prompts, args.prompt_len, vocab_size, seed=1)
-        texts = {name: greedy_texts(base, check, 32) for name, (base, _) in servers.items()}
-        agree = None
-        if LLAMA in texts:
-            agree = [a == b for a, b in zip(texts[PAGODA], texts[LLAMA])]
-            print(f"greedy outputs agree on {sum(agree)}/{len(agree)} token-id prompts", flush=True)
-            if not all(agree):
-                write_summary(out / "greedy_mismatch.json", texts)
-                print("greedy outputs differ: not timing different computations", file=sys.stderr)
+        agreement = None
+        if LLAMA in servers:
+            check = token_prompts(args.check_prompts, args.prompt_len, vocab_size, seed=1)
+            agreement = check_greedy_agreement(servers[PAGODA][0], servers[LLAMA][0], check, args.check_tokens)
+            print(f"greedy outputs: {agreement['identical']}/{len(check)} identical, "
+                  f"{len(agreement['near_tie_divergences'])} diverge at a near tie (top-2 margin < {NEAR_TIE})",
+                  flush=True)
+            if agreement["disagreements"]:
+                write_summary(out / "greedy_disagreement.json", agreement)
+                print("greedy outputs disagree: not timing different computations", file=sys.stderr)
                 return 1
-        for name, (base, _) in servers.items():  # warm both: first-request allocations, caches
-            greedy_texts(base, token_prompts(2, args.prompt_len, vocab_size, seed=2), 8)
+        for base, _ in servers.values():  # warm both: first-request allocations, caches
+            warm(base, token_prompts(2, args.prompt_len, vocab_size, seed=2))
 
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {name: {c: [] for c in levels} for name in servers}
         for round_index in range(args.rounds):
@@ -301,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                       "itl_p50": summary[PAGODA][c]["itl_p50_ms"]["median"] / summary[LLAMA][c]["itl_p50_ms"]["median"]}
                   for c in levels}
     write_summary(out / "summary.json", {
-        **meta, "llama_server": peer, "greedy_agree": agree,
+        **meta, "llama_server": peer, "greedy_agreement": agreement,
         "workload": {"prompt": f"{args.prompt_len} random token ids", "output": args.output_len, "ignore_eos": True,
                      "greedy": True, "closed_loop": True, "requests_per_run": "max(4, 2 x concurrency)",
                      "rounds": args.rounds, "order": "alternating", "pagoda_flags": engine},
