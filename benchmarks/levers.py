@@ -25,6 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
+
 from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
     write_summary  # noqa: E402
 
@@ -40,9 +42,17 @@ def _without_prepacked_weights(engine: Any) -> None:
             delattr(module, "packed_weight")  # FullWeight.apply falls back to F.linear
 
 
-# lever -> how to take it out of a built engine
-LEVERS: dict[str, Callable[[Any], None]] = {
+def _all_cores(engine: Any) -> int:
+    from pagoda.engine.threads import available_cores
+
+    return available_cores()
+
+
+# lever -> how to take it out of a built engine; returns the torch thread count the engine
+# without the lever steps with (None: the same as with it)
+LEVERS: dict[str, Callable[[Any], int | None]] = {
     "prepack": _without_prepacked_weights,
+    "thread-policy": _all_cores,  # the serving policy (engine/threads.py) vs every core
 }
 
 
@@ -53,12 +63,14 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     from pagoda.engine.threads import set_engine_threads
     from pagoda.sampling_params import SamplingParams
 
+    import torch
+
     output_len = steps * rounds + 8
     config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
                           max_model_len=prompt_len + output_len + 16)
     used_threads = set_engine_threads(config, serving=True)
     engines = {"on": LLMEngine(config), "off": LLMEngine(config)}
-    LEVERS[lever](engines["off"])
+    threads_for = {"on": used_threads, "off": LEVERS[lever](engines["off"]) or used_threads}
     vocab = engines["on"].core.model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
@@ -75,6 +87,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     for round_index in range(rounds):
         for name in (("on", "off") if round_index % 2 == 0 else ("off", "on")):
             engine = engines[name]
+            torch.set_num_threads(threads_for[name])
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 for delta in engine.step():
@@ -83,7 +96,8 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
             cpu[name].append((time.process_time() - cpu_start) / steps)
     on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
     cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
-    return {"lever": lever, "concurrency": concurrency, "threads": used_threads, "steps_per_round": steps,
+    torch.set_num_threads(used_threads)
+    return {"lever": lever, "concurrency": concurrency, "threads": threads_for, "steps_per_round": steps,
             "rounds": rounds, "step_ms_on": 1000 * on, "step_ms_off": 1000 * off, "speedup": off / on,
             "per_round_ratio": [b / a for a, b in zip(seconds["on"], seconds["off"])],
             "cpu_ms_on": 1000 * cpu_on, "cpu_ms_off": 1000 * cpu_off, "cpu_speedup": cpu_off / cpu_on,
