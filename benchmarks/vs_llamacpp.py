@@ -24,6 +24,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-tokens", type=int, default=64, help="greedy tokens compared per prompt")
     args = parser.parse_args(argv)
 
+    # SIGTERM ends the run like Ctrl-C: the servers are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     shape = SHAPES[args.model]
     model_dir = build_bench_model(Path(args.model_dir or REPO / "tmp" / (
