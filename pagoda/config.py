@@ -64,7 +64,12 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
-    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "most requests running at once (default: what the KV pool holds and what this hardware "
+                "decodes within --max-num-seqs-itl-ms, measured at startup; at most 256)"})
+    max_num_seqs_itl_ms: float = field(default=50.0, metadata={
+        "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
+                "reach at short contexts (pagoda/engine/max_num_seqs.py)"})
     scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
         "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
     num_threads: int | None = field(default=None, metadata={
@@ -133,7 +138,7 @@ class EngineConfig:
             fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", f"must be >= 1, got {self.max_model_len}")

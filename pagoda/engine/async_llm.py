@@ -12,9 +12,11 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
                                      TransportKind, create_transport)
@@ -57,6 +59,11 @@ class AsyncLLM:
         self.max_model_len: int = info.max_model_len
         self.generation_defaults: dict = info.generation_defaults
         self.engine_limits: EngineLimits | None = info.engine_limits
+        # --max-num-seqs as the engine resolved it (its default is measured at startup).
+        self.max_num_seqs_choice = info.max_num_seqs_choice
+        if config.max_num_seqs is None:
+            self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value
+                                  if info.max_num_seqs_choice is not None else MAX_NUM_SEQS_CEILING)
 
     # ---- public API ----------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
+from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
@@ -104,7 +106,7 @@ class EngineCore:
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
                                        preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
-            self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            self.kv_cache, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None)
         backend = select_backend(config.attention_backend, self.device, self.kv_format)
@@ -114,7 +116,8 @@ class EngineCore:
                                          self.device, self.kv_format)
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  config.seed, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING,
+                                  max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager,
                                   speculator=self.speculation if config.speculative else None,
                                   kv_format=self.kv_format)
@@ -142,6 +145,16 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.iteration_tokens = TokenHistogram()
         self.last_step_timings = StepTimings()
+        # ---- --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps ----
+        self.max_num_seqs_choice = resolve_max_num_seqs(self, config.max_num_seqs, config.max_num_seqs_itl_ms)
+        self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
+        if not self.max_num_seqs_choice.explicit:  # calibration steps are not traffic
+            self.num_prompt_tokens = self.num_generation_tokens = 0
+            self.iteration_tokens = TokenHistogram()
+            self.last_step_timings = StepTimings()
+            self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
+            self.speculation.reset_stats()
+        # ---- end --max-num-seqs default ----
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
                     model.model.layers[0].mlp.down_proj.weight_format.name,
@@ -163,7 +176,7 @@ class EngineCore:
             return self.config.num_kv_blocks
         num_blocks = self.config.kv_cache_bytes // bytes_per_block
         # More than every running sequence at full length could ever use is wasted memory.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        useful = (self.config.max_num_seqs or MAX_NUM_SEQS_CEILING) * -(-self.max_model_len // self.config.block_size)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "

@@ -128,7 +128,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         _authenticate(ctx, request)
         return ModelList(data=[ModelCard(id=ctx.model_name, created=started,
                                          root=settings.model_path,
-                                         max_model_len=llm.max_model_len)])
+                                         max_model_len=llm.max_model_len,
+                                         max_num_seqs=llm.config.max_num_seqs)])
 
     documented: dict[str, tuple[type[pydantic.BaseModel], type[pydantic.BaseModel] | None]] = {}
 

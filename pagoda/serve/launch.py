@@ -114,6 +114,12 @@ def launch_server(options: ServeOptions) -> int:
     return 0
 
 
+def max_num_seqs_line(llm: object) -> str:
+    """--max-num-seqs as the engine resolved it, and why."""
+    choice = getattr(llm, "max_num_seqs_choice", None)
+    return choice.describe() if choice is not None else str(llm.config.max_num_seqs)  # type: ignore[attr-defined]
+
+
 def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
@@ -143,7 +149,8 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         f"  device     {device.type}, {dtype}, engine in a {options.engine_transport}",
         f"  context    {max_model_len} tokens",
         f"  KV pool    {blocks} blocks x {config.block_size} = {tokens} tokens "
-        f"({tokens // max(max_model_len, 1)} sequences at full context, up to {config.max_num_seqs} running)",
+        f"({tokens // max(max_model_len, 1)} sequences at full context)",
+        f"  max seqs   {max_num_seqs_line(llm)}",
         f"  features   {', '.join(features) or 'none'}",
         f"  listening  http://{options.host}:{options.port}/v1 (shutdown drains for {options.shutdown_timeout:g} s)",
     ])

@@ -188,6 +188,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pagoda"
     root: str | None = None
     max_model_len: int | None = None
+    max_num_seqs: int | None = None  # sequences the engine runs at once (--max-num-seqs or its measured default)
 
 
 class ModelList(BaseModel):

@@ -51,6 +51,10 @@ class SpecDecodeController:
         self.drafter = drafter
         self._stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    def reset_stats(self) -> None:
+        """Zero the counters (the engine's startup calibration steps are not traffic)."""
+        self._stats = SpecDecodeStats(accepted_per_position=[0] * len(self._stats.accepted_per_position))
+
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The draft model's KV tensors (same block ids as the target's), for copy-on-write."""
