@@ -73,8 +73,11 @@ class SpecDecodeController:
             if not enabled or request.num_computed_tokens != request.num_tokens - 1 or request.pending_forks:
                 spec.clear_drafts()
             elif self.ngram is not None:
-                spec.token_ids = self.ngram.propose(request.all_token_ids, k)
-                spec.num_wanted = len(spec.token_ids)
+                drafts = self.ngram.propose(request.all_token_ids, k)
+                if request.structured_output is not None:  # a draft the grammar rejects ends the drafts
+                    drafts = drafts[:request.structured_output.grammar_prefix(drafts)]
+                spec.token_ids = drafts
+                spec.num_wanted = len(drafts)
             else:
                 spec.num_wanted = k  # the draft model fills spec.token_ids in `propose`
 
