@@ -41,7 +41,8 @@ class MaxNumSeqsChoice:
     value: int
     explicit: bool  # --max-num-seqs was given
     kv_bound: int | None = None  # sequences the KV pool holds (one block each)
-    hardware_bound: int | None = None  # sequences one decode step serves within the budget
+    hardware_bound: int | None = None  # sequences one decode step serves within the budget (None: no
+    # measured batch exceeded it)
     itl_budget_ms: float | None = None
     step_ms: tuple[tuple[int, float], ...] = ()  # (batch size, measured decode step ms)
     calibration_s: float = 0.0
@@ -51,10 +52,16 @@ class MaxNumSeqsChoice:
         if self.explicit:
             return f"{self.value} (--max-num-seqs)"
         measured = ", ".join(f"{batch}: {ms:.1f} ms" for batch, ms in self.step_ms)
-        limits = {"KV pool": self.kv_bound, "ITL budget": self.hardware_bound, "ceiling": CEILING}
-        binding = min(limits, key=lambda name: limits[name] if limits[name] is not None else CEILING + 1)
+        if self.hardware_bound is not None and self.hardware_bound == self.value:
+            binding = "ITL budget"
+        elif self.kv_bound is not None and self.kv_bound == self.value:
+            binding = "KV pool"
+        else:
+            binding = f"ceiling of {CEILING}"
+        fit = self.hardware_bound if self.hardware_bound is not None else \
+            f"every batch measured (up to {self.step_ms[-1][0]})" if self.step_ms else "-"
         return (f"{self.value} (auto, bound by the {binding}: KV pool holds {self.kv_bound}, decode steps "
-                f"within {self.itl_budget_ms:g} ms fit {self.hardware_bound} [{measured}], "
+                f"within {self.itl_budget_ms:g} ms fit {fit} [{measured}], "
                 f"calibrated in {self.calibration_s:.2f} s)")
 
 
@@ -70,7 +77,7 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
     largest_step = min(cap, max_num_batched_tokens)
     sizes = sorted({b for b in PROBE_BATCH_SIZES if b < largest_step} | {largest_step})
     measured: list[tuple[int, float]] = []
-    hardware = cap
+    hardware: int | None = None
     for batch in sizes:
         ms = step_time_ms(batch)
         if ms > itl_budget_ms:  # confirm: a moment of other work on the machine must not decide it
@@ -85,7 +92,7 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
                 extra = int((itl_budget_ms - good_ms) / slope) if slope > 0 else 0
                 hardware = max(good, min(bad - 1, good + extra))
             break
-    return MaxNumSeqsChoice(value=min(cap, hardware), explicit=False, kv_bound=kv_bound,
+    return MaxNumSeqsChoice(value=min(cap, hardware or cap), explicit=False, kv_bound=kv_bound,
                             hardware_bound=hardware, itl_budget_ms=itl_budget_ms, step_ms=tuple(measured),
                             calibration_s=time.perf_counter() - started)
 

@@ -40,7 +40,7 @@ def test_hardware_bound_interpolates_between_the_last_probe_within_budget_and_th
 def test_kv_pool_bounds_it_with_the_formula_plan_uses() -> None:
     step = LinearStep(base=1.0, per_seq=0.01)  # fast hardware: the pool binds
     choice = choose(step, num_blocks=40)
-    assert choice.value == choice.kv_bound == sequences_that_fit(40, 16, 1) == 40
+    assert choice.value == choice.kv_bound == sequences_that_fit(40, 16, 1) == 40 and choice.hardware_bound is None
     assert step.calls == [1, 4, 16, 40]  # no batch the pool cannot hold is measured
     assert "bound by the KV pool" in choice.describe()
     # plan's worksheet counts sequences with the same function
@@ -54,7 +54,7 @@ def test_kv_pool_bounds_it_with_the_formula_plan_uses() -> None:
 
 def test_ceiling_token_budget_and_a_budget_nothing_meets() -> None:
     fast = LinearStep(base=0.1, per_seq=0.001)
-    assert choose(fast).value == CEILING
+    assert choose(fast).value == CEILING and "bound by the ceiling of 256" in choose(fast).describe()
     small_steps = LinearStep(base=0.1, per_seq=0.001)
     # no step decodes more sequences than its token budget: larger batches are never measured
     assert choose(small_steps, token_budget=32).value == CEILING and max(small_steps.calls) == 32
