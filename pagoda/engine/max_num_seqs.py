@@ -23,7 +23,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
 from pagoda.sampling_params import SamplingParams
 
@@ -97,7 +99,22 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
                             calibration_s=time.perf_counter() - started)
 
 
-def calibrate_decode_step(core: "EngineCore") -> Callable[[int], float]:  # noqa: F821 (engine_core imports us)
+class CalibratedEngine(Protocol):
+    """What calibration uses of the EngineCore (which imports this module)."""
+
+    config: EngineConfig
+    model_config: Any
+    num_blocks: int
+    max_model_len: int
+    requests: dict[str, list[Any]]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
+    def step(self) -> Any: ...
+    def abort_request(self, request_ids: list[str]) -> Any: ...
+    def release(self, request_id: str) -> None: ...
+
+
+def calibrate_decode_step(core: CalibratedEngine) -> Callable[[int], float]:
     """A step-time function that runs real engine steps: `batch` dummy requests of a few
     tokens are prefilled, then three decode steps are timed (the fastest counts: the first
     steps pay one-time costs and the machine may be busy with something else for a moment),
@@ -131,7 +148,8 @@ def calibrate_decode_step(core: "EngineCore") -> Callable[[int], float]:  # noqa
     return step_time_ms
 
 
-def resolve_max_num_seqs(core: "EngineCore", explicit: int | None, itl_budget_ms: float) -> MaxNumSeqsChoice:  # noqa: F821
+def resolve_max_num_seqs(core: CalibratedEngine, explicit: int | None, itl_budget_ms: float) -> MaxNumSeqsChoice:
+    """The value to use: `explicit` (--max-num-seqs) when given, else the calibrated default."""
     if explicit is not None:
         return MaxNumSeqsChoice(value=explicit, explicit=True)
     choice = choose_max_num_seqs(num_blocks=core.num_blocks, block_size=core.config.block_size,

@@ -4,7 +4,6 @@ one engine and one server that report the value they chose."""
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
