@@ -28,7 +28,7 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "quantization": ("none", "int8", "int4"),
     "quantization_group_size": (32, 64, 128),
-    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"),
 }
 
 
@@ -106,7 +106,8 @@ class EngineConfig:
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
-                "(quantized per token and head on write)"})
+                "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
+                "layer, as vLLM's: exactly 1 byte per element)"})
     # ---- structured output (pagoda/structured) ----
     structured_output_timeout: float = field(default=30.0, metadata={
         "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
