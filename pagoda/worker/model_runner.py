@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
@@ -157,8 +158,9 @@ class ModelRunner(PagedModel):
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
                  enforce_eager: bool = False, speculator: Speculator | None = None,
-                 kv_format: KVCacheFormat | None = None) -> None:
+                 kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None) -> None:
         super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format)
+        self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
@@ -192,13 +194,21 @@ class ModelRunner(PagedModel):
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
-        if self.decode_graphs is not None and self.decode_graphs.fits(layout):
-            prepared = time.perf_counter()
-            hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
-        else:
-            context = self.forward_context(layout)
-            prepared = time.perf_counter()
-            hidden = self.model(input_ids, positions, context)
+        if self.lora is not None:
+            self.lora.begin_step([(segment.request.lora, len(segment.token_ids)) for segment in segments])
+        # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
+        with_adapters = self.lora is not None and self.lora.state.batch is not None
+        try:
+            if self.decode_graphs is not None and not with_adapters and self.decode_graphs.fits(layout):
+                prepared = time.perf_counter()
+                hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
+            else:
+                context = self.forward_context(layout)
+                prepared = time.perf_counter()
+                hidden = self.model(input_ids, positions, context)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         forwarded = time.perf_counter()
 
