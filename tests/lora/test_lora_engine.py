@@ -181,3 +181,26 @@ def test_startup_errors_name_the_adapter(llama_dir, lora_dirs, tmp_path) -> None
     plain = LLM(model=str(llama_dir), num_kv_blocks=16)
     with pytest.raises(InvalidRequest, match="without --enable-lora"):
         plain.generate([PROMPTS[1]], GREEDY, lora_request=LoRARequest("sql", 1, str(lora_dirs["sql"])))
+
+
+def test_host_tier_keeps_adapters_apart(llama_dir, lora_dirs) -> None:
+    """Evicted blocks carry their adapter-qualified hash to the host tier: a lookup through the
+    tier finds them for the same adapter only."""
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(5, 300, (60,), generator=generator).tolist()
+    fillers = [torch.randint(5, 300, (60,), generator=generator).tolist() for _ in range(4)]
+    llm = LLM(model=str(llama_dir), enable_lora=True, max_lora_rank=16, num_kv_blocks=12, max_num_seqs=2,
+              kv_offload_memory="4MiB")
+    sql, chat = LoRARequest("sql", 1, str(lora_dirs["sql"])), LoRARequest("chat", 2, str(lora_dirs["chat"]))
+    first = llm.generate([prompt], GREEDY, lora_request=sql)[0]
+    llm.generate(fillers, GREEDY)  # pushes the prompt's blocks out of the 12-block device pool
+    kv = llm.engine.core.kv_cache
+    host_hits = kv.tier_hits["host"]
+    assert llm.generate([prompt], GREEDY, lora_request=chat)[0].num_cached_tokens == 0
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+    again = llm.generate([prompt], GREEDY, lora_request=sql)[0]
+    assert again.num_cached_tokens > 0 and kv.tier_hits["host"] > host_hits
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_idle(llm)
