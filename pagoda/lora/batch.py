@@ -4,7 +4,7 @@ LoRA layer of the forward."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class LoRABatch:
     segments: list[tuple[int, int, int]]  # (slot, start, end) into rows
     rank: int
     num_tokens: int  # of the whole batch, adapter or not
+    # The GPU kernel's tile table, built on first use and shared by all layers of the step.
+    kernel_tiles: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def covers_all_tokens(self) -> bool:

@@ -25,7 +25,12 @@ from pagoda.lora.batch import LoRABatch
 
 def add_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
                    batch: LoRABatch, width: int) -> torch.Tensor:
-    """Add the delta of each adapter token to `output` [T, out] in place; returns `output`."""
+    """Add the delta of each adapter token to `output` [T, out] in place; returns `output`.
+    On CUDA the Triton kernels (lora/triton_delta.py) do it in two launches."""
+    if output.is_cuda:
+        from pagoda.lora.triton_delta import add_lora_delta_triton
+
+        return add_lora_delta_triton(output, x, lora_a, lora_b_t, batch, width)
     if batch.covers_all_tokens and len(batch.segments) == 1:
         slot = batch.segments[0][0]  # one adapter for the whole batch: no gather, no scatter
         output += (x @ lora_a[slot, :width].T) @ lora_b_t[slot, :width]
