@@ -30,7 +30,7 @@ test: $(STAMP)
 test-triton: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gpu]'
 	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_attention.py tests/worker/test_cuda_graphs.py
-	$(PY) -m pytest -q tests/lora/test_triton_lora.py
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/lora/test_triton_lora.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -9,7 +9,7 @@ bundled model's gate_up projection (256 -> 2 x 704, two fused parts). Formulatio
              slots' B (no gather; cost grows with slots x rank)
 Interleaved rounds, median of each; one torch thread.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py --out benchmarks/results/lora
+    PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py --rounds 3 --out benchmarks/results/lora
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "lora_ops.json").write_text(json.dumps({
-            "command": "PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py --out benchmarks/results/lora",
+            "command": "PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py " + " ".join(sys.argv[1:]),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, shared with other jobs",
             "projection": "gate_up of pagoda-coder: 256 -> 2 x 704, float32",
             "results": results}, indent=1) + "\n")

@@ -94,6 +94,9 @@ def launch_server(options: ServeOptions) -> int:
             tool_call_parser=options.tool_call_parser, allow_runtime_lora=options.allow_runtime_lora)
         if options.allow_runtime_lora and not config.enable_lora:
             raise ValueError("--allow-runtime-lora needs --enable-lora")
+        for name, _ in config.lora_module_paths():
+            if name == settings.served_model_name:
+                raise ValueError(f"--lora-modules: adapter {name!r} has the served model's name")
         if options.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     except ValueError as exc:

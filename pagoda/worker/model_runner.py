@@ -194,21 +194,19 @@ class ModelRunner(PagedModel):
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
-        if self.lora is not None:
+        if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
             self.lora.begin_step([(segment.request.lora, len(segment.token_ids)) for segment in segments])
         # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
-        with_adapters = self.lora is not None and self.lora.state.batch is not None
-        try:
-            if self.decode_graphs is not None and not with_adapters and self.decode_graphs.fits(layout):
-                prepared = time.perf_counter()
-                hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
-            else:
-                context = self.forward_context(layout)
-                prepared = time.perf_counter()
-                hidden = self.model(input_ids, positions, context)
-        finally:
-            if self.lora is not None:
-                self.lora.end_step()
+        graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
+        if graphs is not None and graphs.fits(layout):
+            prepared = time.perf_counter()
+            hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
+        else:
+            context = self.forward_context(layout)
+            prepared = time.perf_counter()
+            hidden = self.model(input_ids, positions, context)
+        if self.lora is not None:
+            self.lora.end_step()
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         forwarded = time.perf_counter()
 

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from engine_helpers import assert_idle
+from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequest
@@ -157,6 +158,12 @@ def test_bad_adapters_are_refused_with_the_reason(llama_dir, lora_dirs, model_di
     assert "corrupt or truncated" in refused(corrupt)
     lm_head = build_adapter(llama_dir, tmp_path / "lm_head", target_modules=["q_proj", "lm_head"], rank=4)
     assert "lm_head" in refused(lm_head)
+    deeper = tmp_path / "deeper"  # an adapter for a base model with more layers
+    shutil.copytree(lora_dirs["sql"], deeper)
+    tensors = load_file(deeper / "adapter_model.safetensors")
+    save_file({name.replace("layers.1.", "layers.7."): tensor for name, tensor in tensors.items()},
+              deeper / "adapter_model.safetensors")
+    assert "adapts layer 7 but the base model has 2 layers" in refused(deeper)
     engine.add_lora(LoRARequest("sql", 1, str(lora_dirs["sql"])))
     assert "already loaded" in refused(lora_dirs["sql"], name="sql")
     with pytest.raises(InvalidRequest) as error:

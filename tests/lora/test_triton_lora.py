@@ -75,3 +75,60 @@ def test_kernels_match_the_segmented_delta_and_leave_base_rows_alone(dtype) -> N
     assert torch.equal(output[base_rows], base[base_rows])
     # Slot 0's six tokens, slot 1's two, slot 2's twenty in two tiles of at most BLOCK_M = 16.
     assert triton_delta.tile_table(batch).tolist() == [[0, 0, 6], [1, 6, 8], [2, 8, 24], [2, 24, 28]]
+
+
+# The interpreter checks what the kernels compute, not that they compile: this lowers both
+# kernels, as the launcher calls them, to GPU binaries (Triton's bundled ptxas; no GPU needed).
+COMPILE_FOR_GPU = r'''
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.lora import triton_delta as td
+from pagoda.lora.batch import build_lora_batch
+
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
+         torch.int32: "i32"}
+arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+target = GPUTarget("cuda", arch, 32)
+
+
+def compiling(fn):
+    def launch(*args, **kwargs):
+        values = dict(zip(fn.arg_names, args), **kwargs)
+        signature, constexprs = {}, {}
+        for param in fn.params:
+            value = values[param.name]
+            if param.is_constexpr:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = "*" + TYPES[value.dtype]
+            elif value == 1:  # as Triton's launcher specializes it
+                signature[param.name], constexprs[param.name] = "constexpr", 1
+            else:
+                signature[param.name] = "i32"
+        triton.compile(ASTSource(fn, signature, constexprs), target=target, options={})
+    return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
+
+
+td._shrink_kernel = compiling(td._shrink_kernel)
+td._expand_kernel = compiling(td._expand_kernel)
+batch = build_lora_batch([(0, 20), (-1, 2), (1, 3)], {0: 8, 1: 16}, torch.device("cpu"))
+for in_features, out_features, width in ((4096, 12288, 48), (4096, 4096, 128), (11008, 4096, 16)):
+    x = torch.empty(batch.num_tokens, in_features, dtype=dtype)
+    td.add_lora_delta_triton(torch.empty(batch.num_tokens, out_features, dtype=dtype), x,
+                             torch.empty(2, width, in_features, dtype=dtype),
+                             torch.empty(2, width, out_features, dtype=dtype), batch, width)
+'''
+
+
+@pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1 (about a minute)")
+@pytest.mark.parametrize("arch,dtype", [(90, "bfloat16"), (80, "float32")])
+def test_kernels_compile_for_gpu(arch, dtype):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
