@@ -161,11 +161,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
               generation_endpoint.name, response_model)
 
-    async def tokenize_body(_: Request, body: TokenizeRequest, __: Tenant) -> Response:
-        return JSONResponse(tokenize(ctx, body).model_dump())
+    async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
+        return JSONResponse(tokenize(ctx, body, tenant).model_dump())
 
-    async def detokenize_body(_: Request, body: DetokenizeRequest, __: Tenant) -> Response:
-        return JSONResponse(detokenize(ctx, body).model_dump())
+    async def detokenize_body(_: Request, body: DetokenizeRequest, tenant: Tenant) -> Response:
+        return JSONResponse(detokenize(ctx, body, tenant).model_dump())
 
     route("/v1/load_lora_adapter", LoadLoRAAdapterRequest, functools.partial(load_lora_adapter, ctx))
     route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, functools.partial(unload_lora_adapter, ctx))

@@ -24,7 +24,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
-from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
+from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
 from pagoda.serve.metrics import ServerMetrics
@@ -66,10 +66,6 @@ class ServeContext:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:

@@ -84,6 +84,8 @@ def test_runtime_load_use_unload_then_404(setup) -> None:
     used = post(server, "key-ops", model="chat", stream=True)
     assert used.status_code == 200 and '"model":"chat"' in used.text.replace(" ", "")
     assert post(server, "key-ops", model="chat").json()["choices"][0]["text"] == expected["chat"]
+    tokenized = post(server, "key-ops", "/tokenize", model="chat", prompt="def f():")
+    assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
     metrics = httpx.get(server.url + "/metrics").text
     assert 'pagoda:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
 
@@ -149,3 +151,6 @@ def test_serve_refuses_to_start_with_a_bad_adapter(setup, tmp_path) -> None:
     message = str(stopped.value)
     assert message.startswith("pagoda serve:") and "'sql'" in message and "no such directory" in message
     assert "\n" not in message
+    engine = EngineConfig(model=str(model), enable_lora=True, lora_modules=[f"{MODEL_NAME}={tmp_path}"])
+    with pytest.raises(SystemExit, match="has the served model's name"):
+        launch_server(ServeOptions(engine=engine, served_model_name=MODEL_NAME, log_level="warning"))
