@@ -56,6 +56,13 @@ class ModelRunnerOutput:
     timings: StepTimings = field(default_factory=StepTimings)  # the runner's phases of this step
 
 
+class StepBroadcaster(Protocol):
+    """Tensor parallelism (pagoda.executor): hands rank 0's forward to the other ranks."""
+
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                       logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None: ...
+
+
 class Verified(Protocol):
     token_ids: list[int]  # accepted drafts, then one token from the target
     num_accepted: int
@@ -126,7 +133,7 @@ def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     config = model.config
     kv_format = kv_format or KVCacheFormat("auto", dtype)
-    shape = (num_blocks, block_size, config.num_kv_heads, kv_format.entry_size(config.head_dim))
+    shape = (num_blocks, block_size, model.num_kv_heads, kv_format.entry_size(config.head_dim))  # the rank's heads
     storage = kv_format.storage_dtype
     return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
             for _ in range(config.num_layers)]
@@ -162,6 +169,9 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
+        # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
+        # the other ranks just before this one runs it.
+        self.tensor_parallel: StepBroadcaster | None = None
         # Structured output: grammar bitmasks are filled here while the forward runs.
         self.mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
@@ -192,6 +202,9 @@ class ModelRunner(PagedModel):
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.broadcast_step(input_ids, positions, layout, logit_rows,
+                                                scheduler_output.block_copies)
         if self.decode_graphs is not None and self.decode_graphs.fits(layout):
             prepared = time.perf_counter()
             hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
