@@ -21,7 +21,7 @@ from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import WeightFormat
-from pagoda.worker.model_runner import PagedModel
+from pagoda.worker.paged_model import PagedModel
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ import torch
 
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
+from pagoda.model.llama import LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
+from pagoda.worker.paged_model import PagedModel
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
@@ -126,38 +127,6 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
     )
     return (torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device), layout)
-
-
-def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device, kv_format: KVCacheFormat | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    config = model.config
-    kv_format = kv_format or KVCacheFormat("auto", dtype)
-    shape = (num_blocks, block_size, model.num_kv_heads, kv_format.entry_size(config.head_dim))  # the rank's heads
-    storage = kv_format.storage_dtype
-    return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
-            for _ in range(config.num_layers)]
-
-
-class PagedModel:
-    """A model with its own paged KV cache. The runner holds the target model's; a draft model
-    (spec_decode) holds its own, indexed by the same block ids and slots. `kv_format` is how the
-    caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
-
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
-        self.kv_format = kv_format
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device, kv_format)
-        self.sliding_windows = set(model.config.layer_sliding_windows)
-
-    def forward_context(self, layout: BatchLayout) -> ForwardContext:
-        """Attention metadata for one batch, over this model's caches."""
-        metadata = self.backend.prepare(layout, self.sliding_windows)
-        return ForwardContext(self.backend, metadata, self.kv_caches)
 
 
 class ModelRunner(PagedModel):
