@@ -20,6 +20,7 @@ from engine_helpers import assert_idle, prompts_for
 from model_factory import build_model
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.threads import engine_thread_count
 from pagoda.structured import StructuredOutputsParams
 from server_utils import free_port, start_serve_process
 
@@ -113,6 +114,16 @@ def test_features_not_split_yet_are_startup_errors(llama_dir: Path) -> None:
         EngineConfig(model=str(llama_dir), tensor_parallel_size=2, kv_offload_memory="64MiB")
     with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
         EngineConfig(model=str(llama_dir), distributed_executor_backend="slurm")
+
+
+def test_each_rank_gets_its_share_of_the_threads(llama_dir: Path) -> None:
+    def threads(**config) -> int | None:
+        return engine_thread_count(EngineConfig(model=str(llama_dir), **config), serving=True)
+
+    assert threads(num_threads=2, tensor_parallel_size=2) == 1
+    assert threads(num_threads=8, tensor_parallel_size=2) == 4
+    assert threads(num_threads=1, tensor_parallel_size=2) == 1  # never zero
+    assert threads(tensor_parallel_size=1, num_threads=None) >= 1
 
 
 def _process_tree(root: int) -> dict[int, str]:
