@@ -88,6 +88,48 @@ def throughput(llm: LLM, index: int, batch: int, max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
+def _collective_peer(port: int, hidden: int, rows: tuple[int, ...], repeats: int) -> None:
+    import torch
+
+    from pagoda.executor.group import Endpoint, connect
+
+    torch.set_num_threads(1)
+    groups = connect(1, 2, torch.device("cpu"), Endpoint("127.0.0.1", port), 60)
+    for count in rows:
+        x = torch.ones(count, hidden)
+        for _ in range(repeats):
+            groups.model.all_reduce(x)
+
+
+def collective_latency_us(hidden: int, rows: tuple[int, ...] = (1, 16), repeats: int = 300) -> dict[str, float]:
+    """Mean latency of one gloo all-reduce of [rows, hidden] float32 between two local
+    processes (what each row-parallel layer pays twice per decoder layer), through
+    pagoda.executor's own group."""
+    import multiprocessing
+
+    import torch
+
+    from pagoda.executor.group import host_store, join
+
+    torch.set_num_threads(1)
+    store = host_store("127.0.0.1", 2, 60)
+    peer = multiprocessing.get_context("spawn").Process(target=_collective_peer,
+                                                        args=(store.port, hidden, rows, repeats))
+    peer.start()
+    groups = join(0, 2, torch.device("cpu"), store)
+    latencies = {}
+    for count in rows:
+        x = torch.ones(count, hidden)
+        for _ in range(repeats // 10):
+            groups.model.all_reduce(x)
+        start = time.perf_counter()
+        for _ in range(repeats - repeats // 10):
+            groups.model.all_reduce(x)
+        latencies[f"{count}x{hidden}"] = (time.perf_counter() - start) / (repeats - repeats // 10) * 1e6
+    peer.join()
+    return latencies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagoda-bench-tp/llama-150m"))
@@ -119,6 +161,8 @@ def main() -> None:
             results[name]["throughput_tok_s"].append(throughput(llm, round_index, args.batch, args.batch_tokens))
             print(f"round {round_index} {name}: decode {results[name]['decode_tok_s'][-1]:.2f} tok/s, "
                   f"throughput {results[name]['throughput_tok_s'][-1]:.1f} tok/s", flush=True)
+    latency = collective_latency_us(MODEL_SHAPE["hidden_size"])
+    print(f"gloo all-reduce latency (us): {latency}", flush=True)
     medians = {name: {key: statistics.median(values) for key, values in metrics.items()}
                for name, metrics in results.items()}
     summary = {
@@ -132,6 +176,8 @@ def main() -> None:
         "per_round": results,
         "median": medians,
         "tp2_over_tp1": {key: medians["tp2"][key] / medians["tp1"][key] for key in medians["tp1"]},
+        "allreduce_latency_us": latency,
+        "collectives_per_step": 2 * MODEL_SHAPE["num_hidden_layers"] + 2,  # + embedding, logits gather
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
                     "note": "2 vCPU shared with other jobs during the run: absolute numbers are noisy, "
