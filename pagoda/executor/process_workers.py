@@ -5,8 +5,10 @@ its stdin) rather than multiprocessing: the engine core often runs in a daemonic
 (pagoda serve's engine process), and multiprocessing forbids daemonic processes children.
 
 A worker ignores SIGINT/SIGTERM like the engine process (a terminal's Ctrl-C reaches the whole
-process group while the server drains); it ends on rank 0's stop message, when rank 0 dies
-(its next collective fails: the socket closed), or when rank 0 kills it.
+process group while the server drains); it ends on rank 0's stop message, when rank 0 kills
+it, or when rank 0's process dies however it died: its stdin pipe, which rank 0 holds open for
+the worker's lifetime, reaches end of file (and a collective in flight fails on the closed
+socket), so no worker outlives its engine, not even one still loading its shards.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class ProcessWorkers:
                                        stdin=subprocess.PIPE, env=env)
             assert process.stdin is not None
             process.stdin.write(pickle.dumps(spec))
-            process.stdin.close()
+            process.stdin.flush()  # kept open: the worker's lifeline (see the module docstring)
             self.processes.append(process)
         self._stopping = threading.Event()
 
@@ -69,6 +71,7 @@ class ProcessWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            _close(process)
 
     def kill(self) -> None:
         self._stopping.set()
@@ -76,12 +79,26 @@ class ProcessWorkers:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+            _close(process)
+
+
+def _close(process: subprocess.Popen) -> None:
+    try:
+        process.stdin.close()
+    except OSError:  # the pipe was already broken
+        pass
+
+
+def _exit_when_stdin_closes() -> None:
+    sys.stdin.buffer.read()  # returns at end of file: rank 0's process is gone or gave up on us
+    os._exit(1)
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    spec: WorkerSpec = pickle.loads(sys.stdin.buffer.read())
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)  # one object; the pipe stays open
+    threading.Thread(target=_exit_when_stdin_closes, name="pagoda-tp-lifeline", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{spec.rank} %(levelname)s %(message)s")
     from pagoda.executor.worker import run_worker
 
