@@ -20,6 +20,7 @@ from engine_helpers import assert_idle, prompts_for
 from model_factory import build_model
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.threads import engine_thread_count
 from pagoda.structured import StructuredOutputsParams
 from server_utils import free_port, start_serve_process
@@ -124,6 +125,26 @@ def test_each_rank_gets_its_share_of_the_threads(llama_dir: Path) -> None:
     assert threads(num_threads=8, tensor_parallel_size=2) == 4
     assert threads(num_threads=1, tensor_parallel_size=2) == 1  # never zero
     assert threads(tensor_parallel_size=1, num_threads=None) >= 1
+
+
+def test_idle_worker_death_ends_an_engine_on_the_thread_transport(llama_dir: Path) -> None:
+    def our_workers() -> set[int]:
+        return {pid for pid, command in _process_tree(os.getpid()).items() if WORKER_MODULE in command}
+
+    before = our_workers()  # the module's shared engine has its own
+    llm = AsyncLLM(EngineConfig(model=str(llama_dir), num_kv_blocks=32, tensor_parallel_size=2), transport="thread")
+    try:
+        workers = sorted(our_workers() - before)
+        assert len(workers) == 1 and llm.is_alive
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm.is_alive:
+            assert time.monotonic() < deadline, "the idle engine did not notice its worker's death"
+            time.sleep(0.05)
+        assert "tensor-parallel worker rank 1" in str(llm.error) and "exited with code -9" in str(llm.error)
+    finally:
+        llm.shutdown()
+    assert not any(_alive(pid) for pid in workers)
 
 
 def _process_tree(root: int) -> dict[int, str]:
