@@ -136,6 +136,8 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
          and settings.latency_targets.enabled),  # type: ignore[attr-defined]
         ("vllm: metric names", options.metrics_compat == "vllm"),
         ("guardrails", options.guardrails is not None),
+        (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
+         config.tensor_parallel_size > 1),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",
