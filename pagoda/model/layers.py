@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.parallel import LinearShard, Slice
+from pagoda.model.parallel import LinearShard
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 
@@ -41,8 +41,7 @@ class Linear(nn.Module):
         and `reduce` (the group's all-reduce) sums a row-parallel layer's partial outputs."""
         super().__init__()
         # --- tensor parallelism (pagoda.model.parallel) ---
-        self.shard = shard or LinearShard((out_features,), (Slice(0, out_features),), in_features,
-                                          Slice(0, in_features))
+        self.shard = shard or LinearShard.whole(in_features, out_features)
         self.reduce = reduce if self.shard.reduce else None
         in_features, out_features = self.shard.local_in, self.shard.local_out
         # --- end tensor parallelism ---

@@ -51,6 +51,11 @@ class LinearShard:
     columns: Slice
     reduce: bool = False
 
+    @classmethod
+    def whole(cls, in_features: int, out_features: int) -> "LinearShard":
+        """No parallelism: every row and column."""
+        return cls((out_features,), (Slice(0, out_features),), in_features, Slice(0, in_features))
+
     @property
     def local_out(self) -> int:
         return sum(s.size for s in self.rows)
@@ -147,9 +152,6 @@ class TensorParallelGroup:
             raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({self.world_size})")
         size = total // self.world_size
         return Slice(self.rank * size, size)
-
-    def replicated(self, in_features: int, out_features: int) -> LinearShard:
-        return LinearShard((out_features,), (Slice(0, out_features),), in_features, Slice(0, in_features))
 
     def column(self, in_features: int, *parts: int, what: str = "output features") -> LinearShard:
         """Output rows split evenly, part by part (gate and up each split in N)."""
