@@ -5,7 +5,8 @@ Both engines stay up for the whole run and are measured in alternating rounds (A
 a change in the machine's load hits both; medians over the rounds are reported.
 
   single-stream decode: one greedy request (64-token prompt), output tok/s after its first token;
-  throughput: 16 requests at once (64-token prompts, 64 output tokens each), output tok/s wall.
+  throughput: 16 requests at once (64-token prompts, 32 output tokens each), output tok/s wall;
+  and the latency of one gloo all-reduce between two local processes (what a step pays 26 times).
 
     .venv/bin/python benchmarks/tensor_parallel.py --rounds 3 --out benchmarks/results
 """
