@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -60,6 +61,12 @@ class _RankActor:
     def run(self, spec: WorkerSpec) -> None:
         from pagoda.executor.worker import run_worker
 
+        # Like the engine process and the mp workers: a terminal's Ctrl-C or a SIGTERM to the
+        # server's process group must not end a rank while the server drains (Ray's own
+        # handler would raise SystemExit here); rank 0 stops or kills the actor.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         run_worker(spec)
 
 
