@@ -2,7 +2,9 @@
 
 The group has one bundle per rank (1 CPU, or 1 GPU on CUDA) with STRICT_PACK, so a replica's
 ranks share a node (tensor parallelism all-reduces twice per layer: it wants the fastest link);
-bundle 0 reserves rank 0's share for the engine core's process, which stays the driver. The
+bundle 0 reserves rank 0's share for the engine core's process, which stays the driver. An
+engine core that runs inside a Ray actor already placed in a group of at least N bundles (a
+data-parallel replica placed by its launcher in bundle 0) uses that group's bundles 1..N-1. The
 cluster is `--ray-address` (e.g. `auto` for one started with `ray start --head`), or a local
 one started on demand. Ray is optional (`pip install pagoda[ray]`).
 
@@ -80,10 +82,17 @@ class RayWorkers:
         world_size = len(specs) + 1
         on_gpu = specs[0].device.startswith("cuda")
         bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
-        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        # An engine that is itself a Ray actor placed in bundle 0 of a group of >= N bundles
+        # (a data-parallel replica) puts its ranks in that group's other bundles.
+        current = ray.util.get_current_placement_group()
+        self.owns_group = current is None or len(current.bundle_specs) < world_size
+        if self.owns_group:
+            self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        else:
+            self.placement_group = current
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            ray.util.remove_placement_group(self.placement_group)
+            self._remove_group()
             raise RuntimeError(f"Ray could not place {world_size} tensor-parallel ranks ({bundle} each) on one node "
                                f"within {PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()} in the cluster")
         actor_class = ray.remote(_RankActor)
@@ -132,4 +141,8 @@ class RayWorkers:
             return
         for actor in self.actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(self.placement_group)
+        self._remove_group()
+
+    def _remove_group(self) -> None:
+        if self.owns_group:
+            _import_ray().util.remove_placement_group(self.placement_group)
