@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,10 +62,26 @@ def join(rank: int, world_size: int, device: torch.device, store: Any) -> Groups
 
 
 def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float) -> Groups:
-    """A worker's side: connect to rank 0's store, then join."""
+    """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
     store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
                           timeout=datetime.timedelta(seconds=timeout_s))
+    store.set(f"connected/{rank}", "1")
     return join(rank, world_size, device, store)
+
+
+def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float) -> None:
+    """Rank 0, before joining: wait until every worker reached the store, giving up at once if
+    one died on the way (`failed()` returns why) instead of sitting in the group's rendezvous
+    until its timeout."""
+    keys = [f"connected/{rank}" for rank in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        reason = failed()
+        if reason is not None:
+            raise RuntimeError(f"tensor parallelism could not start: {reason}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel workers did not connect within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def broadcast_object(control: Any, obj: Any, rank: int) -> Any:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join
+from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
 from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
 from pagoda.model.attention import BatchLayout
 from pagoda.model.parallel import TensorParallelGroup
@@ -71,6 +71,7 @@ class TensorParallelExecutor:
         on_exit = weakref.WeakMethod(self._on_worker_exit)
         self.workers.watch(lambda rank, why: _call_alive(on_exit, rank, why))
         try:
+            wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S)
             self.groups: Groups = join(0, world_size, device, store)
         except BaseException:
             self._finalizer()
