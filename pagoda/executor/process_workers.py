@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 OnWorkerExit = Callable[[int, str], None]
 
 
+def worker_command() -> list[str]:
+    """The command line of a worker process (it reads its WorkerSpec from stdin)."""
+    return [sys.executable, "-m", "pagoda.executor.process_workers"]
+
+
 class ProcessWorkers:
     def __init__(self, specs: list[WorkerSpec]) -> None:
         env = dict(os.environ)
@@ -40,11 +45,13 @@ class ProcessWorkers:
         self.ranks = [spec.rank for spec in specs]
         self.processes: list[subprocess.Popen] = []
         for spec in specs:
-            process = subprocess.Popen([sys.executable, "-m", "pagoda.executor.process_workers"],
-                                       stdin=subprocess.PIPE, env=env)
+            process = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=env)
             assert process.stdin is not None
-            process.stdin.write(pickle.dumps(spec))
-            process.stdin.flush()  # kept open: the worker's lifeline (see the module docstring)
+            try:
+                process.stdin.write(pickle.dumps(spec))
+                process.stdin.flush()  # kept open: the worker's lifeline (see the module docstring)
+            except BrokenPipeError:
+                pass  # it died at once: watch() reports its exit code
             self.processes.append(process)
         self._stopping = threading.Event()
 

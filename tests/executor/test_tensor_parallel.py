@@ -117,6 +117,16 @@ def test_features_not_split_yet_are_startup_errors(llama_dir: Path) -> None:
         EngineConfig(model=str(llama_dir), distributed_executor_backend="slurm")
 
 
+def test_a_worker_that_dies_at_startup_is_a_prompt_startup_error(llama_dir: Path, monkeypatch) -> None:
+    import pagoda.executor.process_workers as process_workers
+
+    monkeypatch.setattr(process_workers, "worker_command", lambda: ["/bin/false"])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not start: tensor-parallel worker rank 1 .* exited with code 1"):
+        LLM(model=str(llama_dir), tensor_parallel_size=2)
+    assert time.monotonic() - started < 30  # not the rendezvous timeout
+
+
 def test_each_rank_gets_its_share_of_the_threads(llama_dir: Path) -> None:
     def threads(**config) -> int | None:
         return engine_thread_count(EngineConfig(model=str(llama_dir), **config), serving=True)
