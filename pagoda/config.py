@@ -24,6 +24,7 @@ def resolve_model_path(name_or_path: str) -> str:
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
+DistributedBackend = Literal["mp", "ray"]
 # Allowed values of the quantization knobs (pagoda.quant implements them).
 QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "quantization": ("none", "int8", "int4"),
@@ -112,6 +113,16 @@ class EngineConfig:
         "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
     structured_output_compile_threads: int = field(default=1, metadata={
         "help": "threads compiling grammars beside the engine loop"})
+    # ---- tensor parallelism (pagoda/executor) ----
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
+                "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"})
+    distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
+        "help": "where tensor-parallel workers run: mp (local processes) or ray (Ray actors in one "
+                "placement group; pip install 'pagoda[ray]')"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "Ray cluster for --distributed-executor-backend ray, e.g. auto for one started with "
+                "`ray start --head` (default: a local Ray started on demand)"})
     # ---- LoRA adapters (pagoda/lora) ----
     enable_lora: bool = field(default=False, metadata={
         "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
@@ -195,6 +206,23 @@ class EngineConfig:
         for name, allowed in QUANT_CHOICES.items():
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
+        self._validate_tensor_parallel(fail)
+
+    def _validate_tensor_parallel(self, fail: Any) -> None:
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            fail("distributed_executor_backend", f"must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        # Features whose state lives beside one model's KV cache and is not split yet.
+        if self.speculative == "draft":
+            fail("speculative", "draft is not supported with tensor_parallel_size > 1 yet (ngram is)")
+        if self.kv_offload_memory is not None:
+            fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
+                                      "tensor_parallel_size > 1 yet")
+        if self.enable_lora:  # ranks 1..N-1 would need each adapter's A or B sliced like their base layer
+            fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -240,6 +268,8 @@ class EngineConfig:
                 choices = ["fcfs", "priority"]
             elif f.name == "preemption_mode":
                 choices = ["recompute", "swap", "auto"]
+            elif f.name == "distributed_executor_backend":
+                choices = ["mp", "ray"]
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.

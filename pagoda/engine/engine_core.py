@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +15,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
+from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.lora.manager import LoRAManager
@@ -101,14 +102,20 @@ class EngineCore:
         self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
                                                 config.quantization_zero_point)
         self.weight_format.check_kernel(self.device, self.dtype)
-        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
+        # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
+        # many threads as the driver gave this thread (engine/threads.py).
+        self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
+                                               torch.get_num_threads()) if config.tensor_parallel_size > 1 else None
+        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
+                           self.executor.group if self.executor else None)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
         self.lora = self._load_loras(model) if config.enable_lora else None
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
         # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
         element_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, kv_cache_dtype=config.kv_cache_dtype) \
-            * config.block_size
+        # Per rank: each holds its KV heads' slice of every block.
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, model.num_kv_heads,
+                                                          kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         if draft_model is not None:
             bytes_per_block += draft_model.config.kv_bytes_per_token(
                 element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
@@ -131,9 +138,12 @@ class EngineCore:
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
                                   config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager,
+                                  enforce_eager=config.enforce_eager or self.executor is not None,
                                   speculator=self.speculation if config.speculative else None,
                                   kv_format=self.kv_format, lora=self.lora)
+        if self.executor is not None:
+            self.executor.start_serving(self.num_blocks)
+            self.runner.tensor_parallel = self.executor
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks, block_size=config.block_size,
@@ -337,9 +347,17 @@ class EngineCore:
         return progressed
 
     def close(self) -> None:
-        """Finish pending KV copies and remove the disk tier's files (unless they persist)."""
+        """Finish pending KV copies and remove the disk tier's files (unless they persist);
+        stop the tensor-parallel workers."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def on_worker_failure(self, callback: Callable[[str], None]) -> None:
+        """Tensor parallelism: call `callback(reason)` if a worker dies, even while idle."""
+        if self.executor is not None:
+            self.executor.on_failure(callback)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -6,7 +6,7 @@ the server). `step()` returns one RequestOutputDelta per request that changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -127,8 +127,12 @@ class LLMEngine:
         return self.core.stats()
 
     def close(self) -> None:
-        """Release what outlives the process otherwise (the disk KV tier's files)."""
+        """Release what outlives the process otherwise (the disk KV tier's files, tensor-parallel workers)."""
         self.core.close()
+
+    def on_worker_failure(self, callback: Callable[[str], None]) -> None:
+        """Tensor parallelism: `callback(reason)` when a worker dies, even while idle."""
+        self.core.on_worker_failure(callback)
 
     def _forget(self, request_id: str) -> None:
         self.core.release(request_id)

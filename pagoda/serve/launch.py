@@ -145,6 +145,8 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
          f"{', runtime loading' if options.allow_runtime_lora else ''}: "
          f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),  # type: ignore[attr-defined]
+        (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
+         config.tensor_parallel_size > 1),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",

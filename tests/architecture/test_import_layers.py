@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kv_transfer",),
     ("worker",),
     ("spec_decode",),
+    ("executor",),  # tensor-parallel workers (processes or Ray actors) beside the engine core
     ("engine",),
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine

@@ -34,6 +34,14 @@ def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEng
     return LLMEngine(config)
 
 
+def report_worker_failures(engine: "LLMEngine", report: Callable[[str], None]) -> None:
+    """Tensor parallelism: a worker that dies while the engine idles (so no step fails) must
+    still end the engine; `report(reason)` is called from a watcher thread."""
+    register = getattr(engine, "on_worker_failure", None)  # an engine_factory's stand-in may lack it
+    if register is not None:
+        register(report)
+
+
 def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
     """Apply messages, step while there is work, emit after every step; return on Shutdown.
 
