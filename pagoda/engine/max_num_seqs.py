@@ -60,6 +60,8 @@ class MaxNumSeqsChoice:
             binding = "KV pool"
         else:
             binding = f"ceiling of {CEILING}"
+        if self.itl_budget_ms is None:
+            return f"{self.value} (auto, bound by the {binding}: KV pool holds {self.kv_bound}; no ITL budget)"
         fit = self.hardware_bound if self.hardware_bound is not None else \
             f"every batch measured (up to {self.step_ms[-1][0]})" if self.step_ms else "-"
         return (f"{self.value} (auto, bound by the {binding}: KV pool holds {self.kv_bound}, decode steps "
@@ -67,8 +69,9 @@ class MaxNumSeqsChoice:
                 f"calibrated in {self.calibration_s:.2f} s)")
 
 
-def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tokens: int, itl_budget_ms: float,
-                        step_time_ms: Callable[[int], float], ceiling: int = CEILING) -> MaxNumSeqsChoice:
+def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                        itl_budget_ms: float | None, step_time_ms: Callable[[int], float] | None,
+                        ceiling: int = CEILING) -> MaxNumSeqsChoice:
     """The default for a pool of `num_blocks` and a hardware whose decode step of `batch`
     sequences takes `step_time_ms(batch)` ms (called for growing batches, stopping early).
     No step decodes more sequences than the step's token budget, so larger batches are never
@@ -80,7 +83,7 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
     sizes = sorted({b for b in PROBE_BATCH_SIZES if b < largest_step} | {largest_step})
     measured: list[tuple[int, float]] = []
     hardware: int | None = None
-    for batch in sizes:
+    for batch in sizes if itl_budget_ms is not None and step_time_ms is not None else ():
         ms = step_time_ms(batch)
         if ms > itl_budget_ms:  # confirm: a moment of other work on the machine must not decide it
             ms = min(ms, step_time_ms(batch))
@@ -148,12 +151,15 @@ def calibrate_decode_step(core: CalibratedEngine) -> Callable[[int], float]:
     return step_time_ms
 
 
-def resolve_max_num_seqs(core: CalibratedEngine, explicit: int | None, itl_budget_ms: float) -> MaxNumSeqsChoice:
-    """The value to use: `explicit` (--max-num-seqs) when given, else the calibrated default."""
+def resolve_max_num_seqs(core: CalibratedEngine, explicit: int | None, itl_budget_ms: float | None
+                         ) -> MaxNumSeqsChoice:
+    """The value to use: `explicit` (--max-num-seqs) when given, else the default: calibrated
+    against `itl_budget_ms`, or bound by the KV pool alone when there is no budget (offline)."""
     if explicit is not None:
         return MaxNumSeqsChoice(value=explicit, explicit=True)
     choice = choose_max_num_seqs(num_blocks=core.num_blocks, block_size=core.config.block_size,
                                  max_num_batched_tokens=core.config.max_num_batched_tokens,
-                                 itl_budget_ms=itl_budget_ms, step_time_ms=calibrate_decode_step(core))
+                                 itl_budget_ms=itl_budget_ms,
+                                 step_time_ms=calibrate_decode_step(core) if itl_budget_ms is not None else None)
     logger.info("max_num_seqs %s", choice.describe())
     return choice

@@ -95,6 +95,17 @@ def test_engine_chooses_reports_and_leaves_no_trace(llama_dir) -> None:
     assert 1 <= roomy.core.max_num_seqs_choice.value <= 12 == roomy.core.max_num_seqs_choice.kv_bound
 
 
+def test_offline_llm_is_bound_by_the_kv_pool_without_calibrating(llama_dir) -> None:
+    from pagoda.engine.llm import LLM
+
+    llm = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12)
+    choice = llm.engine.core.max_num_seqs_choice
+    assert choice.value == choice.kv_bound == 12 and choice.step_ms == () and choice.itl_budget_ms is None
+    assert "no ITL budget" in choice.describe()
+    calibrated = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12, max_num_seqs_itl_ms=1e-6)
+    assert calibrated.engine.core.max_num_seqs_choice.value == 1
+
+
 def test_server_reports_the_chosen_value_in_models_banner_and_limits(tmp_path) -> None:
     from pagoda.serve.launch import max_num_seqs_line
     from server_utils import MODEL_NAME, build_tiny_model, start_server
