@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.parallel import VocabParallelEmbedding
 
 # The order kinds are reported in: a step's forward, bottom to top.
 KINDS = ("embedding", "norm", "rotary", "qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 def _kind_of(name: str, module: nn.Module) -> str | None:
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
         return "embedding"
     if isinstance(module, RMSNorm):
         return "norm"
