@@ -1,9 +1,10 @@
 """Latency-aware admission under overload: the same offered load with and without targets.
 
 Open-loop Poisson arrivals at several times the server's capacity (chat class: 32-128-token
-prompts, 64 output tokens) against two `pagoda serve` processes that share
-`--max-queued-requests 16` and differ only in `--target-ttft-ms` / `--target-itl-ms`. Reports,
-for each: requests admitted and refused (503), the admitted requests' p50/p99 TTFT and TPOT
+prompts, 64 output tokens) against three `pagoda serve` processes that share
+`--max-queued-requests 16`: the old fixed `--max-num-seqs 256`, the measured default
+(pagoda/engine/max_num_seqs.py; the value each server chose is read from `/v1/models`), and the
+measured default with `--target-ttft-ms` / `--target-itl-ms`. Reports, for each: requests admitted and refused (503), the admitted requests' p50/p99 TTFT and TPOT
 against the targets, output tok/s, and goodput — requests per second that met both targets
 (TTFT and mean time per output token), counting refused ones as missed.
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir).items() if k in META_KEYS}
     targets = ["--target-ttft-ms", str(args.target_ttft_ms), "--target-itl-ms", str(args.target_itl_ms)]
-    configs = {"no targets": [], "targets": targets}
+    configs = {"max-num-seqs 256": ["--max-num-seqs", "256"], "no targets": [], "targets": targets}
     slo = f"ttft={args.target_ttft_ms}ms,tpot={args.target_itl_ms}ms"
     rows = {}
     for label, flags in configs.items():
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = ["--num-threads", str(args.threads), "--max-model-len", "1024",
                   "--max-queued-requests", "16", *flags]
         with pagoda_server(model_dir, engine, run_dir / "server.log") as url:
+            max_num_seqs = _served_max_num_seqs(url)
             rc = bench(["serve", "--base-url", url, "--model", "bench", "--tokenizer", str(model_dir),
                         "--mix", "chat", "--param", "chat.prompt=uniform:32:128", "--param", "chat.output=64",
                         "--ignore-eos", "--request-rate", str(args.request_rate),
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = load_results(run_dir / "results.json")["summary"]
         overall = summary["overall"]
         rows[label] = {
+            "max_num_seqs": max_num_seqs,
             "admitted": overall["num_ok"], "refused": overall["num_requests"] - overall["num_ok"],
             "errors_by_status": overall.get("errors_by_status"),
             "ttft_p50_s": overall["ttft"]["p50"], "ttft_p99_s": overall["ttft"]["p99"],
@@ -75,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     _plot(out, rows)
     print(f"wrote {out}/summary.json and admission.png")
     return 0
+
+
+def _served_max_num_seqs(url: str) -> int | None:
+    import httpx
+
+    return httpx.get(url + "/v1/models", timeout=10, trust_env=False).json()["data"][0].get("max_num_seqs")
 
 
 def _plot(out: Path, rows: dict[str, dict]) -> None:

@@ -5,7 +5,9 @@
    auto / int8 / fp8 KV caches.
 2. Decode tok/s, single stream and batch 16, of a random ~316M-parameter Llama (hidden 1024
    x 24 layers: its float32 weights, 1.26 GB, do not fit in cache) for none / int8 / int4
-   weights x auto / int8 / fp8_e4m3 KV.
+   weights x auto / int8 / fp8 KV. Every combination is loaded at once and the rounds are
+   interleaved (each round times every combination once); speedups are medians over rounds of
+   the ratio to that round's baseline, so load on the shared machine hits both sides alike.
 3. KV blocks per GiB per dtype, and the projection matmul kernels alone (why quantized
    layers run bfloat16 activations on CPU).
 
@@ -40,7 +42,7 @@ LARGE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2
                    num_key_value_heads=16, max_position_embeddings=2048)
 WEIGHTS = {"none": {}, "int8": {"quantization": "int8"},
            "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}
-KV_DTYPES = ("auto", "int8", "fp8_e4m3")
+KV_DTYPES = ("auto", "int8", "fp8")
 
 
 def build_large_model(directory: Path) -> Path:
@@ -81,7 +83,7 @@ def measure_perplexity(num_files: int, max_tokens: int) -> list[dict]:
             ("int4-g32", "auto", {"quantization": "int4", "quantization_group_size": 32}),
             ("int4-g32-sym", "auto", {"quantization": "int4", "quantization_group_size": 32,
                                       "quantization_zero_point": False}),
-            ("none", "int8", {}), ("none", "fp8_e4m3", {}), ("none", "fp8_e5m2", {}),
+            ("none", "int8", {}), ("none", "fp8_e4m3", {}), ("none", "fp8_e5m2", {}), ("none", "fp8", {}),
             ("int8", "int8", {"quantization": "int8"})]
     results = []
     token_lists = None
@@ -127,31 +129,35 @@ def measure_decode(model_dir: Path, threads: int, repeats: int) -> list[dict]:
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 4000, (32,), generator=generator).tolist() for _ in range(16)]
-    results = []
-    # The baseline runs first and again last: the gap between the two is this run's drift.
-    combos = [(w, kv) for w in WEIGHTS for kv in KV_DTYPES] + [("none", "auto")]
-    for index, (weights, kv) in enumerate(combos):
-        extra = WEIGHTS[weights]
+    combos = [(w, kv) for w in WEIGHTS for kv in KV_DTYPES]
+    engines, load_seconds = {}, {}
+    for weights, kv in combos:
         start = time.perf_counter()
-        llm = LLM(model=str(model_dir), kv_cache_dtype=kv, kv_cache_memory="1GiB", num_threads=threads,
-                  max_num_seqs=16, **extra)
-        load_seconds = time.perf_counter() - start
-        single = decode_rate(llm, prompts[:1], 32, repeats)
-        batch = decode_rate(llm, prompts, 16, repeats)
-        results.append({"weights": weights, "kv_cache_dtype": kv, "repeat_of_baseline": index == len(combos) - 1,
-                        "single_stream_tok_s": single,
-                        "batch16_tok_s": batch, "load_seconds": load_seconds,
-                        "kv_blocks": llm.engine.core.num_blocks})
-        print(f"decode {weights:>10} kv {kv:>8}: single {single:6.2f} tok/s, batch16 {batch:7.2f} tok/s "
-              f"(load {load_seconds:.1f}s)", flush=True)
-        del llm
-        gc.collect()
-    baselines = [r for r in results if r["weights"] == "none" and r["kv_cache_dtype"] == "auto"]
-    single_base = statistics.mean(r["single_stream_tok_s"] for r in baselines)
-    batch_base = statistics.mean(r["batch16_tok_s"] for r in baselines)
-    for entry in results:  # against the mean of the two baseline runs
-        entry["single_speedup"] = entry["single_stream_tok_s"] / single_base
-        entry["batch16_speedup"] = entry["batch16_tok_s"] / batch_base
+        engines[weights, kv] = LLM(model=str(model_dir), kv_cache_dtype=kv, kv_cache_memory="256MiB",
+                                   num_threads=threads, max_num_seqs=16, **WEIGHTS[weights])
+        load_seconds[weights, kv] = time.perf_counter() - start
+    single = {combo: [] for combo in combos}
+    batch = {combo: [] for combo in combos}
+    for round_index in range(repeats):
+        for combo in combos:
+            single[combo].append(decode_rate(engines[combo], prompts[:1], 32, 1))
+            batch[combo].append(decode_rate(engines[combo], prompts, 16, 1))
+            print(f"round {round_index} decode {combo[0]:>10} kv {combo[1]:>5}: single {single[combo][-1]:6.2f} "
+                  f"tok/s, batch16 {batch[combo][-1]:7.2f} tok/s", flush=True)
+    baseline = ("none", "auto")
+    results = []
+    for combo in combos:
+        weights, kv = combo
+        results.append({
+            "weights": weights, "kv_cache_dtype": kv,
+            "single_stream_tok_s": statistics.median(single[combo]),
+            "batch16_tok_s": statistics.median(batch[combo]),
+            "single_stream_rounds": single[combo], "batch16_rounds": batch[combo],
+            # Per round against that round's baseline, then the median.
+            "single_speedup": statistics.median(a / b for a, b in zip(single[combo], single[baseline])),
+            "batch16_speedup": statistics.median(a / b for a, b in zip(batch[combo], batch[baseline])),
+            "load_seconds": load_seconds[combo], "kv_blocks": engines[combo].engine.core.num_blocks,
+        })
     return results
 
 
@@ -165,16 +171,18 @@ def kv_blocks_per_gib() -> dict:
     table = {}
     for label, (layers, heads, head_dim) in shapes.items():
         row = {}
-        for dtype in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
+        for dtype in ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"):
             per_token = kv_cache_bytes_per_token(layers, heads, head_dim, dtype, 4)
             row[dtype] = (2**30) // (per_token * 16)
         row["int8_vs_fp32"] = row["int8"] / row["auto"]
+        row["fp8_vs_fp32"] = row["fp8"] / row["auto"]
         table[label] = row
     return table
 
 
 def kernel_microbench(threads: int) -> list[dict]:
-    """One 4096x1024 projection (the large model's MLP up/gate half), median of 20 calls."""
+    """One 4096x1024 projection (the large model's MLP up/gate half), median of 20 calls; int4 at
+    group sizes 32 / 64 / 128 and without the format's casts."""
     import torch
     import torch.nn.functional as F
 
@@ -192,6 +200,7 @@ def kernel_microbench(threads: int) -> list[dict]:
         return linear
 
     int8, int4 = layer(Int8Weight()), layer(Int4Weight(group_size=128))
+    int4_by_group = {group: layer(Int4Weight(group_size=group)) for group in (32, 64)}
     int8_q = int8.qweight
     int8_fp32_scales = int8.scales.float()
     bf16_weight = weight.to(torch.bfloat16)
@@ -218,6 +227,10 @@ def kernel_microbench(threads: int) -> list[dict]:
             "int8_dequant_then_matmul_us": median_us(lambda: F.linear(x, int8_q.float() * int8_fp32_scales[:, None])),
             "int8_format_us": median_us(lambda: int8(x)),
             "int4_format_us": median_us(lambda: int4(x)),
+            # The kernel alone on bfloat16 input: what the format adds is its two casts.
+            "int4_kernel_bf16_input_us": median_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, int4.qweight, 128, int4.scales_and_zeros)),
+            **{f"int4_g{group}_format_us": median_us(lambda fmt=fmt: fmt(x)) for group, fmt in int4_by_group.items()},
         })
         print("kernels", rows[-1], flush=True)
     return rows
@@ -254,7 +267,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagoda-bench-quant-316m"),
                         help="where the random large model is built (reused)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved decode rounds")
     parser.add_argument("--ppl-files", type=int, default=8)
     parser.add_argument("--ppl-tokens", type=int, default=8000)
     args = parser.parse_args()

@@ -24,11 +24,12 @@ def resolve_model_path(name_or_path: str) -> str:
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
+DistributedBackend = Literal["mp", "ray"]
 # Allowed values of the quantization knobs (pagoda.quant implements them).
 QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "quantization": ("none", "int8", "int4"),
     "quantization_group_size": (32, 64, 128),
-    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"),
 }
 
 ROUTER_CHOICES = ("round_robin", "least_load", "cache_aware")  # pagoda/replicas/policies.py
@@ -66,7 +67,13 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
-    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "most requests running at once (default: what the KV pool holds and what this hardware "
+                "decodes within --max-num-seqs-itl-ms, measured at startup; at most 256)"})
+    max_num_seqs_itl_ms: float | None = field(default=50.0, metadata={
+        "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
+                "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
+                "latency to protect and skips this bound unless given"})
     scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
         "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
     num_threads: int | None = field(default=None, metadata={
@@ -108,20 +115,36 @@ class EngineConfig:
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
-                "(quantized per token and head on write)"})
+                "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
+                "layer, as vLLM's: exactly 1 byte per element)"})
     # ---- structured output (pagoda/structured) ----
     structured_output_timeout: float = field(default=30.0, metadata={
         "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
     structured_output_compile_threads: int = field(default=1, metadata={
         "help": "threads compiling grammars beside the engine loop"})
-
-    # ---- distributed backend (shared with tensor parallelism) ----
-    distributed_executor_backend: str = field(default="mp", metadata={
-        "help": "mp (local processes, no Ray needed) or ray (replicas as Ray actors, one placement "
-                "group each; needs pip install pagoda[ray])"})
+    # ---- tensor parallelism (pagoda/executor) ----
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
+                "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"})
+    distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
+        "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
+                "or ray (Ray actors; a replica and its ranks share one placement group; "
+                "pip install 'pagoda[ray]')"})
     ray_address: str | None = field(default=None, metadata={
-        "help": "Ray cluster to join with --distributed-executor-backend ray: auto (the one `ray start` "
-                "runs here) or ray://host:port (default: start a local Ray on demand)"})
+        "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
+                "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
+    # ---- LoRA adapters (pagoda/lora) ----
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
+    lora_modules: list[str] = field(default_factory=list, metadata={
+        "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
+                "(default: none)"})
+    max_loras: int = field(default=4, metadata={
+        "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
+                "at most this many distinct adapters"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "largest adapter rank accepted; the slots are sized for it"})
+
     # ---- data-parallel replicas (pagoda/replicas) ----
     data_parallel_size: int = field(default=1, metadata={
         "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
@@ -156,7 +179,7 @@ class EngineConfig:
             fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
@@ -191,8 +214,6 @@ class EngineConfig:
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
-        if self.distributed_executor_backend not in ("mp", "ray"):
-            fail("distributed_executor_backend", f"must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.data_parallel_size < 1:
             fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
         if self.router not in ROUTER_CHOICES:
@@ -206,13 +227,51 @@ class EngineConfig:
                                       f"data_parallel_size is {self.data_parallel_size}")
         if self.route_rules is not None and self.replica_pools is None:
             fail("route_rules", "sends requests to pools: set replica_pools too")
+        if self.max_loras < 1:
+            fail("max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            fail("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            fail("lora_modules", "need --enable-lora")
+        seen: set[str] = set()
+        for name, path in self.lora_module_paths():
+            if not name:
+                fail("lora_modules", f"entries must be NAME=PATH, got {path!r}")
+            if name in seen:
+                fail("lora_modules", f"name the adapter {name!r} only once")
+            seen.add(name)
         for name, allowed in QUANT_CHOICES.items():
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
+        self._validate_tensor_parallel(fail)
+
+    def _validate_tensor_parallel(self, fail: Any) -> None:
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            fail("distributed_executor_backend", f"must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        # Features whose state lives beside one model's KV cache and is not split yet.
+        if self.speculative == "draft":
+            fail("speculative", "draft is not supported with tensor_parallel_size > 1 yet (ngram is)")
+        if self.kv_offload_memory is not None:
+            fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
+                                      "tensor_parallel_size > 1 yet")
+        if self.enable_lora:  # ranks 1..N-1 would need each adapter's A or B sliced like their base layer
+            fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """--lora-modules NAME=PATH entries as (name, path); a malformed entry gives an empty name."""
+        pairs = []
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            pairs.append((name.strip(), path.strip()) if sep and path.strip() else ("", entry))
+        return pairs
 
     @property
     def kv_offload_bytes(self) -> int:
@@ -255,6 +314,9 @@ class EngineConfig:
             # A help text that already states its default ("(default: the model's)") keeps it.
             if "(default" not in help_text:
                 help_text = f"{help_text} (default: {f.default})"
+            if str(f.type).startswith("list"):  # --lora-modules a=PATH b=PATH
+                group.add_argument(flag, nargs="+", default=[], metavar="NAME=PATH", help=help_text)
+                continue
             group.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.config import parse_bytes
+from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, kv_cache_bytes_per_token,
                                         weight_bytes_per_parameter)
@@ -317,16 +318,12 @@ def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None
     return int(params.linear * linear_bytes + (params.embedding + params.lm_head + params.other) * base)
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def _scenario(name: str, w_bytes: int, kv_token: int, context: int, block_size: int,
               memory: int, reserve: int) -> Scenario:
     kv_memory = max(0, memory - reserve - w_bytes)
     num_blocks = kv_memory // (kv_token * block_size)
     return Scenario(name, w_bytes, kv_token, context, kv_memory, num_blocks,
-                    num_blocks // _blocks(context, block_size))
+                    sequences_that_fit(num_blocks, block_size, context))
 
 
 def parse_reserve(text: str, memory: int) -> int:
@@ -364,7 +361,7 @@ def build_plan(
     class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings)
                   for rc in classes]
     targeted = [row for row in class_rows if row.target_concurrency is not None]
-    blocks_per_seq = _blocks(context, block_size)
+    blocks_per_seq = blocks_for(context, block_size)
     return Plan(
         model=model,
         params=params.total,
@@ -421,13 +418,14 @@ def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes
     p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
     if rc.p95_prompt + rc.p95_output > context:
         warnings.append(f"class {rc.name}: p95 prompt+output exceeds the context {context}; clipped")
-    p50_blocks, p95_blocks = _blocks(p50_tokens, block_size), _blocks(p95_tokens, block_size)
+    p50_blocks, p95_blocks = blocks_for(p50_tokens, block_size), blocks_for(p95_tokens, block_size)
     need50 = need95 = mem50 = mem95 = None
     if rc.concurrency is not None:
         need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
         mem50, mem95 = need50 * block_bytes, need95 * block_bytes
     return ClassCapacity(rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
-                         num_blocks // max(p50_blocks, 1), num_blocks // max(p95_blocks, 1),
+                         sequences_that_fit(num_blocks, block_size, p50_tokens),
+                         sequences_that_fit(num_blocks, block_size, p95_tokens),
                          rc.concurrency, need50, need95, mem50, mem95)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagoda.lora_request import AdapterIdentity
 from pagoda.outputs import PositionLogprobs, RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class Request:
     # The user-visible request this sample belongs to, and its index among the n samples.
     parent_id: str = ""
     sample_index: int = 0
+    lora: AdapterIdentity | None = None  # the LoRA adapter it runs with (None: the base model)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -149,6 +151,7 @@ class Request:
             priority=self.priority,
             parent_id=self.parent_id,
             sample_index=sample_index,
+            lora=self.lora,
         )
         return child
 

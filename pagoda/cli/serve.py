@@ -51,6 +51,9 @@ def add_parser(subparsers: Any) -> None:
     server.add_argument("--guardrails", default=None, metavar="FILE",
                         help="YAML file of input/output guardrail rules (regex, blocklist, pii, "
                              "classifier) per tenant (default: off)")
+    server.add_argument("--allow-runtime-lora", action="store_true",
+                        help="let admin keys load and unload LoRA adapters at run time (POST "
+                             "/v1/load_lora_adapter, /v1/unload_lora_adapter; needs --enable-lora)")
     server.add_argument("--log-prompts", action="store_true",
                         help="include prompt and output text in the request log")
     server.add_argument("--log-level", default="info",

@@ -182,6 +182,8 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         extra_keys = (request.cache_salt,) if request.cache_salt else ()
+        if request.lora is not None:  # KV computed through an adapter is that adapter's alone
+            extra_keys += request.lora.cache_key
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         for i in range(len(hashes), num_full):

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagoda.core.adapter_limit import AdapterLimit
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 
@@ -98,8 +99,10 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 draft_shares_blocks: bool = False) -> None:
+                 draft_shares_blocks: bool = False, max_loras: int | None = None) -> None:
         self.kv_cache = kv_cache
+        # LoRA: at most this many distinct adapters in the running set (so in any step).
+        self.adapter_limit = AdapterLimit(max_loras, max_bypasses=max_num_seqs) if max_loras else None
         # A draft model keeps its KV in the same blocks: a block is cacheable once both computed it.
         self.draft_shares_blocks = draft_shares_blocks
         self.max_num_seqs = max_num_seqs
@@ -187,8 +190,31 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
                        output: SchedulerOutput) -> int:
+        limit = self.adapter_limit
+        if limit is None:
+            return self._admit_in_order(budget, scheduled_now, output, None)
+        # Requests whose adapter does not fit step aside, to the front again afterwards.
+        passed_over: list[Request] = []
+        try:
+            return self._admit_in_order(budget, scheduled_now, output, (limit, passed_over))
+        finally:
+            for request in reversed(passed_over):
+                self.waiting.push_front(request)
+
+    def _admit_in_order(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
+                        output: SchedulerOutput, adapters: "tuple[AdapterLimit, list[Request]] | None") -> int:
+        active = AdapterLimit.adapters_of(self.running) if adapters is not None else set()
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
+            if adapters is not None:
+                limit, passed_over = adapters
+                if not limit.may_pass(passed_over):
+                    break  # one stepped aside often enough: nothing overtakes it any more
+                if not limit.fits(request, active):
+                    if not limit.may_pass([request]):
+                        break
+                    passed_over.append(self.waiting.pop())
+                    continue
             swapped = self.kv_cache.is_swapped(request)  # its computed KV waits in the host tier
             cached = [] if swapped or request.sampling_params.prompt_logprobs is not None \
                 else self.kv_cache.find_cached_prefix(request)
@@ -220,6 +246,8 @@ class Scheduler:
                 request.spec.num_draft_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapters is not None:
+                adapters[0].admitted(request, active, adapters[1])
             if num_new > 0:
                 scheduled_now[id(request)] = ScheduledRequest(request, num_new, num_cached)
                 budget -= num_new
@@ -345,3 +373,5 @@ class Scheduler:
         request.status = status
         request.metrics.finished_time = time.time()
         self.kv_cache.free(request)
+        if self.adapter_limit is not None:
+            self.adapter_limit.forget(request)

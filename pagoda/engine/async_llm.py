@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
                                      TransportKind, create_transport)
 from pagoda.engine.transport.base import EngineFactory, TransportStarter
-from pagoda.engine.transport.messages import EmittedItem
+from pagoda.engine.transport.messages import EmittedItem, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import OutputAccumulator, RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 
@@ -62,6 +66,11 @@ class AsyncLLM:
         self.max_model_len: int = info.max_model_len
         self.generation_defaults: dict = info.generation_defaults
         self.engine_limits: EngineLimits | None = info.engine_limits
+        # --max-num-seqs as the engine resolved it (its default is measured at startup).
+        self.max_num_seqs_choice = info.max_num_seqs_choice
+        if config.max_num_seqs is None:
+            self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value
+                                  if info.max_num_seqs_choice is not None else MAX_NUM_SEQS_CEILING)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -76,6 +85,36 @@ class AsyncLLM:
     def get_stats(self) -> "EngineStats | None":
         return self._stats
 
+    @property
+    def lora_names(self) -> list[str]:
+        """Adapters the engine has loaded (as of its last step or LoRA update)."""
+        stats = self._stats
+        lora = getattr(stats, "lora", None)
+        return list(lora.loaded_adapters) if lora is not None else []
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter between engine steps; raises InvalidRequest with the reason."""
+        await self._update_lora(UpdateLoRA("", lora_request))
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter (running requests finish with it); InvalidRequest if unknown."""
+        await self._update_lora(UpdateLoRA("", LoRARequest(name), unload=True))
+
+    async def _update_lora(self, message: UpdateLoRA) -> None:
+        # Answered like an add: ACCEPTED or the refusal, on a stream of its own.
+        message.control_id = f"lora-update-{uuid.uuid4().hex}"
+        stream = RequestStream(message.control_id, asyncio.get_running_loop())
+        with self._lock:
+            if self._error is not None or self._stopped:
+                raise EngineDeadError("the engine is not running") from self._error
+            self._streams[message.control_id] = stream
+        self._transport.send(message)
+        try:
+            await stream.wait_accepted()
+        finally:
+            with self._lock:
+                self._streams.pop(message.control_id, None)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if the engine would refuse this request (the engine's own
         check, run here so a caller can refuse it before queueing it)."""
@@ -84,7 +123,8 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, arrival_time: float | None = None, cache_salt: str | None = None,
-                          priority: int = 0, wake: asyncio.Event | None = None) -> RequestStream:
+                          priority: int = 0, wake: asyncio.Event | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it.
 
         Raises InvalidRequest (a ValueError) or EngineDeadError. `wake` is set whenever the
@@ -99,7 +139,7 @@ class AsyncLLM:
             self._streams[request_id] = stream
         # Sent after registering: once the engine has died, whatever is registered is failed.
         self._transport.send(AddRequest(request_id, prompt, params, arrival_time, cache_salt,
-                                        priority))
+                                        priority, lora_request))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -109,11 +149,11 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        *, arrival_time: float | None = None, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's whole output so far, after each step the consumer reads (independent
         copies); the request is aborted if the consumer stops early."""
         stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                        cache_salt=cache_salt, priority=priority)
+                                        cache_salt=cache_salt, priority=priority, lora_request=lora_request)
         outputs = OutputAccumulator()
         try:
             async for delta in stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,10 +13,15 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
+from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
+from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
+from pagoda.lora.manager import LoRAManager
+from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
@@ -53,6 +58,18 @@ class EngineStats:
     kv_tiers: KVTierStats | None = None  # None when no host tier is configured
     iteration_tokens: TokenHistogram | None = None  # tokens computed per step
     structured_output: StructuredOutputStats | None = None
+    lora: LoRAStats | None = None  # None without --enable-lora
+
+
+@dataclass
+class LoRAStats:
+    """Adapters of the running and waiting requests (vLLM's lora_requests_info gauge)."""
+
+    max_loras: int
+    running_adapters: list[str]
+    waiting_adapters: list[str]
+    loaded_adapters: list[str]
+    num_slot_loads: int  # adapters copied into a device slot since start (LRU misses)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,13 +104,20 @@ class EngineCore:
         self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
                                                 config.quantization_zero_point)
         self.weight_format.check_kernel(self.device, self.dtype)
-        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format)
+        # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
+        # many threads as the driver gave this thread (engine/threads.py).
+        self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
+                                               torch.get_num_threads()) if config.tensor_parallel_size > 1 else None
+        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
+                           self.executor.group if self.executor else None)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
+        self.lora = self._load_loras(model) if config.enable_lora else None
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
         # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
         element_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, kv_cache_dtype=config.kv_cache_dtype) \
-            * config.block_size
+        # Per rank: each holds its KV heads' slice of every block.
+        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, model.num_kv_heads,
+                                                          kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         if draft_model is not None:
             bytes_per_block += draft_model.config.kv_bytes_per_token(
                 element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
@@ -104,9 +128,10 @@ class EngineCore:
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
                                        preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
-            self.kv_cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            self.kv_cache, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None)
+            policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
+            max_loras=config.max_loras if self.lora is not None else None)
         backend = select_backend(config.attention_backend, self.device, self.kv_format)
         drafter = None
         if draft_model is not None:
@@ -114,10 +139,14 @@ class EngineCore:
                                          self.device, self.kv_format)
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager,
+                                  config.seed, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager or self.executor is not None,
                                   speculator=self.speculation if config.speculative else None,
-                                  kv_format=self.kv_format)
+                                  kv_format=self.kv_format, lora=self.lora)
+        if self.executor is not None:
+            self.executor.start_serving(self.num_blocks)
+            self.runner.tensor_parallel = self.executor
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks, block_size=config.block_size,
@@ -142,6 +171,16 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.iteration_tokens = TokenHistogram()
         self.last_step_timings = StepTimings()
+        # ---- --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps ----
+        self.max_num_seqs_choice = resolve_max_num_seqs(self, config.max_num_seqs, config.max_num_seqs_itl_ms)
+        self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
+        if not self.max_num_seqs_choice.explicit:  # calibration steps are not traffic
+            self.num_prompt_tokens = self.num_generation_tokens = 0
+            self.iteration_tokens = TokenHistogram()
+            self.last_step_timings = StepTimings()
+            self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
+            self.speculation.reset_stats()
+        # ---- end --max-num-seqs default ----
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
                     model.model.layers[0].mlp.down_proj.weight_format.name,
@@ -158,12 +197,23 @@ class EngineCore:
                              f"fewer than max_model_len {self.max_model_len}")
         return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format)
 
+    def _load_loras(self, model) -> LoRAManager:
+        """Wrap the projections and load --lora-modules; a bad adapter stops the start."""
+        manager = LoRAManager(model, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
+                              dtype=self.dtype, device=self.device)
+        for name, path in self.config.lora_module_paths():
+            try:
+                manager.add(name, path)
+            except InvalidRequest as error:
+                raise ValueError(f"--lora-modules: {error}") from None
+        return manager
+
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         num_blocks = self.config.kv_cache_bytes // bytes_per_block
         # More than every running sequence at full length could ever use is wasted memory.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        useful = (self.config.max_num_seqs or MAX_NUM_SEQS_CEILING) * -(-self.max_model_len // self.config.block_size)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "
@@ -174,17 +224,26 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> list[Request]:
+                    cache_salt: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> list[Request]:
         """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
+        adapter = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} requested but the engine runs "
+                                     f"without --enable-lora", param="model", code="model_not_found")
+            adapter = self.lora.resolve(lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
             prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
             arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority,
-            parent_id=request_id)
+            parent_id=request_id, lora=adapter)
+        if adapter is not None:
+            self.lora.retain(adapter)  # released with the request (release())
         lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]
         samples = [lead, *lead.pending_forks]
         self.requests[request_id] = samples
@@ -210,7 +269,28 @@ class EngineCore:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
-        self.requests.pop(request_id, None)
+        samples = self.requests.pop(request_id, None)
+        if samples and samples[0].lora is not None and self.lora is not None:
+            self.lora.release(samples[0].lora)
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter at run time; InvalidRequest if it is bad or its name is taken."""
+        self._require_lora(lora_request.lora_name).add(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter: new requests cannot name it; running ones finish with it."""
+        self._require_lora(name).remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def _require_lora(self, name: str) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequest(f"cannot load or unload LoRA adapter {name!r}: the engine runs without "
+                                 f"--enable-lora", param="lora_name")
+        return self.lora
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.structured.has_pending
@@ -280,9 +360,17 @@ class EngineCore:
         return progressed
 
     def close(self) -> None:
-        """Finish pending KV copies and remove the disk tier's files (unless they persist)."""
+        """Finish pending KV copies and remove the disk tier's files (unless they persist);
+        stop the tensor-parallel workers."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def on_worker_failure(self, callback: Callable[[str], None]) -> None:
+        """Tensor parallelism: call `callback(reason)` if a worker dies, even while idle."""
+        if self.executor is not None:
+            self.executor.on_failure(callback)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -302,7 +390,19 @@ class EngineCore:
             kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
             structured_output=self.structured.stats(),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.lora is None:
+            return None
+
+        def names(requests) -> list[str]:
+            return sorted({r.lora.name for r in requests if r.lora is not None})
+
+        return LoRAStats(max_loras=self.lora.max_loras, running_adapters=names(self.scheduler.running),
+                         waiting_adapters=names(self.scheduler.waiting), loaded_adapters=self.lora.names(),
+                         num_slot_loads=self.lora.slots.num_loads)
 
 
 def _record_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:

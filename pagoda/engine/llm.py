@@ -10,6 +10,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagoda.engine.threads import set_engine_threads
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import OutputAccumulator, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured.grammar import grammar_failure
@@ -21,6 +22,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is not None:
             engine_args["model"] = model
+        # Offline work wants throughput, not a per-token latency: --max-num-seqs defaults to what
+        # the KV pool holds, without the serving engine's decode-step calibration.
+        engine_args.setdefault("max_num_seqs_itl_ms", None)
         config = EngineConfig(**engine_args)
         # The offline engine steps on the caller's thread, with no event loop beside it.
         set_engine_threads(config, serving=False)
@@ -41,9 +45,12 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, cache_salt: str | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order. A prompt is text, token ids,
-        `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt)."""
+        `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt).
+        `lora_request`: one adapter for all prompts or one per prompt (None: the base model); an
+        adapter not loaded yet is loaded from its path (needs enable_lora=True)."""
         prompts = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -51,11 +58,15 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} LoRA requests")
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                    priority=priority[i] if priority else 0)
+                                    priority=priority[i] if priority else 0, lora_request=lora_request[i])
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 

@@ -6,7 +6,7 @@ the server). `step()` returns one RequestOutputDelta per request that changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -14,6 +14,7 @@ from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutputDelta
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -53,7 +54,8 @@ class LLMEngine:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. A string prompt is tokenized with special tokens; a list is token ids.
         Raises InvalidRequest (a ValueError) with a message fit for the client."""
         if isinstance(prompt, str):
@@ -65,8 +67,20 @@ class LLMEngine:
             prompt_text = None
             prompt_token_ids = list(prompt)
         samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                                        arrival_time=arrival_time, cache_salt=cache_salt, priority=priority)
+                                        arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
+                                        lora_request=lora_request)
         self.output_processor.add_request(request_id, prompt_text, samples)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a PEFT adapter under its name (InvalidRequest if bad or the name is taken)."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (InvalidRequest model_not_found if unknown); running requests finish with it."""
+        self.core.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.core.list_loras()
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
@@ -113,8 +127,12 @@ class LLMEngine:
         return self.core.stats()
 
     def close(self) -> None:
-        """Release what outlives the process otherwise (the disk KV tier's files)."""
+        """Release what outlives the process otherwise (the disk KV tier's files, tensor-parallel workers)."""
         self.core.close()
+
+    def on_worker_failure(self, callback: Callable[[str], None]) -> None:
+        """Tensor parallelism: `callback(reason)` when a worker dies, even while idle."""
+        self.core.on_worker_failure(callback)
 
     def _forget(self, request_id: str) -> None:
         self.core.release(request_id)

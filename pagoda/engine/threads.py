@@ -11,6 +11,10 @@ Two facts drive it (MEASURED.md, "the thread trap"):
   (`LLM`), with no loop beside it, keeps the process's torch setting (torch's default: every
   core; a caller may have lowered it, as the tests do).
 `--num-threads` overrides both defaults.
+- Tensor parallelism: the count above is the engine's total; each of the
+  `tensor_parallel_size` ranks computes with its share (total // N, at least 1), rank 0 on the
+  engine's thread and each worker process the same (offline, the total is every core). Ranks
+  run their matmuls at the same time, so more threads each than cores in all would contend.
 
 Torch's intra-op thread count is per calling thread, so whoever drives the engine calls
 `set_engine_threads` on the thread that will step it.
@@ -38,14 +42,18 @@ def available_cores() -> int:
 
 
 def engine_thread_count(config: EngineConfig, *, serving: bool = True) -> int | None:
-    """Intra-op threads: as configured, else every core but one when serving (the spare one
-    for the event loop), split between the data-parallel replicas; None offline: keep the
-    process's torch setting."""
+    """Intra-op threads of one rank: as configured, else every core but one when serving (the
+    spare one for the event loop), split between the data-parallel replicas; None offline:
+    keep the process's torch setting. With tensor parallelism, a replica's total is shared
+    out between its ranks."""
+    ranks = config.tensor_parallel_size
     if config.num_threads is not None:
-        return config.num_threads
-    if not serving:
+        total = config.num_threads
+    elif not serving and ranks == 1:
         return None
-    return max(1, (available_cores() - 1) // config.data_parallel_size)
+    else:
+        total = max(1, (available_cores() - 1) // config.data_parallel_size) if serving else available_cores()
+    return max(1, total // ranks)
 
 
 def set_engine_threads(config: EngineConfig, *, serving: bool) -> int:

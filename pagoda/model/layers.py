@@ -7,12 +7,13 @@ Parameters are allocated uninitialised: the loader fills every one of them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.model.parallel import LinearShard
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 
@@ -24,16 +25,26 @@ class Linear(nn.Module):
       into the staging `weight` [out_features, in_features] (fused parts by row offset), then
       call `finalize(name)`, which lets the format quantize and pack; `forward` calls
       `weight_format.apply`. The model code never branches on the format.
-    - Tensor parallelism (to come) adds a shard (column/row, rank, world size): in/out features
-      become the rank's slice, loaders narrow checkpoint tensors by it, and a row-parallel
-      layer all-reduces its output in `forward` after `apply`.
+    - Tensor parallelism: `shard` (pagoda.model.parallel.LinearShard, column or row parallel)
+      makes in/out features the rank's slice; loaders narrow checkpoint tensors with
+      `shard.take`; a row-parallel layer all-reduces its output in `forward` after `apply`,
+      then adds the (unsplit) bias once.
     - LoRA (to come) wraps a Linear and adds its batched delta to `forward`'s output; it needs
       only `in_features`/`out_features`, never the base weight's storage.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, weight_format: WeightFormat | None = None) -> None:
+                 device: torch.device, weight_format: WeightFormat | None = None,
+                 shard: LinearShard | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
+        """in/out features are the whole layer's; with a shard the layer holds the rank's slice
+        and `reduce` (the group's all-reduce) sums a row-parallel layer's partial outputs."""
         super().__init__()
+        # --- tensor parallelism (pagoda.model.parallel) ---
+        self.shard = shard or LinearShard.whole(in_features, out_features)
+        self.reduce = reduce if self.shard.reduce else None
+        in_features, out_features = self.shard.local_in, self.shard.local_out
+        # --- end tensor parallelism ---
         self.in_features = in_features
         self.out_features = out_features
         self.weight_format = weight_format or FullWeight()
@@ -46,7 +57,10 @@ class Linear(nn.Module):
         self.weight_format.finalize(self, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight_format.apply(self, x, self.bias)
+        if self.reduce is None:
+            return self.weight_format.apply(self, x, self.bias)
+        out = self.reduce(self.weight_format.apply(self, x, None))  # row parallel: sum the partial outputs
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.parallel import TensorParallelGroup, VocabParallelEmbedding
 from pagoda.quant.weight_formats import WeightFormat
 
 
@@ -30,18 +31,24 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None) -> None:
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = tp.attention_heads(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device,
-                               weight_format)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device, weight_format)
+        full_q = config.num_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, full_q + 2 * config.num_kv_heads * config.head_dim,
+                               config.qkv_bias, dtype, device, weight_format,
+                               tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads))
+        self.o_proj = Linear(full_q, config.hidden_size, config.o_bias, dtype, device, weight_format,
+                             tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.spec = AttentionLayerSpec(
@@ -66,13 +73,16 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None) -> None:
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        gate_up = tp.column(config.hidden_size, config.intermediate_size, config.intermediate_size,
+                            what="intermediate_size")
+        self.intermediate_size = gate_up.rows[0].size  # this rank's
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device,
-                                   weight_format)
+                                   weight_format, gate_up)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device,
-                                weight_format)
+                                weight_format, tp.row(config.intermediate_size, config.hidden_size, "intermediate_size"),
+                                tp.all_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -81,12 +91,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None) -> None:
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, layer_index, dtype, device, weight_format)
+        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, weight_format)
+        self.mlp = MLP(config, dtype, device, weight_format, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
@@ -103,19 +113,25 @@ class LlamaFamilyModel(nn.Module):
     gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`.
 
     `weight_format` is used by the decoder layers' projections; embeddings and the LM head stay
-    in full precision (as vLLM and llama.cpp's default mixes keep them)."""
+    in full precision (as vLLM and llama.cpp's default mixes keep them).
+
+    `tp`: this rank's tensor-parallel group (pagoda.model.parallel); layers hold the rank's
+    shards and `num_kv_heads` is the rank's count (what its KV cache holds)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None) -> None:
+                 weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallelGroup()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
-                                               _freeze=True)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, weight_format) for i in range(config.num_layers))
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, self.tp)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, weight_format, self.tp)
+                                          for i in range(config.num_layers))
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, dtype, device)
+            config.hidden_size, config.vocab_size, False, dtype, device,
+            shard=self.tp.vocab(config.vocab_size, config.hidden_size))
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, dtype, device)
 
@@ -127,5 +143,8 @@ class LlamaFamilyModel(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
+        return self.tp.gather_logits(logits, self.config.vocab_size).float()

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.weight_formats import Int4Weight, WeightFormat
@@ -70,10 +71,12 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, weight_format: WeightFormat | None = None) -> LlamaFamilyModel:
+               device: torch.device, weight_format: WeightFormat | None = None,
+               tp: TensorParallelGroup | None = None) -> LlamaFamilyModel:
+    """The model with its weights; with `tp`, this rank's shards of them only."""
     gguf_file = find_gguf_file(model_dir)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, config, dtype, device, weight_format)
+        return _load_gguf(gguf_file, config, dtype, device, weight_format, tp)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     requested = weight_format.name if weight_format is not None else "none"
@@ -81,7 +84,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     if checkpoint_format is not None:  # a GPTQ checkpoint: its codes load as they are
         weight_format = checkpoint_format
         weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(model_dir))
+    model = build_empty_model(config, dtype, device, weight_format, str(model_dir), tp)
     plain = ((path.name, name, tensor) for path, name, tensor in iterate_tensors(files))
     if quantization is not None:
         tensors = gptq_tensors(plain, quantization)
@@ -92,11 +95,11 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               weight_format: WeightFormat | None) -> LlamaFamilyModel:
+               weight_format: WeightFormat | None, tp: TensorParallelGroup | None) -> LlamaFamilyModel:
     checkpoint = GGUFCheckpoint(path)
     weight_format = gguf_weight_format(checkpoint, weight_format)
     weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(path))
+    model = build_empty_model(config, dtype, device, weight_format, str(path), tp)
     keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
                for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
@@ -115,21 +118,28 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        target, offset, size = _locate(name, config)
+        target, part = _locate(name)
         if target not in params:
             raise ValueError(f"{file_name}: unexpected tensor {name!r} for {config.architecture}")
         param = params[target]
-        expected = (size, *param.shape[1:]) if size is not None else tuple(param.shape)
+        module_name, param_name = target.rsplit(".", 1)
+        layer = model.get_submodule(module_name)
+        # Linear layers and embeddings carry a shard (pagoda.model.parallel): the rank's rows
+        # of each fused part and its input columns, the whole tensor without parallelism.
+        shard = getattr(layer, "shard", None)
+        expected = tuple(param.shape) if shard is None else shard.full_shape(part, param_name)
         shape = tuple(tensor.shape) if tensor is not None else tuple(int4_codes[0].shape)
         if shape != expected:
             raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
                              f"expected {expected} from the model's config")
         if int4_codes is not None:
-            layer = model.get_submodule(target.rsplit(".", 1)[0])
-            layer.weight_format.stage_codes(layer, offset, *int4_codes)
+            codes, scales, *zeros = int4_codes
+            offset, pieces = shard.take_int4(codes, scales, zeros[0] if zeros else None, part,
+                                             layer.weight_format.group_size, module_name)
+            layer.weight_format.stage_codes(layer, offset, *pieces)
         else:
-            destination = param.data if size is None else param.data.narrow(0, offset, size)
-            destination.copy_(tensor.to(dtype))
+            offset, piece = (0, tensor) if shard is None else shard.take(tensor, part, param_name)
+            param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
         loaded.add(name)
     missing = [name for name in _expected_checkpoint_names(params, config) if name not in loaded]
     if missing:
@@ -139,17 +149,23 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      weight_format: WeightFormat | None, source: str = "model") -> LlamaFamilyModel:
+                      weight_format: WeightFormat | None, source: str = "model",
+                      tp: TensorParallelGroup | None = None) -> LlamaFamilyModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
-    not fit the weight format."""
-    with torch.device(device):
-        model = LlamaFamilyModel(config, dtype, device, weight_format)
+    not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
+    try:
+        with torch.device(device):
+            model = LlamaFamilyModel(config, dtype, device, weight_format, tp)
+    except ValueError as error:  # a dimension that tensor_parallel_size does not divide
+        raise ValueError(f"{source}: {error}") from None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             try:
                 module.weight_format.check_shape(name, module.in_features, module.out_features)
             except ValueError as error:
-                raise ValueError(f"{source}: {error}") from None
+                where = f" (this rank's slice with tensor_parallel_size {tp.world_size})" \
+                    if tp is not None and module.shard.is_split else ""
+                raise ValueError(f"{source}: {error}{where}") from None
     return model
 
 
@@ -160,20 +176,14 @@ def finalize_linears(model: LlamaFamilyModel) -> None:
             module.finalize(name)
 
 
-def _locate(name: str, config: ModelConfig) -> tuple[str, int, int | None]:
-    """Map a checkpoint tensor to (parameter name, row offset, rows) — rows None = whole."""
+def _locate(name: str) -> tuple[str, int | None]:
+    """Map a checkpoint tensor to (parameter name, index of its part in a fused parameter) —
+    part None = the whole parameter. The layer's shard knows each part's size."""
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED_PARTS:
         fused, index = _FUSED_PARTS[parts[-2]]
-        target = ".".join(parts[:-2] + [fused, parts[-1]])
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        if fused == "qkv_proj":
-            offsets, sizes = (0, q_size, q_size + kv_size), (q_size, kv_size, kv_size)
-        else:
-            offsets, sizes = (0, config.intermediate_size), (config.intermediate_size, config.intermediate_size)
-        return target, offsets[index], sizes[index]
-    return name, 0, None
+        return ".".join(parts[:-2] + [fused, parts[-1]]), index
+    return name, None
 
 
 def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> list[str]:

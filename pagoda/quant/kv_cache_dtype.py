@@ -1,6 +1,7 @@
-"""KV cache storage dtypes: the model dtype (auto), int8, fp8_e4m3, fp8_e5m2.
+"""KV cache storage dtypes: the model dtype (auto), int8, fp8_e4m3, fp8_e5m2 (per-token scales)
+and fp8 (one scale per layer, as vLLM's fp8 KV cache).
 
-Quantized K/V are scaled per token and per KV head: each [head_dim] vector written into the
+int8 / fp8_e4m3 / fp8_e5m2 K/V are scaled per token and per KV head: each [head_dim] vector written into the
 cache gets its own float32 scale (max|x| / the type's largest value; fp8 values are cast
 after scaling, int8 rounded to nearest). Why per token-head rather than per block:
 
@@ -15,6 +16,14 @@ after scaling, int8 rounded to nearest). Why per token-head rather than per bloc
 Layout: the cache tensor is uint8 [num_blocks, block_size, num_kv_heads, head_dim + 4], each
 entry the quantized vector's bytes followed by its float32 scale's bytes. Scales travel with
 their values, so block copies, gathers and the pool's accounting need no second tensor.
+
+`fp8` stores e4m3 values with no per-vector scale: exactly one byte per element (4x the fp32
+pool's blocks, 2x bf16's), the layout [..., head_dim] of uint8. Its scale is per tensor and
+fixed, 1.0 for keys and values of every layer, which is what vLLM uses when a checkpoint brings
+no calibrated k/v scales. A float format needs no per-vector scale for precision (e4m3 keeps 3
+mantissa bits at every magnitude); the scale only places the range: values beyond +-448 clip
+and values below 2^-6 lose bits as subnormals (2^-9 the smallest step). Scales do not depend on
+any token, so prefix caching stays output-neutral here as well.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ _QUANTIZED = {
     "int8": (torch.int8, 127.0),
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
 }
+# Formats whose scale is one fixed value per tensor (key or value cache of a layer), not stored.
+_PER_TENSOR_SCALE = {"fp8": 1.0}
 
 
 @dataclass(frozen=True)
@@ -45,12 +57,32 @@ class KVCacheFormat:
         return self.name != "auto"
 
     @property
+    def scale_per_token(self) -> bool:
+        """Each cached vector carries its own float32 scale after its values."""
+        return self.quantized and self.name not in _PER_TENSOR_SCALE
+
+    @property
+    def tensor_scale(self) -> float:
+        """The fixed scale of a per-tensor format (1.0 otherwise: unused)."""
+        return _PER_TENSOR_SCALE.get(self.name, 1.0)
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        """The type the quantized values are stored as (the model dtype for auto)."""
+        return _QUANTIZED[self.name][0] if self.quantized else self.model_dtype
+
+    @property
+    def largest(self) -> float:
+        """The largest magnitude the stored type represents (quantized formats)."""
+        return _QUANTIZED[self.name][1]
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         return torch.uint8 if self.quantized else self.model_dtype
 
     def entry_size(self, head_dim: int) -> int:
         """Last dimension of the cache tensor for vectors of `head_dim`."""
-        return head_dim + SCALE_BYTES if self.quantized else head_dim
+        return head_dim + SCALE_BYTES if self.scale_per_token else head_dim
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """Cache bytes one token takes across all layers, keys and values (storage_bytes' formula)."""
@@ -63,6 +95,9 @@ class KVCacheFormat:
             return values
         element_dtype, largest = _QUANTIZED[self.name]
         values = values.float()
+        if not self.scale_per_token:
+            stored = (values / self.tensor_scale).clamp(-largest, largest).to(element_dtype)
+            return stored.view(torch.uint8)
         scales = values.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / largest
         scaled = values / scales
         if element_dtype == torch.int8:
@@ -76,6 +111,8 @@ class KVCacheFormat:
         if not self.quantized:
             return entries
         element_dtype, _ = _QUANTIZED[self.name]
+        if not self.scale_per_token:
+            return (entries.view(element_dtype).float() * self.tensor_scale).to(self.model_dtype)
         head_dim = entries.shape[-1] - SCALE_BYTES
         stored = entries[..., :head_dim].contiguous().view(element_dtype)
         scales = entries[..., head_dim:].contiguous().view(torch.float32)

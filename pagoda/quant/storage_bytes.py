@@ -5,9 +5,11 @@ tensors out this way; tests/quant check the formulas against the allocated tenso
 
 from __future__ import annotations
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
-# Quantized K/V: each [head_dim] vector stores one byte per element plus its float32 scale.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8")
+# Quantized K/V: each [head_dim] vector stores one byte per element plus its float32 scale;
+# fp8 (vLLM's) has one fixed scale per tensor and no bytes per vector beyond its elements.
 KV_SCALE_BYTES = 4
+KV_PER_TENSOR_SCALE_DTYPES = ("fp8",)
 QUANTIZED_KV_ELEMENT_BYTES = 1
 
 # Weight formats (--quantization). int8: one byte per weight plus a 2-byte scale per output row;
@@ -28,6 +30,8 @@ def kv_entry_bytes(head_dim: int, kv_cache_dtype: str, model_element_bytes: floa
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return head_dim * model_element_bytes
+    if kv_cache_dtype in KV_PER_TENSOR_SCALE_DTYPES:
+        return head_dim * QUANTIZED_KV_ELEMENT_BYTES
     return head_dim * QUANTIZED_KV_ELEMENT_BYTES + KV_SCALE_BYTES
 
 

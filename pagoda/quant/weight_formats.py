@@ -10,14 +10,14 @@ A format is a small stateless-per-layer strategy object shared by every quantize
 
 Formats (weight-only: activations stay in floating point):
 
-- `full`: the weight as loaded, `F.linear`.
+- `full`: the weight as loaded; on CPU also pre-packed once for oneDNN's matmul.
 - `int8`: per-output-channel symmetric int8, scale = max|w_row| / 127, round to nearest;
-  `aten._weight_int8pack_mm`.
+  `aten._weight_int8pack_mm` (CPU), a Triton w8a16 kernel (CUDA).
 - `int4`: group-wise int4 along the input dimension (group 32/64/128). With zero points
   (default) each group maps [min, max] onto 0..15; symmetric maps [-max|w|, max|w|] onto
-  -7..7 (zero point 0). Stored as tinygemm's packed layout with (scale, zero) pairs, where
-  w = (q - 8) * scale + zero; `aten._weight_int4pack_mm_for_cpu` (CPU) or
-  `aten._weight_int4pack_mm` (CUDA).
+  -7..7 (zero point 0). (scale, zero) pairs where w = (q - 8) * scale + zero (tinygemm's
+  convention); codes in tinygemm's CPU packed layout for `aten._weight_int4pack_mm_for_cpu`,
+  or two per byte for the Triton w4a16 kernel on CUDA (pagoda/quant/triton_weight_kernels.py).
 
 PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (measured
 on this project's CPU: with float32 inputs they run 8x slower than a float32 dense matmul,
@@ -35,6 +35,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import functools
+from types import ModuleType
 
 from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, linear_weight_bytes
 from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
@@ -71,11 +74,43 @@ class WeightFormat(ABC):
         return linear_weight_bytes(in_features, out_features, "none", element_size)
 
 
+# oneDNN blocks a pre-packed weight for an expected number of input rows. Packed for 16, the
+# ~10M benchmark model's projections ran 1.2x (1 row) to 2.7x (4 rows) faster than F.linear,
+# and 1.3-1.6x at 64-256 rows; packed for 1 row they were slower at 1 row and gained less
+# elsewhere (benchmarks/results/step_breakdown, 1 thread, interleaved rounds).
+PACK_ROWS_HINT = 16
+
+
 class FullWeight(WeightFormat):
+    """The weight as loaded. On CPU, float32 and bfloat16 weights are pre-packed once into
+    oneDNN's blocked layout (llama.cpp's REPACK, in torch: what inductor's weight freezing
+    does), so no matmul re-packs the weight as `F.linear` does on every call. The packed
+    tensor replaces the dense `weight` (one copy of each projection in memory, not two)."""
+
     name = "full"
 
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        weight = layer.weight.detach()
+        if _can_prepack(weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            layer.weight_dtype = weight.dtype
+            _replace_staging_weight(layer, packed_weight=packed)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        packed = getattr(layer, "packed_weight", None)
+        if packed is None:
+            return F.linear(x, layer.weight, bias)
+        flat = x.reshape(-1, x.shape[-1]).to(layer.weight_dtype).contiguous()
+        if flat.shape[0] == 0:
+            out = flat.new_empty(0, layer.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,9 +143,12 @@ class Int8Weight(WeightFormat):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(layer.scales.dtype)
-        if flat.shape[1] != layer.qweight.shape[1]:
-            flat = F.pad(flat, (0, layer.qweight.shape[1] - flat.shape[1]))
-        out = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
+        if flat.device.type == "cuda":
+            out = _triton_kernels().int8_matmul(flat, layer.qweight, layer.scales, shape[-1])
+        else:
+            if flat.shape[1] != layer.qweight.shape[1]:
+                flat = F.pad(flat, (0, layer.qweight.shape[1] - flat.shape[1]))
+            out = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
         out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -118,9 +156,14 @@ class Int8Weight(WeightFormat):
         def probe() -> None:
             x = torch.ones(1, 16, dtype=kernel_dtype(dtype), device=device)
             w = torch.ones(16, 16, dtype=torch.int8, device=device)
-            torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(16, dtype=x.dtype, device=device))
+            scales = torch.ones(16, dtype=x.dtype, device=device)
+            if device.type == "cuda":
+                _triton_kernels().int8_matmul(x, w, scales, 16)
+            else:
+                torch.ops.aten._weight_int8pack_mm(x, w, scales)
 
-        _probe_kernel("int8", "aten._weight_int8pack_mm", device, probe)
+        kernel = "the Triton w8a16 kernel" if device.type == "cuda" else "aten._weight_int8pack_mm"
+        _probe_kernel("int8", kernel, device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int8", element_size)
@@ -193,16 +236,16 @@ class Int4Weight(WeightFormat):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(layer.scales_and_zeros.dtype)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cuda":
+            out = _triton_kernels().int4_matmul(flat, layer.qweight, layer.scales_and_zeros, self.group_size)
+        else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.qweight, self.group_size,
                                                                layer.scales_and_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm(flat, layer.qweight, self.group_size, layer.scales_and_zeros)
         out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
     def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
-        name = "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else "aten._weight_int4pack_mm"
+        name = "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else "the Triton w4a16 kernel"
 
         def probe() -> None:
             k = max(self.group_size, 256)
@@ -210,10 +253,10 @@ class Int4Weight(WeightFormat):
             packed = _pack_int4(codes, device)
             sz = torch.ones(k // self.group_size, 16, 2, dtype=kernel_dtype(dtype), device=device)
             x = torch.ones(1, k, dtype=kernel_dtype(dtype), device=device)
-            if device.type == "cpu":
-                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, sz)
+            if device.type == "cuda":
+                _triton_kernels().int4_matmul(x, packed, sz, self.group_size)
             else:
-                torch.ops.aten._weight_int4pack_mm(x, packed, self.group_size, sz)
+                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, sz)
 
         _probe_kernel("int4", name, device, probe)
 
@@ -250,11 +293,20 @@ def dequantize_int4_grouped(codes: torch.Tensor, scales: torch.Tensor, zeros: to
 
 
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    # CUDA tinygemm: two codes per byte (even index in the high nibble), 8 inner k tiles.
-    as_bytes = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-    return torch.ops.aten._convert_weight_to_int4pack(as_bytes, 8)
+    if device.type == "cuda":
+        return _triton_kernels().pack_int4(codes.to(device))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType:
+    """The CUDA kernels, imported on first use: triton is optional (the `gpu` extra)."""
+    try:
+        from pagoda.quant import triton_weight_kernels
+    except ImportError as error:
+        raise RuntimeError(f"quantized weights on CUDA need the `triton` package (pip install 'pagoda[gpu]'): "
+                           f"{error}") from None
+    return triton_weight_kernels
 
 
 def _probe_kernel(format_name: str, kernel: str, device: torch.device, probe) -> None:

@@ -124,7 +124,12 @@ class RayActorTransport(EngineTransport):
         bundle: dict[str, float] = {"CPU": num_cpus}
         if config.device.startswith("cuda"):
             bundle["GPU"] = 1
-        self.placement_group = placement_group([bundle], strategy="STRICT_PACK")
+        # Bundle 0 holds the engine (tensor-parallel rank 0); with --tensor-parallel-size N the
+        # engine places ranks 1..N-1 in bundles 1..N-1 of this group (executor/ray_workers.py),
+        # so a replica and its ranks land on one node.
+        rank_bundle = {"GPU": 1} if "GPU" in bundle else {"CPU": 1}
+        bundles = [bundle] + [dict(rank_bundle) for _ in range(config.tensor_parallel_size - 1)]
+        self.placement_group = placement_group(bundles, strategy="STRICT_PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=startup_timeout)
             actor_class = ray.remote(EngineActor)

@@ -31,6 +31,7 @@ from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, ma
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -131,7 +132,8 @@ class ReplicaSet:
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, arrival_time: float | None = None, cache_salt: str | None = None,
                           priority: int = 0, wake: asyncio.Event | None = None,
-                          tenant: str | None = None, model: str | None = None) -> RoutedStream:
+                          tenant: str | None = None, model: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RoutedStream:
         """Route and submit a request; returns its stream once a replica accepted it.
 
         `tenant` and `model` are what route rules match on. Raises InvalidRequest or
@@ -139,13 +141,16 @@ class ReplicaSet:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         wake = wake if wake is not None else asyncio.Event()
+        # An adapter's blocks never serve the base model or another adapter (their hashes
+        # differ), so the router's prefix tree keys them apart as well.
+        route_salt = (cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
         route = RouteRequest(prompt, _max_output_tokens(params, len(prompt), self.max_model_len),
-                             cache_salt or "", tenant, model)
+                             route_salt, tenant, model)
 
         async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
             return await self._submit(request_id, route, prompt, params, excluded, wake,
                                       arrival_time=arrival_time, cache_salt=cache_salt,
-                                      priority=priority)
+                                      priority=priority, lora_request=lora_request)
 
         stream, flight = await submit(set())
         routed = RoutedStream(request_id, stream, flight, submit, wake, on_done=self._forget)
@@ -165,6 +170,32 @@ class ReplicaSet:
         finally:
             if not stream.finished:
                 self.abort([request_id])
+
+    # ---- LoRA adapters: every replica loads the same ones ---------------------------------------
+
+    @property
+    def lora_names(self) -> list[str]:
+        live = [r for r in self.replicas if self._check_alive(r)]
+        return (live or self.replicas)[0].llm.lora_names
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter on every live replica; InvalidRequest (the first refusal) if one
+        refuses, after unloading it again from those that accepted."""
+        live = [r for r in self.replicas if self._check_alive(r)]
+        results = await asyncio.gather(*(r.llm.add_lora(lora_request) for r in live), return_exceptions=True)
+        refusals = [result for result in results if isinstance(result, BaseException)]
+        if refusals:
+            loaded = [r for r, result in zip(live, results) if not isinstance(result, BaseException)]
+            await asyncio.gather(*(r.llm.remove_lora(lora_request.lora_name) for r in loaded),
+                                 return_exceptions=True)
+            raise refusals[0]
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter from every live replica; InvalidRequest if none had it."""
+        live = [r for r in self.replicas if self._check_alive(r)]
+        results = await asyncio.gather(*(r.llm.remove_lora(name) for r in live), return_exceptions=True)
+        if live and all(isinstance(result, BaseException) for result in results):
+            raise results[0]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}

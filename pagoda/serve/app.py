@@ -21,6 +21,8 @@ from pagoda.serve.chat import ChatEndpoint
 from pagoda.serve.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
+from pagoda.serve.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
+                               load_lora_adapter, unload_lora_adapter)
 from pagoda.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -128,10 +130,12 @@ def build_app(llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        _authenticate(ctx, request)
+        tenant = _authenticate(ctx, request)
         return ModelList(data=[ModelCard(id=ctx.model_name, created=started,
                                          root=settings.model_path,
-                                         max_model_len=llm.max_model_len)])
+                                         max_model_len=llm.max_model_len,
+                                         max_num_seqs=llm.config.max_num_seqs),
+                               *adapter_cards(ctx, tenant, started)])
 
     documented: dict[str, tuple[type[pydantic.BaseModel], type[pydantic.BaseModel] | None]] = {}
 
@@ -161,12 +165,14 @@ def build_app(llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> FastAPI:
         route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
               generation_endpoint.name, response_model)
 
-    async def tokenize_body(_: Request, body: TokenizeRequest, __: Tenant) -> Response:
-        return JSONResponse(tokenize(ctx, body).model_dump())
+    async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
+        return JSONResponse(tokenize(ctx, body, tenant).model_dump())
 
-    async def detokenize_body(_: Request, body: DetokenizeRequest, __: Tenant) -> Response:
-        return JSONResponse(detokenize(ctx, body).model_dump())
+    async def detokenize_body(_: Request, body: DetokenizeRequest, tenant: Tenant) -> Response:
+        return JSONResponse(detokenize(ctx, body, tenant).model_dump())
 
+    route("/v1/load_lora_adapter", LoadLoRAAdapterRequest, functools.partial(load_lora_adapter, ctx))
+    route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, functools.partial(unload_lora_adapter, ctx))
     route("/tokenize", TokenizeRequest, tokenize_body, response_model=TokenizeResponse)
     route("/detokenize", DetokenizeRequest, detokenize_body, response_model=DetokenizeResponse)
     _document_bodies(app, documented)

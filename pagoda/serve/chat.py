@@ -106,7 +106,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             choices.append(ChatChoice(index=sample.index, message=message,
                                       logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletionResponse(id=generation.request_id, created=created,
-                                      model=ctx.model_name, choices=choices,
+                                      model=generation.model_name, choices=choices,
                                       usage=generation.usage())
 
 

@@ -126,7 +126,7 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         if prompt_only:
             usage = usage.model_copy(update={"completion_tokens": 0, "total_tokens": usage.prompt_tokens})
         return CompletionResponse(id=generation.request_id, created=created,
-                                  model=ctx.model_name, choices=choices, usage=usage)
+                                  model=generation.model_name, choices=choices, usage=usage)
 
 
 class _CompletionChunks(ChunkFormatter):

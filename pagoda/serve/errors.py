@@ -48,6 +48,8 @@ def invalid_request(exc: InvalidRequest, names: dict[str, str] | None = None) ->
     terms (chat: {"prompt": "messages"})."""
     if names:
         exc = exc.renamed(names)
+    if exc.code == "model_not_found":  # e.g. a LoRA adapter unloaded while the request was sent
+        return APIError(404, exc.message, type="not_found_error", param=exc.param, code=exc.code)
     return bad_request(exc.message, param=exc.param, code=exc.code)
 
 

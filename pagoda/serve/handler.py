@@ -32,6 +32,7 @@ from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.guardrails import guard_input
+from pagoda.serve.lora import resolve_model
 from pagoda.serve.protocol import SamplingFields
 from pagoda.serve.request_fields import check_fields
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
@@ -91,7 +92,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
 
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
-        ctx.check_model(request.model)
+        lora_request = resolve_model(ctx, request.model, tenant)
         check_fields(request, self.name)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
@@ -103,7 +104,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             ctx.guard, ctx.llm.tokenizer, tenant, prepared)
         generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
                                 prepared.prompts, prepared.params, stream=request.stream,
-                                input_decision=input_decision)  # guardrails hook
+                                input_decision=input_decision,  # guardrails hook
+                                lora_request=lora_request)
         # Submitting a batch of prompts takes engine round trips: a client that leaves
         # meanwhile must not leave its prompts running (start closes and aborts on cancel).
         try:
@@ -115,7 +117,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             base = {"id": generation.request_id, "object": self.chunk_object, "created": created,
-                    "model": ctx.model_name}
+                    "model": generation.model_name}
             chunks = ChoiceChunks(base, include_usage)
             stream_body = _events(generation, self.formatter(ctx, generation, request, chunks),
                                   chunks)

@@ -40,6 +40,7 @@ class ServeOptions:
     metrics_compat: Literal["none", "vllm"] = "none"
     tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
     guardrails: str | None = None  # YAML file of guardrail rules (pagoda/guard/config.py)
+    allow_runtime_lora: bool = False  # LoRA load/unload endpoints for admin keys
 
 
 def launch_server(options: ServeOptions) -> int:
@@ -90,7 +91,12 @@ def launch_server(options: ServeOptions) -> int:
                 ttft_s=None if options.target_ttft_ms is None else options.target_ttft_ms / 1000,
                 itl_s=None if options.target_itl_ms is None else options.target_itl_ms / 1000),
             metrics_compat=options.metrics_compat, guardrails=guardrails,
-            tool_call_parser=options.tool_call_parser)
+            tool_call_parser=options.tool_call_parser, allow_runtime_lora=options.allow_runtime_lora)
+        if options.allow_runtime_lora and not config.enable_lora:
+            raise ValueError("--allow-runtime-lora needs --enable-lora")
+        for name, _ in config.lora_module_paths():
+            if name == settings.served_model_name:
+                raise ValueError(f"--lora-modules: adapter {name!r} has the served model's name")
         if options.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     except ValueError as exc:
@@ -116,6 +122,12 @@ def launch_server(options: ServeOptions) -> int:
     return 0
 
 
+def max_num_seqs_line(llm: object) -> str:
+    """--max-num-seqs as the engine resolved it, and why."""
+    choice = getattr(llm, "max_num_seqs_choice", None)
+    return choice.describe() if choice is not None else str(llm.config.max_num_seqs)  # type: ignore[attr-defined]
+
+
 def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
@@ -138,6 +150,11 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
          and settings.latency_targets.enabled),  # type: ignore[attr-defined]
         ("vllm: metric names", options.metrics_compat == "vllm"),
         ("guardrails", options.guardrails is not None),
+        (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
+         f"{', runtime loading' if options.allow_runtime_lora else ''}: "
+         f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),  # type: ignore[attr-defined]
+        (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
+         config.tensor_parallel_size > 1),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",
@@ -147,7 +164,8 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
            if config.data_parallel_size > 1 else ""),
         f"  context    {max_model_len} tokens",
         f"  KV pool    {blocks} blocks x {config.block_size} = {tokens} tokens "
-        f"({tokens // max(max_model_len, 1)} sequences at full context, up to {config.max_num_seqs} running)",
+        f"({tokens // max(max_model_len, 1)} sequences at full context)",
+        f"  max seqs   {max_num_seqs_line(llm)}",
         f"  features   {', '.join(features) or 'none'}",
         f"  listening  http://{options.host}:{options.port}/v1 (shutdown drains for {options.shutdown_timeout:g} s)",
     ])

@@ -187,7 +187,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    max_num_seqs: int | None = None  # sequences the engine runs at once (--max-num-seqs or its measured default)
 
 
 class ModelList(BaseModel):

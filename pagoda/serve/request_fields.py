@@ -61,7 +61,7 @@ _SHARED = {
     "guided_whitespace_pattern": Field(R, "not supported", "[ ]?"),
     "return_tokens_as_token_ids": Field(R, "not supported", True),
     "kv_transfer_params": Field(R, "prefill/decode disaggregation is not supported", {"x": 1}),
-    "lora_request": Field(R, "LoRA adapters are not supported", {"name": "a"}),
+    "lora_request": Field(R, "pick a LoRA adapter by its name in `model`", {"name": "a"}),
     "logits_processors": Field(R, "custom logits processors are not supported", ["x"]),
 }
 

@@ -20,12 +20,13 @@ from typing import AsyncIterator
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
-from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_not_found
+from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
 from pagoda.serve.metrics import ServerMetrics
@@ -69,14 +70,10 @@ class ServeContext:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
-
-    def route_hints(self, tenant: Tenant) -> dict[str, str]:
+    def route_hints(self, tenant: Tenant, model: str) -> dict[str, str]:
         """What a replica router's pool rules match on; nothing for a single engine."""
         if isinstance(self.llm, ReplicaSet):
-            return {"tenant": tenant.name, "model": self.model_name}
+            return {"tenant": tenant.name, "model": model}
         return {}
 
     def check_engine(self) -> None:
@@ -124,6 +121,7 @@ class Generation:
     stream: bool
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
+    lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[RequestStream | RoutedStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -138,6 +136,11 @@ class Generation:
     @property
     def engine_request_ids(self) -> list[str]:
         return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+    @property
+    def model_name(self) -> str:
+        """What the client asked for: the served model or a LoRA adapter's name."""
+        return self.lora_request.lora_name if self.lora_request is not None else self.ctx.model_name
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,7 +172,8 @@ class Generation:
                                     arrival_time=self.arrival_time,
                                     cache_salt=self.tenant.cache_salt,
                                     priority=self.tenant.limits.priority, wake=self._wake,
-                                    **ctx.route_hints(self.tenant))
+                                    lora_request=self.lora_request,
+                                    **ctx.route_hints(self.tenant, self.model_name))
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
                 return_exceptions=True)
             for stream in submitted:
@@ -271,7 +275,7 @@ class Generation:
         outputs = [o for o in self.latest if o is not None]
         record = RequestLogRecord(
             request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant.name,
-            model=self.ctx.model_name, status=status, stream=self.stream,
+            model=self.model_name, status=status, stream=self.stream,
             prompt_tokens=self.num_prompt_tokens,
             output_tokens=usage.completion_tokens if usage else 0,
             cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
@@ -290,6 +294,9 @@ class Generation:
         record.prompt = [p.text if p.text is not None else str(p.token_ids) for p in self.prompts]
         record.output = [c.text for o in outputs for c in o.outputs]
         record.extra.update(guard_log_fields(self.input_decision, self._output_guard))  # guardrails hook
+        if self.lora_request is not None:
+            record.extra["lora_adapter"] = self.lora_request.lora_name
+            record.extra["base_model"] = self.ctx.model_name
         return record
 
 

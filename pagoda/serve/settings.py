@@ -31,6 +31,7 @@ class ServerSettings:
     metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
     tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
     guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys)
 
     def __post_init__(self) -> None:
         if self.metrics_compat not in ("none", "vllm"):

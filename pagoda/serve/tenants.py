@@ -11,9 +11,10 @@ A keys file (YAML or JSON) lists tenants with their keys and limits::
         max_prompt_tokens: 2048
         max_output_tokens: 512
         priority: 0                   # lower runs first with --scheduling-policy priority
+        adapters: [acme-sql]          # LoRA adapters it may use (see below)
       ops:
         api_keys: [sk-ops]
-        admin: true                   # sees every tenant's figures on /dashboard
+        admin: true                   # sees every tenant's figures on /dashboard, loads LoRA adapters
 
 Every limit is optional. Without a file the server is open (one tenant, "default"), or
 guarded by a single `--api-key` shared by that one tenant.
@@ -23,6 +24,11 @@ tenants; the client has no say in it. An operator may deliberately let several t
 cached prefixes (e.g. one organisation's keys split for quotas) by giving them the same
 `cache_scope: NAME`; the default scope is the tenant's own name. `pagoda audit` reports a
 shared scope as a cross-tenant side channel.
+
+LoRA adapters: a tenant that lists `adapters` may use exactly those (and the base model); an
+adapter listed by any tenant belongs to the tenants listing it, and every other tenant gets a
+404 model_not_found for it, as if it did not exist. Adapters no tenant lists are open to all.
+An admin key without a list of its own may use every adapter (the operator's view).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class Tenant:
     cache_scope: str | None = None
     # An admin key sees every tenant's figures on /dashboard; others see only their own.
     admin: bool = False
+    # LoRA adapters this tenant may use; None: those no tenant claims (an admin: all).
+    adapters: frozenset[str] | None = None
 
     @property
     def cache_salt(self) -> str:
@@ -123,6 +131,14 @@ class TenantRegistry:
     def open_access(self) -> bool:
         return self._open_tenant is not None
 
+    def may_use_adapter(self, tenant: Tenant, name: str) -> bool:
+        """Whether `tenant` may run LoRA adapter `name` (see the module docstring)."""
+        if tenant.adapters is not None:
+            return name in tenant.adapters
+        if tenant.admin:
+            return True
+        return not any(t.adapters and name in t.adapters for t in self._by_digest.values())
+
     def authenticate(self, api_key: str | None) -> Tenant | None:
         if self._open_tenant is not None:
             return self._open_tenant
@@ -167,13 +183,18 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         cache_scope = spec.pop("cache_scope", None)
         if cache_scope is not None and (not isinstance(cache_scope, str) or not cache_scope):
             raise ValueError(f"tenant {name!r}: cache_scope must be a non-empty string")
+        adapters = spec.pop("adapters", None)
+        if adapters is not None and (not isinstance(adapters, list)
+                                     or not all(isinstance(a, str) and a for a in adapters)):
+            raise ValueError(f"tenant {name!r}: adapters must be a list of LoRA adapter names")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: admin, api_keys, cache_scope, "
+                             f"known: adapters, admin, api_keys, cache_scope, "
                              f"{', '.join(sorted(_LIMIT_FIELDS))}")
         try:
-            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin)
+            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin,
+                            adapters=frozenset(adapters) if adapters is not None else None)
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:

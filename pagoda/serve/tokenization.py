@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pagoda.errors import InvalidRequest
 from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.serve.lora import resolve_model
 from pagoda.serve.messages import template_messages
 from pagoda.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                    TokenizeResponse)
 from pagoda.serve.serving import ServeContext
+from pagoda.serve.tenants import Tenant
 
 
-def tokenize(ctx: ServeContext, request: TokenizeRequest) -> TokenizeResponse:
-    ctx.check_model(request.model)
+def tokenize(ctx: ServeContext, request: TokenizeRequest, tenant: Tenant) -> TokenizeResponse:
+    resolve_model(ctx, request.model, tenant)  # the base model or an adapter: one tokenizer
     tokenizer = ctx.llm.tokenizer
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("Give exactly one of prompt or messages.", param="prompt")
@@ -29,8 +31,8 @@ def tokenize(ctx: ServeContext, request: TokenizeRequest) -> TokenizeResponse:
                             tokens=list(tokens), token_strs=token_strs)
 
 
-def detokenize(ctx: ServeContext, request: DetokenizeRequest) -> DetokenizeResponse:
-    ctx.check_model(request.model)
+def detokenize(ctx: ServeContext, request: DetokenizeRequest, tenant: Tenant) -> DetokenizeResponse:
+    resolve_model(ctx, request.model, tenant)
     tokenizer = ctx.llm.tokenizer
     vocab_size = tokenizer.vocab_size
     for token_id in request.tokens:

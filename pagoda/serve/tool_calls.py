@@ -3,9 +3,12 @@ template and the grammar engine, and the parsers that turn model output into `to
 
 - The chat template receives `tools` (transformers' `apply_chat_template(tools=...)`);
   assistant messages with `tool_calls` and `tool` messages render in the history.
-- `tool_choice`: "none" (tools not shown, output not parsed), "auto" (for hermes, the
-  arguments are constrained by the grammar once a `<tool_call>` has started), "required" and
-  a named function (the grammar forces one call or more, with schema-valid arguments).
+- `tool_choice`: "none" (tools not shown, output not parsed), "auto" (free text, but once a
+  call has started -- hermes `<tool_call>`, mistral `[TOOL_CALLS]`, llama3_json `{` or
+  `<|python_tag|>` opening the output -- the rest of it follows the tools' schemas), "required"
+  and a named function (the grammar forces one call or more, with schema-valid arguments).
+  All of them are one triggered grammar (pagoda.structured.triggered): each parser says what
+  starts a call, what follows it, and where calls may stand.
 - Parsers (`--tool-call-parser`): hermes (`<tool_call>{json}</tool_call>`, Qwen2.5/3,
   Hermes), llama3_json (`{"name", "parameters"}`, optionally after `<|python_tag|>`), mistral
   (`[TOOL_CALLS][{"name", "arguments"}, ...]`).
@@ -59,6 +62,11 @@ class ToolCallParser:
     # The call marker may be a special token ([TOOL_CALLS], <|python_tag|>): keep it in the text.
     keeps_special_tokens = False
 
+    @property
+    def start_markers(self) -> tuple[str, ...]:
+        """Every text that may begin a call (streaming holds content back from the first)."""
+        return (self.start_marker,)
+
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
@@ -71,13 +79,22 @@ class ToolCallParser:
             calls.append(ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False)))
         return calls
 
-    # Grammar pieces: the text of one call and of a sequence of calls.
-    def call_lark(self, call_schema: dict[str, Any]) -> str:
+    # ---- grammar: what starts a call and what follows, as triggered segments ----
+
+    # Where calls may stand under tool_choice "auto" (see pagoda.structured.triggered).
+    def auto_placement(self, parallel: bool) -> str:
+        return "final"
+
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
+        """[{trigger, body}]: the output's calls begin with a trigger, then the body. `repeat`:
+        the body itself holds every further call (required / named) rather than the
+        placement allowing more segments (auto, anywhere)."""
         raise NotImplementedError
 
-    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        more = ' ("\\n" call)*' if parallel else ""
-        return f"start: call{more}\ncall: {self.call_lark(call_schema)}\n"
+    def constraint(self, tools: ToolSchemas, parallel: bool, forced: bool) -> StructuredOutputsParams:
+        placement = "only" if forced else self.auto_placement(parallel)
+        segments = self.segments(tools, parallel, repeat=placement != "anywhere")
+        return StructuredOutputsParams(structural_tag={"placement": placement, "segments": segments})
 
 
 class HermesParser(ToolCallParser):
@@ -143,8 +160,13 @@ class HermesParser(ToolCallParser):
         closes = segment[end:].strip() == "}"
         return name, segment[head.end():end], closes
 
-    def call_lark(self, call_schema: dict[str, Any]) -> str:
-        return f'"<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>"'
+    def auto_placement(self, parallel: bool) -> str:
+        return "anywhere" if parallel else "final"
+
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
+        call = f'"\\n" {tools.call_json(self.arguments_key)} "\\n</tool_call>"'
+        more = f' ("\\n<tool_call>" {call})*' if parallel and repeat else ""
+        return [{"trigger": self.start_marker, "body": call + more}]
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -152,6 +174,7 @@ class Llama3JsonParser(ToolCallParser):
     start_marker = "{"
     arguments_key = "parameters"
     keeps_special_tokens = True
+    start_markers = ("<|python_tag|>", "{")
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
@@ -168,13 +191,17 @@ class Llama3JsonParser(ToolCallParser):
         calls = self._calls(objects)
         return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
 
-    def call_lark(self, call_schema: dict[str, Any]) -> str:
-        return f"%json {json.dumps(call_schema)}"
+    def auto_placement(self, parallel: bool) -> str:
+        return "start"  # as vLLM's parser: a call is the whole output, `{` or the tag first
 
-    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        more = ' "; " call' if parallel else ""
-        more = f"({more})*" if more else ""
-        return f"start: call{more}\ncall: {self.call_lark(call_schema)}\n"
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
+        call = tools.call_json(self.arguments_key)
+        more = f' ("; " {call})*' if parallel else ""
+        # After a bare `{` (already written when the trigger fires): the rest of the first call.
+        rest = " | ".join(f'{_lark(json.dumps(name) + ", " + json.dumps(self.arguments_key) + ": ")} '
+                          f'{tools.arguments_json(name)}' for name in tools.names)
+        return [{"trigger": "<|python_tag|>", "body": call + more},
+                {"trigger": "{", "body": f'{_lark(json.dumps("name") + ": ")} ({rest}) "}}"{more}'}]
 
 
 class MistralParser(ToolCallParser):
@@ -195,14 +222,40 @@ class MistralParser(ToolCallParser):
             return ParsedOutput(text, [])
         return ParsedOutput(text[:start].strip() or None, calls)
 
-    def call_lark(self, call_schema: dict[str, Any]) -> str:
-        return f"%json {json.dumps(call_schema)}"
-
-    def calls_lark(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        array = {"type": "array", "items": call_schema, "minItems": 1}
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
+        array = {"type": "array", "items": tools.call_schema(self.arguments_key), "minItems": 1,
+                 "x-guidance": JSON_OPTIONS}
         if not parallel:
             array["maxItems"] = 1
-        return f'start: "[TOOL_CALLS]" %json {json.dumps(array)}\n'
+        return [{"trigger": self.start_marker, "body": f"%json {json.dumps(array)}"}]
+
+
+@dataclass(frozen=True)
+class ToolSchemas:
+    """The callable functions' parameter schemas, by name, and the JSON of a call to them."""
+
+    parameters: dict[str, dict[str, Any]]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.parameters)
+
+    def call_schema(self, arguments_key: str) -> dict[str, Any]:
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                  "properties": {"name": {"const": name}, arguments_key: schema}}
+                 for name, schema in self.parameters.items()]
+        return dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+
+    def call_json(self, arguments_key: str) -> str:
+        """Lark for one call object, compact JSON (a model cannot pad it forever)."""
+        return f"%json {json.dumps({**self.call_schema(arguments_key), 'x-guidance': JSON_OPTIONS})}"
+
+    def arguments_json(self, name: str) -> str:
+        return f"%json {json.dumps({**self.parameters[name], 'x-guidance': JSON_OPTIONS})}"
+
+
+def _lark(text: str) -> str:
+    return json.dumps(text)  # JSON string escapes are Lark string escapes
 
 
 def _split_json_sequence(text: str, separator: str) -> list[str]:
@@ -317,30 +370,12 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
     if not chat_template or "tools" not in chat_template:
         raise bad_request("This model's chat template does not support tools.", param="tools")
     parser = get_parser(parser_name)
-    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named"
-    call_schemas = [{"type": "object", "additionalProperties": False, "required": ["name", parser.arguments_key],
-                     "properties": {"name": {"const": name}, parser.arguments_key: functions[name]}}
-                    for name in names]
-    call_schema = dict(call_schemas[0]) if len(call_schemas) == 1 else {"anyOf": call_schemas or [{}]}
-    call_schema["x-guidance"] = JSON_OPTIONS  # compact JSON: a model cannot pad it forever
     if mode == "none":
         return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False)
-    if mode == "auto":
-        structured = _auto_constraint(parser, names, functions)
-    else:
-        structured = StructuredOutputsParams(grammar=parser.calls_lark(call_schema, parallel))
+    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named"
+    structured = parser.constraint(ToolSchemas({name: functions[name] for name in names}), parallel,
+                                   forced=mode != "auto")
     return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto")
-
-
-def _auto_constraint(parser: ToolCallParser, names: list[str], functions: dict[str, Any]) -> StructuredOutputsParams | None:
-    """Free text, but once a hermes `<tool_call>` starts, the call and its arguments follow
-    the tools' schemas. The other formats start calls with text too ambiguous to trigger on."""
-    if not isinstance(parser, HermesParser):
-        return None
-    structures = [{"begin": f'<tool_call>\n{{"name": "{name}", "arguments": ',
-                   "schema": {**functions[name], "x-guidance": JSON_OPTIONS},
-                   "end": "}\n</tool_call>"} for name in names]
-    return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": ["<tool_call>"]})
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -412,13 +447,14 @@ class ToolCallStream:
         """New content that is safe to send (it cannot be part of a tool call)."""
         if self.holding:
             return ""
-        marker = self.parser.start_marker
-        start = text.find(marker, max(self.sent - len(marker), 0))
-        if start >= 0:
+        markers = self.parser.start_markers
+        starts = [found for marker in markers
+                  if (found := text.find(marker, max(self.sent - len(marker), 0))) >= 0]
+        if starts:
             self.holding = True
-            limit = start
+            limit = min(starts)
         else:
-            limit = len(text) - _partial_suffix(text, marker)
+            limit = len(text) - max(_partial_suffix(text, marker) for marker in markers)
         delta = text[self.sent:limit] if limit > self.sent else ""
         self.sent = max(self.sent, limit)
         return delta

@@ -51,6 +51,10 @@ class SpecDecodeController:
         self.drafter = drafter
         self._stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    def reset_stats(self) -> None:
+        """Zero the counters (the engine's startup calibration steps are not traffic)."""
+        self._stats = SpecDecodeStats(accepted_per_position=[0] * len(self._stats.accepted_per_position))
+
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The draft model's KV tensors (same block ids as the target's), for copy-on-write."""
@@ -69,8 +73,11 @@ class SpecDecodeController:
             if not enabled or request.num_computed_tokens != request.num_tokens - 1 or request.pending_forks:
                 spec.clear_drafts()
             elif self.ngram is not None:
-                spec.token_ids = self.ngram.propose(request.all_token_ids, k)
-                spec.num_wanted = len(spec.token_ids)
+                drafts = self.ngram.propose(request.all_token_ids, k)
+                if request.structured_output is not None:  # a draft the grammar rejects ends the drafts
+                    drafts = drafts[:request.structured_output.grammar_prefix(drafts)]
+                spec.token_ids = drafts
+                spec.num_wanted = len(drafts)
             else:
                 spec.num_wanted = k  # the draft model fills spec.token_ids in `propose`
 

@@ -5,6 +5,11 @@ tensors), so it is allocated, freed, preempted and prefix-cached in step with th
 without a second block manager. Each step it first catches up on every scheduled request's
 real tokens (so its cache never falls behind), which also yields the first draft for the
 requests that speculate; then K - 1 single-token passes yield the rest.
+
+Drafts of a constrained request are sampled under its grammar (the draft logits masked as the
+target's are), so the draft model never spends a position on a token the verifier must reject:
+each draft advances the request's matcher tentatively, and all of them are rolled back before
+the target's masks are computed for verification.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.request import Request
+from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
 from pagoda.worker.model_runner import PagedModel, Segment, build_batch
 from pagoda.worker.sampler import DraftedRow, Sampler
 
@@ -40,17 +46,21 @@ class DraftModelProposer(PagedModel):
             return {}
         logits = self._forward(segments, [index for index, _, _ in speculating])
         distributions: dict[str, list[torch.Tensor]] = {request.request_id: [] for _, request, _ in speculating}
-        self._propose(logits, [request for _, request, _ in speculating], sampler, distributions)
-
-        for step in range(1, max((wanted for _, _, wanted in speculating), default=0)):
-            active = [request for _, request, wanted in speculating if wanted > step]
-            segments = []
-            for request in active:
-                position = request.spec.num_draft_computed_tokens
-                segments.append(Segment(request, position, [request.spec.token_ids[-1]]))
-                request.spec.num_draft_computed_tokens = position + 1
-            logits = self._forward(segments, list(range(len(segments))))
-            self._propose(logits, active, sampler, distributions)
+        try:
+            self._propose(logits, [request for _, request, _ in speculating], sampler, distributions)
+            for step in range(1, max((wanted for _, _, wanted in speculating), default=0)):
+                active = [request for _, request, wanted in speculating if wanted > step]
+                segments = []
+                for request in active:
+                    position = request.spec.num_draft_computed_tokens
+                    segments.append(Segment(request, position, [request.spec.token_ids[-1]]))
+                    request.spec.num_draft_computed_tokens = position + 1
+                logits = self._forward(segments, list(range(len(segments))))
+                self._propose(logits, active, sampler, distributions)
+        finally:  # the target verifies from the matchers' real state
+            for _, request, _ in speculating:
+                if request.structured_output is not None:
+                    request.structured_output.rollback_drafts()
 
         return {request_id: torch.stack(probs) if probs else None for request_id, probs in distributions.items()}
 
@@ -64,14 +74,29 @@ class DraftModelProposer(PagedModel):
         return self.model.compute_logits(hidden[last_rows[wanted]])
 
     @staticmethod
-    def _propose(logits: torch.Tensor, requests: list[Request], sampler: Sampler,
+    def mask_to_grammar(logits: torch.Tensor, requests: list[Request]) -> None:
+        """Constrained requests' draft logits masked by their grammars at the drafts' position
+        (before penalties and temperature, as the target's)."""
+        constrained = [i for i, request in enumerate(requests) if request.structured_output is not None]
+        if not constrained:
+            return
+        bitmask = allocate_bitmask(len(constrained), logits.shape[-1])
+        for position, i in enumerate(constrained):
+            requests[i].structured_output.fill_mask(bitmask, position)
+        apply_bitmask(logits, bitmask, torch.tensor(constrained, device=logits.device))
+
+    def _propose(self, logits: torch.Tensor, requests: list[Request], sampler: Sampler,
                  distributions: dict[str, list[torch.Tensor]]) -> None:
         rows = [DraftedRow(request, request.spec.token_ids) for request in requests]
+        self.mask_to_grammar(logits, requests)
         processed = sampler.process(logits, rows)
         for i, (request, row) in enumerate(zip(requests, rows)):
             if request.sampling_params.is_greedy:
-                request.spec.token_ids.append(int(processed[i].argmax()))
-                continue
-            probs = sampler.probabilities(processed[i:i + 1], [row])[0]
-            request.spec.token_ids.append(sampler.draw(probs, row))
-            distributions[request.request_id].append(probs)
+                token = int(processed[i].argmax())
+            else:
+                probs = sampler.probabilities(processed[i:i + 1], [row])[0]
+                token = sampler.draw(probs, row)
+                distributions[request.request_id].append(probs)
+            request.spec.token_ids.append(token)
+            if request.structured_output is not None:
+                request.structured_output.advance_draft(token)

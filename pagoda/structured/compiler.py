@@ -103,7 +103,7 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         tokenizer = self.tokenizer
         started = time.perf_counter()
-        grammar = build_grammar(params)
+        grammar = build_grammar(params, tokenizer=tokenizer)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{params.kind}", matcher.get_error().splitlines()[0])

@@ -15,6 +15,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured.triggered import (check_triggered_spec, is_triggered_spec, special_trigger_ids,
+                                         triggered_lark)
 
 # JSON as OpenAI and vLLM emit it under a schema: compact separators, no free whitespace (a
 # model cannot pad forever), properties in schema order.
@@ -41,12 +43,15 @@ def grammar_failure(message: str) -> InvalidRequest:
     return InvalidRequest(message, param=field if field.startswith("structured_outputs") else "structured_outputs")
 
 
-def build_grammar(params: StructuredOutputsParams, field: str | None = None) -> str:
-    """The llguidance grammar for `params`, validated. Raises GrammarError."""
+def build_grammar(params: StructuredOutputsParams, field: str | None = None,
+                  tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The llguidance grammar for `params`, validated. Raises GrammarError. With `tokenizer`
+    (the engine compiling it), a structural tag's triggers that are special tokens of that
+    tokenizer are matched as those tokens; without, as text (checking in the API server)."""
     kind = params.kind
     field = field or f"structured_outputs.{kind}"
     try:
-        grammar = _translate(params)
+        grammar = _translate(params, tokenizer)
     except GrammarError:
         raise
     except Exception as exc:  # llguidance raises ValueError/RuntimeError with its reason
@@ -57,7 +62,7 @@ def build_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
     return grammar
 
 
-def _translate(params: StructuredOutputsParams) -> str:
+def _translate(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer | None) -> str:
     kind = params.kind
     if kind == "json":
         schema = params.json
@@ -81,13 +86,16 @@ def _translate(params: StructuredOutputsParams) -> str:
         # Lark as llguidance reads it, or GBNF/EBNF as llama.cpp writes it (`root ::= ...`).
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     if kind == "structural_tag":
-        return structural_tag_grammar(params.structural_tag)
+        spec = triggered_spec(params.structural_tag)
+        special = special_trigger_ids(spec, tokenizer) if tokenizer is not None else None
+        return llguidance.LLMatcher.grammar_from_lark(triggered_lark(spec, special))
     raise GrammarError("structured_outputs", f"unknown kind {kind!r}")
 
 
-def structural_tag_grammar(spec: dict[str, Any] | str) -> str:
-    """vLLM's structural tag: free text in which a segment that starts with one of `triggers`
-    must be `begin`, then JSON matching `schema`, then `end`."""
+def triggered_spec(spec: dict[str, Any] | str) -> dict[str, Any]:
+    """A structural tag as a checked triggered spec (pagoda.structured.triggered). vLLM's shape:
+    free text in which a segment that starts with one of `triggers` must be `begin`, then JSON
+    matching `schema`, then `end`; or a triggered spec itself (what tool calls compile to)."""
     field = "structured_outputs.structural_tag"
     if isinstance(spec, str):
         try:
@@ -96,13 +104,18 @@ def structural_tag_grammar(spec: dict[str, Any] | str) -> str:
             raise GrammarError(field, f"is not valid JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise GrammarError(field, "must be an object with structures and triggers")
+    if is_triggered_spec(spec):
+        problem = check_triggered_spec(spec)
+        if problem:
+            raise GrammarError(field, problem)
+        return spec
     structures = spec.get("structures")
     triggers = spec.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise GrammarError(field, "needs a non-empty list `structures` of {begin, schema, end}")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise GrammarError(field, "needs a non-empty list `triggers` of strings")
-    tags = []
+    bodies: dict[str, list[str]] = {}  # trigger -> the alternatives that may follow it
     for i, structure in enumerate(structures):
         if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str):
             raise GrammarError(field, f"structures[{i}] needs a string `begin`")
@@ -113,9 +126,11 @@ def structural_tag_grammar(spec: dict[str, Any] | str) -> str:
         schema = structure.get("schema", {})
         if not isinstance(schema, dict):
             raise GrammarError(field, f"structures[{i}].schema must be a JSON schema object")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema,
-                                         end=str(structure.get("end", ""))))
-    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        parts = [_lark_string(begin[len(trigger):]), f"%json {json.dumps(schema)}", _lark_string(str(structure.get("end", "")))]
+        bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p != '""'))
+    segments = [{"trigger": trigger, "body": "(" + " | ".join(alternatives) + ")"}
+                for trigger, alternatives in bodies.items()]
+    return {"placement": "anywhere", "segments": segments}
 
 
 def _lark_string(text: str) -> str:

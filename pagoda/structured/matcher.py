@@ -12,11 +12,14 @@ class RequestMatcher:
     """One sample's position in its grammar.
 
     Preemption needs nothing here: a preempted request keeps its output tokens (only their KV
-    is recomputed), so the matcher's state stays valid. Speculative drafts are consumed
-    tentatively to compute their masks and rolled back before verification.
+    is recomputed), so the matcher's state stays valid. Speculative drafts are checked before
+    they are verified: n-gram drafts are cut at the first token the grammar rejects
+    (`grammar_prefix`); a draft model samples under the grammar, each draft advancing the
+    matcher tentatively (`advance_draft`) until the drafts are rolled back (`rollback_drafts`)
+    before verification, whose accepted tokens then advance it for real (`accept`).
     """
 
-    __slots__ = ("matcher", "kind", "num_accepted", "failed", "executor")
+    __slots__ = ("matcher", "kind", "num_accepted", "failed", "executor", "num_drafted")
 
     def __init__(self, matcher: llguidance.LLMatcher, kind: str, executor: llguidance.LLExecutor | None = None) -> None:
         self.matcher = matcher
@@ -24,6 +27,7 @@ class RequestMatcher:
         self.num_accepted = 0
         self.failed = False
         self.executor = executor  # shared thread pool that fills many rows' masks at once
+        self.num_drafted = 0  # draft tokens consumed tentatively, rolled back before verification
 
     def accept(self, token_ids: Sequence[int]) -> int:
         """Advance over sampled tokens, stopping at the grammar's end or at a token it rejects
@@ -45,6 +49,29 @@ class RequestMatcher:
             consumed += 1
         self.num_accepted += consumed
         return consumed
+
+    def grammar_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading `drafts` the grammar accepts from the current state (unchanged).
+        A failed matcher constrains nothing, so every draft stands."""
+        if self.failed or not drafts:
+            return len(drafts)
+        try:
+            return self.matcher.validate_tokens([int(t) for t in drafts])
+        except (RuntimeError, ValueError):
+            return 0
+
+    def advance_draft(self, token_id: int) -> bool:
+        """Consume one draft tentatively (the next draft's mask depends on it). False when the
+        grammar rejects it or has ended: drafting under the grammar stops there."""
+        if self.failed or self.is_terminated or self.matcher.try_consume_tokens([int(token_id)]) != 1:
+            return False
+        self.num_drafted += 1
+        return True
+
+    def rollback_drafts(self) -> None:
+        if self.num_drafted:
+            self.matcher.rollback(self.num_drafted)
+            self.num_drafted = 0
 
     @property
     def is_terminated(self) -> bool:

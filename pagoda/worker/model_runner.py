@@ -17,25 +17,28 @@ from typing import Protocol
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
+from pagoda.model.llama import LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
+from pagoda.worker.paged_model import PagedModel
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
 @dataclass
 class StepTimings:
     """Seconds spent in each phase of one step. The runner measures its phases (prepare,
-    propose, forward, sample); the engine core, which owns the step record, adds `schedule`
-    and `update` (the scheduler before and after the forward)."""
+    propose, forward, logits, sample); the engine core, which owns the step record, adds
+    `schedule` and `update` (the scheduler before and after the forward)."""
 
     prepare: float = 0.0
     propose: float = 0.0  # the draft model's forwards (speculative decoding)
-    forward: float = 0.0
+    forward: float = 0.0  # the decoder stack, up to the final norm
+    logits: float = 0.0  # the LM head, over the rows whose logits are used
     sample: float = 0.0
     schedule: float = 0.0
     update: float = 0.0
@@ -54,6 +57,13 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step: request id -> entries for consecutive prompt positions.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)  # the runner's phases of this step
+
+
+class StepBroadcaster(Protocol):
+    """Tensor parallelism (pagoda.executor): hands rank 0's forward to the other ranks."""
+
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                       logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None: ...
 
 
 class Verified(Protocol):
@@ -121,47 +131,19 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             torch.tensor(positions, dtype=torch.long, device=device), layout)
 
 
-def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device, kv_format: KVCacheFormat | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    config = model.config
-    kv_format = kv_format or KVCacheFormat("auto", dtype)
-    shape = (num_blocks, block_size, config.num_kv_heads, kv_format.entry_size(config.head_dim))
-    storage = kv_format.storage_dtype
-    return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
-            for _ in range(config.num_layers)]
-
-
-class PagedModel:
-    """A model with its own paged KV cache. The runner holds the target model's; a draft model
-    (spec_decode) holds its own, indexed by the same block ids and slots. `kv_format` is how the
-    caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
-
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
-        self.kv_format = kv_format
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device, kv_format)
-        self.sliding_windows = set(model.config.layer_sliding_windows)
-
-    def forward_context(self, layout: BatchLayout) -> ForwardContext:
-        """Attention metadata for one batch, over this model's caches."""
-        metadata = self.backend.prepare(layout, self.sliding_windows)
-        return ForwardContext(self.backend, metadata, self.kv_caches)
-
-
 class ModelRunner(PagedModel):
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
                  enforce_eager: bool = False, speculator: Speculator | None = None,
-                 kv_format: KVCacheFormat | None = None) -> None:
+                 kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None) -> None:
         super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format)
+        self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
+        # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
+        # the other ranks just before this one runs it.
+        self.tensor_parallel: StepBroadcaster | None = None
         # Structured output: grammar bitmasks are filled here while the forward runs.
         self.mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
@@ -192,15 +174,25 @@ class ModelRunner(PagedModel):
         input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
-        if self.decode_graphs is not None and self.decode_graphs.fits(layout):
+        if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
+            self.lora.begin_step([(segment.request.lora, len(segment.token_ids)) for segment in segments])
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.broadcast_step(input_ids, positions, layout, logit_rows,
+                                                scheduler_output.block_copies)
+        # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
+        graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
+        if graphs is not None and graphs.fits(layout):
             prepared = time.perf_counter()
-            hidden = self.decode_graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
+            hidden = graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
         else:
             context = self.forward_context(layout)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        if self.lora is not None:
+            self.lora.end_step()
         forwarded = time.perf_counter()
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        projected = time.perf_counter()
 
         output = ModelRunnerOutput()
         if logits is not None:
@@ -208,7 +200,8 @@ class ModelRunner(PagedModel):
             self._sample(logits, row_owners, draft_probs, output)
         done = time.perf_counter()
         output.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
-                                     forward=forwarded - prepared, sample=done - forwarded)
+                                     forward=forwarded - prepared, logits=projected - forwarded,
+                                     sample=done - projected)
         return output
 
     def _logit_rows(self, scheduler_output: SchedulerOutput, layout: BatchLayout) -> tuple[list[int], list[tuple]]:

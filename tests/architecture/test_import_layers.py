@@ -18,15 +18,18 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
-    ("config", "sampling_params", "outputs", "tokenizer"),
+    ("config", "sampling_params", "outputs", "tokenizer",
+     "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
     ("structured",),  # grammar-constrained decoding on llguidance: used by worker, engine, serve, cli
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
     ("model",),
+    ("lora",),  # LoRA adapters: PEFT loading, registry, device slots, the LoRALinear around model/'s Linear
     ("core",),
     ("kv_transfer",),
     ("worker",),
     ("spec_decode",),
+    ("executor",),  # tensor-parallel workers (processes or Ray actors) beside the engine core
     ("engine",),
     ("replicas",),  # data-parallel replicas and their router: AsyncLLMs behind one front
     ("pagoda",),

@@ -210,6 +210,73 @@ def test_sdpa_prefill_path_matches():
     torch.testing.assert_close(kernels_only, with_sdpa, atol=2e-3, rtol=2e-3)
 
 
+# ---- quantized KV caches (--kv-cache-dtype): uint8 entries, the torch backend's layout ----
+
+QUANTIZED_KV = ("int8", "fp8_e4m3", "fp8_e5m2", "fp8")
+
+
+def run_quantized(requests, kv_name, num_heads=4, num_kv_heads=2, head_dim=32, window=None,
+                  dtype=torch.float32, backend_options=None, seed=0, magnitudes=1.0):
+    """The Triton backend against the torch backend reading and writing the same quantized cache:
+    the new K/V must be encoded to the same bytes, and attention must agree."""
+    from pagoda.quant.kv_cache_dtype import make_kv_cache_format
+
+    layout, query, key, value, key_cache, value_cache = make_case(
+        requests, num_heads, num_kv_heads, head_dim, dtype, seed)
+    # K/V of the given size; queries scaled the other way, so softmax stays as peaked.
+    query, key, value = query / magnitudes, key * magnitudes, value * magnitudes
+    kv_format = make_kv_cache_format(kv_name, dtype)
+    reference_format = make_kv_cache_format(kv_name, torch.float32)
+    # A cache full of other requests' entries, encoded like the engine would encode them.
+    caches = tuple(reference_format.encode(cache.float().cpu()).to(DEVICE) for cache in (key_cache, value_cache))
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    backend = TritonAttentionBackend(kv_format=kv_format, **(backend_options or {}))
+    got_caches = tuple(c.clone() for c in caches)
+    got = backend.forward(query, key, value, *got_caches, backend.prepare(layout, {window}), spec)
+
+    reference = TorchAttentionBackend(reference_format)
+    want_caches = tuple(c.clone() for c in caches)
+    want = reference.forward(query.float(), key.float(), value.float(), *want_caches,
+                             reference.prepare(layout, {window}), spec)
+    for written, expected in zip(got_caches, want_caches):
+        assert torch.equal(written, expected)  # bit for bit, scales included
+    tolerance = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tolerance * magnitudes, rtol=tolerance)
+    return got
+
+
+@pytest.mark.parametrize("kv_name", QUANTIZED_KV)
+def test_quantized_kv_decode_prefill_and_mixed(kv_name):
+    run_quantized([(40, 1), (7, 1), (100, 1), (0, 1)], kv_name)
+    run_quantized([(48, 20), (0, 37), (30, 1), (16, 16)], kv_name, num_heads=8, num_kv_heads=2)
+    run_quantized([(150, 1), (5, 1), (64, 1)], kv_name,
+                  backend_options=dict(decode_splits=3, min_partition=16))
+
+
+@pytest.mark.parametrize("kv_name", ["int8", "fp8"])
+def test_quantized_kv_16_bit_window_and_head_dims(kv_name):
+    run_quantized([(40, 12), (0, 20), (70, 1)], kv_name, head_dim=64, dtype=torch.float16)
+    run_quantized([(60, 30), (130, 1)], kv_name, window=8)
+    run_quantized([(20, 1), (0, 19), (33, 4)], kv_name, head_dim=48, num_heads=2, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("kv_name", QUANTIZED_KV)
+def test_quantized_kv_encoding_over_magnitudes(kv_name):
+    # Tiny values (fp8 subnormals under the per-tensor scale), large ones (clipped at +-448), and
+    # rounding that carries into the exponent: still the torch encoder's bytes.
+    for magnitudes in (1e-3, 30.0, 1000.0):
+        run_quantized([(10, 9), (3, 1)], kv_name, magnitudes=magnitudes, seed=3)
+
+
+def test_quantized_kv_skips_sdpa_prefill():
+    # A lone prompt must attend over the stored (quantized) K/V like every later step does.
+    from pagoda.quant.kv_cache_dtype import make_kv_cache_format
+
+    backend = TritonAttentionBackend(kv_format=make_kv_cache_format("int8", torch.float16), sdpa_min_tokens=16)
+    assert backend.sdpa_min_tokens is None
+    run_quantized([(0, 40)], "int8", dtype=torch.float16, backend_options=dict(sdpa_min_tokens=16))
+
+
 # The interpreter checks what the kernels compute, not that they compile: this lowers every
 # kernel variant the launchers produce to a GPU binary (Triton's bundled ptxas; no GPU needed).
 COMPILE_FOR_GPU = r'''
@@ -219,9 +286,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagoda.model.attention import triton_kernels as tk
+from pagoda.model.attention.triton_kv_codec import KVCacheEncoding
+from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32"}
+         torch.int32: "i32", torch.uint8: "u8"}
 arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
 target = GPUTarget("cuda", arch, 32)
 
@@ -251,19 +320,24 @@ for name in ("_write_kv_kernel", "_prefill_attention_kernel", "_decode_attention
     setattr(tk, name, compiling(getattr(tk, name)))
 shapes = ((128, 32, 8, None, 3, 8), (64, 14, 2, 4096, 3, 8), (80, 8, 8, None, 3, 8),
           (128, 8, 1, None, 1, 1))  # the last: one request with a one-block table (ints equal to 1)
-for head_dim, heads, kv_heads, window, num_reqs, width in shapes:
+# Every KV cache dtype on the first two shapes (the quantized variants are separate kernels).
+variants = [(shape, "auto") for shape in shapes]
+variants += [(shape, name) for shape in shapes[:2] for name in ("int8", "fp8_e4m3", "fp8_e5m2", "fp8")]
+for (head_dim, heads, kv_heads, window, num_reqs, width), kv_name in variants:
+    kv_format = make_kv_cache_format(kv_name, dtype)
+    kv = KVCacheEncoding.of(kv_format)
     query = torch.empty(10, heads, head_dim, dtype=dtype)
     key = torch.empty(10, kv_heads, head_dim, dtype=dtype)
-    cache = torch.empty(100, 16, kv_heads, head_dim, dtype=dtype)
+    cache = torch.empty(100, 16, kv_heads, kv_format.entry_size(head_dim), dtype=kv_format.storage_dtype)
     tables = torch.zeros(num_reqs, width, dtype=torch.int32)
     lens = torch.zeros(num_reqs, dtype=torch.long)
-    tk.write_kv_cache(key, key, cache, cache, torch.zeros(10, dtype=torch.long))
+    tk.write_kv_cache(key, key, cache, cache, torch.zeros(10, dtype=torch.long), kv)
     for max_query_len in (1, 100):
         tk.prefill_attention(torch.empty_like(query), query, cache, cache, tables,
-                             torch.zeros(num_reqs + 1, dtype=torch.long), lens, 0.1, window, max_query_len)
+                             torch.zeros(num_reqs + 1, dtype=torch.long), lens, 0.1, window, max_query_len, kv)
     for splits, min_partition in ((1, 256), (5, 1)):
         tk.decode_attention(torch.empty_like(query[:num_reqs]), query[:num_reqs], cache, cache, tables, lens, 0.1,
-                            window, splits, min_partition)
+                            window, splits, min_partition, kv)
 '''
 
 

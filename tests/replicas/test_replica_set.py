@@ -142,3 +142,35 @@ def test_aborted_requests_pay_back_their_load(llama_dir: Path) -> None:
         assert_idle(replicas)
     finally:
         replicas.shutdown()
+
+
+def test_adapters_load_on_every_replica_and_route_apart_from_the_base(llama_dir: Path, tmp_path: Path) -> None:
+    from lora_factory import build_adapter
+
+    from pagoda.engine.llm import LLM
+    from pagoda.lora_request import LoRARequest
+
+    adapter = LoRARequest("sql", 1, str(build_adapter(llama_dir, tmp_path / "sql", rank=4)))
+    prompt = [11, 12, 13, 14] * 4
+    expected = LLM(str(llama_dir), num_threads=1, num_kv_blocks=64, enable_lora=True).generate(
+        [prompt], GREEDY, lora_request=adapter)[0].outputs[0].token_ids
+    replicas = start(llama_dir, data_parallel_size=2, router="cache_aware", enable_lora=True)
+    try:
+        async def scenario() -> None:
+            await replicas.add_lora(adapter)
+            assert all(r.llm.lora_names == ["sql"] for r in replicas.replicas)
+            for replica in replicas.replicas:  # every replica serves the adapter alike
+                stream = await replica.llm.add_request(f"on-{replica.index}", prompt, GREEDY, lora_request=adapter)
+                tokens = [t async for delta in stream for s in delta.outputs for t in s.token_ids]
+                assert tokens == list(expected)
+            stream = await replicas.add_request("routed", prompt, GREEDY, lora_request=adapter)
+            assert [t async for delta in stream for s in delta.outputs for t in s.token_ids] == list(expected)
+            base = await generate(replicas, "base", prompt)
+            assert base != list(expected)  # the adapter changed the output: it was applied
+            await replicas.remove_lora("sql")
+            assert all(r.llm.lora_names == [] for r in replicas.replicas)
+
+        asyncio.run(scenario())
+        assert_idle(replicas)
+    finally:
+        replicas.shutdown()

@@ -101,6 +101,29 @@ def test_auto_constrains_arguments_once_a_call_starts(lltokenizer) -> None:
     assert not accepts(lltokenizer, grammar, '<tool_call>\n{"name": "get_weather", "arguments": {"town": 1')
 
 
+CALL = '{"name": "get_weather", "ARGS": {"city": "Oslo", "days": 2}}'
+
+
+@pytest.mark.parametrize("parser, calls, bad", [
+    ("mistral", ['Looking. [TOOL_CALLS][' + CALL.replace("ARGS", "arguments") + ']'],
+     ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"town"', '[TOOL_CALLS][' + CALL.replace("ARGS", "arguments")
+      + '] and more text']),
+    ("llama3_json", [CALL.replace("ARGS", "parameters"), " " + CALL.replace("ARGS", "parameters"),
+                     "<|python_tag|>" + CALL.replace("ARGS", "parameters")],
+     ['{"name": "get_weather", "parameters": {"days": 9', '{"answer": 42}', '<|python_tag|>print(1)']),
+])
+def test_auto_constrains_every_parsers_calls(lltokenizer, parser, calls, bad) -> None:
+    grammar = build_grammar(plan_tools(request(tool_choice="auto", parallel_tool_calls=False), parser,
+                                       TEMPLATE_WITH_TOOLS).structured_outputs)
+    assert accepts(lltokenizer, grammar, "Just text, no call.")
+    for text in calls:
+        assert accepts(lltokenizer, grammar, text), text
+        parsed = get_parser(parser).parse(text)
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Oslo", "days": 2})]
+    for text in bad:
+        assert not accepts(lltokenizer, grammar, text), text
+
+
 @pytest.mark.parametrize("fields, template, param", [
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), TEMPLATE_WITH_TOOLS, "tool_choice"),
     (dict(tool_choice="sometimes"), TEMPLATE_WITH_TOOLS, "tool_choice"),

@@ -11,6 +11,7 @@ from pagoda.engine.transport.messages import Emitted, ToEngine
 from pagoda.engine.validation import EngineLimits
 
 if TYPE_CHECKING:
+    from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
     from pagoda.engine.llm_engine import EngineStats, LLMEngine
     from pagoda.tokenizer import Tokenizer
 
@@ -34,6 +35,7 @@ class EngineInfo:
     engine_limits: EngineLimits | None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     stats: "EngineStats | None" = None
+    max_num_seqs_choice: "MaxNumSeqsChoice | None" = None  # the value in use and why
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
@@ -41,7 +43,8 @@ class EngineInfo:
         return cls(max_model_len=engine.max_model_len,
                    engine_limits=getattr(engine, "engine_limits", None),
                    generation_defaults=dict(getattr(engine, "generation_defaults", {}) or {}),
-                   stats=engine.get_stats())
+                   stats=engine.get_stats(),
+                   max_num_seqs_choice=getattr(getattr(engine, "core", None), "max_num_seqs_choice", None))
 
 
 class EngineTransport(ABC):

@@ -11,7 +11,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.threads import set_engine_threads
 from pagoda.engine.transport.base import EngineFactory, OnEmitted
 from pagoda.engine.transport.messages import (ACCEPTED, AbortRequests, AddRequest, Emitted,
-                                              EmittedItem, Shutdown, ToEngine)
+                                              EmittedItem, Shutdown, ToEngine, UpdateLoRA)
 from pagoda.errors import InvalidRequest
 from pagoda.structured.grammar import grammar_failure
 
@@ -34,6 +34,14 @@ def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEng
     return LLMEngine(config)
 
 
+def report_worker_failures(engine: "LLMEngine", report: Callable[[str], None]) -> None:
+    """Tensor parallelism: a worker that dies while the engine idles (so no step fails) must
+    still end the engine; `report(reason)` is called from a watcher thread."""
+    register = getattr(engine, "on_worker_failure", None)  # an engine_factory's stand-in may lack it
+    if register is not None:
+        register(report)
+
+
 def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
     """Apply messages, step while there is work, emit after every step; return on Shutdown.
 
@@ -54,6 +62,8 @@ def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
                     emitted.append((message.request_id, result))
             elif isinstance(message, AbortRequests):
                 engine.abort_request(message.request_ids)
+            elif isinstance(message, UpdateLoRA):
+                emitted.append((message.control_id, _update_lora(engine, message)))
         if engine.has_unfinished_requests():
             deltas = engine.step()
             # Structured output: ACCEPTED or the grammar's error before the request's first delta.
@@ -68,7 +78,7 @@ def _add(engine: "LLMEngine", message: AddRequest) -> EmittedItem | None:
     try:
         engine.add_request(message.request_id, message.prompt, message.params,
                            arrival_time=message.arrival_time, cache_salt=message.cache_salt,
-                           priority=message.priority)
+                           priority=message.priority, lora_request=message.lora_request)
     except InvalidRequest as exc:
         return exc
     except ValueError as exc:
@@ -77,3 +87,19 @@ def _add(engine: "LLMEngine", message: AddRequest) -> EmittedItem | None:
         logger.exception("add_request failed for %s", message.request_id)
         return RuntimeError(f"the engine could not add the request: {exc!r}")
     return None if engine.is_waiting_for_grammar(message.request_id) else ACCEPTED
+
+
+def _update_lora(engine: "LLMEngine", message: UpdateLoRA) -> EmittedItem:
+    """Load or unload an adapter between steps: the running batch is never touched, and a bad
+    adapter is refused with the reason."""
+    try:
+        if message.unload:
+            engine.remove_lora(message.lora_request.lora_name)
+        else:
+            engine.add_lora(message.lora_request)
+    except InvalidRequest as exc:
+        return exc
+    except Exception as exc:  # a bug while loading; the engine itself keeps serving
+        logger.exception("LoRA update failed for %s", message.lora_request.lora_name)
+        return RuntimeError(f"the engine could not update LoRA adapter {message.lora_request.lora_name!r}: {exc!r}")
+    return ACCEPTED

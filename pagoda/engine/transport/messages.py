@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 
@@ -18,6 +19,17 @@ class AddRequest:
     arrival_time: float | None
     cache_salt: str | None
     priority: int
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class UpdateLoRA:
+    """Load (`lora_request` with a path) or unload (`unload=True`) an adapter at run time.
+    Answered like an AddRequest under `control_id`: ACCEPTED or the InvalidRequest refusing it."""
+
+    control_id: str
+    lora_request: LoRARequest
+    unload: bool = False
 
 
 @dataclass
@@ -30,7 +42,7 @@ class Shutdown:
     pass
 
 
-ToEngine = Union[AddRequest, AbortRequests, Shutdown]
+ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, Shutdown]
 
 # The engine accepted an AddRequest.
 ACCEPTED = "accepted"

@@ -21,7 +21,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
-from pagoda.engine.transport.engine_loop import build_engine, run_engine_loop
+from pagoda.engine.transport.engine_loop import build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Emitted, Shutdown, ToEngine
 
 if TYPE_CHECKING:
@@ -131,6 +131,16 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", EngineInfo.of(engine)))
+    sending = threading.Lock()  # the loop's batches and a worker-failure report share the pipe
+
+    def report_failure(reason: str) -> None:
+        with sending:
+            try:
+                conn.send(("dead", reason))
+            except OSError:
+                pass
+
+    report_worker_failures(engine, report_failure)
 
     def take(block: bool) -> list[ToEngine]:
         messages = [conn.recv()] if block else []
@@ -139,7 +149,8 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
         return messages
 
     def emit(emitted: Emitted, stats: "EngineStats") -> None:
-        conn.send(("batch", emitted, stats))
+        with sending:
+            conn.send(("batch", emitted, stats))
 
     try:
         run_engine_loop(engine, take, emit)
@@ -147,7 +158,4 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
         return  # the front went away
     except BaseException as exc:
         logger.exception("engine loop died")
-        try:
-            conn.send(("dead", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
+        report_failure(f"{type(exc).__name__}: {exc}")

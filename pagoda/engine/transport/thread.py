@@ -16,7 +16,7 @@ import threading
 from pagoda.config import EngineConfig
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
-from pagoda.engine.transport.engine_loop import build_engine, run_engine_loop
+from pagoda.engine.transport.engine_loop import build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class ThreadTransport(EngineTransport):
                 ready.set()
                 return
             built.append(engine)
+            report_worker_failures(engine, lambda reason: on_death(RuntimeError(reason)))
             ready.set()
             try:
                 run_engine_loop(engine, self._take, on_emitted)

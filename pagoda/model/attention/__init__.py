@@ -11,13 +11,9 @@ __all__ = ["AttentionBackend", "AttentionLayerSpec", "BatchLayout", "select_back
 
 
 def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | None = None) -> AttentionBackend:
-    """`auto` means Triton on CUDA when it is installed, the torch reference otherwise. A
-    quantized KV cache (int8/fp8) is read by the torch backend only so far."""
-    quantized_kv = kv_format is not None and kv_format.quantized
-    if quantized_kv and name == "triton":
-        raise ValueError(f"kv_cache_dtype {kv_format.name} is supported by the torch attention backend only "
-                         f"(use --attention-backend torch or auto)")
-    if name in ("auto", "triton") and device.type == "cuda" and not quantized_kv:
+    """`auto` means Triton on CUDA when it is installed, the torch reference otherwise. Both
+    read every KV cache dtype (`kv_format`; None: the model dtype)."""
+    if name in ("auto", "triton") and device.type == "cuda":
         try:
             from pagoda.model.attention.triton_backend import TritonAttentionBackend
         except ImportError:
@@ -25,7 +21,7 @@ def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | N
                 raise ValueError("attention_backend=triton needs the `triton` package "
                                  "(pip install 'pagoda[gpu]')") from None
         else:
-            return TritonAttentionBackend()
+            return TritonAttentionBackend(kv_format=kv_format)
     if name == "triton" and device.type != "cuda":
         raise ValueError("attention_backend=triton needs a CUDA device")
     if name not in ("auto", "torch", "triton"):

@@ -9,7 +9,9 @@ over static buffers replays correctly after the buffers are refilled (see
 Per step, one of three paths:
 - decode-only batches: the split-KV decode kernel (flash-decoding) + its reduction;
 - one request prefilling from position 0 in 16-bit dtypes: torch's SDPA (FlashAttention-2)
-  on the new keys/values directly, for layers without a sliding window;
+  on the new keys/values directly, for layers without a sliding window (not with a quantized
+  KV cache: attention must read the stored, quantized values, as later steps and prefix-cache
+  hits do, so that results do not depend on how a prompt was scheduled);
 - everything else (chunked prefill over a cached prefix, mixed prefill + decode batches,
   sliding windows, speculative verification): the paged flash-attention kernel.
 """
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 
 from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.model.attention.triton_kernels import BLOCK_N, decode_attention, prefill_attention, write_kv_cache
+from pagoda.model.attention.triton_kv_codec import MODEL_DTYPE, KVCacheEncoding
+from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
 @dataclass
@@ -41,13 +45,14 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """`decode_splits` fixes the split count of the decode kernel (None: sized from the batch and
     the GPU). `min_partition` is the shortest context slice worth its own program.
-    `sdpa_min_tokens` is the prompt length from which a lone prefill goes to SDPA (None: never)."""
+    `sdpa_min_tokens` is the prompt length from which a lone prefill goes to SDPA (None: never).
+    `kv_format`: how the caches store K/V (None or auto: the model dtype)."""
 
     name = "triton"
     supports_cuda_graphs = True  # metadata holds the layout's tensors and batch-size-only host values
 
     def __init__(self, decode_splits: int | None = None, max_decode_splits: int = 16, min_partition: int = 256,
-                 sdpa_min_tokens: int | None = 512) -> None:
+                 sdpa_min_tokens: int | None = 512, kv_format: KVCacheFormat | None = None) -> None:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
         if min_partition < 1:
@@ -55,7 +60,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_splits = decode_splits
         self.max_decode_splits = max_decode_splits
         self.min_partition = min_partition
-        self.sdpa_min_tokens = sdpa_min_tokens
+        self.kv = KVCacheEncoding.of(kv_format)
+        self.sdpa_min_tokens = sdpa_min_tokens if self.kv.mode == MODEL_DTYPE else None
         self._num_sms: dict[torch.device, int] = {}
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TritonAttentionMetadata:
@@ -80,18 +86,18 @@ class TritonAttentionBackend(AttentionBackend):
                 key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
                 spec: AttentionLayerSpec) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv)
         if metadata.sdpa_prefill and spec.sliding_window is None and query.dtype != torch.float32:
             return self._sdpa_prefill(query, key, value, spec)
         output = torch.empty_like(query)
         if metadata.decode_only:
             decode_attention(output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                              spec.scale, spec.sliding_window,
-                             self._num_splits(metadata, spec, query.device), self.min_partition)
+                             self._num_splits(metadata, spec, query.device), self.min_partition, self.kv)
         else:
             prefill_attention(output, query, key_cache, value_cache, metadata.block_tables,
                               metadata.query_start_loc, metadata.seq_lens, spec.scale, spec.sliding_window,
-                              metadata.max_query_len)
+                              metadata.max_query_len, self.kv)
         return output
 
     @staticmethod

@@ -18,6 +18,12 @@ Three kernels plus a reduction:
   sequences still fill the GPU, and a second kernel merges the partial softmaxes.
 
 Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale) and accumulates in fp32.
+
+Quantized caches (--kv-cache-dtype, the KV_QUANT constexpr; layouts in pagoda.quant.kv_cache_dtype)
+are uint8: the write kernel quantizes each new [head_dim] vector (triton_kv_codec), and the
+attention tiles decode keys and values to the query's dtype right after loading them. A key's
+scale multiplies its column of scores after the dot (one multiply per score, not per element);
+a value's scale multiplies its row of the value tile before the dot.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.model.attention.triton_kv_codec import (MODEL_DTYPE, PER_TOKEN_SCALE, KVCacheEncoding, decode_bytes,
+                                                    encode_vectors)
 
 LOG2E = 1.4426950408889634
 
@@ -44,8 +53,10 @@ def _write_kv_kernel(
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
+    key_scale, value_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, LARGEST: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -58,13 +69,34 @@ def _write_kv_kernel(
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
 
     key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
-    key_dst = key_cache_ptr + block * stride_kc_block + row * stride_kc_slot
-    tl.store(key_dst + heads[:, None] * stride_kc_head + dims[None, :], key, mask=mask)
+    key_dst = key_cache_ptr + block * stride_kc_block + row * stride_kc_slot + heads * stride_kc_head
+    _store_vectors(key_dst, key, key_scale, heads < NUM_KV_HEADS, dims, mask,
+                   HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST)
 
     value = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
                     mask=mask)
-    value_dst = value_cache_ptr + block * stride_vc_block + row * stride_vc_slot
-    tl.store(value_dst + heads[:, None] * stride_vc_head + dims[None, :], value, mask=mask)
+    value_dst = value_cache_ptr + block * stride_vc_block + row * stride_vc_slot + heads * stride_vc_head
+    _store_vectors(value_dst, value, value_scale, heads < NUM_KV_HEADS, dims, mask,
+                   HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST)
+
+
+@triton.jit
+def _store_vectors(dst, x, tensor_scale, head_valid, dims, mask,
+                   HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, LARGEST: tl.constexpr):
+    """x [heads, dims] -> the cache entries starting at dst [heads], encoded as KV_QUANT says.
+    Divisions are IEEE-rounded (div_rn) to write what KVCacheFormat.encode writes."""
+    if KV_QUANT == 0:
+        tl.store(dst[:, None] + dims[None, :], x, mask=mask)
+    else:
+        x = x.to(tl.float32)
+        if KV_QUANT == 1:
+            amax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
+            scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, LARGEST, tl.float32))
+            scaled = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
+            tl.store((dst + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=head_valid)
+        else:
+            scaled = tl.math.div_rn(x, tl.full(x.shape, tensor_scale, tl.float32))
+        tl.store(dst[:, None] + dims[None, :], encode_vectors(scaled, KV_TYPE, LARGEST), mask=mask)
 
 
 @triton.jit
@@ -72,8 +104,9 @@ def _attend_tile(
     q, m_i, l_i, acc, key_start, kv_end, query_pos,
     key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, dims, dim_valid, qk_scale,
     stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head, key_scale, value_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) (masked to < kv_end
     and to each row's causal / sliding-window range). Scores are in base-2 units."""
@@ -82,9 +115,19 @@ def _attend_tile(
     blocks = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     rows = keys % BLOCK_SIZE
     k_offsets = blocks * stride_kc_block + rows * stride_kc_slot + kv_head * stride_kc_head
-    k = tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
-                mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [D, N]
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N] fp32
+    if KV_QUANT == 0:
+        k = tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [D, N]
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N] fp32
+    else:
+        k = decode_bytes(tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
+                                 mask=key_valid[None, :] & dim_valid[:, None], other=0), KV_TYPE).to(q.dtype)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if KV_QUANT == 1:
+            scores = scores * tl.load((key_cache_ptr + k_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                                      mask=key_valid, other=0.0)[None, :]
+        else:
+            scores = scores * key_scale
 
     visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
     if SLIDING_WINDOW > 0:
@@ -99,8 +142,18 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v_offsets = blocks * stride_vc_block + rows * stride_vc_slot + kv_head * stride_vc_head
-    v = tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
-                mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [N, D]
+    if KV_QUANT == 0:
+        v = tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [N, D]
+    else:
+        v = decode_bytes(tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
+                                 mask=key_valid[:, None] & dim_valid[None, :], other=0), KV_TYPE).to(tl.float32)
+        if KV_QUANT == 1:
+            v_scales = tl.load((value_cache_ptr + v_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                               mask=key_valid, other=0.0)
+            v = (v * v_scales[:, None]).to(q.dtype)
+        else:
+            v = (v * value_scale).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -128,10 +181,10 @@ def _prefill_attention_kernel(
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_bt,
+    stride_bt, key_scale, value_scale,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,7 +225,7 @@ def _prefill_attention_kernel(
             q, m_i, l_i, acc, key_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION)
+            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -188,10 +241,11 @@ def _decode_attention_kernel(
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_bt,
+    stride_bt, key_scale, value_scale,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -228,7 +282,7 @@ def _decode_attention_kernel(
             q, m_i, l_i, acc, key_start, end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION)
+            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -275,9 +329,14 @@ def _reduce_splits_kernel(
 # ---- launchers ------------------------------------------------------------------------------
 
 
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int, kv: KVCacheEncoding) -> None:
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("KV cache rows must be contiguous in head_dim")
+    if kv.mode == PER_TOKEN_SCALE and head_dim % 4:
+        # Each entry's float32 scale sits head_dim bytes in: it must be 4-byte aligned.
+        raise ValueError(f"quantized KV cache with per-token scales needs head_dim divisible by 4, got {head_dim}")
+    if kv.mode != MODEL_DTYPE and key_cache.dtype != torch.uint8:
+        raise ValueError(f"a quantized KV cache is uint8, got {key_cache.dtype}")
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -285,21 +344,23 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """key/value [T, KVH, D] -> the caches at `slot_mapping` [T] (entries < 0 are skipped)."""
+                   slot_mapping: torch.Tensor, kv: KVCacheEncoding = KVCacheEncoding()) -> None:
+    """key/value [T, KVH, D] -> the caches at `slot_mapping` [T] (entries < 0 are skipped),
+    encoded as `kv` says."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache)
+    _check_cache(key_cache, value_cache, head_dim, kv)
     key, value = _rows_contiguous(key), _rows_contiguous(value)
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        kv.key_scale, kv.value_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_SIZE=key_cache.shape[1], KV_QUANT=kv.mode, KV_TYPE=kv.element, LARGEST=kv.largest,
     )
 
 
@@ -321,7 +382,8 @@ def _head_dim_pad(head_dim: int) -> int:
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, sliding_window: int | None, max_query_len: int) -> None:
+                      scale: float, sliding_window: int | None, max_query_len: int,
+                      kv: KVCacheEncoding = KVCacheEncoding()) -> None:
     """Causal attention of every query token over its request's cached context (which already
     holds this step's K/V). query/out [T, H, D]; requests delimited by query_start_loc."""
     num_tokens, num_heads, head_dim = query.shape
@@ -333,7 +395,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     block_m = max(target_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-    _check_cache(key_cache, value_cache)
+    _check_cache(key_cache, value_cache, head_dim, kv)
     query = _rows_contiguous(query)
     _prefill_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
@@ -341,24 +403,25 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), kv.key_scale, kv.value_scale,
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SLIDING_WINDOW=sliding_window or 0, DOT_PRECISION=_dot_precision(query.dtype),
+        KV_QUANT=kv.mode, KV_TYPE=kv.element,
         num_warps=8 if head_dim > 128 else 4, num_stages=_num_stages(query.dtype),
     )
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                     num_splits: int, min_partition: int) -> None:
+                     num_splits: int, min_partition: int, kv: KVCacheEncoding = KVCacheEncoding()) -> None:
     """One query token per request (token i belongs to request i). query/out [R, H, D].
     With num_splits > 1 each request's context is split across that many programs per KV head
     and merged by a second kernel; partitions are at least `min_partition` tokens long."""
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
-    _check_cache(key_cache, value_cache)
+    _check_cache(key_cache, value_cache, head_dim, kv)
     query = _rows_contiguous(query)
     if num_splits > 1:
         partial_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -375,11 +438,12 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), kv.key_scale, kv.value_scale,
         NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=BLOCK_N, SLIDING_WINDOW=sliding_window or 0, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(query.dtype), num_warps=4, num_stages=_num_stages(query.dtype),
+        DOT_PRECISION=_dot_precision(query.dtype), KV_QUANT=kv.mode, KV_TYPE=kv.element,
+        num_warps=4, num_stages=_num_stages(query.dtype),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_reqs, num_heads)](

@@ -1,0 +1,98 @@
+"""Joining the tensor-parallel group, and the control channel that carries Python objects.
+
+Each group is a standalone torch.distributed backend object built on a TCPStore that rank 0
+hosts (no process-global default group, so several engines can live in one process one after
+another). On CPU one gloo group does everything; on CUDA the model's collectives run on NCCL
+and the control messages on a second, gloo, group (objects are pickled on the host).
+
+Gloo notices a peer that died at once (its socket closes: "Connection closed by peer"), so a
+rank blocked in a collective fails instead of hanging; the groups get a very long operation
+timeout because a worker waits in a broadcast for as long as the engine is idle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from pagoda.model.parallel import TensorParallelGroup
+
+# A worker waits for the next step as long as the engine stays idle.
+OPERATION_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where rank 0's TCPStore listens."""
+
+    host: str
+    port: int
+
+
+@dataclass
+class Groups:
+    """A rank's two views of the group: the model's collectives and the control channel."""
+
+    model: TensorParallelGroup
+    control: Any  # a torch.distributed backend (ProcessGroupGloo)
+    store: Any  # kept alive while the groups are (rank 0 hosts it)
+
+
+def host_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """Rank 0's TCPStore on a free port (workers connect to it)."""
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join(rank: int, world_size: int, device: torch.device, store: Any) -> Groups:
+    """Build this rank's groups; returns once every rank has joined."""
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, OPERATION_TIMEOUT)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        model_backend = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, world_size, options)
+    else:
+        model_backend = control
+    return Groups(TensorParallelGroup(rank, world_size, model_backend), control, store)
+
+
+def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float) -> Groups:
+    """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
+    store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    store.set(f"connected/{rank}", "1")
+    return join(rank, world_size, device, store)
+
+
+def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float) -> None:
+    """Rank 0, before joining: wait until every worker reached the store, giving up at once if
+    one died on the way (`failed()` returns why) instead of sitting in the group's rendezvous
+    until its timeout."""
+    keys = [f"connected/{rank}" for rank in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        reason = failed()
+        if reason is not None:
+            raise RuntimeError(f"tensor parallelism could not start: {reason}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel workers did not connect within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
+    """Rank 0 sends `obj` (pickled), every other rank returns it."""
+    if rank == 0:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+    control.broadcast(size, 0).wait()
+    if rank != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    control.broadcast(payload, 0).wait()
+    return obj if rank == 0 else pickle.loads(payload.numpy().tobytes())

@@ -1,0 +1,214 @@
+"""Tensor parallelism inside the model: the rank's group and how each layer is split.
+
+One `TensorParallelGroup` per model (world size 1 when there is no parallelism). The model code
+asks it for shards and passes them to its layers; it never looks at the rank itself:
+
+- `LinearShard`: which rows (output features, per fused part) and which columns (input
+  features) of a checkpoint's weight this rank holds. Column-parallel layers (q/k/v, gate/up,
+  LM head) split the rows, row-parallel ones (o, down) split the columns and all-reduce their
+  output. The loaders narrow checkpoint tensors with `take`.
+- `AttentionHeads`: the rank's query heads and KV heads. KV heads are split like the query
+  heads, or replicated when there are fewer KV heads than ranks (each rank keeps the one KV
+  head its query heads read). Each rank's KV cache holds only its KV heads.
+- Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the
+  vocabulary (padded to a multiple of the world size); embeddings are all-reduced (other ranks
+  contribute zeros), logits all-gathered so the sampler sees the whole vocabulary.
+
+The collectives run on a standalone torch.distributed backend (ProcessGroupGloo on CPU,
+ProcessGroupNCCL on CUDA) built by pagoda.executor, so no process-global default group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements [start, start + size) of one dimension."""
+
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """This rank's piece of a Linear's full weight [sum(parts), in_features].
+
+    `parts` are the full sizes of the fused output parts (q, k, v; gate, up; or one part);
+    `rows[i]` is the rank's slice of part i (may run past the part's end for a padded vocabulary:
+    those rows stay zero); `columns` is the rank's slice of the input features. `reduce`: the
+    layer's output is a partial sum, all-reduced in the layer (row parallel)."""
+
+    parts: tuple[int, ...]
+    rows: tuple[Slice, ...]
+    in_features: int
+    columns: Slice
+    reduce: bool = False
+
+    @classmethod
+    def whole(cls, in_features: int, out_features: int) -> "LinearShard":
+        """No parallelism: every row and column."""
+        return cls((out_features,), (Slice(0, out_features),), in_features, Slice(0, in_features))
+
+    @property
+    def local_out(self) -> int:
+        return sum(s.size for s in self.rows)
+
+    @property
+    def local_in(self) -> int:
+        return self.columns.size
+
+    @property
+    def is_split(self) -> bool:
+        return self.local_out != sum(self.parts) or self.local_in != self.in_features
+
+    def full_shape(self, part: int | None, param: str) -> tuple[int, ...]:
+        """Shape the checkpoint tensor of `param` ("weight" or "bias") has, for one fused part
+        (None: the whole parameter)."""
+        rows = sum(self.parts) if part is None else self.parts[part]
+        return (rows,) if param == "bias" else (rows, self.in_features)
+
+    def take(self, tensor: torch.Tensor, part: int | None, param: str) -> tuple[int, torch.Tensor]:
+        """(row offset in the local parameter, this rank's piece of the checkpoint tensor of
+        `param` ("weight" or "bias") for one fused part, None: the whole parameter)."""
+        offset, piece = self._take_rows(tensor, part)
+        if param != "bias":
+            piece = piece[:, self.columns.start:self.columns.start + self.columns.size]
+        return offset, piece
+
+    def take_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, part: int | None,
+                  group_size: int, layer_name: str) -> tuple[int, tuple[torch.Tensor | None, ...]]:
+        """The rank's piece of int4 codes [rows, K] with scales/zeros [rows, K / group]."""
+        if self.columns.start % group_size or self.columns.size % group_size:
+            raise ValueError(f"{layer_name}: its int4 groups of {group_size} do not divide this rank's input "
+                             f"slice of {self.columns.size} columns; use a smaller tensor_parallel_size")
+        offset, codes = self.take(codes, part, "weight")
+        groups = slice(self.columns.start // group_size, (self.columns.start + self.columns.size) // group_size)
+        grouped = tuple(None if t is None else self._take_rows(t, part)[1][:, groups] for t in (scales, zeros))
+        return offset, (codes, *grouped)
+
+    def _take_rows(self, tensor: torch.Tensor, part: int | None) -> tuple[int, torch.Tensor]:
+        if part is not None:
+            row = self.rows[part]
+            stop = min(row.start + row.size, self.parts[part])
+            return sum(s.size for s in self.rows[:part]), tensor[row.start:stop]
+        pieces, base = [], 0
+        for full, row in zip(self.parts, self.rows):
+            stop = min(row.start + row.size, full)
+            pieces.append(tensor[base + row.start:base + stop])
+            base += full
+        return 0, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The rank's attention heads: counts, and its rows of the q and k/v projections."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_rows: Slice
+    kv_rows: Slice
+
+
+class TensorParallelGroup:
+    """A rank's place among `world_size` tensor-parallel ranks, and its collectives.
+
+    `backend` is a torch.distributed backend object (ProcessGroupGloo / ProcessGroupNCCL) or None
+    for world size 1."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, backend: Any = None) -> None:
+        if world_size > 1 and backend is None:
+            raise ValueError("a tensor-parallel group of more than one rank needs a torch.distributed backend")
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+
+    # ---- collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.backend.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    # ---- shards --------------------------------------------------------------------------------
+
+    def split(self, total: int, what: str) -> Slice:
+        if total % self.world_size:
+            raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({self.world_size})")
+        size = total // self.world_size
+        return Slice(self.rank * size, size)
+
+    def column(self, in_features: int, *parts: int, what: str = "output features") -> LinearShard:
+        """Output rows split evenly, part by part (gate and up each split in N)."""
+        rows = tuple(self.split(p, what) for p in parts)
+        return LinearShard(tuple(parts), rows, in_features, Slice(0, in_features))
+
+    def row(self, in_features: int, out_features: int, what: str = "input features") -> LinearShard:
+        """Input columns split evenly; the partial outputs are all-reduced."""
+        return LinearShard((out_features,), (Slice(0, out_features),), in_features,
+                           self.split(in_features, what), reduce=self.world_size > 1)
+
+    def attention_heads(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionHeads:
+        heads = self.split(num_heads, "num_attention_heads")
+        if num_kv_heads >= self.world_size:
+            kv = self.split(num_kv_heads, "num_key_value_heads")
+        else:  # fewer KV heads than ranks: each rank keeps the one its query heads use
+            if self.world_size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({self.world_size}) must be a multiple of "
+                                 f"num_key_value_heads ({num_kv_heads}) when it is larger")
+            kv = Slice(self.rank * num_kv_heads // self.world_size, 1)
+        return AttentionHeads(heads.size, kv.size, head_dim, Slice(heads.start * head_dim, heads.size * head_dim),
+                              Slice(kv.start * head_dim, kv.size * head_dim))
+
+    def qkv(self, in_features: int, heads: AttentionHeads, num_heads: int, num_kv_heads: int) -> LinearShard:
+        q, kv = num_heads * heads.head_dim, num_kv_heads * heads.head_dim
+        return LinearShard((q, kv, kv), (heads.q_rows, heads.kv_rows, heads.kv_rows), in_features,
+                           Slice(0, in_features))
+
+    def vocab(self, vocab_size: int, hidden_size: int) -> LinearShard:
+        """The rank's rows of the vocabulary, padded up to a multiple of the world size."""
+        size = -(-vocab_size // self.world_size)
+        return LinearShard((vocab_size,), (Slice(self.rank * size, size),), hidden_size, Slice(0, hidden_size))
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Local vocabulary logits [T, V / N] -> the whole vocabulary [T, V] on every rank."""
+        return self.all_gather_last_dim(logits)[..., :vocab_size]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding over the rank's slice of the vocabulary; ids of other ranks embed to zero and
+    the all-reduce fills them in. Parameter `weight` [local vocab, hidden] like nn.Embedding's."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.shard = group.vocab(vocab_size, hidden_size)
+        # Zeros: the padding rows past the vocabulary are never loaded.
+        self.weight = nn.Parameter(torch.zeros(self.shard.local_out, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        rows = self.shard.rows[0]
+        local = input_ids - rows.start
+        outside = (local < 0) | (local >= rows.size)
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(embedded)

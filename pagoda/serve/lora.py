@@ -1,0 +1,89 @@
+"""LoRA adapters on the HTTP side: adapters are model names.
+
+- A request's `model` is the served model (the base) or a loaded adapter's name; an adapter the
+  caller's tenant may not use answers exactly like one that does not exist (404
+  model_not_found), so tenants cannot probe each other's adapters.
+- `/v1/models` lists the base model and the adapters the caller may use, each with
+  `parent` = the base model (vLLM's shape).
+- `POST /v1/load_lora_adapter` {lora_name, lora_path} and `POST /v1/unload_lora_adapter`
+  {lora_name} (vLLM's shapes) change the loaded set between engine steps; only with
+  --allow-runtime-lora and only for admin keys.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel
+
+from pagoda.engine.async_llm import EngineDeadError
+from pagoda.errors import InvalidRequest
+from pagoda.lora_request import LoRARequest
+from pagoda.serve.errors import APIError, bad_request, engine_unavailable, invalid_request, model_not_found
+from pagoda.serve.protocol import ModelCard
+from pagoda.serve.serving import ServeContext
+from pagoda.serve.tenants import Tenant
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # accepted for vLLM clients; the name decides
+
+
+def resolve_model(ctx: ServeContext, model: str | None, tenant: Tenant) -> LoRARequest | None:
+    """The adapter a request's `model` names (None: the base model); 404 for anything else."""
+    if model is None or model == ctx.model_name:
+        return None
+    if model in ctx.llm.lora_names and ctx.settings.tenants.may_use_adapter(tenant, model):
+        return LoRARequest(model)
+    raise model_not_found(model)
+
+
+def adapter_cards(ctx: ServeContext, tenant: Tenant, created: int) -> list[ModelCard]:
+    return [ModelCard(id=name, created=created, root=name, parent=ctx.model_name,
+                      max_model_len=ctx.llm.max_model_len)
+            for name in sorted(ctx.llm.lora_names) if ctx.settings.tenants.may_use_adapter(tenant, name)]
+
+
+def _check_allowed(ctx: ServeContext, tenant: Tenant) -> None:
+    if not ctx.settings.allow_runtime_lora:
+        raise APIError(404, "Loading and unloading LoRA adapters at run time is off; start the server with "
+                            "--allow-runtime-lora.", type="not_found_error", code="runtime_lora_disabled")
+    if not tenant.admin:
+        raise APIError(403, "Only admin keys may load or unload LoRA adapters.", type="permission_error",
+                       code="admin_required")
+
+
+async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapterRequest,
+                            tenant: Tenant) -> Response:
+    _check_allowed(ctx, tenant)
+    name = body.lora_name.strip()
+    if not name or not body.lora_path.strip():
+        raise bad_request("Both lora_name and lora_path must be non-empty.", param="lora_name")
+    if name == ctx.model_name:
+        raise bad_request(f"The LoRA adapter name {name!r} is the served model's name.", param="lora_name",
+                          code="lora_adapter_exists")
+    try:
+        await ctx.llm.add_lora(LoRARequest(name, 0, body.lora_path))
+    except InvalidRequest as error:
+        raise invalid_request(error) from None
+    except EngineDeadError:
+        raise engine_unavailable() from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(ctx: ServeContext, _: Request, body: UnloadLoRAAdapterRequest,
+                              tenant: Tenant) -> Response:
+    _check_allowed(ctx, tenant)
+    try:
+        await ctx.llm.remove_lora(body.lora_name)
+    except InvalidRequest as error:
+        raise invalid_request(error) from None
+    except EngineDeadError:
+        raise engine_unavailable() from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

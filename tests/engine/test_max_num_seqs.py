@@ -1,0 +1,123 @@
+"""The --max-num-seqs default: the policy on a fake step-time function (deterministic), then
+one engine and one server that report the value they chose."""
+
+from __future__ import annotations
+
+import httpx
+
+from pagoda.config import EngineConfig
+from pagoda.core.capacity import sequences_that_fit
+from pagoda.engine.max_num_seqs import CEILING, choose_max_num_seqs, resolve_max_num_seqs
+from pagoda.plan import build_plan, count_params_from_architecture, model_shape_from_config
+
+
+class LinearStep:
+    """A decode step of `batch` sequences takes base + per_seq * batch ms; records the calls."""
+
+    def __init__(self, base: float, per_seq: float) -> None:
+        self.base, self.per_seq, self.calls = base, per_seq, []
+
+    def __call__(self, batch: int) -> float:
+        self.calls.append(batch)
+        return self.base + self.per_seq * batch
+
+
+def choose(step, *, num_blocks=10_000, block_size=16, budget=50.0, token_budget=2048):
+    return choose_max_num_seqs(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=token_budget,
+                               itl_budget_ms=budget, step_time_ms=step)
+
+
+def test_hardware_bound_interpolates_between_the_last_probe_within_budget_and_the_first_over() -> None:
+    step = LinearStep(base=10.0, per_seq=0.5)  # 50 ms at 80 sequences
+    choice = choose(step)
+    assert choice.value == choice.hardware_bound == 80 and not choice.explicit
+    assert step.calls == [1, 4, 16, 64, 256, 256]  # stops at the first probe over budget, confirmed once
+    assert choice.step_ms[-1] == (256, 138.0)
+    assert "ITL budget" in choice.describe() and "80" in choice.describe()
+
+
+def test_kv_pool_bounds_it_with_the_formula_plan_uses() -> None:
+    step = LinearStep(base=1.0, per_seq=0.01)  # fast hardware: the pool binds
+    choice = choose(step, num_blocks=40)
+    assert choice.value == choice.kv_bound == sequences_that_fit(40, 16, 1) == 40 and choice.hardware_bound is None
+    assert step.calls == [1, 4, 16, 40]  # no batch the pool cannot hold is measured
+    assert "bound by the KV pool" in choice.describe()
+    # plan's worksheet counts sequences with the same function
+    shape = model_shape_from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "vocab_size": 1000, "max_position_embeddings": 512})
+    plan = build_plan(shape, count_params_from_architecture(shape), model="m", memory_bytes=2**24, dtype="fp32",
+                      kv_dtype="fp32", context=512, block_size=16, reserve_bytes=0, classes=[])
+    assert plan.full_context_seqs == sequences_that_fit(plan.num_blocks, 16, 512)
+
+
+def test_ceiling_token_budget_and_a_budget_nothing_meets() -> None:
+    fast = LinearStep(base=0.1, per_seq=0.001)
+    assert choose(fast).value == CEILING and "bound by the ceiling of 256" in choose(fast).describe()
+    small_steps = LinearStep(base=0.1, per_seq=0.001)
+    # no step decodes more sequences than its token budget: larger batches are never measured
+    assert choose(small_steps, token_budget=32).value == CEILING and max(small_steps.calls) == 32
+    slow = LinearStep(base=80.0, per_seq=1.0)
+    choice = choose(slow)
+    assert choice.value == 1 and slow.calls == [1, 1]  # one sequence is over budget: serve one at a time
+
+
+def test_a_noisy_probe_is_measured_again() -> None:
+    spikes = iter([1.0, 2.0, 500.0, 3.0, 4.0, 9.0])  # 16 spikes once; the repeat is within budget
+
+    def step(batch: int) -> float:
+        return next(spikes)
+
+    assert choose(step, budget=10.0).step_ms == ((1, 1.0), (4, 2.0), (16, 3.0), (64, 4.0), (256, 9.0))
+
+
+def test_an_explicit_value_wins_without_calibrating() -> None:
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"calibration touched the engine ({name})")
+
+    choice = resolve_max_num_seqs(Untouchable(), 7, itl_budget_ms=50.0)
+    assert choice.value == 7 and choice.explicit and choice.describe() == "7 (--max-num-seqs)"
+
+
+def test_engine_chooses_reports_and_leaves_no_trace(llama_dir) -> None:
+    from pagoda.engine.llm_engine import LLMEngine
+
+    # A budget no step meets makes the choice deterministic on any machine: one at a time.
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
+                                    max_num_seqs_itl_ms=1e-6))
+    core = engine.core
+    assert core.max_num_seqs_choice.value == core.scheduler.max_num_seqs == 1
+    stats = core.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and not core.requests
+    assert stats.num_prompt_tokens == stats.num_generation_tokens == 0 and core.scheduler.prefix_cache_queries == 0
+    roomy = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=12))
+    assert 1 <= roomy.core.max_num_seqs_choice.value <= 12 == roomy.core.max_num_seqs_choice.kv_bound
+
+
+def test_offline_llm_is_bound_by_the_kv_pool_without_calibrating(llama_dir) -> None:
+    from pagoda.engine.llm import LLM
+
+    llm = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12)
+    choice = llm.engine.core.max_num_seqs_choice
+    assert choice.value == choice.kv_bound == 12 and choice.step_ms == () and choice.itl_budget_ms is None
+    assert "no ITL budget" in choice.describe()
+    calibrated = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12, max_num_seqs_itl_ms=1e-6)
+    assert calibrated.engine.core.max_num_seqs_choice.value == 1
+
+
+def test_server_reports_the_chosen_value_in_models_banner_and_limits(tmp_path) -> None:
+    from pagoda.serve.launch import max_num_seqs_line
+    from server_utils import MODEL_NAME, build_tiny_model, start_server
+
+    live = start_server(build_tiny_model(tmp_path), engine={"max_num_seqs": None, "max_num_seqs_itl_ms": 1e-6})
+    try:
+        assert live.llm.config.max_num_seqs == 1
+        line = max_num_seqs_line(live.llm)
+        assert line.startswith("1 (auto, bound by the ITL budget") and "calibrated in" in line
+        with httpx.Client(base_url=live.url, timeout=60) as http:
+            assert http.get("/v1/models").json()["data"][0]["max_num_seqs"] == 1
+            response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a", "n": 2, "max_tokens": 2})
+            assert response.status_code == 400 and "--max-num-seqs" in response.json()["error"]["message"]
+    finally:
+        live.stop()
