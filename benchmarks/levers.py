@@ -48,11 +48,78 @@ def _all_cores(engine: Any) -> int:
     return available_cores()
 
 
+def _unfused_layer_ops(engine: Any) -> None:
+    """The decoder's small ops as they were before the fused forms (same math, more kernels):
+    RMSNorm as transformers' five ops, cos/sin gathered again in every layer, q and k rotated
+    apart with rotate_half's slice/neg/cat, decode attention gathering its queries and
+    scattering its output even when its group is the whole batch. Bound to this engine only."""
+    import types
+
+    import torch
+
+    from pagoda.model.layers import RMSNorm
+    from pagoda.model.llama import Attention
+
+    model = engine.core.runner.model
+    rotary = model.rotary
+    half = rotary.half
+    sin = torch.cat((-rotary.sin_rolled[:, :half], rotary.sin_rolled[:, half:]), dim=-1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)
+
+    def attention_forward(self: Attention, hidden: torch.Tensor, positions: torch.Tensor, _rotary: Any,
+                          context: Any) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin_rows = rotary.cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        q, k = q * cos + rotate_half(q) * sin_rows, k * cos + rotate_half(k) * sin_rows
+        key_cache, value_cache = context.kv_caches[self.layer_index]
+        out = context.backend.forward(q, k, v.contiguous(), key_cache, value_cache, context.metadata, self.spec)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def model_forward(self: Any, input_ids: torch.Tensor, positions: torch.Tensor, context: Any) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, positions, None, context)  # positions where the tables were
+        return self.model.norm(hidden)
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = types.MethodType(norm_forward, module)
+        elif isinstance(module, Attention):
+            module.forward = types.MethodType(attention_forward, module)
+    model.forward = types.MethodType(model_forward, model)
+
+    backend = engine.core.runner.backend  # decode attention gathers q and scatters its output again
+    prepare = backend.prepare
+
+    def prepare_without_whole_batch(*args: Any, **kwargs: Any) -> Any:
+        metadata = prepare(*args, **kwargs)
+        metadata.whole_batch_decode = False
+        return metadata
+
+    backend.prepare = prepare_without_whole_batch
+
+
 # lever -> how to take it out of a built engine; returns the torch thread count the engine
 # without the lever steps with (None: the same as with it)
 LEVERS: dict[str, Callable[[Any], int | None]] = {
     "prepack": _without_prepacked_weights,
     "thread-policy": _all_cores,  # the serving policy (engine/threads.py) vs every core
+    "layer-ops": _unfused_layer_ops,  # fused RMSNorm, q+k rotary in one op, tables once per step, whole-batch decode
 }
 
 

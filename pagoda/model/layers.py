@@ -70,6 +70,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel instead of five; in float32 it computes transformers' ops
+            # (mean of squares, rsqrt, scale, weight) with the same results, bit for bit.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         input_dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
@@ -97,7 +101,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position.
+
+    The model gathers a step's rows once (`tables`) and every layer rotates its q and k heads
+    together in one call. rotate_half(x) * sin is computed as roll(x) * sin_rolled, where
+    sin_rolled is sin with its first half negated: the same products with the sign moved
+    to the table, so results are bit-identical to transformers' form with one op fewer."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device) -> None:
@@ -106,17 +115,17 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = head_dim // 2
+        self.half = half
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_rolled", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
+            dtype=dtype, device=device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, KVH, D], positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin_rolled rows for positions [T], shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin_rolled[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
+        """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables."""
+        return heads * cos + heads.roll(self.half, dims=-1) * sin_rolled

@@ -55,19 +55,23 @@ class Attention(nn.Module):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             scale=self.head_dim ** -0.5, sliding_window=config.layer_sliding_windows[layer_index])
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
+        """rope: this step's (cos, sin_rolled) rows from `rotary.tables`, gathered once per step."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(hidden)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is None:
+            # q and k heads side by side in the fused output: one rotation for both
+            qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:  # Qwen3: per-head norms (separate weights) come before the rotation
+            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = rotary(q, *rope), rotary(k, *rope)
         key_cache, value_cache = context.kv_caches[self.layer_index]
-        out = context.backend.forward(q, k, v.contiguous(), key_cache, value_cache, context.metadata, self.spec)
+        out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata, self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -98,10 +102,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device, weight_format, tp)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
         residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), rotary, context)
+        hidden = self.self_attn(self.input_layernorm(hidden), rope, rotary, context)
         hidden = residual + hidden
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
@@ -138,8 +142,9 @@ class LlamaFamilyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)  # once per step, shared by every layer
         for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.rotary, context)
+            hidden = layer(hidden, rope, self.rotary, context)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

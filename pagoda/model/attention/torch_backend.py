@@ -44,6 +44,9 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRequest] = field(default_factory=list)
+    # One decode group holding every row of the batch in order (always so at concurrency 1):
+    # its queries are the batch as is, and its output is the layer's, with no gather or scatter.
+    whole_batch_decode: bool = False
 
 
 def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -95,7 +98,8 @@ class TorchAttentionBackend(AttentionBackend):
                 length=total,
                 masks=masks,
             ))
-        return TorchAttentionMetadata(layout.slot_mapping, decodes, prefills)
+        whole_batch = not prefills and decode_rows == list(range(len(query_lens)))
+        return TorchAttentionMetadata(layout.slot_mapping, decodes, prefills, whole_batch and len(decodes) == 1)
 
     @staticmethod
     def _decode_group(layout: BatchLayout, decode_rows: list[int], sliding_windows: set[int | None]) -> DecodeGroup:
@@ -132,16 +136,12 @@ class TorchAttentionBackend(AttentionBackend):
         flat_values.index_copy_(0, metadata.slot_mapping, value if kv_format is None else kv_format.encode(value))
 
         gqa = spec.num_heads != num_kv_heads
+        if metadata.whole_batch_decode:
+            return self._decode(query.unsqueeze(2), metadata.decodes[0], key_cache, value_cache, spec).squeeze(2)
         output = torch.empty_like(query)
         for decode in metadata.decodes:
-            batch = decode.token_index.shape[0]
-            q = query[decode.token_index].unsqueeze(2)  # [B, H, 1, D]
-            shape = (batch, decode.length, num_kv_heads, entry)
-            k = load(key_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)  # [B, KVH, L, D]
-            v = load(value_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=decode.masks[spec.sliding_window],
-                                                 scale=spec.scale, enable_gqa=gqa)
-            output[decode.token_index] = out.squeeze(2)
+            output[decode.token_index] = self._decode(query[decode.token_index].unsqueeze(2), decode,
+                                                      key_cache, value_cache, spec).squeeze(2)
         for prefill in metadata.prefills:
             q = query[prefill.start:prefill.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             k = load(key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
@@ -153,3 +153,13 @@ class TorchAttentionBackend(AttentionBackend):
                                                  scale=spec.scale, enable_gqa=gqa)
             output[prefill.start:prefill.end] = out.squeeze(0).transpose(0, 1)
         return output
+
+    def _decode(self, q: torch.Tensor, decode: DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                spec: AttentionLayerSpec) -> torch.Tensor:
+        """q [B, H, 1, D] of one decode group -> its attention output [B, H, 1, D]."""
+        load = self.kv_format.decode if self.kv_format is not None else (lambda entries: entries)
+        shape = (q.shape[0], decode.length, spec.num_kv_heads, key_cache.shape[-1])
+        k = load(key_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)  # [B, KVH, L, D]
+        v = load(value_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=decode.masks[spec.sliding_window],
+                                              scale=spec.scale, enable_gqa=spec.num_heads != spec.num_kv_heads)
