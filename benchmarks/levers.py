@@ -42,6 +42,14 @@ def _without_prepacked_weights(engine: Any) -> None:
             delattr(module, "packed_weight")  # FullWeight.apply falls back to F.linear
 
 
+def _without_single_row_dense(engine: Any) -> None:
+    from pagoda.model.layers import Linear
+
+    for module in engine.core.runner.model.modules():
+        if isinstance(module, Linear) and hasattr(module, "single_row_weight"):
+            delattr(module, "single_row_weight")  # every row count goes through the packed kernel
+
+
 def _all_cores(engine: Any) -> int:
     from pagoda.engine.threads import available_cores
 
@@ -119,6 +127,7 @@ def _unfused_layer_ops(engine: Any) -> None:
 LEVERS: dict[str, Callable[[Any], int | None]] = {
     "prepack": _without_prepacked_weights,
     "thread-policy": _all_cores,  # the serving policy (engine/threads.py) vs every core
+    "single-row-dense": _without_single_row_dense,  # 1-row products on small weights through F.linear
     "layer-ops": _unfused_layer_ops,  # fused RMSNorm, q+k rotary in one op, tables once per step, whole-batch decode
 }
 

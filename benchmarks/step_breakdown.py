@@ -83,15 +83,18 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
         processing[0] = 0.0
         start = time.perf_counter()
         deltas = engine.step()
-        stepped = time.perf_counter()
+        stepped, send_cpu = time.perf_counter(), time.thread_time()
         sender.send(("batch", [(d.request_id, d) for d in deltas], engine.get_stats()))
-        sent = time.perf_counter()
+        sent, send_cpu = time.perf_counter(), time.thread_time() - send_cpu
         finished += sum(d.finished for d in deltas)
         timings = engine.core.last_step_timings
         record = {phase: getattr(timings, phase) for phase in CORE_PHASES}
         record["output_processing"] = processing[0]
         record["engine_other"] = (stepped - start) - processing[0] - sum(record[p] for p in CORE_PHASES)
         record["ipc_send"] = sent - stepped
+        # What the engine thread itself spent on the send; the rest of its wall time is waiting
+        # for a core after writing woke the reader (the scheduler's doing on a busy machine).
+        record["ipc_send_cpu"] = send_cpu
         record["total"] = sent - start
         record["layers"] = profiler.snapshot()
         record["tokens"] = profiler.tokens
@@ -120,7 +123,7 @@ def _mean_ms(steps: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     n = len(steps)
     mean = {key: 1000 * sum(s[key] for s in steps) / n
-            for key in (*CORE_PHASES, "output_processing", "engine_other", "ipc_send", "total")}
+            for key in (*CORE_PHASES, "output_processing", "engine_other", "ipc_send", "ipc_send_cpu", "total")}
     layers = {kind: 1000 * sum(s["layers"][kind] for s in steps) / n for kind in steps[0]["layers"]}
     lm_head = layers.pop("lm_head")  # the LM head is its own phase (StepTimings.logits)
     layers["other"] = mean["forward"] - sum(layers.values())
@@ -141,6 +144,8 @@ def render(result: dict[str, Any], which: str) -> str:
     rows += [("LM head (logits)", data["logits"]), ("sampling", data["sample"]),
              ("scheduler update", data["update"]), ("output processing (detokenize, stops)", data["output_processing"]),
              ("engine, untimed rest", data["engine_other"]), ("IPC (pickle + pipe send)", data["ipc_send"])]
+    if "ipc_send_cpu" in data:
+        rows.append(("  of which CPU time of the sending thread", data["ipc_send_cpu"]))
     lines = [f"concurrency {result['concurrency']}, {which} steps ({result['decode_steps'] if which == 'decode' else result['steps']}), "
              f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
              f"{'phase':<42}{'ms/step':>9}{'share':>8}"]

@@ -80,12 +80,21 @@ class WeightFormat(ABC):
 # elsewhere (benchmarks/results/step_breakdown, 1 thread, interleaved rounds).
 PACK_ROWS_HINT = 16
 
+# A packed oneDNN call costs ~13 us more than MKL's F.linear before any arithmetic, which a
+# single row (a decode step at concurrency 1) does not earn back on a small weight: on this
+# CPU a 1-row product with a 256x256 / 256x512 / 768x256 weight took 0.29x / 0.52x / 0.61x the
+# packed time through F.linear, while from 1536x256 or 2 rows up the packed kernel is as fast or
+# faster (benchmarks/results/levers/single-row-dense*.json). Weights up to this many elements
+# (1 MiB in float32) also keep their dense copy for 1-row inputs: a bounded extra memory.
+SINGLE_ROW_DENSE_MAX_ELEMENTS = 1 << 18
+
 
 class FullWeight(WeightFormat):
     """The weight as loaded. On CPU, float32 and bfloat16 weights are pre-packed once into
     oneDNN's blocked layout (llama.cpp's REPACK, in torch: what inductor's weight freezing
     does), so no matmul re-packs the weight as `F.linear` does on every call. The packed
-    tensor replaces the dense `weight` (one copy of each projection in memory, not two)."""
+    tensor replaces the dense `weight` (one copy of each projection in memory, not two), except
+    that small float32 weights keep it for 1-row inputs (SINGLE_ROW_DENSE_MAX_ELEMENTS)."""
 
     name = "full"
 
@@ -94,14 +103,19 @@ class FullWeight(WeightFormat):
         if _can_prepack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
             layer.weight_dtype = weight.dtype
-            _replace_staging_weight(layer, packed_weight=packed)
+            small = weight.dtype == torch.float32 and weight.numel() <= SINGLE_ROW_DENSE_MAX_ELEMENTS
+            single_row = {"single_row_weight": weight} if small else {}
+            _replace_staging_weight(layer, packed_weight=packed, **single_row)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
         if packed is None:
             return F.linear(x, layer.weight, bias)
         flat = x.reshape(-1, x.shape[-1]).to(layer.weight_dtype).contiguous()
-        if flat.shape[0] == 0:
+        single_row = getattr(layer, "single_row_weight", None)
+        if single_row is not None and flat.shape[0] == 1:
+            out = F.linear(flat, single_row, bias)
+        elif flat.shape[0] == 0:
             out = flat.new_empty(0, layer.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")

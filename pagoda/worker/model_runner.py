@@ -240,9 +240,12 @@ class ModelRunner(PagedModel):
 
         plain = [(i, owner[1]) for i, owner in enumerate(owners) if owner[0] == "sample"]
         if plain:
-            rows = torch.tensor([offsets[i] for i, _ in plain], device=logits.device)
             requests = [request for _, request in plain]
-            sampled = self.sampler(logits[rows], requests)
+            if len(plain) == logits.shape[0]:  # every row samples one token: no gather
+                sampled = self.sampler(logits, requests)
+            else:
+                sampled = self.sampler(logits[torch.tensor([offsets[i] for i, _ in plain], device=logits.device)],
+                                       requests)
             for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
                 output.sampled_token_ids[request.request_id] = [token_id]
                 if logprobs is not None:

@@ -69,11 +69,13 @@ class Sampler:
         """logits [N, V] float32, one row per request about to receive a token."""
         raw_logits = logits
         logits = self.process(logits, requests)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if greedy_rows:
+        if not random_rows:  # all greedy (the common case): one argmax, no row gathers
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        if greedy_rows and random_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
         if random_rows:
