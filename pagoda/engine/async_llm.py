@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.roles import require_both_role
 from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
@@ -47,6 +48,7 @@ class AsyncLLM:
         transport it must be picklable (a module-level function)."""
         if transport not in ("thread", "process"):
             raise ValueError(f"transport must be 'thread' or 'process', got {transport!r}")
+        require_both_role(config, "the server")
         self.config = config
         self.transport = transport
         self._streams: dict[str, RequestStream] = {}

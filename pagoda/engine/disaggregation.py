@@ -11,6 +11,7 @@ refused and the request is prefilled locally.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -27,12 +28,33 @@ from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
 PHASES = ("queue", "prefill", "transfer", "first_decode")
+# Seconds; the server's TTFT histogram uses the same bounds (a phase is a part of the TTFT).
+PHASE_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class PhaseHistogram:
+    """Counts per bucket of PHASE_BUCKETS (the last one above every bound), their sum and count."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(PHASE_BUCKETS) + 1))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self.counts[bisect.bisect_left(PHASE_BUCKETS, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def copy(self) -> "PhaseHistogram":
+        return PhaseHistogram(list(self.counts), self.sum, self.count)
 
 
 @dataclass
 class DisaggStats:
-    """Cumulative counters of handoffs, and the summed per-request time of each TTFT phase
-    (queue and prefill on the prefill engine, transfer and first decode on the decode engine)."""
+    """Cumulative counters of KV handoffs, and a histogram of each TTFT phase per request:
+    queue and prefill on the prefill engine, transfer and first decode on the decode engine."""
 
     role: str
     handoffs_exported: int = 0
@@ -44,16 +66,14 @@ class DisaggStats:
     blocks_cached: int = 0  # blocks the receiver's prefix cache already held (not sent)
     failures: dict[str, int] = field(default_factory=lambda: {"send": 0, "receive": 0, "refused": 0})
     fallback_prefills: int = 0  # handoffs that failed and were prefilled by the decode engine
-    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    phase_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    phases: dict[str, PhaseHistogram] = field(default_factory=lambda: {p: PhaseHistogram() for p in PHASES})
 
     def observe(self, phase: str, seconds: float) -> None:
-        self.phase_seconds[phase] += max(seconds, 0.0)
-        self.phase_count[phase] += 1
+        self.phases[phase].observe(seconds)
 
     def copy(self) -> "DisaggStats":
-        return dataclasses.replace(self, failures=dict(self.failures), phase_seconds=dict(self.phase_seconds),
-                                   phase_count=dict(self.phase_count))
+        return dataclasses.replace(self, failures=dict(self.failures),
+                                   phases={p: h.copy() for p, h in self.phases.items()})
 
 
 def check_exportable(params: SamplingParams) -> None:

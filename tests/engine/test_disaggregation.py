@@ -12,7 +12,9 @@ import threading
 import pytest
 import torch
 
+from pagoda import LLM
 from pagoda.config import EngineConfig
+from pagoda.errors import InvalidRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer.handoff import KVHandoff, KVListener, TransferError
 from pagoda.sampling_params import SamplingParams
@@ -89,10 +91,10 @@ def test_prefill_decode_pair_matches_one_engine(model_dirs, arch, transport):
     assert run_to_end(decode) == expected
     stats = decode.get_stats().disaggregation
     assert stats.handoffs_imported == 3 and stats.blocks_received == sum(h.header.num_blocks for h in handoffs)
-    assert stats.phase_count["transfer"] == stats.phase_count["first_decode"] == 3
+    assert stats.phases["transfer"].count == stats.phases["first_decode"].count == 3
     sent_stats = prefill.get_stats().disaggregation
     assert sent_stats.blocks_sent == stats.blocks_received and sent_stats.bytes_sent == stats.bytes_received > 0
-    assert sent_stats.phase_count["prefill"] == 3
+    assert sent_stats.phases["prefill"].count == sent_stats.phases["queue"].count == 3
     assert_idle(prefill)
     assert_idle(decode)
 
@@ -235,3 +237,20 @@ def test_shm_across_processes(llama_dir, killed):
     else:
         assert imported == [True, True] and outputs == expected
     assert_idle(decode)
+
+
+def test_roles_are_checked(llama_dir):
+    with pytest.raises(ValueError, match="role"):
+        EngineConfig(model=str(llama_dir), role="router")
+    with pytest.raises(ValueError, match="draft is not supported with role"):
+        EngineConfig(model=str(llama_dir), role="decode", speculative="draft", draft_model=str(llama_dir))
+    with pytest.raises(ValueError, match="role prefill is not supported by the offline LLM yet"):
+        LLM(model=str(llama_dir), role="prefill")
+    prefill = engine(llama_dir, "prefill")
+    with pytest.raises(InvalidRequest, match="n > 1"):
+        prefill.add_request("r", [5, 6, 7], SamplingParams(n=2))
+    # A request that ends with its first token is simply finished, not handed off.
+    prefill.add_request("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
+    outputs = run_to_end(prefill)
+    assert len(outputs["one"]) == 1 and prefill.take_handoffs() == []
+    assert_idle(prefill)
