@@ -181,8 +181,8 @@ class KVHandoffs:
             incoming.reject("no free KV blocks on the decode engine")
             raise TransferError(f"KV handoff of {header.request_id!r} refused: no free KV blocks")
         try:
-            for index, data in incoming.receive(skip):
-                scatter_blocks(self.caches, [request.block_ids[index]], data)
+            for indices, data in incoming.receive(skip):
+                scatter_blocks(self.caches, [request.block_ids[i] for i in indices], data)
         except TransferError:
             self.kv_cache.free(request)
             self.stats.failures["receive"] += 1

@@ -12,12 +12,16 @@ The exchange, in length-prefixed frames (8-byte big-endian length, then the payl
     sender   -> header (JSON: request, block hashes, block layout, the shm segment's name)
     receiver -> reply  (JSON: {"skip": k}: the leading blocks its own prefix cache holds, or
                         {"reject": reason})
-    sender   -> one frame per block k..n-1, in order (index + bytes of every cache tensor)
+    sender   -> blocks k..n-1 in order, in runs of consecutive blocks of at most CHUNK_BYTES
+                (a frame: first index, count, then each cache tensor's bytes of those blocks;
+                over shm the frame is a notice and the bytes are in the segment)
     sender   -> end frame
     receiver -> ack
 
-The receiver allocates its blocks as soon as the header arrives and writes each block as it
-comes, so allocation and the copy of block i overlap the wire time of block i+1. Blocks are
+The receiver allocates its blocks as soon as the header arrives and writes each run as it
+comes, so its copy of one run overlaps the wire time of the next. Runs rather than single
+blocks: a frame per block costs a syscall and a scatter per cache tensor (20 for a 10-layer
+model) for a few KiB each, which dominated the transfer time (benchmarks/kv_transfer.py). Blocks are
 the raw cache entries as stored: quantized KV (int8 / fp8 entries with their scales) travels
 quantized. Every socket operation has a timeout; anything that goes wrong raises
 TransferError on both sides.
@@ -38,7 +42,8 @@ import torch
 
 TRANSPORTS = ("tcp", "shm")
 _LENGTH = struct.Struct(">Q")
-_BLOCK_INDEX = struct.Struct(">I")
+_RUN = struct.Struct(">II")  # first block index, number of blocks
+CHUNK_BYTES = 2 << 20  # a run of blocks per frame: large enough to amortize, small enough to overlap
 _END = b"END"
 MAX_HEADER_BYTES = 64 << 20  # a header larger than this is not a handoff header
 
@@ -235,38 +240,44 @@ class IncomingHandoff:
             pass
         self.close()
 
-    def receive(self, skip: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """Ask for blocks skip..num_blocks-1 and yield (index, one tensor per cache) for each,
-        as it arrives (CPU tensors; valid until the next one is yielded). Acks at the end."""
+    def receive(self, skip: int) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+        """Ask for blocks skip..num_blocks-1 and yield (block indices, one tensor per cache
+        holding those blocks) for each run of them as it arrives (CPU tensors; valid until the
+        next one is yielded). Acks at the end."""
         header = self.header
         _sendall(self._conn, json.dumps({"skip": skip}).encode())
         if self.transport == "shm" and skip < header.num_blocks:
             try:
-                self._shm = _open_segment(str(header.shm_name))
+                self._shm = _Segment(str(header.shm_name))
             except (FileNotFoundError, ValueError) as error:
                 raise TransferError(f"KV shared-memory segment {header.shm_name!r} is gone: {error}") from None
         block_nbytes = header.block_nbytes
-        # One reusable buffer: the yielded tensors view it. For shm each block is copied out of
+        # One reusable buffer: the yielded tensors view it. For shm each run is copied out of
         # the segment first, so no view into the sender's segment outlives this handoff.
-        wire = memoryview(bytearray(_BLOCK_INDEX.size + block_nbytes))
-        for expected in range(skip, header.num_blocks):
+        run_blocks = blocks_per_run(block_nbytes)
+        wire = memoryview(bytearray(_RUN.size + run_blocks * block_nbytes))
+        expected = skip
+        while expected < header.num_blocks:
             (size,) = _LENGTH.unpack(_recv_exact(self._conn, _LENGTH.size))
+            if size < _RUN.size or size > len(wire):
+                raise TransferError(f"KV block frame of {size} bytes is malformed")
+            frame = _recv_exact(self._conn, size, wire[:size])
+            first, count = _RUN.unpack(frame[:_RUN.size])
+            if first != expected or not 0 < count <= min(run_blocks, header.num_blocks - first):
+                raise TransferError(f"KV blocks {first}+{count} arrived, expected a run from block {expected}")
+            nbytes = count * block_nbytes
             if self.transport == "tcp":
-                if size != _BLOCK_INDEX.size + block_nbytes:
-                    raise TransferError(f"KV block frame of {size} bytes, expected {_BLOCK_INDEX.size + block_nbytes}")
-                frame = _recv_exact(self._conn, size, wire)
-                (index,) = _BLOCK_INDEX.unpack(frame[:_BLOCK_INDEX.size])
-                payload = frame[_BLOCK_INDEX.size:]
+                if size != _RUN.size + nbytes:
+                    raise TransferError(f"KV block frame of {size} bytes, expected {_RUN.size + nbytes}")
+                payload = frame[_RUN.size:]
             else:
-                if size != _BLOCK_INDEX.size:
-                    raise TransferError(f"KV block notice of {size} bytes, expected {_BLOCK_INDEX.size}")
-                (index,) = _BLOCK_INDEX.unpack(_recv_exact(self._conn, size))
-                payload = wire[:block_nbytes]
-                payload[:] = self._shm.buf[index * block_nbytes:(index + 1) * block_nbytes]
-            if index != expected:
-                raise TransferError(f"KV block {index} arrived, expected block {expected}")
-            self.bytes_received += block_nbytes
-            yield index, _split_block(payload, header.layout)
+                if size != _RUN.size:
+                    raise TransferError(f"KV block notice of {size} bytes, expected {_RUN.size}")
+                payload = wire[_RUN.size:_RUN.size + nbytes]
+                payload[:] = self._shm.buf[first * block_nbytes:first * block_nbytes + nbytes]
+            self.bytes_received += nbytes
+            yield list(range(first, first + count)), _split_run(payload, header.layout, count)
+            expected += count
         end = bytes(_recv_frame(self._conn))
         if end != _END:
             raise TransferError("KV transfer ended without its end frame")
@@ -298,16 +309,19 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
             raise TransferError(f"the KV receiver refused the handoff: {reply['reject']}")
         skip = int(reply["skip"])
         per_block = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in handoff.blocks]
-        for index in range(skip, header.num_blocks):
-            parts = [memoryview(t[index].numpy()) for t in per_block]
+        run_blocks = blocks_per_run(block_nbytes)
+        for first in range(skip, header.num_blocks, run_blocks):
+            last = min(first + run_blocks, header.num_blocks)
+            parts = [memoryview(t[first:last].numpy()).cast("B") for t in per_block]
+            notice = _RUN.pack(first, last - first)
             if shm is not None:
-                offset = index * block_nbytes
+                offset = first * block_nbytes
                 for part in parts:
                     shm.buf[offset:offset + len(part)] = part
                     offset += len(part)
-                _sendall(sock, _BLOCK_INDEX.pack(index))
+                _sendall(sock, notice)
             else:
-                _sendall(sock, _BLOCK_INDEX.pack(index), *parts)
+                _sendall(sock, notice, *parts)
         _sendall(sock, _END)
         if bytes(_recv_frame(sock)) != b"OK":
             raise TransferError("the KV receiver did not acknowledge the handoff")
@@ -319,17 +333,31 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
             shm.unlink()  # the receiver has its own mapping (or gave up): the name can go
 
 
-def _open_segment(name: str) -> Any:
-    """Map the sender's segment without taking ownership: the sender unlinks it."""
-    from multiprocessing import resource_tracker, shared_memory
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
-    except TypeError:
-        segment = shared_memory.SharedMemory(name=name)
-        # Older Pythons register every mapping with the resource tracker, which would unlink
-        # the sender's segment when this process exits.
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        return segment
+class _Segment:
+    """The sender's shared-memory segment, mapped without taking ownership: the sender unlinks
+    it. (multiprocessing's SharedMemory would register it with a resource tracker, which
+    unlinks it, or complains, when a process exits; Python < 3.13 cannot turn that off.)"""
+
+    def __init__(self, name: str) -> None:
+        import mmap
+
+        import _posixshmem  # the module multiprocessing.shared_memory maps segments with
+
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
+def blocks_per_run(block_nbytes: int) -> int:
+    """Blocks per frame: as many as fit in CHUNK_BYTES, at least one."""
+    return max(1, CHUNK_BYTES // max(block_nbytes, 1))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -346,15 +374,17 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _split_block(payload: memoryview, layout: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
-    """One block's bytes -> one tensor per cache tensor, viewing `payload` (no copy)."""
+def _split_run(payload: memoryview, layout: Sequence[tuple[str, Sequence[int]]], count: int) -> list[torch.Tensor]:
+    """A run's bytes (each cache tensor's `count` blocks in turn) -> one tensor per cache
+    tensor, viewing `payload` (no copy)."""
     tensors = []
     offset = 0
     for dtype_name, shape in layout:
         dtype = _dtype(dtype_name)
-        size = dtype.itemsize * _numel(shape)
-        raw = torch.frombuffer(payload[offset:offset + size], dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        tensors.append(raw.view(dtype).reshape(1, *shape))
+        size = dtype.itemsize * _numel(shape) * count
+        raw = torch.frombuffer(payload[offset:offset + size], dtype=torch.uint8) if size \
+            else torch.empty(0, dtype=torch.uint8)
+        tensors.append(raw.view(dtype).reshape(count, *shape))
         offset += size
     return tensors
 

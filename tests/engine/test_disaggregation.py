@@ -159,21 +159,18 @@ def test_stalled_transfer_times_out_and_decode_engine_prefills(llama_dir, monkey
     prefill, decode = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     handoffs = prefill_all(prefill, token_lists)
     import pagoda.kv_transfer.handoff as wire
-    real_send = wire._BLOCK_INDEX.pack
+    real_sendall = wire._sendall
     stall = threading.Event()
 
-    class StallingIndex:
-        size = wire._BLOCK_INDEX.size
+    def stalling_sendall(sock, *parts):
+        # The sender (not this, the receiving thread) stalls before its second run of blocks.
+        run = parts[0] if threading.current_thread() is not threading.main_thread() else b""
+        if len(run) == wire._RUN.size and wire._RUN.unpack(run)[0] == 1:
+            stall.wait(1.0)  # the receiver (timeout 0.5 s) gives up meanwhile
+        real_sendall(sock, *parts)
 
-        @staticmethod
-        def pack(index: int) -> bytes:
-            if index == 1:
-                stall.wait(1.0)  # the receiver (timeout 0.5 s) gives up meanwhile
-            return real_send(index)
-
-        unpack = staticmethod(wire._BLOCK_INDEX.unpack)
-
-    monkeypatch.setattr(wire, "_BLOCK_INDEX", StallingIndex)
+    monkeypatch.setattr(wire, "CHUNK_BYTES", handoffs[0].header.block_nbytes)  # one block per frame
+    monkeypatch.setattr(wire, "_sendall", stalling_sendall)
     sent, imported = hand_over(prefill, decode, handoffs[:1], "tcp", timeout=0.5)
     stall.set()
     monkeypatch.undo()
@@ -206,11 +203,12 @@ def _prefill_and_send(model_dir: str, token_lists, address: str, die_after_heade
         original = wire._sendall
 
         def die_on_blocks(sock, *parts):
-            if len(parts) > 1 or (parts and len(parts[0]) == wire._BLOCK_INDEX.size):
-                os._exit(3)  # killed after the header and the receiver's reply
+            if parts and len(parts[0]) == wire._RUN.size and wire._RUN.unpack(parts[0])[0] == 1:
+                os._exit(3)  # killed after the header and the first block, mid-transfer
             original(sock, *parts)
 
         wire._sendall = die_on_blocks
+        wire.CHUNK_BYTES = handoffs[0].header.block_nbytes  # one block per frame
     for handoff in handoffs:
         assert llm.send_handoff(handoff, "shm", address, timeout=20)
 

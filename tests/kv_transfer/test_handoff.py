@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pagoda.kv_transfer.handoff as wire
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
 from pagoda.kv_transfer.handoff import (HandoffHeader, KVHandoff, KVListener, TransferError, TransportUnavailable,
                                         check_transport, layout_of, send_handoff)
@@ -58,24 +59,27 @@ def shm_segments() -> set[str]:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_blocks_arrive_bit_exact_and_cached_ones_stay_home(transport, dtype):
+@pytest.mark.parametrize("dtype,runs", [(torch.float32, [[1, 2]]), (torch.bfloat16, [[1], [2]]),
+                                        (torch.int8, [[1], [2]])])
+def test_blocks_arrive_bit_exact_and_cached_ones_stay_home(transport, dtype, runs, monkeypatch):
     before = shm_segments()
     source = make_caches(dtype)
     target = [torch.zeros_like(c) for c in source]
     handoff = make_handoff(source, [5, 1, 6])
+    if len(runs) > 1:  # one block per frame
+        monkeypatch.setattr(wire, "CHUNK_BYTES", handoff.header.block_nbytes)
     with KVListener(transport) as listener:
         outcome = send_in_thread(handoff, transport, listener.address)
         incoming = listener.accept(timeout=5)
         assert incoming.header.layout == layout_of(source) and incoming.header.output_token_ids == [7]
         arrived = []
-        for index, data in incoming.receive(skip=1):  # the receiver already holds block 0
-            scatter_blocks(target, [[0, 2, 3][index]], data)
-            arrived.append(index)
+        for indices, data in incoming.receive(skip=1):  # the receiver already holds block 0
+            scatter_blocks(target, [[0, 2, 3][i] for i in indices], data)
+            arrived.append(indices)
         incoming.close()
         outcome["thread"].join()
     assert outcome == {"sent": 2, "thread": outcome["thread"]}
-    assert arrived == [1, 2]
+    assert arrived == runs
     assert incoming.bytes_received == 2 * handoff.header.block_nbytes
     for src, dst in zip(source, target):
         assert torch.equal(dst[2], src[1]) and torch.equal(dst[3], src[6])
@@ -112,9 +116,10 @@ def test_receiver_times_out_on_a_stalled_sender(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_dropped_connection_fails_both_sides(transport):
+def test_dropped_connection_fails_both_sides(transport, monkeypatch):
     before = shm_segments()
     handoff = make_handoff(make_caches(), [0, 1, 2, 3])
+    monkeypatch.setattr(wire, "CHUNK_BYTES", handoff.header.block_nbytes)  # one block per frame
     with KVListener(transport) as listener:
         outcome = send_in_thread(handoff, transport, listener.address)
         incoming = listener.accept(timeout=5)
