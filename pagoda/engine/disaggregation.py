@@ -23,7 +23,8 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
-from pagoda.kv_transfer.handoff import HandoffHeader, IncomingHandoff, KVHandoff, TransferError, layout_of
+from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
+                                        layout_of)
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
@@ -164,15 +165,21 @@ class KVHandoffs:
 
     def import_request(self, incoming: IncomingHandoff, request: Request) -> None:
         """Receive the request's blocks (only those this engine's prefix cache lacks) into
-        freshly allocated blocks and start it decoding. On TransferError everything allocated
-        here is released and the request is left untouched (not scheduled)."""
+        freshly allocated blocks, append the sender's first token and start it decoding.
+
+        `request` holds the prompt only. HandoffRefused: the sender's KV and first token were
+        produced under another identity (nothing was appended). TransferError: the transfer
+        failed; the first token is appended (it is the sender's to give), everything allocated
+        here is released and the request is not scheduled."""
         started = time.perf_counter()
         header = incoming.header
         reason = self.refusal(header, request)
         if reason is not None:
             self.stats.failures["refused"] += 1
             incoming.reject(reason)
-            raise TransferError(f"KV handoff of {header.request_id!r} refused: {reason}")
+            raise HandoffRefused(f"KV handoff of {header.request_id!r} refused: {reason}")
+        for token_id in header.output_token_ids:
+            request.append_output_token(token_id)
         cached = self.kv_cache.find_cached_prefix(request)
         skip = len(cached)
         num_prompt = request.num_prompt_tokens

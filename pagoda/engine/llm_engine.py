@@ -178,8 +178,10 @@ class LLMEngine:
         """Continue a request handed off by a prefill engine. Its KV blocks are received into
         freshly allocated blocks (those this engine's prefix cache lacks); True when they were.
         If the transfer fails or is refused, what was allocated is released and, with
-        `fallback`, the request is queued to prefill here from its prompt (False is returned;
-        the caller sees no error), else TransferError is raised."""
+        `fallback`, the request is queued to prefill here (False is returned; the caller sees
+        no error), else TransferError is raised. The prefill engine's first token is kept
+        unless the handoff was refused for its identity (another model, tenant or adapter
+        computed it): then this engine samples the first token itself."""
         header = incoming.header
         params = sampling_params_from_dict(header.sampling_params)
         lora = LoRARequest(lora_name=header.lora_name) if header.lora_name is not None else None
@@ -191,8 +193,6 @@ class LLMEngine:
             incoming.reject(str(error))
             raise
         request = samples[0]
-        for token_id in header.output_token_ids:
-            request.append_output_token(token_id)
         self.output_processor.add_request(header.request_id, None, samples)
         try:
             self.core.handoffs.import_request(incoming, request)
@@ -201,7 +201,7 @@ class LLMEngine:
             if not fallback:
                 self._forget(header.request_id)
                 raise
-        # Prefill the prompt (and the first token, already sampled) here, as a preempted request recomputes.
+        # Prefill here from the prompt (and the first token, if kept), as a preempted request recomputes.
         self.core.handoffs.stats.fallback_prefills += 1
         self.core.scheduler.add_request(request)
         return False

@@ -52,6 +52,11 @@ class TransferError(RuntimeError):
     """A handoff that did not complete: connection dropped, timed out, or refused."""
 
 
+class HandoffRefused(TransferError):
+    """The receiver will not use the sender's KV (or first token) for this request: another
+    model, block layout, tenant salt or adapter produced it."""
+
+
 class TransportUnavailable(TransferError):
     """The transport asked for cannot run here (unknown name, no shared memory, no Unix sockets)."""
 

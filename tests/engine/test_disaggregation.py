@@ -15,6 +15,7 @@ import torch
 from pagoda import LLM
 from pagoda.config import EngineConfig
 from pagoda.errors import InvalidRequest
+from pagoda.lora_request import LoRARequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer.handoff import KVHandoff, KVListener, TransferError
 from pagoda.sampling_params import SamplingParams
@@ -251,4 +252,35 @@ def test_roles_are_checked(llama_dir):
     prefill.add_request("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
     outputs = run_to_end(prefill)
     assert len(outputs["one"]) == 1 and prefill.take_handoffs() == []
+    assert_idle(prefill)
+
+
+def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, tmp_path):
+    pytest.importorskip("peft", reason="peft (the test extra) builds the PEFT adapters")
+    from lora_factory import ATTENTION_MODULES, build_adapter
+
+    adapters = [build_adapter(llama_dir, tmp_path / f"a{seed}", target_modules=ATTENTION_MODULES, rank=4,
+                              seed=seed) for seed in (1, 2)]
+    token_lists = prompts(1, 40, seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def lora_engine(role: str, adapter) -> LLMEngine:
+        return engine(llama_dir, role, enable_lora=True, lora_modules=[f"sql={adapter}"])
+
+    def alone(adapter) -> list[int]:
+        llm = lora_engine("both", adapter)
+        llm.add_request("r0", token_lists[0], params, lora_request=LoRARequest("sql"))
+        return run_to_end(llm)["r0"]
+
+    prefill = lora_engine("prefill", adapters[0])
+    for role_adapter, expect_import in ((adapters[0], True), (adapters[1], False)):
+        prefill.add_request("r0", token_lists[0], params, lora_request=LoRARequest("sql"))
+        run_to_end(prefill)
+        (handoff,) = prefill.take_handoffs()
+        assert handoff.header.lora_name == "sql"
+        decode = lora_engine("decode", role_adapter)
+        # Same adapter name; with other weights the hashes differ and the KV is not used.
+        assert hand_over(prefill, decode, [handoff], "tcp")[1] == [expect_import]
+        assert run_to_end(decode)["r0"] == alone(role_adapter)
+        assert_idle(decode)
     assert_idle(prefill)
