@@ -183,15 +183,15 @@ class LLMEngine:
         unless the handoff was refused for its identity (another model, tenant or adapter
         computed it): then this engine samples the first token itself."""
         header = incoming.header
-        params = sampling_params_from_dict(header.sampling_params)
         lora = LoRARequest(lora_name=header.lora_name) if header.lora_name is not None else None
         try:
+            params = sampling_params_from_dict(header.sampling_params)
             samples = self.core.add_request(header.request_id, header.prompt_token_ids, params,
                                             eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                                             cache_salt=header.cache_salt, lora_request=lora, enqueue=False)
-        except InvalidRequest as error:
+        except (InvalidRequest, TypeError) as error:  # TypeError: sampling params this version lacks
             incoming.reject(str(error))
-            raise
+            raise InvalidRequest(f"handed-off request {header.request_id!r}: {error}") from None
         request = samples[0]
         self.output_processor.add_request(header.request_id, None, samples)
         try:

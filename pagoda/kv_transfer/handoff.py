@@ -235,7 +235,13 @@ class IncomingHandoff:
         self.timeout = timeout
         self._shm: Any = None
         self.bytes_received = 0
-        self.header = HandoffHeader.from_json(bytes(_recv_frame(conn)))
+        try:
+            self.header = HandoffHeader.from_json(bytes(_recv_frame(conn)))
+        except (TransferError, ValueError, TypeError, KeyError) as error:
+            conn.close()
+            if isinstance(error, TransferError):
+                raise
+            raise TransferError(f"malformed KV handoff header: {error}") from None
 
     def reject(self, reason: str) -> None:
         """Refuse the blocks (the decode side will prefill itself); the sender sees TransferError."""

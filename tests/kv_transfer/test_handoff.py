@@ -136,3 +136,13 @@ def test_unreachable_receiver_and_unknown_transport():
         check_transport("rdma")
     with pytest.raises(TransferError, match="cannot reach"):
         send_handoff(make_handoff(make_caches(), [0]), "shm", f"/tmp/pagoda-missing-{os.getpid()}.sock", 1.0)
+
+
+def test_malformed_header_is_a_transfer_error():
+    with KVListener("tcp") as listener:
+        host, _, port = listener.address.rpartition(":")
+        with socket.create_connection((host, int(port))) as peer:
+            payload = b'{"request_id": "r", "unknown": 1}'
+            peer.sendall(len(payload).to_bytes(8, "big") + payload)
+            with pytest.raises(TransferError, match="malformed KV handoff header"):
+                listener.accept(timeout=5)
