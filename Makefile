@@ -4,14 +4,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: serve test test-triton chat install clean
 
+# The server needs only pagoda's own dependencies.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e .
 	touch $(STAMP)
+
+# The tests also need the test tools and the optional Ray extra (its tests run, not skip).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray]'
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
@@ -22,12 +29,12 @@ chat: $(STAMP)
 	$(VENV)/bin/pagoda chat $(ARGS)
 
 # -rs lists every skipped test with its reason under the summary.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -rs $(ARGS)
 
 # Triton kernels under the CPU interpreter, plus a compile of every kernel variant for sm_80/sm_90.
 # Separate from `test` because triton is a ~300 MB download (~1 GB installed).
-test-triton: $(STAMP)
+test-triton: $(TEST_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gpu]'
 	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_attention.py tests/quant/test_triton_weight_kernels.py \
 		tests/worker/test_cuda_graphs.py

@@ -29,6 +29,9 @@ PYTHON = sys.executable
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=2048)
 VOCAB_SIZE = 4096
+# A ~100M model of the same family, where matmuls weigh more than per-step host work.
+MODEL_SHAPE_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=4, max_position_embeddings=2048)
 
 
 def build_tokenizer(directory: Path) -> None:
@@ -56,7 +59,7 @@ def build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def build_bench_model(directory: Path, seed: int = 0) -> Path:
+def build_bench_model(directory: Path, seed: int = 0, shape: dict[str, int] | None = None) -> Path:
     """Tokenizer + random Llama (float32) in the Hugging Face layout; reused if already built."""
     import torch
     import transformers
@@ -68,7 +71,7 @@ def build_bench_model(directory: Path, seed: int = 0) -> Path:
     build_tokenizer(directory)
     vocab = len(transformers.AutoTokenizer.from_pretrained(directory))
     config = transformers.LlamaConfig(vocab_size=vocab, eos_token_id=0, pad_token_id=0, bos_token_id=None,
-                                      tie_word_embeddings=False, rope_theta=10000.0, **MODEL_SHAPE)
+                                      tie_word_embeddings=False, rope_theta=10000.0, **(shape or MODEL_SHAPE))
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # larger weights: peaked distributions, like a trained model's
@@ -94,6 +97,14 @@ def free_port() -> int:
 @contextlib.contextmanager
 def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> Iterator[str]:
     """`pagoda serve` as a subprocess on a free loopback port; yields its base URL."""
+    with pagoda_server_process(model_dir, engine_flags, log_path) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def pagoda_server_process(model_dir: Path, engine_flags: list[str], log_path: Path
+                          ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`pagoda serve` as a subprocess on a free loopback port; yields its base URL and process."""
     import httpx
 
     port = free_port()
@@ -115,7 +126,7 @@ def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> I
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pagoda serve did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.25)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -148,7 +159,7 @@ def git_commit() -> str | None:
         return None
 
 
-def metadata(script: str, argv: list[str], model_dir: Path) -> dict[str, Any]:
+def metadata(script: str, argv: list[str], model_dir: Path, shape: dict[str, int] | None = None) -> dict[str, Any]:
     from pagoda.bench.report import machine_info
 
     return {
@@ -157,7 +168,7 @@ def metadata(script: str, argv: list[str], model_dir: Path) -> dict[str, Any]:
         "git_commit": git_commit(),
         "machine": machine_info(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "model": {"shape": MODEL_SHAPE, "vocab_size": VOCAB_SIZE, "params": num_params(model_dir),
+        "model": {"shape": shape or MODEL_SHAPE, "vocab_size": VOCAB_SIZE, "params": num_params(model_dir),
                   "dtype": "float32", "weights": "random N(0, 0.08)"},
         "python": platform.python_version(),
     }

@@ -87,19 +87,19 @@ def step_breakdown(model_dir: Path, vocab_size: int, threads: int, running: int 
         engine.add_request(str(i), prompt, params)
     while any(r.num_output_tokens == 0 for samples in engine.core.requests.values() for r in samples):
         engine.step()  # finish every prefill first
-    phases = {"schedule": [], "prepare": [], "forward": [], "sample": [], "update": [], "total": []}
+    phases = {"schedule": [], "prepare": [], "forward": [], "logits": [], "sample": [], "update": [], "total": []}
     for _ in range(40):
         start = time.perf_counter()
         engine.step()
         total = time.perf_counter() - start
         assert engine.get_stats().num_running == running
         timings = engine.get_stats().last_step_timings
-        for name in ("schedule", "prepare", "forward", "sample", "update"):
+        for name in ("schedule", "prepare", "forward", "logits", "sample", "update"):
             phases[name].append(getattr(timings, name))
         phases["total"].append(total)
     medians = {name: statistics.median(values) * 1000 for name, values in phases.items()}
     host = medians["schedule"] + medians["prepare"] + medians["update"]
-    medians["other"] = medians["total"] - host - medians["forward"] - medians["sample"]
+    medians["other"] = medians["total"] - host - medians["forward"] - medians["logits"] - medians["sample"]
     return {"running_requests": running, "median_ms": medians,
             "host_fraction": (host + max(medians["other"], 0)) / medians["total"]}
 

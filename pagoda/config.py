@@ -32,6 +32,8 @@ QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
     "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"),
 }
 
+ROUTER_CHOICES = ("round_robin", "least_load", "cache_aware")  # pagoda/replicas/policies.py
+
 
 def parse_bytes(text: str | int) -> int:
     """'2GiB', '512MB', '1e9' or an int -> bytes."""
@@ -125,11 +127,12 @@ class EngineConfig:
         "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
                 "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"})
     distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
-        "help": "where tensor-parallel workers run: mp (local processes) or ray (Ray actors in one "
-                "placement group; pip install 'pagoda[ray]')"})
+        "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
+                "or ray (Ray actors; a replica and its ranks share one placement group; "
+                "pip install 'pagoda[ray]')"})
     ray_address: str | None = field(default=None, metadata={
-        "help": "Ray cluster for --distributed-executor-backend ray, e.g. auto for one started with "
-                "`ray start --head` (default: a local Ray started on demand)"})
+        "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
+                "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
     # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) ----
     role: str = field(default="both", metadata={
         "help": "both (prefill and decode here), prefill (compute the prompt and first token, then "
@@ -145,6 +148,20 @@ class EngineConfig:
                 "at most this many distinct adapters"})
     max_lora_rank: int = field(default=16, metadata={
         "help": "largest adapter rank accepted; the slots are sized for it"})
+
+    # ---- data-parallel replicas (pagoda/replicas) ----
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
+    router: str = field(default="cache_aware", metadata={
+        "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
+                "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
+                "else least load)"})
+    replica_pools: str | None = field(default=None, metadata={
+        "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
+                "--route-rules sends requests to pools) (default: one pool)"})
+    route_rules: str | None = field(default=None, metadata={
+        "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
+                "request to a replica pool (default: none)"})
 
     def __post_init__(self) -> None:
         self.model = resolve_model_path(self.model)
@@ -201,6 +218,19 @@ class EngineConfig:
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
                 fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
+        if self.data_parallel_size < 1:
+            fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
+        if self.router not in ROUTER_CHOICES:
+            fail("router", f"must be one of {', '.join(ROUTER_CHOICES)}, got {self.router!r}")
+        if self.replica_pools is not None:
+            counts = [part.partition("=")[2].strip() for part in self.replica_pools.split(",")]
+            if not all(c.isdigit() for c in counts):
+                fail("replica_pools", f"must look like chat=2,long=1, got {self.replica_pools!r}")
+            if sum(map(int, counts)) != self.data_parallel_size:
+                fail("replica_pools", f"counts add up to {sum(map(int, counts))} replicas but "
+                                      f"data_parallel_size is {self.data_parallel_size}")
+        if self.route_rules is not None and self.replica_pools is None:
+            fail("route_rules", "sends requests to pools: set replica_pools too")
         if self.max_loras < 1:
             fail("max_loras", f"must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -293,6 +323,8 @@ class EngineConfig:
                 choices = ["recompute", "swap", "auto"]
             elif f.name == "distributed_executor_backend":
                 choices = ["mp", "ray"]
+            elif f.name == "router":
+                choices = list(ROUTER_CHOICES)
             elif f.name == "role":
                 choices = ["both", "prefill", "decode"]
             elif f.name in QUANT_CHOICES:

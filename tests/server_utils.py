@@ -20,6 +20,7 @@ import uvicorn
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.replicas.start import start_engines
 from pagoda.serve.app import build_app
 from pagoda.serve.settings import ServerSettings
 
@@ -77,7 +78,10 @@ def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
                  transport: str = "thread", **settings: Any) -> LiveServer:
     config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
                              "max_num_seqs": 64, **(engine or {})})
-    llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
+    if config.data_parallel_size > 1:  # replicas behind a router (pagoda/replicas)
+        llm = start_engines(config, transport=transport)  # type: ignore[assignment]
+    else:
+        llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
     app = build_app(llm, ServerSettings(**{"served_model_name": MODEL_NAME,
                                            "model_path": str(model_dir), **settings}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",

@@ -9,11 +9,12 @@ from typing import Any
 
 @dataclass
 class BenchRequest:
-    """One request of a workload. `prompt` is the completions text; `messages` the same for chat."""
+    """One request of a workload. `prompt` is the completions text (or its token ids, which
+    OpenAI-compatible servers accept too); `messages` the same for chat."""
 
     index: int
     class_name: str
-    prompt: str
+    prompt: str | list[int]
     messages: list[dict[str, str]]
     prompt_len: int  # exact tokens of `prompt` with the tokenizer's special tokens
     output_len: int  # max_tokens sent (exactly this many with ignore_eos)

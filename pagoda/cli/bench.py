@@ -49,7 +49,8 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
                                   description="Benchmarks with request classes that mirror real traffic.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare}", required=True)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim}",
+                               required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
                            description="Drive any OpenAI-compatible server (pagoda, vLLM, llama-server) with "
@@ -102,6 +103,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument("--warmup", type=int, default=2, help="requests run (and not measured) per target")
     add_output_args(compare)
     compare.set_defaults(func=run_compare)
+    _add_route_sim_parser(sub)
+
+
+def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser(
+        "route-sim", help="simulate the replica router at fleet scale (N = 2..64 replicas)",
+        description="Replay a trace against N simulated replicas (continuous batching, an LRU prefix "
+                    "cache, step times from a cost model fitted to the real engine) once per router "
+                    "policy; report prefix hit rate, load imbalance (max/mean outstanding tokens) and "
+                    "TTFT. The router is the server's own (--router).")
+    sim.add_argument("--trace", default="chat",
+                     help="chat (multi-tenant, shared system prompts, multi-turn), rag (per-tenant "
+                          "documents), or a JSON-lines file: generated traces, or the server's request "
+                          "log taken with --log-prompts (default: chat)")
+    sim.add_argument("--replicas", default="2,8,32,64", help="fleet sizes (default: 2,8,32,64)")
+    sim.add_argument("--policies", default="round_robin,least_load,cache_aware",
+                     help="router policies to compare (default: all three)")
+    sim.add_argument("--requests-per-replica", type=int, default=150,
+                     help="generated traces: requests per replica (they scale with the fleet; default 150)")
+    sim.add_argument("--rate-per-replica", type=float, default=2.0,
+                     help="mean arrivals per second per replica (Poisson; default 2)")
+    sim.add_argument("--tenants-per-replica", type=int, default=None,
+                     help="generated traces: tenants per replica (default: 8 for chat, 2 for rag)")
+    sim.add_argument("--cache-blocks", type=int, default=2048,
+                     help="prefix cache of each simulated replica, in blocks (default 2048)")
+    sim.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    sim.add_argument("--max-num-seqs", type=int, default=64, help="requests a replica runs at once (default 64)")
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="token budget of a replica's step (default 2048)")
+    sim.add_argument("--calibrate", default=None, metavar="MODEL",
+                     help="fit the step cost model to this model's engine on this machine first "
+                          "(default: the built-in fit for pagoda-coder on a 2-core CPU)")
+    sim.add_argument("--num-threads", type=int, default=1, help="torch threads while calibrating (default 1)")
+    sim.add_argument("--tokenizer", default=None, help="tokenizer for a trace file's text prompts")
+    sim.add_argument("--seed", type=int, default=0, help="seed of generated traces (default 0)")
+    sim.add_argument("--out", default=None, help="directory for results.json")
+    sim.set_defaults(func=run_route_sim)
 
 
 def _compare_epilog() -> str:
@@ -172,6 +210,35 @@ def run_compare(args: argparse.Namespace) -> int:
     options = options_from_args(CompareBenchOptions, args, targets=args.target,
                                 workload=options_from_args(WorkloadOptions, args), report=_report_options(args))
     return _run("compare", compare_benchmark, options)
+
+
+def run_route_sim(args: argparse.Namespace) -> int:
+    from pagoda.bench.route_sim import ReplicaModel, RouteSimOptions, render_table, route_sim
+    from pagoda.bench.step_cost import DEFAULT_STEP_COST, calibrate
+    from pagoda.config import resolve_model_path
+
+    try:
+        replicas = [int(n) for n in args.replicas.split(",")]
+        if not replicas or min(replicas) < 1:
+            raise ValueError(f"--replicas must be positive counts, got {args.replicas!r}")
+        cost = DEFAULT_STEP_COST
+        if args.calibrate:
+            cost = calibrate(resolve_model_path(args.calibrate), num_threads=args.num_threads)
+            print(f"step cost: {cost}", file=sys.stderr)
+        model = ReplicaModel(block_size=args.block_size, cache_blocks=args.cache_blocks,
+                             max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens, cost=cost)
+        options = RouteSimOptions(trace=args.trace, replicas=replicas,
+                                  policies=[p.strip() for p in args.policies.split(",")],
+                                  requests_per_replica=args.requests_per_replica,
+                                  rate_per_replica=args.rate_per_replica,
+                                  tenants_per_replica=args.tenants_per_replica, model=model,
+                                  tokenizer=args.tokenizer, seed=args.seed, out=args.out)
+        report = route_sim(options)
+    except (ValueError, OSError) as e:
+        return _fail("route-sim", e)
+    print(render_table(report))
+    return 0
 
 
 def _run(command: str, benchmark: Callable[[Any], int], options: Any) -> int:

@@ -22,7 +22,7 @@ from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
                                      TransportKind, create_transport)
-from pagoda.engine.transport.base import EngineFactory
+from pagoda.engine.transport.base import EngineFactory, TransportStarter
 from pagoda.engine.transport.messages import EmittedItem, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
@@ -41,22 +41,27 @@ __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 class AsyncLLM:
     """asyncio front of one LLMEngine running on its own thread or in its own process."""
 
-    def __init__(self, config: EngineConfig, *, transport: TransportKind = "thread",
+    def __init__(self, config: EngineConfig, *, transport: TransportKind | TransportStarter = "thread",
                  engine_factory: EngineFactory | None = None,
                  startup_timeout: float | None = None) -> None:
         """`engine_factory` builds the engine instead of LLMEngine(config); on the process
-        transport it must be picklable (a module-level function)."""
-        if transport not in ("thread", "process"):
+        transport it must be picklable (a module-level function). `transport` may also be a
+        TransportStarter: a transport from elsewhere (a replica as a Ray actor)."""
+        if not callable(transport) and transport not in ("thread", "process"):
             raise ValueError(f"transport must be 'thread' or 'process', got {transport!r}")
         require_both_role(config, "the server")
         self.config = config
-        self.transport = transport
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, _error and _stopped
         self._error: BaseException | None = None
         self._stopped = False
-        self._transport = create_transport(transport, config, engine_factory, self._on_emitted,
-                                           self._on_death, startup_timeout=startup_timeout)
+        if callable(transport):
+            self._transport = transport(config, engine_factory, self._on_emitted, self._on_death,
+                                        startup_timeout=startup_timeout)
+        else:
+            self._transport = create_transport(transport, config, engine_factory, self._on_emitted,
+                                               self._on_death, startup_timeout=startup_timeout)
+        self.transport: str = self._transport.kind
         info = self._transport.info
         self._stats: EngineStats | None = info.stats
         self.tokenizer = self._transport.tokenizer

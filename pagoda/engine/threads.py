@@ -7,8 +7,9 @@ Two facts drive it (MEASURED.md, "the thread trap"):
   inherits the setting through its environment.
 - A server's engine shares the machine with its HTTP event loop (requests, tokenization, SSE):
   spread over every core it stalls whenever that loop wants one. So a serving engine leaves
-  one core free; the offline engine (`LLM`), with no loop beside it, keeps the process's torch
-  setting (torch's default: every core; a caller may have lowered it, as the tests do).
+  one core free (the rest split between `--data-parallel-size` replicas); the offline engine
+  (`LLM`), with no loop beside it, keeps the process's torch setting (torch's default: every
+  core; a caller may have lowered it, as the tests do).
 `--num-threads` overrides both defaults.
 - Tensor parallelism: the count above is the engine's total; each of the
   `tensor_parallel_size` ranks computes with its share (total // N, at least 1), rank 0 on the
@@ -42,15 +43,16 @@ def available_cores() -> int:
 
 def engine_thread_count(config: EngineConfig, *, serving: bool = True) -> int | None:
     """Intra-op threads of one rank: as configured, else every core but one when serving (the
-    spare one for the event loop); None offline: keep the process's torch setting. With tensor
-    parallelism, that total shared out between the ranks."""
+    spare one for the event loop), split between the data-parallel replicas; None offline:
+    keep the process's torch setting. With tensor parallelism, a replica's total is shared
+    out between its ranks."""
     ranks = config.tensor_parallel_size
     if config.num_threads is not None:
         total = config.num_threads
     elif not serving and ranks == 1:
         return None
     else:
-        total = max(1, available_cores() - 1) if serving else available_cores()
+        total = max(1, (available_cores() - 1) // config.data_parallel_size) if serving else available_cores()
     return max(1, total // ranks)
 
 

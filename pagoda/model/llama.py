@@ -143,5 +143,8 @@ class LlamaFamilyModel(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_logits(F.linear(hidden, weight), self.config.vocab_size).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
+        return self.tp.gather_logits(logits, self.config.vocab_size).float()

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import ChatEndpoint
 from pagoda.serve.completions import CompletionsEndpoint
@@ -98,7 +99,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, "Internal server error.", type="server_error"))
 
 
-def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+def build_app(llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> FastAPI:
     """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
     app = FastAPI(title="pagoda", description="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
@@ -111,10 +112,12 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        # Replicas: "degraded" (still 200) while some of them live, and each one's state.
+        replicas = ctx.llm.health() if isinstance(ctx.llm, ReplicaSet) else {}
         if not ctx.llm.is_alive:
-            return JSONResponse({"status": "dead", "error": repr(ctx.llm.error)},
+            return JSONResponse({**replicas, "status": "dead", "error": repr(ctx.llm.error)},
                                 status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **replicas})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -52,7 +52,7 @@ def launch_server(options: ServeOptions) -> int:
 
     import uvicorn
 
-    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.replicas.start import start_engines
     from pagoda.serve.app import build_app
     from pagoda.serve.drain import DrainGate, DrainingServer
     from pagoda.serve.latency_targets import LatencyTargets
@@ -102,11 +102,13 @@ def launch_server(options: ServeOptions) -> int:
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:
-        llm = AsyncLLM(config, transport=options.engine_transport)
+        llm = start_engines(config, transport=options.engine_transport)  # replicas: pagoda/replicas
     except RuntimeError as exc:
         cause = exc.__cause__ or exc
         raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: "
                          f"{cause}") from None
+    except (OSError, ValueError) as exc:  # --replica-pools / --route-rules
+        raise SystemExit(f"pagoda serve: {exc}") from None
     try:
         gate = DrainGate(build_app(llm, settings))
         server = DrainingServer(
@@ -157,7 +159,9 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     return "\n".join([
         "pagoda serve is ready",
         f"  model      {settings.served_model_name} ({config.model})",  # type: ignore[attr-defined]
-        f"  device     {device.type}, {dtype}, engine in a {options.engine_transport}",
+        f"  device     {device.type}, {dtype}, engine in a {getattr(llm, 'transport', options.engine_transport)}"
+        + (f", {config.data_parallel_size} replicas ({config.router} router)"
+           if config.data_parallel_size > 1 else ""),
         f"  context    {max_model_len} tokens",
         f"  KV pool    {blocks} blocks x {config.block_size} = {tokens} tokens "
         f"({tokens // max(max_model_len, 1)} sequences at full context)",

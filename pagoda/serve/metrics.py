@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 
 from pagoda.serve.disagg_metrics import disagg_families
 from pagoda.serve.lora_metrics import lora_families
+from pagoda.serve.replica_metrics import ReplicaLabelledCollector
 from pagoda.serve.structured_metrics import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
 from pagoda.engine.token_histogram import TOKEN_BUCKETS
@@ -203,12 +204,19 @@ class ServerMetrics:
     """The metrics of one app, labelled with its served model name."""
 
     def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
-                 compat: MetricsCompat = "none") -> None:
+                 compat: MetricsCompat = "none",
+                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] | None = None) -> None:
+        """`replica_stats` (data-parallel replicas): each replica's stats by label; the engine
+        series then carry a `replica` label instead of reading `stats`."""
         if compat not in ("none", "vllm"):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        if replica_stats is None:
+            self.registry.register(_EngineStatsCollector(model_name, stats))
+        else:
+            self.registry.register(ReplicaLabelledCollector(
+                replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
         labels = ["model_name"]
         self._success = Counter(PREFIX + "request_success", "Requests that finished.",
                                 labels + ["finished_reason"], registry=self.registry)

@@ -22,6 +22,8 @@ from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
+from pagoda.replicas.replica_set import ReplicaSet
+from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
@@ -39,7 +41,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass
 class ServeContext:
-    llm: AsyncLLM
+    llm: AsyncLLM | ReplicaSet
     settings: ServerSettings
     limiter: TenantLimiter
     admission: AdmissionController
@@ -48,7 +50,7 @@ class ServeContext:
     guard: ServerGuard | None = None  # --guardrails
 
     @classmethod
-    def create(cls, llm: AsyncLLM, settings: ServerSettings) -> "ServeContext":
+    def create(cls, llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> "ServeContext":
         ctx = cls(
             llm=llm,
             settings=settings,
@@ -56,7 +58,8 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat),
+                                  compat=settings.metrics_compat,
+                                  replica_stats=getattr(llm, "replica_stats", None)),  # replicas
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -66,6 +69,12 @@ class ServeContext:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
+
+    def route_hints(self, tenant: Tenant, model: str) -> dict[str, str]:
+        """What a replica router's pool rules match on; nothing for a single engine."""
+        if isinstance(self.llm, ReplicaSet):
+            return {"tenant": tenant.name, "model": model}
+        return {}
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:
@@ -114,7 +123,7 @@ class Generation:
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
     # One entry per submitted prompt: its stream, its output so far, and its final output.
-    streams: list[RequestStream] = field(default_factory=list, init=False)
+    streams: list[RequestStream | RoutedStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
     _slots: list[QueueSlot] = field(default_factory=list, init=False)
@@ -163,11 +172,12 @@ class Generation:
                                     arrival_time=self.arrival_time,
                                     cache_salt=self.tenant.cache_salt,
                                     priority=self.tenant.limits.priority, wake=self._wake,
-                                    lora_request=self.lora_request)
+                                    lora_request=self.lora_request,
+                                    **ctx.route_hints(self.tenant, self.model_name))
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
                 return_exceptions=True)
             for stream in submitted:
-                if isinstance(stream, RequestStream):  # accepted: close() aborts it on error
+                if not isinstance(stream, BaseException):  # accepted: close() aborts it on error
                     self.streams.append(stream)
                     self.latest.append(None)
                     self.finals.append(None)

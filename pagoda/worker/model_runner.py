@@ -32,12 +32,13 @@ from pagoda.worker.sampler import Sampler, position_logprobs
 @dataclass
 class StepTimings:
     """Seconds spent in each phase of one step. The runner measures its phases (prepare,
-    propose, forward, sample); the engine core, which owns the step record, adds `schedule`
-    and `update` (the scheduler before and after the forward)."""
+    propose, forward, logits, sample); the engine core, which owns the step record, adds
+    `schedule` and `update` (the scheduler before and after the forward)."""
 
     prepare: float = 0.0
     propose: float = 0.0  # the draft model's forwards (speculative decoding)
-    forward: float = 0.0
+    forward: float = 0.0  # the decoder stack, up to the final norm
+    logits: float = 0.0  # the LM head, over the rows whose logits are used
     sample: float = 0.0
     schedule: float = 0.0
     update: float = 0.0
@@ -189,8 +190,9 @@ class ModelRunner(PagedModel):
             hidden = self.model(input_ids, positions, context)
         if self.lora is not None:
             self.lora.end_step()
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         forwarded = time.perf_counter()
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        projected = time.perf_counter()
 
         output = ModelRunnerOutput()
         if logits is not None:
@@ -198,7 +200,8 @@ class ModelRunner(PagedModel):
             self._sample(logits, row_owners, draft_probs, output)
         done = time.perf_counter()
         output.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
-                                     forward=forwarded - prepared, sample=done - forwarded)
+                                     forward=forwarded - prepared, logits=projected - forwarded,
+                                     sample=done - projected)
         return output
 
     def _logit_rows(self, scheduler_output: SchedulerOutput, layout: BatchLayout) -> tuple[list[int], list[tuple]]:

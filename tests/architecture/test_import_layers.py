@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),
     ("executor",),  # tensor-parallel workers (processes or Ray actors) beside the engine core
     ("engine",),
+    ("replicas",),  # data-parallel replicas and their router: AsyncLLMs behind one front
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
     ("serve", "bench", "plan", "eval"),

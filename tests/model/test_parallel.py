@@ -69,7 +69,7 @@ def test_each_rank_holds_its_slice_of_every_projection(llama_dir: Path, quantiza
         stop = min((rank + 1) * vocab, config.vocab_size)
         torch.testing.assert_close(part.model.embed_tokens.weight[:stop - rank * vocab],
                                    whole.model.embed_tokens.weight[rank * vocab:stop])
-        torch.testing.assert_close(part.lm_head.weight[:stop - rank * vocab], whole.lm_head.weight[rank * vocab:stop])
+        torch.testing.assert_close(effective(part.lm_head)[:stop - rank * vocab], effective(whole.lm_head)[rank * vocab:stop])
 
 
 def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path) -> None:
         attention = load(model_dir, group=rank_group(rank, 2)).model.layers[0].self_attn
         assert (attention.num_heads, attention.num_kv_heads) == (2, 1)
         # Every rank keeps the single KV head (rows q_size .. q_size + 2 * head_dim), bias included.
-        torch.testing.assert_close(attention.qkv_proj.weight[q_size // 2:], full.weight[q_size:])
+        torch.testing.assert_close(effective(attention.qkv_proj)[q_size // 2:], effective(full)[q_size:])
         torch.testing.assert_close(attention.qkv_proj.bias[q_size // 2:], full.bias[q_size:])
         torch.testing.assert_close(attention.qkv_proj.bias[:q_size // 2],
                                    full.bias[rank * q_size // 2:(rank + 1) * q_size // 2])

@@ -163,11 +163,15 @@ def test_k_quant_tensors_are_dequantized_and_unpermuted(tmp_path: Path) -> None:
     model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"))
     layer = model.model.layers[1]
     assert layer.mlp.down_proj.weight_format.name == "full"
-    torch.testing.assert_close(layer.mlp.down_proj.weight, dequantized("blk.1.ffn_down.weight"))
-    torch.testing.assert_close(layer.mlp.gate_up_proj.weight[512:], dequantized("blk.1.ffn_up.weight"))
+
+    def effective(linear):  # the weight a (possibly pre-packed) layer multiplies by, [out, in]
+        return linear.weight_format.apply(linear, torch.eye(linear.in_features), None).t()
+
+    torch.testing.assert_close(effective(layer.mlp.down_proj), dequantized("blk.1.ffn_down.weight"))
+    torch.testing.assert_close(effective(layer.mlp.gate_up_proj)[512:], dequantized("blk.1.ffn_up.weight"))
     # transformers' reverse of llama.cpp's q permutation, 4 heads.
     q = dequantized("blk.1.attn_q.weight")
     unpermuted = q.reshape(4, q.shape[0] // 8, 2, -1).transpose(1, 2).reshape(q.shape)
-    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[:256], unpermuted)
+    torch.testing.assert_close(effective(layer.self_attn.qkv_proj)[:256], unpermuted)
     _, outputs = _greedy(path, PROMPTS[:1], max_tokens=4)
     assert len(outputs[0].outputs[0].token_ids) == 4

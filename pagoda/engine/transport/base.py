@@ -19,6 +19,8 @@ TransportKind = Literal["thread", "process"]
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
 OnEmitted = Callable[[Emitted, "EngineStats"], None]
 OnDeath = Callable[[BaseException], None]
+# Starts a transport: (config, engine factory, on_emitted, on_death, *, startup_timeout).
+TransportStarter = Callable[..., "EngineTransport"]
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +57,7 @@ class EngineTransport(ABC):
 
     info: EngineInfo
     tokenizer: "Tokenizer"
+    kind: str  # "thread", "process", ...: where the engine runs, in words
 
     def __init__(self, config: EngineConfig, on_emitted: OnEmitted, on_death: OnDeath) -> None:
         self.config = config

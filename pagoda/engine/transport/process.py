@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class ProcessTransport(EngineTransport):
+    kind = "process"
+
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
         """`factory` must be picklable (a module-level function)."""

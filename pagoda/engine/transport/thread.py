@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class ThreadTransport(EngineTransport):
+    kind = "thread"
+
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
         super().__init__(config, on_emitted, on_death)

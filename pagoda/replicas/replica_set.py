@@ -1,0 +1,344 @@
+"""ReplicaSet: N independent engine replicas behind one front, with a router choosing for each
+request (`--data-parallel-size N`, `--router`, `--replica-pools`, `--route-rules`).
+
+Each replica is an AsyncLLM with its own engine (a spawned process, a thread, or a Ray actor:
+replicas/ray_actors.py); the set offers the surface the server uses of one AsyncLLM, so the
+HTTP layer does not change with the number of replicas. Per request it
+1. picks the candidates: live replicas of the request's pool (pools.py; all live replicas
+   when the pool has none left),
+2. lets the policy choose (policies.py) from their outstanding tokens and, for cache_aware,
+   the prefix tree of what each replica was sent,
+3. submits there; a replica that turns out dead is skipped and the request goes to the next
+   choice, and a request whose replica dies before its first token moves (routed_stream.py).
+A dead replica stays out of rotation (its engine's state is gone); /health reports the set
+degraded while at least one replica lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
+
+from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM, RequestStream
+from pagoda.engine.transport import EngineDeadError
+from pagoda.outputs import OutputAccumulator, RequestOutput
+from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
+from pagoda.replicas.pools import RouteRules, parse_replica_pools
+from pagoda.replicas.replica import Flight, Replica
+from pagoda.replicas.routed_stream import RoutedStream
+from pagoda.lora_request import LoRARequest
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# Builds replica `index`'s AsyncLLM from its config (the caller picks transport or Ray).
+ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
+
+
+class ReplicaSet:
+    """The front of several engine replicas, usable where one AsyncLLM is."""
+
+    def __init__(self, replicas: Sequence[AsyncLLM], policy: RouterPolicy, *,
+                 pools: Sequence[str | None] | None = None,
+                 rules: RouteRules | None = None,
+                 keepers: Sequence["_ReplicaKeeper"] = ()) -> None:
+        if not replicas:
+            raise ValueError("a replica set needs at least one replica")
+        if pools is not None and len(pools) != len(replicas):
+            raise ValueError(f"{len(pools)} pool tags for {len(replicas)} replicas")
+        self.replicas = [Replica(i, llm, pools[i] if pools else None)
+                         for i, llm in enumerate(replicas)]
+        self.policy = policy
+        self.rules = rules
+        if rules is not None:
+            rules.check_pools({r.pool for r in self.replicas if r.pool is not None})
+        first = replicas[0]
+        # What the HTTP layer reads of an AsyncLLM; replicas serve one model, so they agree.
+        self.config: EngineConfig = first.config
+        self.transport = first.transport
+        self.tokenizer = first.tokenizer
+        self.max_model_len: int = first.max_model_len
+        self.generation_defaults: dict = first.generation_defaults
+        self.engine_limits = first.engine_limits
+        self._lock = threading.Lock()  # guards the routing state when loops on several threads submit
+        self._flights: dict[str, RoutedStream] = {}
+        self._stopped = False
+        self._keepers = list(keepers)
+
+    @classmethod
+    def start(cls, config: EngineConfig, starter: ReplicaStarter) -> "ReplicaSet":
+        """Start `config.data_parallel_size` replicas side by side and the router
+        `config.router` in front; replicas already up are shut down if one fails."""
+        pools = parse_replica_pools(config.replica_pools) if config.replica_pools else None
+        rules = RouteRules.from_file(config.route_rules) if config.route_rules else None
+        keepers = [_ReplicaKeeper(starter, index, config)
+                   for index in range(config.data_parallel_size)]
+        try:
+            started = [keeper.result() for keeper in keepers]
+            stats = started[0].get_stats()
+            # The prefix tree mirrors about one replica's KV pool.
+            capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
+            policy = make_policy(config.router, block_size=config.block_size,
+                                 capacity_blocks=capacity)
+            return cls(started, policy, pools=pools, rules=rules, keepers=keepers)
+        except BaseException:
+            for keeper in keepers:
+                keeper.stop()
+            raise
+
+    # ---- the AsyncLLM surface ------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        """Serving while any replica lives."""
+        return not self._stopped and any(r.is_alive for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        if self.is_alive:
+            return None
+        return next((r.llm.error for r in self.replicas if r.llm.error is not None),
+                    EngineDeadError("every replica is stopped"))
+
+    def health(self) -> dict[str, Any]:
+        """ok (every replica lives), degraded (some do) or dead, and each replica's state."""
+        alive = [r.is_alive for r in self.replicas]
+        status = "ok" if all(alive) else "degraded" if any(alive) else "dead"
+        return {"status": status, "replicas": [
+            {"replica": r.label, "pool": r.pool, "alive": up, "requests": r.num_requests,
+             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
+             **({"error": repr(r.llm.error)} if r.llm.error is not None else {})}
+            for r, up in zip(self.replicas, alive)]}
+
+    def get_stats(self) -> "EngineStats | None":
+        """The replicas' stats summed (what one engine of their combined size would report)."""
+        return sum_engine_stats([s for s in self.replica_stats().values() if s is not None])
+
+    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+        """Each replica's latest stats, by its label (the metrics' `replica` label)."""
+        return {r.label: r.llm.get_stats() for r in self.replicas}
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.replicas[0].llm.validate(prompt_token_ids, params)
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          *, arrival_time: float | None = None, cache_salt: str | None = None,
+                          priority: int = 0, wake: asyncio.Event | None = None,
+                          tenant: str | None = None, model: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RoutedStream:
+        """Route and submit a request; returns its stream once a replica accepted it.
+
+        `tenant` and `model` are what route rules match on. Raises InvalidRequest or
+        EngineDeadError (no live replica)."""
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        wake = wake if wake is not None else asyncio.Event()
+        # An adapter's blocks never serve the base model or another adapter (their hashes
+        # differ), so the router's prefix tree keys them apart as well.
+        route_salt = (cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
+        route = RouteRequest(prompt, _max_output_tokens(params, len(prompt), self.max_model_len),
+                             route_salt, tenant, model)
+
+        async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
+            return await self._submit(request_id, route, prompt, params, excluded, wake,
+                                      arrival_time=arrival_time, cache_salt=cache_salt,
+                                      priority=priority, lora_request=lora_request)
+
+        stream, flight = await submit(set())
+        routed = RoutedStream(request_id, stream, flight, submit, wake, on_done=self._forget)
+        with self._lock:
+            self._flights[request_id] = routed
+        return routed
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       *, arrival_time: float | None = None, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
+                                        cache_salt=cache_salt, priority=priority)
+        outputs = OutputAccumulator()
+        try:
+            async for delta in stream:
+                yield outputs.add(delta).snapshot()
+        finally:
+            if not stream.finished:
+                self.abort([request_id])
+
+    # ---- LoRA adapters: every replica loads the same ones ---------------------------------------
+
+    @property
+    def lora_names(self) -> list[str]:
+        live = [r for r in self.replicas if self._check_alive(r)]
+        return (live or self.replicas)[0].llm.lora_names
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter on every live replica; InvalidRequest (the first refusal) if one
+        refuses, after unloading it again from those that accepted."""
+        live = [r for r in self.replicas if self._check_alive(r)]
+        results = await asyncio.gather(*(r.llm.add_lora(lora_request) for r in live), return_exceptions=True)
+        refusals = [result for result in results if isinstance(result, BaseException)]
+        if refusals:
+            loaded = [r for r, result in zip(live, results) if not isinstance(result, BaseException)]
+            await asyncio.gather(*(r.llm.remove_lora(lora_request.lora_name) for r in loaded),
+                                 return_exceptions=True)
+            raise refusals[0]
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter from every live replica; InvalidRequest if none had it."""
+        live = [r for r in self.replicas if self._check_alive(r)]
+        results = await asyncio.gather(*(r.llm.remove_lora(name) for r in live), return_exceptions=True)
+        if live and all(isinstance(result, BaseException) for result in results):
+            raise results[0]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        with self._lock:
+            routed = [(request_id, self._flights.pop(request_id, None)) for request_id in request_ids]
+        for request_id, stream in routed:
+            if stream is None:
+                continue
+            by_replica.setdefault(stream.replica, []).append(request_id)
+            stream.cancel()
+        for index, ids in by_replica.items():
+            self.replicas[index].llm.abort(ids)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self._stopped = True
+        with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
+            list(pool.map(lambda r: r.llm.shutdown(timeout), self.replicas))
+        for keeper in self._keepers:
+            keeper.stop()
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    def candidates(self, route: RouteRequest, excluded: set[int] = frozenset()) -> list[Replica]:  # type: ignore[assignment]
+        """Live replicas of the request's pool (every live replica when that pool has none)."""
+        live = [r for r in self.replicas if r.index not in excluded and self._check_alive(r)]
+        pool = self.rules.pool_of(route) if self.rules is not None else None
+        if pool is not None:
+            in_pool = [r for r in live if r.pool == pool]
+            if in_pool:
+                return in_pool
+            if live:
+                logger.warning("no live replica in pool %r; routing to any replica", pool)
+        return live
+
+    async def _submit(self, request_id: str, route: RouteRequest, prompt: list[int],
+                      params: SamplingParams, excluded: set[int], wake: asyncio.Event,
+                      **kwargs: Any) -> tuple[RequestStream, Flight]:
+        excluded = set(excluded)
+        while True:
+            with self._lock:
+                if self._stopped:
+                    raise EngineDeadError("the replicas were shut down")
+                candidates = self.candidates(route, excluded)
+                if not candidates:
+                    raise EngineDeadError("no replica is running")
+                choice = self.policy.choose(route, [ReplicaLoad(r.index, r.outstanding_tokens)
+                                                    for r in candidates])
+                replica = self.replicas[choice.replica]
+                self.policy.routed(route, replica.index)
+                replica.num_routed += 1
+                uncached = max(0, len(prompt) - choice.expected_cached_tokens)
+                flight = Flight(replica, uncached, route.max_tokens * params.n)
+            try:
+                stream = await replica.llm.add_request(request_id, prompt, params, wake=wake,
+                                                       **kwargs)
+            except EngineDeadError:
+                flight.close()
+                replica.num_moved_away += 1
+                excluded.add(replica.index)  # died since the last look: try the next choice
+                continue
+            except BaseException:
+                flight.close()
+                raise
+            return stream, flight
+
+    def _check_alive(self, replica: Replica) -> bool:
+        if replica.out_of_rotation:
+            return False
+        if replica.llm.is_alive:
+            return True
+        replica.out_of_rotation = True
+        self.policy.forget_replica(replica.index)
+        logger.error("replica %d stopped (%s); taken out of rotation, %d of %d replicas left",
+                     replica.index, replica.llm.error,
+                     sum(r.llm.is_alive for r in self.replicas), len(self.replicas))
+        return False
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._flights.pop(request_id, None)
+
+
+class _ReplicaKeeper:
+    """Starts one replica on a thread of its own, which then lives as long as the replica.
+
+    Replicas load side by side (each takes seconds), but an engine process is killed when the
+    thread that spawned it exits (PR_SET_PDEATHSIG, engine/parent_watch.py): so the thread that
+    starts a replica waits, parked, until the replica is shut down."""
+
+    def __init__(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
+        self._started = threading.Event()
+        self._release = threading.Event()
+        self._llm: AsyncLLM | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(starter, index, config),
+                         name=f"pagoda-replica-{index}", daemon=True).start()
+
+    def _run(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
+        try:
+            self._llm = starter(index, config)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+        self._release.wait()
+
+    def result(self) -> AsyncLLM:
+        """The started replica; raises what stopped it from starting."""
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._llm is not None
+        return self._llm
+
+    def stop(self) -> None:
+        """Shut the replica down (if it started) and let its thread end."""
+        self._started.wait()
+        if self._llm is not None:
+            self._llm.shutdown()
+        self._release.set()
+
+
+def _max_output_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    limit = max(0, max_model_len - prompt_len)
+    return limit if params.max_tokens is None else min(params.max_tokens, limit)
+
+
+_SUMMED_FIELDS = ("num_running", "num_waiting", "num_total_blocks", "num_free_blocks",
+                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                  "num_prompt_tokens", "num_generation_tokens")
+
+
+def sum_engine_stats(stats: Sequence["EngineStats"]) -> "EngineStats | None":
+    """Counters and sizes summed; the rest (step timings, histograms) from the first replica."""
+    if not stats:
+        return None
+    summed = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED_FIELDS}
+    total = summed["num_total_blocks"]
+    usage = 1.0 - summed["num_free_blocks"] / total if total else 0.0
+    return dataclasses.replace(stats[0], **summed, kv_cache_usage=usage)
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica `index`'s engine config: the same knobs, its own seed (replicas that sample
+    alike would repeat each other's unseeded outputs)."""
+    return dataclasses.replace(config, seed=config.seed + index)

@@ -1,0 +1,40 @@
+"""Engine-level metrics of several replicas in one family each, told apart by a `replica` label.
+
+Each replica's stats are collected by the same collector a single engine uses; its families are
+then merged by name, every sample gaining `replica="<index>"`. Prometheus queries aggregate them
+(`sum without (replica) (pagoda:num_requests_running)`) or compare replicas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import EngineStats
+
+REPLICA_LABEL = "replica"
+
+# One replica's stats getter -> the collector of a single engine's families.
+CollectorOf = Callable[[Callable[[], "EngineStats | None"]], Collector]
+
+
+class ReplicaLabelledCollector(Collector):
+    def __init__(self, replica_stats: Callable[[], dict[str, "EngineStats | None"]],
+                 collector_of: CollectorOf) -> None:
+        self._replica_stats = replica_stats
+        self._collector_of = collector_of
+
+    def collect(self) -> Iterator[Any]:
+        merged: dict[str, Metric] = {}
+        for label, stats in self._replica_stats().items():
+            for family in self._collector_of(lambda stats=stats: stats).collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation,
+                                                        family.type, family.unit)
+                into.samples.extend(sample._replace(labels={**sample.labels, REPLICA_LABEL: label})
+                                    for sample in family.samples)
+        yield from merged.values()
