@@ -133,6 +133,10 @@ class EngineConfig:
     ray_address: str | None = field(default=None, metadata={
         "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
                 "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
+    # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) ----
+    role: str = field(default="both", metadata={
+        "help": "both (prefill and decode here), prefill (compute the prompt and first token, then "
+                "export the request and its KV blocks), or decode (continue handed-off requests)"})
     # ---- LoRA adapters (pagoda/lora) ----
     enable_lora: bool = field(default=False, metadata={
         "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
@@ -244,6 +248,18 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
         self._validate_tensor_parallel(fail)
+        self._validate_role(fail)
+
+    def _validate_role(self, fail: Any) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            fail("role", f"must be both, prefill or decode, got {self.role!r}")
+        if self.role == "both":
+            return
+        # The handoff carries the target model's KV only, from one rank's pool.
+        if self.speculative == "draft":
+            fail("speculative", "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)")
+        if self.tensor_parallel_size > 1:
+            fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet")
 
     def _validate_tensor_parallel(self, fail: Any) -> None:
         if self.tensor_parallel_size < 1:
@@ -309,6 +325,8 @@ class EngineConfig:
                 choices = ["mp", "ray"]
             elif f.name == "router":
                 choices = list(ROUTER_CHOICES)
+            elif f.name == "role":
+                choices = ["both", "prefill", "decode"]
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.

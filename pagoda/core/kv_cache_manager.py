@@ -180,6 +180,12 @@ class KVCacheManager:
             del blocks[keep:]
             request.block_ids = request.block_ids[:keep]
 
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The request's chained full-block hashes (tenant salt and adapter included), computed
+        whether or not prefix caching is on: a KV handoff carries and checks them."""
+        self._update_block_hashes(request)
+        return request.block_hashes
+
     def _update_block_hashes(self, request: Request) -> None:
         extra_keys = (request.cache_salt,) if request.cache_salt else ()
         if request.lora is not None:  # KV computed through an adapter is that adapter's alone

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.roles import require_both_role
 from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
@@ -48,6 +49,7 @@ class AsyncLLM:
         TransportStarter: a transport from elsewhere (a replica as a Ray actor)."""
         if not callable(transport) and transport not in ("thread", "process"):
             raise ValueError(f"transport must be 'thread' or 'process', got {transport!r}")
+        require_both_role(config, "the server")
         self.config = config
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, _error and _stopped

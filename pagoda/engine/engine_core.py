@@ -13,13 +13,14 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.disaggregation import DisaggStats, KVHandoffs
 from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
-from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
+from pagoda.kv_transfer.tiers import KVTiers, KVTierStats, model_fingerprint
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
@@ -59,6 +60,7 @@ class EngineStats:
     iteration_tokens: TokenHistogram | None = None  # tokens computed per step
     structured_output: StructuredOutputStats | None = None
     lora: LoRAStats | None = None  # None without --enable-lora
+    disaggregation: DisaggStats | None = None  # KV handoffs (pagoda/engine/disaggregation.py)
 
 
 @dataclass
@@ -158,6 +160,10 @@ class EngineCore:
             caches = [t for pair in self.runner.kv_caches for t in pair]
             caches += [t for pair in self.speculation.kv_caches for t in pair]
             self.runner.kv_transfer = self.kv_tiers.attach(caches)
+        # Prefill/decode disaggregation: the target model's caches, as KV handoffs carry them.
+        self.handoffs = KVHandoffs(config.role, self.kv_cache, self.scheduler,
+                                   [t for pair in self.runner.kv_caches for t in pair],
+                                   model_fingerprint(config, str(self.dtype).removeprefix("torch.")).hex())
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
@@ -225,8 +231,9 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
                     cache_salt: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> list[Request]:
-        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest."""
+                    lora_request: LoRARequest | None = None, enqueue: bool = True) -> list[Request]:
+        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest.
+        With enqueue=False the caller schedules it (a KV handoff being imported)."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
@@ -247,6 +254,8 @@ class EngineCore:
         lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]
         samples = [lead, *lead.pending_forks]
         self.requests[request_id] = samples
+        if not enqueue:
+            return samples
         if params.structured_outputs is not None:
             self.structured.submit(request_id, samples)  # joins the scheduler once compiled
         else:
@@ -270,6 +279,7 @@ class EngineCore:
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
         samples = self.requests.pop(request_id, None)
+        self.handoffs.forget(request_id)
         if samples and samples[0].lora is not None and self.lora is not None:
             self.lora.release(samples[0].lora)
 
@@ -355,6 +365,7 @@ class EngineCore:
                     request.cumulative_logprob += entry[token_id].logprob
         self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
                                          update=time.perf_counter() - executed)
+        self.handoffs.after_step(progressed)
         if self.kv_tiers is not None:
             self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
         return progressed
@@ -391,6 +402,7 @@ class EngineCore:
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
+            disaggregation=self.handoffs.stats.copy(),
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.engine.roles import require_both_role
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagoda.engine.threads import set_engine_threads
@@ -26,6 +27,7 @@ class LLM:
         # the KV pool holds, without the serving engine's decode-step calibration.
         engine_args.setdefault("max_num_seqs_itl_ms", None)
         config = EngineConfig(**engine_args)
+        require_both_role(config, "the offline LLM")
         # The offline engine steps on the caller's thread, with no event loop beside it.
         set_engine_threads(config, serving=False)
         self.engine = LLMEngine(config)

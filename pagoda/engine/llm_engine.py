@@ -10,10 +10,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.engine.disaggregation import check_exportable, sampling_params_from_dict
 from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
+from pagoda.kv_transfer.handoff import IncomingHandoff, KVHandoff, TransferError, send_handoff
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutputDelta
 from pagoda.request import RequestStatus
@@ -36,6 +38,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._aborted: list[RequestOutputDelta] = []
         self._grammar_outcomes: list[tuple[str, str | None]] = []
+        self._handoffs: list[KVHandoff] = []  # role prefill: exported, not yet taken
 
     @property
     def max_model_len(self) -> int:
@@ -66,6 +69,8 @@ class LLMEngine:
         else:
             prompt_text = None
             prompt_token_ids = list(prompt)
+        if self.config.role == "prefill":
+            check_exportable(params)
         samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                                         arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
                                         lora_request=lora_request)
@@ -106,6 +111,8 @@ class LLMEngine:
             for delta in changed:
                 if delta.finished:
                     self._forget(delta.request_id)
+            if self.config.role == "prefill":
+                changed = self._export_prefilled(changed)
             deltas.extend(changed)
         return deltas
 
@@ -133,6 +140,71 @@ class LLMEngine:
     def on_worker_failure(self, callback: Callable[[str], None]) -> None:
         """Tensor parallelism: `callback(reason)` when a worker dies, even while idle."""
         self.core.on_worker_failure(callback)
+
+    # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) -----------------------
+
+    def _export_prefilled(self, changed: list[RequestOutputDelta]) -> list[RequestOutputDelta]:
+        """Role prefill: every request that has its first token and goes on is exported (its
+        KV copied out, its blocks freed) and forgotten here; its deltas are not returned (the
+        decode engine's output carries the first token too)."""
+        kept = []
+        for delta in changed:
+            samples = self.core.requests.get(delta.request_id)
+            if delta.finished or not samples or samples[0].is_finished:
+                kept.append(delta)
+                continue
+            self._handoffs.append(self.core.handoffs.export(samples[0]))
+            self._forget(delta.request_id)
+        return kept
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        """Role prefill: the requests exported by the steps since the last call."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def send_handoff(self, handoff: KVHandoff, transport: str, address: str, timeout: float = 10.0) -> bool:
+        """Ship an exported request to a decode engine's listener. False (counted as a send
+        failure) if it did not arrive; this engine holds no block of it either way."""
+        try:
+            num_sent = send_handoff(handoff, transport, address, timeout)
+        except TransferError:
+            self.core.handoffs.stats.failures["send"] += 1
+            return False
+        self.core.handoffs.record_sent(handoff, num_sent)
+        return True
+
+    def add_prefilled_request(self, incoming: IncomingHandoff, *, fallback: bool = True,
+                              arrival_time: float | None = None) -> bool:
+        """Continue a request handed off by a prefill engine. Its KV blocks are received into
+        freshly allocated blocks (those this engine's prefix cache lacks); True when they were.
+        If the transfer fails or is refused, what was allocated is released and, with
+        `fallback`, the request is queued to prefill here (False is returned; the caller sees
+        no error), else TransferError is raised. The prefill engine's first token is kept
+        unless the handoff was refused for its identity (another model, tenant or adapter
+        computed it): then this engine samples the first token itself."""
+        header = incoming.header
+        lora = LoRARequest(lora_name=header.lora_name) if header.lora_name is not None else None
+        try:
+            params = sampling_params_from_dict(header.sampling_params)
+            samples = self.core.add_request(header.request_id, header.prompt_token_ids, params,
+                                            eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                                            cache_salt=header.cache_salt, lora_request=lora, enqueue=False)
+        except (InvalidRequest, TypeError) as error:  # TypeError: sampling params this version lacks
+            incoming.reject(str(error))
+            raise InvalidRequest(f"handed-off request {header.request_id!r}: {error}") from None
+        request = samples[0]
+        self.output_processor.add_request(header.request_id, None, samples)
+        try:
+            self.core.handoffs.import_request(incoming, request)
+            return True
+        except TransferError:
+            if not fallback:
+                self._forget(header.request_id)
+                raise
+        # Prefill here from the prompt (and the first token, if kept), as a preempted request recomputes.
+        self.core.handoffs.stats.fallback_prefills += 1
+        self.core.scheduler.add_request(request)
+        return False
 
     def _forget(self, request_id: str) -> None:
         self.core.release(request_id)

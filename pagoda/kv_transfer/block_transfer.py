@@ -28,6 +28,22 @@ if TYPE_CHECKING:
     from pagoda.kv_transfer.disk_store import DiskStore
 
 
+def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[torch.Tensor]:
+    """The given blocks of every cache tensor, one index_select each (a copy, on the caches'
+    device): the blocks may be reused as soon as this returns."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
+    return [c.index_select(0, index) for c in caches]
+
+
+def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+    """Write `data` (one tensor per cache, blocks first, as gather_blocks returns) into the
+    given blocks, one index_copy_ per cache tensor."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
+    with torch.inference_mode():
+        for cache, block_data in zip(caches, data):
+            cache.index_copy_(0, index, block_data.to(cache.device))
+
+
 @dataclass
 class TransferStats:
     """Cumulative bytes and seconds of issued copies, per direction."""
@@ -119,7 +135,7 @@ class BlockTransfer:
         dst = torch.tensor(list(host_ids), dtype=torch.long)
         done_event = None
         if self.stream is None:
-            staged = [c.index_select(0, src) for c in self.device_caches]
+            staged = gather_blocks(self.device_caches, device_ids)
         else:
             compute = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(compute)  # the blocks' last writes come first
@@ -169,8 +185,7 @@ class BlockTransfer:
         src = torch.tensor(list(host_ids), dtype=torch.long)
         dst = torch.tensor(list(device_ids), dtype=torch.long, device=self.device)
         if self.stream is None:
-            for device_cache, host in zip(self.device_caches, self.host_caches):
-                device_cache.index_copy_(0, dst, host.index_select(0, src))
+            scatter_blocks(self.device_caches, device_ids, [host.index_select(0, src) for host in self.host_caches])
         else:
             staged = []
             for host in self.host_caches:

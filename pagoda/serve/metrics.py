@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pagoda.serve.disagg_metrics import disagg_families
 from pagoda.serve.lora_metrics import lora_families
 from pagoda.serve.replica_metrics import ReplicaLabelledCollector
 from pagoda.serve.structured_metrics import structured_output_families
@@ -89,6 +90,7 @@ class _EngineStatsCollector(Collector):
         yield from structured_output_families(getattr(stats, "structured_output", None), PREFIX, labels, values)
         yield from self._kv_tiers(stats, labels, values)
         yield from lora_families(getattr(stats, "lora", None), PREFIX, labels, values)
+        yield from disagg_families(getattr(stats, "disaggregation", None), PREFIX, labels, values)
 
     @staticmethod
     def _iteration_tokens(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Any:

@@ -1,0 +1,227 @@
+"""Prefill/decode disaggregation inside one engine: exporting a prefilled request with its KV
+blocks (role prefill) and importing one into freshly allocated blocks (role decode).
+
+The wire lives in pagoda.kv_transfer.handoff; this module decides what travels and what the
+receiving engine may trust. A decode engine uses transferred blocks only when the sender's
+chained block hashes equal the ones it computes itself from the request's tokens, tenant salt
+and adapter, and the model fingerprint and block layout match: the blocks then enter its prefix
+cache under its own (identical) hashes, never under another tenant's. Anything else is
+refused and the request is prefilled locally.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.errors import InvalidRequest
+from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
+from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
+                                        layout_of)
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+
+PHASES = ("queue", "prefill", "transfer", "first_decode")
+# Seconds; the server's TTFT histogram uses the same bounds (a phase is a part of the TTFT).
+PHASE_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class PhaseHistogram:
+    """Counts per bucket of PHASE_BUCKETS (the last one above every bound), their sum and count."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(PHASE_BUCKETS) + 1))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self.counts[bisect.bisect_left(PHASE_BUCKETS, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def copy(self) -> "PhaseHistogram":
+        return PhaseHistogram(list(self.counts), self.sum, self.count)
+
+
+@dataclass
+class DisaggStats:
+    """Cumulative counters of KV handoffs, and a histogram of each TTFT phase per request:
+    queue and prefill on the prefill engine, transfer and first decode on the decode engine."""
+
+    role: str
+    handoffs_exported: int = 0
+    handoffs_imported: int = 0  # requests that continued on transferred KV
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    blocks_cached: int = 0  # blocks the receiver's prefix cache already held (not sent)
+    failures: dict[str, int] = field(default_factory=lambda: {"send": 0, "receive": 0, "refused": 0})
+    fallback_prefills: int = 0  # handoffs that failed and were prefilled by the decode engine
+    phases: dict[str, PhaseHistogram] = field(default_factory=lambda: {p: PhaseHistogram() for p in PHASES})
+
+    def observe(self, phase: str, seconds: float) -> None:
+        self.phases[phase].observe(seconds)
+
+    def copy(self) -> "DisaggStats":
+        return dataclasses.replace(self, failures=dict(self.failures),
+                                   phases={p: h.copy() for p, h in self.phases.items()})
+
+
+def check_exportable(params: SamplingParams) -> None:
+    """A prefill engine hands off single-sample, unconstrained requests only (for now)."""
+    if params.n != 1:
+        raise InvalidRequest("n > 1 is not supported by a prefill-role engine yet", param="n")
+    if params.structured_outputs is not None:
+        raise InvalidRequest("structured output is not supported by a prefill-role engine yet "
+                             "(the grammar state does not travel with the KV)", param="structured_outputs")
+    if params.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs are not supported by a prefill-role engine yet",
+                             param="prompt_logprobs")
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict:
+    check_exportable(params)
+    return dataclasses.asdict(params)
+
+
+def sampling_params_from_dict(data: dict) -> SamplingParams:
+    data = dict(data)
+    if data.get("logit_bias") is not None:  # JSON keys are strings
+        data["logit_bias"] = {int(k): v for k, v in data["logit_bias"].items()}
+    return SamplingParams(**data)
+
+
+class KVHandoffs:
+    """One engine's side of disaggregation: bound to its KV cache manager, scheduler and cache
+    tensors (the target model's keys and values, layer by layer)."""
+
+    def __init__(self, role: str, kv_cache: KVCacheManager, scheduler: Scheduler,
+                 caches: Sequence[torch.Tensor], fingerprint: str) -> None:
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.caches = list(caches)
+        self.layout = layout_of(self.caches)
+        self.fingerprint = fingerprint
+        self.stats = DisaggStats(role)
+        self._imported_at: dict[str, float] = {}  # request id -> when its KV was in place
+
+    # ---- prefill side --------------------------------------------------------------------------
+
+    def export(self, request: Request) -> KVHandoff:
+        """Copy the request's prompt blocks to host memory and finish it here, freeing its
+        blocks (they stay in this engine's prefix cache). The request must have just sampled
+        its first token."""
+        block_size = self.kv_cache.block_size
+        num_blocks = self.kv_cache.num_blocks_for(request.num_prompt_tokens)
+        blocks = [t.cpu() for t in gather_blocks(self.caches, request.block_ids[:num_blocks])]
+        num_full = request.num_prompt_tokens // block_size
+        hashes = self.kv_cache.block_hashes(request)[:num_full]
+        metrics = request.metrics
+        scheduled = metrics.first_scheduled_time or metrics.arrival_time
+        header = HandoffHeader(
+            request_id=request.parent_id, prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=sampling_params_to_dict(request.sampling_params),
+            cache_salt=request.cache_salt, lora_name=request.lora.name if request.lora is not None else None,
+            block_size=block_size, block_hashes=[h.hex() for h in hashes], num_blocks=num_blocks,
+            layout=self.layout, fingerprint=self.fingerprint,
+            queue_seconds=scheduled - metrics.arrival_time,
+            prefill_seconds=(metrics.first_token_time or time.time()) - scheduled)
+        self.scheduler.finish_requests([request], RequestStatus.FINISHED_STOPPED)
+        self.stats.handoffs_exported += 1
+        self.stats.observe("queue", header.queue_seconds)
+        self.stats.observe("prefill", header.prefill_seconds)
+        return KVHandoff(header, blocks)
+
+    def record_sent(self, handoff: KVHandoff, num_sent: int) -> None:
+        self.stats.blocks_sent += num_sent
+        self.stats.bytes_sent += num_sent * handoff.header.block_nbytes
+
+    # ---- decode side ---------------------------------------------------------------------------
+
+    def refusal(self, header: HandoffHeader, request: Request) -> str | None:
+        """Why this engine must not use the sender's blocks for `request` (None: it may)."""
+        if header.fingerprint != self.fingerprint:
+            return "the sender runs another model, dtype, block size or KV cache dtype"
+        if header.layout != self.layout or header.block_size != self.kv_cache.block_size:
+            return "the sender's KV block layout differs"
+        own = [h.hex() for h in self.kv_cache.block_hashes(request)]
+        num_full = request.num_prompt_tokens // self.kv_cache.block_size
+        if header.block_hashes != own[:num_full]:
+            return "the sender's block hashes differ from this engine's for the request's tenant and adapter"
+        if header.num_blocks != self.kv_cache.num_blocks_for(request.num_prompt_tokens):
+            return "the sender's block count does not cover the prompt"
+        return None
+
+    def import_request(self, incoming: IncomingHandoff, request: Request) -> None:
+        """Receive the request's blocks (only those this engine's prefix cache lacks) into
+        freshly allocated blocks, append the sender's first token and start it decoding.
+
+        `request` holds the prompt only. HandoffRefused: the sender's KV and first token were
+        produced under another identity (nothing was appended). TransferError: the transfer
+        failed; the first token is appended (it is the sender's to give), everything allocated
+        here is released and the request is not scheduled."""
+        started = time.perf_counter()
+        header = incoming.header
+        reason = self.refusal(header, request)
+        if reason is not None:
+            self.stats.failures["refused"] += 1
+            incoming.reject(reason)
+            raise HandoffRefused(f"KV handoff of {header.request_id!r} refused: {reason}")
+        for token_id in header.output_token_ids:
+            request.append_output_token(token_id)
+        cached = self.kv_cache.find_cached_prefix(request)
+        skip = len(cached)
+        num_prompt = request.num_prompt_tokens
+        if not self.kv_cache.allocate_slots(request, num_prompt - skip * self.kv_cache.block_size, cached):
+            self.stats.failures["refused"] += 1
+            incoming.reject("no free KV blocks on the decode engine")
+            raise TransferError(f"KV handoff of {header.request_id!r} refused: no free KV blocks")
+        try:
+            for indices, data in incoming.receive(skip):
+                scatter_blocks(self.caches, [request.block_ids[i] for i in indices], data)
+        except TransferError:
+            self.kv_cache.free(request)
+            self.stats.failures["receive"] += 1
+            raise
+        finally:
+            incoming.close()
+        num_received = header.num_blocks - skip
+        self.stats.blocks_received += num_received
+        self.stats.bytes_received += incoming.bytes_received
+        self.stats.blocks_cached += skip
+        self.stats.handoffs_imported += 1
+        request.num_computed_tokens = num_prompt
+        request.spec.num_draft_computed_tokens = num_prompt
+        request.num_cached_tokens = skip * self.kv_cache.block_size
+        request.status = RequestStatus.RUNNING
+        request.metrics.first_scheduled_time = time.time()
+        self.kv_cache.cache_full_blocks(request, num_prompt)
+        # Like a forked sample, a handed-off request joins the running set directly: its KV is
+        # already in place, and waiting would hold the blocks idle.
+        self.scheduler.running.append(request)
+        self.stats.observe("transfer", time.perf_counter() - started)
+        self._imported_at[request.request_id] = time.perf_counter()
+
+    def after_step(self, progressed: Sequence[Request]) -> None:
+        """Time to the first token the decode engine produced for each imported request."""
+        if not self._imported_at:
+            return
+        now = time.perf_counter()
+        for request in progressed:
+            imported = self._imported_at.pop(request.request_id, None)
+            if imported is not None:
+                self.stats.observe("first_decode", now - imported)
+
+    def forget(self, request_id: str) -> None:
+        self._imported_at.pop(request_id, None)
