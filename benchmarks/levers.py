@@ -35,11 +35,20 @@ SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}
 
 
 def _without_prepacked_weights(engine: Any) -> None:
+    import torch
+
     from pagoda.model.layers import Linear
 
     for module in engine.core.runner.model.modules():
         if isinstance(module, Linear) and hasattr(module, "packed_weight"):
-            delattr(module, "packed_weight")  # FullWeight.apply falls back to F.linear
+            # The packed tensor replaced the dense weight: recover it (the layer applied to an
+            # identity), then FullWeight.apply falls back to F.linear on it.
+            eye = torch.eye(module.in_features, dtype=module.weight_dtype)
+            dense = module.weight_format.apply(module, eye, None).t().contiguous()
+            delattr(module, "packed_weight")
+            if hasattr(module, "single_row_weight"):
+                delattr(module, "single_row_weight")
+            module.register_buffer("weight", dense, persistent=False)
 
 
 def _without_single_row_dense(engine: Any) -> None:
