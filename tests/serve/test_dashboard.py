@@ -107,6 +107,22 @@ def test_window_shows_guardrail_decisions_only_when_configured() -> None:
     assert (totals["guard_blocks"], totals["guard_redactions"], totals["guard_flags"]) == (1, 3, 0)
 
 
+def test_replicas_kv_usage_is_averaged_and_counts_summed() -> None:
+    from prometheus_client import Gauge
+
+    from pagoda.serve.dashboard.window import read_registry
+
+    registry = CollectorRegistry()
+    usage = Gauge("pagoda:kv_cache_usage_perc", "", ["model_name", "replica"], registry=registry)
+    running = Gauge("pagoda:num_requests_running", "", ["model_name", "replica"], registry=registry)
+    for replica, (fraction, count) in enumerate([(0.6, 3), (0.8, 5)]):
+        usage.labels("m", str(replica)).set(fraction)
+        running.labels("m", str(replica)).set(count)
+    sample = read_registry(registry, now=0.0)
+    assert sample.scalars["kv_usage"] == pytest.approx(0.7)  # never above 1 with many replicas
+    assert sample.scalars["running"] == 8
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("dashboard")

@@ -25,7 +25,9 @@ from pagoda.serve.request_log import RequestLogRecord
 PREFIX = "pagoda:"
 
 # (key in a sample, metric family without the prefix). Counters and gauges are summed over
-# every label but model_name, so e.g. request_rejected is all reasons together.
+# every label but model_name, so e.g. request_rejected is all reasons together; a fraction
+# (_AVERAGED) is averaged instead: with data-parallel replicas each has its own, labelled
+# `replica`, and the replicas' pools are the same size.
 _SCALARS = {
     "running": "num_requests_running",
     "waiting": "num_requests_waiting",
@@ -40,6 +42,7 @@ _SCALARS = {
     "requests_finished": "request_success",
     "requests_rejected": "request_rejected",
 }
+_AVERAGED = {"kv_usage"}
 # Counters of one label value, present only when their family is (None otherwise).
 _LABELLED = {
     "guard_blocks": ("guardrail_decisions", "action", "block"),
@@ -111,8 +114,8 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
                                    and s.labels.get(label) == value)
         if family.name in scalar_keys:
             key = scalar_keys[family.name]
-            scalars[key] = sum(s.value for s in family.samples
-                               if s.name in (family.name, family.name + "_total"))
+            values = [s.value for s in family.samples if s.name in (family.name, family.name + "_total")]
+            scalars[key] = (sum(values) / len(values) if values else 0.0) if key in _AVERAGED else sum(values)
         elif family.name in histogram_keys:
             buckets: dict[float, float] = {}
             total = 0.0
