@@ -15,32 +15,13 @@ import torch
 from pagoda.lora.batch import NO_SLOT, build_lora_batch
 from pagoda.lora.delta import segmented_delta
 
+from triton_import import import_triton_module
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-def _import_kernels():
-    """TRITON_INTERPRET is read when @triton.jit decorates: set it before triton's first import."""
-    if not INTERPRET:
-        pytest.importorskip("triton")
-        from pagoda.lora import triton_delta
-        return triton_delta
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        from pagoda.lora import triton_delta
-        return triton_delta
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-triton_delta = _import_kernels()
+triton_delta = import_triton_module("pagoda.lora.triton_delta", interpret=INTERPRET)
 
 
 @pytest.fixture(autouse=True)

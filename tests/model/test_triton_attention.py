@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 
 import pytest
 import torch
@@ -20,33 +19,14 @@ import torch
 from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
 from pagoda.model.attention.torch_backend import TorchAttentionBackend
 
+from triton_import import import_triton_module
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-def _import_backend() -> type:
-    """TRITON_INTERPRET is read when functions are decorated with @triton.jit, triton's own
-    (tl.max, tl.sum, ...) included: it must be set before triton is first imported."""
-    if not INTERPRET:
-        pytest.importorskip("triton")
-        from pagoda.model.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        from pagoda.model.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend
-    finally:  # unset again, so that subprocesses of other tests on a GPU machine compile for real
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-TritonAttentionBackend = _import_backend()
+TritonAttentionBackend = import_triton_module("pagoda.model.attention.triton_backend",
+                                              interpret=INTERPRET).TritonAttentionBackend
 
 
 @pytest.fixture(autouse=True)

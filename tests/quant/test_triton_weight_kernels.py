@@ -14,31 +14,13 @@ import sys
 import pytest
 import torch
 
+from triton_import import import_triton_module
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-def _import_kernels():
-    if not INTERPRET:
-        pytest.importorskip("triton")
-        from pagoda.quant import triton_weight_kernels
-        return triton_weight_kernels
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process", allow_module_level=True)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        from pagoda.quant import triton_weight_kernels
-        return triton_weight_kernels
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-kernels = _import_kernels()
+kernels = import_triton_module("pagoda.quant.triton_weight_kernels", interpret=INTERPRET)
 
 from pagoda.quant.weight_formats import (Int4Weight, Int8Weight, dequantize_int4_grouped,  # noqa: E402
                                          quantize_int4_grouped, quantize_int8_per_channel)
