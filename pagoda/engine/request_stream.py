@@ -14,7 +14,35 @@ from pagoda.engine.transport.messages import ACCEPTED, EmittedItem
 from pagoda.outputs import RequestOutputDelta
 
 
-class RequestStream:
+class PolledStream:
+    """Waiting and async iteration over `poll()`: a subclass sets `_ready` (the event its
+    producer sets) and `finished`, and implements `poll()` (the next delta or None)."""
+
+    _ready: asyncio.Event
+    finished: bool
+
+    def poll(self) -> RequestOutputDelta | None:
+        raise NotImplementedError
+
+    async def get(self) -> RequestOutputDelta:
+        """The next delta, waiting for one if none is pending."""
+        while True:
+            self._ready.clear()
+            delta = self.poll()
+            if delta is not None:
+                return delta
+            await self._ready.wait()
+
+    def __aiter__(self) -> "PolledStream":
+        return self
+
+    async def __anext__(self) -> RequestOutputDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+class RequestStream(PolledStream):
     """The deltas of one request, read on the event loop that created it."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
@@ -61,22 +89,6 @@ class RequestStream:
             self.finished = True
         return delta
 
-    async def get(self) -> RequestOutputDelta:
-        """The next delta, waiting for one if none is pending."""
-        while True:
-            self._ready.clear()
-            delta = self.poll()
-            if delta is not None:
-                return delta
-            await self._ready.wait()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutputDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        return await self.get()
 
 
 def deliver_all(items: list[tuple[RequestStream, EmittedItem]]) -> None:

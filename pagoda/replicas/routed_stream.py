@@ -17,6 +17,7 @@ import logging
 from typing import Awaitable, Callable
 
 from pagoda.engine.async_llm import RequestStream
+from pagoda.engine.request_stream import PolledStream
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import RequestOutputDelta
 from pagoda.replicas.replica import Flight
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 Resubmit = Callable[[set[int]], Awaitable[tuple[RequestStream, Flight]]]
 
 
-class RoutedStream:
+class RoutedStream(PolledStream):
     def __init__(self, request_id: str, stream: RequestStream, flight: Flight,
                  resubmit: Resubmit, wake: asyncio.Event,
                  on_done: Callable[[str], None] = lambda request_id: None) -> None:
@@ -75,22 +76,6 @@ class RoutedStream:
             self.flight.close()
             self._on_done(self.request_id)
         return delta
-
-    async def get(self) -> RequestOutputDelta:
-        while True:
-            self._ready.clear()
-            delta = self.poll()
-            if delta is not None:
-                return delta
-            await self._ready.wait()
-
-    def __aiter__(self) -> "RoutedStream":
-        return self
-
-    async def __anext__(self) -> RequestOutputDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        return await self.get()
 
     def cancel(self) -> None:
         """The request was aborted: stop any failover and pay back its tokens."""
