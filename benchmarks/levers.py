@@ -131,6 +131,12 @@ def _unfused_layer_ops(engine: Any) -> None:
     backend.prepare = prepare_without_whole_batch
 
 
+def _half_precision_decode_attention(engine: Any) -> None:
+    """Decode attention in the model's half precision (torch's CPU flash kernel in bf16), as
+    before the float32 upcast; meaningful with `--dtype bfloat16`."""
+    engine.core.runner.backend.upcast_half_decode = False
+
+
 # lever -> how to take it out of a built engine; returns the torch thread count the engine
 # without the lever steps with (None: the same as with it)
 LEVERS: dict[str, Callable[[Any], int | None]] = {
@@ -138,11 +144,12 @@ LEVERS: dict[str, Callable[[Any], int | None]] = {
     "thread-policy": _all_cores,  # the serving policy (engine/threads.py) vs every core
     "single-row-dense": _without_single_row_dense,  # 1-row products on small weights through F.linear
     "layer-ops": _unfused_layer_ops,  # fused RMSNorm, q+k rotary in one op, tables once per step, whole-batch decode
+    "bf16-decode-upcast": _half_precision_decode_attention,  # with --dtype bfloat16: decode SDPA in float32
 }
 
 
 def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, steps: int, rounds: int,
-            threads: int | None) -> dict[str, Any]:
+            threads: int | None, dtype: str = "auto") -> dict[str, Any]:
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.threads import set_engine_threads
@@ -152,7 +159,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
 
     output_len = steps * rounds + 8
     config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
-                          max_model_len=prompt_len + output_len + 16)
+                          max_model_len=prompt_len + output_len + 16, dtype=dtype)
     used_threads = set_engine_threads(config, serving=True)
     engines = {"on": LLMEngine(config), "off": LLMEngine(config)}
     threads_for = {"on": used_threads, "off": LEVERS[lever](engines["off"]) or used_threads}
@@ -182,7 +189,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
     cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     torch.set_num_threads(used_threads)
-    return {"lever": lever, "concurrency": concurrency, "threads": threads_for, "steps_per_round": steps,
+    return {"lever": lever, "concurrency": concurrency, "dtype": dtype, "threads": threads_for, "steps_per_round": steps,
             "rounds": rounds, "step_ms_on": 1000 * on, "step_ms_off": 1000 * off, "speedup": off / on,
             "per_round_ratio": [b / a for a, b in zip(seconds["on"], seconds["off"])],
             "cpu_ms_on": 1000 * cpu_on, "cpu_ms_off": 1000 * cpu_off, "cpu_speedup": cpu_off / cpu_on,
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="decode steps per engine per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch threads (default: the serving policy)")
+    parser.add_argument("--dtype", default="auto", help="the engines' --dtype (bf16-decode-upcast: bfloat16)")
     parser.add_argument("--out", default=str(RESULTS / NAME))
     args = parser.parse_args(argv)
 
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for lever in args.lever:
         for c in sorted({int(x) for x in args.concurrency.split(",")}):
-            result = measure(model_dir, lever, c, args.prompt_len, args.steps, args.rounds, args.threads)
+            result = measure(model_dir, lever, c, args.prompt_len, args.steps, args.rounds, args.threads, args.dtype)
             results.append(result)
             print(f"{lever:<10} c={c:<3} step {result['step_ms_on']:7.2f} ms on vs {result['step_ms_off']:7.2f} ms off: "
                   f"{result['speedup']:.2f}x (rounds {min(result['per_round_ratio']):.2f}-"

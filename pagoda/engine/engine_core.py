@@ -84,7 +84,7 @@ def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> 
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32  # bf16 matmuls are slower than fp32 for decode on this CPU
+        return torch.float32  # transformers-identical greedy outputs; --dtype bfloat16 trades that for speed
     return _DTYPES.get(config_dtype or "", torch.bfloat16) if config_dtype != "float32" else torch.bfloat16
 
 

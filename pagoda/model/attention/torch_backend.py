@@ -21,6 +21,13 @@ from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 DECODE_GROUP_SIZE = 16
 
+# Torch's CPU flash-attention kernel is ~5x slower in bfloat16 than in float32 for a decode's
+# single query row (one decode step of the ~10M benchmark Llama at 16 requests: SDPA 223 vs
+# 42 ms over 20 steps, while the bf16 projections ran 1.6x faster), so on CPU half-precision
+# decode attention upcasts the gathered K/V and computes in float32, the output cast back
+# (benchmarks/results/bf16.json; lever `bf16-decode-upcast` in benchmarks/levers.py).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 @dataclass
 class DecodeGroup:
@@ -68,6 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
         # None: caches hold the model dtype. A quantized format stores encoded entries
         # (pagoda.quant.kv_cache_dtype) that are decoded after the block gather.
         self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
+        self.upcast_half_decode = True  # float32 decode attention for half-precision models on CPU
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TorchAttentionMetadata:
         device = layout.slot_mapping.device
@@ -159,7 +167,12 @@ class TorchAttentionBackend(AttentionBackend):
         """q [B, H, 1, D] of one decode group -> its attention output [B, H, 1, D]."""
         load = self.kv_format.decode if self.kv_format is not None else (lambda entries: entries)
         shape = (q.shape[0], decode.length, spec.num_kv_heads, key_cache.shape[-1])
-        k = load(key_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)  # [B, KVH, L, D]
-        v = load(value_cache.index_select(0, decode.block_index).view(shape)).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=decode.masks[spec.sliding_window],
-                                              scale=spec.scale, enable_gqa=spec.num_heads != spec.num_kv_heads)
+        k = load(key_cache.index_select(0, decode.block_index).view(shape))  # [B, L, KVH, D]
+        v = load(value_cache.index_select(0, decode.block_index).view(shape))
+        upcast = self.upcast_half_decode and q.device.type == "cpu" and q.dtype in HALF_DTYPES
+        if upcast:
+            k, v = k.float(), v.float()
+        out = F.scaled_dot_product_attention(q.float() if upcast else q, k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=decode.masks[spec.sliding_window], scale=spec.scale,
+                                             enable_gqa=spec.num_heads != spec.num_kv_heads)
+        return out.to(q.dtype) if upcast else out
