@@ -243,7 +243,7 @@ def test_roles_are_checked(llama_dir):
         EngineConfig(model=str(llama_dir), role="router")
     with pytest.raises(ValueError, match="draft is not supported with role"):
         EngineConfig(model=str(llama_dir), role="decode", speculative="draft", draft_model=str(llama_dir))
-    with pytest.raises(ValueError, match="role prefill is not supported by the offline LLM yet"):
+    with pytest.raises(ValueError, match="role prefill is not supported by the offline LLM"):
         LLM(model=str(llama_dir), role="prefill")
     prefill = engine(llama_dir, "prefill")
     with pytest.raises(InvalidRequest, match="n > 1"):
