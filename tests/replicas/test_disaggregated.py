@@ -95,13 +95,13 @@ def disagg_stats(replicas: ReplicaSet):
     return [r.llm.get_stats().disaggregation for r in replicas.replicas]
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
-def test_prefill_and_decode_replicas_match_one_engine(model_dirs, architecture) -> None:
+@pytest.mark.parametrize("architecture,transport", [("llama", "tcp"), ("qwen2", "shm"), ("qwen3", "tcp")])
+def test_prefill_and_decode_replicas_match_one_engine(model_dirs, architecture, transport) -> None:
     model = model_dirs[architecture]
     # A shared prefix, so the decode replica's own prefix cache serves later handoffs.
     token_lists = prompts(4, 37, seed=3, shared=16)
     expected = colocated(model, token_lists)
-    replicas = start(model, replica_roles="prefill=1,decode=1")
+    replicas = start(model, replica_roles="prefill=1,decode=1", kv_transport=transport)
     try:
         assert [r.role for r in replicas.replicas] == ["prefill", "decode"]
         assert run_all(replicas, token_lists) == expected
