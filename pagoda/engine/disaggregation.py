@@ -11,6 +11,7 @@ refused and the request is prefilled locally.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import dataclasses
 import time
@@ -25,6 +26,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
 from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
                                         layout_of)
+from pagoda.outputs import Logprob
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
@@ -136,7 +138,12 @@ class KVHandoffs:
             block_size=block_size, block_hashes=[h.hex() for h in hashes], num_blocks=num_blocks,
             layout=self.layout, fingerprint=self.fingerprint,
             queue_seconds=scheduled - metrics.arrival_time,
-            prefill_seconds=(metrics.first_token_time or time.time()) - scheduled)
+            prefill_seconds=(metrics.first_token_time or time.time()) - scheduled,
+            output_logprobs=[[(token_id, entry.logprob, entry.rank) for token_id, entry in position.items()]
+                             for position in request.output_logprobs] or None,
+            cumulative_logprob=request.cumulative_logprob,
+            generator_state=(base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
+                             if request.generator is not None else None))
         self.scheduler.finish_requests([request], RequestStatus.FINISHED_STOPPED)
         self.stats.handoffs_exported += 1
         self.stats.observe("queue", header.queue_seconds)
@@ -197,6 +204,13 @@ class KVHandoffs:
             raise HandoffRefused(f"KV handoff of {header.request_id!r} refused: {reason}")
         for token_id in header.output_token_ids:
             request.append_output_token(token_id)
+        if header.output_logprobs:
+            request.output_logprobs = [{int(token_id): Logprob(logprob, rank) for token_id, logprob, rank in position}
+                                       for position in header.output_logprobs]
+            request.cumulative_logprob = header.cumulative_logprob
+        if header.generator_state is not None and request.generator is not None:
+            state = base64.b64decode(header.generator_state)
+            request.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         cached = self.kv_cache.find_cached_prefix(request)
         skip = len(cached)
         if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens - skip * self.kv_cache.block_size,

@@ -81,6 +81,13 @@ class HandoffHeader:
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
     shm_name: str | None = None  # shm transport: the segment holding the blocks
+    # The first token's logprobs when the request asked for them: per position, [token id,
+    # logprob, rank] of the sampled token and the top ones; and their running sum.
+    output_logprobs: list[list[tuple[int, float, int]]] | None = None
+    cumulative_logprob: float = 0.0
+    # A seeded request's generator after the first token (base64 of torch's state), so the
+    # decode side draws what one engine would have drawn next.
+    generator_state: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__).encode()
