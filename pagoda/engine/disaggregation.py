@@ -15,6 +15,7 @@ import base64
 import bisect
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -115,7 +116,8 @@ class KVHandoffs:
         self.layout = layout_of(self.caches)
         self.fingerprint = fingerprint
         self.stats = DisaggStats(role)
-        self._imported_at: dict[str, float] = {}  # request id -> when its KV was in place
+        self._imported_at: dict[str, float] = {}  # request id -> when it started decoding here
+        self.ready: deque[Request] = deque()  # imported, waiting for a running slot
 
     # ---- prefill side --------------------------------------------------------------------------
 
@@ -241,14 +243,28 @@ class KVHandoffs:
         request.num_computed_tokens = num_prompt
         request.spec.num_draft_computed_tokens = num_prompt
         request.num_cached_tokens = skip * self.kv_cache.block_size
-        request.status = RequestStatus.RUNNING
-        request.metrics.first_scheduled_time = time.time()
         self.kv_cache.cache_full_blocks(request, num_prompt)
-        # Like a forked sample, a handed-off request joins the running set directly: its KV is
-        # already in place, and waiting would hold the blocks idle.
-        self.scheduler.running.append(request)
         self.stats.observe("transfer", time.perf_counter() - started)
-        self._imported_at[request.request_id] = time.perf_counter()
+        self.ready.append(request)
+        self.admit_ready()
+
+    def admit_ready(self) -> None:
+        """Imported requests join the running set directly, ahead of waiting ones (their KV is
+        in place: waiting would hold the blocks idle), as far as --max-num-seqs allows."""
+        while self.ready and len(self.scheduler.running) < self.scheduler.max_num_seqs:
+            request = self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            request.metrics.first_scheduled_time = time.time()
+            self.scheduler.running.append(request)
+            self._imported_at[request.request_id] = time.perf_counter()
+
+    def drop_ready(self, request_id: str) -> Request | None:
+        """Take an imported request out of the ready queue (it is being aborted)."""
+        for request in self.ready:
+            if request.request_id == request_id:
+                self.ready.remove(request)
+                return request
+        return None
 
     def after_step(self, progressed: Sequence[Request]) -> None:
         """Time to the first token the decode engine produced for each imported request."""
