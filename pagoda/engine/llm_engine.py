@@ -48,7 +48,7 @@ class LLMEngine:
         self._targets: dict[str, HandoffTarget] = {}  # role prefill: where each request goes
         self._outcomes: list[tuple[str, HandoffOutcome]] = []  # role prefill: not yet taken
         self._awaiting: dict[str, Request] = {}  # role decode: waiting for their KV, no header yet
-        # role decode: blocks being written by a receive thread: (request, skip, started, aborted)
+        # role decode: blocks being written by a receive thread: (incoming, request, skip, started)
         self._receiving: dict[str, tuple[IncomingHandoff, Request, int, float]] = {}
         self._aborted_receiving: set[str] = set()
         if config.role != "both":
