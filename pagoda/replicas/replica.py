@@ -15,6 +15,7 @@ class Replica:
     index: int
     llm: AsyncLLM
     pool: str | None = None
+    role: str = "both"  # or prefill / decode (--replica-roles)
     outstanding_tokens: int = 0  # charged by routed requests, paid back as they progress
     num_requests: int = 0  # routed and not finished
     num_routed: int = 0  # since start
@@ -33,8 +34,11 @@ class Replica:
 class Flight:
     """The outstanding tokens one request holds on its replica."""
 
-    def __init__(self, replica: "Replica", prompt_tokens: int, output_tokens: int) -> None:
+    def __init__(self, replica: "Replica", prompt_tokens: int, output_tokens: int, *,
+                 awaiting_kv: bool = False) -> None:
+        """`awaiting_kv`: a decode replica that receives the request's KV from a prefill replica."""
         self.replica = replica
+        self.awaiting_kv = awaiting_kv
         self._prompt_tokens = prompt_tokens  # paid back at the first delta
         self._output_tokens = output_tokens  # paid back token by token
         replica.outstanding_tokens += prompt_tokens + output_tokens
