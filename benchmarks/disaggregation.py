@@ -24,8 +24,10 @@ handoff and the mean of each TTFT phase (queue, prefill, transfer, first decode)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,6 +118,31 @@ def run_config(label: str, model_dir: Path, engine: list[str], load: Any, worklo
     return row, result.records
 
 
+def transfer_cost(rounds: int) -> dict[str, Any]:
+    """ms per 1k tokens of context per transport (fp32 KV of this model): measured now by
+    benchmarks/kv_transfer.py when rounds > 0, and as committed in results/kv_transfer.json."""
+    def rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: row[k] for k in ("transport", "kv_cache_dtype", "context_tokens", "bytes", "median_ms",
+                                     "ms_per_1k_tokens")} for row in payload["results"]]
+
+    out: dict[str, Any] = {}
+    committed = RESULTS / "kv_transfer.json"
+    if committed.is_file():
+        payload = json.loads(committed.read_text())
+        out["committed"] = {"file": "benchmarks/results/kv_transfer.json", "date": payload["date"],
+                            "command": payload["command"], "results": rows(payload)}
+    if rounds > 0:
+        with tempfile.TemporaryDirectory() as scratch:
+            command = [sys.executable, str(REPO / "benchmarks" / "kv_transfer.py"), "--rounds", str(rounds),
+                       "--contexts", "1536", "--out", scratch]
+            subprocess.run(command, check=True, cwd=REPO)
+            payload = json.loads((Path(scratch) / "kv_transfer.json").read_text())
+        out["this_run"] = {"command": f".venv/bin/python benchmarks/kv_transfer.py --rounds {rounds} "
+                                      f"--contexts 1536", "date": payload["date"],
+                           "load_average_at_start": payload["load_average_at_start"], "results": rows(payload)}
+    return out
+
+
 def aggregate(rounds: list[dict[str, dict[str, Any]]], labels: list[str]) -> dict[str, dict[str, Any]]:
     """Median, min and max over rounds of every numeric field of each configuration's rows."""
     out: dict[str, dict[str, Any]] = {}
@@ -156,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-slo", default="ttft=1,itl_p99=100ms")
     parser.add_argument("--rag-slo", default="ttft=3,itl_p99=100ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transfer-rounds", type=int, default=5,
+                        help="rounds of benchmarks/kv_transfer.py at a 1536-token context after the runs "
+                             "(0: only cite the committed results/kv_transfer.json)")
     args = parser.parse_args(argv)
 
     from pagoda.bench.lengths import uniform
@@ -214,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  medians[label]["output_tok_per_s"]["median"]))
         comparisons = {"baseline": best, "ratios_vs_baseline": {
             label: comparison(medians, best, label) for label in measured if label != best}}
+    load_average_at_end = [round(x, 2) for x in os.getloadavg()]
+    transfer = transfer_cost(args.transfer_rounds)
     write_summary(out / "summary.json", {
         **meta,
         "workload": {"chat": f"{spec.streams} closed-loop streams, prompt uniform 56-72 tokens, "
@@ -227,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         "pinning": "disaggregated: prefill engine -> core 0, decode engine -> core 1 (every thread); "
                    "co-located engine, HTTP front and load generator unpinned",
         "slo": {name: slo_text(s) for name, s in slo.items()},
+        "machine_note": "2 vCPUs shared with other engineers' tests and benchmarks during the run; "
+                        "each run's load average at its start is in its round row",
+        "load_average_at_end": load_average_at_end,
         "rounds": rounds, "summary": medians, **comparisons,
+        "kv_transfer_ms_per_1k_tokens": transfer,
     })
     _plot(out, medians, chat_gaps)
     print(f"wrote {out}/summary.json and {NAME}.png")
