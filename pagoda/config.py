@@ -135,8 +135,27 @@ class EngineConfig:
                 "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
     # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) ----
     role: str = field(default="both", metadata={
-        "help": "both (prefill and decode here), prefill (compute the prompt and first token, then "
-                "export the request and its KV blocks), or decode (continue handed-off requests)"})
+        "help": "this engine's role: both (prefill and decode here), prefill (compute the prompt and "
+                "first token, then hand the request and its KV blocks to a decode engine), or decode "
+                "(continue handed-off requests); a server runs prefill and decode engines as replicas "
+                "with --replica-roles"})
+    replica_roles: str | None = field(default=None, metadata={
+        "help": "disaggregated serving: prefill and decode replicas behind the router, e.g. "
+                "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
+                "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
+                "(default: every replica does both)"})
+    kv_transport: str = field(default="tcp", metadata={
+        "help": "how KV blocks travel from prefill to decode replicas: tcp (any hosts) or shm "
+                "(shared memory, one host)"})
+    kv_listen: str | None = field(default=None, metadata={
+        "help": "a decode engine's KV listener: host:port for tcp (default: 127.0.0.1 and a free "
+                "port; 0.0.0.0 and the node's address with Ray), ignored for shm"})
+    kv_transfer_timeout: float = field(default=10.0, metadata={
+        "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
+                "(the decode replica then prefills the request itself)"})
+    kv_prefill_timeout: float = field(default=120.0, metadata={
+        "help": "seconds the router waits for a prefill replica to hand a request off before the "
+                "decode replica prefills it itself"})
     # ---- LoRA adapters (pagoda/lora) ----
     enable_lora: bool = field(default=False, metadata={
         "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
@@ -162,6 +181,12 @@ class EngineConfig:
     route_rules: str | None = field(default=None, metadata={
         "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
                 "request to a replica pool (default: none)"})
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas behind the server: --replica-roles' counts, else --data-parallel-size."""
+        counts = parse_replica_roles(self.replica_roles) if self.replica_roles else None
+        return sum(counts.values()) if counts else self.data_parallel_size
 
     def __post_init__(self) -> None:
         self.model = resolve_model_path(self.model)
@@ -253,13 +278,30 @@ class EngineConfig:
     def _validate_role(self, fail: Any) -> None:
         if self.role not in ("both", "prefill", "decode"):
             fail("role", f"must be both, prefill or decode, got {self.role!r}")
-        if self.role == "both":
+        if self.kv_transport not in ("tcp", "shm"):
+            fail("kv_transport", f"must be tcp or shm, got {self.kv_transport!r}")
+        if self.kv_transfer_timeout <= 0 or self.kv_prefill_timeout <= 0:
+            fail("kv_transfer_timeout", "KV handoff timeouts must be > 0 seconds")
+        if self.replica_roles is not None:
+            counts = parse_replica_roles(self.replica_roles)
+            if counts is None:
+                fail("replica_roles", f"must look like prefill=1,decode=1 (both at least 1), "
+                                      f"got {self.replica_roles!r}")
+            elif self.data_parallel_size not in (1, sum(counts.values())):
+                fail("replica_roles", f"counts add up to {sum(counts.values())} replicas but "
+                                      f"data_parallel_size is {self.data_parallel_size}")
+            if self.replica_pools is not None:
+                fail("replica_roles", "cannot be combined with replica_pools yet")
+            if self.role != "both":
+                fail("role", "set each replica's role with replica_roles, not role")
+        elif self.role == "both":
             return
-        # The handoff carries the target model's KV only, from one rank's pool.
+        # (Roles, or replicas with roles:) the handoff carries the target model's KV only, from one rank's pool.
         if self.speculative == "draft":
             fail("speculative", "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)")
         if self.tensor_parallel_size > 1:
-            fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet")
+            fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
+                         "(a handoff carries one rank's KV pool)")
 
     def _validate_tensor_parallel(self, fail: Any) -> None:
         if self.tensor_parallel_size < 1:
@@ -327,6 +369,8 @@ class EngineConfig:
                 choices = list(ROUTER_CHOICES)
             elif f.name == "role":
                 choices = ["both", "prefill", "decode"]
+            elif f.name == "kv_transport":
+                choices = ["tcp", "shm"]
             elif f.name in QUANT_CHOICES:
                 choices = list(QUANT_CHOICES[f.name])
             # A help text that already states its default ("(default: the model's)") keeps it.
@@ -342,3 +386,16 @@ class EngineConfig:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if hasattr(args, f.name) and f.name not in skip}
         return cls(**values)
+
+
+def parse_replica_roles(spec: str) -> dict[str, int] | None:
+    """`prefill=P,decode=D` -> {"prefill": P, "decode": D}; None when malformed (each role named
+    once, both at least 1, nothing else)."""
+    counts: dict[str, int] = {}
+    for part in spec.split(","):
+        name, _, count = part.partition("=")
+        name, count = name.strip(), count.strip()
+        if name not in ("prefill", "decode") or name in counts or not count.isdigit() or int(count) < 1:
+            return None
+        counts[name] = int(count)
+    return counts if set(counts) == {"prefill", "decode"} else None

@@ -78,7 +78,7 @@ def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
                  transport: str = "thread", **settings: Any) -> LiveServer:
     config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
                              "max_num_seqs": 64, **(engine or {})})
-    if config.data_parallel_size > 1:  # replicas behind a router (pagoda/replicas)
+    if config.num_replicas > 1:  # replicas behind a router (pagoda/replicas)
         llm = start_engines(config, transport=transport)  # type: ignore[assignment]
     else:
         llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)

@@ -17,13 +17,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
-from pagoda.engine.roles import require_both_role
 from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
                                      TransportKind, create_transport)
 from pagoda.engine.transport.base import EngineFactory, TransportStarter
-from pagoda.engine.transport.messages import EmittedItem, UpdateLoRA
+from pagoda.engine.roles import HandoffTarget
+from pagoda.engine.transport.messages import EmittedItem, HandoffOutcome, PrefillLocally, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
@@ -49,7 +49,6 @@ class AsyncLLM:
         TransportStarter: a transport from elsewhere (a replica as a Ray actor)."""
         if not callable(transport) and transport not in ("thread", "process"):
             raise ValueError(f"transport must be 'thread' or 'process', got {transport!r}")
-        require_both_role(config, "the server")
         self.config = config
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams, _error and _stopped
@@ -70,6 +69,7 @@ class AsyncLLM:
         self.engine_limits: EngineLimits | None = info.engine_limits
         # --max-num-seqs as the engine resolved it (its default is measured at startup).
         self.max_num_seqs_choice = info.max_num_seqs_choice
+        self.kv_address: str | None = info.kv_address  # role decode: its KV listener
         if config.max_num_seqs is None:
             self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value
                                   if info.max_num_seqs_choice is not None else MAX_NUM_SEQS_CEILING)
@@ -86,6 +86,11 @@ class AsyncLLM:
 
     def get_stats(self) -> "EngineStats | None":
         return self._stats
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine's process (this one on the thread transport; None for a Ray actor)."""
+        return self._transport.engine_pid
 
     @property
     def lora_names(self) -> list[str]:
@@ -126,11 +131,13 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, arrival_time: float | None = None, cache_salt: str | None = None,
                           priority: int = 0, wake: asyncio.Event | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None, handoff: HandoffTarget | None = None,
+                          awaiting_kv: bool = False) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it.
 
         Raises InvalidRequest (a ValueError) or EngineDeadError. `wake` is set whenever the
-        stream has something new (share one across streams to wait on several).
+        stream has something new (share one across streams to wait on several). `handoff` and
+        `awaiting_kv`: see LLMEngine.add_request (disaggregation, used by the router).
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), wake)
         with self._lock:
@@ -141,7 +148,7 @@ class AsyncLLM:
             self._streams[request_id] = stream
         # Sent after registering: once the engine has died, whatever is registered is failed.
         self._transport.send(AddRequest(request_id, prompt, params, arrival_time, cache_salt,
-                                        priority, lora_request))
+                                        priority, lora_request, handoff, awaiting_kv))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -174,6 +181,14 @@ class AsyncLLM:
         if ids and running:
             self._transport.send(AbortRequests(ids))
 
+    def prefill_locally(self, request_ids: Iterable[str]) -> None:
+        """Role decode: stop awaiting these requests' KV; the engine prefills them itself."""
+        ids = list(request_ids)
+        with self._lock:
+            running = self._error is None and not self._stopped
+        if ids and running:
+            self._transport.send(PrefillLocally(ids))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:
             if self._stopped:
@@ -194,7 +209,7 @@ class AsyncLLM:
                 stream = self._streams.get(request_id)
                 if stream is None:
                     continue  # aborted by its consumer
-                if isinstance(item, BaseException) or (
+                if isinstance(item, (BaseException, HandoffOutcome)) or (
                         isinstance(item, RequestOutputDelta) and item.finished):
                     del self._streams[request_id]
                 by_loop[stream.loop].append((stream, item))

@@ -165,13 +165,30 @@ class KVHandoffs:
 
     def import_request(self, incoming: IncomingHandoff, request: Request) -> None:
         """Receive the request's blocks (only those this engine's prefix cache lacks) into
-        freshly allocated blocks, append the sender's first token and start it decoding.
+        freshly allocated blocks, append the sender's first token and start it decoding, all
+        on the calling thread.
 
         `request` holds the prompt only. HandoffRefused: the sender's KV and first token were
         produced under another identity (nothing was appended). TransferError: the transfer
         failed; the first token is appended (it is the sender's to give), everything allocated
         here is released and the request is not scheduled."""
         started = time.perf_counter()
+        skip = self.begin_import(incoming, request)
+        try:
+            for indices, data in incoming.receive(skip):
+                self.write_blocks(request, indices, data)
+        except TransferError:
+            self.abandon_import(request)
+            raise
+        finally:
+            incoming.close()
+        self.finish_import(incoming, request, skip, started)
+
+    def begin_import(self, incoming: IncomingHandoff, request: Request) -> int:
+        """Check the sender's identity, append its first token and allocate the request's
+        blocks; returns how many leading blocks this engine's prefix cache already holds (the
+        sender skips them). The caller then receives the rest (write_blocks) and calls
+        finish_import, or abandon_import if the transfer fails. Raises as import_request."""
         header = incoming.header
         reason = self.refusal(header, request)
         if reason is not None:
@@ -182,22 +199,28 @@ class KVHandoffs:
             request.append_output_token(token_id)
         cached = self.kv_cache.find_cached_prefix(request)
         skip = len(cached)
-        num_prompt = request.num_prompt_tokens
-        if not self.kv_cache.allocate_slots(request, num_prompt - skip * self.kv_cache.block_size, cached):
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens - skip * self.kv_cache.block_size,
+                                            cached):
             self.stats.failures["refused"] += 1
             incoming.reject("no free KV blocks on the decode engine")
             raise TransferError(f"KV handoff of {header.request_id!r} refused: no free KV blocks")
-        try:
-            for indices, data in incoming.receive(skip):
-                scatter_blocks(self.caches, [request.block_ids[i] for i in indices], data)
-        except TransferError:
-            self.kv_cache.free(request)
-            self.stats.failures["receive"] += 1
-            raise
-        finally:
-            incoming.close()
-        num_received = header.num_blocks - skip
-        self.stats.blocks_received += num_received
+        return skip
+
+    def write_blocks(self, request: Request, indices: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+        """Write arrived blocks (indices within the request's blocks) into their places; safe
+        off the engine thread: the request is in no queue, so no step reads these blocks."""
+        scatter_blocks(self.caches, [request.block_ids[i] for i in indices], data)
+
+    def abandon_import(self, request: Request) -> None:
+        """The transfer failed: release what begin_import allocated."""
+        self.kv_cache.free(request)
+        self.stats.failures["receive"] += 1
+
+    def finish_import(self, incoming: IncomingHandoff, request: Request, skip: int, started: float) -> None:
+        """Every block is in place: the request continues decoding here."""
+        header = incoming.header
+        num_prompt = request.num_prompt_tokens
+        self.stats.blocks_received += header.num_blocks - skip
         self.stats.bytes_received += incoming.bytes_received
         self.stats.blocks_cached += skip
         self.stats.handoffs_imported += 1

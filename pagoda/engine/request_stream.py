@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagoda.engine.transport.messages import ACCEPTED, EmittedItem
+from pagoda.engine.transport.messages import ACCEPTED, EmittedItem, HandoffOutcome
 from pagoda.outputs import RequestOutputDelta
 
 
@@ -53,6 +53,7 @@ class RequestStream(PolledStream):
         self._accepted: asyncio.Future[None] = loop.create_future()
         self._pending: RequestOutputDelta | None = None
         self._error: BaseException | None = None
+        self._handoff: HandoffOutcome | None = None  # role prefill: how the request left the engine
         # Several streams may share one wake event so a caller can wait on all of them.
         self._ready = wake if wake is not None else asyncio.Event()
 
@@ -62,7 +63,9 @@ class RequestStream(PolledStream):
             if item == ACCEPTED and not self._accepted.done():
                 self._accepted.set_result(None)
             return
-        if isinstance(item, BaseException):
+        if isinstance(item, HandoffOutcome):
+            self._handoff = item
+        elif isinstance(item, BaseException):
             if not self._accepted.done():
                 self._accepted.set_exception(item)
                 # The creator may already be gone (cancelled); don't warn about it.
@@ -76,6 +79,21 @@ class RequestStream(PolledStream):
 
     async def wait_accepted(self) -> None:
         await self._accepted
+
+    async def handoff_outcome(self) -> HandoffOutcome | RequestOutputDelta:
+        """Role prefill: how the request left the engine — its HandoffOutcome, or its output
+        when it finished at its first token (nothing to hand off). Raises if the engine died."""
+        output: RequestOutputDelta | None = None
+        while True:
+            self._ready.clear()
+            if self._handoff is not None:
+                return self._handoff
+            delta = self.poll()
+            if delta is not None:
+                output = delta if output is None else output.merge(delta)
+                if output.finished:
+                    return output
+            await self._ready.wait()
 
     def poll(self) -> RequestOutputDelta | None:
         """Everything the request gained since the last read, if anything; raises once the

@@ -52,7 +52,7 @@ def engine_thread_count(config: EngineConfig, *, serving: bool = True) -> int | 
     elif not serving and ranks == 1:
         return None
     else:
-        total = max(1, (available_cores() - 1) // config.data_parallel_size) if serving else available_cores()
+        total = max(1, (available_cores() - 1) // config.num_replicas) if serving else available_cores()
     return max(1, total // ranks)
 
 

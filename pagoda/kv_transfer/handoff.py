@@ -193,7 +193,8 @@ class KVListener:
             host, _, port = (address or "127.0.0.1:0").rpartition(":")
             self._sock = socket.create_server((host or "127.0.0.1", int(port)))
             bound_host, bound_port = self._sock.getsockname()[:2]
-            self.address = f"{bound_host}:{bound_port}"
+            # Listening on every interface: senders on other hosts need this host's address.
+            self.address = f"{_host_address() if bound_host in ('0.0.0.0', '::') else bound_host}:{bound_port}"
         else:
             import tempfile
             self.address = address or os.path.join(tempfile.gettempdir(), f"pagoda-kv-{uuid.uuid4().hex[:12]}.sock")
@@ -202,13 +203,18 @@ class KVListener:
             self._sock.listen()
 
     def accept(self, timeout: float) -> "IncomingHandoff":
+        """The next handoff, its header read; TransferError if none arrives within `timeout`."""
+        return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout)
+
+    def accept_connection(self, timeout: float) -> socket.socket:
+        """The next sender's connection, before its header (TransferError after `timeout`)."""
         self._sock.settimeout(timeout)
         try:
             conn, _ = self._sock.accept()
         except socket.timeout:
             raise TransferError(f"no KV handoff arrived within {timeout} s") from None
         conn.settimeout(timeout)
-        return IncomingHandoff(conn, self.transport, timeout)
+        return conn
 
     def close(self) -> None:
         self._sock.close()
@@ -317,7 +323,7 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
         _sendall(sock, header.to_json())
         reply = json.loads(bytes(_recv_frame(sock)))
         if "reject" in reply:
-            raise TransferError(f"the KV receiver refused the handoff: {reply['reject']}")
+            raise HandoffRefused(f"the KV receiver refused the handoff: {reply['reject']}")
         skip = int(reply["skip"])
         per_block = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in handoff.blocks]
         run_blocks = blocks_per_run(block_nbytes)
@@ -398,6 +404,18 @@ def _split_run(payload: memoryview, layout: Sequence[tuple[str, Sequence[int]]],
         tensors.append(raw.view(dtype).reshape(count, *shape))
         offset += size
     return tensors
+
+
+def _host_address() -> str:
+    """This host's address as other hosts reach it (the interface of the default route)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
 
 
 def layout_of(caches: Sequence[torch.Tensor]) -> list[tuple[str, list[int]]]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.transport.base import EngineFactory, EngineTransport, OnDeath, OnEmitted
-from pagoda.engine.transport.engine_loop import build_engine, run_engine_loop
+from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, run_engine_loop
 from pagoda.engine.transport.messages import Emitted, Shutdown, ToEngine
 from pagoda.replicas.replica_set import replica_config
 
@@ -40,7 +40,7 @@ class EngineActor:
     """Runs one engine inside a Ray actor (threaded: `send` and `next_batches` may overlap)."""
 
     def __init__(self, config: EngineConfig, factory: EngineFactory | None) -> None:
-        self._inbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        self._inbox = EngineInbox()
         self._outbox: queue.SimpleQueue[tuple[Emitted, Any] | BaseException] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._info: Any = None
@@ -60,19 +60,11 @@ class EngineActor:
         self._info = EngineInfo.of(engine)
         self._ready.set()
 
-        def take(block: bool) -> list[ToEngine]:
-            messages = [self._inbox.get()] if block else []
-            while True:
-                try:
-                    messages.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    return messages
-
         def emit(emitted: Emitted, stats: "EngineStats") -> None:
             self._outbox.put((emitted, stats))
 
         try:
-            run_engine_loop(engine, take, emit)
+            run_engine_loop(engine, self._inbox, emit)
         except BaseException as exc:
             logger.exception("engine loop died")
             self._outbox.put(RuntimeError(f"{type(exc).__name__}: {exc}"))

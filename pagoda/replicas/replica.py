@@ -15,6 +15,7 @@ class Replica:
     index: int
     llm: AsyncLLM
     pool: str | None = None
+    role: str = "both"  # or prefill / decode (--replica-roles)
     outstanding_tokens: int = 0  # charged by routed requests, paid back as they progress
     num_requests: int = 0  # routed and not finished
     num_routed: int = 0  # since start

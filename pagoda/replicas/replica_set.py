@@ -12,6 +12,11 @@ HTTP layer does not change with the number of replicas. Per request it
    choice, and a request whose replica dies before its first token moves (routed_stream.py).
 A dead replica stays out of rotation (its engine's state is gone); /health reports the set
 degraded while at least one replica lives.
+
+Disaggregated (`--replica-roles prefill=P,decode=D`): a request is routed to a decode replica
+that awaits its KV, then to a prefill replica that hands request and blocks over to it
+(prefill_leg.py); requests a prefill engine cannot hand off (n > 1, structured output, prompt
+logprobs) run whole on a decode replica.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, parse_replica_roles
 from pagoda.engine.async_llm import AsyncLLM, RequestStream
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import OutputAccumulator, RequestOutput
 from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
+from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.lora_request import LoRARequest
@@ -54,8 +60,14 @@ class ReplicaSet:
             raise ValueError("a replica set needs at least one replica")
         if pools is not None and len(pools) != len(replicas):
             raise ValueError(f"{len(pools)} pool tags for {len(replicas)} replicas")
-        self.replicas = [Replica(i, llm, pools[i] if pools else None)
+        self.replicas = [Replica(i, llm, pools[i] if pools else None, role=llm.config.role)
                          for i, llm in enumerate(replicas)]
+        roles = {r.role for r in self.replicas}
+        if roles != {"both"} and roles != {"prefill", "decode"}:
+            raise ValueError(f"replica roles {sorted(roles)}: either every replica does both, or there "
+                             f"are prefill and decode replicas")
+        self.disaggregated = roles != {"both"}
+        self._legs: dict[str, PrefillLeg] = {}  # disaggregated: each request's running prefill leg
         self.policy = policy
         self.rules = rules
         if rules is not None:
@@ -68,19 +80,19 @@ class ReplicaSet:
         self.max_model_len: int = first.max_model_len
         self.generation_defaults: dict = first.generation_defaults
         self.engine_limits = first.engine_limits
-        self._lock = threading.Lock()  # guards the routing state when loops on several threads submit
+        self.lock = threading.Lock()  # guards the routing state when loops on several threads submit
         self._flights: dict[str, RoutedStream] = {}
         self._stopped = False
         self._keepers = list(keepers)
 
     @classmethod
     def start(cls, config: EngineConfig, starter: ReplicaStarter) -> "ReplicaSet":
-        """Start `config.data_parallel_size` replicas side by side and the router
+        """Start `config.num_replicas` replicas side by side and the router
         `config.router` in front; replicas already up are shut down if one fails."""
         pools = parse_replica_pools(config.replica_pools) if config.replica_pools else None
         rules = RouteRules.from_file(config.route_rules) if config.route_rules else None
         keepers = [_ReplicaKeeper(starter, index, config)
-                   for index in range(config.data_parallel_size)]
+                   for index in range(config.num_replicas)]
         try:
             started = [keeper.result() for keeper in keepers]
             stats = started[0].get_stats()
@@ -113,7 +125,8 @@ class ReplicaSet:
         alive = [r.is_alive for r in self.replicas]
         status = "ok" if all(alive) else "degraded" if any(alive) else "dead"
         return {"status": status, "replicas": [
-            {"replica": r.label, "pool": r.pool, "alive": up, "requests": r.num_requests,
+            {"replica": r.label, "pool": r.pool, "role": r.role, "pid": r.llm.engine_pid, "alive": up,
+             "requests": r.num_requests,
              "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
              **({"error": repr(r.llm.error)} if r.llm.error is not None else {})}
             for r, up in zip(self.replicas, alive)]}
@@ -147,14 +160,21 @@ class ReplicaSet:
         route = RouteRequest(prompt, _max_output_tokens(params, len(prompt), self.max_model_len),
                              route_salt, tenant, model)
 
+        options: dict[str, Any] = dict(arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
+                                       lora_request=lora_request)
+        attempts = 0
+
         async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
-            return await self._submit(request_id, route, prompt, params, excluded, wake,
-                                      arrival_time=arrival_time, cache_salt=cache_salt,
-                                      priority=priority, lora_request=lora_request)
+            nonlocal attempts
+            if not self.disaggregated:
+                return await self._submit(request_id, route, prompt, params, excluded, wake, **options)
+            attempts += 1
+            return await self._submit_disaggregated(request_id, attempts, route, prompt, params, excluded,
+                                                    wake, options)
 
         stream, flight = await submit(set())
         routed = RoutedStream(request_id, stream, flight, submit, wake, on_done=self._forget)
-        with self._lock:
+        with self.lock:
             self._flights[request_id] = routed
         return routed
 
@@ -199,9 +219,12 @@ class ReplicaSet:
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}
-        with self._lock:
+        with self.lock:
             routed = [(request_id, self._flights.pop(request_id, None)) for request_id in request_ids]
         for request_id, stream in routed:
+            leg = self._legs.pop(request_id, None)
+            if leg is not None:
+                leg.cancel()  # aborts its request on the prefill replica
             if stream is None:
                 continue
             by_replica.setdefault(stream.replica, []).append(request_id)
@@ -218,9 +241,12 @@ class ReplicaSet:
 
     # ---- routing -------------------------------------------------------------------------------
 
-    def candidates(self, route: RouteRequest, excluded: set[int] = frozenset()) -> list[Replica]:  # type: ignore[assignment]
-        """Live replicas of the request's pool (every live replica when that pool has none)."""
-        live = [r for r in self.replicas if r.index not in excluded and self._check_alive(r)]
+    def candidates(self, route: RouteRequest, excluded: set[int] = frozenset(),  # type: ignore[assignment]
+                   role: str = "both") -> list[Replica]:
+        """Live replicas of the request's pool (every live replica when that pool has none),
+        of the given role when disaggregated."""
+        live = [r for r in self.replicas if r.index not in excluded and self._check_alive(r)
+                and (r.role == role or not self.disaggregated)]
         pool = self.rules.pool_of(route) if self.rules is not None else None
         if pool is not None:
             in_pool = [r for r in live if r.pool == pool]
@@ -230,24 +256,37 @@ class ReplicaSet:
                 logger.warning("no live replica in pool %r; routing to any replica", pool)
         return live
 
+    def choose(self, route: RouteRequest, excluded: set[int], role: str = "both") -> tuple[Replica, int] | None:
+        """The policy's choice among the candidates, counted as routed there, and the prompt
+        tokens it expects that replica to have cached; None when no candidate is left."""
+        with self.lock:
+            if self._stopped:
+                raise EngineDeadError("the replicas were shut down")
+            candidates = self.candidates(route, excluded, role)
+            if not candidates:
+                return None
+            choice = self.policy.choose(route, [ReplicaLoad(r.index, r.outstanding_tokens) for r in candidates])
+            replica = self.replicas[choice.replica]
+            self.policy.routed(route, replica.index)
+            replica.num_routed += 1
+            return replica, choice.expected_cached_tokens
+
     async def _submit(self, request_id: str, route: RouteRequest, prompt: list[int],
                       params: SamplingParams, excluded: set[int], wake: asyncio.Event,
+                      role: str = "both", awaiting_kv: bool = False,
                       **kwargs: Any) -> tuple[RequestStream, Flight]:
         excluded = set(excluded)
         while True:
-            with self._lock:
-                if self._stopped:
-                    raise EngineDeadError("the replicas were shut down")
-                candidates = self.candidates(route, excluded)
-                if not candidates:
-                    raise EngineDeadError("no replica is running")
-                choice = self.policy.choose(route, [ReplicaLoad(r.index, r.outstanding_tokens)
-                                                    for r in candidates])
-                replica = self.replicas[choice.replica]
-                self.policy.routed(route, replica.index)
-                replica.num_routed += 1
-                uncached = max(0, len(prompt) - choice.expected_cached_tokens)
+            chosen = self.choose(route, excluded, role)
+            if chosen is None:
+                raise EngineDeadError(f"no {role + ' ' if self.disaggregated else ''}replica is running")
+            replica, cached = chosen
+            # A decode replica awaiting the KV computes no prompt token (unless it falls back).
+            uncached = 0 if awaiting_kv else max(0, len(prompt) - cached)
+            with self.lock:
                 flight = Flight(replica, uncached, route.max_tokens * params.n)
+            if awaiting_kv:
+                kwargs["awaiting_kv"] = True
             try:
                 stream = await replica.llm.add_request(request_id, prompt, params, wake=wake,
                                                        **kwargs)
@@ -260,6 +299,27 @@ class ReplicaSet:
                 flight.close()
                 raise
             return stream, flight
+
+    async def _submit_disaggregated(self, request_id: str, attempt: int, route: RouteRequest, prompt: list[int],
+                                    params: SamplingParams, excluded: set[int], wake: asyncio.Event,
+                                    options: dict[str, Any]) -> tuple[RequestStream, Flight]:
+        """Submit to a decode replica (awaiting the KV, when the request can be handed off) and
+        start the prefill leg that feeds it; returns the decode replica's stream."""
+        exportable = is_exportable(params)
+        stream, flight = await self._submit(request_id, route, prompt, params, excluded, wake, role="decode",
+                                            awaiting_kv=exportable, **options)
+        previous = self._legs.pop(request_id, None)
+        if previous is not None:  # the request moved off a dead decode replica
+            previous.cancel()
+        if exportable:
+            self._legs[request_id] = PrefillLeg(self.config, self.choose, self.lock, request_id, attempt, route,
+                                                prompt, params, flight.replica, stream, options,
+                                                on_end=self._leg_ended)
+        return stream, flight
+
+    def _leg_ended(self, leg: PrefillLeg) -> None:
+        if self._legs.get(leg.request_id) is leg:
+            del self._legs[leg.request_id]
 
     def _check_alive(self, replica: Replica) -> bool:
         if replica.out_of_rotation:
@@ -274,8 +334,11 @@ class ReplicaSet:
         return False
 
     def _forget(self, request_id: str) -> None:
-        with self._lock:
+        with self.lock:
             self._flights.pop(request_id, None)
+        leg = self._legs.pop(request_id, None)
+        if leg is not None:  # the request ended before its prefill leg did (it failed)
+            leg.cancel()
 
 
 class _ReplicaKeeper:
@@ -340,5 +403,12 @@ def sum_engine_stats(stats: Sequence["EngineStats"]) -> "EngineStats | None":
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     """Replica `index`'s engine config: the same knobs, its own seed (replicas that sample
-    alike would repeat each other's unseeded outputs)."""
-    return dataclasses.replace(config, seed=config.seed + index)
+    alike would repeat each other's unseeded outputs) and, disaggregated, its role (the
+    prefill replicas first)."""
+    if config.replica_roles is None:
+        return dataclasses.replace(config, seed=config.seed + index)
+    counts = parse_replica_roles(config.replica_roles)
+    assert counts is not None  # validated with the config
+    return dataclasses.replace(config, seed=config.seed + index, replica_roles=None,
+                               data_parallel_size=config.num_replicas,
+                               role="prefill" if index < counts["prefill"] else "decode")

@@ -1,4 +1,5 @@
-"""Start what serves a config: one AsyncLLM, or a ReplicaSet of `data_parallel_size` of them."""
+"""Start what serves a config: one AsyncLLM, or a ReplicaSet of `num_replicas` of them
+(--data-parallel-size, or prefill and decode replicas with --replica-roles)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ def start_engines(config: EngineConfig, *, transport: TransportKind = "process",
 
     Raises RuntimeError when an engine cannot start, ValueError (or OSError) for bad pool
     settings or an unreadable route rules file."""
+    if config.role != "both":
+        raise ValueError(f"role {config.role} runs only as a replica beside its partner: serve with "
+                         f"--replica-roles prefill=P,decode=D")
     ray = config.distributed_executor_backend == "ray"
-    if config.data_parallel_size == 1 and config.replica_pools is None and not ray:
+    if config.num_replicas == 1 and config.replica_pools is None and not ray:
         return AsyncLLM(config, transport=transport, startup_timeout=startup_timeout)
     if ray:
         from pagoda.replicas.ray_actors import connect_ray, start_ray_replica

@@ -130,6 +130,7 @@ def max_num_seqs_line(llm: object) -> str:
 
 def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
+    from pagoda.config import parse_replica_roles
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
     from pagoda.model.model_config import ModelConfig
 
@@ -160,7 +161,10 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         "pagoda serve is ready",
         f"  model      {settings.served_model_name} ({config.model})",  # type: ignore[attr-defined]
         f"  device     {device.type}, {dtype}, engine in a {getattr(llm, 'transport', options.engine_transport)}"
-        + (f", {config.data_parallel_size} replicas ({config.router} router)"
+        + (f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(config.replica_roles) or {}).items())}"
+           f" replicas ({config.router} router, "
+           f"KV handoff over {config.kv_transport})" if config.replica_roles
+           else f", {config.data_parallel_size} replicas ({config.router} router)"
            if config.data_parallel_size > 1 else ""),
         f"  context    {max_model_len} tokens",
         f"  KV pool    {blocks} blocks x {config.block_size} = {tokens} tokens "

@@ -60,7 +60,7 @@ _SHARED = {
     "bad_words": Field(R, "not supported; use logit_bias", ["x"]),
     "guided_whitespace_pattern": Field(R, "not supported", "[ ]?"),
     "return_tokens_as_token_ids": Field(R, "not supported", True),
-    "kv_transfer_params": Field(R, "prefill/decode disaggregation is not supported", {"x": 1}),
+    "kv_transfer_params": Field(R, "KV transfer is the router's (serve --replica-roles), not per request", {"x": 1}),
     "lora_request": Field(R, "pick a LoRA adapter by its name in `model`", {"name": "a"}),
     "logits_processors": Field(R, "custom logits processors are not supported", ["x"]),
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -243,7 +244,7 @@ def test_roles_are_checked(llama_dir):
         EngineConfig(model=str(llama_dir), role="router")
     with pytest.raises(ValueError, match="draft is not supported with role"):
         EngineConfig(model=str(llama_dir), role="decode", speculative="draft", draft_model=str(llama_dir))
-    with pytest.raises(ValueError, match="role prefill is not supported by the offline LLM yet"):
+    with pytest.raises(ValueError, match="role prefill is not supported by the offline LLM"):
         LLM(model=str(llama_dir), role="prefill")
     prefill = engine(llama_dir, "prefill")
     with pytest.raises(InvalidRequest, match="n > 1"):
@@ -284,3 +285,76 @@ def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, 
         assert run_to_end(decode)["r0"] == alone(role_adapter)
         assert_idle(decode)
     assert_idle(prefill)
+
+
+def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mid_receive_leaks_nothing(
+        llama_dir, monkeypatch):
+    """The router's path: the decode engine awaits the request, its own listener and receive
+    threads take the KV, and step() applies the events. A request aborted while its blocks are
+    being written keeps them until the write ends, then frees them; one that arrives for an
+    unknown id is refused."""
+    from pagoda.kv_transfer import handoff as wire
+
+    token_lists = prompts(2, 40, seed=23)
+    expected = single_engine_outputs(llama_dir, token_lists)
+    prefill = engine(llama_dir, "prefill")
+    handoffs = prefill_all(prefill, token_lists)
+    decode = engine(llama_dir, "decode")
+    assert decode.kv_address is not None and decode.kv_address.startswith("127.0.0.1:")
+    woken = threading.Event()
+    decode.set_wake(woken.set)
+    for i, tokens in enumerate(token_lists):
+        decode.add_request(f"r{i}", tokens, GREEDY, awaiting_kv=True)
+    assert not decode.has_unfinished_requests()  # nothing to step until a handoff arrives
+
+    # r0 goes through untouched; r1's blocks wait on `release` after the header.
+    release = threading.Event()
+    real_sendall = wire._sendall
+
+    def held_blocks(sock, *parts):
+        if len(parts) > 1 and threading.current_thread().name == "held":
+            release.wait(10)
+        return real_sendall(sock, *parts)
+
+    monkeypatch.setattr(wire, "_sendall", held_blocks)
+    sent = []
+    threads = [threading.Thread(target=lambda h=h: sent.append(prefill.send_handoff(h, "tcp", decode.kv_address)),
+                                name=name) for h, name in zip(handoffs, ("free", "held"))]
+    for thread in threads:
+        thread.start()
+    outputs: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 10
+    while "r1" not in decode._receiving or "r0" not in outputs:
+        assert time.monotonic() < deadline
+        woken.wait(0.05)
+        woken.clear()
+        for delta in decode.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+    decode.abort_request(["r1"])  # its blocks are being written: freed when the write ends
+    assert decode.core.kv_cache.num_held_blocks() > 0
+    release.set()
+    for thread in threads:
+        thread.join()
+    aborted = {}
+    while decode.has_unfinished_requests() or "r1" in decode._receiving:
+        for delta in decode.step():
+            if delta.request_id == "r1":
+                aborted = delta
+            else:
+                outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+    assert outputs["r0"] == expected["r0"]
+    assert aborted and aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert sorted(sent) == [True, True]
+    assert_idle(decode)
+    # A handoff for a request this engine does not await is refused (the sender sees it).
+    stray = prefill_all(prefill, token_lists[:1])[0]
+    refused = []
+    thread = threading.Thread(target=lambda: refused.append(prefill.send_handoff(stray, "tcp", decode.kv_address)))
+    thread.start()
+    while thread.is_alive():
+        woken.wait(0.05)
+        decode.step()
+    assert refused == [False] and prefill.core.handoffs.stats.failures["send"] == 1
+    assert decode.core.handoffs.stats.failures["refused"] == 1
+    assert_idle(decode)
+    decode.close()

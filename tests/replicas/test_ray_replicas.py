@@ -67,3 +67,40 @@ def test_one_replica_per_node_both_serve(two_node_cluster, llama_dir: Path) -> N
         assert replicas.health()["status"] == "degraded"
     finally:
         replicas.shutdown()
+
+
+def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_cluster, llama_dir: Path) -> None:
+    """--replica-roles over Ray: the decode actor listens on every interface and advertises its
+    node's address; the prefill actor on the other node sends each request's KV there."""
+    from pagoda.engine.llm_engine import LLMEngine
+
+    cluster, node_ids = two_node_cluster
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[7, 8, 9, 10 + i] * 9 for i in range(3)]
+    reference = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+    for i, prompt in enumerate(prompts):
+        reference.add_request(f"r{i}", prompt, params)
+    expected: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        for delta in reference.step():
+            expected.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
+                          replica_roles="prefill=1,decode=1", distributed_executor_backend="ray",
+                          ray_address=cluster.address)
+    replicas = start_engines(config)
+    try:
+        assert {r.llm._transport.node_id for r in replicas.replicas} == node_ids
+        assert not replicas.replicas[1].llm.kv_address.startswith(("0.0.0.0", "127."))
+
+        async def serve() -> dict[str, list[int]]:
+            outputs = {}
+            for i, prompt in enumerate(prompts):
+                stream = await replicas.add_request(f"r{i}", prompt, params)
+                outputs[f"r{i}"] = [t async for d in stream for s in d.outputs for t in s.token_ids]
+            return outputs
+
+        assert asyncio.run(serve()) == expected
+        decode = replicas.replicas[1].llm.get_stats().disaggregation
+        assert decode.handoffs_imported == 3 and decode.fallback_prefills == 0
+    finally:
+        replicas.shutdown()

@@ -36,6 +36,7 @@ class EngineInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     stats: "EngineStats | None" = None
     max_num_seqs_choice: "MaxNumSeqsChoice | None" = None  # the value in use and why
+    kv_address: str | None = None  # role decode: where prefill engines send KV handoffs
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
@@ -44,7 +45,8 @@ class EngineInfo:
                    engine_limits=getattr(engine, "engine_limits", None),
                    generation_defaults=dict(getattr(engine, "generation_defaults", {}) or {}),
                    stats=engine.get_stats(),
-                   max_num_seqs_choice=getattr(getattr(engine, "core", None), "max_num_seqs_choice", None))
+                   max_num_seqs_choice=getattr(getattr(engine, "core", None), "max_num_seqs_choice", None),
+                   kv_address=getattr(engine, "kv_address", None))
 
 
 class EngineTransport(ABC):
@@ -71,6 +73,11 @@ class EngineTransport(ABC):
     @abstractmethod
     def is_alive(self) -> bool:
         """Whether the engine's thread or process is still running."""
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The process the engine runs in, where it is a local process (None for a Ray actor)."""
+        return None
 
     @abstractmethod
     def shutdown(self, timeout: float | None) -> None:

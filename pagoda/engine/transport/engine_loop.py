@@ -1,17 +1,20 @@
-"""The engine side of either transport: build the engine on its own thread, then apply
+"""The engine side of every transport: build the engine on its own thread, then apply
 messages, step while there is work and emit after every step. When idle it blocks on its
-inbox (no busy loop)."""
+inbox (no busy loop); the engine's own KV handoff threads post a Wake there when they have
+something for it."""
 
 from __future__ import annotations
 
 import logging
+import queue
 from typing import TYPE_CHECKING, Callable
 
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import set_engine_threads
 from pagoda.engine.transport.base import EngineFactory, OnEmitted
 from pagoda.engine.transport.messages import (ACCEPTED, AbortRequests, AddRequest, Emitted,
-                                              EmittedItem, Shutdown, ToEngine, UpdateLoRA)
+                                              EmittedItem, PrefillLocally, Shutdown, ToEngine,
+                                              UpdateLoRA, Wake)
 from pagoda.errors import InvalidRequest
 from pagoda.structured.grammar import grammar_failure
 
@@ -20,8 +23,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# take(block): the messages waiting in the inbox; with block=True, waits for at least one.
-Take = Callable[[bool], list[ToEngine]]
+
+
+class EngineInbox:
+    """The engine thread's messages: the front's, and Wake from the engine's own threads."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+
+    def put(self, message: ToEngine) -> None:
+        self._queue.put(message)
+
+    def take(self, block: bool) -> list[ToEngine]:
+        """The messages waiting; with block=True, waits for at least one."""
+        messages = [self._queue.get()] if block else []
+        while True:
+            try:
+                messages.append(self._queue.get_nowait())
+            except queue.Empty:
+                return messages
 
 
 def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEngine":
@@ -42,13 +62,17 @@ def report_worker_failures(engine: "LLMEngine", report: Callable[[str], None]) -
         register(report)
 
 
-def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
+def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
     """Apply messages, step while there is work, emit after every step; return on Shutdown.
 
     An exception from the engine ends the loop (the engine's state is unknown after it).
     """
+    set_wake = getattr(engine, "set_wake", None)  # an engine_factory's stand-in may lack it
+    if set_wake is not None:
+        set_wake(lambda: inbox.put(Wake()))
+    take_outcomes = getattr(engine, "take_handoff_outcomes", lambda: [])
     while True:
-        messages = take(not engine.has_unfinished_requests())
+        messages = inbox.take(not engine.has_unfinished_requests())
         emitted: Emitted = []
         for message in messages:
             if isinstance(message, Shutdown):
@@ -64,6 +88,8 @@ def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
                 engine.abort_request(message.request_ids)
             elif isinstance(message, UpdateLoRA):
                 emitted.append((message.control_id, _update_lora(engine, message)))
+            elif isinstance(message, PrefillLocally):
+                engine.prefill_locally(message.request_ids)
         if engine.has_unfinished_requests():
             deltas = engine.step()
             # Structured output: ACCEPTED or the grammar's error before the request's first delta.
@@ -71,14 +97,17 @@ def run_engine_loop(engine: "LLMEngine", take: Take, emit: OnEmitted) -> None:
                            for request_id, error in engine.take_grammar_outcomes())
             for delta in deltas:
                 emitted.append((delta.request_id, delta))
+        emitted.extend(take_outcomes())  # role prefill: requests handed off (or not) since the last step
         emit(emitted, engine.get_stats())
 
 
 def _add(engine: "LLMEngine", message: AddRequest) -> EmittedItem | None:
     try:
+        handoff = ({"handoff": message.handoff} if message.handoff is not None else {}) | (
+            {"awaiting_kv": True} if message.awaiting_kv else {})  # a stand-in engine may not take them
         engine.add_request(message.request_id, message.prompt, message.params,
                            arrival_time=message.arrival_time, cache_salt=message.cache_salt,
-                           priority=message.priority, lora_request=message.lora_request)
+                           priority=message.priority, lora_request=message.lora_request, **handoff)
     except InvalidRequest as exc:
         return exc
     except ValueError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from pagoda.engine.roles import HandoffTarget
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
@@ -20,6 +21,32 @@ class AddRequest:
     cache_salt: str | None
     priority: int
     lora_request: LoRARequest | None = None
+    # Disaggregation: a prefill engine hands the request off here once it has its first token;
+    # a decode engine with awaiting_kv holds it until its KV arrives (or PrefillLocally).
+    handoff: HandoffTarget | None = None
+    awaiting_kv: bool = False
+
+
+@dataclass
+class PrefillLocally:
+    """A decode engine stops awaiting these requests' KV and prefills them itself (the router
+    saw their prefill engine fail or time out)."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Wake:
+    """Posted by the engine's own KV handoff threads: something arrived or was sent."""
+
+
+@dataclass
+class HandoffOutcome:
+    """Emitted by a prefill engine for a request it handed off: sent, or why not. Either way the
+    request and its blocks are gone from that engine."""
+
+    sent: bool
+    reason: str | None = None
 
 
 @dataclass
@@ -42,12 +69,12 @@ class Shutdown:
     pass
 
 
-ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, Shutdown]
+ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, PrefillLocally, Wake, Shutdown]
 
 # The engine accepted an AddRequest.
 ACCEPTED = "accepted"
 
 # What the engine side emits after each step, per request id: ACCEPTED, the exception that
-# refused an add, or a RequestOutputDelta.
-EmittedItem = Union[str, BaseException, RequestOutputDelta]
+# refused an add, a RequestOutputDelta, or (role prefill) a HandoffOutcome ending the request there.
+EmittedItem = Union[str, BaseException, RequestOutputDelta, HandoffOutcome]
 Emitted = list[tuple[str, EmittedItem]]

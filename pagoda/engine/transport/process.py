@@ -21,7 +21,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
-from pagoda.engine.transport.engine_loop import build_engine, report_worker_failures, run_engine_loop
+from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Emitted, Shutdown, ToEngine
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ class ProcessTransport(EngineTransport):
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.process.pid
 
     def shutdown(self, timeout: float | None) -> None:
         self._stopping = True
@@ -142,18 +146,29 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
 
     report_worker_failures(engine, report_failure)
 
-    def take(block: bool) -> list[ToEngine]:
-        messages = [conn.recv()] if block else []
-        while conn.poll(0):
-            messages.append(conn.recv())
-        return messages
+    # The pipe is read on a thread of its own into the inbox, where the engine's KV handoff
+    # threads post their wake-ups too; a closed pipe (the front went away) stops the engine.
+    inbox = EngineInbox()
+
+    def forward() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(Shutdown())
+                return
+            inbox.put(message)
+            if isinstance(message, Shutdown):
+                return
+
+    threading.Thread(target=forward, name="pagoda-engine-inbox", daemon=True).start()
 
     def emit(emitted: Emitted, stats: "EngineStats") -> None:
         with sending:
             conn.send(("batch", emitted, stats))
 
     try:
-        run_engine_loop(engine, take, emit)
+        run_engine_loop(engine, inbox, emit)
     except (EOFError, BrokenPipeError):
         return  # the front went away
     except BaseException as exc:

@@ -10,13 +10,13 @@ reference to them.
 from __future__ import annotations
 
 import logging
-import queue
+import os
 import threading
 
 from pagoda.config import EngineConfig
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
-from pagoda.engine.transport.engine_loop import build_engine, report_worker_failures, run_engine_loop
+from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class ThreadTransport(EngineTransport):
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
         super().__init__(config, on_emitted, on_death)
-        self._inbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        self._inbox = EngineInbox()
         ready = threading.Event()
         built: list = []
         failure: list[BaseException] = []
@@ -44,7 +44,7 @@ class ThreadTransport(EngineTransport):
             report_worker_failures(engine, lambda reason: on_death(RuntimeError(reason)))
             ready.set()
             try:
-                run_engine_loop(engine, self._take, on_emitted)
+                run_engine_loop(engine, self._inbox, on_emitted)
             except BaseException as exc:
                 logger.exception("engine loop died")
                 on_death(exc)
@@ -65,14 +65,10 @@ class ThreadTransport(EngineTransport):
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def engine_pid(self) -> int | None:
+        return os.getpid()
+
     def shutdown(self, timeout: float | None) -> None:
         self._inbox.put(Shutdown())
         self._thread.join(timeout)
-
-    def _take(self, block: bool) -> list[ToEngine]:
-        messages = [self._inbox.get()] if block else []
-        while True:
-            try:
-                messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return messages
