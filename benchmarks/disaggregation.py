@@ -118,6 +118,66 @@ def run_config(label: str, model_dir: Path, engine: list[str], load: Any, worklo
     return row, result.records
 
 
+def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: Any, scratch: Path) -> dict[str, Any]:
+    """Chat decode steps with and without one long context decoding beside them.
+
+    8 chat requests (64-token prompts, 48 output tokens) run alone, then again while a
+    1500-token request is decoding (it was sent first and has streamed its first token). The
+    torch attention backend pads each decode group to its longest context, so the long one can
+    make every chat step gather ~1500 tokens; this isolates that cost from prefill."""
+    import asyncio
+    import random
+
+    import httpx
+
+    from pagoda.bench.loadgen import LoadConfig, send_request
+    from pagoda.bench.records import BenchRequest
+
+    rng = random.Random(f"probe:{label}")
+
+    def request(index: int, name: str, prompt_len: int, output_len: int) -> BenchRequest:
+        prompt = builder.extend_to("", prompt_len, rng)
+        return BenchRequest(index, name, prompt, [], builder.count(prompt), output_len)
+
+    async def chats(client: Any, config: LoadConfig, first: int) -> list[float]:
+        records = await asyncio.gather(*(send_request(client, config, request(first + i, "chat", 64, 48),
+                                                      time.perf_counter()) for i in range(8)))
+        if not all(r.ok for r in records):
+            raise RuntimeError(f"probe request failed: {[r.error for r in records if not r.ok]}")
+        return [g for r in records for g in r.itls]
+
+    async def probe(url: str) -> dict[str, Any]:
+        config = LoadConfig(base_url=url, model="bench", ignore_eos=True, duration=60.0, timeout=300.0)
+        async with httpx.AsyncClient(timeout=300.0, trust_env=False) as client:
+            await chats(client, config, 0)  # warm up
+            alone = await chats(client, config, 10)
+            long_request = request(100, "long", 1500, 400)
+            first_token = asyncio.Event()
+
+            async def long_stream() -> None:
+                body = {"model": "bench", "prompt": long_request.prompt, "max_tokens": long_request.output_len,
+                        "ignore_eos": True, "stream": True}
+                async with client.stream("POST", config.url, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:") and not first_token.is_set():
+                            first_token.set()
+
+            long_task = asyncio.create_task(long_stream())
+            await first_token.wait()
+            beside_long = await chats(client, config, 20)
+            long_still_running = not long_task.done()
+            long_task.cancel()
+        return {"chat_itl_p50_alone_s": statistics.median(alone),
+                "chat_itl_p50_beside_long_context_s": statistics.median(beside_long),
+                "long_request_decoding_throughout": long_still_running}
+
+    flags = [*CONFIGS[label], *engine]
+    with pagoda_server_process(model_dir, flags, scratch / "server.log") as (url, _):
+        if "--replica-roles" in flags:
+            pin_engines(url)
+        return asyncio.run(probe(url))
+
+
 def transfer_cost(rounds: int) -> dict[str, Any]:
     """ms per 1k tokens of context per transport (fp32 KV of this model): measured now by
     benchmarks/kv_transfer.py when rounds > 0, and as committed in results/kv_transfer.json."""
@@ -183,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-slo", default="ttft=1,itl_p99=100ms")
     parser.add_argument("--rag-slo", default="ttft=3,itl_p99=100ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-decode-probe", dest="decode_probe", action="store_false",
+                        help="skip the probe of chat decode steps beside one long context (after the runs)")
     parser.add_argument("--transfer-rounds", type=int, default=5,
                         help="rounds of benchmarks/kv_transfer.py at a 1536-token context after the runs "
                              "(0: only cite the committed results/kv_transfer.json)")
@@ -244,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
                                                  medians[label]["output_tok_per_s"]["median"]))
         comparisons = {"baseline": best, "ratios_vs_baseline": {
             label: comparison(medians, best, label) for label in measured if label != best}}
+    probes = {}
+    for label in [label for label in (COLOCATED_2T, COLOCATED_1T, DISAGG_TCP) if label in labels] \
+            if args.decode_probe else []:
+        with tempfile.TemporaryDirectory() as scratch:
+            probes[label] = decode_step_probe(label, model_dir, engine, workload.builder, Path(scratch))
+        print(f"decode-step probe, {label}: chat ITL p50 "
+              f"{probes[label]['chat_itl_p50_alone_s'] * 1e3:.0f} ms alone, "
+              f"{probes[label]['chat_itl_p50_beside_long_context_s'] * 1e3:.0f} ms beside a 1500-token context",
+              flush=True)
     load_average_at_end = [round(x, 2) for x in os.getloadavg()]
     transfer = transfer_cost(args.transfer_rounds)
     write_summary(out / "summary.json", {
@@ -264,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_end": load_average_at_end,
         "rounds": rounds, "summary": medians, **comparisons,
         "kv_transfer_ms_per_1k_tokens": transfer,
+        "decode_step_probe": probes,
     })
     _plot(out, medians, chat_gaps)
     print(f"wrote {out}/summary.json and {NAME}.png")
