@@ -3,7 +3,8 @@ shm), between two processes, with the benchmark model's KV block layout (10 laye
 heads of 32, block 16), float32 and int8 KV (int8 travels as stored: values + per-vector scales).
 
 A sender process (standing for the prefill engine) gathers a request's blocks out of its
-cache tensors (the export copy) and ships them with send_handoff; this process (the decode
+cache tensors (the export copy) and ships them with send_handoff (over shm with a pool of
+reused segments, as an engine does; `shm-unpooled`: a fresh segment per handoff); this process (the decode
 engine) receives them into freshly chosen blocks of its own cache tensors (scatter). The time
 per handoff is the sender's wall time from the gather to the receiver's acknowledgement, so it
 covers both copies and the wire. Rounds interleave transports and context lengths; the
@@ -61,14 +62,18 @@ def sender(conn, num_pool_blocks: int) -> None:
 
     from pagoda.kv_transfer.block_transfer import gather_blocks
     from pagoda.kv_transfer.handoff import HandoffHeader, KVHandoff, layout_of, send_handoff
+    from pagoda.kv_transfer.shm_segments import ShmSegments
 
     torch.set_num_threads(1)
     pools = {name: make_caches(name, num_pool_blocks) for name in ("float32", "int8")}
+    segments = ShmSegments()  # as a prefill engine's handoff threads keep them
     while True:
         message = conn.recv()
         if message is None:
+            segments.close()
             return
-        transport, address, context, kv_dtype = message
+        variant, address, context, kv_dtype = message
+        transport = variant.split("-")[0]
         caches = pools[kv_dtype]
         num_blocks = -(-context // BLOCK)
         block_ids = list(range(num_pool_blocks - num_blocks, num_pool_blocks))[::-1]  # scattered, not 0..n
@@ -79,7 +84,8 @@ def sender(conn, num_pool_blocks: int) -> None:
                                block_hashes=[f"{i:032x}" for i in range(context // BLOCK)], num_blocks=num_blocks,
                                layout=layout_of(caches), fingerprint="bench")
         handoff = KVHandoff(header, blocks)
-        send_handoff(handoff, transport, address, timeout=60)
+        send_handoff(handoff, transport, address, timeout=60,
+                     segments=segments if variant == "shm" else None)  # shm-unpooled: a segment per handoff
         conn.send((time.perf_counter() - started, handoff.nbytes))
 
 
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parent, child = context_mp.Pipe()
     process = context_mp.Process(target=sender, args=(child, num_pool_blocks))
     process.start()
-    listeners = {name: KVListener(name) for name in ("tcp", "shm")}
+    listeners = {"tcp": KVListener("tcp"), "shm": KVListener("shm"), "shm-unpooled": KVListener("shm")}
     timings: dict[str, list[float]] = {}
     nbytes: dict[str, int] = {}
     try:

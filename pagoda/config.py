@@ -279,7 +279,8 @@ class EngineConfig:
         if self.role not in ("both", "prefill", "decode"):
             fail("role", f"must be both, prefill or decode, got {self.role!r}")
         if self.kv_transport not in ("tcp", "shm"):
-            fail("kv_transport", f"must be tcp or shm, got {self.kv_transport!r}")
+            fail("kv_transport", f"must be tcp or shm (GPU-to-GPU transports such as NCCL or NIXL are not "
+                                 f"built yet), got {self.kv_transport!r}")
         if self.kv_transfer_timeout <= 0 or self.kv_prefill_timeout <= 0:
             fail("kv_transfer_timeout", "KV handoff timeouts must be > 0 seconds")
         if self.replica_roles is not None:

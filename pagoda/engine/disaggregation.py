@@ -11,9 +11,11 @@ refused and the request is prefilled locally.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
 from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
                                         layout_of)
+from pagoda.outputs import Logprob
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
@@ -113,7 +116,8 @@ class KVHandoffs:
         self.layout = layout_of(self.caches)
         self.fingerprint = fingerprint
         self.stats = DisaggStats(role)
-        self._imported_at: dict[str, float] = {}  # request id -> when its KV was in place
+        self._imported_at: dict[str, float] = {}  # request id -> when it started decoding here
+        self.ready: deque[Request] = deque()  # imported, waiting for a running slot
 
     # ---- prefill side --------------------------------------------------------------------------
 
@@ -136,7 +140,12 @@ class KVHandoffs:
             block_size=block_size, block_hashes=[h.hex() for h in hashes], num_blocks=num_blocks,
             layout=self.layout, fingerprint=self.fingerprint,
             queue_seconds=scheduled - metrics.arrival_time,
-            prefill_seconds=(metrics.first_token_time or time.time()) - scheduled)
+            prefill_seconds=(metrics.first_token_time or time.time()) - scheduled,
+            output_logprobs=[[(token_id, entry.logprob, entry.rank) for token_id, entry in position.items()]
+                             for position in request.output_logprobs] or None,
+            cumulative_logprob=request.cumulative_logprob,
+            generator_state=(base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
+                             if request.generator is not None else None))
         self.scheduler.finish_requests([request], RequestStatus.FINISHED_STOPPED)
         self.stats.handoffs_exported += 1
         self.stats.observe("queue", header.queue_seconds)
@@ -197,6 +206,13 @@ class KVHandoffs:
             raise HandoffRefused(f"KV handoff of {header.request_id!r} refused: {reason}")
         for token_id in header.output_token_ids:
             request.append_output_token(token_id)
+        if header.output_logprobs:
+            request.output_logprobs = [{int(token_id): Logprob(logprob, rank) for token_id, logprob, rank in position}
+                                       for position in header.output_logprobs]
+            request.cumulative_logprob = header.cumulative_logprob
+        if header.generator_state is not None and request.generator is not None:
+            state = base64.b64decode(header.generator_state)
+            request.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         cached = self.kv_cache.find_cached_prefix(request)
         skip = len(cached)
         if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens - skip * self.kv_cache.block_size,
@@ -227,14 +243,28 @@ class KVHandoffs:
         request.num_computed_tokens = num_prompt
         request.spec.num_draft_computed_tokens = num_prompt
         request.num_cached_tokens = skip * self.kv_cache.block_size
-        request.status = RequestStatus.RUNNING
-        request.metrics.first_scheduled_time = time.time()
         self.kv_cache.cache_full_blocks(request, num_prompt)
-        # Like a forked sample, a handed-off request joins the running set directly: its KV is
-        # already in place, and waiting would hold the blocks idle.
-        self.scheduler.running.append(request)
         self.stats.observe("transfer", time.perf_counter() - started)
-        self._imported_at[request.request_id] = time.perf_counter()
+        self.ready.append(request)
+        self.admit_ready()
+
+    def admit_ready(self) -> None:
+        """Imported requests join the running set directly, ahead of waiting ones (their KV is
+        in place: waiting would hold the blocks idle), as far as --max-num-seqs allows."""
+        while self.ready and len(self.scheduler.running) < self.scheduler.max_num_seqs:
+            request = self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            request.metrics.first_scheduled_time = time.time()
+            self.scheduler.running.append(request)
+            self._imported_at[request.request_id] = time.perf_counter()
+
+    def drop_ready(self, request_id: str) -> Request | None:
+        """Take an imported request out of the ready queue (it is being aborted)."""
+        for request in self.ready:
+            if request.request_id == request_id:
+                self.ready.remove(request)
+                return request
+        return None
 
     def after_step(self, progressed: Sequence[Request]) -> None:
         """Time to the first token the decode engine produced for each imported request."""

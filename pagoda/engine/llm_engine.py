@@ -48,7 +48,7 @@ class LLMEngine:
         self._targets: dict[str, HandoffTarget] = {}  # role prefill: where each request goes
         self._outcomes: list[tuple[str, HandoffOutcome]] = []  # role prefill: not yet taken
         self._awaiting: dict[str, Request] = {}  # role decode: waiting for their KV, no header yet
-        # role decode: blocks being written by a receive thread: (request, skip, started, aborted)
+        # role decode: blocks being written by a receive thread: (incoming, request, skip, started)
         self._receiving: dict[str, tuple[IncomingHandoff, Request, int, float]] = {}
         self._aborted_receiving: set[str] = set()
         if config.role != "both":
@@ -124,6 +124,7 @@ class LLMEngine:
                 self._aborted_receiving.add(request_id)
                 continue
             self._awaiting.pop(request_id, None)
+            self.core.handoffs.drop_ready(request_id)  # then aborted like a waiting request
             if self.core.abort_request([request_id]):
                 delta = self.output_processor.finish_aborted(request_id)
                 if delta is not None:
@@ -134,6 +135,7 @@ class LLMEngine:
         """Run one engine step; returns what each changed request gained in it."""
         if self._handoff_threads is not None:
             self._apply_handoff_events()
+            self.core.handoffs.admit_ready()
         deltas, self._aborted = self._aborted, []
         if self.core.has_unfinished_requests():
             progressed = self.core.step()
@@ -154,7 +156,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Work for step(): scheduled requests, aborts to report, or KV handoff events."""
-        return (self.core.has_unfinished_requests() or bool(self._aborted)
+        return (self.core.has_unfinished_requests() or bool(self._aborted) or bool(self.core.handoffs.ready)
                 or (self._handoff_threads is not None and self._handoff_threads.has_events()))
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from pagoda.kv_transfer.shm_segments import SegmentMaps, ShmSegments
+
 TRANSPORTS = ("tcp", "shm")
 _LENGTH = struct.Struct(">Q")
 _RUN = struct.Struct(">II")  # first block index, number of blocks
@@ -81,6 +83,13 @@ class HandoffHeader:
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
     shm_name: str | None = None  # shm transport: the segment holding the blocks
+    # The first token's logprobs when the request asked for them: per position, [token id,
+    # logprob, rank] of the sampled token and the top ones; and their running sum.
+    output_logprobs: list[list[tuple[int, float, int]]] | None = None
+    cumulative_logprob: float = 0.0
+    # A seeded request's generator after the first token (base64 of torch's state), so the
+    # decode side draws what one engine would have drawn next.
+    generator_state: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -189,6 +198,7 @@ class KVListener:
         (default: a fresh path in the temporary directory)."""
         check_transport(transport)
         self.transport = transport
+        self.segment_maps = SegmentMaps()  # shm: mappings of the senders' reused segments
         if transport == "tcp":
             host, _, port = (address or "127.0.0.1:0").rpartition(":")
             self._sock = socket.create_server((host or "127.0.0.1", int(port)))
@@ -204,7 +214,7 @@ class KVListener:
 
     def accept(self, timeout: float) -> "IncomingHandoff":
         """The next handoff, its header read; TransferError if none arrives within `timeout`."""
-        return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout)
+        return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout, self.segment_maps)
 
     def accept_connection(self, timeout: float) -> socket.socket:
         """The next sender's connection, before its header (TransferError after `timeout`)."""
@@ -218,6 +228,7 @@ class KVListener:
 
     def close(self) -> None:
         self._sock.close()
+        self.segment_maps.close()
         if self.transport == "shm":
             try:
                 os.unlink(self.address)
@@ -235,10 +246,13 @@ class IncomingHandoff:
     """One handoff being received. The engine reads the header, answers how many leading
     blocks it already holds, then iterates over the rest as they arrive."""
 
-    def __init__(self, conn: socket.socket, transport: str, timeout: float) -> None:
+    def __init__(self, conn: socket.socket, transport: str, timeout: float,
+                 segment_maps: SegmentMaps | None = None) -> None:
+        """`segment_maps`: the listener's mappings of shm segments (reused across handoffs)."""
         self._conn = conn
         self.transport = transport
         self.timeout = timeout
+        self._maps = segment_maps if segment_maps is not None else SegmentMaps(capacity=0)
         self._shm: Any = None
         self.bytes_received = 0
         try:
@@ -265,7 +279,7 @@ class IncomingHandoff:
         _sendall(self._conn, json.dumps({"skip": skip}).encode())
         if self.transport == "shm" and skip < header.num_blocks:
             try:
-                self._shm = _Segment(str(header.shm_name))
+                self._shm = self._maps.open(str(header.shm_name))
             except (FileNotFoundError, ValueError) as error:
                 raise TransferError(f"KV shared-memory segment {header.shm_name!r} is gone: {error}") from None
         block_nbytes = header.block_nbytes
@@ -302,27 +316,30 @@ class IncomingHandoff:
 
     def close(self) -> None:
         if self._shm is not None:
-            self._shm.close()
+            self._maps.done(self._shm)
             self._shm = None
         self._conn.close()
 
 
-def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: float) -> int:
+def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: float,
+                 segments: ShmSegments | None = None) -> int:
     """Ship `handoff` to the listener at `address`; returns the number of blocks sent (the
-    receiver's cache held the others). Raises TransferError if the receiver does not take it."""
+    receiver's cache held the others). Raises TransferError if the receiver does not take it.
+    `segments`: the sender's pool of shm segments (without one, a segment lives for one handoff)."""
     sock = _connect(transport, address, timeout)
     shm = None
+    pool = segments if segments is not None else ShmSegments(max_free_bytes=0)
+    delivered = refused = False
     try:
         header = handoff.header
         block_nbytes = header.block_nbytes
         if transport == "shm" and header.num_blocks:
-            from multiprocessing import shared_memory
-            shm = shared_memory.SharedMemory(create=True, size=block_nbytes * header.num_blocks,
-                                             name=f"pagoda-kv-{uuid.uuid4().hex[:16]}")
+            shm = pool.acquire(block_nbytes * header.num_blocks)
             header.shm_name = shm.name
         _sendall(sock, header.to_json())
         reply = json.loads(bytes(_recv_frame(sock)))
         if "reject" in reply:
+            refused = True
             raise HandoffRefused(f"the KV receiver refused the handoff: {reply['reject']}")
         skip = int(reply["skip"])
         per_block = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in handoff.blocks]
@@ -342,34 +359,15 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
         _sendall(sock, _END)
         if bytes(_recv_frame(sock)) != b"OK":
             raise TransferError("the KV receiver did not acknowledge the handoff")
+        delivered = True
         return header.num_blocks - skip
     finally:
         sock.close()
         if shm is not None:
-            shm.close()
-            shm.unlink()  # the receiver has its own mapping (or gave up): the name can go
-
-
-class _Segment:
-    """The sender's shared-memory segment, mapped without taking ownership: the sender unlinks
-    it. (multiprocessing's SharedMemory would register it with a resource tracker, which
-    unlinks it, or complains, when a process exits; Python < 3.13 cannot turn that off.)"""
-
-    def __init__(self, name: str) -> None:
-        import mmap
-
-        import _posixshmem  # the module multiprocessing.shared_memory maps segments with
-
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
+            if delivered or refused:
+                pool.release(shm)  # the receiver has copied everything out (or never looked)
+            else:
+                pool.discard(shm)
 
 
 def blocks_per_run(block_nbytes: int) -> int:

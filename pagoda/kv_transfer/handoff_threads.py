@@ -22,6 +22,7 @@ from typing import Union
 import torch
 
 from pagoda.kv_transfer.handoff import IncomingHandoff, KVHandoff, KVListener, TransferError, send_handoff
+from pagoda.kv_transfer.shm_segments import SegmentMaps, ShmSegments
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class HandoffThreads:
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="pagoda-kv")
         self._listener: KVListener | None = None
         self._closed = threading.Event()
+        self._segments = ShmSegments()  # shm sends: segments reused across handoffs
         self.address: str | None = None
 
     def set_wake(self, wake: Callable[[], None]) -> None:
@@ -92,11 +94,11 @@ class HandoffThreads:
                 continue  # no connection within the poll: look at _closed again
             except OSError:
                 return  # closed under us
-            self._pool.submit(self._read_header, conn, listener.transport, timeout)
+            self._pool.submit(self._read_header, conn, listener.transport, timeout, listener.segment_maps)
 
-    def _read_header(self, conn: socket.socket, transport: str, timeout: float) -> None:
+    def _read_header(self, conn: socket.socket, transport: str, timeout: float, maps: SegmentMaps) -> None:
         try:
-            incoming = IncomingHandoff(conn, transport, timeout)
+            incoming = IncomingHandoff(conn, transport, timeout, maps)
         except TransferError as error:
             logger.warning("a KV handoff connection failed before its header: %s", error)
             return
@@ -128,7 +130,7 @@ class HandoffThreads:
 
     def _send(self, request_id: str, handoff: KVHandoff, transport: str, address: str, timeout: float) -> None:
         try:
-            num_sent, error = send_handoff(handoff, transport, address, timeout), None
+            num_sent, error = send_handoff(handoff, transport, address, timeout, self._segments), None
         except TransferError as exc:
             num_sent, error = 0, exc
         except Exception as exc:  # e.g. a malformed address
@@ -158,3 +160,4 @@ class HandoffThreads:
         if self._listener is not None:
             self._listener.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._segments.close()

@@ -358,3 +358,23 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     assert decode.core.handoffs.stats.failures["refused"] == 1
     assert_idle(decode)
     decode.close()
+
+
+def test_imported_requests_wait_for_a_running_slot(llama_dir):
+    """--max-num-seqs holds on the decode side: an import beyond it waits, KV in place, and
+    joins the running set ahead of waiting requests as slots free."""
+    token_lists = prompts(3, 30, seed=31)
+    expected = single_engine_outputs(llama_dir, token_lists)
+    prefill = engine(llama_dir, "prefill")
+    decode = engine(llama_dir, "decode", max_num_seqs=1)
+    sent, imported = hand_over(prefill, decode, prefill_all(prefill, token_lists), "tcp")
+    assert sent == imported == [True, True, True]
+    assert len(decode.core.scheduler.running) == 1 and len(decode.core.handoffs.ready) == 2
+    outputs: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for delta in decode.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        assert len(decode.core.scheduler.running) <= 1
+    assert outputs == expected
+    assert_idle(decode)
+    decode.close()

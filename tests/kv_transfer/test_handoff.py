@@ -146,3 +146,45 @@ def test_malformed_header_is_a_transfer_error():
             peer.sendall(len(payload).to_bytes(8, "big") + payload)
             with pytest.raises(TransferError, match="malformed KV handoff header"):
                 listener.accept(timeout=5)
+
+
+def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
+    """A sender's pool reuses one segment for handoffs that fit it; the receiver keeps it mapped;
+    a segment whose handoff failed is unlinked, not reused; closing leaves nothing in /dev/shm."""
+    from pagoda.kv_transfer.shm_segments import ShmSegments
+
+    before = shm_segments()
+    caches = make_caches()
+    pool = ShmSegments()
+    with KVListener("shm") as listener:
+        received = []
+        for block_ids in ([1, 2, 3], [4, 5], [6]):
+            handoff = make_handoff(caches, block_ids)
+            outcome: dict = {}
+            thread = threading.Thread(target=lambda h=handoff: outcome.update(
+                sent=send_handoff(h, "shm", listener.address, 5.0, pool)))
+            thread.start()
+            incoming = listener.accept(5.0)
+            target = [torch.zeros_like(c) for c in caches]
+            for indices, data in incoming.receive(0):
+                scatter_blocks(target, [block_ids[i] for i in indices], data)
+            incoming.close()
+            thread.join()
+            assert outcome["sent"] == len(block_ids)
+            assert all(torch.equal(t[block_ids], c[block_ids]) for t, c in zip(target, caches))
+            received.append(handoff.header.shm_name)
+        assert pool.num_created == 1 and len(set(received)) == 1  # one segment served all three
+        assert list(listener.segment_maps._maps) == received[:1]  # mapped once on the receiver
+        # The receiver drops the connection mid-transfer: that segment is not reused.
+        handoff = make_handoff(caches, [1, 2])
+        outcome = {}
+        thread = threading.Thread(target=lambda: outcome.update(
+            error=pytest.raises(TransferError, send_handoff, handoff, "shm", listener.address, 5.0, pool)))
+        thread.start()
+        incoming = listener.accept(5.0)
+        incoming.close()
+        thread.join()
+        assert handoff.header.shm_name == received[0]
+        assert handoff.header.shm_name not in shm_segments()  # unlinked after the failure
+        pool.close()
+    assert shm_segments() == before

@@ -247,3 +247,51 @@ def test_replica_roles_are_checked(llama_dir) -> None:
 
     with pytest.raises(ValueError, match="--replica-roles"):
         start_engines(EngineConfig(model=str(llama_dir), role="prefill"))
+
+
+class _DecodeThatDies(LLMEngine):
+    """A decode engine that crashes when the first handoff reaches it (nothing streamed yet)."""
+
+    def step(self):  # type: ignore[override]
+        if self._handoff_threads.has_events():
+            raise RuntimeError("simulated decode replica crash")
+        return super().step()
+
+
+def test_a_dead_decode_replica_moves_its_requests_and_the_prefill_side_holds_nothing(llama_dir) -> None:
+    token_lists = prompts(3, 30, seed=19)
+    expected = colocated(llama_dir, token_lists)
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=96, block_size=8,
+                          max_num_batched_tokens=32, replica_roles="prefill=1,decode=2", router="round_robin",
+                          kv_transfer_timeout=2.0)
+
+    def starter(index: int, config: EngineConfig) -> AsyncLLM:
+        from pagoda.replicas.replica_set import replica_config
+
+        return AsyncLLM(replica_config(config, index), transport="thread",
+                        engine_factory=_DecodeThatDies if index == 1 else None)
+
+    replicas = ReplicaSet.start(config, starter)
+    try:
+        assert [r.role for r in replicas.replicas] == ["prefill", "decode", "decode"]
+        assert run_all(replicas, token_lists) == expected
+        assert not replicas.replicas[1].is_alive and replicas.replicas[1].num_moved_away >= 1
+        assert replicas.health()["status"] == "degraded"
+        assert_idle(replicas)  # the prefill replica freed every block at export, sent or not
+    finally:
+        replicas.shutdown()
+
+
+def test_seeded_sampling_continues_where_the_prefill_replica_left_it(llama_dir) -> None:
+    """The request's generator state travels with its KV: the decode replica draws what one
+    engine would have drawn next."""
+    token_lists = prompts(3, 25, seed=29)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    expected = colocated(llama_dir, token_lists, seeded)
+    replicas = start(llama_dir, replica_roles="prefill=1,decode=1")
+    try:
+        assert run_all(replicas, token_lists, seeded) == expected
+        assert disagg_stats(replicas)[1].handoffs_imported == 3
+        assert_idle(replicas)
+    finally:
+        replicas.shutdown()

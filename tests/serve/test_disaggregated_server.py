@@ -138,3 +138,41 @@ def test_a_killed_prefill_replica_loses_no_request(server: LiveServer, expected:
     decode = replicas(server).replicas[1].llm.get_stats().disaggregation
     assert decode.fallback_prefills >= 1
     wait_idle(server)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures_through_the_server_match_one_engine(model_dirs, architecture) -> None:
+    """Engines on threads here (fast to start); token-id prompts with a shared prefix, so
+    the decode replica's prefix cache serves part of the later handoffs."""
+    model = model_dirs[architecture]
+    shared = [11 + (i * 7) % 250 for i in range(32)]
+    prompts = [shared + [5 + i, 9 + i, 13 + i] * (2 + i) for i in range(4)]
+
+    def run(live: LiveServer) -> list[list[tuple[str, float]]]:
+        outputs = []
+        for prompt in prompts:
+            response = httpx.post(live.base_url + "/completions", timeout=60, json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1})
+            assert response.status_code == 200, response.text
+            logprobs = response.json()["choices"][0]["logprobs"]
+            # This tokenizer's tokens mostly print alike: their logprobs tell them apart.
+            outputs.append(list(zip(logprobs["tokens"], logprobs["token_logprobs"])))
+        return outputs
+
+    one = start_server(model)
+    try:
+        expected = run(one)
+    finally:
+        one.stop()
+    pair = start_server(model, engine={"replica_roles": "prefill=1,decode=1", "enable_prefix_caching": True})
+    try:
+        got = run(pair)
+        assert [[token for token, _ in output] for output in got] == [[t for t, _ in o] for o in expected]
+        for output, reference in zip(got, expected):
+            assert [lp for _, lp in output] == pytest.approx([lp for _, lp in reference], abs=1e-4)
+        decode = replicas(pair).replicas[1].llm.get_stats().disaggregation
+        assert decode.handoffs_imported == len(prompts) and decode.blocks_cached > 0
+        wait_idle(pair)
+    finally:
+        pair.stop()

@@ -71,6 +71,20 @@ def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) ->
     if set_wake is not None:
         set_wake(lambda: inbox.put(Wake()))
     take_outcomes = getattr(engine, "take_handoff_outcomes", lambda: [])
+    try:
+        _loop(engine, inbox, emit, take_outcomes)
+    except BaseException:
+        # The engine's state is unknown now, but what it holds outside this process must go:
+        # a decode engine's KV listener would otherwise keep accepting handoffs nobody applies.
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("closing the failed engine failed")
+        raise
+
+
+def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted,
+          take_outcomes: Callable[[], Emitted]) -> None:
     while True:
         messages = inbox.take(not engine.has_unfinished_requests())
         emitted: Emitted = []
