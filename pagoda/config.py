@@ -144,6 +144,11 @@ class EngineConfig:
                 "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
                 "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
                 "(default: every replica does both)"})
+    max_local_prefill_tokens: int = field(default=128, metadata={
+        "help": "disaggregated serving: a request with at most this many prompt tokens not already "
+                "cached on its decode replica is prefilled there, not handed over (a short prefill "
+                "costs the decode replica less than a round trip through a prefill replica costs the "
+                "request; 0: every request goes through a prefill replica)"})
     kv_transport: str = field(default="tcp", metadata={
         "help": "how KV blocks travel from prefill to decode replicas: tcp (any hosts) or shm "
                 "(shared memory, one host)"})
@@ -281,6 +286,8 @@ class EngineConfig:
         if self.kv_transport not in ("tcp", "shm"):
             fail("kv_transport", f"must be tcp or shm (GPU-to-GPU transports such as NCCL or NIXL are not "
                                  f"built yet), got {self.kv_transport!r}")
+        if self.max_local_prefill_tokens < 0:
+            fail("max_local_prefill_tokens", f"must be >= 0, got {self.max_local_prefill_tokens}")
         if self.kv_transfer_timeout <= 0 or self.kv_prefill_timeout <= 0:
             fail("kv_transfer_timeout", "KV handoff timeouts must be > 0 seconds")
         if self.replica_roles is not None:

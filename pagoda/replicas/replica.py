@@ -34,8 +34,11 @@ class Replica:
 class Flight:
     """The outstanding tokens one request holds on its replica."""
 
-    def __init__(self, replica: "Replica", prompt_tokens: int, output_tokens: int) -> None:
+    def __init__(self, replica: "Replica", prompt_tokens: int, output_tokens: int, *,
+                 awaiting_kv: bool = False) -> None:
+        """`awaiting_kv`: a decode replica that receives the request's KV from a prefill replica."""
         self.replica = replica
+        self.awaiting_kv = awaiting_kv
         self._prompt_tokens = prompt_tokens  # paid back at the first delta
         self._output_tokens = output_tokens  # paid back token by token
         replica.outstanding_tokens += prompt_tokens + output_tokens

@@ -273,23 +273,27 @@ class ReplicaSet:
 
     async def _submit(self, request_id: str, route: RouteRequest, prompt: list[int],
                       params: SamplingParams, excluded: set[int], wake: asyncio.Event,
-                      role: str = "both", awaiting_kv: bool = False,
+                      role: str = "both", handoff_above: int | None = None,
                       **kwargs: Any) -> tuple[RequestStream, Flight]:
+        """`handoff_above` (a decode replica, disaggregated): the request awaits its KV from a
+        prefill replica if more than that many of its prompt tokens are not cached on the chosen
+        replica, else that replica prefills it itself (see the flight's `awaiting_kv`)."""
         excluded = set(excluded)
         while True:
             chosen = self.choose(route, excluded, role)
             if chosen is None:
                 raise EngineDeadError(f"no {role + ' ' if self.disaggregated else ''}replica is running")
             replica, cached = chosen
+            uncached = max(0, len(prompt) - cached)
+            awaiting_kv = handoff_above is not None and uncached > handoff_above
             # A decode replica awaiting the KV computes no prompt token (unless it falls back).
-            uncached = 0 if awaiting_kv else max(0, len(prompt) - cached)
-            with self.lock:
-                flight = Flight(replica, uncached, route.max_tokens * params.n)
             if awaiting_kv:
-                kwargs["awaiting_kv"] = True
+                uncached = 0
+            with self.lock:
+                flight = Flight(replica, uncached, route.max_tokens * params.n, awaiting_kv=awaiting_kv)
             try:
                 stream = await replica.llm.add_request(request_id, prompt, params, wake=wake,
-                                                       **kwargs)
+                                                       **({"awaiting_kv": True} if awaiting_kv else {}), **kwargs)
             except EngineDeadError:
                 flight.close()
                 replica.num_moved_away += 1
@@ -303,15 +307,16 @@ class ReplicaSet:
     async def _submit_disaggregated(self, request_id: str, attempt: int, route: RouteRequest, prompt: list[int],
                                     params: SamplingParams, excluded: set[int], wake: asyncio.Event,
                                     options: dict[str, Any]) -> tuple[RequestStream, Flight]:
-        """Submit to a decode replica (awaiting the KV, when the request can be handed off) and
-        start the prefill leg that feeds it; returns the decode replica's stream."""
-        exportable = is_exportable(params)
+        """Submit to a decode replica and, when the request is to be handed off (it can be, and
+        more than --max-local-prefill-tokens of its prompt are not cached there), start the
+        prefill leg that feeds it; returns the decode replica's stream."""
+        handoff_above = self.config.max_local_prefill_tokens if is_exportable(params) else None
         stream, flight = await self._submit(request_id, route, prompt, params, excluded, wake, role="decode",
-                                            awaiting_kv=exportable, **options)
+                                            handoff_above=handoff_above, **options)
         previous = self._legs.pop(request_id, None)
         if previous is not None:  # the request moved off a dead decode replica
             previous.cancel()
-        if exportable:
+        if flight.awaiting_kv:
             self._legs[request_id] = PrefillLeg(self.config, self.choose, self.lock, request_id, attempt, route,
                                                 prompt, params, flight.replica, stream, options,
                                                 on_end=self._leg_ended)

@@ -24,6 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def start(model: Path, engine_factory=None, **options: object) -> ReplicaSet:
+    # Every request through a prefill replica unless a test says otherwise (these prompts are short).
+    options = {"max_local_prefill_tokens": 0, **options}
     config = EngineConfig(model=str(model), num_threads=1, num_kv_blocks=96, block_size=8,
                           max_num_batched_tokens=32, **options)
 
@@ -263,6 +265,7 @@ def test_a_dead_decode_replica_moves_its_requests_and_the_prefill_side_holds_not
     expected = colocated(llama_dir, token_lists)
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=96, block_size=8,
                           max_num_batched_tokens=32, replica_roles="prefill=1,decode=2", router="round_robin",
+                          max_local_prefill_tokens=0,
                           kv_transfer_timeout=2.0)
 
     def starter(index: int, config: EngineConfig) -> AsyncLLM:
@@ -292,6 +295,22 @@ def test_seeded_sampling_continues_where_the_prefill_replica_left_it(llama_dir) 
     try:
         assert run_all(replicas, token_lists, seeded) == expected
         assert disagg_stats(replicas)[1].handoffs_imported == 3
+        assert_idle(replicas)
+    finally:
+        replicas.shutdown()
+
+
+def test_short_uncached_prompts_are_prefilled_on_the_decode_replica(llama_dir) -> None:
+    """--max-local-prefill-tokens: a prompt with few tokens not cached on its decode replica is
+    prefilled there (no round trip through a prefill replica); a longer one is handed over."""
+    short, long = prompts(1, 12, seed=37)[0], prompts(1, 40, seed=41)[0]
+    expected = colocated(llama_dir, [short, long])
+    replicas = start(llama_dir, replica_roles="prefill=1,decode=1", max_local_prefill_tokens=16)
+    try:
+        assert run_all(replicas, [short, long]) == expected
+        prefill, decode = disagg_stats(replicas)
+        assert prefill.handoffs_exported == 1 and decode.handoffs_imported == 1
+        assert replicas.replicas[0].num_routed == 1 and replicas.replicas[1].num_routed == 2
         assert_idle(replicas)
     finally:
         replicas.shutdown()

@@ -86,6 +86,7 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
             expected.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
                           replica_roles="prefill=1,decode=1", distributed_executor_backend="ray",
+                          max_local_prefill_tokens=0,
                           ray_address=cluster.address)
     replicas = start_engines(config)
     try:
