@@ -134,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
                 key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
                 spec: AttentionLayerSpec) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
-        num_kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
+        num_kv_heads = spec.num_kv_heads
         entry = key_cache.shape[-1]  # head_dim, or more for a quantized format's entries
         kv_format = self.kv_format
         load = kv_format.decode if kv_format is not None else (lambda entries: entries)
