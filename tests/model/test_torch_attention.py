@@ -52,3 +52,32 @@ def test_half_precision_decode_attends_in_float32(dtype):
     half = backend.forward(query, key, value, key_cache.clone(), value_cache.clone(),
                            backend.prepare(layout, {None}), spec)
     torch.testing.assert_close(half.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_groups_split_where_padding_would_be_large():
+    from pagoda.model.attention.torch_backend import decode_groups
+
+    lens = {0: 60, 1: 64, 2: 70, 3: 1500, 4: 66}
+    rows = sorted(lens, key=lens.get)
+    # One long context does not pad the short ones: it gets a group of its own.
+    assert decode_groups(rows, lens, max_size=16, max_padding=2048) == [[0, 1, 4, 2], [3]]
+    assert decode_groups(rows, lens, max_size=2, max_padding=2048) == [[0, 1], [4, 2], [3]]
+    assert decode_groups(rows, lens, max_size=16, max_padding=10**9) == [rows]
+
+
+def test_split_decode_groups_attend_exactly_as_one_padded_group(monkeypatch):
+    """Grouping changes only which rows share an SDPA call: every row's output is the same."""
+    import pagoda.model.attention.torch_backend as torch_backend
+
+    layout, query, key, value, (key_cache, value_cache) = decode_case([5, 9, 700, 12, 650, 7], 4, 2, 32,
+                                                                        torch.float32)
+    spec = AttentionLayerSpec(4, 2, 32, 32 ** -0.5, None)
+    backend = TorchAttentionBackend()
+    metadata = backend.prepare(layout, {None})
+    assert len(metadata.decodes) == 2
+    split = backend.forward(query, key, value, key_cache.clone(), value_cache.clone(), metadata, spec)
+    monkeypatch.setattr(torch_backend.decode_groups, "__defaults__", (16, 10**9))
+    metadata = backend.prepare(layout, {None})
+    assert len(metadata.decodes) == 1
+    together = backend.forward(query, key, value, key_cache.clone(), value_cache.clone(), metadata, spec)
+    assert torch.equal(split, together)

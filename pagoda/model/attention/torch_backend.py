@@ -1,8 +1,9 @@
 """Reference attention over the paged KV cache in plain PyTorch (the CPU path).
 
 Requests with one new token (decodes) are sorted by context length and attended in padded
-SDPA calls of up to DECODE_GROUP_SIZE requests, so short contexts are not padded to the
-longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time. Each request's
+SDPA calls of up to DECODE_GROUP_SIZE requests, a longer context starting a new group where it
+would pad the group by more than DECODE_GROUP_MAX_PADDING, so short contexts are not padded to
+the longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time. Each request's
 context is gathered whole blocks at a time (`index_select` on the block dimension copies
 block-sized rows, about 3x cheaper on CPU than gathering token by token), and the gather
 indices and masks are built once per step and shared by every layer.
@@ -20,6 +21,11 @@ from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
 DECODE_GROUP_SIZE = 16
+# A decode group is padded to its longest context: a row that would add more than this many
+# padded (row, token) pairs to its group starts a new one (one long context among short ones,
+# e.g. a 1500-token request decoding beside chat streams, would otherwise make every short
+# row attend over 1500 padded positions; another SDPA call costs less).
+DECODE_GROUP_MAX_PADDING = 2048
 
 # Torch's CPU flash-attention kernel is ~5x slower in bfloat16 than in float32 for a decode's
 # single query row (one decode step of the ~10M benchmark Llama at 16 requests: SDPA 223 vs
@@ -84,8 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
         starts = layout.query_start_loc.tolist()
 
         decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: context_lens[i])
-        decodes = [self._decode_group(layout, decode_rows[i:i + DECODE_GROUP_SIZE], sliding_windows)
-                   for i in range(0, len(decode_rows), DECODE_GROUP_SIZE)]
+        decodes = [self._decode_group(layout, rows, sliding_windows)
+                   for rows in decode_groups(decode_rows, context_lens)]
         prefills = []
         for i, n in enumerate(query_lens):
             if n <= 1:
@@ -176,3 +182,20 @@ class TorchAttentionBackend(AttentionBackend):
                                              attn_mask=decode.masks[spec.sliding_window], scale=spec.scale,
                                              enable_gqa=spec.num_heads != spec.num_kv_heads)
         return out.to(q.dtype) if upcast else out
+
+
+def decode_groups(rows: list[int], context_lens: list[int],
+                  max_size: int = DECODE_GROUP_SIZE, max_padding: int = DECODE_GROUP_MAX_PADDING) -> list[list[int]]:
+    """Split decode rows, sorted by context length, into groups of at most `max_size`, starting
+    a new group where the next (longer) row would pad the group's rows by more than
+    `max_padding` (row, token) pairs in all."""
+    groups: list[list[int]] = []
+    for row in rows:
+        group = groups[-1] if groups else None
+        if (group is None or len(group) >= max_size
+                or len(group) * (context_lens[row] - context_lens[group[-1]]) > max_padding):
+            groups.append([row])
+        else:
+            group.append(row)
+    return groups
+
