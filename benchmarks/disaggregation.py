@@ -89,7 +89,8 @@ def metrics_text(url: str) -> str:
 def run_config(label: str, model_dir: Path, engine: list[str], load: Any, workload: Any,
                slo: dict[str, Any], scratch: Path) -> tuple[dict[str, Any], list[Any]]:
     """One server, one run of the workload: (summary row, records)."""
-    from pagoda.bench.handoff_metrics import handoff_delta, parse_labeled
+    from pagoda.bench.handoff_metrics import handoff_delta
+    from pagoda.bench.server_metrics import parse_labeled
     from pagoda.bench.mixed_load import run_mixed, summarize_mixed, summary_row, warm_up
 
     flags = [*CONFIGS[label], *engine]

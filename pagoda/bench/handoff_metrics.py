@@ -1,39 +1,18 @@
 """What a run moved between prefill and decode engines, from pagoda's `/metrics` before and after.
 
 The KV handoff families (pagoda/serve/disagg_metrics.py) carry labels that matter here (the TTFT
-phase of `kv_handoff_phase_seconds`), so the text is parsed with its labels, unlike
-server_metrics.parse_prometheus_text which sums every label but `le` away.
+phase of `kv_handoff_phase_seconds`), so the text is read with its labels (server_metrics.parse_labeled, which
+server_metrics.parse_prometheus_text sums over every label but `le`).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from pagoda.bench.server_metrics import LabeledSamples
+
 PREFIX = "pagoda:"
 PHASES = ("queue", "prefill", "transfer", "first_decode")
-
-# (metric name, its labels) -> value
-LabeledSamples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def parse_labeled(text: str) -> LabeledSamples:
-    samples: LabeledSamples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        samples[(name, frozenset(_LABEL.findall(labels or "")))] = number
-    return samples
 
 
 def labeled_total(samples: LabeledSamples, name: str, **labels: str) -> float | None:

@@ -12,19 +12,22 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 METRIC_PREFIXES = ("pagoda:", "vllm:")
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LE = re.compile(r'le="([^"]+)"')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
+# Every sample with its labels: (metric name, its labels) -> value.
+LabeledSamples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 # A sample: (metric name, le label or None) -> value summed over every other label.
 Samples = dict[tuple[str, str | None], float]
 
 
-def parse_prometheus_text(text: str) -> Samples:
-    samples: Samples = defaultdict(float)
+def parse_labeled(text: str) -> LabeledSamples:
+    """The exposition text's samples, each with its labels."""
+    samples: LabeledSamples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        match = _LINE.match(line)
+        match = _SAMPLE.match(line)
         if not match:
             continue
         name, labels, value = match.groups()
@@ -32,11 +35,16 @@ def parse_prometheus_text(text: str) -> Samples:
             number = float(value)
         except ValueError:
             continue
-        le = None
-        if name.endswith("_bucket") and labels:
-            le_match = _LE.search(labels)
-            le = le_match.group(1) if le_match else None
-        samples[(name, le)] += number
+        samples[(name, frozenset(_LABEL.findall(labels or "")))] = number
+    return samples
+
+
+def parse_prometheus_text(text: str) -> Samples:
+    """The samples summed over every label but a histogram bucket's `le`."""
+    samples: Samples = defaultdict(float)
+    for (name, labels), value in parse_labeled(text).items():
+        le = dict(labels).get("le") if name.endswith("_bucket") else None
+        samples[(name, le)] += value
     return dict(samples)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from model_factory import build_tokenizer
-from pagoda.bench.handoff_metrics import handoff_delta, parse_labeled
+from pagoda.bench.handoff_metrics import handoff_delta
+from pagoda.bench.server_metrics import parse_labeled
 from pagoda.bench.lengths import uniform
 from pagoda.bench.loadgen import LoadConfig
 from pagoda.bench.mixed_load import (ARRIVAL_INDEX_BASE, MixedLoadSpec, MixedWorkload, RequestSlo, meets_request_slo,
