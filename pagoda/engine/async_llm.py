@@ -14,9 +14,10 @@ import threading
 import uuid
 from collections import defaultdict
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.client import RequestOptions, generate_outputs
 from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
@@ -27,7 +28,7 @@ from pagoda.engine.transport.messages import EmittedItem, HandoffOutcome, Prefil
 from pagoda.engine.validation import EngineLimits, validate_request
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.outputs import OutputAccumulator, RequestOutput, RequestOutputDelta
+from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 
 class AsyncLLM:
-    """asyncio front of one LLMEngine running on its own thread or in its own process."""
+    """asyncio front of one LLMEngine running on its own thread or in its own process: the
+    EngineClient of one engine."""
 
     def __init__(self, config: EngineConfig, *, transport: TransportKind | TransportStarter = "thread",
                  engine_factory: EngineFactory | None = None,
@@ -84,8 +86,18 @@ class AsyncLLM:
     def error(self) -> BaseException | None:
         return self._error
 
+    def health(self) -> dict[str, Any]:
+        """ok, or dead with the error that stopped the engine."""
+        if self.is_alive:
+            return {"status": "ok"}
+        return {"status": "dead", "error": repr(self.error)}
+
     def get_stats(self) -> "EngineStats | None":
         return self._stats
+
+    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+        """Empty: one engine has no replicas (its metrics carry no replica label)."""
+        return {}
 
     @property
     def engine_pid(self) -> int | None:
@@ -129,15 +141,13 @@ class AsyncLLM:
             validate_request(prompt_token_ids, params, self.engine_limits)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          *, arrival_time: float | None = None, cache_salt: str | None = None,
-                          priority: int = 0, wake: asyncio.Event | None = None,
-                          lora_request: LoRARequest | None = None, handoff: HandoffTarget | None = None,
-                          awaiting_kv: bool = False) -> RequestStream:
-        """Submit a request; returns its stream once the engine accepted it.
+                          options: RequestOptions = RequestOptions(), *, wake: asyncio.Event | None = None,
+                          handoff: HandoffTarget | None = None, awaiting_kv: bool = False) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it (EngineClient).
 
-        Raises InvalidRequest (a ValueError) or EngineDeadError. `wake` is set whenever the
-        stream has something new (share one across streams to wait on several). `handoff` and
-        `awaiting_kv`: see LLMEngine.add_request (disaggregation, used by the router).
+        Raises InvalidRequest (a ValueError) or EngineDeadError. The options' route hints mean
+        nothing to one engine. `handoff` and `awaiting_kv`: see LLMEngine.add_request
+        (disaggregation, used by the router).
         """
         stream = RequestStream(request_id, asyncio.get_running_loop(), wake)
         with self._lock:
@@ -147,8 +157,9 @@ class AsyncLLM:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         # Sent after registering: once the engine has died, whatever is registered is failed.
-        self._transport.send(AddRequest(request_id, prompt, params, arrival_time, cache_salt,
-                                        priority, lora_request, handoff, awaiting_kv))
+        self._transport.send(AddRequest(request_id, prompt, params, options.arrival_time,
+                                        options.cache_salt, options.priority, options.lora_request,
+                                        handoff, awaiting_kv))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -156,20 +167,11 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       *, arrival_time: float | None = None, cache_salt: str | None = None,
-                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
         """The request's whole output so far, after each step the consumer reads (independent
         copies); the request is aborted if the consumer stops early."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                        cache_salt=cache_salt, priority=priority, lora_request=lora_request)
-        outputs = OutputAccumulator()
-        try:
-            async for delta in stream:
-                yield outputs.add(delta).snapshot()
-        finally:
-            if not stream.finished:
-                self.abort([request_id])
+        return generate_outputs(self, request_id, prompt, params, options)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop requests; their streams get nothing more and the engine frees their blocks."""

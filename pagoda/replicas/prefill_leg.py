@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable
 
 from pagoda.config import EngineConfig
+from pagoda.engine.client import RequestOptions
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.transport import EngineDeadError
@@ -51,7 +52,7 @@ class PrefillLeg:
 
     def __init__(self, config: EngineConfig, choose: Choose, lock: threading.Lock, request_id: str,
                  attempt: int, route: RouteRequest, prompt: list[int], params: SamplingParams,
-                 decode: Replica, decode_stream: RequestStream, submit_options: dict[str, Any],
+                 decode: Replica, decode_stream: RequestStream, submit_options: RequestOptions,
                  on_end: Callable[["PrefillLeg"], None]) -> None:
         """`lock` guards the replicas' load counters (the router's lock)."""
         self.config = config
@@ -116,8 +117,8 @@ class PrefillLeg:
     async def _prefill_on(self, prefill: Replica, target: HandoffTarget,
                           timeout: float) -> HandoffOutcome | Any:
         async def submit_and_wait() -> HandoffOutcome | Any:
-            stream = await prefill.llm.add_request(self.leg_id, self.prompt, self.params, handoff=target,
-                                                   **self.submit_options)
+            stream = await prefill.llm.add_request(self.leg_id, self.prompt, self.params, self.submit_options,
+                                                   handoff=target)
             return await stream.handoff_outcome()
 
         return await asyncio.wait_for(submit_and_wait(), timeout)

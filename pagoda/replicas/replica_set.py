@@ -2,8 +2,8 @@
 request (`--data-parallel-size N`, `--router`, `--replica-pools`, `--route-rules`).
 
 Each replica is an AsyncLLM with its own engine (a spawned process, a thread, or a Ray actor:
-replicas/ray_actors.py); the set offers the surface the server uses of one AsyncLLM, so the
-HTTP layer does not change with the number of replicas. Per request it
+replicas/ray_actors.py); the set is an EngineClient (engine/client.py) as one AsyncLLM is, so
+the HTTP layer does not change with the number of replicas. Per request it
 1. picks the candidates: live replicas of the request's pool (pools.py; all live replicas
    when the pool has none left),
 2. lets the policy choose (policies.py) from their outstanding tokens and, for cache_aware,
@@ -29,9 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 from pagoda.config import EngineConfig, parse_replica_roles
-from pagoda.engine.async_llm import AsyncLLM, RequestStream
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import RequestOptions, generate_outputs
+from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.transport import EngineDeadError
-from pagoda.outputs import OutputAccumulator, RequestOutput
+from pagoda.outputs import RequestOutput
 from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
@@ -50,7 +52,7 @@ ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
 
 
 class ReplicaSet:
-    """The front of several engine replicas, usable where one AsyncLLM is."""
+    """The front of several engine replicas: an EngineClient, as one AsyncLLM is."""
 
     def __init__(self, replicas: Sequence[AsyncLLM], policy: RouterPolicy, *,
                  pools: Sequence[str | None] | None = None,
@@ -73,9 +75,10 @@ class ReplicaSet:
         if rules is not None:
             rules.check_pools({r.pool for r in self.replicas if r.pool is not None})
         first = replicas[0]
-        # What the HTTP layer reads of an AsyncLLM; replicas serve one model, so they agree.
+        # What the HTTP layer reads of an engine; replicas serve one model, so they agree.
         self.config: EngineConfig = first.config
         self.transport = first.transport
+        self.max_num_seqs_choice = first.max_num_seqs_choice
         self.tokenizer = first.tokenizer
         self.max_model_len: int = first.max_model_len
         self.generation_defaults: dict = first.generation_defaults
@@ -106,7 +109,7 @@ class ReplicaSet:
                 keeper.stop()
             raise
 
-    # ---- the AsyncLLM surface ------------------------------------------------------------------
+    # ---- the EngineClient surface --------------------------------------------------------------
 
     @property
     def is_alive(self) -> bool:
@@ -121,15 +124,19 @@ class ReplicaSet:
                     EngineDeadError("every replica is stopped"))
 
     def health(self) -> dict[str, Any]:
-        """ok (every replica lives), degraded (some do) or dead, and each replica's state."""
+        """ok (every replica lives), degraded (some do) or dead (with the error), and each
+        replica's state."""
         alive = [r.is_alive for r in self.replicas]
-        status = "ok" if all(alive) else "degraded" if any(alive) else "dead"
-        return {"status": status, "replicas": [
+        status = "dead" if self._stopped or not any(alive) else "ok" if all(alive) else "degraded"
+        health: dict[str, Any] = {"status": status, "replicas": [
             {"replica": r.label, "pool": r.pool, "role": r.role, "pid": r.llm.engine_pid, "alive": up,
              "requests": r.num_requests,
              "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
              **({"error": repr(r.llm.error)} if r.llm.error is not None else {})}
             for r, up in zip(self.replicas, alive)]}
+        if status == "dead":
+            health["error"] = repr(self.error)
+        return health
 
     def get_stats(self) -> "EngineStats | None":
         """The replicas' stats summed (what one engine of their combined size would report)."""
@@ -143,34 +150,30 @@ class ReplicaSet:
         self.replicas[0].llm.validate(prompt_token_ids, params)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          *, arrival_time: float | None = None, cache_salt: str | None = None,
-                          priority: int = 0, wake: asyncio.Event | None = None,
-                          tenant: str | None = None, model: str | None = None,
-                          lora_request: LoRARequest | None = None) -> RoutedStream:
+                          options: RequestOptions = RequestOptions(), *,
+                          wake: asyncio.Event | None = None) -> RoutedStream:
         """Route and submit a request; returns its stream once a replica accepted it.
 
-        `tenant` and `model` are what route rules match on. Raises InvalidRequest or
-        EngineDeadError (no live replica)."""
+        The options' `tenant` and `model` are what route rules match on. Raises InvalidRequest
+        or EngineDeadError (no live replica)."""
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         wake = wake if wake is not None else asyncio.Event()
         # An adapter's blocks never serve the base model or another adapter (their hashes
         # differ), so the router's prefix tree keys them apart as well.
-        route_salt = (cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
+        lora_request = options.lora_request
+        route_salt = (options.cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
         route = RouteRequest(prompt, _max_output_tokens(params, len(prompt), self.max_model_len),
-                             route_salt, tenant, model)
-
-        options: dict[str, Any] = dict(arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
-                                       lora_request=lora_request)
+                             route_salt, options.tenant, options.model)
         attempts = 0
 
         async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
             nonlocal attempts
             if not self.disaggregated:
-                return await self._submit(request_id, route, prompt, params, excluded, wake, **options)
+                return await self._submit(request_id, route, prompt, params, options, excluded, wake)
             attempts += 1
-            return await self._submit_disaggregated(request_id, attempts, route, prompt, params, excluded,
-                                                    wake, options)
+            return await self._submit_disaggregated(request_id, attempts, route, prompt, params, options,
+                                                    excluded, wake)
 
         stream, flight = await submit(set())
         routed = RoutedStream(request_id, stream, flight, submit, wake, on_done=self._forget)
@@ -178,18 +181,10 @@ class ReplicaSet:
             self._flights[request_id] = routed
         return routed
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       *, arrival_time: float | None = None, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                        cache_salt=cache_salt, priority=priority)
-        outputs = OutputAccumulator()
-        try:
-            async for delta in stream:
-                yield outputs.add(delta).snapshot()
-        finally:
-            if not stream.finished:
-                self.abort([request_id])
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+        """The request's whole output so far, after each step the consumer reads."""
+        return generate_outputs(self, request_id, prompt, params, options)
 
     # ---- LoRA adapters: every replica loads the same ones ---------------------------------------
 
@@ -272,9 +267,9 @@ class ReplicaSet:
             return replica, choice.expected_cached_tokens
 
     async def _submit(self, request_id: str, route: RouteRequest, prompt: list[int],
-                      params: SamplingParams, excluded: set[int], wake: asyncio.Event,
-                      role: str = "both", handoff_above: int | None = None,
-                      **kwargs: Any) -> tuple[RequestStream, Flight]:
+                      params: SamplingParams, options: RequestOptions, excluded: set[int],
+                      wake: asyncio.Event, role: str = "both",
+                      handoff_above: int | None = None) -> tuple[RequestStream, Flight]:
         """`handoff_above` (a decode replica, disaggregated): the request awaits its KV from a
         prefill replica if more than that many of its prompt tokens are not cached on the chosen
         replica, else that replica prefills it itself (see the flight's `awaiting_kv`)."""
@@ -292,8 +287,8 @@ class ReplicaSet:
             with self.lock:
                 flight = Flight(replica, uncached, route.max_tokens * params.n, awaiting_kv=awaiting_kv)
             try:
-                stream = await replica.llm.add_request(request_id, prompt, params, wake=wake,
-                                                       **({"awaiting_kv": True} if awaiting_kv else {}), **kwargs)
+                stream = await replica.llm.add_request(request_id, prompt, params, options, wake=wake,
+                                                       awaiting_kv=awaiting_kv)
             except EngineDeadError:
                 flight.close()
                 replica.num_moved_away += 1
@@ -305,14 +300,14 @@ class ReplicaSet:
             return stream, flight
 
     async def _submit_disaggregated(self, request_id: str, attempt: int, route: RouteRequest, prompt: list[int],
-                                    params: SamplingParams, excluded: set[int], wake: asyncio.Event,
-                                    options: dict[str, Any]) -> tuple[RequestStream, Flight]:
+                                    params: SamplingParams, options: RequestOptions, excluded: set[int],
+                                    wake: asyncio.Event) -> tuple[RequestStream, Flight]:
         """Submit to a decode replica and, when the request is to be handed off (it can be, and
         more than --max-local-prefill-tokens of its prompt are not cached there), start the
         prefill leg that feeds it; returns the decode replica's stream."""
         handoff_above = self.config.max_local_prefill_tokens if is_exportable(params) else None
-        stream, flight = await self._submit(request_id, route, prompt, params, excluded, wake, role="decode",
-                                            handoff_above=handoff_above, **options)
+        stream, flight = await self._submit(request_id, route, prompt, params, options, excluded, wake,
+                                            role="decode", handoff_above=handoff_above)
         previous = self._legs.pop(request_id, None)
         if previous is not None:  # the request moved off a dead decode replica
             previous.cancel()

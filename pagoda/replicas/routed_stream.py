@@ -16,8 +16,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from pagoda.engine.async_llm import RequestStream
-from pagoda.engine.request_stream import PolledStream
+from pagoda.engine.request_stream import PolledStream, RequestStream
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import RequestOutputDelta
 from pagoda.replicas.replica import Flight

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import EngineClient
 from pagoda.engine.transport import TransportKind
 from pagoda.replicas.replica_set import ReplicaSet, replica_config
 
 
 def start_engines(config: EngineConfig, *, transport: TransportKind = "process",
-                  startup_timeout: float | None = None) -> AsyncLLM | ReplicaSet:
+                  startup_timeout: float | None = None) -> EngineClient:
     """One engine as before when there is one replica, no pool and no Ray; else a replica set,
     its replicas on `transport` (each its own engine process by default) or, with
     `distributed_executor_backend="ray"`, Ray actors (ray_actors.py).

@@ -1,4 +1,4 @@
-"""build_app: the FastAPI application around one AsyncLLM. No module-level app; one per call."""
+"""build_app: the FastAPI application around one EngineClient. No module-level app; one per call."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.engine.async_llm import AsyncLLM
-from pagoda.replicas.replica_set import ReplicaSet
+from pagoda.engine.client import EngineClient
 from pagoda.serve.body_limit import BodySizeLimit
 from pagoda.serve.chat import ChatEndpoint
 from pagoda.serve.completions import CompletionsEndpoint
@@ -99,7 +98,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, "Internal server error.", type="server_error"))
 
 
-def build_app(llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> FastAPI:
+def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
     app = FastAPI(title="pagoda", description="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
@@ -113,11 +112,10 @@ def build_app(llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         # Replicas: "degraded" (still 200) while some of them live, and each one's state.
-        replicas = ctx.llm.health() if isinstance(ctx.llm, ReplicaSet) else {}
-        if not ctx.llm.is_alive:
-            return JSONResponse({**replicas, "status": "dead", "error": repr(ctx.llm.error)},
-                                status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok", **replicas})
+        body = ctx.llm.health()
+        if body["status"] == "dead":
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import prefer_passive_omp_wait
 from pagoda.serve.settings import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_QUEUED_TOKENS,
                                    DEFAULT_MAX_REQUEST_BYTES)
+
+if TYPE_CHECKING:
+    from pagoda.engine.client import EngineClient
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -122,13 +125,13 @@ def launch_server(options: ServeOptions) -> int:
     return 0
 
 
-def max_num_seqs_line(llm: object) -> str:
+def max_num_seqs_line(llm: EngineClient) -> str:
     """--max-num-seqs as the engine resolved it, and why."""
-    choice = getattr(llm, "max_num_seqs_choice", None)
-    return choice.describe() if choice is not None else str(llm.config.max_num_seqs)  # type: ignore[attr-defined]
+    choice = llm.max_num_seqs_choice
+    return choice.describe() if choice is not None else str(llm.config.max_num_seqs)
 
 
-def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
+def startup_banner(options: ServeOptions, llm: EngineClient, settings: object) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.config import parse_replica_roles
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
@@ -138,8 +141,8 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
     model_config = ModelConfig.from_dir(config.model)
     device = resolve_device(config.device)
     dtype = str(resolve_dtype(config.dtype, model_config.config_dtype, device)).removeprefix("torch.")
-    stats = llm.get_stats()  # type: ignore[attr-defined]
-    max_model_len = llm.max_model_len  # type: ignore[attr-defined]
+    stats = llm.get_stats()
+    max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
     tokens = blocks * config.block_size
     features = [name for name, on in (
@@ -153,14 +156,14 @@ def startup_banner(options: ServeOptions, llm: object, settings: object) -> str:
         ("guardrails", options.guardrails is not None),
         (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
          f"{', runtime loading' if options.allow_runtime_lora else ''}: "
-         f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),  # type: ignore[attr-defined]
+         f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),
         (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
          config.tensor_parallel_size > 1),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",
         f"  model      {settings.served_model_name} ({config.model})",  # type: ignore[attr-defined]
-        f"  device     {device.type}, {dtype}, engine in a {getattr(llm, 'transport', options.engine_transport)}"
+        f"  device     {device.type}, {dtype}, engine in a {llm.transport}"
         + (f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(config.replica_roles) or {}).items())}"
            f" replicas ({config.router} router, "
            f"KV handoff over {config.kv_transport})" if config.replica_roles

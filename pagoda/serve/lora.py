@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 
-from pagoda.engine.async_llm import EngineDeadError
+from pagoda.engine.client import EngineDeadError
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.serve.errors import APIError, bad_request, engine_unavailable, invalid_request, model_not_found

@@ -205,18 +205,15 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
                  compat: MetricsCompat = "none",
-                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] | None = None) -> None:
-        """`replica_stats` (data-parallel replicas): each replica's stats by label; the engine
-        series then carry a `replica` label instead of reading `stats`."""
+                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict) -> None:
+        """`replica_stats`: each replica's stats by label (EngineClient.replica_stats); while
+        there are replicas, the engine series carry a `replica` label instead of reading `stats`."""
         if compat not in ("none", "vllm"):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        if replica_stats is None:
-            self.registry.register(_EngineStatsCollector(model_name, stats))
-        else:
-            self.registry.register(ReplicaLabelledCollector(
-                replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
+        self.registry.register(ReplicaLabelledCollector(
+            stats, replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
         labels = ["model_name"]
         self._success = Counter(PREFIX + "request_success", "Requests that finished.",
                                 labels + ["finished_reason"], registry=self.registry)

@@ -1,4 +1,5 @@
-"""Engine-level metrics of several replicas in one family each, told apart by a `replica` label.
+"""Engine-level metrics of several replicas in one family each, told apart by a `replica` label
+(one engine's as they are).
 
 Each replica's stats are collected by the same collector a single engine uses; its families are
 then merged by name, every sample gaining `replica="<index>"`. Prometheus queries aggregate them
@@ -22,14 +23,23 @@ CollectorOf = Callable[[Callable[[], "EngineStats | None"]], Collector]
 
 
 class ReplicaLabelledCollector(Collector):
-    def __init__(self, replica_stats: Callable[[], dict[str, "EngineStats | None"]],
+    """Each replica's families under a `replica` label; with no replicas (one engine), the
+    families of `stats` as they are."""
+
+    def __init__(self, stats: Callable[[], "EngineStats | None"],
+                 replica_stats: Callable[[], dict[str, "EngineStats | None"]],
                  collector_of: CollectorOf) -> None:
+        self._engine = collector_of(stats)
         self._replica_stats = replica_stats
         self._collector_of = collector_of
 
     def collect(self) -> Iterator[Any]:
+        by_replica = self._replica_stats()
+        if not by_replica:
+            yield from self._engine.collect()
+            return
         merged: dict[str, Metric] = {}
-        for label, stats in self._replica_stats().items():
+        for label, stats in by_replica.items():
             for family in self._collector_of(lambda stats=stats: stats).collect():
                 into = merged.get(family.name)
                 if into is None:

@@ -17,13 +17,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagoda.engine.client import EngineClient, EngineDeadError, EngineStream, RequestOptions
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
-from pagoda.replicas.replica_set import ReplicaSet
-from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
@@ -41,7 +39,7 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass
 class ServeContext:
-    llm: AsyncLLM | ReplicaSet
+    llm: EngineClient
     settings: ServerSettings
     limiter: TenantLimiter
     admission: AdmissionController
@@ -50,7 +48,7 @@ class ServeContext:
     guard: ServerGuard | None = None  # --guardrails
 
     @classmethod
-    def create(cls, llm: AsyncLLM | ReplicaSet, settings: ServerSettings) -> "ServeContext":
+    def create(cls, llm: EngineClient, settings: ServerSettings) -> "ServeContext":
         ctx = cls(
             llm=llm,
             settings=settings,
@@ -58,8 +56,7 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat,
-                                  replica_stats=getattr(llm, "replica_stats", None)),  # replicas
+                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -69,12 +66,6 @@ class ServeContext:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
-
-    def route_hints(self, tenant: Tenant, model: str) -> dict[str, str]:
-        """What a replica router's pool rules match on; nothing for a single engine."""
-        if isinstance(self.llm, ReplicaSet):
-            return {"tenant": tenant.name, "model": model}
-        return {}
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:
@@ -123,7 +114,7 @@ class Generation:
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
     # One entry per submitted prompt: its stream, its output so far, and its final output.
-    streams: list[RequestStream | RoutedStream] = field(default_factory=list, init=False)
+    streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
     _slots: list[QueueSlot] = field(default_factory=list, init=False)
@@ -164,16 +155,14 @@ class Generation:
                 ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
             self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
+            options = RequestOptions(arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
+                                     priority=self.tenant.limits.priority, lora_request=self.lora_request,
+                                     tenant=self.tenant.name, model=self.model_name)
             # All prompts are sent at once (in order) and their acceptances awaited together:
             # one engine round trip per batch, not one per prompt (2048 prompts once took 80 s
             # to submit while the engine was busy).
             submitted = await asyncio.gather(*(
-                ctx.llm.add_request(request_id, prompt.token_ids, self.params,
-                                    arrival_time=self.arrival_time,
-                                    cache_salt=self.tenant.cache_salt,
-                                    priority=self.tenant.limits.priority, wake=self._wake,
-                                    lora_request=self.lora_request,
-                                    **ctx.route_hints(self.tenant, self.model_name))
+                ctx.llm.add_request(request_id, prompt.token_ids, self.params, options, wake=self._wake)
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
                 return_exceptions=True)
             for stream in submitted:

@@ -2,7 +2,8 @@
 
 Parses every module of the package (imports inside functions included: a lazy import is still
 a dependency) and fails on an import from a lower layer into a higher one, on an import between
-two units of the same layer, and on a cycle between modules.
+two units of the same layer, and on a cycle between modules. serve/ holds its engine only as an
+EngineClient (engine/client.py), never by its class.
 """
 
 from __future__ import annotations
@@ -131,3 +132,24 @@ def test_the_check_sees_imports() -> None:
     assert "pagoda.core.scheduler" in graph["pagoda.worker.model_runner"]
     assert "pagoda.worker.sampler" in graph["pagoda.spec_decode.rejection_sampler"]
     assert "pagoda.engine.llm" in graph["pagoda"]  # a lazy import inside a function counts
+
+
+# What serve/ must not name: the engine clients' classes (it holds an EngineClient).
+ENGINE_CLIENT_CLASSES = ("pagoda.engine.async_llm", "pagoda.replicas.replica_set",
+                         "pagoda.replicas.routed_stream")
+
+
+def test_serve_is_typed_against_the_engine_client() -> None:
+    serve_modules = {module: path for module, path in module_names().items()
+                     if module.startswith("pagoda.serve.") or module == "pagoda.serve"}
+    wrong = []
+    uses_client = []
+    for module, path in serve_modules.items():
+        for name, line in imported_names(module, path):
+            if any(name == banned or name.startswith(banned + ".") for banned in ENGINE_CLIENT_CLASSES) \
+                    or name.rsplit(".", 1)[-1] in ("AsyncLLM", "ReplicaSet"):
+                wrong.append(f"{module}:{line} imports {name}")
+            if name == "pagoda.engine.client.EngineClient":
+                uses_client.append(module)
+    assert wrong == []
+    assert "pagoda.serve.serving" in uses_client and "pagoda.serve.app" in uses_client

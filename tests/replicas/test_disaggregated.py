@@ -15,6 +15,7 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer import handoff as handoff_wire
 from pagoda.replicas.replica_set import ReplicaSet
@@ -47,7 +48,7 @@ def prompts(count: int, length: int, seed: int = 0, shared: int = 0) -> list[lis
 
 async def generate(replicas, request_id: str, prompt: list[int], params: SamplingParams = GREEDY,
                    **hints: object) -> list[int]:
-    stream = await replicas.add_request(request_id, prompt, params, **hints)
+    stream = await replicas.add_request(request_id, prompt, params, RequestOptions(**hints))
     tokens: list[int] = []
     async for delta in stream:
         tokens.extend(t for s in delta.outputs for t in s.token_ids)

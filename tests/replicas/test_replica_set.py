@@ -10,6 +10,7 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.transport import EngineDeadError
 from pagoda.replicas.replica_set import ReplicaSet
@@ -47,7 +48,7 @@ def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # t
 
 
 async def generate(replicas: ReplicaSet, request_id: str, prompt: list[int], **hints: str) -> list[int]:
-    stream = await replicas.add_request(request_id, prompt, GREEDY, **hints)
+    stream = await replicas.add_request(request_id, prompt, GREEDY, RequestOptions(**hints))
     tokens: list[int] = []
     async for delta in stream:
         tokens.extend(t for s in delta.outputs for t in s.token_ids)
@@ -160,11 +161,15 @@ def test_adapters_load_on_every_replica_and_route_apart_from_the_base(llama_dir:
             await replicas.add_lora(adapter)
             assert all(r.llm.lora_names == ["sql"] for r in replicas.replicas)
             for replica in replicas.replicas:  # every replica serves the adapter alike
-                stream = await replica.llm.add_request(f"on-{replica.index}", prompt, GREEDY, lora_request=adapter)
+                stream = await replica.llm.add_request(f"on-{replica.index}", prompt, GREEDY,
+                                                       RequestOptions(lora_request=adapter))
                 tokens = [t async for delta in stream for s in delta.outputs for t in s.token_ids]
                 assert tokens == list(expected)
-            stream = await replicas.add_request("routed", prompt, GREEDY, lora_request=adapter)
+            stream = await replicas.add_request("routed", prompt, GREEDY, RequestOptions(lora_request=adapter))
             assert [t async for delta in stream for s in delta.outputs for t in s.token_ids] == list(expected)
+            generated = [o async for o in replicas.generate("generated", prompt, GREEDY,
+                                                            RequestOptions(lora_request=adapter))]
+            assert generated[-1].outputs[0].token_ids == list(expected)
             base = await generate(replicas, "base", prompt)
             assert base != list(expected)  # the adapter changed the output: it was applied
             await replicas.remove_lora("sql")
