@@ -110,7 +110,7 @@ class KVConnector:
             if delta.finished or not samples or samples[0].is_finished:
                 continue
             handoff = self.handoffs.export(samples[0])
-            self.core.scheduler.finish_requests(samples, RequestStatus.FINISHED_STOPPED)
+            self.core.scheduler.finish_requests([samples[0]], RequestStatus.FINISHED_STOPPED)
             target = self._targets.pop(delta.request_id, None)
             if target is None:
                 self._exported.append(handoff)  # the engine-level API: the caller sends it
