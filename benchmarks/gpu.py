@@ -207,7 +207,7 @@ def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[s
     first_time = first_count = None
     count = 0
     while True:
-        deltas = engine.step()
+        deltas = engine.step().deltas
         now = time.perf_counter()
         delta = next((d for d in deltas if d.request_id == "single-stream"), None)
         if delta is None:

@@ -182,7 +182,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
             torch.set_num_threads(threads_for[name])
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                for delta in engine.step():
+                for delta in engine.step().deltas:
                     tokens[name].setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
             seconds[name].append((time.perf_counter() - start) / steps)
             cpu[name].append((time.process_time() - cpu_start) / steps)

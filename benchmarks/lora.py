@@ -88,7 +88,7 @@ class ModeRun:
                 self.engine.add_request(f"r{self._ids}", prompt, self.params, lora_request=lora)
                 self._since_token[f"r{self._ids}"] = -1.0  # no token yet: the first gap is TTFT
         start = time.perf_counter()
-        deltas = self.engine.step()
+        deltas = self.engine.step().deltas
         elapsed = time.perf_counter() - start
         self.busy_seconds += elapsed
         for request_id in self._since_token:

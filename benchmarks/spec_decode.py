@@ -84,7 +84,7 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
             index, prompt = pending.pop(0)
             engine.add_request(str(index), prompt, params)
             in_flight.add(str(index))
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             output = outputs.add(delta)
             if output.finished:
                 in_flight.discard(output.request_id)

@@ -82,11 +82,11 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
             submitted += 1
         processing[0] = 0.0
         start = time.perf_counter()
-        deltas = engine.step()
+        output = engine.step()
         stepped, send_cpu = time.perf_counter(), time.thread_time()
-        sender.send(("batch", [(d.request_id, d) for d in deltas], engine.get_stats()))
+        sender.send(("batch", output, engine.get_stats()))
         sent, send_cpu = time.perf_counter(), time.thread_time() - send_cpu
-        finished += sum(d.finished for d in deltas)
+        finished += sum(d.finished for d in output.deltas)
         timings = engine.core.last_step_timings
         record = {phase: getattr(timings, phase) for phase in CORE_PHASES}
         record["output_processing"] = processing[0]

@@ -83,7 +83,7 @@ def batch_run(engine: LLMEngine, prompts: list[str], constrained: int, max_token
     finished = []
     outputs = OutputAccumulator()  # step() returns deltas: whole outputs are built from them
     while engine.has_unfinished_requests():
-        finished.extend(o for o in map(outputs.add, engine.step()) if o.finished)
+        finished.extend(o for o in map(outputs.add, engine.step().deltas) if o.finished)
     wall = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in finished)
     itls = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
@@ -126,7 +126,7 @@ def ttft_large_schema(model: str) -> dict:
         output = None
         outputs = OutputAccumulator()
         while engine.has_unfinished_requests():
-            output = next((o for o in map(outputs.add, engine.step()) if o.finished), output)
+            output = next((o for o in map(outputs.add, engine.step().deltas) if o.finished), output)
         result[label + "_ms"] = 1000 * output.metrics.time_to_first_token
     return result
 

@@ -73,7 +73,7 @@ def single_stream(llm: LLM, index: int, max_tokens: int) -> float:
                                                                        ignore_eos=True))
     times = []
     while engine.has_unfinished_requests():
-        deltas = engine.step()
+        deltas = engine.step().deltas
         now = time.perf_counter()
         for delta in deltas:
             for sample in delta.outputs:

@@ -112,6 +112,8 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
+        # Requests whose KV was imported (prefill/decode disaggregation), waiting for a running slot.
+        self.imported: deque[Request] = deque()
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
@@ -123,6 +125,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.push(request)
 
+    def add_imported(self, request: Request) -> None:
+        """A request whose KV is already in place (imported from a prefill engine, its first
+        token appended) joins the running set directly, ahead of waiting ones: waiting would
+        hold its blocks idle. At once if --max-num-seqs leaves room, else at admit_imported."""
+        self.imported.append(request)
+        self.admit_imported()
+
+    def admit_imported(self) -> None:
+        """Imported requests join the running set as far as --max-num-seqs allows."""
+        while self.imported and len(self.running) < self.max_num_seqs:
+            request = self.imported.popleft()
+            request.status = RequestStatus.RUNNING
+            request.metrics.first_scheduled_time = time.time()
+            self.running.append(request)
+
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """End requests from outside the step (aborts, stop strings). Frees their blocks now."""
         for request in requests:
@@ -132,13 +149,15 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
+            elif request in self.imported:
+                self.imported.remove(request)
             self._finish(request, status)
             for child in request.pending_forks:
                 self._finish(child, status)
             request.pending_forks = []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.imported)
 
     # ---- one step ------------------------------------------------------------------------------
 

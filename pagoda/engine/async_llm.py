@@ -13,22 +13,23 @@ import logging
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
 from pagoda.engine.client import RequestOptions, generate_outputs
-from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
 from pagoda.engine.request_stream import RequestStream, deliver_all
-from pagoda.engine.transport import (AbortRequests, AddRequest, Emitted, EngineDeadError,
-                                     TransportKind, create_transport)
+from pagoda.engine.step_output import EngineStepOutput
+from pagoda.engine.transport import (AbortRequests, AddRequest, EngineDeadError, TransportKind,
+                                     create_transport)
 from pagoda.engine.transport.base import EngineFactory, TransportStarter
 from pagoda.engine.roles import HandoffTarget
-from pagoda.engine.transport.messages import EmittedItem, HandoffOutcome, PrefillLocally, UpdateLoRA
-from pagoda.engine.validation import EngineLimits, validate_request
-from pagoda.errors import InvalidRequest
+from pagoda.engine.transport.messages import PrefillLocally, UpdateLoRA
+from pagoda.engine.validation import EngineLimits, check_request_id_free, validate_request
 from pagoda.lora_request import LoRARequest
-from pagoda.outputs import RequestOutput, RequestOutputDelta
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,17 +65,16 @@ class AsyncLLM:
                                                self._on_death, startup_timeout=startup_timeout)
         self.transport: str = self._transport.kind
         info = self._transport.info
-        self._stats: EngineStats | None = info.stats
+        self._stats: EngineStats = info.stats
         self.tokenizer = self._transport.tokenizer
         self.max_model_len: int = info.max_model_len
         self.generation_defaults: dict = info.generation_defaults
-        self.engine_limits: EngineLimits | None = info.engine_limits
+        self.engine_limits: EngineLimits = info.engine_limits
         # --max-num-seqs as the engine resolved it (its default is measured at startup).
         self.max_num_seqs_choice = info.max_num_seqs_choice
         self.kv_address: str | None = info.kv_address  # role decode: its KV listener
         if config.max_num_seqs is None:
-            self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value
-                                  if info.max_num_seqs_choice is not None else MAX_NUM_SEQS_CEILING)
+            self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value)
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -137,8 +137,7 @@ class AsyncLLM:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if the engine would refuse this request (the engine's own
         check, run here so a caller can refuse it before queueing it)."""
-        if self.engine_limits is not None:
-            validate_request(prompt_token_ids, params, self.engine_limits)
+        validate_request(prompt_token_ids, params, self.engine_limits)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           options: RequestOptions = RequestOptions(), *, wake: asyncio.Event | None = None,
@@ -153,8 +152,7 @@ class AsyncLLM:
         with self._lock:
             if self._error is not None or self._stopped:
                 raise EngineDeadError("the engine is not running") from self._error
-            if request_id in self._streams:
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
+            check_request_id_free(request_id, self._streams)
             self._streams[request_id] = stream
         # Sent after registering: once the engine has died, whatever is registered is failed.
         self._transport.send(AddRequest(request_id, prompt, params, options.arrival_time,
@@ -201,20 +199,27 @@ class AsyncLLM:
 
     # ---- engine side -> streams (runs on a transport's thread) ---------------------------------
 
-    def _on_emitted(self, emitted: Emitted, stats: "EngineStats") -> None:
-        """Route one step's results to their streams."""
+    def _on_emitted(self, output: EngineStepOutput, stats: "EngineStats") -> None:
+        """Route one step's output to its streams: acceptances and refusals first, then deltas,
+        then handoff outcomes."""
         self._stats = stats
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, EmittedItem]]] = \
-            defaultdict(list)
+        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = defaultdict(list)
         with self._lock:
-            for request_id, item in emitted:
-                stream = self._streams.get(request_id)
-                if stream is None:
-                    continue  # aborted by its consumer
-                if isinstance(item, (BaseException, HandoffOutcome)) or (
-                        isinstance(item, RequestOutputDelta) and item.finished):
-                    del self._streams[request_id]
-                by_loop[stream.loop].append((stream, item))
+            streams = self._streams  # a request missing here was aborted by its consumer
+            for request_id in output.accepted:
+                if (stream := streams.get(request_id)) is not None:
+                    by_loop[stream.loop].append(stream.accept)
+            for request_id, error in output.refused.items():
+                if (stream := streams.get(request_id)) is not None:
+                    by_loop[stream.loop].append(partial(stream.fail, error))
+            for delta in output.deltas:
+                if (stream := streams.get(delta.request_id)) is not None:
+                    by_loop[stream.loop].append(partial(stream.deliver, delta))
+            for request_id, outcome in output.handoffs.items():
+                if (stream := streams.get(request_id)) is not None:
+                    by_loop[stream.loop].append(partial(stream.hand_off, outcome))
+            for request_id in output.finished:  # nothing more comes for these
+                streams.pop(request_id, None)
         _schedule(by_loop)
 
     def _on_death(self, error: BaseException) -> None:
@@ -227,16 +232,15 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, EmittedItem]]] = \
-            defaultdict(list)
+        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = defaultdict(list)
         for stream in streams:
-            by_loop[stream.loop].append((stream, error))
+            by_loop[stream.loop].append(partial(stream.fail, error))
         _schedule(by_loop)
 
 
-def _schedule(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, EmittedItem]]]) -> None:
-    for loop, items in by_loop.items():
+def _schedule(by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]]) -> None:
+    for loop, calls in by_loop.items():
         try:
-            loop.call_soon_threadsafe(deliver_all, items)
+            loop.call_soon_threadsafe(deliver_all, calls)
         except RuntimeError:
             pass  # that event loop is closed; nobody is listening

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation inside one engine: exporting a prefilled request with its KV
 blocks (role prefill) and importing one into freshly allocated blocks (role decode).
 
-The wire lives in pagoda.kv_transfer.handoff; this module decides what travels and what the
-receiving engine may trust. A decode engine uses transferred blocks only when the sender's
+The wire lives in pagoda.kv_transfer.handoff and when each step happens in the engine's
+KVConnector (kv_connector.py); this module decides what travels and what the receiving
+engine may trust. A decode engine uses transferred blocks only when the sender's
 chained block hashes equal the ones it computes itself from the request's tokens, tenant salt
 and adapter, and the model fingerprint and block layout match: the blocks then enter its prefix
 cache under its own (identical) hashes, never under another tenant's. Anything else is
@@ -15,20 +16,18 @@ import base64
 import bisect
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import Scheduler
-from pagoda.errors import InvalidRequest
+from pagoda.engine.validation import check_exportable
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
 from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
                                         layout_of)
 from pagoda.outputs import Logprob
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 PHASES = ("queue", "prefill", "transfer", "first_decode")
@@ -80,18 +79,6 @@ class DisaggStats:
                                    phases={p: h.copy() for p, h in self.phases.items()})
 
 
-def check_exportable(params: SamplingParams) -> None:
-    """A prefill engine hands off single-sample, unconstrained requests only (for now)."""
-    if params.n != 1:
-        raise InvalidRequest("n > 1 is not supported by a prefill-role engine yet", param="n")
-    if params.structured_outputs is not None:
-        raise InvalidRequest("structured output is not supported by a prefill-role engine yet "
-                             "(the grammar state does not travel with the KV)", param="structured_outputs")
-    if params.prompt_logprobs is not None:
-        raise InvalidRequest("prompt_logprobs are not supported by a prefill-role engine yet",
-                             param="prompt_logprobs")
-
-
 def sampling_params_to_dict(params: SamplingParams) -> dict:
     check_exportable(params)
     return dataclasses.asdict(params)
@@ -105,26 +92,25 @@ def sampling_params_from_dict(data: dict) -> SamplingParams:
 
 
 class KVHandoffs:
-    """One engine's side of disaggregation: bound to its KV cache manager, scheduler and cache
-    tensors (the target model's keys and values, layer by layer)."""
+    """One engine's KV handoffs, request by request: bound to its KV cache manager and cache
+    tensors (the target model's keys and values, layer by layer). It never touches the
+    scheduler's queues: the KVConnector that owns it does, through the scheduler's operations."""
 
-    def __init__(self, role: str, kv_cache: KVCacheManager, scheduler: Scheduler,
-                 caches: Sequence[torch.Tensor], fingerprint: str) -> None:
+    def __init__(self, role: str, kv_cache: KVCacheManager, caches: Sequence[torch.Tensor],
+                 fingerprint: str) -> None:
         self.kv_cache = kv_cache
-        self.scheduler = scheduler
         self.caches = list(caches)
         self.layout = layout_of(self.caches)
         self.fingerprint = fingerprint
         self.stats = DisaggStats(role)
-        self._imported_at: dict[str, float] = {}  # request id -> when it started decoding here
-        self.ready: deque[Request] = deque()  # imported, waiting for a running slot
+        self._first_decode_pending: set[str] = set()  # imported, no token decoded here yet
 
     # ---- prefill side --------------------------------------------------------------------------
 
     def export(self, request: Request) -> KVHandoff:
-        """Copy the request's prompt blocks to host memory and finish it here, freeing its
-        blocks (they stay in this engine's prefix cache). The request must have just sampled
-        its first token."""
+        """Copy the request's prompt blocks to host memory; the caller then finishes it here,
+        freeing its blocks (they stay in this engine's prefix cache). The request must have
+        just sampled its first token."""
         block_size = self.kv_cache.block_size
         num_blocks = self.kv_cache.num_blocks_for(request.num_prompt_tokens)
         blocks = [t.cpu() for t in gather_blocks(self.caches, request.block_ids[:num_blocks])]
@@ -146,7 +132,6 @@ class KVHandoffs:
             cumulative_logprob=request.cumulative_logprob,
             generator_state=(base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
                              if request.generator is not None else None))
-        self.scheduler.finish_requests([request], RequestStatus.FINISHED_STOPPED)
         self.stats.handoffs_exported += 1
         self.stats.observe("queue", header.queue_seconds)
         self.stats.observe("prefill", header.prefill_seconds)
@@ -174,8 +159,8 @@ class KVHandoffs:
 
     def import_request(self, incoming: IncomingHandoff, request: Request) -> None:
         """Receive the request's blocks (only those this engine's prefix cache lacks) into
-        freshly allocated blocks, append the sender's first token and start it decoding, all
-        on the calling thread.
+        freshly allocated blocks and append the sender's first token, all on the calling
+        thread; the caller then starts it decoding.
 
         `request` holds the prompt only. HandoffRefused: the sender's KV and first token were
         produced under another identity (nothing was appended). TransferError: the transfer
@@ -233,7 +218,7 @@ class KVHandoffs:
         self.stats.failures["receive"] += 1
 
     def finish_import(self, incoming: IncomingHandoff, request: Request, skip: int, started: float) -> None:
-        """Every block is in place: the request continues decoding here."""
+        """Every block is in place: the request may continue decoding here."""
         header = incoming.header
         num_prompt = request.num_prompt_tokens
         self.stats.blocks_received += header.num_blocks - skip
@@ -245,36 +230,18 @@ class KVHandoffs:
         request.num_cached_tokens = skip * self.kv_cache.block_size
         self.kv_cache.cache_full_blocks(request, num_prompt)
         self.stats.observe("transfer", time.perf_counter() - started)
-        self.ready.append(request)
-        self.admit_ready()
-
-    def admit_ready(self) -> None:
-        """Imported requests join the running set directly, ahead of waiting ones (their KV is
-        in place: waiting would hold the blocks idle), as far as --max-num-seqs allows."""
-        while self.ready and len(self.scheduler.running) < self.scheduler.max_num_seqs:
-            request = self.ready.popleft()
-            request.status = RequestStatus.RUNNING
-            request.metrics.first_scheduled_time = time.time()
-            self.scheduler.running.append(request)
-            self._imported_at[request.request_id] = time.perf_counter()
-
-    def drop_ready(self, request_id: str) -> Request | None:
-        """Take an imported request out of the ready queue (it is being aborted)."""
-        for request in self.ready:
-            if request.request_id == request_id:
-                self.ready.remove(request)
-                return request
-        return None
+        self._first_decode_pending.add(request.request_id)
 
     def after_step(self, progressed: Sequence[Request]) -> None:
-        """Time to the first token the decode engine produced for each imported request."""
-        if not self._imported_at:
+        """Time from joining the running set to the first token the decode engine produced,
+        for each imported request."""
+        if not self._first_decode_pending:
             return
-        now = time.perf_counter()
+        now = time.time()
         for request in progressed:
-            imported = self._imported_at.pop(request.request_id, None)
-            if imported is not None:
-                self.stats.observe("first_decode", now - imported)
+            if request.request_id in self._first_decode_pending:
+                self._first_decode_pending.discard(request.request_id)
+                self.stats.observe("first_decode", now - request.metrics.first_scheduled_time)
 
     def forget(self, request_id: str) -> None:
-        self._imported_at.pop(request_id, None)
+        self._first_decode_pending.discard(request_id)

@@ -6,21 +6,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.disaggregation import DisaggStats, KVHandoffs
-from pagoda.engine.max_num_seqs import CEILING as MAX_NUM_SEQS_CEILING
-from pagoda.engine.max_num_seqs import resolve_max_num_seqs
+from pagoda.engine.disaggregation import DisaggStats
+from pagoda.engine.max_num_seqs import max_num_seqs_bound, resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
-from pagoda.engine.validation import EngineLimits, validate_request
+from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
+                                      check_request_id_free, validate_request)
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
-from pagoda.kv_transfer.tiers import KVTiers, KVTierStats, model_fingerprint
+from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
@@ -60,7 +60,18 @@ class EngineStats:
     iteration_tokens: TokenHistogram | None = None  # tokens computed per step
     structured_output: StructuredOutputStats | None = None
     lora: LoRAStats | None = None  # None without --enable-lora
-    disaggregation: DisaggStats | None = None  # KV handoffs (pagoda/engine/disaggregation.py)
+    disaggregation: DisaggStats | None = None  # KV handoffs (the engine's KVConnector)
+
+
+@dataclass
+class CoreStepResult:
+    """What one EngineCore.step() did, in token terms."""
+
+    progressed: list[Request] = field(default_factory=list)  # samples that received tokens
+    # Structured-output requests whose grammar finished compiling: scheduled now ...
+    grammars_compiled: list[str] = field(default_factory=list)
+    # ... or failed (bad grammar, --structured-output-timeout): the message; they never ran.
+    grammars_failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,7 +141,7 @@ class EngineCore:
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
                                        preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
-            self.kv_cache, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING, max_num_batched_tokens=config.max_num_batched_tokens,
+            self.kv_cache, max_num_seqs=max_num_seqs_bound(config), max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
             max_loras=config.max_loras if self.lora is not None else None)
@@ -141,7 +152,7 @@ class EngineCore:
                                          self.device, self.kv_format)
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, max_num_seqs=config.max_num_seqs or MAX_NUM_SEQS_CEILING,
+                                  config.seed, max_num_seqs=max_num_seqs_bound(config),
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager or self.executor is not None,
                                   speculator=self.speculation if config.speculative else None,
@@ -160,18 +171,11 @@ class EngineCore:
             caches = [t for pair in self.runner.kv_caches for t in pair]
             caches += [t for pair in self.speculation.kv_caches for t in pair]
             self.runner.kv_transfer = self.kv_tiers.attach(caches)
-        # Prefill/decode disaggregation: the target model's caches, as KV handoffs carry them.
-        self.handoffs = KVHandoffs(config.role, self.kv_cache, self.scheduler,
-                                   [t for pair in self.runner.kv_caches for t in pair],
-                                   model_fingerprint(config, str(self.dtype).removeprefix("torch.")).hex())
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
             timeout_s=config.structured_output_timeout, max_workers=config.structured_output_compile_threads)
-        # Structured-output requests whose grammar finished compiling since the last call:
-        # (request id, None) once scheduled, (request id, error message) if it failed.
-        self.grammar_outcomes: list[tuple[str, str | None]] = []
         # Step statistics: written here only, read by stats().
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -219,7 +223,7 @@ class EngineCore:
             return self.config.num_kv_blocks
         num_blocks = self.config.kv_cache_bytes // bytes_per_block
         # More than every running sequence at full length could ever use is wasted memory.
-        useful = (self.config.max_num_seqs or MAX_NUM_SEQS_CEILING) * -(-self.max_model_len // self.config.block_size)
+        useful = max_num_seqs_bound(self.config) * -(-self.max_model_len // self.config.block_size)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "
@@ -234,14 +238,11 @@ class EngineCore:
                     lora_request: LoRARequest | None = None, enqueue: bool = True) -> list[Request]:
         """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest.
         With enqueue=False the caller schedules it (a KV handoff being imported)."""
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        check_request_id_free(request_id, self.requests)
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         adapter = None
         if lora_request is not None:
-            if self.lora is None:
-                raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} requested but the engine runs "
-                                     f"without --enable-lora", param="model", code="model_not_found")
+            check_lora_enabled(lora_request.lora_name, self.lora is not None)
             adapter = self.lora.resolve(lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
@@ -279,7 +280,6 @@ class EngineCore:
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
         samples = self.requests.pop(request_id, None)
-        self.handoffs.forget(request_id)
         if samples and samples[0].lora is not None and self.lora is not None:
             self.lora.release(samples[0].lora)
 
@@ -297,9 +297,7 @@ class EngineCore:
         return self.lora.names() if self.lora is not None else []
 
     def _require_lora(self, name: str) -> LoRAManager:
-        if self.lora is None:
-            raise InvalidRequest(f"cannot load or unload LoRA adapter {name!r}: the engine runs without "
-                                 f"--enable-lora", param="lora_name")
+        check_lora_updatable(name, self.lora is not None)
         return self.lora
 
     def has_unfinished_requests(self) -> bool:
@@ -310,11 +308,7 @@ class EngineCore:
         return bool(samples) and samples[0].sampling_params.structured_outputs is not None \
             and samples[0].structured_output is None and not samples[0].is_finished
 
-    def take_grammar_outcomes(self) -> list[tuple[str, str | None]]:
-        outcomes, self.grammar_outcomes = self.grammar_outcomes, []
-        return outcomes
-
-    def _admit_compiled(self) -> None:
+    def _admit_compiled(self, result: CoreStepResult) -> None:
         if not self.structured.has_pending:
             return
         if not self.scheduler.has_unfinished_requests():
@@ -322,23 +316,25 @@ class EngineCore:
         ready, failed = self.structured.poll()
         for request_id, samples in ready:
             self.scheduler.add_request(samples[0])
-            self.grammar_outcomes.append((request_id, None))
+            result.grammars_compiled.append(request_id)
         for request_id, message in failed:
             self.scheduler.finish_requests(self.requests.get(request_id, []), RequestStatus.FINISHED_ABORTED)
-            self.grammar_outcomes.append((request_id, message))
+            result.grammars_failed[request_id] = message
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def step(self) -> list[Request]:
-        """Run one scheduled batch. Returns the samples that received tokens this step."""
+    def step(self) -> CoreStepResult:
+        """Run one scheduled batch."""
         started = time.perf_counter()
-        self._admit_compiled()
+        result = CoreStepResult()
+        self._admit_compiled(result)
+        self.scheduler.admit_imported()
         self.speculation.plan(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
                 self.runner.kv_transfer.run(scheduler_output.kv_transfers)
-            return []
+            return result
         scheduled = time.perf_counter()
         self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
         runner_output = self.runner.execute(scheduler_output)
@@ -365,10 +361,10 @@ class EngineCore:
                     request.cumulative_logprob += entry[token_id].logprob
         self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
                                          update=time.perf_counter() - executed)
-        self.handoffs.after_step(progressed)
         if self.kv_tiers is not None:
             self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
-        return progressed
+        result.progressed = progressed
+        return result
 
     def close(self) -> None:
         """Finish pending KV copies and remove the disk tier's files (unless they persist);
@@ -402,7 +398,6 @@ class EngineCore:
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
-            disaggregation=self.handoffs.stats.copy(),
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -14,7 +14,6 @@ from pagoda.engine.threads import set_engine_threads
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import OutputAccumulator, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.structured.grammar import grammar_failure
 
 Prompt = str | list[int]  # one prompt as the engine takes it
 
@@ -78,11 +77,10 @@ class LLM:
         self.engine.add_request(request_id, prompt, sampling_params or self.get_default_sampling_params())
         try:
             while True:
-                deltas = self.engine.step()
-                for failed_id, error in self.engine.take_grammar_outcomes():
-                    if error is not None and failed_id == request_id:
-                        raise grammar_failure(error)
-                for delta in deltas:
+                output = self.engine.step()
+                if request_id in output.refused:  # its grammar failed
+                    raise output.refused[request_id]
+                for delta in output.deltas:
                     if delta.request_id != request_id:
                         continue
                     text = "".join(sample.text for sample in delta.outputs if sample.index == 0)
@@ -113,13 +111,12 @@ class LLM:
 
             progress = tqdm(total=len(request_ids), desc="generate", unit="req")
         while pending:
-            deltas = self.engine.step()
-            failed = [error for request_id, error in self.engine.take_grammar_outcomes()
-                      if error is not None and request_id in pending]
+            step = self.engine.step()
+            failed = [error for request_id, error in step.refused.items() if request_id in pending]
             if failed:  # a grammar failed to compile in time: nothing else of this call is kept
                 self.engine.abort_request(pending)
-                raise grammar_failure(failed[0])
-            for delta in deltas:
+                raise failed[0]
+            for delta in step.deltas:
                 if delta.request_id not in pending:
                     continue
                 output = outputs.add(delta)

@@ -36,6 +36,12 @@ PROBE_BATCH_SIZES = (1, 4, 16, 64, 256)
 PROBE_PROMPT_TOKENS = 4  # with the 3 tokens a probe decodes: one block of 8 or more
 
 
+def max_num_seqs_bound(config: EngineConfig) -> int:
+    """The most sequences that may ever run at once: --max-num-seqs, or while its default is
+    not chosen yet, the ceiling of that default (what sizes buffers before calibration)."""
+    return config.max_num_seqs or CEILING
+
+
 @dataclass(frozen=True)
 class MaxNumSeqsChoice:
     """The value in use and why."""

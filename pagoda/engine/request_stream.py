@@ -1,6 +1,7 @@
 """RequestStream: the deltas of one request, read on the event loop that submitted it.
 
-The engine side hands each step's delta over with `call_soon_threadsafe`; the stream merges
+The engine side hands over what each step's output holds for the request (its acceptance or
+refusal, its delta, its handoff outcome) with `call_soon_threadsafe`; the stream merges
 what its consumer has not read yet into one pending delta (as vLLM's RequestOutputCollector
 does), so a consumer that falls behind reads one bigger delta instead of a growing backlog,
 and never misses text or tokens.
@@ -9,8 +10,9 @@ and never misses text or tokens.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from pagoda.engine.transport.messages import ACCEPTED, EmittedItem, HandoffOutcome
+from pagoda.engine.step_output import HandoffOutcome
 from pagoda.outputs import RequestOutputDelta
 
 
@@ -57,24 +59,33 @@ class RequestStream(PolledStream):
         # Several streams may share one wake event so a caller can wait on all of them.
         self._ready = wake if wake is not None else asyncio.Event()
 
-    def deliver(self, item: EmittedItem) -> None:
-        """Called on the stream's event loop with what the engine emitted for the request."""
-        if isinstance(item, str):
-            if item == ACCEPTED and not self._accepted.done():
-                self._accepted.set_result(None)
-            return
-        if isinstance(item, HandoffOutcome):
-            self._handoff = item
-        elif isinstance(item, BaseException):
-            if not self._accepted.done():
-                self._accepted.set_exception(item)
-                # The creator may already be gone (cancelled); don't warn about it.
-                self._accepted.exception()
-            self._error = item
-        elif self._pending is None:
-            self._pending = item
+    # Called on the stream's event loop with what the engine reported for the request.
+
+    def accept(self) -> None:
+        """The engine accepted the request."""
+        if not self._accepted.done():
+            self._accepted.set_result(None)
+
+    def deliver(self, delta: RequestOutputDelta) -> None:
+        """What the request gained in a step."""
+        if self._pending is None:
+            self._pending = delta
         else:
-            self._pending.merge(item)
+            self._pending.merge(delta)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The engine refused the request, or died: the reader gets `error`."""
+        if not self._accepted.done():
+            self._accepted.set_exception(error)
+            # The creator may already be gone (cancelled); don't warn about it.
+            self._accepted.exception()
+        self._error = error
+        self._ready.set()
+
+    def hand_off(self, outcome: HandoffOutcome) -> None:
+        """Role prefill: the request left the engine (see handoff_outcome)."""
+        self._handoff = outcome
         self._ready.set()
 
     async def wait_accepted(self) -> None:
@@ -108,7 +119,7 @@ class RequestStream(PolledStream):
         return delta
 
 
-
-def deliver_all(items: list[tuple[RequestStream, EmittedItem]]) -> None:
-    for stream, item in items:
-        stream.deliver(item)
+def deliver_all(calls: list[Callable[[], None]]) -> None:
+    """Run, on a stream's event loop, the stream calls one step output made for it."""
+    for call in calls:
+        call()

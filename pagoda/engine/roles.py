@@ -25,4 +25,5 @@ def require_both_role(config: EngineConfig, front: str) -> None:
     if config.role != "both":
         raise ValueError(f"role {config.role} is not supported by {front}: prefill and decode engines are "
                          f"paired by the router; serve with --replica-roles prefill=P,decode=D (the "
-                         f"engine-level API is LLMEngine.take_handoffs / send_handoff / add_prefilled_request)")
+                         f"engine-level API is LLMEngine.kv_connector.take_handoffs / send_handoff and "
+                         f"LLMEngine.add_prefilled_request)")

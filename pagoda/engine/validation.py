@@ -3,16 +3,23 @@
 `validate_request` checks a tokenized prompt and its SamplingParams against the engine's
 `EngineLimits` and raises `InvalidRequest` naming the field at fault. The engine core runs it
 on every add; the server runs the same function (with the limits the engine reported at start)
-before it admits a request, so a hopeless request never takes a queue slot. Per-field checks
-of the sampling knobs live in SamplingParams itself; chat-message checks in the tokenizer.
+before it admits a request, so a hopeless request never takes a queue slot. The other checks
+the engine runs on an add (request ids, the engine's role, LoRA being enabled) are the named
+`check_*` functions below. Per-field checks of the sampling knobs live in SamplingParams
+itself; chat-message checks in the tokenizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.engine.roles import HandoffTarget
 
 
 @dataclass(frozen=True)
@@ -71,3 +78,58 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams,
         raise InvalidRequest(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
                              f"({limits.max_num_batched_tokens}) with chunked prefill off", param="prompt")
     return max_output
+
+
+def check_request_id_free(request_id: str, in_use: Container[str]) -> None:
+    if request_id in in_use:
+        raise InvalidRequest(f"request id {request_id!r} is already in use")
+
+
+def check_prompt_text(prompt: str) -> None:
+    """A text prompt must have text (a token-id prompt is checked by validate_request)."""
+    if not prompt:
+        raise InvalidRequest("prompt is empty", param="prompt")
+
+
+def check_lora_enabled(lora_name: str, enabled: bool) -> None:
+    """A request may name an adapter only on an engine started with --enable-lora."""
+    if not enabled:
+        raise InvalidRequest(f"LoRA adapter {lora_name!r} requested but the engine runs "
+                             f"without --enable-lora", param="model", code="model_not_found")
+
+
+def check_lora_updatable(lora_name: str, enabled: bool) -> None:
+    """Adapters are loaded or unloaded at run time only with --enable-lora."""
+    if not enabled:
+        raise InvalidRequest(f"cannot load or unload LoRA adapter {lora_name!r}: the engine runs without "
+                             f"--enable-lora", param="lora_name")
+
+
+def check_exportable(params: SamplingParams) -> None:
+    """A prefill engine hands off single-sample, unconstrained requests only (for now)."""
+    if params.n != 1:
+        raise InvalidRequest("n > 1 is not supported by a prefill-role engine yet", param="n")
+    if params.structured_outputs is not None:
+        raise InvalidRequest("structured output is not supported by a prefill-role engine yet "
+                             "(the grammar state does not travel with the KV)", param="structured_outputs")
+    if params.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs are not supported by a prefill-role engine yet",
+                             param="prompt_logprobs")
+
+
+def check_role_accepts(role: str, params: SamplingParams, handoff: "HandoffTarget | None",
+                       awaiting_kv: bool) -> None:
+    """What an engine of `role` (--role) takes: a prefill engine exportable requests, a handoff
+    target only a prefill engine, a request awaiting its KV only a decode engine."""
+    if role == "prefill":
+        check_exportable(params)
+    elif handoff is not None:
+        raise InvalidRequest(f"a KV handoff target was given to a {role}-role engine")
+    if awaiting_kv and role != "decode":
+        raise InvalidRequest(f"a {role}-role engine does not receive KV handoffs")
+
+
+def invalid_handoff(request_id: str, error: Exception) -> InvalidRequest:
+    """Why a decode engine cannot continue a handed-off request (its header holds sampling
+    params or limits this engine refuses)."""
+    return InvalidRequest(f"handed-off request {request_id!r}: {error}")

@@ -27,8 +27,8 @@ from pagoda.config import EngineConfig
 from pagoda.engine.client import RequestOptions
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.roles import HandoffTarget
+from pagoda.engine.step_output import HandoffOutcome
 from pagoda.engine.transport import EngineDeadError
-from pagoda.engine.transport.messages import HandoffOutcome
 from pagoda.errors import InvalidRequest
 from pagoda.replicas.policies import RouteRequest
 from pagoda.replicas.replica import Flight, Replica
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def is_exportable(params: SamplingParams) -> bool:
-    """What a prefill engine can hand off (engine/disaggregation.py check_exportable); other
+    """What a prefill engine can hand off (engine/validation.py check_exportable); other
     requests run whole on a decode replica."""
     return params.n == 1 and params.structured_outputs is None and params.prompt_logprobs is None
 

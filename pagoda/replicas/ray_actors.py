@@ -25,11 +25,12 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.transport.base import EngineFactory, EngineTransport, OnDeath, OnEmitted
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, run_engine_loop
-from pagoda.engine.transport.messages import Emitted, Shutdown, ToEngine
+from pagoda.engine.transport.messages import Shutdown, ToEngine
 from pagoda.replicas.replica_set import replica_config
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
+    from pagoda.engine.step_output import EngineStepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, factory: EngineFactory | None) -> None:
         self._inbox = EngineInbox()
-        self._outbox: queue.SimpleQueue[tuple[Emitted, Any] | BaseException] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[EngineStepOutput, Any] | BaseException] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._info: Any = None
         self._error: BaseException | None = None
@@ -60,8 +61,8 @@ class EngineActor:
         self._info = EngineInfo.of(engine)
         self._ready.set()
 
-        def emit(emitted: Emitted, stats: "EngineStats") -> None:
-            self._outbox.put((emitted, stats))
+        def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
+            self._outbox.put((output, stats))
 
         try:
             run_engine_loop(engine, self._inbox, emit)
@@ -85,7 +86,7 @@ class EngineActor:
         for message in messages:
             self._inbox.put(message)
 
-    def next_batches(self, timeout: float) -> list[tuple[Emitted, Any] | BaseException]:
+    def next_batches(self, timeout: float) -> list[tuple["EngineStepOutput", Any] | BaseException]:
         """Every step result since the last call, waiting up to `timeout` for the first."""
         try:
             batches = [self._outbox.get(timeout=timeout)]

@@ -39,7 +39,7 @@ def prompts(count: int, length: int, seed: int = 5) -> list[list[int]]:
 def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
     while llm.has_unfinished_requests():
-        for delta in llm.step():
+        for delta in llm.step().deltas:
             outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
     return outputs
 
@@ -55,7 +55,7 @@ def prefill_all(llm: LLMEngine, token_lists, salts=None) -> list[KVHandoff]:
     for i, tokens in enumerate(token_lists):
         llm.add_request(f"r{i}", tokens, GREEDY, cache_salt=salts[i] if salts else None)
     assert run_to_end(llm) == {}  # nothing is reported here: the decode engine streams it all
-    handoffs = llm.take_handoffs()
+    handoffs = llm.kv_connector.take_handoffs()
     assert_idle(llm)  # blocks are freed at export, before any byte travels
     return handoffs
 
@@ -67,7 +67,7 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, handoffs, transport: str, *
     with KVListener(transport) as listener:
         for handoff in handoffs:
             thread = threading.Thread(
-                target=lambda h=handoff: sent.append(prefill.send_handoff(h, transport, listener.address, timeout)))
+                target=lambda h=handoff: sent.append(prefill.kv_connector.send_handoff(h, transport, listener.address, timeout)))
             thread.start()
             imported.append(decode.add_prefilled_request(listener.accept(timeout), fallback=fallback))
             thread.join()
@@ -110,7 +110,7 @@ def test_quantized_kv_travels_as_stored(model_dirs):
     # One byte per int8 value, then the vector's float32 scale (4 bytes), in uint8 storage.
     layout = handoffs[0].header.layout
     assert all(dtype == "uint8" for dtype, _ in layout)
-    full_precision = engine(model_dirs["qwen2"], "prefill").core.handoffs.layout
+    full_precision = engine(model_dirs["qwen2"], "prefill").kv_connector.handoffs.layout
     assert [shape[-1] for _, shape in layout] == [shape[-1] + 4 for _, shape in full_precision]
     assert hand_over(prefill, decode, handoffs, "tcp")[1] == [True, True]
     assert run_to_end(decode) == expected
@@ -212,7 +212,7 @@ def _prefill_and_send(model_dir: str, token_lists, address: str, die_after_heade
         wire._sendall = die_on_blocks
         wire.CHUNK_BYTES = handoffs[0].header.block_nbytes  # one block per frame
     for handoff in handoffs:
-        assert llm.send_handoff(handoff, "shm", address, timeout=20)
+        assert llm.kv_connector.send_handoff(handoff, "shm", address, timeout=20)
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["ok", "sender-killed"])
@@ -252,7 +252,7 @@ def test_roles_are_checked(llama_dir):
     # A request that ends with its first token is simply finished, not handed off.
     prefill.add_request("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
     outputs = run_to_end(prefill)
-    assert len(outputs["one"]) == 1 and prefill.take_handoffs() == []
+    assert len(outputs["one"]) == 1 and prefill.kv_connector.take_handoffs() == []
     assert_idle(prefill)
 
 
@@ -277,7 +277,7 @@ def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, 
     for role_adapter, expect_import in ((adapters[0], True), (adapters[1], False)):
         prefill.add_request("r0", token_lists[0], params, lora_request=LoRARequest("sql"))
         run_to_end(prefill)
-        (handoff,) = prefill.take_handoffs()
+        (handoff,) = prefill.kv_connector.take_handoffs()
         assert handoff.header.lora_name == "sql"
         decode = lora_engine("decode", role_adapter)
         # Same adapter name; with other weights the hashes differ and the KV is not used.
@@ -300,9 +300,9 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     prefill = engine(llama_dir, "prefill")
     handoffs = prefill_all(prefill, token_lists)
     decode = engine(llama_dir, "decode")
-    assert decode.kv_address is not None and decode.kv_address.startswith("127.0.0.1:")
+    assert decode.kv_connector.kv_address is not None and decode.kv_connector.kv_address.startswith("127.0.0.1:")
     woken = threading.Event()
-    decode.set_wake(woken.set)
+    decode.kv_connector.set_wake(woken.set)
     for i, tokens in enumerate(token_lists):
         decode.add_request(f"r{i}", tokens, GREEDY, awaiting_kv=True)
     assert not decode.has_unfinished_requests()  # nothing to step until a handoff arrives
@@ -318,17 +318,17 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
 
     monkeypatch.setattr(wire, "_sendall", held_blocks)
     sent = []
-    threads = [threading.Thread(target=lambda h=h: sent.append(prefill.send_handoff(h, "tcp", decode.kv_address)),
+    threads = [threading.Thread(target=lambda h=h: sent.append(prefill.kv_connector.send_handoff(h, "tcp", decode.kv_connector.kv_address)),
                                 name=name) for h, name in zip(handoffs, ("free", "held"))]
     for thread in threads:
         thread.start()
     outputs: dict[str, list[int]] = {}
     deadline = time.monotonic() + 10
-    while "r1" not in decode._receiving or "r0" not in outputs:
+    while "r1" not in decode.kv_connector._receiving or "r0" not in outputs:
         assert time.monotonic() < deadline
         woken.wait(0.05)
         woken.clear()
-        for delta in decode.step():
+        for delta in decode.step().deltas:
             outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
     decode.abort_request(["r1"])  # its blocks are being written: freed when the write ends
     assert decode.core.kv_cache.num_held_blocks() > 0
@@ -336,8 +336,8 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     for thread in threads:
         thread.join()
     aborted = {}
-    while decode.has_unfinished_requests() or "r1" in decode._receiving:
-        for delta in decode.step():
+    while decode.has_unfinished_requests() or "r1" in decode.kv_connector._receiving:
+        for delta in decode.step().deltas:
             if delta.request_id == "r1":
                 aborted = delta
             else:
@@ -349,13 +349,13 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     # A handoff for a request this engine does not await is refused (the sender sees it).
     stray = prefill_all(prefill, token_lists[:1])[0]
     refused = []
-    thread = threading.Thread(target=lambda: refused.append(prefill.send_handoff(stray, "tcp", decode.kv_address)))
+    thread = threading.Thread(target=lambda: refused.append(prefill.kv_connector.send_handoff(stray, "tcp", decode.kv_connector.kv_address)))
     thread.start()
     while thread.is_alive():
         woken.wait(0.05)
         decode.step()
-    assert refused == [False] and prefill.core.handoffs.stats.failures["send"] == 1
-    assert decode.core.handoffs.stats.failures["refused"] == 1
+    assert refused == [False] and prefill.kv_connector.handoffs.stats.failures["send"] == 1
+    assert decode.kv_connector.handoffs.stats.failures["refused"] == 1
     assert_idle(decode)
     decode.close()
 
@@ -369,10 +369,10 @@ def test_imported_requests_wait_for_a_running_slot(llama_dir):
     decode = engine(llama_dir, "decode", max_num_seqs=1)
     sent, imported = hand_over(prefill, decode, prefill_all(prefill, token_lists), "tcp")
     assert sent == imported == [True, True, True]
-    assert len(decode.core.scheduler.running) == 1 and len(decode.core.handoffs.ready) == 2
+    assert len(decode.core.scheduler.running) == 1 and len(decode.core.scheduler.imported) == 2
     outputs: dict[str, list[int]] = {}
     while decode.has_unfinished_requests():
-        for delta in decode.step():
+        for delta in decode.step().deltas:
             outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
         assert len(decode.core.scheduler.running) <= 1
     assert outputs == expected

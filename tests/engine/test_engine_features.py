@@ -72,7 +72,7 @@ def test_seeded_samples_are_reproducible_and_share_prompt_blocks(llama_dir):
     engine.add_request("r", prompt, params)
     deltas = []  # step() returns what each request gained: collect it all
     while engine.core.requests["r"][0].pending_forks:
-        deltas.extend(engine.step())
+        deltas.extend(engine.step().deltas)
     samples = engine.core.requests["r"]
     pool = engine.core.kv_cache.pool
     shared_full_blocks = samples[0].block_ids[:2]
@@ -80,7 +80,7 @@ def test_seeded_samples_are_reproducible_and_share_prompt_blocks(llama_dir):
         assert sample.block_ids[:2] == shared_full_blocks  # shared, not copied
     assert all(pool.blocks[b].ref_cnt == 4 for b in shared_full_blocks)
     while engine.has_unfinished_requests():
-        deltas.extend(engine.step())
+        deltas.extend(engine.step().deltas)
     outputs = OutputAccumulator()
     final = [outputs.add(delta) for delta in deltas][-1]
     first = [c.token_ids for c in final.outputs]
@@ -131,7 +131,7 @@ def test_idle_after_aborts_in_prefill_and_decode(llama_dir):
     prefilling = engine.core.requests["prefilling"][0]
     assert 0 < prefilling.num_computed_tokens < prefilling.num_prompt_tokens
     engine.abort_request(["prefilling", "decoding", "waiting", "unknown"])
-    outputs = engine.step()
+    outputs = engine.step().deltas
     assert {o.request_id for o in outputs} == {"prefilling", "decoding", "waiting"}
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outputs)
     assert engine.core.kv_cache.num_held_blocks() == 0
@@ -174,7 +174,7 @@ def test_priority_policy_runs_urgent_requests_first(llama_dir):
     engine.add_request("urgent", [11, 12], params, priority=0)  # the one slot is taken: low-a gives way
     finish_order = []
     while engine.has_unfinished_requests():
-        finish_order.extend(o.request_id for o in engine.step() if o.finished)
+        finish_order.extend(o.request_id for o in engine.step().deltas if o.finished)
     assert finish_order[0] == "urgent"
     assert engine.get_stats().num_preemptions == 1
     assert engine.core.kv_cache.num_held_blocks() == 0
@@ -189,5 +189,5 @@ def test_fcfs_policy_never_preempts_for_new_arrivals(llama_dir):
     engine.add_request("late", [11, 12], params, priority=-10)
     finish_order = []
     while engine.has_unfinished_requests():
-        finish_order.extend(o.request_id for o in engine.step() if o.finished)
+        finish_order.extend(o.request_id for o in engine.step().deltas if o.finished)
     assert finish_order[-1] == "late" and engine.get_stats().num_preemptions == 0

@@ -10,7 +10,6 @@ import pytest
 from pagoda.config import DEFAULT_MODEL_DIR
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request_stream import RequestStream
-from pagoda.engine.transport import ACCEPTED
 from pagoda.outputs import CompletionDelta, Logprob, RequestOutput, RequestOutputDelta
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -73,7 +72,7 @@ def test_whole_output_from_deltas_and_snapshots_do_not_change() -> None:
 def test_stream_merges_while_the_consumer_lags() -> None:
     async def main() -> None:
         stream = RequestStream("r", asyncio.get_running_loop())
-        stream.deliver(ACCEPTED)
+        stream.accept()
         await stream.wait_accepted()
         assert stream.poll() is None
         for i, piece in enumerate(["one ", "two ", "three"]):
@@ -92,9 +91,9 @@ def test_stream_merges_while_the_consumer_lags() -> None:
 def test_stream_reports_an_error_after_the_deltas_before_it() -> None:
     async def main() -> None:
         stream = RequestStream("r", asyncio.get_running_loop())
-        stream.deliver(ACCEPTED)
+        stream.accept()
         stream.deliver(delta("r", CompletionDelta(0, "x", [1])))
-        stream.deliver(RuntimeError("engine died"))
+        stream.fail(RuntimeError("engine died"))
         assert (await stream.get()).outputs[0].text == "x"
         with pytest.raises(RuntimeError, match="engine died"):
             stream.poll()

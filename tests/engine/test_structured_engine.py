@@ -179,10 +179,11 @@ def test_bad_grammar_and_compile_timeout_fail_only_their_request(llama_dir, monk
     outcomes, finished = {}, {}
     deadline = time.time() + 30
     while engine.has_unfinished_requests() and time.time() < deadline:
-        for output in engine.step():
+        step = engine.step()
+        for output in step.deltas:
             if output.finished:
                 finished[output.request_id] = output
-        outcomes.update(engine.take_grammar_outcomes())
+        outcomes.update((request_id, str(error)) for request_id, error in step.refused.items())
     assert "structured_outputs.regex" in outcomes["bad"]
     assert "--structured-output-timeout" in outcomes["slow"]
     assert finished["plain"].outputs[0].finish_reason == "length"
@@ -212,13 +213,16 @@ def test_abort_while_waiting_for_the_grammar(llama_dir, monkeypatch):
     original = compiler._compile
     monkeypatch.setattr(compiler, "_compile", lambda params: (time.sleep(0.3), original(params))[1])
     engine.add_request("waiting", "a", constrained(regex="[a-z]{3}"))
-    engine.step()
+    first = engine.step()
+    grammar_outcomes = [*first.accepted, *first.refused]
     engine.abort_request(["waiting"])
     outputs = []
     while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
+        step = engine.step()
+        outputs.extend(step.deltas)
+        grammar_outcomes += [*step.accepted, *step.refused]
     assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
-    assert not engine.core.requests and engine.take_grammar_outcomes() == []
+    assert not engine.core.requests and grammar_outcomes == []
 
 
 def test_a_matcher_error_stops_only_its_request(llm):

@@ -111,7 +111,7 @@ def test_unload_and_reload_mid_run_keeps_running_requests_and_idles(llama_dir, l
     outputs: dict[str, list[int]] = {"a": [], "b": []}
 
     def step() -> None:
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             for sample in delta.outputs:
                 outputs[delta.request_id].extend(sample.token_ids)
 

@@ -17,6 +17,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.step_output import EngineStepOutput
 from pagoda.kv_transfer import handoff as handoff_wire
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.sampling_params import SamplingParams
@@ -198,7 +199,7 @@ def test_a_stalled_prefill_replica_times_out_to_the_decode_replica(llama_dir) ->
     class _Stalled(LLMEngine):
         def step(self):  # type: ignore[override]
             time.sleep(0.05)
-            return [] if self.core.has_unfinished_requests() else super().step()
+            return EngineStepOutput() if self.core.has_unfinished_requests() else super().step()
 
     replicas = start(llama_dir, engine_factory=_Stalled, replica_roles="prefill=1,decode=1",
                      kv_prefill_timeout=0.5)
@@ -256,7 +257,7 @@ class _DecodeThatDies(LLMEngine):
     """A decode engine that crashes when the first handoff reaches it (nothing streamed yet)."""
 
     def step(self):  # type: ignore[override]
-        if self._handoff_threads.has_events():
+        if self.kv_connector.has_events():
             raise RuntimeError("simulated decode replica crash")
         return super().step()
 

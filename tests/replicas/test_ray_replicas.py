@@ -82,7 +82,7 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
         reference.add_request(f"r{i}", prompt, params)
     expected: dict[str, list[int]] = {}
     while reference.has_unfinished_requests():
-        for delta in reference.step():
+        for delta in reference.step().deltas:
             expected.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
                           replica_roles="prefill=1,decode=1", distributed_executor_backend="ray",

@@ -1,11 +1,11 @@
 """How AsyncLLM reaches an engine that runs beside the event loop: two transports (a thread of
-this process, or a spawned process) behind one small interface, the messages they carry, and
-the engine loop both run."""
+this process, or a spawned process) behind one small interface, the messages they carry to the
+engine (each step's EngineStepOutput comes back unchanged), and the engine loop both run."""
 
 from pagoda.config import EngineConfig
 from pagoda.engine.transport.base import (EngineDeadError, EngineFactory, EngineInfo,
                                           EngineTransport, OnDeath, OnEmitted, TransportKind)
-from pagoda.engine.transport.messages import ACCEPTED, AbortRequests, AddRequest, Emitted, Shutdown
+from pagoda.engine.transport.messages import AbortRequests, AddRequest, Shutdown
 
 
 def create_transport(kind: TransportKind, config: EngineConfig, factory: EngineFactory | None,
@@ -25,5 +25,5 @@ def create_transport(kind: TransportKind, config: EngineConfig, factory: EngineF
     raise ValueError(f"transport must be 'thread' or 'process', got {kind!r}")
 
 
-__all__ = ["ACCEPTED", "AbortRequests", "AddRequest", "Emitted", "EngineDeadError", "EngineInfo",
-           "EngineTransport", "Shutdown", "TransportKind", "create_transport"]
+__all__ = ["AbortRequests", "AddRequest", "EngineDeadError", "EngineInfo", "EngineTransport", "Shutdown",
+           "TransportKind", "create_transport"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pagoda.config import EngineConfig
-from pagoda.engine.transport.messages import Emitted, ToEngine
+from pagoda.engine.step_output import EngineStepOutput
+from pagoda.engine.transport.messages import ToEngine
 from pagoda.engine.validation import EngineLimits
 
 if TYPE_CHECKING:
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 
 TransportKind = Literal["thread", "process"]
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
-OnEmitted = Callable[[Emitted, "EngineStats"], None]
+# Every step's output, as the engine returned it, with the engine's stats after that step.
+OnEmitted = Callable[[EngineStepOutput, "EngineStats"], None]
 OnDeath = Callable[[BaseException], None]
 # Starts a transport: (config, engine factory, on_emitted, on_death, *, startup_timeout).
 TransportStarter = Callable[..., "EngineTransport"]
@@ -32,21 +34,18 @@ class EngineInfo:
     """What the front learns once the engine is built (sent over the pipe by the process)."""
 
     max_model_len: int
-    engine_limits: EngineLimits | None
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    stats: "EngineStats | None" = None
-    max_num_seqs_choice: "MaxNumSeqsChoice | None" = None  # the value in use and why
-    kv_address: str | None = None  # role decode: where prefill engines send KV handoffs
+    engine_limits: EngineLimits
+    generation_defaults: dict[str, Any]
+    stats: "EngineStats"
+    max_num_seqs_choice: "MaxNumSeqsChoice"  # the value in use and why
+    kv_address: str | None  # role decode: where prefill engines send KV handoffs
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
-        # getattr: an engine_factory may build a stand-in without every attribute.
-        return cls(max_model_len=engine.max_model_len,
-                   engine_limits=getattr(engine, "engine_limits", None),
-                   generation_defaults=dict(getattr(engine, "generation_defaults", {}) or {}),
-                   stats=engine.get_stats(),
-                   max_num_seqs_choice=getattr(getattr(engine, "core", None), "max_num_seqs_choice", None),
-                   kv_address=getattr(engine, "kv_address", None))
+        return cls(max_model_len=engine.max_model_len, engine_limits=engine.engine_limits,
+                   generation_defaults=engine.generation_defaults, stats=engine.get_stats(),
+                   max_num_seqs_choice=engine.core.max_num_seqs_choice,
+                   kv_address=engine.kv_connector.kv_address)
 
 
 class EngineTransport(ABC):

@@ -1,7 +1,6 @@
 """The engine side of every transport: build the engine on its own thread, then apply
-messages, step while there is work and emit after every step. When idle it blocks on its
-inbox (no busy loop); the engine's own KV handoff threads post a Wake there when they have
-something for it."""
+messages, step and emit each step's output as it is. When idle it blocks on its inbox (no busy
+loop); the engine's own KV handoff threads post a Wake there when they have something for it."""
 
 from __future__ import annotations
 
@@ -12,17 +11,14 @@ from typing import TYPE_CHECKING, Callable
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import set_engine_threads
 from pagoda.engine.transport.base import EngineFactory, OnEmitted
-from pagoda.engine.transport.messages import (ACCEPTED, AbortRequests, AddRequest, Emitted,
-                                              EmittedItem, PrefillLocally, Shutdown, ToEngine,
+from pagoda.engine.transport.messages import (AbortRequests, AddRequest, PrefillLocally, Shutdown, ToEngine,
                                               UpdateLoRA, Wake)
 from pagoda.errors import InvalidRequest
-from pagoda.structured.grammar import grammar_failure
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
 
 
 class EngineInbox:
@@ -57,22 +53,17 @@ def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEng
 def report_worker_failures(engine: "LLMEngine", report: Callable[[str], None]) -> None:
     """Tensor parallelism: a worker that dies while the engine idles (so no step fails) must
     still end the engine; `report(reason)` is called from a watcher thread."""
-    register = getattr(engine, "on_worker_failure", None)  # an engine_factory's stand-in may lack it
-    if register is not None:
-        register(report)
+    engine.on_worker_failure(report)
 
 
 def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
-    """Apply messages, step while there is work, emit after every step; return on Shutdown.
+    """Apply messages, step, emit every step's output; return on Shutdown.
 
     An exception from the engine ends the loop (the engine's state is unknown after it).
     """
-    set_wake = getattr(engine, "set_wake", None)  # an engine_factory's stand-in may lack it
-    if set_wake is not None:
-        set_wake(lambda: inbox.put(Wake()))
-    take_outcomes = getattr(engine, "take_handoff_outcomes", lambda: [])
+    engine.kv_connector.set_wake(lambda: inbox.put(Wake()))
     try:
-        _loop(engine, inbox, emit, take_outcomes)
+        _loop(engine, inbox, emit)
     except BaseException:
         # The engine's state is unknown now, but what it holds outside this process must go:
         # a decode engine's KV listener would otherwise keep accepting handoffs nobody applies.
@@ -83,66 +74,37 @@ def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) ->
         raise
 
 
-def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted,
-          take_outcomes: Callable[[], Emitted]) -> None:
+def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
     while True:
-        messages = inbox.take(not engine.has_unfinished_requests())
-        emitted: Emitted = []
-        for message in messages:
+        for message in inbox.take(not engine.has_unfinished_requests()):
             if isinstance(message, Shutdown):
-                close = getattr(engine, "close", None)  # clean shutdown: the disk KV tier's files
-                if close is not None:
-                    close()
+                engine.close()  # clean shutdown: the disk KV tier's files
                 return
-            if isinstance(message, AddRequest):
-                result = _add(engine, message)
-                if result is not None:  # structured output: None = accepted once its grammar compiles
-                    emitted.append((message.request_id, result))
+            if isinstance(message, (AddRequest, UpdateLoRA)):
+                _apply_request(engine, message)
             elif isinstance(message, AbortRequests):
                 engine.abort_request(message.request_ids)
-            elif isinstance(message, UpdateLoRA):
-                emitted.append((message.control_id, _update_lora(engine, message)))
             elif isinstance(message, PrefillLocally):
-                engine.prefill_locally(message.request_ids)
-        if engine.has_unfinished_requests():
-            deltas = engine.step()
-            # Structured output: ACCEPTED or the grammar's error before the request's first delta.
-            emitted.extend((request_id, ACCEPTED if error is None else grammar_failure(error))
-                           for request_id, error in engine.take_grammar_outcomes())
-            for delta in deltas:
-                emitted.append((delta.request_id, delta))
-        emitted.extend(take_outcomes())  # role prefill: requests handed off (or not) since the last step
-        emit(emitted, engine.get_stats())
+                engine.kv_connector.prefill_locally(message.request_ids)
+        # Also without work to step: the adds' answers and handoff outcomes go out now.
+        emit(engine.step(), engine.get_stats())
 
 
-def _add(engine: "LLMEngine", message: AddRequest) -> EmittedItem | None:
+def _apply_request(engine: "LLMEngine", message: AddRequest | UpdateLoRA) -> None:
+    """An add or a LoRA update; the engine answers it in its next step output (accepted, or
+    refused with the reason), so a refusal raised here needs nothing more."""
     try:
-        handoff = ({"handoff": message.handoff} if message.handoff is not None else {}) | (
-            {"awaiting_kv": True} if message.awaiting_kv else {})  # a stand-in engine may not take them
-        engine.add_request(message.request_id, message.prompt, message.params,
-                           arrival_time=message.arrival_time, cache_salt=message.cache_salt,
-                           priority=message.priority, lora_request=message.lora_request, **handoff)
-    except InvalidRequest as exc:
-        return exc
-    except ValueError as exc:
-        return InvalidRequest(str(exc))
-    except Exception as exc:  # a bug for this request; the engine itself keeps serving
-        logger.exception("add_request failed for %s", message.request_id)
-        return RuntimeError(f"the engine could not add the request: {exc!r}")
-    return None if engine.is_waiting_for_grammar(message.request_id) else ACCEPTED
-
-
-def _update_lora(engine: "LLMEngine", message: UpdateLoRA) -> EmittedItem:
-    """Load or unload an adapter between steps: the running batch is never touched, and a bad
-    adapter is refused with the reason."""
-    try:
-        if message.unload:
-            engine.remove_lora(message.lora_request.lora_name)
+        if isinstance(message, UpdateLoRA):
+            engine.update_lora(message.control_id, message.lora_request, unload=message.unload)
         else:
-            engine.add_lora(message.lora_request)
-    except InvalidRequest as exc:
-        return exc
-    except Exception as exc:  # a bug while loading; the engine itself keeps serving
-        logger.exception("LoRA update failed for %s", message.lora_request.lora_name)
-        return RuntimeError(f"the engine could not update LoRA adapter {message.lora_request.lora_name!r}: {exc!r}")
-    return ACCEPTED
+            engine.add_request(message.request_id, message.prompt, message.params,
+                               arrival_time=message.arrival_time, cache_salt=message.cache_salt,
+                               priority=message.priority, lora_request=message.lora_request,
+                               handoff=message.handoff, awaiting_kv=message.awaiting_kv)
+    except InvalidRequest:
+        pass
+    except Exception as error:  # a bug for this request (but a bad add); the engine keeps serving
+        if isinstance(message, UpdateLoRA):
+            logger.exception("LoRA update failed for %s", message.lora_request.lora_name)
+        elif not isinstance(error, ValueError):
+            logger.exception("add_request failed for %s", message.request_id)

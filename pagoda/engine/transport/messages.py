@@ -8,7 +8,6 @@ from typing import Union
 
 from pagoda.engine.roles import HandoffTarget
 from pagoda.lora_request import LoRARequest
-from pagoda.outputs import RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 
 
@@ -41,18 +40,9 @@ class Wake:
 
 
 @dataclass
-class HandoffOutcome:
-    """Emitted by a prefill engine for a request it handed off: sent, or why not. Either way the
-    request and its blocks are gone from that engine."""
-
-    sent: bool
-    reason: str | None = None
-
-
-@dataclass
 class UpdateLoRA:
     """Load (`lora_request` with a path) or unload (`unload=True`) an adapter at run time.
-    Answered like an AddRequest under `control_id`: ACCEPTED or the InvalidRequest refusing it."""
+    Answered like an AddRequest under `control_id`: accepted, or refused with the reason."""
 
     control_id: str
     lora_request: LoRARequest
@@ -70,11 +60,3 @@ class Shutdown:
 
 
 ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, PrefillLocally, Wake, Shutdown]
-
-# The engine accepted an AddRequest.
-ACCEPTED = "accepted"
-
-# What the engine side emits after each step, per request id: ACCEPTED, the exception that
-# refused an add, a RequestOutputDelta, or (role prefill) a HandoffOutcome ending the request there.
-EmittedItem = Union[str, BaseException, RequestOutputDelta, HandoffOutcome]
-Emitted = list[tuple[str, EmittedItem]]

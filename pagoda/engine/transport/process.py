@@ -1,9 +1,9 @@
 """The engine in a spawned child process (`pagoda serve`'s default).
 
-Its own GIL (~95% of the offline engine's tok/s at 64 streaming clients on 2 cores, against
-~82% on the thread transport), and an engine crash leaves the front alive to report it. The
-engine's deltas cross the pipe as they are, so the cost per step does not grow with output
-length. Being spawned, the child re-imports the parent's `__main__`: scripts that use this
+Its own GIL, so the engine's steps do not wait on the front's Python (the HTTP side, streaming
+tokens) as on the thread transport, and an engine crash leaves the front alive to report it.
+Each step's output crosses the pipe as it is (deltas, not whole outputs), so the cost per step
+does not grow with output length. Being spawned, the child re-imports the parent's `__main__`: scripts that use this
 transport need an `if __name__ == "__main__":` guard.
 """
 
@@ -22,12 +22,13 @@ from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
-from pagoda.engine.transport.messages import Emitted, Shutdown, ToEngine
+from pagoda.engine.transport.messages import Shutdown, ToEngine
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from pagoda.engine.llm_engine import EngineStats
+    from pagoda.engine.step_output import EngineStepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +164,9 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
 
     threading.Thread(target=forward, name="pagoda-engine-inbox", daemon=True).start()
 
-    def emit(emitted: Emitted, stats: "EngineStats") -> None:
+    def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
         with sending:
-            conn.send(("batch", emitted, stats))
+            conn.send(("batch", output, stats))
 
     try:
         run_engine_loop(engine, inbox, emit)

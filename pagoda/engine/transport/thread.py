@@ -1,10 +1,9 @@
 """The engine on a thread of this process.
 
 Cheapest to start, but the engine and the HTTP side share one GIL: whatever Python the event
-loop runs (about 40-60 us per streamed token here) the engine cannot run meanwhile. At 64
-streaming clients on 2 cores the bundled model served ~82% of the offline engine's tok/s this
-way (the process transport ~95%). Deltas are handed over as they are: the engine keeps no
-reference to them.
+loop runs per streamed token the engine cannot run meanwhile, so under many streaming clients
+it serves fewer tokens per second than the process transport. Each step's output is handed
+over as it is: the engine keeps no reference to it.
 """
 
 from __future__ import annotations
