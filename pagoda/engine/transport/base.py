@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, TransportKind
 from pagoda.engine.transport.messages import Emitted, ToEngine
 from pagoda.engine.validation import EngineLimits
 
@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats, LLMEngine
     from pagoda.tokenizer import Tokenizer
 
-TransportKind = Literal["thread", "process"]
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
 OnEmitted = Callable[[Emitted, "EngineStats"], None]
 OnDeath = Callable[[BaseException], None]
