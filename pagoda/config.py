@@ -1,4 +1,6 @@
-"""Engine configuration: one dataclass of knobs, validated once, with CLI flags built from it."""
+"""Configuration: one engine's knobs (EngineConfig), the deployment of engines behind a server
+(DeploymentConfig), and the named choices of every setting; each validated once, with CLI flags
+generated from its fields (dataclass_flags.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, NoReturn
+
+from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "bundled_models"
 DEFAULT_MODEL_DIR = BUNDLED_MODELS_DIR / "pagoda-coder"
@@ -21,18 +25,28 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(bundled)
     return name_or_path
 
+# The named choices of every setting, written once: flags take their values as `choices`, the
+# configs check them (dataclass_flags.check_choices), and the registries that implement them
+# (router policies, tool-call parsers, weight formats) are keyed by the same names.
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
+SpeculativeMethod = Literal["ngram", "draft"]
+AttentionBackend = Literal["auto", "torch", "triton"]
 DistributedBackend = Literal["mp", "ray"]
-# Allowed values of the quantization knobs (pagoda.quant implements them).
-QUANT_CHOICES: dict[str, tuple[Any, ...]] = {
-    "quantization": ("none", "int8", "int4"),
-    "quantization_group_size": (32, 64, 128),
-    "kv_cache_dtype": ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"),
-}
+EngineRole = Literal["both", "prefill", "decode"]
+KVTransport = Literal["tcp", "shm"]
+Quantization = Literal["none", "int8", "int4"]  # pagoda.quant implements them
+QuantizationGroupSize = Literal[32, 64, 128]
+KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
+RouterName = Literal["round_robin", "least_load", "cache_aware"]  # pagoda/replicas/policies.py
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]  # pagoda/serve/tool_calls.py
+MetricsCompat = Literal["none", "vllm"]
+TransportKind = Literal["process", "thread"]  # where AsyncLLM runs its engine
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
-ROUTER_CHOICES = ("round_robin", "least_load", "cache_aware")  # pagoda/replicas/policies.py
+# The largest --max-num-seqs default (vLLM's); larger batches are an explicit choice.
+MAX_NUM_SEQS_CEILING = 256
 
 
 def parse_bytes(text: str | int) -> int:
@@ -51,7 +65,7 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass
 class EngineConfig:
-    """Every engine knob. Field metadata carries the CLI help; flags are `--field-name`."""
+    """Every knob of one engine. Field metadata carries the CLI help; flags are `--field-name`."""
 
     model: str = field(default=str(DEFAULT_MODEL_DIR),
                        metadata={"help": "local Hugging Face model directory"})
@@ -80,9 +94,9 @@ class EngineConfig:
         "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
                 "but one when serving, that one left for the HTTP event loop)"})
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
-    attention_backend: str = field(default="auto", metadata={"help": "torch, triton, or auto"})
+    attention_backend: AttentionBackend = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
-    speculative: str | None = field(default=None, metadata={
+    speculative: SpeculativeMethod | None = field(default=None, metadata={
         "help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"})
     num_speculative_tokens: int = field(default=4, metadata={"help": "tokens proposed per speculative step"})
     ngram_min: int = field(default=1, metadata={"help": "shortest suffix the n-gram proposer matches"})
@@ -106,14 +120,14 @@ class EngineConfig:
         "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
                 "model and config"})
     # ---- quantized serving (pagoda.quant) ----
-    quantization: str = field(default="none", metadata={
+    quantization: Quantization = field(default="none", metadata={
         "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
                 "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
-    quantization_group_size: int = field(default=128, metadata={
+    quantization_group_size: QuantizationGroupSize = field(default=128, metadata={
         "help": "int4 group size along the input dimension: 32, 64 or 128"})
     quantization_zero_point: bool = field(default=True, metadata={
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
-    kv_cache_dtype: str = field(default="auto", metadata={
+    kv_cache_dtype: KVCacheDType = field(default="auto", metadata={
         "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
                 "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
                 "layer, as vLLM's: exactly 1 byte per element)"})
@@ -134,38 +148,25 @@ class EngineConfig:
         "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
                 "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
     # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) ----
-    role: str = field(default="both", metadata={
+    role: EngineRole = field(default="both", metadata={
         "help": "this engine's role: both (prefill and decode here), prefill (compute the prompt and "
                 "first token, then hand the request and its KV blocks to a decode engine), or decode "
                 "(continue handed-off requests); a server runs prefill and decode engines as replicas "
                 "with --replica-roles"})
-    replica_roles: str | None = field(default=None, metadata={
-        "help": "disaggregated serving: prefill and decode replicas behind the router, e.g. "
-                "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
-                "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
-                "(default: every replica does both)"})
-    max_local_prefill_tokens: int = field(default=128, metadata={
-        "help": "disaggregated serving: a request with at most this many prompt tokens not already "
-                "cached on its decode replica is prefilled there, not handed over (a short prefill "
-                "costs the decode replica less than a round trip through a prefill replica costs the "
-                "request; 0: every request goes through a prefill replica)"})
-    kv_transport: str = field(default="tcp", metadata={
+    kv_transport: KVTransport = field(default="tcp", metadata={
         "help": "how KV blocks travel from prefill to decode replicas: tcp (any hosts) or shm "
-                "(shared memory, one host)"})
+                "(shared memory, one host); GPU-to-GPU transports such as NCCL or NIXL are not built yet"})
     kv_listen: str | None = field(default=None, metadata={
         "help": "a decode engine's KV listener: host:port for tcp (default: 127.0.0.1 and a free "
                 "port; 0.0.0.0 and the node's address with Ray), ignored for shm"})
     kv_transfer_timeout: float = field(default=10.0, metadata={
         "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
                 "(the decode replica then prefills the request itself)"})
-    kv_prefill_timeout: float = field(default=120.0, metadata={
-        "help": "seconds the router waits for a prefill replica to hand a request off before the "
-                "decode replica prefills it itself"})
     # ---- LoRA adapters (pagoda/lora) ----
     enable_lora: bool = field(default=False, metadata={
         "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
     lora_modules: list[str] = field(default_factory=list, metadata={
-        "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
+        "metavar": "NAME=PATH", "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
                 "(default: none)"})
     max_loras: int = field(default=4, metadata={
         "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
@@ -173,25 +174,14 @@ class EngineConfig:
     max_lora_rank: int = field(default=16, metadata={
         "help": "largest adapter rank accepted; the slots are sized for it"})
 
-    # ---- data-parallel replicas (pagoda/replicas) ----
-    data_parallel_size: int = field(default=1, metadata={
-        "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
-    router: str = field(default="cache_aware", metadata={
-        "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
-                "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
-                "else least load)"})
-    replica_pools: str | None = field(default=None, metadata={
-        "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
-                "--route-rules sends requests to pools) (default: one pool)"})
-    route_rules: str | None = field(default=None, metadata={
-        "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
-                "request to a replica pool (default: none)"})
+    # Not a flag: how many engine replicas this one is one of (DeploymentConfig.replica_config
+    # sets it), so that the serving default of --num-threads shares the cores out between them.
+    num_replicas: int = 1
 
     @property
-    def num_replicas(self) -> int:
-        """Engine replicas behind the server: --replica-roles' counts, else --data-parallel-size."""
-        counts = parse_replica_roles(self.replica_roles) if self.replica_roles else None
-        return sum(counts.values()) if counts else self.data_parallel_size
+    def max_num_seqs_bound(self) -> int:
+        """--max-num-seqs, or its ceiling while unset (before the engine resolves the default)."""
+        return self.max_num_seqs or MAX_NUM_SEQS_CEILING
 
     def __post_init__(self) -> None:
         self.model = resolve_model_path(self.model)
@@ -202,39 +192,29 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise ValueError(f"{name} {message}")
-
+        check_choices(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            fail("block_size", f"must be a power of two, got {self.block_size}")
+            _fail("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+            _fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_bytes <= 0:
-            fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
+            _fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1:
-            fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+            _fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+            _fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
-            fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            fail("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            fail("scheduling_policy", f"must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.speculative not in (None, "ngram", "draft"):
-            fail("speculative", f"must be ngram or draft, got {self.speculative!r}")
+            _fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.speculative == "draft" and not self.draft_model:
-            fail("draft_model", "is required with speculative=draft")
+            _fail("draft_model", "is required with speculative=draft")
         if not 1 <= self.num_speculative_tokens <= 16:
-            fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+            _fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         if not self.structured_output_timeout > 0:
-            fail("structured_output_timeout", f"must be > 0, got {self.structured_output_timeout}")
+            _fail("structured_output_timeout", f"must be > 0, got {self.structured_output_timeout}")
         if self.structured_output_compile_threads < 1:
-            fail("structured_output_compile_threads", f"must be >= 1, got {self.structured_output_compile_threads}")
+            _fail("structured_output_compile_threads", f"must be >= 1, got {self.structured_output_compile_threads}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
-            fail("preemption_mode", f"must be recompute, swap or auto, got {self.preemption_mode!r}")
+            _fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         for name in ("kv_offload_memory", "kv_offload_disk_size"):
             value = getattr(self, name)
             try:
@@ -242,90 +222,58 @@ class EngineConfig:
             except ValueError:
                 size = 0
             if size <= 0:
-                fail(name, f"must be a positive size like 8GiB, got {value!r}")
+                _fail(name, f"must be a positive size like 8GiB, got {value!r}")
         if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
-            fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
+            _fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
         if self.kv_offload_disk is not None:
             if self.kv_offload_memory is None:
-                fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
-        if self.data_parallel_size < 1:
-            fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
-        if self.router not in ROUTER_CHOICES:
-            fail("router", f"must be one of {', '.join(ROUTER_CHOICES)}, got {self.router!r}")
-        if self.replica_pools is not None:
-            counts = [part.partition("=")[2].strip() for part in self.replica_pools.split(",")]
-            if not all(c.isdigit() for c in counts):
-                fail("replica_pools", f"must look like chat=2,long=1, got {self.replica_pools!r}")
-            if sum(map(int, counts)) != self.data_parallel_size:
-                fail("replica_pools", f"counts add up to {sum(map(int, counts))} replicas but "
-                                      f"data_parallel_size is {self.data_parallel_size}")
-        if self.route_rules is not None and self.replica_pools is None:
-            fail("route_rules", "sends requests to pools: set replica_pools too")
+                _fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
         if self.max_loras < 1:
-            fail("max_loras", f"must be >= 1, got {self.max_loras}")
+            _fail("max_loras", f"must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
-            fail("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+            _fail("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
         if self.lora_modules and not self.enable_lora:
-            fail("lora_modules", "need --enable-lora")
+            _fail("lora_modules", "need --enable-lora")
         seen: set[str] = set()
         for name, path in self.lora_module_paths():
             if not name:
-                fail("lora_modules", f"entries must be NAME=PATH, got {path!r}")
+                _fail("lora_modules", f"entries must be NAME=PATH, got {path!r}")
             if name in seen:
-                fail("lora_modules", f"name the adapter {name!r} only once")
+                _fail("lora_modules", f"name the adapter {name!r} only once")
             seen.add(name)
-        for name, allowed in QUANT_CHOICES.items():
-            if getattr(self, name) not in allowed:
-                fail(name, f"must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
-        self._validate_tensor_parallel(fail)
-        self._validate_role(fail)
+        if self.num_replicas < 1:
+            _fail("num_replicas", f"must be >= 1, got {self.num_replicas}")
+        self._validate_tensor_parallel()
+        self._validate_role()
 
-    def _validate_role(self, fail: Any) -> None:
-        if self.role not in ("both", "prefill", "decode"):
-            fail("role", f"must be both, prefill or decode, got {self.role!r}")
-        if self.kv_transport not in ("tcp", "shm"):
-            fail("kv_transport", f"must be tcp or shm (GPU-to-GPU transports such as NCCL or NIXL are not "
-                                 f"built yet), got {self.kv_transport!r}")
-        if self.max_local_prefill_tokens < 0:
-            fail("max_local_prefill_tokens", f"must be >= 0, got {self.max_local_prefill_tokens}")
-        if self.kv_transfer_timeout <= 0 or self.kv_prefill_timeout <= 0:
-            fail("kv_transfer_timeout", "KV handoff timeouts must be > 0 seconds")
-        if self.replica_roles is not None:
-            counts = parse_replica_roles(self.replica_roles)
-            if counts is None:
-                fail("replica_roles", f"must look like prefill=1,decode=1 (both at least 1), "
-                                      f"got {self.replica_roles!r}")
-            elif self.data_parallel_size not in (1, sum(counts.values())):
-                fail("replica_roles", f"counts add up to {sum(counts.values())} replicas but "
-                                      f"data_parallel_size is {self.data_parallel_size}")
-            if self.replica_pools is not None:
-                fail("replica_roles", "cannot be combined with replica_pools yet")
-            if self.role != "both":
-                fail("role", "set each replica's role with replica_roles, not role")
-        elif self.role == "both":
-            return
-        # (Roles, or replicas with roles:) the handoff carries the target model's KV only, from one rank's pool.
+    def _validate_role(self) -> None:
+        if self.kv_transfer_timeout <= 0:
+            _fail("kv_transfer_timeout", f"must be > 0 seconds, got {self.kv_transfer_timeout}")
+        if self.role != "both":
+            self.check_handoff_support()
+
+    def check_handoff_support(self) -> None:
+        """Prefill and decode engines (--role, or a deployment's --replica-roles): the handoff
+        carries the target model's KV only, from one rank's pool."""
         if self.speculative == "draft":
-            fail("speculative", "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)")
+            _fail("speculative", "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)")
         if self.tensor_parallel_size > 1:
-            fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
+            _fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
                          "(a handoff carries one rank's KV pool)")
 
-    def _validate_tensor_parallel(self, fail: Any) -> None:
+    def _validate_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
-            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
-        if self.distributed_executor_backend not in ("mp", "ray"):
-            fail("distributed_executor_backend", f"must be mp or ray, got {self.distributed_executor_backend!r}")
+            _fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1:
             return
         # Features whose state lives beside one model's KV cache and is not split yet.
         if self.speculative == "draft":
-            fail("speculative", "draft is not supported with tensor_parallel_size > 1 yet (ngram is)")
+            _fail("speculative", "draft is not supported with tensor_parallel_size > 1 yet (ngram is)")
         if self.kv_offload_memory is not None:
-            fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
-                                      "tensor_parallel_size > 1 yet")
+            _fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
+                                       "tensor_parallel_size > 1 yet")
         if self.enable_lora:  # ranks 1..N-1 would need each adapter's A or B sliced like their base layer
-            fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+            _fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -347,53 +295,112 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=help_text)
-                continue
-            kind: Any = str
-            if "int" in str(f.type):
-                kind = int
-            elif "float" in str(f.type):
-                kind = float
-            choices = None
-            if f.name == "speculative":
-                choices = ["ngram", "draft"]
-            elif f.name == "dtype":
-                choices = ["auto", "float32", "bfloat16", "float16"]
-            elif f.name == "scheduling_policy":
-                choices = ["fcfs", "priority"]
-            elif f.name == "preemption_mode":
-                choices = ["recompute", "swap", "auto"]
-            elif f.name == "distributed_executor_backend":
-                choices = ["mp", "ray"]
-            elif f.name == "router":
-                choices = list(ROUTER_CHOICES)
-            elif f.name == "role":
-                choices = ["both", "prefill", "decode"]
-            elif f.name == "kv_transport":
-                choices = ["tcp", "shm"]
-            elif f.name in QUANT_CHOICES:
-                choices = list(QUANT_CHOICES[f.name])
-            # A help text that already states its default ("(default: the model's)") keeps it.
-            if "(default" not in help_text:
-                help_text = f"{help_text} (default: {f.default})"
-            if str(f.type).startswith("list"):  # --lora-modules a=PATH b=PATH
-                group.add_argument(flag, nargs="+", default=[], metavar="NAME=PATH", help=help_text)
-                continue
-            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
+        add_flags(parser, cls, "engine", skip=skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if hasattr(args, f.name) and f.name not in skip}
-        return cls(**values)
+        return from_flags(cls, args, skip=skip)
+
+
+@dataclass
+class DeploymentConfig:
+    """How many engines serve behind one server and how requests reach them: replicas, the
+    router, pools and their rules, prefill and decode roles. Each engine's own knobs are its
+    EngineConfig; the replica set (pagoda/replicas) reads this."""
+
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
+    router: RouterName = field(default="cache_aware", metadata={
+        "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
+                "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
+                "else least load)"})
+    replica_pools: str | None = field(default=None, metadata={
+        "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
+                "--route-rules sends requests to pools) (default: one pool)"})
+    route_rules: str | None = field(default=None, metadata={
+        "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
+                "request to a replica pool (default: none)"})
+    # ---- prefill/decode disaggregation (pagoda/replicas/prefill_leg.py) ----
+    replica_roles: str | None = field(default=None, metadata={
+        "help": "disaggregated serving: prefill and decode replicas behind the router, e.g. "
+                "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
+                "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
+                "(default: every replica does both)"})
+    max_local_prefill_tokens: int = field(default=128, metadata={
+        "help": "disaggregated serving: a request with at most this many prompt tokens not already "
+                "cached on its decode replica is prefilled there, not handed over (a short prefill "
+                "costs the decode replica less than a round trip through a prefill replica costs the "
+                "request; 0: every request goes through a prefill replica)"})
+    kv_prefill_timeout: float = field(default=120.0, metadata={
+        "help": "seconds the router waits for a prefill replica to hand a request off before the "
+                "decode replica prefills it itself"})
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas behind the server: --replica-roles' counts, else --data-parallel-size."""
+        counts = parse_replica_roles(self.replica_roles) if self.replica_roles else None
+        return sum(counts.values()) if counts else self.data_parallel_size
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.data_parallel_size < 1:
+            _fail("data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
+        if self.replica_pools is not None:
+            counts = [part.partition("=")[2].strip() for part in self.replica_pools.split(",")]
+            if not all(c.isdigit() for c in counts):
+                _fail("replica_pools", f"must look like chat=2,long=1, got {self.replica_pools!r}")
+            if sum(map(int, counts)) != self.data_parallel_size:
+                _fail("replica_pools", f"counts add up to {sum(map(int, counts))} replicas but "
+                                       f"data_parallel_size is {self.data_parallel_size}")
+        if self.route_rules is not None and self.replica_pools is None:
+            _fail("route_rules", "sends requests to pools: set replica_pools too")
+        if self.max_local_prefill_tokens < 0:
+            _fail("max_local_prefill_tokens", f"must be >= 0, got {self.max_local_prefill_tokens}")
+        if self.kv_prefill_timeout <= 0:
+            _fail("kv_prefill_timeout", f"must be > 0 seconds, got {self.kv_prefill_timeout}")
+        if self.replica_roles is not None:
+            counts = parse_replica_roles(self.replica_roles)
+            if counts is None:
+                _fail("replica_roles", f"must look like prefill=1,decode=1 (both at least 1), "
+                                       f"got {self.replica_roles!r}")
+            elif self.data_parallel_size not in (1, sum(counts.values())):
+                _fail("replica_roles", f"counts add up to {sum(counts.values())} replicas but "
+                                       f"data_parallel_size is {self.data_parallel_size}")
+            if self.replica_pools is not None:
+                _fail("replica_roles", "cannot be combined with replica_pools yet")
+
+    def validate_with(self, engine: EngineConfig) -> None:
+        """The checks that need the engines' config too (ValueError)."""
+        if self.replica_roles is None:
+            return
+        if engine.role != "both":
+            _fail("role", "set each replica's role with replica_roles, not role")
+        engine.check_handoff_support()
+
+    def replica_config(self, engine: EngineConfig, index: int) -> EngineConfig:
+        """Replica `index`'s engine config: the same knobs, its own seed (replicas that sample
+        alike would repeat each other's unseeded outputs), the number of replicas it shares the
+        host with and, disaggregated, its role (the prefill replicas first)."""
+        replica = dataclasses.replace(engine, seed=engine.seed + index, num_replicas=self.num_replicas)
+        if self.replica_roles is None:
+            return replica
+        counts = parse_replica_roles(self.replica_roles)
+        assert counts is not None  # validated with the config
+        return dataclasses.replace(replica, role="prefill" if index < counts["prefill"] else "decode")
+
+    # ---- CLI -------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, cls, "deployment")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "DeploymentConfig":
+        return from_flags(cls, args)
+
+
+def _fail(name: str, message: str) -> NoReturn:
+    raise ValueError(f"{name} {message}")
 
 
 def parse_replica_roles(spec: str) -> dict[str, int] | None:

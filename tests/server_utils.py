@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+from pagoda.config import DEFAULT_MODEL_DIR, DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.replicas.start import start_engines
 from pagoda.serve.app import build_app
@@ -74,12 +74,16 @@ class LiveServer:
 
 
 def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
+                 deployment: dict[str, Any] | None = None,
                  engine_factory: Callable[[EngineConfig], Any] | None = None,
                  transport: str = "thread", **settings: Any) -> LiveServer:
+    """`engine`: EngineConfig fields; `deployment`: DeploymentConfig fields; `settings`:
+    ServerSettings fields."""
     config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
                              "max_num_seqs": 64, **(engine or {})})
-    if config.num_replicas > 1:  # replicas behind a router (pagoda/replicas)
-        llm = start_engines(config, transport=transport)  # type: ignore[assignment]
+    replicas = DeploymentConfig(**(deployment or {}))
+    if replicas.num_replicas > 1:  # replicas behind a router (pagoda/replicas)
+        llm = start_engines(config, replicas, transport=transport)  # type: ignore[assignment]
     else:
         llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
     app = build_app(llm, ServerSettings(**{"served_model_name": MODEL_NAME,

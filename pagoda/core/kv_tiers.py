@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagoda.config import PreemptionMode
+
 TransferKind = Literal["store", "load", "spill", "fetch", "delete"]
-PreemptionMode = Literal["recompute", "swap", "auto"]
 
 
 @dataclass

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pagoda.config import EngineConfig
+from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.roles import require_both_role
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
@@ -20,6 +21,12 @@ Prompt = str | list[int]  # one prompt as the engine takes it
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`engine_args`: EngineConfig fields. One offline engine has no replicas: a
+        DeploymentConfig field (data_parallel_size, router, ...) is a ValueError."""
+        deployment_args = sorted(set(engine_args) & {f.name for f in dataclasses.fields(DeploymentConfig)})
+        if deployment_args:
+            raise ValueError(f"{', '.join(deployment_args)}: deployment settings, not the offline LLM's "
+                             f"(serve replicas with pagoda serve)")
         if model is not None:
             engine_args["model"] = model
         # Offline work wants throughput, not a per-token latency: --max-num-seqs defaults to what

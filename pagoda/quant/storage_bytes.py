@@ -5,7 +5,11 @@ tensors out this way; tests/quant check the formulas against the allocated tenso
 
 from __future__ import annotations
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8")
+from typing import get_args
+
+from pagoda.config import KVCacheDType, Quantization, QuantizationGroupSize
+
+KV_CACHE_DTYPES = get_args(KVCacheDType)
 # Quantized K/V: each [head_dim] vector stores one byte per element plus its float32 scale;
 # fp8 (vLLM's) has one fixed scale per tensor and no bytes per vector beyond its elements.
 KV_SCALE_BYTES = 4
@@ -14,8 +18,8 @@ QUANTIZED_KV_ELEMENT_BYTES = 1
 
 # Weight formats (--quantization). int8: one byte per weight plus a 2-byte scale per output row;
 # int4: half a byte per weight plus a (scale, zero) pair of 2-byte values per group of inputs.
-WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)
+WEIGHT_QUANTIZATIONS = get_args(Quantization)
+INT4_GROUP_SIZES = get_args(QuantizationGroupSize)
 SCALE_ELEMENT_BYTES = 2
 
 

@@ -17,12 +17,10 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Hashable, Literal, Sequence
+from typing import Hashable, Sequence, get_args
 
-from pagoda.config import ROUTER_CHOICES
+from pagoda.config import RouterName
 from pagoda.replicas.prefix_tree import BlockHash, PrefixTree, prefix_block_hashes
-
-RouterName = Literal["round_robin", "least_load", "cache_aware"]  # config.ROUTER_CHOICES
 
 
 @dataclass
@@ -142,14 +140,15 @@ class CacheAware(RouterPolicy):
         self.tree.remove_replica(replica)
 
 
+# Each --router name's policy (tests/replicas/test_router.py: the names are RouterName's).
+POLICIES: dict[str, type[RouterPolicy]] = {policy.name: policy for policy in (RoundRobin, LeastLoad, CacheAware)}
+
+
 def make_policy(name: str, *, block_size: int = 16,
                 capacity_blocks: int = 1 << 16) -> RouterPolicy:
     """A fresh policy by its `--router` name; `block_size` and `capacity_blocks` describe the
     replicas' KV caches (what cache_aware's prefix tree mirrors)."""
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "cache_aware":
-        return CacheAware(block_size, capacity_blocks)
-    raise ValueError(f"router must be one of {', '.join(ROUTER_CHOICES)}, got {name!r}")
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"router must be one of {', '.join(get_args(RouterName))}, got {name!r}")
+    return CacheAware(block_size, capacity_blocks) if policy is CacheAware else policy()

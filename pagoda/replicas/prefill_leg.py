@@ -53,9 +53,11 @@ class PrefillLeg:
     def __init__(self, config: EngineConfig, choose: Choose, lock: threading.Lock, request_id: str,
                  attempt: int, route: RouteRequest, prompt: list[int], params: SamplingParams,
                  decode: Replica, decode_stream: RequestStream, submit_options: RequestOptions,
-                 on_end: Callable[["PrefillLeg"], None]) -> None:
-        """`lock` guards the replicas' load counters (the router's lock)."""
+                 on_end: Callable[["PrefillLeg"], None], *, prefill_timeout: float) -> None:
+        """`lock` guards the replicas' load counters (the router's lock); `prefill_timeout`:
+        seconds the prefill replica has to hand the request off (--kv-prefill-timeout)."""
         self.config = config
+        self.prefill_timeout = prefill_timeout
         self._choose = choose
         self._lock = lock
         self.request_id = request_id
@@ -90,7 +92,7 @@ class PrefillLeg:
                 with self._lock:
                     flight = Flight(self._prefill, max(0, len(self.prompt) - cached), 0)
                 try:
-                    outcome = await self._prefill_on(self._prefill, target, config.kv_prefill_timeout)
+                    outcome = await self._prefill_on(self._prefill, target, self.prefill_timeout)
                 except EngineDeadError:
                     self._prefill.num_moved_away += 1
                     excluded.add(self._prefill.index)
@@ -100,7 +102,7 @@ class PrefillLeg:
                     return
                 except asyncio.TimeoutError:
                     self._prefill.llm.abort([self.leg_id])
-                    self._fall_back(f"no handoff within {config.kv_prefill_timeout} s")
+                    self._fall_back(f"no handoff within {self.prefill_timeout} s")
                     return
                 finally:
                     flight.close()

@@ -26,7 +26,6 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.transport.base import EngineFactory, EngineTransport, OnDeath, OnEmitted
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
-from pagoda.replicas.replica_set import replica_config
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
@@ -202,10 +201,11 @@ class RayActorTransport(EngineTransport):
 
 
 def start_ray_replica(index: int, config: EngineConfig) -> AsyncLLM:
-    """Replica `index` as a Ray actor (joining or starting Ray first)."""
+    """Replica `index`, its engine configured by `config`, as a Ray actor (joining or starting
+    Ray first)."""
     connect_ray(config.ray_address)
     threads = config.num_threads or 1
-    replica = dataclasses.replace(replica_config(config, index), num_threads=threads)
+    replica = dataclasses.replace(config, num_threads=threads)
 
     def transport(config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                   on_death: OnDeath, *, startup_timeout: float | None = None) -> RayActorTransport:

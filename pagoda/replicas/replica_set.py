@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
-from pagoda.config import EngineConfig, parse_replica_roles
+from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import RequestOptions, generate_outputs
 from pagoda.engine.request_stream import RequestStream
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Builds replica `index`'s AsyncLLM from its config (the caller picks transport or Ray).
+# Builds replica `index`'s AsyncLLM from its engine config (the caller picks transport or Ray).
 ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
 
 
@@ -57,7 +57,8 @@ class ReplicaSet:
     def __init__(self, replicas: Sequence[AsyncLLM], policy: RouterPolicy, *,
                  pools: Sequence[str | None] | None = None,
                  rules: RouteRules | None = None,
-                 keepers: Sequence["_ReplicaKeeper"] = ()) -> None:
+                 keepers: Sequence["_ReplicaKeeper"] = (),
+                 deployment: DeploymentConfig | None = None) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
         if pools is not None and len(pools) != len(replicas):
@@ -72,6 +73,7 @@ class ReplicaSet:
         self._legs: dict[str, PrefillLeg] = {}  # disaggregated: each request's running prefill leg
         self.policy = policy
         self.rules = rules
+        self.deployment = deployment or DeploymentConfig(data_parallel_size=len(replicas))
         if rules is not None:
             rules.check_pools({r.pool for r in self.replicas if r.pool is not None})
         first = replicas[0]
@@ -89,21 +91,24 @@ class ReplicaSet:
         self._keepers = list(keepers)
 
     @classmethod
-    def start(cls, config: EngineConfig, starter: ReplicaStarter) -> "ReplicaSet":
-        """Start `config.num_replicas` replicas side by side and the router
-        `config.router` in front; replicas already up are shut down if one fails."""
-        pools = parse_replica_pools(config.replica_pools) if config.replica_pools else None
-        rules = RouteRules.from_file(config.route_rules) if config.route_rules else None
-        keepers = [_ReplicaKeeper(starter, index, config)
-                   for index in range(config.num_replicas)]
+    def start(cls, config: EngineConfig, deployment: DeploymentConfig,
+              starter: ReplicaStarter) -> "ReplicaSet":
+        """Start `deployment.num_replicas` replicas side by side, each with its engine config
+        (DeploymentConfig.replica_config), and the router `deployment.router` in front; replicas
+        already up are shut down if one fails."""
+        deployment.validate_with(config)
+        pools = parse_replica_pools(deployment.replica_pools) if deployment.replica_pools else None
+        rules = RouteRules.from_file(deployment.route_rules) if deployment.route_rules else None
+        keepers = [_ReplicaKeeper(starter, index, deployment.replica_config(config, index))
+                   for index in range(deployment.num_replicas)]
         try:
             started = [keeper.result() for keeper in keepers]
             stats = started[0].get_stats()
             # The prefix tree mirrors about one replica's KV pool.
             capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
-            policy = make_policy(config.router, block_size=config.block_size,
+            policy = make_policy(deployment.router, block_size=config.block_size,
                                  capacity_blocks=capacity)
-            return cls(started, policy, pools=pools, rules=rules, keepers=keepers)
+            return cls(started, policy, pools=pools, rules=rules, keepers=keepers, deployment=deployment)
         except BaseException:
             for keeper in keepers:
                 keeper.stop()
@@ -305,7 +310,7 @@ class ReplicaSet:
         """Submit to a decode replica and, when the request is to be handed off (it can be, and
         more than --max-local-prefill-tokens of its prompt are not cached there), start the
         prefill leg that feeds it; returns the decode replica's stream."""
-        handoff_above = self.config.max_local_prefill_tokens if is_exportable(params) else None
+        handoff_above = self.deployment.max_local_prefill_tokens if is_exportable(params) else None
         stream, flight = await self._submit(request_id, route, prompt, params, options, excluded, wake,
                                             role="decode", handoff_above=handoff_above)
         previous = self._legs.pop(request_id, None)
@@ -314,7 +319,8 @@ class ReplicaSet:
         if flight.awaiting_kv:
             self._legs[request_id] = PrefillLeg(self.config, self.choose, self.lock, request_id, attempt, route,
                                                 prompt, params, flight.replica, stream, options,
-                                                on_end=self._leg_ended)
+                                                on_end=self._leg_ended,
+                                                prefill_timeout=self.deployment.kv_prefill_timeout)
         return stream, flight
 
     def _leg_ended(self, leg: PrefillLeg) -> None:
@@ -399,16 +405,3 @@ def sum_engine_stats(stats: Sequence["EngineStats"]) -> "EngineStats | None":
     total = summed["num_total_blocks"]
     usage = 1.0 - summed["num_free_blocks"] / total if total else 0.0
     return dataclasses.replace(stats[0], **summed, kv_cache_usage=usage)
-
-
-def replica_config(config: EngineConfig, index: int) -> EngineConfig:
-    """Replica `index`'s engine config: the same knobs, its own seed (replicas that sample
-    alike would repeat each other's unseeded outputs) and, disaggregated, its role (the
-    prefill replicas first)."""
-    if config.replica_roles is None:
-        return dataclasses.replace(config, seed=config.seed + index)
-    counts = parse_replica_roles(config.replica_roles)
-    assert counts is not None  # validated with the config
-    return dataclasses.replace(config, seed=config.seed + index, replica_roles=None,
-                               data_parallel_size=config.num_replicas,
-                               role="prefill" if index < counts["prefill"] else "decode")

@@ -12,7 +12,7 @@ second time under `vllm:` (plus vLLM's older `gpu_cache_usage_perc` and
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pagoda.config import MetricsCompat
 from pagoda.serve.disagg_metrics import disagg_families
 from pagoda.serve.lora_metrics import lora_families
 from pagoda.serve.replica_metrics import ReplicaLabelledCollector
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 PREFIX = "pagoda:"
 VLLM_PREFIX = "vllm:"
-MetricsCompat = Literal["none", "vllm"]
 # vLLM's older names for two series, still read by many dashboards.
 VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
                 "inter_token_latency_seconds": "time_per_output_token_seconds"}
@@ -208,7 +208,7 @@ class ServerMetrics:
                  replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict) -> None:
         """`replica_stats`: each replica's stats by label (EngineClient.replica_stats); while
         there are replicas, the engine series carry a `replica` label instead of reading `stats`."""
-        if compat not in ("none", "vllm"):
+        if compat not in get_args(MetricsCompat):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)

@@ -1,10 +1,14 @@
-"""ServerSettings: the HTTP side's knobs (the engine's are in EngineConfig)."""
+"""ServerSettings: the HTTP side's settings (the engine's are in EngineConfig, the replicas' in
+DeploymentConfig), one field each; `pagoda serve`'s server flags are generated from it."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda.config import LogLevel, MetricsCompat, ToolCallParserName, TransportKind, parse_bytes
+from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 from pagoda.serve.latency_targets import LatencyTargets
 from pagoda.serve.request_limits import RequestLimits
 from pagoda.serve.tenants import TenantRegistry
@@ -15,30 +19,91 @@ if TYPE_CHECKING:
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
 DEFAULT_MAX_QUEUED_TOKENS = 1_000_000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def parse_optional_limit(text: str) -> int | None:
+    """A queue limit flag: a count, or none / 0 / unlimited for no limit."""
+    return None if text.lower() in ("none", "0", "unlimited") else int(text)
 
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
-    model_path: str = ""
-    tenants: TenantRegistry = field(default_factory=TenantRegistry.open)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
-    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
-    log_prompts: bool = False
-    latency_targets: LatencyTargets | None = None
+    """What `pagoda serve` runs the HTTP side with. The fields with help are its flags; the rest
+    are built at launch from those flags and the engine's config (launch.py), or given directly
+    by a caller that builds the app itself."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients use (default: the model directory's name)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require this key (Authorization: Bearer KEY); one tenant"})
+    api_keys: str | None = field(default=None, metadata={
+        "metavar": "FILE", "help": "YAML or JSON file of tenants, their API keys and limits"})
+    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata={
+        "parse": parse_bytes, "help": "largest request body"})
+    max_queued_requests: int | None = field(default=DEFAULT_MAX_QUEUED_REQUESTS, metadata={
+        "parse": parse_optional_limit,
+        "help": "requests waiting for their first token before new ones get 503 "
+                f"(default: {DEFAULT_MAX_QUEUED_REQUESTS}; 'none' for no limit)"})
+    max_queued_tokens: int | None = field(default=DEFAULT_MAX_QUEUED_TOKENS, metadata={
+        "parse": parse_optional_limit,
+        "help": "prompt tokens of queued requests before new ones get 503 "
+                f"(default: {DEFAULT_MAX_QUEUED_TOKENS}; 'none' for no limit)"})
+    engine_transport: TransportKind = field(default="process", metadata={
+        "help": "run the engine in its own process (default: it keeps its own GIL, so the HTTP side "
+                "cannot stall it, and a crash leaves the server up to answer 503), or on a thread of "
+                "the server process (starts faster)"})
+    tool_call_parser: ToolCallParserName = field(default="hermes", metadata={
+        "help": "how the model writes tool calls (default: hermes, as Qwen2.5/3 do)"})
+    guardrails_file: str | None = field(default=None, metadata={
+        "flag": "--guardrails", "metavar": "FILE",
+        "help": "YAML file of input/output guardrail rules (regex, blocklist, pii, classifier) per "
+                "tenant (default: off)"})
+    allow_runtime_lora: bool = field(default=False, metadata={
+        "help": "let admin keys load and unload LoRA adapters at run time (POST "
+                "/v1/load_lora_adapter, /v1/unload_lora_adapter; needs --enable-lora)"})
+    log_prompts: bool = field(default=False, metadata={
+        "help": "include prompt and output text in the request log"})
+    log_level: LogLevel = field(default="info", metadata={"help": "server log level"})
+    shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata={
+        "help": "on Ctrl-C or SIGTERM, seconds to let running requests finish while new ones get "
+                "503; a second Ctrl-C exits at once"})
+    target_ttft_ms: float | None = field(default=None, metadata={
+        "help": "latency-aware admission: refuse new requests (503 + Retry-After) while the recent "
+                "p90 time to first token exceeds this (default: off)"})
+    target_itl_ms: float | None = field(default=None, metadata={
+        "help": "latency-aware admission: refuse new requests while the recent p90 inter-token "
+                "latency exceeds this (default: off)"})
+    metrics_compat: MetricsCompat = field(default="none", metadata={
+        "help": "also export every metric under vLLM's vllm: names, for existing vLLM dashboards"})
+
+    # ---- built at launch (no flags) ----
+    model_path: str = ""  # the engine's model directory, shown by /v1/models
+    tenants: TenantRegistry = field(default_factory=TenantRegistry.open)  # from --api-key(s)
+    guardrails: GuardrailsConfig | None = None  # --guardrails FILE, loaded
     request_limits: RequestLimits = field(default_factory=RequestLimits)
-    metrics_compat: str = "none"  # or "vllm": every series also under vllm: names
-    tool_call_parser: str = "hermes"  # pagoda/serve/tool_calls.py PARSERS
-    guardrails: "GuardrailsConfig | None" = None  # --guardrails FILE, loaded
-    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys)
+    latency_targets: LatencyTargets = field(init=False)  # from --target-ttft-ms / --target-itl-ms
 
     def __post_init__(self) -> None:
-        if self.metrics_compat not in ("none", "vllm"):
-            raise ValueError(f"metrics_compat must be none or vllm, got {self.metrics_compat!r}")
+        check_choices(self)
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         for name in ("max_queued_requests", "max_queued_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
+            ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
+            itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, cls, "server")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerSettings":
+        return from_flags(cls, args)

@@ -20,8 +20,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
+from pagoda.config import ToolCallParserName
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
@@ -30,7 +31,7 @@ from pagoda.serve.structured_request import check_grammar
 from pagoda.structured.grammar import JSON_OPTIONS
 from pagoda.sampling_params import StructuredOutputsParams
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = get_args(ToolCallParserName)  # --tool-call-parser
 
 
 @dataclass
@@ -280,11 +281,15 @@ def _split_json_sequence(text: str, separator: str) -> list[str]:
     return [p for p in parts if p]
 
 
+# Each --tool-call-parser name's parser (tests/serve/test_tool_calls.py: the names are PARSERS).
+PARSER_CLASSES: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
 def get_parser(name: str) -> ToolCallParser:
-    parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
-    if name not in parsers:
+    if name not in PARSER_CLASSES:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
-    return parsers[name]()
+    return PARSER_CLASSES[name]()
 
 
 # ---- requests --------------------------------------------------------------------------------

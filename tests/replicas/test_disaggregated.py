@@ -6,6 +6,7 @@ drops, and the idle invariant on every replica after each."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 import uuid
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.config import EngineConfig
+from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
@@ -28,17 +29,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def start(model: Path, engine_factory=None, **options: object) -> ReplicaSet:
     # Every request through a prefill replica unless a test says otherwise (these prompts are short).
     options = {"max_local_prefill_tokens": 0, **options}
+    deployment = DeploymentConfig(**{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig)
+                                     if f.name in options})
     config = EngineConfig(model=str(model), num_threads=1, num_kv_blocks=96, block_size=8,
                           max_num_batched_tokens=32, **options)
 
-    def starter(index: int, config: EngineConfig) -> AsyncLLM:
-        from pagoda.replicas.replica_set import replica_config
-
-        replica = replica_config(config, index)
+    def starter(index: int, replica: EngineConfig) -> AsyncLLM:
         factory = engine_factory if engine_factory is not None and replica.role == "prefill" else None
         return AsyncLLM(replica, transport="thread", engine_factory=factory)
 
-    return ReplicaSet.start(config, starter)
+    return ReplicaSet.start(config, deployment, starter)
 
 
 def prompts(count: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
@@ -241,12 +241,13 @@ def test_tenant_salts_travel_with_the_blocks_and_an_abort_leaks_nothing(llama_di
 
 def test_replica_roles_are_checked(llama_dir) -> None:
     with pytest.raises(ValueError, match="replica_roles must look like"):
-        EngineConfig(model=str(llama_dir), replica_roles="prefill=1")
+        DeploymentConfig(replica_roles="prefill=1")
     with pytest.raises(ValueError, match="replica_roles counts add up to 2"):
-        EngineConfig(model=str(llama_dir), replica_roles="prefill=1,decode=1", data_parallel_size=3)
+        DeploymentConfig(replica_roles="prefill=1,decode=1", data_parallel_size=3)
     with pytest.raises(ValueError, match="set each replica's role"):
-        EngineConfig(model=str(llama_dir), replica_roles="prefill=1,decode=1", role="decode")
-    assert EngineConfig(model=str(llama_dir), replica_roles="prefill=1,decode=2").num_replicas == 3
+        DeploymentConfig(replica_roles="prefill=1,decode=1").validate_with(
+            EngineConfig(model=str(llama_dir), role="decode"))
+    assert DeploymentConfig(replica_roles="prefill=1,decode=2").num_replicas == 3
     from pagoda.replicas.start import start_engines
 
     with pytest.raises(ValueError, match="--replica-roles"):
@@ -266,17 +267,16 @@ def test_a_dead_decode_replica_moves_its_requests_and_the_prefill_side_holds_not
     token_lists = prompts(3, 30, seed=19)
     expected = colocated(llama_dir, token_lists)
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=96, block_size=8,
-                          max_num_batched_tokens=32, replica_roles="prefill=1,decode=2", router="round_robin",
-                          max_local_prefill_tokens=0,
+                          max_num_batched_tokens=32,
                           kv_transfer_timeout=2.0)
+    deployment = DeploymentConfig(replica_roles="prefill=1,decode=2", router="round_robin",
+                                  max_local_prefill_tokens=0)
 
-    def starter(index: int, config: EngineConfig) -> AsyncLLM:
-        from pagoda.replicas.replica_set import replica_config
-
-        return AsyncLLM(replica_config(config, index), transport="thread",
+    def starter(index: int, replica: EngineConfig) -> AsyncLLM:
+        return AsyncLLM(replica, transport="thread",
                         engine_factory=_DecodeThatDies if index == 1 else None)
 
-    replicas = ReplicaSet.start(config, starter)
+    replicas = ReplicaSet.start(config, deployment, starter)
     try:
         assert [r.role for r in replicas.replicas] == ["prefill", "decode", "decode"]
         assert run_all(replicas, token_lists) == expected

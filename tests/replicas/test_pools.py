@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.config import EngineConfig
+from pagoda.config import DeploymentConfig
 from pagoda.replicas.policies import RouteRequest
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
 
@@ -69,15 +69,15 @@ def test_bad_rules_are_refused_with_the_reason(data: object, message: str) -> No
 
 
 def test_config_checks_pools_against_replicas() -> None:
-    EngineConfig(data_parallel_size=3, replica_pools="chat=2,long=1")
+    DeploymentConfig(data_parallel_size=3, replica_pools="chat=2,long=1")
     with pytest.raises(ValueError, match="add up to 3"):
-        EngineConfig(data_parallel_size=2, replica_pools="chat=2,long=1")
+        DeploymentConfig(data_parallel_size=2, replica_pools="chat=2,long=1")
     with pytest.raises(ValueError, match="replica_pools too"):
-        EngineConfig(data_parallel_size=2, route_rules="rules.yaml")
+        DeploymentConfig(data_parallel_size=2, route_rules="rules.yaml")
     with pytest.raises(ValueError, match="router"):
-        EngineConfig(router="random")
+        DeploymentConfig(router="random")
     with pytest.raises(ValueError, match="data_parallel_size"):
-        EngineConfig(data_parallel_size=0)
+        DeploymentConfig(data_parallel_size=0)
 
 
 

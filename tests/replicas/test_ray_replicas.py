@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.config import EngineConfig
+from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
 
@@ -37,10 +37,9 @@ def two_node_cluster(monkeypatch: pytest.MonkeyPatch):
 
 def test_one_replica_per_node_both_serve(two_node_cluster, llama_dir: Path) -> None:
     cluster, node_ids = two_node_cluster
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, data_parallel_size=2,
-                          distributed_executor_backend="ray", ray_address=cluster.address,
-                          router="round_robin")
-    replicas = start_engines(config)
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
+                          distributed_executor_backend="ray", ray_address=cluster.address)
+    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2, router="round_robin"))
     try:
         placed = {r.llm._transport.node_id for r in replicas.replicas}
         assert placed == node_ids  # one per node: each node has one CPU, each replica needs one
@@ -85,10 +84,9 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
         for delta in reference.step().deltas:
             expected.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                          replica_roles="prefill=1,decode=1", distributed_executor_backend="ray",
-                          max_local_prefill_tokens=0,
-                          ray_address=cluster.address)
-    replicas = start_engines(config)
+                          distributed_executor_backend="ray", ray_address=cluster.address)
+    replicas = start_engines(config, DeploymentConfig(replica_roles="prefill=1,decode=1",
+                                                      max_local_prefill_tokens=0))
     try:
         assert {r.llm._transport.node_id for r in replicas.replicas} == node_ids
         assert not replicas.replicas[1].llm.kv_address.startswith(("0.0.0.0", "127."))

@@ -4,11 +4,12 @@ requests that had not started, load paid back, per-replica stats, the idle invar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from pagoda.config import EngineConfig
+from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
@@ -33,6 +34,9 @@ class _EngineThatDies(LLMEngine):
 
 def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # type: ignore[assignment]
           **options: object) -> ReplicaSet:
+    """`options`: EngineConfig and DeploymentConfig fields."""
+    deployment = DeploymentConfig(**{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig)
+                                     if f.name in options})
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, **options)
 
     def dying_engine(config: EngineConfig) -> LLMEngine:
@@ -44,7 +48,7 @@ def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # t
         return AsyncLLM(config, transport="thread",
                         engine_factory=dying_engine if index in dying else None)
 
-    return ReplicaSet.start(config, starter)
+    return ReplicaSet.start(config, deployment, starter)
 
 
 async def generate(replicas: ReplicaSet, request_id: str, prompt: list[int], **hints: str) -> list[int]:

@@ -42,8 +42,8 @@ def expected(model: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def server(model: Path) -> LiveServer:
     live = start_server(model, transport="process",
-                        engine={"replica_roles": "prefill=1,decode=1", "max_num_batched_tokens": 64,
-                                "max_local_prefill_tokens": 0})
+                        engine={"max_num_batched_tokens": 64},
+                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0})
     yield live
     live.stop()
 
@@ -166,8 +166,8 @@ def test_other_architectures_through_the_server_match_one_engine(model_dirs, arc
         expected = run(one)
     finally:
         one.stop()
-    pair = start_server(model, engine={"replica_roles": "prefill=1,decode=1", "enable_prefix_caching": True,
-                                       "max_local_prefill_tokens": 0})
+    pair = start_server(model, engine={"enable_prefix_caching": True},
+                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0})
     try:
         got = run(pair)
         assert [[token for token, _ in output] for output in got] == [[t for t, _ in o] for o in expected]

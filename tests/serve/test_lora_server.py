@@ -17,7 +17,8 @@ from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server 
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.config import EngineConfig  # noqa: E402
-from pagoda.serve.launch import ServeOptions, launch_server  # noqa: E402
+from pagoda.serve.launch import launch_server  # noqa: E402
+from pagoda.serve.settings import ServerSettings  # noqa: E402
 from pagoda.lora_request import LoRARequest  # noqa: E402
 from pagoda.serve.tenants import TenantRegistry  # noqa: E402
 
@@ -147,10 +148,10 @@ def test_serve_refuses_to_start_with_a_bad_adapter(setup, tmp_path) -> None:
     engine = EngineConfig(model=str(model), enable_lora=True, num_kv_blocks=16,
                           lora_modules=[f"sql={tmp_path / 'absent'}"])
     with pytest.raises(SystemExit) as stopped:
-        launch_server(ServeOptions(engine=engine, engine_transport="thread", log_level="warning"))
+        launch_server(engine, ServerSettings(engine_transport="thread", log_level="warning"))
     message = str(stopped.value)
     assert message.startswith("pagoda serve:") and "'sql'" in message and "no such directory" in message
     assert "\n" not in message
     engine = EngineConfig(model=str(model), enable_lora=True, lora_modules=[f"{MODEL_NAME}={tmp_path}"])
     with pytest.raises(SystemExit, match="has the served model's name"):
-        launch_server(ServeOptions(engine=engine, served_model_name=MODEL_NAME, log_level="warning"))
+        launch_server(engine, ServerSettings(served_model_name=MODEL_NAME, log_level="warning"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, TransportKind
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.transport.messages import ToEngine
 from pagoda.engine.validation import EngineLimits
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats, LLMEngine
     from pagoda.tokenizer import Tokenizer
 
-TransportKind = Literal["thread", "process"]
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
 # Every step's output, as the engine returned it, with the engine's stats after that step.
 OnEmitted = Callable[[EngineStepOutput, "EngineStats"], None]
