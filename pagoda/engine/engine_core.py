@@ -14,7 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.disaggregation import DisaggStats
-from pagoda.engine.max_num_seqs import max_num_seqs_bound, resolve_max_num_seqs
+from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
                                       check_request_id_free, validate_request)
@@ -141,7 +141,7 @@ class EngineCore:
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
                                        preemption=self.kv_tiers.policy if self.kv_tiers else None)
         self.scheduler = Scheduler(
-            self.kv_cache, max_num_seqs=max_num_seqs_bound(config), max_num_batched_tokens=config.max_num_batched_tokens,
+            self.kv_cache, max_num_seqs=config.max_num_seqs_bound, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
             max_loras=config.max_loras if self.lora is not None else None)
@@ -152,7 +152,7 @@ class EngineCore:
                                          self.device, self.kv_format)
         self.speculation = SpecDecodeController(config, drafter)
         self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, max_num_seqs=max_num_seqs_bound(config),
+                                  config.seed, max_num_seqs=config.max_num_seqs_bound,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager or self.executor is not None,
                                   speculator=self.speculation if config.speculative else None,
@@ -223,7 +223,7 @@ class EngineCore:
             return self.config.num_kv_blocks
         num_blocks = self.config.kv_cache_bytes // bytes_per_block
         # More than every running sequence at full length could ever use is wasted memory.
-        useful = max_num_seqs_bound(self.config) * -(-self.max_model_len // self.config.block_size)
+        useful = self.config.max_num_seqs_bound * -(-self.max_model_len // self.config.block_size)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "

@@ -25,21 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagoda.config import MAX_NUM_SEQS_CEILING as CEILING
 from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CEILING = 256  # the largest default, vLLM's; larger batches are an explicit choice
 PROBE_BATCH_SIZES = (1, 4, 16, 64, 256)
 PROBE_PROMPT_TOKENS = 4  # with the 3 tokens a probe decodes: one block of 8 or more
-
-
-def max_num_seqs_bound(config: EngineConfig) -> int:
-    """The most sequences that may ever run at once: --max-num-seqs, or while its default is
-    not chosen yet, the ceiling of that default (what sizes buffers before calibration)."""
-    return config.max_num_seqs or CEILING
 
 
 @dataclass(frozen=True)
