@@ -16,8 +16,9 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from pagoda.ops.stats import auc, bootstrap_auc_interval, median, percentile
+from pagoda.ops.stats import auc, bootstrap_auc_interval
 from pagoda.ops.target import Target
+from pagoda.stats import median, percentile
 
 WORDS = ("alpha beta gamma delta river stone cloud maple orbit piano violet ember signal "
          "harbor quartz lantern meadow copper falcon glacier tunnel pepper saffron canyon "

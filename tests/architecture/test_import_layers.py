@@ -17,7 +17,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # lower layers and itself, nothing else. "pagoda" is the package's front (`from pagoda import
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
+    ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
+     "stats"),  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
