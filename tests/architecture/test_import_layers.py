@@ -18,7 +18,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
-     "stats"),  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
+     "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
+     "http_client"),  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
