@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -88,12 +87,6 @@ def num_params(model_dir: Path) -> int:
     return load_model(str(model_dir))[1].total
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> Iterator[str]:
     """`pagoda serve` as a subprocess on a free loopback port; yields its base URL."""
@@ -105,35 +98,15 @@ def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> I
 def pagoda_server_process(model_dir: Path, engine_flags: list[str], log_path: Path
                           ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`pagoda serve` as a subprocess on a free loopback port; yields its base URL and process."""
-    import httpx
+    from pagoda.http_client.server_process import free_port, running_server
 
     port = free_port()
     command = [PYTHON, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning", *engine_flags]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"pagoda serve did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.25)
+    with running_server(command, url + "/health", timeout=120, log_path=log_path, cwd=REPO,
+                        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, name="pagoda serve") as proc:
         yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def bench(argv: list[str]) -> int:

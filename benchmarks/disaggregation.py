@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation vs one co-located engine on the same two cores (issue 19).
+"""Prefill/decode disaggregation vs one co-located engine on the same two cores.
 
 Workload (pagoda.bench.mixed_load, seeded, the same for every configuration): --streams chat
 clients decode continuously (prompts uniform 56-72 tokens, 128 output tokens, closed loop)
@@ -133,6 +133,7 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
 
     from pagoda.bench.loadgen import LoadConfig, send_request
     from pagoda.bench.records import BenchRequest
+    from pagoda.http_client.sse import aiter_sse_events
 
     rng = random.Random(f"probe:{label}")
 
@@ -159,9 +160,8 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
                 body = {"model": "bench", "prompt": long_request.prompt, "max_tokens": long_request.output_len,
                         "ignore_eos": True, "stream": True}
                 async with client.stream("POST", config.url, json=body) as response:
-                    async for line in response.aiter_lines():
-                        if line.startswith("data:") and not first_token.is_set():
-                            first_token.set()
+                    async for _ in aiter_sse_events(response.aiter_lines()):
+                        first_token.set()
 
             long_task = asyncio.create_task(long_stream())
             await first_token.wait()

@@ -28,13 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
 
+from pagoda.stats import percentile  # noqa: E402
+
 NAME = "kv_tiers"
 BLOCK = 16
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def make_core(model_dir: Path, threads: int, **engine):
@@ -74,10 +71,10 @@ def summarize(core, records: list[dict], seconds: float, output_tokens: int) -> 
     stats = core.stats()
     row = {
         "requests": len(records), "seconds": seconds,
-        "ttft_p50_s": percentile([r["ttft"] for r in records], 0.5),
-        "ttft_p99_s": percentile([r["ttft"] for r in records], 0.99),
-        "e2e_p50_s": percentile([r["e2e"] for r in records], 0.5),
-        "e2e_p99_s": percentile([r["e2e"] for r in records], 0.99),
+        "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
+        "ttft_p99_s": percentile([r["ttft"] for r in records], 99),
+        "e2e_p50_s": percentile([r["e2e"] for r in records], 50),
+        "e2e_p99_s": percentile([r["e2e"] for r in records], 99),
         "output_tok_per_s": output_tokens / seconds,
         "prefix_hit_rate": stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0,
         "preemptions": stats.num_preemptions,

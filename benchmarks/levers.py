@@ -1,4 +1,4 @@
-"""Each speed lever of issue 13, on vs off, measured side by side on decode steps.
+"""Each speed lever of the engine, on vs off, measured side by side on decode steps.
 
 For a lever, two engines are built in this process on the same weights: one as pagoda runs
 (lever on), one with the lever taken out. Both get the same `--concurrency` requests (random

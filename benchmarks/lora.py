@@ -39,6 +39,7 @@ from pagoda.lora.adapter import module_shapes  # noqa: E402
 from pagoda.lora_request import LoRARequest  # noqa: E402
 from pagoda.model.loader import load_model_config  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
+from pagoda.stats import percentile  # noqa: E402
 
 
 def write_adapter(directory: Path, rank: int, seed: int) -> Path:
@@ -106,11 +107,6 @@ class ModeRun:
                 del self._since_token[delta.request_id]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=32)
@@ -172,8 +168,8 @@ def main() -> None:
                     run.step()
         for mode, run in runs.items():
             samples[mode].append({"tok_per_s": run.num_tokens / run.busy_seconds,
-                                  "itl_p50_ms": percentile(run.gaps, 0.5) * 1e3,
-                                  "itl_p99_ms": percentile(run.gaps, 0.99) * 1e3})
+                                  "itl_p50_ms": percentile(run.gaps, 50) * 1e3,
+                                  "itl_p99_ms": percentile(run.gaps, 99) * 1e3})
             print(f"round {round_index} {mode:45s} {samples[mode][-1]['tok_per_s']:8.1f} tok/s  "
                   f"p99 ITL {samples[mode][-1]['itl_p99_ms']:6.1f} ms", flush=True)
 

@@ -1,4 +1,4 @@
-"""Where the offline engine's time goes on offline_throughput.py's workload (issue 13).
+"""Where the offline engine's time goes on offline_throughput.py's workload.
 
 Runs the same 256 requests (prompt and output lengths uniform 32-256, ignore_eos, the ~10M
 random Llama, float32, 2 threads) through the engine step by step, twice:

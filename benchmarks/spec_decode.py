@@ -33,6 +33,7 @@ from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
 from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
+from pagoda.stats import percentile  # noqa: E402
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "pagoda-coder-draft"
 
@@ -102,7 +103,7 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / elapsed,
         "itl_ms_median": statistics.median(itls) * 1000,
-        "itl_ms_p90": sorted(itls)[int(0.9 * (len(itls) - 1))] * 1000,
+        "itl_ms_p90": percentile(itls, 90) * 1000,
         "tokens": [o.outputs[0].token_ids for o in sorted(finished, key=lambda o: int(o.request_id))],
     }
 

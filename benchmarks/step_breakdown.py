@@ -1,5 +1,5 @@
 """Where an engine step goes: scheduling, input preparation, forward by layer type, attention,
-LM head, sampling, output processing and IPC, at fixed concurrency (issue 13).
+LM head, sampling, output processing and IPC, at fixed concurrency.
 
 Runs the engine as `pagoda serve`'s engine process runs it (LLMEngine on the serving thread
 policy, deltas pickled through a multiprocessing pipe to a reader thread after every step), in

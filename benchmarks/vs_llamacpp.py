@@ -1,4 +1,4 @@
-"""pagoda vs llama.cpp's `llama-server` on the same weights, side by side (issue 13).
+"""pagoda vs llama.cpp's `llama-server` on the same weights, side by side.
 
 The benchmark model (safetensors, float32) is served by `pagoda serve`; its f32 GGUF conversion
 (llama.cpp's `convert_hf_to_gguf.py`, f32 KV cache) by `llama-server`. Before any timing, both
@@ -28,14 +28,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, REPO, RESULTS, build_bench_model, free_port, metadata,  # noqa: E402
+from common import (META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
                     pagoda_server_process, write_summary)
 
 NAME = "vs_llamacpp"
@@ -76,35 +75,15 @@ def convert_to_gguf(model_dir: Path, llama_cpp: Path) -> Path:
 def llama_server(binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int,
                  log_path: Path) -> Iterator[tuple[str, int]]:
     """`llama-server` on a free loopback port with an f32 KV cache; yields (base URL, pid)."""
-    import httpx
+    from pagoda.http_client.server_process import free_port, running_server
 
     port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads),
                "-ctk", "f32", "-ctv", "f32", "--alias", "bench"]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.25)
+    with running_server(command, url + "/health", timeout=120, log_path=log_path, name="llama-server") as proc:
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def process_tree_cpu_seconds(pid: int) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -14,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 import pytest
 import uvicorn
 
 from pagoda.config import DEFAULT_MODEL_DIR, DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.http_client import server_process
+from pagoda.http_client.server_process import ServerStartError, free_port
 from pagoda.replicas.start import start_engines
 from pagoda.serve.app import build_app
 from pagoda.serve.settings import ServerSettings
@@ -109,30 +109,14 @@ def run(coro: Any) -> Any:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_serve_process(model_dir: Path, port: int, *flags: str, timeout: float = 90) -> subprocess.Popen:
     """`pagoda serve` in a subprocess (its own process group, as in a terminal), once /health
     answers 200; stdout and stderr together in `process.stdout`."""
     command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--num-threads", "1", *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"pagoda serve exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("pagoda serve did not come up")
-        time.sleep(0.2)
+    try:
+        return server_process.start_server(command, f"http://127.0.0.1:{port}/health", timeout=timeout,
+                                           env=env, start_new_session=True, name="pagoda serve")
+    except ServerStartError as exc:
+        pytest.fail(str(exc))

@@ -20,6 +20,7 @@ from typing import Any
 
 from pagoda.bench.records import BenchRequest, RequestRecord, RunResult
 from pagoda.bench.server_metrics import scrape
+from pagoda.http_client.sse import aiter_sse_events
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -121,15 +122,12 @@ async def send_request(client: Any, config: LoadConfig, request: BenchRequest, t
                 body = (await resp.aread()).decode(errors="replace")
                 record.error = _error_message(body) or f"HTTP {resp.status_code}"
                 return record
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+            async for event in aiter_sse_events(resp.aiter_lines()):
+                if event.done:
                     break
-                chunk = json.loads(data)
+                chunk = event.json()
                 if "error" in chunk:
-                    record.error = _error_message(data) or "error in stream"
+                    record.error = _error_message(event.data) or "error in stream"
                     break
                 if chunk.get("usage"):
                     usage = chunk["usage"]

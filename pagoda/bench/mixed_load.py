@@ -24,7 +24,8 @@ from pagoda.bench.lengths import LengthDist, uniform
 from pagoda.bench.loadgen import LoadConfig, arrival_intervals, send_request
 from pagoda.bench.prompts import PromptBuilder
 from pagoda.bench.records import BenchRequest, RequestRecord, RunResult
-from pagoda.bench.report import LatencyStats, percentile
+from pagoda.bench.report import LatencyStats
+from pagoda.stats import percentile
 
 # Arrival requests are numbered from here, stream requests below it (records sort by index).
 ARRIVAL_INDEX_BASE = 1_000_000
@@ -172,7 +173,7 @@ class RequestSlo:
 
 def request_itl_p99(record: RequestRecord) -> float:
     """The request's own p99 gap between tokens (0 for a single-token answer)."""
-    return percentile(sorted(record.itls), 99) if record.itls else 0.0
+    return percentile(record.itls, 99) or 0.0
 
 
 def meets_request_slo(record: RequestRecord, slo: RequestSlo) -> bool:

@@ -57,9 +57,6 @@ class PromptBuilder:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def random_words(self, n: int, rng: random.Random) -> str:
-        return "".join(rng.choice(self.words) for _ in range(n))
-
     def extend_to(self, prefix: str, target: int, rng: random.Random, *, content_only: bool = False) -> str:
         """prefix + random words with exactly `target` tokens (content only or with special tokens).
 

@@ -12,21 +12,12 @@ from typing import Any
 
 from pagoda.bench.records import RequestRecord
 from pagoda.bench.server_metrics import ServerMetricsDelta
+from pagoda.stats import percentile
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 SLO_HELP = ("latency targets in seconds (or with an ms suffix) for goodput, e.g. ttft=0.5,itl=50ms. "
             "Keys: ttft, itl (every gap of the request), tpot (its mean time per output token), e2e")
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
-    if not sorted_values:
-        raise ValueError("percentile of an empty list")
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 @dataclass

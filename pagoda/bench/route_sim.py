@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from pagoda.bench.route_traces import TraceRequest, generate_trace, load_trace, trace_summary
 from pagoda.bench.step_cost import DEFAULT_STEP_COST, StepCost
 from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
+from pagoda.stats import percentile
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
@@ -228,8 +229,7 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
             replica.busy = False
             replica.finish_step(now)
             kick(replica)
-    ttfts = sorted(r.first_token_s - r.trace.arrival_s for r in all_requests
-                   if r.first_token_s is not None)
+    ttfts = [r.first_token_s - r.trace.arrival_s for r in all_requests if r.first_token_s is not None]
     prompt_tokens = sum(r.prompt_len for r in all_requests)
     cached = sum(r.cached_tokens for r in all_requests)
     return PolicyResult(
@@ -238,16 +238,14 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
         # Poisson arrivals see time averages (PASTA): load_sums / arrivals is each replica's
         # mean outstanding tokens over the run.
         imbalance=max(load_sums) / statistics.fmean(load_sums) if any(load_sums) else 1.0,
-        ttft_p50_s=_percentile(ttfts, 50), ttft_p99_s=_percentile(ttfts, 99),
+        ttft_p50_s=_percentile_or_nan(ttfts, 50), ttft_p99_s=_percentile_or_nan(ttfts, 99),
         throughput_rps=len(all_requests) / now if now > 0 else 0.0,
         routed_by_prefix=by_prefix / max(len(all_requests), 1))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    rank = max(0, math.ceil(q / 100 * len(values)) - 1)
-    return values[rank]
+def _percentile_or_nan(values: list[float], q: float) -> float:
+    value = percentile(values, q)
+    return math.nan if value is None else value
 
 
 @dataclass

@@ -6,10 +6,11 @@ including the older `gpu_prefix_cache_*` names).
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+
+from pagoda.stats import histogram_quantile
 
 METRIC_PREFIXES = ("pagoda:", "vllm:")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
@@ -76,24 +77,6 @@ def _delta(before: Samples, after: Samples, names: list[str]) -> float | None:
     if a is None:
         return None
     return a - (_counter(before, names) or 0.0)
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus-style quantile from cumulative (upper bound, count) pairs, linear within a bucket."""
-    buckets = sorted(buckets)
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_bound, prev_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return prev_bound
-            if count == prev_count:
-                return bound
-            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
-        prev_bound, prev_count = bound, count
-    return prev_bound
 
 
 def metrics_delta(before: Samples, after: Samples) -> ServerMetricsDelta | None:

@@ -224,8 +224,8 @@ class PreemptionPolicy:
     """Chooses recompute or swap for a preempted request.
 
     `auto` compares the estimated cost of copying its blocks out and back with the cost of
-    recomputing its tokens; both rates are running averages of what this engine measured
-    (priors until then). A fixed per-swap overhead makes short contexts recompute.
+    recomputing its tokens; both rates are exponential moving averages of what this engine
+    measured (priors until then). A fixed per-swap overhead makes short contexts recompute.
     """
 
     SWAP_OVERHEAD_S = 2e-3  # resuming a swapped request costs at least one extra bookkeeping pass
@@ -251,5 +251,7 @@ class PreemptionPolicy:
             self.forward_s_per_token = 0.8 * self.forward_s_per_token + 0.2 * seconds / num_tokens
 
     def observe_copy(self, num_blocks: int, seconds: float) -> None:
+        """Copies of `num_blocks` blocks that took `seconds`; like the forward rate, an
+        exponential moving average, so the estimate follows what copies cost lately."""
         if num_blocks > 0 and seconds > 0:
             self.copy_s_per_block = 0.8 * self.copy_s_per_block + 0.2 * seconds / num_blocks

@@ -38,10 +38,6 @@ class Decision:
     def redacted(self) -> bool:
         return any(h.action == "redact" for h in self.hits)
 
-    @property
-    def flagged(self) -> bool:
-        return any(h.action == "flag" for h in self.hits)
-
     def merge(self, other: "Decision") -> None:
         """Fold the hits (and block) of `other` into this decision; `text` is left alone."""
         self.hits.extend(other.hits)

@@ -178,10 +178,6 @@ class OutputFilter:
     def blocked(self) -> bool:
         return self.decision.blocked
 
-    @property
-    def pending_chars(self) -> int:
-        return len(self._pending)
-
     async def feed(self, delta: str) -> str:
         if self.blocked:
             return ""

@@ -76,16 +76,6 @@ def num_disk_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return blocks
 
 
-def kv_tier_plan(config: EngineConfig, bytes_per_block: int) -> list[tuple[str, int, int]]:
-    """(tier, blocks, tokens) of the configured lower tiers, for `pagoda plan`'s worksheet."""
-    rows = []
-    for tier, blocks in (("host", num_host_blocks(config, bytes_per_block)),
-                         ("disk", num_disk_blocks(config, bytes_per_block))):
-        if blocks:
-            rows.append((tier, blocks, blocks * config.block_size))
-    return rows
-
-
 class KVTiers:
     """The engine's tiers: bookkeeping for the scheduler, copies for the runner."""
 
@@ -109,6 +99,9 @@ class KVTiers:
         self.disk = disk
         self.policy = PreemptionPolicy(config.preemption_mode)
         self.transfer: BlockTransfer | None = None
+        # The transfer's cumulative load totals the policy has already seen.
+        self._observed_load_blocks = 0
+        self._observed_load_seconds = 0.0
 
     def attach(self, device_caches: "list[torch.Tensor]") -> "BlockTransfer":
         """Allocate the host tensors mirroring the device caches (every layer's keys and values,
@@ -119,12 +112,15 @@ class KVTiers:
         return self.transfer
 
     def observe_step(self, num_batched_tokens: int, forward_seconds: float) -> None:
-        """Feed the auto preemption policy with this engine's own forward and copy rates."""
+        """Feed the auto preemption policy with this engine's own forward and copy rates: the
+        step's forward, and the host-to-device loads issued since the last step."""
         self.policy.observe_forward(num_batched_tokens, forward_seconds)
         if self.transfer is not None:
             stats = self.transfer.stats
-            if stats.blocks_to_device:
-                self.policy.copy_s_per_block = stats.seconds_to_device / stats.blocks_to_device
+            self.policy.observe_copy(stats.blocks_to_device - self._observed_load_blocks,
+                                     stats.seconds_to_device - self._observed_load_seconds)
+            self._observed_load_blocks = stats.blocks_to_device
+            self._observed_load_seconds = stats.seconds_to_device
 
     def stats(self, hits: dict[str, int], num_swapped: int, preemptions: dict[str, int]) -> KVTierStats:
         usage = {"host": self.host.usage}

@@ -56,11 +56,6 @@ class LoRAAdapter:
     def target_modules(self) -> list[str]:
         return sorted({module for _, module in self.modules}, key=TARGET_MODULES.index)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
-                   for m in self.modules.values())
-
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each adaptable projection of the base model."""

@@ -10,7 +10,7 @@ read, the step's largest rank (times the fused parts): smaller adapters are zero
 Formulations on CPU (benchmarks/lora_ops.py, results in benchmarks/results/lora/lora_ops.json):
 - segmented (used): tokens sorted by slot, two GEMMs per adapter present in the step; each
   adapter's weights are read once. Fastest wherever several adapters share a step, decode and
-  prefill, ranks 8 and 64: 1.8-14x faster than the dense one, 5-140x than the gathered one.
+  prefill, small ranks and large: ahead of the dense one, far ahead of the gathered one.
 - gathered: each token's A and B gathered and multiplied with one bmm (Punica's BGMV); it
   copies `width * (in + out)` weights per token. Kept as the independent reference the tests
   check the segmented path and the GPU kernels against.

@@ -51,7 +51,3 @@ class SlotTable:
     def evict(self, load_id: int) -> None:
         """Forget an adapter that is gone (unloaded and no request uses it any more)."""
         self._resident.pop(load_id, None)
-
-    @property
-    def resident(self) -> list[int]:
-        return list(self._resident)

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from pagoda.http_client.sse import iter_sse_events
 from pagoda.ops.suite import BadRequestCase, SuiteCase
 from pagoda.ops.target import Target
 
@@ -155,26 +156,22 @@ def stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any]
                 response.read()
                 result.error = error_message(response)
                 return result
-            for line in response.iter_lines():
-                if not line.strip() or line.startswith(":"):
-                    continue
-                if not line.startswith("data:"):
-                    result.malformed.append(line[:120])
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+            # Lines that are not data (nor blank, nor comments) land in `malformed` as they come.
+            for event in iter_sse_events(response.iter_lines(), result.malformed):
+                if event.done:
                     result.done = True
                     continue
                 if result.done:
                     result.malformed.append("data after [DONE]")
                 try:
-                    chunk = json.loads(data)
+                    chunk = event.json()
                 except json.JSONDecodeError:
-                    result.malformed.append(data[:120])
+                    result.malformed.append(event.data[:120])
                     continue
                 if result.ttft is None and chunk.get("choices"):
                     result.ttft = time.perf_counter() - sent
                 result.chunks.append(chunk)
+            result.malformed = [line[:120] for line in result.malformed]
             return result
     except httpx.HTTPError as exc:
         return Streamed(0, error=f"{type(exc).__name__}: {exc}")

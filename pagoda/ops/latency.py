@@ -12,9 +12,9 @@ from typing import Any
 
 from pagoda.bench.loadgen import LoadConfig, run_load_async
 from pagoda.bench.records import BenchRequest, RunResult
-from pagoda.ops.stats import median, percentile
 from pagoda.ops.suite import Suite
 from pagoda.ops.target import Target
+from pagoda.stats import median, percentile
 
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "throughput")
 

@@ -16,8 +16,10 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from pagoda.ops.stats import auc, bootstrap_auc_interval, median, percentile
+from pagoda.http_client.sse import aiter_sse_events
+from pagoda.ops.stats import auc, bootstrap_auc_interval
 from pagoda.ops.target import Target
+from pagoda.stats import median, percentile
 
 WORDS = ("alpha beta gamma delta river stone cloud maple orbit piano violet ember signal "
          "harbor quartz lantern meadow copper falcon glacier tunnel pepper saffron canyon "
@@ -106,10 +108,10 @@ class Session:
                 if resp.status_code != 200:
                     result.error = (await resp.aread()).decode(errors="replace")[:200]
                     return result
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                async for event in aiter_sse_events(resp.aiter_lines()):
+                    if event.done:
                         continue
-                    chunk = json.loads(line[len("data:"):])
+                    chunk = event.json()
                     usage = chunk.get("usage")
                     if usage:
                         result.prompt_tokens = usage.get("prompt_tokens")
@@ -127,7 +129,7 @@ class Session:
                         last = now
                         text = choice.get("text") or ""
                         result.chunk_texts.append(text)
-                        result.chunk_bytes.append(len(line.encode()))
+                        result.chunk_bytes.append(len(event.line.encode()))
                         tokens = (choice.get("logprobs") or {}).get("tokens")
                         if tokens is not None:
                             result.chunk_tokens.append(len(tokens))

@@ -1,25 +1,11 @@
-"""Small statistics the gate and the audit share: percentiles, AUC, bootstrap intervals."""
+"""Small statistics the audit uses: AUC and its bootstrap interval (percentiles: pagoda.stats)."""
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Sequence
 
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def median(values: Sequence[float]) -> float | None:
-    return percentile(values, 50)
+from pagoda.stats import percentile
 
 
 def auc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:

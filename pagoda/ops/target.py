@@ -5,18 +5,18 @@ loopback port, stopped when the tool ends."""
 from __future__ import annotations
 
 import contextlib
-
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+
+from pagoda.http_client.server_process import ServerStartError, free_port, start_server, stop_server
 
 LAUNCH_PREFIX = "pagoda:"
 
@@ -71,38 +71,16 @@ def resolve_model(client: httpx.Client, target: Target) -> str:
     return target.model
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class LaunchedServer:
     """A `pagoda serve` child process on a loopback port; `stop` ends it."""
 
     process: subprocess.Popen
     target: Target
-    log_path: str
-    _log: Any = field(repr=False, default=None)
+    log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        if self._log is not None:
-            self._log.close()
-
-    def log_tail(self, num_chars: int = 2000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-num_chars:]
-        except OSError:
-            return ""
+        stop_server(self.process)
 
 
 def launch_pagoda(args: list[str], label: str, *, api_key: str | None = None,
@@ -112,30 +90,18 @@ def launch_pagoda(args: list[str], label: str, *, api_key: str | None = None,
         raise TargetError(f"{label}: leave --host/--port out of pagoda:ARGS; the tool picks a "
                           "free loopback port")
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix=f"pagoda-{label}-", suffix=".log",
-                                      delete=False)
+    handle, log_name = tempfile.mkstemp(prefix=f"pagoda-{label}-", suffix=".log")
+    os.close(handle)
     command = [sys.executable, "-m", "pagoda.cli", "serve", *args,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     target = Target(f"http://127.0.0.1:{port}", api_key=api_key, label=label, launch_args=args)
-    server = LaunchedServer(process, target, log.name, log)
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
-        while True:
-            if process.poll() is not None:
-                server.stop()
-                raise TargetError(f"{label}: `pagoda serve {shlex.join(args)}` exited with "
-                                  f"{process.returncode}:\n{server.log_tail()}")
-            try:
-                if client.get(target.url("/health")).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                server.stop()
-                raise TargetError(f"{label}: pagoda did not become healthy within {timeout:.0f}s")
-            time.sleep(0.2)
+    try:
+        process = start_server(command, target.url("/health"), timeout=timeout,
+                               log_path=Path(log_name), name=f"`pagoda serve {shlex.join(args)}`",
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except ServerStartError as exc:
+        raise TargetError(f"{label}: {exc}") from None
+    return LaunchedServer(process, target, Path(log_name))
 
 
 def parse_target(spec: str, label: str, *, model: str | None = None,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.quant.storage_bytes import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_cache_bytes_per_token
+from pagoda.quant.storage_bytes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagoda.quant.storage_bytes import KV_SCALE_BYTES as SCALE_BYTES
 # Stored element type and the largest magnitude it represents.
 _QUANTIZED = {
@@ -83,11 +83,6 @@ class KVCacheFormat:
     def entry_size(self, head_dim: int) -> int:
         """Last dimension of the cache tensor for vectors of `head_dim`."""
         return head_dim + SCALE_BYTES if self.scale_per_token else head_dim
-
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Cache bytes one token takes across all layers, keys and values (storage_bytes' formula)."""
-        element = torch.tensor([], dtype=self.model_dtype).element_size()
-        return kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, self.name, element)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """[..., head_dim] in the model dtype -> cache entries [..., entry_size]."""

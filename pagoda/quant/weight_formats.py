@@ -19,9 +19,9 @@ Formats (weight-only: activations stay in floating point):
   convention); codes in tinygemm's CPU packed layout for `aten._weight_int4pack_mm_for_cpu`,
   or two per byte for the Triton w4a16 kernel on CUDA (pagoda/quant/triton_weight_kernels.py).
 
-PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (measured
-on this project's CPU: with float32 inputs they run 8x slower than a float32 dense matmul,
-with bfloat16 1.6-2x faster), so quantized layers of a float32 model compute in bfloat16 and
+PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (with
+float32 inputs they run far slower than a float32 dense matmul, with bfloat16 faster than it;
+benchmarks/quantization.py), so quantized layers of a float32 model compute in bfloat16 and
 cast the output back. A format whose kernel is missing on the device fails at startup
 (`check_kernel`), never falls back to a slow path silently.
 """
@@ -75,17 +75,16 @@ class WeightFormat(ABC):
 
 
 # oneDNN blocks a pre-packed weight for an expected number of input rows. Packed for 16, the
-# ~10M benchmark model's projections ran 1.2x (1 row) to 2.7x (4 rows) faster than F.linear,
-# and 1.3-1.6x at 64-256 rows; packed for 1 row they were slower at 1 row and gained less
-# elsewhere (benchmarks/results/step_breakdown, 1 thread, interleaved rounds).
+# benchmark model's projections beat F.linear from 1 row to a few hundred; packed for 1 row
+# they were slower at 1 row and gained less elsewhere (benchmarks/results/step_breakdown).
 PACK_ROWS_HINT = 16
 
-# A packed oneDNN call costs ~13 us more than MKL's F.linear before any arithmetic, which a
-# single row (a decode step at concurrency 1) does not earn back on a small weight: on this
-# CPU a 1-row product with a 256x256 / 256x512 / 768x256 weight took 0.29x / 0.52x / 0.61x the
-# packed time through F.linear, while from 1536x256 or 2 rows up the packed kernel is as fast or
-# faster (benchmarks/results/levers/single-row-dense*.json). Weights up to this many elements
-# (1 MiB in float32) also keep their dense copy for 1-row inputs: a bounded extra memory.
+# A packed oneDNN call has a fixed cost above MKL's F.linear before any arithmetic, which a
+# single row (a decode step at concurrency 1) does not earn back on a small weight: there a
+# 1-row product is faster through F.linear, while for larger weights or from 2 rows up the
+# packed kernel is as fast or faster (benchmarks/results/levers/single-row-dense*.json).
+# Weights up to this many elements (1 MiB in float32) also keep their dense copy for 1-row
+# inputs: a bounded extra memory.
 SINGLE_ROW_DENSE_MAX_ELEMENTS = 1 << 18
 
 

@@ -1,9 +1,10 @@
 """Grammar compilation off the engine loop, cached by (constraint, tokenizer).
 
 llguidance compiles lazily (the token trie is shared per tokenizer and masks are computed on
-demand), so "compiling" here is: grammar text -> a fresh LLMatcher, a few ms even for large
-schemas. The expensive part is the tokenizer's trie (about 1-2.5 s for 128k-150k vocabularies,
-holding the GIL), so it is built once, in the pool, as soon as the engine starts.
+demand), so "compiling" here is: grammar text -> a fresh LLMatcher, cheap even for large
+schemas. The expensive part is the tokenizer's trie (seconds for the large vocabularies of
+current models, holding the GIL), so it is built once, in the pool, as soon as the engine
+starts.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         # Fills the masks of a batch's matchers in parallel (llguidance's own threads); on a
-        # machine with few cores the hand-off costs more than it saves (measured on 2 cores).
+        # machine with few cores the hand-off costs more than it saves.
         self.executor = llguidance.LLExecutor() if (os.cpu_count() or 1) >= 8 else None
         self._tokenizer: Future = self._pool.submit(self._build_tokenizer, eos_token_ids)
 

@@ -19,7 +19,9 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
-     "dataclass_flags"),  # command-line flags generated from the settings dataclasses
+     "dataclass_flags",  # command-line flags generated from the settings dataclasses
+     "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
+     "http_client"),  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),

@@ -5,27 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from model_factory import build_model
 from pagoda.cli import bench as bench_cli
+from pagoda.http_client.server_process import ServerStartError, free_port, start_server, stop_server
 
 SMALL = ["--length-scale", "0.03", "--max-model-len", "384", "--no-progress", "--ignore-eos"]
 ALL_CLASSES = "chat=0.3,rag=0.3,summarize=0.1,agent=0.3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,36 +27,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    log = tmp_path_factory.mktemp("server-log") / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_model), "--port", str(port),
-             "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "512",
-             "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2])
     url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_model), "--port", str(port),
+               "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "512",
+               "--log-level", "warning"]
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pagoda serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"pagoda serve did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        process = start_server(command, url + "/health", timeout=90, name="pagoda serve",
+                               log_path=tmp_path_factory.mktemp("server-log") / "serve.log",
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               cwd=Path(__file__).resolve().parents[2])
+    except ServerStartError as exc:
+        pytest.fail(str(exc))
+    try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(process, grace_s=15)
 
 
 def bench(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.guard import GuardMetrics
+from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.dashboard import DashboardWindow, Histogram
 from pagoda.serve.metrics import ServerMetrics
 from pagoda.serve.request_log import RequestLogRecord
@@ -197,9 +198,8 @@ def test_totals_match_metrics_and_events_stream(server: LiveServer) -> None:
     with httpx.stream("GET", server.url + "/dashboard/events", timeout=10,
                       headers={"Authorization": "Bearer key-bob"}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
+        for event in iter_sse_events(response.iter_lines()):
+            events.append(event.json())
             if len(events) == 2:
                 break
     assert events[1]["time"] > events[0]["time"]

@@ -1,4 +1,4 @@
-"""Data-parallel replicas through the server (issue 18): two engine processes behind the
+"""Data-parallel replicas through the server: two engine processes behind the
 cache-aware router. One server for the module (each engine process takes seconds to start);
 the replica-failure test kills a replica, so it runs last."""
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation through the server (issue 19): `--replica-roles
+"""Prefill/decode disaggregation through the server: `--replica-roles
 prefill=1,decode=1` runs two engine processes behind the router, the KV moving between them
 over TCP. Greedy output equals one co-located engine's (completions, streamed chat); /health
 and /metrics tell each replica's role; a prefill process killed mid-run loses no request. One

@@ -1,5 +1,5 @@
 """Fuzzing the HTTP API: no request body, however wrong or extreme, gets a 5xx, kills the engine,
-leaks KV blocks or grows the server's memory (issue 12 item 13).
+leaks KV blocks or grows the server's memory.
 
 Two fuzzers against one live tiny-model server on the process transport (so an engine crash or
 an OOM kill shows as a dead engine, not as a dead test process):
@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
+from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
@@ -134,11 +135,11 @@ class Recorder:
             if not shaped:
                 self.failures.append(f"{status} not in OpenAI's error shape for {shown}: {text[:300]}")
         elif "text/event-stream" in content_type:
-            for line in text.splitlines():
-                if line.startswith("data: {") and '"error"' in line:
-                    error = json.loads(line[len("data: "):]).get("error")
+            for event in iter_sse_events(text.splitlines()):
+                if event.data.startswith("{") and '"error"' in event.data:
+                    error = event.json().get("error")
                     if isinstance(error, dict) and error.get("type") not in ("invalid_request_error",):
-                        self.failures.append(f"in-stream error for {shown}: {line[:300]}")
+                        self.failures.append(f"in-stream error for {shown}: {event.line[:300]}")
 
     def assert_clean(self) -> None:
         assert not self.failures, (f"{len(self.failures)} of {self.sent} requests failed:\n"

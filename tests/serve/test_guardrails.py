@@ -19,6 +19,7 @@ from guard_model_factory import SAFE_LABEL, TRIGGER, UNSAFE_LABEL, build_guard_m
 from pagoda.guard import (GuardModelError, Guardrails, GuardrailsConfigError, load_guardrails,
                           parse_guardrails)
 from pagoda.guard.pii import find_pii, luhn_valid
+from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.request_log import LOGGER_NAME
 from pagoda.serve.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, run, start_server
@@ -221,10 +222,10 @@ def stream_texts(response: httpx.Response) -> tuple[list[str], str | None]:
     """Each chunk's text and the final finish_reason of a streamed response."""
     assert response.status_code == 200, response.text
     texts, finish = [], None
-    for line in response.text.splitlines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
+    for event in iter_sse_events(response.text.splitlines()):
+        if event.done:
             continue
-        choice = json.loads(line[6:])["choices"][0]
+        choice = event.json()["choices"][0]
         texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
         finish = choice.get("finish_reason") or finish
     return texts, finish
@@ -415,9 +416,9 @@ def test_every_choice_is_filtered_on_its_own(server: LiveServer, reference: dict
     assert response.status_code == 200, response.text
     texts = {0: "", 1: ""}
     if stream:
-        for line in response.text.splitlines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:])["choices"]:
+        for event in iter_sse_events(response.text.splitlines()):
+            if not event.done:
+                for choice in event.json()["choices"]:
                     texts[choice["index"]] += choice["text"]
     else:
         texts = {c["index"]: c["text"] for c in response.json()["choices"]}

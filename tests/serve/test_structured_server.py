@@ -10,6 +10,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
+from pagoda.http_client.sse import iter_sse_events
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
@@ -175,10 +176,10 @@ def test_streamed_tool_calls_equal_non_streamed(http: httpx.Client) -> None:
     with http.stream("POST", "/v1/chat/completions", json={
             "model": MODEL_NAME, "messages": [{"role": "user", "content": "What's the weather in Oslo?"}],
             "max_tokens": 120, "temperature": 0, "stream": True, **fields}) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in iter_sse_events(response.iter_lines()):
+            if event.done:
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            choice = event.json()["choices"][0]
             finish = choice["finish_reason"] or finish
             for delta in choice["delta"].get("tool_calls") or []:
                 entry = calls.setdefault(delta["index"], {"name": "", "arguments": ""})

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from pagoda.config import DEFAULT_MODEL_DIR
+from pagoda.http_client.sse import iter_sse_events
 from server_utils import MODEL_NAME, TOKENIZER_FILES, LiveServer, start_server
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
@@ -89,10 +90,10 @@ def streamed(http: httpx.Client, request: dict) -> tuple[list[dict], str | None,
     finish, content = None, ""
     with http.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in iter_sse_events(response.iter_lines()):
+            if event.done:
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            choice = event.json()["choices"][0]
             finish = choice["finish_reason"] or finish
             content += choice["delta"].get("content") or ""
             for delta in choice["delta"].get("tool_calls") or []:

@@ -5,7 +5,7 @@ SDPA calls of up to DECODE_GROUP_SIZE requests, a longer context starting a new 
 would pad the group by more than DECODE_GROUP_MAX_PADDING, so short contexts are not padded to
 the longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time. Each request's
 context is gathered whole blocks at a time (`index_select` on the block dimension copies
-block-sized rows, about 3x cheaper on CPU than gathering token by token), and the gather
+block-sized rows, cheaper on CPU than gathering token by token), and the gather
 indices and masks are built once per step and shared by every layer.
 """
 
@@ -27,11 +27,10 @@ DECODE_GROUP_SIZE = 16
 # row attend over 1500 padded positions; another SDPA call costs less).
 DECODE_GROUP_MAX_PADDING = 2048
 
-# Torch's CPU flash-attention kernel is ~5x slower in bfloat16 than in float32 for a decode's
-# single query row (one decode step of the ~10M benchmark Llama at 16 requests: SDPA 223 vs
-# 42 ms over 20 steps, while the bf16 projections ran 1.6x faster), so on CPU half-precision
-# decode attention upcasts the gathered K/V and computes in float32, the output cast back
-# (benchmarks/results/bf16.json; lever `bf16-decode-upcast` in benchmarks/levers.py).
+# Torch's CPU flash-attention kernel is several times slower in bfloat16 than in float32 for a
+# decode's single query row, enough to cancel what the bf16 projections gain, so on CPU
+# half-precision decode attention upcasts the gathered K/V and computes in float32, the output
+# cast back (benchmarks/results/bf16.json; lever `bf16-decode-upcast` in benchmarks/levers.py).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 

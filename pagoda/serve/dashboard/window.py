@@ -12,7 +12,6 @@ interpolated inside the bucket like PromQL's histogram_quantile.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry
 
 from pagoda.serve.request_log import RequestLogRecord
+from pagoda.stats import histogram_quantile
 
 PREFIX = "pagoda:"
 
@@ -76,21 +76,7 @@ class Histogram:
                          self.total - older.total)
 
     def quantile(self, q: float) -> float | None:
-        """histogram_quantile: linear inside the bucket; the highest finite bound for +Inf."""
-        count = self.count
-        if count <= 0:
-            return None
-        rank = q * count
-        index = bisect.bisect_left(self.cumulative, rank)
-        index = min(index, len(self.bounds) - 1)
-        if self.bounds[index] == float("inf"):
-            return self.bounds[index - 1] if index > 0 else None
-        lower = self.bounds[index - 1] if index > 0 else 0.0
-        below = self.cumulative[index - 1] if index > 0 else 0.0
-        in_bucket = self.cumulative[index] - below
-        if in_bucket <= 0:
-            return self.bounds[index]
-        return lower + (self.bounds[index] - lower) * (rank - below) / in_bucket
+        return histogram_quantile(q, list(zip(self.bounds, self.cumulative)))
 
 
 @dataclass
