@@ -115,6 +115,8 @@ class ModelConfig:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
 
+        is_gemma = architecture in GEMMA_ARCHITECTURES or model_type.startswith("gemma")
+        is_gemma3 = architecture == "Gemma3ForCausalLM" or model_type == "gemma3_text"
         rope_parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
         sliding_rope_theta, sliding_rope_scaling = None, None
         if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
@@ -127,9 +129,10 @@ class ModelConfig:
             rope = dict(rope_parameters)
             if config.get("rope_local_base_freq") is not None:  # Gemma 3 as its checkpoints write it
                 sliding_rope_theta = float(config["rope_local_base_freq"])
-        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        # Gemma 3's defaults where its config names no base: transformers' global and local ones
+        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or (1e6 if is_gemma3 else 10000.0))
         rope_scaling = _rope_scaling(rope, config, source, require_supported)
-        if (architecture == "Gemma3ForCausalLM" or model_type == "gemma3_text") and sliding_rope_theta is None:
+        if is_gemma3 and sliding_rope_theta is None:
             sliding_rope_theta = 10000.0
         if require_supported and config.get("use_bidirectional_attention"):
             raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
@@ -140,7 +143,6 @@ class ModelConfig:
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             max_position_embeddings = min(max_position_embeddings,
                                           rope_scaling["original_max_position_embeddings"])
-        is_gemma = architecture in GEMMA_ARCHITECTURES or model_type.startswith("gemma")
         hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
         if hidden_activation not in ACTIVATIONS and require_supported:
             raise ValueError(f"{source}: activation {hidden_activation!r} is not supported "
@@ -168,7 +170,7 @@ class ModelConfig:
             qkv_bias=True if is_qwen2 else attention_bias,  # Qwen2 always has q/k/v bias
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(config.get("mlp_bias") or False),
-            qk_norm=is_qwen3 or architecture == "Gemma3ForCausalLM" or model_type == "gemma3_text",
+            qk_norm=is_qwen3 or is_gemma3,
             layer_sliding_windows=_layer_sliding_windows(config, architecture, num_layers),
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
             eos_token_ids=_as_id_list(config.get("eos_token_id")),
