@@ -91,6 +91,7 @@ class ModelShape:
     qk_norm: bool
     config_dtype: str | None  # normalized: bf16, fp16, fp32, ...
     max_position_embeddings: int  # 2048 where config.json has none, as transformers assumes
+    norms_per_layer: int = 2  # input and post-attention; Gemma adds two around the MLP
 
     @property
     def is_mha(self) -> bool:
@@ -107,11 +108,13 @@ class ModelShape:
             mlp_bias=config.mlp_bias, qk_norm=config.qk_norm,
             config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
             max_position_embeddings=config.max_position_embeddings,
+            norms_per_layer=4 if config.gemma_norms else 2,
         )
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
-    """Llama / Qwen2 / Qwen3 / Mistral family; other decoder-only configs with the same keys work too."""
+    """Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 / Phi-3 family; other decoder-only configs
+    with the same keys work too."""
     return ModelShape.from_model_config(ModelConfig.from_dict(config, source, require_supported=False))
 
 
@@ -135,7 +138,7 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     q_out, kv_out = shape.num_attention_heads * d, shape.num_kv_heads * d
     attn_linear = h * q_out + 2 * h * kv_out + q_out * h
     mlp_linear = 3 * h * shape.intermediate_size
-    per_layer_other = 2 * h  # input and post-attention RMSNorm
+    per_layer_other = shape.norms_per_layer * h
     if shape.qkv_bias:
         per_layer_other += q_out + 2 * kv_out
     if shape.o_bias:

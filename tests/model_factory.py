@@ -25,6 +25,8 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
+MORE_ARCHITECTURES = ("gemma2", "gemma3", "phi3")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
@@ -77,6 +79,27 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
     elif architecture == "mistral":
         config_class, model_class = transformers.MistralConfig, transformers.MistralForCausalLM
         common["sliding_window"] = 24
+    elif architecture == "gemma2":
+        # Local layers slide over 24 tokens; soft-caps low enough to bend the scores and logits.
+        config_class, model_class = transformers.Gemma2Config, transformers.Gemma2ForCausalLM
+        common.update(head_dim=16, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                      final_logit_softcapping=5.0, tie_word_embeddings=True, num_hidden_layers=3)
+    elif architecture == "gemma3":
+        # Layers 0, 2 local (their own rope base), 1 and 3 global with linear rope scaling.
+        config_class, model_class = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+        common.update(head_dim=16, sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                      num_hidden_layers=4, sliding_window_pattern=2,
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    elif architecture == "phi3":
+        # LongRoPE: served within original_max_position_embeddings, on the short factors.
+        config_class, model_class = transformers.Phi3Config, transformers.Phi3ForCausalLM
+        head_dim = common["hidden_size"] // common["num_attention_heads"]
+        generator = torch.Generator().manual_seed(seed)
+        common.update(max_position_embeddings=2048, original_max_position_embeddings=512,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                       "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
+                                       "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist()})
     else:
         raise ValueError(f"unknown architecture {architecture}")
     common.update(overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -145,6 +146,17 @@ def test_params_from_safetensors_headers(tmp_path: Path) -> None:
     assert params.source == "safetensors headers"
     assert params.total == P.count_params_from_architecture(shape).total == 80 + 192 + 384 + 24
     assert params.embedding == 80 and params.lm_head == 0 and params.other == 24
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3", "phi3"])
+def test_architecture_count_matches_checkpoint(tmp_path: Path, architecture: str) -> None:
+    """Gemma's four norms per layer (and Gemma 3's q/k norms), Phi-3's fused tensors."""
+    from model_factory import build_model
+
+    directory = build_model(tmp_path / architecture, architecture)
+    shape, params = P.load_model(str(directory))
+    assert params.source == "safetensors headers"
+    assert params == dataclasses.replace(P.count_params_from_architecture(shape), source=params.source)
 
 
 @pytest.mark.parametrize("spec, message", [

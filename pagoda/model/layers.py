@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: linear, RMSNorm, rotary embedding.
+"""Building blocks of the decoder: linear, RMSNorm, rotary embedding.
 
 Computations follow transformers' op order so float32 outputs match it to rounding.
 Parameters are allocated uninitialised: the loader fills every one of them.
@@ -6,7 +6,6 @@ Parameters are allocated uninitialised: the loader fills every one of them.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.parallel import LinearShard
+from pagoda.model.rope import rope_attention_factor, rope_inv_freq
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 
@@ -64,40 +64,30 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """unit_offset: Gemma's form, which scales by (1 + weight) and casts after the product."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused kernel instead of five; in float32 it computes transformers' ops
             # (mean of squares, rsqrt, scale, weight) with the same results, bit for bit.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            weight = 1.0 + self.weight if self.unit_offset else self.weight
+            return F.rms_norm(x, self.weight.shape, weight, self.eps)
         input_dtype = x.dtype
+        if self.unit_offset:
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x * (1.0 + self.weight.float())).to(input_dtype)
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -115,10 +105,13 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        attention_factor = rope_attention_factor(scaling)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
         half = head_dim // 2
         self.half = half
-        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin_rolled", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
             dtype=dtype, device=device), persistent=False)
 

@@ -1,8 +1,13 @@
-"""The Llama family (Llama, Qwen2, Qwen3, Mistral) as one implementation with flags.
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3) as one
+implementation with flags.
 
-Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3), per-layer
-sliding windows (Mistral, some Qwen), Llama 3 rope scaling, tied embeddings. q/k/v and
-gate/up are fused into single matmuls; the loader splits checkpoints' tensors into them.
+Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3, Gemma 3),
+per-layer sliding windows (Mistral, Phi-3, some Qwen, Gemma), rope scaling (Llama 3, linear,
+LongRoPE) and per-layer rope bases (Gemma 3), tied embeddings, and Gemma's: (1 + w) RMSNorms
+with norms after attention and around the MLP, embeddings scaled by sqrt(hidden), GELU-tanh,
+its attention scale, and soft-capped attention scores and logits. q/k/v and gate/up are fused
+into single matmuls; the loader splits checkpoints' tensors into them (or takes Phi-3's fused
+tensors as they are).
 """
 
 from __future__ import annotations
@@ -49,11 +54,14 @@ class Attention(nn.Module):
                                tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads))
         self.o_proj = Linear(full_q, config.hidden_size, config.o_bias, dtype, device, weight_format,
                              tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms)
+        self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
+        self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
+        scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.spec = AttentionLayerSpec(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            scale=self.head_dim ** -0.5, sliding_window=config.layer_sliding_windows[layer_index])
+            scale=scale, sliding_window=config.layer_sliding_windows[layer_index],
+            logit_softcap=config.attn_logit_softcap)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
@@ -66,13 +74,20 @@ class Attention(nn.Module):
             # q and k heads side by side in the fused output: one rotation for both
             qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        else:  # Qwen3: per-head norms (separate weights) come before the rotation
+        else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
             q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rotary(q, *rope), rotary(k, *rope)
         key_cache, value_cache = context.kv_caches[self.layer_index]
         out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata, self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 class MLP(nn.Module):
@@ -87,25 +102,36 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device,
                                 weight_format, tp.row(config.intermediate_size, config.hidden_size, "intermediate_size"),
                                 tp.all_reduce)
+        self.activation = ACTIVATIONS[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
                  weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms)
+        self.input_layernorm = RMSNorm(*norm_args)
         self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
+        # around the MLP.
+        self.post_attention_layernorm = RMSNorm(*norm_args)
+        self.gemma_norms = config.gemma_norms
+        if config.gemma_norms:
+            self.pre_feedforward_layernorm = RMSNorm(*norm_args)
+            self.post_feedforward_layernorm = RMSNorm(*norm_args)
         self.mlp = MLP(config, dtype, device, weight_format, tp)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:
         residual = hidden
         hidden = self.self_attn(self.input_layernorm(hidden), rope, rotary, context)
+        if self.gemma_norms:
+            hidden = residual + self.post_attention_layernorm(hidden)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = residual + hidden
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
@@ -132,19 +158,33 @@ class LlamaFamilyModel(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, weight_format, self.tp)
                                           for i in range(config.num_layers))
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
             shard=self.tp.vocab(config.vocab_size, config.hidden_size))
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling, dtype, device)
+        # In the model dtype, as transformers multiplies by it.
+        self.register_buffer("embedding_scale", None if config.embedding_scale is None else torch.tensor(
+            config.embedding_scale, dtype=dtype, device=device), persistent=False)
+        # One table per distinct (theta, scaling) (Gemma 3: local and global layers); each layer
+        # reads its own.
+        layer_ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        distinct = []
+        for rope in layer_ropes:
+            if rope not in distinct:
+                distinct.append(rope)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device)
+            for theta, scaling in distinct)
+        self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         hidden = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions)  # once per step, shared by every layer
-        for layer in self.model.layers:
-            hidden = layer(hidden, rope, self.rotary, context)
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
+        ropes = [rotary.tables(positions) for rotary in self.rotaries]  # once per step, shared by the layers
+        for layer, index in zip(self.model.layers, self.layer_rotary):
+            hidden = layer(hidden, ropes[index], self.rotaries[index], context)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,4 +192,8 @@ class LlamaFamilyModel(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
-        return self.tp.gather_logits(logits, self.config.vocab_size).float()
+        logits = self.tp.gather_logits(logits, self.config.vocab_size)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

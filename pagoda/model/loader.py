@@ -17,7 +17,9 @@ from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensor
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.weight_formats import Int4Weight, WeightFormat
 
-# Checkpoint tensors that are fused into one parameter: (fused name, part, part index).
+# Checkpoint tensors that are fused into one parameter: (fused name, part, part index). A
+# checkpoint's already fused tensor (Phi-3) maps to the whole parameter, its shard taking each
+# part's rows.
 _FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -141,7 +143,7 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             offset, piece = (0, tensor) if shard is None else shard.take(tensor, part, param_name)
             param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
         loaded.add(name)
-    missing = [name for name in _expected_checkpoint_names(params, config) if name not in loaded]
+    missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
@@ -186,12 +188,13 @@ def _locate(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], config: ModelConfig) -> list[str]:
+def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], loaded: set[str]) -> list[str]:
+    """A fused parameter comes either whole (Phi-3's qkv_proj, gate_up_proj) or in its parts."""
     names = []
     fused_back = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for name in params:
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in fused_back:
+        if len(parts) >= 2 and parts[-2] in fused_back and name not in loaded:
             names.extend(".".join(parts[:-2] + [p, parts[-1]]) for p in fused_back[parts[-2]])
         else:
             names.append(name)

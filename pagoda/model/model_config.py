@@ -13,7 +13,12 @@ from typing import Any
 
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Rope types pagoda computes (pagoda.model.rope); `su` is LongRoPE's older name.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass
@@ -27,9 +32,11 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
+    # The positions pagoda serves: for LongRoPE, the original (pretraining) context, see
+    # pagoda.model.rope.
     max_position_embeddings: int
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # None, or a dict with `rope_type` linear, llama3 or longrope
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -41,6 +48,22 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_type: str = "llama"
+    # Gemma's differences from the Llama family, read by the one model (pagoda.model.llama).
+    gemma_norms: bool = False  # RMSNorm scales by (1 + w); post-attention and pre/post-MLP norms
+    embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    hidden_activation: str = "silu"  # of the gate: silu, gelu_pytorch_tanh or gelu (exact)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # the same on the LM head's logits
+    # Rope of the sliding-window layers where it differs from the global one (Gemma 3).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
+
+    def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of one layer's rotary embedding."""
+        if self.sliding_rope_theta is not None and self.layer_sliding_windows[layer_index] is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
 
     def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None, *,
                            kv_cache_dtype: str = "auto") -> int:
@@ -92,12 +115,39 @@ class ModelConfig:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
 
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in ("default", "llama3") and require_supported:
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, llama3)")
-        rope_scaling = rope if rope_type == "llama3" else None
+        is_gemma = architecture in GEMMA_ARCHITECTURES or model_type.startswith("gemma")
+        is_gemma3 = architecture == "Gemma3ForCausalLM" or model_type == "gemma3_text"
+        rope_parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        sliding_rope_theta, sliding_rope_scaling = None, None
+        if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+            # Gemma 3 as transformers 5 writes it: one rope per layer type
+            local = rope_parameters.get("sliding_attention") or {}
+            rope = dict(rope_parameters.get("full_attention") or {})
+            sliding_rope_theta = float(local.get("rope_theta") or 10000.0)
+            sliding_rope_scaling = _rope_scaling(local, config, source, require_supported)
+        else:
+            rope = dict(rope_parameters)
+            if config.get("rope_local_base_freq") is not None:  # Gemma 3 as its checkpoints write it
+                sliding_rope_theta = float(config["rope_local_base_freq"])
+        # Gemma 3's defaults where its config names no base: transformers' global and local ones
+        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or (1e6 if is_gemma3 else 10000.0))
+        rope_scaling = _rope_scaling(rope, config, source, require_supported)
+        if is_gemma3 and sliding_rope_theta is None:
+            sliding_rope_theta = 10000.0
+        if require_supported and config.get("use_bidirectional_attention"):
+            raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
+        if require_supported and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                             "(rope over the whole head only)")
+        max_position_embeddings = int(config.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            max_position_embeddings = min(max_position_embeddings,
+                                          rope_scaling["original_max_position_embeddings"])
+        hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
+        if hidden_activation not in ACTIVATIONS and require_supported:
+            raise ValueError(f"{source}: activation {hidden_activation!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)})")
+        query_pre_attn_scalar = config.get("query_pre_attn_scalar")
 
         attention_bias = bool(config.get("attention_bias") or False)
         # Transformers picks the model class by model_type; the architecture names it too.
@@ -113,18 +163,26 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position_embeddings,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", is_gemma)),  # Gemma ties by default
             qkv_bias=True if is_qwen2 else attention_bias,  # Qwen2 always has q/k/v bias
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(config.get("mlp_bias") or False),
-            qk_norm=is_qwen3,
+            qk_norm=is_qwen3 or is_gemma3,
             layer_sliding_windows=_layer_sliding_windows(config, architecture, num_layers),
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
             eos_token_ids=_as_id_list(config.get("eos_token_id")),
             model_type=model_type,
+            gemma_norms=is_gemma,
+            embedding_scale=hidden_size ** 0.5 if is_gemma else None,
+            hidden_activation=hidden_activation,
+            attention_scale=float(query_pre_attn_scalar) ** -0.5 if query_pre_attn_scalar else None,
+            attn_logit_softcap=_optional_float(config.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(config.get("final_logit_softcapping")),
+            sliding_rope_theta=sliding_rope_theta,
+            sliding_rope_scaling=sliding_rope_scaling,
         )
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:
@@ -146,6 +204,32 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope_scaling(rope: dict[str, Any], config: dict[str, Any], source: str,
+                  require_supported: bool) -> dict[str, Any] | None:
+    """The rope parameters pagoda.model.rope needs beyond theta, normalized, or None (plain rope)."""
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        if require_supported:
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                             f"({', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'su')})")
+        return None
+    if rope_type == "default":
+        return None
+    if rope_type in ("longrope", "su"):
+        original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        if original is None or "short_factor" not in rope:
+            if require_supported:
+                raise ValueError(f"{source}: longrope needs original_max_position_embeddings and short_factor")
+            return None
+        return {**rope, "rope_type": "longrope", "original_max_position_embeddings": int(original),
+                "max_position_embeddings": int(config.get("max_position_embeddings", 2048))}
+    return {**rope, "rope_type": rope_type}
+
+
 def _layer_sliding_windows(config: dict[str, Any], architecture: str, num_layers: int) -> list[int | None]:
     window = config.get("sliding_window")
     layer_types = config.get("layer_types")
@@ -153,8 +237,12 @@ def _layer_sliding_windows(config: dict[str, Any], architecture: str, num_layers
         return [None] * num_layers
     if layer_types:
         return [int(window) if t == "sliding_attention" else None for t in layer_types]
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return [int(window)] * num_layers
+    if architecture in GEMMA_ARCHITECTURES:
+        # Configs older than `layer_types`: every `pattern`-th layer is global, the others slide.
+        pattern = int(config.get("sliding_window_pattern") or (2 if architecture == "Gemma2ForCausalLM" else 6))
+        return [int(window) if (i + 1) % pattern else None for i in range(num_layers)]
     if config.get("use_sliding_window"):
         # Qwen2/Qwen3: layers from max_window_layers on use the window.
         first = int(config.get("max_window_layers", num_layers))

@@ -33,6 +33,7 @@ class PagedModel:
 
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None) -> None:
+        backend.check_layers([layer.self_attn.spec for layer in model.model.layers], model.config.architecture)
         self.model = model
         self.backend = backend
         self.block_size = block_size

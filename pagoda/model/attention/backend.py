@@ -40,10 +40,15 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None  # keys within the last `w` positions (self included), or None
+    logit_softcap: float | None = None  # scores (after `scale`) become cap * tanh(scores / cap)
 
 
 class AttentionBackend(ABC):
     name: str
+
+    def check_layers(self, specs: list[AttentionLayerSpec], model_name: str) -> None:
+        """At startup: raise ValueError naming the model if a layer needs what this backend
+        cannot compute."""
 
     @abstractmethod
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> object:

@@ -148,7 +148,6 @@ class TorchAttentionBackend(AttentionBackend):
         flat_keys.index_copy_(0, metadata.slot_mapping, key if kv_format is None else kv_format.encode(key))
         flat_values.index_copy_(0, metadata.slot_mapping, value if kv_format is None else kv_format.encode(value))
 
-        gqa = spec.num_heads != num_kv_heads
         if metadata.whole_batch_decode:
             return self._decode(query.unsqueeze(2), metadata.decodes[0], key_cache, value_cache, spec).squeeze(2)
         output = torch.empty_like(query)
@@ -161,9 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
             v = load(value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
             k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             v = v.transpose(0, 1).unsqueeze(0)
-            mask = prefill.masks[spec.sliding_window]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 scale=spec.scale, enable_gqa=gqa)
+            out = attend(q, k, v, prefill.masks[spec.sliding_window], spec)
             output[prefill.start:prefill.end] = out.squeeze(0).transpose(0, 1)
         return output
 
@@ -177,10 +174,31 @@ class TorchAttentionBackend(AttentionBackend):
         upcast = self.upcast_half_decode and q.device.type == "cpu" and q.dtype in HALF_DTYPES
         if upcast:
             k, v = k.float(), v.float()
-        out = F.scaled_dot_product_attention(q.float() if upcast else q, k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=decode.masks[spec.sliding_window], scale=spec.scale,
-                                             enable_gqa=spec.num_heads != spec.num_kv_heads)
+        out = attend(q.float() if upcast else q, k.transpose(1, 2), v.transpose(1, 2),
+                     decode.masks[spec.sliding_window], spec)
         return out.to(q.dtype) if upcast else out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           spec: AttentionLayerSpec) -> torch.Tensor:
+    """q [B, H, q, D] over k/v [B, KVH, L, D]; mask: bool, broadcast to [B, H, q, L], or None for
+    causal attention over keys starting at the first query's position."""
+    gqa = spec.num_heads != spec.num_kv_heads
+    cap = spec.logit_softcap
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=spec.scale, enable_gqa=gqa)
+    # SDPA has no soft-cap: scores, cap, mask and softmax in transformers' order.
+    if gqa:
+        k = k.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
+        v = v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        num_queries, num_keys = q.shape[-2], k.shape[-2]
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def decode_groups(rows: list[int], context_lens: list[int],

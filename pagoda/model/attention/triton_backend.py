@@ -6,6 +6,9 @@ tensors. That also makes it usable for CUDA graphs: a graph captured with metada
 over static buffers replays correctly after the buffers are refilled (see
 `pagoda/worker/cuda_graphs.py`).
 
+Attention-score soft-capping (Gemma 2) is not computed here: `check_layers` refuses such a model
+at startup, naming it (the torch backend runs it on CUDA too).
+
 Per step, one of three paths:
 - decode-only batches: the split-KV decode kernel (flash-decoding) + its reduction;
 - one request prefilling from position 0 in 16-bit dtypes: torch's SDPA (FlashAttention-2)
@@ -63,6 +66,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.kv = KVCacheEncoding.of(kv_format)
         self.sdpa_min_tokens = sdpa_min_tokens if self.kv.mode == MODEL_DTYPE else None
         self._num_sms: dict[torch.device, int] = {}
+
+    def check_layers(self, specs: list[AttentionLayerSpec], model_name: str) -> None:
+        if any(spec.logit_softcap is not None for spec in specs):
+            raise ValueError(f"{model_name} soft-caps its attention scores, which the triton attention backend "
+                             "does not do; use attention_backend=torch")
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TritonAttentionMetadata:
         query_lens = layout.query_lens_host
