@@ -2,7 +2,7 @@
 
 Two facts drive it (MEASURED.md, "the thread trap"):
 - OpenMP workers that spin while idle steal the cores other threads need; a decode step then
-  slows 25-100x. `prefer_passive_omp_wait` makes them sleep instead; it only works before
+  slows by an order of magnitude or more. `prefer_passive_omp_wait` makes them sleep instead; it only works before
   torch is first imported, so `pagoda/__init__.py` calls it, and a spawned engine process
   inherits the setting through its environment.
 - A server's engine shares the machine with its HTTP event loop (requests, tokenization, SSE):

@@ -122,7 +122,7 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
 
-    # --- dashboard hook (issue 21): GET /dashboard, /dashboard/events ---
+    # --- dashboard: GET /dashboard, /dashboard/events ---
     install_dashboard(app, lambda request: _authenticate(ctx, request), settings.tenants,
                       DashboardWindow(ctx.metrics.registry), ctx.request_log)
 

@@ -159,8 +159,8 @@ class Generation:
                                      priority=self.tenant.limits.priority, lora_request=self.lora_request,
                                      tenant=self.tenant.name, model=self.model_name)
             # All prompts are sent at once (in order) and their acceptances awaited together:
-            # one engine round trip per batch, not one per prompt (2048 prompts once took 80 s
-            # to submit while the engine was busy).
+            # one engine round trip per batch, not one per prompt (sequential submits of a large
+            # batch wait on the busy engine once per prompt).
             submitted = await asyncio.gather(*(
                 ctx.llm.add_request(request_id, prompt.token_ids, self.params, options, wake=self._wake)
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
