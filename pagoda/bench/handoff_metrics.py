@@ -1,6 +1,6 @@
 """What a run moved between prefill and decode engines, from pagoda's `/metrics` before and after.
 
-The KV handoff families (pagoda/serve/disagg_metrics.py) carry labels that matter here (the TTFT
+The KV handoff families (pagoda/serve/metrics/disaggregation.py) carry labels that matter here (the TTFT
 phase of `kv_handoff_phase_seconds`), so the text is read with its labels (server_metrics.parse_labeled, which
 server_metrics.parse_prometheus_text sums over every label but `le`).
 """

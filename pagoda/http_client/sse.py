@@ -1,7 +1,7 @@
 """Reading server-sent events from the lines of a streamed response (httpx's `iter_lines` /
 `aiter_lines`, or a whole body's `splitlines()`).
 
-One `data:` line is one event: OpenAI-compatible servers, pagoda's included (serve/sse.py
+One `data:` line is one event: OpenAI-compatible servers, pagoda's included (serve/api/sse.py
 escapes the line breaks JSON would leave raw), never split an event's data over several lines.
 Blank lines end events and `:` lines are comments; both are skipped.
 """

@@ -15,21 +15,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.client import EngineClient
-from pagoda.serve.body_limit import BodySizeLimit
-from pagoda.serve.chat import ChatEndpoint
-from pagoda.serve.completions import CompletionsEndpoint
+from pagoda.serve.admission.body_limit import BodySizeLimit
+from pagoda.serve.api.chat import ChatEndpoint
+from pagoda.serve.api.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, unauthorized, validation_error
-from pagoda.serve.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
+from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
                                load_lora_adapter, unload_lora_adapter)
-from pagoda.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from pagoda.serve.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 from pagoda.serve.settings import ServerSettings
-from pagoda.serve.tenants import Tenant
-from pagoda.serve.tokenization import detokenize, tokenize
+from pagoda.serve.admission.tenants import Tenant
+from pagoda.serve.api.tokenization import detokenize, tokenize
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 

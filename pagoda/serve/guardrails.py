@@ -27,7 +27,7 @@ from pagoda.guard import Decision, GuardMetrics, Guardrails, GuardrailsConfig, O
 from pagoda.outputs import RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError, bad_request
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.admission.tenants import Tenant
 
 CONTENT_FILTER = "content_filter"
 

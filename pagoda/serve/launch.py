@@ -69,7 +69,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
 def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, object]:
     """The settings launch builds from the flags: the served model's name and path, the tenants
     (--api-key or --api-keys) and the loaded guardrails; SystemExit for a bad file."""
-    from pagoda.serve.tenants import TenantRegistry
+    from pagoda.serve.admission.tenants import TenantRegistry
 
     if settings.api_key and settings.api_keys:
         raise SystemExit("pagoda serve: use --api-key or --api-keys, not both")

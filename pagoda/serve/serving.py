@@ -23,15 +23,15 @@ from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.admission import AdmissionController, QueueSlot
+from pagoda.serve.admission.queue import AdmissionController, QueueSlot
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
-from pagoda.serve.metrics import ServerMetrics
-from pagoda.serve.protocol import PromptTokensDetails, Usage
+from pagoda.serve.metrics.server import ServerMetrics
+from pagoda.serve.api.protocol import PromptTokensDetails, Usage
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
-from pagoda.serve.tenants import Tenant, TenantLease, TenantLimiter
+from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
 
 # HTTP status logged for requests whose client went away (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import LogLevel, MetricsCompat, ToolCallParserName, TransportKind, parse_bytes
 from pagoda.dataclass_flags import add_flags, check_choices, from_flags
-from pagoda.serve.latency_targets import LatencyTargets
-from pagoda.serve.request_limits import RequestLimits
-from pagoda.serve.tenants import TenantRegistry
+from pagoda.serve.admission.latency_targets import LatencyTargets
+from pagoda.serve.admission.request_limits import RequestLimits
+from pagoda.serve.admission.tenants import TenantRegistry
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig

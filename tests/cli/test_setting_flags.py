@@ -13,7 +13,7 @@ from pagoda.cli import build_parser
 from pagoda.config import DeploymentConfig, EngineConfig, RouterName, ToolCallParserName
 from pagoda.replicas.policies import POLICIES
 from pagoda.serve.settings import ServerSettings
-from pagoda.serve.tool_calls import PARSER_CLASSES
+from pagoda.serve.api.tool_calls import PARSER_CLASSES
 
 
 def flag_dests(argv: list[str]) -> set[str]:

@@ -13,7 +13,7 @@ from pagoda.cli import main as pagoda_main
 from pagoda.ops.audit import AUDIT_KEYS, AuditOptions, mitigated_launch, run_audit
 from pagoda.ops.stats import auc, bootstrap_auc_interval
 from pagoda.ops.target import Target
-from pagoda.serve.tenants import TenantRegistry, parse_tenants
+from pagoda.serve.admission.tenants import TenantRegistry, parse_tenants
 from server_utils import LiveServer, build_tiny_model, start_server
 
 SHARED = "tenants:\n  a: {api_keys: [key-a], cache_scope: org}\n  b: {api_keys: [key-b], cache_scope: org}\n"

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda.guard import GuardMetrics
 from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.dashboard import DashboardWindow, Histogram
-from pagoda.serve.metrics import ServerMetrics
+from pagoda.serve.metrics.server import ServerMetrics
 from pagoda.serve.request_log import RequestLogRecord
-from pagoda.serve.tenants import TenantRegistry
+from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 KEYS_FILE = """
@@ -84,7 +84,7 @@ def test_window_rates_and_percentiles_over_the_window() -> None:
 
 
 def test_admin_is_a_tenant_setting() -> None:
-    from pagoda.serve.tenants import parse_tenants
+    from pagoda.serve.admission.tenants import parse_tenants
 
     keys = parse_tenants({"tenants": {"ops": {"api_keys": ["k1"], "admin": True},
                                       "app": {"api_keys": ["k2"]}}})

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagoda.serve.tenants import TenantRegistry
+from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 from test_dashboard import metric_totals
 

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.engine.disaggregation import DisaggStats
-from pagoda.serve.metrics import ServerMetrics
+from pagoda.serve.metrics.server import ServerMetrics
 
 
 def scrape(stats) -> dict[str, float]:

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from pagoda.http_client.sse import iter_sse_events
-from pagoda.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from pagoda.serve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.serve.latency_targets import LatencyGuard, LatencyTargets, LatencyWindow
+from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets, LatencyWindow
 
 
 class Clock:
@@ -67,7 +67,7 @@ def test_disabled_targets() -> None:
 
 
 def test_admission_controller_refuses_with_503_while_targets_are_missed() -> None:
-    from pagoda.serve.admission import AdmissionController
+    from pagoda.serve.admission.queue import AdmissionController
     from pagoda.serve.errors import APIError
 
     controller = AdmissionController(None, None, LatencyTargets(itl_s=0.05))

@@ -20,7 +20,7 @@ from pagoda.config import EngineConfig  # noqa: E402
 from pagoda.serve.launch import launch_server  # noqa: E402
 from pagoda.serve.settings import ServerSettings  # noqa: E402
 from pagoda.lora_request import LoRARequest  # noqa: E402
-from pagoda.serve.tenants import TenantRegistry  # noqa: E402
+from pagoda.serve.admission.tenants import TenantRegistry  # noqa: E402
 
 KEYS_FILE = """
 tenants:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.outputs import RequestMetrics
-from pagoda.serve.metrics import ServerMetrics
+from pagoda.serve.metrics.server import ServerMetrics
 
 
 def scrape(metrics: ServerMetrics) -> dict[str, float]:

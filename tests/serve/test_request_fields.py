@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagoda.serve.request_fields import CHAT, COMPLETIONS, Support
+from pagoda.serve.api.request_fields import CHAT, COMPLETIONS, Support
 from server_utils import LiveServer, build_tiny_model, start_server
 
 BASES = {
@@ -64,7 +64,7 @@ def test_inert_values_of_refused_fields_are_accepted(server: LiveServer) -> None
 
 
 def test_every_request_model_field_is_in_the_table() -> None:
-    from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+    from pagoda.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 
     for model, table in ((CompletionRequest, COMPLETIONS), (ChatCompletionRequest, CHAT)):
         missing = set(model.model_fields) - set(table)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda.serve.errors import APIError
-from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
-from pagoda.serve.request_limits import RequestLimits
+from pagoda.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.serve.admission.request_limits import RequestLimits
 
 LIMITS = RequestLimits()
 

@@ -15,7 +15,7 @@ import pytest
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.serve.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord
-from pagoda.serve.tenants import Tenant, TenantLimits, TenantRegistry
+from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 SECRET_PROMPT = "import os\nclass Config:"

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pagoda.serve.tenants import TenantRegistry
+from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 KEYS_FILE = """

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from pagoda.config import DEFAULT_MODEL_DIR
 from pagoda.serve.errors import APIError
-from pagoda.serve.tool_calls import ToolCallStream, get_parser, plan_tools
+from pagoda.serve.api.tool_calls import ToolCallStream, get_parser, plan_tools
 from pagoda.structured.grammar import build_grammar
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -140,7 +140,7 @@ def test_bad_tool_requests(fields, template, param) -> None:
 
 def test_parsers_whose_marker_is_a_special_token_keep_special_tokens() -> None:
     from pagoda.sampling_params import SamplingParams
-    from pagoda.serve.tool_calls import with_tool_constraint
+    from pagoda.serve.api.tool_calls import with_tool_constraint
 
     for parser, keeps in (("hermes", True), ("mistral", False), ("llama3_json", False)):
         plan = plan_tools(request(tool_choice="auto"), parser, TEMPLATE_WITH_TOOLS)

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from pagoda.serve.dashboard.window import DashboardWindow
 from pagoda.serve.errors import APIError
 from pagoda.serve.request_log import RequestLogger
-from pagoda.serve.sse import EventStreamResponse, sse_event, to_json
-from pagoda.serve.tenants import Tenant, TenantRegistry
+from pagoda.serve.api.sse import EventStreamResponse, sse_event, to_json
+from pagoda.serve.admission.tenants import Tenant, TenantRegistry
 
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css",
            "index.html": "text/html"}

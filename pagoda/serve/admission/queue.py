@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagoda.serve.errors import overloaded
-from pagoda.serve.latency_targets import LatencyGuard, LatencyTargets
+from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets
 
 RETRY_AFTER_SECONDS = 1.0
 

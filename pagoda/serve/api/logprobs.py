@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.outputs import PositionLogprobs
-from pagoda.serve.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagoda.serve.api.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 def token_text(token_id: int, position: PositionLogprobs | None, tokenizer: Any) -> str:

@@ -26,8 +26,8 @@ from pagoda.config import ToolCallParserName
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import bad_request
-from pagoda.serve.protocol import AssistantMessage
-from pagoda.serve.structured_request import check_grammar
+from pagoda.serve.api.protocol import AssistantMessage
+from pagoda.serve.api.structured_request import check_grammar
 from pagoda.structured.grammar import JSON_OPTIONS
 from pagoda.sampling_params import StructuredOutputsParams
 

@@ -20,9 +20,9 @@ from pagoda.engine.client import EngineDeadError
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.serve.errors import APIError, bad_request, engine_unavailable, invalid_request, model_not_found
-from pagoda.serve.protocol import ModelCard
+from pagoda.serve.api.protocol import ModelCard
 from pagoda.serve.serving import ServeContext
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.admission.tenants import Tenant
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -2,7 +2,7 @@
 
 Only what is this endpoint's own: the prompt from messages, the chat logprobs shape and the
 chunk / body shapes, and tool calling (tools into the template and the grammar, tool calls
-parsed out of the text: pagoda/serve/tool_calls.py). The rest is handler.py's skeleton.
+parsed out of the text: pagoda/serve/api/tool_calls.py). The rest is handler.py's skeleton.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import Any
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
-from pagoda.serve.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.logprobs import chat_logprobs
-from pagoda.serve.messages import template_messages
-from pagoda.serve.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
+from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
+from pagoda.serve.api.logprobs import chat_logprobs
+from pagoda.serve.api.messages import template_messages
+from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
-from pagoda.serve.sampling import build_sampling_params
+from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
-from pagoda.serve.sse import ChoiceChunks, to_json
-from pagoda.serve.structured_request import with_structured_outputs
-from pagoda.serve.tenants import Tenant
-from pagoda.serve.tool_calls import ToolCallStream, ToolPlan, plan_tools, with_tool_constraint
+from pagoda.serve.api.sse import ChoiceChunks, to_json
+from pagoda.serve.api.structured_request import with_structured_outputs
+from pagoda.serve.admission.tenants import Tenant
+from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, with_tool_constraint
 
 
 def reject_unsupported(request: ChatCompletionRequest) -> None:

@@ -21,10 +21,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pagoda.config import MetricsCompat
-from pagoda.serve.disagg_metrics import disagg_families
-from pagoda.serve.lora_metrics import lora_families
-from pagoda.serve.replica_metrics import ReplicaLabelledCollector
-from pagoda.serve.structured_metrics import structured_output_families
+from pagoda.serve.metrics.disaggregation import disagg_families
+from pagoda.serve.metrics.lora import lora_families
+from pagoda.serve.metrics.replicas import ReplicaLabelledCollector
+from pagoda.serve.metrics.structured import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
 from pagoda.engine.token_histogram import TOKEN_BUCKETS
 

@@ -161,7 +161,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # pagoda/serve/tool_calls.py
+    tool_calls: list[dict[str, Any]] | None = None  # pagoda/serve/api/tool_calls.py
 
 
 class ChatChoice(BaseModel):

@@ -10,15 +10,15 @@ from typing import Any
 
 from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestOutputDelta
 from pagoda.serve.errors import bad_request
-from pagoda.serve.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.logprobs import join_legacy, legacy_logprobs
-from pagoda.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
+from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs
+from pagoda.serve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
-from pagoda.serve.sampling import build_sampling_params
+from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
-from pagoda.serve.sse import ChoiceChunks, to_json
-from pagoda.serve.structured_request import with_structured_outputs
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.api.sse import ChoiceChunks, to_json
+from pagoda.serve.api.structured_request import with_structured_outputs
+from pagoda.serve.admission.tenants import Tenant
 
 
 def _scores_prompt_only(request: CompletionRequest) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 from pagoda.sampling_params import SamplingParams
 from pagoda.errors import InvalidRequest
 from pagoda.serve.errors import bad_request, invalid_request
-from pagoda.serve.protocol import SamplingFields
+from pagoda.serve.api.protocol import SamplingFields
 
 # Knobs for which the model's generation_config.json supplies a default when the client
 # leaves them out.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pagoda.errors import InvalidRequest
 from pagoda.serve.errors import bad_request, invalid_request
-from pagoda.serve.lora import resolve_model
-from pagoda.serve.messages import template_messages
-from pagoda.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+from pagoda.serve.api.lora import resolve_model
+from pagoda.serve.api.messages import template_messages
+from pagoda.serve.api.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                    TokenizeResponse)
 from pagoda.serve.serving import ServeContext
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.admission.tenants import Tenant
 
 
 def tokenize(ctx: ServeContext, request: TokenizeRequest, tenant: Tenant) -> TokenizeResponse:

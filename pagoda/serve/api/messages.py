@@ -2,15 +2,15 @@
 
 Shared by /v1/chat/completions and /tokenize. The checks and normalization themselves are the
 tokenizer's (`normalize_messages`); this module adds the tool-calling history: "tool" messages
-and assistant messages' `tool_calls` (arguments as objects, pagoda/serve/tool_calls.py).
+and assistant messages' `tool_calls` (arguments as objects, pagoda/serve/api/tool_calls.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagoda.serve.protocol import ChatMessage
-from pagoda.serve.tool_calls import template_message
+from pagoda.serve.api.protocol import ChatMessage
+from pagoda.serve.api.tool_calls import template_message
 from pagoda.tokenizer import normalize_messages
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

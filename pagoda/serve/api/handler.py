@@ -32,14 +32,14 @@ from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.guardrails import guard_input
-from pagoda.serve.lora import resolve_model
-from pagoda.serve.protocol import SamplingFields
-from pagoda.serve.request_fields import check_fields
+from pagoda.serve.api.lora import resolve_model
+from pagoda.serve.api.protocol import SamplingFields
+from pagoda.serve.api.request_fields import check_fields
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id)
-from pagoda.serve.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
+from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
                               cancel_on_disconnect, sse_error, sse_event)
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.admission.tenants import Tenant
 
 Body = TypeVar("Body", bound=SamplingFields)
 

@@ -1,0 +1,1 @@
+"""Prometheus metrics: the server's families and the engine's, per replica, LoRA, structured output, disaggregation."""
