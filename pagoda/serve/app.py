@@ -56,7 +56,7 @@ def _record_refusal(ctx: ServeContext, endpoint: str, tenant: Tenant | None,
     ctx.request_log.log(RequestLogRecord(
         request_id=new_request_id("rejected"), endpoint=endpoint,
         tenant=tenant.name if tenant else None, model=ctx.model_name, status=error.status,
-        error=error.message))
+        error=error.message, error_param=error.param))
 
 
 async def _parse(request: Request, model: type[Body]) -> Body:

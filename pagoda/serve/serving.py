@@ -270,6 +270,7 @@ class Generation:
             cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
             e2e_s=time.time() - self.arrival_time,
             error=error.message if error is not None else None,
+            error_param=error.param if error is not None else None,
         )
         reasons = sorted({c.finish_reason for o in outputs for c in o.outputs if c.finish_reason})
         if status == CLIENT_CLOSED_REQUEST:
