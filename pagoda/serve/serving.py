@@ -56,7 +56,8 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats),
+                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats,
+                                  tenant_labels=settings.metrics_tenant_labels),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
