@@ -125,8 +125,9 @@ class EngineConfig:
     quantization: Quantization = field(default="none", metadata={
         "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
                 "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
-    quantization_group_size: QuantizationGroupSize = field(default=128, metadata={
-        "help": "int4 group size along the input dimension: 32, 64 or 128"})
+    quantization_group_size: QuantizationGroupSize | None = field(default=None, metadata={
+        "help": "int4 group size along the input dimension: 32, 64 or 128 (default: for each layer the "
+                "largest of these that divides its input dimension)"})
     quantization_zero_point: bool = field(default=True, metadata={
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
     kv_cache_dtype: KVCacheDType = field(default="auto", metadata={
