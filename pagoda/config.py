@@ -82,8 +82,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
     max_num_seqs: int | None = field(default=None, metadata={
-        "help": "most requests running at once (default: what the KV pool holds and what this hardware "
-                "decodes within --max-num-seqs-itl-ms, measured at startup; at most 256)"})
+        "help": "most sequences running at once (default: what the KV pool holds at full context and what "
+                "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
+                "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
+                "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"})
     max_num_seqs_itl_ms: float | None = field(default=50.0, metadata={
         "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
                 "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
@@ -123,8 +125,9 @@ class EngineConfig:
     quantization: Quantization = field(default="none", metadata={
         "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
                 "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
-    quantization_group_size: QuantizationGroupSize = field(default=128, metadata={
-        "help": "int4 group size along the input dimension: 32, 64 or 128"})
+    quantization_group_size: QuantizationGroupSize | None = field(default=None, metadata={
+        "help": "int4 group size along the input dimension: 32, 64 or 128 (default: for each layer the "
+                "largest of these that divides its input dimension)"})
     quantization_zero_point: bool = field(default=True, metadata={
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
     kv_cache_dtype: KVCacheDType = field(default="auto", metadata={

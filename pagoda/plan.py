@@ -17,8 +17,8 @@ from typing import Any
 from pagoda.config import parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.model.model_config import ModelConfig
-from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, kv_cache_bytes_per_token,
-                                        weight_bytes_per_parameter)
+from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, int4_group_size_for,
+                                        kv_cache_bytes_per_token, weight_bytes_per_parameter)
 
 GIB = 2**30
 
@@ -348,10 +348,13 @@ def build_plan(
     block_size: int,
     reserve_bytes: int,
     classes: list[RequestClass],
-    group_size: int = INT4_GROUP_SIZE,
+    group_size: int | None = None,
 ) -> Plan:
     _check_knobs(context, block_size, kv_dtype, group_size)
     warnings = []
+    group_size, group_warning = int4_group_size(shape, group_size)
+    if group_warning and dtype == "int4":
+        warnings.append(group_warning)
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
         warnings.append(f"context {context} exceeds the model's max_position_embeddings "
                         f"{shape.max_position_embeddings}")
@@ -395,14 +398,34 @@ def build_plan(
     )
 
 
-def _check_knobs(context: int, block_size: int, kv_dtype: str, group_size: int) -> None:
+def int4_group_size(shape: ModelShape, group_size: int | None) -> tuple[int, str | None]:
+    """The int4 group size the worksheet counts with, as the server chooses it: `group_size` when
+    given, else the largest of 128, 64, 32 dividing every decoder linear's input (each layer
+    takes its own; the smallest of theirs is counted, a slight overestimate); and a warning when
+    the server would refuse it."""
+    inputs = sorted({shape.hidden_size, shape.intermediate_size, shape.num_attention_heads * shape.head_dim})
+    if group_size is not None:
+        bad = [d for d in inputs if d % group_size]
+        return group_size, (f"int4 group size {group_size} does not divide the layer input dimension(s) "
+                            f"{', '.join(map(str, bad))}: the server refuses it; leave --quantization-group-size "
+                            f"out to let each layer take the largest that divides it") if bad else None
+    chosen = [int4_group_size_for(d) for d in inputs]
+    if None in chosen:
+        bad = [d for d, g in zip(inputs, chosen) if g is None]
+        return max(INT4_GROUP_SIZES), (f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the "
+                                       f"layer input dimension(s) {', '.join(map(str, bad))}: int4 cannot hold "
+                                       f"this model; use int8")
+    return min(chosen), None  # type: ignore[type-var]
+
+
+def _check_knobs(context: int, block_size: int, kv_dtype: str, group_size: int | None) -> None:
     if context < 1:
         raise ValueError(f"--context must be >= 1, got {context}")
     if block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if group_size not in INT4_GROUP_SIZES:
+    if group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantization-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                          f"got {group_size}")
 
@@ -580,7 +603,8 @@ class PlanOptions:
     block_size: int = 16
     reserve: str = "10%"  # percentage of memory or bytes
     classes: list[str] | None = None  # request class specs; default: DEFAULT_CLASSES
-    quantization_group_size: int = INT4_GROUP_SIZE  # int4 weights (--dtype int4): inputs per scale/zero
+    quantization_group_size: int | None = None  # int4 weights (--dtype int4): inputs per scale/zero (None: as
+    # the server chooses, the largest of 128/64/32 dividing each layer)
 
 
 def plan_from_options(options: PlanOptions) -> Plan:

@@ -24,8 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8; fp8/int8 "
                         "as --kv-cache-dtype stores them,\nwith a scale per head vector "
                         "(default: --dtype, or bf16 if that is a quantized type)")
-    parser.add_argument("--quantization-group-size", type=int, default=128,
-                        help="int4 weights: inputs per (scale, zero) pair, 32, 64 or 128 (default: 128)")
+    parser.add_argument("--quantization-group-size", type=int, default=None,
+                        help="int4 weights: inputs per (scale, zero) pair, 32, 64 or 128 (default: as the server "
+                             "chooses, the largest that divides each layer's input)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens per sequence (default: the model's max_position_embeddings)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

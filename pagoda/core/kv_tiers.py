@@ -82,7 +82,8 @@ class DiskTier:
 
     def __init__(self, num_blocks: int, fingerprint: bytes,
                  existing: Sequence[tuple[str, bytes, tuple[int, ...]]] = (),
-                 is_written: Callable[[str], bool] | None = None) -> None:
+                 is_written: Callable[[str], bool] | None = None,
+                 can_write: Callable[[], bool] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the disk tier needs room for at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -90,6 +91,8 @@ class DiskTier:
         # Files are written asynchronously: one still in flight (or whose write failed, e.g. a
         # full disk) is a miss, never a read of something absent.
         self.is_written = is_written
+        # False while the disk is full: no block is admitted (nor an older one deleted for it).
+        self.can_write = can_write
         self.entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # LRU first
         for name, block_hash, token_ids in existing[-num_blocks:] if existing else ():
             self.entries[block_hash] = TierEntry(name, block_hash, tuple(token_ids), "disk")
@@ -112,9 +115,11 @@ class DiskTier:
 
     def admit(self, block_hash: bytes, token_ids: tuple[int, ...], plan: TransferPlan) -> str | None:
         """Make room for a block's file (deleting the LRU file) and index it; the file name, or
-        None if the block is on disk already."""
+        None if the block is on disk already or the disk takes no writes now."""
         if block_hash in self.entries:
             self.entries.move_to_end(block_hash)
+            return None
+        if self.can_write is not None and not self.can_write():
             return None
         if len(self.entries) >= self.num_blocks:
             _, victim = self.entries.popitem(last=False)

@@ -156,7 +156,7 @@ def _describe(config: EngineConfig) -> str:
     if config.quantization in ("none", "int8"):
         weights = config.quantization
     else:
-        weights = f"int4 g{config.quantization_group_size}{'' if config.quantization_zero_point else ' sym'}"
+        weights = f"int4 g{config.quantization_group_size or 'auto'}{'' if config.quantization_zero_point else ' sym'}"
     return f"weights {weights}, kv {config.kv_cache_dtype}"
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.kv_tiers import DiskTier, HostTier, PreemptionPolicy
-from pagoda.kv_transfer.disk_store import DiskStore
+from pagoda.kv_transfer.disk_store import DiskStore, file_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +89,10 @@ class KVTiers:
             existing = self.disk_store.scan() if config.kv_offload_disk_persist else []
             if not config.kv_offload_disk_persist:  # an engine dropped without close() cleans up too
                 self._remove_files = weakref.finalize(self, self.disk_store.remove_all)
-            disk = DiskTier(num_disk_blocks(config, bytes_per_block), fingerprint, existing,
-                            is_written=self.disk_store.is_written)
+            disk = DiskTier(self._disk_blocks_that_fit(num_disk_blocks(config, bytes_per_block), bytes_per_block,
+                                                       len(existing)),
+                            fingerprint, existing, is_written=self.disk_store.is_written,
+                            can_write=self.disk_store.can_write)
             for name, _, _ in existing[:max(0, len(existing) - disk.num_blocks)]:
                 self.disk_store.delete(name)  # the oldest beyond this run's capacity
             if existing:
@@ -102,6 +104,27 @@ class KVTiers:
         # The transfer's cumulative load totals the policy has already seen.
         self._observed_load_blocks = 0
         self._observed_load_seconds = 0.0
+
+    def _disk_blocks_that_fit(self, configured: int, bytes_per_block: int, num_existing: int) -> int:
+        """`configured` (--kv-offload-disk-size in blocks), or fewer with a warning when the file
+        system has no room for that many (the files this run adopts count as room)."""
+        assert self.disk_store is not None
+        per_file = file_bytes(bytes_per_block, self.config.block_size)
+        try:
+            free = self.disk_store.free_bytes()
+        except OSError as exc:
+            raise ValueError(f"kv_offload_disk {self.config.kv_offload_disk}: cannot read its free space ({exc})") \
+                from None
+        fits = (free + num_existing * per_file) // per_file
+        if fits >= configured:
+            return configured
+        if fits < 1:
+            raise ValueError(f"kv_offload_disk {self.config.kv_offload_disk} has {free} bytes free: not one KV "
+                             f"block file ({per_file} bytes) fits; free some space or leave out --kv-offload-disk")
+        logger.warning("disk KV tier: %s has room for %d blocks (%d bytes free), fewer than "
+                       "--kv-offload-disk-size %s (%d blocks): using %d", self.config.kv_offload_disk, fits, free,
+                       self.config.kv_offload_disk_size, configured, fits)
+        return fits
 
     def attach(self, device_caches: "list[torch.Tensor]") -> "BlockTransfer":
         """Allocate the host tensors mirroring the device caches (every layer's keys and values,
@@ -124,8 +147,9 @@ class KVTiers:
 
     def stats(self, hits: dict[str, int], num_swapped: int, preemptions: dict[str, int]) -> KVTierStats:
         usage = {"host": self.host.usage}
-        if self.disk is not None:
-            usage["disk"] = self.disk.usage
+        if self.disk is not None and self.disk_store is not None:
+            # Files actually on disk: an indexed block whose write failed or is still queued holds no space.
+            usage["disk"] = min(1.0, len(self.disk_store.written) / self.disk.num_blocks)
         moved = self.transfer.stats if self.transfer is not None else None
         return KVTierStats(
             usage=usage, hits=dict(hits), num_swapped=num_swapped, preemptions=dict(preemptions),

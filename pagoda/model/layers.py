@@ -47,7 +47,7 @@ class Linear(nn.Module):
         # --- end tensor parallelism ---
         self.in_features = in_features
         self.out_features = out_features
-        self.weight_format = weight_format or FullWeight()
+        self.weight_format = (weight_format or FullWeight()).for_layer(in_features)
         self.weight_format.create_weights(self, in_features, out_features, dtype, device)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None

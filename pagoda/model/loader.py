@@ -27,6 +27,8 @@ _FUSED_PARTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# PyTorch's pickle formats: never loaded (unpickling runs code from the file).
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -46,6 +48,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return [single]
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
+        pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in model_dir.glob(pattern))
+        if pickles:
+            raise ValueError(
+                f"{model_dir}: only pickle weights ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); "
+                f"pagoda refuses pickle checkpoints on purpose (loading one can run any code it holds). Convert "
+                f"it once to safetensors where you trust it: python -c \"from transformers import "
+                f"AutoModelForCausalLM as M, AutoTokenizer as T; M.from_pretrained('{model_dir}')"
+                f".save_pretrained('OUT', safe_serialization=True); T.from_pretrained('{model_dir}')"
+                f".save_pretrained('OUT')\" and serve OUT")
         raise ValueError(f"{model_dir}: no *.safetensors weights found")
     return shards
 

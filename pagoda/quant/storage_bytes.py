@@ -20,6 +20,13 @@ QUANTIZED_KV_ELEMENT_BYTES = 1
 # int4: half a byte per weight plus a (scale, zero) pair of 2-byte values per group of inputs.
 WEIGHT_QUANTIZATIONS = get_args(Quantization)
 INT4_GROUP_SIZES = get_args(QuantizationGroupSize)
+
+
+def int4_group_size_for(in_features: int) -> int | None:
+    """The largest int4 group size that divides a layer's input dimension (None: none does)."""
+    return next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if in_features % g == 0), None)
+
+
 SCALE_ELEMENT_BYTES = 2
 
 

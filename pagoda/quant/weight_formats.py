@@ -29,7 +29,7 @@ cast the output back. A format whose kernel is missing on the device fails at st
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 import functools
 from types import ModuleType
 
-from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, linear_weight_bytes
+from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, int4_group_size_for, linear_weight_bytes
 from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
 
 INT8_K_TILE = 16
@@ -55,6 +55,10 @@ class WeightFormat(ABC):
         """Register the full-precision staging weight the loaders write into."""
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                     requires_grad=False)
+
+    def for_layer(self, in_features: int) -> "WeightFormat":
+        """This format as a layer with `in_features` inputs holds it (int4 picks its group size)."""
+        return self
 
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
         """Raise ValueError when this format cannot hold a layer of this shape."""
@@ -191,17 +195,28 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 @dataclass(frozen=True)
 class Int4Weight(WeightFormat):
-    """Group-wise int4 (tinygemm layout), with zero points or symmetric."""
+    """Group-wise int4 (tinygemm layout), with zero points or symmetric. Without a group size
+    (--quantization-group-size not given) each layer takes the largest of 128, 64, 32 that
+    divides its input dimension (`for_layer`)."""
 
-    group_size: int = 128
+    group_size: int | None = None
     zero_point: bool = True
     name: ClassVar[str] = "int4"
 
+    def for_layer(self, in_features: int) -> "Int4Weight":
+        if self.group_size is not None:
+            return self
+        return replace(self, group_size=int4_group_size_for(in_features) or max(INT4_GROUP_SIZES))
+
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
-        if in_features % self.group_size:
-            raise ValueError(f"{layer_name}: int4 group size {self.group_size} does not divide its input "
-                             f"dimension {in_features}; use a group size among "
-                             f"{', '.join(str(g) for g in INT4_GROUP_SIZES)} that divides it")
+        group_size = self.for_layer(in_features).group_size
+        if in_features % group_size:
+            fits = int4_group_size_for(in_features)
+            advice = (f"pass --quantization-group-size {fits} (or leave it out: each layer then takes the "
+                      f"largest that divides it)") if fits else \
+                f"no int4 group size ({', '.join(str(g) for g in INT4_GROUP_SIZES)}) divides it; use int8"
+            raise ValueError(f"{layer_name}: int4 group size {group_size} does not divide its input "
+                             f"dimension {in_features}; {advice}")
         if out_features % 16:
             raise ValueError(f"{layer_name}: int4 needs an output dimension divisible by 16 "
                              f"(the packed kernel's tile), got {out_features}")
@@ -260,21 +275,24 @@ class Int4Weight(WeightFormat):
     def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
         name = "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else "the Triton w4a16 kernel"
 
+        group_size = self.group_size or max(INT4_GROUP_SIZES)
+
         def probe() -> None:
-            k = max(self.group_size, 256)
+            k = max(group_size, 256)
             codes = torch.zeros(16, k, dtype=torch.int32, device=device)
             packed = _pack_int4(codes, device)
-            sz = torch.ones(k // self.group_size, 16, 2, dtype=kernel_dtype(dtype), device=device)
+            sz = torch.ones(k // group_size, 16, 2, dtype=kernel_dtype(dtype), device=device)
             x = torch.ones(1, k, dtype=kernel_dtype(dtype), device=device)
             if device.type == "cuda":
-                _triton_kernels().int4_matmul(x, packed, sz, self.group_size)
+                _triton_kernels().int4_matmul(x, packed, sz, group_size)
             else:
-                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, sz)
+                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
 
         _probe_kernel("int4", name, device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
-        return linear_weight_bytes(in_features, out_features, "int4", element_size, self.group_size)
+        return linear_weight_bytes(in_features, out_features, "int4", element_size,
+                                   self.for_layer(in_features).group_size)
 
 
 def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: bool
@@ -331,14 +349,15 @@ def _probe_kernel(format_name: str, kernel: str, device: torch.device, probe) ->
                          f"with torch {torch.__version__} ({first_line})") from None
 
 
-def make_weight_format(quantization: str, group_size: int = 128, zero_point: bool = True) -> WeightFormat:
-    """The format for `--quantization`; ValueError for unknown names or group sizes."""
+def make_weight_format(quantization: str, group_size: int | None = None, zero_point: bool = True) -> WeightFormat:
+    """The format for `--quantization`; ValueError for unknown names or group sizes. int4 without
+    `group_size`: each layer's own (Int4Weight.for_layer)."""
     if quantization in ("none", "full"):
         return FullWeight()
     if quantization == "int8":
         return Int8Weight()
     if quantization == "int4":
-        if group_size not in INT4_GROUP_SIZES:
+        if group_size is not None and group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "
                              f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}")
         return Int4Weight(group_size=group_size, zero_point=zero_point)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 from typing import Any, Awaitable, Callable, TypeVar
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.client import EngineClient
+from pagoda.serve.access_log import redact_access_log
 from pagoda.serve.admission.body_limit import BodySizeLimit
 from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
@@ -46,6 +48,15 @@ def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
     return tenant
 
 
+def _check_metrics_token(request: Request, token: str) -> None:
+    """--metrics-token: scrapers send Authorization: Bearer TOKEN (compared in constant time)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise unauthorized("Missing metrics token (Authorization: Bearer TOKEN, see --metrics-token).")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise unauthorized("Invalid metrics token.")
+
+
 def _record_refusal(ctx: ServeContext, endpoint: str, tenant: Tenant | None,
                     error: APIError) -> None:
     """Metrics and the log line of a request refused before it reached the engine."""
@@ -56,7 +67,7 @@ def _record_refusal(ctx: ServeContext, endpoint: str, tenant: Tenant | None,
     ctx.request_log.log(RequestLogRecord(
         request_id=new_request_id("rejected"), endpoint=endpoint,
         tenant=tenant.name if tenant else None, model=ctx.model_name, status=error.status,
-        error=error.message))
+        error=error.message, error_param=error.param))
 
 
 async def _parse(request: Request, model: type[Body]) -> Body:
@@ -104,6 +115,7 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     ctx = ServeContext.create(llm, settings)
     app.state.ctx = ctx
+    redact_access_log()  # /dashboard?key=KEY: no key in the access log
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        on_reject=lambda: ctx.metrics.record_rejected("too_large"))
@@ -118,7 +130,9 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse(body)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if settings.metrics_token is not None:
+            _check_metrics_token(request, settings.metrics_token)
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -29,6 +29,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
 
     import uvicorn
 
+    from pagoda.model.loader import load_model_config
     from pagoda.replicas.start import start_engines
     from pagoda.serve.app import build_app
     from pagoda.serve.drain import DrainGate, DrainingServer
@@ -44,6 +45,12 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
             if name == settings.served_model_name:
                 raise ValueError(f"--lora-modules: adapter {name!r} has the served model's name")
     except ValueError as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
+    try:
+        # Read before anything else does: a model pagoda cannot run (an unknown architecture, a
+        # corrupt GGUF) is named as such, before transformers reads its config for the tokenizer.
+        load_model_config(config.model)
+    except (OSError, ValueError) as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:
         llm = start_engines(config, deployment, transport=settings.engine_transport)  # replicas: pagoda/replicas

@@ -1,7 +1,10 @@
 """One structured (JSON) log line per HTTP request that reached a generation endpoint.
 
 Prompt and output text are left out unless the server runs with --log-prompts: they are the
-clients' data, not the operator's.
+clients' data, not the operator's. So is everything else a body carries: without --log-prompts an
+error message keeps its own words but every quoted span becomes its size (a role, a model name, a
+stop string), and errors about a field that holds a grammar or a schema (whose compiler quotes it
+freely) keep only the field's name and the message's size. The client's 4xx body is not touched.
 """
 
 from __future__ import annotations
@@ -9,10 +12,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 LOGGER_NAME = "pagoda.serve.requests"
+
+# A span between matching quotes that are not part of a word ("the server's" is no quote).
+_QUOTED = re.compile(r"""(?<!\w)(['"`])(.*?)\1(?!\w)""", re.DOTALL)
+# Fields whose errors quote the field's own text (schemas, grammars, tool definitions).
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_", "json_schema", "regex", "grammar",
+                      "tools", "tool_choice", "functions")
+
+
+def redact_message(message: str, param: str | None = None) -> str:
+    """`message` with nothing a client sent: quoted spans become their size, and the message of
+    an error about a schema or grammar field becomes that field's name and the message's size."""
+    if param is not None and any(part.startswith(_STRUCTURED_FIELDS) for part in param.split(".")):
+        return f"invalid {param} (a {len(message)}-character message; --log-prompts logs it)"
+    return _QUOTED.sub(lambda m: f"{m.group(1)}<{len(m.group(2))} chars>{m.group(1)}", message)
 
 
 @dataclass
@@ -31,6 +49,7 @@ class RequestLogRecord:
     finish_reason: str | None = None
     stream: bool = False
     error: str | None = None
+    error_param: str | None = None  # the request field the error is about
     prompt: str | list[str] | None = None
     output: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)
@@ -55,6 +74,8 @@ class RequestLogger:
         if not self.log_prompts:
             fields.pop("prompt")
             fields.pop("output")
+            if fields["error"] is not None:
+                fields["error"] = redact_message(fields["error"], fields["error_param"])
         extra = fields.pop("extra")
         fields.update(extra)
         for key in ("queue_time_s", "ttft_s", "e2e_s"):

@@ -56,7 +56,8 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats),
+                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats,
+                                  tenant_labels=settings.metrics_tenant_labels),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -270,6 +271,7 @@ class Generation:
             cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
             e2e_s=time.time() - self.arrival_time,
             error=error.message if error is not None else None,
+            error_param=error.param if error is not None else None,
         )
         reasons = sorted({c.finish_reason for o in outputs for c in o.outputs if c.finish_reason})
         if status == CLIENT_CLOSED_REQUEST:

@@ -76,6 +76,12 @@ class ServerSettings:
     target_itl_ms: float | None = field(default=None, metadata={
         "help": "latency-aware admission: refuse new requests while the recent p90 inter-token "
                 "latency exceeds this (default: off)"})
+    metrics_token: str | None = field(default=None, metadata={
+        "metavar": "TOKEN", "help": "require Authorization: Bearer TOKEN on GET /metrics (for scrapers; "
+                                    "default: /metrics is open, as in vLLM)"})
+    metrics_tenant_labels: bool = field(default=False, metadata={
+        "help": "name tenants and LoRA adapters in /metrics label values (default: those values are "
+                "empty and their series summed, so a scrape cannot learn what another tenant sees)"})
     metrics_compat: MetricsCompat = field(default="none", metadata={
         "help": "also export every metric under vLLM's vllm: names, for existing vLLM dashboards"})
 
@@ -94,6 +100,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.metrics_token is not None and not self.metrics_token.strip():
+            raise ValueError("--metrics-token must not be empty")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number

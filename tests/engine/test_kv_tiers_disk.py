@@ -142,7 +142,7 @@ def test_all_tiers_under_pressure_match_the_plain_engine(llama_dir, tmp_path):
 
     expected = waves(EngineCore(EngineConfig(model=str(llama_dir))))
     per_block = block_bytes(llama_dir)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=12, max_num_batched_tokens=48,
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=12, max_num_seqs=12, max_num_batched_tokens=48,
                                    kv_offload_memory=str(12 * per_block), preemption_mode="swap",
                                    kv_offload_disk=str(tmp_path / "kv"), kv_offload_disk_size=str(40 * per_block)))
     assert waves(core) == expected

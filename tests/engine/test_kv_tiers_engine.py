@@ -128,7 +128,7 @@ def test_auto_recomputes_short_contexts_and_full_host_falls_back(llama_dir):
 
 
 def test_aborts_while_swapped_and_during_swap_in_leave_every_tier_idle(llama_dir):
-    config = EngineConfig(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64,
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=10, max_num_seqs=10, max_num_batched_tokens=64,
                           kv_offload_memory=str(64 * block_bytes(llama_dir)), preemption_mode="swap")
     core = EngineCore(config)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -3,11 +3,17 @@ one engine and one server that report the value they chose."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import httpx
+import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
-from pagoda.engine.max_num_seqs import CEILING, choose_max_num_seqs, resolve_max_num_seqs
+from pagoda.engine import max_num_seqs
+from pagoda.engine.max_num_seqs import (CEILING, calibration_cache_path, choose_max_num_seqs,
+                                       resolve_max_num_seqs)
 from pagoda.plan import build_plan, count_params_from_architecture, model_shape_from_config
 
 
@@ -91,8 +97,9 @@ def test_engine_chooses_reports_and_leaves_no_trace(llama_dir) -> None:
     stats = core.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and not core.requests
     assert stats.num_prompt_tokens == stats.num_generation_tokens == 0 and core.scheduler.prefix_cache_queries == 0
-    roomy = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=12))
-    assert 1 <= roomy.core.max_num_seqs_choice.value <= 12 == roomy.core.max_num_seqs_choice.kv_bound
+    # 12 blocks of 16 hold no 512-token context: one sequence at a time, whatever the hardware.
+    small = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=12))
+    assert small.core.max_num_seqs_choice.value == 1 and small.core.max_num_seqs_choice.kv_bound == 0
 
 
 def test_offline_llm_is_bound_by_the_kv_pool_without_calibrating(llama_dir) -> None:
@@ -121,3 +128,56 @@ def test_server_reports_the_chosen_value_in_models_banner_and_limits(tmp_path) -
             assert response.status_code == 400 and "--max-num-seqs" in response.json()["error"]["message"]
     finally:
         live.stop()
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_never_above_what_the_pool_holds_at_full_context(llama_dir, cache_home) -> None:
+    from pagoda.engine.llm_engine import LLMEngine
+
+    # A budget every step meets: only the pool binds, at full context (not one block each).
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
+                                    max_num_seqs_itl_ms=1e6))
+    choice = engine.core.max_num_seqs_choice
+    full_context = sequences_that_fit(64, 16, engine.core.max_model_len)
+    assert choice.value == choice.kv_bound == full_context < 64 and choice.full_context
+    assert "at full context" in choice.describe()
+
+
+def test_two_starts_give_the_same_value_the_second_from_the_cache(llama_dir, cache_home, monkeypatch) -> None:
+    from pagoda.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=4096, max_model_len=64,
+                          max_num_seqs_itl_ms=20.0)
+    first = LLMEngine(config).core.max_num_seqs_choice
+    assert not first.cached and calibration_cache_path().is_file()
+    assert str(cache_home) in str(calibration_cache_path())
+
+    def no_calibration(core):
+        def step_time_ms(batch: int) -> float:
+            raise AssertionError("calibrated although the cache holds this machine and model")
+        return step_time_ms
+
+    monkeypatch.setattr(max_num_seqs, "calibrate_decode_step", no_calibration)
+    second = LLMEngine(config).core.max_num_seqs_choice
+    assert second.cached and "from the calibration cache" in second.describe()
+    assert (second.value, second.step_ms) == (first.value, first.step_ms)
+
+
+def test_a_damaged_cache_is_ignored_with_one_log_line(llama_dir, cache_home, caplog) -> None:
+    from pagoda.engine.llm_engine import LLMEngine
+
+    path = calibration_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pagoda.engine.max_num_seqs"):
+        choice = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
+                                        max_num_seqs_itl_ms=1e6)).core.max_num_seqs_choice
+    warnings = [r for r in caplog.records if r.name == "pagoda.engine.max_num_seqs"]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    assert choice.value >= 1 and not choice.cached
+    assert json.loads(path.read_text())["version"] == 1  # rewritten whole

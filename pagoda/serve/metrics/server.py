@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 
 from pagoda.config import MetricsCompat
 from pagoda.serve.metrics.disaggregation import disagg_families
+from pagoda.serve.metrics.label_policy import public_registry
 from pagoda.serve.metrics.lora import lora_families
 from pagoda.serve.metrics.replicas import ReplicaLabelledCollector
 from pagoda.serve.metrics.structured import structured_output_families
@@ -205,9 +206,11 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
                  compat: MetricsCompat = "none",
-                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict) -> None:
+                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict,
+                 tenant_labels: bool = False) -> None:
         """`replica_stats`: each replica's stats by label (EngineClient.replica_stats); while
-        there are replicas, the engine series carry a `replica` label instead of reading `stats`."""
+        there are replicas, the engine series carry a `replica` label instead of reading `stats`.
+        `tenant_labels`: render tenant ids and adapter names in label values (label_policy.py)."""
         if compat not in get_args(MetricsCompat):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
@@ -250,10 +253,11 @@ class ServerMetrics:
         self._inference_child = self._inference.labels(model_name)
         self._prompt_tokens_child = self._prompt_tokens.labels(model_name)
         self._generation_tokens_child = self._generation_tokens.labels(model_name)
+        self._public_registry = public_registry(self.registry, tenant_labels)
         self._compat_registry: CollectorRegistry | None = None
         if compat == "vllm":
             self._compat_registry = CollectorRegistry(auto_describe=False)
-            self._compat_registry.register(_RenamedCollector(self.registry, VLLM_PREFIX, VLLM_ALIASES))
+            self._compat_registry.register(_RenamedCollector(self._public_registry, VLLM_PREFIX, VLLM_ALIASES))
 
     def record_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
@@ -289,7 +293,8 @@ class ServerMetrics:
             self._inference_child.observe(max(finished - scheduled, 0.0))
 
     def render(self) -> tuple[bytes, str]:
-        body = generate_latest(self.registry)
+        """The /metrics body (tenant-scoped label values emptied unless tenant_labels)."""
+        body = generate_latest(self._public_registry)
         if self._compat_registry is not None:
             body += generate_latest(self._compat_registry)
         return body, CONTENT_TYPE_LATEST

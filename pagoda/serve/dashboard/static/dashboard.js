@@ -171,10 +171,13 @@ function setStatus(state, text) {
   status.textContent = text;
 }
 
-// The key: ?key= once (then dropped from the address bar), else the one typed in this tab.
+// The key: #key= (a fragment never reaches the server) or ?key= once, then dropped from the
+// address bar and kept in this tab's sessionStorage; else the one typed in the form. It is sent
+// only as an Authorization header.
 function takeKey() {
   const url = new URL(location.href);
-  const fromUrl = url.searchParams.get("key");
+  const fromHash = new URLSearchParams(url.hash.slice(1)).get("key");
+  const fromUrl = fromHash || url.searchParams.get("key");
   if (fromUrl) {
     sessionStorage.setItem("pagoda-key", fromUrl);
     url.searchParams.delete("key");
