@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from model_factory import build_model  # noqa: E402
+
+# Caches pagoda writes (the --max-num-seqs calibration) go to a directory of this run, not the
+# user's home; subprocesses inherit it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pagoda-test-cache-")
 
 # Two cores in CI: one intra-op thread keeps tests from fighting each other (MEASURED.md).
 torch.set_num_threads(1)
