@@ -49,7 +49,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
                                   description="Benchmarks with request classes that mirror real traffic.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim}",
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout}",
                                required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
@@ -104,6 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(compare)
     compare.set_defaults(func=run_compare)
     _add_route_sim_parser(sub)
+    _add_oom_lab_parser(sub)
 
 
 def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +141,51 @@ def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of generated traces (default 0)")
     sim.add_argument("--out", default=None, help="directory for results.json")
     sim.set_defaults(func=run_route_sim)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_oom_lab_parser(sub: argparse._SubParsersAction) -> None:
+    lab = sub.add_parser(
+        "oom-lab", help="step prompt x output x concurrency until preemption and refusal; compare with plan",
+        description="Against a running pagoda server: for each prompt/output length, send 1, 2, ... "
+                    "concurrent requests until the server preempts, then until it refuses or times out, "
+                    "and report where, beside `pagoda plan`'s prediction for the same model and KV pool.")
+    lab.add_argument("url", help="the server's base URL")
+    lab.add_argument("--model-dir", required=True, help="the served model's directory (plan reads config.json)")
+    pool = lab.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--num-kv-blocks", type=int, default=None, help="the server's --num-kv-blocks")
+    pool.add_argument("--kv-cache-memory", default=None, help="the server's --kv-cache-memory, e.g. 256KiB")
+    lab.add_argument("--block-size", type=int, default=16, help="the server's --block-size (default 16)")
+    lab.add_argument("--kv-dtype", default=None, help="KV dtype as plan names it (default: the config's)")
+    lab.add_argument("--prompt-lens", type=_int_list, default=[256, 1024], help="comma-separated tokens")
+    lab.add_argument("--output-lens", type=_int_list, default=[128], help="comma-separated tokens")
+    lab.add_argument("--max-concurrency", type=int, default=32, help="highest concurrency stepped to")
+    lab.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    lab.add_argument("--api-key", default=None)
+    lab.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    lab.add_argument("--out", default=None, help="directory for oom_lab.json/.md/.png")
+    lab.set_defaults(func=run_oom_lab_cli)
+
+
+def run_oom_lab_cli(args: argparse.Namespace) -> int:
+    from pagoda.ops.oom_lab import OomLabOptions, render_lab, run_oom_lab
+
+    try:
+        report = run_oom_lab(OomLabOptions(
+            url=args.url, model_dir=args.model_dir, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
+            max_concurrency=args.max_concurrency, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, kv_dtype=args.kv_dtype,
+            model=args.model, api_key=args.api_key, timeout_s=args.timeout, out=args.out))
+    except (ValueError, OSError) as e:
+        return _fail("oom-lab", e)
+    print(render_lab(report))
+    return 0 if all(p.agrees is not False for p in report.points) else 1
 
 
 def _compare_epilog() -> str:
