@@ -105,6 +105,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=run_compare)
     _add_route_sim_parser(sub)
     _add_oom_lab_parser(sub)
+    _add_shootout_parser(sub)
 
 
 def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -186,6 +187,51 @@ def run_oom_lab_cli(args: argparse.Namespace) -> int:
         return _fail("oom-lab", e)
     print(render_lab(report))
     return 0 if all(p.agrees is not False for p in report.points) else 1
+
+
+def _add_shootout_parser(sub: argparse._SubParsersAction) -> None:
+    shoot = sub.add_parser(
+        "shootout", help="the same workload classes against several servers, side by side",
+        description="Chat, RAG, summarisation and agent requests against several OpenAI-compatible servers "
+                    "(pagoda, vLLM, llama-server, SGLang) in rounds that alternate their order: TTFT/ITL/E2E "
+                    "percentiles, throughput, goodput under --slo, error rate, and greedy output agreement.")
+    shoot.add_argument("targets", nargs="+", metavar="[LABEL=]URL", help="the servers' base URLs")
+    shoot.add_argument("--model", action="append", default=[], help="model name per target, in order "
+                       "(repeatable; default: the first of each /v1/models)")
+    shoot.add_argument("--tokenizer", default=None,
+                       help="local tokenizer directory (default: the first target's model directory)")
+    shoot.add_argument("--classes", default="chat,rag,summarize,agent", help="comma-separated classes")
+    shoot.add_argument("--rounds", type=int, default=2, help="rounds, alternating the target order (default 2)")
+    shoot.add_argument("--requests-per-class", type=int, default=8, help="per target, class and round")
+    shoot.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (default 4)")
+    shoot.add_argument("--length-scale", type=float, default=0.1,
+                       help="multiply the classes' default lengths (default 0.1, for small models)")
+    shoot.add_argument("--max-model-len", type=int, default=None, help="cap prompt + output")
+    shoot.add_argument("--slo", default=None, help="goodput targets, e.g. ttft=0.5,itl=50ms")
+    shoot.add_argument("--greedy-prompts", type=int, default=8, help="prompts compared at temperature 0")
+    shoot.add_argument("--api-key", default=None)
+    shoot.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    shoot.add_argument("--out", default=None, help="directory for shootout.json/.md and plots")
+    shoot.set_defaults(func=run_shootout_cli)
+
+
+def run_shootout_cli(args: argparse.Namespace) -> int:
+    from pagoda.bench.report import parse_slo
+    from pagoda.bench.shootout import ShootoutOptions, render_text, run_shootout
+
+    try:
+        options = ShootoutOptions(
+            targets=args.targets, tokenizer=args.tokenizer,
+            classes=[c.strip() for c in args.classes.split(",") if c.strip()], rounds=args.rounds,
+            requests_per_class=args.requests_per_class, concurrency=args.concurrency,
+            length_scale=args.length_scale, max_model_len=args.max_model_len, slo=parse_slo(args.slo),
+            greedy_prompts=args.greedy_prompts, models=args.model, api_key=args.api_key,
+            timeout_s=args.timeout, out=args.out)
+        report = run_shootout(options)
+    except (ValueError, OSError) as e:
+        return _fail("shootout", e)
+    print(render_text(report))
+    return 0
 
 
 def _compare_epilog() -> str:
