@@ -49,7 +49,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
                                   description="Benchmarks with request classes that mirror real traffic.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim}",
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout}",
                                required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
@@ -104,6 +104,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_output_args(compare)
     compare.set_defaults(func=run_compare)
     _add_route_sim_parser(sub)
+    _add_oom_lab_parser(sub)
+    _add_shootout_parser(sub)
 
 
 def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +142,96 @@ def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of generated traces (default 0)")
     sim.add_argument("--out", default=None, help="directory for results.json")
     sim.set_defaults(func=run_route_sim)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_oom_lab_parser(sub: argparse._SubParsersAction) -> None:
+    lab = sub.add_parser(
+        "oom-lab", help="step prompt x output x concurrency until preemption and refusal; compare with plan",
+        description="Against a running pagoda server: for each prompt/output length, send 1, 2, ... "
+                    "concurrent requests until the server preempts, then until it refuses or times out, "
+                    "and report where, beside `pagoda plan`'s prediction for the same model and KV pool.")
+    lab.add_argument("url", help="the server's base URL")
+    lab.add_argument("--model-dir", required=True, help="the served model's directory (plan reads config.json)")
+    pool = lab.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--num-kv-blocks", type=int, default=None, help="the server's --num-kv-blocks")
+    pool.add_argument("--kv-cache-memory", default=None, help="the server's --kv-cache-memory, e.g. 256KiB")
+    lab.add_argument("--block-size", type=int, default=16, help="the server's --block-size (default 16)")
+    lab.add_argument("--kv-dtype", default=None, help="KV dtype as plan names it (default: the config's)")
+    lab.add_argument("--prompt-lens", type=_int_list, default=[256, 1024], help="comma-separated tokens")
+    lab.add_argument("--output-lens", type=_int_list, default=[128], help="comma-separated tokens")
+    lab.add_argument("--max-concurrency", type=int, default=32, help="highest concurrency stepped to")
+    lab.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    lab.add_argument("--api-key", default=None)
+    lab.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    lab.add_argument("--out", default=None, help="directory for oom_lab.json/.md/.png")
+    lab.set_defaults(func=run_oom_lab_cli)
+
+
+def run_oom_lab_cli(args: argparse.Namespace) -> int:
+    from pagoda.ops.oom_lab import OomLabOptions, render_lab, run_oom_lab
+
+    try:
+        report = run_oom_lab(OomLabOptions(
+            url=args.url, model_dir=args.model_dir, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
+            max_concurrency=args.max_concurrency, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, kv_dtype=args.kv_dtype,
+            model=args.model, api_key=args.api_key, timeout_s=args.timeout, out=args.out))
+    except (ValueError, OSError) as e:
+        return _fail("oom-lab", e)
+    print(render_lab(report))
+    return 0 if all(p.agrees is not False for p in report.points) else 1
+
+
+def _add_shootout_parser(sub: argparse._SubParsersAction) -> None:
+    shoot = sub.add_parser(
+        "shootout", help="the same workload classes against several servers, side by side",
+        description="Chat, RAG, summarisation and agent requests against several OpenAI-compatible servers "
+                    "(pagoda, vLLM, llama-server, SGLang) in rounds that alternate their order: TTFT/ITL/E2E "
+                    "percentiles, throughput, goodput under --slo, error rate, and greedy output agreement.")
+    shoot.add_argument("targets", nargs="+", metavar="[LABEL=]URL", help="the servers' base URLs")
+    shoot.add_argument("--model", action="append", default=[], help="model name per target, in order "
+                       "(repeatable; default: the first of each /v1/models)")
+    shoot.add_argument("--tokenizer", default=None,
+                       help="local tokenizer directory (default: the first target's model directory)")
+    shoot.add_argument("--classes", default="chat,rag,summarize,agent", help="comma-separated classes")
+    shoot.add_argument("--rounds", type=int, default=2, help="rounds, alternating the target order (default 2)")
+    shoot.add_argument("--requests-per-class", type=int, default=8, help="per target, class and round")
+    shoot.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (default 4)")
+    shoot.add_argument("--length-scale", type=float, default=0.1,
+                       help="multiply the classes' default lengths (default 0.1, for small models)")
+    shoot.add_argument("--max-model-len", type=int, default=None, help="cap prompt + output")
+    shoot.add_argument("--slo", default=None, help="goodput targets, e.g. ttft=0.5,itl=50ms")
+    shoot.add_argument("--greedy-prompts", type=int, default=8, help="prompts compared at temperature 0")
+    shoot.add_argument("--api-key", default=None)
+    shoot.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    shoot.add_argument("--out", default=None, help="directory for shootout.json/.md and plots")
+    shoot.set_defaults(func=run_shootout_cli)
+
+
+def run_shootout_cli(args: argparse.Namespace) -> int:
+    from pagoda.bench.report import parse_slo
+    from pagoda.bench.shootout import ShootoutOptions, render_text, run_shootout
+
+    try:
+        options = ShootoutOptions(
+            targets=args.targets, tokenizer=args.tokenizer,
+            classes=[c.strip() for c in args.classes.split(",") if c.strip()], rounds=args.rounds,
+            requests_per_class=args.requests_per_class, concurrency=args.concurrency,
+            length_scale=args.length_scale, max_model_len=args.max_model_len, slo=parse_slo(args.slo),
+            greedy_prompts=args.greedy_prompts, models=args.model, api_key=args.api_key,
+            timeout_s=args.timeout, out=args.out)
+        report = run_shootout(options)
+    except (ValueError, OSError) as e:
+        return _fail("shootout", e)
+    print(render_text(report))
+    return 0
 
 
 def _compare_epilog() -> str:

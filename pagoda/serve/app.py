@@ -138,7 +138,9 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
 
     # --- dashboard: GET /dashboard, /dashboard/events ---
     install_dashboard(app, lambda request: _authenticate(ctx, request), settings.tenants,
-                      DashboardWindow(ctx.metrics.registry), ctx.request_log)
+                      DashboardWindow(ctx.metrics.registry, server_info=lambda: {
+                          "health": ctx.llm.health(), "max_num_seqs": llm.config.max_num_seqs,
+                          "max_model_len": llm.max_model_len}), ctx.request_log)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:

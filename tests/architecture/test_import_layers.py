@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
      "dataclass_flags",  # command-line flags generated from the settings dataclasses
      "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
      "http_client"),  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
+    ("diagnosis",),  # triage rules over metric samples (on stats): ops' doctor and serve's dashboard
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
+from pagoda.diagnosis import MetricSamples, diagnose, observe
 from pagoda.serve.request_log import RequestLogRecord
 from pagoda.stats import histogram_quantile
 
@@ -84,6 +85,7 @@ class Sample:
     time: float
     scalars: dict[str, float | None]
     histograms: dict[str, Histogram]
+    labeled: MetricSamples = field(default_factory=dict)  # every series, for the diagnosis rules
 
 
 def read_registry(registry: CollectorRegistry, now: float) -> Sample:
@@ -93,7 +95,10 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
     scalars: dict[str, float | None] = {key: 0.0 for key in _SCALARS}
     scalars.update({key: None for key in _LABELLED})
     histograms: dict[str, Histogram] = {}
+    labeled: MetricSamples = {}
     for family in registry.collect():
+        for s in family.samples:
+            labeled[(s.name, frozenset(s.labels.items()))] = s.value
         for key, (name, label, value) in _LABELLED.items():
             if family.name == PREFIX + name:
                 scalars[key] = sum(s.value for s in family.samples if s.name.endswith("_total")
@@ -114,7 +119,7 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
             bounds = sorted(buckets)
             histograms[histogram_keys[family.name]] = Histogram(
                 bounds, [buckets[b] for b in bounds], total)
-    return Sample(now, scalars, histograms)
+    return Sample(now, scalars, histograms, labeled)
 
 
 @dataclass
@@ -136,6 +141,8 @@ class DashboardWindow:
     max_timelines: int = 30
     max_records: int = 100_000  # a hard bound on the records kept for the window
     clock: Callable[[], float] = time.time
+    # /health's body and the /v1/models figures the diagnosis rules read (max_num_seqs, ...).
+    server_info: Callable[[], dict[str, Any]] = dict
     _samples: deque[Sample] = field(default_factory=deque, init=False)
     _history: deque[dict[str, Any]] = field(default_factory=deque, init=False)
     _records: deque[tuple[float, RequestLogRecord]] = field(default_factory=deque, init=False)
@@ -267,6 +274,17 @@ class DashboardWindow:
             })
         return timelines
 
+    def _diagnosis(self, sample: Sample) -> list[dict[str, Any]]:
+        """The triage rules (pagoda doctor's) over the window: server-wide figures only."""
+        start = self._window_start()
+        if start is None:
+            return []
+        info = self.server_info()
+        observations = observe(start.labeled, sample.labeled, max(sample.time - start.time, 1e-3),
+                               health=info.get("health"), max_num_seqs=info.get("max_num_seqs"),
+                               max_model_len=info.get("max_model_len"))
+        return [asdict(finding) for finding in diagnose(observations)]
+
     def snapshot(self, visible_tenants: Iterable[str] | None = None) -> dict[str, Any]:
         """Everything the page shows. `visible_tenants`: None for all (an admin key), else the
         only tenants whose per-tenant figures and requests may be shown. Server-wide figures
@@ -285,4 +303,5 @@ class DashboardWindow:
             "history": list(self._history),
             "tenants": self._tenants(visible, sample.time),
             "requests": self._timelines(visible),
+            "diagnosis": self._diagnosis(sample),
         }

@@ -155,8 +155,25 @@ function drawTimelines(snap) {
   }
 }
 
+function drawDiagnosis(snap) {
+  const root = document.getElementById("diagnosis");
+  root.replaceChildren();
+  const findings = snap.diagnosis || [];
+  if (!findings.length) el("div", {class: "muted", text: "nothing found in this window"}, root);
+  for (const f of findings) {
+    const item = el("details", {class: "finding " + f.severity, "data-finding": f.id}, root);
+    el("summary", {text: f.severity + " · " + f.title}, item);
+    const evidence = Object.entries(f.evidence).filter(([, v]) => v !== null)
+      .map(([k, v]) => k + " = " + (typeof v === "number" ? fmt(v) : typeof v === "object" ? JSON.stringify(v) : String(v)));
+    el("div", {class: "evidence", text: evidence.join(" · ")}, item);
+    const checks = el("ul", {}, item);
+    for (const check of f.next_checks) el("li", {text: check}, checks);
+  }
+}
+
 function render(snap) {
   drawTiles(snap);
+  drawDiagnosis(snap);
   for (const [id, , series] of CHARTS) drawChart(id, series, snap.history);
   drawTenants(snap);
   drawTimelines(snap);
