@@ -16,6 +16,7 @@ from typing import Any
 
 from pagoda.config import parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
+from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, int4_group_size_for,
                                         kv_cache_bytes_per_token, weight_bytes_per_parameter)
@@ -92,6 +93,8 @@ class ModelShape:
     config_dtype: str | None  # normalized: bf16, fp16, fp32, ...
     max_position_embeddings: int  # 2048 where config.json has none, as transformers assumes
     norms_per_layer: int = 2  # input and post-attention; Gemma adds two around the MLP
+    # Per layer: its sliding window or None. The engine releases KV blocks behind windows.
+    layer_sliding_windows: tuple[int | None, ...] = ()
 
     @property
     def is_mha(self) -> bool:
@@ -109,6 +112,7 @@ class ModelShape:
             config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
+            layer_sliding_windows=tuple(config.layer_sliding_windows),
         )
 
 
@@ -322,11 +326,21 @@ def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None
 
 
 def _scenario(name: str, w_bytes: int, kv_token: int, context: int, block_size: int,
-              memory: int, reserve: int) -> Scenario:
+              memory: int, reserve: int, windows: tuple[int | None, ...] = ()) -> Scenario:
     kv_memory = max(0, memory - reserve - w_bytes)
     num_blocks = kv_memory // (kv_token * block_size)
     return Scenario(name, w_bytes, kv_token, context, kv_memory, num_blocks,
-                    sequences_that_fit(num_blocks, block_size, context))
+                    sequences_in_pool(windows, num_blocks, block_size, context))
+
+
+def sequences_in_pool(windows: tuple[int | None, ...], num_blocks: int, block_size: int, tokens: int) -> int:
+    """Sequences of `tokens` tokens a pool of `num_blocks` blocks (of every layer) holds at once,
+    the layers with a sliding window holding only their window's blocks (as the engine does)."""
+    if all(w is None for w in windows):
+        return sequences_that_fit(num_blocks, block_size, tokens)
+    groups = kv_cache_groups(windows, release=True)
+    pages = num_blocks * len(windows) // layers_per_page(groups)
+    return pages // pages_per_sequence(groups, tokens, block_size)
 
 
 def parse_reserve(text: str, memory: int) -> int:
@@ -360,11 +374,12 @@ def build_plan(
                         f"{shape.max_position_embeddings}")
     w_bytes = _configured_weight_bytes(params, dtype, group_size)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
-    base = _scenario("as configured", w_bytes, kv_token, context, block_size, memory_bytes, reserve_bytes)
+    windows = shape.layer_sliding_windows
+    base = _scenario("as configured", w_bytes, kv_token, context, block_size, memory_bytes, reserve_bytes, windows)
     if base.kv_memory_bytes == 0:
         warnings.append("the weights and reserve do not leave any memory for the KV cache")
     block_bytes = kv_token * block_size
-    class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings)
+    class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows)
                   for rc in classes]
     targeted = [row for row in class_rows if row.target_concurrency is not None]
     blocks_per_seq = blocks_for(context, block_size)
@@ -438,7 +453,7 @@ def _configured_weight_bytes(params: ParamCount, dtype: str, group_size: int) ->
 
 
 def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes: int, num_blocks: int,
-                    warnings: list[str]) -> ClassCapacity:
+                    warnings: list[str], windows: tuple[int | None, ...] = ()) -> ClassCapacity:
     """How many requests of one class fit at p50 and p95, and what its target concurrency needs."""
     p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
     p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
@@ -450,8 +465,8 @@ def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes
         need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
         mem50, mem95 = need50 * block_bytes, need95 * block_bytes
     return ClassCapacity(rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
-                         sequences_that_fit(num_blocks, block_size, p50_tokens),
-                         sequences_that_fit(num_blocks, block_size, p95_tokens),
+                         sequences_in_pool(windows, num_blocks, block_size, p50_tokens),
+                         sequences_in_pool(windows, num_blocks, block_size, p95_tokens),
                          rc.concurrency, need50, need95, mem50, mem95)
 
 
@@ -464,7 +479,7 @@ def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *,
 
     def scenario(name: str, *, w: int = base.weight_bytes, kv: int = base.kv_bytes_per_token,
                  ctx: int = context) -> Scenario:
-        return _scenario(name, w, kv, ctx, block_size, memory_bytes, reserve_bytes)
+        return _scenario(name, w, kv, ctx, block_size, memory_bytes, reserve_bytes, shape.layer_sliding_windows)
 
     scenarios = []
     for quant in ("int8", "int4"):
@@ -532,6 +547,14 @@ def _kv_vector(kv_dtype: str, head_dim: int) -> str:
     return f"({head_dim} x 1 B + {KV_SCALE_BYTES} B scale) {kv_dtype}"
 
 
+def _sliding_window_lines(shape: dict[str, Any]) -> list[str]:
+    windows = [w for w in shape.get("layer_sliding_windows") or () if w is not None]
+    if not windows:
+        return []
+    return [f"sliding windows  {len(windows)} of {shape['num_layers']} layers keep only the KV of their last "
+            f"{', '.join(map(str, sorted(set(windows))))} tokens (blocks behind are released)"]
+
+
 def render_plan(plan: Plan) -> str:
     s = plan.shape
     out = [
@@ -551,6 +574,7 @@ def render_plan(plan: Plan) -> str:
         f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "
         f"({plan.blocks_per_sequence} blocks)",
         f"KV blocks        {plan.num_blocks:,} ({plan.num_blocks * plan.block_size:,} tokens)",
+        *_sliding_window_lines(s),
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
         "",
     ]

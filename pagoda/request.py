@@ -83,7 +83,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    # One block table per KV cache group (pagoda.core.kv_cache_groups); block 0 stands in for
+    # blocks released behind a sliding window.
+    block_tables: list[list[int]] = field(default_factory=list)
     # Chained hashes of this request's full blocks, computed incrementally (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
@@ -110,6 +112,11 @@ class Request:
         if self.sampling_params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(
                 _sample_seed(self.sampling_params.seed, self.sample_index))
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV cache group's block table (every layer's when blocks are not released)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -189,3 +189,18 @@ def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> N
     # One KV formula: the engine's pool sizing (ModelConfig) and the worksheet agree.
     engine_config = ModelConfig.from_dict(LLAMA3_8B)
     assert engine_config.kv_bytes_per_token(2) == P.kv_bytes_per_token(P.model_shape_from_config(LLAMA3_8B), "bf16")
+
+
+def test_sliding_window_layers_count_window_sized_kv() -> None:
+    """Gemma 2's shape: half the layers keep only their 4096-token window, so at 8k context
+    each sequence costs about three quarters of the KV it would with every block kept."""
+    config = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 2304, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 256000,
+              "intermediate_size": 9216, "sliding_window": 4096, "max_position_embeddings": 8192}
+    windowed = P.model_shape_from_config(config)
+    kept = dataclasses.replace(windowed, layer_sliding_windows=())
+    plans = [P.build_plan(shape, P.count_params_from_architecture(shape), model="m", memory_bytes=24 * 2**30,
+                          dtype="bf16", kv_dtype="bf16", context=8192, block_size=16, reserve_bytes=2**30, classes=[])
+             for shape in (windowed, kept)]
+    assert plans[0].full_context_seqs > 1.3 * plans[1].full_context_seqs
+    assert "sliding windows  13 of 26 layers" in P.render_plan(plans[0])

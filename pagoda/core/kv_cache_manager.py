@@ -1,30 +1,66 @@
 """Per-request block tables on top of the block pool: prefix lookup, slot allocation,
 copy-on-write fork, and freeing. With a host tier (pagoda.core.kv_tiers) behind the pool,
 evicted cached blocks are offered to it, prefix lookups continue into it, and preempted
-requests can be swapped out to it and back."""
+requests can be swapped out to it and back.
+
+A request has one block table per KV cache group (pagoda.core.kv_cache_groups). In a group
+with a sliding window, blocks wholly behind the window are released as the request moves on
+and their entries become None (block 0 in `request.block_tables`, never read unmasked); a
+cached prefix is usable for such a group only where the blocks its window still sees exist."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagoda.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from pagoda.core.kv_cache_groups import KVCacheGroup, first_needed_block
 from pagoda.core.kv_tiers import HostTier, PreemptionPolicy, TierEntry, TransferOp, TransferPlan
 from pagoda.request import Request
+
+# What a request's block table entry in the cache names: None once released behind a window.
+PLACEHOLDER_BLOCK_ID = 0
+
+
+class CachedPrefix(list):
+    """The first group's cached blocks that prefix a request, in order; `tables` holds every
+    group's (None where a sliding group needs no block)."""
+
+    def __init__(self, tables: list[list[KVBlock | TierEntry | None]]) -> None:
+        super().__init__(tables[0] if tables else [])
+        self.tables = tables
+
+
+@dataclass
+class RequestBlocks:
+    """A request's blocks: one table per group, None for blocks released behind a window."""
+
+    tables: list[list[KVBlock | None]]
+    num_cached: int = 0  # full blocks already registered in the prefix cache
+    num_released: list[int] = field(default_factory=list)  # per group: leading entries released
+
+    def block_ids(self) -> list[list[int]]:
+        return [[PLACEHOLDER_BLOCK_ID if b is None else b.block_id for b in table] for table in self.tables]
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 host_tier: HostTier | None = None, preemption: PreemptionPolicy | None = None) -> None:
+                 host_tier: HostTier | None = None, preemption: PreemptionPolicy | None = None,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.preemption = preemption or PreemptionPolicy("recompute")
         if self.preemption.mode != "recompute" and host_tier is None:
             raise ValueError(f"preemption_mode {self.preemption.mode} needs a host tier (kv_offload_memory)")
+        self.groups = list(groups) if groups else [KVCacheGroup(())]
+        # One table of kept blocks: what host tiers, swapping and KV handoff work with.
+        self.single_table = len(self.groups) == 1 and self.groups[0].window is None
+        if host_tier is not None and not self.single_table:
+            raise ValueError("a host KV tier cannot hold blocks of sliding-window groups yet")
         self.pool = BlockPool(num_blocks, enable_caching,
                               on_evict=self._offload if host_tier is not None and enable_caching else None)
-        self._blocks: dict[str, list[KVBlock]] = {}
-        self._num_cached_blocks: dict[str, int] = {}  # full blocks already registered per request
+        self._requests: dict[str, RequestBlocks] = {}
         # Copy-on-write copies (src block id, dst block id) to run before the next forward.
         self._pending_copies: list[tuple[int, int]] = []
         # Tier copies recorded this step, in order, and the device blocks they or CoW write into.
@@ -48,15 +84,38 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock | TierEntry]:
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Longest chain of cached full blocks that prefixes the request's tokens: device
-        blocks first, then (with a host tier) entries the host or disk tier holds.
+        blocks first, then (with a host tier) entries the host or disk tier holds. A sliding
+        group needs only the blocks its window sees from the end of the chain.
 
         The last token is always left to compute: its logits are needed to sample."""
         if not self.enable_caching:
-            return []
+            return CachedPrefix([])
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.single_table:
+            return CachedPrefix([self._cached_chain(request, max_blocks)])
+        length = max_blocks
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                length = next((i for i in range(length) if self._cached_block(request, g, i) is None), length)
+        sliding = {g: [self._cached_block(request, g, i) for i in range(length)]
+                   for g, group in enumerate(self.groups) if group.window is not None}
+        runs = {g: _hit_runs(hits) for g, hits in sliding.items()}
+        while length and not all(
+                runs[g][length - 1] >= length - self._first_needed(g, length * self.block_size) for g in sliding):
+            length -= 1
+        tables: list[list[KVBlock | TierEntry | None]] = []
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                tables.append([self._cached_block(request, g, i) for i in range(length)])
+            else:
+                first = self._first_needed(g, length * self.block_size)
+                tables.append([None] * first + sliding[g][first:length])
+        return CachedPrefix(tables)
+
+    def _cached_chain(self, request: Request, max_blocks: int) -> list[KVBlock | TierEntry]:
         hits: list[KVBlock | TierEntry] = []
         tier = self.host_tier
         for i in range(max_blocks):
@@ -74,52 +133,91 @@ class KVCacheManager:
             tier.pinned.clear()
         return hits
 
+    def _cached_block(self, request: Request, group: int, index: int) -> KVBlock | None:
+        tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
+        return self.pool.get_cached_block(_group_hash(request.block_hashes[index], group), tokens)
+
+    def _first_needed(self, group: int, num_computed_tokens: int) -> int:
+        return first_needed_block(self.groups[group].window, num_computed_tokens, self.block_size)
+
     # ---- allocation ----------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: Sequence[KVBlock | TierEntry] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
         Cached blocks held by a lower tier get fresh device blocks and are loaded into them
-        before the step's forward.
+        before the step's forward. Blocks a sliding window has left behind are released first.
 
-        Returns False, changing nothing, if the pool has too few free blocks; the scheduler
-        then preempts someone or leaves the request waiting.
+        Returns False, changing nothing else, if the pool has too few free blocks; the
+        scheduler then preempts someone or leaves the request waiting.
         """
-        blocks = self._blocks.setdefault(request.request_id, [])
-        write_pos = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_needed = self.num_blocks_for(write_pos + num_new_tokens) - len(blocks) - len(cached_blocks)
-        num_needed = max(num_needed, 0)
-        cow_index = self._shared_partial_block(blocks, write_pos) if num_new_tokens else None
-        device_hits = [b for b in cached_blocks if isinstance(b, KVBlock)]
-        tier_hits = [e for e in cached_blocks if isinstance(e, TierEntry)]
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
+            self._requests[request.request_id] = state
+        num_cached = len(cached_blocks)
+        cached_tables: list[list] = []
+        if num_cached:
+            cached_tables = cached_blocks.tables if isinstance(cached_blocks, CachedPrefix) else [list(cached_blocks)]
+        else:
+            self._release_behind_windows(request, state)
+        write_pos = request.num_computed_tokens + num_cached * self.block_size
+        total = self.num_blocks_for(write_pos + num_new_tokens)
+        needed = [max(total - len(table) - (len(cached_tables[g]) if cached_tables else 0), 0)
+                  for g, table in enumerate(state.tables)]
+        cow = [self._shared_partial_block(table, write_pos) if num_new_tokens else None for table in state.tables]
+        hits = [b for table in cached_tables for b in table if b is not None]
+        device_hits = [b for b in hits if isinstance(b, KVBlock)]
+        tier_hits = [e for e in hits if isinstance(e, TierEntry)]
         # Cached blocks with no other user sit in the free queue: touching them uses it up.
         num_revived = sum(1 for b in device_hits if b.ref_cnt == 0)
-        if num_needed + (cow_index is not None) + num_revived + len(tier_hits) > self.pool.num_free_blocks:
+        num_cow = sum(1 for index in cow if index is not None)
+        if sum(needed) + num_cow + num_revived + len(tier_hits) > self.pool.num_free_blocks:
             return False
 
-        if cached_blocks:
+        if cached_tables:
             self.pool.touch(device_hits)
-            blocks.extend(device_hits)
-            if tier_hits:
-                blocks.extend(self._load_tier_hits(tier_hits))
-            self._num_cached_blocks[request.request_id] = len(blocks)
-            self._count_hits(device_hits, tier_hits)
-        if cow_index is not None:
-            self._copy_on_write(blocks, cow_index)
-        if num_needed:
-            blocks.extend(self.pool.allocate(num_needed))
-        request.block_ids = [b.block_id for b in blocks]
+            loaded = dict(zip(map(id, tier_hits), self._load_tier_hits(tier_hits))) if tier_hits else {}
+            for g, table in enumerate(cached_tables):
+                state.tables[g].extend(loaded.get(id(b), b) for b in table)
+                state.num_released[g] = next((i for i, b in enumerate(table) if b is not None), len(table))
+            state.num_cached = len(state.tables[0])
+            self._count_hits(num_cached - len(tier_hits), tier_hits)
+        for g, table in enumerate(state.tables):
+            if cow[g] is not None:
+                self._copy_on_write(table, cow[g])
+            if needed[g]:
+                table.extend(self.pool.allocate(needed[g]))
+        request.block_tables = state.block_ids()
         return True
 
-    def _shared_partial_block(self, blocks: list[KVBlock], write_pos: int) -> int | None:
+    def _release_behind_windows(self, request: Request, state: RequestBlocks) -> None:
+        """Return the blocks no query from the next computed position on sees (oldest first, so
+        they are evicted first)."""
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                continue
+            table = state.tables[g]
+            first = min(self._first_needed(g, request.num_computed_tokens), len(table))
+            released = [b for b in table[state.num_released[g]:first] if b is not None]
+            if released:
+                self.pool.free(released)
+            for i in range(state.num_released[g], first):
+                table[i] = None
+            state.num_released[g] = max(state.num_released[g], first)
+
+    def _shared_partial_block(self, blocks: list[KVBlock | None], write_pos: int) -> int | None:
         """Index of the block the next write lands in, if another request shares it."""
         index = write_pos // self.block_size
-        if write_pos % self.block_size and index < len(blocks) and blocks[index].ref_cnt > 1:
-            return index
+        if write_pos % self.block_size and index < len(blocks):
+            block = blocks[index]
+            if block is not None and block.ref_cnt > 1:
+                return index
         return None
 
-    def _copy_on_write(self, blocks: list[KVBlock], index: int) -> None:
+    def _copy_on_write(self, blocks: list[KVBlock | None], index: int) -> None:
         shared = blocks[index]
+        assert shared is not None
         (private,) = self.pool.allocate(1)
         self._pending_copies.append((shared.block_id, private.block_id))
         self._written_this_step.add(private.block_id)
@@ -137,11 +235,14 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's blocks, shared by reference (copy-on-write on next write)."""
-        blocks = list(self._blocks.get(parent.request_id, []))
-        self.pool.touch(blocks)
-        self._blocks[child.request_id] = blocks
-        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
-        child.block_ids = [b.block_id for b in blocks]
+        source = self._requests.get(parent.request_id)
+        if source is None:
+            source = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
+        state = RequestBlocks([list(table) for table in source.tables], source.num_cached,
+                              list(source.num_released))
+        self.pool.touch(b for table in state.tables for b in table if b is not None)
+        self._requests[child.request_id] = state
+        child.block_tables = state.block_ids()
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -151,34 +252,41 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = num_computed_tokens // self.block_size
-        start = self._num_cached_blocks.get(request.request_id, 0)
+        state = self._requests[request.request_id]
+        start = state.num_cached
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        blocks = self._blocks[request.request_id]
         for i in range(start, num_full):
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            self.pool.cache(blocks[i], request.block_hashes[i], tokens)
-        self._num_cached_blocks[request.request_id] = num_full
+            for g, table in enumerate(state.tables):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache(block, _group_hash(request.block_hashes[i], g), tokens)
+        state.num_cached = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail goes first in eviction order."""
         swapped = self._swapped.pop(request.request_id, None)
         if swapped is not None and self.host_tier is not None:
             self.host_tier.free_private(swapped)
-        blocks = self._blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
-        request.block_ids = []
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            for table in state.tables:
+                self.pool.free(b for b in reversed(table) if b is not None)
+        request.block_tables = []
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (KV written for rejected speculative tokens)."""
-        blocks = self._blocks.get(request.request_id, [])
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
         keep = self.num_blocks_for(num_tokens)
-        if keep < len(blocks):
-            self.pool.free(reversed(blocks[keep:]))
-            del blocks[keep:]
-            request.block_ids = request.block_ids[:keep]
+        for table in state.tables:
+            if keep < len(table):
+                self.pool.free(b for b in reversed(table[keep:]) if b is not None)
+                del table[keep:]
+        request.block_tables = [ids[:keep] for ids in request.block_tables]
 
     def block_hashes(self, request: Request) -> list[bytes]:
         """The request's chained full-block hashes (tenant salt and adapter included), computed
@@ -221,8 +329,8 @@ class KVCacheManager:
             self.pool.cache(block, entry.block_hash, entry.token_ids)
         return fresh
 
-    def _count_hits(self, device_hits: list[KVBlock], tier_hits: list[TierEntry]) -> None:
-        self.tier_hits["device"] += len(device_hits) * self.block_size
+    def _count_hits(self, num_device_blocks: int, tier_hits: list[TierEntry]) -> None:
+        self.tier_hits["device"] += num_device_blocks * self.block_size
         for entry in tier_hits:
             self.tier_hits[entry.tier] += self.block_size
 
@@ -239,7 +347,8 @@ class KVCacheManager:
         nothing computed, host tier full, or a block is still being written this step."""
         if self.host_tier is None or self.preemption.mode == "recompute":
             return False
-        blocks = self._blocks.get(request.request_id, [])
+        state = self._requests.get(request.request_id)
+        blocks = state.tables[0] if state is not None else []
         num_blocks = min(self.num_blocks_for(request.num_computed_tokens), len(blocks))
         if num_blocks == 0 or any(b.block_id in self._written_this_step for b in blocks[:num_blocks]):
             return False
@@ -268,11 +377,26 @@ class KVCacheManager:
             self._written_this_step.add(block.block_id)
         assert self.host_tier is not None
         self.host_tier.free_private(host_ids)  # reused only by copies recorded after the loads
-        self._blocks[request.request_id] = blocks
-        self._num_cached_blocks[request.request_id] = 0
-        request.block_ids = [b.block_id for b in blocks]
+        state = RequestBlocks([blocks], num_released=[0])
+        self._requests[request.request_id] = state
+        request.block_tables = state.block_ids()
         return self.allocate_slots(request, num_new_tokens)
 
     def num_held_blocks(self) -> int:
         """Blocks with a non-zero ref count (for the idle invariant: 0 when nothing runs)."""
         return self.pool.num_blocks - self.pool.num_free_blocks
+
+
+def _group_hash(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of `group`: each group caches its own copy of a token
+    block (group 0 under the plain hash, which the host tier and KV handoff use)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+def _hit_runs(hits: list[KVBlock | None]) -> list[int]:
+    """For each index, how many consecutive hits end there."""
+    runs, run = [], 0
+    for hit in hits:
+        run = run + 1 if hit is not None else 0
+        runs.append(run)
+    return runs

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_groups import (kv_cache_groups, layers_per_page, longest_sequence_blocks,
+                                         pages_per_sequence, release_blocker)
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.disaggregation import DisaggStats
@@ -128,9 +130,17 @@ class EngineCore:
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
         # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
         element_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        # Sliding-window layers release the blocks behind their windows, in KV cache groups of
+        # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
+        windows = self.model_config.layer_sliding_windows
+        self.release_blocker = release_blocker(config) if any(w is not None for w in windows) else None
+        self.kv_groups = kv_cache_groups(windows, release=self.release_blocker is None)
+        if self.release_blocker is not None:
+            logger.info("sliding-window KV blocks are kept whole: %s", self.release_blocker)
         # Per rank: each holds its KV heads' slice of every block.
         bytes_per_block = model.config.kv_bytes_per_token(element_bytes, model.num_kv_heads,
                                                           kv_cache_dtype=config.kv_cache_dtype) * config.block_size
+        bytes_per_block = bytes_per_block * layers_per_page(self.kv_groups) // model.config.num_layers
         if draft_model is not None:
             bytes_per_block += draft_model.config.kv_bytes_per_token(
                 element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
@@ -139,7 +149,8 @@ class EngineCore:
             if config.kv_offload_memory is not None else None
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
-                                       preemption=self.kv_tiers.policy if self.kv_tiers else None)
+                                       preemption=self.kv_tiers.policy if self.kv_tiers else None,
+                                       groups=self.kv_groups)
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs_bound, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -156,13 +167,16 @@ class EngineCore:
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager or self.executor is not None,
                                   speculator=self.speculation if config.speculative else None,
-                                  kv_format=self.kv_format, lora=self.lora)
+                                  kv_format=self.kv_format, lora=self.lora, groups=self.kv_groups)
         if self.executor is not None:
-            self.executor.start_serving(self.num_blocks)
+            self.executor.start_serving(self.num_blocks, self.kv_groups)
             self.runner.tensor_parallel = self.executor
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
-            num_kv_blocks=self.num_blocks, block_size=config.block_size,
+            num_kv_blocks=self.num_blocks if self.kv_cache.single_table else longest_sequence_blocks(
+                self.kv_groups, self.num_blocks, config.block_size, self.max_model_len,
+                config.max_num_batched_tokens),
+            block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill)
         if self.kv_tiers is not None:
@@ -219,11 +233,12 @@ class EngineCore:
         return manager
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        if self.config.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
+            return self.config.num_kv_blocks * self.model_config.num_layers // layers_per_page(self.kv_groups)
         num_blocks = self.config.kv_cache_bytes // bytes_per_block
         # More than every running sequence at full length could ever use is wasted memory.
-        useful = self.config.max_num_seqs_bound * -(-self.max_model_len // self.config.block_size)
+        useful = self.config.max_num_seqs_bound * pages_per_sequence(
+            self.kv_groups, self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens)
         num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "

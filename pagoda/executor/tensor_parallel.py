@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
 from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
 from pagoda.model.attention import BatchLayout
@@ -98,17 +99,18 @@ class TensorParallelExecutor:
         if failure is not None:
             callback(failure)
 
-    def start_serving(self, num_blocks: int) -> None:
-        """Tell the workers the pool size, so each allocates its slice of every block."""
-        self._broadcast(KVSetup(num_blocks))
+    def start_serving(self, num_blocks: int, kv_groups: list[KVCacheGroup]) -> None:
+        """Tell the workers the pool size and its groups, so each allocates its slice of every block."""
+        self._broadcast(KVSetup(num_blocks, kv_groups))
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
                        logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None:
         """Hand one forward to the workers (called by rank 0's runner just before its own)."""
         host = torch.device("cpu")
         if self.device.type != "cpu":  # pickled tensors must not name rank 0's device
-            input_ids, positions, layout = input_ids.to(host), positions.to(host), layout_to(layout, host)
-        self._broadcast(StepInputs(input_ids, positions, layout, logit_rows, list(block_copies)))
+            input_ids, positions = input_ids.to(host), positions.to(host)
+            layouts = [layout_to(layout, host) for layout in layouts]
+        self._broadcast(StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies)))
 
     def shutdown(self) -> None:
         """Stop the workers (the stop message, then a kill for any that lingers)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import Endpoint, broadcast_object, connect
 from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
@@ -47,6 +48,7 @@ class KVSetup:
     """Sent once by rank 0 after its own pool is sized: every rank has the same block ids."""
 
     num_blocks: int
+    kv_groups: list[KVCacheGroup]  # rank 0's KV cache groups: the block tables every rank reads
 
 
 @dataclass
@@ -55,7 +57,7 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    layout: BatchLayout
+    layouts: list[BatchLayout]  # one per KV cache group
     logit_rows: list[int]
     block_copies: list[tuple[int, int]]
 
@@ -78,7 +80,8 @@ def run_worker(spec: WorkerSpec) -> None:
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
     backend = select_backend(config.attention_backend, device, kv_format)
-    paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format)
+    paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
+                       setup.kv_groups)
     logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
                 model.num_kv_heads, spec.num_threads)
     while True:
@@ -90,8 +93,8 @@ def run_worker(spec: WorkerSpec) -> None:
 
 @torch.inference_mode()
 def run_step(paged: PagedModel, step: StepInputs, device: torch.device) -> None:
-    copy_blocks(paged.kv_caches, step.block_copies, device)
-    context = paged.forward_context(layout_to(step.layout, device))
+    copy_blocks(paged.distinct_kv_caches, step.block_copies, device)
+    context = paged.forward_context([layout_to(layout, device) for layout in step.layouts])
     hidden = paged.model(step.input_ids.to(device), step.positions.to(device), context)
     if step.logit_rows:  # rank 0 samples: join the logits all-gather
         paged.model.compute_logits(hidden[step.logit_rows])

@@ -31,7 +31,7 @@ class ForwardContext:
     attend over it. Passed down explicitly (no global context)."""
 
     backend: AttentionBackend
-    metadata: object
+    metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 
 
@@ -79,7 +79,8 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rotary(q, *rope), rotary(k, *rope)
         key_cache, value_cache = context.kv_caches[self.layer_index]
-        out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata, self.spec)
+        out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index],
+                                     self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

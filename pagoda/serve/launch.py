@@ -16,6 +16,7 @@ from pagoda.serve.settings import ServerSettings
 
 if TYPE_CHECKING:
     from pagoda.engine.client import EngineClient
+    from pagoda.model.model_config import ModelConfig
 
 
 def launch_server(config: EngineConfig, settings: ServerSettings,
@@ -107,6 +108,25 @@ def max_num_seqs_line(llm: EngineClient) -> str:
     return choice.describe() if choice is not None else str(llm.config.max_num_seqs)
 
 
+def kv_pool_line(config: EngineConfig, model_config: ModelConfig, blocks: int, max_model_len: int) -> str:
+    """The pool and the full-context sequences it holds, counting sliding-window release."""
+    from pagoda.core.kv_cache_groups import kv_cache_groups, pages_per_sequence, release_blocker
+
+    windows = model_config.layer_sliding_windows
+    blocker = release_blocker(config) if any(w is not None for w in windows) else None
+    groups = kv_cache_groups(windows, release=blocker is None)
+    if len(groups) == 1 and groups[0].window is None:
+        tokens = blocks * config.block_size
+        line = f"{blocks} blocks x {config.block_size} = {tokens} tokens ({tokens // max(max_model_len, 1)} " \
+               f"sequences at full context)"
+        return line + (f"; sliding-window KV kept whole: {blocker}" if blocker else "")
+    local = sorted({g.window for g in groups if g.window is not None})
+    per_sequence = pages_per_sequence(groups, max_model_len, config.block_size)
+    return (f"{blocks} blocks x {config.block_size} tokens in {len(groups)} layer groups "
+            f"({blocks // per_sequence} sequences at full context; sliding layers keep "
+            f"{', '.join(map(str, local))} tokens)")
+
+
 def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings: ServerSettings,
                    llm: EngineClient) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
@@ -120,7 +140,6 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     stats = llm.get_stats()
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
-    tokens = blocks * config.block_size
     features = [name for name, on in (
         ("prefix caching", config.enable_prefix_caching),
         ("chunked prefill", config.enable_chunked_prefill),
@@ -145,8 +164,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
            else f", {deployment.data_parallel_size} replicas ({deployment.router} router)"
            if deployment.data_parallel_size > 1 else ""),
         f"  context    {max_model_len} tokens",
-        f"  KV pool    {blocks} blocks x {config.block_size} = {tokens} tokens "
-        f"({tokens // max(max_model_len, 1)} sequences at full context)",
+        f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
         f"  max seqs   {max_num_seqs_line(llm)}",
         f"  features   {', '.join(features) or 'none'}",
         f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)",

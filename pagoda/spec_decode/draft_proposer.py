@@ -66,11 +66,11 @@ class DraftModelProposer(PagedModel):
 
     def _forward(self, segments: list[Segment], wanted: list[int]) -> torch.Tensor:
         """Run the draft on the segments; logits at the last token of each wanted segment."""
-        input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.forward_context(layout))
+        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.forward_context(layouts))
         if not wanted:
             return hidden.new_empty(0, self.model.config.vocab_size)
-        last_rows = layout.query_start_loc[1:] - 1
+        last_rows = layouts[0].query_start_loc[1:] - 1
         return self.model.compute_logits(hidden[last_rows[wanted]])
 
     @staticmethod

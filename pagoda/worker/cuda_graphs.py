@@ -129,7 +129,7 @@ class DecodeGraphRunner:
     def _forward(self, batch_size: int) -> torch.Tensor:
         layout = self.inputs.layout(batch_size, self.block_size, self.max_model_len)
         metadata = self.backend.prepare(layout, self.sliding_windows)
-        context = ForwardContext(self.backend, metadata, self.kv_caches)
+        context = ForwardContext(self.backend, [metadata] * len(self.kv_caches), self.kv_caches)
         return self.model(self.inputs.input_ids[:batch_size], self.inputs.positions[:batch_size], context)
 
     @torch.inference_mode()

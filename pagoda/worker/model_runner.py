@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionBackend, BatchLayout
@@ -62,7 +63,7 @@ class ModelRunnerOutput:
 class StepBroadcaster(Protocol):
     """Tensor parallelism (pagoda.executor): hands rank 0's forward to the other ranks."""
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
                        logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None: ...
 
 
@@ -95,48 +96,50 @@ class Segment:
     token_ids: list[int]
 
 
-def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
-    """Flatten segments into input ids, positions and the attention layout."""
+def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device, num_groups: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor, list[BatchLayout]]:
+    """Flatten segments into input ids, positions and the attention layout of each KV cache
+    group (they differ only in block tables and slots)."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     query_start_loc = [0]
     context_lens: list[int] = []
     query_lens: list[int] = []
-    block_tables: list[list[int]] = []
     for segment in segments:
-        block_ids = segment.request.block_ids
-        span = range(segment.start, segment.start + len(segment.token_ids))
         input_ids.extend(segment.token_ids)
-        positions.extend(span)
-        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in span)
+        positions.extend(range(segment.start, segment.start + len(segment.token_ids)))
         query_start_loc.append(query_start_loc[-1] + len(segment.token_ids))
         context_lens.append(segment.start)
         query_lens.append(len(segment.token_ids))
-        block_tables.append(block_ids)
-    max_blocks = max(len(t) for t in block_tables)
-    layout = BatchLayout(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+    shared = dict(
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.long, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
         seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long, device=device),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32,
-                                  device=device),
-        block_size=block_size,
-        query_lens_host=query_lens,
-        context_lens_host=context_lens,
-    )
+        block_size=block_size, query_lens_host=query_lens, context_lens_host=context_lens)
+    layouts = []
+    for group in range(num_groups):
+        slots: list[int] = []
+        block_tables = [segment.request.block_tables[group] for segment in segments]
+        for segment, block_ids in zip(segments, block_tables):
+            span = range(segment.start, segment.start + len(segment.token_ids))
+            slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in span)
+        max_blocks = max(len(t) for t in block_tables)
+        layouts.append(BatchLayout(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32,
+                                      device=device),
+            **shared))
     return (torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device), layout)
+            torch.tensor(positions, dtype=torch.long, device=device), layouts)
 
 
 class ModelRunner(PagedModel):
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
                  enforce_eager: bool = False, speculator: Speculator | None = None,
-                 kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None) -> None:
-        super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format)
+                 kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+        super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format, groups)
         self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
@@ -148,7 +151,9 @@ class ModelRunner(PagedModel):
         self.mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
-        if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend):
+        # Graphs replay one block table per request: a model with several KV cache groups runs eagerly.
+        if (device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend)
+                and len(self.kv_groups) == 1):
             self.decode_graphs = DecodeGraphRunner(model, backend, self.kv_caches, self.sliding_windows,
                                                    max_num_seqs, max_model_len, block_size, device)
             self.decode_graphs.capture()
@@ -171,21 +176,21 @@ class ModelRunner(PagedModel):
             begin = entry.num_computed_before
             tokens = request.all_token_ids[begin:begin + num_real] + request.spec.token_ids[:entry.num_spec_tokens]
             segments.append(Segment(request, begin, tokens))
-        input_ids, positions, layout = build_batch(segments, self.block_size, self.device)
-        logit_rows, row_owners = self._logit_rows(scheduler_output, layout)
+        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device, len(self.kv_groups))
+        logit_rows, row_owners = self._logit_rows(scheduler_output, layouts[0])
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
             self.lora.begin_step([(segment.request.lora, len(segment.token_ids)) for segment in segments])
         if self.tensor_parallel is not None:
-            self.tensor_parallel.broadcast_step(input_ids, positions, layout, logit_rows,
+            self.tensor_parallel.broadcast_step(input_ids, positions, layouts, logit_rows,
                                                 scheduler_output.block_copies)
         # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
         graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
-        if graphs is not None and graphs.fits(layout):
+        if graphs is not None and graphs.fits(layouts[0]):
             prepared = time.perf_counter()
-            hidden = graphs.run(input_ids, positions, layout)  # the graph's buffer: used before next step
+            hidden = graphs.run(input_ids, positions, layouts[0])  # the graph's buffer: used before next step
         else:
-            context = self.forward_context(layout)
+            context = self.forward_context(layouts)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
         if self.lora is not None:
@@ -274,7 +279,7 @@ class ModelRunner(PagedModel):
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        caches = list(self.kv_caches) + (self.speculator.kv_caches if self.speculator is not None else [])
+        caches = self.distinct_kv_caches + (self.speculator.kv_caches if self.speculator is not None else [])
         for key_cache, value_cache in caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]

@@ -2,28 +2,45 @@
 runner and a draft model (spec_decode) hold. Its own module so that a tensor-parallel worker
 (pagoda.executor) builds one without importing the runner's sampling and grammar machinery.
 
-KV tensors: one key and one value tensor per layer, [num_blocks, block_size, num_kv_heads,
-head_dim], num_kv_heads being the rank's share with tensor parallelism.
+KV tensors: one key and one value tensor per layer of a KV cache group, [num_blocks,
+block_size, num_kv_heads, head_dim], num_kv_heads being the rank's share with tensor
+parallelism; layer i of every group uses the i-th pair (pagoda.core.kv_cache_groups), so
+without sliding-window release (one group) each layer has its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from pagoda.core.kv_cache_groups import KVCacheGroup, layers_per_page
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device, kv_format: KVCacheFormat | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       device: torch.device, kv_format: KVCacheFormat | None = None,
+                       groups: Sequence[KVCacheGroup] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (key_cache, value_cache); layers at the same place in different groups share them."""
     config = model.config
+    groups = groups or single_group(model)
     kv_format = kv_format or KVCacheFormat("auto", dtype)
     shape = (num_blocks, block_size, model.num_kv_heads, kv_format.entry_size(config.head_dim))  # the rank's heads
     storage = kv_format.storage_dtype
-    return [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
-            for _ in range(config.num_layers)]
+    pairs = [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
+             for _ in range(layers_per_page(groups))]
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = [pairs[0]] * config.num_layers
+    for group in groups:
+        for place, layer in enumerate(group.layers):
+            caches[layer] = pairs[place]
+    return caches
+
+
+def single_group(model: LlamaFamilyModel) -> list[KVCacheGroup]:
+    """Every layer in one group whose blocks are kept."""
+    return [KVCacheGroup(tuple(range(model.config.num_layers)))]
 
 
 class PagedModel:
@@ -32,17 +49,32 @@ class PagedModel:
     caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
 
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
         backend.check_layers([layer.self_attn.spec for layer in model.model.layers], model.config.architecture)
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.kv_format = kv_format
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device, kv_format)
-        self.sliding_windows = set(model.config.layer_sliding_windows)
+        self.kv_groups = list(groups or single_group(model))
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, device, kv_format, self.kv_groups)
+        windows = model.config.layer_sliding_windows
+        self.sliding_windows = set(windows)
+        # The attention windows of each group's layers (masks differ from the release window
+        # when one group holds every layer).
+        self.group_windows = [{windows[layer] for layer in group.layers} for group in self.kv_groups]
 
-    def forward_context(self, layout: BatchLayout) -> ForwardContext:
-        """Attention metadata for one batch, over this model's caches."""
-        metadata = self.backend.prepare(layout, self.sliding_windows)
+    @property
+    def distinct_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each cache tensor pair once (groups share them)."""
+        return list({id(pair[0]): pair for pair in self.kv_caches}.values())
+
+    def forward_context(self, layouts: Sequence[BatchLayout]) -> ForwardContext:
+        """Attention metadata for one batch (one layout per KV cache group), over this model's caches."""
+        metadata: list[object] = [None] * len(self.kv_caches)
+        for group, layout, windows in zip(self.kv_groups, layouts, self.group_windows):
+            prepared = self.backend.prepare(layout, windows)
+            for layer in group.layers:
+                metadata[layer] = prepared
         return ForwardContext(self.backend, metadata, self.kv_caches)

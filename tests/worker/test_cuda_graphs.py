@@ -94,7 +94,7 @@ def reference_forward(model, caches, windows, input_ids, positions, layout):
 
     reference = TorchAttentionBackend()
     with torch.inference_mode():
-        return model(input_ids, positions, ForwardContext(reference, reference.prepare(layout, windows), caches))
+        return model(input_ids, positions, ForwardContext(reference, [reference.prepare(layout, windows)] * len(caches), caches))
 
 
 def to_device(layout: BatchLayout, device: torch.device) -> BatchLayout:
