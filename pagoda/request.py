@@ -135,6 +135,11 @@ class Request:
         return self.status.is_finished
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences this request holds against --max-num-seqs: itself and its samples to fork."""
+        return 1 + len(self.pending_forks)
+
+    @property
     def prefill_limit(self) -> int:
         """How far this request may compute before its pending samples fork off it."""
         if self.pending_forks:

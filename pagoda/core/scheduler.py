@@ -1,7 +1,8 @@
 """The scheduler: one token budget per step, running requests first, then waiting ones.
 
 There are no prefill or decode steps: each step hands each request some of the tokens it is
-behind on. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
+behind on. `max_num_seqs` counts sequences, not requests: a request's samples still to be forked
+(`n > 1`) hold their slots from the moment it is admitted, so forking never overshoots it. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
 lowest-ranked running request is preempted: its blocks freed and recomputed later, or, with a
 host tier and --preemption-mode swap/auto, copied out and back (kv_cache.swap_out/swap_in).
 """
@@ -124,6 +125,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.push(request)
+        # More samples than --max-num-seqs can never run together: the excess wait as requests
+        # of their own (they compute the prompt again, or find it in the prefix cache).
+        if request.num_sequences > self.max_num_seqs:
+            alone = request.pending_forks[self.max_num_seqs - 1:]
+            request.pending_forks = request.pending_forks[:self.max_num_seqs - 1]
+            for sample in alone:
+                sample.status = RequestStatus.WAITING
+                self.waiting.push(sample)
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequences the running set holds, counting samples that will fork off a running lead."""
+        return sum(r.num_sequences for r in self.running)
 
     def add_imported(self, request: Request) -> None:
         """A request whose KV is already in place (imported from a prefill engine, its first
@@ -134,7 +148,8 @@ class Scheduler:
 
     def admit_imported(self) -> None:
         """Imported requests join the running set as far as --max-num-seqs allows."""
-        while self.imported and len(self.running) < self.max_num_seqs:
+        while self.imported and \
+                self.num_running_seqs + self.imported[0].num_sequences <= self.max_num_seqs:
             request = self.imported.popleft()
             request.status = RequestStatus.RUNNING
             request.metrics.first_scheduled_time = time.time()
@@ -242,7 +257,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            admitted = len(self.running) < self.max_num_seqs and (
+            admitted = self.num_running_seqs + request.num_sequences <= self.max_num_seqs and (
                 self.kv_cache.swap_in(request, num_new) if swapped
                 else self.kv_cache.allocate_slots(request, num_new, cached))
             if not admitted:

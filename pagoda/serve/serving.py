@@ -1,8 +1,11 @@
 """The path of a generation request from the handler to the engine and back.
 
 `ServeContext` is everything one app owns (engine front, tenants, limits, metrics, logs).
-`Generation` is one HTTP request's engine requests (one per prompt) from admission to the
-end: it admits them (tenant limits, the engine's own request checks, rate limits, queue),
+`ServeContext.admit` is the first, cheap half of admission: from the body alone (how many
+sequences: prompts x n) it takes the tenant's concurrency and rate limits and the queue's
+sequence slots, or refuses at once, before any tokenizing. `Generation` is one HTTP request's
+engine requests (one per prompt) from there to the end: it checks them (the engine's own
+request checks), charges their tokens (the tenant's token quota, the queue's token limit),
 submits them, yields their deltas while building each prompt's whole output (for usage, the
 log line and non-streamed answers), and on `close` releases every hold, aborts what is still
 running, records metrics and writes the request's log line. `close` is idempotent and must
@@ -24,6 +27,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission.queue import AdmissionController, QueueSlot
+from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
@@ -53,8 +57,8 @@ class ServeContext:
             llm=llm,
             settings=settings,
             limiter=TenantLimiter(),
-            admission=AdmissionController(settings.max_queued_requests,
-                                          settings.max_queued_tokens, settings.latency_targets),
+            admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
+                                          settings.latency_targets, max_model_len=llm.max_model_len),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
                                   tenant_labels=settings.metrics_tenant_labels),
@@ -72,6 +76,18 @@ class ServeContext:
         if not self.llm.is_alive:
             raise engine_unavailable()
 
+    def admit(self, tenant: Tenant, work: RequestWork) -> "Admission":
+        """Hold the tenant's and the queue's room for `work`'s sequences, or raise the APIError
+        that refuses it. Cheap and lock-free: it runs before the request is tokenized."""
+        self.check_engine()
+        lease = self.limiter.acquire(tenant, work)
+        try:
+            slots = self.admission.reserve(work)
+        except APIError:
+            lease.release()
+            raise
+        return Admission(self.admission, lease, slots)
+
     def check_text_fits(self, text: str, param: str) -> None:
         """Refuse, without tokenizing, a text whose token count provably exceeds the context."""
         at_least = self.llm.tokenizer.min_num_tokens(text)
@@ -80,6 +96,27 @@ class ServeContext:
                 f"This model's maximum context length is {self.llm.max_model_len} tokens; the "
                 f"{param} ({len(text)} characters) is at least {at_least} tokens.",
                 param=param, code="context_length_exceeded"))
+
+
+@dataclass
+class Admission:
+    """One HTTP request's holds: its tenant lease and its queue slots (one per prompt)."""
+
+    controller: AdmissionController
+    lease: TenantLease
+    slots: list[QueueSlot]
+
+    def charge_tokens(self, work: RequestWork, prompt_token_counts: list[int]) -> None:
+        """The second half of admission, once the prompts are tokenized: reserve the estimated
+        tokens from the tenant's quota and queue the prompt tokens, or raise a 400 / 429 / 503."""
+        self.lease.reserve_tokens(work)
+        self.controller.charge_tokens(self.slots, prompt_token_counts)
+
+    def release(self, used_tokens: int = 0) -> None:
+        """Let go of every hold (idempotent); `used_tokens` settles the token reservation."""
+        for slot in self.slots:
+            slot.leave()
+        self.lease.release(used_tokens)
 
 
 @dataclass
@@ -111,6 +148,7 @@ class Generation:
     prompts: list[EnginePrompt]
     params: SamplingParams
     stream: bool
+    admission: Admission  # from ServeContext.admit; the Generation releases it in close
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
@@ -118,9 +156,7 @@ class Generation:
     streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
     finals: list[RequestOutput | None] = field(default_factory=list, init=False)
-    _slots: list[QueueSlot] = field(default_factory=list, init=False)
     _itl_marks: list[tuple[float, int] | None] = field(default_factory=list, init=False)
-    _lease: TenantLease | None = field(default=None, init=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
     _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
@@ -138,6 +174,14 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
 
+    @property
+    def work(self) -> RequestWork:
+        """What this request may cost: its sequences, prompt tokens and output limits."""
+        max_model_len = self.ctx.llm.max_model_len
+        max_output = sum(self.params.max_tokens if self.params.max_tokens is not None
+                         else max_model_len - len(p.token_ids) for p in self.prompts)
+        return RequestWork(len(self.prompts), self.params.n, self.num_prompt_tokens, max_output)
+
     async def start(self, param_names: dict[str, str] | None = None) -> None:
         """Admit and submit every prompt, or raise the APIError that refused it (and close).
 
@@ -154,8 +198,7 @@ class Generation:
                     raise invalid_request(exc, param_names) from None
             self._output_guard = guard_generation_output(  # guardrails hook
                 ctx.guard, ctx.llm.abort, self.tenant, self.params)
-            self._lease = ctx.limiter.acquire(self.tenant, self.num_prompt_tokens)
-            self._slots = ctx.admission.admit([len(p.token_ids) for p in self.prompts])
+            self.admission.charge_tokens(self.work, [len(p.token_ids) for p in self.prompts])
             options = RequestOptions(arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
                                      priority=self.tenant.limits.priority, lora_request=self.lora_request,
                                      tenant=self.tenant.name, model=self.model_name)
@@ -214,7 +257,7 @@ class Generation:
                     delta = await self._output_guard.filter(i, delta)
                 output = self.latest[i]
                 if output is None:
-                    self._slots[i].leave()
+                    self.admission.slots[i].leave()
                     output = self.latest[i] = RequestOutput.from_delta(delta)
                     if output.metrics is not None and output.metrics.time_to_first_token is not None:
                         self.ctx.admission.observe_first_token(output.metrics.time_to_first_token)
@@ -250,11 +293,8 @@ class Generation:
             ctx.llm.abort(unfinished)
             for _ in unfinished:
                 ctx.metrics.record_finished("abort", None)
-        for slot in self._slots:
-            slot.leave()
         usage = self.usage() if self.streams else None
-        if self._lease is not None:
-            self._lease.release(usage.completion_tokens if usage else 0)
+        self.admission.release(usage.total_tokens if usage else 0)
         if error is not None:
             ctx.metrics.record_rejected(rejection_reason(error))
             error.recorded = True

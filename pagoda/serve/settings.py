@@ -45,11 +45,13 @@ class ServerSettings:
         "parse": parse_bytes, "help": "largest request body"})
     max_queued_requests: int | None = field(default=DEFAULT_MAX_QUEUED_REQUESTS, metadata={
         "parse": parse_optional_limit,
-        "help": "requests waiting for their first token before new ones get 503 "
+        "help": "sequences (each prompt of a request times n) waiting for their first token "
+                "before new requests get 503; a request with more is refused with 400 "
                 f"(default: {DEFAULT_MAX_QUEUED_REQUESTS}; 'none' for no limit)"})
     max_queued_tokens: int | None = field(default=DEFAULT_MAX_QUEUED_TOKENS, metadata={
         "parse": parse_optional_limit,
-        "help": "prompt tokens of queued requests before new ones get 503 "
+        "help": "prompt tokens of queued requests before new ones get 503, never below the "
+                "context length "
                 f"(default: {DEFAULT_MAX_QUEUED_TOKENS}; 'none' for no limit)"})
     engine_transport: TransportKind = field(default="process", metadata={
         "help": "run the engine in its own process (default: it keeps its own GIL, so the HTTP side "

@@ -102,6 +102,52 @@ def test_max_num_seqs_caps_running_requests() -> None:
     assert scheduled_tokens(step(scheduler)) == {"b": 1, "c": 4}  # a freed seat admits c
 
 
+def with_samples(lead: Request, n: int) -> Request:
+    """`lead` with n - 1 samples to fork off it, as the engine builds an `n > 1` request."""
+    lead.pending_forks = [lead.new_sample(i) for i in range(1, n)]
+    return lead
+
+
+def run_to_completion(scheduler: Scheduler) -> int:
+    """Step until nothing is left; the most sequences that were ever running at once."""
+    peak = 0
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            return peak
+        step(scheduler)
+        peak = max(peak, len(scheduler.running), scheduler.num_running_seqs)
+    raise AssertionError("the scheduler made no progress")
+
+
+def test_samples_of_n_count_against_max_num_seqs() -> None:
+    scheduler = make_scheduler(max_num_seqs=4)
+    leads = [with_samples(make_request(name, 6, max_tokens=3), 4) for name in "abc"]
+    for lead in leads:
+        scheduler.add_request(lead)
+    step(scheduler)
+    # The first prompt's 4 samples take every seat: the other prompts wait, not fork beside it.
+    assert [r.request_id for r in scheduler.running] == ["a", "a#1", "a#2", "a#3"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    assert run_to_completion(scheduler) == 4
+
+
+def test_more_samples_than_max_num_seqs_run_a_few_at_a_time() -> None:
+    scheduler = make_scheduler(max_num_seqs=3)
+    lead = with_samples(make_request("a", 6, max_tokens=3), 7)
+    samples = [lead, *lead.pending_forks]
+    scheduler.add_request(lead)
+    assert lead.num_sequences == 3 and len(scheduler.waiting) == 5
+    assert run_to_completion(scheduler) == 3
+    assert all(s.output_token_ids == [7, 7, 7] for s in samples)
+
+
+def test_a_batch_of_prompts_never_exceeds_max_num_seqs() -> None:
+    scheduler = make_scheduler(max_num_seqs=4, num_blocks=256)
+    for i in range(6):
+        scheduler.add_request(with_samples(make_request(f"p{i}", 5 + i, max_tokens=4), 1 + i % 3))
+    assert run_to_completion(scheduler) == 4
+
+
 def test_request_that_can_never_fit_waits_without_taking_blocks() -> None:
     # 4 blocks of 4 tokens; a 40-token prompt needs 10. (The engine rejects such a request
     # before it reaches the scheduler; the scheduler itself must not loop or leak blocks.)

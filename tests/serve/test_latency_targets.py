@@ -68,15 +68,16 @@ def test_disabled_targets() -> None:
 
 def test_admission_controller_refuses_with_503_while_targets_are_missed() -> None:
     from pagoda.serve.admission.queue import AdmissionController
+    from pagoda.serve.admission.work import RequestWork
     from pagoda.serve.errors import APIError
 
     controller = AdmissionController(None, None, LatencyTargets(itl_s=0.05))
-    controller.admit([10])[0].leave()
+    controller.reserve(RequestWork(1))[0].leave()
     controller.observe_inter_token(1.0, num_tokens=10)  # 100 ms per token
     with pytest.raises(APIError) as refused:
-        controller.admit([10])
+        controller.reserve(RequestWork(1))
     assert refused.value.status == 503 and "Retry-After" in refused.value.headers
-    assert controller.queued_requests == 0
+    assert controller.queued_sequences == 0
     plain = AdmissionController(None, None)
     plain.observe_inter_token(1.0, num_tokens=10)
-    assert len(plain.admit([10])) == 1
+    assert len(plain.reserve(RequestWork(1))) == 1

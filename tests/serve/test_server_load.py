@@ -38,7 +38,7 @@ def assert_idle(server: LiveServer) -> None:
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks
     admission = server.app.state.ctx.admission
-    assert admission.queued_requests == 0 and admission.queued_tokens == 0
+    assert admission.queued_sequences == 0 and admission.queued_tokens == 0
 
 
 def test_cut_streams_free_everything(server: LiveServer) -> None:

@@ -95,9 +95,10 @@ def test_requests_per_minute(server: LiveServer) -> None:
 
 
 def test_token_quota(server: LiveServer) -> None:
-    first = post(server, "key-quota", max_tokens=40, ignore_eos=True)
+    # The quota (30 tokens) is reserved at admission: prompt + max_tokens must fit in it.
+    first = post(server, "key-quota", max_tokens=24, ignore_eos=True)
     assert first.status_code == 200
-    response = post(server, "key-quota")
+    response = post(server, "key-quota", max_tokens=10)
     assert response.status_code == 429
     assert int(response.headers["Retry-After"]) >= 1
 

@@ -1,29 +1,38 @@
 """Admission control: a bounded queue in front of the engine.
 
-A request is "queued" from admission until its first output arrives (it has been scheduled
-and computed its prompt). Past --max-queued-requests or --max-queued-tokens (prompt tokens of
-queued requests) new requests are refused at once with a 503 instead of waiting without
-bound. An empty queue always admits, so one prompt larger than the token limit can still run.
-With latency targets (latency_targets.py), requests are also refused while the admitted ones
-miss them, whatever the queue holds.
+A prompt is "queued" from admission until its first output arrives (it has been scheduled and
+computed its prompt). The queue counts sequences (every prompt of a batch times `n`) against
+--max-queued-requests and prompt tokens against --max-queued-tokens; past either, new requests
+are refused at once with a 503 instead of waiting without bound. A request that could not fit
+even into an empty queue gets a 400 naming the limit and what it allows. The token limit is
+never below the context length, so one prompt of any valid length always fits.
+
+Admission is two steps so that refusals come before the costly work: `reserve` decides from the
+body alone (sequence count, latency targets, a queue already full of tokens) before anything is
+tokenized; `charge_tokens` adds the prompt tokens once they are known. With latency targets
+(latency_targets.py), requests are also refused while the admitted ones miss them, whatever
+the queue holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.serve.errors import overloaded
 from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets
+from pagoda.serve.admission.work import RequestWork, never_fits
+from pagoda.serve.errors import APIError, overloaded
 
 RETRY_AFTER_SECONDS = 1.0
 
 
 @dataclass
 class QueueSlot:
-    """One engine request's place in the queue; `leave` when it starts or ends (idempotent)."""
+    """One prompt's place in the queue (its `n` sequences); `leave` when it starts or ends
+    (idempotent)."""
 
     controller: "AdmissionController"
-    num_tokens: int
+    num_sequences: int
+    num_tokens: int = 0
     left: bool = False
 
     def leave(self) -> None:
@@ -33,13 +42,14 @@ class QueueSlot:
 
 
 class AdmissionController:
-    """Counts queued requests and tokens. Used from the event loop thread only."""
+    """Counts queued sequences and tokens. Used from the event loop thread only."""
 
     def __init__(self, max_queued_requests: int | None, max_queued_tokens: int | None,
-                 latency_targets: LatencyTargets | None = None) -> None:
+                 latency_targets: LatencyTargets | None = None, *, max_model_len: int = 0) -> None:
         self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = max_queued_tokens
-        self.queued_requests = 0
+        self.max_queued_tokens = (max(max_queued_tokens, max_model_len)
+                                  if max_queued_tokens is not None else None)
+        self.queued_sequences = 0
         self.queued_tokens = 0
         self.latency = LatencyGuard(latency_targets) if latency_targets and latency_targets.enabled else None
 
@@ -52,27 +62,49 @@ class AdmissionController:
         if self.latency is not None and num_tokens > 0:
             self.latency.observe_itl(seconds / num_tokens, num_tokens)
 
-    def admit(self, prompt_token_counts: list[int]) -> list[QueueSlot]:
-        """Queue slots for the engine requests of one HTTP request (one per prompt), or 503."""
+    def reserve(self, work: RequestWork) -> list[QueueSlot]:
+        """Queue slots for one HTTP request's prompts (no tokens yet), or a 400 / 503."""
         refusal = self.latency.check() if self.latency is not None else None
         if refusal is not None:
             raise overloaded(refusal.message, refusal.retry_after_s)
-        if self.queued_requests > 0:
-            num_requests = self.queued_requests + len(prompt_token_counts)
-            if self.max_queued_requests is not None and num_requests > self.max_queued_requests:
+        limit = self.max_queued_requests
+        if limit is not None:
+            if work.num_sequences > limit:
+                raise never_fits(
+                    f"This request runs {work.describe_sequences()}; the server queues at most "
+                    f"{limit} sequences (--max-queued-requests). Send fewer prompts or a smaller n.",
+                    param="n" if work.n > 1 else "prompt")
+            if self.queued_sequences + work.num_sequences > limit:
                 raise overloaded(
-                    f"Server overloaded: {self.queued_requests} requests queued "
-                    f"(limit {self.max_queued_requests}). Retry later.", RETRY_AFTER_SECONDS)
-            num_tokens = self.queued_tokens + sum(prompt_token_counts)
-            if self.max_queued_tokens is not None and num_tokens > self.max_queued_tokens:
-                raise overloaded(
-                    f"Server overloaded: {self.queued_tokens} prompt tokens queued "
-                    f"(limit {self.max_queued_tokens}). Retry later.", RETRY_AFTER_SECONDS)
-        slots = [QueueSlot(self, n) for n in prompt_token_counts]
-        self.queued_requests += len(slots)
-        self.queued_tokens += sum(prompt_token_counts)
+                    f"Server overloaded: {self.queued_sequences} sequences queued (limit {limit}); "
+                    f"this request needs {work.num_sequences}. Retry later.", RETRY_AFTER_SECONDS)
+        if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
+            raise self._tokens_full()
+        slots = [QueueSlot(self, work.n) for _ in range(work.num_prompts)]
+        self.queued_sequences += work.num_sequences
         return slots
 
+    def charge_tokens(self, slots: list[QueueSlot], prompt_token_counts: list[int]) -> None:
+        """Add the reserved prompts' token counts (one per slot), or raise a 400 / 503 (the
+        caller still owns the slots and leaves them)."""
+        limit = self.max_queued_tokens
+        num_tokens = sum(prompt_token_counts)
+        if limit is not None:
+            if num_tokens > limit:
+                raise never_fits(
+                    f"This request's prompts hold {num_tokens} tokens; the server queues at most "
+                    f"{limit} prompt tokens (--max-queued-tokens). Send fewer or shorter prompts.",
+                    param="prompt")
+            if self.queued_tokens + num_tokens > limit:
+                raise self._tokens_full()
+        for slot, count in zip(slots, prompt_token_counts, strict=True):
+            slot.num_tokens = count
+        self.queued_tokens += num_tokens
+
+    def _tokens_full(self) -> APIError:
+        return overloaded(f"Server overloaded: {self.queued_tokens} prompt tokens queued "
+                          f"(limit {self.max_queued_tokens}). Retry later.", RETRY_AFTER_SECONDS)
+
     def _leave(self, slot: QueueSlot) -> None:
-        self.queued_requests -= 1
+        self.queued_sequences -= slot.num_sequences
         self.queued_tokens -= slot.num_tokens

@@ -7,7 +7,7 @@ A keys file (YAML or JSON) lists tenants with their keys and limits::
         api_keys: [sk-acme-1, sk-acme-2]
         requests_per_minute: 60
         tokens_per_minute: 20000      # prompt + generated tokens
-        max_concurrent_requests: 4
+        max_concurrent_requests: 4    # sequences at once: each prompt of a batch times n
         max_prompt_tokens: 2048
         max_output_tokens: 512
         priority: 0                   # lower runs first with --scheduling-policy priority
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pagoda.serve.admission.work import RequestWork, never_fits
 from pagoda.serve.errors import bad_request, rate_limited
 
 DEFAULT_TENANT = "default"
@@ -233,31 +234,41 @@ class TokenBucket:
 
 @dataclass
 class _TenantUsage:
-    in_flight: int = 0
+    in_flight: int = 0  # sequences
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
 
 
 @dataclass
 class TenantLease:
-    """A tenant's hold on one admitted HTTP request; `release` exactly once when it ends."""
+    """A tenant's hold on one admitted HTTP request: its sequences and, once the prompts are
+    tokenized, its reserved tokens. `release` exactly once when it ends."""
 
     limiter: "TenantLimiter"
     tenant: Tenant
+    num_sequences: int
+    reserved_tokens: int = 0
     released: bool = False
 
-    def release(self, completion_tokens: int = 0) -> None:
+    def reserve_tokens(self, work: RequestWork) -> None:
+        """Take the request's estimated tokens from the quota, or raise a 400 / 429."""
+        self.limiter._reserve_tokens(self, work)
+
+    def release(self, used_tokens: int = 0) -> None:
+        """End the hold; the quota gets back what the reservation held beyond `used_tokens`."""
         if not self.released:
             self.released = True
-            self.limiter._release(self.tenant, completion_tokens)
+            self.limiter._release(self, used_tokens)
 
 
 class TenantLimiter:
     """Requests/minute, tokens/minute and concurrency per tenant. Used from the event loop only.
 
-    Token quota: a request may start while the tenant's token bucket is positive; its prompt
-    tokens are charged at admission and its generated tokens when it ends, so a burst of
-    long generations pushes the bucket into debt and delays the tenant's next requests.
+    Concurrency counts sequences (every prompt of a batch times `n`), as --max-num-seqs does.
+    Token quota: a request's estimated cost (prompt tokens + n x each prompt's output limit) is
+    reserved when it is admitted, so no request overshoots the quota; when it ends the quota gets
+    back what it did not use. A request that could not fit even a full quota, or more sequences
+    than the cap, gets a 400 that says the limit; one that must wait, a 429 with Retry-After.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -277,43 +288,68 @@ class TenantLimiter:
             self._usage[tenant.name] = usage
         return usage
 
-    def acquire(self, tenant: Tenant, prompt_tokens: int) -> TenantLease:
-        """Admit one request or raise a 429 with Retry-After."""
+    def acquire(self, tenant: Tenant, work: RequestWork) -> TenantLease:
+        """Admit one request's sequences or raise a 400 / 429 (Retry-After). Needs no tokens."""
         now = self._clock()
         usage = self._usage_of(tenant, now)
         limits = tenant.limits
-        if limits.max_concurrent_requests is not None and \
-                usage.in_flight >= limits.max_concurrent_requests:
-            raise rate_limited(
-                f"Too many concurrent requests for this key (limit "
-                f"{limits.max_concurrent_requests}).", retry_after=1)
+        cap = limits.max_concurrent_requests
+        if cap is not None:
+            if work.num_sequences > cap:
+                raise never_fits(
+                    f"This request runs {work.describe_sequences()}, over this key's limit of "
+                    f"{cap} concurrent sequences (max_concurrent_requests counts prompts x n).",
+                    param="n" if work.n > 1 else "prompt")
+            if usage.in_flight + work.num_sequences > cap:
+                raise rate_limited(
+                    f"Too many concurrent sequences for this key: {usage.in_flight} running, this "
+                    f"request needs {work.num_sequences} (limit {cap}, max_concurrent_requests "
+                    f"counts prompts x n).", retry_after=1)
         if usage.requests is not None:
             usage.requests.refill(now)
             if usage.requests.level < 1:
                 raise rate_limited(
                     f"Rate limit of {limits.requests_per_minute} requests per minute reached.",
                     retry_after=usage.requests.seconds_until(1))
+            usage.requests.level -= 1
         if usage.tokens is not None:
             usage.tokens.refill(now)
-            if usage.tokens.level <= 0:
+            if usage.tokens.level < 1:  # not even a one-token request could start
                 raise rate_limited(
                     f"Token quota of {limits.tokens_per_minute} tokens per minute reached.",
                     retry_after=usage.tokens.seconds_until(1))
-        if usage.requests is not None:
-            usage.requests.level -= 1
-        if usage.tokens is not None:
-            usage.tokens.level -= prompt_tokens
-        usage.in_flight += 1
-        return TenantLease(self, tenant)
+        usage.in_flight += work.num_sequences
+        return TenantLease(self, tenant, work.num_sequences)
 
-    def _release(self, tenant: Tenant, completion_tokens: int) -> None:
-        usage = self._usage_of(tenant, self._clock())
-        usage.in_flight -= 1
-        if usage.tokens is not None:
+    def _reserve_tokens(self, lease: TenantLease, work: RequestWork) -> None:
+        limits = lease.tenant.limits
+        usage = self._usage_of(lease.tenant, self._clock())
+        if usage.tokens is None or lease.reserved_tokens:
+            return
+        amount = work.estimated_tokens
+        if amount > limits.tokens_per_minute:
+            raise never_fits(
+                f"This request may use {work.describe_tokens()}, over this key's quota of "
+                f"{limits.tokens_per_minute} tokens per minute. Lower max_tokens or n.",
+                param="max_tokens")
+        usage.tokens.refill(self._clock())
+        if usage.tokens.level < amount:
+            raise rate_limited(
+                f"Token quota of {limits.tokens_per_minute} tokens per minute: "
+                f"{max(0, int(usage.tokens.level))} left now, this request may use "
+                f"{work.describe_tokens()}.", retry_after=usage.tokens.seconds_until(amount))
+        usage.tokens.level -= amount
+        lease.reserved_tokens = amount
+
+    def _release(self, lease: TenantLease, used_tokens: int) -> None:
+        usage = self._usage_of(lease.tenant, self._clock())
+        usage.in_flight -= lease.num_sequences
+        if usage.tokens is not None and lease.reserved_tokens:
             usage.tokens.refill(self._clock())
-            usage.tokens.level -= completion_tokens
+            usage.tokens.level = min(usage.tokens.capacity,
+                                     usage.tokens.level + lease.reserved_tokens - used_tokens)
 
     def in_flight(self, tenant: Tenant) -> int:
+        """Sequences the tenant's admitted requests hold."""
         usage = self._usage.get(tenant.name)
         return usage.in_flight if usage else 0
-

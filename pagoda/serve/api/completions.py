@@ -45,14 +45,18 @@ def reject_unsupported(request: CompletionRequest) -> None:
                           "supported.", param="best_of")
 
 
+def _prompt_items(prompt: Any) -> list[Any]:
+    """A string, list of strings, token ids or list of token-id lists -> one item per prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
 def completion_prompts(prompt: Any, tokenizer: Any) -> list[EnginePrompt]:
     """A string, list of strings, token ids or list of token-id lists -> one prompt each."""
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
+    items = _prompt_items(prompt)
     if not items:
         raise bad_request("prompt must not be empty.", param="prompt")
     prompts = []
@@ -70,6 +74,9 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
     name = "completions"
     id_prefix = "cmpl"
     chunk_object = "text_completion"
+
+    def num_prompts(self, request: CompletionRequest) -> int:
+        return max(len(_prompt_items(request.prompt)), 1)
 
     def prepare(self, ctx: ServeContext, request: CompletionRequest,
                 tenant: Tenant) -> PreparedRequest:

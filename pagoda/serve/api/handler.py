@@ -36,10 +36,11 @@ from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import SamplingFields
 from pagoda.serve.api.request_fields import check_fields
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
-                                  new_request_id)
+                                  new_request_id, rejection_reason)
 from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
                               cancel_on_disconnect, sse_error, sse_event)
 from pagoda.serve.admission.tenants import Tenant
+from pagoda.serve.admission.work import RequestWork
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -76,6 +77,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
     id_prefix: str  # of response ids
     chunk_object: str  # "object" of streamed chunks
 
+    def num_prompts(self, request: Body) -> int:
+        """How many prompts the body holds, read without tokenizing (each runs `n` sequences)."""
+        return 1
+
     @abstractmethod
     def prepare(self, ctx: ServeContext, request: Body, tenant: Tenant) -> PreparedRequest:
         """Check the body and build prompts and params; raises APIError."""
@@ -92,24 +97,12 @@ class GenerationEndpoint(ABC, Generic[Body]):
 
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
-        lora_request = resolve_model(ctx, request.model, tenant)
-        check_fields(request, self.name)
-        if request.stream_options is not None and not request.stream:
-            raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
-        # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker thread
-        # keeps the event loop (every other request, /health) answering meanwhile.
-        prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
-        prepared, input_decision = await guard_input(  # guardrails hook
-            ctx.guard, ctx.llm.tokenizer, tenant, prepared)
-        generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
-                                prepared.prompts, prepared.params, stream=request.stream,
-                                input_decision=input_decision,  # guardrails hook
-                                lora_request=lora_request)
-        # Submitting a batch of prompts takes engine round trips: a client that leaves
-        # meanwhile must not leave its prompts running (start closes and aborts on cancel).
+        started = time.perf_counter()
         try:
-            await cancel_on_disconnect(raw, generation.start(prepared.param_names))
+            generation = await self._start(ctx, raw, request, tenant)
+        except APIError as exc:
+            ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
+            raise
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         created = int(time.time())
@@ -123,6 +116,37 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                   chunks)
         return await respond(raw, generation, stream_body,
                              lambda: self.response(ctx, generation, request, created))
+
+    async def _start(self, ctx: ServeContext, raw: Request, request: Body,
+                     tenant: Tenant) -> Generation:
+        """Check, admit, prepare and submit the request; raises the APIError refusing it."""
+        lora_request = resolve_model(ctx, request.model, tenant)
+        check_fields(request, self.name)
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
+        # Refusals by sequence count (full queue, tenant cap, latency targets) come first, on
+        # the loop and without waiting on anything: an overloaded server answers them at once
+        # instead of after the tokenizing threads.
+        admission = ctx.admit(tenant, RequestWork(self.num_prompts(request), max(request.n, 1)))
+        try:
+            # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker
+            # thread keeps the event loop (every other request, /health) answering meanwhile.
+            prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
+            prepared, input_decision = await guard_input(  # guardrails hook
+                ctx.guard, ctx.llm.tokenizer, tenant, prepared)
+        except BaseException:
+            admission.release()
+            raise
+        generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
+                                prepared.prompts, prepared.params, stream=request.stream,
+                                admission=admission,
+                                input_decision=input_decision,  # guardrails hook
+                                lora_request=lora_request)
+        # Submitting a batch of prompts takes engine round trips: a client that leaves
+        # meanwhile must not leave its prompts running (start closes and aborts on cancel).
+        await cancel_on_disconnect(raw, generation.start(prepared.param_names))
+        return generation
 
 
 async def _events(generation: Generation, formatter: ChunkFormatter,

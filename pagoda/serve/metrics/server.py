@@ -43,6 +43,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# A refusal should cost well under a millisecond of the server's time.
+REFUSAL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -222,6 +225,11 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=self.registry)
         self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running.",
                                  labels + ["reason"], registry=self.registry)
+        self._refusal_time = Histogram(
+            PREFIX + "request_refusal_seconds",
+            "Server time to refuse a generation request: from its endpoint's start (key checked, "
+            "body parsed) to the refusal.", labels + ["reason"], buckets=REFUSAL_BUCKETS,
+            registry=self.registry)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self._itl = _WeightedHistogram(PREFIX + "inter_token_latency_seconds",
@@ -261,6 +269,9 @@ class ServerMetrics:
 
     def record_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def record_refusal_time(self, reason: str, seconds: float) -> None:
+        self._refusal_time.labels(self.model_name, reason).observe(seconds)
 
     def record_inter_token(self, seconds: float, num_tokens: int = 1) -> None:
         """`num_tokens` arrived `seconds` after the previous ones: that many equal gaps."""
