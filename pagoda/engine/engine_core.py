@@ -193,7 +193,7 @@ class EngineCore:
         # ---- end --max-num-seqs default ----
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
-                    model.model.layers[0].mlp.down_proj.weight_format.name,
+                    model.model.layers[0].self_attn.o_proj.weight_format.name,
                     self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
 
     def _load_draft_model(self):
