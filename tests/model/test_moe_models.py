@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from engine_helpers import assert_idle
@@ -168,12 +169,12 @@ def test_top_k_beyond_the_experts_is_refused(moe_dirs, tmp_path) -> None:
         LLM(model=str(directory))
 
 
-def test_server_answers_with_the_offline_completion(moe_dirs) -> None:
+def test_server_answers_with_the_offline_completion_and_counts_experts(moe_dirs) -> None:
     directory = moe_dirs["qwen2_moe"]
     prompt = "def fibonacci(n):"
     offline = LLM(model=str(directory)).generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
                                                                            ignore_eos=True))
-    live = start_server(directory)
+    live = start_server(directory, engine={"moe_metrics": True})
     try:
         response = httpx.post(live.base_url + "/completions", timeout=30, json={
             "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
@@ -181,5 +182,22 @@ def test_server_answers_with_the_offline_completion(moe_dirs) -> None:
         body = response.json()
         assert body["usage"]["completion_tokens"] == 8
         assert body["choices"][0]["text"] == offline[0].outputs[0].text
+        live.wait_idle()
+        families = {family.name: family.samples for family in
+                    text_string_to_metric_families(httpx.get(live.url + "/metrics", timeout=30).text)}
+        routed = {(s.labels["layer"], s.labels["expert"]): s.value for s in families["pagoda:moe_expert_tokens"]
+                  if s.name.endswith("_total")}
+        assert {layer for layer, _ in routed} == {"0", "2"}  # layer 1 is dense
+        # Every computed token (the prompt, and each generated one but the last) picked 2 experts.
+        tokens = body["usage"]["prompt_tokens"] + 7
+        assert sum(v for (layer, _), v in routed.items() if layer == "2") == 2 * tokens
+        imbalance = {s.labels["layer"]: s.value for s in families["pagoda:moe_expert_imbalance"]}
+        assert set(imbalance) == {"0", "2"} and all(1.0 <= v <= 8.0 for v in imbalance.values())
     finally:
         live.stop()
+
+
+def test_expert_metrics_are_off_by_default(moe_dirs) -> None:
+    llm = LLM(model=str(moe_dirs["mixtral"]))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert llm.engine.get_stats().moe is None
