@@ -184,10 +184,17 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     return model
 
 
-def finalize_linears(model: LlamaFamilyModel) -> None:
-    """Let each Linear's weight format quantize/pack what the loader staged."""
+def finalize_linears(model: torch.nn.Module) -> None:
+    """Let each Linear's weight format quantize/pack what the loader staged (a MoE block's
+    experts finalize theirs together: pagoda.model.moe.Experts)."""
+    experts = ""
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if experts and name.startswith(experts):
+            continue
+        if isinstance(module, Experts):
+            module.finalize(name)
+            experts = name + "."
+        elif isinstance(module, Linear):
             module.finalize(name)
 
 

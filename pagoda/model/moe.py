@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.layers import Linear
-from pagoda.model.mlp import MLP
+from pagoda.model.mlp import ACTIVATIONS, MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.weight_formats import WeightFormat
@@ -66,6 +67,26 @@ class Experts(nn.ModuleDict):
                           for e in range(placement.experts.start, placement.experts.start + placement.experts.size)})
         self.placement = placement
         self.num_experts = num_experts
+        self.activation = ACTIVATIONS[activation]
+        # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I].
+        self.gate_up_weight: torch.Tensor | None = None
+        self.down_weight: torch.Tensor | None = None
+
+    def finalize(self, name: str) -> None:
+        """After loading. Full-precision experts are stacked into two tensors and multiplied with
+        plain F.linear on a slice (a small matmul's fixed cost is what a per-expert loop pays for
+        every active expert); quantized ones keep their Linears and format kernels."""
+        experts = list(self.values())
+        if any(e.gate_up_proj.weight_format.name != "full" or e.down_proj.weight_format.name != "full"
+               for e in experts):
+            for index, expert in zip(self.keys(), experts):
+                expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
+                expert.down_proj.finalize(f"{name}.{index}.down_proj")
+            return
+        self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
+        self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
+        for expert in experts:
+            del expert.gate_up_proj.weight, expert.down_proj.weight
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -86,9 +107,19 @@ class Experts(nn.ModuleDict):
             count = counts[expert]
             if count:
                 segment = slice(offset, offset + count)
-                pieces.append(self[str(expert)](sorted_hidden[segment]) * weights[segment])
+                pieces.append(self.run_expert(expert, sorted_hidden[segment]) * weights[segment])
                 offset += count
         return out.index_add_(0, token_index, torch.cat(pieces))
+
+
+    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert (its index in the model) on the rows x."""
+        if self.gate_up_weight is None:
+            return self[str(expert)](x)
+        local = expert - self.placement.experts.start
+        module = self[str(expert)]
+        gate, up = F.linear(x, self.gate_up_weight[local]).split(module.intermediate_size, dim=-1)
+        return F.linear(self.activation(gate) * up, self.down_weight[local])
 
 
 class SparseMoE(nn.Module):

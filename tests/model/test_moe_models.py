@@ -201,3 +201,8 @@ def test_expert_metrics_are_off_by_default(moe_dirs) -> None:
     llm = LLM(model=str(moe_dirs["mixtral"]))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     assert llm.engine.get_stats().moe is None
+
+
+def test_lora_on_a_moe_model_is_refused_at_start(moe_dirs) -> None:
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on mixture-of-experts models"):
+        LLM(model=str(moe_dirs["qwen3_moe"]), enable_lora=True)

@@ -37,7 +37,7 @@ def reference(block: SparseMoE, hidden: torch.Tensor) -> torch.Tensor:
         weights, experts = torch.topk(probs, TOP_K)
         if block.renormalize:
             weights = weights / weights.sum()
-        out = sum(w * block.experts[str(int(e))](x[None])[0] for w, e in zip(weights, experts))
+        out = sum(w * block.experts.run_expert(int(e), x[None])[0] for w, e in zip(weights, experts))
         if block.shared_expert is not None:
             out = out + torch.sigmoid(block.shared_expert_gate(x[None]))[0] * block.shared_expert(x[None])[0]
         rows.append(out)
