@@ -143,6 +143,12 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
                 "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "with --tensor-parallel-size N, place a MoE model's experts whole on the ranks (each "
+                "holds 1/N of them) instead of splitting every expert; attention stays tensor-parallel"})
+    moe_metrics: bool = field(default=False, metadata={
+        "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
+                "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})
     distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
         "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
                 "or ray (Ray actors; a replica and its ranks share one placement group; "

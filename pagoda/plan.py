@@ -95,6 +95,13 @@ class ModelShape:
     norms_per_layer: int = 2  # input and post-attention; Gemma adds two around the MLP
     # Per layer: its sliding window or None. The engine releases KV blocks behind windows.
     layer_sliding_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (0: a dense model): layers with a MoE block in place of the MLP, each
+    # with num_experts routed experts (experts_per_token of them per token) and a shared one.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_moe_layers: int = 0
 
     @property
     def is_mha(self) -> bool:
@@ -113,7 +120,18 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
+            **({} if config.moe is None else dict(
+                num_experts=config.moe.num_experts, experts_per_token=config.moe.top_k,
+                moe_intermediate_size=config.moe.intermediate_size,
+                shared_expert_intermediate_size=config.moe.shared_expert_intermediate_size,
+                num_moe_layers=config.moe.num_sparse_layers)),
         )
+
+    @property
+    def idle_expert_params(self) -> int:
+        """Expert parameters a token does not multiply: those of the experts it is not routed to."""
+        return self.num_moe_layers * (self.num_experts - self.experts_per_token) * 3 * self.hidden_size \
+            * self.moe_intermediate_size
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -142,6 +160,11 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     q_out, kv_out = shape.num_attention_heads * d, shape.num_kv_heads * d
     attn_linear = h * q_out + 2 * h * kv_out + q_out * h
     mlp_linear = 3 * h * shape.intermediate_size
+    # A MoE layer's block instead: the router, the experts, a shared expert and its gate.
+    shared = shape.shared_expert_intermediate_size
+    moe_linear = h * shape.num_experts + shape.num_experts * 3 * h * shape.moe_intermediate_size \
+        + (3 * h * shared + h if shared else 0)
+    num_dense = shape.num_layers - shape.num_moe_layers
     per_layer_other = shape.norms_per_layer * h
     if shape.qkv_bias:
         per_layer_other += q_out + 2 * kv_out
@@ -155,7 +178,7 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     return ParamCount(
         embedding=embedding,
         lm_head=0 if shape.tie_word_embeddings else embedding,
-        linear=shape.num_layers * (attn_linear + mlp_linear),
+        linear=shape.num_layers * attn_linear + num_dense * mlp_linear + shape.num_moe_layers * moe_linear,
         other=shape.num_layers * per_layer_other + h,  # + final norm
         source="architecture",
     )
@@ -282,6 +305,8 @@ class Plan:
     model: str
     params: int
     params_source: str
+    # Parameters one token's forward multiplies (a MoE model: only its experts'); = params if dense.
+    active_params: int
     dtype: str
     kv_dtype: str
     memory_bytes: int
@@ -387,6 +412,7 @@ def build_plan(
         model=model,
         params=params.total,
         params_source=params.source,
+        active_params=params.total - shape.idle_expert_params,
         dtype=dtype,
         kv_dtype=kv_dtype,
         memory_bytes=memory_bytes,
@@ -563,6 +589,9 @@ def render_plan(plan: Plan) -> str:
         f"{s['num_attention_heads']} heads / {s['num_kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tie_word_embeddings'] else ''}",
         f"parameters       {plan.params:,} ({fmt_count(plan.params)}, from {plan.params_source})",
+        *([f"active per token {plan.active_params:,} ({fmt_count(plan.active_params)}: {s['experts_per_token']} of "
+           f"{s['num_experts']} experts in {s['num_moe_layers']} MoE layers; the weights hold them all)"]
+          if s.get("num_experts") else []),
         f"weights          {fmt_bytes(plan.weight_bytes)}"
         + (f" = {plan.weight_bytes / 1e9:.2f} GB" if plan.weight_bytes >= 10**7 else "") + f" in {plan.dtype}"
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),

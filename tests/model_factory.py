@@ -27,6 +27,8 @@ CHAT_TEMPLATE = (
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
 MORE_ARCHITECTURES = ("gemma2", "gemma3", "phi3")
+# Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
@@ -100,6 +102,20 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                        "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
                                        "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist()})
+    elif architecture == "mixtral":
+        # Top-2 of 4 experts, a sliding window shorter than the longer prompts.
+        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)
+    elif architecture == "qwen2_moe":
+        # Top-2 of 8 experts (not renormalized) plus the gated shared expert; layer 1 dense.
+        config_class, model_class = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
+        common.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)
+    elif architecture == "qwen3_moe":
+        # Top-3 of 8 experts, renormalized; q/k norms.
+        config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+        common.update(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                      norm_topk_prob=True)
     else:
         raise ValueError(f"unknown architecture {architecture}")
     common.update(overrides)
@@ -109,7 +125,7 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
     # Larger-than-default weights give peaked distributions, so greedy ties are not a coin flip.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # linear weights, and stacked experts' [E, out, in]
                 param.normal_(0.0, 0.08)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)

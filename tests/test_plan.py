@@ -204,3 +204,32 @@ def test_sliding_window_layers_count_window_sized_kv() -> None:
              for shape in (windowed, kept)]
     assert plans[0].full_context_seqs > 1.3 * plans[1].full_context_seqs
     assert "sliding windows  13 of 26 layers" in P.render_plan(plans[0])
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_hidden_layers": 48, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+# embed 151936*2048 = 311,164,928 (x2, untied); per layer: q,o 2048*4096 each, k,v 2048*512 each,
+# router 2048*128, experts 128*3*2048*768, 2 norms of 2048, q/k norms of 128 -> 623,120,640;
+# x48 + final norm 2048 = 30,532,122,624 (the published 30.5B). A token multiplies 8 of the 128
+# experts: 120*3*2048*768 per layer fewer, 3,353,032,704 (the published 3.3B active).
+QWEN3_30B_A3B_PARAMS = 2 * 311_164_928 + 48 * 623_120_640 + 2048
+
+
+def test_moe_weights_count_every_expert_and_compute_the_active_ones(tmp_path: Path, capsys) -> None:
+    shape = P.model_shape_from_config(QWEN3_30B_A3B)
+    params = P.count_params_from_architecture(shape)
+    assert params.total == QWEN3_30B_A3B_PARAMS == 30_532_122_624
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_30B_A3B))
+    rc, out, _ = run_cli(["--model", str(path), "--memory", "80GiB", "--json"], capsys)
+    plan = json.loads(out)
+    assert rc == 0 and plan["params"] == QWEN3_30B_A3B_PARAMS
+    assert plan["active_params"] == QWEN3_30B_A3B_PARAMS - 48 * 120 * 3 * 2048 * 768 == 3_353_032_704
+    assert plan["weight_bytes"] == 2 * QWEN3_30B_A3B_PARAMS  # bf16: all experts are resident
+    # KV as for a dense model of the same attention: 48 layers x 2 x 4 KV heads x 128 x 2 bytes
+    assert plan["kv_bytes_per_token"] == 48 * 2 * 4 * 128 * 2
+    _, text, _ = run_cli(["--model", str(path), "--memory", "80GiB"], capsys)
+    assert "active per token 3,353,032,704" in text and "8 of 128 experts in 48 MoE layers" in text

@@ -27,6 +27,7 @@ from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
+from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
@@ -63,6 +64,7 @@ class EngineStats:
     structured_output: StructuredOutputStats | None = None
     lora: LoRAStats | None = None  # None without --enable-lora
     disaggregation: DisaggStats | None = None  # KV handoffs (the engine's KVConnector)
+    moe: MoEStats | None = None  # expert load, with --moe-metrics on a MoE model
 
 
 @dataclass
@@ -126,6 +128,8 @@ class EngineCore:
         model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
                            self.executor.group if self.executor else None)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
+        self.moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
+            if config.moe_metrics and self.model_config.moe is not None else None
         self.lora = self._load_loras(model) if config.enable_lora else None
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
         # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
@@ -207,7 +211,7 @@ class EngineCore:
         # ---- end --max-num-seqs default ----
         logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
                     self.model_config.architecture, self.dtype, self.device,
-                    model.model.layers[0].mlp.down_proj.weight_format.name,
+                    model.model.layers[0].self_attn.o_proj.weight_format.name,
                     self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
 
     def _load_draft_model(self):
@@ -354,6 +358,8 @@ class EngineCore:
         self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
         runner_output = self.runner.execute(scheduler_output)
         executed = time.perf_counter()
+        if self.moe_meter is not None:
+            self.moe_meter.after_step()
         for entry in scheduler_output.scheduled:
             entries = runner_output.prompt_logprobs.get(entry.request.request_id)
             if entries is not None:
@@ -413,6 +419,7 @@ class EngineCore:
                                          self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
+            moe=self.moe_meter.stats() if self.moe_meter is not None else None,
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -50,23 +50,25 @@ def host_store(host: str, world_size: int, timeout_s: float) -> Any:
                          wait_for_workers=False)
 
 
-def join(rank: int, world_size: int, device: torch.device, store: Any) -> Groups:
-    """Build this rank's groups; returns once every rank has joined."""
+def join(rank: int, world_size: int, device: torch.device, store: Any, expert_parallel: bool = False) -> Groups:
+    """Build this rank's groups; returns once every rank has joined. `expert_parallel`: the
+    model's group places MoE experts whole on ranks (pagoda.model.parallel)."""
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, OPERATION_TIMEOUT)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         model_backend = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, world_size, options)
     else:
         model_backend = control
-    return Groups(TensorParallelGroup(rank, world_size, model_backend), control, store)
+    return Groups(TensorParallelGroup(rank, world_size, model_backend, expert_parallel), control, store)
 
 
-def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float) -> Groups:
+def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float,
+            expert_parallel: bool = False) -> Groups:
     """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
     store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     store.set(f"connected/{rank}", "1")
-    return join(rank, world_size, device, store)
+    return join(rank, world_size, device, store, expert_parallel)
 
 
 def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float) -> None:

@@ -28,6 +28,7 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
 from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
 from pagoda.model.attention import BatchLayout
+from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.weight_formats import WeightFormat
 
@@ -47,6 +48,10 @@ class TensorParallelExecutor:
         """Start ranks 1..N-1 and join the group as rank 0 (returns once all have joined).
         `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py)."""
         world_size = config.tensor_parallel_size
+        if config.enable_expert_parallel:  # before any worker starts
+            model_config = load_model_config(config.model)
+            if model_config.moe is not None:
+                TensorParallelGroup(0, world_size, object(), expert_parallel=True).experts(model_config.moe.num_experts)
         ray_backend = config.distributed_executor_backend == "ray"
         if ray_backend:
             from pagoda.executor.ray_workers import RayWorkers, node_address
@@ -73,13 +78,14 @@ class TensorParallelExecutor:
         self.workers.watch(lambda rank, why: _call_alive(on_exit, rank, why))
         try:
             wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S)
-            self.groups: Groups = join(0, world_size, device, store)
+            self.groups: Groups = join(0, world_size, device, store, config.enable_expert_parallel)
         except BaseException:
             self._finalizer()
             raise
         self.device = device
-        logger.info("tensor parallelism: %d ranks (%s backend), %d threads each", world_size,
-                    config.distributed_executor_backend, num_threads)
+        logger.info("tensor parallelism: %d ranks (%s backend), %d threads each%s", world_size,
+                    config.distributed_executor_backend, num_threads,
+                    ", experts placed whole (expert parallelism)" if config.enable_expert_parallel else "")
 
     @property
     def group(self) -> TensorParallelGroup:

@@ -74,7 +74,8 @@ def run_worker(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
     config = spec.config
-    groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s)
+    groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
+                     config.enable_expert_parallel)
     model_config = load_model_config(config.model)
     model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model)
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)

@@ -57,6 +57,9 @@ class LoRAManager:
                  device: torch.device) -> None:
         if max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
+        if model.config.moe is not None:  # adapters' MLP deltas would need one slot table per expert
+            raise ValueError(f"LoRA adapters are not supported on mixture-of-experts models yet "
+                             f"({model.config.architecture})")
         self.model_config = model.config
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype

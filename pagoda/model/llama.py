@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3) as one
-implementation with flags.
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) as one implementation with flags.
 
 Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3, Gemma 3),
 per-layer sliding windows (Mistral, Phi-3, some Qwen, Gemma), rope scaling (Llama 3, linear,
@@ -7,7 +7,8 @@ LongRoPE) and per-layer rope bases (Gemma 3), tied embeddings, and Gemma's: (1 +
 with norms after attention and around the MLP, embeddings scaled by sqrt(hidden), GELU-tanh,
 its attention scale, and soft-capped attention scores and logits. q/k/v and gate/up are fused
 into single matmuls; the loader splits checkpoints' tensors into them (or takes Phi-3's fused
-tensors as they are).
+tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
+its config says so, a dense MLP elsewhere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch import nn
 
 from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import TensorParallelGroup, VocabParallelEmbedding
 from pagoda.quant.weight_formats import WeightFormat
 
@@ -84,32 +87,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
-        super().__init__()
-        gate_up = tp.column(config.hidden_size, config.intermediate_size, config.intermediate_size,
-                            what="intermediate_size")
-        self.intermediate_size = gate_up.rows[0].size  # this rank's
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device,
-                                   weight_format, gate_up)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device,
-                                weight_format, tp.row(config.intermediate_size, config.hidden_size, "intermediate_size"),
-                                tp.all_reduce)
-        self.activation = ACTIVATIONS[config.hidden_activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
                  weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
@@ -124,7 +101,11 @@ class DecoderLayer(nn.Module):
         if config.gemma_norms:
             self.pre_feedforward_layernorm = RMSNorm(*norm_args)
             self.post_feedforward_layernorm = RMSNorm(*norm_args)
-        self.mlp = MLP(config, dtype, device, weight_format, tp)
+        if config.moe is not None and config.moe.sparse_layers[layer_index]:
+            self.mlp = SparseMoE(config, dtype, device, weight_format, tp)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_activation,
+                           dtype, device, weight_format, tp)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:

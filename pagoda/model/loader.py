@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
@@ -31,6 +33,13 @@ _FUSED_PARTS = {
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Mixtral's names for its MoE block and experts' projections, as pagoda's (Qwen-MoE's) names.
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.)?")
+# transformers 5's in-memory layout: all experts of a layer in one tensor, [E, 2I, H] with gate
+# rows before up rows, and [E, H, I].
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -126,13 +135,15 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
     let the weight formats finalize."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file_name, name, tensor, int4_codes in tensors:
+    for file_name, name, tensor, int4_codes in _per_expert(tensors):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target, part = _locate(name)
         if target not in params:
+            if _held_by_another_rank(model, target):
+                continue
             raise ValueError(f"{file_name}: unexpected tensor {name!r} for {config.architecture}")
         param = params[target]
         module_name, param_name = target.rsplit(".", 1)
@@ -155,6 +166,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
         loaded.add(name)
     missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
+    if missing and config.architecture == "MixtralForCausalLM":
+        missing = [_mixtral_name(name) for name in missing]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
@@ -182,11 +195,61 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     return model
 
 
-def finalize_linears(model: LlamaFamilyModel) -> None:
-    """Let each Linear's weight format quantize/pack what the loader staged."""
+def finalize_linears(model: torch.nn.Module) -> None:
+    """Let each Linear's weight format quantize/pack what the loader staged (a MoE block's
+    experts finalize theirs together: pagoda.model.moe.Experts)."""
+    experts = ""
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if experts and name.startswith(experts):
+            continue
+        if isinstance(module, Experts):
             module.finalize(name)
+            experts = name + "."
+        elif isinstance(module, Linear):
+            module.finalize(name)
+
+
+def _per_expert(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]]
+                ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+    """Checkpoint items with MoE names made pagoda's: Mixtral's renamed, and a layer's fused
+    expert tensors (one [E, ...] tensor) cut into one tensor per expert."""
+    for file_name, name, tensor, int4_codes in tensors:
+        name = _MIXTRAL_EXPERT.sub(_mixtral_to_pagoda, name)
+        fused = _FUSED_EXPERTS.match(name)
+        if fused is None or tensor is None or tensor.dim() != 3:
+            yield file_name, name, tensor, int4_codes
+            continue
+        prefix, projection = fused.groups()
+        for expert, weight in enumerate(tensor.unbind(0)):
+            yield file_name, f"{prefix}.{expert}.{projection}.weight", weight, None
+
+
+def _mixtral_to_pagoda(match: re.Match) -> str:
+    expert, projection = match.groups()
+    return ".mlp." if expert is None else f".mlp.experts.{expert}.{_MIXTRAL_NAMES[projection]}."
+
+
+def _mixtral_name(name: str) -> str:
+    """pagoda's name of a Mixtral tensor as its checkpoints spell it (for error messages)."""
+    expert = re.match(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(.*)$", name)
+    if expert is not None:
+        prefix, index, projection, rest = expert.groups()
+        w = {v: k for k, v in _MIXTRAL_NAMES.items()}[projection]
+        return f"{prefix}.block_sparse_moe.experts.{index}.{w}.{rest}"
+    return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+
+
+def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
+    """An expert's tensor that expert parallelism placed on another rank."""
+    match = _EXPERT.match(target)
+    if match is None:
+        return False
+    try:
+        experts = model.get_submodule(match.group(1))
+    except AttributeError:
+        return False
+    expert = int(match.group(2))
+    return isinstance(experts, Experts) and expert < experts.num_experts and not experts.placement.holds(expert)
 
 
 def _locate(name: str) -> tuple[str, int | None]:

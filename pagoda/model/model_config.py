@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagoda.model.moe_config import MOE_ARCHITECTURES, MoEConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM") + MOE_ARCHITECTURES
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Rope types pagoda computes (pagoda.model.rope); `su` is LongRoPE's older name.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
@@ -58,6 +59,8 @@ class ModelConfig:
     # Rope of the sliding-window layers where it differs from the global one (Gemma 3).
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    # Mixture of experts (pagoda.model.moe): router, experts and which layers have them; None: dense.
+    moe: MoEConfig | None = None
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -151,7 +154,7 @@ class ModelConfig:
 
         attention_bias = bool(config.get("attention_bias") or False)
         # Transformers picks the model class by model_type; the architecture names it too.
-        is_qwen2 = architecture == "Qwen2ForCausalLM" or model_type in ("qwen2", "qwen2_moe")
+        is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or model_type in ("qwen2", "qwen2_moe")
         is_qwen3 = architecture == "Qwen3ForCausalLM" or model_type.startswith("qwen3")
         return cls(
             architecture=architecture,
@@ -167,7 +170,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", is_gemma)),  # Gemma ties by default
-            qkv_bias=True if is_qwen2 else attention_bias,  # Qwen2 always has q/k/v bias
+            # Qwen2 always has q/k/v bias; Qwen2-MoE names it qkv_bias
+            qkv_bias=bool(config.get("qkv_bias", True)) if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(config.get("mlp_bias") or False),
             qk_norm=is_qwen3 or is_gemma3,
@@ -183,6 +187,7 @@ class ModelConfig:
             final_logit_softcap=_optional_float(config.get("final_logit_softcapping")),
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
+            moe=MoEConfig.from_hf(config, architecture, num_layers, source),
         )
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:
@@ -237,7 +242,7 @@ def _layer_sliding_windows(config: dict[str, Any], architecture: str, num_layers
         return [None] * num_layers
     if layer_types:
         return [int(window) if t == "sliding_attention" else None for t in layer_types]
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return [int(window)] * num_layers
     if architecture in GEMMA_ARCHITECTURES:
         # Configs older than `layer_types`: every `pattern`-th layer is global, the others slide.

@@ -10,6 +10,11 @@ asks it for shards and passes them to its layers; it never looks at the rank its
 - `AttentionHeads`: the rank's query heads and KV heads. KV heads are split like the query
   heads, or replicated when there are fewer KV heads than ranks (each rank keeps the one KV
   head its query heads read). Each rank's KV cache holds only its KV heads.
+- `ExpertPlacement`: a MoE block's experts on this rank. Without expert parallelism every rank
+  holds every expert, each split like a dense MLP; with it (`expert_parallel`) each rank holds
+  whole experts, a contiguous 1/N of them. Either way each rank's MoE output is a partial sum
+  over the tokens it was given (all of them: attention leaves the hidden states replicated), and
+  one all-reduce combines it, the row-parallel layer's collective.
 - Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the
   vocabulary (padded to a multiple of the world size); embeddings are all-reduced (other ranks
   contribute zeros), logits all-gathered so the sampler sees the whole vocabulary.
@@ -117,18 +122,31 @@ class AttentionHeads:
     kv_rows: Slice
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The experts of a MoE block this rank holds, and the group their weights are split over
+    (a one-rank group: each expert whole)."""
+
+    experts: Slice
+    weight_group: "TensorParallelGroup"
+
+    def holds(self, expert: int) -> bool:
+        return self.experts.start <= expert < self.experts.start + self.experts.size
+
+
 class TensorParallelGroup:
     """A rank's place among `world_size` tensor-parallel ranks, and its collectives.
 
     `backend` is a torch.distributed backend object (ProcessGroupGloo / ProcessGroupNCCL) or None
-    for world size 1."""
+    for world size 1. `expert_parallel`: MoE experts are placed whole on ranks instead of split."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, backend: Any = None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, backend: Any = None, expert_parallel: bool = False) -> None:
         if world_size > 1 and backend is None:
             raise ValueError("a tensor-parallel group of more than one rank needs a torch.distributed backend")
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
+        self.expert_parallel = expert_parallel
 
     # ---- collectives ---------------------------------------------------------------------------
 
@@ -184,6 +202,14 @@ class TensorParallelGroup:
         """The rank's rows of the vocabulary, padded up to a multiple of the world size."""
         size = -(-vocab_size // self.world_size)
         return LinearShard((vocab_size,), (Slice(self.rank * size, size),), hidden_size, Slice(0, hidden_size))
+
+    def experts(self, num_experts: int) -> ExpertPlacement:
+        if not self.expert_parallel or self.world_size == 1:
+            return ExpertPlacement(Slice(0, num_experts), self)
+        if num_experts % self.world_size:
+            raise ValueError(f"expert parallelism: the number of experts ({num_experts}) is not divisible by "
+                             f"tensor_parallel_size ({self.world_size})")
+        return ExpertPlacement(self.split(num_experts, "the number of experts"), TensorParallelGroup())
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Local vocabulary logits [T, V / N] -> the whole vocabulary [T, V] on every rank."""

@@ -229,3 +229,31 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
+                                                          ("mixtral", True)])
+def test_moe_tensor_and_expert_parallel_match_one_rank(tmp_path: Path, architecture: str,
+                                                       expert_parallel: bool) -> None:
+    """Without expert parallelism every expert is split over the ranks; with it each rank holds
+    half the experts whole (the shared expert, attention and dense layers stay tensor-parallel).
+    Either way greedy output equals one rank's, with chunking and preemption."""
+    directory = build_model(tmp_path / architecture, architecture)
+    prompts = prompts_for(300)
+    settings = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=8)
+    expected = token_ids(LLM(model=str(directory), **settings).generate(prompts, GREEDY))
+    split = LLM(model=str(directory), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **settings)
+    try:
+        experts = split.engine.core.runner.model.model.layers[0].mlp.experts
+        held = experts.num_experts // 2 if expert_parallel else experts.num_experts
+        assert sorted(experts.keys(), key=int) == [str(e) for e in range(held)]
+        assert token_ids(split.generate(prompts, GREEDY)) == expected
+        assert_idle(split)
+    finally:
+        split.engine.close()
+
+
+def test_expert_parallel_needs_experts_divisible_by_ranks(tmp_path: Path) -> None:
+    directory = build_model(tmp_path / "m", "qwen3_moe", num_experts=6)
+    with pytest.raises(ValueError, match=r"experts \(6\) is not divisible by tensor_parallel_size \(4\)"):
+        LLM(model=str(directory), tensor_parallel_size=4, enable_expert_parallel=True)

@@ -24,6 +24,7 @@ from pagoda.config import MetricsCompat
 from pagoda.serve.metrics.disaggregation import disagg_families
 from pagoda.serve.metrics.label_policy import public_registry
 from pagoda.serve.metrics.lora import lora_families
+from pagoda.serve.metrics.moe import moe_families
 from pagoda.serve.metrics.replicas import ReplicaLabelledCollector
 from pagoda.serve.metrics.structured import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
@@ -95,6 +96,7 @@ class _EngineStatsCollector(Collector):
         yield from self._kv_tiers(stats, labels, values)
         yield from lora_families(getattr(stats, "lora", None), PREFIX, labels, values)
         yield from disagg_families(getattr(stats, "disaggregation", None), PREFIX, labels, values)
+        yield from moe_families(getattr(stats, "moe", None), PREFIX, labels, values)
 
     @staticmethod
     def _iteration_tokens(stats: "EngineStats | None", labels: list[str], values: list[str]) -> Any:

@@ -1,0 +1,156 @@
+"""Mixture of experts on the CPU: a Qwen3-30B-A3B-shaped MoE scaled down (128 experts, top-8,
+expert width 0.375 x hidden as in the original, hidden 256, 4 layers, float32, random weights).
+
+  offline: 16 prompts of 64 tokens, 32 greedy output tokens each, output tok/s wall, pagoda vs
+    transformers' generate (batch 16) on the same weights;
+  decode step: (time for 33 output tokens - time for 1) / 32 at batch 16, the MoE model vs a
+    dense model with the same active parameters (intermediate = 8 x the expert width);
+  block: one MoE block's forward at 16 and 256 tokens, pagoda's grouped op vs transformers' own
+    per-expert loop (Qwen3MoeSparseMoeBlock) on the same weights;
+  parallel: the offline run with tensor_parallel_size 2, experts split (TP=2) vs placed whole
+    (EP=2), one thread per rank.
+
+Every configuration is measured in alternating rounds and medians are reported.
+
+    .venv/bin/python benchmarks/moe.py --rounds 3 --out benchmarks/results/moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pagoda.engine.threads import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before torch loads
+
+import torch  # noqa: E402
+
+from pagoda import LLM, SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from model_factory import build_model  # noqa: E402
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=1024)
+MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=96, intermediate_size=768,
+           norm_topk_prob=True)
+BATCH, PROMPT, OUTPUT = 16, 64, 32
+THREADS = 2
+
+
+def models(root: Path) -> tuple[Path, Path]:
+    moe = root / "moe"
+    dense = root / "dense"
+    if not (moe / "model.safetensors").exists():
+        build_model(moe, "qwen3_moe", **SHAPE, **MOE)
+    if not (dense / "model.safetensors").exists():  # the same active parameters per token
+        build_model(dense, "qwen3", **SHAPE, intermediate_size=MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"])
+    return moe, dense
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(5, vocab_size, (PROMPT,), generator=generator).tolist() for _ in range(BATCH)]
+
+
+def timed_generate(llm: LLM, batch: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(batch, params)
+    return time.perf_counter() - started
+
+
+def hf_generate_seconds(model, batch: list[list[int]]) -> float:
+    ids = torch.tensor(batch)
+    started = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=OUTPUT,
+                       min_new_tokens=OUTPUT, pad_token_id=0)
+    return time.perf_counter() - started
+
+
+def block_seconds(block, hidden: torch.Tensor, repeats: int) -> float:
+    with torch.no_grad():
+        block(hidden)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            block(hidden)
+    return (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", type=Path, default=Path("/tmp/pagoda-moe-bench"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe")
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    moe_dir, dense_dir = models(args.models)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    batch = prompts(hf.config.vocab_size)
+    engines = {"moe": LLM(model=str(moe_dir), num_threads=THREADS),
+               "dense": LLM(model=str(dense_dir), num_threads=THREADS)}
+    parallel = {name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
+                for name, ep in (("tp2", False), ("ep2", True))}
+    pagoda_block = engines["moe"].engine.core.runner.model.model.layers[0].mlp
+    hf_block = hf.model.layers[0].mlp
+    samples: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
+    for round_index in range(args.rounds):
+        record("offline_tok_s/pagoda", BATCH * OUTPUT / timed_generate(engines["moe"], batch, OUTPUT))
+        record("offline_tok_s/transformers", BATCH * OUTPUT / hf_generate_seconds(hf, batch))
+        for name in ("moe", "dense"):
+            full = timed_generate(engines[name], batch, OUTPUT + 1)
+            first = timed_generate(engines[name], batch, 1)
+            record(f"decode_step_ms/{name}", 1000 * (full - first) / OUTPUT)
+        for tokens in (16, 256):
+            hidden = torch.randn(tokens, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(tokens))
+            record(f"block_ms/{tokens}_tokens/pagoda_grouped", 1000 * block_seconds(pagoda_block, hidden, 20))
+            record(f"block_ms/{tokens}_tokens/transformers_loop",
+                   1000 * block_seconds(hf_block, hidden.unsqueeze(0), 20))
+        for name, llm in parallel.items():
+            record(f"offline_tok_s/{name}", BATCH * OUTPUT / timed_generate(llm, batch, OUTPUT))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    for llm in parallel.values():
+        llm.engine.close()
+
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    ratios = {
+        "offline_pagoda_over_transformers": medians["offline_tok_s/pagoda"] / medians["offline_tok_s/transformers"],
+        "decode_step_moe_over_dense": medians["decode_step_ms/moe"] / medians["decode_step_ms/dense"],
+        "block_16_transformers_over_grouped": medians["block_ms/16_tokens/transformers_loop"]
+        / medians["block_ms/16_tokens/pagoda_grouped"],
+        "block_256_transformers_over_grouped": medians["block_ms/256_tokens/transformers_loop"]
+        / medians["block_ms/256_tokens/pagoda_grouped"],
+        "offline_ep2_over_tp2": medians["offline_tok_s/ep2"] / medians["offline_tok_s/tp2"],
+    }
+    result = {
+        "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+                   f"transformers {transformers.__version__}",
+        "model": {**SHAPE, **MOE, "architecture": "Qwen3MoeForCausalLM", "dtype": "float32",
+                  "dense_intermediate_size": MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]},
+        "workload": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "rounds": args.rounds},
+        "medians": medians,
+        "ratios": ratios,
+        "samples": samples,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"medians": medians, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""A mixture-of-experts block: router, experts, and (Qwen2-MoE) a shared expert.
+
+Experts are a layer like `Linear`: each expert is a gated MLP whose projections are `Linear`s,
+so they are stored and multiplied in whatever weight format the model's other projections use
+(int8, int4, GGUF types). The block's op:
+
+1. router logits [T, E] -> softmax -> top-k experts per token (weights renormalized over the
+   chosen ones where the model says so);
+2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
+   contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
+3. one gate/up and one down product per active expert over its segment (a loop over the active
+   experts, never over tokens);
+4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
+   expert order for each token, as transformers does).
+
+Compute therefore scales with the active experts' parameters, not all of them. Parallelism (see
+pagoda.model.parallel.ExpertPlacement): a rank computes the experts it holds (each whole, or its
+shard of every expert) for all tokens and the partial outputs meet in one all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.layers import Linear
+from pagoda.model.mlp import ACTIVATIONS, MLP
+from pagoda.model.model_config import ModelConfig
+from pagoda.model.parallel import TensorParallelGroup
+from pagoda.quant.weight_formats import WeightFormat
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A step's (token, expert) pairs sorted by expert."""
+
+    token_index: torch.Tensor  # [T * k] the token of each pair
+    weights: torch.Tensor  # [T * k] float32 routing weight of each pair
+    counts: torch.Tensor  # [E] pairs per expert: the segment lengths, in expert order
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Top-k experts per token from router logits [T, E] (softmax in float32 as transformers)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return Routing(order // top_k, weights.reshape(-1)[order],
+                   torch.bincount(flat, minlength=router_logits.shape[-1]))
+
+
+class Experts(nn.ModuleDict):
+    """The experts this rank holds, keyed by their index in the model ("0", "1", ...), so
+    parameters are named like checkpoints' `experts.{i}.gate_up_proj.weight`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
+                 dtype: torch.dtype, device: torch.device, weight_format: WeightFormat | None,
+                 tp: TensorParallelGroup) -> None:
+        placement = tp.experts(num_experts)
+        super().__init__({str(e): MLP(hidden_size, intermediate_size, False, activation, dtype, device, weight_format,
+                                      placement.weight_group, reduce=False)
+                          for e in range(placement.experts.start, placement.experts.start + placement.experts.size)})
+        self.placement = placement
+        self.num_experts = num_experts
+        self.activation = ACTIVATIONS[activation]
+        # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I].
+        self.gate_up_weight: torch.Tensor | None = None
+        self.down_weight: torch.Tensor | None = None
+
+    def finalize(self, name: str) -> None:
+        """After loading. Full-precision experts are stacked into two tensors and multiplied with
+        plain F.linear on a slice (a small matmul's fixed cost is what a per-expert loop pays for
+        every active expert); quantized ones keep their Linears and format kernels."""
+        experts = list(self.values())
+        if any(e.gate_up_proj.weight_format.name != "full" or e.down_proj.weight_format.name != "full"
+               for e in experts):
+            for index, expert in zip(self.keys(), experts):
+                expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
+                expert.down_proj.finalize(f"{name}.{index}.down_proj")
+            return
+        self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
+        self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
+        for expert in experts:
+            del expert.gate_up_proj.weight, expert.down_proj.weight
+
+    def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
+        none of its experts serve)."""
+        out = torch.zeros_like(hidden)
+        held = self.placement.experts
+        counts = routing.counts.tolist()  # the step's one host sync: segment offsets
+        start = sum(counts[:held.start])
+        stop = start + sum(counts[held.start:held.start + held.size])
+        if stop == start:
+            return out
+        token_index = routing.token_index[start:stop]
+        sorted_hidden = hidden[token_index]
+        weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
+        pieces = []
+        offset = 0
+        for expert in range(held.start, held.start + held.size):
+            count = counts[expert]
+            if count:
+                segment = slice(offset, offset + count)
+                pieces.append(self.run_expert(expert, sorted_hidden[segment]) * weights[segment])
+                offset += count
+        return out.index_add_(0, token_index, torch.cat(pieces))
+
+
+    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert (its index in the model) on the rows x."""
+        if self.gate_up_weight is None:
+            return self[str(expert)](x)
+        local = expert - self.placement.experts.start
+        module = self[str(expert)]
+        gate, up = F.linear(x, self.gate_up_weight[local]).split(module.intermediate_size, dim=-1)
+        return F.linear(self.activation(gate) * up, self.down_weight[local])
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's MoE block in place of its MLP: `gate` (the router, kept in full
+    precision and whole on every rank), `experts`, and optionally `shared_expert` scaled by
+    sigmoid(`shared_expert_gate`(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        moe = config.moe
+        hidden = config.hidden_size
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.tp = tp
+        self.gate = Linear(hidden, moe.num_experts, False, dtype, device)
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
+                               device, weight_format, tp)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, False, config.hidden_activation,
+                                     dtype, device, weight_format, tp, reduce=False)
+            self.shared_expert_gate = Linear(hidden, 1, False, dtype, device)
+        # Tokens routed to each expert since the last `take_expert_counts` (None: not counted).
+        self.expert_counts: torch.Tensor | None = None
+
+    def count_experts(self, enabled: bool) -> None:
+        self.expert_counts = torch.zeros(self.experts.num_experts, dtype=torch.long) if enabled else None
+
+    def take_expert_counts(self) -> list[int]:
+        """Tokens routed to each expert since the last call (zeros when not counting)."""
+        if self.expert_counts is None:
+            return [0] * self.experts.num_experts
+        counts = self.expert_counts.tolist()
+        self.expert_counts.zero_()
+        return counts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        routing = route(self.gate(hidden), self.top_k, self.renormalize)
+        if self.expert_counts is not None:
+            self.expert_counts += routing.counts.to(self.expert_counts.device)
+        out = self.experts(hidden, routing)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
