@@ -31,6 +31,7 @@ class RequestLogRecord:
     finish_reason: str | None = None
     stream: bool = False
     error: str | None = None
+    error_code: str | None = None  # the error's code (engine_dead, rate_limit_exceeded, ...)
     prompt: str | list[str] | None = None
     output: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)

@@ -56,7 +56,8 @@ class ServeContext:
             admission=AdmissionController(settings.max_queued_requests,
                                           settings.max_queued_tokens, settings.latency_targets),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
-                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats),
+                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats,
+                                  health=llm.health),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -247,8 +248,9 @@ class Generation:
         unfinished = [s.request_id for s, final in zip(self.streams, self.finals) if final is None]
         if unfinished:
             ctx.llm.abort(unfinished)
-            for _ in unfinished:
-                ctx.metrics.record_finished("abort", None)
+            if error is None:  # the client went away; an error is counted under its reason below
+                for _ in unfinished:
+                    ctx.metrics.record_finished("abort", None)
         for slot in self._slots:
             slot.leave()
         usage = self.usage() if self.streams else None
@@ -270,9 +272,13 @@ class Generation:
             cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
             e2e_s=time.time() - self.arrival_time,
             error=error.message if error is not None else None,
+            error_code=error.code if error is not None else None,
         )
         reasons = sorted({c.finish_reason for o in outputs for c in o.outputs if c.finish_reason})
-        if status == CLIENT_CLOSED_REQUEST:
+        if error is not None and not all(self.finals):
+            # What ended the samples that had not finished (engine_dead: the engine died under them).
+            reasons = sorted({*reasons, error.code or "error"})
+        elif status == CLIENT_CLOSED_REQUEST:
             reasons = ["abort"]
         record.finish_reason = ",".join(reasons) or None
         timings = [o.metrics for o in outputs if o.metrics is not None]

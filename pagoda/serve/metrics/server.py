@@ -23,7 +23,7 @@ from prometheus_client.utils import floatToGoString
 from pagoda.config import MetricsCompat
 from pagoda.serve.metrics.disaggregation import disagg_families
 from pagoda.serve.metrics.lora import lora_families
-from pagoda.serve.metrics.replicas import ReplicaLabelledCollector
+from pagoda.serve.metrics.replicas import ReplicaLabelledCollector, SupervisionCollector
 from pagoda.serve.metrics.structured import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
 from pagoda.engine.token_histogram import TOKEN_BUCKETS
@@ -205,19 +205,24 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
                  compat: MetricsCompat = "none",
-                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict) -> None:
+                 replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
         """`replica_stats`: each replica's stats by label (EngineClient.replica_stats); while
-        there are replicas, the engine series carry a `replica` label instead of reading `stats`."""
+        there are replicas, the engine series carry a `replica` label instead of reading `stats`.
+        `health`: the engine client's /health body, for the engines' up and restart series."""
         if compat not in get_args(MetricsCompat):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ReplicaLabelledCollector(
             stats, replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
+        if health is not None:
+            self.registry.register(SupervisionCollector(PREFIX, model_name, health))
         labels = ["model_name"]
         self._success = Counter(PREFIX + "request_success", "Requests that finished.",
                                 labels + ["finished_reason"], registry=self.registry)
-        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running.",
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running, or failed in the server "
+                                 "(reason engine_dead: the engine died under them).",
                                  labels + ["reason"], registry=self.registry)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=TTFT_BUCKETS, registry=self.registry)
