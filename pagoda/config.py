@@ -343,6 +343,19 @@ class DeploymentConfig:
     kv_prefill_timeout: float = field(default=120.0, metadata={
         "help": "seconds the router waits for a prefill replica to hand a request off before the "
                 "decode replica prefills it itself"})
+    # ---- supervision (pagoda/replicas/supervisor.py) ----
+    restart: bool = field(default=True, metadata={
+        "help": "restart an engine (a replica, or the single engine) whose process died, with "
+                "exponential backoff; --no-restart: a dead replica stays down, and a server with "
+                "no engine left exits non-zero so that an outside supervisor restarts it"})
+    max_replica_restarts: int = field(default=5, metadata={
+        "help": "restarts of one engine allowed within --replica-restart-window; past them it "
+                "stays down and /health says why"})
+    replica_restart_window: float = field(default=600.0, metadata={
+        "help": "seconds over which --max-replica-restarts counts an engine's restarts"})
+    replica_restart_backoff: float = field(default=1.0, metadata={
+        "help": "seconds before an engine's first restart, doubled for each restart within the "
+                "window (at most 60 s, or this when longer)"})
 
     @property
     def num_replicas(self) -> int:
@@ -367,6 +380,12 @@ class DeploymentConfig:
             _fail("max_local_prefill_tokens", f"must be >= 0, got {self.max_local_prefill_tokens}")
         if self.kv_prefill_timeout <= 0:
             _fail("kv_prefill_timeout", f"must be > 0 seconds, got {self.kv_prefill_timeout}")
+        if self.max_replica_restarts < 0:
+            _fail("max_replica_restarts", f"must be >= 0, got {self.max_replica_restarts}")
+        if self.replica_restart_window <= 0:
+            _fail("replica_restart_window", f"must be > 0 seconds, got {self.replica_restart_window}")
+        if self.replica_restart_backoff < 0:
+            _fail("replica_restart_backoff", f"must be >= 0 seconds, got {self.replica_restart_backoff}")
         if self.replica_roles is not None:
             counts = parse_replica_roles(self.replica_roles)
             if counts is None:

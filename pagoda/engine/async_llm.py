@@ -87,10 +87,10 @@ class AsyncLLM:
         return self._error
 
     def health(self) -> dict[str, Any]:
-        """ok, or dead with the error that stopped the engine."""
+        """ok, or dead with the error that stopped the engine; and the engine's pid."""
         if self.is_alive:
-            return {"status": "ok"}
-        return {"status": "dead", "error": repr(self.error)}
+            return {"status": "ok", "pid": self.engine_pid}
+        return {"status": "dead", "pid": self.engine_pid, "error": repr(self.error)}
 
     def get_stats(self) -> "EngineStats | None":
         return self._stats

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.outputs import RequestOutputDelta
+from pagoda.replicas.supervisor import EngineSupervisor
 
 
 @dataclass(eq=False)
@@ -13,14 +14,20 @@ class Replica:
     """One engine replica and the router's bookkeeping of it (touched on the event loop)."""
 
     index: int
-    llm: AsyncLLM
+    supervisor: EngineSupervisor  # holds the replica's engine, and restarts it when it dies
     pool: str | None = None
     role: str = "both"  # or prefill / decode (--replica-roles)
     outstanding_tokens: int = 0  # charged by routed requests, paid back as they progress
     num_requests: int = 0  # routed and not finished
     num_routed: int = 0  # since start
     num_moved_away: int = 0  # requests sent elsewhere after this replica died under them
-    out_of_rotation: bool = False  # seen dead: never chosen again
+    # The engine last seen dead: out of rotation until the supervisor swaps in a restarted one.
+    seen_dead: AsyncLLM | None = None
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The replica's engine now (a restart replaces it)."""
+        return self.supervisor.llm
 
     @property
     def label(self) -> str:
@@ -28,7 +35,7 @@ class Replica:
 
     @property
     def is_alive(self) -> bool:
-        return not self.out_of_rotation and self.llm.is_alive
+        return self.llm.is_alive
 
 
 class Flight:

@@ -10,8 +10,10 @@ the HTTP layer does not change with the number of replicas. Per request it
    the prefix tree of what each replica was sent,
 3. submits there; a replica that turns out dead is skipped and the request goes to the next
    choice, and a request whose replica dies before its first token moves (routed_stream.py).
-A dead replica stays out of rotation (its engine's state is gone); /health reports the set
-degraded while at least one replica lives.
+A dead replica is out of rotation (its engine's state is gone) until its supervisor
+(supervisor.py) has started it again, with backoff and within the restart budget; /health
+reports the set degraded while at least one replica lives, and each replica's pid, status and
+restarts.
 
 Disaggregated (`--replica-roles prefill=P,decode=D`): a request is routed to a decode replica
 that awaits its KV, then to a prefill replica that hands request and blocks over to it
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +42,7 @@ from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
+from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPolicy
 from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
@@ -54,17 +58,17 @@ ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
 class ReplicaSet:
     """The front of several engine replicas: an EngineClient, as one AsyncLLM is."""
 
-    def __init__(self, replicas: Sequence[AsyncLLM], policy: RouterPolicy, *,
+    def __init__(self, supervisors: Sequence[EngineSupervisor], policy: RouterPolicy, *,
                  pools: Sequence[str | None] | None = None,
                  rules: RouteRules | None = None,
-                 keepers: Sequence["_ReplicaKeeper"] = (),
                  deployment: DeploymentConfig | None = None) -> None:
-        if not replicas:
+        """`supervisors`: each replica's, in index order (they own the engines)."""
+        if not supervisors:
             raise ValueError("a replica set needs at least one replica")
-        if pools is not None and len(pools) != len(replicas):
-            raise ValueError(f"{len(pools)} pool tags for {len(replicas)} replicas")
-        self.replicas = [Replica(i, llm, pools[i] if pools else None, role=llm.config.role)
-                         for i, llm in enumerate(replicas)]
+        if pools is not None and len(pools) != len(supervisors):
+            raise ValueError(f"{len(pools)} pool tags for {len(supervisors)} replicas")
+        self.replicas = [Replica(i, supervisor, pools[i] if pools else None, role=supervisor.llm.config.role)
+                         for i, supervisor in enumerate(supervisors)]
         roles = {r.role for r in self.replicas}
         if roles != {"both"} and roles != {"prefill", "decode"}:
             raise ValueError(f"replica roles {sorted(roles)}: either every replica does both, or there "
@@ -73,10 +77,10 @@ class ReplicaSet:
         self._legs: dict[str, PrefillLeg] = {}  # disaggregated: each request's running prefill leg
         self.policy = policy
         self.rules = rules
-        self.deployment = deployment or DeploymentConfig(data_parallel_size=len(replicas))
+        self.deployment = deployment or DeploymentConfig(data_parallel_size=len(supervisors))
         if rules is not None:
             rules.check_pools({r.pool for r in self.replicas if r.pool is not None})
-        first = replicas[0]
+        first = supervisors[0].llm
         # What the HTTP layer reads of an engine; replicas serve one model, so they agree.
         self.config: EngineConfig = first.config
         self.transport = first.transport
@@ -88,29 +92,35 @@ class ReplicaSet:
         self.lock = threading.Lock()  # guards the routing state when loops on several threads submit
         self._flights: dict[str, RoutedStream] = {}
         self._stopped = False
-        self._keepers = list(keepers)
 
     @classmethod
     def start(cls, config: EngineConfig, deployment: DeploymentConfig,
               starter: ReplicaStarter) -> "ReplicaSet":
         """Start `deployment.num_replicas` replicas side by side, each with its engine config
-        (DeploymentConfig.replica_config), and the router `deployment.router` in front; replicas
-        already up are shut down if one fails."""
+        (DeploymentConfig.replica_config) and its supervisor (restarts within the deployment's
+        restart policy), and the router `deployment.router` in front; replicas already up are
+        shut down if one fails."""
         deployment.validate_with(config)
         pools = parse_replica_pools(deployment.replica_pools) if deployment.replica_pools else None
         rules = RouteRules.from_file(deployment.route_rules) if deployment.route_rules else None
-        keepers = [_ReplicaKeeper(starter, index, deployment.replica_config(config, index))
+        keepers = [EngineKeeper(functools.partial(starter, index, deployment.replica_config(config, index)),
+                                f"pagoda-replica-{index}")
                    for index in range(deployment.num_replicas)]
+        supervisors: list[EngineSupervisor] = []
         try:
-            started = [keeper.result() for keeper in keepers]
-            stats = started[0].get_stats()
+            restarts = RestartPolicy.of(deployment)
+            for index, keeper in enumerate(keepers):
+                supervisors.append(EngineSupervisor(keeper, functools.partial(starter, index), str(index), restarts))
+            stats = supervisors[0].llm.get_stats()
             # The prefix tree mirrors about one replica's KV pool.
             capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
             policy = make_policy(deployment.router, block_size=config.block_size,
                                  capacity_blocks=capacity)
-            return cls(started, policy, pools=pools, rules=rules, keepers=keepers, deployment=deployment)
+            return cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment)
         except BaseException:
-            for keeper in keepers:
+            for supervisor in supervisors:
+                supervisor.stop()
+            for keeper in keepers[len(supervisors):]:
                 keeper.stop()
             raise
 
@@ -129,17 +139,23 @@ class ReplicaSet:
                     EngineDeadError("every replica is stopped"))
 
     def health(self) -> dict[str, Any]:
-        """ok (every replica lives), degraded (some do) or dead (with the error), and each
-        replica's state."""
-        alive = [r.is_alive for r in self.replicas]
-        status = "dead" if self._stopped or not any(alive) else "ok" if all(alive) else "degraded"
+        """ok (every replica lives), degraded (some do), restarting (none does, a restart is
+        pending) or dead (with the error), and each replica's state: its engine's pid, alive,
+        status (ok, restarting, failed: out of restarts, or dead), restarts and error."""
+        states = [r.supervisor.state() for r in self.replicas]
+        alive = [state.alive for state in states]
+        if self._stopped:
+            status = "dead"
+        elif not any(alive):
+            status = "restarting" if any(state.status == "restarting" for state in states) else "dead"
+        else:
+            status = "ok" if all(alive) else "degraded"
         health: dict[str, Any] = {"status": status, "replicas": [
-            {"replica": r.label, "pool": r.pool, "role": r.role, "pid": r.llm.engine_pid, "alive": up,
+            {"replica": r.label, "pool": r.pool, "role": r.role, **state.as_dict(),
              "requests": r.num_requests,
-             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
-             **({"error": repr(r.llm.error)} if r.llm.error is not None else {})}
-            for r, up in zip(self.replicas, alive)]}
-        if status == "dead":
+             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away}
+            for r, state in zip(self.replicas, states)]}
+        if status != "ok" and status != "degraded":
             health["error"] = repr(self.error)
         return health
 
@@ -199,21 +215,23 @@ class ReplicaSet:
         return (live or self.replicas)[0].llm.lora_names
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load an adapter on every live replica; InvalidRequest (the first refusal) if one
-        refuses, after unloading it again from those that accepted."""
+        """Load an adapter on every live replica (and on each replica that restarts later);
+        InvalidRequest (the first refusal) if one refuses, after unloading it again from those
+        that accepted."""
         live = [r for r in self.replicas if self._check_alive(r)]
-        results = await asyncio.gather(*(r.llm.add_lora(lora_request) for r in live), return_exceptions=True)
+        results = await asyncio.gather(*(r.supervisor.add_lora(lora_request) for r in live),
+                                       return_exceptions=True)
         refusals = [result for result in results if isinstance(result, BaseException)]
         if refusals:
             loaded = [r for r, result in zip(live, results) if not isinstance(result, BaseException)]
-            await asyncio.gather(*(r.llm.remove_lora(lora_request.lora_name) for r in loaded),
+            await asyncio.gather(*(r.supervisor.remove_lora(lora_request.lora_name) for r in loaded),
                                  return_exceptions=True)
             raise refusals[0]
 
     async def remove_lora(self, name: str) -> None:
         """Unload an adapter from every live replica; InvalidRequest if none had it."""
         live = [r for r in self.replicas if self._check_alive(r)]
-        results = await asyncio.gather(*(r.llm.remove_lora(name) for r in live), return_exceptions=True)
+        results = await asyncio.gather(*(r.supervisor.remove_lora(name) for r in live), return_exceptions=True)
         if live and all(isinstance(result, BaseException) for result in results):
             raise results[0]
 
@@ -235,9 +253,7 @@ class ReplicaSet:
     def shutdown(self, timeout: float | None = 10.0) -> None:
         self._stopped = True
         with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.llm.shutdown(timeout), self.replicas))
-        for keeper in self._keepers:
-            keeper.stop()
+            list(pool.map(lambda r: r.supervisor.stop(timeout), self.replicas))
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -328,15 +344,15 @@ class ReplicaSet:
             del self._legs[leg.request_id]
 
     def _check_alive(self, replica: Replica) -> bool:
-        if replica.out_of_rotation:
-            return False
-        if replica.llm.is_alive:
+        llm = replica.llm
+        if llm.is_alive:
             return True
-        replica.out_of_rotation = True
-        self.policy.forget_replica(replica.index)
-        logger.error("replica %d stopped (%s); taken out of rotation, %d of %d replicas left",
-                     replica.index, replica.llm.error,
-                     sum(r.llm.is_alive for r in self.replicas), len(self.replicas))
+        if replica.seen_dead is not llm:  # once per death: a restart brings a new engine
+            replica.seen_dead = llm
+            self.policy.forget_replica(replica.index)
+            logger.error("replica %d stopped (%s); taken out of rotation, %d of %d replicas left",
+                         replica.index, llm.error,
+                         sum(r.llm.is_alive for r in self.replicas), len(self.replicas))
         return False
 
     def _forget(self, request_id: str) -> None:
@@ -345,46 +361,6 @@ class ReplicaSet:
         leg = self._legs.pop(request_id, None)
         if leg is not None:  # the request ended before its prefill leg did (it failed)
             leg.cancel()
-
-
-class _ReplicaKeeper:
-    """Starts one replica on a thread of its own, which then lives as long as the replica.
-
-    Replicas load side by side (each takes seconds), but an engine process is killed when the
-    thread that spawned it exits (PR_SET_PDEATHSIG, engine/parent_watch.py): so the thread that
-    starts a replica waits, parked, until the replica is shut down."""
-
-    def __init__(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
-        self._started = threading.Event()
-        self._release = threading.Event()
-        self._llm: AsyncLLM | None = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(starter, index, config),
-                         name=f"pagoda-replica-{index}", daemon=True).start()
-
-    def _run(self, starter: ReplicaStarter, index: int, config: EngineConfig) -> None:
-        try:
-            self._llm = starter(index, config)
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._started.set()
-        self._release.wait()
-
-    def result(self) -> AsyncLLM:
-        """The started replica; raises what stopped it from starting."""
-        self._started.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._llm is not None
-        return self._llm
-
-    def stop(self) -> None:
-        """Shut the replica down (if it started) and let its thread end."""
-        self._started.wait()
-        if self._llm is not None:
-            self._llm.shutdown()
-        self._release.set()
 
 
 def _max_output_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:

@@ -1,21 +1,28 @@
-"""Start what serves a deployment: one AsyncLLM, or a ReplicaSet of `num_replicas` of them
-(--data-parallel-size, or prefill and decode replicas with --replica-roles)."""
+"""Start what serves a deployment: one engine (supervised unless --no-restart), or a ReplicaSet
+of `num_replicas` of them (--data-parallel-size, or prefill and decode replicas with
+--replica-roles)."""
 
 from __future__ import annotations
+
+import functools
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import EngineClient
 from pagoda.engine.transport import TransportKind
 from pagoda.replicas.replica_set import ReplicaSet
+from pagoda.replicas.supervised_engine import SupervisedEngine
+from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPolicy
 
 
 def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = None, *,
                   transport: TransportKind = "process",
                   startup_timeout: float | None = None) -> EngineClient:
-    """One engine as before when there is one replica (no `deployment`: one engine), no pool
-    and no Ray; else a replica set, its replicas on `transport` (each its own engine process by
-    default) or, with `distributed_executor_backend="ray"`, Ray actors (ray_actors.py).
+    """One engine when there is one replica (no `deployment`: one engine), no pool and no Ray:
+    a SupervisedEngine that restarts it when it dies, or with `deployment.restart` off the
+    plain AsyncLLM; else a replica set, its replicas on `transport` (each its own engine
+    process by default) or, with `distributed_executor_backend="ray"`, Ray actors
+    (ray_actors.py).
 
     Raises RuntimeError when an engine cannot start, ValueError (or OSError) for bad pool
     settings or an unreadable route rules file."""
@@ -25,8 +32,15 @@ def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = No
         raise ValueError(f"role {config.role} runs only as a replica beside its partner: serve with "
                          f"--replica-roles prefill=P,decode=D")
     ray = config.distributed_executor_backend == "ray"
+
+    def start_engine(engine: EngineConfig) -> AsyncLLM:
+        return AsyncLLM(engine, transport=transport, startup_timeout=startup_timeout)
+
     if deployment.num_replicas == 1 and deployment.replica_pools is None and not ray:
-        return AsyncLLM(config, transport=transport, startup_timeout=startup_timeout)
+        if not deployment.restart:
+            return start_engine(config)
+        keeper = EngineKeeper(functools.partial(start_engine, config), "pagoda-engine-0")
+        return SupervisedEngine(EngineSupervisor(keeper, start_engine, "0", RestartPolicy.of(deployment)))
     if ray:
         from pagoda.replicas.ray_actors import connect_ray, start_ray_replica
 
@@ -34,6 +48,6 @@ def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = No
         return ReplicaSet.start(config, deployment, start_ray_replica)
 
     def start_replica(index: int, replica: EngineConfig) -> AsyncLLM:
-        return AsyncLLM(replica, transport=transport, startup_timeout=startup_timeout)
+        return start_engine(replica)
 
     return ReplicaSet.start(config, deployment, start_replica)

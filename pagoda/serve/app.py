@@ -37,6 +37,9 @@ Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 logger = logging.getLogger(__name__)
 
+# /health statuses of an engine client that takes requests (200); any other is a 503.
+SERVING_STATUSES = ("ok", "degraded")
+
 
 def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
     header = request.headers.get("authorization", "")
@@ -123,9 +126,10 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        # Replicas: "degraded" (still 200) while some of them live, and each one's state.
+        # Replicas: "degraded" (still 200) while some of them live, and each one's state;
+        # 503 while nothing serves: "restarting", "failed" (out of restarts) or "dead".
         body = ctx.llm.health()
-        if body["status"] == "dead":
+        if body["status"] not in SERVING_STATUSES:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)
 

@@ -7,6 +7,9 @@ policy can be set before torch loads and so that `pagoda --help` stays fast.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +20,10 @@ from pagoda.serve.settings import ServerSettings
 if TYPE_CHECKING:
     from pagoda.engine.client import EngineClient
     from pagoda.model.model_config import ModelConfig
+    from pagoda.serve.drain import DrainingServer
+
+# How often --no-restart looks whether an engine is left.
+DEATH_WATCH_INTERVAL_S = 0.2
 
 
 def launch_server(config: EngineConfig, settings: ServerSettings,
@@ -26,8 +33,6 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     engine that cannot start) end the process with a one-line message (SystemExit)."""
     # Spinning OpenMP workers steal the cores the HTTP thread needs: pagoda/engine/threads.py.
     prefer_passive_omp_wait()
-    import logging
-
     import uvicorn
 
     from pagoda.model.loader import load_model_config
@@ -61,6 +66,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
                          f"{cause}") from None
     except (OSError, ValueError) as exc:  # --replica-pools / --route-rules
         raise SystemExit(f"pagoda serve: {exc}") from None
+    death_watch = None
     try:
         gate = DrainGate(build_app(llm, settings))
         server = DrainingServer(
@@ -68,10 +74,43 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
                            timeout_graceful_shutdown=1, lifespan="off"),  # the app has no lifespan hooks
             gate, settings.shutdown_timeout, on_force_exit=lambda: llm.shutdown(timeout=0))
         logging.getLogger("pagoda.serve").info("%s", startup_banner(config, deployment, settings, llm))
+        if not deployment.restart:
+            death_watch = EngineDeathWatch(llm, server)
         server.run()
     finally:
+        if death_watch is not None:
+            death_watch.stop()
         llm.shutdown()
+    if death_watch is not None and death_watch.error is not None:
+        raise SystemExit(f"pagoda serve: the engine stopped ({death_watch.error}); exiting (--no-restart)")
     return 0
+
+
+class EngineDeathWatch:
+    """--no-restart: once no engine is left, stop the server as on SIGTERM (new requests get
+    503; the failed ones end with their error event) so that it exits non-zero and an outside
+    supervisor restarts it."""
+
+    def __init__(self, llm: EngineClient, server: DrainingServer) -> None:
+        self.error: BaseException | None = None  # what stopped the engine, once it did
+        self._llm = llm
+        self._server = server
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="pagoda-engine-death-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(DEATH_WATCH_INTERVAL_S):
+            if self._server.should_exit or self._server.gate.draining:
+                return  # shutting down anyway
+            if not self._llm.is_alive:
+                self.error = self._llm.error or RuntimeError("no engine is left")
+                logging.getLogger("pagoda.serve").error(
+                    "the engine stopped (%s) and --no-restart is set: shutting the server down", self.error)
+                self._server.handle_exit(signal.SIGTERM, None)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, object]:

@@ -50,6 +50,7 @@ class RequestLogRecord:
     stream: bool = False
     error: str | None = None
     error_param: str | None = None  # the request field the error is about
+    error_code: str | None = None  # the error's code (engine_dead, rate_limit_exceeded, ...)
     prompt: str | list[str] | None = None
     output: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)

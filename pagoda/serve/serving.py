@@ -61,7 +61,7 @@ class ServeContext:
                                           settings.latency_targets, max_model_len=llm.max_model_len),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
-                                  tenant_labels=settings.metrics_tenant_labels),
+                                  tenant_labels=settings.metrics_tenant_labels, health=llm.health),
             request_log=RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
@@ -291,8 +291,9 @@ class Generation:
         unfinished = [s.request_id for s, final in zip(self.streams, self.finals) if final is None]
         if unfinished:
             ctx.llm.abort(unfinished)
-            for _ in unfinished:
-                ctx.metrics.record_finished("abort", None)
+            if error is None:  # the client went away; an error is counted under its reason below
+                for _ in unfinished:
+                    ctx.metrics.record_finished("abort", None)
         usage = self.usage() if self.streams else None
         self.admission.release(usage.total_tokens if usage else 0)
         if error is not None:
@@ -312,9 +313,13 @@ class Generation:
             e2e_s=time.time() - self.arrival_time,
             error=error.message if error is not None else None,
             error_param=error.param if error is not None else None,
+            error_code=error.code if error is not None else None,
         )
         reasons = sorted({c.finish_reason for o in outputs for c in o.outputs if c.finish_reason})
-        if status == CLIENT_CLOSED_REQUEST:
+        if error is not None and not all(self.finals):
+            # What ended the samples that had not finished (engine_dead: the engine died under them).
+            reasons = sorted({*reasons, error.code or "error"})
+        elif status == CLIENT_CLOSED_REQUEST:
             reasons = ["abort"]
         record.finish_reason = ",".join(reasons) or None
         timings = [o.metrics for o in outputs if o.metrics is not None]

@@ -150,7 +150,8 @@ class _PrefillThatDies(LLMEngine):
 def test_a_dead_prefill_replica_leaves_the_decode_replica_to_prefill(llama_dir) -> None:
     token_lists = prompts(3, 30, seed=9)
     expected = colocated(llama_dir, token_lists)
-    replicas = start(llama_dir, engine_factory=_PrefillThatDies, replica_roles="prefill=1,decode=1")
+    replicas = start(llama_dir, engine_factory=_PrefillThatDies, replica_roles="prefill=1,decode=1",
+                     restart=False)
     try:
         assert run_all(replicas, token_lists) == expected
         assert not replicas.replicas[0].is_alive
@@ -270,7 +271,7 @@ def test_a_dead_decode_replica_moves_its_requests_and_the_prefill_side_holds_not
                           max_num_batched_tokens=32,
                           kv_transfer_timeout=2.0)
     deployment = DeploymentConfig(replica_roles="prefill=1,decode=2", router="round_robin",
-                                  max_local_prefill_tokens=0)
+                                  max_local_prefill_tokens=0, restart=False)
 
     def starter(index: int, replica: EngineConfig) -> AsyncLLM:
         return AsyncLLM(replica, transport="thread",

@@ -39,7 +39,8 @@ def test_one_replica_per_node_both_serve(two_node_cluster, llama_dir: Path) -> N
     cluster, node_ids = two_node_cluster
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
                           distributed_executor_backend="ray", ray_address=cluster.address)
-    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2, router="round_robin"))
+    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2, router="round_robin",
+                                                      restart=False))
     try:
         placed = {r.llm._transport.node_id for r in replicas.replicas}
         assert placed == node_ids  # one per node: each node has one CPU, each replica needs one

@@ -104,7 +104,7 @@ def test_requests_move_off_a_replica_that_dies_before_they_start(llama_dir: Path
     move. Dying at its second step (one request running at a time), the one that had started
     fails and the 2 accepted but waiting move."""
     replicas = start(llama_dir, dying={1}, dies_at=dies_at, data_parallel_size=2,
-                     router="round_robin", max_num_seqs=1)
+                     router="round_robin", max_num_seqs=1, restart=False)
     try:
         async def scenario() -> list[list[int] | BaseException]:
             return await asyncio.gather(*(generate(replicas, f"r{i}", [11 + i] * 20) for i in range(6)),

@@ -32,7 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
     live = start_server(build_tiny_model(root / "model"), transport="process",
-                        engine={"max_num_seqs": 2}, deployment={"data_parallel_size": 2},
+                        engine={"max_num_seqs": 2}, deployment={"data_parallel_size": 2, "restart": False},
                         tenants=TenantRegistry.from_file(keys))
     yield live
     live.stop()

@@ -43,7 +43,8 @@ def expected(model: Path) -> list[str]:
 def server(model: Path) -> LiveServer:
     live = start_server(model, transport="process",
                         engine={"max_num_batched_tokens": 64},
-                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0})
+                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0,
+                                    "restart": False})
     yield live
     live.stop()
 

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long the reader waits for an engine whose pipe closed to exit.
+REAP_TIMEOUT_S = 5.0
+
 
 class ProcessTransport(EngineTransport):
     kind = "process"
@@ -109,14 +112,29 @@ class ProcessTransport(EngineTransport):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    self._on_death(RuntimeError(
-                        f"the engine process exited (code {self.process.exitcode})"))
+                    # The pipe closes as the process exits: wait for the exit itself, so the
+                    # child is reaped (no zombie) and its exit code is known.
+                    self.process.join(REAP_TIMEOUT_S)
+                    self._on_death(RuntimeError(f"the engine process {describe_exit(self.process.exitcode)}"))
                 return
             if message[0] == "batch":
                 self._on_emitted(message[1], message[2])
             elif message[0] == "dead":
                 self._on_death(RuntimeError(message[1]))
                 return
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None:
+        return "closed its pipe but has not exited"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
 
 
 def _engine_process_main(conn: "Connection", config: EngineConfig,

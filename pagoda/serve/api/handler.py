@@ -163,6 +163,8 @@ async def _events(generation: Generation, formatter: ChunkFormatter,
             yield sse_event({**chunks.base, "choices": [],
                              "usage": generation.usage().model_dump()})
     except APIError as exc:
+        # Closed here with the error's status and reason: the stream itself still ends as a 200.
+        generation.close(exc.status, exc)
         yield sse_error(exc)
     yield SSE_DONE
 

@@ -1,5 +1,5 @@
 """Engine-level metrics of several replicas in one family each, told apart by a `replica` label
-(one engine's as they are).
+(one engine's as they are), and the engines' supervision: up or down, restarts.
 
 Each replica's stats are collected by the same collector a single engine uses; its families are
 then merged by name, every sample gaining `replica="<index>"`. Prometheus queries aggregate them
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -48,3 +49,32 @@ class ReplicaLabelledCollector(Collector):
                 into.samples.extend(sample._replace(labels={**sample.labels, REPLICA_LABEL: label})
                                     for sample in family.samples)
         yield from merged.values()
+
+
+class SupervisionCollector(Collector):
+    """Whether each engine is up, and how often it was restarted, read from the engine client's
+    /health body (so the two always agree): `replica_up` (1 or 0) and `replica_restarts_total`,
+    labelled `replica` for a replica set, unlabelled for a single engine."""
+
+    def __init__(self, prefix: str, model_name: str, health: Callable[[], dict[str, Any]]) -> None:
+        self._prefix = prefix
+        self._model_name = model_name
+        self._health = health
+
+    def collect(self) -> Iterator[Any]:
+        body = self._health()
+        replicas = body.get("replicas")
+        engines = ([({REPLICA_LABEL: str(r["replica"])}, r) for r in replicas] if replicas is not None
+                   else [({}, body)])
+        up = GaugeMetricFamily(self._prefix + "replica_up",
+                               "1 while the engine serves, 0 while it is down (restarting, failed or dead).",
+                               labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"])
+        restarts = CounterMetricFamily(self._prefix + "replica_restarts",
+                                       "Restarts of the engine after it died.",
+                                       labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"])
+        for labels, engine in engines:
+            values = [self._model_name, *labels.values()]
+            up.add_metric(values, 1.0 if engine.get("status") == "ok" else 0.0)
+            restarts.add_metric(values, float(engine.get("restarts", 0)))
+        yield up
+        yield restarts

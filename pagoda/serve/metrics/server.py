@@ -25,7 +25,7 @@ from pagoda.serve.metrics.disaggregation import disagg_families
 from pagoda.serve.metrics.label_policy import public_registry
 from pagoda.serve.metrics.lora import lora_families
 from pagoda.serve.metrics.moe import moe_families
-from pagoda.serve.metrics.replicas import ReplicaLabelledCollector
+from pagoda.serve.metrics.replicas import ReplicaLabelledCollector, SupervisionCollector
 from pagoda.serve.metrics.structured import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
 from pagoda.engine.token_histogram import TOKEN_BUCKETS
@@ -212,20 +212,24 @@ class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], "EngineStats | None"], *,
                  compat: MetricsCompat = "none",
                  replica_stats: Callable[[], dict[str, "EngineStats | None"]] = dict,
-                 tenant_labels: bool = False) -> None:
+                 tenant_labels: bool = False, health: Callable[[], dict[str, Any]] | None = None) -> None:
         """`replica_stats`: each replica's stats by label (EngineClient.replica_stats); while
         there are replicas, the engine series carry a `replica` label instead of reading `stats`.
-        `tenant_labels`: render tenant ids and adapter names in label values (label_policy.py)."""
+        `tenant_labels`: render tenant ids and adapter names in label values (label_policy.py).
+        `health`: the engine client's /health body, for the engines' up and restart series."""
         if compat not in get_args(MetricsCompat):
             raise ValueError(f"metrics_compat must be none or vllm, got {compat!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ReplicaLabelledCollector(
             stats, replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
+        if health is not None:
+            self.registry.register(SupervisionCollector(PREFIX, model_name, health))
         labels = ["model_name"]
         self._success = Counter(PREFIX + "request_success", "Requests that finished.",
                                 labels + ["finished_reason"], registry=self.registry)
-        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running.",
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running, or failed in the server "
+                                 "(reason engine_dead: the engine died under them).",
                                  labels + ["reason"], registry=self.registry)
         self._refusal_time = Histogram(
             PREFIX + "request_refusal_seconds",

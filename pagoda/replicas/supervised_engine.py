@@ -1,0 +1,86 @@
+"""SupervisedEngine: a server's single engine, restarted when it dies, as an EngineClient.
+
+It answers through whichever AsyncLLM its supervisor (supervisor.py) holds now, so the server
+keeps one client across restarts. While the engine is down requests are refused as by a dead
+engine (there is no other replica to move them to); those it was serving fail with
+EngineDeadError, as on any engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+
+from pagoda.config import EngineConfig
+from pagoda.engine.client import EngineStream, RequestOptions, generate_outputs
+from pagoda.lora_request import LoRARequest
+from pagoda.outputs import RequestOutput
+from pagoda.replicas.supervisor import EngineSupervisor
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm_engine import EngineStats
+
+
+class SupervisedEngine:
+    """The EngineClient of one engine that its supervisor restarts."""
+
+    def __init__(self, supervisor: EngineSupervisor) -> None:
+        self.supervisor = supervisor
+        first = supervisor.llm
+        # What the HTTP layer reads of an engine; a restart starts the same config again.
+        self.config: EngineConfig = first.config
+        self.transport = first.transport
+        self.max_num_seqs_choice = first.max_num_seqs_choice
+        self.tokenizer = first.tokenizer
+        self.max_model_len: int = first.max_model_len
+        self.generation_defaults: dict = first.generation_defaults
+        self.engine_limits = first.engine_limits
+
+    @property
+    def is_alive(self) -> bool:
+        return self.supervisor.llm.is_alive
+
+    @property
+    def error(self) -> BaseException | None:
+        return None if self.is_alive else self.supervisor.llm.error
+
+    def health(self) -> dict[str, Any]:
+        """The engine's state: status ok, restarting (a restart is pending), failed (out of
+        restarts) or dead, with its pid, restarts and error."""
+        return self.supervisor.state().as_dict()
+
+    def get_stats(self) -> "EngineStats | None":
+        return self.supervisor.llm.get_stats()
+
+    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+        """Empty: one engine has no replicas (its metrics carry no replica label)."""
+        return {}
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.supervisor.llm.validate(prompt_token_ids, params)
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          options: RequestOptions = RequestOptions(), *,
+                          wake: asyncio.Event | None = None) -> EngineStream:
+        return await self.supervisor.llm.add_request(request_id, prompt, params, options, wake=wake)
+
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+        return generate_outputs(self, request_id, prompt, params, options)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.supervisor.llm.abort(request_ids)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return self.supervisor.llm.lora_names
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self.supervisor.add_lora(lora_request)
+
+    async def remove_lora(self, name: str) -> None:
+        await self.supervisor.remove_lora(name)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self.supervisor.stop(timeout)
