@@ -41,6 +41,7 @@ QuantizationGroupSize = Literal[32, 64, 128]
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
 RouterName = Literal["round_robin", "least_load", "cache_aware"]  # pagoda/replicas/policies.py
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]  # pagoda/serve/api/tool_calls.py
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # pagoda/serve/api/reasoning.py
 MetricsCompat = Literal["none", "vllm"]
 TransportKind = Literal["process", "thread"]  # where AsyncLLM runs its engine
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]

@@ -18,10 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.engine.client import EngineClient
 from pagoda.serve.access_log import redact_access_log
 from pagoda.serve.admission.body_limit import BodySizeLimit
+from pagoda.serve.api.anthropic_messages import MessagesEndpoint
+from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokensResponse,
+                                                 MessagesRequest, MessagesResponse)
 from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
-from pagoda.serve.errors import APIError, unauthorized, validation_error
+from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
 from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
                                load_lora_adapter, unload_lora_adapter)
 from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -45,6 +48,8 @@ def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     api_key = key.strip() if scheme.lower() == "bearer" else None
+    if not header:  # Anthropic's clients send the key as x-api-key
+        api_key = request.headers.get("x-api-key", "").strip() or None
     tenant = ctx.settings.tenants.authenticate(api_key)
     if tenant is None:
         raise unauthorized("Missing API key." if not api_key else "Invalid API key.")
@@ -160,9 +165,11 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     def route(path: str, body_model: type[Body],
               run: Callable[[Request, Any, Tenant], Awaitable[Response]],
               endpoint: str | None = None,
-              response_model: type[pydantic.BaseModel] | None = None) -> None:
+              response_model: type[pydantic.BaseModel] | None = None,
+              anthropic: bool = False) -> None:
         """POST `path`: authenticate, parse the body as `body_model`, then `run` it. Refusals
-        of a generation `endpoint` are counted in metrics and logged."""
+        of a generation `endpoint` are counted in metrics and logged. `anthropic`: errors
+        leave in Anthropic's shape instead of OpenAI's."""
         async def handler(request: Request) -> Response:
             tenant = None
             try:
@@ -172,7 +179,16 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
             except APIError as exc:
                 if endpoint is not None:
                     _record_refusal(ctx, endpoint, tenant, exc)
+                if anthropic:
+                    return JSONResponse(anthropic_error_body(exc), status_code=exc.status,
+                                        headers=exc.headers)
                 raise
+            except Exception as exc:
+                if not anthropic:
+                    raise
+                logger.exception("unhandled error", exc_info=exc)
+                return JSONResponse(anthropic_error_body(APIError(500, "Internal server error.")),
+                                    status_code=500)
 
         app.add_api_route(path, handler, methods=["POST"])
         documented[path] = (body_model, response_model)
@@ -182,6 +198,13 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
             ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest, ChatCompletionResponse)):
         route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
               generation_endpoint.name, response_model)
+
+    messages_endpoint = MessagesEndpoint()
+    route("/v1/messages", MessagesRequest, functools.partial(messages_endpoint.handle_messages, ctx),
+          messages_endpoint.name, MessagesResponse, anthropic=True)
+    route("/v1/messages/count_tokens", CountTokensRequest,
+          functools.partial(messages_endpoint.count_tokens, ctx), response_model=CountTokensResponse,
+          anthropic=True)
 
     async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
         return JSONResponse(tokenize(ctx, body, tenant).model_dump())

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}, and in
+Anthropic's for the Messages API: {"type": "error", "error": {"type", "message"}}.
 
 Everything a client can cause is an `APIError` with a 4xx status; the app maps FastAPI's own
 validation errors (422) and HTTP exceptions onto the same shape (`install_error_handlers` in
@@ -37,6 +38,18 @@ class APIError(Exception):
 def error_body(message: str, *, type: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """The same error in Anthropic's shape (the status stays; the type follows it)."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

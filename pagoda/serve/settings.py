@@ -7,7 +7,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagoda.config import LogLevel, MetricsCompat, ToolCallParserName, TransportKind, parse_bytes
+from pagoda.config import (LogLevel, MetricsCompat, ReasoningParserName, ToolCallParserName,
+                           TransportKind, parse_bytes)
 from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 from pagoda.serve.admission.latency_targets import LatencyTargets
 from pagoda.serve.admission.request_limits import RequestLimits
@@ -59,6 +60,9 @@ class ServerSettings:
                 "the server process (starts faster)"})
     tool_call_parser: ToolCallParserName = field(default="hermes", metadata={
         "help": "how the model writes tool calls (default: hermes, as Qwen2.5/3 do)"})
+    reasoning_parser: ReasoningParserName | None = field(default=None, metadata={
+        "help": "split a reasoning model's <think> segment from the answer: chat's "
+                "reasoning_content, the Messages API's thinking blocks (default: off)"})
     guardrails_file: str | None = field(default=None, metadata={
         "flag": "--guardrails", "metavar": "FILE",
         "help": "YAML file of input/output guardrail rules (regex, blocklist, pii, classifier) per "

@@ -30,13 +30,16 @@ import httpx
 import pytest
 
 from pagoda.http_client.sse import iter_sse_events
+from pagoda.serve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pagoda.serve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 RSS_GROWTH_BOUND = 500 * 2**20          # bytes, per process
 MEGABYTE_STRING = "x" * 2**20
-FUZZED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+FUZZED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+                "/v1/messages/count_tokens")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 SCHEMATHESIS_EXAMPLES = 60              # per operation and generation mode
 
 VALID_BODIES: dict[str, dict[str, Any]] = {
@@ -47,9 +50,13 @@ VALID_BODIES: dict[str, dict[str, Any]] = {
                                           {"role": "user", "content": "hi"}]},
     "/tokenize": {"model": MODEL_NAME, "prompt": "Hello there"},
     "/detokenize": {"model": MODEL_NAME, "tokens": [1, 2, 3]},
+    "/v1/messages": {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0.0, "system": "Be brief.",
+                     "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]},
 }
 REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                  "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
 
 # Values every field is set to in turn: out-of-range numbers, non-finite floats (Python's json
 # writes NaN/Infinity, which lenient parsers accept), wrong types, empties, nesting, unicode.
@@ -126,6 +133,14 @@ class Recorder:
         shown = f"POST {path} {content[:300]!r}{' ...' if len(content) > 300 else ''}"
         if status >= 500:
             self.failures.append(f"{status} for {shown}: {text[:300]}")
+        elif status >= 400 and path in ANTHROPIC_PATHS:
+            try:
+                body = json.loads(text)
+                shaped = body["type"] == "error" and {"type", "message"} <= set(body["error"])
+            except (ValueError, KeyError, TypeError):
+                shaped = False
+            if not shaped:
+                self.failures.append(f"{status} not in Anthropic's error shape for {shown}: {text[:300]}")
         elif status >= 400:
             try:
                 error = json.loads(text)["error"]
@@ -275,6 +290,20 @@ TARGETED: dict[str, list[dict[str, Any]]] = {
         {"prompt": list(range(5000))}, {"prompt": [1.5]}, {"prompt": _nested(50, "x")},
         {"prompt": ["", "a"]}, {"prompt": "\u0000" * 100}, {"echo": True, "max_tokens": 1},
         {"suffix": MEGABYTE_STRING},
+    ],
+    "/v1/messages": [
+        {"max_tokens": 2**63}, {"max_tokens": 0}, {"top_k": -5}, {"top_p": 7}, {"stream": True, "max_tokens": 2},
+        {"stop_sequences": [""] * 50}, {"system": [{"type": "image"}]}, {"system": [{"type": "text"}]},
+        {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                          "input": [1]}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] * 2000}]},
+        {"tools": [{"name": "f"}]}, {"tools": [{"name": "f", "input_schema": {"type": "wat"}}]},
+        {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}},
+        {"tool_choice": {"type": "any"}}, {"thinking": {"type": "enabled", "budget_tokens": -1}},
+        {"output_config": {"format": {}}},
     ],
     "/v1/chat/completions": _SAMPLING_ATTACKS + [
         {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1},

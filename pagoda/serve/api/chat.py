@@ -2,7 +2,9 @@
 
 Only what is this endpoint's own: the prompt from messages, the chat logprobs shape and the
 chunk / body shapes, and tool calling (tools into the template and the grammar, tool calls
-parsed out of the text: pagoda/serve/api/tool_calls.py). The rest is handler.py's skeleton.
+parsed out of the text: pagoda/serve/api/tool_calls.py), and reasoning models (the thinking
+split from the answer, `chat_template_kwargs`: pagoda/serve/api/reasoning.py). The rest is
+handler.py's skeleton.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pagoda.serve.api.logprobs import chat_logprobs
 from pagoda.serve.api.messages import template_messages
 from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
+from pagoda.serve.api.reasoning import (ReasoningParser, ReasoningStream, after_reasoning,
+                                        check_template_kwargs, get_reasoning_parser)
 from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
@@ -55,11 +59,13 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         # Tool calling: the tools are validated here and shown to the chat template.
         tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
         template_tools = {"tools": tools.tools} if tools else {}
+        template_kwargs = check_template_kwargs(request.chat_template_kwargs)
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:
             try:
                 token_ids = tokenizer.encode_chat(
-                    messages, add_generation_prompt=request.add_generation_prompt, **template_tools)
+                    messages, add_generation_prompt=request.add_generation_prompt,
+                    **template_kwargs, **template_tools)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
             return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
@@ -80,19 +86,24 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         # Structured output and tool calling (at most one grammar, checked here: prepare runs
         # off the event loop).
         params = with_tool_constraint(with_structured_outputs(params, request), tools)
+        reasoning = ChatReasoning.of(ctx, prompt.token_ids)
+        if reasoning is not None:  # the constraint applies to the answer after the thinking
+            params = after_reasoning(params, reasoning.parser, reasoning.prompt_tail)
         return PreparedRequest([prompt], params,
                                param_names={"prompt": "messages", "max_tokens": max_param},
                                messages=messages, render_messages=render)
 
     def formatter(self, ctx: ServeContext, generation: Generation,
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:
-        return _ChatChunks(request, ctx.llm.tokenizer, chunks, _tool_plan(ctx, request))
+        return _ChatChunks(request, ctx.llm.tokenizer, chunks, tool_plan(ctx, request),
+                           ChatReasoning.of(ctx, generation.prompts[0].token_ids))
 
     def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
                  created: int) -> ChatCompletionResponse:
         final = generation.finals[0]
         assert final is not None
-        tools = _tool_plan(ctx, request)
+        tools = tool_plan(ctx, request)
+        reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         choices = []
         for sample in final.outputs:
             logprobs = None
@@ -100,9 +111,11 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 logprobs = ChatChoiceLogprobs(content=chat_logprobs(
                     sample.token_ids, list(sample.logprobs or []), request.top_logprobs or 0,
                     ctx.llm.tokenizer))
-            message, finish_reason = AssistantMessage(content=sample.text), sample.finish_reason
-            if tools is not None:  # tool calling: the calls parsed out of the final text
-                message, finish_reason = tools.message(sample.text, finish_reason)
+            thinking, answer = reasoning.split(sample.text) if reasoning else (None, sample.text)
+            message, finish_reason = AssistantMessage(content=answer), sample.finish_reason
+            if tools is not None:  # tool calling: the calls parsed out of the final answer
+                message, finish_reason = tools.message(answer, finish_reason)
+            message.reasoning_content = thinking
             choices.append(ChatChoice(index=sample.index, message=message,
                                       logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletionResponse(id=generation.request_id, created=created,
@@ -110,7 +123,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                                       usage=generation.usage())
 
 
-def _tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:
+def tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:
     """The request's tool plan (already validated by `prepare`, so this cannot fail)."""
     if not request.tools:
         return None
@@ -118,18 +131,50 @@ def _tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | 
                       getattr(ctx.llm.tokenizer.hf, "chat_template", None))
 
 
+class ChatReasoning:
+    """A request's reasoning parser and whether its prompt left the thinking open."""
+
+    # Prompt tokens enough to hold the template's last thinking marker.
+    TAIL_TOKENS = 32
+
+    def __init__(self, parser: ReasoningParser, prompt_tail: str) -> None:
+        self.parser = parser
+        self.prompt_tail = prompt_tail
+        self.opened = parser.opened_by_prompt(prompt_tail)
+
+    @classmethod
+    def of(cls, ctx: ServeContext, prompt_token_ids: list[int]) -> "ChatReasoning | None":
+        parser = get_reasoning_parser(ctx.settings.reasoning_parser)
+        if parser is None:
+            return None
+        tail = ctx.llm.tokenizer.decode(prompt_token_ids[-cls.TAIL_TOKENS:], skip_special_tokens=False)
+        return cls(parser, tail)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return self.parser.split(text, self.opened)
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.parser, self.opened)
+
+
 class _ChatChunks(ChunkFormatter):
     """With tools, each choice keeps a ToolCallStream: content is sent until a tool call may be
-    starting, then the calls as OpenAI's tool_calls deltas (finish_reason "tool_calls")."""
+    starting, then the calls as OpenAI's tool_calls deltas (finish_reason "tool_calls"). With
+    a reasoning parser, each choice keeps a ReasoningStream: the thinking goes out as
+    `reasoning_content` deltas, and only the answer reaches the content and the tool parser."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Any,
-                 chunks: ChoiceChunks, tools: ToolPlan | None = None) -> None:
+                 chunks: ChoiceChunks, tools: ToolPlan | None = None,
+                 reasoning: ChatReasoning | None = None) -> None:
         self.request = request
         self.tokenizer = tokenizer
         self.chunks = chunks
         self.tool_streams = {index: ToolCallStream(tools.parser, tools.forced)
                              for index in range(request.n)} if tools and tools.parse else {}
+        self.reasoning_streams = {index: reasoning.stream()
+                                  for index in range(request.n)} if reasoning else {}
         self.texts: dict[int, str] = {}  # choice index -> its text so far (the parsers read it whole)
+        self.answers: dict[int, str] = {}  # choice index -> the answer after its thinking, so far
 
     def opening(self) -> list[str]:
         return [self._event(index, '{"role":"assistant","content":""}', None, None)
@@ -145,9 +190,20 @@ class _ChatChunks(ChunkFormatter):
                 logprobs = {"content": [e.model_dump() for e in entries], "refusal": None}
         text, finish_reason = sample.text, sample.finish_reason
         events = ""
+        reasoning_stream = self.reasoning_streams.get(sample.index)
         tool_stream = self.tool_streams.get(sample.index)
-        if tool_stream is not None:  # content up to a tool call, then the calls
+        if reasoning_stream is not None:  # the thinking as reasoning_content, then the answer
             so_far = self.texts[sample.index] = self.texts.get(sample.index, "") + sample.text
+            thinking, text = reasoning_stream.step(so_far, finish_reason is not None)
+            self.answers[sample.index] = self.answers.get(sample.index, "") + text
+            if thinking:
+                events += self._event(sample.index, '{"reasoning_content":' + to_json(thinking) + "}",
+                                      None, None)
+        if tool_stream is not None:  # content up to a tool call, then the calls
+            if reasoning_stream is not None:
+                so_far = self.answers[sample.index]
+            else:
+                so_far = self.texts[sample.index] = self.texts.get(sample.index, "") + sample.text
             text, call_deltas = tool_stream.step(so_far, finish_reason is not None)
             for position, call_delta in enumerate(call_deltas):
                 content = {"content": text} if text and position == 0 else {}

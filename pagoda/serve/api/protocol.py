@@ -86,6 +86,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -161,6 +162,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # pagoda/serve/api/reasoning.py
     tool_calls: list[dict[str, Any]] | None = None  # pagoda/serve/api/tool_calls.py
 
 

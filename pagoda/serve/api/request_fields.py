@@ -75,23 +75,44 @@ CHAT: dict[str, Field] = {
     **_SHARED,
     **{name: Field(S) for name in ("messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                    "tools", "tool_choice", "parallel_tool_calls",
-                                   "add_generation_prompt")},
+                                   "add_generation_prompt", "chat_template_kwargs")},
     "functions": Field(R, "the deprecated functions API is not supported; use tools", [{"name": "f"}]),
     "function_call": Field(R, "the deprecated functions API is not supported; use tool_choice", "auto",
                            inert=("none", "")),
     "continue_final_message": Field(R, "not supported", True),
     "chat_template": Field(R, "the model's own chat template is always used", "{{ messages }}"),
-    "chat_template_kwargs": Field(R, "not supported", {"enable_thinking": False}),
     "documents": Field(R, "not supported", [{"text": "d"}]),
     "echo": Field(R, "chat echo is not supported", True),
     "modalities": Field(R, "text only", ["audio"]),
     "audio": Field(R, "text only", {"voice": "x"}),
     "prediction": Field(R, "predicted outputs are not supported", {"type": "content", "content": "x"}),
-    "reasoning_effort": Field(R, "no reasoning models are supported", "low"),
+    "reasoning_effort": Field(R, "not supported; a reasoning model's thinking is switched by its "
+                                 "template, e.g. chat_template_kwargs {\"enable_thinking\": false}", "low"),
     "web_search_options": Field(R, "not supported", {}, inert=()),  # {} asks for a web search
 }
 
-TABLES = {"completions": COMPLETIONS, "chat": CHAT}
+# Anthropic's Messages API (and its count_tokens, whose body is a subset).
+MESSAGES: dict[str, Field] = {
+    **{name: Field(S) for name in (
+        "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p",
+        "top_k", "stream", "tools", "tool_choice")},
+    "thinking": Field(S, "type switches the template's enable_thinking; budget_tokens is not enforced "
+                         "(max_tokens bounds the thinking and the answer together)"),
+    "metadata": Field(I, "not stored", {"user_id": "u-1"}),
+    "service_tier": Field(I, "one tier; priority comes from the tenant", "auto"),
+    "cache_control": Field(I, "prefix caching is automatic", {"type": "ephemeral"}),
+    "inference_geo": Field(I, "one location", "us"),
+    "speed": Field(I, "one speed", "fast"),
+    "diagnostics": Field(I, "not recorded", {"x": 1}),
+    "user_profile_id": Field(I, "tenants are identified by API key", "p-1"),
+    "workspace_id": Field(I, "tenants are identified by API key", "w-1"),
+    "output_config": Field(R, "not supported; structured output is the OpenAI endpoints' response_format",
+                           {"format": {"type": "json_schema", "schema": {}}}),
+    "container": Field(R, "code execution containers are not supported", "c-1"),
+    "mcp_servers": Field(R, "MCP servers are not supported", [{"type": "url", "url": "x", "name": "m"}]),
+}
+
+TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES}
 
 
 def is_inert(value: Any, field: Field | None = None) -> bool:
