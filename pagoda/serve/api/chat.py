@@ -15,7 +15,7 @@ from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
 from pagoda.serve.api.logprobs import chat_logprobs
-from pagoda.serve.api.messages import template_messages
+from pagoda.serve.api.messages import message_texts, template_messages
 from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
 from pagoda.serve.api.sampling import build_sampling_params
@@ -31,17 +31,6 @@ def reject_unsupported(request: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
-def _message_texts(messages: list[Any]) -> list[str]:
-    texts = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts.extend(part.text for part in content if part.text)
-    return texts
-
-
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     name = "chat"
     id_prefix = "chatcmpl"
@@ -50,7 +39,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
-        ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
+        ctx.check_text_fits("".join(message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
         # Tool calling: the tools are validated here and shown to the chat template.
         tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
