@@ -8,7 +8,7 @@ parsed out of the text: pagoda/serve/api/tool_calls.py). The rest is handler.py'
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
@@ -77,12 +77,11 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:
         return _ChatChunks(request, ctx.llm.tokenizer, chunks, _tool_plan(ctx, request))
 
-    def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
-                 created: int) -> ChatCompletionResponse:
+    def choices(self, ctx: ServeContext, generation: Generation,
+                request: ChatCompletionRequest) -> Iterator[ChatChoice]:
         final = generation.finals[0]
         assert final is not None
         tools = _tool_plan(ctx, request)
-        choices = []
         for sample in final.outputs:
             logprobs = None
             if request.logprobs:
@@ -92,8 +91,11 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             message, finish_reason = AssistantMessage(content=sample.text), sample.finish_reason
             if tools is not None:  # tool calling: the calls parsed out of the final text
                 message, finish_reason = tools.message(sample.text, finish_reason)
-            choices.append(ChatChoice(index=sample.index, message=message,
-                                      logprobs=logprobs, finish_reason=finish_reason))
+            yield ChatChoice(index=sample.index, message=message, logprobs=logprobs,
+                             finish_reason=finish_reason)
+
+    def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
+                 created: int, choices: list[ChatChoice]) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=generation.request_id, created=created,
                                       model=generation.model_name, choices=choices,
                                       usage=generation.usage())
