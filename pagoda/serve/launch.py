@@ -27,10 +27,9 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     prefer_passive_omp_wait()
     import logging
 
-    import uvicorn
-
     from pagoda.replicas.start import start_engines
     from pagoda.serve.app import build_app
+    from pagoda.serve.connections import http_config, raise_file_limit
     from pagoda.serve.drain import DrainGate, DrainingServer
 
     deployment = deployment or DeploymentConfig()
@@ -55,9 +54,11 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
         raise SystemExit(f"pagoda serve: {exc}") from None
     try:
         gate = DrainGate(build_app(llm, settings))
+        raise_file_limit(settings.max_connections)
         server = DrainingServer(
-            uvicorn.Config(gate, host=settings.host, port=settings.port, log_level=settings.log_level,
-                           timeout_graceful_shutdown=1, lifespan="off"),  # the app has no lifespan hooks
+            http_config(gate, settings, host=settings.host, port=settings.port,
+                        log_level=settings.log_level, timeout_graceful_shutdown=1,
+                        lifespan="off"),  # the app has no lifespan hooks
             gate, settings.shutdown_timeout, on_force_exit=lambda: llm.shutdown(timeout=0))
         logging.getLogger("pagoda.serve").info("%s", startup_banner(config, deployment, settings, llm))
         server.run()
