@@ -7,6 +7,7 @@ policy can be set before torch loads and so that `pagoda --help` stays fast.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,11 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
                         lifespan="off"),  # the app has no lifespan hooks
             gate, settings.shutdown_timeout, on_force_exit=lambda: llm.shutdown(timeout=0))
         logging.getLogger("pagoda.serve").info("%s", startup_banner(config, deployment, settings, llm))
+        # What exists now lives as long as the server: out of the collector's sight, a full
+        # collection walks only what requests create. While one runs no thread moves, the
+        # event loop's included, so its length is a stall of every request.
+        gc.collect()
+        gc.freeze()
         server.run()
     finally:
         llm.shutdown()
