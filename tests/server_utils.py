@@ -22,6 +22,7 @@ from pagoda.http_client import server_process
 from pagoda.http_client.server_process import ServerStartError, free_port
 from pagoda.replicas.start import start_engines
 from pagoda.serve.app import build_app
+from pagoda.serve.connections import http_config
 from pagoda.serve.settings import ServerSettings
 
 MODEL_NAME = "tiny-llama"
@@ -86,10 +87,11 @@ def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
         llm = start_engines(config, replicas, transport=transport)  # type: ignore[assignment]
     else:
         llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
-    app = build_app(llm, ServerSettings(**{"served_model_name": MODEL_NAME,
-                                           "model_path": str(model_dir), **settings}))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
+    server_settings = ServerSettings(**{"served_model_name": MODEL_NAME,
+                                        "model_path": str(model_dir), **settings})
+    app = build_app(llm, server_settings)
+    server = uvicorn.Server(http_config(app, server_settings, host="127.0.0.1", port=0,
+                                        log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -34,7 +34,7 @@ from pagoda.serve.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import Tenant
-from pagoda.serve.api.tokenization import detokenize, tokenize
+from pagoda.serve.api.tokenization import TokenizationEndpoints
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 
@@ -205,12 +205,13 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     route("/v1/messages/count_tokens", CountTokensRequest,
           functools.partial(messages_endpoint.count_tokens, ctx), response_model=CountTokensResponse,
           anthropic=True)
+    tokenization = TokenizationEndpoints(ctx)
 
     async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
-        return JSONResponse(tokenize(ctx, body, tenant).model_dump())
+        return await tokenization.tokenize(body, tenant)
 
     async def detokenize_body(_: Request, body: DetokenizeRequest, tenant: Tenant) -> Response:
-        return JSONResponse(detokenize(ctx, body, tenant).model_dump())
+        return await tokenization.detokenize(body, tenant)
 
     route("/v1/load_lora_adapter", LoadLoRAAdapterRequest, functools.partial(load_lora_adapter, ctx))
     route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, functools.partial(unload_lora_adapter, ctx))

@@ -7,6 +7,7 @@ policy can be set before torch loads and so that `pagoda --help` stays fast.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 import threading
@@ -33,11 +34,10 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     engine that cannot start) end the process with a one-line message (SystemExit)."""
     # Spinning OpenMP workers steal the cores the HTTP thread needs: pagoda/engine/threads.py.
     prefer_passive_omp_wait()
-    import uvicorn
-
     from pagoda.model.loader import load_model_config
     from pagoda.replicas.start import start_engines
     from pagoda.serve.app import build_app
+    from pagoda.serve.connections import http_config, raise_file_limit
     from pagoda.serve.drain import DrainGate, DrainingServer
 
     deployment = deployment or DeploymentConfig()
@@ -69,13 +69,20 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     death_watch = None
     try:
         gate = DrainGate(build_app(llm, settings))
+        raise_file_limit(settings.max_connections)
         server = DrainingServer(
-            uvicorn.Config(gate, host=settings.host, port=settings.port, log_level=settings.log_level,
-                           timeout_graceful_shutdown=1, lifespan="off"),  # the app has no lifespan hooks
+            http_config(gate, settings, host=settings.host, port=settings.port,
+                        log_level=settings.log_level, timeout_graceful_shutdown=1,
+                        lifespan="off"),  # the app has no lifespan hooks
             gate, settings.shutdown_timeout, on_force_exit=lambda: llm.shutdown(timeout=0))
         logging.getLogger("pagoda.serve").info("%s", startup_banner(config, deployment, settings, llm))
         if not deployment.restart:
             death_watch = EngineDeathWatch(llm, server)
+        # What exists now lives as long as the server: out of the collector's sight, a full
+        # collection walks only what requests create. While one runs no thread moves, the
+        # event loop's included, so its length is a stall of every request.
+        gc.collect()
+        gc.freeze()
         server.run()
     finally:
         if death_watch is not None:

@@ -21,6 +21,9 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
 DEFAULT_MAX_QUEUED_TOKENS = 1_000_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def parse_optional_limit(text: str) -> int | None:
@@ -90,6 +93,18 @@ class ServerSettings:
                 "empty and their series summed, so a scrape cannot learn what another tenant sees)"})
     metrics_compat: MetricsCompat = field(default="none", metadata={
         "help": "also export every metric under vLLM's vllm: names, for existing vLLM dashboards"})
+    header_timeout: float = field(default=DEFAULT_HEADER_TIMEOUT_S, metadata={
+        "help": "seconds a client has to send a request's headers, from connecting or from the end "
+                "of its previous response, before the connection is closed (default: "
+                f"{DEFAULT_HEADER_TIMEOUT_S:g}: ample for any real client, and a client that sends "
+                "its headers a byte at a time cannot hold a connection longer)"})
+    keep_alive_timeout: float = field(default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metadata={
+        "help": "seconds an idle keep-alive connection stays open after a response (default: "
+                f"{DEFAULT_KEEP_ALIVE_TIMEOUT_S:g}, as vLLM)"})
+    max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata={
+        "help": "open client connections at once; one more gets 503 and is closed (default: "
+                f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
+                "/health, and within the usual open-files limit, which serve raises to fit)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -110,6 +125,11 @@ class ServerSettings:
             raise ValueError("--metrics-token must not be empty")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("header_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
             ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
             itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)

@@ -25,7 +25,7 @@ from pagoda.serve.api.anthropic_protocol import (AnthropicMessage, ContentBlock,
                                                  CountTokensResponse, MessagesRequest,
                                                  MessagesResponse, MessagesUsage)
 from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
-from pagoda.serve.api.handler import respond
+from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.protocol import ChatCompletionRequest
 from pagoda.serve.api.request_fields import check_fields
 from pagoda.serve.api.sse import ClientDisconnected, to_json
@@ -197,7 +197,7 @@ class MessagesEndpoint(ChatEndpoint):
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         stream_body = _stream(generation, tools, reasoning) if request.stream else None
         return await respond(raw, generation, stream_body,
-                             lambda: _response(generation, tools, reasoning))
+                             WholeAnswer(body=lambda _: _response(generation, tools, reasoning)))
 
     async def count_tokens(self, ctx: ServeContext, _: Request, request: CountTokensRequest,
                            tenant: Tenant) -> Response:

@@ -10,14 +10,14 @@ handler.py's skeleton.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
 from pagoda.serve.api.logprobs import chat_logprobs
-from pagoda.serve.api.messages import template_messages
+from pagoda.serve.api.messages import message_texts, template_messages
 from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
 from pagoda.serve.api.reasoning import (ReasoningParser, ReasoningStream, after_reasoning,
@@ -35,17 +35,6 @@ def reject_unsupported(request: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
-def _message_texts(messages: list[Any]) -> list[str]:
-    texts = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts.extend(part.text for part in content if part.text)
-    return texts
-
-
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     name = "chat"
     id_prefix = "chatcmpl"
@@ -54,7 +43,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
-        ctx.check_text_fits("".join(_message_texts(request.messages)), "messages")
+        ctx.check_text_fits("".join(message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
         # Tool calling: the tools are validated here and shown to the chat template.
         tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
@@ -98,13 +87,12 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         return _ChatChunks(request, ctx.llm.tokenizer, chunks, tool_plan(ctx, request),
                            ChatReasoning.of(ctx, generation.prompts[0].token_ids))
 
-    def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
-                 created: int) -> ChatCompletionResponse:
+    def choices(self, ctx: ServeContext, generation: Generation,
+                request: ChatCompletionRequest) -> Iterator[ChatChoice]:
         final = generation.finals[0]
         assert final is not None
         tools = tool_plan(ctx, request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
-        choices = []
         for sample in final.outputs:
             logprobs = None
             if request.logprobs:
@@ -116,8 +104,11 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             if tools is not None:  # tool calling: the calls parsed out of the final answer
                 message, finish_reason = tools.message(answer, finish_reason)
             message.reasoning_content = thinking
-            choices.append(ChatChoice(index=sample.index, message=message,
-                                      logprobs=logprobs, finish_reason=finish_reason))
+            yield ChatChoice(index=sample.index, message=message, logprobs=logprobs,
+                             finish_reason=finish_reason)
+
+    def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
+                 created: int, choices: list[ChatChoice]) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=generation.request_id, created=created,
                                       model=generation.model_name, choices=choices,
                                       usage=generation.usage())

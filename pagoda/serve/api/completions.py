@@ -6,7 +6,7 @@ the chunk / body shapes. The rest is handler.py's skeleton.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestOutputDelta
 from pagoda.serve.errors import bad_request
@@ -100,18 +100,17 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                   chunks: ChoiceChunks) -> ChunkFormatter:
         return _CompletionChunks(generation, request, ctx.llm.tokenizer, chunks)
 
-    def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
-                 created: int) -> CompletionResponse:
+    def choices(self, ctx: ServeContext, generation: Generation,
+                request: CompletionRequest) -> Iterator[CompletionChoice]:
         tokenizer = ctx.llm.tokenizer
         prompt_only = _scores_prompt_only(request)
-        choices = []
         for i, final in enumerate(generation.finals):
             assert final is not None
             prompt = generation.prompts[i]
             for sample in final.outputs:
                 if prompt_only:
-                    choices.append(_prompt_only_choice(i * request.n + sample.index, prompt, final,
-                                                       request, tokenizer))
+                    yield _prompt_only_choice(i * request.n + sample.index, prompt, final, request,
+                                              tokenizer)
                     continue
                 text, logprobs, offset = sample.text, None, 0
                 if request.echo:
@@ -126,11 +125,13 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                     sampled, _ = legacy_logprobs(sample.token_ids, list(sample.logprobs or []),
                                                  tokenizer, offset)
                     logprobs = join_legacy(logprobs, sampled)
-                choices.append(CompletionChoice(index=i * request.n + sample.index, text=text,
-                                                logprobs=logprobs,
-                                                finish_reason=sample.finish_reason))
+                yield CompletionChoice(index=i * request.n + sample.index, text=text,
+                                       logprobs=logprobs, finish_reason=sample.finish_reason)
+
+    def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
+                 created: int, choices: list[CompletionChoice]) -> CompletionResponse:
         usage = generation.usage()
-        if prompt_only:
+        if _scores_prompt_only(request):
             usage = usage.model_copy(update={"completion_tokens": 0, "total_tokens": usage.prompt_tokens})
         return CompletionResponse(id=generation.request_id, created=created,
                                   model=generation.model_name, choices=choices, usage=usage)

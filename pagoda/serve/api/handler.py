@@ -22,7 +22,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Generic, Iterable, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, TypeVar
 
 import pydantic
 from fastapi import Request
@@ -32,6 +32,7 @@ from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.guardrails import guard_input
+from pagoda.serve.api.json_body import json_text, model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import SamplingFields
 from pagoda.serve.api.request_fields import check_fields
@@ -43,6 +44,10 @@ from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
 
 Body = TypeVar("Body", bound=SamplingFields)
+
+# Above this many answer cells (`answer_cells`), a non-streamed answer is built and written on a
+# worker thread: smaller ones cost less on the event loop than the hop to a thread.
+LARGE_ANSWER_CELLS = 2048
 
 
 @dataclass
@@ -91,9 +96,15 @@ class GenerationEndpoint(ABC, Generic[Body]):
         """The formatter of this request's stream."""
 
     @abstractmethod
-    def response(self, ctx: ServeContext, generation: Generation, request: Body,
-                 created: int) -> pydantic.BaseModel:
-        """The non-streamed body, once every prompt is finished (`generation.finals`)."""
+    def choices(self, ctx: ServeContext, generation: Generation,
+                request: Body) -> Iterator[pydantic.BaseModel]:
+        """The non-streamed body's choices in order, one at a time, once every prompt is
+        finished (`generation.finals`)."""
+
+    @abstractmethod
+    def response(self, ctx: ServeContext, generation: Generation, request: Body, created: int,
+                 choices: list[Any]) -> pydantic.BaseModel:
+        """The non-streamed body around `choices`."""
 
     async def handle(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Response:
@@ -114,8 +125,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
             chunks = ChoiceChunks(base, include_usage)
             stream_body = _events(generation, self.formatter(ctx, generation, request, chunks),
                                   chunks)
-        return await respond(raw, generation, stream_body,
-                             lambda: self.response(ctx, generation, request, created))
+        return await respond(raw, generation, stream_body, WholeAnswer(
+            choices=lambda: self.choices(ctx, generation, request),
+            body=lambda choices: self.response(ctx, generation, request, created, choices)))
 
     async def _start(self, ctx: ServeContext, raw: Request, request: Body,
                      tenant: Tenant) -> Generation:
@@ -169,17 +181,56 @@ async def _events(generation: Generation, formatter: ChunkFormatter,
     yield SSE_DONE
 
 
+@dataclass
+class WholeAnswer:
+    """How a non-streamed body is built: its choices, one at a time, and the body around them;
+    a body without a `choices` member (Anthropic's Messages) gives no `choices`."""
+
+    body: Callable[[list[Any]], pydantic.BaseModel]
+    choices: Callable[[], Iterator[pydantic.BaseModel]] | None = None
+
+    def response(self) -> Response:
+        return JSONResponse(self.body(list(self.choices()) if self.choices else []).model_dump())
+
+    def large_response(self) -> Response:
+        """The same bytes as `response`, built in steps (json_body.py) for a worker thread:
+        each choice is written to text as soon as it is built, so its objects are freed at once
+        and never pile up (a full garbage collection walks every live object, and while it runs
+        no thread moves, the event loop's included)."""
+        if self.choices is None:
+            return Response(model_json(self.body([])).encode("utf-8"), media_type=JSONResponse.media_type)
+        choices = ",".join(model_json(choice) for choice in self.choices())
+        body = json_text(self.body([]).model_dump(), ready_members={"choices": f"[{choices}]"})
+        return Response(body.encode("utf-8"), media_type=JSONResponse.media_type)
+
+
+def answer_cells(generation: Generation) -> int:
+    """The tokens a non-streamed answer lists, each counted with its top logprobs: what building
+    and writing the answer costs."""
+    params = generation.params
+    per_token = 1 if params.logprobs is None else 2 + params.logprobs
+    cells = per_token * sum(len(sample.token_ids) for final in generation.finals if final is not None
+                            for sample in final.outputs)
+    if params.prompt_logprobs is not None:  # echoed into every sample of its prompt
+        cells += (2 + params.prompt_logprobs) * params.n * generation.num_prompt_tokens
+    return cells
+
+
 async def respond(raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None,
-                  build_response: Callable[[], Any]) -> Response:
+                  answer: WholeAnswer) -> Response:
     """Send a started generation: as server-sent events when `stream_body` is given, else wait
-    for it to finish (aborting it if the client leaves) and send `build_response()` as JSON.
+    for it to finish (aborting it if the client leaves) and send `answer` as JSON: a large
+    answer is built and written on a worker thread, so the event loop keeps answering.
     The generation is closed with the status the client saw."""
     if stream_body is not None:
         return EventStreamResponse(stream_body, on_close=lambda: generation.close(
             200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
     try:
         await cancel_on_disconnect(raw, _drain(generation))
-        response = build_response()
+        if answer_cells(generation) > LARGE_ANSWER_CELLS:
+            response = await asyncio.to_thread(answer.large_response)
+        else:
+            response = answer.response()
     except ClientDisconnected:
         generation.close(CLIENT_CLOSED_REQUEST)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -190,7 +241,7 @@ async def respond(raw: Request, generation: Generation, stream_body: AsyncIterat
         generation.close(CLIENT_CLOSED_REQUEST)
         raise
     generation.close(200)
-    return JSONResponse(response.model_dump())
+    return response
 
 
 async def _drain(generation: Generation) -> None:

@@ -28,3 +28,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
         plain.append({"role": message.role, "content": content, **extra})
     return [template_message(m) for m in normalize_messages(plain, roles=ROLES)]
+
+
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """The text of every message and content part, for a length check before templating."""
+    texts = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(part.text for part in content if part.text)
+    return texts
