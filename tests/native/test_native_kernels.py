@@ -116,3 +116,13 @@ def test_build_key_changes_with_the_sources(tmp_path, monkeypatch):
     (tmp_path / "a.cpp").write_text("int f() { return 2; }")
     assert len({key, other, native.build_key()}) == 3
     assert native.cache_dir().parts[-2:] == ("pagoda", "kernels")
+
+
+def test_version_names_the_active_kernels(capsys):
+    from pagoda.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("pagoda ") and f"native CPU kernels ({KERNELS.isa}" in lines[1]
