@@ -86,7 +86,7 @@ def run_model(name: str, shape: dict[str, int], args: argparse.Namespace) -> dic
         print(f"{name} round {round_index}: off {itl['off'][-1]:.2f} ms, on {itl['on'][-1]:.2f} ms", flush=True)
     floor_bytes = weight_bytes_per_token(shape, VOCAB_SIZE)
     return {
-        "model": metadata(NAME, [], model_dir, shape)["model"],
+        "model": metadata(f"{NAME}.py", [], model_dir, shape)["model"],
         "itl_ms": {mode: {"median": statistics.median(v), "rounds": [round(x, 3) for x in v]}
                    for mode, v in itl.items()},
         "speedup_median": statistics.median(itl["off"]) / statistics.median(itl["on"]),
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagoda import native
 
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()
     bandwidth = read_bandwidth(args.rounds * 3)
     models = {name: run_model(name, MODELS[name], args) for name in args.models}
     for result in models.values():
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         result["floor_ms"] = floor_ms
         result["fraction_of_floor"] = {mode: floor_ms / result["itl_ms"][mode]["median"] for mode in ("off", "on")}
     first = build_bench_model(Path(args.model_root) / args.models[0], shape=MODELS[args.models[0]])
-    meta = metadata(NAME, sys.argv[1:] if argv is None else argv, first)
+    meta = metadata(f"{NAME}.py", sys.argv[1:] if argv is None else argv, first)
     meta.pop("model")
+    meta["load_average_at_start"] = load_at_start
     payload = {**meta, "threads": args.threads, "native_kernels": native.version_line(),
                "read_bandwidth_gb_s": bandwidth / 1e9, "load_average_at_end": os.getloadavg(), "models": models}
     write_summary(args.out, payload)
