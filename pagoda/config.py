@@ -38,6 +38,7 @@ EngineRole = Literal["both", "prefill", "decode"]
 KVTransport = Literal["tcp", "shm"]
 Quantization = Literal["none", "int8", "int4"]  # pagoda.quant implements them
 QuantizationGroupSize = Literal[32, 64, 128]
+NativeKernelsMode = Literal["auto", "on", "off"]  # pagoda.native builds and loads them
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
 RouterName = Literal["round_robin", "least_load", "cache_aware"]  # pagoda/replicas/policies.py
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]  # pagoda/serve/api/tool_calls.py
@@ -131,6 +132,10 @@ class EngineConfig:
                 "largest of these that divides its input dimension)"})
     quantization_zero_point: bool = field(default=True, metadata={
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
+    native_kernels: NativeKernelsMode = field(default="auto", metadata={
+        "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
+                "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
+                "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"})
     kv_cache_dtype: KVCacheDType = field(default="auto", metadata={
         "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
                 "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "

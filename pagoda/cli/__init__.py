@@ -29,8 +29,31 @@ COMMANDS = (
 )
 
 
+class VersionAction(argparse.Action):
+    """`pagoda --version`: the package version and the native kernels active on this machine
+    (imports torch, so only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0,
+                         help="print pagoda's version and the native CPU kernels it runs here, then exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from pagoda.native import version_line
+
+        try:
+            package_version = version("pagoda")
+        except PackageNotFoundError:
+            package_version = "(not installed)"
+        print(f"pagoda {package_version}\n{version_line()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="An LLM inference server.")
+    parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMANDS:
         importlib.import_module(module_name).add_parser(subparsers)

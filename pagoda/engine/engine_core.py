@@ -28,6 +28,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
+from pagoda.native import resolve_native_kernels
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
@@ -119,7 +120,8 @@ class EngineCore:
                         config.max_num_batched_tokens)
 
         self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                                config.quantization_zero_point)
+                                                config.quantization_zero_point,
+                                                resolve_native_kernels(config.native_kernels, self.device))
         self.weight_format.check_kernel(self.device, self.dtype)
         # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
         # many threads as the driver gave this thread (engine/threads.py).

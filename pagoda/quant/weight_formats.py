@@ -10,9 +10,12 @@ A format is a small stateless-per-layer strategy object shared by every quantize
 
 Formats (weight-only: activations stay in floating point):
 
-- `full`: the weight as loaded; on CPU also pre-packed once for oneDNN's matmul.
+- `full`: the weight as loaded; on CPU pre-packed once for oneDNN's matmul, or, with the
+  native kernels, kept dense for their decode-sized products.
 - `int8`: per-output-channel symmetric int8, scale = max|w_row| / 127, round to nearest;
-  `aten._weight_int8pack_mm` (CPU), a Triton w8a16 kernel (CUDA).
+  `aten._weight_int8pack_mm` (CPU), a Triton w8a16 kernel (CUDA); with pagoda's native kernels
+  (pagoda.native) a float32 model's int8 products run natively in float32 at every row count,
+  so an output never depends on how a step was batched or chunked.
 - `int4`: group-wise int4 along the input dimension (group 32/64/128). With zero points
   (default) each group maps [min, max] onto 0..15; symmetric maps [-max|w|, max|w|] onto
   -7..7 (zero point 0). (scale, zero) pairs where w = (q - 8) * scale + zero (tinygemm's
@@ -39,6 +42,8 @@ from torch import nn
 import functools
 from types import ModuleType
 
+from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
+from pagoda.native import NativeKernels
 from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, int4_group_size_for, linear_weight_bytes
 from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
 
@@ -97,13 +102,23 @@ class FullWeight(WeightFormat):
     oneDNN's blocked layout (llama.cpp's REPACK, in torch: what inductor's weight freezing
     does), so no matmul re-packs the weight as `F.linear` does on every call. The packed
     tensor replaces the dense `weight` (one copy of each projection in memory, not two), except
-    that small float32 weights keep it for 1-row inputs (SINGLE_ROW_DENSE_MAX_ELEMENTS)."""
+    that small float32 weights keep it for 1-row inputs (SINGLE_ROW_DENSE_MAX_ELEMENTS).
+
+    With the native kernels (pagoda.native), a float32 CPU weight stays dense instead (the
+    layout the native kernel streams row by row; still one copy): inputs of up to
+    native.MAX_ROWS rows (decode steps) go through the native product, larger ones (prefill)
+    through F.linear."""
 
     name = "full"
 
+    def __init__(self, native: NativeKernels | None = None) -> None:
+        self.native = native
+
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         weight = layer.weight.detach()
-        if _can_prepack(weight):
+        if self.native is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            _replace_staging_weight(layer, native_weight=weight.contiguous())
+        elif _can_prepack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
             layer.weight_dtype = weight.dtype
             small = weight.dtype == torch.float32 and weight.numel() <= SINGLE_ROW_DENSE_MAX_ELEMENTS
@@ -111,6 +126,9 @@ class FullWeight(WeightFormat):
             _replace_staging_weight(layer, packed_weight=packed, **single_row)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        native_weight = getattr(layer, "native_weight", None)
+        if native_weight is not None:
+            return _native_or_dense(self.native, x, native_weight, bias)
         packed = getattr(layer, "packed_weight", None)
         if packed is None:
             return F.linear(x, layer.weight, bias)
@@ -123,6 +141,15 @@ class FullWeight(WeightFormat):
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _native_or_dense(native: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.dtype != torch.float32 or flat.shape[0] > NATIVE_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = native.linear_f32(flat, weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -146,9 +173,15 @@ class Int8Weight(WeightFormat):
 
     name = "int8"
 
+    def __init__(self, native: NativeKernels | None = None) -> None:
+        self.native = native
+
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         weight = layer.weight.detach().float()
         qweight, scales = quantize_int8_per_channel(weight)
+        if self.native is not None and weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
+            # The native product reads the same int8 rows and float32 scales (a few bytes per row).
+            layer.register_buffer("native_scales", scales.contiguous(), persistent=False)
         # The bf16 CPU kernel reads the input dimension in tiles of 16 (and crashes on a
         # remainder): pad odd sizes with zero columns; apply() pads x to match.
         padding = -weight.shape[1] % INT8_K_TILE
@@ -159,6 +192,10 @@ class Int8Weight(WeightFormat):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
+        native_scales = getattr(layer, "native_scales", None)
+        if native_scales is not None and x.dtype == torch.float32:  # every row count: one arithmetic
+            out = self.native.linear_int8(x.reshape(-1, shape[-1]), layer.qweight, native_scales, bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         flat = x.reshape(-1, shape[-1]).to(layer.scales.dtype)
         if flat.device.type == "cuda":
             out = _triton_kernels().int8_matmul(flat, layer.qweight, layer.scales, shape[-1])
@@ -349,13 +386,15 @@ def _probe_kernel(format_name: str, kernel: str, device: torch.device, probe) ->
                          f"with torch {torch.__version__} ({first_line})") from None
 
 
-def make_weight_format(quantization: str, group_size: int | None = None, zero_point: bool = True) -> WeightFormat:
+def make_weight_format(quantization: str, group_size: int | None = None, zero_point: bool = True,
+                       native: NativeKernels | None = None) -> WeightFormat:
     """The format for `--quantization`; ValueError for unknown names or group sizes. int4 without
-    `group_size`: each layer's own (Int4Weight.for_layer)."""
+    `group_size`: each layer's own (Int4Weight.for_layer). `native`: the native CPU kernels the
+    full and int8 formats use for small inputs (int4 has none yet)."""
     if quantization in ("none", "full"):
-        return FullWeight()
+        return FullWeight(native)
     if quantization == "int8":
-        return Int8Weight()
+        return Int8Weight(native)
     if quantization == "int4":
         if group_size is not None and group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "

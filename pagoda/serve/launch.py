@@ -179,6 +179,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     from pagoda.config import parse_replica_roles
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
     from pagoda.model.model_config import ModelConfig
+    from pagoda.native import active_description
 
     model_config = ModelConfig.from_dir(config.model)
     device = resolve_device(config.device)
@@ -186,7 +187,9 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     stats = llm.get_stats()
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
+    native_kernels = active_description(config.native_kernels, device)
     features = [name for name, on in (
+        (native_kernels, native_kernels is not None),
         ("prefix caching", config.enable_prefix_caching),
         ("chunked prefill", config.enable_chunked_prefill),
         (f"speculative decoding ({config.speculative})", bool(config.speculative)),

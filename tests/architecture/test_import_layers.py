@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
     ("structured",),  # grammar-constrained decoding on llguidance: used by worker, engine, serve, cli
+    ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, used by quant/ and model/
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
     ("model",),
     ("lora",),  # LoRA adapters: PEFT loading, registry, device slots, the LoRALinear around model/'s Linear

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import build_model, hf_greedy, load_hf_model
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, native
 
 NEW_TOKENS = 32
 LOGPROB_TOLERANCE = 1e-4  # float32
@@ -23,12 +23,16 @@ def mixed_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(5, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
+# "on": pagoda's native CPU kernels for the decode products (pagoda.native), "off": PyTorch's.
+@pytest.mark.parametrize("native_kernels", ["off", "on"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
-def test_greedy_and_logprobs_match_transformers(model_dirs, architecture):
+def test_greedy_and_logprobs_match_transformers(model_dirs, architecture, native_kernels):
+    if native_kernels == "on" and not native.available():
+        pytest.skip("the native kernels do not build here")
     directory = model_dirs[architecture]
     hf_model = load_hf_model(directory)
     prompts = mixed_prompts(hf_model.config.vocab_size)
-    llm = LLM(model=str(directory))
+    llm = LLM(model=str(directory), native_kernels=native_kernels)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):

@@ -1,0 +1,152 @@
+"""pagoda's native CPU kernels: one C++ extension built from `pagoda/csrc/` on first use.
+
+The sources are compiled with `torch.utils.cpp_extension` just in time, once per machine and
+version, into `$XDG_CACHE_HOME/pagoda/kernels/<key>` (else `~/.cache/pagoda/kernels/<key>`),
+the key hashing the sources, the compiler flags, torch's and Python's versions. Nothing is
+downloaded. Each instruction-set body (AVX-512, AVX2, scalar) carries its own target attribute
+and is picked at run time, so the flags never say `-march=native` and a cache directory shared
+between machines stays valid.
+
+A process tries the build at most once (`_build`). When it fails (no compiler, no
+`ninja`, a CPU the sources do not compile for) it logs one line and every caller keeps its
+PyTorch path: `resolve_native_kernels("auto")` then answers None, `"on"` raises.
+
+Every kernel has a PyTorch reference beside it (tests/native): results agree within the float32
+rounding of a different summation order, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._ops import _OpNamespace as OpNamespace
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ("small_m_linear.cpp",)
+COMPILE_FLAGS = ("-O3", "-std=c++17")
+# Inputs of up to this many rows (decode steps) take the native float32 product; larger ones
+# (prefill) are compute-bound and oneDNN/MKL's blocked GEMM wins there.
+MAX_ROWS = 16
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The extension could not be built or loaded in this process."""
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The built extension, as layers hold it. Pickles as its instruction set name and loads the
+    extension again in the receiving process (tensor-parallel workers)."""
+
+    isa: str
+
+    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 @ weight [N, K] float32 (rows contiguous)^T (+ bias)."""
+        return load_extension().linear_f32(x, weight, bias)
+
+    def linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 @ (qweight [N, K' >= K] int8 * scales [N] float32)^T (+ bias)."""
+        return load_extension().linear_int8(x, qweight, scales, bias)
+
+    def describe(self) -> str:
+        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products)"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagoda" / "kernels"
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for name in sorted(path.name for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h")):
+        digest.update(name.encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(COMPILE_FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(sys.version.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _build() -> OpNamespace | NativeKernelsUnavailable:
+    """Build (or reuse the cached build) once per process; the failure is remembered too."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        failure = NativeKernelsUnavailable(f"no native kernels for this CPU ({platform.machine()}); "
+                                           f"using the PyTorch path")
+        logger.warning("%s", failure)
+        return failure
+    try:
+        from torch.utils import cpp_extension
+
+        key = build_key()
+        namespace = f"pagoda_native_{key}"
+        directory = cache_dir() / key
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=namespace, sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                           extra_cflags=[*COMPILE_FLAGS, f"-DPAGODA_NATIVE_NAMESPACE={namespace}"],
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+        return getattr(torch.ops, namespace)
+    except (Exception, SystemExit) as error:  # a missing compiler or ninja surfaces as several types
+        reason = str(error).strip().splitlines()
+        failure = NativeKernelsUnavailable(f"native CPU kernels did not build ({type(error).__name__}: "
+                                           f"{reason[0] if reason else 'no message'}); using the PyTorch path")
+        logger.warning("%s", failure)
+        return failure
+
+
+def load_extension() -> OpNamespace:
+    """The extension's ops (torch.ops.<its namespace>); NativeKernelsUnavailable when it could not be built."""
+    built = _build()
+    if isinstance(built, NativeKernelsUnavailable):
+        raise built
+    return built
+
+
+def available() -> bool:
+    """Whether the extension builds and loads here."""
+    return not isinstance(_build(), NativeKernelsUnavailable)
+
+
+def resolve_native_kernels(mode: str, device: torch.device) -> NativeKernels | None:
+    """The kernels the engine uses for `--native-kernels mode`: None for off, for a device other
+    than the CPU under auto, or when the build failed under auto; ValueError under `on` when they
+    cannot run."""
+    if mode == "off":
+        return None
+    if device.type != "cpu":
+        if mode == "on":
+            raise ValueError(f"--native-kernels on: the native kernels run on the CPU, the engine is on {device}")
+        return None
+    if not available():
+        if mode == "on":
+            raise ValueError(f"--native-kernels on: {_build()}")
+        return None
+    return NativeKernels(isa=load_extension().isa())
+
+
+def active_description(mode: str, device: torch.device) -> str | None:
+    """What the startup banner lists: the active kernels, or None."""
+    try:
+        kernels = resolve_native_kernels(mode, device)
+    except ValueError:
+        return None
+    return kernels.describe() if kernels is not None else None
+
+
+def version_line() -> str:
+    """`pagoda --version`'s line about the kernels on this machine (building them if needed)."""
+    if available():
+        return f"{NativeKernels(isa=load_extension().isa()).describe()}, cached in {cache_dir() / build_key()}"
+    return f"no native kernels: {_build()}"
