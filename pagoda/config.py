@@ -132,7 +132,9 @@ class EngineConfig:
                 "largest of these that divides its input dimension)"})
     quantization_zero_point: bool = field(default=True, metadata={
         "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
-    native_kernels: NativeKernelsMode = field(default="auto", metadata={
+    # Off by default: their sums run in another order than PyTorch's (outputs would depend on
+    # whether a compiler was present), and no benchmark has shown them faster yet.
+    native_kernels: NativeKernelsMode = field(default="off", metadata={
         "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
                 "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
                 "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"})
