@@ -147,7 +147,8 @@ def test_ctrl_c_to_the_process_group_lets_a_running_stream_finish(tmp_path: Path
     """Ctrl-C in a terminal signals the engine process too: it must keep serving the drain."""
     model = build_tiny_model(tmp_path / "model")
     port = free_port()
-    process = start(model, port, "--shutdown-timeout", "60")
+    # n=4 needs four seats: more than the default --max-num-seqs of a 64-block pool (two full contexts).
+    process = start(model, port, "--shutdown-timeout", "60", "--max-num-seqs", "4")
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
