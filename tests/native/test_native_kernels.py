@@ -70,9 +70,11 @@ def test_weight_format_with_native_kernels_matches_without(quantization, rows):
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(rows))
     plain = _linear(make_weight_format(quantization), weight, bias=False)
     fast = _linear(make_weight_format(quantization, native=KERNELS), weight, bias=False)
-    x = torch.randn(2, rows, 64)
-    # int8 without the kernels computes in bfloat16 (aten's packed kernel), with them in float32.
-    tolerance = dict(rtol=2e-2, atol=5e-2) if quantization == "int8" else dict(rtol=RTOL, atol=ATOL * 8)
+    x = torch.randn(2, rows, 64, generator=torch.Generator().manual_seed(100 + rows))
+    # int8 without the kernels computes in bfloat16 (aten's packed kernel), with them in float32:
+    # bfloat16's rounding of the activations (2^-8 relative) over 64 products of outputs of about
+    # 8 leaves differences of a few hundredths, and the largest of 3072 reaches about 0.1.
+    tolerance = dict(rtol=2e-2, atol=0.15) if quantization == "int8" else dict(rtol=RTOL, atol=ATOL * 8)
     torch.testing.assert_close(fast(x), plain(x), **tolerance)
     if quantization == "none":  # one copy of the weight: dense for the kernel, nothing packed beside it
         assert not hasattr(fast, "packed_weight") and not hasattr(fast, "single_row_weight")

@@ -139,6 +139,13 @@ def test_one_sequence_under_load_shows_the_queue(serve: Callable[..., LiveServer
         deadline = time.monotonic() + 120
         while len(done) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
+        # ...and at a moment the batch is full: between two requests the running count is 0
+        # for an instant, which a loaded machine can stretch into the scrape.
+        while time.monotonic() < deadline:
+            stats = server.stats()
+            if stats is not None and stats.num_running == 1 and stats.num_waiting >= 1:
+                break
+            time.sleep(0.002)
         server.app.state.load_threads = threads
 
     report = doctor(server, load)
