@@ -261,6 +261,8 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
                                 "path": str(server.log_path)}
     report["verdicts"] = [asdict(v) for v in _verdicts(options, report)]
     report["passed"] = all(v["passed"] is not False for v in report["verdicts"])
+    notes = report["outcomes_of_note"]  # the first ones are evidence enough for the file
+    report["outcomes_of_note"], report["outcomes_of_note_total"] = notes[:200], len(notes)
     if options.out:
         (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / "soak.md").write_text(render_markdown(report))
