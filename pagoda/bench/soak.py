@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from pagoda.bench.server_metrics import parse_labeled
-from pagoda.bench.soak_chaos import ChaosPlan, ChaosThread, HealthProber, rss_bytes
+from pagoda.bench.soak_chaos import ChaosPlan, ChaosThread, HealthProber, engines_of, rss_bytes
 from pagoda.bench.soak_traffic import UNREAD_413, SoakTraffic, Tally, TrafficPlan
 from pagoda.config import DEFAULT_MODEL_DIR, parse_bytes
 from pagoda.http_client.server_process import free_port, start_server, stop_server
@@ -225,7 +225,7 @@ def _is_idle(state: dict[str, Any]) -> bool:
 
 
 def _engine_rss(client: httpx.Client) -> dict[str, int | None]:
-    replicas = client.get("/health").json().get("replicas") or []
+    replicas = engines_of(client.get("/health").json())
     return {f"replica {r['replica']} (pid {r.get('pid')})": rss_bytes(r["pid"]) if r.get("pid") else None
             for r in replicas}
 

@@ -124,7 +124,7 @@ class ChaosThread(threading.Thread):
 
     def _kill_one(self, client: httpx.Client) -> KillEvent | None:
         try:
-            replicas = client.get("/health").json().get("replicas") or []
+            replicas = engines_of(client.get("/health").json())
         except (httpx.HTTPError, ValueError) as e:
             self.errors.append(f"{self.elapsed():.1f}s: /health unreadable before a kill: {e!r}")
             return None
@@ -146,7 +146,7 @@ class ChaosThread(threading.Thread):
         """Whether the killed replica serves again (alive, ok, a new pid), or was waited for long
         enough (then it stays unrecovered in the record)."""
         try:
-            entry = next((r for r in client.get("/health").json().get("replicas") or []
+            entry = next((r for r in engines_of(client.get("/health").json())
                           if str(r.get("replica")) == event.replica), None)
         except (httpx.HTTPError, ValueError):
             entry = None
@@ -182,6 +182,13 @@ class ChaosThread(threading.Thread):
             self.fills[-1].freed_at_s = round(self.elapsed(), 1)
         except OSError as e:
             self.fills[-1].error = repr(e)
+
+
+def engines_of(health: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engines a /health body lists: its replicas, or the one engine of a DP=1 server."""
+    if "replicas" in health:
+        return list(health["replicas"] or [])
+    return [{"replica": "engine", **health}] if health.get("pid") else []
 
 
 def _probe_health(url: str, interval_s: float, timeout_s: float, stop: Any, results: Any) -> None:
