@@ -416,8 +416,13 @@ class DeploymentConfig:
     def replica_config(self, engine: EngineConfig, index: int) -> EngineConfig:
         """Replica `index`'s engine config: the same knobs, its own seed (replicas that sample
         alike would repeat each other's unseeded outputs), the number of replicas it shares the
-        host with and, disaggregated, its role (the prefill replicas first)."""
+        host with and, disaggregated, its role (the prefill replicas first). A disk KV tier
+        gets a subdirectory per replica: block files are named by content, so replicas sharing
+        one directory would evict, overwrite and (after a crash) orphan each other's files."""
         replica = dataclasses.replace(engine, seed=engine.seed + index, num_replicas=self.num_replicas)
+        if engine.kv_offload_disk is not None and self.num_replicas > 1:
+            directory = Path(engine.kv_offload_disk) / f"replica-{index}"
+            replica = dataclasses.replace(replica, kv_offload_disk=str(directory))
         if self.replica_roles is None:
             return replica
         counts = parse_replica_roles(self.replica_roles)

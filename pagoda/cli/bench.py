@@ -49,7 +49,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
                                   description="Benchmarks with request classes that mirror real traffic.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout}",
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout,soak}",
                                required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
@@ -106,6 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_route_sim_parser(sub)
     _add_oom_lab_parser(sub)
     _add_shootout_parser(sub)
+    _add_soak_parser(sub)
 
 
 def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -232,6 +233,61 @@ def run_shootout_cli(args: argparse.Namespace) -> int:
         return _fail("shootout", e)
     print(render_text(report))
     return 0
+
+
+def _add_soak_parser(sub: argparse._SubParsersAction) -> None:
+    soak = sub.add_parser(
+        "soak", help="mixed traffic against a DP=2 server while replicas are killed and the disk tier fills",
+        description="Starts `pagoda serve` (DP=2, three tenants, host and disk KV tiers; the disk tier on a "
+                    "small tmpfs when it can mount one) or soaks --url, sends chat streams, long prompts, n > 1, "
+                    "structured requests, disconnect storms, oversized bodies, /tokenize floods and refused "
+                    "requests while a chaos thread SIGKILLs a replica every --kill-every seconds and fills the "
+                    "disk tier. Checks: no 5xx but engine_dead on killed replicas, every replica back in time, "
+                    "no KV block held when idle, server RSS growth, /health p99, every error counted in "
+                    "/metrics under its reason. Writes soak.json and soak.md; exit 1 when a check fails.")
+    soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (default 600)")
+    soak.add_argument("--kill-every", type=float, default=120.0,
+                      help="seconds between SIGKILLs of a replica's engine (default 120)")
+    soak.add_argument("--out", default=None, help="directory for soak.json, soak.md and server.log")
+    soak.add_argument("--model", default=None, help="model directory to serve (default: the bundled model)")
+    soak.add_argument("--serve-args", default=None, metavar="FLAGS",
+                      help="more `pagoda serve` flags, one quoted string (e.g. \"--max-model-len 512\")")
+    soak.add_argument("--url", default=None, help="soak this running server instead of starting one")
+    soak.add_argument("--api-key", default=None, help="with --url: the key to send")
+    soak.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid (for its RSS)")
+    soak.add_argument("--disk-dir", default=None, help="with --url: its disk tier's directory (to fill)")
+    soak.add_argument("--disk-size", default="4MiB",
+                      help="--kv-offload-disk-size of the server started here; without a tmpfs, the filler's "
+                           "size (default 4MiB)")
+    soak.add_argument("--fill-at", type=float, default=None,
+                      help="seconds into the soak the disk tier is filled (default: half of --kill-every)")
+    soak.add_argument("--fill-for", type=float, default=None,
+                      help="seconds the disk tier stays full (default: --kill-every)")
+    soak.add_argument("--tmpfs-size", default="16MiB", help="size of the disk tier's tmpfs (default 16MiB)")
+    soak.add_argument("--chat-streams", type=int, default=4, help="concurrent chat streams (default 4)")
+    soak.add_argument("--health-p99-ms", type=float, default=50.0, help="bound on /health p99 (default 50)")
+    soak.add_argument("--rss-growth-mb", type=float, default=200.0, help="bound on server RSS growth (default 200)")
+    soak.add_argument("--recovery-s", type=float, default=30.0,
+                      help="bound on a killed replica's return (default 30)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.set_defaults(func=run_soak_cli)
+
+
+def run_soak_cli(args: argparse.Namespace) -> int:
+    from pagoda.bench.soak import SoakOptions, parse_serve_args, soak_main
+    from pagoda.http_client.server_process import ServerStartError
+
+    try:
+        options = SoakOptions(
+            model=args.model, url=args.url, api_key=args.api_key, server_pid=args.server_pid,
+            disk_dir=args.disk_dir, duration=args.duration, kill_every=args.kill_every, out=args.out,
+            seed=args.seed, chat_streams=args.chat_streams, tmpfs_size=args.tmpfs_size, disk_size=args.disk_size,
+            serve_args=parse_serve_args(args.serve_args), health_p99_ms=args.health_p99_ms,
+            rss_growth_mb=args.rss_growth_mb, recovery_s=args.recovery_s, fill_at=args.fill_at,
+            fill_for=args.fill_for)
+        return soak_main(options)
+    except (ValueError, OSError, ServerStartError) as e:
+        return _fail("soak", e)
 
 
 def _compare_epilog() -> str:

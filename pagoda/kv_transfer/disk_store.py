@@ -49,6 +49,27 @@ def _bytes_of(tensor: torch.Tensor):
     return tensor.view(torch.uint8).reshape(-1).numpy()
 
 
+def remove_files_written_since(directory: str | Path, since: float) -> int:
+    """Delete the block files (and temporaries) in `directory` last written at or after `since`
+    (a wall-clock time): the clean-up of an engine that started then and was killed before its
+    shutdown could remove them. Returns how many were deleted."""
+    removed = 0
+    try:
+        paths = list(Path(directory).iterdir())
+    except OSError:
+        return 0
+    for path in paths:
+        if not (path.name.endswith(SUFFIX) or path.name.endswith(SUFFIX + ".tmp")):
+            continue
+        try:
+            if path.stat().st_mtime >= since:
+                path.unlink()
+                removed += 1
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
 class DiskStore:
     def __init__(self, directory: str | Path, fingerprint: bytes) -> None:
         self.directory = Path(directory)

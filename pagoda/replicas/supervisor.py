@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.kv_transfer.disk_store import remove_files_written_since
 from pagoda.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ class EngineSupervisor:
             keeper.stop()
             raise
         self._config = self.llm.config
+        # When the running engine started (wall clock, as file times are), at the latest: what
+        # it wrote to a disk KV tier is newer, and is removed if it dies (see _reap).
+        self._engine_started = time.time()
         self._starter = starter
         self._clock = clock
         self.restarts = 0  # restarts attempted since start
@@ -194,6 +198,13 @@ class EngineSupervisor:
             self._keeper.stop(timeout=5)
         except Exception:
             logger.exception("engine %s: cleaning up after its death failed", self.label)
+        config = self._config
+        if config.kv_offload_disk is not None and not config.kv_offload_disk_persist:
+            # Its disk tier files, which a clean shutdown deletes: left behind, they would fill
+            # the disk kill after kill and keep the replacement from starting.
+            removed = remove_files_written_since(config.kv_offload_disk, self._engine_started)
+            if removed:
+                logger.info("engine %s: removed %d disk KV tier files it left behind", self.label, removed)
 
     def _restart(self, cause: BaseException) -> bool:
         """Start a replacement, with backoff, until one runs; False when the budget is spent or
@@ -213,6 +224,7 @@ class EngineSupervisor:
                 return False
             self._recent.append(self._clock())
             self.restarts += 1
+            self._engine_started = time.time()
             keeper = EngineKeeper(lambda: self._starter(self._config), f"pagoda-engine-{self.label}")
             try:
                 llm = keeper.result()

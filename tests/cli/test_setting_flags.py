@@ -89,6 +89,13 @@ def test_roles_come_from_the_deployment() -> None:
         deployment.validate_with(EngineConfig(speculative="draft", draft_model=engine.model))
 
 
+def test_each_replica_has_its_own_disk_tier_directory() -> None:
+    engine = EngineConfig(kv_offload_memory="1MiB", kv_offload_disk="/srv/kv")
+    replicas = [DeploymentConfig(data_parallel_size=2).replica_config(engine, i) for i in range(2)]
+    assert [r.kv_offload_disk for r in replicas] == ["/srv/kv/replica-0", "/srv/kv/replica-1"]
+    assert DeploymentConfig().replica_config(engine, 0).kv_offload_disk == "/srv/kv"
+
+
 def test_max_num_seqs_bound() -> None:
     assert EngineConfig(max_num_seqs=7).max_num_seqs_bound == 7
     assert EngineConfig().max_num_seqs_bound == 256

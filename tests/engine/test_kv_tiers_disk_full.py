@@ -113,3 +113,23 @@ def test_a_small_real_tmpfs(llama_dir, tmp_path, caplog):
         core.close()
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_the_files_of_a_killed_engine_are_removed_older_ones_kept(tmp_path):
+    import os
+    import time
+
+    from pagoda.kv_transfer.disk_store import remove_files_written_since
+
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    persisted = directory / f"{1:040x}.kv"
+    persisted.write_bytes(b"an earlier run's block")
+    os.utime(persisted, (1000.0, 1000.0))
+    started = time.time() - 0.5  # the killed engine's start
+    for name in (f"{2:040x}.kv", f"{3:040x}.kv.tmp"):
+        (directory / name).write_bytes(b"written by the killed engine")
+    (directory / "notes.txt").write_text("not a block file")
+    assert remove_files_written_since(directory, started) == 2
+    assert sorted(p.name for p in directory.iterdir()) == [persisted.name, "notes.txt"]
+    assert remove_files_written_since(tmp_path / "missing", started) == 0
