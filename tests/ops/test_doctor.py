@@ -129,7 +129,8 @@ def test_one_sequence_under_load_shows_the_queue(serve: Callable[..., LiveServer
 
     def load() -> None:
         def one(i: int) -> None:
-            complete(server, f"{i} {WORDS}", max_tokens=24)
+            # Long enough that the queued requests wait well past the rule's noticeable queue.
+            complete(server, f"{i} {WORDS}", max_tokens=96)
             done.append(i)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
