@@ -10,6 +10,7 @@ outputs agree with the first target's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def run_shootout(options: ShootoutOptions, *, progress: bool = False) -> dict[st
         raise ValueError("--tokenizer is required: the first target names no local model directory")
     records: dict[str, dict[str, list[RequestRecord]]] = {t.label: {c: [] for c in options.classes} for t in targets}
     durations: dict[str, dict[str, float]] = {t.label: dict.fromkeys(options.classes, 0.0) for t in targets}
+    load_averages: list[float] = []  # as each round starts and after the last: others may share the machine
     for round_index in range(options.rounds):
+        load_averages.append(os.getloadavg()[0])
         shift = round_index % len(targets)
         for target in targets[shift:] + targets[:shift]:
             for class_name in options.classes:
@@ -147,6 +150,7 @@ def run_shootout(options: ShootoutOptions, *, progress: bool = False) -> dict[st
                 result = run_load(config, workload.build(options.requests_per_class), progress=progress)
                 records[target.label][class_name].extend(result.records)
                 durations[target.label][class_name] += result.duration
+    load_averages.append(os.getloadavg()[0])
     prompts = [list(range(10 + i, 10 + i + 24)) for i in range(options.greedy_prompts)]
     outputs = {t.label: _greedy_outputs(t, prompts, options.greedy_max_tokens, options.api_key, options.timeout_s)
                for t in targets}
@@ -157,7 +161,7 @@ def run_shootout(options: ShootoutOptions, *, progress: bool = False) -> dict[st
                      "requests_per_class": options.requests_per_class, "concurrency": options.concurrency,
                      "length_scale": options.length_scale, "max_model_len": max_model_len, "slo": options.slo,
                      "greedy_prompts": options.greedy_prompts, "greedy_max_tokens": options.greedy_max_tokens},
-        "machine": machine_info(),
+        "machine": {**machine_info(), "load_average_1m": load_averages},
         "results": {label: {c: summarize_class(records[label][c], durations[label][c], options.slo)
                             for c in options.classes} for label in records},
         "greedy_agreement": {"reference": reference,
@@ -209,6 +213,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", f"{settings['rounds']} rounds alternating the target order, {settings['requests_per_class']} "
               f"requests per class per round at concurrency {settings['concurrency']}, length scale "
               f"{settings['length_scale']}."]
+    load = report["machine"].get("load_average_1m")
+    if load:
+        lines += ["", f"1-minute load average as the rounds started and after the last: "
+                      f"{', '.join(f'{value:.1f}' for value in load)} (on {report['machine']['cpu_count']} CPUs)."]
     return "\n".join(lines) + "\n"
 
 

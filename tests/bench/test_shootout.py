@@ -35,7 +35,9 @@ def test_two_local_servers_side_by_side(tmp_path: Path) -> None:
             assert summary["requests"] == 4 and summary["errors"] == 0
             assert summary["ttft"]["p50"] is not None and summary["goodput_requests_per_s"] > 0
     assert report["greedy_agreement"]["seqs2"]["exact_match_rate"] == 1.0
+    assert len(report["machine"]["load_average_1m"]) == 3  # each of the 2 rounds' start, and the end
     out = tmp_path / "out"
     assert json.loads((out / "shootout.json").read_text())["targets"][1]["label"] == "seqs2"
-    assert "| chat | default |" in (out / "shootout.md").read_text()
+    markdown = (out / "shootout.md").read_text()
+    assert "| chat | default |" in markdown and "1-minute load average" in markdown
     assert (out / "throughput.png").exists() and (out / "cdf_agent.png").exists()
