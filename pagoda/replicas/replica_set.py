@@ -42,7 +42,7 @@ from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
-from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPolicy
+from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, ModelFront, RestartPolicy
 from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
 
 
-class ReplicaSet:
+class ReplicaSet(ModelFront):
     """The front of several engine replicas: an EngineClient, as one AsyncLLM is."""
 
     def __init__(self, supervisors: Sequence[EngineSupervisor], policy: RouterPolicy, *,
@@ -80,15 +80,7 @@ class ReplicaSet:
         self.deployment = deployment or DeploymentConfig(data_parallel_size=len(supervisors))
         if rules is not None:
             rules.check_pools({r.pool for r in self.replicas if r.pool is not None})
-        first = supervisors[0].llm
-        # What the HTTP layer reads of an engine; replicas serve one model, so they agree.
-        self.config: EngineConfig = first.config
-        self.transport = first.transport
-        self.max_num_seqs_choice = first.max_num_seqs_choice
-        self.tokenizer = first.tokenizer
-        self.max_model_len: int = first.max_model_len
-        self.generation_defaults: dict = first.generation_defaults
-        self.engine_limits = first.engine_limits
+        super().__init__(supervisors[0].llm)
         self.lock = threading.Lock()  # guards the routing state when loops on several threads submit
         self._flights: dict[str, RoutedStream] = {}
         self._stopped = False

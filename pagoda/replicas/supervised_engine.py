@@ -11,31 +11,22 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
-from pagoda.config import EngineConfig
 from pagoda.engine.client import EngineStream, RequestOptions, generate_outputs
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput
-from pagoda.replicas.supervisor import EngineSupervisor
+from pagoda.replicas.supervisor import EngineSupervisor, ModelFront
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
 
 
-class SupervisedEngine:
+class SupervisedEngine(ModelFront):
     """The EngineClient of one engine that its supervisor restarts."""
 
     def __init__(self, supervisor: EngineSupervisor) -> None:
+        super().__init__(supervisor.llm)
         self.supervisor = supervisor
-        first = supervisor.llm
-        # What the HTTP layer reads of an engine; a restart starts the same config again.
-        self.config: EngineConfig = first.config
-        self.transport = first.transport
-        self.max_num_seqs_choice = first.max_num_seqs_choice
-        self.tokenizer = first.tokenizer
-        self.max_model_len: int = first.max_model_len
-        self.generation_defaults: dict = first.generation_defaults
-        self.engine_limits = first.engine_limits
 
     @property
     def is_alive(self) -> bool:

@@ -255,3 +255,17 @@ class EngineSupervisor:
                                    self.label, adapter.lora_name, exc)
 
         asyncio.run(load())
+
+
+class ModelFront:
+    """What the HTTP layer reads of the engine(s) serving one model, taken from the first one:
+    replicas serve one model and a restart starts the same config again, so they agree."""
+
+    def __init__(self, first: AsyncLLM) -> None:
+        self.config: EngineConfig = first.config
+        self.transport = first.transport
+        self.max_num_seqs_choice = first.max_num_seqs_choice
+        self.tokenizer = first.tokenizer
+        self.max_model_len: int = first.max_model_len
+        self.generation_defaults: dict = first.generation_defaults
+        self.engine_limits = first.engine_limits
