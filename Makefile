@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 # The tests also need the test tools and the optional Ray extra (its tests run, not skip).
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray,otel]'
 	touch $(TEST_STAMP)
 
 install: $(STAMP)
