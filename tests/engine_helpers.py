@@ -8,13 +8,14 @@ import torch
 from pagoda import LLM, SamplingParams
 
 
-def prompts_for(vocab_size: int, lengths=(5, 23, 70, 41, 9, 100, 33, 64)) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(7)
-    shared = torch.randint(5, vocab_size, (32,), generator=generator).tolist()
+def prompts_for(vocab_size: int, lengths=(5, 23, 70, 41, 9, 100, 33, 64), *, shared_length: int = 32,
+                seed: int = 7) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(5, vocab_size, (shared_length,), generator=generator).tolist()
     prompts = []
     for i, n in enumerate(lengths):
         tail = torch.randint(5, vocab_size, (n,), generator=generator).tolist()
-        prompts.append(shared + tail if i % 2 else tail)  # half share a 2-block prefix
+        prompts.append(shared + tail if i % 2 else tail)  # every other prompt shares the prefix
     return prompts
 
 

@@ -148,3 +148,23 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+Reference = tuple[list[int], list[float]]
+
+
+def hf_references(directory: Path, prompts_for_vocab, max_new_tokens: int) -> tuple[list[list[int]], list[Reference]]:
+    """The prompts (built for the checkpoint's vocabulary) and transformers' greedy reference for each."""
+    model = load_hf_model(directory)
+    prompts = prompts_for_vocab(model.config.vocab_size)
+    return prompts, [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
+def assert_matches_reference(outputs, references: list[Reference], tolerance: float) -> None:
+    """Every sample of every output has the reference's greedy ids, and each chosen token's logprob
+    is within tolerance of transformers'."""
+    for output, (tokens, logprobs) in zip(outputs, references, strict=True):
+        for completion in output.outputs:
+            assert completion.token_ids == tokens
+            got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+            assert max(abs(a - b) for a, b in zip(got, logprobs)) < tolerance

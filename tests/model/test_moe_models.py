@@ -20,8 +20,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from engine_helpers import assert_idle
-from model_factory import MOE_ARCHITECTURES, build_model, hf_greedy, load_hf_model
+from engine_helpers import assert_idle, prompts_for as engine_prompts
+from model_factory import MOE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
@@ -39,11 +39,7 @@ SETTINGS = {
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    shared = torch.randint(5, vocab_size, (12,), generator=generator).tolist()
-    lengths = [3, 11, 40, 57]
-    tails = [torch.randint(5, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-    return [shared + tail if i % 2 else tail for i, tail in enumerate(tails)]
+    return engine_prompts(vocab_size, (3, 11, 40, 57), shared_length=12, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +50,11 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def expected(moe_dirs: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]]:
-    result = {}
-    for arch, directory in moe_dirs.items():
-        hf_model = load_hf_model(directory)
-        prompts = prompts_for(hf_model.config.vocab_size)
-        result[arch] = prompts, [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in prompts]
-    return result
+    return {arch: hf_references(directory, prompts_for, NEW_TOKENS) for arch, directory in moe_dirs.items()}
 
 
 def assert_matches(outputs, references, tolerance: float = LOGPROB_TOLERANCE) -> None:
-    for output, (tokens, logprobs) in zip(outputs, references):
-        for completion in output.outputs:
-            assert completion.token_ids == tokens
-            got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-            assert max(abs(a - b) for a, b in zip(got, logprobs)) < tolerance
+    assert_matches_reference(outputs, references, tolerance)
 
 
 @pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)

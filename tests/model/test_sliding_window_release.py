@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_idle
-from model_factory import build_model, hf_greedy, load_hf_model
+from model_factory import assert_matches_reference, build_model, hf_greedy, load_hf_model
 from pagoda import LLM, SamplingParams
 
 WINDOW = 8
@@ -40,11 +40,7 @@ def expected(windowed_dirs):
 
 
 def assert_matches(outputs, references) -> None:
-    for output, (tokens, logprobs) in zip(outputs, references):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-        assert max(abs(a - b) for a, b in zip(got, logprobs)) < LOGPROB_TOLERANCE
+    assert_matches_reference(outputs, references, LOGPROB_TOLERANCE)
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma2"])
