@@ -198,7 +198,8 @@ def server(model_dir: Path, guard_dir: Path, reference: dict[str, str],
         "models": {"guard": {"path": str(guard_dir), "safe_label": SAFE_LABEL,
                              "unsafe_label": UNSAFE_LABEL, "max_tokens": 1}},
         "rules": rules}))
-    live = start_server(model_dir, tenants=TenantRegistry.from_file(keys), log_prompts=True, metrics_tenant_labels=True,
+    live = start_server(model_dir, tenants=TenantRegistry.from_file(keys), log_prompts=True,
+                        prompt_log_dir=str(root / "prompt-log"), metrics_tenant_labels=True,
                         guardrails=load_guardrails(guardrails_file))
     yield live
     live.stop()
