@@ -36,6 +36,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Disaggregated decode: from the KV handoff's header arriving to its last block written.
+    handoff_start_time: float | None = None
+    handoff_end_time: float | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -195,6 +195,7 @@ class KVConnector:
             incoming.reject(f"request {request_id!r} is not awaiting a KV handoff here")
             return
         started = time.perf_counter()
+        request.metrics.handoff_start_time = time.time()
         try:
             skip = self.handoffs.begin_import(incoming, request)
         except TransferError:  # refused (identity, no free blocks): nothing is held; prefill here
@@ -215,6 +216,7 @@ class KVConnector:
             self._prefill_here(request)
             return False
         self.handoffs.finish_import(incoming, request, skip, started)
+        request.metrics.handoff_end_time = time.time()
         self.core.scheduler.add_imported(request)
         return False
 

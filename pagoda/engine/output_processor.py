@@ -161,4 +161,6 @@ def _merged_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
         last_token_time=latest(m.last_token_time for m in metrics),
         finished_time=latest(finished) if all(f is not None for f in finished) else None,
         num_preemptions=sum(m.num_preemptions for m in metrics),
+        handoff_start_time=earliest(m.handoff_start_time for m in metrics),
+        handoff_end_time=latest(m.handoff_end_time for m in metrics),
     )

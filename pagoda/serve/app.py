@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.engine.client import EngineClient
 from pagoda.serve.access_log import redact_access_log
 from pagoda.serve.admission.body_limit import BodySizeLimit
+from pagoda.serve.api.admin_prompt_log import read_prompt_log
 from pagoda.serve.api.anthropic_messages import MessagesEndpoint
 from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokensResponse,
                                                  MessagesRequest, MessagesResponse)
@@ -218,6 +219,11 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     # Their refusals are counted and logged too: every error a client causes is in /metrics.
     route("/tokenize", TokenizeRequest, tokenize_body, "tokenize", TokenizeResponse)
     route("/detokenize", DetokenizeRequest, detokenize_body, "detokenize", DetokenizeResponse)
+
+    @app.get("/admin/prompt-log")
+    async def prompt_log(request: Request) -> Response:
+        return await read_prompt_log(ctx, request, lambda: _authenticate(ctx, request))
+
     _document_bodies(app, documented)
     return app
 

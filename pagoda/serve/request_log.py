@@ -1,10 +1,11 @@
 """One structured (JSON) log line per HTTP request that reached a generation endpoint.
 
-Prompt and output text are left out unless the server runs with --log-prompts: they are the
-clients' data, not the operator's. So is everything else a body carries: without --log-prompts an
-error message keeps its own words but every quoted span becomes its size (a role, a model name, a
-stop string), and errors about a field that holds a grammar or a schema (whose compiler quotes it
-freely) keep only the field's name and the message's size. The client's 4xx body is not touched.
+Prompt and output text are never in it: they are the clients' data, not the operator's (with
+--log-prompts they go, redacted, to the separate prompt log: prompt_log.py, a listener of this
+logger). So is everything else a body carries: an error message keeps its own words but every
+quoted span becomes its size (a role, a model name, a stop string), and errors about a field that
+holds a grammar or a schema (whose compiler quotes it freely) keep only the field's name and the
+message's size. The client's 4xx body is not touched.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def redact_message(message: str, param: str | None = None) -> str:
     """`message` with nothing a client sent: quoted spans become their size, and the message of
     an error about a schema or grammar field becomes that field's name and the message's size."""
     if param is not None and any(part.startswith(_STRUCTURED_FIELDS) for part in param.split(".")):
-        return f"invalid {param} (a {len(message)}-character message; --log-prompts logs it)"
+        return f"invalid {param} (a {len(message)}-character message; the prompt log keeps it)"
     return _QUOTED.sub(lambda m: f"{m.group(1)}<{len(m.group(2))} chars>{m.group(1)}", message)
 
 
@@ -57,10 +58,10 @@ class RequestLogRecord:
 
 
 class RequestLogger:
-    def __init__(self, log_prompts: bool = False, logger: logging.Logger | None = None) -> None:
-        self.log_prompts = log_prompts
+    def __init__(self, logger: logging.Logger | None = None) -> None:
         self.logger = logger or logging.getLogger(LOGGER_NAME)
-        # Called with every record whatever the log level (the live dashboard reads them).
+        # Called with every record whatever the log level (the live dashboard and the prompt
+        # log read them).
         self._listeners: list[Callable[[RequestLogRecord], None]] = []
 
     def add_listener(self, listener: Callable[[RequestLogRecord], None]) -> None:
@@ -72,11 +73,10 @@ class RequestLogger:
         if not self.logger.isEnabledFor(logging.INFO):
             return
         fields = dataclasses.asdict(record)
-        if not self.log_prompts:
-            fields.pop("prompt")
-            fields.pop("output")
-            if fields["error"] is not None:
-                fields["error"] = redact_message(fields["error"], fields["error_param"])
+        fields.pop("prompt")
+        fields.pop("output")
+        if fields["error"] is not None:
+            fields["error"] = redact_message(fields["error"], fields["error_param"])
         extra = fields.pop("extra")
         fields.update(extra)
         for key in ("queue_time_s", "ttft_s", "e2e_s"):

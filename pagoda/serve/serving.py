@@ -33,9 +33,11 @@ from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_g
                                      guard_log_fields)
 from pagoda.serve.metrics.server import ServerMetrics
 from pagoda.serve.api.protocol import PromptTokensDetails, Usage
+from pagoda.serve.prompt_log import PromptLog
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
+from pagoda.serve.tracing import RequestTrace, RequestTracer
 
 # HTTP status logged for requests whose client went away (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
@@ -50,6 +52,8 @@ class ServeContext:
     metrics: ServerMetrics
     request_log: RequestLogger
     guard: ServerGuard | None = None  # --guardrails
+    prompt_log: PromptLog | None = None  # --log-prompts
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
 
     @classmethod
     def create(cls, llm: EngineClient, settings: ServerSettings) -> "ServeContext":
@@ -62,10 +66,18 @@ class ServeContext:
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
                                   tenant_labels=settings.metrics_tenant_labels, health=llm.health),
-            request_log=RequestLogger(settings.log_prompts),
+            request_log=RequestLogger(),
         )
         if settings.guardrails is not None:  # guardrails hook
             ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
+        if settings.log_prompts:
+            ctx.prompt_log = PromptLog.from_settings(
+                str(settings.prompt_log_directory),
+                1.0 if settings.prompt_log_sample is None else settings.prompt_log_sample,
+                settings.prompt_log_retention_s, settings.guardrails)
+            ctx.request_log.add_listener(ctx.prompt_log.record)
+        if settings.otlp_traces_endpoint is not None:
+            ctx.tracer = RequestTracer.otlp(settings.otlp_traces_endpoint)
         return ctx
 
     @property
@@ -152,6 +164,7 @@ class Generation:
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
+    trace_headers: dict[str, str] = field(default_factory=dict)  # the client's traceparent / tracestate
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -299,7 +312,24 @@ class Generation:
         if error is not None:
             ctx.metrics.record_rejected(rejection_reason(error))
             error.recorded = True
-        ctx.request_log.log(self._log_record(status, error, usage))
+        record = self._log_record(status, error, usage)
+        ctx.request_log.log(record)
+        if ctx.tracer is not None:
+            ctx.tracer.record(self._trace(record))
+
+    def _trace(self, record: RequestLogRecord) -> RequestTrace:
+        outputs = [o for o in self.latest if o is not None]
+        return RequestTrace(
+            request_id=self.request_id,
+            provenance_id=self.request_id,  # the request's provenance id, once it has one
+            endpoint=self.endpoint, model=self.model_name, tenant=self.tenant.name,
+            status=record.status, params=self.params, arrival_time=self.arrival_time,
+            end_time=time.time(), timings=[o.metrics for o in outputs if o.metrics is not None],
+            prompt_tokens=record.prompt_tokens, completion_tokens=record.output_tokens,
+            cached_tokens=record.cached_tokens,
+            num_sequences=sum(len(o.outputs) for o in outputs),
+            finish_reasons=record.finish_reason.split(",") if record.finish_reason else [],
+            error_code=record.error_code, headers=self.trace_headers)
 
     def _log_record(self, status: int, error: APIError | None,
                     usage: Usage | None) -> RequestLogRecord:

@@ -4,7 +4,9 @@ DeploymentConfig), one field each; `pagoda serve`'s server flags are generated f
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagoda.config import (LogLevel, MetricsCompat, ReasoningParserName, ToolCallParserName,
@@ -13,6 +15,8 @@ from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 from pagoda.serve.admission.latency_targets import LatencyTargets
 from pagoda.serve.admission.request_limits import RequestLimits
 from pagoda.serve.admission.tenants import TenantRegistry
+from pagoda.serve.prompt_log import check_sample_rate, parse_duration
+from pagoda.serve.tracing import check_traces_endpoint
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
@@ -74,7 +78,8 @@ class ServerSettings:
         "help": "let admin keys load and unload LoRA adapters at run time (POST "
                 "/v1/load_lora_adapter, /v1/unload_lora_adapter; needs --enable-lora)"})
     log_prompts: bool = field(default=False, metadata={
-        "help": "include prompt and output text in the request log"})
+        "help": "write prompts, outputs and error messages, PII-redacted, to the prompt log "
+                "(owner-only files in --prompt-log-dir; never to the request log)"})
     log_level: LogLevel = field(default="info", metadata={"help": "server log level"})
     shutdown_timeout: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata={
         "help": "on Ctrl-C or SIGTERM, seconds to let running requests finish while new ones get "
@@ -106,12 +111,29 @@ class ServerSettings:
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
 
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "metavar": "URL", "help": "export one OpenTelemetry span per request (queue, prefill, "
+                                  "decode, handoff phases; parent from the traceparent header) as "
+                                  "OTLP/HTTP to this collector URL, e.g. http://localhost:4318/v1/traces "
+                                  "(needs pagoda[otel]; default: off)"})
+    prompt_log_dir: str | None = field(default=None, metadata={
+        "metavar": "DIR", "help": "directory of the --log-prompts files and their access audit "
+                                  "(default: $XDG_STATE_HOME/pagoda/prompt-log)"})
+    prompt_log_sample: float | None = field(default=None, metadata={
+        "metavar": "RATE", "help": "with --log-prompts, keep each request with this probability "
+                                   "(0 to 1; default: 1, every request)"})
+    prompt_log_retention: str | None = field(default=None, metadata={
+        "metavar": "DURATION", "help": "with --log-prompts, delete prompt-log records older than "
+                                       "this (e.g. 30d, 12h, 90m), rotating files while running "
+                                       "(default: kept)"})
+
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
     tenants: TenantRegistry = field(default_factory=TenantRegistry.open)  # from --api-key(s)
     guardrails: GuardrailsConfig | None = None  # --guardrails FILE, loaded
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     latency_targets: LatencyTargets = field(init=False)  # from --target-ttft-ms / --target-itl-ms
+    prompt_log_retention_s: float | None = field(init=False)  # --prompt-log-retention, parsed
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -130,9 +152,30 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        self.prompt_log_retention_s = self._check_prompt_log()
+        if self.otlp_traces_endpoint is not None:
+            check_traces_endpoint(self.otlp_traces_endpoint)
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
             ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
             itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)
+
+    def _check_prompt_log(self) -> float | None:
+        """--prompt-log-* checked (they need --log-prompts); the retention in seconds."""
+        if not self.log_prompts:
+            for name in ("prompt_log_dir", "prompt_log_sample", "prompt_log_retention"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --log-prompts")
+            return None
+        if self.prompt_log_sample is not None:
+            check_sample_rate(self.prompt_log_sample)
+        return parse_duration(self.prompt_log_retention) if self.prompt_log_retention is not None else None
+
+    @property
+    def prompt_log_directory(self) -> Path:
+        if self.prompt_log_dir is not None:
+            return Path(self.prompt_log_dir)
+        state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(state) / "pagoda" / "prompt-log"
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

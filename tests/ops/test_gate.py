@@ -375,26 +375,22 @@ def test_structured_validity_is_compared() -> None:
     assert result.metrics["structured.validity_drop"] == 1.0
 
 
-def test_record_from_a_live_server_log(models: dict[str, Path],
-                                       caplog: pytest.LogCaptureFixture) -> None:
-    """What `pagoda serve --log-prompts` really logs becomes a suite that replays the same
-    prompts and conversations."""
+def test_record_from_a_live_server_log(models: dict[str, Path], tmp_path: Path) -> None:
+    """What `pagoda serve --log-prompts` really logs (its prompt log's files) becomes a suite
+    that replays the same prompts and conversations."""
     import httpx
 
-    live = start_server(models["base"], log_prompts=True)
+    live = start_server(models["base"], log_prompts=True, prompt_log_dir=str(tmp_path))
     conversation = [{"role": "user", "content": "reverse a string"}]
     try:
-        with caplog.at_level("INFO", logger="pagoda.serve.requests"):
-            httpx.post(live.url + "/v1/completions", json={"prompt": "def f():", "max_tokens": 3},
-                       timeout=30).raise_for_status()
-            httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
-                "messages": conversation, "max_tokens": 2}).raise_for_status()
-            deadline = time.monotonic() + 10
-            while len(caplog.records) < 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
+        httpx.post(live.url + "/v1/completions", json={"prompt": "def f():", "max_tokens": 3},
+                   timeout=30).raise_for_status()
+        httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+            "messages": conversation, "max_tokens": 2}).raise_for_status()
     finally:
         live.stop()
-    lines = [f"2026-01-01 INFO {r.name}: {r.getMessage()}" for r in caplog.records]
+    lines = [line for path in sorted(tmp_path.glob("prompts-*.jsonl"))
+             for line in path.read_text().splitlines()]
     suite, without = suite_from_request_log(lines, "live")
     assert without == 0
     assert [(c.prompt, c.messages) for c in suite.cases] == [("def f():", None),

@@ -198,7 +198,8 @@ def server(model_dir: Path, guard_dir: Path, reference: dict[str, str],
         "models": {"guard": {"path": str(guard_dir), "safe_label": SAFE_LABEL,
                              "unsafe_label": UNSAFE_LABEL, "max_tokens": 1}},
         "rules": rules}))
-    live = start_server(model_dir, tenants=TenantRegistry.from_file(keys), log_prompts=True, metrics_tenant_labels=True,
+    live = start_server(model_dir, tenants=TenantRegistry.from_file(keys), log_prompts=True,
+                        prompt_log_dir=str(root / "prompt-log"), metrics_tenant_labels=True,
                         guardrails=load_guardrails(guardrails_file))
     yield live
     live.stop()
@@ -289,7 +290,8 @@ def test_input_redaction_reaches_neither_engine_nor_log(server: LiveServer,
     assert chat.json()["usage"]["prompt_tokens"] == len(
         server.llm.tokenizer.encode_chat(redacted_chat, add_generation_prompt=True))
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
-    logged = json.dumps(lines)
+    prompt_log = server.app.state.ctx.prompt_log  # --log-prompts: the prompts are there
+    logged = json.dumps(lines) + "".join(p.read_text() for p in prompt_log.directory.iterdir())
     for secret in ("jane@example.com", "4111 1111 1111 1111", "sk-abcdefghijklmnopqrstuvwxyz0123"):
         assert secret not in logged
     assert "[REDACTED_API_KEY]" in logged

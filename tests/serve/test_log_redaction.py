@@ -1,14 +1,17 @@
-"""Nothing from a request body reaches a log line except field names and sizes (unless
---log-prompts); the client still reads the whole message in its 4xx body."""
+"""Nothing from a request body reaches a request-log line except field names and sizes (the
+whole message goes to the separate prompt log with --log-prompts); the client still reads the
+whole message in its 4xx body."""
 
 from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import httpx
 import pytest
 
+from pagoda.serve.prompt_log import PromptLog, PromptLogQuery
 from pagoda.serve.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord, redact_message
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
@@ -50,14 +53,19 @@ def test_the_client_still_reads_the_whole_message(server: LiveServer) -> None:
     assert response.status_code == 400 and SECRET in response.json()["error"]["message"]
 
 
-def test_log_prompts_keeps_the_message_and_quotes_are_redacted_otherwise(caplog: pytest.LogCaptureFixture) -> None:
+def test_log_prompts_keeps_the_message_and_quotes_are_redacted_otherwise(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     message = f"messages[0].role '{SECRET}' is not supported; the server's limit is 5"
     record = RequestLogRecord(request_id="r", endpoint="chat", status=400, error=message, error_param="messages")
+    prompt_log = PromptLog(tmp_path)
+    logger = RequestLogger()
+    logger.add_listener(prompt_log.record)  # as --log-prompts does
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        RequestLogger(log_prompts=False).log(record)
-        RequestLogger(log_prompts=True).log(record)
-    quiet, loud = (json.loads(r.getMessage()) for r in caplog.records)
+        logger.log(record)
+    prompt_log.close()
+    [quiet] = (json.loads(r.getMessage()) for r in caplog.records)
     assert SECRET not in quiet["error"] and "server's limit is 5" in quiet["error"]
+    [loud] = prompt_log.read(PromptLogQuery())
     assert loud["error"] == message
     assert redact_message("The model `abc` does not exist.") == "The model `<3 chars>` does not exist."
 

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.serve.prompt_log import PromptLog, PromptLogQuery
 from pagoda.serve.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord
 from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
@@ -195,12 +197,18 @@ def test_one_log_line_per_request(server: LiveServer, caplog: pytest.LogCaptureF
     assert all("import os" not in r.getMessage() for r in caplog.records)
 
 
-def test_log_prompts_opt_in(caplog: pytest.LogCaptureFixture) -> None:
+def test_log_prompts_opt_in(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Prompts and outputs never reach the request log; --log-prompts writes them to the
+    separate prompt log."""
     record = RequestLogRecord(request_id="r", endpoint="completions", prompt=["secret"],
                               output=["answer"])
+    prompt_log = PromptLog(tmp_path)
+    logger = RequestLogger()
+    logger.add_listener(prompt_log.record)
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        RequestLogger(log_prompts=False).log(record)
-        RequestLogger(log_prompts=True).log(record)
-    quiet, loud = (json.loads(r.getMessage()) for r in caplog.records)
+        logger.log(record)
+    prompt_log.close()
+    [quiet] = (json.loads(r.getMessage()) for r in caplog.records)
     assert "prompt" not in quiet and "output" not in quiet
+    [loud] = prompt_log.read(PromptLogQuery())
     assert loud["prompt"] == ["secret"] and loud["output"] == ["answer"]

@@ -42,6 +42,7 @@ from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, Ev
                               cancel_on_disconnect, sse_error, sse_event)
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
+from pagoda.serve.tracing import trace_headers
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -154,7 +155,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                 prepared.prompts, prepared.params, stream=request.stream,
                                 admission=admission,
                                 input_decision=input_decision,  # guardrails hook
-                                lora_request=lora_request)
+                                lora_request=lora_request,
+                                trace_headers=trace_headers(raw.headers))
         # Submitting a batch of prompts takes engine round trips: a client that leaves
         # meanwhile must not leave its prompts running (start closes and aborts on cancel).
         await cancel_on_disconnect(raw, generation.start(prepared.param_names))
