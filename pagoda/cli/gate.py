@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     record.add_argument("--from-text", default=None, metavar="FILE",
                         help="one prompt per paragraph (or per line with --by line)")
     record.add_argument("--from-log", default=None, metavar="FILE",
-                        help="a pagoda request log (pagoda serve --log-prompts)")
+                        help="a prompt-log file (prompts-*.jsonl that pagoda serve --log-prompts writes)")
     record.add_argument("--by", choices=["paragraph", "line"], default="paragraph")
     record.add_argument("--chat", action="store_true",
                         help="record text prompts as user messages")

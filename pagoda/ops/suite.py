@@ -234,8 +234,9 @@ def _logged_messages(prompt: str) -> list[dict[str, str]] | None:
 
 def suite_from_request_log(lines: Iterable[str], name: str, *,
                            max_tokens: int | None = None) -> tuple[Suite, int]:
-    """Cases from a pagoda request log (`pagoda serve --log-prompts`): every successful
-    request's prompts, deduplicated. Returns the suite and how many lines had no prompt."""
+    """Cases from a pagoda prompt-log file (`pagoda serve --log-prompts` writes them under
+    `--prompt-log-dir`; the ordinary request log never holds prompts): every successful request's
+    prompts, deduplicated. Returns the suite and how many lines had no prompt."""
     cases: list[SuiteCase] = []
     seen: set[str] = set()
     without_prompt = 0
@@ -267,7 +268,7 @@ def suite_from_request_log(lines: Iterable[str], name: str, *,
                 case.prompt = value
             cases.append(case)
     if not cases:
-        hint = (" (the server logged none: run it with --log-prompts)" if without_prompt
-                else "")
-        raise SuiteError(f"{name}: no prompts found in the request log{hint}")
+        hint = (" (this log has no prompts: give a prompt-log file, prompts-*.jsonl, which "
+                "`pagoda serve --log-prompts` writes under --prompt-log-dir)" if without_prompt else "")
+        raise SuiteError(f"{name}: no prompts found in the log{hint}")
     return Suite(name, cases), without_prompt
