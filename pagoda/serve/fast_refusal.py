@@ -10,9 +10,10 @@ one-sequence request: the key must authenticate (else the request goes on, to it
 engine must be running (else to its engine_dead 503), and the tenant's limits are taken and
 given back as for any refused request (their 429 wins over the queue's 503). The answer is the
 one the endpoint gives (OpenAI's error shape, Anthropic's on /v1/messages, the same headers) and
-is accounted the same way: the rejected-requests counter, the refusal-time histogram (measured
-here from the middleware's entry to the answer's last byte handed to the server), the request
-log line; the HTTP access line is the server's as for any response.
+is accounted the same way: the rejected-requests counter, the refusal-time histogram, the request
+log line; the HTTP access line is the server's as for any response. The refusal time runs
+from the middleware's entry to the answer's accounting, just before it is handed to the server
+(what the server then spends writing it is in benchmarks/overload.py's CPU time per request).
 
 What is not read cannot be judged: while the queue is full a body that would be a 400 (bad
 JSON, more sequences than the queue can ever hold) or a model that does not exist gets this
@@ -88,8 +89,10 @@ class FastRefusal:
                     refused = self._refusal(scope, refusal)
                     if refused is not None:
                         tenant, error = refused
-                        await self._answer(send, route, error)
+                        # Accounted before the answer leaves, as the app does: a client that
+                        # has its 503 finds it in /metrics and the log.
                         self._account(route, tenant, error, started)
+                        await self._answer(send, route, error)
                         return
         await self.app(scope, receive, send)
 
