@@ -4,15 +4,17 @@ Starts `pagoda serve` with a small queue (`--max-queued-requests 16`), then open
 at once (default 600) and sends one completion request on each. The server admits what fits
 and answers the rest 503; the 503s must come back at once, not after the admitted requests'
 tokenizing. Reports the end-to-end latency of the 503s as the client saw them (connect, send,
-whole answer; p50/p99 with pagoda.stats.percentile) and the server's own time per refusal
-(the `pagoda:request_refusal_seconds` histogram: mean, and p50/p99 from its buckets).
+whole answer; p50/p99 with pagoda.stats.percentile), the server's own time per refusal (the
+`pagoda:request_refusal_seconds` histogram: mean, and p50/p99 from its buckets) and the server
+process's CPU time per request over a flood (HTTP parsing and writes included).
 
-The same client first floods a bare asyncio server that answers 503 at once (its own
-process): what this machine and client cost with no server work at all, the floor to compare
-against. The client is raw asyncio streams, so that its own per-request cost stays small next
-to what it measures.
+The same client floods a bare asyncio server that answers 503 at once (its own process): what
+this machine and client cost with no server work at all, the floor to compare against. The
+two are flooded in alternating rounds (bare, pagoda, bare, pagoda...) and the medians and
+their ratio reported, since the machine's load drifts between runs. The client is raw asyncio
+streams, so that its own per-request cost stays small next to what it measures.
 
-    .venv/bin/python benchmarks/overload.py [--num-requests 600] [--max-queued-requests 16]
+    .venv/bin/python benchmarks/overload.py [--num-requests 600] [--max-queued-requests 16] [--rounds 3]
 
 Writes `benchmarks/results/overload/summary.json` (command, commit, machine, load average).
 """
@@ -34,9 +36,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (META_KEYS, PYTHON, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
-                    pagoda_server, write_summary)
+                    pagoda_server_process, write_summary)
 
-from pagoda.http_client.server_process import free_port, running_server  # noqa: E402
+from pagoda.http_client.server_process import free_port  # noqa: E402
 from pagoda.stats import histogram_quantile, percentile  # noqa: E402
 
 NAME = "overload"
@@ -148,6 +150,17 @@ def request_body(max_tokens: int) -> bytes:
                        "max_tokens": max_tokens, "ignore_eos": True}).encode()
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process `pid` so far (every thread of it, no children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(percentile(present, 50), 1) if present else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queued-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="floods of each server, alternating bare and pagoda; medians are reported")
     args = parser.parse_args(argv)
 
     import httpx
@@ -166,33 +181,56 @@ def main(argv: list[str] | None = None) -> int:
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir).items() if k in META_KEYS}
     body = request_body(args.max_tokens)
 
-    port = free_port()
-    bare_command = [PYTHON, "-c", BARE_SERVER, str(port)]
-    with subprocess.Popen(bare_command) as bare:
-        try:
-            time.sleep(1.0)
-            baseline = summarize(asyncio.run(flood(port, args.num_requests, body)))
-        finally:
-            bare.terminate()
-    print("bare asyncio 503 server:", json.dumps(baseline), flush=True)
-
+    bare_port = free_port()
     engine = ["--num-threads", str(args.threads), "--max-model-len", "1024",
               "--max-queued-requests", str(args.max_queued_requests)]
-    with pagoda_server(model_dir, engine, out / "server.log") as url:
-        pagoda_port = int(url.rsplit(":", 1)[1])
-        outcomes = asyncio.run(flood(pagoda_port, args.num_requests, body))
-        metrics_text = httpx.get(url + "/metrics", timeout=30).text
+    rounds: list[dict[str, Any]] = []
+    with subprocess.Popen([PYTHON, "-c", BARE_SERVER, str(bare_port)]) as bare, \
+            pagoda_server_process(model_dir, engine, out / "server.log") as (url, server):
+        try:
+            pagoda_port = int(url.rsplit(":", 1)[1])
+            time.sleep(1.0)
+            for index in range(args.rounds):
+                baseline = summarize(asyncio.run(flood(bare_port, args.num_requests, body)))
+                print(f"round {index + 1} bare asyncio 503 server:", json.dumps(baseline), flush=True)
+                cpu_before = process_cpu_seconds(server.pid)
+                outcomes = asyncio.run(flood(pagoda_port, args.num_requests, body))
+                cpu = process_cpu_seconds(server.pid) - cpu_before
+                result = summarize(outcomes)
+                result["server_cpu_ms_per_request"] = round(cpu * 1000 / args.num_requests, 3)
+                print(f"round {index + 1} pagoda serve:", json.dumps(result), flush=True)
+                rounds.append({"bare_asyncio_503": baseline, "pagoda": result,
+                               "load_average": os.getloadavg()})
+            metrics_text = httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            bare.terminate()
     (out / "server.log").unlink(missing_ok=True)
-    result = summarize(outcomes)
-    result["server_refusal_time"] = refusal_histogram(metrics_text)
-    print("pagoda serve:", json.dumps(result), flush=True)
 
+    def medians(side: str, key: str) -> dict[str, float | None]:
+        return {q: median([r[side][key][q] for r in rounds]) for q in ("p50", "p99")}
+
+    bare_ms, pagoda_ms = medians("bare_asyncio_503", "refused_e2e_ms"), medians("pagoda", "refused_e2e_ms")
+    summary = {
+        "bare_asyncio_503_refused_e2e_ms": bare_ms,
+        "pagoda_refused_e2e_ms": pagoda_ms,
+        "p99_ratio_to_bare": (round(pagoda_ms["p99"] / bare_ms["p99"], 2)
+                              if pagoda_ms["p99"] and bare_ms["p99"] else None),
+        "pagoda_admitted_e2e_ms": medians("pagoda", "admitted_e2e_ms"),
+        "server_cpu_ms_per_request": median([r["pagoda"]["server_cpu_ms_per_request"] for r in rounds]),
+        "server_refusal_time": refusal_histogram(metrics_text),
+    }
+    print("medians:", json.dumps(summary), flush=True)
     write_summary(out / "summary.json", {
         **meta, "num_requests": args.num_requests, "max_queued_requests": args.max_queued_requests,
-        "max_tokens": args.max_tokens, "threads": args.threads,
-        "bare_asyncio_503": baseline, "pagoda": result, "load_average_at_end": os.getloadavg(),
-        "note": "one shared 2-core machine: the client, the server and other agents' work compete "
-                "for the same cores; see load_average_at_start"})
+        "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds,
+        **summary, "per_round": rounds, "load_average_at_end": os.getloadavg(),
+        "note": "medians over alternating rounds (bare server, then pagoda, each round); "
+                "server_refusal_time: pagoda's own histogram over every round, from the fast "
+                "refusal's entry to the answer handed to the HTTP server; server_cpu_ms_per_request: "
+                "the server process's CPU time over one flood (HTTP parsing and writes included, "
+                "the engine runs in its own process) divided by the requests sent; one shared "
+                "2-core machine: the client, the server and other agents' work compete for the same "
+                "cores; see the load averages"})
     return 0
 
 

@@ -26,6 +26,7 @@ from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
+from pagoda.serve.fast_refusal import FastRefusal, RefusalRoute
 from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
                                load_lora_adapter, unload_lora_adapter)
 from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -128,6 +129,10 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        on_reject=lambda: ctx.metrics.record_rejected("too_large"))
+    app.add_middleware(FastRefusal, ctx=ctx, routes={  # full queue: refused before the body is read
+        "/v1/completions": RefusalRoute(CompletionsEndpoint.name),
+        "/v1/chat/completions": RefusalRoute(ChatEndpoint.name),
+        "/v1/messages": RefusalRoute(MessagesEndpoint.name, anthropic=True)})
     started = int(time.time())
 
     @app.get("/health")

@@ -7,7 +7,8 @@ are refused at once with a 503 instead of waiting without bound. A request that 
 even into an empty queue gets a 400 naming the limit and what it allows. The token limit is
 never below the context length, so one prompt of any valid length always fits.
 
-Admission is two steps so that refusals come before the costly work: `reserve` decides from the
+Admission is two steps so that refusals come before the costly work (and while the queue is
+full, `refusal_of_any` lets the server refuse before it even reads the body: fast_refusal.py): `reserve` decides from the
 body alone (sequence count, latency targets, a queue already full of tokens) before anything is
 tokenized; `charge_tokens` adds the prompt tokens once they are known. With latency targets
 (latency_targets.py), requests are also refused while the admitted ones miss them, whatever
@@ -61,6 +62,18 @@ class AdmissionController:
         """`num_tokens` arrived `seconds` after the previous ones."""
         if self.latency is not None and num_tokens > 0:
             self.latency.observe_itl(seconds / num_tokens, num_tokens)
+
+    def refusal_of_any(self) -> APIError | None:
+        """The 503 `reserve` answers now to any request, whatever its size (the queue holds its
+        limit of sequences or of tokens), or None when that depends on the request. Reads two
+        counters and changes nothing: the server asks it before a request's body is read."""
+        limit = self.max_queued_requests
+        if limit is not None and self.queued_sequences >= limit:
+            return overloaded(f"Server overloaded: {self.queued_sequences} sequences queued (limit "
+                              f"{limit}). Retry later.", RETRY_AFTER_SECONDS)
+        if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
+            return self._tokens_full()
+        return None
 
     def reserve(self, work: RequestWork) -> list[QueueSlot]:
         """Queue slots for one HTTP request's prompts (no tokens yet), or a 400 / 503."""
