@@ -145,11 +145,11 @@ def _httptools_protocol() -> type[ConnectionGuard] | None:
     return GuardedHttpToolsProtocol
 
 
-def guarded_protocol(settings: ServerSettings, parser: str = "auto") -> type[ConnectionGuard]:
-    """A protocol class for one server, its limits from `settings`: on httptools when
-    installed (`parser` "auto"), else (or with "h11") on h11."""
+def guarded_protocol(settings: ServerSettings) -> type[ConnectionGuard]:
+    """A protocol class for one server, its limits from `settings`, on the parser
+    `settings.http_parser` names ("auto": httptools when installed, else h11)."""
     limits = ConnectionLimits(settings.header_timeout, settings.max_connections)
-    base = _httptools_protocol() if parser == "auto" else None
+    base = None if settings.http_parser == "h11" else _httptools_protocol()
     base = base or GuardedH11Protocol
     return type(base.__name__, (base,), {"limits": limits})
 

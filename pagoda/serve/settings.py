@@ -4,10 +4,11 @@ DeploymentConfig), one field each; `pagoda serve`'s server flags are generated f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pagoda.config import (LogLevel, MetricsCompat, ReasoningParserName, ToolCallParserName,
                            TransportKind, parse_bytes)
@@ -17,6 +18,9 @@ from pagoda.serve.admission.request_limits import RequestLimits
 from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.prompt_log import check_sample_rate, parse_duration
 from pagoda.serve.tracing import check_traces_endpoint
+
+# uvicorn's two HTTP/1.1 protocol implementations, or whichever is installed (httptools first).
+HttpParser = Literal["auto", "httptools", "h11"]
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
@@ -111,6 +115,10 @@ class ServerSettings:
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
 
+    http_parser: HttpParser = field(default="auto", metadata={
+        "help": "the HTTP/1.1 parser under the connection guards: httptools (C, the faster one under "
+                "overload) or h11 (pure Python); auto picks httptools when it is installed"})
+
     otlp_traces_endpoint: str | None = field(default=None, metadata={
         "metavar": "URL", "help": "export one OpenTelemetry span per request (queue, prefill, "
                                   "decode, handoff phases; parent from the traceparent header) as "
@@ -152,6 +160,9 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.http_parser == "httptools" and importlib.util.find_spec("httptools") is None:
+            raise ValueError("--http-parser httptools: the httptools package is not installed "
+                             "(pip install httptools), or choose --http-parser h11")
         self.prompt_log_retention_s = self._check_prompt_log()
         if self.otlp_traces_endpoint is not None:
             check_traces_endpoint(self.otlp_traces_endpoint)

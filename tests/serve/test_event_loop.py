@@ -33,9 +33,12 @@ def server(model_dir: Path) -> LiveServer:
     live.stop()
 
 
-@pytest.fixture(scope="module")
-def impatient_server(model_dir: Path) -> LiveServer:
-    live = start_server(model_dir, header_timeout=1.0, keep_alive_timeout=1.0)
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def impatient_server(model_dir: Path, request: pytest.FixtureRequest) -> LiveServer:
+    """Each HTTP parser the connection guards sit on."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools", reason="httptools is not installed")
+    live = start_server(model_dir, header_timeout=1.0, keep_alive_timeout=1.0, http_parser=request.param)
     yield live
     live.stop()
 
@@ -288,8 +291,11 @@ def test_idle_connections_are_closed_unserved(impatient_server: LiveServer) -> N
         assert received.startswith(b"HTTP/1.1 200")
 
 
-def test_connections_beyond_the_cap_are_refused(model_dir: Path) -> None:
-    live = start_server(model_dir, max_connections=4, header_timeout=60.0)
+@pytest.mark.parametrize("parser", ["h11", "httptools"])
+def test_connections_beyond_the_cap_are_refused(model_dir: Path, parser: str) -> None:
+    if parser == "httptools":
+        pytest.importorskip("httptools", reason="httptools is not installed")
+    live = start_server(model_dir, max_connections=4, header_timeout=60.0, http_parser=parser)
     try:
         address = host_port(live)
         held = [socket.create_connection(address, timeout=10) for _ in range(4)]
