@@ -16,7 +16,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.api.logprobs import chat_logprobs
+from pagoda.serve.api.logprobs import chat_logprobs, prompt_logprobs
 from pagoda.serve.api.messages import message_texts, template_messages
 from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
@@ -33,6 +33,9 @@ from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, wi
 def reject_unsupported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true.",
+                          param="prompt_logprobs")
 
 
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
@@ -71,7 +74,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         max_tokens = tenant.resolve_max_tokens(requested, max_param)
         params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                        logprobs=(request.top_logprobs or 0) if request.logprobs
-                                       else None)
+                                       else None, prompt_logprobs=request.prompt_logprobs)
         # Structured output and tool calling (at most one grammar, checked here: prepare runs
         # off the event loop).
         params = with_tool_constraint(with_structured_outputs(params, request), tools)
@@ -109,9 +112,15 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
     def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
                  created: int, choices: list[ChatChoice]) -> ChatCompletionResponse:
+        scored_prompt = None
+        if request.prompt_logprobs is not None:
+            final = generation.finals[0]
+            assert final is not None
+            scored_prompt = prompt_logprobs(generation.prompts[0].token_ids, final.prompt_logprobs,
+                                            ctx.llm.tokenizer)
         return ChatCompletionResponse(id=generation.request_id, created=created,
                                       model=generation.model_name, choices=choices,
-                                      usage=generation.usage())
+                                      usage=generation.usage(), prompt_logprobs=scored_prompt)
 
 
 def tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:

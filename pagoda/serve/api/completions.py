@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestOutputDelta
 from pagoda.serve.errors import bad_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs
+from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs, prompt_logprobs
 from pagoda.serve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.api.sampling import build_sampling_params
@@ -37,6 +37,9 @@ def _prompt_only_choice(index: int, prompt: EnginePrompt, final: Any, request: C
 
 
 def reject_unsupported(request: CompletionRequest) -> None:
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true.",
+                          param="prompt_logprobs")
     if _scores_prompt_only(request) and request.stream:
         raise bad_request("max_tokens 0 with echo returns the scored prompt only; send it with "
                           "stream false.", param="stream")
@@ -89,10 +92,12 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         # Scoring a prompt (lm-eval's loglikelihood): the engine computes one token, which the
         # answer leaves out, as vLLM does.
         max_tokens = tenant.resolve_max_tokens(1 if _scores_prompt_only(request) else request.max_tokens)
-        want_prompt_logprobs = request.echo and request.logprobs is not None
+        num_prompt_logprobs = request.prompt_logprobs
+        if num_prompt_logprobs is None and request.echo and request.logprobs is not None:
+            num_prompt_logprobs = request.logprobs  # the echoed prompt's logprobs
         params = build_sampling_params(
             request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
-            prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+            prompt_logprobs=num_prompt_logprobs)
         params = with_structured_outputs(params, request)  # structured output
         return PreparedRequest(prompts, params)
 
@@ -107,10 +112,15 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         for i, final in enumerate(generation.finals):
             assert final is not None
             prompt = generation.prompts[i]
+            scored_prompt = None
+            if request.prompt_logprobs is not None:
+                scored_prompt = prompt_logprobs(prompt.token_ids, final.prompt_logprobs, tokenizer)
             for sample in final.outputs:
                 if prompt_only:
-                    yield _prompt_only_choice(i * request.n + sample.index, prompt, final, request,
-                                              tokenizer)
+                    choice = _prompt_only_choice(i * request.n + sample.index, prompt, final, request,
+                                                 tokenizer)
+                    choice.prompt_logprobs = scored_prompt
+                    yield choice
                     continue
                 text, logprobs, offset = sample.text, None, 0
                 if request.echo:
@@ -126,7 +136,8 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                                                  tokenizer, offset)
                     logprobs = join_legacy(logprobs, sampled)
                 yield CompletionChoice(index=i * request.n + sample.index, text=text,
-                                       logprobs=logprobs, finish_reason=sample.finish_reason)
+                                       logprobs=logprobs, finish_reason=sample.finish_reason,
+                                       prompt_logprobs=scored_prompt)
 
     def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
                  created: int, choices: list[CompletionChoice]) -> CompletionResponse:
