@@ -49,6 +49,11 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context length)
+    truncation_side: Literal["left", "right"] = "left"  # "left" drops the oldest tokens
+    return_token_ids: bool = False  # answer with prompt_token_ids and each choice's token_ids
 
 
 class CompletionRequest(SamplingFields):
@@ -146,6 +151,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -186,6 +193,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -197,6 +205,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ModelCard(BaseModel):
