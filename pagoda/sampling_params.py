@@ -113,6 +113,10 @@ class SamplingParams:
     # `bad_words_token_ids` (`tokenize_bad_words`) when the request is added.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # An embedding request (pagoda/worker/pooling.py): the prompt's final hidden states pooled
+    # by "last" or "mean" come back as the output's `embedding`; nothing is decoded after the
+    # prefill's one token (max_tokens 1).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -178,6 +182,8 @@ class SamplingParams:
                 fail("allowed_token_ids", "must not be empty (null allows every token)")
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
                 fail("allowed_token_ids", "must contain only non-negative integers")
+        if self.pooling is not None and self.pooling not in ("last", "mean"):
+            fail("pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
         if self.bad_words is not None:
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 fail("bad_words", "must contain only non-blank strings")
