@@ -23,6 +23,7 @@ from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokens
                                                  MessagesRequest, MessagesResponse)
 from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
+from pagoda.serve.api.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingsEndpoint
 from pagoda.serve.api.invocations import InvocationRequest, InvocationTarget, invocations
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
@@ -221,6 +222,9 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     # Their refusals are counted and logged too: every error a client causes is in /metrics.
     route("/tokenize", TokenizeRequest, tokenize_body, "tokenize", TokenizeResponse)
     route("/detokenize", DetokenizeRequest, detokenize_body, "detokenize", DetokenizeResponse)
+    embeddings = EmbeddingsEndpoint(ctx)
+    route("/v1/embeddings", EmbeddingRequest, embeddings.handle, embeddings.name, EmbeddingResponse)
+    invocation_targets.append(InvocationTarget("/v1/embeddings", EmbeddingRequest, embeddings.handle))
     route("/invocations", InvocationRequest, invocations(invocation_targets), "invocations")
     _document_bodies(app, documented)
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pagoda.config import (LogLevel, MetricsCompat, ReasoningParserName, ToolCallParserName,
                            TransportKind, parse_bytes)
@@ -29,6 +29,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 def parse_optional_limit(text: str) -> int | None:
     """A queue limit flag: a count, or none / 0 / unlimited for no limit."""
     return None if text.lower() in ("none", "0", "unlimited") else int(text)
+
+
+PoolingMethod = Literal["last", "mean"]  # pagoda/serve/api/embeddings.py
 
 
 @dataclass
@@ -105,6 +108,9 @@ class ServerSettings:
         "help": "open client connections at once; one more gets 503 and is closed (default: "
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
+    pooling: PoolingMethod | None = field(default=None, metadata={
+        "help": "how /v1/embeddings pools a prompt's final hidden states (default: the model's "
+                "sentence-transformers config (modules.json) when it has one, else last)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models

@@ -110,7 +110,13 @@ MESSAGES: dict[str, Field] = {
     "mcp_servers": Field(R, "MCP servers are not supported", [{"type": "url", "url": "x", "name": "m"}]),
 }
 
-TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES}
+EMBEDDINGS: dict[str, Field] = {
+    **{name: Field(S) for name in ("model", "input", "encoding_format", "dimensions", "normalize",
+                                   "truncate_prompt_tokens", "truncation_side")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+}
+
+TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES, "embeddings": EMBEDDINGS}
 
 
 def is_inert(value: Any, field: Field | None = None) -> bool:
