@@ -88,6 +88,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # a pooling request's (SamplingParams.pooling)
 
     @classmethod
     def from_delta(cls, delta: "RequestOutputDelta") -> "RequestOutput":
@@ -119,6 +120,8 @@ class RequestOutput:
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
 
     def snapshot(self) -> "RequestOutput":
         """A copy whose lists later `add` calls do not change."""
@@ -132,7 +135,7 @@ class RequestOutput:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs[:] if self.prompt_logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=copy.copy(self.metrics))
+            metrics=copy.copy(self.metrics), embedding=self.embedding)
 
 
 class OutputAccumulator:
@@ -196,6 +199,7 @@ class RequestOutputDelta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # a copy, as of the newest step
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # entries not sent before
+    embedding: list[float] | None = None  # a pooling request's, on its last delta
     # Carried by a request's first delta only (they do not change).
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -216,6 +220,8 @@ class RequestOutputDelta:
                 mine.merge(sample)
         if later.prompt_logprobs:
             self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
+        if later.embedding is not None:
+            self.embedding = later.embedding
         if self.prompt_token_ids is None:
             self.prompt, self.prompt_token_ids = later.prompt, later.prompt_token_ids
         self.finished = later.finished

@@ -99,6 +99,10 @@ class Request:
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    # Pooling requests (pagoda/worker/pooling.py): the running sum of the prompt's hidden
+    # states (a tensor, "mean" pooling), then the embedding once the prompt is computed.
+    pooled_sum: Any = None
+    embedding: list[float] | None = None
     generator: torch.Generator | None = None
     # Grammar state of a structured-output request (set once its grammar is compiled): a
     # pagoda.structured.matcher.RequestMatcher, typed Any because that layer sits above this one.

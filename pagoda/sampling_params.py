@@ -106,6 +106,17 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Grammar-constrained output (JSON schema, regex, choice, grammar, ...); see pagoda/structured.
     structured_outputs: StructuredOutputsParams | None = None
+    # Only these tokens may be sampled (vLLM's field); None: any.
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate: a word's last token is banned wherever the output already ends
+    # with the word's other tokens (vLLM's semantics). The engine tokenizes them into
+    # `bad_words_token_ids` (`tokenize_bad_words`) when the request is added.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    # An embedding request (pagoda/worker/pooling.py): the prompt's final hidden states pooled
+    # by "last" or "mean" come back as the output's `embedding`; nothing is decoded after the
+    # prefill's one token (max_tokens 1).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +129,10 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     def validate(self) -> None:
@@ -162,10 +177,25 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                fail("allowed_token_ids", "must not be empty (null allows every token)")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                fail("allowed_token_ids", "must contain only non-negative integers")
+        if self.pooling is not None and self.pooling not in ("last", "mean"):
+            fail("pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
+        if self.bad_words is not None:
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                fail("bad_words", "must contain only non-blank strings")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def bans_tokens(self) -> bool:
+        """Whether the sampler masks tokens for this request (allowed_token_ids, bad_words)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:
@@ -177,3 +207,19 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def tokenize_bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word as written, and with a
+    leading space too when that makes a different token sequence of the same length (a word in
+    the middle of text), so the word is banned at the start and after a space.
+    `tokenizer.encode(text, add_special_tokens=False)` -> token ids."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            sequences.append(list(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            sequences.append(list(spaced))
+    return sequences

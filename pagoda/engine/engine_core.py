@@ -366,6 +366,9 @@ class EngineCore:
             entries = runner_output.prompt_logprobs.get(entry.request.request_id)
             if entries is not None:
                 _record_prompt_logprobs(entry.request, entry.num_computed_before, entries)
+            embedding = runner_output.pooled.get(entry.request.request_id)
+            if embedding is not None:  # a pooling request's prompt is done (worker/pooling.py)
+                entry.request.embedding = embedding
         outputs_before = {id(e.request): e.request.num_output_tokens for e in scheduler_output.scheduled}
         self.speculation.record(scheduler_output, runner_output.num_accepted)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)

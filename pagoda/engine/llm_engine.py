@@ -23,7 +23,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.handoff import IncomingHandoff, TransferError
 from pagoda.lora_request import LoRARequest
 from pagoda.request import RequestStatus
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, tokenize_bad_words
 from pagoda.structured.grammar import grammar_failure
 from pagoda.tokenizer import Tokenizer
 
@@ -93,6 +93,8 @@ class LLMEngine:
             prompt_text = None
             prompt_token_ids = list(prompt)
         check_role_accepts(self.config.role, params, handoff, awaiting_kv)
+        if params.bad_words and params.bad_words_token_ids is None:  # the sampler bans token ids
+            params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                                         arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
                                         lora_request=lora_request, enqueue=not awaiting_kv)

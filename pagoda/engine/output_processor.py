@@ -138,6 +138,8 @@ class OutputProcessor:
             state.num_prompt_logprobs_emitted = len(lead.prompt_logprobs)
             if entries:
                 delta.prompt_logprobs = entries
+        if state.finished and lead.embedding is not None:
+            delta.embedding = lead.embedding
         if not state.sent_first:
             state.sent_first = True
             delta.prompt, delta.prompt_token_ids = state.prompt, lead.prompt_token_ids

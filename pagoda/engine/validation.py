@@ -55,6 +55,11 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams,
         if bad is not None:
             raise InvalidRequest(f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})",
                                  param="logit_bias")
+    if params.allowed_token_ids:
+        bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"allowed_token_ids has token id {bad} outside the vocabulary [0, {vocab_size})",
+                                 param="allowed_token_ids")
     if num_prompt >= max_model_len:
         # The prompt alone leaves no room for one generated token: max_tokens is not the fix.
         raise InvalidRequest(

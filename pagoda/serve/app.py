@@ -24,6 +24,8 @@ from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokens
                                                  MessagesRequest, MessagesResponse)
 from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
+from pagoda.serve.api.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingsEndpoint
+from pagoda.serve.api.invocations import InvocationRequest, InvocationTarget, invocations
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
 from pagoda.serve.fast_refusal import FastRefusal, RefusalRoute
@@ -199,11 +201,13 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_api_route(path, handler, methods=["POST"])
         documented[path] = (body_model, response_model)
 
+    invocation_targets: list[InvocationTarget] = []
     for path, generation_endpoint, body_model, response_model in (
             ("/v1/completions", CompletionsEndpoint(), CompletionRequest, CompletionResponse),
             ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest, ChatCompletionResponse)):
-        route(path, body_model, functools.partial(generation_endpoint.handle, ctx),
-              generation_endpoint.name, response_model)
+        run = functools.partial(generation_endpoint.handle, ctx)
+        route(path, body_model, run, generation_endpoint.name, response_model)
+        invocation_targets.insert(0, InvocationTarget(path, body_model, run))  # chat first, as vLLM
 
     messages_endpoint = MessagesEndpoint()
     route("/v1/messages", MessagesRequest, functools.partial(messages_endpoint.handle_messages, ctx),
@@ -224,6 +228,10 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     # Their refusals are counted and logged too: every error a client causes is in /metrics.
     route("/tokenize", TokenizeRequest, tokenize_body, "tokenize", TokenizeResponse)
     route("/detokenize", DetokenizeRequest, detokenize_body, "detokenize", DetokenizeResponse)
+    embeddings = EmbeddingsEndpoint(ctx)
+    route("/v1/embeddings", EmbeddingRequest, embeddings.handle, embeddings.name, EmbeddingResponse)
+    invocation_targets.append(InvocationTarget("/v1/embeddings", EmbeddingRequest, embeddings.handle))
+    route("/invocations", InvocationRequest, invocations(invocation_targets), "invocations")
 
     @app.get("/admin/prompt-log")
     async def prompt_log(request: Request) -> Response:

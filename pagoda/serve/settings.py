@@ -39,6 +39,9 @@ def parse_optional_limit(text: str) -> int | None:
     return None if text.lower() in ("none", "0", "unlimited") else int(text)
 
 
+PoolingMethod = Literal["last", "mean"]  # pagoda/serve/api/embeddings.py
+
+
 @dataclass
 class ServerSettings:
     """What `pagoda serve` runs the HTTP side with. The fields with help are its flags; the rest
@@ -114,6 +117,9 @@ class ServerSettings:
         "help": "open client connections at once; one more gets 503 and is closed (default: "
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
+    pooling: PoolingMethod | None = field(default=None, metadata={
+        "help": "how /v1/embeddings pools a prompt's final hidden states (default: the model's "
+                "sentence-transformers config (modules.json) when it has one, else last)"})
 
     http_parser: HttpParser = field(default="auto", metadata={
         "help": "the HTTP/1.1 parser under the connection guards: httptools (C, the faster one under "

@@ -27,6 +27,7 @@ from pagoda.request import Request
 from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.paged_model import PagedModel
+from pagoda.worker.pooling import pool_prompts
 from pagoda.worker.sampler import Sampler, position_logprobs
 
 
@@ -57,6 +58,7 @@ class ModelRunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)  # drafts accepted, per speculating request
     # Prompt logprobs computed this step: request id -> entries for consecutive prompt positions.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # embeddings of pooling requests
     timings: StepTimings = field(default_factory=StepTimings)  # the runner's phases of this step
 
 
@@ -200,6 +202,8 @@ class ModelRunner(PagedModel):
         projected = time.perf_counter()
 
         output = ModelRunnerOutput()
+        if any(entry.request.sampling_params.pooling for entry in scheduler_output.scheduled):
+            output.pooled = pool_prompts(scheduler_output.scheduled, hidden, layouts[0].query_start_loc.tolist())
         if logits is not None:
             grammar_masks.apply(logits)  # filled while the forward ran
             self._sample(logits, row_owners, draft_probs, output)

@@ -1,6 +1,7 @@
 """Turn one step's logits into tokens, each row with its own request's sampling knobs.
 
-Order, as in vLLM: logit bias and min_tokens masking, then penalties, then greedy argmax or
+Order, as in vLLM: logit bias and min_tokens masking, then penalties, then the token bans
+(allowed_token_ids, bad_words: one mask for the whole batch), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. Draws use the exponential-race trick
 (argmax p/q, q ~ Exp(1)) so that a seeded request draws only from its own generator and gets
 the same tokens whatever else is in the batch. Reported logprobs are those of the raw model
@@ -97,7 +98,7 @@ class Sampler:
     def process(self, logits: torch.Tensor, requests: Sequence[Request | DraftedRow]) -> torch.Tensor:
         """Logit bias, min_tokens masking and penalties (the processing greedy decoding sees too)."""
         needs_copy = any(
-            r.sampling_params.logit_bias or r.sampling_params.needs_penalties
+            r.sampling_params.logit_bias or r.sampling_params.needs_penalties or r.sampling_params.bans_tokens
             or r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
         if not needs_copy:
             return logits
@@ -116,7 +117,39 @@ class Sampler:
                     row[torch.tensor(stop_ids, device=row.device)] = float("-inf")
             if params.needs_penalties:
                 self._apply_penalties(row, request)
+        self._apply_bans(logits, requests)
         return logits
+
+    @staticmethod
+    def _apply_bans(logits: torch.Tensor, requests: Sequence[Request | DraftedRow]) -> None:
+        """allowed_token_ids and bad_words of every row, as one boolean mask filled at once."""
+        restricted: list[int] = []  # rows limited to their allowed tokens
+        allowed: tuple[list[int], list[int]] = ([], [])  # (row, token) pairs allowed
+        banned: tuple[list[int], list[int]] = ([], [])  # (row, token) pairs banned by a bad word
+        vocab = logits.shape[-1]
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            if params.allowed_token_ids is not None:
+                restricted.append(i)
+                ids = [t for t in params.allowed_token_ids if t < vocab]
+                allowed[0].extend([i] * len(ids))
+                allowed[1].extend(ids)
+            if params.bad_words_token_ids:
+                ids = [t for t in _bad_word_endings(params.bad_words_token_ids, request.output_token_ids)
+                       if t < vocab]
+                banned[0].extend([i] * len(ids))
+                banned[1].extend(ids)
+        if not restricted and not banned[0]:
+            return
+        mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        if restricted:
+            mask[torch.tensor(restricted, device=logits.device)] = True
+            mask[torch.tensor(allowed[0], device=logits.device),
+                 torch.tensor(allowed[1], device=logits.device)] = False
+        if banned[0]:
+            mask[torch.tensor(banned[0], device=logits.device),
+                 torch.tensor(banned[1], device=logits.device)] = True
+        logits.masked_fill_(mask, float("-inf"))
 
     def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:
         params = request.sampling_params
@@ -166,6 +199,18 @@ class Sampler:
             threshold = torch.tensor(min_p, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits.softmax(dim=-1)
+
+
+def _bad_word_endings(words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far."""
+    endings = []
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) > len(output_token_ids):
+            continue
+        if not prefix or output_token_ids[-len(prefix):] == prefix:
+            endings.append(word[-1])
+    return endings
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -33,12 +33,13 @@ from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pagoda.serve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
+from pagoda.serve.api.embeddings import EmbeddingRequest
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 RSS_GROWTH_BOUND = 500 * 2**20          # bytes, per process
 MEGABYTE_STRING = "x" * 2**20
 FUZZED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
-                "/v1/messages/count_tokens")
+                "/v1/messages/count_tokens", "/v1/embeddings")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 SCHEMATHESIS_EXAMPLES = 60              # per operation and generation mode
 
@@ -53,10 +54,12 @@ VALID_BODIES: dict[str, dict[str, Any]] = {
     "/v1/messages": {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0.0, "system": "Be brief.",
                      "messages": [{"role": "user", "content": "hi"}]},
     "/v1/messages/count_tokens": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"model": MODEL_NAME, "input": ["Hello there", "hi"], "dimensions": 8},
 }
 REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-                  "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
+                  "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+                  "/v1/embeddings": EmbeddingRequest}
 
 # Values every field is set to in turn: out-of-range numbers, non-finite floats (Python's json
 # writes NaN/Infinity, which lenient parsers accept), wrong types, empties, nesting, unicode.

@@ -16,7 +16,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.api.logprobs import chat_logprobs
+from pagoda.serve.api.logprobs import chat_logprobs, prompt_logprobs
 from pagoda.serve.api.messages import message_texts, template_messages
 from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
                                    ChatCompletionRequest, ChatCompletionResponse)
@@ -26,6 +26,7 @@ from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
 from pagoda.serve.api.structured_request import with_structured_outputs
+from pagoda.serve.api.truncation import truncate_prompt, truncation_length
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, with_tool_constraint
 
@@ -33,6 +34,9 @@ from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, wi
 def reject_unsupported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true.",
+                          param="prompt_logprobs")
 
 
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
@@ -43,7 +47,9 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
-        ctx.check_text_fits("".join(message_texts(request.messages)), "messages")
+        keep = truncation_length(request.truncate_prompt_tokens, ctx.llm.max_model_len)
+        if keep is None:  # a truncated prompt fits whatever its length
+            ctx.check_text_fits("".join(message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
         # Tool calling: the tools are validated here and shown to the chat template.
         tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
@@ -57,10 +63,12 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                     **template_kwargs, **template_tools)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
+            if keep is not None and len(token_ids) > keep:
+                return truncate_prompt(EnginePrompt(token_ids), keep, request.truncation_side)
             return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
 
         try:
-            messages = template_messages(request.messages)
+            messages = template_messages(request.messages, tokenizer)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
         prompt = render(messages)
@@ -71,7 +79,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         max_tokens = tenant.resolve_max_tokens(requested, max_param)
         params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
                                        logprobs=(request.top_logprobs or 0) if request.logprobs
-                                       else None)
+                                       else None, prompt_logprobs=request.prompt_logprobs)
         # Structured output and tool calling (at most one grammar, checked here: prepare runs
         # off the event loop).
         params = with_tool_constraint(with_structured_outputs(params, request), tools)
@@ -85,7 +93,8 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def formatter(self, ctx: ServeContext, generation: Generation,
                   request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:
         return _ChatChunks(request, ctx.llm.tokenizer, chunks, tool_plan(ctx, request),
-                           ChatReasoning.of(ctx, generation.prompts[0].token_ids))
+                           ChatReasoning.of(ctx, generation.prompts[0].token_ids),
+                           prompt_token_ids=generation.prompts[0].token_ids)
 
     def choices(self, ctx: ServeContext, generation: Generation,
                 request: ChatCompletionRequest) -> Iterator[ChatChoice]:
@@ -105,13 +114,22 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 message, finish_reason = tools.message(answer, finish_reason)
             message.reasoning_content = thinking
             yield ChatChoice(index=sample.index, message=message, logprobs=logprobs,
-                             finish_reason=finish_reason)
+                             finish_reason=finish_reason,
+                             token_ids=sample.token_ids if request.return_token_ids else None)
 
     def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
                  created: int, choices: list[ChatChoice]) -> ChatCompletionResponse:
+        scored_prompt = None
+        if request.prompt_logprobs is not None:
+            final = generation.finals[0]
+            assert final is not None
+            scored_prompt = prompt_logprobs(generation.prompts[0].token_ids, final.prompt_logprobs,
+                                            ctx.llm.tokenizer)
         return ChatCompletionResponse(id=generation.request_id, created=created,
                                       model=generation.model_name, choices=choices,
-                                      usage=generation.usage())
+                                      usage=generation.usage(), prompt_logprobs=scored_prompt,
+                                      prompt_token_ids=generation.prompts[0].token_ids
+                                      if request.return_token_ids else None)
 
 
 def tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:
@@ -156,8 +174,10 @@ class _ChatChunks(ChunkFormatter):
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Any,
                  chunks: ChoiceChunks, tools: ToolPlan | None = None,
-                 reasoning: ChatReasoning | None = None) -> None:
+                 reasoning: ChatReasoning | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.request = request
+        self.prompt_token_ids = prompt_token_ids
         self.tokenizer = tokenizer
         self.chunks = chunks
         self.tool_streams = {index: ToolCallStream(tools.parser, tools.forced)
@@ -168,8 +188,13 @@ class _ChatChunks(ChunkFormatter):
         self.answers: dict[int, str] = {}  # choice index -> the answer after its thinking, so far
 
     def opening(self) -> list[str]:
-        return [self._event(index, '{"role":"assistant","content":""}', None, None)
-                for index in range(self.request.n)]
+        events = [self._event(index, '{"role":"assistant","content":""}', None, None)
+                  for index in range(self.request.n)]
+        if self.request.return_token_ids and self.prompt_token_ids is not None:
+            # vLLM sends the prompt's token ids as a member of the first chunk itself.
+            events[0] = events[0].replace(',"choices":[',
+                                          f',"prompt_token_ids":{to_json(self.prompt_token_ids)},"choices":[', 1)
+        return events
 
     def chunk(self, prompt_index: int, sample: CompletionDelta,
               delta: RequestOutputDelta) -> str | None:
@@ -203,13 +228,16 @@ class _ChatChunks(ChunkFormatter):
             text = "" if call_deltas else text
             if tool_stream.has_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-        if not text and finish_reason is None and logprobs is None:
+        token_ids = sample.token_ids if self.request.return_token_ids else None
+        if not text and finish_reason is None and logprobs is None and not token_ids:
             return events or None
         delta_json = '{"content":' + to_json(text) + "}" if text else "{}"
-        return events + self._event(sample.index, delta_json, logprobs, finish_reason)
+        return events + self._event(sample.index, delta_json, logprobs, finish_reason, token_ids)
 
-    def _event(self, index: int, delta_json: str, logprobs: Any, finish_reason: str | None) -> str:
+    def _event(self, index: int, delta_json: str, logprobs: Any, finish_reason: str | None,
+               token_ids: list[int] | None = None) -> str:
         logprobs_json = to_json(logprobs) if logprobs is not None else "null"
         finish_json = to_json(finish_reason) if finish_reason is not None else "null"
+        token_ids_json = f',"token_ids":{to_json(token_ids)}' if token_ids is not None else ""
         return self.chunks.event(f'"index":{index},"delta":{delta_json},"logprobs":{logprobs_json},'
-                                 f'"finish_reason":{finish_json}')
+                                 f'"finish_reason":{finish_json}{token_ids_json}')

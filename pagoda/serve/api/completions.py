@@ -11,13 +11,14 @@ from typing import Any, Iterator
 from pagoda.outputs import CompletionDelta, PositionLogprobs, RequestOutputDelta
 from pagoda.serve.errors import bad_request
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
-from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs
+from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs, prompt_logprobs
 from pagoda.serve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
 from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
 from pagoda.serve.api.structured_request import with_structured_outputs
+from pagoda.serve.api.truncation import truncate_prompt, truncation_length
 from pagoda.serve.admission.tenants import Tenant
 
 
@@ -37,6 +38,9 @@ def _prompt_only_choice(index: int, prompt: EnginePrompt, final: Any, request: C
 
 
 def reject_unsupported(request: CompletionRequest) -> None:
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true.",
+                          param="prompt_logprobs")
     if _scores_prompt_only(request) and request.stream:
         raise bad_request("max_tokens 0 with echo returns the scored prompt only; send it with "
                           "stream false.", param="stream")
@@ -81,18 +85,22 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
     def prepare(self, ctx: ServeContext, request: CompletionRequest,
                 tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
+        keep = truncation_length(request.truncate_prompt_tokens, ctx.llm.max_model_len)
         texts = [request.prompt] if isinstance(request.prompt, str) else \
             [p for p in request.prompt if isinstance(p, str)]
-        for text in texts:
+        for text in texts if keep is None else ():  # a truncated prompt fits whatever its length
             ctx.check_text_fits(text, "prompt")
-        prompts = completion_prompts(request.prompt, ctx.llm.tokenizer)
+        prompts = [truncate_prompt(prompt, keep, request.truncation_side)
+                   for prompt in completion_prompts(request.prompt, ctx.llm.tokenizer)]
         # Scoring a prompt (lm-eval's loglikelihood): the engine computes one token, which the
         # answer leaves out, as vLLM does.
         max_tokens = tenant.resolve_max_tokens(1 if _scores_prompt_only(request) else request.max_tokens)
-        want_prompt_logprobs = request.echo and request.logprobs is not None
+        num_prompt_logprobs = request.prompt_logprobs
+        if num_prompt_logprobs is None and request.echo and request.logprobs is not None:
+            num_prompt_logprobs = request.logprobs  # the echoed prompt's logprobs
         params = build_sampling_params(
             request, ctx.llm.generation_defaults, max_tokens=max_tokens, logprobs=request.logprobs,
-            prompt_logprobs=request.logprobs if want_prompt_logprobs else None)
+            prompt_logprobs=num_prompt_logprobs)
         params = with_structured_outputs(params, request)  # structured output
         return PreparedRequest(prompts, params)
 
@@ -107,10 +115,17 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         for i, final in enumerate(generation.finals):
             assert final is not None
             prompt = generation.prompts[i]
+            scored_prompt = None
+            if request.prompt_logprobs is not None:
+                scored_prompt = prompt_logprobs(prompt.token_ids, final.prompt_logprobs, tokenizer)
             for sample in final.outputs:
                 if prompt_only:
-                    yield _prompt_only_choice(i * request.n + sample.index, prompt, final, request,
-                                              tokenizer)
+                    choice = _prompt_only_choice(i * request.n + sample.index, prompt, final, request,
+                                                 tokenizer)
+                    choice.prompt_logprobs = scored_prompt
+                    if request.return_token_ids:
+                        choice.prompt_token_ids, choice.token_ids = prompt.token_ids, []
+                    yield choice
                     continue
                 text, logprobs, offset = sample.text, None, 0
                 if request.echo:
@@ -126,7 +141,10 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                                                  tokenizer, offset)
                     logprobs = join_legacy(logprobs, sampled)
                 yield CompletionChoice(index=i * request.n + sample.index, text=text,
-                                       logprobs=logprobs, finish_reason=sample.finish_reason)
+                                       logprobs=logprobs, finish_reason=sample.finish_reason,
+                                       prompt_logprobs=scored_prompt,
+                                       prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+                                       token_ids=sample.token_ids if request.return_token_ids else None)
 
     def response(self, ctx: ServeContext, generation: Generation, request: CompletionRequest,
                  created: int, choices: list[CompletionChoice]) -> CompletionResponse:
@@ -156,8 +174,14 @@ class _CompletionChunks(ChunkFormatter):
         text = sample.text
         logprobs: CompletionLogprobs | None = None
         offset = self.text_offsets.get(index)
+        token_ids_json = ""  # with return_token_ids: the prompt's on the first chunk, then the new tokens
+        if request.return_token_ids:
+            token_ids_json = f',"token_ids":{to_json(sample.token_ids)}'
         if offset is None:  # the choice's first chunk
             offset = 0
+            if request.return_token_ids:
+                prompt_ids = self.generation.prompts[prompt_index].token_ids
+                token_ids_json += f',"prompt_token_ids":{to_json(prompt_ids)}'
             if request.echo:
                 prompt = self.generation.prompts[prompt_index]
                 prefix = _echo_prefix(prompt, tokenizer)
@@ -174,12 +198,13 @@ class _CompletionChunks(ChunkFormatter):
             logprobs = join_legacy(logprobs, sampled)
         self.text_offsets[index] = offset
         finish_reason = sample.finish_reason
-        if not text and finish_reason is None and (logprobs is None or not logprobs.tokens):
+        if not text and finish_reason is None and (logprobs is None or not logprobs.tokens) \
+                and not (request.return_token_ids and sample.token_ids):
             return None
         logprobs_json = to_json(logprobs.model_dump()) if logprobs is not None else "null"
         finish_json = to_json(finish_reason) if finish_reason is not None else "null"
         return self.chunks.event(f'"index":{index},"text":{to_json(text)},'
-                                 f'"logprobs":{logprobs_json},"finish_reason":{finish_json}')
+                                 f'"logprobs":{logprobs_json},"finish_reason":{finish_json}{token_ids_json}')
 
 
 def _echo_prefix(prompt: EnginePrompt, tokenizer: Any) -> str:

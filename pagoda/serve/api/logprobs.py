@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.outputs import PositionLogprobs
-from pagoda.serve.api.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagoda.serve.api.protocol import (ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs,
+                                      TopLogprob)
 
 
 def token_text(token_id: int, position: PositionLogprobs | None, tokenizer: Any) -> str:
@@ -68,3 +69,16 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs],
             token=text, logprob=sampled.logprob if sampled is not None else float("-inf"),
             bytes=list(text.encode("utf-8")), top_logprobs=top))
     return entries
+
+
+def prompt_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None] | None,
+                    tokenizer: Any) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: logprob, rank, decoded token}
+    for the prompt's token and the top-k at that position (None for the first token)."""
+    positions = list(positions or [])
+    positions += [None] * (len(token_ids) - len(positions))
+    return [None if position is None else
+            {str(tid): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                     decoded_token=token_text(tid, position, tokenizer))
+             for tid, lp in position.items()}
+            for position in positions[:len(token_ids)]]

@@ -48,6 +48,12 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context length)
+    truncation_side: Literal["left", "right"] = "left"  # "left" drops the oldest tokens
+    return_token_ids: bool = False  # answer with prompt_token_ids and each choice's token_ids
 
 
 class CompletionRequest(SamplingFields):
@@ -126,11 +132,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's entry in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (None for the first, which has no context): token id (as JSON
+# text) -> its logprob, for the prompt's own token and the top-k.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -171,6 +193,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -181,6 +204,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ModelCard(BaseModel):

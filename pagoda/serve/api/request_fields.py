@@ -43,7 +43,9 @@ _SHARED = {
         "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
         "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
         "response_format",
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+        "truncation_side", "return_token_ids")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
     "metadata": Field(I, "not stored", {"k": "v"}),
     "store": Field(I, "pagoda stores no completions", True),
@@ -54,10 +56,6 @@ _SHARED = {
     "cache_salt": Field(I, "prefix caches are salted per tenant by the server", "salt"),
     "use_beam_search": Field(R, "beam search is not supported", True),
     "length_penalty": Field(R, "beam search is not supported", 0.5),
-    "prompt_logprobs": Field(R, "use echo with logprobs (completions)", 1),
-    "truncate_prompt_tokens": Field(R, "prompts are never truncated", 16),
-    "allowed_token_ids": Field(R, "not supported; use logit_bias or structured_outputs", [1, 2]),
-    "bad_words": Field(R, "not supported; use logit_bias", ["x"]),
     "guided_whitespace_pattern": Field(R, "not supported", "[ ]?"),
     "return_tokens_as_token_ids": Field(R, "not supported", True),
     "kv_transfer_params": Field(R, "KV transfer is the router's (serve --replica-roles), not per request", {"x": 1}),
@@ -112,7 +110,13 @@ MESSAGES: dict[str, Field] = {
     "mcp_servers": Field(R, "MCP servers are not supported", [{"type": "url", "url": "x", "name": "m"}]),
 }
 
-TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES}
+EMBEDDINGS: dict[str, Field] = {
+    **{name: Field(S) for name in ("model", "input", "encoding_format", "dimensions", "normalize",
+                                   "truncate_prompt_tokens", "truncation_side")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+}
+
+TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES, "embeddings": EMBEDDINGS}
 
 
 def is_inert(value: Any, field: Field | None = None) -> bool:

@@ -57,6 +57,8 @@ def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
     )
     try:
         return SamplingParams(**{k: v for k, v in values.items() if k in _SAMPLING_FIELDS})

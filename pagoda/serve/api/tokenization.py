@@ -84,7 +84,7 @@ class TokenizationEndpoints:
             param = "messages"
             ctx.check_text_fits("".join(message_texts(request.messages)), param)
             try:
-                tokens = tokenizer.encode_chat(template_messages(request.messages),
+                tokens = tokenizer.encode_chat(template_messages(request.messages, tokenizer),
                                                add_generation_prompt=request.add_generation_prompt)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None

@@ -1,0 +1,41 @@
+"""Pooling a prompt's hidden states into one embedding (the /v1/embeddings path).
+
+A pooling request is an ordinary prefill: its prompt is computed in the same batches as every
+other request's, chunk by chunk, and the final-norm hidden states of its rows are pooled here
+as they go by ("mean" keeps a running sum on the request, "last" takes the prompt's last row).
+The embedding is ready in the step that computes the prompt's last token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+POOLING_METHODS = ("last", "mean")
+
+
+def pool_prompts(scheduled: Sequence, hidden: torch.Tensor, query_starts: list[int]) -> dict[str, list[float]]:
+    """request id -> embedding, for each pooling request whose prompt finished in this step.
+    `scheduled`: the step's entries; `hidden` [tokens, hidden]: the forward's final-norm
+    states, rows laid out by `query_starts`."""
+    pooled: dict[str, list[float]] = {}
+    for index, entry in enumerate(scheduled):
+        request = entry.request
+        method = request.sampling_params.pooling
+        if method is None:
+            continue
+        begin = entry.num_computed_before
+        num_real = entry.num_new_tokens - entry.num_spec_tokens
+        rows = hidden[query_starts[index]:query_starts[index] + num_real].float()
+        if method == "mean":
+            # A recomputed prompt (after a preemption) starts its sum again.
+            partial = rows.sum(dim=0)
+            request.pooled_sum = partial if begin == 0 or request.pooled_sum is None \
+                else request.pooled_sum + partial
+        if begin + num_real < request.num_prompt_tokens:
+            continue
+        vector = request.pooled_sum / request.num_prompt_tokens if method == "mean" else rows[-1]
+        request.pooled_sum = None
+        pooled[request.request_id] = vector.cpu().tolist()
+    return pooled
