@@ -15,6 +15,7 @@ Errors leave in OpenAI's shape, their params renamed into this API's fields.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -63,9 +64,12 @@ def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
-        if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(text, str):
+        if kind not in (*_TEXT_PARTS, "refusal"):
             raise bad_request(f"{where}[{j}] has type {kind!r}; only text is supported (input_text, "
                               "output_text; no images, files or audio).", param=f"{where}[{j}]")
+        if not isinstance(text, str):
+            raise bad_request(f"{where}[{j}] ({kind}) needs a string "
+                              f"{'refusal' if kind == 'refusal' else 'text'}.", param=f"{where}[{j}]")
         texts.append(text)
     return "\n".join(texts)
 
@@ -88,8 +92,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 raise bad_request(f"{at}: a function_call item needs call_id, name and arguments.", param=at)
             try:
                 json.loads(item.arguments or "{}")
-            except json.JSONDecodeError:
-                raise bad_request(f"{at}.arguments is not valid JSON.", param=f"{at}.arguments") from None
+            except (json.JSONDecodeError, RecursionError):
+                raise bad_request(f"{at}.arguments is not valid JSON (or is nested too deeply).",
+                                  param=f"{at}.arguments") from None
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant":  # the calls of one turn, together
@@ -216,6 +221,18 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "arguments": arguments, "status": status}
 
 
+def _echoed(value: Any) -> Any:
+    """A request value as the response repeats it: JSON has no NaN or infinity (which lenient
+    parsers accept in a request), so those are echoed as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _echoed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_echoed(item) for item in value]
+    return value
+
+
 def _status(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
     reason = _INCOMPLETE.get(finish_reason or "")
     return ("incomplete", {"reason": reason}) if reason else ("completed", None)
@@ -255,11 +272,11 @@ class _Answer:
             incomplete_details=incomplete_details, model=self.generation.model_name,
             instructions=request.instructions, output=output,
             parallel_tool_calls=request.parallel_tool_calls is not False,
-            tool_choice=request.tool_choice or "auto", tools=request.tools or [],
-            temperature=request.temperature, top_p=request.top_p,
+            tool_choice=_echoed(request.tool_choice or "auto"), tools=_echoed(request.tools or []),
+            temperature=_echoed(request.temperature), top_p=_echoed(request.top_p),
             max_output_tokens=request.max_output_tokens,
             previous_response_id=request.previous_response_id, store=self.store is not None,
-            **({"text": text} if text and "format" in text else {}),
+            **({"text": _echoed(text)} if text and "format" in text else {}),
             metadata=request.metadata or {}, user=request.user, usage=usage)
 
     def finished(self, output: list[dict[str, Any]], finish_reason: str | None) -> ResponseObject:
