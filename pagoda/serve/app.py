@@ -26,6 +26,9 @@ from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
 from pagoda.serve.api.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingsEndpoint
 from pagoda.serve.api.invocations import InvocationRequest, InvocationTarget, invocations
+from pagoda.serve.api.responses import ResponsesEndpoint
+from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
+from pagoda.serve.api.responses_store import ResponsesStore
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
 from pagoda.serve.fast_refusal import FastRefusal, RefusalRoute
@@ -215,6 +218,19 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     route("/v1/messages/count_tokens", CountTokensRequest,
           functools.partial(messages_endpoint.count_tokens, ctx), response_model=CountTokensResponse,
           anthropic=True)
+    responses_endpoint = ResponsesEndpoint(ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
+                                           if settings.responses_store else None)
+    route("/v1/responses", ResponsesRequest, functools.partial(responses_endpoint.handle_responses, ctx),
+          responses_endpoint.name, ResponseObject)
+
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return responses_endpoint.retrieve(_authenticate(ctx, request), response_id)
+
+    async def delete_stored_response(request: Request, response_id: str) -> Response:
+        return responses_endpoint.delete(_authenticate(ctx, request), response_id)
+
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete_stored_response, methods=["DELETE"])
     tokenization = TokenizationEndpoints(ctx)
 
     async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:

@@ -32,6 +32,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_RESPONSES_STORE_SIZE = 1000
+DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
 
 
 def parse_optional_limit(text: str) -> int | None:
@@ -140,6 +142,16 @@ class ServerSettings:
         "metavar": "DURATION", "help": "with --log-prompts, delete prompt-log records older than "
                                        "this (e.g. 30d, 12h, 90m), rotating files while running "
                                        "(default: kept)"})
+    responses_store: bool = field(default=True, metadata={
+        "help": "keep the answers of POST /v1/responses in memory, per API key, for "
+                "previous_response_id and GET / DELETE /v1/responses/{id} (--no-responses-store: "
+                "keep none; clients send the whole conversation)"})
+    responses_store_size: int = field(default=DEFAULT_RESPONSES_STORE_SIZE, metadata={
+        "help": "stored responses at most; the oldest is forgotten first (default: "
+                f"{DEFAULT_RESPONSES_STORE_SIZE})"})
+    responses_store_ttl: float = field(default=DEFAULT_RESPONSES_STORE_TTL_S, metadata={
+        "help": "seconds a stored response is kept (default: "
+                f"{DEFAULT_RESPONSES_STORE_TTL_S:g})"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -175,6 +187,10 @@ class ServerSettings:
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
             ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
             itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)
+        if self.responses_store_size < 1:
+            raise ValueError(f"--responses-store-size must be >= 1, got {self.responses_store_size}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"--responses-store-ttl must be > 0, got {self.responses_store_ttl}")
 
     def _check_prompt_log(self) -> float | None:
         """--prompt-log-* checked (they need --log-prompts); the retention in seconds."""

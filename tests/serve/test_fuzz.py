@@ -34,12 +34,13 @@ from pagoda.serve.api.anthropic_protocol import CountTokensRequest, MessagesRequ
 from pagoda.serve.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from pagoda.serve.api.embeddings import EmbeddingRequest
+from pagoda.serve.api.responses_protocol import ResponsesRequest
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 RSS_GROWTH_BOUND = 500 * 2**20          # bytes, per process
 MEGABYTE_STRING = "x" * 2**20
 FUZZED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
-                "/v1/messages/count_tokens", "/v1/embeddings")
+                "/v1/messages/count_tokens", "/v1/embeddings", "/v1/responses")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 SCHEMATHESIS_EXAMPLES = 60              # per operation and generation mode
 
@@ -55,11 +56,13 @@ VALID_BODIES: dict[str, dict[str, Any]] = {
                      "messages": [{"role": "user", "content": "hi"}]},
     "/v1/messages/count_tokens": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]},
     "/v1/embeddings": {"model": MODEL_NAME, "input": ["Hello there", "hi"], "dimensions": 8},
+    "/v1/responses": {"model": MODEL_NAME, "input": "hi", "instructions": "Be brief.", "max_output_tokens": 3,
+                      "temperature": 0.0},
 }
 REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
                   "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
-                  "/v1/embeddings": EmbeddingRequest}
+                  "/v1/embeddings": EmbeddingRequest, "/v1/responses": ResponsesRequest}
 
 # Values every field is set to in turn: out-of-range numbers, non-finite floats (Python's json
 # writes NaN/Infinity, which lenient parsers accept), wrong types, empties, nesting, unicode.
@@ -307,6 +310,31 @@ TARGETED: dict[str, list[dict[str, Any]]] = {
         {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}},
         {"tool_choice": {"type": "any"}}, {"thinking": {"type": "enabled", "budget_tokens": -1}},
         {"output_config": {"format": {}}},
+    ],
+    "/v1/responses": [
+        {"max_output_tokens": 2**63}, {"max_output_tokens": 0}, {"top_p": 7}, {"temperature": -1},
+        {"stream": True, "max_output_tokens": 2}, {"store": False}, {"previous_response_id": "resp-x" * 1000},
+        {"previous_response_id": ""}, {"input": []}, {"input": [{}]}, {"input": [{"type": 5}]},
+        {"input": [{"role": "user"}]}, {"input": [{"role": "wizard", "content": "hi"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}] * 2000}]},
+        {"input": [{"role": "user", "content": "hi"}] * 9000},
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]},
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"},
+                   {"type": "function_call_output", "call_id": "c", "output": "x"}]},
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}]},
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]},
+        {"input": [{"type": "item_reference", "id": "x"}]}, {"input": [{"type": "reasoning", "summary": []}]},
+        {"tools": [{"type": "function"}]}, {"tools": [{"type": "function", "name": "f", "parameters": 5}]},
+        {"tools": [{"type": "function", "name": "f", "parameters": {"type": "wat"}}]},
+        {"tools": [{"type": "web_search"}]}, {"tools": [{"type": "function", "name": "f"}], "tool_choice": "required"},
+        {"tool_choice": "required"}, {"tool_choice": {"type": "allowed_tools"}}, {"tool_choice": "sometimes"},
+        {"text": {"format": {"type": "json_schema"}}}, {"text": {"format": {"type": "json_schema", "schema": 5}}},
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+        {"text": {"format": {"type": "grammar"}}}, {"text": {"format": {}}}, {"text": {"verbosity": "low"}},
+        {"background": True}, {"truncation": "auto"}, {"top_logprobs": 20}, {"reasoning": {"effort": "high"}},
     ],
     "/v1/chat/completions": _SAMPLING_ATTACKS + [
         {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1},

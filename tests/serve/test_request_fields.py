@@ -6,15 +6,16 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagoda.serve.api.request_fields import CHAT, COMPLETIONS, Support
+from pagoda.serve.api.request_fields import CHAT, COMPLETIONS, RESPONSES, Support
 from server_utils import LiveServer, build_tiny_model, start_server
 
 BASES = {
     "completions": ("/v1/completions", {"prompt": "hello", "max_tokens": 2, "temperature": 0}),
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                       "temperature": 0}),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "temperature": 0, "store": False}),
 }
-TABLES = {"completions": COMPLETIONS, "chat": CHAT}
+TABLES = {"completions": COMPLETIONS, "chat": CHAT, "responses": RESPONSES}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,9 @@ def test_ignored_fields_do_not_change_the_output(server: LiveServer) -> None:
         assert extras and all(v is not None for v in extras.values())
         response = httpx.post(server.url + path, json={**base, **extras}, timeout=30)
         assert response.status_code == 200, response.text
+        if endpoint == "responses":
+            assert response.json()["output"][0]["content"] == plain["output"][0]["content"]
+            continue
         key = "text" if endpoint == "completions" else "message"
         assert response.json()["choices"][0][key] == plain["choices"][0][key]
 
@@ -65,7 +69,9 @@ def test_inert_values_of_refused_fields_are_accepted(server: LiveServer) -> None
 
 def test_every_request_model_field_is_in_the_table() -> None:
     from pagoda.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+    from pagoda.serve.api.responses_protocol import ResponsesRequest
 
-    for model, table in ((CompletionRequest, COMPLETIONS), (ChatCompletionRequest, CHAT)):
+    for model, table in ((CompletionRequest, COMPLETIONS), (ChatCompletionRequest, CHAT),
+                         (ResponsesRequest, RESPONSES)):
         missing = set(model.model_fields) - set(table)
         assert not missing, f"{model.__name__} fields missing from the table: {sorted(missing)}"

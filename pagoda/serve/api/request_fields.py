@@ -116,7 +116,37 @@ EMBEDDINGS: dict[str, Field] = {
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
 }
 
-TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES, "embeddings": EMBEDDINGS}
+# OpenAI's Responses API.
+RESPONSES: dict[str, Field] = {
+    **{name: Field(S) for name in (
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+        "tool_choice", "parallel_tool_calls", "stream", "previous_response_id")},
+    "text": Field(S, "format (text, json_object, json_schema) is enforced by the grammar engine; "
+                     "verbosity is not applied"),
+    "store": Field(S, "kept in the server's memory, per API key, bounded in count and age "
+                      "(--responses-store-size, --responses-store-ttl; none with --no-responses-store)"),
+    "metadata": Field(I, "echoed in the response and stored with it", {"k": "v"}),
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+    "safety_identifier": Field(I, "recorded nowhere; tenants are identified by API key", "s-1"),
+    "prompt_cache_key": Field(I, "prefix caching is automatic (salted per tenant)", "k-1"),
+    "prompt_cache_retention": Field(I, "prefix caching is automatic", "24h"),
+    "service_tier": Field(I, "one tier; priority comes from the tenant", "flex"),
+    "include": Field(I, "no extra output data (logprobs, encrypted reasoning) is included", ["reasoning.encrypted_content"]),
+    "reasoning": Field(I, "effort and summary are not applied; a reasoning model's thinking is switched by its "
+                          "template", {"effort": "low"}),
+    "stream_options": Field(I, "no obfuscation padding is sent", {"include_obfuscation": False}),
+    "truncation": Field(R, "input is never truncated; a conversation over the context length is a 400",
+                        "auto", inert=("disabled",)),
+    "max_tool_calls": Field(R, "not supported; use tool_choice", 1),
+    "top_logprobs": Field(R, "not returned by this endpoint; use chat completions' logprobs", 2, inert=(0,)),
+    "background": Field(R, "background responses are not supported", True),
+    "conversation": Field(R, "the Conversations API is not supported; use previous_response_id", "conv_1"),
+    "prompt": Field(R, "stored prompt templates are not supported", {"id": "pmpt_1"}),
+    "context_management": Field(R, "not supported", [{"type": "compaction"}]),
+}
+
+TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES, "embeddings": EMBEDDINGS,
+          "responses": RESPONSES}
 
 
 def is_inert(value: Any, field: Field | None = None) -> bool:
