@@ -50,19 +50,25 @@ class ServeContext:
     metrics: ServerMetrics
     request_log: RequestLogger
     guard: ServerGuard | None = None  # --guardrails
+    aliases: tuple[str, ...] = ()  # more names clients may call the model by
 
     @classmethod
-    def create(cls, llm: EngineClient, settings: ServerSettings) -> "ServeContext":
+    def create(cls, llm: EngineClient, settings: ServerSettings, *,
+               limiter: TenantLimiter | None = None, request_log: RequestLogger | None = None,
+               aliases: tuple[str, ...] = ()) -> "ServeContext":
+        """One model's context; the models of one server share `limiter` (tenant limits are
+        the server's) and `request_log`."""
         ctx = cls(
             llm=llm,
             settings=settings,
-            limiter=TenantLimiter(),
+            aliases=aliases,
+            limiter=limiter or TenantLimiter(),
             admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
                                           settings.latency_targets, max_model_len=llm.max_model_len),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
                                   tenant_labels=settings.metrics_tenant_labels, health=llm.health),
-            request_log=RequestLogger(settings.log_prompts),
+            request_log=request_log or RequestLogger(settings.log_prompts),
         )
         if settings.guardrails is not None:  # guardrails hook
             ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
@@ -71,6 +77,10 @@ class ServeContext:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
+
+    def answers_to(self, name: str) -> bool:
+        """Whether `name` is this model's served name or one of its aliases."""
+        return name == self.model_name or name in self.aliases
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:
@@ -152,6 +162,7 @@ class Generation:
     arrival_time: float = field(default_factory=time.time)
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
+    route: str | None = None  # how the request reached this model (x-pagoda-route), with several
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -160,6 +171,9 @@ class Generation:
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
     _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
+    # Read ahead by `first_delta`, and the reader it was read from.
+    _read_ahead: list[tuple[int, RequestOutputDelta]] = field(default_factory=list, init=False)
+    _reader: AsyncIterator[tuple[int, RequestOutputDelta]] | None = field(default=None, init=False)
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -235,9 +249,25 @@ class Generation:
             self.close(500)
             raise
 
+    async def first_delta(self) -> None:
+        """Wait until the first delta arrived, without consuming it (`deltas` yields it first):
+        raises the APIError that failed the request before its first token, while the request
+        can still go elsewhere."""
+        self._reader = self._reader or self._read_deltas()
+        async for item in self._reader:
+            self._read_ahead.append(item)
+            return
+
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """(prompt index, what it gained) as they arrive, until every prompt is finished.
         `latest[i]` is prompt i's whole output so far, already including the delta."""
+        reader = self._reader or self._read_deltas()
+        while self._read_ahead:
+            yield self._read_ahead.pop(0)
+        async for item in reader:
+            yield item
+
+    async def _read_deltas(self) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         wake = self._wake
         metrics = self.ctx.metrics
         while not all(self.finals):
@@ -333,6 +363,8 @@ class Generation:
         if self.lora_request is not None:
             record.extra["lora_adapter"] = self.lora_request.lora_name
             record.extra["base_model"] = self.ctx.model_name
+        if self.route is not None:
+            record.extra["route"] = self.route
         return record
 
 
