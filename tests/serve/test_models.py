@@ -264,3 +264,22 @@ def test_a_remote_fallback_that_is_down_is_skipped_and_the_next_answers(
     skipped = [value for (name, labels), value in samples.items()
                if name == "pagoda:remote_fallback_skipped_total" and dict(labels)["reason"] == "connect_error"]
     assert skipped and skipped[0] >= 2
+
+
+def test_served_model_name_gives_aliases_on_the_command_line(model_dirs: tuple[Path, Path]) -> None:
+    from server_utils import start_serve_process
+
+    port = free_port()
+    process = start_serve_process(model_dirs[0], port, "--served-model-name", "main", "alt", "other",
+                                  "--max-num-seqs", "4", "--num-kv-blocks", "64")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for name in ("main", "alt", "other"):
+            response = complete(url, name)
+            assert response.status_code == 200 and response.json()["model"] == "main"
+        assert complete(url, "tiny").status_code == 404
+        ids = [card["id"] for card in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert ids == ["main", "alt", "other"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
