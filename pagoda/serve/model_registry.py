@@ -123,10 +123,11 @@ class ModelRegistry:
         return next((m for m in self if name in m.llm.lora_names), None)
 
     def may_use(self, tenant: Tenant, name: str) -> bool:
-        """Whether `tenant` may call `name` (a model, by any of its names, or a route)."""
+        """Whether `tenant` may call `name`: a model by any of its names, a route, or an adapter
+        of a model it may call (the adapter's own tenants are checked where it runs)."""
         if tenant.models is None:
             return True
-        model = self._by_name.get(name)
+        model = self._by_name.get(name) or (self.model_with_adapter(name) if name not in self._routes else None)
         return bool(tenant.models & set(model.names)) if model is not None else name in tenant.models
 
     def fallbacks(self, model: ServedModel, tenant: Tenant) -> list[ServedModel | RemoteEndpoint]:

@@ -75,7 +75,7 @@ class ModelDispatcher:
             if isinstance(target, RemoteEndpoint):
                 label = f"fallback:{target.label}"
                 try:
-                    response = await self._forward(target, path, body, tenant, label)
+                    response = await self._forward(target, endpoint.name, path, body, tenant, label)
                 except ForwardFailed as failed:
                     self.metrics.record_remote_skip(target.url, failed.reason)
                     continue
@@ -131,17 +131,17 @@ class ModelDispatcher:
         assert served is not None
         return len(served.llm.tokenizer.encode(text, add_special_tokens=False))
 
-    async def _forward(self, remote: RemoteEndpoint, path: str, body: SamplingFields, tenant: Tenant,
-                       label: str) -> Response:
+    async def _forward(self, remote: RemoteEndpoint, endpoint: str, path: str, body: SamplingFields,
+                       tenant: Tenant, label: str) -> Response:
         """The remote's answer, relayed as it comes (ForwardFailed if it cannot give one)."""
         started = time.time()
-        payload: dict[str, Any] = {**body.model_dump(mode="json", exclude_unset=True), "model": remote.model}
+        payload: dict[str, Any] = {**body.model_dump(mode="json", by_alias=True, exclude_unset=True), "model": remote.model}
         api_key = self._environ.get(remote.api_key_env) if remote.api_key_env else None
         answer = await forward_json(remote.url + path.removeprefix("/v1"), payload, api_key=api_key,
                                     connect_timeout=remote.connect_timeout,
                                     first_byte_timeout=remote.first_byte_timeout)
         log = self.registry.primary.context.request_log
-        log.log(RequestLogRecord(request_id=new_request_id("remote"), endpoint=path, tenant=tenant.name,
+        log.log(RequestLogRecord(request_id=new_request_id("remote"), endpoint=endpoint, tenant=tenant.name,
                                  model=remote.model, status=answer.status, stream=bool(body.stream),
                                  e2e_s=time.time() - started, extra={"route": label}))
         headers = {ROUTE_HEADER: label}
