@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -679,3 +680,78 @@ def plan_from_options(options: PlanOptions) -> Plan:
                       context=context, block_size=options.block_size,
                       reserve_bytes=parse_reserve(options.reserve, memory), classes=classes,
                       group_size=options.quantization_group_size)
+
+
+# ---- several models on one machine (pagoda serve --models) -------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    """What one model of a models file needs: its engines' weights and one full-context
+    sequence of KV cache each (the least an engine can run with)."""
+
+    name: str
+    line: int  # where the models file names it
+    model: str
+    dtype: str
+    context: int
+    engines: int  # replicas; tensor-parallel ranks share one replica's weights
+    weight_bytes: int
+    kv_bytes: int  # one full-context sequence
+
+    @property
+    def total_bytes(self) -> int:
+        return self.engines * (self.weight_bytes + self.kv_bytes)
+
+
+def model_need(name: str, line: int, model: str, *, dtype: str, quantization: str,
+               max_model_len: int | None, engines: int) -> ModelNeed:
+    """`dtype` and `quantization` as EngineConfig names them (auto, float32, ...; none, int8, int4)."""
+    shape, params = load_model(model)
+    if dtype == "auto":
+        weight_dtype = shape.config_dtype or "bf16"
+    else:
+        weight_dtype = normalize_dtype(dtype)
+    if weight_dtype not in KV_DTYPES or weight_dtype in ("int8", "fp8"):
+        weight_dtype = "bf16"
+    quant = quantization if quantization in ("int8", "int4") else None
+    context = max_model_len or shape.max_position_embeddings or 2048
+    return ModelNeed(name, line, model, weight_dtype, context, engines,
+                     weight_bytes(params, weight_dtype, quant),
+                     kv_bytes_per_token(shape, weight_dtype) * context)
+
+
+@dataclass(frozen=True)
+class ModelsFit:
+    needs: list[ModelNeed]
+    memory_bytes: int
+    reserve_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(need.total_bytes for need in self.needs)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.memory_bytes - self.reserve_bytes
+
+    def describe(self, path: str, separator: str = "\n") -> str:
+        """A line per model (its file line, engines and memory), the total and the verdict."""
+        lines = [f"{path}:{need.line}: {need.name}: {need.engines} x ({fmt_bytes(need.weight_bytes)} weights "
+                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV for one {need.context}-token sequence) "
+                 f"= {fmt_bytes(need.total_bytes)}" for need in self.needs]
+        usable = self.memory_bytes - self.reserve_bytes
+        verdict = "fit" if self.fits else "do NOT fit"
+        lines.append(f"total {fmt_bytes(self.total_bytes)} of {fmt_bytes(usable)} usable "
+                     f"({fmt_bytes(self.memory_bytes)} less {fmt_bytes(self.reserve_bytes)} reserve): "
+                     f"the models {verdict}")
+        return separator.join(lines)
+
+
+def machine_memory_bytes(device: str) -> int:
+    """What the engines' device offers: every visible GPU's memory, or the host's RAM."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from typing import TYPE_CHECKING
+
 from pagoda.cli.options import options_from_args
-from pagoda.plan import CLASSES_HELP, PlanOptions, plan_from_options, render_plan
+from pagoda.plan import (CLASSES_HELP, ModelsFit, PlanOptions, machine_memory_bytes, model_need,
+                         parse_reserve, plan_from_options, render_plan)
+
+if TYPE_CHECKING:
+    from pagoda.config import DeploymentConfig, EngineConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -16,9 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "per-class concurrency, and what quantization or a shorter context would change. "
                     "Pure arithmetic from config.json (and safetensors headers when present).",
         formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", default=None,
                         help="model directory or its config.json, or a bundled model's name (pagoda-coder)")
-    parser.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 24GB")
+    parser.add_argument("--models", default=None, metavar="FILE",
+                        help="instead of --model: whether the models of a `pagoda serve --models` file fit\n"
+                             "(each model's replicas, weights and one full-context sequence of KV)")
+    parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB "
+                        "(with --models, default: this machine's)")
     parser.add_argument("--dtype", default=None,
                         help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8; fp8/int8 "
@@ -39,6 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if (args.model is None) == (args.models is None):
+        print("pagoda plan: error: give --model or --models", file=sys.stderr)
+        return 2
+    if args.models is not None:
+        return _run_models_plan(args)
+    if args.memory is None:
+        print("pagoda plan: error: --memory is required with --model", file=sys.stderr)
+        return 2
     try:
         from pagoda.config import resolve_model_path
 
@@ -48,3 +66,38 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     print(plan.to_json() if args.json else render_plan(plan))
     return 0
+
+
+def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig", memory_bytes: int,
+               reserve: str = "10%") -> ModelsFit:
+    """Whether the models of the models file at `path` fit in `memory_bytes` (less `reserve`),
+    with `config` and `deployment` as every model's defaults; ValueError (naming the line) for
+    a bad file or model."""
+    from pagoda.config import resolve_model_path
+    from pagoda.serve.models_file import load_models_file
+
+    models_file = load_models_file(path)
+    needs = []
+    for entry in models_file.models:
+        engine = entry.engine_config(config)
+        replicas = entry.deployment_config(deployment)
+        try:
+            needs.append(model_need(entry.name, entry.line, resolve_model_path(engine.model), dtype=engine.dtype,
+                                    quantization=engine.quantization, max_model_len=engine.max_model_len,
+                                    engines=replicas.num_replicas))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}:{entry.line}: model {entry.name!r}: {exc}") from None
+    return ModelsFit(needs, memory_bytes, parse_reserve(reserve, memory_bytes))
+
+
+def _run_models_plan(args: argparse.Namespace) -> int:
+    from pagoda.config import DeploymentConfig, EngineConfig, parse_bytes
+
+    try:
+        memory = parse_bytes(args.memory) if args.memory else machine_memory_bytes("auto")
+        fit = models_fit(args.models, EngineConfig(), DeploymentConfig(), memory, args.reserve)
+    except (OSError, ValueError) as e:
+        print(f"pagoda plan: error: {e}", file=sys.stderr)
+        return 2
+    print(fit.describe(args.models))
+    return 0 if fit.fits else 1

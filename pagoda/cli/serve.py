@@ -29,4 +29,20 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings.from_cli_args(args)
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
+    if settings.models_file is not None:
+        check_models_fit(settings.models_file, engine, deployment)
     return launch_server(engine, settings, deployment)
+
+
+def check_models_fit(path: str, engine: EngineConfig, deployment: DeploymentConfig) -> None:
+    """Refuse (SystemExit) a models file that is malformed or whose models cannot all fit in
+    this machine's memory, naming each model's need, before any engine starts."""
+    from pagoda.cli.plan import models_fit
+    from pagoda.plan import machine_memory_bytes
+
+    try:
+        fit = models_fit(path, engine, deployment, machine_memory_bytes(engine.device))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
+    if not fit.fits:
+        raise SystemExit("pagoda serve: the models do not fit this machine's memory: " + fit.describe(path, "; "))

@@ -13,6 +13,7 @@ import pydantic.json_schema
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.client import EngineClient
@@ -37,7 +38,10 @@ from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequ
 from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
 from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.routing.dispatch import ModelDispatcher
+from pagoda.serve.routing.metrics import RoutingMetrics, merged_registry
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import Tenant
@@ -46,9 +50,6 @@ from pagoda.serve.api.tokenization import TokenizationEndpoints
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 logger = logging.getLogger(__name__)
-
-# /health statuses of an engine client that takes requests (200); any other is a 503.
-SERVING_STATUSES = ("ok", "degraded")
 
 
 def _authenticate(ctx: ServeContext, request: Request) -> Tenant:
@@ -124,12 +125,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, "Internal server error.", type="server_error"))
 
 
-def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
-    """The HTTP API over `llm`. The caller owns `llm` (starts it before, shuts it down after)."""
+def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> FastAPI:
+    """The HTTP API over `llm`: one engine client (the served model) or a registry of several
+    models. The caller owns the engines (starts them before, shuts them down after)."""
     app = FastAPI(title="pagoda", description="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
-    ctx = ServeContext.create(llm, settings)
+    registry = llm if isinstance(llm, ModelRegistry) else ModelRegistry.single(
+        llm, settings.served_model_name or "", settings.model_path)
+    registry.bind(settings)
+    dispatcher = ModelDispatcher(registry, RoutingMetrics())
+    ctx = registry.primary.context  # what acts on "the" model: LoRA loading, the dashboard
+    llm = ctx.llm
     app.state.ctx = ctx
+    app.state.models = registry
+    rendered = merged_registry([*(r for model in registry for r in model.context.metrics.rendered_registries()),
+                                dispatcher.metrics.registry])
     redact_access_log()  # /dashboard?key=KEY: no key in the access log
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
@@ -144,7 +154,7 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         # Replicas: "degraded" (still 200) while some of them live, and each one's state;
         # 503 while nothing serves: "restarting", "failed" (out of restarts) or "dead".
-        body = ctx.llm.health()
+        body = registry.health()
         if body["status"] not in SERVING_STATUSES:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)
@@ -153,23 +163,28 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     async def metrics(request: Request) -> Response:
         if settings.metrics_token is not None:
             _check_metrics_token(request, settings.metrics_token)
-        body, content_type = ctx.metrics.render()
-        return Response(body, media_type=content_type)
+        return Response(generate_latest(rendered), media_type=CONTENT_TYPE_LATEST)
 
     # --- dashboard: GET /dashboard, /dashboard/events ---
     install_dashboard(app, lambda request: _authenticate(ctx, request), settings.tenants,
                       DashboardWindow(ctx.metrics.registry, server_info=lambda: {
-                          "health": ctx.llm.health(), "max_num_seqs": llm.config.max_num_seqs,
+                          "health": registry.health(), "max_num_seqs": llm.config.max_num_seqs,
                           "max_model_len": llm.max_model_len}), ctx.request_log)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         tenant = _authenticate(ctx, request)
-        return ModelList(data=[ModelCard(id=ctx.model_name, created=started,
-                                         root=settings.model_path,
-                                         max_model_len=llm.max_model_len,
-                                         max_num_seqs=llm.config.max_num_seqs),
-                               *adapter_cards(ctx, tenant, started)])
+        cards: list[ModelCard] = []
+        for model in registry:
+            names = [name for name in model.names if registry.may_use(tenant, name)]
+            cards += [ModelCard(id=name, created=started, root=model.model_path,
+                                max_model_len=model.llm.max_model_len,
+                                max_num_seqs=model.llm.config.max_num_seqs) for name in names]
+            if names:
+                cards += adapter_cards(model.context, tenant, started)
+        cards += [ModelCard(id=route.name, created=started, owned_by="pagoda-route")
+                  for route in registry.routes if registry.may_use(tenant, route.name)]
+        return ModelList(data=cards)
 
     documented: dict[str, tuple[type[pydantic.BaseModel], type[pydantic.BaseModel] | None]] = {}
 
@@ -208,19 +223,28 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
     for path, generation_endpoint, body_model, response_model in (
             ("/v1/completions", CompletionsEndpoint(), CompletionRequest, CompletionResponse),
             ("/v1/chat/completions", ChatEndpoint(), ChatCompletionRequest, ChatCompletionResponse)):
-        run = functools.partial(generation_endpoint.handle, ctx)
+        run = functools.partial(dispatcher.generate, generation_endpoint, path)
         route(path, body_model, run, generation_endpoint.name, response_model)
         invocation_targets.insert(0, InvocationTarget(path, body_model, run))  # chat first, as vLLM
 
     messages_endpoint = MessagesEndpoint()
-    route("/v1/messages", MessagesRequest, functools.partial(messages_endpoint.handle_messages, ctx),
+
+    def by_model(handle: Callable[..., Awaitable[Response]]) -> Callable[[Request, Any, Tenant], Awaitable[Response]]:
+        """`handle` with the context of the model the body names (a route: by its rules)."""
+        async def run(request: Request, body: Any, tenant: Tenant) -> Response:
+            model_ctx, name = dispatcher.context_for(body.model, tenant)
+            if name != body.model:
+                body = body.model_copy(update={"model": name})
+            return await handle(model_ctx, request, body, tenant)
+        return run
+
+    route("/v1/messages", MessagesRequest, by_model(messages_endpoint.handle_messages),
           messages_endpoint.name, MessagesResponse, anthropic=True)
-    route("/v1/messages/count_tokens", CountTokensRequest,
-          functools.partial(messages_endpoint.count_tokens, ctx), response_model=CountTokensResponse,
-          anthropic=True)
+    route("/v1/messages/count_tokens", CountTokensRequest, by_model(messages_endpoint.count_tokens),
+          response_model=CountTokensResponse, anthropic=True)
     responses_endpoint = ResponsesEndpoint(ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
                                            if settings.responses_store else None)
-    route("/v1/responses", ResponsesRequest, functools.partial(responses_endpoint.handle_responses, ctx),
+    route("/v1/responses", ResponsesRequest, by_model(responses_endpoint.handle_responses),
           responses_endpoint.name, ResponseObject)
 
     async def stored_response(request: Request, response_id: str) -> Response:
@@ -231,22 +255,32 @@ def build_app(llm: EngineClient, settings: ServerSettings) -> FastAPI:
 
     app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete_stored_response, methods=["DELETE"])
-    tokenization = TokenizationEndpoints(ctx)
+    tokenization = {model.name: TokenizationEndpoints(model.context) for model in registry}
 
     async def tokenize_body(_: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
-        return await tokenization.tokenize(body, tenant)
+        model_ctx, name = dispatcher.context_for(body.model, tenant)
+        return await tokenization[model_ctx.model_name or ""].tokenize(
+            body.model_copy(update={"model": name}), tenant)
 
     async def detokenize_body(_: Request, body: DetokenizeRequest, tenant: Tenant) -> Response:
-        return await tokenization.detokenize(body, tenant)
+        model_ctx, name = dispatcher.context_for(body.model, tenant)
+        return await tokenization[model_ctx.model_name or ""].detokenize(
+            body.model_copy(update={"model": name}), tenant)
 
     route("/v1/load_lora_adapter", LoadLoRAAdapterRequest, functools.partial(load_lora_adapter, ctx))
     route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, functools.partial(unload_lora_adapter, ctx))
     # Their refusals are counted and logged too: every error a client causes is in /metrics.
     route("/tokenize", TokenizeRequest, tokenize_body, "tokenize", TokenizeResponse)
     route("/detokenize", DetokenizeRequest, detokenize_body, "detokenize", DetokenizeResponse)
-    embeddings = EmbeddingsEndpoint(ctx)
-    route("/v1/embeddings", EmbeddingRequest, embeddings.handle, embeddings.name, EmbeddingResponse)
-    invocation_targets.append(InvocationTarget("/v1/embeddings", EmbeddingRequest, embeddings.handle))
+    embeddings = {model.name: EmbeddingsEndpoint(model.context) for model in registry}
+
+    async def embed_body(request: Request, body: EmbeddingRequest, tenant: Tenant) -> Response:
+        model_ctx, name = dispatcher.context_for(body.model, tenant)
+        return await embeddings[model_ctx.model_name or ""].handle(
+            request, body.model_copy(update={"model": name}), tenant)
+
+    route("/v1/embeddings", EmbeddingRequest, embed_body, EmbeddingsEndpoint.name, EmbeddingResponse)
+    invocation_targets.append(InvocationTarget("/v1/embeddings", EmbeddingRequest, embed_body))
     route("/invocations", InvocationRequest, invocations(invocation_targets), "invocations")
 
     @app.get("/admin/prompt-log")

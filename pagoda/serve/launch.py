@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.threads import prefer_passive_omp_wait
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from pagoda.engine.client import EngineClient
     from pagoda.model.model_config import ModelConfig
     from pagoda.serve.drain import DrainingServer
+    from pagoda.serve.model_registry import ModelRegistry
+    from pagoda.serve.models_file import ModelsFile
 
 # How often --no-restart looks whether an engine is left.
 DEATH_WATCH_INTERVAL_S = 0.2
@@ -36,14 +38,14 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     prefer_passive_omp_wait()
     from pagoda.model.loader import load_model_config
     from pagoda.replicas.start import start_engines
-    from pagoda.serve.app import build_app
-    from pagoda.serve.connections import http_config, raise_file_limit
-    from pagoda.serve.drain import DrainGate, DrainingServer
+    from pagoda.serve.model_registry import ModelRegistry
 
     deployment = deployment or DeploymentConfig()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = dataclasses.replace(settings, **built_settings(settings, config))
+    if settings.models_file is not None:
+        return _serve_models(config, settings, deployment)
     try:
         if settings.allow_runtime_lora and not config.enable_lora:
             raise ValueError("--allow-runtime-lora needs --enable-lora")
@@ -66,18 +68,67 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
                          f"{cause}") from None
     except (OSError, ValueError) as exc:  # --replica-pools / --route-rules
         raise SystemExit(f"pagoda serve: {exc}") from None
+    aliases = settings.served_model_names[1:]
+    if settings.served_model_names and len(set(settings.served_model_names)) != len(settings.served_model_names):
+        llm.shutdown()
+        raise SystemExit("pagoda serve: --served-model-name lists a name twice")
+    registry = ModelRegistry.single(llm, settings.served_model_name or "", config.model, aliases)
+    banner = lambda: startup_banner(config, deployment, settings, llm)  # noqa: E731
+    return _run(registry, settings, deployment.restart, banner)
+
+
+def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: DeploymentConfig) -> int:
+    """--models FILE: start every model's engines (all or none), then serve them."""
+    from pagoda.replicas.start import start_engines
+    from pagoda.serve.model_registry import ModelRegistry, ServedModel
+    from pagoda.serve.models_file import load_models_file
+
+    assert settings.models_file is not None
+    if settings.served_model_names:
+        raise SystemExit("pagoda serve: --served-model-name and --models: name the models in the file")
+    try:
+        models_file = load_models_file(settings.models_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
+    served: list[ServedModel] = []
+    try:
+        for entry in models_file.models:
+            engine = entry.engine_config(config)
+            try:
+                llm = start_engines(engine, entry.deployment_config(deployment), transport=settings.engine_transport)
+            except RuntimeError as exc:
+                raise SystemExit(f"pagoda serve: {models_file.path}:{entry.line}: could not start model "
+                                 f"{entry.name!r} ({engine.model}): {exc.__cause__ or exc}") from None
+            except (OSError, ValueError) as exc:
+                raise SystemExit(f"pagoda serve: {models_file.path}:{entry.line}: model {entry.name!r}: {exc}") from None
+            served.append(ServedModel(entry.name, llm, engine.model, entry.aliases, entry.fallbacks))
+        registry = ModelRegistry(served, models_file.routes)
+    except BaseException:
+        for model in served:
+            model.llm.shutdown()
+        raise
+    return _run(registry, dataclasses.replace(settings, served_model_name=served[0].name),
+                deployment.restart, lambda: models_banner(models_file, registry, settings))
+
+
+def _run(registry: "ModelRegistry", settings: ServerSettings, restart: bool, banner: Callable[[], str]) -> int:
+    """Serve `registry`'s models until interrupted, then shut their engines down."""
+    from pagoda.serve.app import build_app
+    from pagoda.serve.connections import http_config, raise_file_limit
+    from pagoda.serve.drain import DrainGate, DrainingServer
+
     death_watch = None
     try:
-        gate = DrainGate(build_app(llm, settings))
+        gate = DrainGate(build_app(registry, settings))
         raise_file_limit(settings.max_connections)
         server = DrainingServer(
             http_config(gate, settings, host=settings.host, port=settings.port,
                         log_level=settings.log_level, timeout_graceful_shutdown=1,
                         lifespan="off"),  # the app has no lifespan hooks
-            gate, settings.shutdown_timeout, on_force_exit=lambda: llm.shutdown(timeout=0))
-        logging.getLogger("pagoda.serve").info("%s", startup_banner(config, deployment, settings, llm))
-        if not deployment.restart:
-            death_watch = EngineDeathWatch(llm, server)
+            gate, settings.shutdown_timeout, on_force_exit=lambda: registry.shutdown(timeout=0))
+        logging.getLogger("pagoda.serve").info("%s", banner())
+        if not restart:
+            death_watch = EngineDeathWatch(registry, server)
         # What exists now lives as long as the server: out of the collector's sight, a full
         # collection walks only what requests create. While one runs no thread moves, the
         # event loop's included, so its length is a stall of every request.
@@ -87,7 +138,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     finally:
         if death_watch is not None:
             death_watch.stop()
-        llm.shutdown()
+        registry.shutdown()
     if death_watch is not None and death_watch.error is not None:
         raise SystemExit(f"pagoda serve: the engine stopped ({death_watch.error}); exiting (--no-restart)")
     return 0
@@ -98,7 +149,7 @@ class EngineDeathWatch:
     503; the failed ones end with their error event) so that it exits non-zero and an outside
     supervisor restarts it."""
 
-    def __init__(self, llm: EngineClient, server: DrainingServer) -> None:
+    def __init__(self, llm: "EngineClient | ModelRegistry", server: DrainingServer) -> None:
         self.error: BaseException | None = None  # what stopped the engine, once it did
         self._llm = llm
         self._server = server
@@ -144,7 +195,8 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, 
             guardrails = load_guardrails(settings.guardrails_file)
         except GuardrailsConfigError as exc:
             raise SystemExit(f"pagoda serve: {settings.guardrails_file}: {exc}") from None
-    return {"served_model_name": settings.served_model_name or Path(config.model).name,
+    names = settings.served_model_names
+    return {"served_model_name": names[0] if names else settings.served_model_name or Path(config.model).name,
             "model_path": config.model, "tenants": tenants, "guardrails": guardrails}
 
 
@@ -218,3 +270,19 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
         f"  features   {', '.join(features) or 'none'}",
         f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)",
     ])
+
+
+def models_banner(models_file: "ModelsFile", registry: "ModelRegistry", settings: ServerSettings) -> str:
+    """One block at start for --models: each model, its names, engines and fallbacks; the routes."""
+    lines = [f"pagoda serve is ready: {len(registry)} models from {models_file.path}"]
+    for model in registry:
+        names = ", ".join(model.names)
+        fallbacks = ", ".join(target.label for target in model.fallbacks) or "none"
+        lines.append(f"  {names:<24} {model.model_path}: {model.llm.transport}, context {model.llm.max_model_len}, "
+                     f"max seqs {model.llm.config.max_num_seqs}, fallbacks {fallbacks}")
+    for route in registry.routes:
+        lines.append(f"  route {route.name}: {len(route.rules)} rules -> "
+                     f"{', '.join(dict.fromkeys(rule.model for rule in route.rules))}")
+    lines.append(f"  listening  http://{settings.host}:{settings.port}/v1 "
+                 f"(shutdown drains for {settings.shutdown_timeout:g} s)")
+    return "\n".join(lines)

@@ -44,6 +44,28 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
+class ServerLogs:
+    """What every model of one server writes to: the request log, the prompt log
+    (--log-prompts, a listener of the request log) and the span exporter (--otlp-traces-endpoint)."""
+    request_log: RequestLogger
+    prompt_log: PromptLog | None = None
+    tracer: RequestTracer | None = None
+
+    @classmethod
+    def create(cls, settings: ServerSettings) -> "ServerLogs":
+        logs = cls(RequestLogger())
+        if settings.log_prompts:
+            logs.prompt_log = PromptLog.from_settings(
+                str(settings.prompt_log_directory),
+                1.0 if settings.prompt_log_sample is None else settings.prompt_log_sample,
+                settings.prompt_log_retention_s, settings.guardrails)
+            logs.request_log.add_listener(logs.prompt_log.record)
+        if settings.otlp_traces_endpoint is not None:
+            logs.tracer = RequestTracer.otlp(settings.otlp_traces_endpoint)
+        return logs
+
+
+@dataclass
 class ServeContext:
     llm: EngineClient
     settings: ServerSettings
@@ -54,35 +76,40 @@ class ServeContext:
     guard: ServerGuard | None = None  # --guardrails
     prompt_log: PromptLog | None = None  # --log-prompts
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    aliases: tuple[str, ...] = ()  # more names clients may call the model by
 
     @classmethod
-    def create(cls, llm: EngineClient, settings: ServerSettings) -> "ServeContext":
+    def create(cls, llm: EngineClient, settings: ServerSettings, *,
+               limiter: TenantLimiter | None = None, logs: ServerLogs | None = None,
+               aliases: tuple[str, ...] = ()) -> "ServeContext":
+        """One model's context; the models of one server share `limiter` (tenant limits are
+        the server's) and `logs`."""
+        logs = logs or ServerLogs.create(settings)
         ctx = cls(
             llm=llm,
             settings=settings,
-            limiter=TenantLimiter(),
+            aliases=aliases,
+            limiter=limiter or TenantLimiter(),
             admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
                                           settings.latency_targets, max_model_len=llm.max_model_len),
             metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
                                   tenant_labels=settings.metrics_tenant_labels, health=llm.health),
-            request_log=RequestLogger(),
+            request_log=logs.request_log,
+            prompt_log=logs.prompt_log,
+            tracer=logs.tracer,
         )
         if settings.guardrails is not None:  # guardrails hook
             ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
-        if settings.log_prompts:
-            ctx.prompt_log = PromptLog.from_settings(
-                str(settings.prompt_log_directory),
-                1.0 if settings.prompt_log_sample is None else settings.prompt_log_sample,
-                settings.prompt_log_retention_s, settings.guardrails)
-            ctx.request_log.add_listener(ctx.prompt_log.record)
-        if settings.otlp_traces_endpoint is not None:
-            ctx.tracer = RequestTracer.otlp(settings.otlp_traces_endpoint)
         return ctx
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
+
+    def answers_to(self, name: str) -> bool:
+        """Whether `name` is this model's served name or one of its aliases."""
+        return name == self.model_name or name in self.aliases
 
     def check_engine(self) -> None:
         if not self.llm.is_alive:
@@ -165,6 +192,7 @@ class Generation:
     input_decision: Decision | None = None  # the input guardrails' decision, if any
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
     trace_headers: dict[str, str] = field(default_factory=dict)  # the client's traceparent / tracestate
+    route: str | None = None  # how the request reached this model (x-pagoda-route)
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -173,6 +201,9 @@ class Generation:
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
     _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
+    # Read ahead by `first_delta`, and the reader it was read from.
+    _read_ahead: list[tuple[int, RequestOutputDelta]] = field(default_factory=list, init=False)
+    _reader: AsyncIterator[tuple[int, RequestOutputDelta]] | None = field(default=None, init=False)
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -248,9 +279,25 @@ class Generation:
             self.close(500)
             raise
 
+    async def first_delta(self) -> None:
+        """Wait until the first delta arrived, without consuming it (`deltas` yields it first):
+        raises the APIError that failed the request before its first token, while the request
+        can still go elsewhere."""
+        self._reader = self._reader or self._read_deltas()
+        async for item in self._reader:
+            self._read_ahead.append(item)
+            return
+
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """(prompt index, what it gained) as they arrive, until every prompt is finished.
         `latest[i]` is prompt i's whole output so far, already including the delta."""
+        reader = self._reader or self._read_deltas()
+        while self._read_ahead:
+            yield self._read_ahead.pop(0)
+        async for item in reader:
+            yield item
+
+    async def _read_deltas(self) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         wake = self._wake
         metrics = self.ctx.metrics
         while not all(self.finals):
@@ -363,6 +410,8 @@ class Generation:
         if self.lora_request is not None:
             record.extra["lora_adapter"] = self.lora_request.lora_name
             record.extra["base_model"] = self.ctx.model_name
+        if self.route is not None:
+            record.extra["route"] = self.route
         return record
 
 

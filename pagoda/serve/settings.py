@@ -52,8 +52,16 @@ class ServerSettings:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name clients use (default: the model directory's name)"})
+    served_model_names: list[str] = field(default_factory=list, metadata={
+        "flag": "--served-model-name", "metavar": "NAME",
+        "help": "model names clients use: the first is the one answers carry, every one answers "
+                "(default: the model directory's name)"})
+    models_file: str | None = field(default=None, metadata={
+        "flag": "--models", "metavar": "FILE",
+        "help": "YAML file of several models to serve (each with its own engines, aliases and "
+                "fallbacks) and the routes that pick one per request; the engine and replica "
+                "flags are every model's defaults"})
+    served_model_name: str | None = None  # the first of --served-model-name, or set at launch
     api_key: str | None = field(default=None, metadata={
         "help": "require this key (Authorization: Bearer KEY); one tenant"})
     api_keys: str | None = field(default=None, metadata={

@@ -29,6 +29,10 @@ LoRA adapters: a tenant that lists `adapters` may use exactly those (and the bas
 adapter listed by any tenant belongs to the tenants listing it, and every other tenant gets a
 404 model_not_found for it, as if it did not exist. Adapters no tenant lists are open to all.
 An admin key without a list of its own may use every adapter (the operator's view).
+
+Several models (`pagoda serve --models FILE`): a tenant that lists `models` may use exactly
+those (by name, alias or route); others answer as if they did not exist. `allow_fallback: false`
+keeps a tenant's requests on the model they name: no fallback to another model or endpoint.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class Tenant:
     admin: bool = False
     # LoRA adapters this tenant may use; None: those no tenant claims (an admin: all).
     adapters: frozenset[str] | None = None
+    # Models (served names, aliases or routes) this tenant may use; None: every one.
+    models: frozenset[str] | None = None
+    allow_fallback: bool = True  # its requests may be answered by a model's fallbacks
 
     @property
     def cache_salt(self) -> str:
@@ -188,14 +195,23 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         if adapters is not None and (not isinstance(adapters, list)
                                      or not all(isinstance(a, str) and a for a in adapters)):
             raise ValueError(f"tenant {name!r}: adapters must be a list of LoRA adapter names")
+        models = spec.pop("models", None)
+        if models is not None and (not isinstance(models, list)
+                                   or not all(isinstance(m, str) and m for m in models)):
+            raise ValueError(f"tenant {name!r}: models must be a list of model names")
+        allow_fallback = spec.pop("allow_fallback", True)
+        if not isinstance(allow_fallback, bool):
+            raise ValueError(f"tenant {name!r}: allow_fallback must be true or false, got {allow_fallback!r}")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: adapters, admin, api_keys, cache_scope, "
+                             f"known: adapters, admin, allow_fallback, api_keys, cache_scope, models, "
                              f"{', '.join(sorted(_LIMIT_FIELDS))}")
         try:
             tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin,
-                            adapters=frozenset(adapters) if adapters is not None else None)
+                            adapters=frozenset(adapters) if adapters is not None else None,
+                            models=frozenset(models) if models is not None else None,
+                            allow_fallback=allow_fallback)
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:

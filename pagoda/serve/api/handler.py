@@ -107,16 +107,29 @@ class GenerationEndpoint(ABC, Generic[Body]):
                  choices: list[Any]) -> pydantic.BaseModel:
         """The non-streamed body around `choices`."""
 
-    async def handle(self, ctx: ServeContext, raw: Request, request: Body,
-                     tenant: Tenant) -> Response:
+    async def handle(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
+                     route: str | None = None, await_first_token: bool = False) -> Response:
+        """Answer `request` with `ctx`'s model. `route`: how it got there (logged).
+        `await_first_token`: answer nothing until the first token arrived, so that a failure
+        before it raises its APIError (the request may go to a fallback) instead of ending a
+        started answer."""
         started = time.perf_counter()
         try:
-            generation = await self._start(ctx, raw, request, tenant)
+            generation = await self._start(ctx, raw, request, tenant, route=route)
         except APIError as exc:
             ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
             raise
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if await_first_token:
+            try:
+                await cancel_on_disconnect(raw, generation.first_delta())
+            except APIError as exc:
+                generation.close(exc.status, exc)
+                raise
+            except ClientDisconnected:
+                generation.close(CLIENT_CLOSED_REQUEST)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         created = int(time.time())
         stream_body = None
         if request.stream:
@@ -131,7 +144,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
             body=lambda choices: self.response(ctx, generation, request, created, choices)))
 
     async def _start(self, ctx: ServeContext, raw: Request, request: Body,
-                     tenant: Tenant) -> Generation:
+                     tenant: Tenant, route: str | None = None) -> Generation:
         """Check, admit, prepare and submit the request; raises the APIError refusing it."""
         lora_request = resolve_model(ctx, request.model, tenant)
         check_fields(request, self.name)
@@ -155,7 +168,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                 prepared.prompts, prepared.params, stream=request.stream,
                                 admission=admission,
                                 input_decision=input_decision,  # guardrails hook
-                                lora_request=lora_request,
+                                lora_request=lora_request, route=route,
                                 trace_headers=trace_headers(raw.headers))
         # Submitting a batch of prompts takes engine round trips: a client that leaves
         # meanwhile must not leave its prompts running (start closes and aborts on cancel).

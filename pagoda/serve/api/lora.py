@@ -37,7 +37,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def resolve_model(ctx: ServeContext, model: str | None, tenant: Tenant) -> LoRARequest | None:
     """The adapter a request's `model` names (None: the base model); 404 for anything else."""
-    if model is None or model == ctx.model_name:
+    if model is None or ctx.answers_to(model):
         return None
     if model in ctx.llm.lora_names and ctx.settings.tenants.may_use_adapter(tenant, model):
         return LoRARequest(model)

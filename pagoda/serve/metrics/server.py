@@ -309,9 +309,11 @@ class ServerMetrics:
         if scheduled is not None and finished is not None:
             self._inference_child.observe(max(finished - scheduled, 0.0))
 
+    def rendered_registries(self) -> list[CollectorRegistry]:
+        """What /metrics renders, in order (a server of several models merges each model's)."""
+        return [self._public_registry] + ([self._compat_registry] if self._compat_registry is not None else [])
+
     def render(self) -> tuple[bytes, str]:
         """The /metrics body (tenant-scoped label values emptied unless tenant_labels)."""
-        body = generate_latest(self._public_registry)
-        if self._compat_registry is not None:
-            body += generate_latest(self._compat_registry)
+        body = b"".join(generate_latest(registry) for registry in self.rendered_registries())
         return body, CONTENT_TYPE_LATEST
