@@ -122,7 +122,7 @@ class EngineDeathWatch:
 
 def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, object]:
     """The settings launch builds from the flags: the served model's name and path, the tenants
-    (--api-key or --api-keys) and the loaded guardrails; SystemExit for a bad file."""
+    (--api-key or --api-keys), the loaded guardrails and price table; SystemExit for a bad file."""
     from pagoda.serve.admission.tenants import TenantRegistry
 
     if settings.api_key and settings.api_keys:
@@ -144,8 +144,17 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, 
             guardrails = load_guardrails(settings.guardrails_file)
         except GuardrailsConfigError as exc:
             raise SystemExit(f"pagoda serve: {settings.guardrails_file}: {exc}") from None
-    return {"served_model_name": settings.served_model_name or Path(config.model).name,
-            "model_path": config.model, "tenants": tenants, "guardrails": guardrails}
+    served_model_name = settings.served_model_name or Path(config.model).name
+    prices = None
+    if settings.price_table:
+        from pagoda.serve.cost import PriceTableError, load_price_table
+
+        try:
+            prices = load_price_table(settings.price_table, [served_model_name])
+        except PriceTableError as exc:
+            raise SystemExit(f"pagoda serve: {settings.price_table}: {exc}") from None
+    return {"served_model_name": served_model_name, "model_path": config.model, "tenants": tenants,
+            "guardrails": guardrails, "prices": prices}
 
 
 def max_num_seqs_line(llm: EngineClient) -> str:

@@ -16,6 +16,7 @@ from pagoda.serve.admission.tenants import TenantRegistry
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
+    from pagoda.serve.cost import PriceTable
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
@@ -105,6 +106,10 @@ class ServerSettings:
         "help": "open client connections at once; one more gets 503 and is closed (default: "
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
+    price_table: str | None = field(default=None, metadata={
+        "metavar": "FILE", "help": "YAML or JSON prices per served model (USD per 1K prompt, cached-prompt "
+                                   "and completion tokens): each request's cost in the request log, "
+                                   "pagoda:cost_usd_total and the dashboard (default: token counts only)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -112,6 +117,7 @@ class ServerSettings:
     guardrails: GuardrailsConfig | None = None  # --guardrails FILE, loaded
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     latency_targets: LatencyTargets = field(init=False)  # from --target-ttft-ms / --target-itl-ms
+    prices: PriceTable | None = None  # --price-table FILE, loaded
 
     def __post_init__(self) -> None:
         check_choices(self)
