@@ -6,6 +6,9 @@ the dashboard's cost per tenant; without a table, token counts only."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -80,6 +83,19 @@ def test_bad_table_file_exits_at_startup_with_one_line(tmp_path: Path) -> None:
     good.write_text(json.dumps(PRICES))
     prices = built_settings(ServerSettings(price_table=str(good)), config)["prices"]
     assert prices == load_price_table(good, [MODEL_NAME])
+
+
+def test_serve_refuses_a_bad_table_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "prices.yaml"
+    bad.write_text("models:\n  some-model: {prompt: 0.1, completion: 1, per_image: 2}\n")
+    model = tmp_path / "some-model"
+    model.mkdir()
+    done = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", "1",
+                           "--price-table", str(bad)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "models.some-model.per_image: unknown field" in lines[0], done.stderr
 
 
 def wait_for_record(records: list[RequestLogRecord], request_id: str) -> RequestLogRecord:

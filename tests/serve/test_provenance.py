@@ -220,25 +220,23 @@ def test_route_of_a_batch_and_the_bounded_book() -> None:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("provenance_dp")
+    rules = root / "rules.yaml"
+    rules.write_text("default: chat\nrules:\n  - {pool: long, min_prompt_tokens: 40}\n")
     live = start_server(build_tiny_model(root / "model"), transport="thread",
-                        deployment={"data_parallel_size": 2, "restart": False})
+                        deployment={"data_parallel_size": 2, "restart": False,
+                                    "replica_pools": "chat=1,long=1", "route_rules": str(rules)})
     yield live
     live.stop()
 
 
-def test_replica_request_names_its_replica(replicas: LiveServer) -> None:
-    seen = set()
+def test_replica_request_names_its_pool_and_replica(replicas: LiveServer) -> None:
     records: list[RequestLogRecord] = []
     replicas.app.state.ctx.request_log.add_listener(records.append)
-    for i in range(4):
-        prompt = f"request {i} " * (i + 1)
+    for prompt, pool, replica in (([7] * 8, "chat", "0"), ([7] * 60, "long", "1"), ([9] * 4, "chat", "0")):
         response = httpx.post(replicas.base_url + "/completions", timeout=60, json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0})
         assert response.status_code == 200
         provenance = admin_record(replicas, response.headers[HEADER], key=None).json()
-        assert provenance["route"]["model"] == MODEL_NAME and provenance["route"]["pool"] is None
-        assert provenance["route"]["replica"] in ("0", "1")
-        record = record_of(records, response.headers[HEADER])
-        assert record.provenance == provenance
-        seen.add(provenance["route"]["replica"])
-    assert seen  # the router may send all four to one replica; each names the one that served it
+        assert provenance["route"] == {"model": MODEL_NAME, "pool": pool, "replica": replica,
+                                       "fallback": None, "canary": None}
+        assert record_of(records, response.headers[HEADER]).provenance == provenance
