@@ -161,8 +161,10 @@ def provenance(client: httpx.Client, target: Target, provenance_id: str) -> dict
     try:
         record = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
+        record = None
+    if not isinstance(record, dict):
         return {"id": provenance_id, "unavailable": "malformed provenance record"}
-    return record if isinstance(record, dict) else {"id": provenance_id, "unavailable": "malformed provenance record"}
+    return record
 
 
 def stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any],

@@ -52,8 +52,8 @@ def gate_markdown(report: dict[str, Any]) -> str:
     provenance = provenance_rows(report)
     if provenance:
         lines += ["", "### Provenance", "", "| | baseline | candidate |", "|---|---|---|"]
-        lines += [f"| {'**' + name + '**' if base != cand else name} | {_md_escape(base)} | {_md_escape(cand)} |"
-                  for name, base, cand in provenance]
+        lines += [f"| {f'**{name}**' if base != cand else name} | {_md_escape(base)} | "
+                  f"{_md_escape(cand)} |" for name, base, cand in provenance]
     notes = [n for s in report["sections"].values() for n in s["notes"]]
     if notes:
         lines += ["", "### Notes", ""] + [f"- {_md_escape(n)}" for n in notes]

@@ -88,7 +88,8 @@ def parse_price_table(data: Any, served_models: Iterable[str]) -> PriceTable:
             raise PriceTableError(f"{where} must be a mapping of {', '.join(_PRICE_FIELDS)}")
         for field_name in entry:
             if field_name not in _PRICE_FIELDS:
-                raise PriceTableError(f"{where}.{field_name}: unknown field (known: {', '.join(_PRICE_FIELDS)})")
+                raise PriceTableError(f"{where}.{field_name}: unknown field "
+                                      f"(known: {', '.join(_PRICE_FIELDS)})")
         for required in ("prompt", "completion"):
             if required not in entry:
                 raise PriceTableError(f"{where}.{required} is missing")

@@ -206,6 +206,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
         ("latency targets", settings.latency_targets.enabled),
         ("vllm: metric names", settings.metrics_compat == "vllm"),
         ("guardrails", settings.guardrails is not None),
+        ("cost by --price-table", settings.prices is not None),
         (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
          f"{', runtime loading' if settings.allow_runtime_lora else ''}: "
          f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),

@@ -154,7 +154,8 @@ def test_streamed_chat_carries_the_header(setup) -> None:
     record = record_of(records, provenance_id)
     assert record.stream and record.endpoint == "chat"
     assert record.provenance is not None and record.provenance["id"] == provenance_id
-    assert record.provenance["chat_template_digest"] == expected_model_fields(server, model)["chat_template_digest"]
+    expected = expected_model_fields(server, model)
+    assert record.provenance["chat_template_digest"] == expected["chat_template_digest"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
