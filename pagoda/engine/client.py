@@ -16,6 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
+from pagoda.engine.request_stream import StreamRoute
 from pagoda.engine.transport import EngineDeadError
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import OutputAccumulator, RequestOutput, RequestOutputDelta
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
     from pagoda.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineStream", "RequestOptions", "generate_outputs"]
+__all__ = ["EngineClient", "EngineDeadError", "EngineStream", "RequestOptions", "StreamRoute",
+           "generate_outputs"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EngineStream(Protocol):
 
     request_id: str
     finished: bool  # the finishing delta has been read
+    route: StreamRoute | None  # the replica serving it now; None behind one engine
 
     def poll(self) -> RequestOutputDelta | None:
         """What the request gained since the last read, or None; raises if it failed."""

@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagoda.engine.step_output import HandoffOutcome
 from pagoda.outputs import RequestOutputDelta
+
+
+@dataclass(frozen=True)
+class StreamRoute:
+    """Where a replica router sent a request: the replica's label and its pool tag."""
+
+    replica: str
+    pool: str | None = None
 
 
 class PolledStream:
@@ -22,6 +31,7 @@ class PolledStream:
 
     _ready: asyncio.Event
     finished: bool
+    route: StreamRoute | None = None  # None: one engine, nothing routed
 
     def poll(self) -> RequestOutputDelta | None:
         raise NotImplementedError

@@ -13,6 +13,7 @@ import httpx
 from pagoda.http_client.sse import iter_sse_events
 from pagoda.ops.suite import BadRequestCase, SuiteCase
 from pagoda.ops.target import Target
+from pagoda.serve.provenance import HEADER as PROVENANCE_HEADER
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Completion:
     usage: dict[str, Any] | None = None
     error: str | None = None
     body: dict[str, Any] | None = None
+    provenance_id: str | None = None  # pagoda's x-pagoda-provenance header
 
     @property
     def ok(self) -> bool:
@@ -140,9 +142,29 @@ def complete(client: httpx.Client, target: Target, case: SuiteCase,
     if response.status_code != 200:
         return Completion(response.status_code, error=error_message(response))
     try:
-        return _parse_completion(response.json(), case.is_chat)
+        result = _parse_completion(response.json(), case.is_chat)
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
         return Completion(200, error=f"malformed response: {exc}")
+    result.provenance_id = response.headers.get(PROVENANCE_HEADER)
+    return result
+
+
+def provenance(client: httpx.Client, target: Target, provenance_id: str) -> dict[str, Any]:
+    """What served the request `provenance_id` names (GET /admin/provenance/ID: the server's
+    operator key, or an open server); the id alone, and why, when the server does not say."""
+    try:
+        response = client.get(target.url(f"/admin/provenance/{provenance_id}"), headers=target.headers())
+    except httpx.HTTPError as exc:
+        return {"id": provenance_id, "unavailable": f"{type(exc).__name__}: {exc}"}
+    if response.status_code != 200:
+        return {"id": provenance_id, "unavailable": f"HTTP {response.status_code}: {error_message(response)}"}
+    try:
+        record = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        record = None
+    if not isinstance(record, dict):
+        return {"id": provenance_id, "unavailable": "malformed provenance record"}
+    return record
 
 
 def stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any],

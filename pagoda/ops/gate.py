@@ -16,7 +16,7 @@ import httpx
 from tqdm import tqdm
 
 from pagoda.ops import contract, latency
-from pagoda.ops.calls import Completion, Tokenized, complete, tokenize
+from pagoda.ops.calls import Completion, Tokenized, complete, provenance, tokenize
 from pagoda.ops.policy import Rule, RuleResult, evaluate
 from pagoda.ops.schema_check import validate_text
 from pagoda.ops.suite import Suite, SuiteCase
@@ -37,6 +37,8 @@ class SideResult:
     contract_failures: list[str] = field(default_factory=list)
     bad_statuses: dict[str, int] = field(default_factory=dict)
     no_tokenize: bool = False  # the server answered 404/405/501 to /tokenize
+    # What served its answers (pagoda's provenance record of one of them); None: not reported.
+    provenance: dict[str, Any] | None = None
 
     @property
     def has_tokenize(self) -> bool:
@@ -87,6 +89,9 @@ def collect_side(client: httpx.Client, target: Target, suite: Suite, *,
                 side.structured[case.id] = complete(client, target, case,
                                                     structured_request(case), logprobs=False)
                 bar.update(1)
+        served = next((c.provenance_id for c in side.greedy.values() if c.provenance_id), None)
+        if served is not None:
+            side.provenance = provenance(client, target, served)
         for case in suite.cases:
             tokenized = side.tokenized[case.id]
             side.contract_failures += contract.usage_failures(
@@ -307,6 +312,8 @@ class GateResult:
     sections: dict[str, Comparison]
     rules: list[RuleResult]
     duration_s: float
+    # Each side's provenance record ("baseline", "candidate"), None for a server without one.
+    provenance: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -323,6 +330,7 @@ class GateResult:
                       "bad_requests": len(self.suite.bad_requests)},
             "duration_s": round(self.duration_s, 2),
             "rules": [r.to_json() for r in self.rules],
+            "provenance": self.provenance,
             "sections": {name: {"metrics": s.metrics, "evidence": s.evidence, "notes": s.notes,
                                 "details": s.details} for name, s in self.sections.items()},
         }
@@ -351,4 +359,5 @@ def run_gate(baseline: Target, candidate: Target, suite: Suite, rules: list[Rule
     noise = ({f"latency.{m}_ratio": summary["noise"][m] for m in latency.METRICS}
              if summary else {})
     results = evaluate(rules, metrics, evidence, noise)
-    return GateResult(baseline, candidate, suite, sections, results, time.monotonic() - start)
+    return GateResult(baseline, candidate, suite, sections, results, time.monotonic() - start,
+                      provenance={"baseline": base.provenance, "candidate": cand.provenance})

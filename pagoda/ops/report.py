@@ -49,10 +49,34 @@ def gate_markdown(report: dict[str, Any]) -> str:
         for rule in failing:
             lines.append(f"- **{rule['metric']}**")
             lines += [f"  - {_md_escape(e)}" for e in rule["evidence"]]
+    provenance = provenance_rows(report)
+    if provenance:
+        lines += ["", "### Provenance", "", "| | baseline | candidate |", "|---|---|---|"]
+        lines += [f"| {f'**{name}**' if base != cand else name} | {_md_escape(base)} | "
+                  f"{_md_escape(cand)} |" for name, base, cand in provenance]
     notes = [n for s in report["sections"].values() for n in s["notes"]]
     if notes:
         lines += ["", "### Notes", ""] + [f"- {_md_escape(n)}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def provenance_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(field, baseline, candidate) of the two sides' provenance records (the route's fields as
+    route.*); empty when neither side reported one."""
+    sides = report.get("provenance") or {}
+    if not any(sides.values()):
+        return []
+
+    def flat(record: dict[str, Any] | None) -> dict[str, str]:
+        if record is None:
+            return {"id": "not reported"}
+        fields = {k: v for k, v in record.items() if k != "route"}
+        fields.update({f"route.{k}": v for k, v in (record.get("route") or {}).items()})
+        return {k: _fmt(v) for k, v in fields.items()}
+
+    base, cand = flat(sides.get("baseline")), flat(sides.get("candidate"))
+    names = list(dict.fromkeys([*base, *cand]))
+    return [(name, base.get(name, "–"), cand.get(name, "–")) for name in names]
 
 
 def _bar_chart(title: str, groups: dict[str, dict[str, float | None]],
@@ -152,6 +176,8 @@ def gate_html(report: dict[str, Any]) -> str:
                 for k, v in bad.items()]
     notes = "".join(f"<li>{esc(n)}</li>" for s in report["sections"].values()
                     for n in s["notes"])
+    provenance = [[f"<b>{esc(name)}</b>" if base != cand else esc(name), esc(base), esc(cand)]
+                  for name, base, cand in provenance_rows(report)]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>pagoda gate: {verdict}</title>
 <style>{HTML_STYLE}</style></head><body>
 <h1>pagoda gate: <span class="{'pass' if report['passed'] else 'fail'}">{verdict}</span></h1>
@@ -163,6 +189,7 @@ suite {esc(report['suite']['name'])}: {report['suite']['cases']} cases,
 <h2>Latency</h2>{_latency_plots(report['sections']['latency']['details'])}
 <h2>Outputs per case</h2>{_table(['case', 'tags', 'exact match', 'first divergence', 'max |Δ logprob|'], case_rows)}
 <h2>Bad requests (HTTP status)</h2>{_table(['case', 'expected', 'baseline', 'candidate'], bad_rows)}
+<h2>Provenance</h2>{_table(['', 'baseline', 'candidate'], provenance) if provenance else '<p>neither server reports provenance</p>'}
 <h2>All metrics</h2>{_table(['section', 'metric', 'value'], metrics_rows)}
 <h2>Notes</h2><ul>{notes or '<li>none</li>'}</ul>
 </body></html>

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from pagoda.engine.request_stream import PolledStream, RequestStream
+from pagoda.engine.request_stream import PolledStream, RequestStream, StreamRoute
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import RequestOutputDelta
 from pagoda.replicas.replica import Flight
@@ -48,6 +48,12 @@ class RoutedStream(PolledStream):
     @property
     def replica(self) -> int:
         return self.flight.replica.index
+
+    @property
+    def route(self) -> StreamRoute:  # type: ignore[override]
+        """The replica serving the request now (failover moves it)."""
+        replica = self.flight.replica
+        return StreamRoute(replica.label, replica.pool)
 
     def poll(self) -> RequestOutputDelta | None:
         """What the request gained since the last read, or None; raises if it failed."""

@@ -171,6 +171,19 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
                           "health": registry.health(), "max_num_seqs": llm.config.max_num_seqs,
                           "max_model_len": llm.max_model_len}), ctx.request_log)
 
+    @app.get("/admin/provenance/{provenance_id}")
+    async def provenance(provenance_id: str, request: Request) -> Response:
+        # What served a recent request (the id is its x-pagoda-provenance header): admin keys only.
+        tenant = _authenticate(ctx, request)
+        if not (tenant.admin or settings.tenants.open_access):
+            raise APIError(403, "Only admin keys may read provenance records.", type="permission_error",
+                           code="admin_required")
+        record = ctx.provenance.find(provenance_id)
+        if record is None:
+            raise APIError(404, f"No recent request has the provenance id {provenance_id!r} (the request "
+                                "log holds every record).", type="not_found_error")
+        return JSONResponse(record.as_dict())
+
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         tenant = _authenticate(ctx, request)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagoda.serve.drain import DrainingServer
     from pagoda.serve.model_registry import ModelRegistry
     from pagoda.serve.models_file import ModelsFile
+    from pagoda.serve.cost import PriceTable
 
 # How often --no-restart looks whether an engine is left.
 DEATH_WATCH_INTERVAL_S = 0.2
@@ -90,6 +91,8 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
         models_file = load_models_file(settings.models_file)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
+    settings = dataclasses.replace(settings, prices=_price_table(
+        settings, [entry.name for entry in models_file.models]))
     served: list[ServedModel] = []
     try:
         for entry in models_file.models:
@@ -173,7 +176,7 @@ class EngineDeathWatch:
 
 def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, object]:
     """The settings launch builds from the flags: the served model's name and path, the tenants
-    (--api-key or --api-keys) and the loaded guardrails; SystemExit for a bad file."""
+    (--api-key or --api-keys), the loaded guardrails and price table; SystemExit for a bad file."""
     from pagoda.serve.admission.tenants import TenantRegistry
 
     if settings.api_key and settings.api_keys:
@@ -196,8 +199,23 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, 
         except GuardrailsConfigError as exc:
             raise SystemExit(f"pagoda serve: {settings.guardrails_file}: {exc}") from None
     names = settings.served_model_names
-    return {"served_model_name": names[0] if names else settings.served_model_name or Path(config.model).name,
-            "model_path": config.model, "tenants": tenants, "guardrails": guardrails}
+    served_model_name = names[0] if names else settings.served_model_name or Path(config.model).name
+    return {"served_model_name": served_model_name, "model_path": config.model, "tenants": tenants,
+            "guardrails": guardrails,
+            "prices": _price_table(settings, [served_model_name]) if settings.models_file is None else None}
+
+
+def _price_table(settings: ServerSettings, served_models: list[str]) -> "PriceTable | None":
+    """--price-table, loaded and checked against the served model names (one line and exit
+    when it is malformed)."""
+    if not settings.price_table:
+        return None
+    from pagoda.serve.cost import PriceTableError, load_price_table
+
+    try:
+        return load_price_table(settings.price_table, served_models)
+    except PriceTableError as exc:
+        raise SystemExit(f"pagoda serve: {settings.price_table}: {exc}") from None
 
 
 def max_num_seqs_line(llm: EngineClient) -> str:
@@ -249,6 +267,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
         ("latency targets", settings.latency_targets.enabled),
         ("vllm: metric names", settings.metrics_compat == "vllm"),
         ("guardrails", settings.guardrails is not None),
+        ("cost by --price-table", settings.prices is not None),
         (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
          f"{', runtime loading' if settings.allow_runtime_lora else ''}: "
          f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),

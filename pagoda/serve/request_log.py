@@ -55,6 +55,9 @@ class RequestLogRecord:
     prompt: str | list[str] | None = None
     output: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # What served the request (serve/provenance.py), once it reached the engine.
+    provenance: dict[str, object] | None = None
+    cost_usd: float | None = None  # by --price-table; None without one
 
 
 class RequestLogger:
@@ -82,6 +85,8 @@ class RequestLogger:
         for key in ("queue_time_s", "ttft_s", "e2e_s"):
             if fields[key] is not None:
                 fields[key] = round(fields[key], 6)
+        if fields["cost_usd"] is not None:  # a short request costs millionths of a dollar
+            fields["cost_usd"] = round(fields["cost_usd"], 12)
         line = json.dumps({k: v for k, v in fields.items() if v is not None},
                           ensure_ascii=False, separators=(",", ":"))
         self.logger.info(line)

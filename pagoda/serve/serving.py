@@ -31,9 +31,11 @@ from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
+from pagoda.serve.metrics.cost import CostCounter
 from pagoda.serve.metrics.server import ServerMetrics
 from pagoda.serve.api.protocol import PromptTokensDetails, Usage
 from pagoda.serve.prompt_log import PromptLog
+from pagoda.serve.provenance import ModelProvenance, Provenance, ProvenanceBook
 from pagoda.serve.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
@@ -73,9 +75,11 @@ class ServeContext:
     admission: AdmissionController
     metrics: ServerMetrics
     request_log: RequestLogger
+    provenance: ProvenanceBook
     guard: ServerGuard | None = None  # --guardrails
     prompt_log: PromptLog | None = None  # --log-prompts
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    cost: CostCounter | None = None  # --price-table
     aliases: tuple[str, ...] = ()  # more names clients may call the model by
 
     @classmethod
@@ -98,7 +102,14 @@ class ServeContext:
             request_log=logs.request_log,
             prompt_log=logs.prompt_log,
             tracer=logs.tracer,
+            provenance=ProvenanceBook(ModelProvenance.of(
+                llm, settings.served_model_name, guardrails=settings.guardrails is not None,
+                guardrails_file=settings.guardrails_file)),
         )
+        for name, path in llm.config.lora_module_paths():  # --lora-modules, loaded with the engine
+            ctx.provenance.adapter_loaded(name, path)
+        if settings.prices is not None:
+            ctx.cost = CostCounter(ctx.metrics.registry)
         if settings.guardrails is not None:  # guardrails hook
             ctx.guard = ServerGuard(settings.guardrails, ctx.metrics.registry, ctx.model_name)
         return ctx
@@ -200,6 +211,8 @@ class Generation:
     _itl_marks: list[tuple[float, int] | None] = field(default_factory=list, init=False)
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _closed: bool = field(default=False, init=False)
+    # Recorded once the prompts are submitted (the route is known), again at close.
+    provenance: Provenance | None = field(default=None, init=False)
     _output_guard: GenerationOutputGuard | None = field(default=None, init=False)
     # Read ahead by `first_delta`, and the reader it was read from.
     _read_ahead: list[tuple[int, RequestOutputDelta]] = field(default_factory=list, init=False)
@@ -259,6 +272,7 @@ class Generation:
                     self.latest.append(None)
                     self.finals.append(None)
                     self._itl_marks.append(None)
+            self._record_provenance()
             for outcome in submitted:
                 if isinstance(outcome, InvalidRequest):
                     raise invalid_request(outcome, param_names) from None
@@ -356,6 +370,8 @@ class Generation:
                     ctx.metrics.record_finished("abort", None)
         usage = self.usage() if self.streams else None
         self.admission.release(usage.total_tokens if usage else 0)
+        if self.streams:  # a failover may have moved a prompt since it was submitted
+            self._record_provenance()
         if error is not None:
             ctx.metrics.record_rejected(rejection_reason(error))
             error.recorded = True
@@ -368,7 +384,7 @@ class Generation:
         outputs = [o for o in self.latest if o is not None]
         return RequestTrace(
             request_id=self.request_id,
-            provenance_id=self.request_id,  # the request's provenance id, once it has one
+            provenance_id=self.provenance.id if self.provenance is not None else self.request_id,
             endpoint=self.endpoint, model=self.model_name, tenant=self.tenant.name,
             status=record.status, params=self.params, arrival_time=self.arrival_time,
             end_time=time.time(), timings=[o.metrics for o in outputs if o.metrics is not None],
@@ -412,7 +428,27 @@ class Generation:
             record.extra["base_model"] = self.ctx.model_name
         if self.route is not None:
             record.extra["route"] = self.route
+        if self.provenance is not None:
+            record.provenance = self.provenance.as_dict()
+        record.cost_usd = self._charge(usage)
         return record
+
+    def _record_provenance(self) -> None:
+        adapter = self.lora_request.lora_name if self.lora_request is not None else None
+        self.provenance = self.ctx.provenance.record(self.request_id, adapter,
+                                                     [stream.route for stream in self.streams])
+
+    def _charge(self, usage: Usage | None) -> float | None:
+        """The request's cost by --price-table, counted in the cost metric (None without a
+        table, or for a model it does not price). An adapter runs at its base model's price."""
+        prices = self.ctx.settings.prices
+        if prices is None or usage is None:
+            return None
+        cost = prices.cost(self.ctx.model_name, usage.prompt_tokens, usage.completion_tokens,
+                           usage.prompt_tokens_details.cached_tokens)
+        if cost is not None and self.ctx.cost is not None:
+            self.ctx.cost.add(self.ctx.model_name, self.tenant.name, cost)
+        return cost
 
 
 def _finish_reason(output: RequestOutput) -> str:

@@ -24,6 +24,7 @@ HttpParser = Literal["auto", "httptools", "h11"]
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
+    from pagoda.serve.cost import PriceTable
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 512
@@ -160,6 +161,10 @@ class ServerSettings:
     responses_store_ttl: float = field(default=DEFAULT_RESPONSES_STORE_TTL_S, metadata={
         "help": "seconds a stored response is kept (default: "
                 f"{DEFAULT_RESPONSES_STORE_TTL_S:g})"})
+    price_table: str | None = field(default=None, metadata={
+        "metavar": "FILE", "help": "YAML or JSON prices per served model (USD per 1K prompt, cached-prompt "
+                                   "and completion tokens): each request's cost in the request log, "
+                                   "pagoda:cost_usd_total and the dashboard (default: token counts only)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -168,6 +173,7 @@ class ServerSettings:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     latency_targets: LatencyTargets = field(init=False)  # from --target-ttft-ms / --target-itl-ms
     prompt_log_retention_s: float | None = field(init=False)  # --prompt-log-retention, parsed
+    prices: PriceTable | None = None  # --price-table FILE, loaded
 
     def __post_init__(self) -> None:
         check_choices(self)

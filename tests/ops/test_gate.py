@@ -17,7 +17,7 @@ from pagoda.cli import main as pagoda_main
 from pagoda.ops.gate import GateResult, run_gate
 from pagoda.ops.latency import LoadProfile
 from pagoda.ops.policy import PolicyError, load_policy, parse_policy
-from pagoda.ops.report import write_reports
+from pagoda.ops.report import gate_markdown, write_reports
 from pagoda.ops.suite import (SuiteError, load_suite, parse_suite, suite_from_request_log,
                               suite_from_text)
 from pagoda.ops.target import Target
@@ -120,6 +120,11 @@ def test_identical_servers_pass(servers: dict[str, LiveServer], suite_file: Path
     assert json.loads(paths[0].read_text())["passed"] is True
     assert "pagoda gate: PASSED" in paths[1].read_text()
     assert paths[2].read_text().startswith("<!doctype html>")
+    # Both sides' provenance (open servers: the gate reads /admin/provenance), the same artifacts.
+    base, twin = result.provenance["baseline"], result.provenance["candidate"]
+    assert base is not None and twin is not None and base["id"] != twin["id"]
+    assert base["weights_digest"] == twin["weights_digest"] and base["route"] == twin["route"]
+    assert "### Provenance" in paths[1].read_text() and "<h2>Provenance</h2>" in paths[2].read_text()
 
 
 def test_chat_template_change_is_caught(servers: dict[str, LiveServer], suite_file: Path) -> None:
@@ -129,6 +134,10 @@ def test_chat_template_change_is_caught(servers: dict[str, LiveServer], suite_fi
     assert chat.status == "fail" and chat.value == 3
     assert "first difference at position" in chat.evidence[0]
     assert "'#'" in chat.evidence[0] or "'##'" in chat.evidence[0]  # both tokens decoded
+    sides = result.provenance
+    assert sides["baseline"]["chat_template_digest"] != sides["candidate"]["chat_template_digest"]
+    assert sides["baseline"]["weights_digest"] == sides["candidate"]["weights_digest"]
+    assert "| **chat_template_digest** |" in gate_markdown(result.to_json())
     assert rule(result, "tokenization.prompt_mismatches").status == "pass"
     outputs = result.sections["outputs"].details["cases"]
     assert all(c["exact"] for c in outputs if not c["id"].startswith(("chat", "json")))

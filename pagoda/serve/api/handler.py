@@ -36,6 +36,7 @@ from pagoda.serve.api.json_body import json_text, model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import SamplingFields
 from pagoda.serve.api.request_fields import check_fields
+from pagoda.serve.provenance import HEADER as PROVENANCE_HEADER
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id, rejection_reason)
 from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
@@ -236,10 +237,11 @@ async def respond(raw: Request, generation: Generation, stream_body: AsyncIterat
     """Send a started generation: as server-sent events when `stream_body` is given, else wait
     for it to finish (aborting it if the client leaves) and send `answer` as JSON: a large
     answer is built and written on a worker thread, so the event loop keeps answering.
-    The generation is closed with the status the client saw."""
+    The generation is closed with the status the client saw. Either answer carries the
+    provenance id (serve/provenance.py) in its headers."""
     if stream_body is not None:
-        return EventStreamResponse(stream_body, on_close=lambda: generation.close(
-            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST))
+        return _with_provenance(generation, EventStreamResponse(stream_body, on_close=lambda: generation.close(
+            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST)))
     try:
         await cancel_on_disconnect(raw, _drain(generation))
         if answer_cells(generation) > LARGE_ANSWER_CELLS:
@@ -256,6 +258,12 @@ async def respond(raw: Request, generation: Generation, stream_body: AsyncIterat
         generation.close(CLIENT_CLOSED_REQUEST)
         raise
     generation.close(200)
+    return _with_provenance(generation, response)
+
+
+def _with_provenance(generation: Generation, response: Response) -> Response:
+    if generation.provenance is not None:
+        response.headers[PROVENANCE_HEADER] = generation.provenance.id
     return response
 
 

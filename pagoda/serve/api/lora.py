@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
@@ -74,6 +76,8 @@ async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapter
         raise invalid_request(error) from None
     except EngineDeadError:
         raise engine_unavailable() from None
+    # The engine read the files it needs: hash them for the requests' provenance.
+    await asyncio.to_thread(ctx.provenance.adapter_loaded, name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -86,4 +90,5 @@ async def unload_lora_adapter(ctx: ServeContext, _: Request, body: UnloadLoRAAda
         raise invalid_request(error) from None
     except EngineDeadError:
         raise engine_unavailable() from None
+    ctx.provenance.adapter_unloaded(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

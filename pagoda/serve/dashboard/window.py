@@ -128,6 +128,7 @@ class TenantRates:
     prompt_tokens: int = 0
     output_tokens: int = 0
     rejected: int = 0
+    cost_usd: float | None = None  # None while no request of the tenant was priced (--price-table)
 
 
 @dataclass
@@ -246,12 +247,14 @@ class DashboardWindow:
             tenant.requests += 1
             tenant.prompt_tokens += record.prompt_tokens
             tenant.output_tokens += record.output_tokens
+            if record.cost_usd is not None:
+                tenant.cost_usd = (tenant.cost_usd or 0.0) + record.cost_usd
         # Rates over the window, or over the server's life while that is shorter.
         span = max(1.0, min(self.window_s, now - self._started))
         return {name: {"requests_per_s": r.requests / span,
                        "tokens_per_s": (r.prompt_tokens + r.output_tokens) / span,
                        "output_tokens_per_s": r.output_tokens / span,
-                       "requests": r.requests, "rejected": r.rejected}
+                       "requests": r.requests, "rejected": r.rejected, "cost_usd": r.cost_usd}
                 for name, r in sorted(rates.items())}
 
     def _timelines(self, visible: Callable[[str | None], bool]) -> list[dict[str, Any]]:

@@ -130,8 +130,10 @@ function drawTenants(snap) {
   document.getElementById("tenants-window").textContent = "last " + snap.window_s + " s";
   for (const [name, t] of Object.entries(snap.tenants)) {
     const row = el("tr", {"data-tenant": name}, body);
+    // The window's cost in USD ("–" without a --price-table).
+    const cost = t.cost_usd === null || t.cost_usd === undefined ? "–" : "$" + t.cost_usd.toFixed(4);
     for (const v of [name, fmt(t.requests_per_s), fmt(t.tokens_per_s), fmt(t.output_tokens_per_s),
-                     t.requests, t.rejected]) el("td", {text: String(v)}, row);
+                     t.requests, t.rejected, cost]) el("td", {text: String(v)}, row);
   }
 }
 
