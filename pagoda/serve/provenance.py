@@ -157,25 +157,29 @@ class ModelProvenance:
 
 @dataclass(frozen=True)
 class RouteTaken:
-    """Where the request went: the model, and the pool and replica that served it (None behind
-    one engine). `fallback` and `canary` are a model-routing layer's, None until one exists."""
+    """Where the request went: the model, the pool and replica that served it (None behind
+    one engine), the route rule that chose the model (`route`) and whether it is a fallback.
+    `canary` stays None until a canary controller exists."""
 
     model: str
     pool: str | None = None
     replica: str | None = None
-    fallback: str | None = None
+    route: str | None = None
+    fallback: bool = False
     canary: str | None = None
 
     @classmethod
-    def of(cls, model: str, routes: Iterable["StreamRoute | None"]) -> "RouteTaken":
+    def of(cls, model: str, routes: Iterable["StreamRoute | None"],
+           label: str | None = None) -> "RouteTaken":
         """The route of a request whose prompts went where `routes` say (a batch's prompts may
-        go to several replicas: their labels are joined)."""
+        go to several replicas: their labels are joined); `label` is its x-pagoda-route
+        (`model:NAME`, `route:ROUTE:NAME` or `fallback:NAME`)."""
+        kind, _, rest = (label or "").partition(":")
+        route = rest.rsplit(":", 1)[0] if kind == "route" else None
         taken = [r for r in routes if r is not None]
-        if not taken:
-            return cls(model)
         pools = sorted({r.pool for r in taken if r.pool is not None})
-        replicas = sorted({r.replica for r in taken}, key=lambda label: (len(label), label))
-        return cls(model, ",".join(pools) or None, ",".join(replicas))
+        replicas = sorted({r.replica for r in taken}, key=lambda name: (len(name), name))
+        return cls(model, ",".join(pools) or None, ",".join(replicas) or None, route, kind == "fallback")
 
 
 @dataclass(frozen=True)
@@ -226,9 +230,10 @@ class ProvenanceBook:
         return self._adapters.get(name)
 
     def record(self, request_id: str, adapter: str | None,
-               routes: Iterable["StreamRoute | None"]) -> Provenance:
-        """The provenance of a request just routed, kept to be found by its id."""
-        provenance = Provenance(request_id, self.model, RouteTaken.of(self.model.model, routes),
+               routes: Iterable["StreamRoute | None"], label: str | None = None) -> Provenance:
+        """The provenance of a request just routed (`label`: its x-pagoda-route), kept to be
+        found by its id."""
+        provenance = Provenance(request_id, self.model, RouteTaken.of(self.model.model, routes, label),
                                 adapter, self.adapter_hash(adapter) if adapter is not None else None)
         with self._lock:
             self._records[request_id] = provenance

@@ -436,7 +436,7 @@ class Generation:
     def _record_provenance(self) -> None:
         adapter = self.lora_request.lora_name if self.lora_request is not None else None
         self.provenance = self.ctx.provenance.record(self.request_id, adapter,
-                                                     [stream.route for stream in self.streams])
+                                                     [stream.route for stream in self.streams], self.route)
 
     def _charge(self, usage: Usage | None) -> float | None:
         """The request's cost by --price-table, counted in the cost metric (None without a

@@ -225,6 +225,8 @@ def test_a_killed_model_falls_back_to_another_marked_and_counted(served: Served)
     assert response.status_code == 200, response.text
     assert response.headers["x-pagoda-route"] == "fallback:alpha"
     assert response.json()["model"] == "alpha" and response.json()["choices"][0]["text"] == expected
+    provenance = served.registry.model("alpha").context.provenance.find(response.headers["x-pagoda-provenance"])
+    assert provenance is not None and provenance.route.model == "alpha" and provenance.route.fallback
     # A stream falls back before its first event; every chunk names the model that answers.
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=TIMEOUT_S,
                       headers={"authorization": "Bearer sk-other"},

@@ -112,7 +112,7 @@ def test_completion_header_and_log_record(setup) -> None:
     assert record.provenance == {"id": provenance_id, **expected_model_fields(server, model),
                                  "adapter": None, "adapter_hash": None,
                                  "route": {"model": MODEL_NAME, "pool": None, "replica": None,
-                                           "fallback": None, "canary": None}}
+                                           "route": None, "fallback": False, "canary": None}}
     assert record.cost_usd is None  # no --price-table
     # An admin key finds the record by the header's id; another tenant's key may not.
     found = admin_record(server, provenance_id)
@@ -209,7 +209,9 @@ def test_refused_request_has_no_header(setup) -> None:
 def test_route_of_a_batch_and_the_bounded_book() -> None:
     assert RouteTaken.of("m", [None]) == RouteTaken("m")
     route = RouteTaken.of("m", [StreamRoute("10", "b"), StreamRoute("2", "a"), StreamRoute("2", "a")])
-    assert (route.pool, route.replica, route.fallback, route.canary) == ("a,b", "2,10", None, None)
+    assert (route.pool, route.replica, route.fallback, route.canary) == ("a,b", "2,10", False, None)
+    assert RouteTaken.of("m", [None], "route:auto:m").route == "auto"
+    assert RouteTaken.of("m", [None], "fallback:m").fallback
     from pagoda.serve.provenance import ModelProvenance
 
     book = ProvenanceBook(ModelProvenance("m", "w", None, None, None, None, "f"), max_records=2)
@@ -239,5 +241,5 @@ def test_replica_request_names_its_pool_and_replica(replicas: LiveServer) -> Non
         assert response.status_code == 200
         provenance = admin_record(replicas, response.headers[HEADER], key=None).json()
         assert provenance["route"] == {"model": MODEL_NAME, "pool": pool, "replica": replica,
-                                       "fallback": None, "canary": None}
+                                       "route": None, "fallback": False, "canary": None}
         assert record_of(records, response.headers[HEADER]).provenance == provenance
