@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from engine_helpers import assert_idle, prompts_for as engine_prompts
 from model_factory import MORE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
@@ -148,15 +147,3 @@ def test_checkpoint_configs_in_the_wild_parse() -> None:
     assert phi3.max_position_embeddings == 131072 and phi3.rope_scaling["rope_type"] == "longrope"
     assert phi3.long_rope_boundary == 4096
     assert phi3.layer_sliding_windows == [32, 32]
-
-
-def test_triton_refuses_soft_capped_attention_at_startup(more_model_dirs) -> None:
-    pytest.importorskip("triton")
-    from pagoda.model.attention.triton_backend import TritonAttentionBackend
-    from pagoda.model.loader import build_empty_model
-
-    config = ModelConfig.from_dir(more_model_dirs["gemma2"])
-    model = build_empty_model(config, torch.float32, torch.device("cpu"), None)
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM soft-caps its attention scores.*attention_backend=torch"):
-        TritonAttentionBackend().check_layers([layer.self_attn.spec for layer in model.model.layers],
-                                              config.architecture)
