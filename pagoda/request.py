@@ -78,6 +78,9 @@ class Request:
     parent_id: str = ""
     sample_index: int = 0
     lora: AdapterIdentity | None = None  # the LoRA adapter it runs with (None: the base model)
+    # Its KV is computed with LongRoPE's long factors (pagoda.model.rope): it is longer than the
+    # model's boundary. Set at creation; the scheduler switches it when decoding crosses.
+    long_rope: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -168,6 +171,7 @@ class Request:
             parent_id=self.parent_id,
             sample_index=sample_index,
             lora=self.lora,
+            long_rope=self.long_rope,
         )
         return child
 

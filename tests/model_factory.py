@@ -94,7 +94,7 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
                       rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
     elif architecture == "phi3":
-        # LongRoPE: served within original_max_position_embeddings, on the short factors.
+        # LongRoPE: short factors up to original_max_position_embeddings, long ones past it.
         config_class, model_class = transformers.Phi3Config, transformers.Phi3ForCausalLM
         head_dim = common["hidden_size"] // common["num_attention_heads"]
         generator = torch.Generator().manual_seed(seed)

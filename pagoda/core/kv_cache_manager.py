@@ -289,7 +289,7 @@ class KVCacheManager:
         request.block_tables = [ids[:keep] for ids in request.block_tables]
 
     def block_hashes(self, request: Request) -> list[bytes]:
-        """The request's chained full-block hashes (tenant salt and adapter included), computed
+        """The request's chained full-block hashes (tenant salt, adapter and rope factors included), computed
         whether or not prefix caching is on: a KV handoff carries and checks them."""
         self._update_block_hashes(request)
         return request.block_hashes
@@ -298,6 +298,8 @@ class KVCacheManager:
         extra_keys = (request.cache_salt,) if request.cache_salt else ()
         if request.lora is not None:  # KV computed through an adapter is that adapter's alone
             extra_keys += request.lora.cache_key
+        if request.long_rope:  # KV of LongRoPE's long factors never serves a short sequence, nor the reverse
+            extra_keys += (("rope factors", "long"),)
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         for i in range(len(hashes), num_full):

@@ -5,6 +5,10 @@ behind on. `max_num_seqs` counts sequences, not requests: a request's samples st
 (`n > 1`) hold their slots from the moment it is admitted, so forking never overshoots it. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
 lowest-ranked running request is preempted: its blocks freed and recomputed later, or, with a
 host tier and --preemption-mode swap/auto, copied out and back (kv_cache.swap_out/swap_in).
+
+LongRoPE (pagoda.model.rope): a request that grows past the model's boundary while decoding
+is computed again from position 0 with the long factors, through the same recompute path as
+preemption; its prefix-cache keys change with its factors.
 """
 
 from __future__ import annotations
@@ -100,8 +104,12 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 draft_shares_blocks: bool = False, max_loras: int | None = None) -> None:
+                 draft_shares_blocks: bool = False, max_loras: int | None = None,
+                 long_rope_boundary: int | None = None) -> None:
         self.kv_cache = kv_cache
+        # LongRoPE: the longest request computed with the short factors (None: one set of factors).
+        self.long_rope_boundary = long_rope_boundary
+        self.num_rope_recomputes = 0  # requests recomputed on the long factors after crossing
         # LoRA: at most this many distinct adapters in the running set (so in any step).
         self.adapter_limit = AdapterLimit(max_loras, max_bypasses=max_num_seqs) if max_loras else None
         # A draft model keeps its KV in the same blocks: a block is cacheable once both computed it.
@@ -133,6 +141,10 @@ class Scheduler:
             for sample in alone:
                 sample.status = RequestStatus.WAITING
                 self.waiting.push(sample)
+
+    def needs_long_rope(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` tokens is computed with LongRoPE's long factors."""
+        return self.long_rope_boundary is not None and num_tokens > self.long_rope_boundary
 
     @property
     def num_running_seqs(self) -> int:
@@ -184,6 +196,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if not request.long_rope and self.needs_long_rope(request.num_tokens):
+                self._recompute_on_long_rope(request)  # the next one shifted into `index`
+                continue
             num_new = min(request.prefill_limit - request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -298,6 +313,9 @@ class Scheduler:
             return 0
         remaining_output = request.max_output_tokens - request.num_output_tokens - 1
         room = self.max_model_len - request.num_tokens
+        if not request.long_rope and self.long_rope_boundary is not None:
+            # Scored on the short factors, drafts must not reach past the boundary.
+            room = min(room, self.long_rope_boundary - request.num_tokens)
         return max(0, min(request.spec.num_wanted, budget, remaining_output, room))
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
@@ -328,6 +346,20 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    def _recompute_on_long_rope(self, request: Request) -> None:
+        """The request grew past LongRoPE's boundary: its KV (short factors) is dropped and it
+        waits at the front to be computed again on the long factors, finding what the prefix
+        cache holds under its new keys."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.spec.reset()
+        request.long_rope = True
+        request.block_hashes = []
+        request.status = RequestStatus.PREEMPTED
+        self.num_rope_recomputes += 1
         self.waiting.push_front(request)
 
     # ---- after the forward ---------------------------------------------------------------------

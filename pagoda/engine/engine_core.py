@@ -161,7 +161,8 @@ class EngineCore:
             self.kv_cache, max_num_seqs=config.max_num_seqs_bound, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
-            max_loras=config.max_loras if self.lora is not None else None)
+            max_loras=config.max_loras if self.lora is not None else None,
+            long_rope_boundary=self.model_config.long_rope_boundary)
         backend = select_backend(config.attention_backend, self.device, self.kv_format)
         drafter = None
         if draft_model is not None:
@@ -270,7 +271,8 @@ class EngineCore:
             prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
             arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority,
-            parent_id=request_id, lora=adapter)
+            parent_id=request_id, lora=adapter,
+            long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)))
         if adapter is not None:
             self.lora.retain(adapter)  # released with the request (release())
         lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]

@@ -96,14 +96,22 @@ class RotaryEmbedding(nn.Module):
     The model gathers a step's rows once (`tables`) and every layer rotates its q and k heads
     together in one call. rotate_half(x) * sin is computed as roll(x) * sin_rolled, where
     sin_rolled is sin with its first half negated: the same products with the sign moved
-    to the table, so results are bit-identical to transformers' form with one op fewer."""
+    to the table, so results are bit-identical to transformers' form with one op fewer.
+
+    long_rope_boundary: the model runs LongRoPE (pagoda.model.rope); the table then holds the
+    rows of the short factors for positions below it, then those of the long factors for every
+    position, and a token on the long factors reads row boundary + position. A rotary of another
+    rope type in such a model repeats its rows the same way."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device) -> None:
+                 scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device,
+                 long_rope_boundary: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+        if long_rope_boundary is not None:
+            long_freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                                     rope_inv_freq(head_dim, theta, scaling, long_factors=True))
+            freqs = torch.cat((freqs[:long_rope_boundary], long_freqs))
         emb = torch.cat((freqs, freqs), dim=-1)
         attention_factor = rope_attention_factor(scaling)
         cos, sin = emb.cos(), emb.sin()
@@ -115,9 +123,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_rolled", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
             dtype=dtype, device=device), persistent=False)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin_rolled rows for positions [T], shaped [T, 1, D] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin_rolled[positions].unsqueeze(1)
+    def tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin_rolled rows [T] (positions, shifted on LongRoPE's long factors), shaped
+        [T, 1, D] to broadcast over heads."""
+        return self.cos[rows].unsqueeze(1), self.sin_rolled[rows].unsqueeze(1)
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
         """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables."""

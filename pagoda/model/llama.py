@@ -155,12 +155,15 @@ class LlamaFamilyModel(nn.Module):
             if rope not in distinct:
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
-            RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device)
+            RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device,
+                            config.long_rope_boundary)
             for theta, scaling in distinct)
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm, one row per input token. positions: each token's
+        position, plus config.long_rope_boundary for sequences on LongRoPE's long factors (its
+        row of the rotary tables, see RotaryEmbedding)."""
         hidden = self.model.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale

@@ -33,8 +33,6 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    # The positions pagoda serves: for LongRoPE, the original (pretraining) context, see
-    # pagoda.model.rope.
     max_position_embeddings: int
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # None, or a dict with `rope_type` linear, llama3 or longrope
@@ -67,6 +65,14 @@ class ModelConfig:
         if self.sliding_rope_theta is not None and self.layer_sliding_windows[layer_index] is not None:
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
+
+    @property
+    def long_rope_boundary(self) -> int | None:
+        """LongRoPE (pagoda.model.rope): the longest sequence computed with the short factors;
+        longer ones use the long factors from position 0. None: one set of factors."""
+        if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
+            return None
+        return int(self.rope_scaling["original_max_position_embeddings"])
 
     def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None, *,
                            kv_cache_dtype: str = "auto") -> int:
@@ -143,9 +149,6 @@ class ModelConfig:
             raise ValueError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
                              "(rope over the whole head only)")
         max_position_embeddings = int(config.get("max_position_embeddings", 2048))
-        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            max_position_embeddings = min(max_position_embeddings,
-                                          rope_scaling["original_max_position_embeddings"])
         hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
         if hidden_activation not in ACTIVATIONS and require_supported:
             raise ValueError(f"{source}: activation {hidden_activation!r} is not supported "

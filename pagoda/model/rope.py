@@ -1,11 +1,13 @@
 """Rotary frequencies of each rope type pagoda runs: plain, linear (Gemma 3's global layers),
 Llama 3.1 and LongRoPE (Phi-3).
 
-LongRoPE switches from its short to its long factors once a sequence grows past
-`original_max_position_embeddings`, and transformers then recomputes the whole sequence with
-the long ones. pagoda serves such models within the original context only (the model config
-caps `max_position_embeddings` there), so every sequence uses the short factors and a cached
-prefix never mixes the two.
+LongRoPE chooses its factors per sequence, as transformers does: a sequence of at most
+`original_max_position_embeddings` tokens (its boundary) runs on the short factors; one that is
+longer runs on the long factors from position 0, so a sequence that grows past the boundary
+while decoding has its KV recomputed (pagoda.core.scheduler). The rotary tables hold the short
+rows (positions below the boundary) followed by the long rows (every position), and each token
+reads its row: position, or boundary + position on the long factors
+(ModelConfig.long_rope_boundary).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], computed as transformers does (same float ops)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, *,
+                  long_factors: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], computed as transformers does (same float ops);
+    long_factors: LongRoPE's long ones (other rope types have one set)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = None if scaling is None else scaling["rope_type"]
     if rope_type == "longrope":
-        short_factor = torch.tensor(scaling["short_factor"], dtype=torch.float32)
-        return 1.0 / (short_factor * theta ** exponents)
+        ext_factors = torch.tensor(scaling["long_factor" if long_factors else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext_factors * theta ** exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if rope_type is None:
         return inv_freq

@@ -66,7 +66,8 @@ class DraftModelProposer(PagedModel):
 
     def _forward(self, segments: list[Segment], wanted: list[int]) -> torch.Tensor:
         """Run the draft on the segments; logits at the last token of each wanted segment."""
-        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device)
+        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device,
+                                                    long_rope_boundary=self.model.config.long_rope_boundary)
         hidden = self.model(input_ids, positions, self.forward_context(layouts))
         if not wanted:
             return hidden.new_empty(0, self.model.config.vocab_size)

@@ -98,10 +98,11 @@ class Segment:
     token_ids: list[int]
 
 
-def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device, num_groups: int = 1
-                ) -> tuple[torch.Tensor, torch.Tensor, list[BatchLayout]]:
+def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device, num_groups: int = 1,
+                long_rope_boundary: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[BatchLayout]]:
     """Flatten segments into input ids, positions and the attention layout of each KV cache
-    group (they differ only in block tables and slots)."""
+    group (they differ only in block tables and slots). With LongRoPE, the positions of requests
+    on the long factors are shifted by the boundary, to their rows of the rotary tables."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -109,7 +110,8 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
     query_lens: list[int] = []
     for segment in segments:
         input_ids.extend(segment.token_ids)
-        positions.extend(range(segment.start, segment.start + len(segment.token_ids)))
+        row = segment.start + (long_rope_boundary if segment.request.long_rope and long_rope_boundary else 0)
+        positions.extend(range(row, row + len(segment.token_ids)))
         query_start_loc.append(query_start_loc[-1] + len(segment.token_ids))
         context_lens.append(segment.start)
         query_lens.append(len(segment.token_ids))
@@ -178,7 +180,8 @@ class ModelRunner(PagedModel):
             begin = entry.num_computed_before
             tokens = request.all_token_ids[begin:begin + num_real] + request.spec.token_ids[:entry.num_spec_tokens]
             segments.append(Segment(request, begin, tokens))
-        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device, len(self.kv_groups))
+        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device, len(self.kv_groups),
+                                                    self.model.config.long_rope_boundary)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layouts[0])
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping

@@ -6,7 +6,8 @@ The tiny checkpoints (tests/model_factory.py) exercise each architecture's diffe
 soft-capped scores and logits, alternating 24-token windows (prompts run past them), (1 + w)
 norms around attention and MLP, scaled embeddings, GELU-tanh and query_pre_attn_scalar; Gemma 3's
 q/k norms and separate rope bases with linear scaling on its global layers; Phi-3's fused
-qkv_proj / gate_up_proj tensors and LongRoPE's short factors."""
+qkv_proj / gate_up_proj tensors and LongRoPE's short factors (both sides of its boundary:
+tests/model/test_phi3_longrope.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from engine_helpers import assert_idle, prompts_for as engine_prompts
 from model_factory import MORE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
@@ -120,16 +120,6 @@ def test_server_answers_with_the_offline_completion(more_model_dirs) -> None:
         live.stop()
 
 
-def test_phi3_longrope_serves_its_original_context(more_model_dirs) -> None:
-    """LongRoPE runs on its short factors within original_max_position_embeddings (512 here, of
-    2048); longer requests are refused rather than computed with the wrong factors."""
-    directory = more_model_dirs["phi3"]
-    assert ModelConfig.from_dir(directory).max_position_embeddings == 512
-    llm = LLM(model=str(directory))
-    with pytest.raises(ValueError, match="512"):
-        llm.generate([[5] * 500], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-
-
 def test_checkpoint_configs_in_the_wild_parse() -> None:
     """Gemma 2 / 3 config.json as published: no layer_types, Gemma 3's local rope base and
     rope_scaling at top level; Phi-3's `su` rope type."""
@@ -154,17 +144,6 @@ def test_checkpoint_configs_in_the_wild_parse() -> None:
                                   "num_hidden_layers": 2, "max_position_embeddings": 131072,
                                   "original_max_position_embeddings": 4096,
                                   "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
-    assert phi3.max_position_embeddings == 4096 and phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.max_position_embeddings == 131072 and phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.long_rope_boundary == 4096
     assert phi3.layer_sliding_windows == [32, 32]
-
-
-def test_triton_refuses_soft_capped_attention_at_startup(more_model_dirs) -> None:
-    pytest.importorskip("triton")
-    from pagoda.model.attention.triton_backend import TritonAttentionBackend
-    from pagoda.model.loader import build_empty_model
-
-    config = ModelConfig.from_dir(more_model_dirs["gemma2"])
-    model = build_empty_model(config, torch.float32, torch.device("cpu"), None)
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM soft-caps its attention scores.*attention_backend=torch"):
-        TritonAttentionBackend().check_layers([layer.self_attn.spec for layer in model.model.layers],
-                                              config.architecture)

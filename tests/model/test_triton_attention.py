@@ -1,6 +1,7 @@
 """Triton attention kernels against the torch reference backend: decode (with and without
 split-KV), prefill, chunked prefill over a cached prefix, mixed batches, GQA/MHA, sliding
-windows, padded CUDA-graph rows.
+windows, soft-capped scores, attention sinks, padded CUDA-graph rows; and Gemma 2 (soft-capped,
+alternating windows) through the engine on both backends.
 
 With a GPU the kernels run compiled, on CUDA tensors. Without one they run on CPU under Triton's
 interpreter (TRITON_INTERPRET=1), which executes each program in numpy, so shapes are tiny. The
@@ -86,10 +87,11 @@ def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int
 
 
 def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dtype=torch.float32,
-             backend=None, pad_rows=0, seed=0):
+             backend=None, pad_rows=0, seed=0, softcap=None, sinks=None):
     layout, query, key, value, key_cache, value_cache = make_case(
         requests, num_heads, num_kv_heads, head_dim, dtype, seed, pad_rows)
-    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, softcap,
+                              None if sinks is None else sinks.to(DEVICE))
     backend = backend or TritonAttentionBackend()
     caches = (key_cache.clone(), value_cache.clone())
     got = backend.forward(query, key, value, *caches, backend.prepare(layout, {window}), spec)
@@ -181,6 +183,24 @@ def test_padded_rows_write_nothing():
     backend = TritonAttentionBackend(decode_splits=4, min_partition=16)
     got = run_both([(70, 1)], pad_rows=2, backend=backend)
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_soft_capped_scores(window):
+    # A cap low enough to bend most scores (they reach about +-3 here).
+    run_both([(60, 30), (0, 50), (130, 1), (7, 1)], window=window, softcap=1.5)
+    backend = TritonAttentionBackend(decode_splits=3, min_partition=16)
+    run_both([(130, 1), (10, 1), (65, 1)], window=window, softcap=1.5, backend=backend)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_sinks(window):
+    # Sinks from far below to far above the scores, so some heads give the sink most of the weight.
+    sinks = torch.tensor([-20.0, 0.0, 1.5, 6.0])
+    run_both([(60, 30), (0, 50), (130, 1), (7, 1)], window=window, sinks=sinks)
+    backend = TritonAttentionBackend(decode_splits=3, min_partition=16)
+    run_both([(130, 1), (10, 1), (65, 1)], window=window, sinks=sinks, backend=backend)
+    run_both([(40, 12), (70, 1)], head_dim=64, dtype=torch.float16, sinks=sinks, softcap=2.0)
 
 
 def test_sdpa_prefill_path_matches():
@@ -318,6 +338,14 @@ for (head_dim, heads, kv_heads, window, num_reqs, width), kv_name in variants:
     for splits, min_partition in ((1, 256), (5, 1)):
         tk.decode_attention(torch.empty_like(query[:num_reqs]), query[:num_reqs], cache, cache, tables, lens, 0.1,
                             window, splits, min_partition, kv)
+    if kv_name == "auto":  # soft-capping and sinks: their own kernel variants
+        sinks = torch.zeros(heads)
+        tk.prefill_attention(torch.empty_like(query), query, cache, cache, tables,
+                             torch.zeros(num_reqs + 1, dtype=torch.long), lens, 0.1, window, 100, kv,
+                             softcap=30.0, sinks=sinks)
+        for splits in (1, 5):
+            tk.decode_attention(torch.empty_like(query[:num_reqs]), query[:num_reqs], cache, cache, tables, lens,
+                                0.1, window, splits, 1, kv, softcap=30.0, sinks=sinks)
 '''
 
 
@@ -331,3 +359,39 @@ def test_kernels_compile_for_gpu(arch, dtype):
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+# ---- a model through the engine --------------------------------------------------------------
+
+
+def test_gemma2_on_triton_matches_the_torch_backend(tmp_path):
+    """Gemma 2's soft-capped attention and alternating 24-token windows, prompts past the window,
+    decoding, prefix-cache hits and chunked prefill: the Triton backend's logprobs equal the torch
+    backend's within the parity tolerance of tests/model/test_gemma_phi3.py."""
+    from engine_helpers import prompts_for
+    from model_factory import build_model
+    from pagoda import LLM, SamplingParams
+
+    directory = build_model(tmp_path / "gemma2", "gemma2")
+    prompts = prompts_for(256, (30, 9), shared_length=12, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    settings = dict(block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+
+    def generate(backend_name: str) -> list[tuple[list[int], list[float]]]:
+        if DEVICE.type == "cuda":
+            llm = LLM(model=str(directory), attention_backend=backend_name, dtype="float32", **settings)
+        else:  # the engine takes Triton on CUDA only: the interpreted backend goes in after startup
+            llm = LLM(model=str(directory), **settings)
+            if backend_name == "triton":
+                llm.engine.core.runner.backend = TritonAttentionBackend()
+        results = []
+        for _ in range(2):  # the second round reads the first one's cached prefix blocks
+            for output in llm.generate(prompts, params):
+                completion = output.outputs[0]
+                results.append((completion.token_ids, [completion.logprobs[i][t].logprob
+                                                       for i, t in enumerate(completion.token_ids)]))
+        return results
+
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(generate("triton"), generate("torch"), strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 2e-5

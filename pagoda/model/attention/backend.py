@@ -41,6 +41,9 @@ class AttentionLayerSpec:
     scale: float
     sliding_window: int | None  # keys within the last `w` positions (self included), or None
     logit_softcap: float | None = None  # scores (after `scale`) become cap * tanh(scores / cap)
+    # [num_heads] float32: a logit per query head that joins each softmax's denominator and
+    # attends to nothing (attention sinks, as gpt-oss learns them), or None.
+    sinks: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

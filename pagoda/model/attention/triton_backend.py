@@ -6,13 +6,13 @@ tensors. That also makes it usable for CUDA graphs: a graph captured with metada
 over static buffers replays correctly after the buffers are refilled (see
 `pagoda/worker/cuda_graphs.py`).
 
-Attention-score soft-capping (Gemma 2) is not computed here: `check_layers` refuses such a model
-at startup, naming it (the torch backend runs it on CUDA too).
+Per layer, the kernels take the sliding window, attention-score soft-capping (Gemma 2) and
+attention sinks (gpt-oss) from the layer's spec, as constexpr-guarded options.
 
 Per step, one of three paths:
 - decode-only batches: the split-KV decode kernel (flash-decoding) + its reduction;
 - one request prefilling from position 0 in 16-bit dtypes: torch's SDPA (FlashAttention-2)
-  on the new keys/values directly, for layers without a sliding window (not with a quantized
+  on the new keys/values directly, for layers without a sliding window, soft-cap or sinks (not with a quantized
   KV cache: attention must read the stored, quantized values, as later steps and prefix-cache
   hits do, so that results do not depend on how a prompt was scheduled);
 - everything else (chunked prefill over a cached prefix, mixed prefill + decode batches,
@@ -67,11 +67,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.sdpa_min_tokens = sdpa_min_tokens if self.kv.mode == MODEL_DTYPE else None
         self._num_sms: dict[torch.device, int] = {}
 
-    def check_layers(self, specs: list[AttentionLayerSpec], model_name: str) -> None:
-        if any(spec.logit_softcap is not None for spec in specs):
-            raise ValueError(f"{model_name} soft-caps its attention scores, which the triton attention backend "
-                             "does not do; use attention_backend=torch")
-
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TritonAttentionMetadata:
         query_lens = layout.query_lens_host
         context_lens = layout.context_lens_host
@@ -95,17 +90,19 @@ class TritonAttentionBackend(AttentionBackend):
                 spec: AttentionLayerSpec) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv)
-        if metadata.sdpa_prefill and spec.sliding_window is None and query.dtype != torch.float32:
+        if (metadata.sdpa_prefill and spec.sliding_window is None and spec.logit_softcap is None
+                and spec.sinks is None and query.dtype != torch.float32):
             return self._sdpa_prefill(query, key, value, spec)
         output = torch.empty_like(query)
         if metadata.decode_only:
             decode_attention(output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                              spec.scale, spec.sliding_window,
-                             self._num_splits(metadata, spec, query.device), self.min_partition, self.kv)
+                             self._num_splits(metadata, spec, query.device), self.min_partition, self.kv,
+                             softcap=spec.logit_softcap, sinks=spec.sinks)
         else:
             prefill_attention(output, query, key_cache, value_cache, metadata.block_tables,
                               metadata.query_start_loc, metadata.seq_lens, spec.scale, spec.sliding_window,
-                              metadata.max_query_len, self.kv)
+                              metadata.max_query_len, self.kv, softcap=spec.logit_softcap, sinks=spec.sinks)
         return output
 
     @staticmethod

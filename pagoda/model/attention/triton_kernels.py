@@ -18,6 +18,9 @@ Three kernels plus a reduction:
   sequences still fill the GPU, and a second kernel merges the partial softmaxes.
 
 Softmax runs in base 2 (`exp2`, with log2(e) folded into the scale) and accumulates in fp32.
+Two constexpr-guarded options: SOFTCAP > 0 caps the scores (cap * tanh(score / cap), Gemma 2)
+before masking, and HAS_SINKS adds a per-query-head logit to each softmax's denominator only
+(attention sinks, gpt-oss), merged when the output is normalized.
 
 Quantized caches (--kv-cache-dtype, the KV_QUANT constexpr; layouts in pagoda.quant.kv_cache_dtype)
 are uint8: the write kernel quantizes each new [head_dim] vector (triton_kv_codec), and the
@@ -106,7 +109,7 @@ def _attend_tile(
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head, key_scale, value_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) (masked to < kv_end
     and to each row's causal / sliding-window range). Scores are in base-2 units."""
@@ -129,6 +132,11 @@ def _attend_tile(
         else:
             scores = scores * key_scale
 
+    if SOFTCAP > 0:
+        # cap * tanh(s / cap) with s and the cap both in base-2 units; tanh from exp2, which
+        # saturates to +-1 where exp2 over- or underflows.
+        cap = SOFTCAP * 1.4426950408889634
+        scores = cap * (1.0 - 2.0 / (tl.exp2(scores * (2.0 * 1.4426950408889634 / cap)) + 1.0))
     visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
     if SLIDING_WINDOW > 0:
         visible = visible & (keys[None, :] > query_pos[:, None] - SLIDING_WINDOW)
@@ -159,6 +167,19 @@ def _attend_tile(
 
 
 @triton.jit
+def _normalize(acc, m_i, l_i, sinks_ptr, head, row_valid, HAS_SINKS: tl.constexpr):
+    """acc / the softmax denominator, which a head's sink (natural-log units) joins."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)  # m_i = -inf (nothing visible): 0
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc / l_safe[:, None]
+
+
+@triton.jit
 def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
     """The request owning grid row `q_block`: request i's rows start at
     query_start_loc[i] // BLOCK_Q + i, which leaves room for ceil(len_i / BLOCK_Q) of them."""
@@ -177,7 +198,7 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _prefill_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_reqs,
+    sinks_ptr, qk_scale, num_reqs,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -185,6 +206,7 @@ def _prefill_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -225,10 +247,10 @@ def _prefill_attention_kernel(
             q, m_i, l_i, acc, key_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE)
+            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE,
+            SOFTCAP)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_valid, HAS_SINKS)
     tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
@@ -236,7 +258,7 @@ def _prefill_attention_kernel(
 @triton.jit
 def _decode_attention_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     qk_scale, min_partition,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
@@ -245,7 +267,7 @@ def _decode_attention_kernel(
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
+    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -282,11 +304,11 @@ def _decode_attention_kernel(
             q, m_i, l_i, acc, key_start, end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
             stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE)
+            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE,
+            SOFTCAP)
 
     if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
+        out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_valid, HAS_SINKS)
         tl.store(out_ptr + req * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     else:
@@ -300,10 +322,10 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr,
     stride_o_token, stride_o_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -316,9 +338,14 @@ def _reduce_splits_kernel(
     m = tl.load(partial_max_ptr + part, mask=split_valid, other=float("-inf"))
     s = tl.load(partial_sum_ptr + part, mask=split_valid, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp2(m - m_safe)  # empty partitions: exp2(-inf) = 0
     total = tl.sum(weight * s, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_safe)
     acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
@@ -376,6 +403,11 @@ def _num_stages(dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else 3
 
 
+def _sinks_arg(sinks: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them (float32, contiguous), or any tensor where HAS_SINKS is off."""
+    return placeholder if sinks is None else sinks.to(torch.float32).contiguous()
+
+
 def _head_dim_pad(head_dim: int) -> int:
     return max(triton.next_power_of_2(head_dim), 16)
 
@@ -383,9 +415,12 @@ def _head_dim_pad(head_dim: int) -> int:
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       scale: float, sliding_window: int | None, max_query_len: int,
-                      kv: KVCacheEncoding = KVCacheEncoding()) -> None:
+                      kv: KVCacheEncoding = KVCacheEncoding(), *, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> None:
     """Causal attention of every query token over its request's cached context (which already
-    holds this step's K/V). query/out [T, H, D]; requests delimited by query_start_loc."""
+    holds this step's K/V). query/out [T, H, D]; requests delimited by query_start_loc.
+    softcap: scores (after `scale`) become softcap * tanh(score / softcap); sinks [H]: a logit
+    per query head that joins each softmax's denominator."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
@@ -398,7 +433,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     _check_cache(key_cache, value_cache, head_dim, kv)
     query = _rows_contiguous(query)
     _prefill_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, _sinks_arg(sinks, out),
         scale * LOG2E, num_reqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -407,17 +442,19 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SLIDING_WINDOW=sliding_window or 0, DOT_PRECISION=_dot_precision(query.dtype),
-        KV_QUANT=kv.mode, KV_TYPE=kv.element,
+        KV_QUANT=kv.mode, KV_TYPE=kv.element, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
         num_warps=8 if head_dim > 128 else 4, num_stages=_num_stages(query.dtype),
     )
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                     num_splits: int, min_partition: int, kv: KVCacheEncoding = KVCacheEncoding()) -> None:
+                     num_splits: int, min_partition: int, kv: KVCacheEncoding = KVCacheEncoding(), *,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """One query token per request (token i belongs to request i). query/out [R, H, D].
     With num_splits > 1 each request's context is split across that many programs per KV head
-    and merged by a second kernel; partitions are at least `min_partition` tokens long."""
+    and merged by a second kernel; partitions are at least `min_partition` tokens long.
+    softcap and sinks as for prefill_attention."""
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
@@ -433,7 +470,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     head_dim_pad = _head_dim_pad(head_dim)
     _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         out, partial_out, partial_max, partial_sum,
-        query, key_cache, value_cache, block_tables, seq_lens,
+        query, key_cache, value_cache, block_tables, seq_lens, _sinks_arg(sinks, out),
         scale * LOG2E, min_partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -443,12 +480,13 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=BLOCK_N, SLIDING_WINDOW=sliding_window or 0, NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(query.dtype), KV_QUANT=kv.mode, KV_TYPE=kv.element,
+        SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
         num_warps=4, num_stages=_num_stages(query.dtype),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_reqs, num_heads)](
-            out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
+            out, partial_out, partial_max, partial_sum, _sinks_arg(sinks, out), out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
             num_warps=4,
         )
