@@ -113,8 +113,9 @@ def test_architectures_match_one_stage(architecture: str, model_dirs: dict[str, 
 def test_uneven_partition_matches_one_stage(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "llama4", "llama", num_hidden_layers=4)
     prompts = prompts_for(300, lengths=(9, 33))
-    expected = LLM(model=str(model_dir), num_kv_blocks=64).generate(prompts, GREEDY)
-    staged = LLM(model=str(model_dir), num_kv_blocks=64, pipeline_parallel_size=2, pp_layer_partition="1,3")
+    expected = LLM(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4).generate(prompts, GREEDY)
+    staged = LLM(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4, pipeline_parallel_size=2,
+                 pp_layer_partition="1,3")
     try:
         assert [stage.layers for stage in staged.engine.core.stages] == [range(0, 1), range(1, 4)]
         assert token_ids(staged.generate(prompts, GREEDY)) == token_ids(expected)
@@ -171,7 +172,8 @@ def test_idle_stage_death_ends_the_engine(llama_dir: Path) -> None:
         return {pid for pid, command in process_tree(os.getpid()).items() if WORKER_MODULE in command}
 
     before = our_workers()  # the module's shared engine has its own
-    llm = AsyncLLM(EngineConfig(model=str(llama_dir), num_kv_blocks=32, pipeline_parallel_size=2), transport="thread")
+    llm = AsyncLLM(EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2),
+                   transport="thread")
     try:
         workers = sorted(our_workers() - before)
         assert len(workers) == 1 and llm.is_alive
@@ -226,3 +228,42 @@ def test_server_greedy_then_stage_death_is_503_and_leaves_no_process(engines, ll
     while left := [pid for pid in tree if process_alive(pid)]:
         assert time.monotonic() < deadline, f"processes left: {[tree[pid] for pid in left]}"
         time.sleep(0.1)
+
+
+def test_a_supervised_engine_whose_stage_dies_is_restarted(llama_dir: Path) -> None:
+    import asyncio
+
+    from pagoda.replicas.supervised_engine import SupervisedEngine
+    from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPolicy
+
+    def our_workers() -> set[int]:
+        return {pid for pid, command in process_tree(os.getpid()).items() if WORKER_MODULE in command}
+
+    def start(config: EngineConfig) -> AsyncLLM:
+        return AsyncLLM(config, transport="thread")
+
+    async def generate(request_id: str) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        stream = await engine.add_request(request_id, [5] * 8, params)
+        return [t async for delta in stream for s in delta.outputs for t in s.token_ids]
+
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2)
+    before = our_workers()
+    engine = SupervisedEngine(EngineSupervisor(EngineKeeper(lambda: start(config), "pp-engine"), start, "0",
+                                               RestartPolicy(backoff=0.05)))
+    try:
+        first = engine.supervisor.llm
+        stage = sorted(our_workers() - before)
+        assert len(stage) == 1
+        os.kill(stage[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while engine.supervisor.llm is first or not engine.is_alive:
+            assert time.monotonic() < deadline, "the engine was not restarted after its stage died"
+            time.sleep(0.05)
+        assert engine.supervisor.restarts == 1
+        assert len(asyncio.run(generate("after-restart"))) == 6
+        restarted = sorted(our_workers() - before)
+        assert len(restarted) == 1 and restarted != stage
+    finally:
+        engine.shutdown()
+    assert not any(process_alive(pid) for pid in stage)
