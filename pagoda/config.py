@@ -154,6 +154,13 @@ class EngineConfig:
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "with --tensor-parallel-size N, place a MoE model's experts whole on the ranks (each "
                 "holds 1/N of them) instead of splitting every expert; attention stays tensor-parallel"})
+    # ---- pipeline parallelism (pagoda/executor/pipeline.py) ----
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "stages the model's layers are split over, each a process holding its contiguous "
+                "layers and their KV cache (embedding on the first, LM head on the last), hidden "
+                "states passed stage to stage over torch.distributed (gloo)"})
+    pp_layer_partition: str | None = field(default=None, metadata={
+        "metavar": "N,N,...", "help": "layers per pipeline stage, e.g. 3,5 (default: an even split)"})
     moe_metrics: bool = field(default=False, metadata={
         "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
                 "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})
@@ -261,6 +268,7 @@ class EngineConfig:
         if self.num_replicas < 1:
             _fail("num_replicas", f"must be >= 1, got {self.num_replicas}")
         self._validate_tensor_parallel()
+        self._validate_pipeline_parallel()
         self._validate_role()
 
     def _validate_role(self) -> None:
@@ -277,6 +285,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             _fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
                          "(a handoff carries one rank's KV pool)")
+        if self.pipeline_parallel_size > 1:
+            _fail("role", "prefill/decode roles are not supported with pipeline_parallel_size > 1 yet "
+                         "(a handoff carries one stage's KV pool)")
 
     def _validate_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -291,6 +302,44 @@ class EngineConfig:
                                        "tensor_parallel_size > 1 yet")
         if self.enable_lora:  # ranks 1..N-1 would need each adapter's A or B sliced like their base layer
             _fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+
+    def _validate_pipeline_parallel(self) -> None:
+        if self.pipeline_parallel_size < 1:
+            _fail("pipeline_parallel_size", f"must be >= 1, got {self.pipeline_parallel_size}")
+        counts = self.pp_layer_counts  # fails on malformed text
+        if counts is not None and len(counts) != self.pipeline_parallel_size:
+            _fail("pp_layer_partition", f"{self.pp_layer_partition} has {len(counts)} stage(s), "
+                                        f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size == 1:
+            return
+        if self.tensor_parallel_size > 1:
+            _fail("pipeline_parallel_size", f"{self.pipeline_parallel_size} with tensor_parallel_size "
+                                            f"{self.tensor_parallel_size} is not supported yet: use one of them")
+        if self.distributed_executor_backend == "ray":
+            _fail("pipeline_parallel_size", "> 1 runs its stages as local processes only "
+                                            "(distributed_executor_backend mp); ray is not supported yet")
+        # State that lives beside one process's whole model and KV cache.
+        if self.speculative == "draft":
+            _fail("speculative", "draft is not supported with pipeline_parallel_size > 1 yet (ngram is)")
+        if self.kv_offload_memory is not None:
+            _fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
+                                       "pipeline_parallel_size > 1 yet")
+        if self.enable_lora:
+            _fail("enable_lora", "LoRA adapters are not supported with pipeline_parallel_size > 1 yet")
+
+    @property
+    def pp_layer_counts(self) -> list[int] | None:
+        """--pp-layer-partition as layer counts per stage (None: an even split)."""
+        if not self.pp_layer_partition:
+            return None
+        try:
+            counts = [int(part) for part in self.pp_layer_partition.split(",")]
+        except ValueError:
+            _fail("pp_layer_partition", f"must be comma-separated layer counts like 3,5, "
+                                        f"got {self.pp_layer_partition!r}")
+        if any(count < 1 for count in counts):
+            _fail("pp_layer_partition", f"{self.pp_layer_partition}: every stage needs at least one layer")
+        return counts
 
     @property
     def kv_cache_bytes(self) -> int:

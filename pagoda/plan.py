@@ -19,6 +19,7 @@ from pagoda.config import parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.pipeline import pipeline_stages
 from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, int4_group_size_for,
                                         kv_cache_bytes_per_token, weight_bytes_per_parameter)
 
@@ -302,6 +303,19 @@ class ClassCapacity:
 
 
 @dataclass
+class StageMemory:
+    """One pipeline stage on its own device: its layers, weights and KV pool."""
+
+    index: int
+    first_layer: int
+    end_layer: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_memory_bytes: int
+    num_blocks: int
+
+
+@dataclass
 class Plan:
     model: str
     params: int
@@ -329,6 +343,12 @@ class Plan:
     shape: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     quantization_group_size: int = INT4_GROUP_SIZE  # int4 weights: inputs per (scale, zero) pair
+    # Pipeline parallelism: each stage on a device of `memory_bytes`; the pool is the smallest
+    # stage's (every stage has the same block ids, a block holding every layer's KV across the
+    # stages). Empty / 0 without stages.
+    stages: list[StageMemory] = field(default_factory=list)
+    stage_pool_blocks: int = 0
+    stage_full_context_seqs: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -369,6 +389,34 @@ def sequences_in_pool(windows: tuple[int | None, ...], num_blocks: int, block_si
     return pages // pages_per_sequence(groups, tokens, block_size)
 
 
+def stage_memory(shape: ModelShape, params: ParamCount, *, num_stages: int, partition: list[int] | None,
+                 dtype: str, kv_dtype: str, block_size: int, memory_bytes: int, reserve_bytes: int,
+                 group_size: int) -> list[StageMemory]:
+    """Each stage's weights (its share of the decoder layers, the embedding on the first, the final
+    norm and LM head on the last; tied embeddings: the embedding on the last too) and the KV
+    blocks its memory holds for its layers. Layers are counted alike (a MoE model's dense and
+    sparse layers are averaged)."""
+    stages = pipeline_stages(shape.num_layers, num_stages, partition)
+    kv_token = kv_bytes_per_token(shape, kv_dtype)
+    per_layer_other = params.other - shape.hidden_size  # the final norm is the last stage's
+    result = []
+    for stage in stages:
+        count = len(stage.layers)
+        holds_embedding = stage.is_first or (stage.is_last and shape.tie_word_embeddings)
+        stage_params = ParamCount(
+            embedding=params.embedding if holds_embedding else 0,
+            lm_head=params.lm_head if stage.is_last else 0,
+            linear=params.linear * count // shape.num_layers,
+            other=per_layer_other * count // shape.num_layers + (shape.hidden_size if stage.is_last else 0),
+            source=params.source)
+        w_bytes = _configured_weight_bytes(stage_params, dtype, group_size)
+        stage_kv_token = kv_token * count // shape.num_layers
+        kv_memory = max(0, memory_bytes - reserve_bytes - w_bytes)
+        result.append(StageMemory(stage.index, stage.first_layer, stage.end_layer, w_bytes, stage_kv_token,
+                                  kv_memory, kv_memory // (stage_kv_token * block_size)))
+    return result
+
+
 def parse_reserve(text: str, memory: int) -> int:
     text = text.strip()
     if text.endswith("%"):
@@ -389,6 +437,8 @@ def build_plan(
     reserve_bytes: int,
     classes: list[RequestClass],
     group_size: int | None = None,
+    pipeline_parallel_size: int = 1,
+    pp_layer_partition: list[int] | None = None,
 ) -> Plan:
     _check_knobs(context, block_size, kv_dtype, group_size)
     warnings = []
@@ -405,6 +455,12 @@ def build_plan(
     if base.kv_memory_bytes == 0:
         warnings.append("the weights and reserve do not leave any memory for the KV cache")
     block_bytes = kv_token * block_size
+    stages, stage_pool_blocks = [], 0
+    if pipeline_parallel_size > 1:
+        stages = stage_memory(shape, params, num_stages=pipeline_parallel_size, partition=pp_layer_partition,
+                              dtype=dtype, kv_dtype=kv_dtype, block_size=block_size, memory_bytes=memory_bytes,
+                              reserve_bytes=reserve_bytes, group_size=group_size)
+        stage_pool_blocks = min(stage.num_blocks for stage in stages)
     class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows)
                   for rc in classes]
     targeted = [row for row in class_rows if row.target_concurrency is not None]
@@ -437,6 +493,9 @@ def build_plan(
         shape=dataclasses.asdict(shape),
         warnings=warnings,
         quantization_group_size=group_size,
+        stages=stages,
+        stage_pool_blocks=stage_pool_blocks,
+        stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
     )
 
 
@@ -608,6 +667,15 @@ def render_plan(plan: Plan) -> str:
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
         "",
     ]
+    if plan.stages:
+        out.append(f"pipeline stages, each on its own {fmt_bytes(plan.memory_bytes)} device: the KV pool is the "
+                   f"smallest stage's, {plan.stage_pool_blocks:,} blocks of every layer, "
+                   f"{plan.stage_full_context_seqs:,} full-context sequences at once")
+        out.append(_table(["stage", "layers", "weights", "KV B/token", "KV memory", "blocks"], [
+            [str(st.index), f"{st.first_layer}-{st.end_layer - 1}", fmt_bytes(st.weight_bytes),
+             f"{st.kv_bytes_per_token:,}", fmt_bytes(st.kv_memory_bytes), f"{st.num_blocks:,}"]
+            for st in plan.stages]))
+        out.append("")
     if plan.classes:
         rows = []
         for c in plan.classes:
@@ -659,6 +727,8 @@ class PlanOptions:
     classes: list[str] | None = None  # request class specs; default: DEFAULT_CLASSES
     quantization_group_size: int | None = None  # int4 weights (--dtype int4): inputs per scale/zero (None: as
     # the server chooses, the largest of 128/64/32 dividing each layer)
+    pipeline_parallel_size: int = 1  # stages, each on a device of `memory`
+    pp_layer_partition: str | None = None  # layers per stage, e.g. "3,5" (None: an even split)
 
 
 def plan_from_options(options: PlanOptions) -> Plan:
@@ -679,7 +749,18 @@ def plan_from_options(options: PlanOptions) -> Plan:
     return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
                       context=context, block_size=options.block_size,
                       reserve_bytes=parse_reserve(options.reserve, memory), classes=classes,
-                      group_size=options.quantization_group_size)
+                      group_size=options.quantization_group_size,
+                      pipeline_parallel_size=options.pipeline_parallel_size,
+                      pp_layer_partition=_layer_counts(options.pp_layer_partition))
+
+
+def _layer_counts(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layer-partition must be comma-separated layer counts like 3,5, got {text!r}") from None
 
 
 # ---- several models on one machine (pagoda serve --models) -------------------------------------

@@ -233,3 +233,34 @@ def test_moe_weights_count_every_expert_and_compute_the_active_ones(tmp_path: Pa
     assert plan["kv_bytes_per_token"] == 48 * 2 * 4 * 128 * 2
     _, text, _ = run_cli(["--model", str(path), "--memory", "80GiB"], capsys)
     assert "active per token 3,353,032,704" in text and "8 of 128 experts in 48 MoE layers" in text
+
+
+def test_pipeline_stages_report_their_own_memory(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--json",
+                          "--pipeline-parallel-size", "2", "--pp-layer-partition", "15,17"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    first, last = plan["stages"]
+    assert (first["first_layer"], first["end_layer"], last["first_layer"], last["end_layer"]) == (0, 15, 15, 32)
+    embedding, per_layer = 525_336_576, 218_112_000
+    assert first["weight_bytes"] == 2 * (embedding + 15 * per_layer)
+    assert last["weight_bytes"] == 2 * (embedding + 17 * per_layer + 4096)  # LM head and final norm
+    assert first["kv_bytes_per_token"] == 15 * 4096 and last["kv_bytes_per_token"] == 17 * 4096
+    memory = 24 * 2**30
+    for stage in (first, last):
+        assert stage["kv_memory_bytes"] == memory - memory // 10 - stage["weight_bytes"]
+        assert stage["num_blocks"] == stage["kv_memory_bytes"] // (stage["kv_bytes_per_token"] * 16)
+    assert plan["stage_pool_blocks"] == min(first["num_blocks"], last["num_blocks"])
+    assert plan["stage_full_context_seqs"] == plan["stage_pool_blocks"] // 512
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "2"],
+                         capsys)
+    assert rc == 0 and "pipeline stages, each on its own 24.00 GiB device" in out and "0-15" in out
+
+
+def test_pipeline_partition_errors_name_the_numbers(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "2",
+                          "--pp-layer-partition", "10,10"], capsys)
+    assert rc == 2 and "pp_layer_partition 10,10 sums to 20 layers, the model has 32" in err
+    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "33"],
+                         capsys)
+    assert rc == 2 and "pipeline_parallel_size 33 is larger than the model's 32 layers" in err

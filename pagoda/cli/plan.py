@@ -44,6 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="memory kept back for activations, CUDA context and fragmentation:\n"
                              "a percentage of --memory or bytes (default: 10%%)")
     parser.add_argument("--classes", nargs="+", default=None, metavar="SPEC", help=CLASSES_HELP)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages, each on a device of --memory: per-stage weights and KV (default: 1)")
+    parser.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                        help="layers per pipeline stage, e.g. 3,5 (default: an even split)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run_plan)
 

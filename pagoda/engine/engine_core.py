@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.core.kv_cache_groups import (kv_cache_groups, layers_per_page, longest_sequence_blocks,
-                                         pages_per_sequence, release_blocker)
+from pagoda.core.kv_cache_groups import (KVCacheGroup, kv_cache_groups, layers_per_page,
+                                         longest_sequence_blocks, pages_per_sequence, release_blocker)
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.disaggregation import DisaggStats
@@ -20,6 +20,8 @@ from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
                                       check_request_id_free, validate_request)
+from pagoda.engine.threads import available_cores
+from pagoda.executor.pipeline import PipelineExecutor
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
@@ -28,6 +30,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.model.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
+from pagoda.model.pipeline import PipelineStage, pipeline_stages
 from pagoda.native import resolve_native_kernels
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
@@ -124,11 +127,19 @@ class EngineCore:
                                                 resolve_native_kernels(config.native_kernels, self.device))
         self.weight_format.check_kernel(self.device, self.dtype)
         # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
-        # many threads as the driver gave this thread (engine/threads.py).
-        self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
-                                               torch.get_num_threads()) if config.tensor_parallel_size > 1 else None
+        # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
+        # stages 1..P-1 load their layers, this process is the first stage.
+        self.stages = self._pipeline_stages()
+        self.executor: TensorParallelExecutor | None = None
+        if self.stages is not None:
+            self.executor = PipelineExecutor(config, self.device, self.dtype, self.weight_format,
+                                             torch.get_num_threads(), self.stages, self.model_config.vocab_size)
+        elif config.tensor_parallel_size > 1:
+            self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
+                                                   torch.get_num_threads())
         model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
-                           self.executor.group if self.executor else None)
+                           self.executor.group if self.executor else None,
+                           self.stages[0] if self.stages is not None else None)
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
         self.moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
             if config.moe_metrics and self.model_config.moe is not None else None
@@ -147,6 +158,9 @@ class EngineCore:
         bytes_per_block = model.config.kv_bytes_per_token(element_bytes, model.num_kv_heads,
                                                           kv_cache_dtype=config.kv_cache_dtype) * config.block_size
         bytes_per_block = bytes_per_block * layers_per_page(self.kv_groups) // model.config.num_layers
+        if self.stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
+            bytes_per_block = bytes_per_block * max(stage_layers_per_page(self.kv_groups, stage)
+                                                    for stage in self.stages) // layers_per_page(self.kv_groups)
         if draft_model is not None:
             bytes_per_block += draft_model.config.kv_bytes_per_token(
                 element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
@@ -177,7 +191,10 @@ class EngineCore:
                                   kv_format=self.kv_format, lora=self.lora, groups=self.kv_groups)
         if self.executor is not None:
             self.executor.start_serving(self.num_blocks, self.kv_groups)
-            self.runner.tensor_parallel = self.executor
+            if isinstance(self.executor, PipelineExecutor):
+                self.runner.pipeline = self.executor
+            else:
+                self.runner.tensor_parallel = self.executor
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks if self.kv_cache.single_table else longest_sequence_blocks(
@@ -216,6 +233,24 @@ class EngineCore:
                     self.model_config.architecture, self.dtype, self.device,
                     model.model.layers[0].self_attn.o_proj.weight_format.name,
                     self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
+
+    def _pipeline_stages(self) -> list[PipelineStage] | None:
+        """--pipeline-parallel-size's stages (None without), checked against the model and the
+        machine before any process starts."""
+        num_stages = self.config.pipeline_parallel_size
+        if num_stages == 1:
+            return None
+        stages = pipeline_stages(self.model_config.num_layers, num_stages, self.config.pp_layer_counts)
+        ranks = num_stages * self.config.tensor_parallel_size
+        if self.device.type == "cuda":
+            available, what = torch.cuda.device_count(), "CUDA devices"
+        else:
+            available, what = available_cores(), "CPU cores"
+        if ranks > available:
+            raise ValueError(f"pipeline_parallel_size {num_stages} x tensor_parallel_size "
+                             f"{self.config.tensor_parallel_size} = {ranks} ranks, but only {available} {what} "
+                             f"are available")
+        return stages
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
@@ -449,3 +484,9 @@ def _record_prompt_logprobs(request: Request, first_position: int, entries: list
     skip = len(request.prompt_logprobs) - (first_position + 1)
     if skip < len(entries):
         request.prompt_logprobs.extend(entries[max(skip, 0):])
+
+
+def stage_layers_per_page(groups: list[KVCacheGroup], stage: PipelineStage) -> int:
+    """Layers of a pool block a pipeline stage holds: the places its layers take in the groups
+    (pagoda.worker.paged_model allocates only those)."""
+    return len({place for group in groups for place, layer in enumerate(group.layers) if stage.holds_layer(layer)})

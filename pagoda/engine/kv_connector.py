@@ -38,8 +38,10 @@ class KVConnector:
     def __init__(self, config: EngineConfig, core: EngineCore) -> None:
         self.role = config.role
         self.core = core
-        # The target model's caches, as KV handoffs carry them.
-        self.handoffs = KVHandoffs(config.role, core.kv_cache, [t for pair in core.runner.kv_caches for t in pair],
+        # The target model's caches, as KV handoffs carry them (roles need the whole model: no
+        # pipeline stage's missing layers).
+        self.handoffs = KVHandoffs(config.role, core.kv_cache,
+                                   [t for pair in core.runner.kv_caches if pair is not None for t in pair],
                                    model_fingerprint(config, str(core.dtype).removeprefix("torch.")).hex())
         self._threads: HandoffThreads | None = None
         self._exported: list[KVHandoff] = []  # role prefill: exported without a target, not yet taken

@@ -15,6 +15,8 @@ Two facts drive it (MEASURED.md, "the thread trap"):
   `tensor_parallel_size` ranks computes with its share (total // N, at least 1), rank 0 on the
   engine's thread and each worker process the same (offline, the total is every core). Ranks
   run their matmuls at the same time, so more threads each than cores in all would contend.
+  Pipeline stages share the total the same way (tensor_parallel_size x pipeline_parallel_size
+  ranks).
 
 Torch's intra-op thread count is per calling thread, so whoever drives the engine calls
 `set_engine_threads` on the thread that will step it.
@@ -46,7 +48,7 @@ def engine_thread_count(config: EngineConfig, *, serving: bool = True) -> int | 
     spare one for the event loop), split between the data-parallel replicas; None offline:
     keep the process's torch setting. With tensor parallelism, a replica's total is shared
     out between its ranks."""
-    ranks = config.tensor_parallel_size
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
     if config.num_threads is not None:
         total = config.num_threads
     elif not serving and ranks == 1:

@@ -50,10 +50,15 @@ def host_store(host: str, world_size: int, timeout_s: float) -> Any:
                          wait_for_workers=False)
 
 
-def join(rank: int, world_size: int, device: torch.device, store: Any, expert_parallel: bool = False) -> Groups:
+def join(rank: int, world_size: int, device: torch.device, store: Any, expert_parallel: bool = False,
+         pipeline: bool = False) -> Groups:
     """Build this rank's groups; returns once every rank has joined. `expert_parallel`: the
-    model's group places MoE experts whole on ranks (pagoda.model.parallel)."""
+    model's group places MoE experts whole on ranks (pagoda.model.parallel). `pipeline`: the
+    ranks are pipeline stages, each holding whole layers (a one-rank model group); only the
+    control group joins them, carrying the hidden states too."""
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, OPERATION_TIMEOUT)
+    if pipeline:
+        return Groups(TensorParallelGroup(), control, store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         model_backend = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, world_size, options)
@@ -63,15 +68,16 @@ def join(rank: int, world_size: int, device: torch.device, store: Any, expert_pa
 
 
 def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float,
-            expert_parallel: bool = False) -> Groups:
+            expert_parallel: bool = False, pipeline: bool = False) -> Groups:
     """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
     store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     store.set(f"connected/{rank}", "1")
-    return join(rank, world_size, device, store, expert_parallel)
+    return join(rank, world_size, device, store, expert_parallel, pipeline)
 
 
-def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float) -> None:
+def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float,
+                     what: str = "tensor parallelism") -> None:
     """Rank 0, before joining: wait until every worker reached the store, giving up at once if
     one died on the way (`failed()` returns why) instead of sitting in the group's rendezvous
     until its timeout."""
@@ -80,9 +86,9 @@ def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | Non
     while not store.check(keys):
         reason = failed()
         if reason is not None:
-            raise RuntimeError(f"tensor parallelism could not start: {reason}")
+            raise RuntimeError(f"{what} could not start: {reason}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"tensor-parallel workers did not connect within {timeout_s:.0f} s")
+            raise TimeoutError(f"{what} workers did not connect within {timeout_s:.0f} s")
         time.sleep(0.05)
 
 

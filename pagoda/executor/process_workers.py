@@ -43,6 +43,7 @@ class ProcessWorkers:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.ranks = [spec.rank for spec in specs]
+        self.titles = [spec.title for spec in specs]
         self.processes: list[subprocess.Popen] = []
         for spec in specs:
             process = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=env)
@@ -61,13 +62,14 @@ class ProcessWorkers:
 
     def watch(self, on_exit: OnWorkerExit) -> None:
         """Report the first worker that exits before `stop` (one thread per worker)."""
-        def wait(rank: int, process: subprocess.Popen) -> None:
+        def wait(rank: int, title: str, process: subprocess.Popen) -> None:
             code = process.wait()
             if not self._stopping.is_set():
-                on_exit(rank, f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {code}")
+                on_exit(rank, f"{title} (pid {process.pid}) exited with code {code}")
 
-        for rank, process in zip(self.ranks, self.processes):
-            threading.Thread(target=wait, args=(rank, process), name=f"pagoda-tp-watch-{rank}", daemon=True).start()
+        for rank, title, process in zip(self.ranks, self.titles, self.processes):
+            threading.Thread(target=wait, args=(rank, title, process), name=f"pagoda-tp-watch-{rank}",
+                             daemon=True).start()
 
     def stop(self, timeout: float) -> None:
         """Wait for the workers to leave after the stop message; kill the ones that do not."""
@@ -106,14 +108,19 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)  # one object; the pipe stays open
     threading.Thread(target=_exit_when_stdin_closes, name="pagoda-tp-lifeline", daemon=True).start()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{spec.rank} %(levelname)s %(message)s")
+    label = f"pp-stage-{spec.rank}" if spec.stage is not None else f"tp-rank-{spec.rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
     from pagoda.executor.worker import run_worker
 
     try:
         run_worker(spec)
     except RuntimeError as error:  # rank 0 went away mid-collective, or a load failed
-        logger.error("tensor-parallel rank %d stopped: %s", spec.rank, str(error).splitlines()[0])
+        logger.error("%s stopped: %s", spec.title, str(error).splitlines()[0])
         sys.exit(1)
+    # Not a normal interpreter exit: the lifeline thread is blocked reading stdin, and
+    # finalizing around it aborts ("could not acquire lock ... at interpreter shutdown").
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

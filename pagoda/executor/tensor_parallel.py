@@ -30,6 +30,7 @@ from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
 from pagoda.model.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
+from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.weight_formats import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -39,16 +40,18 @@ STOP_TIMEOUT_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker died: the engine cannot step any more."""
+    """A tensor-parallel worker (or pipeline stage) died: the engine cannot step any more."""
 
 
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 weight_format: WeightFormat, num_threads: int) -> None:
+                 weight_format: WeightFormat, num_threads: int, stages: list[PipelineStage] | None = None) -> None:
         """Start ranks 1..N-1 and join the group as rank 0 (returns once all have joined).
-        `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py)."""
-        world_size = config.tensor_parallel_size
-        if config.enable_expert_parallel:  # before any worker starts
+        `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py).
+        `stages`: the ranks are these pipeline stages instead (pagoda.executor.pipeline)."""
+        world_size = len(stages) if stages is not None else config.tensor_parallel_size
+        what = "pipeline parallelism" if stages is not None else "tensor parallelism"
+        if config.enable_expert_parallel and stages is None:  # before any worker starts
             model_config = load_model_config(config.model)
             if model_config.moe is not None:
                 TensorParallelGroup(0, world_size, object(), expert_parallel=True).experts(model_config.moe.num_experts)
@@ -61,7 +64,8 @@ class TensorParallelExecutor:
             host = "127.0.0.1"
         store = host_store(host, world_size, STARTUP_TIMEOUT_S)
         specs = [WorkerSpec(config, rank, world_size, Endpoint(host, store.port), _worker_device(device, rank),
-                            dtype, weight_format, num_threads, STARTUP_TIMEOUT_S)
+                            dtype, weight_format, num_threads, STARTUP_TIMEOUT_S,
+                            stages[rank] if stages is not None else None)
                  for rank in range(1, world_size)]
         if ray_backend:
             self.workers = RayWorkers(specs, config.ray_address)
@@ -77,14 +81,15 @@ class TensorParallelExecutor:
         on_exit = weakref.WeakMethod(self._on_worker_exit)
         self.workers.watch(lambda rank, why: _call_alive(on_exit, rank, why))
         try:
-            wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S)
-            self.groups: Groups = join(0, world_size, device, store, config.enable_expert_parallel)
+            wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S, what)
+            self.groups: Groups = join(0, world_size, device, store, config.enable_expert_parallel,
+                                       pipeline=stages is not None)
         except BaseException:
             self._finalizer()
             raise
         self.device = device
-        logger.info("tensor parallelism: %d ranks (%s backend), %d threads each%s", world_size,
-                    config.distributed_executor_backend, num_threads,
+        logger.info("%s: %d %s (%s backend), %d threads each%s", what, world_size,
+                    "stages" if stages is not None else "ranks", config.distributed_executor_backend, num_threads,
                     ", experts placed whole (expert parallelism)" if config.enable_expert_parallel else "")
 
     @property
@@ -136,7 +141,7 @@ class TensorParallelExecutor:
         try:
             broadcast_object(self.groups.control, obj, 0)
         except RuntimeError as error:  # a peer's socket closed under the collective
-            raise TensorParallelError(self._failure or f"tensor-parallel group failed: {error}") from None
+            raise TensorParallelError(self._failure or f"the workers' group failed: {error}") from None
 
     def _on_worker_exit(self, rank: int, reason: str) -> None:
         with self._lock:

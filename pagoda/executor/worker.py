@@ -1,17 +1,23 @@
-"""A tensor-parallel worker: ranks 1..N-1, each in its own process (or Ray actor).
+"""A worker beside the engine core: a tensor-parallel rank 1..N-1 or a pipeline stage 1..P-1,
+each in its own process (or Ray actor).
 
-It loads its shards of the model, allocates its slice of every KV block (its KV heads) once
-rank 0 says how many blocks the pool has, then runs every step rank 0 broadcasts: block copies
-(copy-on-write), the forward, and the LM head when rank 0 samples this step (its logits
-all-gather is a collective every rank joins). It never schedules or samples: the scheduler,
-the sampler, grammars and outputs all live with rank 0.
+A tensor-parallel rank loads its shards of the model, allocates its slice of every KV block
+(its KV heads) once rank 0 says how many blocks the pool has, then runs every step rank 0
+broadcasts: block copies (copy-on-write), the forward, and the LM head when rank 0 samples this
+step (its logits all-gather is a collective every rank joins). A pipeline stage loads its
+layers only and allocates their KV; each step it receives the previous stage's hidden states,
+runs its layers and sends them on, the last stage sending the logits rows back to stage 0.
+Neither ever schedules or samples: the scheduler, the sampler, grammars and outputs all live
+with rank 0 (stage 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +26,8 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import Endpoint, broadcast_object, connect
 from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
+from pagoda.model.parallel import TensorParallelGroup
+from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import WeightFormat
 from pagoda.worker.paged_model import PagedModel
@@ -41,6 +49,12 @@ class WorkerSpec:
     weight_format: WeightFormat
     num_threads: int
     startup_timeout_s: float
+    stage: PipelineStage | None = None  # pipeline parallelism: the stage this worker is (rank == stage index)
+
+    @property
+    def title(self) -> str:
+        """How logs and errors name this worker."""
+        return f"pipeline stage {self.rank}" if self.stage is not None else f"tensor-parallel worker rank {self.rank}"
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,17 @@ class StepInputs:
     block_copies: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class BusyQuery:
+    """Stage 0 asks every pipeline stage for the seconds it has spent computing so far."""
+
+
+# Tags of the point-to-point messages between pipeline stages.
+HIDDEN_TAG = 1
+LOGITS_TAG = 2
+BUSY_TAG = 3
+
+
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
     """The layout with its tensors on `device`."""
     moved = {f.name: getattr(layout, f.name).to(device) for f in dataclasses.fields(layout)
@@ -75,14 +100,19 @@ def run_worker(spec: WorkerSpec) -> None:
     device = torch.device(spec.device)
     config = spec.config
     groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
-                     config.enable_expert_parallel)
+                     config.enable_expert_parallel, pipeline=spec.stage is not None)
     model_config = load_model_config(config.model)
-    model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model)
+    model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage)
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
     backend = select_backend(config.attention_backend, device, kv_format)
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
+    if spec.stage is not None:
+        logger.info("pipeline stage %d/%d ready: layers %d-%d, %d threads", spec.rank, spec.world_size,
+                    spec.stage.first_layer, spec.stage.end_layer - 1, spec.num_threads)
+        serve_stage(paged, spec.stage, groups.control, device, spec.dtype)
+        return
     logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
                 model.num_kv_heads, spec.num_threads)
     while True:
@@ -90,6 +120,40 @@ def run_worker(spec: WorkerSpec) -> None:
         if step is None:
             return
         run_step(paged, step, device)
+
+
+def serve_stage(paged: PagedModel, stage: PipelineStage, control: Any, device: torch.device,
+                dtype: torch.dtype) -> None:
+    """A pipeline stage's loop: each step stage 0 broadcasts, its layers between the hidden
+    states received from the previous stage and those sent to the next (or the logits, to
+    stage 0); answers BusyQuery with its compute seconds so far."""
+    busy_s = 0.0
+    host = torch.device("cpu")
+    hidden_size = paged.model.config.hidden_size
+    while True:
+        message: StepInputs | BusyQuery | None = broadcast_object(control, None, stage.index)
+        if message is None:
+            return
+        if isinstance(message, BusyQuery):
+            control.send([torch.tensor([busy_s], dtype=torch.float64)], 0, BUSY_TAG).wait()
+            continue
+        received = torch.empty(message.input_ids.numel(), hidden_size, dtype=dtype)
+        control.recv([received], stage.index - 1, HIDDEN_TAG).wait()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            copy_blocks(paged.distinct_kv_caches, message.block_copies, device)
+            context = paged.forward_context([layout_to(layout, device) for layout in message.layouts])
+            hidden = paged.model(message.input_ids.to(device), message.positions.to(device), context,
+                                 received.to(device))
+            if not stage.is_last:
+                outgoing, peer, tag = hidden, stage.index + 1, HIDDEN_TAG
+            elif message.logit_rows:
+                outgoing, peer, tag = paged.model.compute_logits(hidden[message.logit_rows]), 0, LOGITS_TAG
+            else:
+                outgoing = None
+        busy_s += time.perf_counter() - started
+        if outgoing is not None:
+            control.send([outgoing.to(host).contiguous()], peer, tag).wait()
 
 
 @torch.inference_mode()

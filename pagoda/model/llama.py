@@ -25,6 +25,7 @@ from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import TensorParallelGroup, VocabParallelEmbedding
+from pagoda.model.pipeline import OtherStageLayer, PipelineStage
 from pagoda.quant.weight_formats import WeightFormat
 
 
@@ -128,20 +129,30 @@ class LlamaFamilyModel(nn.Module):
     in full precision (as vLLM and llama.cpp's default mixes keep them).
 
     `tp`: this rank's tensor-parallel group (pagoda.model.parallel); layers hold the rank's
-    shards and `num_kv_heads` is the rank's count (what its KV cache holds)."""
+    shards and `num_kv_heads` is the rank's count (what its KV cache holds).
+
+    `stage`: this pipeline stage (pagoda.model.pipeline): only its decoder layers are built, the
+    embedding on the first stage, the final norm and LM head on the last."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None) -> None:
+                 weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallelGroup()
+        self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, self.tp)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, weight_format, self.tp)
-                                          for i in range(config.num_layers))
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
+        # The last stage's head is the embedding matrix when they are tied.
+        holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device,
+                                                         self.tp) if holds_embedding else None
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, weight_format, self.tp) if self.stage.holds_layer(i)
+            else OtherStageLayer() for i in range(config.num_layers))
+        self.num_kv_heads = self.model.layers[self.stage.first_layer].self_attn.num_kv_heads
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms) \
+            if self.stage.is_last else None
+        self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
             shard=self.tp.vocab(config.vocab_size, config.hidden_size))
         # In the model dtype, as transformers multiplies by it.
@@ -160,17 +171,22 @@ class LlamaFamilyModel(nn.Module):
             for theta, scaling in distinct)
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. positions: each token's
         position, plus config.long_rope_boundary for sequences on LongRoPE's long factors (its
-        row of the rotary tables, see RotaryEmbedding)."""
-        hidden = self.model.embed_tokens(input_ids)
-        if self.embedding_scale is not None:
-            hidden = hidden * self.embedding_scale
+        row of the rotary tables, see RotaryEmbedding). A later pipeline stage starts from the
+        previous stage's `hidden`; a stage before the last returns its layers' output without
+        the norm."""
+        if self.stage.is_first:
+            hidden = self.model.embed_tokens(input_ids)
+            if self.embedding_scale is not None:
+                hidden = hidden * self.embedding_scale
         ropes = [rotary.tables(positions) for rotary in self.rotaries]  # once per step, shared by the layers
-        for layer, index in zip(self.model.layers, self.layer_rotary):
-            hidden = layer(hidden, ropes[index], self.rotaries[index], context)
-        return self.model.norm(hidden)
+        for index in self.stage.layers:
+            rotary = self.layer_rotary[index]
+            hidden = self.model.layers[index](hidden, ropes[rotary], self.rotaries[rotary], context)
+        return self.model.norm(hidden) if self.stage.is_last else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the head

@@ -15,6 +15,7 @@ from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup
+from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.weight_formats import Int4Weight, WeightFormat
@@ -94,11 +95,12 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, weight_format: WeightFormat | None = None,
-               tp: TensorParallelGroup | None = None) -> LlamaFamilyModel:
-    """The model with its weights; with `tp`, this rank's shards of them only."""
+               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
+    """The model with its weights; with `tp`, this rank's shards of them only; with `stage`,
+    that pipeline stage's layers only."""
     gguf_file = find_gguf_file(model_dir)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, config, dtype, device, weight_format, tp)
+        return _load_gguf(gguf_file, config, dtype, device, weight_format, tp, stage)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     requested = weight_format.name if weight_format is not None else "none"
@@ -106,7 +108,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     if checkpoint_format is not None:  # a GPTQ checkpoint: its codes load as they are
         weight_format = checkpoint_format
         weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(model_dir), tp)
+    model = build_empty_model(config, dtype, device, weight_format, str(model_dir), tp, stage)
     plain = ((path.name, name, tensor) for path, name, tensor in iterate_tensors(files))
     if quantization is not None:
         tensors = gptq_tensors(plain, quantization)
@@ -117,11 +119,12 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               weight_format: WeightFormat | None, tp: TensorParallelGroup | None) -> LlamaFamilyModel:
+               weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
+               stage: PipelineStage | None) -> LlamaFamilyModel:
     checkpoint = GGUFCheckpoint(path)
     weight_format = gguf_weight_format(checkpoint, weight_format)
     weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(path), tp)
+    model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage)
     keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
                for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
@@ -142,7 +145,7 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             continue
         target, part = _locate(name)
         if target not in params:
-            if _held_by_another_rank(model, target):
+            if _held_by_another_rank(model, target) or _held_by_another_stage(model, target):
                 continue
             raise ValueError(f"{file_name}: unexpected tensor {name!r} for {config.architecture}")
         param = params[target]
@@ -176,12 +179,12 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                       weight_format: WeightFormat | None, source: str = "model",
-                      tp: TensorParallelGroup | None = None) -> LlamaFamilyModel:
+                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
     try:
         with torch.device(device):
-            model = LlamaFamilyModel(config, dtype, device, weight_format, tp)
+            model = LlamaFamilyModel(config, dtype, device, weight_format, tp, stage)
     except ValueError as error:  # a dimension that tensor_parallel_size does not divide
         raise ValueError(f"{source}: {error}") from None
     for name, module in model.named_modules():
@@ -250,6 +253,19 @@ def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
         return False
     expert = int(match.group(2))
     return isinstance(experts, Experts) and expert < experts.num_experts and not experts.placement.holds(expert)
+
+
+def _held_by_another_stage(model: LlamaFamilyModel, target: str) -> bool:
+    """A tensor of a decoder layer, the embedding, or the final norm and LM head that pipeline
+    parallelism placed on another stage."""
+    parts = target.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return not model.stage.holds_layer(int(parts[2]))
+    if parts[:2] == ["model", "embed_tokens"]:
+        return model.model.embed_tokens is None
+    if parts[:2] == ["model", "norm"] or parts[0] == "lm_head":
+        return not model.stage.is_last
+    return False
 
 
 def _locate(name: str) -> tuple[str, int | None]:

@@ -27,8 +27,9 @@ class MoEStats:
 class ExpertLoadMeter:
     def __init__(self, model: nn.Module, expert_parallel_ranks: int | None) -> None:
         """expert_parallel_ranks: the ranks experts are placed on (None: no expert parallelism)."""
+        # getattr: a pipeline stage's placeholders for other stages' layers have no MLP.
         self.blocks = [(index, layer.mlp) for index, layer in enumerate(model.model.layers)
-                       if isinstance(layer.mlp, SparseMoE)]
+                       if isinstance(getattr(layer, "mlp", None), SparseMoE)]
         for _, block in self.blocks:
             block.count_experts(True)
         self.ranks = expert_parallel_ranks

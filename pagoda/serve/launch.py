@@ -273,6 +273,9 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
          f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),
         (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
          config.tensor_parallel_size > 1),
+        (f"pipeline parallel {config.pipeline_parallel_size}"
+         f"{f' (layers {config.pp_layer_partition})' if config.pp_layer_partition else ''}",
+         config.pipeline_parallel_size > 1),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",

@@ -40,7 +40,7 @@ class StepTimings:
     prepare: float = 0.0
     propose: float = 0.0  # the draft model's forwards (speculative decoding)
     forward: float = 0.0  # the decoder stack, up to the final norm
-    logits: float = 0.0  # the LM head, over the rows whose logits are used
+    logits: float = 0.0  # the LM head, over the rows whose logits are used (and the later pipeline stages)
     sample: float = 0.0
     schedule: float = 0.0
     update: float = 0.0
@@ -67,6 +67,14 @@ class StepBroadcaster(Protocol):
 
     def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
                        logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None: ...
+
+
+class LaterStages(StepBroadcaster, Protocol):
+    """Pipeline parallelism (pagoda.executor.pipeline): after the first stage's layers, the
+    other stages run theirs; the last one's logits come back to be sampled here."""
+
+    def hand_on(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor | None:
+        """The first stage's hidden states in; the logits of `logit_rows` out (None: no rows)."""
 
 
 class Verified(Protocol):
@@ -151,6 +159,8 @@ class ModelRunner(PagedModel):
         # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
         # the other ranks just before this one runs it.
         self.tensor_parallel: StepBroadcaster | None = None
+        # Pipeline parallelism: this runner is the first stage; the executor runs the others.
+        self.pipeline: LaterStages | None = None
         # Structured output: grammar bitmasks are filled here while the forward runs.
         self.mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
@@ -186,9 +196,9 @@ class ModelRunner(PagedModel):
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
             self.lora.begin_step([(segment.request.lora, len(segment.token_ids)) for segment in segments])
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.broadcast_step(input_ids, positions, layouts, logit_rows,
-                                                scheduler_output.block_copies)
+        workers = self.tensor_parallel or self.pipeline
+        if workers is not None:
+            workers.broadcast_step(input_ids, positions, layouts, logit_rows, scheduler_output.block_copies)
         # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
         graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
         if graphs is not None and graphs.fits(layouts[0]):
@@ -201,7 +211,10 @@ class ModelRunner(PagedModel):
         if self.lora is not None:
             self.lora.end_step()
         forwarded = time.perf_counter()
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        if self.pipeline is not None:
+            logits = self.pipeline.hand_on(hidden, logit_rows)
+        else:
+            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
         projected = time.perf_counter()
 
         output = ModelRunnerOutput()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagoda.core.kv_cache_groups import KVCacheGroup, layers_per_page
+from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import ForwardContext, LlamaFamilyModel
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
@@ -22,19 +22,25 @@ from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, kv_format: KVCacheFormat | None = None,
-                       groups: Sequence[KVCacheGroup] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (key_cache, value_cache); layers at the same place in different groups share them."""
+                       groups: Sequence[KVCacheGroup] | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer (key_cache, value_cache); layers at the same place in different groups share them
+    (None for the layers of other pipeline stages)."""
     config = model.config
     groups = groups or single_group(model)
     kv_format = kv_format or KVCacheFormat("auto", dtype)
     shape = (num_blocks, block_size, model.num_kv_heads, kv_format.entry_size(config.head_dim))  # the rank's heads
     storage = kv_format.storage_dtype
-    pairs = [(torch.zeros(shape, dtype=storage, device=device), torch.zeros(shape, dtype=storage, device=device))
-             for _ in range(layers_per_page(groups))]
-    caches: list[tuple[torch.Tensor, torch.Tensor]] = [pairs[0]] * config.num_layers
+    # A pipeline stage allocates only the places its own layers use; other stages' layers get None.
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * config.num_layers
     for group in groups:
         for place, layer in enumerate(group.layers):
-            caches[layer] = pairs[place]
+            if model.stage.holds_layer(layer):
+                if place not in pairs:
+                    pairs[place] = (torch.zeros(shape, dtype=storage, device=device),
+                                    torch.zeros(shape, dtype=storage, device=device))
+                caches[layer] = pairs[place]
     return caches
 
 
@@ -51,7 +57,8 @@ class PagedModel:
     def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None,
                  groups: Sequence[KVCacheGroup] | None = None) -> None:
-        backend.check_layers([layer.self_attn.spec for layer in model.model.layers], model.config.architecture)
+        backend.check_layers([model.model.layers[i].self_attn.spec for i in model.stage.layers],
+                             model.config.architecture)
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -68,7 +75,7 @@ class PagedModel:
     @property
     def distinct_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each cache tensor pair once (groups share them)."""
-        return list({id(pair[0]): pair for pair in self.kv_caches}.values())
+        return list({id(pair[0]): pair for pair in self.kv_caches if pair is not None}.values())
 
     def forward_context(self, layouts: Sequence[BatchLayout]) -> ForwardContext:
         """Attention metadata for one batch (one layout per KV cache group), over this model's caches."""

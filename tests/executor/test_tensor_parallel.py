@@ -23,6 +23,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.threads import engine_thread_count
 from pagoda.structured import StructuredOutputsParams
+from processes import process_alive, process_tree
 from server_utils import free_port, start_serve_process
 
 # Small blocks and pool, a small token budget and n-gram speculation: prompts are chunked,
@@ -139,7 +140,7 @@ def test_each_rank_gets_its_share_of_the_threads(llama_dir: Path) -> None:
 
 def test_idle_worker_death_ends_an_engine_on_the_thread_transport(llama_dir: Path) -> None:
     def our_workers() -> set[int]:
-        return {pid for pid, command in _process_tree(os.getpid()).items() if WORKER_MODULE in command}
+        return {pid for pid, command in process_tree(os.getpid()).items() if WORKER_MODULE in command}
 
     before = our_workers()  # the module's shared engine has its own
     llm = AsyncLLM(EngineConfig(model=str(llama_dir), num_kv_blocks=32, tensor_parallel_size=2), transport="thread")
@@ -154,31 +155,7 @@ def test_idle_worker_death_ends_an_engine_on_the_thread_transport(llama_dir: Pat
         assert "tensor-parallel worker rank 1" in str(llm.error) and "exited with code -9" in str(llm.error)
     finally:
         llm.shutdown()
-    assert not any(_alive(pid) for pid in workers)
-
-
-def _process_tree(root: int) -> dict[int, str]:
-    """pid -> command line of `root` and its descendants."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                commands[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    tree, stack = {}, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in commands:
-            tree[pid] = commands[pid]
-        stack.extend(children.get(pid, []))
-    return tree
+    assert not any(process_alive(pid) for pid in workers)
 
 
 def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, llama_dir: Path) -> None:
@@ -193,7 +170,7 @@ def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, l
         answer = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()
         assert answer["choices"][0]["text"] == expected
-        tree = _process_tree(server.pid)
+        tree = process_tree(server.pid)
         workers = [pid for pid, command in tree.items() if WORKER_MODULE in command]
         assert len(workers) == 1
         # A worker dies while a long request streams: the request fails, /health turns 503.
@@ -218,17 +195,9 @@ def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, l
             os.killpg(server.pid, signal.SIGKILL)
             raise
     deadline = time.monotonic() + 10
-    while left := [pid for pid in tree if _alive(pid)]:
+    while left := [pid for pid in tree if process_alive(pid)]:
         assert time.monotonic() < deadline, f"processes left: {[tree[pid] for pid in left]}"
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
