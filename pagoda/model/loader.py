@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagoda.model.gpt_oss_checkpoint import gpt_oss_tensors
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
@@ -135,6 +136,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
     let the weight formats finalize."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    if config.architecture == "GptOssForCausalLM":
+        tensors = gpt_oss_tensors(tensors)
     for file_name, name, tensor, int4_codes in _per_expert(tensors):
         if name.endswith(_IGNORED_SUFFIXES):
             continue

@@ -41,6 +41,9 @@ class AttentionLayerSpec:
     scale: float
     sliding_window: int | None  # keys within the last `w` positions (self included), or None
     logit_softcap: float | None = None  # scores (after `scale`) become cap * tanh(scores / cap)
+    # [num_heads] one learned logit per head that joins the softmax's denominator and adds no
+    # value (gpt-oss's attention sinks); None: plain softmax.
+    sinks: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -185,20 +185,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     causal attention over keys starting at the first query's position."""
     gqa = spec.num_heads != spec.num_kv_heads
     cap = spec.logit_softcap
-    if cap is None:
+    if cap is None and spec.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=spec.scale, enable_gqa=gqa)
-    # SDPA has no soft-cap: scores, cap, mask and softmax in transformers' order.
+    # SDPA has neither soft-caps nor sinks: scores, cap, mask and softmax in transformers' order.
     if gqa:
         k = k.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
         v = v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if mask is None:
         num_queries, num_keys = q.shape[-2], k.shape[-2]
         mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if spec.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    # The sink is one more column of the softmax, dropped after it.
+    sinks = spec.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    scores = torch.cat([scores, sinks], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def decode_groups(rows: list[int], context_lens: list[int],

@@ -71,6 +71,9 @@ class TritonAttentionBackend(AttentionBackend):
         if any(spec.logit_softcap is not None for spec in specs):
             raise ValueError(f"{model_name} soft-caps its attention scores, which the triton attention backend "
                              "does not do; use attention_backend=torch")
+        if any(spec.sinks is not None for spec in specs):
+            raise ValueError(f"{model_name} has attention sinks, which the triton attention backend does not "
+                             "compute; use attention_backend=torch")
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TritonAttentionMetadata:
         query_lens = layout.query_lens_host
