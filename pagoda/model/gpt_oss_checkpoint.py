@@ -21,6 +21,8 @@ from pagoda.quant.mxfp4 import dequantize_mxfp4
 Item = tuple[str, str, "torch.Tensor | None", "tuple | None"]
 
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+# pagoda's name of one expert's tensor, gate and up as the loader expects them (apart or fused)
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_up|gate|up|down)_proj\.(weight|bias)$")
 
 
 def gpt_oss_tensors(items: Iterable[Item]) -> Iterator[Item]:
@@ -58,3 +60,19 @@ def _per_expert(file_name: str, prefix: str, projection: str, param: str, tensor
         if projection == "gate_up_proj":
             piece = torch.cat((piece[0::2], piece[1::2]))
         yield file_name, f"{prefix}.{expert}.{projection}.{param}", piece.contiguous(), None
+
+
+def gpt_oss_checkpoint_names(names: list[str]) -> list[str]:
+    """pagoda's names of missing tensors as gpt-oss checkpoints spell them (for error messages):
+    each fused expert tensor once."""
+    spelled: list[str] = []
+    for name in names:
+        match = _PER_EXPERT.match(name)
+        if match is not None:
+            prefix, projection, param = match.groups()
+            projection = "down_proj" if projection == "down" else "gate_up_proj"
+            name = f"{prefix}.{projection}{'_bias' if param == 'bias' else ''}"
+        name = name.replace(".mlp.gate.", ".mlp.router.")
+        if name not in spelled:
+            spelled.append(name)
+    return spelled

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagoda.model.gpt_oss_checkpoint import gpt_oss_tensors
+from pagoda.model.gpt_oss_checkpoint import gpt_oss_checkpoint_names, gpt_oss_tensors
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
@@ -171,6 +171,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
     missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
     if missing and config.architecture == "MixtralForCausalLM":
         missing = [_mixtral_name(name) for name in missing]
+    if missing and config.architecture == "GptOssForCausalLM":
+        missing = gpt_oss_checkpoint_names(missing)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")

@@ -153,6 +153,28 @@ def test_mxfp4_tensor_without_its_scales_is_named(model_dir: Path, tmp_path: Pat
         LLM(model=str(quantized))
 
 
+def test_missing_expert_bias_is_named_as_the_checkpoint_names_it(model_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "m"
+    shutil.copytree(model_dir, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.gate_up_proj_bias"], tensors["model.layers.0.mlp.router.bias"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.0\.mlp\.router\.bias, "
+                                         r"model\.layers\.1\.mlp\.experts\.gate_up_proj_bias$"):
+        LLM(model=str(directory))
+
+
+def test_int8_quantizes_the_biased_experts_and_agrees(model_dir: Path) -> None:
+    prompts, references = hf_references(model_dir, prompts_for, NEW_TOKENS)
+    llm = LLM(model=str(model_dir), quantization="int8")
+    experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
+    assert experts["1"].down_proj.qweight.dtype == torch.int8 and experts["1"].down_proj.bias is not None
+    outputs = llm.generate(prompts, GREEDY)
+    agree = sum(a == b for output, (tokens, _) in zip(outputs, references)
+                for a, b in zip(output.outputs[0].token_ids, tokens))
+    assert agree >= 0.6 * NEW_TOKENS * len(prompts)
+
+
 def test_triton_backend_refuses_attention_sinks() -> None:
     pytest.importorskip("triton")
     from pagoda.model.attention.triton_backend import TritonAttentionBackend
