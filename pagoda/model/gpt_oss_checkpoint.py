@@ -18,7 +18,7 @@ import torch
 
 from pagoda.quant.mxfp4 import dequantize_mxfp4
 
-Item = tuple[str, str, "torch.Tensor | None", "tuple | None"]
+Item = tuple[str, str, torch.Tensor | None, tuple | None]  # (file, name, tensor, int4 codes)
 
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 # pagoda's name of one expert's tensor, gate and up as the loader expects them (apart or fused)

@@ -6,9 +6,9 @@ per-layer sliding windows (Mistral, Phi-3, some Qwen, Gemma), rope scaling (Llam
 LongRoPE) and per-layer rope bases (Gemma 3), tied embeddings, and Gemma's: (1 + w) RMSNorms
 with norms after attention and around the MLP, embeddings scaled by sqrt(hidden), GELU-tanh,
 its attention scale, and soft-capped attention scores and logits; gpt-oss's attention sinks
-(one learned logit per head, a parameter of the attention backend) and YaRN rope. q/k/v and gate/up are fused
-into single matmuls; the loader splits checkpoints' tensors into them (or takes Phi-3's fused
-tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
+(one learned logit per head, a parameter of the attention backend) and YaRN rope. q/k/v and
+gate/up are fused into single matmuls; the loader splits checkpoints' tensors into them (or
+takes Phi-3's fused tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
 its config says so, a dense MLP elsewhere.
 """
 

@@ -15,9 +15,9 @@ so they are stored and multiplied in whatever weight format the model's other pr
 
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
-router has a bias. Parallelism (see
-pagoda.model.parallel.ExpertPlacement): a rank computes the experts it holds (each whole, or its
-shard of every expert) for all tokens and the partial outputs meet in one all-reduce.
+router has a bias. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
+experts it holds (each whole, or its shard of every expert) for all tokens and the partial
+outputs meet in one all-reduce.
 """
 
 from __future__ import annotations
