@@ -164,6 +164,12 @@ def test_missing_expert_bias_is_named_as_the_checkpoint_names_it(model_dir: Path
         LLM(model=str(directory))
 
 
+def test_ngram_speculation_keeps_transformers_outputs(model_dir: Path) -> None:
+    prompts, references = hf_references(model_dir, prompts_for, NEW_TOKENS)
+    llm = LLM(model=str(model_dir), speculative="ngram", num_speculative_tokens=3)
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, 1e-3)
+
+
 def test_int8_quantizes_the_biased_experts_and_agrees(model_dir: Path) -> None:
     prompts, references = hf_references(model_dir, prompts_for, NEW_TOKENS)
     llm = LLM(model=str(model_dir), quantization="int8")
