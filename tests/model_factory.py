@@ -28,7 +28,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
 MORE_ARCHITECTURES = ("gemma2", "gemma3", "phi3")
 # Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
@@ -116,6 +116,14 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
         config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
         common.update(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
                       norm_topk_prob=True)
+    elif architecture == "gpt_oss":
+        # Top-2 of 4 biased experts behind a biased router; layer 0 slides over 24 tokens, layer 1
+        # is global; YaRN rope; a SwiGLU limit low enough that the clamps bite.
+        config_class, model_class = transformers.GptOssConfig, transformers.GptOssForCausalLM
+        common.update(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                      sliding_window=24, swiglu_limit=0.6,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     else:
         raise ValueError(f"unknown architecture {architecture}")
     common.update(overrides)
@@ -127,6 +135,9 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
         for name, param in model.named_parameters():
             if param.dim() >= 2:  # linear weights, and stacked experts' [E, out, in]
                 param.normal_(0.0, 0.08)
+            elif architecture == "gpt_oss" and not name.endswith("layernorm.weight") and name != "model.norm.weight":
+                # biases and attention sinks large enough to matter (transformers starts them at 0)
+                param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory

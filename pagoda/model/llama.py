@@ -1,13 +1,14 @@
 """The Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) as one implementation with flags.
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as one implementation with flags.
 
 Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3, Gemma 3),
 per-layer sliding windows (Mistral, Phi-3, some Qwen, Gemma), rope scaling (Llama 3, linear,
 LongRoPE) and per-layer rope bases (Gemma 3), tied embeddings, and Gemma's: (1 + w) RMSNorms
 with norms after attention and around the MLP, embeddings scaled by sqrt(hidden), GELU-tanh,
-its attention scale, and soft-capped attention scores and logits. q/k/v and gate/up are fused
-into single matmuls; the loader splits checkpoints' tensors into them (or takes Phi-3's fused
-tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
+its attention scale, and soft-capped attention scores and logits; gpt-oss's attention sinks
+(one learned logit per head, a parameter of the attention backend) and YaRN rope. q/k/v and
+gate/up are fused into single matmuls; the loader splits checkpoints' tensors into them (or
+takes Phi-3's fused tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
 its config says so, a dense MLP elsewhere.
 """
 
@@ -24,7 +25,7 @@ from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
-from pagoda.model.parallel import TensorParallelGroup, VocabParallelEmbedding
+from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
 from pagoda.quant.weight_formats import WeightFormat
 
@@ -62,10 +63,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
+        self.sinks = None
+        if config.attention_sinks:  # this rank's heads' sinks; the loader takes them via `shard`
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+            first_head = heads.q_rows.start // config.head_dim
+            self.shard = LinearShard((config.num_heads,), (Slice(first_head, self.num_heads),), 1, Slice(0, 1))
         self.spec = AttentionLayerSpec(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             scale=scale, sliding_window=config.layer_sliding_windows[layer_index],
-            logit_softcap=config.attn_logit_softcap)
+            logit_softcap=config.attn_logit_softcap, sinks=self.sinks)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
                 context: ForwardContext) -> torch.Tensor:

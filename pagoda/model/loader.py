@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagoda.model.gpt_oss_checkpoint import gpt_oss_checkpoint_names, gpt_oss_tensors
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
@@ -138,6 +139,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
     let the weight formats finalize."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    if config.architecture == "GptOssForCausalLM":
+        tensors = gpt_oss_tensors(tensors)
     for file_name, name, tensor, int4_codes in _per_expert(tensors):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -171,6 +174,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
     missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
     if missing and config.architecture == "MixtralForCausalLM":
         missing = [_mixtral_name(name) for name in missing]
+    if missing and config.architecture == "GptOssForCausalLM":
+        missing = gpt_oss_checkpoint_names(missing)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")

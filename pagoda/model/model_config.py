@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM") + MOE_ARCHITECTURES
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Rope types pagoda computes (pagoda.model.rope); `su` is LongRoPE's older name.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
@@ -35,7 +35,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or a dict with `rope_type` linear, llama3 or longrope
+    rope_scaling: dict[str, Any] | None  # None, or a dict with `rope_type` linear, llama3, longrope or yarn
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -59,6 +59,9 @@ class ModelConfig:
     sliding_rope_scaling: dict[str, Any] | None = None
     # Mixture of experts (pagoda.model.moe): router, experts and which layers have them; None: dense.
     moe: MoEConfig | None = None
+    # gpt-oss: a learned logit per attention head joins each softmax's denominator (a key that
+    # soaks up attention and contributes no value).
+    attention_sinks: bool = False
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -138,8 +141,10 @@ class ModelConfig:
             rope = dict(rope_parameters)
             if config.get("rope_local_base_freq") is not None:  # Gemma 3 as its checkpoints write it
                 sliding_rope_theta = float(config["rope_local_base_freq"])
-        # Gemma 3's defaults where its config names no base: transformers' global and local ones
-        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or (1e6 if is_gemma3 else 10000.0))
+        # Defaults where a config names no base: transformers' (Gemma 3's global and local ones, gpt-oss's)
+        is_gpt_oss = architecture == "GptOssForCausalLM" or model_type == "gpt_oss"
+        default_theta = 1e6 if is_gemma3 else 150000.0 if is_gpt_oss else 10000.0
+        rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or default_theta)
         rope_scaling = _rope_scaling(rope, config, source, require_supported)
         if is_gemma3 and sliding_rope_theta is None:
             sliding_rope_theta = 10000.0
@@ -191,6 +196,7 @@ class ModelConfig:
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
             moe=MoEConfig.from_hf(config, architecture, num_layers, source),
+            attention_sinks=is_gpt_oss,
         )
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:
@@ -234,6 +240,14 @@ def _rope_scaling(rope: dict[str, Any], config: dict[str, Any], source: str,
                 raise ValueError(f"{source}: longrope needs original_max_position_embeddings and short_factor")
             return None
         return {**rope, "rope_type": "longrope", "original_max_position_embeddings": int(original),
+                "max_position_embeddings": int(config.get("max_position_embeddings", 2048))}
+    if rope_type == "yarn":
+        original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        if original is None:
+            if require_supported:
+                raise ValueError(f"{source}: yarn rope needs original_max_position_embeddings")
+            return None
+        return {**rope, "rope_type": "yarn", "original_max_position_embeddings": int(original),
                 "max_position_embeddings": int(config.get("max_position_embeddings", 2048))}
     return {**rope, "rope_type": rope_type}
 

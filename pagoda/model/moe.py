@@ -5,7 +5,7 @@ so they are stored and multiplied in whatever weight format the model's other pr
 (int8, int4, GGUF types). The block's op:
 
 1. router logits [T, E] -> softmax -> top-k experts per token (weights renormalized over the
-   chosen ones where the model says so);
+   chosen ones where the model says so; gpt-oss: top-k logits, then a softmax over those);
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
 3. one gate/up and one down product per active expert over its segment (a loop over the active
@@ -13,9 +13,11 @@ so they are stored and multiplied in whatever weight format the model's other pr
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
-Compute therefore scales with the active experts' parameters, not all of them. Parallelism (see
-pagoda.model.parallel.ExpertPlacement): a rank computes the experts it holds (each whole, or its
-shard of every expert) for all tokens and the partial outputs meet in one all-reduce.
+Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
+experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
+router has a bias. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
+experts it holds (each whole, or its shard of every expert) for all tokens and the partial
+outputs meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.layers import Linear
-from pagoda.model.mlp import ACTIVATIONS, MLP
+from pagoda.model.mlp import MLP, GatedActivation
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.weight_formats import WeightFormat
@@ -42,12 +44,16 @@ class Routing:
     counts: torch.Tensor  # [E] pairs per expert: the segment lengths, in expert order
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
     """Top-k experts per token from router logits [T, E] (softmax in float32 as transformers)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if softmax_over_top_k:
+        logits, experts = torch.topk(router_logits, top_k, dim=-1)
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     return Routing(order // top_k, weights.reshape(-1)[order],
@@ -60,23 +66,31 @@ class Experts(nn.ModuleDict):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
                  dtype: torch.dtype, device: torch.device, weight_format: WeightFormat | None,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, bias: bool = False, gated: GatedActivation | None = None) -> None:
         placement = tp.experts(num_experts)
-        super().__init__({str(e): MLP(hidden_size, intermediate_size, False, activation, dtype, device, weight_format,
-                                      placement.weight_group, reduce=False)
+        super().__init__({str(e): MLP(hidden_size, intermediate_size, bias, activation, dtype, device, weight_format,
+                                      placement.weight_group, reduce=False, gated=gated)
                           for e in range(placement.experts.start, placement.experts.start + placement.experts.size)})
         self.placement = placement
         self.num_experts = num_experts
-        self.activation = ACTIVATIONS[activation]
-        # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I].
+        self.gated = gated or GatedActivation(activation)
+        # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I], and
+        # their biases [held, 2I] and [held, H] where they have them.
         self.gate_up_weight: torch.Tensor | None = None
         self.down_weight: torch.Tensor | None = None
+        self.gate_up_bias: torch.Tensor | None = None
+        self.down_bias: torch.Tensor | None = None
 
     def finalize(self, name: str) -> None:
         """After loading. Full-precision experts are stacked into two tensors and multiplied with
         plain F.linear on a slice (a small matmul's fixed cost is what a per-expert loop pays for
         every active expert); quantized ones keep their Linears and format kernels."""
         experts = list(self.values())
+        if self.placement.weight_group.rank != 0:
+            # Each rank's output is a partial sum of split experts: one rank adds the down bias.
+            for expert in experts:
+                if expert.down_proj.bias is not None:
+                    expert.down_proj.bias.data.zero_()
         if any(e.gate_up_proj.weight_format.name != "full" or e.down_proj.weight_format.name != "full"
                for e in experts):
             for index, expert in zip(self.keys(), experts):
@@ -85,8 +99,13 @@ class Experts(nn.ModuleDict):
             return
         self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
         self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
+        if experts[0].down_proj.bias is not None:
+            self.gate_up_bias = torch.stack([e.gate_up_proj.bias.detach() for e in experts])
+            self.down_bias = torch.stack([e.down_proj.bias.detach() for e in experts])
         for expert in experts:
             del expert.gate_up_proj.weight, expert.down_proj.weight
+            if expert.down_proj.bias is not None:
+                del expert.gate_up_proj.bias, expert.down_proj.bias
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -118,8 +137,10 @@ class Experts(nn.ModuleDict):
             return self[str(expert)](x)
         local = expert - self.placement.experts.start
         module = self[str(expert)]
-        gate, up = F.linear(x, self.gate_up_weight[local]).split(module.intermediate_size, dim=-1)
-        return F.linear(self.activation(gate) * up, self.down_weight[local])
+        biased = self.down_bias is not None
+        gate_up = F.linear(x, self.gate_up_weight[local], self.gate_up_bias[local] if biased else None)
+        gate, up = gate_up.split(module.intermediate_size, dim=-1)
+        return F.linear(self.gated(gate, up), self.down_weight[local], self.down_bias[local] if biased else None)
 
 
 class SparseMoE(nn.Module):
@@ -134,10 +155,12 @@ class SparseMoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
+        self.softmax_over_top_k = moe.softmax_over_top_k
         self.tp = tp
-        self.gate = Linear(hidden, moe.num_experts, False, dtype, device)
+        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device)
+        gated = GatedActivation(config.hidden_activation, moe.swiglu_limit, moe.swiglu_alpha)
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
-                               device, weight_format, tp)
+                               device, weight_format, tp, bias=moe.expert_bias, gated=gated)
         self.shared_expert = None
         self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
@@ -159,7 +182,7 @@ class SparseMoE(nn.Module):
         return counts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(hidden), self.top_k, self.renormalize)
+        routing = route(self.gate(hidden), self.top_k, self.renormalize, self.softmax_over_top_k)
         if self.expert_counts is not None:
             self.expert_counts += routing.counts.to(self.expert_counts.device)
         out = self.experts(hidden, routing)

@@ -33,6 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# Parameters with one value per output row (no input columns to split).
+VECTOR_PARAMS = ("bias", "sinks")
+
+
 @dataclass(frozen=True)
 class Slice:
     """Elements [start, start + size) of one dimension."""
@@ -74,16 +78,16 @@ class LinearShard:
         return self.local_out != sum(self.parts) or self.local_in != self.in_features
 
     def full_shape(self, part: int | None, param: str) -> tuple[int, ...]:
-        """Shape the checkpoint tensor of `param` ("weight" or "bias") has, for one fused part
-        (None: the whole parameter)."""
+        """Shape the checkpoint tensor of `param` ("weight", or a vector: "bias", attention
+        "sinks") has, for one fused part (None: the whole parameter)."""
         rows = sum(self.parts) if part is None else self.parts[part]
-        return (rows,) if param == "bias" else (rows, self.in_features)
+        return (rows,) if param in VECTOR_PARAMS else (rows, self.in_features)
 
     def take(self, tensor: torch.Tensor, part: int | None, param: str) -> tuple[int, torch.Tensor]:
         """(row offset in the local parameter, this rank's piece of the checkpoint tensor of
         `param` ("weight" or "bias") for one fused part, None: the whole parameter)."""
         offset, piece = self._take_rows(tensor, part)
-        if param != "bias":
+        if param not in VECTOR_PARAMS:
             piece = piece[:, self.columns.start:self.columns.start + self.columns.size]
         return offset, piece
 

@@ -1,5 +1,5 @@
 """Rotary frequencies of each rope type pagoda runs: plain, linear (Gemma 3's global layers),
-Llama 3.1 and LongRoPE (Phi-3).
+Llama 3.1, LongRoPE (Phi-3) and YaRN (gpt-oss).
 
 LongRoPE chooses its factors per sequence, as transformers does: a sequence of at most
 `original_max_position_embeddings` tokens (its boundary) runs on the short factors; one that is
@@ -32,13 +32,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, *
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     return _llama3_inv_freq(inv_freq, scaling)
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: LongRoPE's attention factor, 1 for the others."""
-    if scaling is None or scaling["rope_type"] != "longrope":
+    """What cos and sin are multiplied by: LongRoPE's and YaRN's attention factor, 1 for the others."""
+    if scaling is None or scaling["rope_type"] not in ("longrope", "yarn"):
         return 1.0
+    if scaling["rope_type"] == "yarn":
+        return _yarn_attention_factor(scaling)
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     original = scaling["original_max_position_embeddings"]
@@ -60,3 +64,48 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # YaRN: interpolate (divide by `factor`) the low frequencies, keep (extrapolate) the high
+    # ones, with a linear ramp over the dimensions between beta_fast and beta_slow rotations
+    # within the original context.
+    factor = _yarn_factor(scaling)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

@@ -41,6 +41,8 @@ def checkpoint_quantization(model_dir: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path}: not valid JSON ({error})") from None
     quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+        return None  # gpt-oss's MXFP4 experts: dequantized as they load (pagoda.model.gpt_oss_checkpoint)
     return quantization if isinstance(quantization, dict) else None
 
 

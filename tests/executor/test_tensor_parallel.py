@@ -201,7 +201,7 @@ def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, l
 
 
 @pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
-                                                          ("mixtral", True)])
+                                                          ("mixtral", True), ("gpt_oss", False), ("gpt_oss", True)])
 def test_moe_tensor_and_expert_parallel_match_one_rank(tmp_path: Path, architecture: str,
                                                        expert_parallel: bool) -> None:
     """Without expert parallelism every expert is split over the ranks; with it each rank holds

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE against transformers running the same weights (float32):
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss against transformers running the same weights (float32):
 greedy ids equal and logprobs within LOGPROB_TOLERANCE, with and without prefix caching, with
 chunked prefill, under preemption, with n > 1, from transformers 5's fused expert layout, with
 int8 experts, and through the server; and the checkpoint errors a MoE model can have.
@@ -6,7 +6,9 @@ int8 experts, and through the server; and the checkpoint errors a MoE model can 
 The tiny checkpoints (tests/model_factory.py): Mixtral top-2 of 4 experts with a 24-token
 sliding window (prompts run past it); Qwen2-MoE top-2 of 8 without renormalization, a shared
 expert behind its sigmoid gate, and a dense layer (`mlp_only_layers`); Qwen3-MoE top-3 of 8,
-renormalized, with q/k norms."""
+renormalized, with q/k norms; gpt-oss top-2 of 4 biased experts with the clamped SwiGLU, a
+biased router, attention sinks, a sliding layer and a global one, YaRN rope (what is particular
+to it: tests/model/test_gpt_oss.py)."""
 
 from __future__ import annotations
 
@@ -103,6 +105,9 @@ def test_configs_place_experts_as_transformers_does(moe_dirs) -> None:
         "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 2})
     assert stepped.moe.sparse_layers == (False, True, False, True)
+    gpt_oss = ModelConfig.from_dir(moe_dirs["gpt_oss"])
+    assert (gpt_oss.moe.num_experts, gpt_oss.moe.top_k, gpt_oss.moe.swiglu_limit) == (4, 2, 0.6)
+    assert gpt_oss.layer_sliding_windows == [24, None] and gpt_oss.attention_sinks
 
 
 def _fuse_experts(source: Path, destination: Path) -> Path:

@@ -364,15 +364,17 @@ def test_kernels_compile_for_gpu(arch, dtype):
 # ---- a model through the engine --------------------------------------------------------------
 
 
-def test_gemma2_on_triton_matches_the_torch_backend(tmp_path):
-    """Gemma 2's soft-capped attention and alternating 24-token windows, prompts past the window,
-    decoding, prefix-cache hits and chunked prefill: the Triton backend's logprobs equal the torch
-    backend's within the parity tolerance of tests/model/test_gemma_phi3.py."""
+@pytest.mark.parametrize("architecture", ["gemma2", "gpt_oss"])
+def test_model_on_triton_matches_the_torch_backend(tmp_path, architecture: str):
+    """Gemma 2's soft-capped attention and alternating 24-token windows, gpt-oss's sinks and
+    sliding/full layers; prompts past the window, decoding, prefix-cache hits and chunked
+    prefill: the Triton backend's logprobs equal the torch backend's within the parity tolerance
+    of tests/model/test_gemma_phi3.py."""
     from engine_helpers import prompts_for
     from model_factory import build_model
     from pagoda import LLM, SamplingParams
 
-    directory = build_model(tmp_path / "gemma2", "gemma2")
+    directory = build_model(tmp_path / architecture, architecture)
     prompts = prompts_for(256, (30, 9), shared_length=12, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     settings = dict(block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)

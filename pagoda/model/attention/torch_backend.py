@@ -188,7 +188,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if cap is None and spec.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=spec.scale, enable_gqa=gqa)
-    # SDPA has neither soft-cap nor sinks: scores, cap, mask and softmax in transformers' order.
+    # SDPA has neither soft-caps nor sinks: scores, cap, mask and softmax in transformers' order.
     if gqa:
         k = k.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
         v = v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
@@ -201,9 +201,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.masked_fill(~mask, float("-inf"))
     if spec.sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-    # A sink column joins the softmax and is dropped after it.
-    sinks = spec.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    # The sink is one more column of the softmax, dropped after it.
+    sinks = spec.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    scores = torch.cat([scores, sinks], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
     return torch.matmul(probs.to(q.dtype), v)
 
 
