@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 # engine's logprobs (at most MAX_LOGPROBS), so the width leaves room for a few EOS tokens.
 MAX_BEAM_WIDTH = 16
 EARLY_STOPPING = (True, False, "never")
+# |length_penalty| bound: a beam's length raised to it stays a finite, non-zero float.
+MAX_LENGTH_PENALTY = 10.0
 
 
 # ---- structured output (decoded under a grammar: pagoda/structured) ----------------------------
@@ -212,8 +214,9 @@ class SamplingParams:
         if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
             fail("early_stopping", f"must be true, false or \"never\", got {self.early_stopping!r}")
         if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
-                or not math.isfinite(self.length_penalty):
-            fail("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+                or not math.isfinite(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            fail("length_penalty", f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                                   f"got {self.length_penalty!r}")
         if not self.use_beam_search:
             return
         if self.beam_width > MAX_BEAM_WIDTH:

@@ -124,7 +124,8 @@ def test_refused_requests(llm: LLM, hf_model) -> None:
         SamplingParams(use_beam_search=True, n=MAX_BEAM_WIDTH + 1)
     assert too_wide.value.param == "n"
     for fields, param in [({"stop": ["x"]}, "stop"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                          ({"best_of": 1, "n": 2}, "best_of"), ({"early_stopping": "sometimes"}, "early_stopping")]:
+                          ({"best_of": 1, "n": 2}, "best_of"), ({"early_stopping": "sometimes"}, "early_stopping"),
+                          ({"length_penalty": 1e308}, "length_penalty")]:
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(use_beam_search=True, **fields)
         assert refused.value.param == param
