@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,13 @@ from pagoda.errors import InvalidRequest
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 MAX_LOGPROBS = 20
+
+# Beam search reads each beam's top (width + end-of-sequence tokens) next tokens from the
+# engine's logprobs (at most MAX_LOGPROBS), so the width leaves room for a few EOS tokens.
+MAX_BEAM_WIDTH = 16
+EARLY_STOPPING = (True, False, "never")
+# |length_penalty| bound: a beam's length raised to it stays a finite, non-zero float.
+MAX_LENGTH_PENALTY = 10.0
 
 
 # ---- structured output (decoded under a grammar: pagoda/structured) ----------------------------
@@ -117,6 +126,13 @@ class SamplingParams:
     # by "last" or "mean" come back as the output's `embedding`; nothing is decoded after the
     # prefill's one token (max_tokens 1).
     pooling: str | None = None
+    # Beam search (vLLM's fields; scored as transformers' `num_beams` generation, see
+    # pagoda/engine/beam_search.py): `best_of` beams (None: n), the n best returned, best first.
+    # Deterministic: temperature, top_p, top_k, min_p and seed do not apply.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as transformers'
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,6 +203,55 @@ class SamplingParams:
         if self.bad_words is not None:
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 fail("bad_words", "must contain only non-blank strings")
+        self._validate_beam_search(fail)
+
+    def _validate_beam_search(self, fail: Callable[[str, str], None]) -> None:
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or isinstance(self.best_of, bool) or self.best_of < self.n:
+                fail("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+            if self.best_of != self.n and not self.use_beam_search:
+                fail("best_of", f"({self.best_of}) different from n ({self.n}) needs use_beam_search")
+        if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
+            fail("early_stopping", f"must be true, false or \"never\", got {self.early_stopping!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
+                or not math.isfinite(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            fail("length_penalty", f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                                   f"got {self.length_penalty!r}")
+        if not self.use_beam_search:
+            return
+        if self.beam_width > MAX_BEAM_WIDTH:
+            fail("best_of" if self.best_of is not None else "n",
+                 f"(the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {self.beam_width}")
+        # Beam search ranks the model's raw log-probabilities: what reshapes them or cuts the
+        # output short would be silently ignored, so it is refused.
+        refused = {
+            "structured_outputs": self.structured_outputs is not None,
+            "stop": bool(self.stop),
+            "min_tokens": self.min_tokens > 0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "pooling": self.pooling is not None,
+        }
+        for name, is_set in refused.items():
+            if is_set:
+                fail(name, "is not supported with use_beam_search (beam search ranks the model's "
+                           "raw log-probabilities)")
+
+    @property
+    def beam_width(self) -> int:
+        """How many beams a beam search keeps: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """The sequences this request runs at once (what admission charges): the beam width
+        for a beam search, else n."""
+        return self.beam_width if self.use_beam_search else self.n
 
     @property
     def is_greedy(self) -> bool:

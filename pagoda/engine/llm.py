@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagoda.config import DeploymentConfig, EngineConfig
+from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from pagoda.engine.roles import require_both_role
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
@@ -77,6 +78,31 @@ class LLM:
                                     priority=priority[i] if priority else 0, lora_request=lora_request[i])
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's `LLM.beam_search`): each output holds the
+        `beam_width` best sequences, best first. `concurrency_limit`: at most this many prompts
+        searched at once (None: all)."""
+        prompts = normalize_prompts(prompts)
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        sampling_params = params.sampling_params()
+        chunk = concurrency_limit or max(len(prompts), 1)
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(prompts), chunk):
+            outputs += self.generate(prompts[start:start + chunk], sampling_params, use_tqdm=use_tqdm,
+                                     lora_request=lora_request[start:start + chunk])
+        return [BeamSearchOutput([
+            BeamSearchSequence(tokens=output.prompt_token_ids + sample.token_ids, logprobs=sample.logprobs or [],
+                               cum_logprob=sample.cumulative_logprob or 0.0, text=sample.text,
+                               finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                               score=beam_score(sample.cumulative_logprob or 0.0, len(sample.token_ids),
+                                                params.length_penalty))
+            for sample in output.outputs]) for output in outputs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is released (the first sample's)."""

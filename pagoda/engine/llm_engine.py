@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.engine.beam_search import BeamSearchRunner
 from pagoda.engine.disaggregation import sampling_params_from_dict
 from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.kv_connector import KVConnector
@@ -42,6 +43,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.kv_connector = KVConnector(config, self.core)
+        self.beam_searches = BeamSearchRunner(self.core, self.tokenizer, self.eos_token_ids)
         self._output = EngineStepOutput()  # what the next step() reports besides its own deltas
 
     @property
@@ -93,6 +95,14 @@ class LLMEngine:
             prompt_text = None
             prompt_token_ids = list(prompt)
         check_role_accepts(self.config.role, params, handoff, awaiting_kv)
+        if self.beam_searches.owns(request_id):
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if params.use_beam_search:
+            if handoff is not None or awaiting_kv:
+                raise InvalidRequest("use_beam_search is not supported across a KV handoff", param="use_beam_search")
+            self.beam_searches.add(request_id, prompt_text, prompt_token_ids, params, arrival_time=arrival_time,
+                                   cache_salt=cache_salt, priority=priority, lora_request=lora_request)
+            return
         if params.bad_words and params.bad_words_token_ids is None:  # the sampler bans token ids
             params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
@@ -156,6 +166,9 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
         for request_id in request_ids:
+            if self.beam_searches.owns(request_id):
+                self._output.deltas.append(self.beam_searches.abort(request_id))
+                continue
             if self.kv_connector.on_abort(request_id):
                 continue  # a receive thread is writing its blocks: aborted once it ends
             if self.core.abort_request([request_id]):
@@ -176,16 +189,18 @@ class LLMEngine:
         for request_id, message in result.grammars_failed.items():  # it never ran
             output.refused[request_id] = grammar_failure(message)
             self._forget(request_id)
-        changed, stopped = self.output_processor.process(result.progressed)
+        progressed, beam_answers = self.beam_searches.take(result.progressed)
+        changed, stopped = self.output_processor.process(progressed)
         if stopped:
             self.core.finish_samples(stopped, RequestStatus.FINISHED_STOPPED)
         for delta in changed:
             if delta.finished:
                 self._forget(delta.request_id)
-        exported = self.kv_connector.after_step(result.progressed, changed)
+        exported = self.kv_connector.after_step(progressed, changed)
         for request_id in exported:
             self._forget(request_id)
         output.deltas.extend(delta for delta in changed if delta.request_id not in exported)
+        output.deltas.extend(beam_answers)
         return output
 
     def has_unfinished_requests(self) -> bool:

@@ -237,7 +237,7 @@ class Generation:
         max_model_len = self.ctx.llm.max_model_len
         max_output = sum(self.params.max_tokens if self.params.max_tokens is not None
                          else max_model_len - len(p.token_ids) for p in self.prompts)
-        return RequestWork(len(self.prompts), self.params.n, self.num_prompt_tokens, max_output)
+        return RequestWork(len(self.prompts), self.params.num_sequences, self.num_prompt_tokens, max_output)
 
     async def start(self, param_names: dict[str, str] | None = None) -> None:
         """Admit and submit every prompt, or raise the APIError that refused it (and close).

@@ -44,9 +44,9 @@ def reject_unsupported(request: CompletionRequest) -> None:
     if _scores_prompt_only(request) and request.stream:
         raise bad_request("max_tokens 0 with echo returns the scored prompt only; send it with "
                           "stream false.", param="stream")
-    if request.best_of is not None and request.best_of != request.n:
-        raise bad_request(f"best_of ({request.best_of}) different from n ({request.n}) is not "
-                          "supported.", param="best_of")
+    if request.best_of is not None and request.best_of != request.n and not request.use_beam_search:
+        raise bad_request(f"best_of ({request.best_of}) different from n ({request.n}) is supported "
+                          "only with use_beam_search (best_of beams, the n best returned).", param="best_of")
 
 
 def _prompt_items(prompt: Any) -> list[Any]:

@@ -155,7 +155,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
         # Refusals by sequence count (full queue, tenant cap, latency targets) come first, on
         # the loop and without waiting on anything: an overloaded server answers them at once
         # instead of after the tokenizing threads.
-        admission = ctx.admit(tenant, RequestWork(self.num_prompts(request), max(request.n, 1)))
+        admission = ctx.admit(tenant, RequestWork(self.num_prompts(request), request.sequences_per_prompt))
         try:
             # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker
             # thread keeps the event loop (every other request, /health) answering meanwhile.

@@ -54,6 +54,15 @@ class SamplingFields(OpenAIRequest):
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: the context length)
     truncation_side: Literal["left", "right"] = "left"  # "left" drops the oldest tokens
     return_token_ids: bool = False  # answer with prompt_token_ids and each choice's token_ids
+    # Beam search (vLLM's fields): n beams, the best first; scored as transformers' num_beams.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """What each prompt runs at once, as admission charges it: n."""
+        return max(self.n, 1)
 
 
 class CompletionRequest(SamplingFields):
@@ -61,8 +70,15 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # the beam width with use_beam_search (n best returned)
     suffix: str | None = None
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """n, or a beam search's width (best_of)."""
+        if self.use_beam_search and self.best_of is not None:
+            return max(self.best_of, self.n, 1)
+        return max(self.n, 1)
 
 
 class ContentPart(OpenAIRequest):

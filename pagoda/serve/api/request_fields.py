@@ -5,7 +5,7 @@ silently dropped when it would change the answer. A field is *ignored* only when
 change the output (bookkeeping such as `user`, `metadata`, `store`); a field that would change
 the output and that pagoda does not implement is *refused* with a 400 naming it, whatever the
 client meant by it. A refused field set to its inert value (false, null, empty) is accepted:
-`"use_beam_search": false` asks for nothing. Fields missing from the table are unknown and are
+`"return_tokens_as_token_ids": false` asks for nothing. Fields missing from the table are unknown and are
 ignored, as vLLM does (OpenAI's own unknown-field check is the pydantic model's business, not
 ours). tests/serve/test_request_fields.py walks the table.
 """
@@ -45,7 +45,7 @@ _SHARED = {
         "response_format",
         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-        "truncation_side", "return_token_ids")},
+        "truncation_side", "return_token_ids", "use_beam_search", "length_penalty", "early_stopping")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
     "metadata": Field(I, "not stored", {"k": "v"}),
     "store": Field(I, "pagoda stores no completions", True),
@@ -54,8 +54,6 @@ _SHARED = {
     "request_id": Field(I, "pagoda assigns its own ids", "my-id"),
     "guided_decoding_backend": Field(I, "pagoda has one grammar engine (llguidance)", "xgrammar"),
     "cache_salt": Field(I, "prefix caches are salted per tenant by the server", "salt"),
-    "use_beam_search": Field(R, "beam search is not supported", True),
-    "length_penalty": Field(R, "beam search is not supported", 0.5),
     "guided_whitespace_pattern": Field(R, "not supported", "[ ]?"),
     "return_tokens_as_token_ids": Field(R, "not supported", True),
     "kv_transfer_params": Field(R, "KV transfer is the router's (serve --replica-roles), not per request", {"x": 1}),

@@ -36,6 +36,8 @@ def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
                           prompt_logprobs: int | None = None) -> SamplingParams:
     """Raises a 400 APIError naming the parameter when a value is invalid."""
     values: dict[str, Any] = {}
+    if request.use_beam_search:  # it ranks raw log-probabilities: no sampling defaults apply
+        defaults = {}
     for name in DEFAULTABLE:
         value = getattr(request, name)
         if value is None:
@@ -59,6 +61,10 @@ def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
+        use_beam_search=request.use_beam_search,
+        best_of=getattr(request, "best_of", None),
+        length_penalty=request.length_penalty,
+        early_stopping=request.early_stopping,
     )
     try:
         return SamplingParams(**{k: v for k, v in values.items() if k in _SAMPLING_FIELDS})

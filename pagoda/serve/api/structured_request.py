@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import bad_request
+from pagoda.errors import InvalidRequest
+from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.structured.grammar import GrammarError, build_grammar
 from pagoda.sampling_params import KINDS, StructuredOutputsParams
 
@@ -31,7 +32,10 @@ def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingPar
     constraint = requested_structured_outputs(request)
     if constraint is None:
         return params
-    return params.clone(structured_outputs=constraint)
+    try:
+        return params.clone(structured_outputs=constraint)
+    except InvalidRequest as exc:  # a constraint the other params rule out (use_beam_search)
+        raise invalid_request(exc) from None
 
 
 def check_grammar(params: StructuredOutputsParams, field: str) -> None:
