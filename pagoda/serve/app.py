@@ -143,7 +143,9 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
     redact_access_log()  # /dashboard?key=KEY: no key in the access log
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
-                       on_reject=lambda: ctx.metrics.record_rejected("too_large"))
+                       on_reject=lambda: ctx.metrics.record_rejected("too_large"),
+                       timeout=settings.body_timeout,
+                       on_timeout=lambda: ctx.metrics.record_rejected("body_timeout"))
     app.add_middleware(FastRefusal, ctx=ctx, routes={  # full queue: refused before the body is read
         "/v1/completions": RefusalRoute(CompletionsEndpoint.name),
         "/v1/chat/completions": RefusalRoute(ChatEndpoint.name),

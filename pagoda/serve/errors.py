@@ -81,6 +81,11 @@ def request_too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+def body_timed_out(seconds: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {seconds:g} s.",
+                    code="request_timeout")
+
+
 def rate_limited(message: str, retry_after: float) -> APIError:
     return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": retry_after_header(retry_after)})

@@ -32,6 +32,7 @@ DEFAULT_MAX_QUEUED_TOKENS = 1_000_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_RESPONSES_STORE_SIZE = 1000
 DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
@@ -121,6 +122,10 @@ class ServerSettings:
                 "of its previous response, before the connection is closed (default: "
                 f"{DEFAULT_HEADER_TIMEOUT_S:g}: ample for any real client, and a client that sends "
                 "its headers a byte at a time cannot hold a connection longer)"})
+    body_timeout: float = field(default=DEFAULT_BODY_TIMEOUT_S, metadata={
+        "help": "seconds a client has to send a request's whole body once its headers are in; a "
+                f"body still arriving then gets 408 and the connection is closed (default: "
+                f"{DEFAULT_BODY_TIMEOUT_S:g}: a full --max-request-bytes body at well under 1 MB/s)"})
     keep_alive_timeout: float = field(default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metadata={
         "help": "seconds an idle keep-alive connection stays open after a response (default: "
                 f"{DEFAULT_KEEP_ALIVE_TIMEOUT_S:g}, as vLLM)"})
@@ -187,7 +192,7 @@ class ServerSettings:
             raise ValueError("--metrics-token must not be empty")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
-        for name in ("header_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "keep_alive_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:

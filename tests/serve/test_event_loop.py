@@ -38,7 +38,8 @@ def impatient_server(model_dir: Path, request: pytest.FixtureRequest) -> LiveSer
     """Each HTTP parser the connection guards sit on."""
     if request.param == "httptools":
         pytest.importorskip("httptools", reason="httptools is not installed")
-    live = start_server(model_dir, header_timeout=1.0, keep_alive_timeout=1.0, http_parser=request.param)
+    live = start_server(model_dir, header_timeout=1.0, keep_alive_timeout=1.0, body_timeout=1.0,
+                        http_parser=request.param)
     yield live
     live.stop()
 
@@ -279,6 +280,32 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(impatient_server: LiveServer)
                 sock.setblocking(True)
         assert closed_at is not None, "served a request whose headers took 30 s"
         assert closed_at - started < 10  # header timeout 1 s; the whole head would take 30 s
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408(impatient_server: LiveServer) -> None:
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    with closing(socket.create_connection(host_port(impatient_server), timeout=10)) as sock:
+        sock.sendall(head)
+        started = time.monotonic()
+        answer = b""
+        sock.settimeout(0.3)
+        for byte in body:  # the whole body would take ~20 s; the deadline is 1 s
+            try:
+                sock.sendall(bytes([byte]))
+                answer += sock.recv(65536)
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if answer:
+                break
+        if not answer:
+            answer, _ = read_until_closed(sock, timeout=10)
+    assert time.monotonic() - started < 10
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
 def test_idle_connections_are_closed_unserved(impatient_server: LiveServer) -> None:
