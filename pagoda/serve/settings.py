@@ -13,6 +13,7 @@ from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 from pagoda.serve.admission.latency_targets import LatencyTargets
 from pagoda.serve.admission.request_limits import RequestLimits
 from pagoda.serve.admission.tenants import TenantRegistry
+from pagoda.serve.api.chat_template import load_chat_template
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
@@ -105,6 +106,13 @@ class ServerSettings:
         "help": "open client connections at once; one more gets 503 and is closed (default: "
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
+    chat_template: str | None = field(default=None, metadata={
+        "metavar": "FILE_OR_TEXT",
+        "help": "render chat messages with this Jinja template (a file, or the template itself) "
+                "instead of the model's"})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "accept a request's own chat_template (a template is code the server runs; "
+                "default: such requests get 400)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -130,6 +138,8 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.chat_template is not None:  # the template's text from here on
+            self.chat_template = load_chat_template(self.chat_template)
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
             ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
             itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)

@@ -130,7 +130,8 @@ def test_auto_constrains_every_parsers_calls(lltokenizer, parser, calls, bad) ->
     (dict(tools=None, tool_choice="required"), TEMPLATE_WITH_TOOLS, "tool_choice"),
     (dict(tools=[{"type": "function", "function": {}}]), TEMPLATE_WITH_TOOLS, "tools"),
     (dict(), "{{ messages[0].content }}", "tools"),
-    (dict(functions=[{"name": "f"}]), TEMPLATE_WITH_TOOLS, "functions"),
+    (dict(functions=[{"name": "f"}], tools=[TOOL]), TEMPLATE_WITH_TOOLS, "functions"),
+    (dict(tools=None, function_call="auto"), TEMPLATE_WITH_TOOLS, "function_call"),
 ])
 def test_bad_tool_requests(fields, template, param) -> None:
     with pytest.raises(APIError) as caught:

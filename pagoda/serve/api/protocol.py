@@ -87,6 +87,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # pagoda/serve/api/chat_template.py
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -95,6 +97,8 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
@@ -164,6 +168,7 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
     reasoning_content: str | None = None  # pagoda/serve/api/reasoning.py
     tool_calls: list[dict[str, Any]] | None = None  # pagoda/serve/api/tool_calls.py
+    function_call: dict[str, Any] | None = None  # the deprecated functions API's one call
 
 
 class ChatChoice(BaseModel):

@@ -9,6 +9,8 @@ template and the grammar engine, and the parsers that turn model output into `to
   and a named function (the grammar forces one call or more, with schema-valid arguments).
   All of them are one triggered grammar (pagoda.structured.triggered): each parser says what
   starts a call, what follows it, and where calls may stand.
+- The deprecated `functions` / `function_call` are `tools` / `tool_choice` with one call at
+  most, answered in their own shape (`message.function_call`, finish_reason "function_call").
 - Parsers (`--tool-call-parser`): hermes (`<tool_call>{json}</tool_call>`, Qwen2.5/3,
   Hermes), llama3_json (`{"name", "parameters"}`, optionally after `<|python_tag|>`), mistral
   (`[TOOL_CALLS][{"name", "arguments"}, ...]`).
@@ -304,14 +306,34 @@ class ToolPlan:
     structured_outputs: StructuredOutputsParams | None
     forced: bool  # required / named: the output is only tool calls
     parse: bool = True  # False for tool_choice "none": tools are shown, the output is content
+    # The request used the deprecated functions API: the answer is one `function_call`, as OpenAI's.
+    legacy_functions: bool = False
+
+    @property
+    def call_finish_reason(self) -> str:
+        return "function_call" if self.legacy_functions else "tool_calls"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         """The assistant message for a finished output, and its finish_reason."""
         parsed = self.parser.parse(text) if self.parse else None
         if parsed is None or not parsed.tool_calls:
             return AssistantMessage(content=text), finish_reason
-        message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        if self.legacy_functions:
+            call = parsed.tool_calls[0]
+            message = AssistantMessage(content=parsed.content,
+                                       function_call={"name": call.name, "arguments": call.arguments})
+        else:
+            message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
+        return message, self.call_finish_reason if finish_reason == "stop" else finish_reason
+
+    def stream_delta(self, call_delta: dict[str, Any]) -> dict[str, Any] | None:
+        """A streamed tool_calls delta in the request's shape: as is, or (functions API) as a
+        `function_call` delta of the first call (None for the others)."""
+        if not self.legacy_functions:
+            return {"tool_calls": [call_delta]}
+        if call_delta["index"] != 0:
+            return None
+        return {"function_call": call_delta["function"]}
 
 
 def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
@@ -337,9 +359,13 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
     extra = request.model_extra or {}
     tools = request.tools
     choice = request.tool_choice
-    if request.functions or request.function_call not in (None, "none"):
-        raise bad_request("functions / function_call are deprecated and not supported; use tools.",
-                          param="functions")
+    legacy = bool(request.functions)
+    if legacy:
+        if tools:
+            raise bad_request("Use tools or the deprecated functions, not both.", param="functions")
+        tools, choice = legacy_tools(request.functions, request.function_call)
+    elif request.function_call not in (None, "none"):
+        raise bad_request("function_call needs functions.", param="function_call")
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools.", param="tool_choice")
@@ -367,7 +393,9 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
             isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
         name = choice["function"]["name"]
         if name not in functions:
-            raise bad_request(f"tool_choice names function {name!r}, which is not in tools.", param="tool_choice")
+            field_names = ("function_call", "functions") if legacy else ("tool_choice", "tools")
+            raise bad_request(f"{field_names[0]} names function {name!r}, which is not in {field_names[1]}.",
+                              param=field_names[0])
         mode, names = "named", [name]
     else:
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
@@ -376,11 +404,26 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
         raise bad_request("This model's chat template does not support tools.", param="tools")
     parser = get_parser(parser_name)
     if mode == "none":
-        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False)
-    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named"
+        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False,
+                        legacy_functions=legacy)
+    # The functions API answers with one call at most.
+    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named" and not legacy
     structured = parser.constraint(ToolSchemas({name: functions[name] for name in names}), parallel,
                                    forced=mode != "auto")
-    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto")
+    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto",
+                    legacy_functions=legacy)
+
+
+def legacy_tools(functions: Any, function_call: Any) -> tuple[list[dict[str, Any]], Any]:
+    """The deprecated `functions` / `function_call` as `tools` / `tool_choice`."""
+    if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
+        raise bad_request("functions must be a list of {\"name\", \"parameters\"} objects.", param="functions")
+    tools = [{"type": "function", "function": function} for function in functions]
+    if function_call is None or function_call in ("auto", "none"):
+        return tools, function_call
+    if isinstance(function_call, dict) and isinstance(function_call.get("name"), str) and len(function_call) == 1:
+        return tools, {"type": "function", "function": {"name": function_call["name"]}}
+    raise bad_request("function_call must be 'none', 'auto' or {\"name\": ...}.", param="function_call")
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
