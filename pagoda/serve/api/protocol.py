@@ -48,6 +48,7 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    priority: int | None = None  # --scheduling-policy priority: checked against the key's tenant
 
 
 class CompletionRequest(SamplingFields):

@@ -48,7 +48,8 @@ _SHARED = {
     "metadata": Field(I, "not stored", {"k": "v"}),
     "store": Field(I, "pagoda stores no completions", True),
     "service_tier": Field(I, "one tier; priority comes from the tenant", "flex"),
-    "priority": Field(I, "scheduling priority comes from the API key's tenant", 5),
+    "priority": Field(S, "with --scheduling-policy priority (lower runs first), within the API key's "
+                         "priority_range (default: its own priority or lower ranks); a 400 outside"),
     "request_id": Field(I, "pagoda assigns its own ids", "my-id"),
     "guided_decoding_backend": Field(I, "pagoda has one grammar engine (llguidance)", "xgrammar"),
     "cache_salt": Field(I, "prefix caches are salted per tenant by the server", "salt"),
