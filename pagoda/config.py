@@ -41,7 +41,8 @@ QuantizationGroupSize = Literal[32, 64, 128]
 NativeKernelsMode = Literal["auto", "on", "off"]  # pagoda.native builds and loads them
 KVCacheDType = Literal["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
 RouterName = Literal["round_robin", "least_load", "cache_aware"]  # pagoda/replicas/policies.py
-ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]  # pagoda/serve/api/tool_calls.py
+# pagoda/serve/api/tool_parsers/
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]  # pagoda/serve/api/reasoning.py
 MetricsCompat = Literal["none", "vllm"]
 TransportKind = Literal["process", "thread"]  # where AsyncLLM runs its engine

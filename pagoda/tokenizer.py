@@ -171,13 +171,14 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Render a conversation to prompt text with the model's chat template.
+        """Render a conversation to prompt text with the model's chat template (or the one given
+        as `chat_template=`).
 
         A message's content may be a string or a list of OpenAI content parts; text parts are
         joined with newlines (as vLLM does); see `normalize_messages`. Bad messages and template
         errors raise InvalidRequest (a ValueError) with param "messages".
         """
-        if not self.has_chat_template:
+        if not (template_kwargs.get("chat_template") or self.has_chat_template):
             raise InvalidRequest(
                 f"the tokenizer in {self.hf.name_or_path!r} has no chat template; "
                 "use the completions API or supply a model with one", param="messages"
@@ -192,6 +193,8 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"chat template error: {exc}", param="messages") from exc
+        except ValueError as exc:  # transformers' checks of the messages (continue_final_message)
+            raise InvalidRequest(f"chat template: {exc}", param="messages") from exc
         if not isinstance(rendered, str):
             raise ValueError(f"chat template rendered {type(rendered).__name__}, expected a string")
         return rendered

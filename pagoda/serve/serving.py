@@ -204,6 +204,7 @@ class Generation:
     lora_request: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
     trace_headers: dict[str, str] = field(default_factory=dict)  # the client's traceparent / tracestate
     route: str | None = None  # how the request reached this model (x-pagoda-route)
+    priority: int | None = None  # the request's scheduling priority (None: the tenant's)
     # One entry per submitted prompt: its stream, its output so far, and its final output.
     streams: list[EngineStream] = field(default_factory=list, init=False)
     latest: list[RequestOutput | None] = field(default_factory=list, init=False)
@@ -257,7 +258,8 @@ class Generation:
                 ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self.admission.charge_tokens(self.work, [len(p.token_ids) for p in self.prompts])
             options = RequestOptions(arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
-                                     priority=self.tenant.limits.priority, lora_request=self.lora_request,
+                                     priority=self.tenant.limits.priority if self.priority is None else self.priority,
+                                     lora_request=self.lora_request,
                                      tenant=self.tenant.name, model=self.model_name)
             # All prompts are sent at once (in order) and their acceptances awaited together:
             # one engine round trip per batch, not one per prompt (sequential submits of a large

@@ -21,6 +21,7 @@ from pagoda.serve.tracing import check_traces_endpoint
 
 # uvicorn's two HTTP/1.1 protocol implementations, or whichever is installed (httptools first).
 HttpParser = Literal["auto", "httptools", "h11"]
+from pagoda.serve.api.chat_template import load_chat_template
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
@@ -170,6 +171,13 @@ class ServerSettings:
         "metavar": "FILE", "help": "YAML or JSON prices per served model (USD per 1K prompt, cached-prompt "
                                    "and completion tokens): each request's cost in the request log, "
                                    "pagoda:cost_usd_total and the dashboard (default: token counts only)"})
+    chat_template: str | None = field(default=None, metadata={
+        "metavar": "FILE_OR_TEXT",
+        "help": "render chat messages with this Jinja template (a file, or the template itself) "
+                "instead of the model's"})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "accept a request's own chat_template (a template is code the server runs; "
+                "default: such requests get 400)"})
 
     # ---- built at launch (no flags) ----
     model_path: str = ""  # the engine's model directory, shown by /v1/models
@@ -203,6 +211,8 @@ class ServerSettings:
         self.prompt_log_retention_s = self._check_prompt_log()
         if self.otlp_traces_endpoint is not None:
             check_traces_endpoint(self.otlp_traces_endpoint)
+        if self.chat_template is not None:  # the template's text from here on
+            self.chat_template = load_chat_template(self.chat_template)
         self.latency_targets = LatencyTargets(  # raises for a target that is not a positive number
             ttft_s=None if self.target_ttft_ms is None else self.target_ttft_ms / 1000,
             itl_s=None if self.target_itl_ms is None else self.target_itl_ms / 1000)

@@ -6,7 +6,8 @@ required and named, for each `--tool-call-parser`). A spec is
     {"placement": "anywhere" | "final" | "start" | "only",
      "segments": [{"trigger": "<tool_call>", "body": '"\\n" %json {...} "\\n</tool_call>"'}, ...]}
 
-where `body` is a Lark expression for what follows its trigger. Placement says where segments
+where `body` is a Lark expression for what follows its trigger (an optional `rules` string
+holds further Lark rules the bodies use). Placement says where segments
 may occur in the output:
 
 - anywhere: free text with any number of segments in it (structural tags; hermes calls);
@@ -19,8 +20,10 @@ may occur in the output:
 A trigger that is a single special token of the tokenizer ([TOOL_CALLS] in Mistral's,
 <|python_tag|> in Llama 3.1's) is matched as that token, since a special token never appears
 inside grammar text; otherwise it is matched as text (a lazy lexeme: the segment begins at the
-first occurrence). The API server validates specs without a tokenizer (triggers as text); the
-engine compiles them with its tokenizer, resolving special tokens.
+first occurrence). A segment's optional `tokens` names further markers its body writes as
+quoted strings (DeepSeek's `<｜tool▁sep｜>`): each that is one special token is matched as that
+token too. The API server validates specs without a tokenizer (markers as text); the engine
+compiles them with its tokenizer, resolving special tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def check_triggered_spec(spec: Mapping[str, Any]) -> str | None:
         if not isinstance(segment, dict) or not isinstance(segment.get("trigger"), str) or not segment["trigger"] \
                 or not isinstance(segment.get("body"), str):
             return f"segments[{i}] needs a non-empty string `trigger` and a Lark string `body`"
+        tokens = segment.get("tokens", [])
+        if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+            return f"segments[{i}].tokens must be a list of non-empty strings"
+    if not isinstance(spec.get("rules", ""), str):
+        return "rules must be a string of Lark rules"
     return None
 
 
@@ -56,7 +64,7 @@ def triggered_lark(spec: Mapping[str, Any], special_tokens: Mapping[str, int] | 
     triggers that are single special tokens of the tokenizer the grammar is compiled for."""
     special_tokens = special_tokens or {}
     placement = spec["placement"]
-    segments = [(s["trigger"], s["body"]) for s in spec["segments"]]
+    segments = [(s["trigger"], _resolve_tokens(s, special_tokens)) for s in spec["segments"]]
     lines = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
     names = []
     for i, (trigger, body) in enumerate(segments):
@@ -73,6 +81,8 @@ def triggered_lark(spec: Mapping[str, Any], special_tokens: Mapping[str, int] | 
             lines.append(f"{name}: /[ \\t\\n]*/ {token or json.dumps(trigger)} {body}")
         else:
             lines.append(f"{name}: {token or json.dumps(trigger)} {body}")
+    if spec.get("rules"):
+        lines.append(spec["rules"])
     choice = " | ".join(names)
     if placement == "anywhere":
         lines.append(f"start: ({choice})* TEXT")
@@ -93,15 +103,24 @@ def triggered_lark(spec: Mapping[str, Any], special_tokens: Mapping[str, int] | 
     return "\n".join(lines) + "\n"
 
 
+def _resolve_tokens(segment: Mapping[str, Any], special_tokens: Mapping[str, int]) -> str:
+    """The segment's body with its special-token markers as those tokens."""
+    body = segment["body"]
+    for marker in segment.get("tokens", ()):
+        if marker in special_tokens:
+            body = body.replace(json.dumps(marker), f"<[{special_tokens[marker]}]>")
+    return body
+
+
 def special_trigger_ids(spec: Mapping[str, Any], tokenizer: Any) -> dict[str, int]:
-    """trigger -> token id for each trigger that is one special token of `tokenizer` (an
-    llguidance LLTokenizer)."""
+    """marker -> token id for each trigger or segment token that is one special token of
+    `tokenizer` (an llguidance LLTokenizer)."""
     found = {}
     for segment in spec["segments"]:
-        trigger = segment["trigger"]
-        ids = tokenizer.tokenize_str(trigger)
-        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
-            found[trigger] = ids[0]
+        for marker in (segment["trigger"], *segment.get("tokens", ())):
+            ids = tokenizer.tokenize_str(marker)
+            if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+                found[marker] = ids[0]
     return found
 
 

@@ -66,7 +66,8 @@ def test_choices_come_from_the_literal_types(capsys) -> None:
         assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="preemption_mode must be recompute, swap or auto, got 'never'"):
         EngineConfig(preemption_mode="never")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="tool_call_parser must be hermes, llama3_json or mistral"):
+    with pytest.raises(ValueError, match="tool_call_parser must be hermes, llama3_json, mistral, qwen3_coder, "
+                                         "pythonic or deepseek_v3"):
         ServerSettings(tool_call_parser="xml")  # type: ignore[arg-type]
 
 

@@ -6,7 +6,8 @@ toward the parser's trigger token. The bias cannot push anything past the gramma
 is applied first: a masked token stays at -inf), so after the trigger the call is the model's
 own, under the grammar alone. The tokenizer is the bundled one plus the formats' marker tokens,
 special where the real models have them special ([TOOL_CALLS] in Mistral's, <|python_tag|> in
-Llama 3.1's) and plain text where they are not (<tool_call> in Qwen2.5's).
+Llama 3.1's, DeepSeek-V3's call markers) and plain text where they are not (<tool_call> in
+Qwen2.5's).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ TOOLS = [WEATHER, TIME]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 # (parser, the trigger forced at the start of the output): llama3_json has two call forms
 CASES = [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"),
-         ("llama3_json", "{")]
+         ("llama3_json", "{"), ("qwen3_coder", "<tool_call>"), ("pythonic", "["),
+         ("deepseek_v3", "<｜tool▁calls▁begin｜>")]
+DEEPSEEK_MARKERS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>"]
 
 
 def build_model_with_markers(directory: Path) -> Path:
@@ -45,8 +49,8 @@ def build_model_with_markers(directory: Path) -> Path:
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken("<tool_call>", special=False, normalized=False),
                           AddedToken("</tool_call>", special=False, normalized=False)])
-    tokenizer.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False),
-                                  AddedToken("<|python_tag|>", special=True, normalized=False)])
+    tokenizer.add_special_tokens([AddedToken(marker, special=True, normalized=False)
+                                  for marker in ("[TOOL_CALLS]", "<|python_tag|>", *DEEPSEEK_MARKERS)])
     build_model(directory, "llama", vocab_size=tokenizer.get_vocab_size())
     for name in TOKENIZER_FILES:
         (directory / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())

@@ -11,10 +11,17 @@ A keys file (YAML or JSON) lists tenants with their keys and limits::
         max_prompt_tokens: 2048
         max_output_tokens: 512
         priority: 0                   # lower runs first with --scheduling-policy priority
+        priority_range: [0, 10]       # the request `priority` values it may send
         adapters: [acme-sql]          # LoRA adapters it may use (see below)
       ops:
         api_keys: [sk-ops]
         admin: true                   # sees every tenant's figures on /dashboard, loads LoRA adapters
+
+A request's own `priority` (vLLM's field) must lie in the tenant's `priority_range`, or, when
+the tenant has none, be no lower than its `priority`: a request outside is refused with a 400
+naming the field (not clamped: the client learns its request would not run as asked). So a
+tenant can order its own requests but never jump the queue past its floor. A request without
+one runs at the tenant's `priority`.
 
 Every limit is optional. Without a file the server is open (one tenant, "default"), or
 guarded by a single `--api-key` shared by that one tenant.
@@ -59,13 +66,24 @@ class TenantLimits:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     priority: int = 0
+    # The request priorities the tenant may ask for; None: its `priority` or any lower rank.
+    priority_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "priority":
-                if not isinstance(value, int):
+                if not _is_priority(value):
                     raise ValueError(f"priority must be an integer, got {value!r}")
+            elif f.name == "priority_range":
+                if value is None:
+                    continue
+                if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(map(_is_priority, value)) \
+                        or value[0] > value[1]:
+                    raise ValueError(f"priority_range must be [lowest, highest] integers, got {value!r}")
+                object.__setattr__(self, "priority_range", (value[0], value[1]))
+                if not value[0] <= self.priority <= value[1]:
+                    raise ValueError(f"priority {self.priority} is outside priority_range {list(value)}")
             elif value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                         or value < 1):
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
@@ -97,6 +115,20 @@ class Tenant:
                 f"The prompt has {num_prompt_tokens} tokens, over this key's limit of {limit} "
                 "prompt tokens.", param="prompt", code="prompt_too_long")
 
+    def resolve_priority(self, requested: Any) -> int:
+        """The scheduling priority of a request that asked for `requested` (None: the tenant's
+        own); a 400 naming `priority` when this key may not ask for it."""
+        if requested is None:
+            return self.limits.priority
+        if not _is_priority(requested):
+            raise bad_request(f"priority must be an integer, got {requested!r}.", param="priority")
+        low, high = self.limits.priority_range or (self.limits.priority, None)
+        if requested < low or (high is not None and requested > high):
+            allowed = f"[{low}, {high}]" if high is not None else f"{low} or more (lower runs first)"
+            raise bad_request(f"priority {requested} is outside this key's allowed priorities: {allowed}.",
+                              param="priority")
+        return requested
+
     def resolve_max_tokens(self, requested: int | None, param: str = "max_tokens") -> int | None:
         """The client's max_tokens under this tenant's cap (None: up to the context length)."""
         limit = self.limits.max_output_tokens
@@ -108,6 +140,14 @@ class Tenant:
             raise bad_request(f"{param} ({requested}) is over this key's limit of {limit} output "
                               "tokens.", param=param)
         return requested
+
+
+# Request priorities travel to the engine as 64-bit integers.
+PRIORITY_BOUND = 2**63
+
+
+def _is_priority(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -PRIORITY_BOUND <= value < PRIORITY_BOUND
 
 
 def _key_digest(key: str) -> bytes:

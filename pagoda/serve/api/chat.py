@@ -2,7 +2,8 @@
 
 Only what is this endpoint's own: the prompt from messages, the chat logprobs shape and the
 chunk / body shapes, and tool calling (tools into the template and the grammar, tool calls
-parsed out of the text: pagoda/serve/api/tool_calls.py), and reasoning models (the thinking
+parsed out of the text: pagoda/serve/api/tool_calls.py), the template choice
+(pagoda/serve/api/chat_template.py), and reasoning models (the thinking
 split from the answer, `chat_template_kwargs`: pagoda/serve/api/reasoning.py). The rest is
 handler.py's skeleton.
 """
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.serve.api.chat_template import ChatTemplateChoice, choose_chat_template
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
 from pagoda.serve.api.logprobs import chat_logprobs, prompt_logprobs
 from pagoda.serve.api.messages import message_texts, template_messages
@@ -51,16 +53,16 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         if keep is None:  # a truncated prompt fits whatever its length
             ctx.check_text_fits("".join(message_texts(request.messages)), "messages")
         tokenizer = ctx.llm.tokenizer
+        template = template_choice(ctx, request)
         # Tool calling: the tools are validated here and shown to the chat template.
-        tools = plan_tools(request, ctx.settings.tool_call_parser, getattr(tokenizer.hf, "chat_template", None))
+        tools = plan_tools(request, ctx.settings.tool_call_parser, template.template)
         template_tools = {"tools": tools.tools} if tools else {}
         template_kwargs = check_template_kwargs(request.chat_template_kwargs)
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:
             try:
-                token_ids = tokenizer.encode_chat(
-                    messages, add_generation_prompt=request.add_generation_prompt,
-                    **template_kwargs, **template_tools)
+                token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs,
+                                                  **template_tools)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
             if keep is not None and len(token_ids) > keep:
@@ -132,12 +134,16 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                                       if request.return_token_ids else None)
 
 
+def template_choice(ctx: ServeContext, request: Any) -> ChatTemplateChoice:
+    return choose_chat_template(request, ctx.settings.chat_template,
+                                ctx.settings.trust_request_chat_template, ctx.llm.tokenizer)
+
+
 def tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:
     """The request's tool plan (already validated by `prepare`, so this cannot fail)."""
-    if not request.tools:
+    if not request.tools and not request.functions:
         return None
-    return plan_tools(request, ctx.settings.tool_call_parser,
-                      getattr(ctx.llm.tokenizer.hf, "chat_template", None))
+    return plan_tools(request, ctx.settings.tool_call_parser, template_choice(ctx, request).template)
 
 
 class ChatReasoning:
@@ -180,6 +186,7 @@ class _ChatChunks(ChunkFormatter):
         self.prompt_token_ids = prompt_token_ids
         self.tokenizer = tokenizer
         self.chunks = chunks
+        self.tools = tools
         self.tool_streams = {index: ToolCallStream(tools.parser, tools.forced)
                              for index in range(request.n)} if tools and tools.parse else {}
         self.reasoning_streams = {index: reasoning.stream()
@@ -221,13 +228,15 @@ class _ChatChunks(ChunkFormatter):
             else:
                 so_far = self.texts[sample.index] = self.texts.get(sample.index, "") + sample.text
             text, call_deltas = tool_stream.step(so_far, finish_reason is not None)
+            assert self.tools is not None
             for position, call_delta in enumerate(call_deltas):
                 content = {"content": text} if text and position == 0 else {}
-                events += self._event(sample.index, to_json({**content, "tool_calls": [call_delta]}),
-                                      None, None)
+                shaped = self.tools.stream_delta(call_delta)
+                if shaped is not None or content:
+                    events += self._event(sample.index, to_json({**content, **(shaped or {})}), None, None)
             text = "" if call_deltas else text
             if tool_stream.has_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = self.tools.call_finish_reason
         token_ids = sample.token_ids if self.request.return_token_ids else None
         if not text and finish_reason is None and logprobs is None and not token_ids:
             return events or None

@@ -149,6 +149,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
         """Check, admit, prepare and submit the request; raises the APIError refusing it."""
         lora_request = resolve_model(ctx, request.model, tenant)
         check_fields(request, self.name)
+        priority = tenant.resolve_priority(getattr(request, "priority", None))
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
         ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
@@ -169,7 +170,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                 prepared.prompts, prepared.params, stream=request.stream,
                                 admission=admission,
                                 input_decision=input_decision,  # guardrails hook
-                                lora_request=lora_request, route=route,
+                                lora_request=lora_request, route=route, priority=priority,
                                 trace_headers=trace_headers(raw.headers))
         # Submitting a batch of prompts takes engine round trips: a client that leaves
         # meanwhile must not leave its prompts running (start closes and aborts on cancel).

@@ -63,6 +63,7 @@ class SamplingFields(OpenAIRequest):
     def sequences_per_prompt(self) -> int:
         """What each prompt runs at once, as admission charges it: n."""
         return max(self.n, 1)
+    priority: int | None = None  # --scheduling-policy priority: checked against the key's tenant
 
 
 class CompletionRequest(SamplingFields):
@@ -109,6 +110,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # pagoda/serve/api/chat_template.py
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -117,6 +120,8 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
@@ -202,6 +207,7 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
     reasoning_content: str | None = None  # pagoda/serve/api/reasoning.py
     tool_calls: list[dict[str, Any]] | None = None  # pagoda/serve/api/tool_calls.py
+    function_call: dict[str, Any] | None = None  # the deprecated functions API's one call
 
 
 class ChatChoice(BaseModel):

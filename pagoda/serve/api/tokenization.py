@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.errors import InvalidRequest
 from pagoda.serve.admission.tenants import Tenant
+from pagoda.serve.api.chat_template import choose_chat_template
 from pagoda.serve.api.json_body import model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.messages import message_texts, template_messages
@@ -84,8 +85,9 @@ class TokenizationEndpoints:
             param = "messages"
             ctx.check_text_fits("".join(message_texts(request.messages)), param)
             try:
-                tokens = tokenizer.encode_chat(template_messages(request.messages, tokenizer),
-                                               add_generation_prompt=request.add_generation_prompt)
+                template = choose_chat_template(request, ctx.settings.chat_template,
+                                                ctx.settings.trust_request_chat_template, tokenizer)
+                tokens = tokenizer.encode_chat(template_messages(request.messages, tokenizer), **template.kwargs)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
         else:

@@ -5,291 +5,36 @@ template and the grammar engine, and the parsers that turn model output into `to
   assistant messages with `tool_calls` and `tool` messages render in the history.
 - `tool_choice`: "none" (tools not shown, output not parsed), "auto" (free text, but once a
   call has started -- hermes `<tool_call>`, mistral `[TOOL_CALLS]`, llama3_json `{` or
-  `<|python_tag|>` opening the output -- the rest of it follows the tools' schemas), "required"
+  `<|python_tag|>` opening the output, and so on for each parser -- the rest of it follows the
+  tools' schemas), "required"
   and a named function (the grammar forces one call or more, with schema-valid arguments).
   All of them are one triggered grammar (pagoda.structured.triggered): each parser says what
   starts a call, what follows it, and where calls may stand.
-- Parsers (`--tool-call-parser`): hermes (`<tool_call>{json}</tool_call>`, Qwen2.5/3,
-  Hermes), llama3_json (`{"name", "parameters"}`, optionally after `<|python_tag|>`), mistral
-  (`[TOOL_CALLS][{"name", "arguments"}, ...]`).
+- The deprecated `functions` / `function_call` are `tools` / `tool_choice` with one call at
+  most, answered in their own shape (`message.function_call`, finish_reason "function_call").
+- Parsers (`--tool-call-parser`, one module each in pagoda/serve/api/tool_parsers/): hermes
+  (`<tool_call>{json}</tool_call>`, Qwen2.5/3, Hermes), llama3_json (`{"name", "parameters"}`,
+  optionally after `<|python_tag|>`), mistral (`[TOOL_CALLS][{"name", "arguments"}, ...]`),
+  qwen3_coder (`<tool_call><function=name><parameter=x>...`), pythonic (`[f(a=1), g(b="x")]`,
+  Llama 3.2/4) and deepseek_v3 (its special-token calls).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, get_args
+from dataclasses import dataclass
+from typing import Any
 
-from pagoda.config import ToolCallParserName
 from pagoda.errors import InvalidRequest
-from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import bad_request
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.serve.api.protocol import AssistantMessage
 from pagoda.serve.api.structured_request import check_grammar
-from pagoda.structured.grammar import JSON_OPTIONS
-from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.serve.api.tool_parsers import PARSER_CLASSES, PARSERS, ToolCallParser, ToolSchemas, get_parser
+from pagoda.serve.errors import bad_request
 
-PARSERS = get_args(ToolCallParserName)  # --tool-call-parser
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-# ---- parsers ---------------------------------------------------------------------------------
-
-
-class ToolCallParser:
-    """Splits a completed output into content and tool calls. `start_marker` is where a call
-    begins: streamed content is held back from there on."""
-
-    name = ""
-    start_marker = ""
-    arguments_key = "arguments"
-    # The call marker may be a special token ([TOOL_CALLS], <|python_tag|>): keep it in the text.
-    keeps_special_tokens = False
-
-    @property
-    def start_markers(self) -> tuple[str, ...]:
-        """Every text that may begin a call (streaming holds content back from the first)."""
-        return (self.start_marker,)
-
-    def parse(self, text: str) -> ParsedOutput:
-        raise NotImplementedError
-
-    def _calls(self, objects: list[Any]) -> list[ToolCall] | None:
-        calls = []
-        for obj in objects:
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return None
-            arguments = obj.get(self.arguments_key, obj.get("arguments", obj.get("parameters", {})))
-            calls.append(ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False)))
-        return calls
-
-    # ---- grammar: what starts a call and what follows, as triggered segments ----
-
-    # Where calls may stand under tool_choice "auto" (see pagoda.structured.triggered).
-    def auto_placement(self, parallel: bool) -> str:
-        return "final"
-
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        """[{trigger, body}]: the output's calls begin with a trigger, then the body. `repeat`:
-        the body itself holds every further call (required / named) rather than the
-        placement allowing more segments (auto, anywhere)."""
-        raise NotImplementedError
-
-    def constraint(self, tools: ToolSchemas, parallel: bool, forced: bool) -> StructuredOutputsParams:
-        placement = "only" if forced else self.auto_placement(parallel)
-        segments = self.segments(tools, parallel, repeat=placement != "anywhere")
-        return StructuredOutputsParams(structural_tag={"placement": placement, "segments": segments})
-
-
-class HermesParser(ToolCallParser):
-    name = "hermes"
-    start_marker = "<tool_call>"
-    end_marker = "</tool_call>"
-    _head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-    def parse(self, text: str) -> ParsedOutput:
-        start = text.find(self.start_marker)
-        if start < 0:
-            return ParsedOutput(text, [])
-        calls = []
-        for segment in self._segments(text[start:]):
-            raw = self._raw_call(segment)
-            if raw is not None and raw[1] is not None and raw[2]:
-                calls.append(ToolCall(raw[0], raw[1]))  # the model's own argument text
-                continue
-            try:  # other key orders or spacing
-                obj = json.loads(segment.strip())
-            except json.JSONDecodeError:
-                return ParsedOutput(text, [])
-            parsed = self._calls([obj])
-            if not parsed:
-                return ParsedOutput(text, [])
-            calls.extend(parsed)
-        if not calls:
-            return ParsedOutput(text, [])
-        return ParsedOutput(text[:start].strip() or None, calls)
-
-    def partial_calls(self, text: str) -> list[tuple[str, str]]:
-        """(name, argument text so far) of each call begun in `text`, while it is generated;
-        the argument texts only ever grow, and end as `parse` returns them."""
-        start = text.find(self.start_marker)
-        if start < 0:
-            return []
-        calls = []
-        for segment in self._segments(text[start:]):
-            raw = self._raw_call(segment)
-            if raw is None:
-                break
-            name, complete, _ = raw
-            calls.append((name, complete if complete is not None else segment[self._head.match(segment).end():]))
-        return calls
-
-    def _segments(self, text: str) -> list[str]:
-        parts = text.split(self.start_marker)[1:]
-        return [part.split(self.end_marker, 1)[0] for part in parts]
-
-    def _raw_call(self, segment: str) -> tuple[str, str | None, bool] | None:
-        """(name, complete argument text or None, whether the call's object closes after it)."""
-        head = self._head.match(segment)
-        if head is None:
-            return None
-        try:
-            name = json.loads(f'"{head.group(1)}"')
-        except json.JSONDecodeError:
-            return None
-        try:
-            _, end = json.JSONDecoder().raw_decode(segment, head.end())
-        except json.JSONDecodeError:  # the arguments are still being generated
-            return name, None, False
-        closes = segment[end:].strip() == "}"
-        return name, segment[head.end():end], closes
-
-    def auto_placement(self, parallel: bool) -> str:
-        return "anywhere" if parallel else "final"
-
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        call = f'"\\n" {tools.call_json(self.arguments_key)} "\\n</tool_call>"'
-        more = f' ("\\n<tool_call>" {call})*' if parallel and repeat else ""
-        return [{"trigger": self.start_marker, "body": call + more}]
-
-
-class Llama3JsonParser(ToolCallParser):
-    name = "llama3_json"
-    start_marker = "{"
-    arguments_key = "parameters"
-    keeps_special_tokens = True
-    start_markers = ("<|python_tag|>", "{")
-
-    def parse(self, text: str) -> ParsedOutput:
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):]
-        if not body.startswith("{"):
-            return ParsedOutput(text, [])
-        objects = []
-        for part in _split_json_sequence(body, ";"):
-            try:
-                objects.append(json.loads(part))
-            except json.JSONDecodeError:
-                return ParsedOutput(text, [])
-        calls = self._calls(objects)
-        return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
-
-    def auto_placement(self, parallel: bool) -> str:
-        return "start"  # as vLLM's parser: a call is the whole output, `{` or the tag first
-
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        call = tools.call_json(self.arguments_key)
-        more = f' ("; " {call})*' if parallel else ""
-        # After a bare `{` (already written when the trigger fires): the rest of the first call.
-        rest = " | ".join(f'{_lark(json.dumps(name) + ", " + json.dumps(self.arguments_key) + ": ")} '
-                          f'{tools.arguments_json(name)}' for name in tools.names)
-        return [{"trigger": "<|python_tag|>", "body": call + more},
-                {"trigger": "{", "body": f'{_lark(json.dumps("name") + ": ")} ({rest}) "}}"{more}'}]
-
-
-class MistralParser(ToolCallParser):
-    name = "mistral"
-    start_marker = "[TOOL_CALLS]"
-    keeps_special_tokens = True
-
-    def parse(self, text: str) -> ParsedOutput:
-        start = text.find(self.start_marker)
-        if start < 0:
-            return ParsedOutput(text, [])
-        try:
-            objects = json.loads(text[start + len(self.start_marker):].strip())
-        except json.JSONDecodeError:
-            return ParsedOutput(text, [])
-        calls = self._calls(objects if isinstance(objects, list) else [objects])
-        if not calls:
-            return ParsedOutput(text, [])
-        return ParsedOutput(text[:start].strip() or None, calls)
-
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        array = {"type": "array", "items": tools.call_schema(self.arguments_key), "minItems": 1,
-                 "x-guidance": JSON_OPTIONS}
-        if not parallel:
-            array["maxItems"] = 1
-        return [{"trigger": self.start_marker, "body": f"%json {json.dumps(array)}"}]
-
-
-@dataclass(frozen=True)
-class ToolSchemas:
-    """The callable functions' parameter schemas, by name, and the JSON of a call to them."""
-
-    parameters: dict[str, dict[str, Any]]
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.parameters)
-
-    def call_schema(self, arguments_key: str) -> dict[str, Any]:
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-                  "properties": {"name": {"const": name}, arguments_key: schema}}
-                 for name, schema in self.parameters.items()]
-        return dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
-
-    def call_json(self, arguments_key: str) -> str:
-        """Lark for one call object, compact JSON (a model cannot pad it forever)."""
-        return f"%json {json.dumps({**self.call_schema(arguments_key), 'x-guidance': JSON_OPTIONS})}"
-
-    def arguments_json(self, name: str) -> str:
-        return f"%json {json.dumps({**self.parameters[name], 'x-guidance': JSON_OPTIONS})}"
-
-
-def _lark(text: str) -> str:
-    return json.dumps(text)  # JSON string escapes are Lark string escapes
-
-
-def _split_json_sequence(text: str, separator: str) -> list[str]:
-    """Top-level JSON values separated by `separator` (not inside strings or brackets)."""
-    parts, depth, in_string, escaped, begin = [], 0, False, False, 0
-    for i, char in enumerate(text):
-        if in_string:
-            escaped = not escaped and char == "\\"
-            if char == '"' and not escaped:
-                in_string = False
-            continue
-        if char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-        elif char == separator and depth == 0:
-            parts.append(text[begin:i].strip())
-            begin = i + 1
-    parts.append(text[begin:].strip())
-    return [p for p in parts if p]
-
-
-# Each --tool-call-parser name's parser (tests/serve/test_tool_calls.py: the names are PARSERS).
-PARSER_CLASSES: dict[str, type[ToolCallParser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
-
-
-def get_parser(name: str) -> ToolCallParser:
-    if name not in PARSER_CLASSES:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
-    return PARSER_CLASSES[name]()
+__all__ = ["PARSERS", "PARSER_CLASSES", "ToolCallStream", "ToolPlan", "get_parser", "plan_tools",
+           "template_message", "with_tool_constraint"]
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -304,14 +49,34 @@ class ToolPlan:
     structured_outputs: StructuredOutputsParams | None
     forced: bool  # required / named: the output is only tool calls
     parse: bool = True  # False for tool_choice "none": tools are shown, the output is content
+    # The request used the deprecated functions API: the answer is one `function_call`, as OpenAI's.
+    legacy_functions: bool = False
+
+    @property
+    def call_finish_reason(self) -> str:
+        return "function_call" if self.legacy_functions else "tool_calls"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         """The assistant message for a finished output, and its finish_reason."""
         parsed = self.parser.parse(text) if self.parse else None
         if parsed is None or not parsed.tool_calls:
             return AssistantMessage(content=text), finish_reason
-        message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        if self.legacy_functions:
+            call = parsed.tool_calls[0]
+            message = AssistantMessage(content=parsed.content,
+                                       function_call={"name": call.name, "arguments": call.arguments})
+        else:
+            message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
+        return message, self.call_finish_reason if finish_reason == "stop" else finish_reason
+
+    def stream_delta(self, call_delta: dict[str, Any]) -> dict[str, Any] | None:
+        """A streamed tool_calls delta in the request's shape: as is, or (functions API) as a
+        `function_call` delta of the first call (None for the others)."""
+        if not self.legacy_functions:
+            return {"tool_calls": [call_delta]}
+        if call_delta["index"] != 0:
+            return None
+        return {"function_call": call_delta["function"]}
 
 
 def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
@@ -337,9 +102,13 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
     extra = request.model_extra or {}
     tools = request.tools
     choice = request.tool_choice
-    if request.functions or request.function_call not in (None, "none"):
-        raise bad_request("functions / function_call are deprecated and not supported; use tools.",
-                          param="functions")
+    legacy = bool(request.functions)
+    if legacy:
+        if tools:
+            raise bad_request("Use tools or the deprecated functions, not both.", param="functions")
+        tools, choice = legacy_tools(request.functions, request.function_call)
+    elif request.function_call not in (None, "none"):
+        raise bad_request("function_call needs functions.", param="function_call")
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools.", param="tool_choice")
@@ -367,20 +136,37 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
             isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
         name = choice["function"]["name"]
         if name not in functions:
-            raise bad_request(f"tool_choice names function {name!r}, which is not in tools.", param="tool_choice")
+            field_names = ("function_call", "functions") if legacy else ("tool_choice", "tools")
+            raise bad_request(f"{field_names[0]} names function {name!r}, which is not in {field_names[1]}.",
+                              param=field_names[0])
         mode, names = "named", [name]
     else:
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                           "\"function\": {\"name\": ...}}.", param="tool_choice")
     if not chat_template or "tools" not in chat_template:
         raise bad_request("This model's chat template does not support tools.", param="tools")
-    parser = get_parser(parser_name)
+    parser = get_parser(parser_name, ToolSchemas(functions))
     if mode == "none":
-        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False)
-    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named"
+        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False,
+                        legacy_functions=legacy)
+    # The functions API answers with one call at most.
+    parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named" and not legacy
     structured = parser.constraint(ToolSchemas({name: functions[name] for name in names}), parallel,
                                    forced=mode != "auto")
-    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto")
+    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto",
+                    legacy_functions=legacy)
+
+
+def legacy_tools(functions: Any, function_call: Any) -> tuple[list[dict[str, Any]], Any]:
+    """The deprecated `functions` / `function_call` as `tools` / `tool_choice`."""
+    if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
+        raise bad_request("functions must be a list of {\"name\", \"parameters\"} objects.", param="functions")
+    tools = [{"type": "function", "function": function} for function in functions]
+    if function_call is None or function_call in ("auto", "none"):
+        return tools, function_call
+    if isinstance(function_call, dict) and isinstance(function_call.get("name"), str) and len(function_call) == 1:
+        return tools, {"type": "function", "function": {"name": function_call["name"]}}
+    raise bad_request("function_call must be 'none', 'auto' or {\"name\": ...}.", param="function_call")
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -427,7 +213,7 @@ class ToolCallStream:
         """(new content, new tool_call deltas) for the output so far."""
         content = self.content_delta(text)
         deltas: list[dict[str, Any]] = []
-        if isinstance(self.parser, HermesParser) and not finished:
+        if not finished:  # formats that stream arguments as they are generated
             for index, (name, arguments) in enumerate(self.parser.partial_calls(text)):
                 deltas.extend(self._call_deltas(index, name, arguments))
         if finished:
