@@ -18,13 +18,13 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
     signer's certificate (and its chain) go into the bundle."""
     # model-signing's public API hashes the files again to build what it signs; its signers take
     # any manifest, so the digests already computed are signed as they are.
-    from model_signing._signing import sign_certificate, sign_ec_key, signing
+    from model_signing._signing import sign_ec_key, signing
 
     try:
         if certificate is None:
             signer = sign_ec_key.Signer(Path(private_key))
         else:
-            signer = sign_certificate.Signer(Path(private_key), Path(certificate), [Path(c) for c in certificate_chain])
+            signer = _certificate_module().Signer(Path(private_key), Path(certificate), [Path(c) for c in certificate_chain])
         signature = signer.sign(signing.Payload(_model_signing_manifest(files, manifest)))
     except (OSError, ValueError, TypeError) as error:
         raise ArtifactError(f"{private_key}: cannot sign with this key ({error})") from None
@@ -35,7 +35,7 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
 def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, str]:
     """The file digests the artifact's signature vouches for, after checking it against
     `verify_key`: a PEM public key (key mode) or a PEM CA certificate (certificate mode)."""
-    from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
 
     path = files.signature_path
     if not path.is_file():
@@ -46,7 +46,7 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, st
     except OSError as error:
         raise ArtifactError(f"{key_path}: cannot read the verification key ({error.strerror})") from None
     try:
-        verifier = (sign_certificate.Verifier([key_path]) if b"BEGIN CERTIFICATE" in key_text
+        verifier = (_certificate_module().Verifier([key_path]) if b"BEGIN CERTIFICATE" in key_text
                     else sign_ec_key.Verifier(key_path))
     except (ValueError, TypeError) as error:
         raise ArtifactError(f"{key_path}: not a PEM elliptic-curve public key or CA certificate ({error})") from None
@@ -65,6 +65,15 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, st
             raise ArtifactError(f"{path}: signed with {descriptor.digest.algorithm} digests; pagoda checks sha256")
         digests[descriptor.identifier] = descriptor.digest.digest_hex
     return digests
+
+
+def _certificate_module():
+    """model-signing's certificate mode, which needs pyOpenSSL (key mode does not)."""
+    try:
+        from model_signing._signing import sign_certificate
+    except ImportError as error:
+        raise ArtifactError(f"certificate signatures need pyOpenSSL (pip install pyopenssl): {error}") from None
+    return sign_certificate
 
 
 def _model_signing_manifest(files: ArtifactFiles, manifest: Manifest):

@@ -30,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "model.sig); implies --write-manifest")
     parser.add_argument("--signing-certificate", default=None, metavar="CERT",
                         help="with --sign: the key's PEM certificate, for certificate-mode signatures")
-    parser.add_argument("--certificate-chain", nargs="*", default=[], metavar="PEM",
-                        help="with --signing-certificate: the certificates between it and the root")
+    parser.add_argument("--certificate-chain", nargs="+", default=[], metavar="PEM",
+                        help="with --signing-certificate: the issuing certificates up to the root CA")
     parser.set_defaults(func=run_inspect)
 
 
@@ -42,8 +42,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pagoda.artifacts.signature import sign_manifest
     from pagoda.config import resolve_model_path
 
-    if args.signing_certificate is not None and args.sign is None:
-        print("pagoda inspect: error: --signing-certificate needs --sign KEY", file=sys.stderr)
+    if args.signing_certificate is not None and (args.sign is None or not args.certificate_chain):
+        print("pagoda inspect: error: --signing-certificate needs --sign KEY and --certificate-chain PEM...",
+              file=sys.stderr)
         return 2
     model = resolve_model_path(args.model)
     try:
