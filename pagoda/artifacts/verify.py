@@ -11,6 +11,8 @@ from pagoda.artifacts.digests import ArtifactError, ArtifactFiles, digests_id, s
 from pagoda.artifacts.manifest import read_manifest
 from pagoda.artifacts.signature import signed_digests
 
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+
 
 @dataclass(frozen=True)
 class VerificationPolicy:
@@ -38,11 +40,18 @@ def compare_digests(files: ArtifactFiles, expected: dict[str, str], actual: dict
             raise ArtifactError(f"{files.root / name}: listed in the manifest but missing")
         if actual[name] != expected[name]:
             raise ArtifactError(f"{files.root / name}: SHA-256 {actual[name]} does not match the manifest's "
-                                f"{expected[name]} (the file was changed after it was signed)")
+                                f"{expected[name]} (the file changed after the manifest was made)")
     unlisted = sorted(set(actual) - set(expected))
     if unlisted:
         raise ArtifactError(f"{files.root / unlisted[0]}: not in the manifest"
                             + (f" (nor {len(unlisted) - 1} more file(s))" if len(unlisted) > 1 else ""))
+
+
+def check_before_load(path: str | Path, policy: VerificationPolicy) -> None:
+    """Check every file but the weights now: the ones a server reads before its engine starts
+    (config, tokenizer, chat template). The engine checks the weights while it loads them."""
+    if policy.enabled:
+        ArtifactCheck(path, policy).check_small_files()
 
 
 def verify_artifact(path: str | Path, policy: VerificationPolicy) -> str:
@@ -53,38 +62,54 @@ def verify_artifact(path: str | Path, policy: VerificationPolicy) -> str:
 
 
 class ArtifactCheck:
-    """Hashes an artifact's files on a thread of its own: `start()` before loading the weights,
-    `result()` after, which raises ArtifactError if anything did not match."""
+    """`start()` checks the small files (config, tokenizer, template: read before the weights)
+    at once, then hashes the weights on a thread of its own while the loader reads them;
+    `result()` waits for it and raises ArtifactError if anything did not match."""
 
     def __init__(self, path: str | Path, policy: VerificationPolicy) -> None:
         self.files = ArtifactFiles.of(path)
-        self.policy = policy
         # The expected digests are read first: a missing or malformed manifest or a bad
         # signature stops the start before a byte of weights is read.
         self.expected = expected_digests(self.files, policy)
+        self._names = self.files.names()
+        self._actual: dict[str, str] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run_guarded, name="pagoda-verify", daemon=True)
+        self._thread = threading.Thread(target=self._hash_weights, name="pagoda-verify", daemon=True)
+
+    def check_small_files(self) -> None:
+        small = [n for n in self._names if not n.endswith(WEIGHT_SUFFIXES)]
+        self._actual.update((name, self._hash(name)) for name in small)
+        compare_digests(self.files, {n: d for n, d in self.expected.items() if not n.endswith(WEIGHT_SUFFIXES)},
+                        self._actual)
 
     def start(self) -> "ArtifactCheck":
+        self.check_small_files()
         self._thread.start()
         return self
 
     def run(self) -> None:
-        self._run_guarded()
+        self.check_small_files()
+        self._hash_weights()
 
-    def _run_guarded(self) -> None:
+    def _hash(self, name: str) -> str:
         try:
-            actual = {name: sha256_file(self.files.root / name) for name in self.files.names()}
-            compare_digests(self.files, self.expected, actual)
+            return sha256_file(self.files.root / name)
+        except OSError as error:
+            raise ArtifactError(f"{self.files.root / name}: unreadable ({error.strerror})") from None
+
+    def _hash_weights(self) -> None:
+        try:
+            for name in self._names:
+                if name.endswith(WEIGHT_SUFFIXES):
+                    self._actual[name] = self._hash(name)
+            compare_digests(self.files, self.expected, self._actual)
         except BaseException as error:  # handed to result(), on the loader's thread
             self._error = error
 
     def result(self) -> str:
         """The manifest's id (the digest of every file's digest) once every file matched."""
-        if self._thread.is_alive() or self._thread.ident is not None:
+        if self._thread.ident is not None:
             self._thread.join()
         if self._error is not None:
-            if isinstance(self._error, OSError):
-                raise ArtifactError(f"{self._error.filename}: unreadable ({self._error.strerror})")
             raise self._error
         return digests_id(self.expected)

@@ -134,8 +134,13 @@ class EngineCore:
         # many threads as the driver gave this thread (engine/threads.py).
         self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
                                                torch.get_num_threads()) if config.tensor_parallel_size > 1 else None
-        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
-                           self.executor.group if self.executor else None)
+        try:
+            model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
+                               self.executor.group if self.executor else None)
+        except ValueError:
+            if artifact_check is not None:
+                artifact_check.result()  # a tampered file is named as such, not as a corrupt one
+            raise
         if artifact_check is not None:
             try:
                 self.weights_digest = artifact_check.result()

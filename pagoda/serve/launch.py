@@ -34,6 +34,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     engine that cannot start) end the process with a one-line message (SystemExit)."""
     # Spinning OpenMP workers steal the cores the HTTP thread needs: pagoda/engine/threads.py.
     prefer_passive_omp_wait()
+    from pagoda.artifacts.verify import VerificationPolicy, check_before_load
     from pagoda.model.loader import load_model_config
     from pagoda.replicas.start import start_engines
     from pagoda.serve.app import build_app
@@ -43,6 +44,12 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     deployment = deployment or DeploymentConfig()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        # What this process reads itself (config, tokenizer, template) is checked before it is
+        # read; the engine checks the weights while it loads them.
+        check_before_load(config.model, VerificationPolicy(config.verify_manifest, config.verify_key))
+    except ValueError as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
     settings = dataclasses.replace(settings, **built_settings(settings, config))
     try:
         if settings.allow_runtime_lora and not config.enable_lora:

@@ -188,3 +188,41 @@ def test_generate_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None
     assert result.returncode != 0 and result.stdout == ""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "tokenizer.json: SHA-256" in lines[0], result.stderr
+
+
+def test_serve_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
+    model = signed_copy(llama_dir, tmp_path / "m")
+    flip_byte(model / "model.safetensors", -100)  # inside the tensor data: the file still parses
+    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--verify-manifest",
+                             "--port", "0", "--kv-cache-memory", "16MiB"], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and "model.safetensors: SHA-256" in lines[0], result.stderr
+
+
+def test_runtime_adapter_load_refused_with_4xx(llama_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    import httpx
+    from lora_factory import ATTENTION_MODULES, build_adapter
+    from server_utils import start_server
+
+    from pagoda.serve.admission.tenants import TenantRegistry
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  ops: {api_keys: [key-ops], admin: true}\n")
+    model = signed_copy(llama_dir, tmp_path / "m")
+    adapter = build_adapter(llama_dir, tmp_path / "adapter", target_modules=ATTENTION_MODULES, rank=4)
+    assert cli_main(["inspect", str(adapter), "--write-manifest", "--json"]) == 0
+    flip_byte(adapter / "adapter_config.json", 3)
+    server = start_server(model, engine={"enable_lora": True, "max_lora_rank": 8, "verify_manifest": True,
+                                         "num_kv_blocks": 32}, allow_runtime_lora=True,
+                          tenants=TenantRegistry.from_file(keys))
+    try:
+        response = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                              headers={"Authorization": "Bearer key-ops"},
+                              json={"lora_name": "a", "lora_path": str(adapter)})
+    finally:
+        server.stop()
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "adapter_verification_failed" and "adapter_config.json: SHA-256" in error["message"]
