@@ -18,13 +18,13 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
     signer's certificate (and its chain) go into the bundle."""
     # model-signing's public API hashes the files again to build what it signs; its signers take
     # any manifest, so the digests already computed are signed as they are.
-    from model_signing._signing import sign_ec_key, signing
-
+    sign_ec_key, signing, _ = _model_signing()
     try:
         if certificate is None:
             signer = sign_ec_key.Signer(Path(private_key))
         else:
-            signer = _certificate_module().Signer(Path(private_key), Path(certificate), [Path(c) for c in certificate_chain])
+            signer = _certificate_module().Signer(Path(private_key), Path(certificate),
+                                                  [Path(c) for c in certificate_chain])
         signature = signer.sign(signing.Payload(_model_signing_manifest(files, manifest)))
     except (OSError, ValueError, TypeError) as error:
         raise ArtifactError(f"{private_key}: cannot sign with this key ({error})") from None
@@ -35,8 +35,7 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
 def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, str]:
     """The file digests the artifact's signature vouches for, after checking it against
     `verify_key`: a PEM public key (key mode) or a PEM CA certificate (certificate mode)."""
-    from model_signing._signing import sign_ec_key, sign_sigstore_pb
-
+    sign_ec_key, _, sign_sigstore_pb = _model_signing()
     path = files.signature_path
     if not path.is_file():
         raise ArtifactError(f"{files.root}: unsigned ({path.name} not found) but a signature is required")
@@ -65,6 +64,16 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, st
             raise ArtifactError(f"{path}: signed with {descriptor.digest.algorithm} digests; pagoda checks sha256")
         digests[descriptor.identifier] = descriptor.digest.digest_hex
     return digests
+
+
+def _model_signing():
+    """model-signing's key-mode signer and verifier, its payload and bundle modules."""
+    try:
+        from model_signing._signing import sign_ec_key, sign_sigstore_pb, signing
+    except ImportError as error:  # its package imports pyOpenSSL without declaring it
+        raise ArtifactError(f"signatures need the model-signing package and pyOpenSSL "
+                            f"(pip install model-signing pyopenssl): {error}") from None
+    return sign_ec_key, signing, sign_sigstore_pb
 
 
 def _certificate_module():

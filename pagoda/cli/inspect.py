@@ -53,10 +53,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         if args.write_manifest or args.sign is not None:
             files = ArtifactFiles.of(model)
             manifest = Manifest({f.name: f.sha256 for f in review.files}, args.source, args.revision)
-            written.append(write_manifest(files, manifest))
-            if args.sign is not None:
+            if args.sign is not None:  # first: a key that cannot sign leaves nothing written
                 written.append(sign_manifest(files, manifest, args.sign, args.signing_certificate,
                                              args.certificate_chain))
+            written.append(write_manifest(files, manifest))
             review = review_artifact(model, args.base)
     except ValueError as error:
         print(f"pagoda inspect: error: {error}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_safetensors_model(llama_dir: Path, tmp_path: Path) -> None:
     assert {f.name: f.sha256 for f in review.files} == hashlib_digests(model)
     assert review.kind == "model" and review.architecture == "LlamaForCausalLM"
     header = safetensors_header(model / "model.safetensors")
-    expected_params = sum(int(__import__("math").prod(t["shape"])) for t in header.values())
+    expected_params = sum(math.prod(t["shape"]) for t in header.values())
     assert review.parameters == expected_params and review.active_parameters is None
     config = json.loads((model / "config.json").read_text())
     assert review.context_length == config["max_position_embeddings"] and review.vocab_size == config["vocab_size"]
@@ -45,10 +46,10 @@ def test_safetensors_model(llama_dir: Path, tmp_path: Path) -> None:
     assert review.kv_bytes_per_token == 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
     assert review.quantization == "none" and review.license == "unknown"
     assert set(review.tokenizer_files) == {"tokenizer.json", "tokenizer_config.json"}
-    assert review.tokenizer_files["tokenizer.json"] == hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()
+    assert review.tokenizer_files["tokenizer.json"] == hashlib_digests(model)["tokenizer.json"]
     assert review.generation_config is not None and review.generation_config_sha256 == \
         hashlib.sha256((model / "generation_config.json").read_bytes()).hexdigest()
-    assert review.source == config.get("_name_or_path", "unknown") or review.source == "unknown"
+    assert review.source == (config.get("_name_or_path") or "unknown")
     assert review.manifest == "none" and review.signature == "none"
 
 
@@ -91,7 +92,7 @@ def test_mixture_of_experts_active_parameters(tmp_path: Path) -> None:
     model = build_model(tmp_path / "mixtral", "mixtral")
     review = review_artifact(model)
     header = safetensors_header(model / "model.safetensors")
-    sizes = {name: int(__import__("math").prod(t["shape"])) for name, t in header.items()}
+    sizes = {name: math.prod(t["shape"]) for name, t in header.items()}
     routed = sum(size for name, size in sizes.items() if ".experts." in name)
     assert routed > 0 and review.parameters == sum(sizes.values())
     assert review.active_parameters == review.parameters - routed + routed * 2 // 4
@@ -118,7 +119,7 @@ def test_license_template_behaviours_and_manifest_origin(llama_dir: Path, tmp_pa
     (model / "chat_template.jinja").write_text(
         "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<think>{{ m.content }}"
         "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
-    assert cli_main([ "inspect", str(model), "--write-manifest", "--source", "acme/m", "--revision", "r1"]) == 0
+    assert cli_main(["inspect", str(model), "--write-manifest", "--source", "acme/m", "--revision", "r1"]) == 0
     review = review_artifact(model)
     assert review.license == "acme-research"
     assert review.chat_template.source == "chat_template.jinja"
