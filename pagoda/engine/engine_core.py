@@ -240,6 +240,8 @@ class EngineCore:
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
+        if self.verification.enabled:
+            verify_artifact(draft_dir, self.verification)
         draft_config = load_model_config(draft_dir)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "

@@ -47,7 +47,9 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     try:
         # What this process reads itself (config, tokenizer, template) is checked before it is
         # read; the engine checks the weights while it loads them.
-        check_before_load(config.model, VerificationPolicy(config.verify_manifest, config.verify_key))
+        policy = VerificationPolicy(config.verify_manifest, config.verify_key)
+        for artifact in dict.fromkeys(filter(None, (config.model, config.tokenizer))):
+            check_before_load(artifact, policy)
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     settings = dataclasses.replace(settings, **built_settings(settings, config))

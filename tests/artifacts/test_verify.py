@@ -223,3 +223,12 @@ def test_runtime_adapter_load_refused_with_4xx(llama_dir: Path, tmp_path: Path) 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "adapter_verification_failed" and "adapter_config.json: SHA-256" in error["message"]
+
+
+def test_draft_model_verified_too(llama_dir: Path, tmp_path: Path) -> None:
+    model = signed_copy(llama_dir, tmp_path / "m")
+    draft = shutil.copytree(llama_dir, tmp_path / "draft")
+    with pytest.raises(ArtifactError, match=r"draft/pagoda-manifest\.json: no manifest"):
+        small_llm(model, verify_manifest=True, speculative="draft", draft_model=str(draft))
+    assert cli_main(["inspect", str(draft), "--write-manifest", "--json"]) == 0
+    assert small_llm(model, verify_manifest=True, speculative="draft", draft_model=str(draft)).engine.core.weights_digest
