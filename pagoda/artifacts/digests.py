@@ -73,10 +73,10 @@ class ArtifactFiles:
         names = []
         for path in self.root.rglob("*"):
             relative = path.relative_to(self.root)
+            # A symbolic link counts as the file it points to (a Hugging Face cache snapshot is
+            # links into its blob store): its content is what is hashed and loaded.
             if relative.parts[0] in _IGNORED_NAMES or path in excluded or path.is_dir():
                 continue
-            if path.is_symlink():
-                raise ArtifactError(f"{path}: symbolic links are not part of a reviewable artifact")
             names.append(relative.as_posix())
         return sorted(names)
 

@@ -90,7 +90,8 @@ def _model_signing_manifest(files: ArtifactFiles, manifest: Manifest):
     from model_signing._hashing import hashing
 
     ignored = [pathlib.PurePosixPath(p.name) for p in (files.manifest_path, files.signature_path)]
-    serialization = ms_manifest._FileSerialization("sha256", False, ignored)
+    # Links are followed when hashing (digests.py), so model-signing's own verifier must too.
+    serialization = ms_manifest._FileSerialization("sha256", True, ignored)
     items = [ms_manifest.FileManifestItem(path=pathlib.PurePosixPath(name),
                                           digest=hashing.Digest("sha256", bytes.fromhex(digest)))
              for name, digest in sorted(manifest.files.items())]

@@ -181,3 +181,14 @@ def test_manifest_names_exclude_itself(llama_dir: Path, tmp_path: Path) -> None:
     files = ArtifactFiles.of(model)
     manifest = json.loads(files.manifest_path.read_text())
     assert manifest["files"] == hashlib_digests(llama_dir)
+
+
+def test_cache_snapshot_links_count_as_their_files(llama_dir: Path, tmp_path: Path) -> None:
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for path in llama_dir.iterdir():
+        shutil.copy(path, blobs / hashlib.sha256(path.read_bytes()).hexdigest())
+        (snapshot / path.name).symlink_to(blobs / hashlib.sha256(path.read_bytes()).hexdigest())
+    review = review_artifact(snapshot)
+    assert {f.name: f.sha256 for f in review.files} == hashlib_digests(llama_dir)
