@@ -90,6 +90,8 @@ def review_artifact(path: str | Path, base: str | Path | None = None) -> Artifac
     if pickles:
         raise ArtifactError(f"{path}: pickle files, which pagoda refuses (loading one can run any code it holds): "
                             f"{', '.join(pickles)}; convert them to safetensors where you trust them")
+    if files.single_file is not None and not files.single_file.endswith(".gguf"):
+        raise ArtifactError(f"{path}: a single file must be a GGUF model; pass the model's directory")
     digests = files.digests()
     review = ArtifactReview(path=str(path), kind="model")
     review.files = [FileDigest(name, (files.root / name).stat().st_size, digest) for name, digest in digests.items()]

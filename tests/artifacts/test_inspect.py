@@ -167,6 +167,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "empty" / "notes.txt").write_text("hi")
     assert cli_main(["inspect", str(tmp_path / "empty")]) == 1
     assert "not a model artifact" in capsys.readouterr().err
+    assert cli_main(["inspect", str(tmp_path / "empty" / "notes.txt")]) == 1
+    assert "a single file must be a GGUF model" in capsys.readouterr().err
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
