@@ -34,9 +34,10 @@ from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 config = EngineConfig(model=sys.argv[1], dtype="bfloat16", device=sys.argv[2], num_kv_blocks=16, max_num_seqs=4,
                       verify_manifest=sys.argv[3] == "verify")
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 core = EngineCore(config)
-print(json.dumps({"seconds": time.perf_counter() - start, "weights_digest": core.weights_digest}))
+print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start,
+                  "weights_digest": core.weights_digest}))
 """
 
 
@@ -103,7 +104,7 @@ def build_checkpoint(directory: Path, layers: int, hidden: int, intermediate: in
     write_manifest(files, build_manifest(files, source="random (benchmarks/verify_load.py)"))
 
 
-def timed_load(model: Path, device: str, mode: str) -> float:
+def timed_load(model: Path, device: str, mode: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(model), device, mode], env=env,
                             capture_output=True, text=True, timeout=1800, check=False)
@@ -112,7 +113,7 @@ def timed_load(model: Path, device: str, mode: str) -> float:
     body = json.loads(result.stdout.strip().splitlines()[-1])
     if (body["weights_digest"] is not None) != (mode == "verify"):
         raise SystemExit(f"load ({mode}): unexpected weights_digest {body['weights_digest']!r}")
-    return body["seconds"]
+    return {"seconds": body["seconds"], "cpu_seconds": body["cpu_seconds"]}
 
 
 def main() -> None:
@@ -141,10 +142,14 @@ def main() -> None:
     rounds = []
     for index in range(args.rounds):
         order = ("plain", "verify") if index % 2 == 0 else ("verify", "plain")
-        times = {mode: timed_load(args.model_dir, args.device, mode) for mode in order}
-        rounds.append({"order": list(order), **times, "ratio": times["verify"] / times["plain"]})
+        loads = {mode: timed_load(args.model_dir, args.device, mode) for mode in order}
+        times = {mode: load["seconds"] for mode, load in loads.items()}
+        rounds.append({"order": list(order), **times, "ratio": times["verify"] / times["plain"],
+                       "cpu_seconds": {mode: load["cpu_seconds"] for mode, load in loads.items()},
+                       "load_average": os.getloadavg()[0]})
         print(f"round {index}: plain {times['plain']:.2f} s, verify {times['verify']:.2f} s "
-              f"({times['verify'] / times['plain']:.2f}x)", flush=True)
+              f"({times['verify'] / times['plain']:.2f}x); CPU {loads['plain']['cpu_seconds']:.1f} / "
+              f"{loads['verify']['cpu_seconds']:.1f} s; load {os.getloadavg()[0]:.1f}", flush=True)
     plain = statistics.median(r["plain"] for r in rounds)
     verify = statistics.median(r["verify"] for r in rounds)
     result = {
@@ -162,6 +167,8 @@ def main() -> None:
         "median_verify_seconds": verify,
         "median_ratio": verify / plain,
         "median_of_round_ratios": statistics.median(r["ratio"] for r in rounds),
+        "median_cpu_seconds": {mode: statistics.median(r["cpu_seconds"][mode] for r in rounds)
+                               for mode in ("plain", "verify")},
         "target_ratio": 1.2,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@ on a thread while the loader reads the weights, so that the check costs little b
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def verify_artifact(path: str | Path, policy: VerificationPolicy) -> str:
 
 class ArtifactCheck:
     """`start()` checks the small files (config, tokenizer, template: read before the weights)
-    at once, then hashes the weights on a thread of its own while the loader reads them;
+    at once, then hashes the weights on threads of their own while the loader reads them;
     `result()` waits for it and raises ArtifactError if anything did not match."""
 
     def __init__(self, path: str | Path, policy: VerificationPolicy) -> None:
@@ -98,10 +100,13 @@ class ArtifactCheck:
             raise ArtifactError(f"{self.files.root / name}: unreadable ({error.strerror})") from None
 
     def _hash_weights(self) -> None:
+        # One hashing thread per weight file (up to the cores): a sharded checkpoint is checked
+        # in the time of its largest shard, not of all of them.
+        weights = [name for name in self._names if name.endswith(WEIGHT_SUFFIXES)]
         try:
-            for name in self._names:
-                if name.endswith(WEIGHT_SUFFIXES):
-                    self._actual[name] = self._hash(name)
+            with ThreadPoolExecutor(max(1, min(len(weights), os.cpu_count() or 1)),
+                                    thread_name_prefix="pagoda-verify") as pool:
+                self._actual.update(zip(weights, pool.map(self._hash, weights)))
             compare_digests(self.files, self.expected, self._actual)
         except BaseException as error:  # handed to result(), on the loader's thread
             self._error = error

@@ -113,7 +113,11 @@ class EngineCore:
         self.verification = VerificationPolicy(config.verify_manifest, config.verify_key)
         # With verification on, every file of the model is hashed on a thread while the weights
         # load; the manifest's id is the weights digest provenance reports (None unverified).
-        artifact_check = ArtifactCheck(config.model, self.verification).start() if self.verification.enabled else None
+        artifact_check = None
+        if self.verification.enabled:
+            artifact_check = ArtifactCheck(config.model, self.verification).start()
+            if config.tokenizer not in (None, config.model):
+                verify_artifact(config.tokenizer, self.verification)
         self.weights_digest: str | None = None
         self.model_config = load_model_config(config.model)
         self.device = resolve_device(config.device)
@@ -144,8 +148,6 @@ class EngineCore:
         if artifact_check is not None:
             try:
                 self.weights_digest = artifact_check.result()
-                if config.tokenizer is not None:
-                    verify_artifact(config.tokenizer, self.verification)
             except ArtifactError:
                 del model  # nothing loaded from an unverified artifact stays in memory
                 if self.executor is not None:
