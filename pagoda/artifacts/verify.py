@@ -1,5 +1,5 @@
 """The check at load: every file of the artifact against its manifest (or its signature), hashed
-on a thread while the loader reads the weights, so that the check costs little beyond the load."""
+on threads while the loader reads the weights, so that the check costs little beyond the load."""
 
 from __future__ import annotations
 
