@@ -198,6 +198,16 @@ class EngineConfig:
                 "at most this many distinct adapters"})
     max_lora_rank: int = field(default=16, metadata={
         "help": "largest adapter rank accepted; the slots are sized for it"})
+    # ---- artifact verification (pagoda/artifacts) ----
+    verify_manifest: bool = field(default=False, metadata={
+        "help": "refuse to load a model or adapter whose files do not match the manifest beside them "
+                "(pagoda inspect MODEL --write-manifest); hashed while the weights load"})
+    verify_key: str | None = field(default=None, metadata={
+        "metavar": "PUBKEY", "help": "require a model-signing signature by this key (a PEM elliptic-curve public "
+                                     "key, or the CA certificate of certificate-signed models) on the model and "
+                                     "every adapter, and check every file against the signed digests"})
+    require_signature: bool = field(default=False, metadata={
+        "help": "refuse an unsigned model (needs --verify-key; a deployment sets it per model)"})
 
     # Not a flag: how many engine replicas this one is one of (DeploymentConfig.replica_config
     # sets it), so that the serving default of --num-threads shares the cores out between them.
@@ -266,6 +276,10 @@ class EngineConfig:
             if name in seen:
                 _fail("lora_modules", f"name the adapter {name!r} only once")
             seen.add(name)
+        if self.require_signature and self.verify_key is None:
+            _fail("require_signature", "needs --verify-key (the key signatures are checked with)")
+        if self.verify_key is not None and not Path(self.verify_key).is_file():
+            _fail("verify_key", f"no such file: {self.verify_key}")
         if self.num_replicas < 1:
             _fail("num_replicas", f"must be >= 1, got {self.num_replicas}")
         self._validate_tensor_parallel()

@@ -1,4 +1,4 @@
-"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit | doctor | eval.
+"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit | doctor | eval | inspect.
 
 One module per command in this package; each exposes `add_parser(subparsers)`, which registers
 the command's flags and sets `func` to the function that runs it. Adding a command is one
@@ -26,6 +26,7 @@ COMMANDS = (
     "pagoda.cli.audit",      # pagoda audit
     "pagoda.cli.doctor",     # pagoda doctor
     "pagoda.cli.eval",       # pagoda eval perplexity
+    "pagoda.cli.inspect",    # pagoda inspect MODEL
 )
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagoda.artifacts.digests import ArtifactError
+from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import (KVCacheGroup, kv_cache_groups, layers_per_page,
                                          longest_sequence_blocks, pages_per_sequence, release_blocker)
@@ -111,6 +113,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         # Torch's thread count is the driver's to set (pagoda.engine.threads), on its own thread.
         self.config = config
+        self.verification = VerificationPolicy(config.verify_manifest, config.verify_key)
+        # With verification on, every file of the model is hashed on a thread while the weights
+        # load; the manifest's id is the weights digest provenance reports (None unverified).
+        artifact_check = None
+        if self.verification.enabled:
+            artifact_check = ArtifactCheck(config.model, self.verification).start()
+            if config.tokenizer not in (None, config.model):
+                verify_artifact(config.tokenizer, self.verification)
+        self.weights_digest: str | None = None
         self.model_config = load_model_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
@@ -137,9 +148,22 @@ class EngineCore:
         elif config.tensor_parallel_size > 1:
             self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
                                                    torch.get_num_threads())
-        model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
-                           self.executor.group if self.executor else None,
+        try:
+            model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
+                               self.executor.group if self.executor else None,
                            self.stages[0] if self.stages is not None else None)
+        except ValueError:
+            if artifact_check is not None:
+                artifact_check.result()  # a tampered file is named as such, not as a corrupt one
+            raise
+        if artifact_check is not None:
+            try:
+                self.weights_digest = artifact_check.result()
+            except ArtifactError:
+                del model  # nothing loaded from an unverified artifact stays in memory
+                if self.executor is not None:
+                    self.executor.shutdown()
+                raise
         draft_model = self._load_draft_model() if config.speculative == "draft" else None
         self.moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
             if config.moe_metrics and self.model_config.moe is not None else None
@@ -254,6 +278,8 @@ class EngineCore:
 
     def _load_draft_model(self):
         draft_dir = self.config.draft_model
+        if self.verification.enabled:
+            verify_artifact(draft_dir, self.verification)
         draft_config = load_model_config(draft_dir)
         if draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
@@ -269,6 +295,7 @@ class EngineCore:
                               dtype=self.dtype, device=self.device)
         for name, path in self.config.lora_module_paths():
             try:
+                self._verify_adapter(name, path)
                 manager.add(name, path)
             except InvalidRequest as error:
                 raise ValueError(f"--lora-modules: {error}") from None
@@ -345,7 +372,19 @@ class EngineCore:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter at run time; InvalidRequest if it is bad or its name is taken."""
-        self._require_lora(lora_request.lora_name).add(lora_request.lora_name, lora_request.lora_path)
+        manager = self._require_lora(lora_request.lora_name)
+        self._verify_adapter(lora_request.lora_name, lora_request.lora_path)
+        manager.add(lora_request.lora_name, lora_request.lora_path)
+
+    def _verify_adapter(self, name: str, path: str) -> None:
+        """An adapter proves itself as the model does (--verify-manifest / --verify-key)."""
+        if not self.verification.enabled:
+            return
+        try:
+            verify_artifact(path, self.verification)
+        except ArtifactError as error:
+            raise InvalidRequest(f"LoRA adapter {name!r} failed verification: {error}", param="lora_path",
+                                 code="adapter_verification_failed") from None
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests cannot name it; running ones finish with it."""

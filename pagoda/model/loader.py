@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagoda.artifacts.digests import PICKLE_PATTERNS
 from pagoda.model.gpt_oss_checkpoint import gpt_oss_checkpoint_names, gpt_oss_tensors
 from pagoda.model.layers import Linear
 from pagoda.model.llama import LlamaFamilyModel
@@ -31,8 +32,6 @@ _FUSED_PARTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-# PyTorch's pickle formats: never loaded (unpickling runs code from the file).
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Mixtral's names for its MoE block and experts' projections, as pagoda's (Qwen-MoE's) names.

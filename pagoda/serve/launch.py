@@ -37,6 +37,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     engine that cannot start) end the process with a one-line message (SystemExit)."""
     # Spinning OpenMP workers steal the cores the HTTP thread needs: pagoda/engine/threads.py.
     prefer_passive_omp_wait()
+    from pagoda.artifacts.verify import VerificationPolicy, check_before_load
     from pagoda.model.loader import load_model_config
     from pagoda.replicas.start import start_engines
     from pagoda.serve.model_registry import ModelRegistry
@@ -44,6 +45,14 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     deployment = deployment or DeploymentConfig()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        # What this process reads itself (config, tokenizer, template) is checked before it is
+        # read; the engine checks the weights while it loads them.
+        policy = VerificationPolicy(config.verify_manifest, config.verify_key)
+        for artifact in dict.fromkeys(filter(None, (config.model, config.tokenizer))):
+            check_before_load(artifact, policy)
+    except ValueError as exc:
+        raise SystemExit(f"pagoda serve: {exc}") from None
     settings = dataclasses.replace(settings, **built_settings(settings, config))
     if settings.models_file is not None:
         return _serve_models(config, settings, deployment)

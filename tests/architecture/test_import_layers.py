@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("structured",),  # grammar-constrained decoding on llguidance: used by worker, engine, serve, cli
     ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, used by quant/ and model/
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
+    ("artifacts",),  # file digests, manifests, signatures (model-signing), inspect's review: model/, engine, cli
     ("model",),
     ("lora",),  # LoRA adapters: PEFT loading, registry, device slots, the LoRALinear around model/'s Linear
     ("core",),
