@@ -73,6 +73,7 @@ class AsyncLLM:
         # --max-num-seqs as the engine resolved it (its default is measured at startup).
         self.max_num_seqs_choice = info.max_num_seqs_choice
         self.kv_address: str | None = info.kv_address  # role decode: its KV listener
+        self.weights_digest: str | None = info.weights_digest  # verified at load, else None
         if config.max_num_seqs is None:
             self.config = replace(config, max_num_seqs=info.max_num_seqs_choice.value)
 

@@ -70,6 +70,7 @@ class EngineClient(Protocol):
     config: "EngineConfig"  # with --max-num-seqs as the engine resolved it
     tokenizer: "Tokenizer"
     max_model_len: int
+    weights_digest: str | None  # the weights' verified manifest digest (--verify-manifest), else None
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
     transport: str  # where the engine runs: "thread", "process", ...
     max_num_seqs_choice: "MaxNumSeqsChoice | None"  # --max-num-seqs as resolved, and why

@@ -267,5 +267,6 @@ class ModelFront:
         self.max_num_seqs_choice = first.max_num_seqs_choice
         self.tokenizer = first.tokenizer
         self.max_model_len: int = first.max_model_len
+        self.weights_digest: str | None = first.weights_digest
         self.generation_defaults: dict = first.generation_defaults
         self.engine_limits = first.engine_limits

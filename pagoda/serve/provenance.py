@@ -141,7 +141,7 @@ class ModelProvenance:
         config = llm.config
         model_dir = Path(config.model)
         # A loader that verified a manifest reports the manifest's digest of the weights.
-        verified = getattr(llm, "weights_digest", None)
+        verified = llm.weights_digest
         tokenizer_dir = Path(config.tokenizer) if config.tokenizer else model_dir
         template = getattr(getattr(llm.tokenizer, "hf", None), "chat_template", None)
         return cls(

@@ -243,3 +243,23 @@ def test_replica_request_names_its_pool_and_replica(replicas: LiveServer) -> Non
         assert provenance["route"] == {"model": MODEL_NAME, "pool": pool, "replica": replica,
                                        "route": None, "fallback": False, "canary": None}
         assert record_of(records, response.headers[HEADER]).provenance == provenance
+
+
+def test_a_verified_model_reports_its_manifest_digest(tmp_path: Path) -> None:
+    """Under --verify-manifest the weights digest is the manifest's, carried from the engine
+    process through the transport to the provenance record."""
+    from pagoda.artifacts.digests import ArtifactFiles
+    from pagoda.artifacts.manifest import build_manifest, write_manifest
+
+    model = build_tiny_model(tmp_path / "model")
+    files = ArtifactFiles.of(model)
+    manifest = build_manifest(files)
+    write_manifest(files, manifest)
+    live = start_server(model, engine={"verify_manifest": True}, transport="process")
+    try:
+        response = post(live, "/v1/completions", model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert response.status_code == 200
+        found = live.app.state.ctx.provenance.find(response.headers[HEADER])
+        assert found is not None and found.model.weights_digest == manifest.digest
+    finally:
+        live.stop()

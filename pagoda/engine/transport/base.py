@@ -38,13 +38,14 @@ class EngineInfo:
     stats: "EngineStats"
     max_num_seqs_choice: "MaxNumSeqsChoice"  # the value in use and why
     kv_address: str | None  # role decode: where prefill engines send KV handoffs
+    weights_digest: str | None  # the verified manifest's digest (--verify-manifest), else None
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
         return cls(max_model_len=engine.max_model_len, engine_limits=engine.engine_limits,
                    generation_defaults=engine.generation_defaults, stats=engine.get_stats(),
                    max_num_seqs_choice=engine.core.max_num_seqs_choice,
-                   kv_address=engine.kv_connector.kv_address)
+                   kv_address=engine.kv_connector.kv_address, weights_digest=engine.core.weights_digest)
 
 
 class EngineTransport(ABC):
