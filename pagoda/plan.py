@@ -19,7 +19,6 @@ from pagoda.config import parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.pipeline import pipeline_stages
 from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, int4_group_size_for,
                                         kv_cache_bytes_per_token, weight_bytes_per_parameter)
 
@@ -396,6 +395,8 @@ def stage_memory(shape: ModelShape, params: ParamCount, *, num_stages: int, part
     norm and LM head on the last; tied embeddings: the embedding on the last too) and the KV
     blocks its memory holds for its layers. Layers are counted alike (a MoE model's dense and
     sparse layers are averaged)."""
+    from pagoda.model.pipeline import pipeline_stages  # imports torch: only when stages are asked for
+
     stages = pipeline_stages(shape.num_layers, num_stages, partition)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     per_layer_other = params.other - shape.hidden_size  # the final norm is the last stage's
