@@ -183,7 +183,8 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
         if not (tenant.admin or settings.tenants.open_access):
             raise APIError(403, "Only admin keys may read provenance records.", type="permission_error",
                            code="admin_required")
-        record = ctx.provenance.find(provenance_id)
+        record = next((found for model in registry  # each model keeps its own requests' records
+                       if (found := model.context.provenance.find(provenance_id)) is not None), None)
         if record is None:
             raise APIError(404, f"No recent request has the provenance id {provenance_id!r} (the request "
                                 "log holds every record).", type="not_found_error")
