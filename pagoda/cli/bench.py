@@ -49,7 +49,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, with_engine_flags: boo
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a server, the engine, or several targets",
                                   description="Benchmarks with request classes that mirror real traffic.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout,soak}",
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,compare,route-sim,oom-lab,shootout,soak,canary-drill}",
                                required=True)
 
     serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (streaming)",
@@ -107,6 +107,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_oom_lab_parser(sub)
     _add_shootout_parser(sub)
     _add_soak_parser(sub)
+    _add_canary_drill_parser(sub)
 
 
 def _add_route_sim_parser(sub: argparse._SubParsersAction) -> None:
@@ -288,6 +289,36 @@ def run_soak_cli(args: argparse.Namespace) -> int:
         return soak_main(options)
     except (ValueError, OSError, ServerStartError) as e:
         return _fail("soak", e)
+
+
+def _add_canary_drill_parser(sub: argparse._SubParsersAction) -> None:
+    drill = sub.add_parser(
+        "canary-drill", help="a live canary of a deliberately regressed candidate: time to rollback, client errors",
+        description="Serves a model as the stable side of a live canary and the same weights with a changed "
+                    "chat template as its candidate, sends chat traffic, and reports the time from the "
+                    "regression to the automatic rollback and the client-visible errors (target: 30 s, 0). "
+                    "Writes a JSON result; exit 1 when the target is missed.")
+    drill.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    drill.add_argument("--duration", type=float, default=90.0, help="the most seconds of traffic (default 90)")
+    drill.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
+    drill.add_argument("--weight", type=float, default=0.2, help="the canary's share of traffic (default 0.2)")
+    drill.add_argument("--shadow-sample", type=float, default=0.5,
+                       help="share of stable requests replayed to both models (default 0.5)")
+    drill.add_argument("--out", default="benchmarks/results/canary_drill.json", help="the JSON result")
+    drill.set_defaults(func=run_canary_drill_cli)
+
+
+def run_canary_drill_cli(args: argparse.Namespace) -> int:
+    from pagoda.bench.canary_drill import DrillOptions, drill_main
+    from pagoda.http_client.server_process import ServerStartError
+
+    if not 0 <= args.weight <= 1 or not 0 <= args.shadow_sample <= 1 or args.concurrency < 1:
+        return _fail("canary-drill", ValueError("--weight and --shadow-sample are 0..1, --concurrency at least 1"))
+    try:
+        return drill_main(DrillOptions(model=args.model, duration=args.duration, concurrency=args.concurrency,
+                                       weight=args.weight, shadow_sample=args.shadow_sample, out=args.out))
+    except (ValueError, OSError, ServerStartError) as e:
+        return _fail("canary-drill", e)
 
 
 def _compare_epilog() -> str:

@@ -40,6 +40,7 @@ from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResp
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
 from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.routing.canary import CanaryController
 from pagoda.serve.routing.dispatch import ModelDispatcher
 from pagoda.serve.routing.metrics import RoutingMetrics, merged_registry
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
@@ -133,13 +134,17 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
     registry = llm if isinstance(llm, ModelRegistry) else ModelRegistry.single(
         llm, settings.served_model_name or "", settings.model_path)
     registry.bind(settings)
-    dispatcher = ModelDispatcher(registry, RoutingMetrics())
+    canary = CanaryController(registry.canary, registry) if registry.canary is not None else None
+    dispatcher = ModelDispatcher(registry, RoutingMetrics(), canary=canary)
     ctx = registry.primary.context  # what acts on "the" model: LoRA loading, the dashboard
     llm = ctx.llm
     app.state.ctx = ctx
     app.state.models = registry
     rendered = merged_registry([*(r for model in registry for r in model.context.metrics.rendered_registries()),
-                                dispatcher.metrics.registry])
+                                dispatcher.metrics.registry,
+                                *([canary.metrics.registry] if canary is not None else [])])
+    if canary is not None:
+        ctx.request_log.add_listener(canary.observe)  # the log is every model's
     redact_access_log()  # /dashboard?key=KEY: no key in the access log
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
@@ -180,7 +185,8 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
         if not (tenant.admin or settings.tenants.open_access):
             raise APIError(403, "Only admin keys may read provenance records.", type="permission_error",
                            code="admin_required")
-        record = ctx.provenance.find(provenance_id)
+        record = next((found for model in registry  # each model keeps its own requests' records
+                       if (found := model.context.provenance.find(provenance_id)) is not None), None)
         if record is None:
             raise APIError(404, f"No recent request has the provenance id {provenance_id!r} (the request "
                                 "log holds every record).", type="not_found_error")
@@ -297,6 +303,33 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
     route("/v1/embeddings", EmbeddingRequest, embed_body, EmbeddingsEndpoint.name, EmbeddingResponse)
     invocation_targets.append(InvocationTarget("/v1/embeddings", EmbeddingRequest, embed_body))
     route("/invocations", InvocationRequest, invocations(invocation_targets), "invocations")
+
+    def canary_admin(request: Request) -> CanaryController:
+        tenant = _authenticate(ctx, request)
+        if not (tenant.admin or settings.tenants.open_access):
+            raise APIError(403, "Only admin keys may read or steer the canary.", type="permission_error",
+                           code="admin_required")
+        if canary is None:
+            raise APIError(404, "This server runs no canary (a `canary` block in the models file).",
+                           type="not_found_error")
+        canary.ensure_running()
+        return canary
+
+    @app.get("/admin/canary")
+    async def canary_status(request: Request) -> Response:
+        return JSONResponse(canary_admin(request).status())
+
+    @app.post("/admin/canary/promote")
+    async def canary_promote(request: Request) -> Response:
+        controller = canary_admin(request)
+        controller.promote("manual", "an admin promoted the candidate")
+        return JSONResponse(controller.status())
+
+    @app.post("/admin/canary/rollback")
+    async def canary_rollback(request: Request) -> Response:
+        controller = canary_admin(request)
+        controller.rollback("manual", "an admin rolled the candidate back")
+        return JSONResponse(controller.status())
 
     @app.get("/admin/prompt-log")
     async def prompt_log(request: Request) -> Response:

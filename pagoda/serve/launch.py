@@ -114,7 +114,7 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
             except (OSError, ValueError) as exc:
                 raise SystemExit(f"pagoda serve: {models_file.path}:{entry.line}: model {entry.name!r}: {exc}") from None
             served.append(ServedModel(entry.name, llm, engine.model, entry.aliases, entry.fallbacks))
-        registry = ModelRegistry(served, models_file.routes)
+        registry = ModelRegistry(served, models_file.routes, models_file.canary)
     except BaseException:
         for model in served:
             model.llm.shutdown()

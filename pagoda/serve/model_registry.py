@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 
 from pagoda.engine.client import EngineClient
 from pagoda.serve.admission.tenants import Tenant, TenantLimiter
-from pagoda.serve.models_file import FallbackTarget, RemoteEndpoint, Route
+from pagoda.serve.models_file import CanarySpec, FallbackTarget, RemoteEndpoint, Route
 from pagoda.serve.serving import ServeContext, ServerLogs
 from pagoda.serve.settings import ServerSettings
 
@@ -46,10 +46,12 @@ class ServedModel:
 class ModelRegistry:
     """Served name / alias / route -> what answers it."""
 
-    def __init__(self, models: Sequence[ServedModel], routes: Sequence[Route] = ()) -> None:
+    def __init__(self, models: Sequence[ServedModel], routes: Sequence[Route] = (),
+                 canary: CanarySpec | None = None) -> None:
         if not models:
             raise ValueError("a server needs at least one model")
         self.models: dict[str, ServedModel] = {m.name: m for m in models}
+        self.canary = canary  # the live canary the app runs (serve/routing/canary.py)
         self._by_name: dict[str, ServedModel] = {}
         for model in models:
             for name in model.names:

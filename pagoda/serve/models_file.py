@@ -23,10 +23,22 @@ routes that pick one of them for a request, and each model's fallbacks.
           - {task: summarize, max_prompt_tokens: 2000, model: small}
           - {class: cheap, model: small}  # metadata.class or the x-pagoda-class header
           - {model: large}
+    canary:                               # a share of `stable`'s traffic goes to `candidate`
+      stable: large
+      candidate: large-v2                 # another model of this file, kept loaded throughout
+      weight: 0.1                         # the share of eligible requests (0..1)
+      tenants: [acme]                     # optional: only these tenants' requests are eligible
+      routes: [auto]                      # optional: only requests naming these routes or names
+      window_s: 60                        # the live windows compared
+      min_requests: 20                    # per side, before the live rules judge
+      promote_after_s: 3600               # optional: promote after this long without a broken rule
+      shadow: {sample: 0.05, max_tokens: 16}  # stable requests replayed greedily to both
+      rules: {error_rate: 0.02, ttft_p99_ratio: 1.5, tokenization_mismatches: 0}
 
 The command line's engine and deployment flags are every model's defaults; an entry overrides
 them for its model. Every mistake (an unknown key, a duplicate name or alias, a route or
-fallback naming a model that is not here, a fallback cycle, a bad engine option) is a
+fallback naming a model that is not here, a fallback cycle, a bad engine option, a canary of
+unknown models, a weight outside 0..1 or an unknown rule name) is a
 `ModelsFileError` that names the file and line.
 """
 
@@ -46,7 +58,25 @@ LOCAL_FALLBACK_KEYS = frozenset({"model"})
 REMOTE_FALLBACK_KEYS = frozenset({"url", "model", "api_key_env", "connect_timeout", "first_byte_timeout"})
 ROUTE_KEYS = frozenset({"name", "rules"})
 RULE_KEYS = frozenset({"model", "tenant", "task", "class", "min_prompt_tokens", "max_prompt_tokens"})
-TOP_KEYS = frozenset({"models", "routes"})
+CANARY_KEYS = frozenset({"stable", "candidate", "weight", "tenants", "routes", "seed", "window_s",
+                         "min_requests", "promote_after_s", "shadow", "rules"})
+SHADOW_KEYS = frozenset({"sample", "max_tokens"})
+# A canary's rules: what each threshold bounds (candidate against stable over the live windows,
+# or over the shadow replays of the window), and the thresholds used when `rules` is not given.
+CANARY_RULES = {
+    "error_rate": "candidate's 5xx rate minus stable's, at most",
+    "ttft_p99_ratio": "candidate's p99 time to first token over stable's, at most",
+    "itl_p99_ratio": "candidate's p99 inter-token latency over stable's, at most",
+    "guardrail_block_rate": "candidate's guardrail block rate minus stable's, at most",
+    "tokenization_mismatches": "shadow replays whose prompt or chat template tokenizes differently, at most",
+    "output_mismatch_rate": "share of shadow replays whose greedy output differs, at most",
+    "stop_reason_changes": "shadow replays whose finish reason differs, at most",
+    "refusal_changes": "shadow replays that refuse on one side only, at most",
+    "logprob_drift_max": "largest logprob difference along shared greedy tokens, at most",
+}
+DEFAULT_CANARY_RULES = {"error_rate": 0.05, "ttft_p99_ratio": 2.0, "itl_p99_ratio": 2.0,
+                        "guardrail_block_rate": 0.05, "tokenization_mismatches": 0.0}
+TOP_KEYS = frozenset({"models", "routes", "canary"})
 
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 30.0
@@ -121,10 +151,37 @@ class Route:
 
 
 @dataclass(frozen=True)
+class ShadowSpec:
+    """Stable requests replayed greedily to stable and candidate and diffed (serve/drift.py)."""
+
+    sample: float = 0.0  # the share of stable's requests replayed (0: no shadow traffic)
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    """The `canary` block: who gets the candidate, and when it is rolled back or promoted."""
+
+    stable: str
+    candidate: str
+    line: int = 0
+    weight: float = 1.0
+    tenants: frozenset[str] | None = None
+    routes: frozenset[str] | None = None  # request `model` values (routes or names) eligible
+    seed: int | None = None  # of the chooser: a seeded split is reproducible
+    window_s: float = 60.0
+    min_requests: int = 20
+    promote_after_s: float | None = None
+    shadow: ShadowSpec = ShadowSpec()
+    rules: tuple[tuple[str, float], ...] = tuple(DEFAULT_CANARY_RULES.items())
+
+
+@dataclass(frozen=True)
 class ModelsFile:
     path: str
     models: tuple[ModelEntry, ...]
     routes: tuple[Route, ...] = ()
+    canary: CanarySpec | None = None
 
 
 # ---- reading YAML with line numbers ------------------------------------------------------------
@@ -233,7 +290,8 @@ def parse_models_file(text: str, path: str = "models file") -> ModelsFile:
     routes = tuple(_route(reader, node) for node in reader.sequence(root["routes"], "routes")) \
         if "routes" in root else ()
     _check_names(reader, models, routes)
-    return ModelsFile(path, models, routes)
+    canary = _canary(reader, root["canary"], models, routes) if "canary" in root else None
+    return ModelsFile(path, models, routes, canary)
 
 
 def load_models_file(path: str | Path) -> ModelsFile:
@@ -313,6 +371,62 @@ def _rule(reader: _Reader, node: _Node) -> RouteRule:
         if key in fields:
             optional[key] = reader.count(fields[key], key)
     return RouteRule(reader.text(fields["model"], "a rule's model"), node.line, **optional)
+
+
+def _fraction(reader: _Reader, node: _Node, what: str) -> float:
+    if not isinstance(node.value, (int, float)) or isinstance(node.value, bool) or not 0 <= node.value <= 1:
+        raise reader.error(node.line, f"{what} must be a number from 0 to 1, got {node.value!r}")
+    return float(node.value)
+
+
+def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...],
+            routes: tuple[Route, ...]) -> CanarySpec:
+    fields = reader.mapping(node, "the canary", CANARY_KEYS)
+    owner = {name: entry.name for entry in models for name in (entry.name, *entry.aliases)}
+    sides: dict[str, str] = {}
+    for side in ("stable", "candidate"):
+        if side not in fields:
+            raise reader.error(node.line, f"the canary needs `{side}` (a model of this file)")
+        name = reader.text(fields[side], side)
+        if name not in owner:
+            raise reader.error(fields[side].line, f"the canary's {side} {name!r} is not a model of this file")
+        sides[side] = owner[name]
+    if sides["stable"] == sides["candidate"]:
+        raise reader.error(fields["candidate"].line, "the canary's candidate is its stable model")
+    options: dict[str, Any] = {}
+    if "weight" in fields:
+        options["weight"] = _fraction(reader, fields["weight"], "weight")
+    for key in ("tenants", "routes"):
+        if key in fields:
+            options[key] = reader.names(fields[key], key)
+    for name in options.get("routes", ()):
+        if name not in owner and name not in {route.name for route in routes}:
+            raise reader.error(fields["routes"].line, f"the canary's route {name!r} is neither a route nor a "
+                                                      "model of this file")
+    if "seed" in fields:
+        options["seed"] = reader.count(fields["seed"], "seed")
+    if "min_requests" in fields:
+        options["min_requests"] = reader.count(fields["min_requests"], "min_requests")
+    for key in ("window_s", "promote_after_s"):
+        if key in fields:
+            options[key] = reader.seconds(fields[key], key)
+    if "shadow" in fields:
+        shadow = reader.mapping(fields["shadow"], "the canary's shadow", SHADOW_KEYS)
+        options["shadow"] = ShadowSpec(
+            sample=_fraction(reader, shadow["sample"], "shadow sample") if "sample" in shadow else 0.0,
+            max_tokens=reader.count(shadow["max_tokens"], "shadow max_tokens") if "max_tokens" in shadow else 16)
+        if options["shadow"].max_tokens < 1:
+            raise reader.error(shadow["max_tokens"].line, "shadow max_tokens must be at least 1")
+    if "rules" in fields:
+        rules = reader.mapping(fields["rules"], "the canary's rules", frozenset(CANARY_RULES))
+        thresholds = []
+        for name, value in rules.items():
+            if not isinstance(value.value, (int, float)) or isinstance(value.value, bool) or value.value < 0:
+                raise reader.error(value.line, f"canary rule {name}: the threshold must be a non-negative "
+                                               f"number, got {value.value!r}")
+            thresholds.append((name, float(value.value)))
+        options["rules"] = tuple(thresholds)
+    return CanarySpec(sides["stable"], sides["candidate"], node.line, **options)
 
 
 def _check_names(reader: _Reader, models: tuple[ModelEntry, ...], routes: tuple[Route, ...]) -> None:

@@ -3,7 +3,7 @@
 A `Provenance` names the artifacts behind one answer (the model's weights, tokenizer, chat
 template and generation config by digest, the adapter by content hash, the guardrail policy by
 version, the engine config by fingerprint) and the route it took (model, pool, replica; the
-fallback and canary a model-routing layer records, null until one exists). Its id is the
+fallback and the live canary's candidate the model-routing layer records). Its id is the
 request's id: the `x-pagoda-provenance` response header carries it, the request's log line
 holds the record, and `GET /admin/provenance/{id}` returns it while it is among the recent ones.
 
@@ -158,8 +158,8 @@ class ModelProvenance:
 @dataclass(frozen=True)
 class RouteTaken:
     """Where the request went: the model, the pool and replica that served it (None behind
-    one engine), the route rule that chose the model (`route`) and whether it is a fallback.
-    `canary` stays None until a canary controller exists."""
+    one engine), the route rule that chose the model (`route`), whether it is a fallback, and
+    the candidate when a live canary sent it there (`canary`)."""
 
     model: str
     pool: str | None = None
@@ -173,13 +173,14 @@ class RouteTaken:
            label: str | None = None) -> "RouteTaken":
         """The route of a request whose prompts went where `routes` say (a batch's prompts may
         go to several replicas: their labels are joined); `label` is its x-pagoda-route
-        (`model:NAME`, `route:ROUTE:NAME` or `fallback:NAME`)."""
+        (`model:NAME`, `route:ROUTE:NAME`, `fallback:NAME` or `canary:NAME`)."""
         kind, _, rest = (label or "").partition(":")
         route = rest.rsplit(":", 1)[0] if kind == "route" else None
         taken = [r for r in routes if r is not None]
         pools = sorted({r.pool for r in taken if r.pool is not None})
         replicas = sorted({r.replica for r in taken}, key=lambda name: (len(name), name))
-        return cls(model, ",".join(pools) or None, ",".join(replicas) or None, route, kind == "fallback")
+        return cls(model, ",".join(pools) or None, ",".join(replicas) or None, route, kind == "fallback",
+                   rest if kind == "canary" else None)
 
 
 @dataclass(frozen=True)

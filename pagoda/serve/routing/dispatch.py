@@ -5,7 +5,8 @@ remote OpenAI-compatible endpoints. A remote that is down or slow is skipped and
 (timeouts on connect and first byte), never waited on.
 
 Every answer says how it was reached in `x-pagoda-route` (`model:NAME`, `route:ROUTE:NAME`,
-`fallback:NAME`), which the request log also carries as `route`; its `model` field names the
+`fallback:NAME`, `canary:NAME` for a live canary's candidate: routing/canary.py), which the
+request log also carries as `route`; its `model` field names the
 model that actually answered. A stream never switches models: it is handed to a fallback only
 before its first token, and only then is anything sent to the client.
 """
@@ -29,6 +30,7 @@ from pagoda.serve.errors import APIError, bad_request, model_not_found
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
 from pagoda.serve.models_file import RemoteEndpoint
 from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.routing.canary import CanaryController, ShadowRequest
 from pagoda.serve.routing.metrics import RoutingMetrics
 from pagoda.serve.routing.rules import RequestFacts, first_match
 from pagoda.serve.serving import ServeContext, new_request_id
@@ -47,9 +49,10 @@ class Resolved:
 
 class ModelDispatcher:
     def __init__(self, registry: ModelRegistry, metrics: RoutingMetrics,
-                 environ: Mapping[str, str] = os.environ) -> None:
+                 environ: Mapping[str, str] = os.environ, canary: CanaryController | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
+        self.canary = canary
         self._environ = environ
 
     def context_for(self, name: str | None, tenant: Tenant) -> tuple[ServeContext, str | None]:
@@ -69,6 +72,16 @@ class ModelDispatcher:
             if facts is not None and facts.prompt_text else self._resolve(body.model, tenant, facts)
         chain: list[ServedModel | RemoteEndpoint] = [resolved.model,
                                                      *self.registry.fallbacks(resolved.model, tenant)]
+        if self.canary is not None and (route is not None or not resolved.keeps_name
+                                        or body.model is None or body.model in resolved.model.names):
+            canary = self.canary
+            canary.ensure_running()
+            if canary.chooses_candidate(resolved.model, body.model, tenant.name):
+                # The candidate's failure before its first token is stable's to answer.
+                resolved = Resolved(canary.candidate, f"canary:{canary.candidate.name}", False)
+                chain = [canary.candidate, *chain]
+            elif resolved.model is canary.stable:
+                canary.offer_shadow(_shadow_request(endpoint.name, body))
         first_error: APIError | None = None
         for position, target in enumerate(chain):
             is_last = position == len(chain) - 1
@@ -149,6 +162,14 @@ class ModelDispatcher:
             return StreamingResponse(answer.body(), media_type=answer.content_type, headers=headers)
         content = b"".join([chunk async for chunk in answer.body()])
         return Response(content, media_type=answer.content_type, headers=headers)
+
+
+def _shadow_request(endpoint: str, body: SamplingFields) -> ShadowRequest:
+    """What a shadow replay runs of `body`: its chat messages, or its prompt (a batch's first)."""
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    return ShadowRequest(endpoint, prompt=prompt, messages=getattr(body, "messages", None))
 
 
 def _reason(model: ServedModel, error: APIError | None) -> str:
