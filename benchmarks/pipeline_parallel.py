@@ -11,8 +11,9 @@ a change in the machine's load hits both; medians over the rounds are reported.
   bubble fraction (PP=2): 1 - (seconds the stages computed) / (stages x wall seconds), from the
        stages' own busy counters over each measurement.
 
-The pipeline is synchronous (one batch in flight), so each stage waits while the other works:
-the expected bubble is about one half with two even stages.
+The engine keeps up to P micro-batches of disjoint requests in flight, so at c=16 stage 1
+computes one half of the requests while stage 0 computes the other; at c=1 there is only one
+request, so one stage always waits for the other (a bubble of about one half with two stages).
 
     .venv/bin/python benchmarks/pipeline_parallel.py --rounds 3 --out benchmarks/results
 """
@@ -145,7 +146,7 @@ def main() -> None:
         "benchmark": "pipeline_parallel",
         "model": {"shape": MODEL_SHAPE, "dtype": "float32"},
         "threads_total": TOTAL_THREADS,
-        "pipeline": "synchronous: one batch in flight through the stages (no micro-batch overlap)",
+        "pipeline": "up to P micro-batches of disjoint requests in flight (each an even share of the requests)",
         "workload": {"c1": f"1 request, 64-token prompt, {args.decode_tokens} output tokens, greedy",
                      "c16": f"{args.batch} requests at once, 64-token prompts, {args.batch_tokens} output "
                             f"tokens each, greedy"},

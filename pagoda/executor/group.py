@@ -95,7 +95,7 @@ def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | Non
 def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
     """Rank 0 sends `obj` (pickled), every other rank returns it."""
     if rank == 0:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        payload = pickle_payload(obj)
         size = torch.tensor([payload.numel()], dtype=torch.long)
     else:
         size = torch.zeros(1, dtype=torch.long)
@@ -103,4 +103,50 @@ def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
     if rank != 0:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     control.broadcast(payload, 0).wait()
-    return obj if rank == 0 else pickle.loads(payload.numpy().tobytes())
+    return obj if rank == 0 else unpickle_payload(payload)
+
+
+class Outbox:
+    """Point-to-point sends still completing in the background, kept (with their tensors)
+    until done: the sender goes on meanwhile."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, control: Any, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending = [(work, kept) for work, kept in self._pending if not work.is_completed()]
+        self._pending.append((control.send([tensor], peer, tag), tensor))
+
+    def wait(self) -> None:
+        """Until every send has completed."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+
+def send_object(outbox: Outbox, control: Any, obj: Any, peer: int, tag: int) -> None:
+    """Send `obj` (pickled) to `peer` without waiting; `recv_object` there returns it."""
+    forward_payload(outbox, control, pickle_payload(obj), peer, tag)
+
+
+def pickle_payload(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def forward_payload(outbox: Outbox, control: Any, payload: torch.Tensor, peer: int, tag: int) -> None:
+    """Send an already pickled object (as received by `recv_payload`) on to `peer`."""
+    outbox.send(control, torch.tensor([payload.numel()], dtype=torch.long), peer, tag)
+    outbox.send(control, payload, peer, tag)
+
+
+def recv_payload(control: Any, peer: int, tag: int) -> torch.Tensor:
+    """The next pickled object `peer` sent with `tag`, still pickled."""
+    size = torch.zeros(1, dtype=torch.long)
+    control.recv([size], peer, tag).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    control.recv([payload], peer, tag).wait()
+    return payload
+
+
+def unpickle_payload(payload: torch.Tensor) -> Any:
+    return pickle.loads(payload.numpy().tobytes())

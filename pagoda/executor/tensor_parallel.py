@@ -129,11 +129,14 @@ class TensorParallelExecutor:
             return
         if self._failure is None:
             try:
-                self._broadcast(None)
+                self._send_stop()
             except RuntimeError:
                 pass  # a worker is gone: the kill below ends the others
         self.workers.stop(STOP_TIMEOUT_S)
         self._finalizer()
+
+    def _send_stop(self) -> None:
+        self._broadcast(None)
 
     def _broadcast(self, obj: object) -> None:
         if self._failure is not None:

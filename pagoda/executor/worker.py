@@ -5,8 +5,9 @@ A tensor-parallel rank loads its shards of the model, allocates its slice of eve
 (its KV heads) once rank 0 says how many blocks the pool has, then runs every step rank 0
 broadcasts: block copies (copy-on-write), the forward, and the LM head when rank 0 samples this
 step (its logits all-gather is a collective every rank joins). A pipeline stage loads its
-layers only and allocates their KV; each step it receives the previous stage's hidden states,
-runs its layers and sends them on, the last stage sending the logits rows back to stage 0.
+layers only and allocates their KV; each step it receives the step and the previous stage's
+hidden states, runs its layers and sends them on, the last stage sending the logits rows back to
+stage 0 (pagoda.executor.pipeline).
 Neither ever schedules or samples: the scheduler, the sampler, grammars and outputs all live
 with rank 0 (stage 0).
 """
@@ -23,7 +24,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
-from pagoda.executor.group import Endpoint, broadcast_object, connect
+from pagoda.executor.group import (Endpoint, Outbox, broadcast_object, connect, forward_payload, recv_payload,
+                                   unpickle_payload)
 from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
@@ -85,6 +87,7 @@ class BusyQuery:
 HIDDEN_TAG = 1
 LOGITS_TAG = 2
 BUSY_TAG = 3
+STEP_TAG = 4  # a pickled StepInputs, BusyQuery or stop (None), passed down the chain
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
@@ -124,18 +127,25 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def serve_stage(paged: PagedModel, stage: PipelineStage, control: Any, device: torch.device,
                 dtype: torch.dtype) -> None:
-    """A pipeline stage's loop: each step stage 0 broadcasts, its layers between the hidden
-    states received from the previous stage and those sent to the next (or the logits, to
-    stage 0); answers BusyQuery with its compute seconds so far."""
+    """A pipeline stage's loop, one message from the previous stage at a time, passed on down
+    the chain first: a step (its layers between the hidden states received from the previous
+    stage and those sent to the next, or the logits sent to stage 0), a BusyQuery (answered
+    with its compute seconds so far), or the stop (None). Sends complete in the background, so
+    the stage takes the next step while the next stage works on this one."""
     busy_s = 0.0
     host = torch.device("cpu")
     hidden_size = paged.model.config.hidden_size
+    outbox = Outbox()
     while True:
-        message: StepInputs | BusyQuery | None = broadcast_object(control, None, stage.index)
+        payload = recv_payload(control, stage.index - 1, STEP_TAG)
+        if not stage.is_last:
+            forward_payload(outbox, control, payload, stage.index + 1, STEP_TAG)
+        message: StepInputs | BusyQuery | None = unpickle_payload(payload)
         if message is None:
+            outbox.wait()
             return
         if isinstance(message, BusyQuery):
-            control.send([torch.tensor([busy_s], dtype=torch.float64)], 0, BUSY_TAG).wait()
+            outbox.send(control, torch.tensor([busy_s], dtype=torch.float64), 0, BUSY_TAG)
             continue
         received = torch.empty(message.input_ids.numel(), hidden_size, dtype=dtype)
         control.recv([received], stage.index - 1, HIDDEN_TAG).wait()
@@ -153,7 +163,7 @@ def serve_stage(paged: PagedModel, stage: PipelineStage, control: Any, device: t
                 outgoing = None
         busy_s += time.perf_counter() - started
         if outgoing is not None:
-            control.send([outgoing.to(host).contiguous()], peer, tag).wait()
+            outbox.send(control, outgoing.to(host).contiguous(), peer, tag)
 
 
 @torch.inference_mode()

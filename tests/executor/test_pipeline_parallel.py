@@ -1,7 +1,7 @@
 """Pipeline parallelism end to end: PP=2 (two local processes, gloo) gives PP=1's greedy tokens
 and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
 and Mistral (sliding window) models, through chunking, preemption, prefix caching and n-gram
-speculation; each stage holds only its layers and their KV; bad partitions and unsupported
+speculation, with two micro-batches of disjoint requests in flight; each stage holds only its layers and their KV; bad partitions and unsupported
 combinations are one-line startup errors; a stage's death ends the engine (/health 503, the
 request failed, no process left).
 
@@ -78,6 +78,31 @@ def test_sampling_n_and_prompt_logprobs(engines) -> None:
     for a, b in zip(expected, got):
         for position_a, position_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert {t: e.rank for t, e in position_a.items()} == {t: e.rank for t, e in position_b.items()}
+    assert_idle(staged)
+
+
+def test_two_micro_batches_of_disjoint_requests_are_in_flight(engines) -> None:
+    _, staged = engines
+    core = staged.engine.core
+    submit = core.runner.submit
+    depths: list[int] = []
+    shared: list[set[int]] = []
+
+    def recording(scheduler_output):
+        new = {id(entry.request) for entry in scheduler_output.scheduled}
+        out = {id(entry.request) for step in core.in_flight for entry in step.submitted.scheduler_output.scheduled}
+        depths.append(len(core.in_flight) + 1)
+        shared.append(new & out)
+        return submit(scheduler_output)
+
+    core.runner.submit = recording
+    try:
+        staged.generate(prompts_for(300, lengths=(9, 20)), SamplingParams(temperature=0.0, max_tokens=8))
+    finally:
+        del core.runner.submit
+    assert max(depths) == 2 and not any(shared)
+    with_in_flight = [depth for depth in depths if depth == 2]
+    assert len(with_in_flight) > len(depths) // 2  # the stages mostly work at the same time
     assert_idle(staged)
 
 
