@@ -2,7 +2,10 @@
 states handed down the chain of stages, the logits coming back.
 
 The engine core's process is stage 0 (the embedding and the first layers), like tensor
-parallelism's rank 0. For each step its model runner sends the flattened batch to stage 1 just
+parallelism's rank 0. With tensor parallelism inside the stages (P x T ranks, rank = stage x T +
+rank in the stage), each stage's rank 0 leads it: the chain runs between the leads, a lead
+shares what it receives with its stage's ranks, and they run the layers as one tensor-parallel
+group (stage 0's other ranks get the step from the engine core). For each step its model runner sends the flattened batch to stage 1 just
 before its own forward (every stage needs the positions and the attention layout), runs its
 layers and sends its hidden states after it (`hand_on`). Each stage receives both from the
 stage before, passes the batch on, runs its layers and sends its hidden states on; the last
@@ -28,7 +31,7 @@ from collections import deque
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.executor.group import Outbox, send_object
+from pagoda.executor.group import Outbox, forward_payload, pickle_payload, share_payload
 from pagoda.executor.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from pagoda.executor.worker import BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, BusyQuery, StepInputs, layout_to
 from pagoda.model.attention import BatchLayout
@@ -44,6 +47,7 @@ class PipelineExecutor(TensorParallelExecutor):
         super().__init__(config, device, dtype, weight_format, num_threads, stages)
         self.stages = stages
         self.vocab_size = vocab_size
+        self.stage_ranks = config.tensor_parallel_size  # each stage's tensor-parallel ranks; a lead is rank 0 of them
         self._outbox = Outbox()  # sends to stage 1 still completing
         self._logit_rows: deque[int] = deque()  # per step handed on and not collected: its logits rows
         self._busy_s = 0.0  # stage 0's compute seconds
@@ -73,7 +77,7 @@ class PipelineExecutor(TensorParallelExecutor):
         """Send stage 0's hidden states to stage 1; the logits come with `collect_logits`."""
         self._busy_s += time.perf_counter() - self._forward_started
         self._guard(lambda: self._outbox.send(self.groups.control, hidden.to(torch.device("cpu")).contiguous(),
-                                              1, HIDDEN_TAG))
+                                              self.stage_ranks, HIDDEN_TAG))
         self._logit_rows.append(len(logit_rows))
 
     def collect_logits(self) -> torch.Tensor | None:
@@ -82,7 +86,8 @@ class PipelineExecutor(TensorParallelExecutor):
         if not num_rows:
             return None
         logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
-        self._guard(lambda: self.groups.control.recv([logits], len(self.stages) - 1, LOGITS_TAG).wait())
+        last_lead = self.stages[-1].index * self.stage_ranks
+        self._guard(lambda: self.groups.control.recv([logits], last_lead, LOGITS_TAG).wait())
         return logits.to(self.device)
 
     def stage_busy_seconds(self) -> list[float]:
@@ -94,7 +99,8 @@ class PipelineExecutor(TensorParallelExecutor):
         busy = [self._busy_s]
         for stage in self.stages[1:]:
             reply = torch.zeros(1, dtype=torch.float64)
-            self._guard(lambda: self.groups.control.recv([reply], stage.index, BUSY_TAG).wait())
+            lead = stage.index * self.stage_ranks
+            self._guard(lambda: self.groups.control.recv([reply], lead, BUSY_TAG).wait())
             busy.append(float(reply.item()))
         return busy
 
@@ -107,7 +113,11 @@ class PipelineExecutor(TensorParallelExecutor):
         self._outbox.wait()
 
     def _send_down(self, message: StepInputs | BusyQuery | None) -> None:
-        self._guard(lambda: send_object(self._outbox, self.groups.control, message, 1, STEP_TAG))
+        """To this stage's other tensor-parallel ranks, and to the next stage's lead."""
+        payload = pickle_payload(message)
+        if self.groups.stage is not None:
+            self._guard(lambda: share_payload(self.groups.stage, payload, 0))
+        self._guard(lambda: forward_payload(self._outbox, self.groups.control, payload, self.stage_ranks, STEP_TAG))
 
     def _guard(self, transfer) -> None:
         if self.failure is not None:

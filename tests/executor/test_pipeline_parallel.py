@@ -1,5 +1,5 @@
-"""Pipeline parallelism end to end: PP=2 (two local processes, gloo) gives PP=1's greedy tokens
-and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
+"""Pipeline parallelism end to end: PP=2 (two local processes, gloo), alone and with TP=2 inside
+each stage, gives PP=1's greedy tokens and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
 and Mistral (sliding window) models, through chunking, preemption, prefix caching and n-gram
 speculation, with two micro-batches of disjoint requests in flight; each stage holds only its layers and their KV; bad partitions and unsupported
 combinations are one-line startup errors; a stage's death ends the engine (/health 503, the
@@ -135,6 +135,29 @@ def test_architectures_match_one_stage(architecture: str, model_dirs: dict[str, 
         staged.engine.close()
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_tensor_parallel_stages_match_one_rank(architecture: str, model_dirs: dict[str, Path], monkeypatch) -> None:
+    """PP=2 x TP=2: four ranks, each stage a tensor-parallel group, micro-batches in flight."""
+    import pagoda.engine.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
+    model_dir = model_dirs[architecture]
+    prompts = prompts_for(300, lengths=(5, 40, 70))
+    settings = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
+    expected = LLM(model=str(model_dir), **settings).generate(prompts, GREEDY)
+    staged = LLM(model=str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **settings)
+    try:
+        core = staged.engine.core
+        assert core.runner.model.tp.world_size == 2 and core.runner.kv_caches[1] is None
+        got = staged.generate(prompts, GREEDY)
+        assert token_ids(got) == token_ids(expected)
+        assert_same_logprobs(expected, got)
+        assert_idle(staged)
+        assert all(seconds > 0 for seconds in core.executor.stage_busy_seconds())
+    finally:
+        staged.engine.close()
+
+
 def test_uneven_partition_matches_one_stage(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "llama4", "llama", num_hidden_layers=4)
     prompts = prompts_for(300, lengths=(9, 33))
@@ -181,8 +204,6 @@ def test_unsupported_combinations_are_startup_errors(llama_dir: Path) -> None:
         config(role="prefill")
     with pytest.raises(ValueError, match="kv_offload_memory .* not supported with pipeline_parallel_size > 1"):
         config(kv_offload_memory="64MiB")
-    with pytest.raises(ValueError, match="with tensor_parallel_size 2 is not supported yet"):
-        config(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="ray is not supported yet"):
         config(distributed_executor_backend="ray")
 
