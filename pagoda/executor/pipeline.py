@@ -51,6 +51,7 @@ class PipelineExecutor(TensorParallelExecutor):
         self._outbox = Outbox()  # sends to stage 1 still completing
         self._logit_rows: deque[int] = deque()  # per step handed on and not collected: its logits rows
         self._busy_s = 0.0  # stage 0's compute seconds
+        self.logits_wait_s = 0.0  # seconds stage 0 has waited for the last stage's logits
         self._forward_started = 0.0
 
     @property
@@ -87,7 +88,9 @@ class PipelineExecutor(TensorParallelExecutor):
             return None
         logits = torch.empty(num_rows, self.vocab_size, dtype=torch.float32)
         last_lead = self.stages[-1].index * self.stage_ranks
+        started = time.perf_counter()
         self._guard(lambda: self.groups.control.recv([logits], last_lead, LOGITS_TAG).wait())
+        self.logits_wait_s += time.perf_counter() - started
         return logits.to(self.device)
 
     def stage_busy_seconds(self) -> list[float]:
