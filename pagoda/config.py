@@ -313,9 +313,6 @@ class EngineConfig:
                                         f"pipeline_parallel_size is {self.pipeline_parallel_size}")
         if self.pipeline_parallel_size == 1:
             return
-        if self.distributed_executor_backend == "ray":
-            _fail("pipeline_parallel_size", "> 1 runs its stages as local processes only "
-                                            "(distributed_executor_backend mp); ray is not supported yet")
         # State that lives beside one process's whole model and KV cache.
         if self.speculative == "draft":
             _fail("speculative", "draft is not supported with pipeline_parallel_size > 1 yet (ngram is)")

@@ -204,8 +204,6 @@ def test_unsupported_combinations_are_startup_errors(llama_dir: Path) -> None:
         config(role="prefill")
     with pytest.raises(ValueError, match="kv_offload_memory .* not supported with pipeline_parallel_size > 1"):
         config(kv_offload_memory="64MiB")
-    with pytest.raises(ValueError, match="ray is not supported yet"):
-        config(distributed_executor_backend="ray")
 
 
 def test_stages_share_the_threads(llama_dir: Path) -> None:
