@@ -159,7 +159,8 @@ class EngineConfig:
     pipeline_parallel_size: int = field(default=1, metadata={
         "help": "stages the model's layers are split over, each a process holding its contiguous "
                 "layers and their KV cache (embedding on the first, LM head on the last), hidden "
-                "states passed stage to stage over torch.distributed (gloo)"})
+                "states passed stage to stage over torch.distributed (gloo); up to this many "
+                "micro-batches are in flight; with --tensor-parallel-size T each stage is T ranks"})
     pp_layer_partition: str | None = field(default=None, metadata={
         "metavar": "N,N,...", "help": "layers per pipeline stage, e.g. 3,5 (default: an even split)"})
     moe_metrics: bool = field(default=False, metadata={
@@ -327,12 +328,6 @@ class EngineConfig:
                                         f"pipeline_parallel_size is {self.pipeline_parallel_size}")
         if self.pipeline_parallel_size == 1:
             return
-        if self.tensor_parallel_size > 1:
-            _fail("pipeline_parallel_size", f"{self.pipeline_parallel_size} with tensor_parallel_size "
-                                            f"{self.tensor_parallel_size} is not supported yet: use one of them")
-        if self.distributed_executor_backend == "ray":
-            _fail("pipeline_parallel_size", "> 1 runs its stages as local processes only "
-                                            "(distributed_executor_backend mp); ray is not supported yet")
         # State that lives beside one process's whole model and KV cache.
         if self.speculative == "draft":
             _fail("speculative", "draft is not supported with pipeline_parallel_size > 1 yet (ngram is)")

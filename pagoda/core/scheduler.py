@@ -6,6 +6,11 @@ behind on. `max_num_seqs` counts sequences, not requests: a request's samples st
 lowest-ranked running request is preempted: its blocks freed and recomputed later, or, with a
 host tier and --preemption-mode swap/auto, copied out and back (kv_cache.swap_out/swap_in).
 
+Pipeline parallelism keeps up to `num_micro_batches` steps in flight: a request scheduled in
+one is skipped (never scheduled, preempted or re-planned) until that step's output comes back,
+so the batches in flight hold disjoint requests, and each takes at most its share of the
+requests, so the stages get batches of a similar size.
+
 LongRoPE (pagoda.model.rope): a request that grows past the model's boundary while decoding
 is computed again from position 0 with the long factors, through the same recompute path as
 preemption; its prefix-cache keys change with its factors.
@@ -105,8 +110,10 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  draft_shares_blocks: bool = False, max_loras: int | None = None,
-                 long_rope_boundary: int | None = None) -> None:
+                 long_rope_boundary: int | None = None, num_micro_batches: int = 1) -> None:
         self.kv_cache = kv_cache
+        self.num_micro_batches = num_micro_batches
+        self._in_flight: set[int] = set()  # ids of requests scheduled in a step not yet updated
         # LongRoPE: the longest request computed with the short factors (None: one set of factors).
         self.long_rope_boundary = long_rope_boundary
         self.num_rope_recomputes = 0  # requests recomputed on the long factors after crossing
@@ -186,16 +193,31 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0 or bool(self.imported)
 
+    def not_in_flight(self) -> list[Request]:
+        """Running requests free to be scheduled (all of them with one micro-batch)."""
+        return [r for r in self.running if id(r) not in self._in_flight]
+
+    def _micro_batch_limit(self) -> int | None:
+        """Requests one micro-batch may take: an even share of the work (None: no limit)."""
+        if self.num_micro_batches == 1:
+            return None
+        total = len(self.running) + len(self.waiting)
+        return max(1, -(-total // self.num_micro_batches))
+
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_now: dict[int, ScheduledRequest] = {}
+        limit = self._micro_batch_limit()
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and (limit is None or len(scheduled_now) < limit):
             request = self.running[index]
+            if id(request) in self._in_flight:
+                index += 1
+                continue
             if not request.long_rope and self.needs_long_rope(request.num_tokens):
                 self._recompute_on_long_rope(request)  # the next one shifted into `index`
                 continue
@@ -225,10 +247,12 @@ class Scheduler:
                 index = self.running.index(request) + 1
 
         # Admitting new work right after preempting would only thrash the cache.
-        if not output.preempted:
-            budget = self._admit_waiting(budget, scheduled_now, output)
+        if not output.preempted and (limit is None or len(scheduled_now) < limit):
+            budget = self._admit_waiting(budget, scheduled_now, output, limit)
 
         output.scheduled = list(scheduled_now.values())
+        if self.num_micro_batches > 1:
+            self._in_flight.update(id(entry.request) for entry in output.scheduled)
         output.block_copies = self.kv_cache.take_pending_copies()
         output.kv_transfers = self.kv_cache.take_transfers()
         now = time.time()
@@ -238,22 +262,23 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
-                       output: SchedulerOutput) -> int:
+                       output: SchedulerOutput, batch_limit: int | None) -> int:
         limit = self.adapter_limit
         if limit is None:
-            return self._admit_in_order(budget, scheduled_now, output, None)
+            return self._admit_in_order(budget, scheduled_now, output, None, batch_limit)
         # Requests whose adapter does not fit step aside, to the front again afterwards.
         passed_over: list[Request] = []
         try:
-            return self._admit_in_order(budget, scheduled_now, output, (limit, passed_over))
+            return self._admit_in_order(budget, scheduled_now, output, (limit, passed_over), batch_limit)
         finally:
             for request in reversed(passed_over):
                 self.waiting.push_front(request)
 
     def _admit_in_order(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
-                        output: SchedulerOutput, adapters: "tuple[AdapterLimit, list[Request]] | None") -> int:
+                        output: SchedulerOutput, adapters: "tuple[AdapterLimit, list[Request]] | None",
+                        batch_limit: int | None) -> int:
         active = AdapterLimit.adapters_of(self.running) if adapters is not None else set()
-        while len(self.waiting) and budget > 0:
+        while len(self.waiting) and budget > 0 and (batch_limit is None or len(scheduled_now) < batch_limit):
             request = self.waiting.peek()
             if adapters is not None:
                 limit, passed_over = adapters
@@ -320,7 +345,7 @@ class Scheduler:
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
         """Under the priority policy, a running request ranked below `request` (it gives way)."""
-        if self.policy != "priority" or not self.running:
+        if self.policy != "priority" or not self.not_in_flight():
             return None
         victim = self._pick_victim()
         if (victim.priority, victim.arrival_time) > (request.priority, request.arrival_time):
@@ -328,9 +353,11 @@ class Scheduler:
         return None
 
     def _pick_victim(self) -> Request:
+        """The lowest-ranked running request not in flight (the one being scheduled never is)."""
+        candidates = self.not_in_flight() if self._in_flight else self.running
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -373,6 +400,7 @@ class Scheduler:
         now = time.time()
         for entry in output.scheduled:
             request = entry.request
+            self._in_flight.discard(id(request))
             if request.is_finished:
                 continue
             sampled = sampled_token_ids.get(request.request_id, [])

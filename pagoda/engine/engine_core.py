@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -42,7 +43,7 @@ from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
 from pagoda.structured.compiler import StructuredOutputStats
 from pagoda.structured.manager import StructuredOutputManager
-from pagoda.worker.model_runner import ModelRunner, StepTimings
+from pagoda.worker.model_runner import ModelRunner, StepTimings, SubmittedStep
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,14 @@ class CoreStepResult:
     grammars_compiled: list[str] = field(default_factory=list)
     # ... or failed (bad grammar, --structured-output-timeout): the message; they never ran.
     grammars_failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class InFlightStep:
+    """A step submitted to the model runner and not yet collected."""
+
+    submitted: SubmittedStep
+    schedule_s: float  # seconds the scheduler took to make it
 
 
 @dataclass
@@ -141,6 +150,7 @@ class EngineCore:
         # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
         # stages 1..P-1 load their layers, this process is the first stage.
         self.stages = self._pipeline_stages()
+        self.num_micro_batches = len(self.stages) if self.stages is not None else 1
         self.executor: TensorParallelExecutor | None = None
         if self.stages is not None:
             self.executor = PipelineExecutor(config, self.device, self.dtype, self.weight_format,
@@ -200,7 +210,9 @@ class EngineCore:
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
             max_loras=config.max_loras if self.lora is not None else None,
-            long_rope_boundary=self.model_config.long_rope_boundary)
+            long_rope_boundary=self.model_config.long_rope_boundary, num_micro_batches=self.num_micro_batches)
+        # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
+        self.in_flight: deque[InFlightStep] = deque()
         backend = select_backend(config.attention_backend, self.device, self.kv_format)
         drafter = None
         if draft_model is not None:
@@ -398,7 +410,8 @@ class EngineCore:
         return self.lora
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.structured.has_pending
+        """Requests to schedule, grammars compiling, or steps in flight (even of aborted requests)."""
+        return self.scheduler.has_unfinished_requests() or self.structured.has_pending or bool(self.in_flight)
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:
         samples = self.requests.get(request_id)
@@ -421,20 +434,30 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> CoreStepResult:
-        """Run one scheduled batch."""
+        """Schedule and submit one batch; collect the oldest submitted one once as many are in
+        flight as there are pipeline stages (one without stages), or when nothing new could be
+        scheduled."""
         started = time.perf_counter()
         result = CoreStepResult()
         self._admit_compiled(result)
         self.scheduler.admit_imported()
-        self.speculation.plan(self.scheduler.running)
+        self.speculation.plan(self.scheduler.not_in_flight())
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            if scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
-                self.runner.kv_transfer.run(scheduler_output.kv_transfers)
+        if not scheduler_output.is_empty:
+            schedule_s = time.perf_counter() - started
+            self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
+            self.in_flight.append(InFlightStep(self.runner.submit(scheduler_output), schedule_s))
+        elif scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
+            self.runner.kv_transfer.run(scheduler_output.kv_transfers)
+        if not self.in_flight or (len(self.in_flight) < self.num_micro_batches and not scheduler_output.is_empty):
             return result
-        scheduled = time.perf_counter()
-        self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
-        runner_output = self.runner.execute(scheduler_output)
+        self._collect(self.in_flight.popleft(), result)
+        return result
+
+    def _collect(self, step: InFlightStep, result: CoreStepResult) -> None:
+        """Sample a submitted step and advance its requests."""
+        scheduler_output = step.submitted.scheduler_output
+        runner_output = self.runner.collect(step.submitted)
         executed = time.perf_counter()
         if self.moe_meter is not None:
             self.moe_meter.after_step()
@@ -461,12 +484,11 @@ class EngineCore:
                 for entry, token_id in zip(entries, request.output_token_ids[num_before:]):
                     request.output_logprobs.append(entry)
                     request.cumulative_logprob += entry[token_id].logprob
-        self.last_step_timings = replace(runner_output.timings, schedule=scheduled - started,
+        self.last_step_timings = replace(runner_output.timings, schedule=step.schedule_s,
                                          update=time.perf_counter() - executed)
         if self.kv_tiers is not None:
             self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
         result.progressed = progressed
-        return result
 
     def close(self) -> None:
         """Finish pending KV copies and remove the disk tier's files (unless they persist);

@@ -37,11 +37,13 @@ class Endpoint:
 
 @dataclass
 class Groups:
-    """A rank's two views of the group: the model's collectives and the control channel."""
+    """A rank's views of the group: the model's collectives and the control channel (and, for
+    a pipeline stage of several tensor-parallel ranks, the stage's own control group)."""
 
     model: TensorParallelGroup
-    control: Any  # a torch.distributed backend (ProcessGroupGloo)
+    control: Any  # a torch.distributed backend (ProcessGroupGloo) of every rank
     store: Any  # kept alive while the groups are (rank 0 hosts it)
+    stage: Any = None  # pipeline x tensor parallelism: gloo among the stage's ranks (stage rank 0 leads)
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> Any:
@@ -51,29 +53,42 @@ def host_store(host: str, world_size: int, timeout_s: float) -> Any:
 
 
 def join(rank: int, world_size: int, device: torch.device, store: Any, expert_parallel: bool = False,
-         pipeline: bool = False) -> Groups:
+         stage_ranks: int | None = None) -> Groups:
     """Build this rank's groups; returns once every rank has joined. `expert_parallel`: the
-    model's group places MoE experts whole on ranks (pagoda.model.parallel). `pipeline`: the
-    ranks are pipeline stages, each holding whole layers (a one-rank model group); only the
-    control group joins them, carrying the hidden states too."""
+    model's group places MoE experts whole on ranks (pagoda.model.parallel). `stage_ranks`:
+    the ranks are pipeline stages of this many tensor-parallel ranks each (global rank =
+    stage x stage_ranks + rank in the stage); the control group joins them all and carries the
+    hidden states between stages, the model's group is the stage's."""
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, OPERATION_TIMEOUT)
-    if pipeline:
+    if stage_ranks is None:
+        return Groups(_model_group(rank, world_size, device, store, "model", control, expert_parallel), control, store)
+    if stage_ranks == 1:
         return Groups(TensorParallelGroup(), control, store)
+    stage, local = divmod(rank, stage_ranks)
+    stage_control = dist.ProcessGroupGloo(dist.PrefixStore(f"stage{stage}/control", store), local, stage_ranks,
+                                          OPERATION_TIMEOUT)
+    model = _model_group(local, stage_ranks, device, store, f"stage{stage}/model", stage_control, expert_parallel)
+    return Groups(model, control, store, stage_control)
+
+
+def _model_group(rank: int, world_size: int, device: torch.device, store: Any, prefix: str, gloo: Any,
+                 expert_parallel: bool) -> TensorParallelGroup:
+    """NCCL on CUDA, else the given gloo group."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        model_backend = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, world_size, options)
+        backend = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world_size, options)
     else:
-        model_backend = control
-    return Groups(TensorParallelGroup(rank, world_size, model_backend, expert_parallel), control, store)
+        backend = gloo
+    return TensorParallelGroup(rank, world_size, backend, expert_parallel)
 
 
 def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float,
-            expert_parallel: bool = False, pipeline: bool = False) -> Groups:
+            expert_parallel: bool = False, stage_ranks: int | None = None) -> Groups:
     """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
     store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     store.set(f"connected/{rank}", "1")
-    return join(rank, world_size, device, store, expert_parallel, pipeline)
+    return join(rank, world_size, device, store, expert_parallel, stage_ranks)
 
 
 def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float,
@@ -95,7 +110,7 @@ def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | Non
 def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
     """Rank 0 sends `obj` (pickled), every other rank returns it."""
     if rank == 0:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        payload = pickle_payload(obj)
         size = torch.tensor([payload.numel()], dtype=torch.long)
     else:
         size = torch.zeros(1, dtype=torch.long)
@@ -103,4 +118,57 @@ def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
     if rank != 0:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     control.broadcast(payload, 0).wait()
-    return obj if rank == 0 else pickle.loads(payload.numpy().tobytes())
+    return obj if rank == 0 else unpickle_payload(payload)
+
+
+class Outbox:
+    """Point-to-point sends still completing in the background, kept (with their tensors)
+    until done: the sender goes on meanwhile."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, control: Any, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending = [(work, kept) for work, kept in self._pending if not work.is_completed()]
+        self._pending.append((control.send([tensor], peer, tag), tensor))
+
+    def wait(self) -> None:
+        """Until every send has completed."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+
+def pickle_payload(obj: Any) -> torch.Tensor:
+    """`obj` pickled, as a tensor to send."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def forward_payload(outbox: Outbox, control: Any, payload: torch.Tensor, peer: int, tag: int) -> None:
+    """Send an already pickled object (as received by `recv_payload`) on to `peer`."""
+    outbox.send(control, torch.tensor([payload.numel()], dtype=torch.long), peer, tag)
+    outbox.send(control, payload, peer, tag)
+
+
+def recv_payload(control: Any, peer: int, tag: int) -> torch.Tensor:
+    """The next pickled object `peer` sent with `tag`, still pickled."""
+    size = torch.zeros(1, dtype=torch.long)
+    control.recv([size], peer, tag).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    control.recv([payload], peer, tag).wait()
+    return payload
+
+
+def unpickle_payload(payload: torch.Tensor) -> Any:
+    """The object a payload holds."""
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def share_payload(stage: Any, payload: torch.Tensor | None, local_rank: int) -> torch.Tensor:
+    """The stage's lead (local rank 0) hands a pickled object to the stage's other ranks."""
+    size = torch.tensor([payload.numel() if local_rank == 0 else 0], dtype=torch.long)
+    stage.broadcast(size, 0).wait()
+    if local_rank != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    stage.broadcast(payload, 0).wait()
+    return payload

@@ -108,7 +108,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)  # one object; the pipe stays open
     threading.Thread(target=_exit_when_stdin_closes, name="pagoda-tp-lifeline", daemon=True).start()
-    label = f"pp-stage-{spec.rank}" if spec.stage is not None else f"tp-rank-{spec.rank}"
+    label = f"pp-stage-{spec.stage.index}" if spec.stage is not None else f"tp-rank-{spec.rank}"
+    if spec.stage is not None and spec.stage_ranks > 1:
+        label += f"-tp-{spec.rank % spec.stage_ranks}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(message)s")
     from pagoda.executor.worker import run_worker
 

@@ -1,7 +1,11 @@
-"""The `ray` backend: tensor-parallel ranks 1..N-1 as Ray actors in one placement group.
+"""The `ray` backend: tensor-parallel ranks 1..N-1 (or pipeline stages' ranks) as Ray actors in
+one placement group.
 
 The group has one bundle per rank (1 CPU, or 1 GPU on CUDA) with STRICT_PACK, so a replica's
 ranks share a node (tensor parallelism all-reduces twice per layer: it wants the fastest link);
+pipeline stages only pass hidden states from one to the next, so their group is PACK: one node
+when it fits, else the ranks spread over nodes (a stage's own tensor-parallel ranks too: Ray's
+groups cannot pack subsets);
 bundle 0 reserves rank 0's share for the engine core's process, which stays the driver. An
 engine core that runs inside a Ray actor already placed in a group of at least N bundles (a
 data-parallel replica placed by its launcher in bundle 0) uses that group's bundles 1..N-1. The
@@ -58,7 +62,7 @@ def node_address(address: str | None) -> str:
 
 
 class _RankActor:
-    """One tensor-parallel rank (wrapped with ray.remote on first use)."""
+    """One worker rank (wrapped with ray.remote on first use)."""
 
     def run(self, spec: WorkerSpec) -> None:
         from pagoda.executor.worker import run_worker
@@ -81,22 +85,25 @@ class RayWorkers:
 
         world_size = len(specs) + 1
         on_gpu = specs[0].device.startswith("cuda")
+        strategy = "PACK" if specs[0].stage is not None else "STRICT_PACK"
         bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
         # An engine that is itself a Ray actor placed in bundle 0 of a group of >= N bundles
         # (a data-parallel replica) puts its ranks in that group's other bundles.
         current = ray.util.get_current_placement_group()
         self.owns_group = current is None or len(current.bundle_specs) < world_size
         if self.owns_group:
-            self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+            self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
         else:
             self.placement_group = current
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             self._remove_group()
-            raise RuntimeError(f"Ray could not place {world_size} tensor-parallel ranks ({bundle} each) on one node "
+            where = "on one node" if strategy == "STRICT_PACK" else "in the cluster"
+            raise RuntimeError(f"Ray could not place {world_size} ranks ({bundle} each) {where} "
                                f"within {PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()} in the cluster")
         actor_class = ray.remote(_RankActor)
         self.ranks = [spec.rank for spec in specs]
+        self.titles = [spec.title for spec in specs]
         self.actors = [
             actor_class.options(
                 num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0, name=None,
@@ -117,13 +124,13 @@ class RayWorkers:
                 done, pending = ray.wait(pending, num_returns=1)
                 if self._stopping.is_set():
                     return
-                rank = self.ranks[self.runs.index(done[0])]
+                index = self.runs.index(done[0])
                 try:
                     ray.get(done[0])
                     why = "returned before the engine stopped"
                 except Exception as error:  # RayActorError, or the worker's own exception
                     why = f"died ({type(error).__name__}: {str(error).strip().splitlines()[0]})"
-                on_exit(rank, f"tensor-parallel worker rank {rank} (Ray actor) {why}")
+                on_exit(self.ranks[index], f"{self.titles[index]} (Ray actor) {why}")
                 return
 
         threading.Thread(target=wait, name="pagoda-tp-ray-watch", daemon=True).start()

@@ -48,8 +48,10 @@ class TensorParallelExecutor:
                  weight_format: WeightFormat, num_threads: int, stages: list[PipelineStage] | None = None) -> None:
         """Start ranks 1..N-1 and join the group as rank 0 (returns once all have joined).
         `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py).
-        `stages`: the ranks are these pipeline stages instead (pagoda.executor.pipeline)."""
-        world_size = len(stages) if stages is not None else config.tensor_parallel_size
+        `stages`: the ranks are these pipeline stages instead, each of tensor_parallel_size
+        ranks (pagoda.executor.pipeline)."""
+        stage_ranks = config.tensor_parallel_size  # pipeline stages: a tensor-parallel group each
+        world_size = len(stages) * stage_ranks if stages is not None else stage_ranks
         what = "pipeline parallelism" if stages is not None else "tensor parallelism"
         if config.enable_expert_parallel and stages is None:  # before any worker starts
             model_config = load_model_config(config.model)
@@ -65,7 +67,7 @@ class TensorParallelExecutor:
         store = host_store(host, world_size, STARTUP_TIMEOUT_S)
         specs = [WorkerSpec(config, rank, world_size, Endpoint(host, store.port), _worker_device(device, rank),
                             dtype, weight_format, num_threads, STARTUP_TIMEOUT_S,
-                            stages[rank] if stages is not None else None)
+                            stages[rank // stage_ranks] if stages is not None else None)
                  for rank in range(1, world_size)]
         if ray_backend:
             self.workers = RayWorkers(specs, config.ray_address)
@@ -83,13 +85,14 @@ class TensorParallelExecutor:
         try:
             wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S, what)
             self.groups: Groups = join(0, world_size, device, store, config.enable_expert_parallel,
-                                       pipeline=stages is not None)
+                                       stage_ranks if stages is not None else None)
         except BaseException:
             self._finalizer()
             raise
         self.device = device
-        logger.info("%s: %d %s (%s backend), %d threads each%s", what, world_size,
-                    "stages" if stages is not None else "ranks", config.distributed_executor_backend, num_threads,
+        logger.info("%s: %d %s (%s backend), %d threads each%s", what, world_size // stage_ranks
+                    if stages is not None else world_size, "stages" if stages is not None else "ranks",
+                    config.distributed_executor_backend, num_threads,
                     ", experts placed whole (expert parallelism)" if config.enable_expert_parallel else "")
 
     @property
@@ -129,11 +132,14 @@ class TensorParallelExecutor:
             return
         if self._failure is None:
             try:
-                self._broadcast(None)
+                self._send_stop()
             except RuntimeError:
                 pass  # a worker is gone: the kill below ends the others
         self.workers.stop(STOP_TIMEOUT_S)
         self._finalizer()
+
+    def _send_stop(self) -> None:
+        self._broadcast(None)
 
     def _broadcast(self, obj: object) -> None:
         if self._failure is not None:

@@ -1,12 +1,14 @@
-"""A worker beside the engine core: a tensor-parallel rank 1..N-1 or a pipeline stage 1..P-1,
-each in its own process (or Ray actor).
+"""A worker beside the engine core: a tensor-parallel rank 1..N-1 or a rank of a pipeline
+stage (stages 1..P-1, and stage 0's tensor-parallel ranks beyond the engine core's), each in its
+own process (or Ray actor).
 
 A tensor-parallel rank loads its shards of the model, allocates its slice of every KV block
 (its KV heads) once rank 0 says how many blocks the pool has, then runs every step rank 0
 broadcasts: block copies (copy-on-write), the forward, and the LM head when rank 0 samples this
 step (its logits all-gather is a collective every rank joins). A pipeline stage loads its
-layers only and allocates their KV; each step it receives the previous stage's hidden states,
-runs its layers and sends them on, the last stage sending the logits rows back to stage 0.
+layers only and allocates their KV; each step it receives the step and the previous stage's
+hidden states, runs its layers and sends them on, the last stage sending the logits rows back to
+stage 0 (pagoda.executor.pipeline); a stage may itself be a tensor-parallel group.
 Neither ever schedules or samples: the scheduler, the sampler, grammars and outputs all live
 with rank 0 (stage 0).
 """
@@ -23,7 +25,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
-from pagoda.executor.group import Endpoint, broadcast_object, connect
+from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
+                                   recv_payload, share_payload, unpickle_payload)
 from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
@@ -49,12 +52,21 @@ class WorkerSpec:
     weight_format: WeightFormat
     num_threads: int
     startup_timeout_s: float
-    stage: PipelineStage | None = None  # pipeline parallelism: the stage this worker is (rank == stage index)
+    stage: PipelineStage | None = None  # pipeline parallelism: the stage this worker belongs to
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks per pipeline stage (its tensor-parallel group)."""
+        return self.config.tensor_parallel_size
 
     @property
     def title(self) -> str:
         """How logs and errors name this worker."""
-        return f"pipeline stage {self.rank}" if self.stage is not None else f"tensor-parallel worker rank {self.rank}"
+        if self.stage is None:
+            return f"tensor-parallel worker rank {self.rank}"
+        if self.stage_ranks == 1:
+            return f"pipeline stage {self.stage.index}"
+        return f"pipeline stage {self.stage.index} (tensor-parallel rank {self.rank % self.stage_ranks})"
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,7 @@ class BusyQuery:
 HIDDEN_TAG = 1
 LOGITS_TAG = 2
 BUSY_TAG = 3
+STEP_TAG = 4  # a pickled StepInputs, BusyQuery or stop (None), passed down the chain
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
@@ -100,7 +113,7 @@ def run_worker(spec: WorkerSpec) -> None:
     device = torch.device(spec.device)
     config = spec.config
     groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
-                     config.enable_expert_parallel, pipeline=spec.stage is not None)
+                     config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
     model_config = load_model_config(config.model)
     model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage)
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
@@ -109,9 +122,9 @@ def run_worker(spec: WorkerSpec) -> None:
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
     if spec.stage is not None:
-        logger.info("pipeline stage %d/%d ready: layers %d-%d, %d threads", spec.rank, spec.world_size,
+        logger.info("%s of %d ready: layers %d-%d, %d threads", spec.title, spec.stage.num_stages,
                     spec.stage.first_layer, spec.stage.end_layer - 1, spec.num_threads)
-        serve_stage(paged, spec.stage, groups.control, device, spec.dtype)
+        serve_stage(paged, spec.stage, groups, spec.rank % spec.stage_ranks, spec.stage_ranks, device, spec.dtype)
         return
     logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
                 model.num_kv_heads, spec.num_threads)
@@ -122,38 +135,61 @@ def run_worker(spec: WorkerSpec) -> None:
         run_step(paged, step, device)
 
 
-def serve_stage(paged: PagedModel, stage: PipelineStage, control: Any, device: torch.device,
-                dtype: torch.dtype) -> None:
-    """A pipeline stage's loop: each step stage 0 broadcasts, its layers between the hidden
-    states received from the previous stage and those sent to the next (or the logits, to
-    stage 0); answers BusyQuery with its compute seconds so far."""
+def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, local_rank: int, stage_ranks: int,
+                device: torch.device, dtype: torch.dtype) -> None:
+    """A pipeline stage's loop, one message at a time: a step (its layers between the hidden
+    states received from the previous stage and those sent to the next, or the logits sent to
+    stage 0), a BusyQuery (answered with its compute seconds so far), or the stop (None).
+
+    The stage's lead (its tensor-parallel rank 0) receives each message from the previous
+    stage's lead and passes it down the chain first; sends complete in the background, so the
+    stage takes the next step while the next stage works on this one. With tensor parallelism
+    inside the stage, the lead shares the message and the hidden states with the stage's other
+    ranks (stage 0's are fed by the engine core), and they all run the layers together."""
+    lead = local_rank == 0
+    previous, following = (stage.index - 1) * stage_ranks, (stage.index + 1) * stage_ranks
+    control = groups.control
     busy_s = 0.0
     host = torch.device("cpu")
     hidden_size = paged.model.config.hidden_size
+    outbox = Outbox()
     while True:
-        message: StepInputs | BusyQuery | None = broadcast_object(control, None, stage.index)
+        payload = None
+        if lead:
+            payload = recv_payload(control, previous, STEP_TAG)
+            if not stage.is_last:
+                forward_payload(outbox, control, payload, following, STEP_TAG)
+        if groups.stage is not None:
+            payload = share_payload(groups.stage, payload, local_rank)
+        message: StepInputs | BusyQuery | None = unpickle_payload(payload)
         if message is None:
+            outbox.wait()
             return
         if isinstance(message, BusyQuery):
-            control.send([torch.tensor([busy_s], dtype=torch.float64)], 0, BUSY_TAG).wait()
+            if lead:
+                outbox.send(control, torch.tensor([busy_s], dtype=torch.float64), 0, BUSY_TAG)
             continue
-        received = torch.empty(message.input_ids.numel(), hidden_size, dtype=dtype)
-        control.recv([received], stage.index - 1, HIDDEN_TAG).wait()
+        received = None
+        if not stage.is_first:
+            received = torch.empty(message.input_ids.numel(), hidden_size, dtype=dtype)
+            if lead:
+                control.recv([received], previous, HIDDEN_TAG).wait()
+            if groups.stage is not None:
+                groups.stage.broadcast(received, 0).wait()
+            received = received.to(device)
         started = time.perf_counter()
         with torch.inference_mode():
             copy_blocks(paged.distinct_kv_caches, message.block_copies, device)
             context = paged.forward_context([layout_to(layout, device) for layout in message.layouts])
-            hidden = paged.model(message.input_ids.to(device), message.positions.to(device), context,
-                                 received.to(device))
+            hidden = paged.model(message.input_ids.to(device), message.positions.to(device), context, received)
+            outgoing = None
             if not stage.is_last:
-                outgoing, peer, tag = hidden, stage.index + 1, HIDDEN_TAG
-            elif message.logit_rows:
+                outgoing, peer, tag = hidden, following, HIDDEN_TAG
+            elif message.logit_rows:  # every rank of the stage joins the logits all-gather
                 outgoing, peer, tag = paged.model.compute_logits(hidden[message.logit_rows]), 0, LOGITS_TAG
-            else:
-                outgoing = None
         busy_s += time.perf_counter() - started
-        if outgoing is not None:
-            control.send([outgoing.to(host).contiguous()], peer, tag).wait()
+        if lead and outgoing is not None:
+            outbox.send(control, outgoing.to(host).contiguous(), peer, tag)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -40,7 +40,7 @@ class StepTimings:
     prepare: float = 0.0
     propose: float = 0.0  # the draft model's forwards (speculative decoding)
     forward: float = 0.0  # the decoder stack, up to the final norm
-    logits: float = 0.0  # the LM head, over the rows whose logits are used (and the later pipeline stages)
+    logits: float = 0.0  # the LM head over the rows whose logits are used (pipeline: waiting for the last stage's)
     sample: float = 0.0
     schedule: float = 0.0
     update: float = 0.0
@@ -62,6 +62,21 @@ class ModelRunnerOutput:
     timings: StepTimings = field(default_factory=StepTimings)  # the runner's phases of this step
 
 
+@dataclass
+class SubmittedStep:
+    """A step whose forward ran (or, with pipeline stages, is running in the later stages),
+    waiting to be collected: what sampling it needs."""
+
+    scheduler_output: SchedulerOutput
+    hidden: torch.Tensor  # this stage's output
+    query_start_loc: torch.Tensor
+    logit_rows: list[int]
+    row_owners: list[tuple]
+    grammar_masks: GrammarMasks
+    draft_probs: dict[str, torch.Tensor | None]
+    timings: StepTimings  # prepare, propose and forward so far
+
+
 class StepBroadcaster(Protocol):
     """Tensor parallelism (pagoda.executor): hands rank 0's forward to the other ranks."""
 
@@ -71,10 +86,14 @@ class StepBroadcaster(Protocol):
 
 class LaterStages(StepBroadcaster, Protocol):
     """Pipeline parallelism (pagoda.executor.pipeline): after the first stage's layers, the
-    other stages run theirs; the last one's logits come back to be sampled here."""
+    other stages run theirs; the last one's logits come back to be sampled here. Several steps
+    may be in the stages at once: their logits come back in the order they were handed on."""
 
-    def hand_on(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor | None:
-        """The first stage's hidden states in; the logits of `logit_rows` out (None: no rows)."""
+    def hand_on(self, hidden: torch.Tensor, logit_rows: list[int]) -> None:
+        """Send the first stage's hidden states on, without waiting for the other stages."""
+
+    def collect_logits(self) -> torch.Tensor | None:
+        """The logits rows of the oldest step handed on (None: it had none)."""
 
 
 class Verified(Protocol):
@@ -173,7 +192,9 @@ class ModelRunner(PagedModel):
             self.decode_graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
+        """Run the step's forward (with pipeline stages: this stage's layers, then hand the
+        hidden states on without waiting for the others); `collect` samples it."""
         start = time.perf_counter()
         if scheduler_output.kv_transfers:  # tier copies go first: CoW targets may be evicted blocks
             self.kv_transfer.run(scheduler_output.kv_transfers)
@@ -210,23 +231,34 @@ class ModelRunner(PagedModel):
             hidden = self.model(input_ids, positions, context)
         if self.lora is not None:
             self.lora.end_step()
-        forwarded = time.perf_counter()
         if self.pipeline is not None:
-            logits = self.pipeline.hand_on(hidden, logit_rows)
+            self.pipeline.hand_on(hidden, logit_rows)
+        forwarded = time.perf_counter()
+        return SubmittedStep(scheduler_output, hidden, layouts[0].query_start_loc, logit_rows, row_owners,
+                             grammar_masks, draft_probs,
+                             StepTimings(prepare=prepared - proposed, propose=proposed - start,
+                                         forward=forwarded - prepared))
+
+    @torch.inference_mode()
+    def collect(self, step: SubmittedStep) -> ModelRunnerOutput:
+        """The logits of a submitted step (with pipeline stages: the last stage's, in the order
+        steps were submitted), sampled, verified and pooled."""
+        started = time.perf_counter()
+        if self.pipeline is not None:
+            logits = self.pipeline.collect_logits()
         else:
-            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+            logits = self.model.compute_logits(step.hidden[step.logit_rows]) if step.logit_rows else None
         projected = time.perf_counter()
 
         output = ModelRunnerOutput()
-        if any(entry.request.sampling_params.pooling for entry in scheduler_output.scheduled):
-            output.pooled = pool_prompts(scheduler_output.scheduled, hidden, layouts[0].query_start_loc.tolist())
+        if any(entry.request.sampling_params.pooling for entry in step.scheduler_output.scheduled):
+            output.pooled = pool_prompts(step.scheduler_output.scheduled, step.hidden,
+                                         step.query_start_loc.tolist())
         if logits is not None:
-            grammar_masks.apply(logits)  # filled while the forward ran
-            self._sample(logits, row_owners, draft_probs, output)
+            step.grammar_masks.apply(logits)  # filled while the forward ran
+            self._sample(logits, step.row_owners, step.draft_probs, output)
         done = time.perf_counter()
-        output.timings = StepTimings(prepare=prepared - proposed, propose=proposed - start,
-                                     forward=forwarded - prepared, logits=projected - forwarded,
-                                     sample=done - projected)
+        output.timings = replace(step.timings, logits=projected - started, sample=done - projected)
         return output
 
     def _logit_rows(self, scheduler_output: SchedulerOutput, layout: BatchLayout) -> tuple[list[int], list[tuple]]:

@@ -1,7 +1,7 @@
-"""Pipeline parallelism end to end: PP=2 (two local processes, gloo) gives PP=1's greedy tokens
-and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
+"""Pipeline parallelism end to end: PP=2 (two local processes, gloo), alone and with TP=2 inside
+each stage, gives PP=1's greedy tokens and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
 and Mistral (sliding window) models, through chunking, preemption, prefix caching and n-gram
-speculation; each stage holds only its layers and their KV; bad partitions and unsupported
+speculation, with two micro-batches of disjoint requests in flight; each stage holds only its layers and their KV; bad partitions and unsupported
 combinations are one-line startup errors; a stage's death ends the engine (/health 503, the
 request failed, no process left).
 
@@ -81,6 +81,31 @@ def test_sampling_n_and_prompt_logprobs(engines) -> None:
     assert_idle(staged)
 
 
+def test_two_micro_batches_of_disjoint_requests_are_in_flight(engines) -> None:
+    _, staged = engines
+    core = staged.engine.core
+    submit = core.runner.submit
+    depths: list[int] = []
+    shared: list[set[int]] = []
+
+    def recording(scheduler_output):
+        new = {id(entry.request) for entry in scheduler_output.scheduled}
+        out = {id(entry.request) for step in core.in_flight for entry in step.submitted.scheduler_output.scheduled}
+        depths.append(len(core.in_flight) + 1)
+        shared.append(new & out)
+        return submit(scheduler_output)
+
+    core.runner.submit = recording
+    try:
+        staged.generate(prompts_for(300, lengths=(9, 20)), SamplingParams(temperature=0.0, max_tokens=8))
+    finally:
+        del core.runner.submit
+    assert max(depths) == 2 and not any(shared)
+    with_in_flight = [depth for depth in depths if depth == 2]
+    assert len(with_in_flight) > len(depths) // 2  # the stages mostly work at the same time
+    assert_idle(staged)
+
+
 def test_each_stage_holds_its_layers_only(engines) -> None:
     _, staged = engines
     core = staged.engine.core
@@ -106,6 +131,29 @@ def test_architectures_match_one_stage(architecture: str, model_dirs: dict[str, 
         assert token_ids(got) == token_ids(expected)
         assert_same_logprobs(expected, got)
         assert_idle(staged)
+    finally:
+        staged.engine.close()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_tensor_parallel_stages_match_one_rank(architecture: str, model_dirs: dict[str, Path], monkeypatch) -> None:
+    """PP=2 x TP=2: four ranks, each stage a tensor-parallel group, micro-batches in flight."""
+    import pagoda.engine.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
+    model_dir = model_dirs[architecture]
+    prompts = prompts_for(300, lengths=(5, 40, 70))
+    settings = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
+    expected = LLM(model=str(model_dir), **settings).generate(prompts, GREEDY)
+    staged = LLM(model=str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **settings)
+    try:
+        core = staged.engine.core
+        assert core.runner.model.tp.world_size == 2 and core.runner.kv_caches[1] is None
+        got = staged.generate(prompts, GREEDY)
+        assert token_ids(got) == token_ids(expected)
+        assert_same_logprobs(expected, got)
+        assert_idle(staged)
+        assert all(seconds > 0 for seconds in core.executor.stage_busy_seconds())
     finally:
         staged.engine.close()
 
@@ -156,10 +204,6 @@ def test_unsupported_combinations_are_startup_errors(llama_dir: Path) -> None:
         config(role="prefill")
     with pytest.raises(ValueError, match="kv_offload_memory .* not supported with pipeline_parallel_size > 1"):
         config(kv_offload_memory="64MiB")
-    with pytest.raises(ValueError, match="with tensor_parallel_size 2 is not supported yet"):
-        config(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="ray is not supported yet"):
-        config(distributed_executor_backend="ray")
 
 
 def test_stages_share_the_threads(llama_dir: Path) -> None:
