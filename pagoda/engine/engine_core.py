@@ -336,6 +336,10 @@ class EngineCore:
         With enqueue=False the caller schedules it (a KV handoff being imported)."""
         check_request_id_free(request_id, self.requests)
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
+        if params.pooling is not None and self.config.pipeline_parallel_size > 1:
+            # The hidden states to pool are the last stage's; only logits come back from it.
+            raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
+                                 "(--pipeline-parallel-size > 1)", param="input")
         adapter = None
         if lora_request is not None:
             check_lora_enabled(lora_request.lora_name, self.lora is not None)

@@ -24,6 +24,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.threads import engine_thread_count
+from pagoda.errors import InvalidRequest
 from processes import process_alive, process_tree
 from server_utils import free_port, start_serve_process
 
@@ -116,6 +117,13 @@ def test_each_stage_holds_its_layers_only(engines) -> None:
     assert core.runner.kv_caches[0] is not None and core.runner.kv_caches[1] is None
     busy = core.executor.stage_busy_seconds()
     assert len(busy) == 2 and all(seconds > 0 for seconds in busy)
+
+
+def test_embeddings_are_refused_naming_pipeline_parallelism(engines) -> None:
+    _, staged = engines
+    with pytest.raises(InvalidRequest, match="pipeline parallelism"):
+        staged.generate([[5, 6, 7]], SamplingParams(pooling="last", max_tokens=1))
+    assert_idle(staged)
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
