@@ -169,6 +169,17 @@ class EngineSupervisor:
         self._adapters.pop(name, None)
         await self.llm.remove_lora(name)
 
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The adapters loaded at runtime, by name."""
+        return dict(self._adapters)
+
+    def adopt_adapters(self, adapters: dict[str, LoRARequest]) -> None:
+        """Load the adapters another engine of the model loaded at runtime (a replica added
+        beside it), before this one takes requests; call from a thread without an event loop."""
+        self._adapters = dict(adapters)
+        self._load_adapters(self.llm)
+
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def stop(self, timeout: float | None = 10.0) -> None:
