@@ -143,12 +143,6 @@ class ReplicaSet(ModelFront):
 
             replicas.autoscaler = Autoscaler(replicas, ScalingRules.of(deployment))
         return replicas
-        except BaseException:
-            for supervisor in supervisors:
-                supervisor.stop()
-            for keeper in keepers[len(supervisors):]:
-                keeper.stop()
-            raise
 
     # ---- the EngineClient surface --------------------------------------------------------------
 
