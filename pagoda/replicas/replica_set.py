@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
@@ -54,7 +54,6 @@ from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
-    from pagoda.replicas.autoscaler import Autoscaler
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +61,15 @@ logger = logging.getLogger(__name__)
 ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
 # Starts replica `index` under its supervisor (blocks until its engine is ready; raises if not).
 SupervisedStarter = Callable[[int], EngineSupervisor]
+
+
+class ReplicaCountKeeper(Protocol):
+    """What changes the number of replicas (autoscaler.py's Autoscaler), as the set sees it."""
+
+    def state(self) -> dict[str, Any]:
+        """Its part of the set's /health body."""
+
+    def stop(self) -> None: ...
 
 
 class ReplicaSet(ModelFront):
@@ -97,16 +105,15 @@ class ReplicaSet(ModelFront):
         self._stopped = False
         self._start_replica = start_replica
         self._next_index = len(self.replicas)
-        self.autoscaler: Autoscaler | None = None  # set by start() when the replica count may change
+        self.autoscaler: ReplicaCountKeeper | None = None  # one that grows and shrinks the set, if any
 
     @classmethod
     def start(cls, config: EngineConfig, deployment: DeploymentConfig,
-              starter: ReplicaStarter, *, autoscale: bool = False) -> "ReplicaSet":
+              starter: ReplicaStarter) -> "ReplicaSet":
         """Start `deployment.num_replicas` replicas side by side, each with its engine config
         (DeploymentConfig.replica_config) and its supervisor (restarts within the deployment's
         restart policy), and the router `deployment.router` in front; replicas already up are
-        shut down if one fails. `autoscale`: an Autoscaler keeps the count within the
-        deployment's min and max replicas."""
+        shut down if one fails."""
         deployment.validate_with(config)
         pools = parse_replica_pools(deployment.replica_pools) if deployment.replica_pools else None
         rules = RouteRules.from_file(deployment.route_rules) if deployment.route_rules else None
@@ -129,20 +136,14 @@ class ReplicaSet(ModelFront):
                                       f"pagoda-replica-{index}")
                 return EngineSupervisor(keeper, functools.partial(starter, index), str(index), restarts)
 
-            replicas = cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment,
-                           start_replica=start_replica)
+            return cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment,
+                       start_replica=start_replica)
         except BaseException:
             for supervisor in supervisors:
                 supervisor.stop()
             for keeper in keepers[len(supervisors):]:
                 keeper.stop()
             raise
-        if autoscale:
-            from pagoda.replicas.autoscaler import Autoscaler
-            from pagoda.replicas.scale_decider import ScalingRules
-
-            replicas.autoscaler = Autoscaler(replicas, ScalingRules.of(deployment))
-        return replicas
 
     # ---- the EngineClient surface --------------------------------------------------------------
 

@@ -11,7 +11,9 @@ from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import EngineClient
 from pagoda.engine.transport import TransportKind
+from pagoda.replicas.autoscaler import Autoscaler
 from pagoda.replicas.replica_set import ReplicaSet
+from pagoda.replicas.scale_decider import ScalingRules
 from pagoda.replicas.supervised_engine import SupervisedEngine
 from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPolicy
 
@@ -54,7 +56,10 @@ def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = No
         from pagoda.replicas.ray_actors import connect_ray, start_ray_replica
 
         connect_ray(config.ray_address)  # once, before the replicas start side by side
-        return ReplicaSet.start(config, deployment, start_ray_replica, autoscale=deployment.autoscaling)
+        replicas = ReplicaSet.start(config, deployment, start_ray_replica)
+        if deployment.autoscaling:
+            replicas.autoscaler = Autoscaler(replicas, ScalingRules.of(deployment))
+        return replicas
 
     def start_replica(index: int, replica: EngineConfig) -> AsyncLLM:
         return start_engine(replica)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 
 from pagoda.config import DeploymentConfig, EngineConfig
@@ -19,6 +21,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.replicas.autoscaler import Autoscaler
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.scale_decider import ScalingRules
+from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.metrics.server import ServerMetrics
 
@@ -129,3 +132,19 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
             assert replica.outstanding_tokens == 0 and replica.num_requests == 0
     finally:
         replicas.shutdown()
+
+
+def test_without_ray_the_count_stays_fixed_and_one_line_says_why(llama_dir: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64)
+    with caplog.at_level(logging.WARNING, logger="pagoda.replicas.start"):
+        llm = start_engines(config, DeploymentConfig(min_replicas=2, max_replicas=3, restart=False),
+                            transport="thread")
+    try:
+        assert [r.message for r in caplog.records] == [
+            "--min-replicas 2 / --max-replicas 3: autoscaling needs --distributed-executor-backend ray; "
+            "serving a fixed 2 replicas"]
+        assert isinstance(llm, ReplicaSet) and len(llm.replicas) == 2 and llm.autoscaler is None
+        assert "autoscale" not in llm.health()
+    finally:
+        llm.shutdown()
