@@ -148,3 +148,28 @@ def test_without_ray_the_count_stays_fixed_and_one_line_says_why(llama_dir: Path
         assert "autoscale" not in llm.health()
     finally:
         llm.shutdown()
+
+
+def test_a_replica_that_cannot_start_is_logged_and_the_set_keeps_serving(llama_dir: Path) -> None:
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs=1)
+
+    def starter(index: int, config: EngineConfig) -> AsyncLLM:
+        if index > 0:  # as a cluster without room would, after its timeout
+            raise RuntimeError("the engine failed to start")
+        return AsyncLLM(config, transport="thread", engine_factory=_PacedEngine)
+
+    deployment = DeploymentConfig(min_replicas=1, max_replicas=2, scale_up_queue_depth=2, scale_up_window=0.05)
+    replicas = ReplicaSet.start(config, deployment, starter)
+    autoscale(replicas, deployment)
+    try:
+        async def scenario() -> None:
+            long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            streams = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(5)]
+            await asyncio.to_thread(wait_for, lambda: replicas.health()["autoscale"]["failed_starts"] >= 1,
+                                    "the failed start")
+            assert all(len(tokens) == 40 for tokens, _ in await asyncio.gather(*(read(s) for s in streams)))
+
+        asyncio.run(scenario())
+        assert len(replicas.replicas) == 1 and replicas.health()["status"] == "ok"
+    finally:
+        replicas.shutdown()
