@@ -162,7 +162,8 @@ class ReplicaSet(ModelFront):
     def health(self) -> dict[str, Any]:
         """ok (every replica lives), degraded (some do), restarting (none does, a restart is
         pending) or dead (with the error), and each replica's state: its engine's pid, alive,
-        status (ok, restarting, failed: out of restarts, or dead), restarts and error."""
+        status (ok, restarting, failed: out of restarts, or dead), restarts and error (and
+        `draining` while scaled away); autoscaled, the autoscaler's part (`autoscale`)."""
         replicas = list(self.replicas)
         states = [r.supervisor.state() for r in replicas]
         alive = [state.alive for state in states]
@@ -301,12 +302,11 @@ class ReplicaSet(ModelFront):
         try:
             while True:
                 adapters = self._runtime_adapters()
-                if adapters:
-                    supervisor.adopt_adapters(adapters)
+                supervisor.match_adapters(adapters)
                 with self.lock:
                     if self._stopped:
                         raise EngineDeadError("the replicas were shut down")
-                    # An adapter loaded or unloaded meanwhile: load the set again.
+                    # An adapter loaded or unloaded meanwhile: match again.
                     if self._runtime_adapters().keys() != adapters.keys():
                         continue
                     replica = Replica(index, supervisor, role=supervisor.llm.config.role)

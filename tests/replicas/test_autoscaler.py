@@ -173,3 +173,23 @@ def test_a_replica_that_cannot_start_is_logged_and_the_set_keeps_serving(llama_d
         assert len(replicas.replicas) == 1 and replicas.health()["status"] == "ok"
     finally:
         replicas.shutdown()
+
+
+def test_an_added_replica_has_the_runtime_adapters_before_it_joins(llama_dir: Path, tmp_path: Path) -> None:
+    from lora_factory import build_adapter
+
+    from pagoda.lora_request import LoRARequest
+
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, enable_lora=True)
+    replicas = ReplicaSet.start(config, DeploymentConfig(), lambda index, config: AsyncLLM(config, transport="thread"))
+    try:
+        adapter = LoRARequest("sql", 1, str(build_adapter(llama_dir, tmp_path / "sql", rank=4)))
+        asyncio.run(replicas.add_lora(adapter))
+        added = replicas.add_replica()
+        assert added.index == 1 and added in replicas.replicas
+        assert added.llm.lora_names == ["sql"] and added.supervisor.adapters == {"sql": adapter}
+        assert replicas.drain_replica() is added and replicas.retire_drained(added)
+        assert replicas.replicas == [replicas.replicas[0]] and not added.llm.is_alive
+        assert replicas.drain_replica() is None  # the last one stays
+    finally:
+        replicas.shutdown()
