@@ -55,15 +55,15 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs=1,
                           distributed_executor_backend="ray")
     deployment = DeploymentConfig(min_replicas=1, max_replicas=2, router="round_robin", restart=False,
-                                  scale_up_queue_depth=2, scale_up_window=0.2, scale_down_window=1.0)
+                                  scale_up_queue_depth=1, scale_up_window=0.2, scale_down_window=2.0)
     replicas = start_engines(config, deployment)
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
     try:
         assert len(replicas.replicas) == 1 and replicas.autoscaler is not None
 
         async def scenario() -> None:
             # One sequence at a time on the one replica: the rest wait in its engine.
-            queued = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(6)]
+            queued = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(10)]
             await asyncio.to_thread(wait_for, lambda: len(replicas.replicas) == 2, "the added replica")
             added = replicas.replicas[1]
             assert added.llm.is_alive and added.llm._transport.node_id
@@ -78,12 +78,12 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
             await asyncio.to_thread(wait_for, lambda: added.draining, "the drain")
             assert added.llm.is_alive and added in replicas.replicas
             tokens, reason = await read(stream)
-            assert len(tokens) == 200 and reason == "length"  # not cut by the drain
+            assert len(tokens) == 250 and reason == "length"  # not cut by the drain
             placement_group = added.llm._transport.placement_group
             await asyncio.to_thread(wait_for, lambda: added not in replicas.replicas, "the drained replica to stop")
             assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
             for tokens, reason in await asyncio.gather(*(read(s) for s in queued)):
-                assert len(tokens) == 200 and reason == "length"
+                assert len(tokens) == 250 and reason == "length"
 
         asyncio.run(scenario())
         autoscale = replicas.health()["autoscale"]
