@@ -302,8 +302,10 @@ def models_banner(models_file: "ModelsFile", registry: "ModelRegistry", settings
     for model in registry:
         names = ", ".join(model.names)
         fallbacks = ", ".join(target.label for target in model.fallbacks) or "none"
+        autoscale = model.llm.health().get("autoscale")
+        scaling = f", autoscaling {autoscale['min']} to {autoscale['max']} replicas" if autoscale else ""
         lines.append(f"  {names:<24} {model.model_path}: {model.llm.transport}, context {model.llm.max_model_len}, "
-                     f"max seqs {model.llm.config.max_num_seqs}, fallbacks {fallbacks}")
+                     f"max seqs {model.llm.config.max_num_seqs}{scaling}, fallbacks {fallbacks}")
     for route in registry.routes:
         lines.append(f"  route {route.name}: {len(route.rules)} rules -> "
                      f"{', '.join(dict.fromkeys(rule.model for rule in route.rules))}")
