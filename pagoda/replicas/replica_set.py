@@ -309,6 +309,8 @@ class ReplicaSet(ModelFront):
                     # An adapter loaded or unloaded meanwhile: match again.
                     if self._runtime_adapters().keys() != adapters.keys():
                         continue
+                    if not supervisor.llm.is_alive:
+                        raise RuntimeError(f"replica {index} stopped while starting: {supervisor.llm.error}")
                     replica = Replica(index, supervisor, role=supervisor.llm.config.role)
                     self.replicas.append(replica)
                     return replica
