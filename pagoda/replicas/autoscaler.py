@@ -89,22 +89,22 @@ class Autoscaler:
                 logger.exception("autoscaler: looking at the replicas failed")
 
     def _act(self, decision: ScaleDecision) -> None:
+        replica = self._set.drain_replica() if decision.direction == "down" else None
+        if decision.direction == "down" and replica is None:
+            return  # one replica left in rotation (the others draining or gone): nothing to remove
         logger.info("replicas of %s: %s", self._set.config.model, decision.describe())
         with self._lock:
             self.events[(decision.direction, decision.reason)] += 1
             self.desired = decision.desired
-        if decision.direction == "up":
-            with self._lock:
+            if replica is None:
                 self._starting += 1
-            threading.Thread(target=self._grow, name="pagoda-autoscaler-start", daemon=True).start()
-            return
-        replica = self._set.drain_replica()
+            else:
+                self._draining.append(replica)
         if replica is None:
-            return
-        logger.info("replicas of %s: draining replica %s (%d requests in flight)",
-                       self._set.config.model, replica.label, replica.num_requests)
-        with self._lock:
-            self._draining.append(replica)
+            threading.Thread(target=self._grow, name="pagoda-autoscaler-start", daemon=True).start()
+        else:
+            logger.info("replicas of %s: draining replica %s (%d requests in flight)",
+                        self._set.config.model, replica.label, replica.num_requests)
 
     def _grow(self) -> None:
         try:

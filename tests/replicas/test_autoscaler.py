@@ -67,7 +67,8 @@ async def read(stream) -> tuple[list[int], str | None]:
 
 
 def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_request(
-        llama_dir: Path) -> None:
+        llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pagoda.replicas.autoscaler")
     deployment = DeploymentConfig(min_replicas=1, max_replicas=2, router="round_robin",
                                   scale_up_queue_depth=2, scale_up_window=0.05)
     replicas = start(llama_dir, deployment)
@@ -124,6 +125,9 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
         text = generate_latest(metrics.registry).decode()
         assert 'pagoda:replicas_desired{model_name="tiny"} 1.0' in text
         assert 'pagoda:scale_events_total{direction="down",model_name="tiny",reason="idle"} 1.0' in text
+        decisions = [r.message.split(": ", 1)[1] for r in caplog.records if "scaling" in r.message]
+        assert [d.split(":")[0] for d in decisions] == ["scaling up from 1 to 2 replicas",
+                                                        "scaling down from 2 to 1 replicas"]
         # The idle invariant: no replica holds a request or a KV block.
         for replica in replicas.replicas:
             stats = replica.llm.get_stats()
