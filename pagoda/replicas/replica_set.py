@@ -330,15 +330,17 @@ class ReplicaSet(ModelFront):
         return replica
 
     def retire_drained(self, replica: Replica, timeout: float | None = 10.0) -> bool:
-        """Stop a draining replica once no request of its own is left; False while one is."""
+        """Stop a draining replica once no request of its own is left, then drop it from the
+        set (so /health lists it until its engine is gone); False while a request is left."""
         with self.lock:
             if replica not in self.replicas:
                 return True  # stopped already
             if replica.num_requests:
                 return False
+        replica.supervisor.stop(timeout)
+        with self.lock:
             self.replicas.remove(replica)
             self.policy.forget_replica(replica.index)
-        replica.supervisor.stop(timeout)
         return True
 
     def _runtime_adapters(self) -> dict[str, LoRARequest]:

@@ -117,7 +117,8 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
 
         tokens, reason = asyncio.run(drain_under_a_request())
         assert len(tokens) == 40 and reason == "length"
-        wait_for(lambda: added not in replicas.replicas, "the drained replica to stop")
+        wait_for(lambda: replicas.health()["autoscale"]["draining"] == 0, "the drained replica to stop")
+        assert added not in replicas.replicas
         assert not added.llm.is_alive
         health = replicas.health()["autoscale"]
         assert (health["replicas"], health["desired"], health["draining"]) == (1, 1, 0)

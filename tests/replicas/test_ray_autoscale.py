@@ -80,7 +80,9 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
             tokens, reason = await read(stream)
             assert len(tokens) == 250 and reason == "length"  # not cut by the drain
             placement_group = added.llm._transport.placement_group
-            await asyncio.to_thread(wait_for, lambda: added not in replicas.replicas, "the drained replica to stop")
+            await asyncio.to_thread(wait_for, lambda: replicas.health()["autoscale"]["draining"] == 0,
+                                    "the drained replica to stop")
+            assert added not in replicas.replicas
             assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
             for tokens, reason in await asyncio.gather(*(read(s) for s in queued)):
                 assert len(tokens) == 250 and reason == "length"
