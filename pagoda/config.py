@@ -423,12 +423,50 @@ class DeploymentConfig:
     replica_restart_backoff: float = field(default=1.0, metadata={
         "help": "seconds before an engine's first restart, doubled for each restart within the "
                 "window (at most 60 s, or this when longer)"})
+    # ---- autoscaling on Ray (pagoda/replicas/autoscaler.py) ----
+    min_replicas: int | None = field(default=None, metadata={
+        "help": "autoscaling (with --distributed-executor-backend ray): the fewest replicas kept "
+                "(default: --data-parallel-size)"})
+    max_replicas: int | None = field(default=None, metadata={
+        "help": "autoscaling (with --distributed-executor-backend ray): the most replicas started; "
+                "above --min-replicas, replicas are added under load and drained away when idle "
+                "(default: --min-replicas or --data-parallel-size, whichever is larger)"})
+    scale_up_queue_depth: float = field(default=4.0, metadata={
+        "help": "autoscaling: requests waiting in the engines, per serving replica, at or above "
+                "which the replicas are under pressure"})
+    scale_up_kv_usage: float = field(default=0.9, metadata={
+        "help": "autoscaling: share of the replicas' KV blocks in use at or above which they are "
+                "under pressure"})
+    scale_up_window: float = field(default=30.0, metadata={
+        "help": "autoscaling: seconds the pressure must hold before a replica is added"})
+    scale_down_kv_usage: float = field(default=0.3, metadata={
+        "help": "autoscaling: the replicas count as idle while no request waits and their KV "
+                "blocks in use would fill less than this share of one replica fewer"})
+    scale_down_window: float = field(default=300.0, metadata={
+        "help": "autoscaling: seconds the replicas must stay idle before one is drained (it takes "
+                "no new request, finishes those it has) and stopped"})
 
     @property
     def num_replicas(self) -> int:
-        """Engine replicas behind the server: --replica-roles' counts, else --data-parallel-size."""
+        """Engine replicas started with the server: --replica-roles' counts, else
+        --data-parallel-size within --min-replicas and --max-replicas."""
         counts = parse_replica_roles(self.replica_roles) if self.replica_roles else None
-        return sum(counts.values()) if counts else self.data_parallel_size
+        if counts:
+            return sum(counts.values())
+        return min(max(self.data_parallel_size, self.replica_range[0]), self.replica_range[1])
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """(fewest, most) replicas: --min-replicas and --max-replicas as resolved."""
+        low = self.min_replicas if self.min_replicas is not None else self.data_parallel_size
+        high = self.max_replicas if self.max_replicas is not None else max(low, self.data_parallel_size)
+        return low, high
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether the replica count may change (the range holds more than one count)."""
+        low, high = self.replica_range
+        return low != high
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -453,6 +491,7 @@ class DeploymentConfig:
             _fail("replica_restart_window", f"must be > 0 seconds, got {self.replica_restart_window}")
         if self.replica_restart_backoff < 0:
             _fail("replica_restart_backoff", f"must be >= 0 seconds, got {self.replica_restart_backoff}")
+        self._check_autoscaling()
         if self.replica_roles is not None:
             counts = parse_replica_roles(self.replica_roles)
             if counts is None:
@@ -463,6 +502,32 @@ class DeploymentConfig:
                                        f"data_parallel_size is {self.data_parallel_size}")
             if self.replica_pools is not None:
                 _fail("replica_roles", "cannot be combined with replica_pools yet")
+
+    def _check_autoscaling(self) -> None:
+        if self.min_replicas is not None and self.min_replicas < 1:
+            _fail("min_replicas", f"must be >= 1, got {self.min_replicas}")
+        if self.max_replicas is not None and self.max_replicas < 1:
+            _fail("max_replicas", f"must be >= 1, got {self.max_replicas}")
+        low, high = self.replica_range
+        if low > high:
+            _fail("min_replicas", f"({low}) is more than max_replicas ({high})")
+        if self.min_replicas is not None or self.max_replicas is not None:
+            for name in ("replica_pools", "replica_roles"):
+                if getattr(self, name) is not None:
+                    _fail(name, "fix the number of replicas: it cannot be combined with "
+                                "min_replicas / max_replicas")
+        if self.scale_up_queue_depth <= 0:
+            _fail("scale_up_queue_depth", f"must be > 0, got {self.scale_up_queue_depth}")
+        for name in ("scale_up_kv_usage", "scale_down_kv_usage"):
+            if not 0 < getattr(self, name) <= 1:
+                _fail(name, f"must be a share in (0, 1], got {getattr(self, name)}")
+        if self.scale_down_kv_usage >= self.scale_up_kv_usage:
+            _fail("scale_down_kv_usage", f"({self.scale_down_kv_usage}) must be below scale_up_kv_usage "
+                                         f"({self.scale_up_kv_usage}), or replicas would be added and "
+                                         f"removed in turn")
+        for name in ("scale_up_window", "scale_down_window"):
+            if getattr(self, name) < 0:
+                _fail(name, f"must be >= 0 seconds, got {getattr(self, name)}")
 
     def validate_with(self, engine: EngineConfig) -> None:
         """The checks that need the engines' config too (ValueError)."""
@@ -479,7 +544,7 @@ class DeploymentConfig:
         gets a subdirectory per replica: block files are named by content, so replicas sharing
         one directory would evict, overwrite and (after a crash) orphan each other's files."""
         replica = dataclasses.replace(engine, seed=engine.seed + index, num_replicas=self.num_replicas)
-        if engine.kv_offload_disk is not None and self.num_replicas > 1:
+        if engine.kv_offload_disk is not None and max(self.num_replicas, self.replica_range[1]) > 1:
             directory = Path(engine.kv_offload_disk) / f"replica-{index}"
             replica = dataclasses.replace(replica, kv_offload_disk=str(directory))
         if self.replica_roles is None:

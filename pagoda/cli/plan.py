@@ -84,8 +84,8 @@ def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig"
     needs = []
     for entry in models_file.models:
         engine = entry.engine_config(config)
-        replicas = entry.deployment_config(deployment)
         try:
+            replicas = entry.deployment_config(deployment)
             needs.append(model_need(entry.name, entry.line, resolve_model_path(engine.model), dtype=engine.dtype,
                                     quantization=engine.quantization, max_model_len=engine.max_model_len,
                                     engines=replicas.num_replicas))

@@ -21,6 +21,8 @@ class Replica:
     num_requests: int = 0  # routed and not finished
     num_routed: int = 0  # since start
     num_moved_away: int = 0  # requests sent elsewhere after this replica died under them
+    # Being scaled away: takes no new request, is stopped once those it has are done.
+    draining: bool = False
     # The engine last seen dead: out of rotation until the supervisor swaps in a restarted one.
     seen_dead: AsyncLLM | None = None
 

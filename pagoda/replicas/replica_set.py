@@ -15,6 +15,12 @@ A dead replica is out of rotation (its engine's state is gone) until its supervi
 reports the set degraded while at least one replica lives, and each replica's pid, status and
 restarts.
 
+Autoscaled (`--min-replicas` / `--max-replicas`, Ray): the set's Autoscaler (autoscaler.py)
+adds a replica, which joins the rotation once its engine is ready and has the adapters loaded
+at runtime, and drains one away: a draining replica takes no new request, and is stopped (its
+engine and KV gone) once the requests it has are done. Replicas keep their index for life (the
+router's per-replica state is keyed by it), so indexes of removed replicas are not reused.
+
 Disaggregated (`--replica-roles prefill=P,decode=D`): a request is routed to a decode replica
 that awaits its KV, then to a prefill replica that hands request and blocks over to it
 (prefill_leg.py); requests a prefill engine cannot hand off (n > 1, structured output, prompt
@@ -29,7 +35,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
@@ -53,6 +59,17 @@ logger = logging.getLogger(__name__)
 
 # Builds replica `index`'s AsyncLLM from its engine config (the caller picks transport or Ray).
 ReplicaStarter = Callable[[int, EngineConfig], AsyncLLM]
+# Starts replica `index` under its supervisor (blocks until its engine is ready; raises if not).
+SupervisedStarter = Callable[[int], EngineSupervisor]
+
+
+class ReplicaCountKeeper(Protocol):
+    """What changes the number of replicas (autoscaler.py's Autoscaler), as the set sees it."""
+
+    def state(self) -> dict[str, Any]:
+        """Its part of the set's /health body."""
+
+    def stop(self) -> None: ...
 
 
 class ReplicaSet(ModelFront):
@@ -61,8 +78,10 @@ class ReplicaSet(ModelFront):
     def __init__(self, supervisors: Sequence[EngineSupervisor], policy: RouterPolicy, *,
                  pools: Sequence[str | None] | None = None,
                  rules: RouteRules | None = None,
-                 deployment: DeploymentConfig | None = None) -> None:
-        """`supervisors`: each replica's, in index order (they own the engines)."""
+                 deployment: DeploymentConfig | None = None,
+                 start_replica: SupervisedStarter | None = None) -> None:
+        """`supervisors`: each replica's, in index order (they own the engines);
+        `start_replica`: how a replica is added (add_replica), None when none can be."""
         if not supervisors:
             raise ValueError("a replica set needs at least one replica")
         if pools is not None and len(pools) != len(supervisors):
@@ -84,6 +103,9 @@ class ReplicaSet(ModelFront):
         self.lock = threading.Lock()  # guards the routing state when loops on several threads submit
         self._flights: dict[str, RoutedStream] = {}
         self._stopped = False
+        self._start_replica = start_replica
+        self._next_index = len(self.replicas)
+        self.autoscaler: ReplicaCountKeeper | None = None  # one that grows and shrinks the set, if any
 
     @classmethod
     def start(cls, config: EngineConfig, deployment: DeploymentConfig,
@@ -108,7 +130,14 @@ class ReplicaSet(ModelFront):
             capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
             policy = make_policy(deployment.router, block_size=config.block_size,
                                  capacity_blocks=capacity)
-            return cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment)
+
+            def start_replica(index: int) -> EngineSupervisor:
+                keeper = EngineKeeper(functools.partial(starter, index, deployment.replica_config(config, index)),
+                                      f"pagoda-replica-{index}")
+                return EngineSupervisor(keeper, functools.partial(starter, index), str(index), restarts)
+
+            return cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment,
+                       start_replica=start_replica)
         except BaseException:
             for supervisor in supervisors:
                 supervisor.stop()
@@ -133,8 +162,10 @@ class ReplicaSet(ModelFront):
     def health(self) -> dict[str, Any]:
         """ok (every replica lives), degraded (some do), restarting (none does, a restart is
         pending) or dead (with the error), and each replica's state: its engine's pid, alive,
-        status (ok, restarting, failed: out of restarts, or dead), restarts and error."""
-        states = [r.supervisor.state() for r in self.replicas]
+        status (ok, restarting, failed: out of restarts, or dead), restarts and error (and
+        `draining` while scaled away); autoscaled, the autoscaler's part (`autoscale`)."""
+        replicas = list(self.replicas)
+        states = [r.supervisor.state() for r in replicas]
         alive = [state.alive for state in states]
         if self._stopped:
             status = "dead"
@@ -145,10 +176,13 @@ class ReplicaSet(ModelFront):
         health: dict[str, Any] = {"status": status, "replicas": [
             {"replica": r.label, "pool": r.pool, "role": r.role, **state.as_dict(),
              "requests": r.num_requests,
-             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away}
-            for r, state in zip(self.replicas, states)]}
+             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
+             **({"draining": True} if r.draining else {})}
+            for r, state in zip(replicas, states)]}
         if status != "ok" and status != "degraded":
             health["error"] = repr(self.error)
+        if self.autoscaler is not None:
+            health["autoscale"] = self.autoscaler.state()
         return health
 
     def get_stats(self) -> "EngineStats | None":
@@ -239,13 +273,81 @@ class ReplicaSet(ModelFront):
                 continue
             by_replica.setdefault(stream.replica, []).append(request_id)
             stream.cancel()
+        replicas = {r.index: r for r in self.replicas}
         for index, ids in by_replica.items():
-            self.replicas[index].llm.abort(ids)
+            if index in replicas:  # else retired: its requests were done
+                replicas[index].llm.abort(ids)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        self._stopped = True
-        with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.supervisor.stop(timeout), self.replicas))
+        with self.lock:
+            self._stopped = True
+            replicas = list(self.replicas)
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+            list(pool.map(lambda r: r.supervisor.stop(timeout), replicas))
+
+    # ---- growing and shrinking (the Autoscaler's) ------------------------------------------------
+
+    def add_replica(self) -> Replica:
+        """Start one more replica and put it in rotation once its engine is ready and has the
+        adapters the others loaded at runtime. Blocks while it starts (call it from a thread of
+        its own); raises RuntimeError when it cannot start, EngineDeadError after shutdown."""
+        if self._start_replica is None:
+            raise RuntimeError("this replica set cannot add replicas")
+        with self.lock:
+            index = self._next_index
+            self._next_index += 1
+        supervisor = self._start_replica(index)
+        try:
+            while True:
+                adapters = self._runtime_adapters()
+                supervisor.match_adapters(adapters)
+                with self.lock:
+                    if self._stopped:
+                        raise EngineDeadError("the replicas were shut down")
+                    # An adapter loaded or unloaded meanwhile: match again.
+                    if self._runtime_adapters().keys() != adapters.keys():
+                        continue
+                    if not supervisor.llm.is_alive:
+                        raise RuntimeError(f"replica {index} stopped while starting: {supervisor.llm.error}")
+                    replica = Replica(index, supervisor, role=supervisor.llm.config.role)
+                    self.replicas.append(replica)
+                    return replica
+        except BaseException:
+            supervisor.stop()
+            raise
+
+    def drain_replica(self) -> Replica | None:
+        """Take the newest serving replica out of rotation (None when one or none is left); it
+        keeps serving what it has until retire_drained stops it."""
+        with self.lock:
+            serving = [r for r in self.replicas if not r.draining]
+            if len(serving) <= 1:
+                return None
+            replica = max(serving, key=lambda r: r.index)
+            replica.draining = True
+        return replica
+
+    def retire_drained(self, replica: Replica, timeout: float | None = 10.0) -> bool:
+        """Stop a draining replica once no request of its own is left, then drop it from the
+        set (so /health lists it until its engine is gone); False while a request is left."""
+        with self.lock:
+            if replica not in self.replicas:
+                return True  # stopped already
+            if replica.num_requests:
+                return False
+        replica.supervisor.stop(timeout)
+        with self.lock:
+            self.replicas.remove(replica)
+            self.policy.forget_replica(replica.index)
+        return True
+
+    def _runtime_adapters(self) -> dict[str, LoRARequest]:
+        for replica in self.replicas:
+            if not replica.draining and self._check_alive(replica):
+                return replica.supervisor.adapters
+        return {}
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -253,8 +355,8 @@ class ReplicaSet(ModelFront):
                    role: str = "both") -> list[Replica]:
         """Live replicas of the request's pool (every live replica when that pool has none),
         of the given role when disaggregated."""
-        live = [r for r in self.replicas if r.index not in excluded and self._check_alive(r)
-                and (r.role == role or not self.disaggregated)]
+        live = [r for r in self.replicas if r.index not in excluded and not r.draining
+                and self._check_alive(r) and (r.role == role or not self.disaggregated)]
         pool = self.rules.pool_of(route) if self.rules is not None else None
         if pool is not None:
             in_pool = [r for r in live if r.pool == pool]
@@ -274,7 +376,7 @@ class ReplicaSet(ModelFront):
             if not candidates:
                 return None
             choice = self.policy.choose(route, [ReplicaLoad(r.index, r.outstanding_tokens) for r in candidates])
-            replica = self.replicas[choice.replica]
+            replica = next(r for r in candidates if r.index == choice.replica)
             self.policy.routed(route, replica.index)
             replica.num_routed += 1
             return replica, choice.expected_cached_tokens

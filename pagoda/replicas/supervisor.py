@@ -169,6 +169,28 @@ class EngineSupervisor:
         self._adapters.pop(name, None)
         await self.llm.remove_lora(name)
 
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The adapters loaded at runtime, by name."""
+        return dict(self._adapters)
+
+    def match_adapters(self, adapters: dict[str, LoRARequest]) -> None:
+        """Have exactly the runtime adapters another engine of the model has (a replica added
+        beside it, before it takes requests): unload the others, load the missing ones. Call
+        from a thread without an event loop."""
+        extra = [name for name in self._adapters if name not in adapters]
+        missing = {name: adapter for name, adapter in adapters.items() if name not in self._adapters}
+
+        async def unload() -> None:
+            for name in extra:
+                await self.remove_lora(name)
+
+        if extra:
+            asyncio.run(unload())
+        self._adapters.update(missing)
+        if missing:
+            self._load_adapters(self.llm, list(missing.values()))
+
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -241,17 +263,19 @@ class EngineSupervisor:
             return True
         return False
 
-    def _load_adapters(self, llm: AsyncLLM) -> None:
-        """Load the adapters loaded at runtime before the restarted engine takes requests."""
-        if not self._adapters:
+    def _load_adapters(self, llm: AsyncLLM, adapters: list[LoRARequest] | None = None) -> None:
+        """Load the adapters loaded at runtime (or `adapters` of them) before the restarted or
+        added engine takes requests."""
+        adapters = list(self._adapters.values()) if adapters is None else adapters
+        if not adapters:
             return
 
         async def load() -> None:
-            for adapter in list(self._adapters.values()):
+            for adapter in adapters:
                 try:
                     await llm.add_lora(adapter)
                 except ValueError as exc:  # InvalidRequest: e.g. its files are gone since
-                    logger.warning("engine %s: adapter %r not loaded again after the restart: %s",
+                    logger.warning("engine %s: adapter %r not loaded on the new engine: %s",
                                    self.label, adapter.lora_name, exc)
 
         asyncio.run(load())

@@ -285,6 +285,8 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
         (f"pipeline parallel {config.pipeline_parallel_size}"
          f"{f' (layers {config.pp_layer_partition})' if config.pp_layer_partition else ''}",
          config.pipeline_parallel_size > 1),
+        ("autoscaling {} to {} replicas".format(*deployment.replica_range),
+         deployment.autoscaling and config.distributed_executor_backend == "ray"),
     ) if on]
     return "\n".join([
         "pagoda serve is ready",
@@ -293,8 +295,8 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
         + (f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(deployment.replica_roles) or {}).items())}"
            f" replicas ({deployment.router} router, "
            f"KV handoff over {config.kv_transport})" if deployment.replica_roles
-           else f", {deployment.data_parallel_size} replicas ({deployment.router} router)"
-           if deployment.data_parallel_size > 1 else ""),
+           else f", {deployment.num_replicas} replicas ({deployment.router} router)"
+           if deployment.num_replicas > 1 else ""),
         f"  context    {max_model_len} tokens",
         f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
         f"  max seqs   {max_num_seqs_line(llm)}",
@@ -309,8 +311,10 @@ def models_banner(models_file: "ModelsFile", registry: "ModelRegistry", settings
     for model in registry:
         names = ", ".join(model.names)
         fallbacks = ", ".join(target.label for target in model.fallbacks) or "none"
+        autoscale = model.llm.health().get("autoscale")
+        scaling = f", autoscaling {autoscale['min']} to {autoscale['max']} replicas" if autoscale else ""
         lines.append(f"  {names:<24} {model.model_path}: {model.llm.transport}, context {model.llm.max_model_len}, "
-                     f"max seqs {model.llm.config.max_num_seqs}, fallbacks {fallbacks}")
+                     f"max seqs {model.llm.config.max_num_seqs}{scaling}, fallbacks {fallbacks}")
     for route in registry.routes:
         lines.append(f"  route {route.name}: {len(route.rules)} rules -> "
                      f"{', '.join(dict.fromkeys(rule.model for rule in route.rules))}")

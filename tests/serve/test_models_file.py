@@ -59,6 +59,7 @@ def test_a_good_file_reads_into_models_routes_and_fallbacks() -> None:
     ("models:\n  - {name: a, model: m, fallbacks: [zzz]}\n", 2, "falls back to 'zzz'"),
     ("models:\n  - name: a\n    model: m\n    dtype: float99\n", 4, "dtype"),
     ("models:\n  - name: a\n    model: m\n    data_parallel_size: 0\n", 4, "data_parallel_size"),
+    ("models:\n  - name: a\n    model: m\n    min_replicas: 0\n", 4, "min_replicas must be >= 1"),
     ("models:\n  - {name: a, model: m, fallbacks: [{url: 'ftp://x', model: q}]}\n", 2, "http://"),
     ("models:\n  - {name: a, model: m}\nroutes:\n  - {name: a, rules: [{model: a}]}\n", 4,
      "has the name of model 'a'"),
@@ -111,3 +112,12 @@ def test_serve_refuses_models_that_cannot_fit_before_starting_any(tmp_path) -> N
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("pagoda serve: the models do not fit this machine's memory: ")
     assert f"{path}:2: a: 1 x (" in message and f"{path}:3: huge: 1000000 x (" in message
+
+
+def test_serve_refuses_min_replicas_above_max_replicas_naming_the_model(tmp_path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - {name: a, model: pagoda-coder, min_replicas: 3, max_replicas: 2}\n")
+    result = run_cli("serve", "--models", str(path), "--device", "cpu")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"pagoda serve: {path}:2: model 'a': min_replicas (3) is more than max_replicas (2)"

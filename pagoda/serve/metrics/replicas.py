@@ -78,3 +78,31 @@ class SupervisionCollector(Collector):
             restarts.add_metric(values, float(engine.get("restarts", 0)))
         yield up
         yield restarts
+
+
+class AutoscaleCollector(Collector):
+    """An autoscaled replica set's target and decisions, read from the /health body's
+    `autoscale` part (nothing when the set is not autoscaled): `replicas_desired` and
+    `scale_events_total{direction,reason}`."""
+
+    def __init__(self, prefix: str, model_name: str, health: Callable[[], dict[str, Any]]) -> None:
+        self._prefix = prefix
+        self._model_name = model_name
+        self._health = health
+
+    def collect(self) -> Iterator[Any]:
+        autoscale = self._health().get("autoscale")
+        if autoscale is None:
+            return
+        desired = GaugeMetricFamily(self._prefix + "replicas_desired",
+                                    "Replicas the autoscaler wants (its last decision's target).",
+                                    labels=["model_name"])
+        desired.add_metric([self._model_name], float(autoscale["desired"]))
+        events = CounterMetricFamily(self._prefix + "scale_events",
+                                     "Autoscaling decisions, by direction (up, down) and reason "
+                                     "(queue_depth, kv_usage, idle).",
+                                     labels=["model_name", "direction", "reason"])
+        for event in autoscale["scale_events"]:
+            events.add_metric([self._model_name, event["direction"], event["reason"]], float(event["count"]))
+        yield desired
+        yield events

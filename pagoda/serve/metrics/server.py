@@ -25,7 +25,7 @@ from pagoda.serve.metrics.disaggregation import disagg_families
 from pagoda.serve.metrics.label_policy import public_registry
 from pagoda.serve.metrics.lora import lora_families
 from pagoda.serve.metrics.moe import moe_families
-from pagoda.serve.metrics.replicas import ReplicaLabelledCollector, SupervisionCollector
+from pagoda.serve.metrics.replicas import AutoscaleCollector, ReplicaLabelledCollector, SupervisionCollector
 from pagoda.serve.metrics.structured import structured_output_families
 # Tokens per engine step and per request share the engine's bounds.
 from pagoda.engine.token_histogram import TOKEN_BUCKETS
@@ -225,6 +225,7 @@ class ServerMetrics:
             stats, replica_stats, lambda one: _EngineStatsCollector(model_name, one)))
         if health is not None:
             self.registry.register(SupervisionCollector(PREFIX, model_name, health))
+            self.registry.register(AutoscaleCollector(PREFIX, model_name, health))
         labels = ["model_name"]
         self._success = Counter(PREFIX + "request_success", "Requests that finished.",
                                 labels + ["finished_reason"], registry=self.registry)
