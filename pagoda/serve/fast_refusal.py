@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
 
+from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.errors import APIError, anthropic_error_body
@@ -94,6 +95,12 @@ class FastRefusal:
                         self._account(route, tenant, error, started)
                         await self._answer(send, route, error)
                         return
+                self.ctx.admission.arrival_started(scope)
+                try:
+                    await self.app(scope, receive, send)
+                finally:  # when the request ended before reaching admission (a 400, a 401...)
+                    end_arrival(scope)
+                return
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: dict, queue_full: APIError) -> tuple[Tenant, APIError] | None:

@@ -66,7 +66,7 @@ def test_a_full_queue_refuses_without_reading_the_body(server: LiveServer,
     error = response.json()["error"]
     assert error["type"] == "server_overloaded" and error["code"] == "server_busy"
     assert error["param"] is None
-    assert f"{QUEUE_LIMIT} sequences queued (limit {QUEUE_LIMIT})" in error["message"]
+    assert f"{QUEUE_LIMIT} sequences queued and 0 arriving (limit {QUEUE_LIMIT})" in error["message"]
     assert refusal_counts(server) == (rejected + 1, timed + 1)
 
 
@@ -173,3 +173,22 @@ def test_the_api_key_is_read_as_the_app_reads_it() -> None:
     assert api_key_of("Basic k1", "k2") is None  # an Authorization header that is not a key
     assert api_key_of(None, " k2 ") == "k2"
     assert api_key_of("", "") is None
+
+
+def test_requests_still_arriving_count_against_the_queue() -> None:
+    """In a burst every request passes the fast check before the first reaches admission:
+    those past it and not yet admitted count as one sequence each, until admission or their end."""
+    from pagoda.serve.admission.queue import AdmissionController, end_arrival
+
+    controller = AdmissionController(max_queued_requests=2, max_queued_tokens=None)
+    first, second = {}, {}
+    controller.arrival_started(first)
+    assert controller.refusal_of_any() is None
+    controller.arrival_started(second)
+    refusal = controller.refusal_of_any()
+    assert refusal is not None and "0 sequences queued and 2 arriving (limit 2)" in refusal.message
+    end_arrival(first)
+    end_arrival(first)  # once per request
+    assert controller.arriving == 1 and controller.refusal_of_any() is None
+    end_arrival({})  # a request never counted
+    assert controller.arriving == 1

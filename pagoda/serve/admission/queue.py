@@ -42,8 +42,21 @@ class QueueSlot:
             self.controller._leave(self)
 
 
+# The ASGI scope key holding the controller that counts a request as arriving.
+ARRIVING = "pagoda.arriving"
+
+
+def end_arrival(scope: dict) -> None:
+    """The request reached admission (any model's), or ended before it: it no longer counts as
+    arriving where it was counted. Once per request; a no-op for requests never counted."""
+    controller = scope.pop(ARRIVING, None)
+    if controller is not None:
+        controller.arriving -= 1
+
+
 class AdmissionController:
-    """Counts queued sequences and tokens. Used from the event loop thread only."""
+    """Counts queued sequences and tokens, and the requests still arriving (past the fast
+    refusal, their bodies being read: one sequence each). Used from the event loop thread only."""
 
     def __init__(self, max_queued_requests: int | None, max_queued_tokens: int | None,
                  latency_targets: LatencyTargets | None = None, *, max_model_len: int = 0) -> None:
@@ -52,6 +65,7 @@ class AdmissionController:
                                   if max_queued_tokens is not None else None)
         self.queued_sequences = 0
         self.queued_tokens = 0
+        self.arriving = 0
         self.latency = LatencyGuard(latency_targets) if latency_targets and latency_targets.enabled else None
 
     def observe_first_token(self, seconds: float) -> None:
@@ -65,15 +79,22 @@ class AdmissionController:
 
     def refusal_of_any(self) -> APIError | None:
         """The 503 `reserve` answers now to any request, whatever its size (the queue holds its
-        limit of sequences or of tokens), or None when that depends on the request. Reads two
-        counters and changes nothing: the server asks it before a request's body is read."""
+        limit of sequences or of tokens, counting the requests still arriving as one sequence
+        each), or None when that depends on the request. Reads counters and changes nothing: the
+        server asks it before a request's body is read. Counting the arriving matters in a burst:
+        every request of it passes this check before the first one reaches `reserve`."""
         limit = self.max_queued_requests
-        if limit is not None and self.queued_sequences >= limit:
-            return overloaded(f"Server overloaded: {self.queued_sequences} sequences queued (limit "
-                              f"{limit}). Retry later.", RETRY_AFTER_SECONDS)
+        if limit is not None and self.queued_sequences + self.arriving >= limit:
+            return overloaded(f"Server overloaded: {self.queued_sequences} sequences queued and "
+                              f"{self.arriving} arriving (limit {limit}). Retry later.", RETRY_AFTER_SECONDS)
         if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
             return self._tokens_full()
         return None
+
+    def arrival_started(self, scope: dict) -> None:
+        """A request passed the fast refusal and goes on to have its body read."""
+        scope[ARRIVING] = self
+        self.arriving += 1
 
     def reserve(self, work: RequestWork) -> list[QueueSlot]:
         """Queue slots for one HTTP request's prompts (no tokens yet), or a 400 / 503."""

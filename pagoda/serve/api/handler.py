@@ -41,6 +41,7 @@ from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generatio
                                   new_request_id, rejection_reason)
 from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
                               cancel_on_disconnect, sse_error, sse_event)
+from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.tracing import trace_headers
@@ -156,6 +157,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         # Refusals by sequence count (full queue, tenant cap, latency targets) come first, on
         # the loop and without waiting on anything: an overloaded server answers them at once
         # instead of after the tokenizing threads.
+        # No await between the two: the fast refusal never sees this request counted twice.
+        end_arrival(raw.scope)
         admission = ctx.admit(tenant, RequestWork(self.num_prompts(request), request.sequences_per_prompt))
         try:
             # Tokenizing and templating take seconds for a multi-megabyte prompt: a worker
