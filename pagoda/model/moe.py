@@ -8,8 +8,10 @@ so they are stored and multiplied in whatever weight format the model's other pr
    chosen ones where the model says so; gpt-oss: top-k logits, then a softmax over those);
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
-3. one gate/up and one down product per active expert over its segment (a loop over the active
-   experts, never over tokens);
+3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
+   experts and enough of them hit, two grouped products (`torch._grouped_mm` over the stacked
+   weights and the segment offsets, one op each for all experts); otherwise a loop over the hit
+   experts only (quantized experts, a single sequence's few experts), never over tokens;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
@@ -32,7 +34,12 @@ from pagoda.model.layers import Linear
 from pagoda.model.mlp import MLP, GatedActivation
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
-from pagoda.quant.weight_formats import WeightFormat
+from pagoda.quant.weight_formats import FullWeight, WeightFormat
+
+# The grouped products (one op per projection over all held experts) pay a small fixed cost per
+# held expert, hit or not; a loop over the hit experts pays a larger one per hit expert. Grouped
+# wins once at least 1/this of the held experts are hit (decode batches beyond a few sequences).
+GROUPED_MIN_ACTIVE_SHARE = 6
 
 
 @dataclass(frozen=True)
@@ -114,22 +121,40 @@ class Experts(nn.ModuleDict):
         held = self.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
         start = sum(counts[:held.start])
-        stop = start + sum(counts[held.start:held.start + held.size])
+        held_counts = counts[held.start:held.start + held.size]
+        stop = start + sum(held_counts)
         if stop == start:
             return out
         token_index = routing.token_index[start:stop]
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
-        pieces = []
-        offset = 0
-        for expert in range(held.start, held.start + held.size):
-            count = counts[expert]
-            if count:
-                segment = slice(offset, offset + count)
-                pieces.append(self.run_expert(expert, sorted_hidden[segment]) * weights[segment])
-                offset += count
-        return out.index_add_(0, token_index, torch.cat(pieces))
+        active = sum(1 for count in held_counts if count)
+        if (self.gate_up_weight is not None and hidden.device.type == "cpu"
+                and active * GROUPED_MIN_ACTIVE_SHARE >= held.size):
+            rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start)
+        else:
+            pieces = []
+            offset = 0
+            for expert, count in enumerate(held_counts, start=held.start):
+                if count:
+                    pieces.append(self.run_expert(expert, sorted_hidden[offset:offset + count]))
+                    offset += count
+            rows = torch.cat(pieces)
+        return out.index_add_(0, token_index, rows * weights)
 
+    def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """Every held expert on its segment of the expert-sorted rows, in two grouped products
+        (one op each over all experts, however many are hit); full-precision experts only."""
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(sorted_hidden, self.gate_up_weight.transpose(1, 2), offs=offsets)
+        expert_of_row = None
+        if self.gate_up_bias is not None:
+            expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                                    output_size=rows)
+            gate_up = gate_up + self.gate_up_bias[expert_of_row]
+        gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)
+        down = torch._grouped_mm(self.gated(gate, up), self.down_weight.transpose(1, 2), offs=offsets)
+        return down if expert_of_row is None else down + self.down_bias[expert_of_row]
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""
@@ -157,7 +182,9 @@ class SparseMoE(nn.Module):
         self.renormalize = moe.renormalize
         self.softmax_over_top_k = moe.softmax_over_top_k
         self.tp = tp
-        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device)
+        # The router stays full precision but takes the full format's kernels (native ones too).
+        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device,
+                           FullWeight(getattr(weight_format, "native", None)))
         gated = GatedActivation(config.hidden_activation, moe.swiglu_limit, moe.swiglu_alpha)
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
                                device, weight_format, tp, bias=moe.expert_bias, gated=gated)
