@@ -9,9 +9,11 @@ so they are stored and multiplied in whatever weight format the model's other pr
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
 3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
-   experts and enough of them hit, two grouped products (`torch._grouped_mm` over the stacked
-   weights and the segment offsets, one op each for all experts); otherwise a loop over the hit
-   experts only (quantized experts, a single sequence's few experts), never over tokens;
+   experts, two grouped products over the stacked weights and the segment lengths, one op each
+   for all experts: pagoda's native kernel (pagoda.native, float32) when the model has them,
+   which visits only the experts hit, else `torch._grouped_mm` when enough experts are hit to
+   pay its per-expert cost; otherwise a loop over the hit experts only (quantized experts, a
+   single sequence's few experts), never over tokens;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
@@ -81,6 +83,7 @@ class Experts(nn.ModuleDict):
         self.placement = placement
         self.num_experts = num_experts
         self.gated = gated or GatedActivation(activation)
+        self.native = getattr(weight_format, "native", None)  # the native CPU kernels, where the format has them
         # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I], and
         # their biases [held, 2I] and [held, H] where they have them.
         self.gate_up_weight: torch.Tensor | None = None
@@ -129,8 +132,8 @@ class Experts(nn.ModuleDict):
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
         active = sum(1 for count in held_counts if count)
-        if (self.gate_up_weight is not None and hidden.device.type == "cpu"
-                and active * GROUPED_MIN_ACTIVE_SHARE >= held.size):
+        if self.gate_up_weight is not None and hidden.device.type == "cpu" and (
+                self.native_grouped(hidden) or active * GROUPED_MIN_ACTIVE_SHARE >= held.size):
             rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start)
         else:
             pieces = []
@@ -142,9 +145,17 @@ class Experts(nn.ModuleDict):
             rows = torch.cat(pieces)
         return out.index_add_(0, token_index, rows * weights)
 
+    def native_grouped(self, hidden: torch.Tensor) -> bool:
+        """Whether the native grouped product runs this step (its cost follows the experts hit)."""
+        return self.native is not None and hidden.dtype == torch.float32
+
     def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
         """Every held expert on its segment of the expert-sorted rows, in two grouped products
-        (one op each over all experts, however many are hit); full-precision experts only."""
+        (one op each over all experts); full-precision experts only."""
+        if self.native_grouped(sorted_hidden):
+            gate_up = self.native.grouped_linear_f32(sorted_hidden, self.gate_up_weight, counts, self.gate_up_bias)
+            gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)
+            return self.native.grouped_linear_f32(self.gated(gate, up), self.down_weight, counts, self.down_bias)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate_up = torch._grouped_mm(sorted_hidden, self.gate_up_weight.transpose(1, 2), offs=offsets)
         expert_of_row = None

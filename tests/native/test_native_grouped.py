@@ -1,0 +1,54 @@
+"""The native grouped product (a MoE projection over the experts hit) against per-group F.linear,
+and a MoE block running on it against the per-token reference. Tolerances as in
+tests/native/test_native_kernels.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda import native
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from test_moe_grouped import HIDDEN, moe_block, reference, route_only_to  # noqa: E402
+
+if not native.available():
+    pytest.skip(f"the native kernels do not build here: {native._build()}", allow_module_level=True)
+
+KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("counts", [[0, 3, 0, 17, 1], [5], [0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 40]])
+@pytest.mark.parametrize("biased", [False, True])
+def test_grouped_product_matches_per_group_linear(counts: list[int], biased: bool) -> None:
+    generator = torch.Generator().manual_seed(len(counts) + sum(counts))
+    k, n = 70, 37  # tails of the vector width and of the row tiles
+    x = torch.randn(sum(counts), k, generator=generator)
+    weight = torch.randn(len(counts), n, k, generator=generator)
+    bias = torch.randn(len(counts), n, generator=generator) if biased else None
+    out = KERNELS.grouped_linear_f32(x, weight, torch.tensor(counts), bias)
+    expected = torch.cat([F.linear(rows, weight[g], None if bias is None else bias[g])
+                          for g, rows in enumerate(x.split(counts))])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_counts_that_do_not_cover_the_rows_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="counts sum to 3, x has 4 rows"):
+        KERNELS.grouped_linear_f32(torch.randn(4, 8), torch.randn(2, 5, 8), torch.tensor([1, 2]), None)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
+@pytest.mark.parametrize("tokens, hit", [(1, None), (40, None), (5, [23, 0])])
+def test_moe_block_on_native_kernels_matches_reference(architecture: str, tokens: int, hit) -> None:
+    block = moe_block(architecture, seed=7)
+    block.experts.native = KERNELS
+    if hit is not None:
+        route_only_to(block, hit)
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    if hit is not None:
+        hidden[:, 0] = 1.0
+    torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
