@@ -90,6 +90,7 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             assert page.locator("#timelines .timeline").count() > 0
             assert page.locator("#timelines .timeline .decode").count() > 0
             assert page.text_content("#tile-guard_blocks .sub") == "guardrails off"
+            assert page.is_hidden("#moe-panel")  # a dense model: no expert figures
             screenshot = tmp_path / "dashboard.png"
             page.screenshot(path=str(screenshot), full_page=True)
             browser.close()

@@ -122,6 +122,45 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
     return Sample(now, scalars, histograms, labeled)
 
 
+_MOE_TOKENS = PREFIX + "moe_expert_tokens_total"
+_MOE_IMBALANCE = {"expert_imbalance": PREFIX + "moe_expert_imbalance", "rank_imbalance": PREFIX + "moe_rank_imbalance"}
+
+
+def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | None:
+    """Per MoE layer (--moe-metrics): tokens routed to each expert over the window (since the
+    start while the window has one sample), their max / mean, and the engine's last-step
+    imbalance gauges (the largest over replicas). None when the server exports no MoE figures."""
+    tokens: dict[int, dict[int, float]] = {}
+    for (name, labels), value in sample.labeled.items():
+        if name == _MOE_TOKENS:
+            label = dict(labels)
+            layer = tokens.setdefault(int(label["layer"]), {})
+            layer[int(label["expert"])] = layer.get(int(label["expert"]), 0.0) + value
+    if not tokens:
+        return None
+    if start is not None:
+        for (name, labels), value in start.labeled.items():
+            if name == _MOE_TOKENS:
+                label = dict(labels)
+                layer = tokens.get(int(label["layer"]))
+                if layer is not None and int(label["expert"]) in layer:
+                    layer[int(label["expert"])] -= value
+    gauges: dict[tuple[str, int], float] = {}
+    for (name, labels), value in sample.labeled.items():
+        for key, family in _MOE_IMBALANCE.items():
+            if name == family:
+                layer_key = (key, int(dict(labels)["layer"]))
+                gauges[layer_key] = max(value, gauges.get(layer_key, value))
+    layers = []
+    for layer in sorted(tokens):
+        counts = [max(0.0, tokens[layer].get(expert, 0.0)) for expert in range(max(tokens[layer]) + 1)]
+        total = sum(counts)
+        layers.append({"layer": layer, "expert_tokens": counts,
+                       "window_imbalance": max(counts) * len(counts) / total if total else None,
+                       **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE}})
+    return layers
+
+
 @dataclass
 class TenantRates:
     requests: int = 0
@@ -307,4 +346,5 @@ class DashboardWindow:
             "tenants": self._tenants(visible, sample.time),
             "requests": self._timelines(visible),
             "diagnosis": self._diagnosis(sample),
+            "moe": moe_load(sample, self._window_start()),
         }

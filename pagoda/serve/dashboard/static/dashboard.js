@@ -173,10 +173,34 @@ function drawDiagnosis(snap) {
   }
 }
 
+// One row per MoE layer: a cell per expert shaded by its tokens over the window relative to the
+// layer's busiest expert, then the imbalance figures (max / mean; 1 is even).
+function drawExperts(snap) {
+  const panel = document.getElementById("moe-panel");
+  panel.hidden = !snap.moe;
+  if (!snap.moe) return;
+  const root = document.getElementById("moe");
+  root.replaceChildren();
+  for (const layer of snap.moe) {
+    const row = el("div", {class: "moe-layer", "data-layer": String(layer.layer)}, root);
+    el("div", {class: "id", text: "layer " + layer.layer}, row);
+    const strip = el("div", {class: "strip"}, row);
+    const busiest = Math.max(1e-9, ...layer.expert_tokens);
+    layer.expert_tokens.forEach((tokens, expert) => {
+      el("span", {title: "expert " + expert + ": " + fmt(tokens) + " tokens",
+                  style: "opacity:" + (0.08 + 0.92 * tokens / busiest).toFixed(3)}, strip);
+    });
+    const rank = layer.rank_imbalance == null ? "" : " · ranks " + fmt(layer.rank_imbalance);
+    el("div", {text: "window " + fmt(layer.window_imbalance) + " · last step " +
+                     fmt(layer.expert_imbalance) + rank}, row);
+  }
+}
+
 function render(snap) {
   drawTiles(snap);
   drawDiagnosis(snap);
   for (const [id, , series] of CHARTS) drawChart(id, series, snap.history);
+  drawExperts(snap);
   drawTenants(snap);
   drawTimelines(snap);
   document.getElementById("scope").textContent =
