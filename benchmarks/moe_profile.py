@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--ops", type=int, default=22, help="aten ops listed")
     parser.add_argument("--models", type=Path, default=Path("/tmp/pagoda-moe-bench"))
+    parser.add_argument("--native-kernels", choices=("off", "on"), default="off")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
@@ -106,9 +107,10 @@ def main() -> None:
     commit = os.popen("git rev-parse --short HEAD").read().strip()
     lines = [f"$ .venv/bin/python benchmarks/moe_profile.py {' '.join(sys.argv[1:])}",
              f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, commit {commit}, load average at start "
-             f"{os.getloadavg()[0]:.1f} (shared 2-core machine), torch {torch.__version__}, {THREADS} threads", ""]
-    engines = {"moe": LLM(model=str(moe_dir), num_threads=THREADS),
-               "dense": LLM(model=str(dense_dir), num_threads=THREADS)}
+             f"{os.getloadavg()[0]:.1f} (shared 2-core machine), torch {torch.__version__}, {THREADS} threads, "
+             f"native kernels {args.native_kernels}", ""]
+    engines = {name: LLM(model=str(path), num_threads=THREADS, native_kernels=args.native_kernels)
+               for name, path in (("moe", moe_dir), ("dense", dense_dir))}
     for size in (1, 16):
         batch = prompts(engines["moe"].engine.core.model_config.vocab_size)[:size]
         for name, llm in engines.items():
