@@ -9,11 +9,11 @@ so they are stored and multiplied in whatever weight format the model's other pr
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
 3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
-   experts, two grouped products over the stacked weights and the segment lengths, one op each
-   for all experts: pagoda's native kernel (pagoda.native, float32) when the model has them,
-   which visits only the experts hit, else `torch._grouped_mm` when enough experts are hit to
-   pay its per-expert cost; otherwise a loop over the hit experts only (quantized experts, a
-   single sequence's few experts), never over tokens;
+   experts (or int8 ones on the native kernels), two grouped products over the stacked weights
+   and the segment lengths, one op each for all experts: pagoda's native kernel (pagoda.native)
+   when the model has them, which visits only the experts hit, else `torch._grouped_mm` when enough
+   experts are hit to pay its per-expert cost; otherwise a loop over the hit experts only
+   (other quantized formats, a single sequence's few experts), never over tokens;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
@@ -90,6 +90,12 @@ class Experts(nn.ModuleDict):
         self.down_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
+        # int8 experts on the native kernels, stacked at `finalize`: [held, 2I, K'] and [held, H, I']
+        # int8 rows (each expert's Linears hold views of them) and their float32 scales per row.
+        self.gate_up_qweight: torch.Tensor | None = None
+        self.gate_up_scales: torch.Tensor | None = None
+        self.down_qweight: torch.Tensor | None = None
+        self.down_scales: torch.Tensor | None = None
 
     def finalize(self, name: str) -> None:
         """After loading. Full-precision experts are stacked into two tensors and multiplied with
@@ -106,6 +112,7 @@ class Experts(nn.ModuleDict):
             for index, expert in zip(self.keys(), experts):
                 expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
                 expert.down_proj.finalize(f"{name}.{index}.down_proj")
+            self.stack_native_int8(experts)
             return
         self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
         self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
@@ -116,6 +123,32 @@ class Experts(nn.ModuleDict):
             del expert.gate_up_proj.weight, expert.down_proj.weight
             if expert.down_proj.bias is not None:
                 del expert.gate_up_proj.bias, expert.down_proj.bias
+
+    def stack_native_int8(self, experts: list[MLP]) -> None:
+        """int8 experts with native products: their rows and scales stacked once for the grouped
+        product, the Linears keeping views (one copy in memory), biases stacked beside."""
+        projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+        if not all(getattr(p, "native_scales", None) is not None for p in projections):
+            return
+        for kind in ("gate_up", "down"):
+            layers = [getattr(e, f"{kind}_proj") for e in experts]
+            qweight = torch.stack([layer.qweight for layer in layers])
+            scales = torch.stack([layer.native_scales for layer in layers])
+            for index, layer in enumerate(layers):
+                layer.qweight, layer.native_scales = qweight[index], scales[index]
+            setattr(self, f"{kind}_qweight", qweight)
+            setattr(self, f"{kind}_scales", scales)
+            if layers[0].bias is not None:
+                setattr(self, f"{kind}_bias", torch.stack([layer.bias.detach() for layer in layers]))
+
+    def grouped(self, hidden: torch.Tensor, active: int) -> bool:
+        """Whether this step's experts run as grouped products (else a loop over the hit ones)."""
+        if hidden.device.type != "cpu":
+            return False
+        if self.gate_up_qweight is not None:
+            return hidden.dtype == torch.float32
+        return self.gate_up_weight is not None and (
+            self.native_grouped(hidden) or active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size)
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -132,8 +165,7 @@ class Experts(nn.ModuleDict):
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
         active = sum(1 for count in held_counts if count)
-        if self.gate_up_weight is not None and hidden.device.type == "cpu" and (
-                self.native_grouped(hidden) or active * GROUPED_MIN_ACTIVE_SHARE >= held.size):
+        if self.grouped(hidden, active):
             rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start)
         else:
             pieces = []
@@ -151,7 +183,13 @@ class Experts(nn.ModuleDict):
 
     def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
         """Every held expert on its segment of the expert-sorted rows, in two grouped products
-        (one op each over all experts); full-precision experts only."""
+        (one op each over all experts); full-precision experts, or int8 ones on the native kernels."""
+        if self.gate_up_qweight is not None:
+            gate_up = self.native.grouped_linear_int8(sorted_hidden, self.gate_up_qweight, self.gate_up_scales, counts,
+                                                      self.gate_up_bias)
+            gate, up = gate_up.split(self.gate_up_qweight.shape[1] // 2, dim=-1)
+            return self.native.grouped_linear_int8(self.gated(gate, up), self.down_qweight, self.down_scales, counts,
+                                                   self.down_bias)
         if self.native_grouped(sorted_hidden):
             gate_up = self.native.grouped_linear_f32(sorted_hidden, self.gate_up_weight, counts, self.gate_up_bias)
             gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)

@@ -66,8 +66,13 @@ class NativeKernels:
         experts hit."""
         return load_extension().grouped_linear_f32(x, weight, counts, bias)
 
+    def grouped_linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        """The same with int8 weights [G, N, K' >= K] and float32 scales [G, N] per output row."""
+        return load_extension().grouped_linear_int8(x, qweight, scales, counts, bias)
+
     def describe(self) -> str:
-        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products)"
+        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products, grouped MoE products)"
 
 
 def cache_dir() -> Path:

@@ -14,13 +14,14 @@ from pagoda.model.loader import finalize_linears
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE, route
 from pagoda.model.parallel import TensorParallelGroup
+from pagoda.quant.weight_formats import WeightFormat
 
 HIDDEN, EXPERTS, TOP_K = 32, 24, 2
 ALWAYS_GROUPED = EXPERTS  # any hit expert makes the share
 NEVER_GROUPED = 0
 
 
-def moe_block(architecture: str, seed: int = 0) -> SparseMoE:
+def moe_block(architecture: str, seed: int = 0, weight_format: WeightFormat | None = None) -> SparseMoE:
     config = {"architectures": [architecture], "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_experts_per_tok": TOP_K}
     if architecture == "GptOssForCausalLM":
@@ -28,7 +29,8 @@ def moe_block(architecture: str, seed: int = 0) -> SparseMoE:
                       layer_types=["full_attention"])
     else:
         config.update(num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=16, norm_topk_prob=True)
-    block = SparseMoE(ModelConfig.from_dict(config), torch.float32, torch.device("cpu"), None, TensorParallelGroup())
+    block = SparseMoE(ModelConfig.from_dict(config), torch.float32, torch.device("cpu"), weight_format,
+                      TensorParallelGroup())
     generator = torch.Generator().manual_seed(seed)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)

@@ -1,5 +1,5 @@
-"""The native grouped product (a MoE projection over the experts hit) against per-group F.linear,
-and a MoE block running on it against the per-token reference. Tolerances as in
+"""The native grouped products (a MoE projection over the experts hit; float32 and int8) against
+per-group products, and a MoE block running on them against the per-token reference. Tolerances as in
 tests/native/test_native_kernels.py."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import native
+from pagoda.quant.weight_formats import Int8Weight, quantize_int8_per_channel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_moe_grouped import HIDDEN, moe_block, reference, route_only_to  # noqa: E402
@@ -52,3 +53,31 @@ def test_moe_block_on_native_kernels_matches_reference(architecture: str, tokens
     if hit is not None:
         hidden[:, 0] = 1.0
     torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_grouped_int8_product_matches_per_group_int8_product(biased: bool) -> None:
+    generator = torch.Generator().manual_seed(11)
+    counts = [0, 4, 0, 1, 19]
+    k, padded, n = 40, 48, 21  # int8 rows padded past the inputs, as Int8Weight stores them
+    x = torch.randn(sum(counts), k, generator=generator)
+    pairs = [quantize_int8_per_channel(torch.randn(n, k, generator=generator)) for _ in counts]
+    qweight = torch.stack([F.pad(q, (0, padded - k)) for q, _ in pairs])
+    scales = torch.stack([s for _, s in pairs])
+    bias = torch.randn(len(counts), n, generator=generator) if biased else None
+    out = KERNELS.grouped_linear_int8(x, qweight, scales, torch.tensor(counts), bias)
+    expected = torch.cat([KERNELS.linear_int8(rows, qweight[g], scales[g], None if bias is None else bias[g])
+                          for g, rows in enumerate(x.split(counts))])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
+def test_int8_experts_run_grouped_and_match_their_linears(architecture: str) -> None:
+    block = moe_block(architecture, seed=9, weight_format=Int8Weight(KERNELS))
+    experts = block.experts
+    assert experts.gate_up_qweight is not None and experts.gate_up_qweight.dtype == torch.int8
+    # The Linears hold views of the stacked rows: one copy in memory.
+    assert experts["3"].gate_up_proj.qweight.data_ptr() == experts.gate_up_qweight[3].data_ptr()
+    for tokens in (1, 40):
+        hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
