@@ -12,8 +12,9 @@ expert width 0.375 x hidden as in the original, hidden 256, 4 layers, float32, r
   parallel: the offline run with tensor_parallel_size 2, experts split (TP=2) vs placed whole
     (EP=2), one thread per rank.
 
-pagoda runs each of these twice: as configured by default and with `--native-kernels on`
-(pagoda.native; "native" in the names below), the dense model likewise. Every configuration is
+pagoda runs each of these as configured by default, with `--native-kernels on` (pagoda.native;
+"native" in the names below), and the decode steps also with `--quantization int8` on the
+native kernels ("int8_native"), the dense model likewise. Every configuration is
 measured in alternating rounds and medians are reported; the machine is shared, so compare
 ratios within one run.
 
@@ -124,9 +125,11 @@ def main() -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     batch = prompts(hf.config.vocab_size)
-    engines = {f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode)
+    engines = {f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode,
+                                       quantization=quantization)
                for model, path in (("moe", moe_dir), ("dense", dense_dir))
-               for suffix, mode in (("", "off"), ("_native", "on"))}
+               for suffix, mode, quantization in (("", "off", "none"), ("_native", "on", "none"),
+                                                  ("_int8_native", "on", "int8"))}
     parallel = {} if args.no_parallel else {
         name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
         for name, ep in (("tp2", False), ("ep2", True))}
@@ -165,7 +168,7 @@ def main() -> None:
             medians["offline_tok_s/pagoda_native"] / medians["offline_tok_s/transformers"],
     }
     for size in (1, BATCH):
-        for suffix in ("", "_native"):
+        for suffix in ("", "_native", "_int8_native"):
             ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}"] = (
                 medians[f"decode_step_ms/batch_{size}/moe{suffix}"] / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
     for tokens in (1, 16, 256):
