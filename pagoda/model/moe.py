@@ -98,9 +98,10 @@ class Experts(nn.ModuleDict):
         self.down_scales: torch.Tensor | None = None
 
     def finalize(self, name: str) -> None:
-        """After loading. Full-precision experts are stacked into two tensors and multiplied with
-        plain F.linear on a slice (a small matmul's fixed cost is what a per-expert loop pays for
-        every active expert); quantized ones keep their Linears and format kernels."""
+        """After loading. Full-precision experts are stacked into two tensors, the operands of
+        the grouped products (and sliced for the loop's F.linear); quantized ones keep their
+        Linears and format kernels, int8 ones on the native kernels also stacked
+        (`stack_native_int8`)."""
         experts = list(self.values())
         if self.placement.weight_group.rank != 0:
             # Each rank's output is a partial sum of split experts: one rank adds the down bias.
