@@ -246,11 +246,15 @@ def test_window_shows_expert_load_only_with_moe_metrics() -> None:
     window = DashboardWindow(registry, window_s=10.0, clock=lambda: now[0])
     first = window.snapshot()["moe"]
     assert [layer["layer"] for layer in first] == [0, 2]
-    assert first[0]["expert_tokens"] == [4, 0, 4, 0] and first[0]["window_imbalance"] == 2.0
+    assert first[0]["expert_tokens"] == [4, 0, 4, 0]
+    assert first[0]["window_tokens"] is None and first[0]["window_imbalance"] is None  # one sample so far
     assert (first[0]["expert_imbalance"], first[0]["rank_imbalance"]) == (2.0, 1.0)
     stats.expert_tokens = [[4, 6, 4, 0], [3, 2, 2, 2]]  # this window: 6 tokens to expert 1 of layer 0
     stats.expert_imbalance = [4.0, 4.0]
     now[0] += 1.0
     later = window.snapshot()["moe"]
-    assert later[0]["expert_tokens"] == [0, 6, 0, 0] and later[0]["window_imbalance"] == 4.0
-    assert later[1]["expert_tokens"] == [1, 0, 0, 0] and later[1]["expert_imbalance"] == 4.0
+    assert later[0]["expert_tokens"] == [4, 6, 4, 0]
+    assert later[0]["window_tokens"] == [0, 6, 0, 0] and later[0]["window_imbalance"] == 4.0
+    assert later[1]["window_tokens"] == [1, 0, 0, 0] and later[1]["expert_imbalance"] == 4.0
+    now[0] += 1.0  # nothing routed since: the window keeps the tokens of its span
+    assert window.snapshot()["moe"][0]["window_tokens"] == [0, 6, 0, 0]

@@ -126,25 +126,26 @@ _MOE_TOKENS = PREFIX + "moe_expert_tokens_total"
 _MOE_IMBALANCE = {"expert_imbalance": PREFIX + "moe_expert_imbalance", "rank_imbalance": PREFIX + "moe_rank_imbalance"}
 
 
-def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | None:
-    """Per MoE layer (--moe-metrics): tokens routed to each expert over the window (since the
-    start while the window has one sample), their max / mean, and the engine's last-step
-    imbalance gauges (the largest over replicas). None when the server exports no MoE figures."""
+def _expert_tokens(sample: Sample) -> dict[int, dict[int, float]]:
+    """layer -> expert -> tokens routed since start, summed over the other labels (replicas)."""
     tokens: dict[int, dict[int, float]] = {}
     for (name, labels), value in sample.labeled.items():
         if name == _MOE_TOKENS:
             label = dict(labels)
             layer = tokens.setdefault(int(label["layer"]), {})
             layer[int(label["expert"])] = layer.get(int(label["expert"]), 0.0) + value
-    if not tokens:
+    return tokens
+
+
+def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | None:
+    """Per MoE layer (--moe-metrics): tokens routed to each expert since the server started and
+    over the window (None while the window has one sample), the window's max / mean, and the
+    engine's last-step imbalance gauges (the largest over replicas). None when the server
+    exports no MoE figures."""
+    totals = _expert_tokens(sample)
+    if not totals:
         return None
-    if start is not None:
-        for (name, labels), value in start.labeled.items():
-            if name == _MOE_TOKENS:
-                label = dict(labels)
-                layer = tokens.get(int(label["layer"]))
-                if layer is not None and int(label["expert"]) in layer:
-                    layer[int(label["expert"])] -= value
+    before = _expert_tokens(start) if start is not None else None
     gauges: dict[tuple[str, int], float] = {}
     for (name, labels), value in sample.labeled.items():
         for key, family in _MOE_IMBALANCE.items():
@@ -152,11 +153,14 @@ def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | Non
                 layer_key = (key, int(dict(labels)["layer"]))
                 gauges[layer_key] = max(value, gauges.get(layer_key, value))
     layers = []
-    for layer in sorted(tokens):
-        counts = [max(0.0, tokens[layer].get(expert, 0.0)) for expert in range(max(tokens[layer]) + 1)]
-        total = sum(counts)
-        layers.append({"layer": layer, "expert_tokens": counts,
-                       "window_imbalance": max(counts) * len(counts) / total if total else None,
+    for layer in sorted(totals):
+        experts = range(max(totals[layer]) + 1)
+        counts = [totals[layer].get(expert, 0.0) for expert in experts]
+        window = None if before is None else [
+            max(0.0, count - before.get(layer, {}).get(expert, 0.0)) for expert, count in zip(experts, counts)]
+        routed = sum(window) if window is not None else 0.0
+        layers.append({"layer": layer, "expert_tokens": counts, "window_tokens": window,
+                       "window_imbalance": max(window) * len(window) / routed if routed else None,
                        **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE}})
     return layers
 
