@@ -11,9 +11,10 @@ so they are stored and multiplied in whatever weight format the model's other pr
 3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
    experts (or int8 ones on the native kernels), two grouped products over the stacked weights
    and the segment lengths, one op each for all experts: pagoda's native kernel (pagoda.native)
-   when the model has them, which visits only the experts hit, else `torch._grouped_mm` when enough
-   experts are hit to pay its per-expert cost; otherwise a loop over the hit experts only
-   (other quantized formats, a single sequence's few experts), never over tokens;
+   when the model has them, which visits only the experts hit (float32 ones while segments are
+   decode-sized), else `torch._grouped_mm` when enough experts are hit to pay its per-expert
+   cost; otherwise a loop over the hit experts only (other quantized formats, a single
+   sequence's few experts), never over tokens;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
@@ -36,6 +37,7 @@ from pagoda.model.layers import Linear
 from pagoda.model.mlp import MLP, GatedActivation
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
+from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 # The grouped products (one op per projection over all held experts) pay a small fixed cost per
@@ -142,14 +144,19 @@ class Experts(nn.ModuleDict):
             if layers[0].bias is not None:
                 setattr(self, f"{kind}_bias", torch.stack([layer.bias.detach() for layer in layers]))
 
-    def grouped(self, hidden: torch.Tensor, active: int) -> bool:
-        """Whether this step's experts run as grouped products (else a loop over the hit ones)."""
+    def path(self, hidden: torch.Tensor, rows: int, active: int) -> str:
+        """How this step's `rows` (token, expert) pairs over `active` hit experts run: "native"
+        (pagoda's grouped kernel: int8 experts always, float32 ones while the segments are
+        decode-sized, as `FullWeight` picks its native product), "grouped_mm", or "loop"."""
         if hidden.device.type != "cpu":
-            return False
-        if self.gate_up_qweight is not None:
-            return hidden.dtype == torch.float32
-        return self.gate_up_weight is not None and (
-            self.native_grouped(hidden) or active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size)
+            return "loop"
+        if self.gate_up_qweight is not None:  # int8 experts on the native kernels
+            return "native" if hidden.dtype == torch.float32 else "loop"
+        if self.gate_up_weight is None:
+            return "loop"
+        if self.native is not None and hidden.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS * active:
+            return "native"
+        return "grouped_mm" if active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size else "loop"
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -166,8 +173,10 @@ class Experts(nn.ModuleDict):
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
         active = sum(1 for count in held_counts if count)
-        if self.grouped(hidden, active):
-            rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start)
+        path = self.path(hidden, stop - start, active)
+        if path != "loop":
+            rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start,
+                                    path == "native")
         else:
             pieces = []
             offset = 0
@@ -178,20 +187,16 @@ class Experts(nn.ModuleDict):
             rows = torch.cat(pieces)
         return out.index_add_(0, token_index, rows * weights)
 
-    def native_grouped(self, hidden: torch.Tensor) -> bool:
-        """Whether the native grouped product runs this step (its cost follows the experts hit)."""
-        return self.native is not None and hidden.dtype == torch.float32
-
-    def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int, native: bool) -> torch.Tensor:
         """Every held expert on its segment of the expert-sorted rows, in two grouped products
-        (one op each over all experts); full-precision experts, or int8 ones on the native kernels."""
+        (one op each over all experts): the native kernel's, or torch._grouped_mm's."""
         if self.gate_up_qweight is not None:
             gate_up = self.native.grouped_linear_int8(sorted_hidden, self.gate_up_qweight, self.gate_up_scales, counts,
                                                       self.gate_up_bias)
             gate, up = gate_up.split(self.gate_up_qweight.shape[1] // 2, dim=-1)
             return self.native.grouped_linear_int8(self.gated(gate, up), self.down_qweight, self.down_scales, counts,
                                                    self.down_bias)
-        if self.native_grouped(sorted_hidden):
+        if native:
             gate_up = self.native.grouped_linear_f32(sorted_hidden, self.gate_up_weight, counts, self.gate_up_bias)
             gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)
             return self.native.grouped_linear_f32(self.gated(gate, up), self.down_weight, counts, self.down_bias)

@@ -81,3 +81,18 @@ def test_int8_experts_run_grouped_and_match_their_linears(architecture: str) -> 
     for tokens in (1, 40):
         hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
         torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_experts_take_the_native_product_for_decode_sized_segments() -> None:
+    """As FullWeight: native while the segments are decode-sized, torch's grouped product for
+    prefill-sized ones (many rows per hit expert); the outputs agree either way."""
+    block = moe_block("Qwen3MoeForCausalLM", seed=8)
+    block.experts.native = KERNELS
+    experts = block.experts
+    assert experts.path(torch.empty(1, HIDDEN), rows=2, active=2) == "native"
+    assert experts.path(torch.empty(1, HIDDEN), rows=16 * 24, active=24) == "native"
+    assert experts.path(torch.empty(1, HIDDEN), rows=16 * 24 + 1, active=24) == "grouped_mm"
+    assert experts.path(torch.empty(1, HIDDEN), rows=400, active=2) == "loop"  # few experts, long segments
+    for tokens in (4, 300):
+        hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
