@@ -3,23 +3,31 @@ expert width 0.375 x hidden as in the original, hidden 256, 4 layers, float32, r
 
   offline: 16 prompts of 64 tokens, 32 greedy output tokens each, output tok/s wall, pagoda vs
     transformers' generate (batch 16) on the same weights;
-  decode step: (time for 33 output tokens - time for 1) / 32 at batch 16, the MoE model vs a
-    dense model with the same active parameters (intermediate = 8 x the expert width);
-  block: one MoE block's forward at 16 and 256 tokens, pagoda's grouped op vs transformers' own
-    per-expert loop (Qwen3MoeSparseMoeBlock) on the same weights;
+  decode step: (time for 33 output tokens - time for 1) / 32 at batch 1 and 16, the MoE model vs
+    a dense model with the same active parameters (intermediate = 8 x the expert width);
+  block: one MoE block's forward at 1, 16 and 256 tokens: pagoda's loop over the hit experts,
+    its grouped products (torch._grouped_mm) and its native grouped kernel, vs transformers' own
+    block (Qwen3MoeSparseMoeBlock with transformers 5's default experts implementation, which is
+    also torch's grouped_mm) on the same weights;
   parallel: the offline run with tensor_parallel_size 2, experts split (TP=2) vs placed whole
     (EP=2), one thread per rank.
 
-Every configuration is measured in alternating rounds and medians are reported.
+pagoda runs each of these as configured by default, with `--native-kernels on` (pagoda.native;
+"native" in the names below), and the decode steps also with `--quantization int8` on the
+native kernels ("int8_native"), the dense model likewise. Every configuration is
+measured in alternating rounds and medians are reported; the machine is shared, so compare
+ratios within one run.
 
-    .venv/bin/python benchmarks/moe.py --rounds 3 --out benchmarks/results/moe
+    .venv/bin/python benchmarks/moe.py --rounds 5 --out benchmarks/results/moe/speed.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import statistics
 import sys
 import time
@@ -32,6 +40,7 @@ prefer_passive_omp_wait()  # before torch loads
 import torch  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda.model import moe as moe_module  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -85,23 +94,47 @@ def block_seconds(block, hidden: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
+def pagoda_block_seconds(block, hidden: torch.Tensor, repeats: int, path: str, native) -> float:
+    """One of the experts' execution paths: "loop", "grouped" (torch._grouped_mm) or "native"."""
+    share = moe_module.GROUPED_MIN_ACTIVE_SHARE
+    moe_module.GROUPED_MIN_ACTIVE_SHARE = {"loop": 0, "grouped": block.experts.num_experts}.get(path, share)
+    block.experts.native = native if path == "native" else None
+    try:
+        return block_seconds(block, hidden, repeats)
+    finally:
+        moe_module.GROUPED_MIN_ACTIVE_SHARE = share
+
+
+def decode_step_ms(llm: LLM, batch: list[list[int]]) -> float:
+    full = timed_generate(llm, batch, OUTPUT + 1)
+    first = timed_generate(llm, batch, 1)
+    return 1000 * (full - first) / OUTPUT
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", type=Path, default=Path("/tmp/pagoda-moe-bench"))
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe" / "speed.json")
+    parser.add_argument("--no-parallel", action="store_true", help="skip the TP=2 / EP=2 runs")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
+    load_at_start = os.getloadavg()
     moe_dir, dense_dir = models(args.models)
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     batch = prompts(hf.config.vocab_size)
-    engines = {"moe": LLM(model=str(moe_dir), num_threads=THREADS),
-               "dense": LLM(model=str(dense_dir), num_threads=THREADS)}
-    parallel = {name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
-                for name, ep in (("tp2", False), ("ep2", True))}
+    engines = {f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode,
+                                       quantization=quantization)
+               for model, path in (("moe", moe_dir), ("dense", dense_dir))
+               for suffix, mode, quantization in (("", "off", "none"), ("_native", "on", "none"),
+                                                  ("_int8_native", "on", "int8"))}
+    parallel = {} if args.no_parallel else {
+        name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
+        for name, ep in (("tp2", False), ("ep2", True))}
     pagoda_block = engines["moe"].engine.core.runner.model.model.layers[0].mlp
+    native = engines["moe_native"].engine.core.runner.model.model.layers[0].mlp.experts.native
     hf_block = hf.model.layers[0].mlp
     samples: dict[str, list[float]] = {}
 
@@ -111,35 +144,48 @@ def main() -> None:
     for round_index in range(args.rounds):
         record("offline_tok_s/pagoda", BATCH * OUTPUT / timed_generate(engines["moe"], batch, OUTPUT))
         record("offline_tok_s/transformers", BATCH * OUTPUT / hf_generate_seconds(hf, batch))
-        for name in ("moe", "dense"):
-            full = timed_generate(engines[name], batch, OUTPUT + 1)
-            first = timed_generate(engines[name], batch, 1)
-            record(f"decode_step_ms/{name}", 1000 * (full - first) / OUTPUT)
-        for tokens in (16, 256):
+        record("offline_tok_s/pagoda_native", BATCH * OUTPUT / timed_generate(engines["moe_native"], batch, OUTPUT))
+        for size in (1, BATCH):
+            for name, llm in engines.items():
+                record(f"decode_step_ms/batch_{size}/{name}", decode_step_ms(llm, batch[:size]))
+        for tokens in (1, 16, 256):
             hidden = torch.randn(tokens, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(tokens))
-            record(f"block_ms/{tokens}_tokens/pagoda_grouped", 1000 * block_seconds(pagoda_block, hidden, 20))
-            record(f"block_ms/{tokens}_tokens/transformers_loop",
+            for path in ("loop", "grouped", "native"):
+                record(f"block_ms/{tokens}_tokens/pagoda_{path}",
+                       1000 * pagoda_block_seconds(pagoda_block, hidden, 20, path, native))
+            record(f"block_ms/{tokens}_tokens/transformers",
                    1000 * block_seconds(hf_block, hidden.unsqueeze(0), 20))
         for name, llm in parallel.items():
             record(f"offline_tok_s/{name}", BATCH * OUTPUT / timed_generate(llm, batch, OUTPUT))
-        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        print(f"round {round_index + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     for llm in parallel.values():
         llm.engine.close()
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     ratios = {
         "offline_pagoda_over_transformers": medians["offline_tok_s/pagoda"] / medians["offline_tok_s/transformers"],
-        "decode_step_moe_over_dense": medians["decode_step_ms/moe"] / medians["decode_step_ms/dense"],
-        "block_16_transformers_over_grouped": medians["block_ms/16_tokens/transformers_loop"]
-        / medians["block_ms/16_tokens/pagoda_grouped"],
-        "block_256_transformers_over_grouped": medians["block_ms/256_tokens/transformers_loop"]
-        / medians["block_ms/256_tokens/pagoda_grouped"],
-        "offline_ep2_over_tp2": medians["offline_tok_s/ep2"] / medians["offline_tok_s/tp2"],
+        "offline_pagoda_native_over_transformers":
+            medians["offline_tok_s/pagoda_native"] / medians["offline_tok_s/transformers"],
     }
+    for size in (1, BATCH):
+        for suffix in ("", "_native", "_int8_native"):
+            ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}"] = (
+                medians[f"decode_step_ms/batch_{size}/moe{suffix}"] / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
+    for tokens in (1, 16, 256):
+        for path in ("loop", "grouped", "native"):
+            ratios[f"block_{tokens}_transformers_over_{path}"] = (
+                medians[f"block_ms/{tokens}_tokens/transformers"] / medians[f"block_ms/{tokens}_tokens/pagoda_{path}"])
+    if parallel:
+        ratios["offline_ep2_over_tp2"] = medians["offline_tok_s/ep2"] / medians["offline_tok_s/tp2"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
     result = {
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-                   f"transformers {transformers.__version__}",
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, {THREADS} threads, "
+                   f"torch {torch.__version__}, transformers {transformers.__version__}",
         "model": {**SHAPE, **MOE, "architecture": "Qwen3MoeForCausalLM", "dtype": "float32",
                   "dense_intermediate_size": MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]},
         "workload": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "rounds": args.rounds},
@@ -147,8 +193,8 @@ def main() -> None:
         "ratios": ratios,
         "samples": samples,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"medians": medians, "ratios": ratios}, indent=2))
 
 

@@ -1,5 +1,6 @@
 // Matrix-vector and small-M products (any M, in blocks of 16 rows) for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// W dense row-major (fp32) or int8 with one scale per output row. Parallel over output rows with
+// W dense row-major (fp32) or int8 with one scale per output row; and its grouped form for mixture-of-experts
+// projections (each group of rows of x times its own W, only the groups that have rows). Parallel over output rows with
 // at::parallel_for (torch's intra-op threads, so the engine's thread policy holds). Each ISA
 // body is compiled with its own target attribute and picked at run time, so one build serves
 // any x86-64 CPU and the build cache can be shared between machines.
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 #include <immintrin.h>
 #include <cstdint>
 
@@ -134,6 +136,36 @@ void rows_tile(Isa isa, const W* w, int64_t ldw, const float* x, int64_t m, int6
   }
 }
 
+// Output rows [n0, n0 + rows) (rows <= kRowsPerTile) of out[M, ldo] = x[M, K] @ W^T for every row of x,
+// W's rows starting at w (row stride ldw); optional per-row scale and bias, indexed from n0.
+template <typename W>
+void output_rows(Isa isa, const W* w, int64_t ldw, int64_t n0, int64_t rows, const float* xp, int64_t m, int64_t k,
+                 const float* row_scale, const float* bias_ptr, float* op, int64_t ldo) {
+  float acc[kRowsPerTile * kMaxRows];
+  const W* wt = w + n0 * ldw;
+  // The tile's weight rows stay in cache while every block of x passes over them.
+  for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+    const int64_t mb = std::min<int64_t>(kMaxRows, m - m0);
+    const float* xb = xp + m0 * k;
+    if (rows == kRowsPerTile) {
+      rows_tile<W, kRowsPerTile>(isa, wt, ldw, xb, mb, k, acc);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) rows_tile<W, 1>(isa, wt + r * ldw, ldw, xb, mb, k, acc + r * kMaxRows);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = row_scale ? row_scale[n0 + r] : 1.f;
+      const float b = bias_ptr ? bias_ptr[n0 + r] : 0.f;
+      for (int64_t c = 0; c < mb; ++c) op[(m0 + c) * ldo + n0 + r] = acc[r * kMaxRows + c] * scale + b;
+    }
+  }
+}
+
+// Enough rows per task that a thread streams a few hundred KiB of weight before syncing.
+int64_t tile_grain(int64_t k) {
+  const int64_t grain = std::max<int64_t>(kRowsPerTile, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
+  return (grain + kRowsPerTile - 1) / kRowsPerTile;
+}
+
 template <typename W>
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const float* row_scale,
                              const std::optional<at::Tensor>& bias) {
@@ -156,33 +188,84 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const f
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const Isa isa = active_isa();
-  // Enough rows per task that a thread streams a few hundred KiB of weight before syncing.
-  const int64_t grain = std::max<int64_t>(kRowsPerTile, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
-  at::parallel_for(0, (n + kRowsPerTile - 1) / kRowsPerTile, (grain + kRowsPerTile - 1) / kRowsPerTile,
-                   [&](int64_t begin, int64_t end) {
-    float acc[kRowsPerTile * kMaxRows];
+  at::parallel_for(0, (n + kRowsPerTile - 1) / kRowsPerTile, tile_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowsPerTile;
-      const int64_t rows = std::min<int64_t>(kRowsPerTile, n - n0);
-      const W* wt = w + n0 * ldw;
-      // The tile's weight rows stay in cache while every block of x passes over them.
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int64_t mb = std::min<int64_t>(kMaxRows, m - m0);
-        const float* xb = xp + m0 * k;
-        if (rows == kRowsPerTile) {
-          rows_tile<W, kRowsPerTile>(isa, wt, ldw, xb, mb, k, acc);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) rows_tile<W, 1>(isa, wt + r * ldw, ldw, xb, mb, k, acc + r * kMaxRows);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float scale = row_scale ? row_scale[n0 + r] : 1.f;
-          const float b = bias_ptr ? bias_ptr[n0 + r] : 0.f;
-          for (int64_t c = 0; c < mb; ++c) op[(m0 + c) * n + n0 + r] = acc[r * kMaxRows + c] * scale + b;
-        }
-      }
+      output_rows<W>(isa, w, ldw, n0, std::min<int64_t>(kRowsPerTile, n - n0), xp, m, k, row_scale, bias_ptr, op, n);
     }
   });
   return out;
+}
+
+// A mixture-of-experts projection: x [R, K] holds the rows of group 0, then group 1, ... (counts [G], int64 on
+// the CPU); out[R, N] = each group's rows @ weight[g]^T (* scales[g]) (+ bias[g]), weight [G, N, K' >= K] with
+// contiguous rows (float32, or int8 with float32 scales [G, N]). One parallel region over the (group, tile of
+// output rows) pairs of the groups that have rows, so the cost follows the experts hit, not the experts held.
+template <typename W>
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const float* scales,
+                          const at::Tensor& counts, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3, "grouped_linear: x [R, K] and weight [G, N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "grouped_linear: x must be float32");
+  TORCH_CHECK(x.size(1) <= weight.size(2), "grouped_linear: x has ", x.size(1), " inputs, weight ", weight.size(2));
+  TORCH_CHECK(weight.stride(2) == 1, "grouped_linear: weight rows must be contiguous");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == weight.size(0) && counts.scalar_type() == at::kLong &&
+              counts.device().is_cpu(), "grouped_linear: counts must be int64 [G] on the CPU");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor cc = counts.contiguous();
+  const int64_t groups = weight.size(0), n = weight.size(1), k = xc.size(1), ldw = weight.stride(1);
+  at::Tensor out = at::empty({xc.size(0), n}, xc.options());
+  const float* bias_ptr = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    bias_c = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_c.dim() == 2 && bias_c.size(0) == groups && bias_c.size(1) == n,
+                "grouped_linear: bias must be [G, N]");
+    bias_ptr = bias_c.data_ptr<float>();
+  }
+  const int64_t* count = cc.data_ptr<int64_t>();
+  std::vector<int64_t> hit, first_row;  // the groups with rows and where their rows start
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(count[g] >= 0, "grouped_linear: negative count");
+    if (count[g] > 0) {
+      hit.push_back(g);
+      first_row.push_back(row);
+    }
+    row += count[g];
+  }
+  TORCH_CHECK(row == xc.size(0), "grouped_linear: counts sum to ", row, ", x has ", xc.size(0), " rows");
+  if (hit.empty() || n == 0) return out;
+  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
+  const W* w = weight.data_ptr<W>();
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const Isa isa = active_isa();
+  at::parallel_for(0, static_cast<int64_t>(hit.size()) * tiles, tile_grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, n0 = (task % tiles) * kRowsPerTile, g = hit[h];
+      output_rows<W>(isa, w + g * weight.stride(0), ldw, n0, std::min<int64_t>(kRowsPerTile, n - n0),
+                     xp + first_row[h] * k, count[g], k, scales ? scales + g * n : nullptr,
+                     bias_ptr ? bias_ptr + g * n : nullptr, op + first_row[h] * n, n);
+    }
+  });
+  return out;
+}
+
+at::Tensor grouped_linear_f32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "grouped_linear_f32: weight must be float32");
+  TORCH_CHECK(x.size(1) == weight.size(2), "grouped_linear_f32: x has ", x.size(1), " inputs, weight ",
+              weight.size(2));
+  return grouped_linear<float>(x, weight, nullptr, counts, bias);
+}
+
+at::Tensor grouped_linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const at::Tensor& counts, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, "grouped_linear_int8: weight must be int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == qweight.size(0) && scales.size(1) == qweight.size(1),
+              "grouped_linear_int8: scales must be float32 [G, N], contiguous");
+  return grouped_linear<int8_t>(x, qweight, scales.data_ptr<float>(), counts, bias);
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -214,5 +297,8 @@ std::string isa_name() {
 TORCH_LIBRARY(PAGODA_NATIVE_NAMESPACE, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_f32);
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor", &linear_int8);
+  m.def("grouped_linear_f32(Tensor x, Tensor weight, Tensor counts, Tensor? bias) -> Tensor", &grouped_linear_f32);
+  m.def("grouped_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor counts, Tensor? bias) -> Tensor",
+        &grouped_linear_int8);
   m.def("isa() -> str", &isa_name);
 }

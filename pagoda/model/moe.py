@@ -8,8 +8,13 @@ so they are stored and multiplied in whatever weight format the model's other pr
    chosen ones where the model says so; gpt-oss: top-k logits, then a softmax over those);
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one bincount), and the tokens gathered in that order once;
-3. one gate/up and one down product per active expert over its segment (a loop over the active
-   experts, never over tokens);
+3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
+   experts (or int8 ones on the native kernels), two grouped products over the stacked weights
+   and the segment lengths, one op each for all experts: pagoda's native kernel (pagoda.native)
+   when the model has them, which visits only the experts hit (float32 ones while segments are
+   decode-sized), else `torch._grouped_mm` when enough experts are hit to pay its per-expert
+   cost; otherwise a loop over the hit experts only (other quantized formats, a single
+   sequence's few experts), never over tokens;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
@@ -32,7 +37,13 @@ from pagoda.model.layers import Linear
 from pagoda.model.mlp import MLP, GatedActivation
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
-from pagoda.quant.weight_formats import WeightFormat
+from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
+from pagoda.quant.weight_formats import FullWeight, WeightFormat
+
+# The grouped products (one op per projection over all held experts) pay a small fixed cost per
+# held expert, hit or not; a loop over the hit experts pays a larger one per hit expert. Grouped
+# wins once at least 1/this of the held experts are hit (decode batches beyond a few sequences).
+GROUPED_MIN_ACTIVE_SHARE = 6
 
 
 @dataclass(frozen=True)
@@ -74,17 +85,25 @@ class Experts(nn.ModuleDict):
         self.placement = placement
         self.num_experts = num_experts
         self.gated = gated or GatedActivation(activation)
+        self.native = getattr(weight_format, "native", None)  # the native CPU kernels, where the format has them
         # Full-precision experts, stacked at `finalize`: [held, 2I, H] and [held, H, I], and
         # their biases [held, 2I] and [held, H] where they have them.
         self.gate_up_weight: torch.Tensor | None = None
         self.down_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
+        # int8 experts on the native kernels, stacked at `finalize`: [held, 2I, K'] and [held, H, I']
+        # int8 rows (each expert's Linears hold views of them) and their float32 scales per row.
+        self.gate_up_qweight: torch.Tensor | None = None
+        self.gate_up_scales: torch.Tensor | None = None
+        self.down_qweight: torch.Tensor | None = None
+        self.down_scales: torch.Tensor | None = None
 
     def finalize(self, name: str) -> None:
-        """After loading. Full-precision experts are stacked into two tensors and multiplied with
-        plain F.linear on a slice (a small matmul's fixed cost is what a per-expert loop pays for
-        every active expert); quantized ones keep their Linears and format kernels."""
+        """After loading. Full-precision experts are stacked into two tensors, the operands of
+        the grouped products (and sliced for the loop's F.linear); quantized ones keep their
+        Linears and format kernels, int8 ones on the native kernels also stacked
+        (`stack_native_int8`)."""
         experts = list(self.values())
         if self.placement.weight_group.rank != 0:
             # Each rank's output is a partial sum of split experts: one rank adds the down bias.
@@ -96,6 +115,7 @@ class Experts(nn.ModuleDict):
             for index, expert in zip(self.keys(), experts):
                 expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
                 expert.down_proj.finalize(f"{name}.{index}.down_proj")
+            self.stack_native_int8(experts)
             return
         self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
         self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
@@ -107,6 +127,37 @@ class Experts(nn.ModuleDict):
             if expert.down_proj.bias is not None:
                 del expert.gate_up_proj.bias, expert.down_proj.bias
 
+    def stack_native_int8(self, experts: list[MLP]) -> None:
+        """int8 experts with native products: their rows and scales stacked once for the grouped
+        product, the Linears keeping views (one copy in memory), biases stacked beside."""
+        projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+        if not all(getattr(p, "native_scales", None) is not None for p in projections):
+            return
+        for kind in ("gate_up", "down"):
+            layers = [getattr(e, f"{kind}_proj") for e in experts]
+            qweight = torch.stack([layer.qweight for layer in layers])
+            scales = torch.stack([layer.native_scales for layer in layers])
+            for index, layer in enumerate(layers):
+                layer.qweight, layer.native_scales = qweight[index], scales[index]
+            setattr(self, f"{kind}_qweight", qweight)
+            setattr(self, f"{kind}_scales", scales)
+            if layers[0].bias is not None:
+                setattr(self, f"{kind}_bias", torch.stack([layer.bias.detach() for layer in layers]))
+
+    def path(self, hidden: torch.Tensor, rows: int, active: int) -> str:
+        """How this step's `rows` (token, expert) pairs over `active` hit experts run: "native"
+        (pagoda's grouped kernel: int8 experts always, float32 ones while the segments are
+        decode-sized, as `FullWeight` picks its native product), "grouped_mm", or "loop"."""
+        if hidden.device.type != "cpu":
+            return "loop"
+        if self.gate_up_qweight is not None:  # int8 experts on the native kernels
+            return "native" if hidden.dtype == torch.float32 else "loop"
+        if self.gate_up_weight is None:
+            return "loop"
+        if self.native is not None and hidden.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS * active:
+            return "native"
+        return "grouped_mm" if active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size else "loop"
+
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
         none of its experts serve)."""
@@ -114,22 +165,51 @@ class Experts(nn.ModuleDict):
         held = self.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
         start = sum(counts[:held.start])
-        stop = start + sum(counts[held.start:held.start + held.size])
+        held_counts = counts[held.start:held.start + held.size]
+        stop = start + sum(held_counts)
         if stop == start:
             return out
         token_index = routing.token_index[start:stop]
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
-        pieces = []
-        offset = 0
-        for expert in range(held.start, held.start + held.size):
-            count = counts[expert]
-            if count:
-                segment = slice(offset, offset + count)
-                pieces.append(self.run_expert(expert, sorted_hidden[segment]) * weights[segment])
-                offset += count
-        return out.index_add_(0, token_index, torch.cat(pieces))
+        active = sum(1 for count in held_counts if count)
+        path = self.path(hidden, stop - start, active)
+        if path != "loop":
+            rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start,
+                                    path == "native")
+        else:
+            pieces = []
+            offset = 0
+            for expert, count in enumerate(held_counts, start=held.start):
+                if count:
+                    pieces.append(self.run_expert(expert, sorted_hidden[offset:offset + count]))
+                    offset += count
+            rows = torch.cat(pieces)
+        return out.index_add_(0, token_index, rows * weights)
 
+    def run_grouped(self, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int, native: bool) -> torch.Tensor:
+        """Every held expert on its segment of the expert-sorted rows, in two grouped products
+        (one op each over all experts): the native kernel's, or torch._grouped_mm's."""
+        if self.gate_up_qweight is not None:
+            gate_up = self.native.grouped_linear_int8(sorted_hidden, self.gate_up_qweight, self.gate_up_scales, counts,
+                                                      self.gate_up_bias)
+            gate, up = gate_up.split(self.gate_up_qweight.shape[1] // 2, dim=-1)
+            return self.native.grouped_linear_int8(self.gated(gate, up), self.down_qweight, self.down_scales, counts,
+                                                   self.down_bias)
+        if native:
+            gate_up = self.native.grouped_linear_f32(sorted_hidden, self.gate_up_weight, counts, self.gate_up_bias)
+            gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)
+            return self.native.grouped_linear_f32(self.gated(gate, up), self.down_weight, counts, self.down_bias)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(sorted_hidden, self.gate_up_weight.transpose(1, 2), offs=offsets)
+        expert_of_row = None
+        if self.gate_up_bias is not None:
+            expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                                    output_size=rows)
+            gate_up = gate_up + self.gate_up_bias[expert_of_row]
+        gate, up = gate_up.split(self.gate_up_weight.shape[1] // 2, dim=-1)
+        down = torch._grouped_mm(self.gated(gate, up), self.down_weight.transpose(1, 2), offs=offsets)
+        return down if expert_of_row is None else down + self.down_bias[expert_of_row]
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""
@@ -157,7 +237,9 @@ class SparseMoE(nn.Module):
         self.renormalize = moe.renormalize
         self.softmax_over_top_k = moe.softmax_over_top_k
         self.tp = tp
-        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device)
+        # The router stays full precision but takes the full format's kernels (native ones too).
+        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device,
+                           FullWeight(getattr(weight_format, "native", None)))
         gated = GatedActivation(config.hidden_activation, moe.swiglu_limit, moe.swiglu_alpha)
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
                                device, weight_format, tp, bias=moe.expert_bias, gated=gated)

@@ -59,8 +59,20 @@ class NativeKernels:
         """x [M, K] float32 @ (qweight [N, K' >= K] int8 * scales [N] float32)^T (+ bias)."""
         return load_extension().linear_int8(x, qweight, scales, bias)
 
+    def grouped_linear_f32(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """x [R, K] float32, its rows grouped in order (counts [G] int64 per group, on the CPU)
+        @ weight [G, N, K] float32 of each row's group^T (+ bias [G, N]): a MoE projection over the
+        experts hit."""
+        return load_extension().grouped_linear_f32(x, weight, counts, bias)
+
+    def grouped_linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        """The same with int8 weights [G, N, K' >= K] and float32 scales [G, N] per output row."""
+        return load_extension().grouped_linear_int8(x, qweight, scales, counts, bias)
+
     def describe(self) -> str:
-        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products)"
+        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products, grouped MoE products)"
 
 
 def cache_dir() -> Path:

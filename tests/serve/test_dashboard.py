@@ -226,3 +226,35 @@ def test_grafana_board_uses_only_metrics_the_server_exports(server: LiveServer) 
     assert used and used <= exported, used - exported
     scrape = yaml.safe_load((examples / "prometheus.yaml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
+
+
+def test_window_shows_expert_load_only_with_moe_metrics() -> None:
+    from pagoda.model.moe_load import MoEStats
+    from pagoda.serve.metrics.moe import moe_families
+
+    assert DashboardWindow(ServerMetrics("m", lambda: None).registry).snapshot()["moe"] is None
+    stats = MoEStats(layers=[0, 2], expert_tokens=[[4, 0, 4, 0], [2, 2, 2, 2]], expert_imbalance=[2.0, 1.0],
+                     rank_imbalance=[1.0, 1.0])
+
+    class Collector:
+        def collect(self):
+            return moe_families(stats, "pagoda:", ["model_name"], ["m"])
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    now = [1000.0]
+    window = DashboardWindow(registry, window_s=10.0, clock=lambda: now[0])
+    first = window.snapshot()["moe"]
+    assert [layer["layer"] for layer in first] == [0, 2]
+    assert first[0]["expert_tokens"] == [4, 0, 4, 0]
+    assert first[0]["window_tokens"] is None and first[0]["window_imbalance"] is None  # one sample so far
+    assert (first[0]["expert_imbalance"], first[0]["rank_imbalance"]) == (2.0, 1.0)
+    stats.expert_tokens = [[4, 6, 4, 0], [3, 2, 2, 2]]  # this window: 6 tokens to expert 1 of layer 0
+    stats.expert_imbalance = [4.0, 4.0]
+    now[0] += 1.0
+    later = window.snapshot()["moe"]
+    assert later[0]["expert_tokens"] == [4, 6, 4, 0]
+    assert later[0]["window_tokens"] == [0, 6, 0, 0] and later[0]["window_imbalance"] == 4.0
+    assert later[1]["window_tokens"] == [1, 0, 0, 0] and later[1]["expert_imbalance"] == 4.0
+    now[0] += 1.0  # nothing routed since: the window keeps the tokens of its span
+    assert window.snapshot()["moe"][0]["window_tokens"] == [0, 6, 0, 0]

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from model_factory import build_model
 from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 from test_dashboard import metric_totals
@@ -90,6 +91,7 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             assert page.locator("#timelines .timeline").count() > 0
             assert page.locator("#timelines .timeline .decode").count() > 0
             assert page.text_content("#tile-guard_blocks .sub") == "guardrails off"
+            assert page.is_hidden("#moe-panel")  # a dense model: no expert figures
             screenshot = tmp_path / "dashboard.png"
             page.screenshot(path=str(screenshot), full_page=True)
             browser.close()
@@ -108,3 +110,31 @@ def check_not_blank(path: Path) -> None:
     assert colors is not None and len(colors) > 50  # text, lines and bars, not one flat fill
     dominant = max(count for count, _ in colors)
     assert dominant < 0.9 * image.width * image.height
+
+
+def test_expert_panel_on_a_moe_model(tmp_path: Path) -> None:
+    """With --moe-metrics the page shows a row per MoE layer, a cell per expert: the tokens
+    since start, then the window's once tokens are routed while it is open."""
+    server = start_server(build_model(tmp_path / "moe", "qwen3_moe"), engine={"moe_metrics": True})
+    try:
+        def complete() -> None:
+            response = httpx.post(server.base_url + "/completions", timeout=60, json={
+                "model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 8, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+
+        complete()
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(server.url + "/dashboard")
+            page.wait_for_function("document.body.dataset.snapshots >= 2", timeout=15000)
+            assert page.is_visible("#moe-panel")
+            assert page.locator("#moe .moe-layer").count() == 2  # the tiny model's MoE layers
+            assert page.locator("#moe .moe-layer:first-child .strip span").count() == 8  # its experts
+            assert page.get_attribute("#moe .moe-layer", "data-span") == "total"
+            complete()
+            page.wait_for_function("document.querySelector('#moe .moe-layer').dataset.span === 'window'",
+                                   timeout=15000)
+            browser.close()
+    finally:
+        server.stop()

@@ -122,6 +122,49 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
     return Sample(now, scalars, histograms, labeled)
 
 
+_MOE_TOKENS = PREFIX + "moe_expert_tokens_total"
+_MOE_IMBALANCE = {"expert_imbalance": PREFIX + "moe_expert_imbalance", "rank_imbalance": PREFIX + "moe_rank_imbalance"}
+
+
+def _expert_tokens(sample: Sample) -> dict[int, dict[int, float]]:
+    """layer -> expert -> tokens routed since start, summed over the other labels (replicas)."""
+    tokens: dict[int, dict[int, float]] = {}
+    for (name, labels), value in sample.labeled.items():
+        if name == _MOE_TOKENS:
+            label = dict(labels)
+            layer = tokens.setdefault(int(label["layer"]), {})
+            layer[int(label["expert"])] = layer.get(int(label["expert"]), 0.0) + value
+    return tokens
+
+
+def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | None:
+    """Per MoE layer (--moe-metrics): tokens routed to each expert since the server started and
+    over the window (None while the window has one sample), the window's max / mean, and the
+    engine's last-step imbalance gauges (the largest over replicas). None when the server
+    exports no MoE figures."""
+    totals = _expert_tokens(sample)
+    if not totals:
+        return None
+    before = _expert_tokens(start) if start is not None else None
+    gauges: dict[tuple[str, int], float] = {}
+    for (name, labels), value in sample.labeled.items():
+        for key, family in _MOE_IMBALANCE.items():
+            if name == family:
+                layer_key = (key, int(dict(labels)["layer"]))
+                gauges[layer_key] = max(value, gauges.get(layer_key, value))
+    layers = []
+    for layer in sorted(totals):
+        experts = range(max(totals[layer]) + 1)
+        counts = [totals[layer].get(expert, 0.0) for expert in experts]
+        window = None if before is None else [
+            max(0.0, count - before.get(layer, {}).get(expert, 0.0)) for expert, count in zip(experts, counts)]
+        routed = sum(window) if window is not None else 0.0
+        layers.append({"layer": layer, "expert_tokens": counts, "window_tokens": window,
+                       "window_imbalance": max(window) * len(window) / routed if routed else None,
+                       **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE}})
+    return layers
+
+
 @dataclass
 class TenantRates:
     requests: int = 0
@@ -307,4 +350,5 @@ class DashboardWindow:
             "tenants": self._tenants(visible, sample.time),
             "requests": self._timelines(visible),
             "diagnosis": self._diagnosis(sample),
+            "moe": moe_load(sample, self._window_start()),
         }

@@ -173,10 +173,38 @@ function drawDiagnosis(snap) {
   }
 }
 
+// One row per MoE layer: a cell per expert shaded by its tokens relative to the layer's busiest
+// expert (over the window when tokens were routed in it, else since the server started), then the
+// imbalance figures (max / mean; 1 is even).
+function drawExperts(snap) {
+  const panel = document.getElementById("moe-panel");
+  panel.hidden = !snap.moe;
+  if (!snap.moe) return;
+  const root = document.getElementById("moe");
+  root.replaceChildren();
+  for (const layer of snap.moe) {
+    const inWindow = layer.window_tokens && layer.window_tokens.some((t) => t > 0);
+    const counts = inWindow ? layer.window_tokens : layer.expert_tokens;
+    const row = el("div", {class: "moe-layer", "data-layer": String(layer.layer),
+                           "data-span": inWindow ? "window" : "total"}, root);
+    el("div", {class: "id", text: "layer " + layer.layer}, row);
+    const strip = el("div", {class: "strip"}, row);
+    const busiest = Math.max(1e-9, ...counts);
+    counts.forEach((tokens, expert) => {
+      el("span", {title: "expert " + expert + ": " + fmt(tokens) + " tokens" + (inWindow ? " in the window" : " since start"),
+                  style: "opacity:" + (0.08 + 0.92 * tokens / busiest).toFixed(3)}, strip);
+    });
+    const rank = layer.rank_imbalance == null ? "" : " · ranks " + fmt(layer.rank_imbalance);
+    el("div", {text: (inWindow ? "window " + fmt(layer.window_imbalance) : "since start") + " · last step " +
+                     fmt(layer.expert_imbalance) + rank}, row);
+  }
+}
+
 function render(snap) {
   drawTiles(snap);
   drawDiagnosis(snap);
   for (const [id, , series] of CHARTS) drawChart(id, series, snap.history);
+  drawExperts(snap);
   drawTenants(snap);
   drawTimelines(snap);
   document.getElementById("scope").textContent =
