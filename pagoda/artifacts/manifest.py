@@ -1,5 +1,6 @@
-"""The manifest: every file of an artifact with its SHA-256, plus the declared source and
-revision, written as JSON beside the files (`pagoda inspect MODEL --write-manifest`)."""
+"""The manifest: every file of an artifact with its digest (SHA-256, or BLAKE3 by choice), plus
+the declared source and revision, written as JSON beside the files (`pagoda inspect MODEL
+--write-manifest`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagoda.artifacts.digests import ArtifactError, ArtifactFiles, digests_id
+from pagoda.artifacts.digests import HASH_ALGORITHMS, ArtifactError, ArtifactFiles, digests_id
 
 MANIFEST_FORMAT = "pagoda-manifest/1"
 _HEX_DIGITS = set("0123456789abcdef")
@@ -15,7 +16,7 @@ _HEX_DIGITS = set("0123456789abcdef")
 
 @dataclass(frozen=True)
 class Manifest:
-    files: dict[str, str]  # relative POSIX name -> hex SHA-256
+    files: dict[str, str]  # relative POSIX name -> hex digest by `hash`
     source: str | None = None  # where the artifact says it came from (a hub id or URL)
     revision: str | None = None  # the source's commit or tag
     hash: str = field(default="sha256")
@@ -31,8 +32,9 @@ class Manifest:
         return json.dumps(body, indent=2) + "\n"
 
 
-def build_manifest(files: ArtifactFiles, source: str | None = None, revision: str | None = None) -> Manifest:
-    return Manifest(files.digests(), source, revision)
+def build_manifest(files: ArtifactFiles, source: str | None = None, revision: str | None = None,
+                   hash: str = "sha256") -> Manifest:
+    return Manifest(files.digests(hash), source, revision, hash)
 
 
 def write_manifest(files: ArtifactFiles, manifest: Manifest) -> Path:
@@ -52,21 +54,24 @@ def read_manifest(files: ArtifactFiles) -> Manifest:
         raise ArtifactError(f"{path}: malformed manifest, not JSON ({error})") from None
     if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(f"{path}: malformed manifest: 'format' must be {MANIFEST_FORMAT!r}")
-    if body.get("hash") != "sha256":
-        raise ArtifactError(f"{path}: malformed manifest: 'hash' must be 'sha256', got {body.get('hash')!r}")
+    algorithm = body.get("hash")
+    if algorithm not in HASH_ALGORITHMS:
+        raise ArtifactError(f"{path}: malformed manifest: 'hash' must be one of {', '.join(HASH_ALGORITHMS)}, "
+                            f"got {algorithm!r}")
     listed = body.get("files")
     if not isinstance(listed, dict) or not listed:
-        raise ArtifactError(f"{path}: malformed manifest: 'files' must map file names to SHA-256 digests")
+        raise ArtifactError(f"{path}: malformed manifest: 'files' must map file names to {algorithm} digests")
     for name, digest in listed.items():
-        if not _is_sha256(digest):
-            raise ArtifactError(f"{path}: malformed manifest: files[{name!r}] is not a SHA-256 hex digest")
+        if not _is_hex_digest(digest):
+            raise ArtifactError(f"{path}: malformed manifest: files[{name!r}] is not a {algorithm} hex digest")
         if name.startswith("/") or ".." in Path(name).parts:
             raise ArtifactError(f"{path}: malformed manifest: files[{name!r}] is not a name inside the artifact")
     for key in ("source", "revision"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise ArtifactError(f"{path}: malformed manifest: {key!r} must be a string")
-    return Manifest(dict(listed), body.get("source"), body.get("revision"))
+    return Manifest(dict(listed), body.get("source"), body.get("revision"), algorithm)
 
 
-def _is_sha256(digest: object) -> bool:
+def _is_hex_digest(digest: object) -> bool:
+    """64 hex digits: a SHA-256 or a (default-length) BLAKE3 digest."""
     return isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX_DIGITS

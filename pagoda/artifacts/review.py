@@ -354,7 +354,9 @@ def _review_manifest(review: ArtifactReview, files: ArtifactFiles, digests: dict
     if files.manifest_path.is_file():
         try:
             manifest = read_manifest(files)
-            compare_digests(files, manifest.files, digests)
+            if manifest.hash != "sha256":  # the review's digests are SHA-256
+                digests = files.digests(manifest.hash)
+            compare_digests(files, manifest.files, digests, manifest.hash)
             review.manifest = f"{manifest.digest} (every file matches)"
         except ArtifactError as error:
             review.manifest = f"does not match: {error}"

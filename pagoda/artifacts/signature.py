@@ -8,7 +8,7 @@ import pathlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagoda.artifacts.digests import ArtifactError, ArtifactFiles
+from pagoda.artifacts.digests import HASH_ALGORITHMS, ArtifactError, ArtifactFiles
 from pagoda.artifacts.manifest import Manifest
 
 
@@ -32,9 +32,10 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
     return files.signature_path
 
 
-def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, str]:
-    """The file digests the artifact's signature vouches for, after checking it against
-    `verify_key`: a PEM public key (key mode) or a PEM CA certificate (certificate mode)."""
+def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> tuple[str, dict[str, str]]:
+    """The hash algorithm and the file digests the artifact's signature vouches for, after
+    checking it against `verify_key`: a PEM public key (key mode) or a PEM CA certificate
+    (certificate mode)."""
     sign_ec_key, _, sign_sigstore_pb = _model_signing()
     path = files.signature_path
     if not path.is_file():
@@ -59,11 +60,14 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> dict[str, st
         reason = str(error) or type(error).__name__
         raise ArtifactError(f"{path}: signature does not verify with {key_path} ({reason})") from None
     digests = {}
+    algorithms = set()
     for descriptor in signed.resource_descriptors():
-        if descriptor.digest.algorithm != "sha256":
-            raise ArtifactError(f"{path}: signed with {descriptor.digest.algorithm} digests; pagoda checks sha256")
+        algorithms.add(descriptor.digest.algorithm)
         digests[descriptor.identifier] = descriptor.digest.digest_hex
-    return digests
+    if len(algorithms) != 1 or not algorithms <= set(HASH_ALGORITHMS):
+        raise ArtifactError(f"{path}: signed with {', '.join(sorted(algorithms)) or 'no'} digests; pagoda checks "
+                            f"one of {', '.join(HASH_ALGORITHMS)}")
+    return algorithms.pop(), digests
 
 
 def _model_signing():
@@ -91,8 +95,8 @@ def _model_signing_manifest(files: ArtifactFiles, manifest: Manifest):
 
     ignored = [pathlib.PurePosixPath(p.name) for p in (files.manifest_path, files.signature_path)]
     # Links are followed when hashing (digests.py), so model-signing's own verifier must too.
-    serialization = ms_manifest._FileSerialization("sha256", True, ignored)
+    serialization = ms_manifest._FileSerialization(manifest.hash, True, ignored)
     items = [ms_manifest.FileManifestItem(path=pathlib.PurePosixPath(name),
-                                          digest=hashing.Digest("sha256", bytes.fromhex(digest)))
+                                          digest=hashing.Digest(manifest.hash, bytes.fromhex(digest)))
              for name, digest in sorted(manifest.files.items())]
     return ms_manifest.Manifest(files.root.name, items, serialization)

@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.artifacts.digests import ArtifactError, ArtifactFiles, digests_id, sha256_file
+from pagoda.artifacts.digests import ArtifactError, ArtifactFiles, digests_id, file_digest
 from pagoda.artifacts.manifest import read_manifest
 from pagoda.artifacts.signature import signed_digests
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+ALGORITHM_NAMES = {"sha256": "SHA-256", "blake3": "BLAKE3"}
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,23 @@ class VerificationPolicy:
         return self.verify_manifest or self.verify_key is not None
 
 
-def expected_digests(files: ArtifactFiles, policy: VerificationPolicy) -> dict[str, str]:
-    """What the artifact's files must hash to: the signed digests with a key, else the manifest's."""
+def expected_digests(files: ArtifactFiles, policy: VerificationPolicy) -> tuple[str, dict[str, str]]:
+    """The hash algorithm and what the artifact's files must hash to by it: the signed digests
+    with a key, else the manifest's."""
     if policy.verify_key is not None:
         return signed_digests(files, policy.verify_key)
-    return read_manifest(files).files
+    manifest = read_manifest(files)
+    return manifest.hash, manifest.files
 
 
-def compare_digests(files: ArtifactFiles, expected: dict[str, str], actual: dict[str, str]) -> None:
+def compare_digests(files: ArtifactFiles, expected: dict[str, str], actual: dict[str, str],
+                    algorithm: str = "sha256") -> None:
     """ArtifactError naming the first file that differs, is missing or is not listed."""
     for name in sorted(expected):
         if name not in actual:
             raise ArtifactError(f"{files.root / name}: listed in the manifest but missing")
         if actual[name] != expected[name]:
-            raise ArtifactError(f"{files.root / name}: SHA-256 {actual[name]} does not match the manifest's "
+            raise ArtifactError(f"{files.root / name}: {ALGORITHM_NAMES[algorithm]} {actual[name]} does not match the manifest's "
                                 f"{expected[name]} (the file changed after the manifest was made)")
     unlisted = sorted(set(actual) - set(expected))
     if unlisted:
@@ -72,7 +76,7 @@ class ArtifactCheck:
         self.files = ArtifactFiles.of(path)
         # The expected digests are read first: a missing or malformed manifest or a bad
         # signature stops the start before a byte of weights is read.
-        self.expected = expected_digests(self.files, policy)
+        self.algorithm, self.expected = expected_digests(self.files, policy)
         self._names = self.files.names()
         self._actual: dict[str, str] = {}
         self._error: BaseException | None = None
@@ -82,7 +86,7 @@ class ArtifactCheck:
         small = [n for n in self._names if not n.endswith(WEIGHT_SUFFIXES)]
         self._actual.update((name, self._hash(name)) for name in small)
         compare_digests(self.files, {n: d for n, d in self.expected.items() if not n.endswith(WEIGHT_SUFFIXES)},
-                        self._actual)
+                        self._actual, self.algorithm)
 
     def start(self) -> "ArtifactCheck":
         self.check_small_files()
@@ -95,7 +99,7 @@ class ArtifactCheck:
 
     def _hash(self, name: str) -> str:
         try:
-            return sha256_file(self.files.root / name)
+            return file_digest(self.files.root / name, self.algorithm)
         except OSError as error:
             raise ArtifactError(f"{self.files.root / name}: unreadable ({error.strerror})") from None
 
@@ -107,7 +111,7 @@ class ArtifactCheck:
             with ThreadPoolExecutor(max(1, min(len(weights), os.cpu_count() or 1)),
                                     thread_name_prefix="pagoda-verify") as pool:
                 self._actual.update(zip(weights, pool.map(self._hash, weights)))
-            compare_digests(self.files, self.expected, self._actual)
+            compare_digests(self.files, self.expected, self._actual, self.algorithm)
         except BaseException as error:  # handed to result(), on the loader's thread
             self._error = error
 

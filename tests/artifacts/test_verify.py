@@ -16,7 +16,7 @@ import pytest
 from signing_keys import write_certificate_chain, write_key_pair
 
 from pagoda.artifacts.digests import ArtifactError, ArtifactFiles
-from pagoda.artifacts.manifest import build_manifest
+from pagoda.artifacts.manifest import build_manifest, read_manifest
 from pagoda.artifacts.verify import VerificationPolicy, verify_artifact
 from pagoda.cli import main as cli_main
 from pagoda.config import EngineConfig
@@ -26,9 +26,9 @@ from pagoda.lora_request import LoRARequest
 from pagoda.model.llama import LlamaFamilyModel
 
 
-def signed_copy(source: Path, target: Path, private_key: Path | None = None) -> Path:
+def signed_copy(source: Path, target: Path, private_key: Path | None = None, hash: str = "sha256") -> Path:
     shutil.copytree(source, target)
-    args = ["inspect", str(target), "--write-manifest", "--json"]
+    args = ["inspect", str(target), "--write-manifest", "--json", "--manifest-hash", hash]
     assert cli_main(args + (["--sign", str(private_key)] if private_key else [])) == 0
     return target
 
@@ -48,24 +48,27 @@ def live_models() -> int:
     return sum(isinstance(o, LlamaFamilyModel) for o in gc.get_objects())
 
 
-def test_sign_verify_flip_one_byte_refused(llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hash", ["sha256", "blake3"])
+def test_sign_verify_flip_one_byte_refused(llama_dir: Path, tmp_path: Path, hash: str) -> None:
     private, public = write_key_pair(tmp_path)
-    model = signed_copy(llama_dir, tmp_path / "m", private)
+    model = signed_copy(llama_dir, tmp_path / "m", private, hash)
+    assert read_manifest(ArtifactFiles.of(model)).hash == hash
     llm = small_llm(model, verify_key=str(public))
-    assert llm.engine.core.weights_digest == build_manifest(ArtifactFiles.of(model)).digest
+    assert llm.engine.core.weights_digest == build_manifest(ArtifactFiles.of(model), hash=hash).digest
     del llm
     before = live_models()
     flip_byte(model / "model.safetensors")
-    with pytest.raises(ArtifactError, match=r"model\.safetensors: SHA-256 .* does not match"):
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: (SHA-256|BLAKE3) .* does not match"):
         small_llm(model, verify_key=str(public))
     assert live_models() == before  # nothing of the refused model stays in memory
 
 
-def test_signature_is_model_signings_own_bundle(llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hash", ["sha256", "blake3"])
+def test_signature_is_model_signings_own_bundle(llama_dir: Path, tmp_path: Path, hash: str) -> None:
     from model_signing import verifying
 
     private, public = write_key_pair(tmp_path)
-    model = signed_copy(llama_dir, tmp_path / "m", private)
+    model = signed_copy(llama_dir, tmp_path / "m", private, hash)
     verifying.Config().use_elliptic_key_verifier(public_key=public).verify(model, model / "model.sig")
 
 
