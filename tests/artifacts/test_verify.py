@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,9 +35,14 @@ def signed_copy(source: Path, target: Path, private_key: Path | None = None, has
 
 
 def flip_byte(path: Path, offset: int = -1) -> None:
+    """A tampered copy put in the file's place by rename: a thread of an engine built earlier in
+    the test may still have the old file memory-mapped (the grammar compiler reads a GGUF's
+    tokenizer in the background), and truncating a mapped file in place kills it with SIGBUS."""
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
+    tampered = path.with_name(path.name + ".tampered")
+    tampered.write_bytes(bytes(data))
+    os.replace(tampered, path)
 
 
 def small_llm(model: Path, **config) -> LLM:
