@@ -259,13 +259,17 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
             return await handle(model_ctx, request, body, tenant)
         return run
 
-    route("/v1/messages", MessagesRequest, by_model(messages_endpoint.handle_messages),
+    route("/v1/messages", MessagesRequest,
+          functools.partial(dispatcher.generate, messages_endpoint, "/v1/messages",
+                            handle=messages_endpoint.handle_messages),
           messages_endpoint.name, MessagesResponse, anthropic=True)
     route("/v1/messages/count_tokens", CountTokensRequest, by_model(messages_endpoint.count_tokens),
           response_model=CountTokensResponse, anthropic=True)
     responses_endpoint = ResponsesEndpoint(ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
                                            if settings.responses_store else None)
-    route("/v1/responses", ResponsesRequest, by_model(responses_endpoint.handle_responses),
+    route("/v1/responses", ResponsesRequest,
+          functools.partial(dispatcher.generate, responses_endpoint, "/v1/responses",
+                            handle=responses_endpoint.handle_responses),
           responses_endpoint.name, ResponseObject)
 
     async def stored_response(request: Request, response_id: str) -> Response:

@@ -235,6 +235,13 @@ def test_a_killed_model_falls_back_to_another_marked_and_counted(served: Served)
         assert stream.headers["x-pagoda-route"] == "fallback:alpha"
         chunks = [event.json() for event in iter_sse_events(stream.iter_lines()) if not event.done]
     assert chunks and {chunk["model"] for chunk in chunks} == {"alpha"}
+    # Anthropic's Messages and OpenAI's Responses fall back the same way.
+    for path, body in (("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"max_output_tokens": 4, "input": "hi"})):
+        answer = httpx.post(f"{served.url}{path}", timeout=TIMEOUT_S, headers={"authorization": "Bearer sk-other"},
+                            json={"model": "gamma", **body})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-pagoda-route"] == "fallback:alpha" and answer.json()["model"] == "alpha"
     samples = metric_samples(served.url)
     assert samples[("pagoda:model_fallbacks_total",
                     (("fallback", "alpha"), ("model_name", "gamma"), ("reason", "no_live_replica")))] >= 2

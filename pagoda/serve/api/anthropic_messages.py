@@ -180,19 +180,23 @@ class MessagesEndpoint(ChatEndpoint):
     id_prefix = "msg"
 
     async def handle_messages(self, ctx: ServeContext, raw: Request, request: MessagesRequest,
-                              tenant: Tenant) -> Response:
+                              tenant: Tenant, *, route: str | None = None,
+                              await_first_token: bool = False) -> Response:
+        """As `GenerationEndpoint.handle`, in Anthropic's shapes."""
         started = time.perf_counter()
         check_fields(request, self.name)
         if request.max_tokens < 1:
             raise bad_request("max_tokens: must be at least 1.", param="max_tokens")
         chat_request = to_chat_request(request)
         try:
-            generation = await self._start(ctx, raw, chat_request, tenant)
+            generation = await self._start(ctx, raw, chat_request, tenant, route=route)
         except APIError as exc:
             ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
             raise
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
+            return closed
         tools = tool_plan(ctx, chat_request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         stream_body = _stream(generation, tools, reasoning) if request.stream else None

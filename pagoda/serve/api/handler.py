@@ -109,6 +109,20 @@ class GenerationEndpoint(ABC, Generic[Body]):
                  choices: list[Any]) -> pydantic.BaseModel:
         """The non-streamed body around `choices`."""
 
+    async def first_token(self, raw: Request, generation: Generation) -> Response | None:
+        """Wait for `generation`'s first token before answering anything, so that a failure
+        before it raises its APIError (the request may go to a fallback) instead of ending a
+        started answer; the 499 to return when the client left meanwhile, else None."""
+        try:
+            await cancel_on_disconnect(raw, generation.first_delta())
+        except APIError as exc:
+            generation.close(exc.status, exc)
+            raise
+        except ClientDisconnected:
+            generation.close(CLIENT_CLOSED_REQUEST)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return None
+
     async def handle(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
                      route: str | None = None, await_first_token: bool = False) -> Response:
         """Answer `request` with `ctx`'s model. `route`: how it got there (logged).
@@ -123,15 +137,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             raise
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if await_first_token:
-            try:
-                await cancel_on_disconnect(raw, generation.first_delta())
-            except APIError as exc:
-                generation.close(exc.status, exc)
-                raise
-            except ClientDisconnected:
-                generation.close(CLIENT_CLOSED_REQUEST)
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
+            return closed
         created = int(time.time())
         stream_body = None
         if request.stream:

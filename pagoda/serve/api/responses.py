@@ -468,18 +468,22 @@ class ResponsesEndpoint(ChatEndpoint):
         self.store = store
 
     async def handle_responses(self, ctx: ServeContext, raw: Request, request: ResponsesRequest,
-                               tenant: Tenant) -> Response:
+                               tenant: Tenant, *, route: str | None = None,
+                               await_first_token: bool = False) -> Response:
+        """As `GenerationEndpoint.handle`, in the Responses API's shapes."""
         started = time.perf_counter()
         try:
             check_fields(request, self.name)
             conversation = [*self._history(request, tenant), *input_messages(request.input)]
             chat_request = to_chat_request(request, conversation)
-            generation = await self._start(ctx, raw, chat_request, tenant)
+            generation = await self._start(ctx, raw, chat_request, tenant, route=route)
         except APIError as exc:
             ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
             raise _in_responses_terms(exc)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
+            return closed
         tools = tool_plan(ctx, chat_request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         answer = _Answer(ctx, generation, request, tenant, conversation, self.store)

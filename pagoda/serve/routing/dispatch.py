@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -36,6 +36,8 @@ from pagoda.serve.routing.rules import RequestFacts, first_match
 from pagoda.serve.serving import ServeContext, new_request_id
 
 ROUTE_HEADER = "x-pagoda-route"
+# The endpoints a canary's shadow replays: their bodies are what `pagoda gate` compares.
+SHADOWED_ENDPOINTS = ("completions", "chat")
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,12 @@ class ModelDispatcher:
         return resolved.model.context, name if resolved.keeps_name else resolved.model.name
 
     async def generate(self, endpoint: GenerationEndpoint, path: str, raw: Request,
-                       body: SamplingFields, tenant: Tenant) -> Response:
-        """Answer a completions or chat request, by its model or a fallback."""
+                       body: SamplingFields, tenant: Tenant, *,
+                       handle: Callable[..., Awaitable[Response]] | None = None) -> Response:
+        """Answer a generation request (completions, chat, Messages, Responses), by its model or
+        a fallback. `handle`: the endpoint's answer (default `endpoint.handle`), called as
+        `handle(ctx, raw, body, tenant, route=..., await_first_token=...)`."""
+        handle = handle or endpoint.handle
         route = self.registry.route(body.model)
         facts = None
         if route is not None:
@@ -80,7 +86,7 @@ class ModelDispatcher:
                 # The candidate's failure before its first token is stable's to answer.
                 resolved = Resolved(canary.candidate, f"canary:{canary.candidate.name}", False)
                 chain = [canary.candidate, *chain]
-            elif resolved.model is canary.stable:
+            elif resolved.model is canary.stable and endpoint.name in SHADOWED_ENDPOINTS:
                 canary.offer_shadow(_shadow_request(endpoint.name, body))
         first_error: APIError | None = None
         for position, target in enumerate(chain):
@@ -97,8 +103,8 @@ class ModelDispatcher:
             label = resolved.label if position == 0 else f"fallback:{target.name}"
             request = body if position == 0 and resolved.keeps_name else body.model_copy(update={"model": target.name})
             try:
-                response = await endpoint.handle(target.context, raw, request, tenant, route=label,
-                                                 await_first_token=not is_last)
+                response = await handle(target.context, raw, request, tenant, route=label,
+                                        await_first_token=not is_last)
             except APIError as error:
                 if error.status != 503 or is_last:
                     if first_error is not None and error.status == 503:
