@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # PyTorch's pickle formats: never loaded (unpickling runs code from the file).
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -31,9 +32,13 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_file(path: str | Path) -> str:
-    """The hex SHA-256 of a file's contents, read in large chunks (hashlib releases the GIL on
-    each, so a loader thread keeps running beside it)."""
-    digest = hashlib.sha256()
+    """The hex SHA-256 of a file's contents."""
+    return _hash_file(path, hashlib.sha256())
+
+
+def _hash_file(path: str | Path, digest: Any) -> str:
+    """`digest` (a hashlib-like object) fed the file in large chunks (hashlib and blake3 release
+    the GIL on each, so a loader thread keeps running beside it); its hex digest."""
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as file:
@@ -48,15 +53,9 @@ def file_digest(path: str | Path, algorithm: str = "sha256") -> str:
         return sha256_file(path)
     if algorithm != "blake3":
         raise ArtifactError(f"{path}: unknown hash algorithm {algorithm!r} (one of {', '.join(HASH_ALGORITHMS)})")
-    import blake3  # model-signing's dependency; releases the GIL on large updates, as hashlib does
+    import blake3  # model-signing's dependency
 
-    digest = blake3.blake3()
-    buffer = bytearray(_CHUNK_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while read := file.readinto(buffer):
-            digest.update(view[:read])
-    return digest.hexdigest()
+    return _hash_file(path, blake3.blake3())
 
 
 def digests_id(digests: dict[str, str]) -> str:
