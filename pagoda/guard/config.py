@@ -25,13 +25,13 @@ GuardrailsConfigError naming the rule (or model) and what is wrong with it::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import regex
 
+from pagoda.data_files import DataFileError, read_data_file
 from pagoda.guard.classifier import GuardModel
 from pagoda.guard.decision import ACTIONS, STAGES
 from pagoda.guard.pii import PII_TYPES
@@ -238,18 +238,9 @@ def _for_rules(rules_spec: Any, model_name: str) -> str:
 def load_guardrails(path: str | Path) -> GuardrailsConfig:
     """Read, validate and load (guard models included) a guardrails file."""
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise GuardrailsConfigError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        if str(path).endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # json's ValueError or yaml.YAMLError
-        raise GuardrailsConfigError(f"{path} is not valid YAML/JSON: {exc}") from None
+        data = read_data_file(path)
+    except DataFileError as exc:
+        raise GuardrailsConfigError(f"{path}: {exc}") from None
     config = parse_guardrails(data, str(path))
     for model in config.models.values():
         try:

@@ -16,11 +16,12 @@ carry token counts only.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
+
+from pagoda.data_files import DataFileError, read_data_file
 
 PER_TOKENS = 1000
 _PRICE_FIELDS = ("prompt", "cached_prompt", "completion")
@@ -104,16 +105,7 @@ def parse_price_table(data: Any, served_models: Iterable[str]) -> PriceTable:
 def load_price_table(path: str | Path, served_models: Iterable[str]) -> PriceTable:
     """Read and check a price table file; PriceTableError names the file's problem."""
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise PriceTableError(f"cannot read it: {exc.strerror}") from None
-    try:
-        if str(path).endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as exc:  # json's ValueError or yaml.YAMLError
-        raise PriceTableError(f"not valid YAML/JSON: {exc}") from None
+        data = read_data_file(path)
+    except DataFileError as exc:
+        raise PriceTableError(str(exc)) from None
     return parse_price_table(data, served_models)

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
      "dataclass_flags",  # command-line flags generated from the settings dataclasses
      "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
+     "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table
      "http_client"),  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
     ("diagnosis",),  # triage rules over metric samples (on stats): ops' doctor and serve's dashboard
     ("config", "sampling_params", "outputs", "tokenizer",
