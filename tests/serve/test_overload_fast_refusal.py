@@ -192,3 +192,18 @@ def test_requests_still_arriving_count_against_the_queue() -> None:
     assert controller.arriving == 1 and controller.refusal_of_any() is None
     end_arrival({})  # a request never counted
     assert controller.arriving == 1
+
+
+def test_a_slow_arrival_stops_counting_after_the_window() -> None:
+    """A client sending its body slowly cannot hold a queue slot past ARRIVAL_WINDOW_S."""
+    from pagoda.serve.admission.queue import ARRIVAL_WINDOW_S, AdmissionController, end_arrival
+
+    now = [100.0]
+    controller = AdmissionController(max_queued_requests=1, max_queued_tokens=None, clock=lambda: now[0])
+    slow = {}
+    controller.arrival_started(slow)
+    assert controller.refusal_of_any() is not None
+    now[0] += ARRIVAL_WINDOW_S + 0.1
+    assert controller.refusal_of_any() is None and controller.arriving == 0
+    end_arrival(slow)  # it reaches admission at last: counted once, so nothing to give back
+    assert controller.arriving == 0

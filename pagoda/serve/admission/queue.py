@@ -17,7 +17,10 @@ the queue holds.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets
 from pagoda.serve.admission.work import RequestWork, never_fits
@@ -42,16 +45,26 @@ class QueueSlot:
             self.controller._leave(self)
 
 
-# The ASGI scope key holding the controller that counts a request as arriving.
+# The ASGI scope key holding the controller that counts a request as arriving, and its entry.
 ARRIVING = "pagoda.arriving"
+# How long a request counts as arriving: a burst reaches admission well within it, while a client
+# that sends its body slowly cannot hold a queue slot with it (the body deadline is longer).
+ARRIVAL_WINDOW_S = 1.0
+
+
+@dataclass
+class _Arrival:
+    started: float
+    counted: bool = True
 
 
 def end_arrival(scope: dict) -> None:
     """The request reached admission (any model's), or ended before it: it no longer counts as
     arriving where it was counted. Once per request; a no-op for requests never counted."""
-    controller = scope.pop(ARRIVING, None)
-    if controller is not None:
-        controller.arriving -= 1
+    held = scope.pop(ARRIVING, None)
+    if held is not None:
+        controller, arrival = held
+        controller._uncount(arrival)
 
 
 class AdmissionController:
@@ -59,13 +72,16 @@ class AdmissionController:
     refusal, their bodies being read: one sequence each). Used from the event loop thread only."""
 
     def __init__(self, max_queued_requests: int | None, max_queued_tokens: int | None,
-                 latency_targets: LatencyTargets | None = None, *, max_model_len: int = 0) -> None:
+                 latency_targets: LatencyTargets | None = None, *, max_model_len: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = (max(max_queued_tokens, max_model_len)
                                   if max_queued_tokens is not None else None)
         self.queued_sequences = 0
         self.queued_tokens = 0
-        self.arriving = 0
+        self.arriving = 0  # counted arrivals: started within ARRIVAL_WINDOW_S, not yet admitted
+        self._arrivals: deque[_Arrival] = deque()  # oldest first; ended ones leave lazily
+        self._clock = clock
         self.latency = LatencyGuard(latency_targets) if latency_targets and latency_targets.enabled else None
 
     def observe_first_token(self, seconds: float) -> None:
@@ -80,10 +96,11 @@ class AdmissionController:
     def refusal_of_any(self) -> APIError | None:
         """The 503 `reserve` answers now to any request, whatever its size (the queue holds its
         limit of sequences or of tokens, counting the requests still arriving as one sequence
-        each), or None when that depends on the request. Reads counters and changes nothing: the
+        each for at most ARRIVAL_WINDOW_S), or None when that depends on the request. Reads counters and changes nothing: the
         server asks it before a request's body is read. Counting the arriving matters in a burst:
         every request of it passes this check before the first one reaches `reserve`."""
         limit = self.max_queued_requests
+        self._age_arrivals()
         if limit is not None and self.queued_sequences + self.arriving >= limit:
             return overloaded(f"Server overloaded: {self.queued_sequences} sequences queued and "
                               f"{self.arriving} arriving (limit {limit}). Retry later.", RETRY_AFTER_SECONDS)
@@ -93,8 +110,22 @@ class AdmissionController:
 
     def arrival_started(self, scope: dict) -> None:
         """A request passed the fast refusal and goes on to have its body read."""
-        scope[ARRIVING] = self
+        arrival = _Arrival(self._clock())
+        self._arrivals.append(arrival)
         self.arriving += 1
+        scope[ARRIVING] = (self, arrival)
+
+    def _uncount(self, arrival: _Arrival) -> None:
+        if arrival.counted:
+            arrival.counted = False
+            self.arriving -= 1
+
+    def _age_arrivals(self) -> None:
+        """Drop ended arrivals from the front, and stop counting those older than the window."""
+        cutoff = self._clock() - ARRIVAL_WINDOW_S
+        arrivals = self._arrivals
+        while arrivals and (not arrivals[0].counted or arrivals[0].started < cutoff):
+            self._uncount(arrivals.popleft())
 
     def reserve(self, work: RequestWork) -> list[QueueSlot]:
         """Queue slots for one HTTP request's prompts (no tokens yet), or a 400 / 503."""
