@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -28,10 +27,10 @@ from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.protocol import ChatCompletionRequest
 from pagoda.serve.api.request_fields import check_fields
-from pagoda.serve.api.sse import ClientDisconnected, to_json
+from pagoda.serve.api.sse import to_json
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan
 from pagoda.serve.errors import APIError, anthropic_error_body, bad_request, validation_error
-from pagoda.serve.serving import CLIENT_CLOSED_REQUEST, Generation, ServeContext, rejection_reason
+from pagoda.serve.serving import Generation, ServeContext
 
 _STOP_REASONS = {"length": "max_tokens", "content_filter": "refusal", "abort": "end_turn"}
 
@@ -183,20 +182,14 @@ class MessagesEndpoint(ChatEndpoint):
                               tenant: Tenant, *, route: str | None = None,
                               await_first_token: bool = False) -> Response:
         """As `GenerationEndpoint.handle`, in Anthropic's shapes."""
-        started = time.perf_counter()
         check_fields(request, self.name)
         if request.max_tokens < 1:
             raise bad_request("max_tokens: must be at least 1.", param="max_tokens")
         chat_request = to_chat_request(request)
-        try:
-            generation = await self._start(ctx, raw, chat_request, tenant, route=route)
-        except APIError as exc:
-            ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
-            raise
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
-            return closed
+        generation = await self.begin(ctx, raw, chat_request, tenant, route=route,
+                                      await_first_token=await_first_token)
+        if isinstance(generation, Response):
+            return generation
         tools = tool_plan(ctx, chat_request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         stream_body = _stream(generation, tools, reasoning) if request.stream else None

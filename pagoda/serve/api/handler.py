@@ -109,26 +109,12 @@ class GenerationEndpoint(ABC, Generic[Body]):
                  choices: list[Any]) -> pydantic.BaseModel:
         """The non-streamed body around `choices`."""
 
-    async def first_token(self, raw: Request, generation: Generation) -> Response | None:
-        """Wait for `generation`'s first token before answering anything, so that a failure
-        before it raises its APIError (the request may go to a fallback) instead of ending a
-        started answer; the 499 to return when the client left meanwhile, else None."""
-        try:
-            await cancel_on_disconnect(raw, generation.first_delta())
-        except APIError as exc:
-            generation.close(exc.status, exc)
-            raise
-        except ClientDisconnected:
-            generation.close(CLIENT_CLOSED_REQUEST)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return None
-
-    async def handle(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
-                     route: str | None = None, await_first_token: bool = False) -> Response:
-        """Answer `request` with `ctx`'s model. `route`: how it got there (logged).
-        `await_first_token`: answer nothing until the first token arrived, so that a failure
-        before it raises its APIError (the request may go to a fallback) instead of ending a
-        started answer."""
+    async def begin(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
+                    route: str | None = None, await_first_token: bool = False) -> Generation | Response:
+        """Admit and submit `request` (its refusal timed and raised); the 499 to return when the
+        client left meanwhile. `route`: how it got there (logged). `await_first_token`: wait for
+        the first token too, so that a failure before it raises its APIError (the request may go
+        to a fallback) instead of ending a started answer."""
         started = time.perf_counter()
         try:
             generation = await self._start(ctx, raw, request, tenant, route=route)
@@ -137,8 +123,23 @@ class GenerationEndpoint(ABC, Generic[Body]):
             raise
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
-            return closed
+        if await_first_token:
+            try:
+                await cancel_on_disconnect(raw, generation.first_delta())
+            except APIError as exc:
+                generation.close(exc.status, exc)
+                raise
+            except ClientDisconnected:
+                generation.close(CLIENT_CLOSED_REQUEST)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return generation
+
+    async def handle(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
+                     route: str | None = None, await_first_token: bool = False) -> Response:
+        """Answer `request` with `ctx`'s model (`route`, `await_first_token`: as `begin`)."""
+        generation = await self.begin(ctx, raw, request, tenant, route=route, await_first_token=await_first_token)
+        if isinstance(generation, Response):
+            return generation
         created = int(time.time())
         stream_body = None
         if request.stream:

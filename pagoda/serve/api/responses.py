@@ -34,10 +34,10 @@ from pagoda.serve.api.responses_protocol import (DeletedResponse, InputItem, Inp
                                                  OutputTokensDetails, ResponseObject,
                                                  ResponsesRequest, ResponseUsage, TextConfig)
 from pagoda.serve.api.responses_store import ResponsesStore, response_not_found
-from pagoda.serve.api.sse import ClientDisconnected, to_json
+from pagoda.serve.api.sse import to_json
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan
 from pagoda.serve.errors import APIError, bad_request, validation_error
-from pagoda.serve.serving import CLIENT_CLOSED_REQUEST, Generation, ServeContext, rejection_reason
+from pagoda.serve.serving import Generation, ServeContext
 
 # finish_reason -> incomplete_details.reason; any other finish completes the response.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -471,19 +471,16 @@ class ResponsesEndpoint(ChatEndpoint):
                                tenant: Tenant, *, route: str | None = None,
                                await_first_token: bool = False) -> Response:
         """As `GenerationEndpoint.handle`, in the Responses API's shapes."""
-        started = time.perf_counter()
         try:
             check_fields(request, self.name)
             conversation = [*self._history(request, tenant), *input_messages(request.input)]
             chat_request = to_chat_request(request, conversation)
-            generation = await self._start(ctx, raw, chat_request, tenant, route=route)
+            generation = await self.begin(ctx, raw, chat_request, tenant, route=route,
+                                          await_first_token=await_first_token)
         except APIError as exc:
-            ctx.metrics.record_refusal_time(rejection_reason(exc), time.perf_counter() - started)
             raise _in_responses_terms(exc)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if await_first_token and (closed := await self.first_token(raw, generation)) is not None:
-            return closed
+        if isinstance(generation, Response):
+            return generation
         tools = tool_plan(ctx, chat_request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         answer = _Answer(ctx, generation, request, tenant, conversation, self.store)
