@@ -32,7 +32,9 @@ from torch._ops import _OpNamespace as OpNamespace
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("small_m_linear.cpp",)
+# Every .cpp under csrc/ is one concept (a kernel family); small_m_linear.cpp registers the op library with
+# TORCH_LIBRARY, the others add to it with TORCH_LIBRARY_FRAGMENT. Shared ISA helpers live in simd.h.
+SOURCES = tuple(sorted(path.name for path in SOURCE_DIR.glob("*.cpp")))
 COMPILE_FLAGS = ("-O3", "-std=c++17")
 # Inputs of up to this many rows (decode steps) take the native float32 product; larger ones
 # (prefill) are compute-bound and oneDNN/MKL's blocked GEMM wins there.
