@@ -28,7 +28,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_short_soak_holds_every_invariant(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
     report = run_soak(SoakOptions(
-        model=str(model), duration=30.0, kill_every=15.0, fill_at=3.0, fill_for=8.0, out=str(out),
+        model=str(model), duration=20.0, kill_every=10.0, fill_at=2.0, fill_for=5.0, out=str(out),
         chat_streams=2, health_p99_ms=2000.0, recovery_s=90.0, drain_s=90.0, startup_timeout_s=300.0))
     markdown = render_markdown(report)
     failed = [v for v in report["verdicts"] if v["passed"] is False]
