@@ -8,6 +8,10 @@ model dtype at load and logged (re-quantize with `--quantization int8|int4` if w
 llama.cpp permutes the rows of Llama's q/k projections (its rope pairs adjacent dimensions,
 transformers' rotates halves; convert_hf_to_gguf.py `LlamaModel.permute`): undone here for the
 `llama` architecture, as transformers' GGUF loader does. Qwen2/Qwen3 are stored unpermuted.
+
+Mixture-of-experts files (Mixtral, Qwen2-MoE, Qwen3-MoE; pagoda.quant.gguf_moe) stack each
+projection of a layer's experts in one tensor: it is cut into one tensor per expert under the
+expert's HF name, dequantized (or, Q4_0, kept as codes) one expert at a time.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda.quant.gguf_moe import (MOE_GGUF_ARCHITECTURES, MOE_LAYER_TENSORS, STACKED_EXPERT_TENSORS,
+                                   expert_tensor_kind, is_moe_gguf, moe_hf_config)
 from pagoda.quant.weight_formats import FullWeight, Int4Weight, WeightFormat
 
 logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> transformers architecture.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      **MOE_GGUF_ARCHITECTURES}
 _PLAIN_TYPES = ("F32", "F16", "BF16")
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -41,7 +48,11 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **MOE_LAYER_TENSORS,
 }
+# Decoder projections: the tensors whose type picks the weight format.
+_PROJECTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
+                     "ffn_up_shexp", "ffn_down_shexp", *STACKED_EXPERT_TENSORS)
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -128,6 +139,10 @@ class GGUFCheckpoint:
         """A transformers-style config.json dict built from the GGUF metadata."""
         required = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
                     "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
+        moe = is_moe_gguf(self.architecture, self._arch_value)
+        if self.architecture in MOE_GGUF_ARCHITECTURES and self._arch_value("feed_forward_length") is None:
+            # Only dense layers (mlp_only_layers) use it: the experts' size stands in.
+            required["expert_feed_forward_length"] = required.pop("feed_forward_length")
         config: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[self.architecture]]}
         for key, name in required.items():
             value = self._arch_value(key)
@@ -151,6 +166,11 @@ class GGUFCheckpoint:
         config["vocab_size"] = int(embeddings.shape[1])  # GGUF shapes list the fastest dimension first
         config["tie_word_embeddings"] = "output.weight" not in self.tensors
         config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors and self.architecture == "llama"
+        if self.architecture == "qwen2moe":
+            config["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
+        if moe:
+            config.update(moe_hf_config(self.path, self.architecture, self._arch_value, self.tensors,
+                                        config["num_hidden_layers"]))
         eos = self._field("tokenizer.ggml.eos_token_id")
         if eos is not None:
             config["eos_token_id"] = int(eos)
@@ -169,20 +189,25 @@ class GGUFCheckpoint:
     def linear_types(self) -> set[str]:
         """Tensor types of the decoder's projection weights (what the weight format is chosen from)."""
         return {t.tensor_type.name for name, t in self.tensors.items()
-                if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim == 2
-                and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                           "ffn_down")}
+                if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim in (2, 3)
+                and name.split(".")[2] in _PROJECTION_KINDS}
 
     def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool) -> Iterator[GGUFTensor]:
         """Every tensor under its Hugging Face name. Q4_0 projection weights come as int4 codes
         when `keep_q4_0_codes`, other quantized types dequantized to float32."""
         dequantized: Counter[str] = Counter()
         for name, tensor in self.tensors.items():
-            hf_name = self._hf_name(name)
             type_name = tensor.tensor_type.name
-            is_projection = hf_name.endswith("_proj.weight")
+            experts = expert_tensor_kind(name) is not None
+            hf_name = None if experts else self._hf_name(name)
+            keeps_codes = type_name == "Q4_0" and keep_q4_0_codes and (experts or hf_name.endswith("_proj.weight"))
+            if type_name not in _PLAIN_TYPES and not keeps_codes:
+                dequantized[type_name] += 1
+            if experts:
+                yield from self._expert_tensors(name, tensor, keeps_codes)
+                continue
             try:
-                if type_name == "Q4_0" and keep_q4_0_codes and is_projection:
+                if keeps_codes:
                     codes, scales = _q4_0_codes(np.asarray(tensor.data))
                     codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
                     yield GGUFTensor(hf_name, type_name, None, (codes, scales))
@@ -191,27 +216,57 @@ class GGUFCheckpoint:
             except ValueError:
                 raise
             except Exception as error:
-                raise ValueError(f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
-                                 f"truncated ({type(error).__name__}: {error})") from None
-            if type_name not in _PLAIN_TYPES:
-                dequantized[type_name] += 1
+                raise self._unreadable(name, type_name, error) from None
+            if hf_name.endswith("shared_expert_gate.weight") and values.dim() == 1:
+                values = values.unsqueeze(0)  # [H] as some writers store it, the layer's [1, H]
             yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, values))
         for type_name, count in sorted(dequantized.items()):
             logger.info("%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
                         self.path.name, count, type_name, type_name)
 
     def _float_values(self, tensor: Any) -> torch.Tensor:
-        type_name = tensor.tensor_type.name
-        data = np.asarray(tensor.data)
-        if type_name in ("F32", "F16"):
+        return self._dequantize(np.asarray(tensor.data), tensor.tensor_type,
+                                tuple(int(d) for d in reversed(tensor.shape)))
+
+    def _dequantize(self, data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        """`data` (raw blocks or floats) as float32 values of `shape` (HF order)."""
+        if tensor_type.name in ("F32", "F16"):
             values = torch.from_numpy(data.astype(np.float32, copy=False).copy())
         else:
-            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(data, tensor.tensor_type),
+            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(data, tensor_type),
                                                            dtype=np.float32))
-        expected = tuple(int(d) for d in reversed(tensor.shape))
-        if tuple(values.shape) != expected:
-            values = values.reshape(expected)
-        return values
+        return values if tuple(values.shape) == shape else values.reshape(shape)
+
+    def _expert_tensors(self, name: str, tensor: Any, keep_codes: bool) -> Iterator[GGUFTensor]:
+        """A stacked experts tensor [E, out, in] as one tensor per expert and projection
+        (`ffn_gate_up_exps` rows split into gate and up), read one expert at a time."""
+        layer = name.split(".")[1]
+        projections = STACKED_EXPERT_TENSORS[name.split(".")[2]]
+        type_name = tensor.tensor_type.name
+        num_experts, rows, columns = (int(d) for d in reversed(tensor.shape))
+        if rows % len(projections):
+            raise ValueError(f"{self.path}: tensor {name!r} has {rows} rows, not a gate half and an up half")
+        part_rows = rows // len(projections)
+        try:
+            data = np.asarray(tensor.data)
+            for expert in range(num_experts):
+                if keep_codes:
+                    codes, scales = _q4_0_codes(data[expert])
+                    parts = [(None, (c, s)) for c, s in zip(codes.split(part_rows), scales.split(part_rows))]
+                else:
+                    values = self._dequantize(data[expert], tensor.tensor_type, (rows, columns))
+                    parts = [(v, None) for v in values.split(part_rows)]
+                for projection, (values, codes) in zip(projections, parts):
+                    yield GGUFTensor(f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight", type_name,
+                                     values, codes)
+        except ValueError:
+            raise
+        except Exception as error:
+            raise self._unreadable(name, type_name, error) from None
+
+    def _unreadable(self, name: str, type_name: str, error: Exception) -> ValueError:
+        return ValueError(f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
+                          f"truncated ({type(error).__name__}: {error})")
 
     def _hf_name(self, name: str) -> str:
         parts = name.split(".")
