@@ -2,7 +2,8 @@
 and the model runs through the engine, close to float32; with expert parallelism int8 experts
 stay whole, each rank's identical to one rank's; GPTQ checkpoints with per-expert tensors
 (`experts.{i}.gate_proj.qweight`, Mixtral's `experts.{i}.w1.qweight`) load their codes as they
-are, and a GPTQ-quantized router is refused naming it.
+are, with expert parallelism each rank its experts' codes, and a GPTQ-quantized router is
+refused naming it.
 
 Agreement is scored teacher-forced: the float32 model's greedy continuations are fed to the
 quantized model, which is asked for the rank of each next token (rank 1: it would have picked
@@ -156,6 +157,29 @@ def test_gptq_expert_tensors_load_as_they_are(moe_dirs, tmp_path: Path, architec
     # The same weights; only the int4 kernel's bfloat16 activations differ.
     assert agreement >= 0.9
     assert_idle(llm)
+
+
+def test_gptq_experts_load_per_rank_under_expert_parallelism(moe_dirs, tmp_path: Path) -> None:
+    """Each rank takes only its experts' GPTQ codes, the same as one rank's for those experts."""
+    gptq_dir = tmp_path / "gptq"
+    write_gptq(moe_dirs["mixtral"], gptq_dir, projections=PROJECTIONS + MIXTRAL_PROJECTIONS)
+    single = LLM(model=str(gptq_dir))
+    sequences, starts = continued(single)
+    split = LLM(model=str(gptq_dir), tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        for ours, theirs in zip(sparse_blocks(split), sparse_blocks(single)):
+            assert sorted(ours.experts.keys(), key=int) == ["0", "1"]
+            for index, expert in ours.experts.items():
+                for name in ("gate_up_proj", "down_proj"):
+                    mine, one_rank = getattr(expert, name), getattr(theirs.experts[index], name)
+                    assert mine.weight_format.name == "int4"
+                    assert torch.equal(mine.qweight, one_rank.qweight)
+                    assert torch.equal(mine.scales_and_zeros, one_rank.scales_and_zeros)
+        agreement, _ = teacher_forced(split, sequences, starts)
+        assert agreement >= 0.9  # observed: all agree
+        assert_idle(split)
+    finally:
+        split.engine.close()
 
 
 def test_gptq_quantized_router_is_refused_naming_it(moe_dirs, tmp_path: Path) -> None:
