@@ -2,11 +2,14 @@
 --enable-expert-parallel`): each rank holds half the experts whole, greedy output equals one
 rank's (and tensor parallelism's without expert parallelism), the idle engine holds no KV block,
 and closing it removes its placement group; the startup errors name both numbers under Ray too,
-before any actor starts. One cluster start for the whole module (it costs seconds)."""
+before any actor starts, and a layer the ranks cannot load fails the start naming it, leaving no
+placement group. One cluster start for the whole module (it costs seconds)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,19 @@ def test_ray_expert_parallel_matches_one_rank(ray_cluster, tmp_path: Path, archi
     finally:
         split.engine.close()
     assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
+
+
+def test_a_layer_the_ranks_cannot_load_fails_the_start_and_leaves_no_placement_group(ray_cluster,
+                                                                                     tmp_path: Path) -> None:
+    """qwen2_moe's shared expert stays tensor-parallel: each rank's 48 input columns of its down
+    projection fit no int4 group size."""
+    directory = build_model(tmp_path / "qwen2_moe", "qwen2_moe")
+    with pytest.raises(ValueError, match=r"shared_expert\.down_proj: int4 group size .* input dimension 48.*"
+                                         r"tensor_parallel_size 2"):
+        LLM(model=str(directory), quantization="int4", tensor_parallel_size=2, enable_expert_parallel=True,
+            distributed_executor_backend="ray")
+    deadline = time.monotonic() + 30
+    while any(group["state"] != "REMOVED" for group in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, "the failed engine's placement group was left behind"
+        gc.collect()
+        time.sleep(0.1)
