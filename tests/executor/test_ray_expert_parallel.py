@@ -53,8 +53,9 @@ def test_startup_errors_name_both_numbers_before_any_actor_starts(tmp_path: Path
     assert ray.is_initialized() == initialized  # refused before Ray was even reached
 
 
-@pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", True), ("qwen2_moe", False),
-                                                          ("mixtral", True)])
+# Ray tensor parallelism without EP on a MoE model is the mp launcher's test's case: one Ray start
+# per layout kept here (CI time).
+@pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", True), ("mixtral", True)])
 def test_ray_expert_parallel_matches_one_rank(ray_cluster, tmp_path: Path, architecture: str,
                                               expert_parallel: bool) -> None:
     directory = build_model(tmp_path / architecture, architecture)
