@@ -71,8 +71,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_ov
             weights = weights / weights.sum(dim=-1, keepdim=True)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return Routing(order // top_k, weights.reshape(-1)[order],
-                   torch.bincount(flat, minlength=router_logits.shape[-1]))
+    # Not bincount, which sizes its output from the largest id: a host sync on CUDA.
+    counts = torch.zeros(router_logits.shape[-1], dtype=torch.long, device=flat.device)
+    return Routing(order // top_k, weights.reshape(-1)[order], counts.scatter_add_(0, flat, torch.ones_like(flat)))
 
 
 class Experts(nn.ModuleDict):
@@ -158,11 +159,7 @@ class Experts(nn.ModuleDict):
     def path(self, hidden: torch.Tensor, rows: int, active: int) -> str:
         """How this step's `rows` (token, expert) pairs over `active` hit experts run: "native"
         (pagoda's grouped kernel: int8 experts always, float32 ones while the segments are
-        decode-sized, as `FullWeight` picks its native product), "grouped_mm", "triton" (CUDA:
-        full-precision or int8 experts, triton installed), or "loop"."""
-        if hidden.device.type == "cuda":
-            stacked = self.gate_up_weight is not None or self.gate_up_qweight is not None
-            return "triton" if stacked and triton_moe() is not None else "loop"
+        decode-sized, as `FullWeight` picks its native product), "grouped_mm", or "loop"."""
         if hidden.device.type != "cpu":
             return "loop"
         if self.gate_up_qweight is not None:  # int8 experts on the native kernels
@@ -176,6 +173,8 @@ class Experts(nn.ModuleDict):
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
         none of its experts serve)."""
+        if self.runs_triton(hidden):  # no host sync: CUDA graphs capture it
+            return torch.zeros_like(hidden).index_add_(0, routing.token_index, self.run_triton(hidden, routing))
         out = torch.zeros_like(hidden)
         held = self.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
@@ -185,14 +184,10 @@ class Experts(nn.ModuleDict):
         if stop == start:
             return out
         token_index = routing.token_index[start:stop]
-        active = sum(1 for count in held_counts if count)
-        path = self.path(hidden, stop - start, active)
-        if path == "triton":  # the kernel gathers the tokens and applies the routing weights
-            return out.index_add_(0, token_index, self.run_triton(
-                hidden, token_index, routing.weights[start:stop], routing.counts[held.start:held.start + held.size],
-                held_counts))
         sorted_hidden = hidden[token_index]
         weights = routing.weights[start:stop].to(hidden.dtype).unsqueeze(-1)
+        active = sum(1 for count in held_counts if count)
+        path = self.path(hidden, stop - start, active)
         if path != "loop":
             rows = self.run_grouped(sorted_hidden, routing.counts[held.start:held.start + held.size], stop - start,
                                     path == "native")
@@ -230,10 +225,15 @@ class Experts(nn.ModuleDict):
         down = torch._grouped_mm(self.gated(gate, up), self.down_weight.transpose(1, 2), offs=offsets)
         return down if expert_of_row is None else down + self.down_bias[expert_of_row]
 
-    def run_triton(self, hidden: torch.Tensor, token_index: torch.Tensor, route_weights: torch.Tensor,
-                   counts: torch.Tensor, host_counts: list[int]) -> torch.Tensor:
-        """Every held expert on its pairs through the Triton kernel (two launches), each row
-        already scaled by its routing weight, in pair order."""
+    def runs_triton(self, hidden: torch.Tensor) -> bool:
+        """On CUDA, stacked experts (full precision, int8) run through the Triton kernel where
+        triton is installed; other formats loop over the hit experts."""
+        stacked = self.gate_up_weight is not None or self.gate_up_qweight is not None
+        return hidden.device.type == "cuda" and stacked and triton_moe() is not None
+
+    def run_triton(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every pair through the Triton kernel (two launches), each row already scaled by its
+        routing weight, in pair order; zero rows for pairs of experts this rank does not hold."""
         kernels = triton_moe()
         if self.gate_up_qweight is not None:
             first = next(iter(self.values()))
@@ -242,7 +242,8 @@ class Experts(nn.ModuleDict):
                                             first.gate_up_proj.in_features, first.down_proj.in_features)
         else:
             weights = kernels.ExpertWeights(self.gate_up_weight, self.down_weight, self.gate_up_bias, self.down_bias)
-        return kernels.grouped_experts(hidden, token_index, route_weights, counts, host_counts, weights, self.gated)
+        return kernels.grouped_experts(hidden, routing.token_index, routing.weights, routing.counts, weights, self.gated,
+                                       self.placement.experts.start)
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""

@@ -53,12 +53,15 @@ def pairs_for(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tenso
     return order // experts.shape[1], weights.reshape(-1)[order], torch.bincount(flat, minlength=EXPERTS)
 
 
-def reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias):
-    """Pair by pair in float32."""
+def reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias, first_expert=0):
+    """Pair by pair in float32; zero rows for experts outside first_expert .. + len(gate_up)."""
     expert_of_pair = torch.repeat_interleave(torch.arange(EXPERTS), counts)
     rows = []
     for pair, token in enumerate(token_index.tolist()):
-        e = int(expert_of_pair[pair])
+        e = int(expert_of_pair[pair]) - first_expert
+        if not 0 <= e < gate_up.shape[0]:
+            rows.append(torch.zeros(HIDDEN))
+            continue
         x = gate_up[e].float() @ hidden[token].float()
         if gate_up_bias is not None:
             x = x + gate_up_bias[e].float()
@@ -98,10 +101,28 @@ def test_grouped_experts_match_reference(dtype, case, tokens, top_k, bias):
 
     on = (lambda t: None if t is None else t.to(DEVICE))
     stacked = kernels.ExpertWeights(on(gate_up), on(down), on(gate_up_bias), on(down_bias))
-    got = kernels.grouped_experts(on(hidden), on(token_index), on(route_weights), on(counts), counts.tolist(), stacked,
-                                  silu_and_mul)
+    got = kernels.grouped_experts(on(hidden), on(token_index), on(route_weights), on(counts), stacked, silu_and_mul)
     assert got.dtype == dtype and got.shape == (len(token_index), HIDDEN)
     torch.testing.assert_close(got.float().cpu(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("first_expert,held", [(0, 3), (3, 3), (6, 2)])
+def test_a_rank_holding_some_experts_computes_theirs_and_zeros_for_the_rest(first_expert, held):
+    generator = torch.Generator().manual_seed(first_expert)
+    tokens, top_k = 10, 3
+    experts = choices("every_expert", tokens, top_k, generator)
+    weights = torch.softmax(torch.randn(experts.shape, generator=generator), dim=-1)
+    token_index, route_weights, counts = pairs_for(experts, weights)
+    hidden = torch.randn(tokens, HIDDEN, generator=generator)
+    gate_up = torch.randn(held, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.2
+    down = torch.randn(held, HIDDEN, INTERMEDIATE, generator=generator) * 0.2
+    gate_up_bias, down_bias = torch.randn(held, 2 * INTERMEDIATE, generator=generator), torch.randn(held, HIDDEN)
+    expected = reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias,
+                         first_expert)
+    stacked = kernels.ExpertWeights(*(t.to(DEVICE) for t in (gate_up, down, gate_up_bias, down_bias)))
+    got = kernels.grouped_experts(*(t.to(DEVICE) for t in (hidden, token_index, route_weights, counts)), stacked,
+                                  silu_and_mul, first_expert)
+    torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,7 +137,7 @@ def test_int8_experts_match_dequantized_reference(dtype):
     bias = torch.randn(EXPERTS, out_features, generator=generator).to(dtype)
     counts = torch.tensor([0, 4, 0, 0, 1, 0, 6, 0])
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    blocks = kernels.align_blocks(counts.to(DEVICE), counts.tolist(), 16)
+    blocks = kernels.align_blocks(counts.to(DEVICE), rows, 16)
     got = kernels.grouped_linear(x.to(DEVICE), qweight.to(DEVICE), blocks, scales=scales.to(DEVICE),
                                  bias=bias.to(DEVICE), in_features=in_features)
     expert_of_row = torch.repeat_interleave(torch.arange(EXPERTS), counts)
@@ -125,19 +146,24 @@ def test_int8_experts_match_dequantized_reference(dtype):
     torch.testing.assert_close(got.float().cpu(), expected, **TOLERANCE[dtype])
 
 
-def test_align_blocks_pads_each_segment_and_skips_experts_not_hit():
+def test_align_blocks_pads_each_segment_and_skips_experts_not_hit(monkeypatch):
     counts = torch.tensor([0, 3, 0, 17, 16, 0])
-    blocks = kernels.align_blocks(counts, counts.tolist(), 16)
+    # Sized from the pair and expert counts only: no value goes back to the host (CUDA graphs).
+    for method in ("tolist", "item", "__bool__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, method, lambda *args: pytest.fail("a host sync"))
+    blocks = kernels.align_blocks(counts, 36, 16)
+    monkeypatch.undo()
     assert blocks.num_pairs == 36 and blocks.block_m == 16
-    assert blocks.block_expert.tolist() == [1, 3, 3, 4]
-    rows = blocks.block_rows.view(4, 16).tolist()
+    # 36 // 16 + 6 experts = 8 blocks in the grid, 4 real ones.
+    assert blocks.block_expert.tolist() == [1, 3, 3, 4, -1, -1, -1, -1]
+    rows = blocks.block_rows.view(8, 16).tolist()
     pad = blocks.num_pairs
     assert rows[0] == [0, 1, 2] + [pad] * 13
     assert rows[1] == list(range(3, 19)) and rows[2] == [19] + [pad] * 15
     assert rows[3] == list(range(20, 36))
-    empty = kernels.align_blocks(torch.zeros(4, dtype=torch.long), [0] * 4, 16)
-    assert empty.block_expert.numel() == 0 and empty.block_rows.numel() == 0
+    assert all(row == [pad] * 16 for row in rows[4:])
     assert kernels.pick_block_m(4, 4) == 16 and kernels.pick_block_m(60, 2) == 32 and kernels.pick_block_m(640, 8) == 64
+    assert kernels.pick_block_m(128, 128) == 16  # a decode step of 16 tokens, top-8 of 128 experts
 
 
 def moe_block(architecture: str, top_k: int, dtype: torch.dtype,
@@ -166,7 +192,7 @@ def test_moe_block_on_the_triton_path_matches_the_loop(architecture, top_k, monk
     expected = block(hidden)
     calls = []
     run_triton = moe.Experts.run_triton
-    monkeypatch.setattr(moe.Experts, "path", lambda self, hidden, rows, active: "triton")
+    monkeypatch.setattr(moe.Experts, "runs_triton", lambda self, hidden: True)
     monkeypatch.setattr(moe.Experts, "run_triton", lambda self, *args: calls.append(1) or run_triton(self, *args))
     torch.testing.assert_close(block(hidden), expected, rtol=1e-5, atol=1e-5)
     assert calls
@@ -178,13 +204,31 @@ def test_moe_block_on_the_triton_path_matches_the_loop(architecture, top_k, monk
 def test_moe_block_picks_triton_on_cuda(dtype, weight_format):
     block = moe_block("GptOssForCausalLM", 2, dtype, weight_format)
     hidden = torch.randn(9, HIDDEN, device=DEVICE, dtype=dtype)
-    assert block.experts.path(hidden, rows=18, active=4) == "triton"
+    assert block.experts.runs_triton(hidden)
     routing = route(block.gate(hidden), 2, True, block.softmax_over_top_k)
     expected = torch.zeros_like(hidden, dtype=torch.float32)
     for row, (token, weight) in enumerate(zip(routing.token_index.tolist(), routing.weights.tolist())):
         expert = int(torch.repeat_interleave(torch.arange(EXPERTS, device=DEVICE), routing.counts)[row])
         expected[token] += weight * block.experts.run_expert(expert, hidden[token:token + 1])[0].float()
     torch.testing.assert_close(block.experts(hidden, routing).float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_moe_block_on_cuda_replays_in_a_cuda_graph():
+    block = moe_block("Qwen3MoeForCausalLM", 8, torch.bfloat16)
+    static = torch.randn(16, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles the kernels before the capture
+        block(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = block(static)
+    fresh = torch.randn(16, HIDDEN, device=DEVICE, dtype=torch.bfloat16)  # other experts hit, same shapes
+    static.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(captured, block(fresh))
 
 
 COMPILE_FOR_GPU = r'''
@@ -233,16 +277,14 @@ for tokens, top_k in ((4, 8), (64, 8), (1024, 8)):  # the three row-block sizes
         stacked = tm.ExpertWeights(torch.empty(experts, 2 * intermediate, hidden_size, dtype=dtype),
                                    torch.empty(experts, hidden_size, intermediate, dtype=dtype),
                                    gate_up_bias, down_bias)
-        tm.grouped_experts(hidden, token_index, route_weights, counts, counts.tolist(), stacked,
-                           lambda gate, up: gate * up)
+        tm.grouped_experts(hidden, token_index, route_weights, counts, stacked, lambda gate, up: gate * up)
     if dtype != torch.float32:  # int8 experts: 16-bit activations, as the format's scales
         int8 = tm.ExpertWeights(torch.empty(experts, 2 * intermediate, hidden_size, dtype=torch.int8),
                                 torch.empty(experts, hidden_size, intermediate, dtype=torch.int8),
                                 gate_up_scales=torch.empty(experts, 2 * intermediate, dtype=dtype),
                                 down_scales=torch.empty(experts, hidden_size, dtype=dtype),
                                 hidden_size=hidden_size, intermediate_size=intermediate)
-        tm.grouped_experts(hidden, token_index, route_weights, counts, counts.tolist(), int8,
-                           lambda gate, up: gate * up)
+        tm.grouped_experts(hidden, token_index, route_weights, counts, int8, lambda gate, up: gate * up, 3)
 '''
 
 
