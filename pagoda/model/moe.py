@@ -18,7 +18,8 @@ so they are stored and multiplied in whatever weight format the model's other pr
    fused-MoE kernel (pagoda.model.triton_moe: grouped GEMMs over expert-sorted blocks of rows)
    for full-precision and int8 experts, the loop for other formats;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
-   expert order for each token, as transformers does).
+   expert order for each token, as transformers does; the Triton path sums each token's rows,
+   also in expert order, without atomics).
 
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
@@ -174,7 +175,7 @@ class Experts(nn.ModuleDict):
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
         none of its experts serve)."""
         if self.runs_triton(hidden):  # no host sync: CUDA graphs capture it
-            return torch.zeros_like(hidden).index_add_(0, routing.token_index, self.run_triton(hidden, routing))
+            return self.run_triton(hidden, routing)
         out = torch.zeros_like(hidden)
         held = self.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
@@ -232,8 +233,9 @@ class Experts(nn.ModuleDict):
         return hidden.device.type == "cuda" and stacked and triton_moe() is not None
 
     def run_triton(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Every pair through the Triton kernel (two launches), each row already scaled by its
-        routing weight, in pair order; zero rows for pairs of experts this rank does not hold."""
+        """Every pair through the Triton kernel (two launches), weighted and summed per token
+        (each token's experts in expert order, no atomics); experts this rank does not hold add
+        nothing."""
         kernels = triton_moe()
         if self.gate_up_qweight is not None:
             first = next(iter(self.values()))
@@ -242,8 +244,8 @@ class Experts(nn.ModuleDict):
                                             first.gate_up_proj.in_features, first.down_proj.in_features)
         else:
             weights = kernels.ExpertWeights(self.gate_up_weight, self.down_weight, self.gate_up_bias, self.down_bias)
-        return kernels.grouped_experts(hidden, routing.token_index, routing.weights, routing.counts, weights, self.gated,
-                                       self.placement.experts.start)
+        return kernels.grouped_experts(hidden, routing.token_index, routing.weights, routing.counts, weights,
+                                       self.gated, self.placement.experts.start)
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""

@@ -54,7 +54,8 @@ def pairs_for(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tenso
 
 
 def reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias, first_expert=0):
-    """Pair by pair in float32; zero rows for experts outside first_expert .. + len(gate_up)."""
+    """Pair by pair in float32, summed per token; experts outside first_expert .. + len(gate_up)
+    add nothing."""
     expert_of_pair = torch.repeat_interleave(torch.arange(EXPERTS), counts)
     rows = []
     for pair, token in enumerate(token_index.tolist()):
@@ -70,7 +71,7 @@ def reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up
         if down_bias is not None:
             y = y + down_bias[e].float()
         rows.append(y * route_weights[pair])
-    return torch.stack(rows) if rows else torch.zeros(0, HIDDEN)
+    return torch.zeros(hidden.shape[0], HIDDEN).index_add_(0, token_index, torch.stack(rows))
 
 
 def choices(case: str, tokens: int, top_k: int, generator: torch.Generator) -> torch.Tensor:
@@ -102,7 +103,7 @@ def test_grouped_experts_match_reference(dtype, case, tokens, top_k, bias):
     on = (lambda t: None if t is None else t.to(DEVICE))
     stacked = kernels.ExpertWeights(on(gate_up), on(down), on(gate_up_bias), on(down_bias))
     got = kernels.grouped_experts(on(hidden), on(token_index), on(route_weights), on(counts), stacked, silu_and_mul)
-    assert got.dtype == dtype and got.shape == (len(token_index), HIDDEN)
+    assert got.dtype == dtype and got.shape == (tokens, HIDDEN)
     torch.testing.assert_close(got.float().cpu(), expected, **TOLERANCE[dtype])
 
 
