@@ -195,7 +195,7 @@ def grouped_experts(hidden: torch.Tensor, token_index: torch.Tensor, route_weigh
     it falls in); zero terms where e is not among the held experts (`weights` holds
     first_expert onwards)."""
     num_pairs, num_tokens = token_index.shape[0], hidden.shape[0]
-    blocks = align_blocks(counts, num_pairs, pick_block_m(num_pairs, weights.gate_up.shape[0]))
+    blocks = align_blocks(counts, num_pairs, pick_block_m(num_pairs, counts.shape[0]))
     gate_up = grouped_linear(hidden, weights.gate_up, blocks, a_rows=token_index, scales=weights.gate_up_scales,
                              bias=weights.gate_up_bias, in_features=weights.hidden_size, first_expert=first_expert)
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
