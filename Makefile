@@ -39,6 +39,7 @@ test-triton: $(TEST_STAMP)
 	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_attention.py tests/quant/test_triton_weight_kernels.py \
 		tests/worker/test_cuda_graphs.py
 	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/lora/test_triton_lora.py
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_moe.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

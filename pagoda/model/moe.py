@@ -14,9 +14,12 @@ so they are stored and multiplied in whatever weight format the model's other pr
    when the model has them, which visits only the experts hit (float32 ones while segments are
    decode-sized), else `torch._grouped_mm` when enough experts are hit to pay its per-expert
    cost; otherwise a loop over the hit experts only (other quantized formats, a single
-   sequence's few experts), never over tokens;
+   sequence's few experts), never over tokens; on CUDA (with triton installed), the Triton
+   fused-MoE kernel (pagoda.model.triton_moe: grouped GEMMs over expert-sorted blocks of rows)
+   for full-precision and int8 experts, the loop for other formats;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
-   expert order for each token, as transformers does).
+   expert order for each token, as transformers does; the Triton path sums each token's rows,
+   also in expert order, without atomics).
 
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
@@ -27,7 +30,9 @@ outputs meet in one all-reduce.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +72,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_ov
             weights = weights / weights.sum(dim=-1, keepdim=True)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return Routing(order // top_k, weights.reshape(-1)[order],
-                   torch.bincount(flat, minlength=router_logits.shape[-1]))
+    # Not bincount, which sizes its output from the largest id: a host sync on CUDA.
+    counts = torch.zeros(router_logits.shape[-1], dtype=torch.long, device=flat.device)
+    return Routing(order // top_k, weights.reshape(-1)[order], counts.scatter_add_(0, flat, torch.ones_like(flat)))
 
 
 class Experts(nn.ModuleDict):
@@ -92,8 +98,9 @@ class Experts(nn.ModuleDict):
         self.down_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
-        # int8 experts on the native kernels, stacked at `finalize`: [held, 2I, K'] and [held, H, I']
-        # int8 rows (each expert's Linears hold views of them) and their float32 scales per row.
+        # int8 experts on the native kernels (CPU) or Triton (CUDA), stacked at `finalize`:
+        # [held, 2I, K'] and [held, H, I'] int8 rows (each expert's Linears hold views of them) and
+        # their scales per row (the native kernels' float32 ones; on CUDA the format's).
         self.gate_up_qweight: torch.Tensor | None = None
         self.gate_up_scales: torch.Tensor | None = None
         self.down_qweight: torch.Tensor | None = None
@@ -115,7 +122,7 @@ class Experts(nn.ModuleDict):
             for index, expert in zip(self.keys(), experts):
                 expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
                 expert.down_proj.finalize(f"{name}.{index}.down_proj")
-            self.stack_native_int8(experts)
+            self.stack_int8(experts)
             return
         self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
         self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
@@ -127,18 +134,24 @@ class Experts(nn.ModuleDict):
             if expert.down_proj.bias is not None:
                 del expert.gate_up_proj.bias, expert.down_proj.bias
 
-    def stack_native_int8(self, experts: list[MLP]) -> None:
-        """int8 experts with native products: their rows and scales stacked once for the grouped
-        product, the Linears keeping views (one copy in memory), biases stacked beside."""
+    def stack_int8(self, experts: list[MLP]) -> None:
+        """int8 experts with native products (CPU) or on CUDA (the Triton kernel): their rows and
+        scales stacked once for the grouped product, the Linears keeping views (one copy in
+        memory), biases stacked beside."""
         projections = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
-        if not all(getattr(p, "native_scales", None) is not None for p in projections):
+        if all(getattr(p, "native_scales", None) is not None for p in projections):
+            scales_name = "native_scales"
+        elif all(p.weight_format.name == "int8" and p.qweight.device.type == "cuda" for p in projections):
+            scales_name = "scales"
+        else:
             return
         for kind in ("gate_up", "down"):
             layers = [getattr(e, f"{kind}_proj") for e in experts]
             qweight = torch.stack([layer.qweight for layer in layers])
-            scales = torch.stack([layer.native_scales for layer in layers])
+            scales = torch.stack([getattr(layer, scales_name) for layer in layers])
             for index, layer in enumerate(layers):
-                layer.qweight, layer.native_scales = qweight[index], scales[index]
+                layer.qweight = qweight[index]
+                setattr(layer, scales_name, scales[index])
             setattr(self, f"{kind}_qweight", qweight)
             setattr(self, f"{kind}_scales", scales)
             if layers[0].bias is not None:
@@ -161,6 +174,8 @@ class Experts(nn.ModuleDict):
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
         none of its experts serve)."""
+        if self.runs_triton(hidden):  # no host sync: CUDA graphs capture it
+            return self.run_triton(hidden, routing)
         out = torch.zeros_like(hidden)
         held = self.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
@@ -211,6 +226,27 @@ class Experts(nn.ModuleDict):
         down = torch._grouped_mm(self.gated(gate, up), self.down_weight.transpose(1, 2), offs=offsets)
         return down if expert_of_row is None else down + self.down_bias[expert_of_row]
 
+    def runs_triton(self, hidden: torch.Tensor) -> bool:
+        """On CUDA, stacked experts (full precision, int8) run through the Triton kernel where
+        triton is installed; other formats loop over the hit experts."""
+        stacked = self.gate_up_weight is not None or self.gate_up_qweight is not None
+        return hidden.device.type == "cuda" and stacked and triton_moe() is not None
+
+    def run_triton(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every pair through the Triton kernel (two launches), weighted and summed per token
+        (each token's experts in expert order, no atomics); experts this rank does not hold add
+        nothing."""
+        kernels = triton_moe()
+        if self.gate_up_qweight is not None:
+            first = next(iter(self.values()))
+            weights = kernels.ExpertWeights(self.gate_up_qweight, self.down_qweight, self.gate_up_bias, self.down_bias,
+                                            self.gate_up_scales, self.down_scales,
+                                            first.gate_up_proj.in_features, first.down_proj.in_features)
+        else:
+            weights = kernels.ExpertWeights(self.gate_up_weight, self.down_weight, self.gate_up_bias, self.down_bias)
+        return kernels.grouped_experts(hidden, routing.token_index, routing.weights, routing.counts, weights,
+                                       self.gated, self.placement.experts.start)
+
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""
         if self.gate_up_weight is None:
@@ -221,6 +257,17 @@ class Experts(nn.ModuleDict):
         gate_up = F.linear(x, self.gate_up_weight[local], self.gate_up_bias[local] if biased else None)
         gate, up = gate_up.split(module.intermediate_size, dim=-1)
         return F.linear(self.gated(gate, up), self.down_weight[local], self.down_bias[local] if biased else None)
+
+
+@functools.cache
+def triton_moe() -> ModuleType | None:
+    """The Triton fused-MoE kernels, or None where triton is not installed (experts on CUDA then
+    loop over the hit experts)."""
+    try:
+        from pagoda.model import triton_moe as kernels
+    except ImportError:
+        return None
+    return kernels
 
 
 class SparseMoE(nn.Module):
