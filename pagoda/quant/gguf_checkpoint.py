@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda.quant.weight_formats import FullWeight, Int4Weight, WeightFormat
+from pagoda.quant.weight_formats import GGUF_BLOCK_BYTES, FullWeight, GGUFBlockWeight, Int4Weight, WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class GGUFTensor:
     hf_name: str
     type_name: str
     tensor: torch.Tensor | None  # float values (None for Q4_0 kept as codes)
-    int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [N, K] 0..15, scales [N, K/32])
+    # Q4_0 (codes [N, K] 0..15, scales [N, K/32]), or Q8_0 (int8 codes [N, K], scales [N, K/32]) kept as codes
+    int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class GGUFCheckpoint:
@@ -173,9 +174,11 @@ class GGUFCheckpoint:
                 and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                            "ffn_down")}
 
-    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool) -> Iterator[GGUFTensor]:
+    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool,
+                keep_q8_0_codes: bool = False) -> Iterator[GGUFTensor]:
         """Every tensor under its Hugging Face name. Q4_0 projection weights come as int4 codes
-        when `keep_q4_0_codes`, other quantized types dequantized to float32."""
+        when `keep_q4_0_codes`, Q8_0 ones as int8 codes when `keep_q8_0_codes`, other quantized
+        types dequantized to float32."""
         dequantized: Counter[str] = Counter()
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
@@ -184,6 +187,11 @@ class GGUFCheckpoint:
             try:
                 if type_name == "Q4_0" and keep_q4_0_codes and is_projection:
                     codes, scales = _q4_0_codes(np.asarray(tensor.data))
+                    codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
+                    yield GGUFTensor(hf_name, type_name, None, (codes, scales))
+                    continue
+                if type_name == "Q8_0" and keep_q8_0_codes and is_projection:
+                    codes, scales = _q8_0_codes(np.asarray(tensor.data))
                     codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
                     yield GGUFTensor(hf_name, type_name, None, (codes, scales))
                     continue
@@ -260,17 +268,32 @@ def _q4_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
 
 
+def _q8_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q8_0 rows [N, K/32 * 34 bytes] -> (codes int8 [N, K], scales float32 [N, K/32]): a block
+    is a float16 scale d and 32 int8 codes q, value d * q."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, 34)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8)
+    return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
+
+
 def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | None) -> WeightFormat:
     """The decoder projections' format for a GGUF file: a requested int8/int4 format wins
     (tensors dequantized and re-quantized, except Q4_0 into int4 group 32, which is exact);
-    otherwise Q4_0 projections are served as int4 group 32 and everything else as floats."""
+    with the native kernels, projections all Q8_0 or all Q4_0 are served as their blocks
+    (GGUFBlockWeight); otherwise Q4_0 projections are served as int4 group 32 and everything else
+    as floats."""
     if requested is not None and not isinstance(requested, FullWeight):
         return requested
     types = checkpoint.linear_types()
+    native = requested.native if requested is not None else None
+    if native is not None and len(types) == 1 and next(iter(types)) in GGUF_BLOCK_BYTES:
+        return GGUFBlockWeight(next(iter(types)), native)
     if "Q4_0" in types:
         others = sorted(types - {"Q4_0"})
         if others:
             logger.info("%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
                         checkpoint.path.name, ", ".join(others))
-        return Int4Weight(group_size=32, zero_point=False)
+        return Int4Weight(group_size=32, zero_point=False, native=native)
     return requested or FullWeight()
