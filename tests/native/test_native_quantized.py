@@ -190,3 +190,19 @@ def test_models_generate_alike_with_the_kernels_on(gguf_models, engine_args):
     off = _greedy_ids(gguf_models["llama"], **engine_args)
     # int4/int8 off compute in bfloat16 (tinygemm, _weight_int8pack_mm), on in float32: near-ties may flip.
     assert _agreement(on, off) >= 0.8
+
+
+def test_bfloat16_model_follows_transformers_with_the_kernels_on(tmp_path):
+    from model_factory import build_model, hf_greedy, load_hf_model
+    from pagoda.engine.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    directory = build_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    hf_model = load_hf_model(directory)  # float32 from the bfloat16 weights
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, hf_model.config.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 40)]
+    llm = LLM(model=str(directory), dtype="bfloat16", native_kernels="on")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    expected = [hf_greedy(hf_model, prompt, 24)[0] for prompt in prompts]
+    # bfloat16 activations against float32 ones: observed 66/72, the same as with the kernels off.
+    assert _agreement([o.outputs[0].token_ids for o in outputs], expected) >= 0.85
