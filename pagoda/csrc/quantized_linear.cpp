@@ -131,10 +131,10 @@ struct Int4Rows {
   const float* scales;
   const float* zeros;  // nullptr: symmetric
   int64_t groups;
-  int64_t blocks_per_group;
+  int group_shift;  // log2(blocks per group): a shift, not a division, per block
 
-  float scale(int64_t row, int64_t block) const { return scales[row * groups + block / blocks_per_group]; }
-  float zero(int64_t row, int64_t block) const { return zeros ? zeros[row * groups + block / blocks_per_group] : 0.f; }
+  float scale(int64_t row, int64_t block) const { return scales[row * groups + (block >> group_shift)]; }
+  float zero(int64_t row, int64_t block) const { return zeros ? zeros[row * groups + (block >> group_shift)] : 0.f; }
 
   __attribute__((target("avx512f"))) void decode512(int64_t row, int64_t block, __m512& lo, __m512& hi) const {
     nibbles512(w + row * ldw + block * 16, lo, hi);
@@ -326,9 +326,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at:
                 "linear_int4: zeros must be float32 shaped like the scales, contiguous");
     zero_ptr = zeros->data_ptr<float>();
   }
-  const int64_t groups = scales.size(1);
+  const int64_t groups = scales.size(1), blocks_per_group = k / groups / kBlock;
+  TORCH_CHECK((blocks_per_group & (blocks_per_group - 1)) == 0, "linear_int4: the group (", k / groups,
+              ") must be 32 times a power of two");
   const Int4Rows rows{nibbles.data_ptr<uint8_t>(), nibbles.size(1), scales.data_ptr<float>(), zero_ptr, groups,
-                      k / groups / kBlock};
+                      __builtin_ctzll(static_cast<unsigned long long>(blocks_per_group))};
   return block_linear("linear_int4", rows, x, n, k, bias);
 }
 
