@@ -66,13 +66,18 @@ struct Q8_0Rows {
   }
 };
 
-// 16 bytes of nibbles -> codes 0..15 as floats minus 8: low nibbles are values 0..15, high nibbles 16..31.
-__attribute__((target("avx512f"))) inline void nibbles512(const uint8_t* p, __m512& lo, __m512& hi) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
-  lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask))), eight);
-  hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))), eight);
+// The 16 values a block's codes stand for, code - 8 for code 0..15 (times its scale, plus its zero): one
+// permute per 16 weights then dequantizes them, instead of a convert, a subtract and a multiply.
+__attribute__((target("avx512f"))) inline __m512 centered_codes512() {
+  return _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+}
+
+// 16 bytes of nibbles -> table[code]: low nibbles are values 0..15, high nibbles 16..31. One widening serves
+// both halves: the permute reads only an index's low 4 bits, so the low nibble needs no mask.
+__attribute__((target("avx512f"))) inline void nibbles512(const uint8_t* p, __m512 table, __m512& lo, __m512& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 __attribute__((target("avx2,fma"))) inline void nibbles256(const uint8_t* p, __m256 (&v)[4]) {
@@ -104,9 +109,7 @@ struct Q4_0Rows {
   __attribute__((target("avx512f,f16c"))) void decode512(int64_t row, int64_t block, __m512& lo, __m512& hi) const {
     const uint8_t* p = at(row, block);
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-    nibbles512(p + 2, lo, hi);
-    lo = _mm512_mul_ps(lo, d);
-    hi = _mm512_mul_ps(hi, d);
+    nibbles512(p + 2, _mm512_mul_ps(centered_codes512(), d), lo, hi);
   }
 
   __attribute__((target("avx2,fma,f16c"))) void decode256(int64_t row, int64_t block, __m256 (&v)[4]) const {
@@ -137,10 +140,8 @@ struct Int4Rows {
   float zero(int64_t row, int64_t block) const { return zeros ? zeros[row * groups + (block >> group_shift)] : 0.f; }
 
   __attribute__((target("avx512f"))) void decode512(int64_t row, int64_t block, __m512& lo, __m512& hi) const {
-    nibbles512(w + row * ldw + block * 16, lo, hi);
     const __m512 s = _mm512_set1_ps(scale(row, block)), z = _mm512_set1_ps(zero(row, block));
-    lo = _mm512_add_ps(_mm512_mul_ps(lo, s), z);
-    hi = _mm512_add_ps(_mm512_mul_ps(hi, s), z);
+    nibbles512(w + row * ldw + block * 16, _mm512_add_ps(_mm512_mul_ps(centered_codes512(), s), z), lo, hi);
   }
 
   __attribute__((target("avx2,fma"))) void decode256(int64_t row, int64_t block, __m256 (&v)[4]) const {
