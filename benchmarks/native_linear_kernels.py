@@ -1,10 +1,11 @@
 """Per-kernel time of the native small-M products against the torch path each weight format takes
 without them, on the ~100M model's projection shapes (hidden 768, intermediate 2048, GQA 12/4).
 
-Pairs (native / torch, the same weights): bf16 (linear_bf16 / F.linear in bfloat16), int4 group 32
-(linear_int4 / aten._weight_int4pack_mm_for_cpu in bfloat16), GGUF Q8_0 (linear_q8_0 on the blocks /
-F.linear on the dequantized float32 copy served today), GGUF Q4_0 (linear_q4_0 / the int4pack
-kernel Q4_0 is served by today). Float32 x. Rounds alternate native and torch; medians of rounds, each
+Pairs (native / torch, the same weights, torch as each format runs without the native kernels):
+bf16 (linear_bf16 / oneDNN's pre-packed bfloat16 product, FullWeight's), int4 group 32 (linear_int4 /
+aten._weight_int4pack_mm_for_cpu in bfloat16), GGUF Q8_0 (linear_q8_0 on the blocks / oneDNN's
+pre-packed product of the dequantized float32 copy served today), GGUF Q4_0 (linear_q4_0 / the
+int4pack kernel Q4_0 is served by today). Float32 x. Rounds alternate native and torch; medians of rounds, each
 round the mean of `--calls` calls; the load average is recorded beside them.
 
     .venv/bin/python benchmarks/native_linear_kernels.py --threads 1 --rounds 9
@@ -21,10 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
 from pagoda import native
-from pagoda.quant.weight_formats import pack_int4_nibbles, quantize_int4_grouped
+from pagoda.quant.weight_formats import PACK_ROWS_HINT, pack_int4_nibbles, quantize_int4_grouped
 
 RESULT = Path(__file__).resolve().parent / "results" / "native_kernels" / "linear_dev.json"
 SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768)}  # (K, N)
@@ -54,11 +53,15 @@ def pairs(kernels: native.NativeKernels, k: int, n: int, m: int) -> dict[str, tu
     q4_blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), nibbles.reshape(n, -1, 16)], -1).reshape(n, -1)
     q4_blocks = q4_blocks.contiguous()
     xb = x.bfloat16()
+    bf16_packed = torch.ops.mkldnn._reorder_linear_weight(bf16, PACK_ROWS_HINT)
+    q8_packed = torch.ops.mkldnn._reorder_linear_weight(q8_dense, PACK_ROWS_HINT)
     return {
-        "bf16": (lambda: kernels.linear_bf16(x, bf16, None), lambda: F.linear(xb, bf16).float()),
+        "bf16": (lambda: kernels.linear_bf16(x, bf16, None),
+                 lambda: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), bf16_packed, None, "none", [], "").float()),
         "int4_g32": (lambda: kernels.linear_int4(x, nibbles, scales, zeros, None),
                      lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float()),
-        "q8_0": (lambda: kernels.linear_q8_0(x, q8_blocks, None), lambda: F.linear(x, q8_dense)),
+        "q8_0": (lambda: kernels.linear_q8_0(x, q8_blocks, None),
+                 lambda: torch.ops.mkldnn._linear_pointwise(x, q8_packed, None, "none", [], "")),
         "q4_0": (lambda: kernels.linear_q4_0(x, q4_blocks, None),
                  lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float()),
     }
