@@ -395,6 +395,13 @@ class GGUFBlockWeight(WeightFormat):
         self.native = native
         self.name = block_type.lower()
 
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Every row comes as codes (`stage_codes`): the staging weight only names the shape, on the meta
+        device, so loading never holds a float copy of the projection."""
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"),
+                                    requires_grad=False)
+
     def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor | None = None) -> None:
         """Rows of codes [rows, K] (Q8_0: -127..127, Q4_0: 0..15) and their block scales [rows, K / 32]."""
