@@ -279,7 +279,8 @@ at::Tensor block_linear(const char* op, const Rows& rows, const at::Tensor& x, i
           if (count == kRowsPerTile) {
             rows_tile<Rows, kRowsPerTile>(isa, rows, n0, xp + m0 * k, mb, k, acc);
           } else {
-            for (int64_t r = 0; r < count; ++r) rows_tile<Rows, 1>(isa, rows, n0 + r, xp + m0 * k, mb, k, acc + r * kMaxRows);
+            for (int64_t r = 0; r < count; ++r)
+              rows_tile<Rows, 1>(isa, rows, n0 + r, xp + m0 * k, mb, k, acc + r * kMaxRows);
           }
           for (int64_t r = 0; r < count; ++r) {
             const float b = bias_ptr ? bias_ptr[n0 + r] : 0.f;
@@ -295,8 +296,8 @@ at::Tensor block_linear(const char* op, const Rows& rows, const at::Tensor& x, i
 void check_blocks(const char* op, const at::Tensor& blocks, int64_t bytes_per_block) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), op,
               ": blocks must be uint8 [N, bytes], contiguous");
-  TORCH_CHECK(blocks.size(1) % bytes_per_block == 0, op, ": a row of ", blocks.size(1), " bytes is not whole blocks of ",
-              bytes_per_block);
+  TORCH_CHECK(blocks.size(1) % bytes_per_block == 0, op, ": a row of ", blocks.size(1),
+              " bytes is not whole blocks of ", bytes_per_block);
 }
 
 // GGUF Q8_0 rows as stored: [N, K / 32 * 34] bytes.

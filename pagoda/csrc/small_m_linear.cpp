@@ -1,6 +1,7 @@
 // Matrix-vector and small-M products (any M, in blocks of 16 rows) for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// W dense row-major (fp32 or bf16, widened to fp32 in registers) or int8 with one scale per output row; and its grouped form for mixture-of-experts
-// projections (each group of rows of x times its own W, only the groups that have rows). Parallel over output rows with
+// W dense row-major (fp32, or bf16 widened to fp32 in registers) or int8 with one scale per output row; and its
+// grouped form for mixture-of-experts projections (each group of rows of x times its own W, only the groups that have
+// rows). Parallel over output rows with
 // at::parallel_for (torch's intra-op threads, so the engine's thread policy holds). Each ISA
 // body is compiled with its own target attribute and picked at run time, so one build serves
 // any x86-64 CPU and the build cache can be shared between machines.
