@@ -38,3 +38,25 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
 }
 
 }  // namespace pagoda_native
+
+#include <cstdlib>
+#include <string>
+
+namespace pagoda_native {
+
+// active_isa(), or a narrower one named by PAGODA_NATIVE_ISA (avx2 or scalar), read once: lets tests and benchmarks
+// run every path on one machine. A name wider than the CPU supports is ignored.
+inline Isa kernel_isa() {
+  static const Isa isa = [] {
+    const char* name = std::getenv("PAGODA_NATIVE_ISA");
+    const Isa best = active_isa();
+    if (name == nullptr) return best;
+    const std::string wanted(name);
+    if (wanted == "scalar") return Isa::scalar;
+    if (wanted == "avx2" && best != Isa::scalar) return Isa::avx2;
+    return best;
+  }();
+  return isa;
+}
+
+}  // namespace pagoda_native

@@ -1,6 +1,7 @@
 // Matrix-vector and small-M products (any M, in blocks of 16 rows) for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// W dense row-major (fp32) or int8 with one scale per output row; and its grouped form for mixture-of-experts
-// projections (each group of rows of x times its own W, only the groups that have rows). Parallel over output rows with
+// W dense row-major (fp32, or bf16 widened to fp32 in registers) or int8 with one scale per output row; and its
+// grouped form for mixture-of-experts projections (each group of rows of x times its own W, only the groups that have
+// rows). Parallel over output rows with
 // at::parallel_for (torch's intra-op threads, so the engine's thread policy holds). Each ISA
 // body is compiled with its own target attribute and picked at run time, so one build serves
 // any x86-64 CPU and the build cache can be shared between machines.
@@ -8,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <optional>
@@ -20,6 +22,19 @@
 namespace {
 
 using namespace pagoda_native;
+
+using pagoda_native::load16;  // overloaded below for bf16
+using pagoda_native::load8;
+
+// bf16 weights widen to fp32 exactly: the bf16 bits are the top half of the fp32 ones.
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 
 constexpr int64_t kRowsPerTile = 4;   // output rows sharing one pass over x
 constexpr int64_t kMaxRows = 16;      // rows of x per block (larger inputs loop over blocks)
@@ -159,7 +174,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const f
   const W* w = weight.data_ptr<W>();
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const Isa isa = active_isa();
+  const Isa isa = kernel_isa();
   at::parallel_for(0, (n + kRowsPerTile - 1) / kRowsPerTile, tile_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRowsPerTile;
@@ -211,7 +226,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const f
   const W* w = weight.data_ptr<W>();
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const Isa isa = active_isa();
+  const Isa isa = kernel_isa();
   at::parallel_for(0, static_cast<int64_t>(hit.size()) * tiles, tile_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / tiles, n0 = (task % tiles) * kRowsPerTile, g = hit[h];
@@ -255,8 +270,19 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   return small_m_linear<int8_t>(x, qweight, scales.data_ptr<float>(), bias);
 }
 
+// bf16 weight [N, K] with x in fp32 or bf16: products and sums in fp32, the output in x's dtype.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: x has ", x.size(-1), " inputs, weight ",
+              weight.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_bf16: x must be float32 or bfloat16");
+  const at::Tensor out = small_m_linear<c10::BFloat16>(x.to(at::kFloat), weight, nullptr, bias);
+  return out.to(x.scalar_type());
+}
+
 std::string isa_name() {
-  switch (active_isa()) {
+  switch (kernel_isa()) {
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "scalar";
@@ -273,4 +299,5 @@ TORCH_LIBRARY(PAGODA_NATIVE_NAMESPACE, m) {
   m.def("grouped_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor counts, Tensor? bias) -> Tensor",
         &grouped_linear_int8);
   m.def("isa() -> str", &isa_name);
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_bf16);
 }

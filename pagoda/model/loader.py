@@ -20,7 +20,7 @@ from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
-from pagoda.quant.weight_formats import Int4Weight, WeightFormat
+from pagoda.quant.weight_formats import GGUFBlockWeight, Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index). A
 # checkpoint's already fused tensor (Phi-3) maps to the whole parameter, its shard taking each
@@ -125,9 +125,10 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     weight_format = gguf_weight_format(checkpoint, weight_format)
     weight_format.check_kernel(device, dtype)
     model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage)
-    keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
+    blocks = isinstance(weight_format, GGUFBlockWeight)
+    keep_codes = blocks or (isinstance(weight_format, Int4Weight) and weight_format.group_size == 32)
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
-               for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes))
+               for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes, keep_q8_0_codes=blocks))
     _fill(model, tensors, config, dtype, str(path))
     return model.eval()
 

@@ -73,8 +73,28 @@ class NativeKernels:
         """The same with int8 weights [G, N, K' >= K] and float32 scales [G, N] per output row."""
         return load_extension().grouped_linear_int8(x, qweight, scales, counts, bias)
 
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 @ weight [N, K] bfloat16^T (+ bias), summed in float32, in x's dtype."""
+        return load_extension().linear_bf16(x, weight, bias)
+
+    def linear_int4(self, x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 @ pagoda's group-wise int4 weight^T (+ bias), in x's dtype: codes
+        two per byte [N, K / 2] in GGUF Q4_0's nibble order per 32 inputs (`pack_int4_nibbles`), float32
+        scales (and zeros) [N, K / group]; w = (code - 8) * scale + zero."""
+        return load_extension().linear_int4(x, nibbles, scales, zeros, bias)
+
+    def linear_q8_0(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 @ GGUF Q8_0 rows (uint8 [N, K / 32 * 34], ggml's blocks)^T (+ bias)."""
+        return load_extension().linear_q8_0(x, blocks, bias)
+
+    def linear_q4_0(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 @ GGUF Q4_0 rows (uint8 [N, K / 32 * 18], ggml's blocks)^T (+ bias)."""
+        return load_extension().linear_q4_0(x, blocks, bias)
+
     def describe(self) -> str:
-        return f"native CPU kernels ({self.isa}: float32 decode products, int8 products, grouped MoE products)"
+        return (f"native CPU kernels ({self.isa}: float32 and bfloat16 decode products, int8, int4 and GGUF "
+                f"Q4_0/Q8_0 products, grouped MoE products)")
 
 
 def cache_dir() -> Path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 
 from pagoda.quant.gguf_moe import (MOE_GGUF_ARCHITECTURES, MOE_LAYER_TENSORS, STACKED_EXPERT_TENSORS,
                                    expert_tensor_kind, is_moe_gguf, moe_hf_config)
-from pagoda.quant.weight_formats import FullWeight, Int4Weight, WeightFormat
+from pagoda.quant.weight_formats import GGUF_BLOCK_BYTES, FullWeight, GGUFBlockWeight, Int4Weight, WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class GGUFTensor:
     hf_name: str
     type_name: str
     tensor: torch.Tensor | None  # float values (None for Q4_0 kept as codes)
-    int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [N, K] 0..15, scales [N, K/32])
+    # Q4_0 (codes [N, K] 0..15, scales [N, K/32]), or Q8_0 (int8 codes [N, K], scales [N, K/32]) kept as codes
+    int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class GGUFCheckpoint:
@@ -192,23 +193,27 @@ class GGUFCheckpoint:
                 if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim in (2, 3)
                 and name.split(".")[2] in _PROJECTION_KINDS}
 
-    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool) -> Iterator[GGUFTensor]:
+    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool,
+                keep_q8_0_codes: bool = False) -> Iterator[GGUFTensor]:
         """Every tensor under its Hugging Face name. Q4_0 projection weights come as int4 codes
-        when `keep_q4_0_codes`, other quantized types dequantized to float32."""
+        when `keep_q4_0_codes`, Q8_0 ones as int8 codes when `keep_q8_0_codes`, other quantized
+        types dequantized to float32."""
         dequantized: Counter[str] = Counter()
         for name, tensor in self.tensors.items():
             type_name = tensor.tensor_type.name
             experts = expert_tensor_kind(name) is not None
             hf_name = None if experts else self._hf_name(name)
-            keeps_codes = type_name == "Q4_0" and keep_q4_0_codes and (experts or hf_name.endswith("_proj.weight"))
-            if type_name not in _PLAIN_TYPES and not keeps_codes:
+            is_projection = experts or hf_name.endswith("_proj.weight")
+            codes_of = (_q4_0_codes if type_name == "Q4_0" and keep_q4_0_codes and is_projection else
+                        _q8_0_codes if type_name == "Q8_0" and keep_q8_0_codes and is_projection else None)
+            if type_name not in _PLAIN_TYPES and codes_of is None:
                 dequantized[type_name] += 1
             if experts:
-                yield from self._expert_tensors(name, tensor, keeps_codes)
+                yield from self._expert_tensors(name, tensor, codes_of)
                 continue
             try:
-                if keeps_codes:
-                    codes, scales = _q4_0_codes(np.asarray(tensor.data))
+                if codes_of is not None:
+                    codes, scales = codes_of(np.asarray(tensor.data))
                     codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
                     yield GGUFTensor(hf_name, type_name, None, (codes, scales))
                     continue
@@ -237,9 +242,12 @@ class GGUFCheckpoint:
                                                            dtype=np.float32))
         return values if tuple(values.shape) == shape else values.reshape(shape)
 
-    def _expert_tensors(self, name: str, tensor: Any, keep_codes: bool) -> Iterator[GGUFTensor]:
+    def _expert_tensors(self, name: str, tensor: Any,
+                        codes_of: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None
+                        ) -> Iterator[GGUFTensor]:
         """A stacked experts tensor [E, out, in] as one tensor per expert and projection
-        (`ffn_gate_up_exps` rows split into gate and up), read one expert at a time."""
+        (`ffn_gate_up_exps` rows split into gate and up), read one expert at a time; as (codes,
+        scales) through `codes_of` when the weight format serves the file's blocks."""
         layer = name.split(".")[1]
         projections = STACKED_EXPERT_TENSORS[name.split(".")[2]]
         type_name = tensor.tensor_type.name
@@ -250,8 +258,8 @@ class GGUFCheckpoint:
         try:
             data = np.asarray(tensor.data)
             for expert in range(num_experts):
-                if keep_codes:
-                    codes, scales = _q4_0_codes(data[expert])
+                if codes_of is not None:
+                    codes, scales = codes_of(data[expert])
                     parts = [(None, (c, s)) for c, s in zip(codes.split(part_rows), scales.split(part_rows))]
                 else:
                     values = self._dequantize(data[expert], tensor.tensor_type, (rows, columns))
@@ -315,17 +323,32 @@ def _q4_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
 
 
+def _q8_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q8_0 rows [N, K/32 * 34 bytes] -> (codes int8 [N, K], scales float32 [N, K/32]): a block
+    is a float16 scale d and 32 int8 codes q, value d * q."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, 34)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8)
+    return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
+
+
 def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | None) -> WeightFormat:
     """The decoder projections' format for a GGUF file: a requested int8/int4 format wins
     (tensors dequantized and re-quantized, except Q4_0 into int4 group 32, which is exact);
-    otherwise Q4_0 projections are served as int4 group 32 and everything else as floats."""
+    with the native kernels, projections all Q8_0 or all Q4_0 are served as their blocks
+    (GGUFBlockWeight); otherwise Q4_0 projections are served as int4 group 32 and everything else
+    as floats."""
     if requested is not None and not isinstance(requested, FullWeight):
         return requested
     types = checkpoint.linear_types()
+    native = requested.native if requested is not None else None
+    if native is not None and len(types) == 1 and next(iter(types)) in GGUF_BLOCK_BYTES:
+        return GGUFBlockWeight(next(iter(types)), native)
     if "Q4_0" in types:
         others = sorted(types - {"Q4_0"})
         if others:
             logger.info("%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
                         checkpoint.path.name, ", ".join(others))
-        return Int4Weight(group_size=32, zero_point=False)
+        return Int4Weight(group_size=32, zero_point=False, native=native)
     return requested or FullWeight()

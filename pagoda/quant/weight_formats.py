@@ -104,10 +104,10 @@ class FullWeight(WeightFormat):
     tensor replaces the dense `weight` (one copy of each projection in memory, not two), except
     that small float32 weights keep it for 1-row inputs (SINGLE_ROW_DENSE_MAX_ELEMENTS).
 
-    With the native kernels (pagoda.native), a float32 CPU weight stays dense instead (the
-    layout the native kernel streams row by row; still one copy): inputs of up to
-    native.MAX_ROWS rows (decode steps) go through the native product, larger ones (prefill)
-    through F.linear."""
+    With the native kernels (pagoda.native), a float32 or bfloat16 CPU weight stays dense
+    instead (the layout the native kernel streams row by row; still one copy): inputs of up to
+    native.MAX_ROWS rows (decode steps) go through the native product (bfloat16 widened to
+    float32 in registers, summed in float32), larger ones (prefill) through F.linear."""
 
     name = "full"
 
@@ -116,7 +116,7 @@ class FullWeight(WeightFormat):
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         weight = layer.weight.detach()
-        if self.native is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if self.native is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
             _replace_staging_weight(layer, native_weight=weight.contiguous())
         elif _can_prepack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
@@ -146,9 +146,10 @@ class FullWeight(WeightFormat):
 def _native_or_dense(native: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    if flat.dtype != torch.float32 or flat.shape[0] > NATIVE_MAX_ROWS:
+    if flat.dtype != weight.dtype or flat.shape[0] > NATIVE_MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = native.linear_f32(flat, weight, bias)
+    product = native.linear_f32 if weight.dtype == torch.float32 else native.linear_bf16
+    out = product(flat, weight, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -238,6 +239,7 @@ class Int4Weight(WeightFormat):
 
     group_size: int | None = None
     zero_point: bool = True
+    native: NativeKernels | None = None
     name: ClassVar[str] = "int4"
 
     def for_layer(self, in_features: int) -> "Int4Weight":
@@ -293,6 +295,14 @@ class Int4Weight(WeightFormat):
         codes int32 [N, K] in 0..15; scales/zeros [N, K / group_size]."""
         dtype = kernel_dtype(layer.weight.dtype)
         device = layer.weight.device
+        if self.native is not None and device.type == "cpu":
+            # The native product reads the codes two per byte and dequantizes them in registers, at every
+            # row count (one arithmetic however a step is batched); no tinygemm copy is kept.
+            symmetric = not bool(zeros.any())
+            _replace_staging_weight(layer, native_nibbles=pack_int4_nibbles(codes),
+                                    native_scales=scales.float().contiguous(),
+                                    **({} if symmetric else {"native_zeros": zeros.float().contiguous()}))
+            return
         # tinygemm wants [K / group, N, 2] (scale, zero) pairs.
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         packed = _pack_int4(codes.to(device), device)
@@ -300,6 +310,11 @@ class Int4Weight(WeightFormat):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
+        nibbles = getattr(layer, "native_nibbles", None)
+        if nibbles is not None:
+            out = self.native.linear_int4(x.reshape(-1, shape[-1]), nibbles, layer.native_scales,
+                                          getattr(layer, "native_zeros", None), bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         flat = x.reshape(-1, shape[-1]).to(layer.scales_and_zeros.dtype)
         if flat.device.type == "cuda":
             out = _triton_kernels().int4_matmul(flat, layer.qweight, layer.scales_and_zeros, self.group_size)
@@ -360,6 +375,88 @@ def dequantize_int4_grouped(codes: torch.Tensor, scales: torch.Tensor, zeros: to
     return (groups * scales[..., None] + zeros[..., None]).reshape(out_features, in_features)
 
 
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # bytes per block of 32 values: an fp16 scale, then the codes
+
+
+class GGUFBlockWeight(WeightFormat):
+    """GGUF Q8_0 or Q4_0 projections served as the file stores them, with the native kernels: each
+    row a run of ggml blocks of 32 values (fp16 scale d, then 32 int8 codes q with w = d * q, or 16
+    bytes of nibbles with w = d * (q - 8)), dequantized in registers at every row count. The loader
+    stages codes and scales (`stage_codes`, the rows of fused and sharded projections by offset);
+    `finalize` writes them back into ggml's blocks, so the weight in memory is the file's bytes."""
+
+    group_size = 32
+
+    def __init__(self, block_type: str, native: NativeKernels) -> None:
+        if block_type not in GGUF_BLOCK_BYTES:
+            raise ValueError(f"GGUF blocks of type {block_type} have no native kernel; "
+                             f"served natively: {', '.join(GGUF_BLOCK_BYTES)}")
+        self.block_type = block_type
+        self.native = native
+        self.name = block_type.lower()
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Every row comes as codes (`stage_codes`): the staging weight only names the shape, on the meta
+        device, so loading never holds a float copy of the projection."""
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"),
+                                    requires_grad=False)
+
+    def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None = None) -> None:
+        """Rows of codes [rows, K] (Q8_0: -127..127, Q4_0: 0..15) and their block scales [rows, K / 32]."""
+        if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
+            raise ValueError(f"{self.block_type} codes of shape {tuple(codes.shape)} do not fit a "
+                             f"[{layer.out_features}, {layer.in_features}] layer")
+        if not hasattr(layer, "staged_codes"):
+            layer.staged_codes = []
+        layer.staged_codes.append((row_offset, codes, scales))
+
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        staged = getattr(layer, "staged_codes", [])
+        out_features, in_features = layer.weight.shape
+        if sum(codes.shape[0] for _, codes, _ in staged) != out_features:
+            raise ValueError(f"{layer_name}: not every row came as {self.block_type} blocks; a GGUF file mixing "
+                             f"tensor types is served with the native kernels off")
+        blocks = torch.empty(out_features, in_features // 32, GGUF_BLOCK_BYTES[self.block_type], dtype=torch.uint8)
+        for row_offset, codes, scales in staged:
+            rows = slice(row_offset, row_offset + codes.shape[0])
+            blocks[rows, :, :2] = scales.to(torch.float16).contiguous().view(torch.uint8).reshape(
+                codes.shape[0], -1, 2)
+            if self.block_type == "Q8_0":
+                blocks[rows, :, 2:] = codes.to(torch.int8).view(torch.uint8).reshape(codes.shape[0], -1, 32)
+            else:
+                blocks[rows, :, 2:] = pack_int4_nibbles(codes).reshape(codes.shape[0], -1, 16)
+        del layer.staged_codes
+        _replace_staging_weight(layer, blocks=blocks.reshape(out_features, -1))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        product = self.native.linear_q8_0 if self.block_type == "Q8_0" else self.native.linear_q4_0
+        out = product(x.reshape(-1, x.shape[-1]), layer.blocks, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
+        if in_features % 32:
+            raise ValueError(f"{layer_name}: {self.block_type} blocks of 32 do not divide its input dimension "
+                             f"{in_features}")
+
+    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"GGUF {self.block_type} blocks are served by the native CPU kernels; the engine is "
+                             f"on {device}")
+
+    def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
+        return out_features * in_features / 32 * GGUF_BLOCK_BYTES[self.block_type]
+
+
+def pack_int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15, K a multiple of 32) -> uint8 [N, K / 2] in GGUF Q4_0's order: per 32
+    inputs, byte j holds code j in its low nibble and code j + 16 in its high one."""
+    rows, columns = codes.shape
+    blocks = codes.to(torch.uint8).reshape(rows, columns // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, columns // 2).contiguous()
+
+
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return _triton_kernels().pack_int4(codes.to(device))
@@ -390,7 +487,7 @@ def make_weight_format(quantization: str, group_size: int | None = None, zero_po
                        native: NativeKernels | None = None) -> WeightFormat:
     """The format for `--quantization`; ValueError for unknown names or group sizes. int4 without
     `group_size`: each layer's own (Int4Weight.for_layer). `native`: the native CPU kernels the
-    full and int8 formats use for small inputs (int4 has none yet)."""
+    full, int8 and int4 formats use on the CPU."""
     if quantization in ("none", "full"):
         return FullWeight(native)
     if quantization == "int8":
@@ -399,6 +496,6 @@ def make_weight_format(quantization: str, group_size: int | None = None, zero_po
         if group_size is not None and group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "
                              f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}")
-        return Int4Weight(group_size=group_size, zero_point=zero_point)
+        return Int4Weight(group_size=group_size, zero_point=zero_point, native=native)
     raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
                      f"{', '.join(QUANTIZATION_CHOICES)}")
