@@ -163,7 +163,7 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
                              f"expected {expected} from the model's config")
         if int4_codes is not None:
-            if not isinstance(layer.weight_format, Int4Weight):  # a MoE router or gate: always full precision
+            if not hasattr(layer.weight_format, "stage_codes"):  # a MoE router or gate: always full precision
                 shown = (_mixtral_name(name) if config.architecture == "MixtralForCausalLM" else name)[:-len(".weight")]
                 raise ValueError(f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
                                  f"pagoda keeps {module_name} in full precision; use a checkpoint that leaves it "
