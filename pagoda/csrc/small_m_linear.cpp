@@ -263,6 +263,9 @@ std::string isa_name() {
   }
 }
 
+std::string family_products() { return "float32 and int8 decode products"; }
+std::string family_grouped_moe() { return "grouped MoE products"; }
+
 }  // namespace
 
 // The namespace comes from the build (-DPAGODA_NATIVE_NAMESPACE=...): one per source version.
@@ -273,4 +276,6 @@ TORCH_LIBRARY(PAGODA_NATIVE_NAMESPACE, m) {
   m.def("grouped_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor counts, Tensor? bias) -> Tensor",
         &grouped_linear_int8);
   m.def("isa() -> str", &isa_name);
+  m.def("family_products() -> str", &family_products);
+  m.def("family_grouped_moe() -> str", &family_grouped_moe);
 }
