@@ -8,7 +8,7 @@
 // rounded before the add (no fused multiply-add), so it is bit-exact; only the norm's sum of squares is added in
 // another order.
 #include <ATen/core/Tensor.h>
-#include <ATen/Functions.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
