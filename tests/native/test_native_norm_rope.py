@@ -141,13 +141,14 @@ def test_kernel_families_are_read_from_the_build():
 
 
 # Gemma's (1 + w) norms around attention and MLP, Gemma 3's q/k norms and rope bases, Phi-3's fused
-# checkpoint and LongRoPE (both sides of its boundary); Llama, Qwen2/3 and Mistral with the kernels on
-# are tests/model/test_model_correctness.py's. float32 rounding of the norm's sum order only.
+# checkpoint and LongRoPE (both sides of its boundary), a MoE block's output into the fused add, gpt-oss's
+# YaRN; Llama, Qwen2/3 and Mistral with the kernels on are tests/model/test_model_correctness.py's.
+# float32 rounding of the norm's sum order only.
 PARITY_TOLERANCE = 2e-5
 PARITY_TOKENS = 24
 
 
-@pytest.mark.parametrize("architecture", MORE_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", [*MORE_ARCHITECTURES, "qwen3_moe", "gpt_oss"])
 def test_greedy_parity_with_transformers_with_the_kernels_on(tmp_path, architecture):
     extra = {"max_position_embeddings": 128, "original_max_position_embeddings": 32} if architecture == "phi3" else {}
     directory = build_model(tmp_path / architecture, architecture, **extra)
