@@ -221,17 +221,18 @@ const float* weight_of(const at::Tensor& weight, int64_t dim, const char* op) {
   return weight.data_ptr<float>();
 }
 
+// x's rows are read where they are (a strided view of the fused qkv output for per-head norms); out is contiguous.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
-  const at::Tensor xc = x.contiguous();
-  const Rows in = rows_of(xc, "rms_norm");
+  const at::Tensor xs = x.stride(-1) == 1 ? x : x.contiguous();
+  const Rows in = rows_of(xs, "rms_norm");
   const float* w = weight_of(weight, in.dim, "rms_norm");
-  at::Tensor out = at::empty_like(xc);
+  at::Tensor out = at::empty_like(xs, at::MemoryFormat::Contiguous);
   float* op = out.data_ptr<float>();
   const Isa isa = active_isa();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, in.count(), grain(in.dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = in.base + r * in.dim;
+      const float* row = in.row(r);
       scale(isa, row, inverse_rms(isa, row, in.dim, e), w, unit_offset, in.dim, op + r * in.dim);
     }
   });

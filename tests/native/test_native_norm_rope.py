@@ -48,12 +48,13 @@ def test_rms_norm_matches_torch(dim, unit_offset):
 
 
 def test_rms_norm_in_place_on_heads_of_a_fused_output():
-    """Per-head norms (Qwen3, Gemma 3) run on the q or k columns of the qkv output, a strided view."""
+    """Per-head norms (Qwen3, Gemma 3) read the q or k columns of the qkv output, a strided view."""
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(3, (4 + 2 + 2) * 32, generator=generator)
     weight = torch.randn(32, generator=generator)
     k = qkv[:, 4 * 32:6 * 32].view(3, 2, 32)
     expected_k = reference_norm(k, weight, False)
+    assert_close(KERNELS.rms_norm(k, weight, EPS, False), expected_k)  # read in place, written contiguous
     untouched = qkv.clone()
     KERNELS.rms_norm_(k, weight, EPS, False)
     assert_close(k, expected_k)
