@@ -109,7 +109,8 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     profiler.close()
 
     decode_steps = [s for s in steps[concurrency:] if 0 < s["tokens"] <= concurrency]
-    return {"concurrency": concurrency, "threads": used_threads, "native_kernels": _kernels_of(engine), "steps": len(steps),
+    return {"concurrency": concurrency, "threads": used_threads, "native_kernels": _kernels_of(engine),
+            "steps": len(steps),
             "decode_steps": len(decode_steps), "kinds": list(KINDS),
             "decode": _mean_ms(decode_steps), "all": _mean_ms(steps)}
 
