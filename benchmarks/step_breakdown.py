@@ -10,8 +10,12 @@ pipe send itself. Closed loop: `--concurrency` requests always in flight (prompt
 
 Reported as mean milliseconds per step over decode-only steps (what sets the ITL) and over all
 steps, written as text and JSON. The hooks cost a little themselves (in "forward, other").
+"norm" includes the residual adds, which the norms fold in (pagoda.model.llama), and Qwen3's and
+Gemma 3's per-head q/k norms; "rotary" the rotation of q and k. With `--native-kernels on` each
+row times the native kernel that replaces its PyTorch ops (the hooks sit on the same modules).
 
-    .venv/bin/python benchmarks/step_breakdown.py --concurrency 1,16 --label before
+    .venv/bin/python benchmarks/step_breakdown.py --concurrency 1,16 --native-kernels off --label native_off
+    .venv/bin/python benchmarks/step_breakdown.py --concurrency 1,16 --native-kernels on --label native_on
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ CORE_PHASES = ("schedule", "prepare", "propose", "forward", "logits", "sample", 
 
 
 def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int, num_requests: int,
-            threads: int | None) -> dict[str, Any]:
+            threads: int | None, native_kernels: str = "off") -> dict[str, Any]:
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.threads import set_engine_threads
@@ -45,7 +49,7 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     from pagoda.worker.forward_profile import KINDS, ForwardProfiler
 
     config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
-                          max_model_len=prompt_len + output_len + 16)
+                          max_model_len=prompt_len + output_len + 16, native_kernels=native_kernels)
     used_threads = set_engine_threads(config, serving=True)
     engine = LLMEngine(config)
     runner = engine.core.runner
@@ -105,9 +109,15 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     profiler.close()
 
     decode_steps = [s for s in steps[concurrency:] if 0 < s["tokens"] <= concurrency]
-    return {"concurrency": concurrency, "threads": used_threads, "steps": len(steps),
+    return {"concurrency": concurrency, "threads": used_threads, "native_kernels": _kernels_of(engine),
+            "steps": len(steps),
             "decode_steps": len(decode_steps), "kinds": list(KINDS),
             "decode": _mean_ms(decode_steps), "all": _mean_ms(steps)}
+
+
+def _kernels_of(engine: Any) -> str:
+    native = getattr(engine.core.weight_format, "native", None)
+    return native.describe() if native is not None else "off (PyTorch ops)"
 
 
 def _drain(conn: Any) -> None:
@@ -148,6 +158,7 @@ def render(result: dict[str, Any], which: str) -> str:
         rows.append(("  of which CPU time of the sending thread", data["ipc_send_cpu"]))
     lines = [f"concurrency {result['concurrency']}, {which} steps ({result['decode_steps'] if which == 'decode' else result['steps']}), "
              f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
+             f"native kernels: {result.get('native_kernels', 'off (PyTorch ops)')}",
              f"{'phase':<42}{'ms/step':>9}{'share':>8}"]
     lines += [f"{name:<42}{ms:>9.3f}{100 * ms / total:>7.1f}%" for name, ms in rows]
     lines.append(f"{'step total':<42}{total:>9.3f}{100.0:>7.1f}%")
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch threads (default: the serving policy, engine/threads.py)")
+    parser.add_argument("--native-kernels", choices=("off", "on"), default="off",
+                        help="pagoda's native CPU kernels (pagoda.native) or PyTorch's ops")
     parser.add_argument("--label", default="current", help="names the output files, e.g. before / after")
     parser.add_argument("--out", default=str(RESULTS / NAME))
     args = parser.parse_args(argv)
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(2-core machine shared with other work: absolute times are noisy)", ""]
     for c in sorted({int(x) for x in args.concurrency.split(",")}):
         result = measure(model_dir, c, args.prompt_len, args.output_len, max(4, args.requests_per_client * c),
-                         args.threads)
+                         args.threads, args.native_kernels)
         results.append(result)
         for which in ("decode", "all"):
             text += [render(result, which), ""]

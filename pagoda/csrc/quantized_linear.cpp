@@ -336,9 +336,12 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at:
   return block_linear("linear_int4", rows, x, n, k, bias);
 }
 
+std::string family_quantized() { return "int4 and GGUF Q4_0/Q8_0 products"; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGODA_NATIVE_NAMESPACE, m) {
+  m.def("family_quantized() -> str", &family_quantized);
   m.def("linear_q8_0(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &linear_q8_0);
   m.def("linear_q4_0(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &linear_q4_0);
   m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor? zeros, Tensor? bias) -> Tensor", &linear_int4);

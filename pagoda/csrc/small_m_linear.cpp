@@ -289,6 +289,9 @@ std::string isa_name() {
   }
 }
 
+std::string family_products() { return "float32, bfloat16 and int8 products"; }
+std::string family_grouped_moe() { return "grouped MoE products"; }
+
 }  // namespace
 
 // The namespace comes from the build (-DPAGODA_NATIVE_NAMESPACE=...): one per source version.
@@ -300,4 +303,6 @@ TORCH_LIBRARY(PAGODA_NATIVE_NAMESPACE, m) {
         &grouped_linear_int8);
   m.def("isa() -> str", &isa_name);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_bf16);
+  m.def("family_products() -> str", &family_products);
+  m.def("family_grouped_moe() -> str", &family_grouped_moe);
 }

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagoda.model.parallel import LinearShard
 from pagoda.model.rope import rope_attention_factor, rope_inv_freq
+from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 
@@ -64,16 +65,44 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """unit_offset: Gemma's form, which scales by (1 + weight) and casts after the product."""
+    """unit_offset: Gemma's form, which scales by (1 + weight) and casts after the product.
+
+    Called with a residual, it also adds: the decoder keeps its residual stream apart from each
+    block's output and this norm folds the add in (one pass instead of two). native: pagoda's
+    native CPU kernels (pagoda.native), used for float32; with them the add is written into the
+    block output's buffer, which the caller hands over."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
-                 unit_offset: bool = False) -> None:
+                 unit_offset: bool = False, native: NativeKernels | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
+        self.native = native
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pre_norm: RMSNorm | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With it: (norm(s), s) for the new residual stream
+        s = residual + x, or residual + pre_norm(x) (Gemma's norm of a block's output before the
+        add); x is consumed (the native path overwrites it with s)."""
+        if residual is None:
+            return self._norm(x)
+        if self._native_for(x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == torch.float32 \
+                and (pre_norm is None or pre_norm._native_for(x)):
+            x = x.contiguous()
+            out = self.native.add_rms_norm_(x, residual, self.weight, self.eps, self.unit_offset,
+                                            None if pre_norm is None else pre_norm.weight)
+            return out, x
+        # pre_norm's own forward is not called: its time is this call's (forward hooks, profiles)
+        summed = residual + (x if pre_norm is None else pre_norm._norm(x))
+        return self._norm(summed), summed
+
+    def _native_for(self, x: torch.Tensor) -> bool:
+        return self.native is not None and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_for(x):
+            return self.native.rms_norm(x, self.weight, self.eps, self.unit_offset)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused kernel instead of five; in float32 it computes transformers' ops
             # (mean of squares, rsqrt, scale, weight) with the same results, bit for bit.
@@ -101,12 +130,16 @@ class RotaryEmbedding(nn.Module):
     long_rope_boundary: the model runs LongRoPE (pagoda.model.rope); the table then holds the
     rows of the short factors for positions below it, then those of the long factors for every
     position, and a token on the long factors reads row boundary + position. A rotary of another
-    rope type in such a model repeats its rows the same way."""
+    rope type in such a model repeats its rows the same way.
+
+    native: pagoda's native CPU kernels (pagoda.native): float32 heads are rotated in place (the
+    q and k columns of the fused qkv output, no copy), with the same products, bit for bit."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device,
-                 long_rope_boundary: int | None = None) -> None:
+                 long_rope_boundary: int | None = None, native: NativeKernels | None = None) -> None:
         super().__init__()
+        self.native = native
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:
             long_freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
@@ -129,5 +162,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[rows].unsqueeze(1), self.sin_rolled[rows].unsqueeze(1)
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
-        """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables."""
+        """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables; the
+        heads are consumed (rotated in place on the native path)."""
+        if self.native is not None and heads.dtype == torch.float32 and cos.dtype == torch.float32 \
+                and heads.stride(-1) == 1:
+            self.native.rotary_(heads, cos, sin_rolled)
+            return heads
         return heads * cos + heads.roll(self.half, dims=-1) * sin_rolled

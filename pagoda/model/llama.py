@@ -27,6 +27,7 @@ from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
+from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import WeightFormat
 
 
@@ -38,6 +39,12 @@ class ForwardContext:
     backend: AttentionBackend
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
+
+
+def native_kernels(weight_format: WeightFormat | None) -> NativeKernels | None:
+    """The native CPU kernels the engine chose (they ride with the weight format it passes down),
+    which the norms and rotary use too."""
+    return getattr(weight_format, "native", None)
 
 
 class Attention(nn.Module):
@@ -59,7 +66,8 @@ class Attention(nn.Module):
                                tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads))
         self.o_proj = Linear(full_q, config.hidden_size, config.o_bias, dtype, device, weight_format,
                              tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce)
-        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms)
+        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms,
+                     native_kernels(weight_format))
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
@@ -98,7 +106,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
                  weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
         super().__init__()
-        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms)
+        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
+                     native_kernels(weight_format))
         self.input_layernorm = RMSNorm(*norm_args)
         self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
@@ -114,17 +123,23 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_activation,
                            dtype, device, weight_format, tp)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
-                context: ForwardContext) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), rope, rotary, context)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                rotary: RotaryEmbedding, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from each block's output, and the norms fold the
+        adds in (RMSNorm with a residual): hidden is the previous layer's output still to be added
+        to `residual`, or, with residual None, the stream itself. Returns this layer's (output,
+        residual) the same way; the stream is never written in place, the outputs are."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, rotary, context)
         if self.gemma_norms:
-            hidden = residual + self.post_attention_layernorm(hidden)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual, self.post_attention_layernorm)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaFamilyModel(nn.Module):
@@ -156,8 +171,8 @@ class LlamaFamilyModel(nn.Module):
             DecoderLayer(config, i, dtype, device, weight_format, self.tp) if self.stage.holds_layer(i)
             else OtherStageLayer() for i in range(config.num_layers))
         self.num_kv_heads = self.model.layers[self.stage.first_layer].self_attn.num_kv_heads
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms) \
-            if self.stage.is_last else None
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
+                                  native_kernels(weight_format)) if self.stage.is_last else None
         self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
             shard=self.tp.vocab(config.vocab_size, config.hidden_size))
@@ -173,7 +188,7 @@ class LlamaFamilyModel(nn.Module):
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device,
-                            config.long_rope_boundary)
+                            config.long_rope_boundary, native_kernels(weight_format))
             for theta, scaling in distinct)
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
@@ -189,10 +204,13 @@ class LlamaFamilyModel(nn.Module):
             if self.embedding_scale is not None:
                 hidden = hidden * self.embedding_scale
         ropes = [rotary.tables(positions) for rotary in self.rotaries]  # once per step, shared by the layers
+        residual = None
         for index in self.stage.layers:
             rotary = self.layer_rotary[index]
-            hidden = self.model.layers[index](hidden, ropes[rotary], self.rotaries[rotary], context)
-        return self.model.norm(hidden) if self.stage.is_last else hidden
+            hidden, residual = self.model.layers[index](hidden, residual, ropes[rotary], self.rotaries[rotary], context)
+        if residual is None:
+            return self.model.norm(hidden) if self.stage.is_last else hidden
+        return self.model.norm(hidden, residual)[0] if self.stage.is_last else residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the head

@@ -1,6 +1,7 @@
-"""pagoda's native CPU kernels: one C++ extension built from `pagoda/csrc/` on first use.
+"""pagoda's native CPU kernels: one C++ extension built from `pagoda/csrc/` at install or on first use.
 
-The sources are compiled with `torch.utils.cpp_extension` just in time, once per machine and
+The sources are compiled with `torch.utils.cpp_extension` by `make install` (through
+`pagoda --version`) when a compiler is present, else just in time, once per machine and
 version, into `$XDG_CACHE_HOME/pagoda/kernels/<key>` (else `~/.cache/pagoda/kernels/<key>`),
 the key hashing the sources, the compiler flags, torch's and Python's versions. Nothing is
 downloaded. Each instruction-set body (AVX-512, AVX2, scalar) carries its own target attribute
@@ -12,7 +13,9 @@ A process tries the build at most once (`_build`). When it fails (no compiler, n
 PyTorch path: `resolve_native_kernels("auto")` then answers None, `"on"` raises.
 
 Every kernel has a PyTorch reference beside it (tests/native): results agree within the float32
-rounding of a different summation order, not bit for bit.
+rounding of a different summation order, not bit for bit (bit for bit where the order is the same,
+as in the rotary). `describe()` names the kernel families the build holds, read from the extension:
+each csrc/*.cpp registers `family_<name>() -> str` beside its ops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +96,37 @@ class NativeKernels:
         """x [M, K] float32 or bfloat16 @ GGUF Q4_0 rows (uint8 [N, K / 32 * 18], ggml's blocks)^T (+ bias)."""
         return load_extension().linear_q4_0(x, blocks, bias)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+        """RMSNorm of x [..., D] float32 as a new tensor; unit_offset: Gemma's (1 + weight)."""
+        return load_extension().rms_norm(x, weight, eps, unit_offset)
+
+    def rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
+        """RMSNorm in place over x [T, D] or [T, H, D] float32, rows of D contiguous (a strided view of
+        the fused qkv output for per-head norms)."""
+        load_extension().rms_norm_(x, weight, eps, unit_offset)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      unit_offset: bool, pre_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] (contiguous float32) becomes the new residual stream, x + residual (with pre_weight:
+        RMSNorm(x; pre_weight) + residual, Gemma's norm of the attention output); returns its RMSNorm."""
+        return load_extension().add_rms_norm_(x, residual, weight, eps, unit_offset, pre_weight)
+
+    def rotary_(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> None:
+        """Rotate-half rotary in place over heads [T, H, D] float32 (any token and head strides, e.g. the
+        q and k heads of the fused qkv output) with the step's cos and sin_rolled rows [T, D]."""
+        load_extension().rotary_(heads, cos, sin_rolled)
+
     def describe(self) -> str:
-        return (f"native CPU kernels ({self.isa}: float32 and bfloat16 decode products, int8, int4 and GGUF "
-                f"Q4_0/Q8_0 products, grouped MoE products)")
+        return f"native CPU kernels ({self.isa}: {', '.join(kernel_families())})"
+
+
+def kernel_families() -> list[str]:
+    """What the built extension holds, one phrase per kernel family: each csrc/*.cpp registers an op
+    `family_<name>() -> str` beside its kernels, so the list is read from the build itself."""
+    extension = load_extension()
+    prefix = f"{extension.name.rsplit('.', 1)[-1]}::family_"
+    names = sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
+    return [getattr(extension, name)() for name in names]
 
 
 def cache_dir() -> Path:
@@ -124,6 +156,7 @@ def _build() -> OpNamespace | NativeKernelsUnavailable:
     try:
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         key = build_key()
         namespace = f"pagoda_native_{key}"
         directory = cache_dir() / key
@@ -138,6 +171,18 @@ def _build() -> OpNamespace | NativeKernelsUnavailable:
                                            f"{reason[0] if reason else 'no message'}); using the PyTorch path")
         logger.warning("%s", failure)
         return failure
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; a virtual environment's own (the `ninja` dependency) is
+    not on it when its scripts run without activating it (`.venv/bin/pagoda`, `make install`)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then fails with cpp_extension's own message
+    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
 
 
 def load_extension() -> OpNamespace:
