@@ -31,6 +31,7 @@ using namespace pagoda_native;
 enum class Element { f32, bf16, f16, i8, e4m3, e5m2 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kTile = 16;  // keys scored and accumulated together (within one cache block)
 
 // fp8 formats as (mantissa bits, exponent bias); values are never NaN or infinite (the cache clamps them).
 constexpr int mantissa_bits(Element e) { return e == Element::e4m3 ? 3 : 2; }
@@ -105,8 +106,51 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), y, _mm512_castsi512_ps(exponent));
 }
 
+// Lane t of the result is the sum of a[t]'s 16 lanes: four levels of pairwise shuffles and adds, not 16 reductions.
+__attribute__((target("avx512f"))) inline __m512 transpose_sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  // 128-bit lane k of c[j] now holds partial sums of a[4j + k].
+  const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  const __m512 e = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d0), _mm512_castps_pd(d1))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d0), _mm512_castps_pd(d1))));
+  // Element 4k + m of e is the sum of a[4m + k].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
 struct Avx512 {
   static constexpr int64_t width = 16;
+
+  // out[t] = q . keys[t] for t < n <= 16.
+  __attribute__((target("avx512f"))) static void tile_scores(const float* q, const float* const* keys, int64_t n,
+                                                             int64_t d, float* out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 lanes = d - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (d - i)) - 1);
+      const __m512 qv = _mm512_maskz_loadu_ps(lanes, q + i);
+      for (int64_t t = 0; t < n; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(lanes, keys[t] + i), acc[t]);
+    }
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), transpose_sum16(acc));
+  }
+
+  // acc[d] += sum over t < n of weights[t] * values[t].
+  __attribute__((target("avx512f"))) static void tile_accumulate(float* acc, const float* weights,
+                                                                 const float* const* values, int64_t n, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 lanes = d - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (d - i)) - 1);
+      __m512 a = _mm512_maskz_loadu_ps(lanes, acc + i);
+      for (int64_t t = 0; t < n; ++t)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(weights[t]), _mm512_maskz_loadu_ps(lanes, values[t] + i), a);
+      _mm512_mask_storeu_ps(acc + i, lanes, a);
+    }
+  }
 
   __attribute__((target("avx512f"))) static void to_float(const uint8_t* p, int64_t d, Element e, float* out) {
     int64_t i = 0;
@@ -207,7 +251,19 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
 }
 
-struct Avx2 {
+// Tiles as one dot product or one update per key, for the ISAs without a transposed reduction.
+template <typename Ops>
+struct TileByKey {
+  static void tile_scores(const float* q, const float* const* keys, int64_t n, int64_t d, float* out) {
+    for (int64_t t = 0; t < n; ++t) out[t] = Ops::dot(q, keys[t], d);
+  }
+  static void tile_accumulate(float* acc, const float* weights, const float* const* values, int64_t n, int64_t d) {
+    for (int64_t t = 0; t < n; ++t)
+      if (weights[t] != 0.f) Ops::axpy(acc, weights[t], values[t], d);
+  }
+};
+
+struct Avx2 : TileByKey<Avx2> {
   static constexpr int64_t width = 8;
 
   __attribute__((target("avx2,fma,f16c"))) static void to_float(const uint8_t* p, int64_t d, Element e, float* out) {
@@ -263,7 +319,7 @@ struct Avx2 {
 
 // ---- scalar ----
 
-struct Scalar {
+struct Scalar : TileByKey<Scalar> {
   static constexpr int64_t width = 1;
 
   static void to_float(const uint8_t* p, int64_t d, Element e, float* out) {
@@ -327,57 +383,85 @@ inline float vector_scale(const Problem& p, const uint8_t* entry) {
   return s;
 }
 
+// Per task scratch, reused across a thread's tasks.
+struct Work {
+  std::vector<float> buffer;
+  std::vector<const float*> queries;
+  std::vector<int64_t> first_visible, last_visible;
+};
+
 // One (sequence, KV head): every query row of that head's group (query tokens x heads sharing the KV head) over the
 // visible context. Always inlined into each ISA's entry point, so the Ops calls inline there with its target.
 template <typename Ops>
-__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t seq, int64_t kv_head,
-                                                      std::vector<float>& work) {
+__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t seq, int64_t kv_head, Work& work) {
   const int64_t d = p.head_dim, group = p.num_heads / p.num_kv_heads;
   const int64_t qlen = p.query_lens[seq], seq_len = p.seq_lens[seq], start = p.query_starts[seq];
   const int64_t rows = qlen * group, bs = p.block_size;
   if (rows == 0) return;
-  // work: acc [rows, d] | scores [rows, bs] | max [rows] | denominator [rows] | k/v as float [d]
-  work.assign(static_cast<size_t>(rows * d + rows * bs + 2 * rows + d), 0.f);
-  float* acc = work.data();
+  // buffer: acc [rows, d] | scores [rows, kTile] | max [rows] | denominator [rows] | widened k, v [2, kTile, d]
+  work.buffer.assign(static_cast<size_t>(rows * d + rows * kTile + 2 * rows + 2 * kTile * d), 0.f);
+  float* acc = work.buffer.data();
   float* scores = acc + rows * d;
-  float* row_max = scores + rows * bs;
+  float* row_max = scores + rows * kTile;
   float* denom = row_max + rows;
-  float* widened = denom + rows;
+  float* widened_keys = denom + rows;
+  float* widened_values = widened_keys + kTile * d;
   std::fill(row_max, row_max + rows, kNegInf);
+  // Row r = (query token j, head h of the group), r = j * group + h: its query at position seq_len - qlen + j sees
+  // keys [first_visible[r], last_visible[r]].
+  work.queries.resize(rows);
+  work.first_visible.resize(rows);
+  work.last_visible.resize(rows);
+  for (int64_t j = 0, r = 0; j < qlen; ++j) {
+    const int64_t position = seq_len - qlen + j;
+    for (int64_t h = 0; h < group; ++h, ++r) {
+      work.queries[r] = p.query + ((start + j) * p.num_heads + kv_head * group + h) * d;
+      work.first_visible[r] = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+      work.last_visible[r] = position;
+    }
+  }
+  const float* const* queries = work.queries.data();
+  const int64_t* first_visible = work.first_visible.data();
+  const int64_t* last_visible = work.last_visible.data();
   const int32_t* table = p.block_tables + seq * p.max_blocks;
-  // Row r = (query token j, head h of the group): its query at position seq_len - qlen + j.
-  auto query_row = [&](int64_t r) { return p.query + ((start + r / group) * p.num_heads + kv_head * group + r % group) * d; };
-  const int64_t first_position = seq_len - qlen;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_position - p.window + 1) : 0;
   const bool is_float32 = p.element == Element::f32;
-  for (int64_t b = lo / bs; b * bs < seq_len; ++b) {
-    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(seq_len, (b + 1) * bs), n = t1 - t0;
+  const bool softcap = p.softcap > 0.f;
+  const float* keys[kTile];
+  const float* values[kTile];
+  float key_factor[kTile], value_factor[kTile], weights[kTile];
+  // Tiles of up to kTile keys, none across a block boundary, from the first key any row sees.
+  for (int64_t t0 = first_visible[0]; t0 < seq_len;) {
+    const int64_t b = t0 / bs;
+    const int64_t t1 = std::min({seq_len, (b + 1) * bs, t0 + kTile}), n = t1 - t0;
     const int32_t block = table[b];
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* entry = p.keys.entry(block, t - b * bs, kv_head);
-      const float* k = reinterpret_cast<const float*>(entry);
-      if (!is_float32) {
-        Ops::to_float(entry, d, p.element, widened);
-        k = widened;
-      }
-      const float factor = vector_scale(p, entry) * p.scale;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t position = first_position + r / group;
-        float s = Ops::dot(query_row(r), k, d) * factor;
-        if (p.softcap > 0.f) s = p.softcap * std::tanh(s / p.softcap);
-        const bool visible = t <= position && (p.window <= 0 || t > position - p.window);
-        scores[r * bs + (t - t0)] = visible ? s : kNegInf;
+      const uint8_t* key = p.keys.entry(block, t - b * bs, kv_head);
+      const uint8_t* value = p.values.entry(block, t - b * bs, kv_head);
+      key_factor[t - t0] = vector_scale(p, key) * p.scale;
+      value_factor[t - t0] = vector_scale(p, value);
+      if (is_float32) {
+        keys[t - t0] = reinterpret_cast<const float*>(key);
+        values[t - t0] = reinterpret_cast<const float*>(value);
+      } else {
+        Ops::to_float(key, d, p.element, widened_keys + (t - t0) * d);
+        Ops::to_float(value, d, p.element, widened_values + (t - t0) * d);
+        keys[t - t0] = widened_keys + (t - t0) * d;
+        values[t - t0] = widened_values + (t - t0) * d;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores + r * bs;
-      float block_max = kNegInf;
-      for (int64_t i = 0; i < n; ++i) block_max = std::max(block_max, s[i]);
-      const float new_max = std::max(row_max[r], block_max);
-      if (new_max == kNegInf) {  // nothing visible yet for this row
-        std::fill(s, s + n, 0.f);
-        continue;
+      float* s = scores + r * kTile;
+      Ops::tile_scores(queries[r], keys, n, d, s);
+      float tile_max = kNegInf;
+      for (int64_t i = 0; i < n; ++i) {
+        float score = s[i] * key_factor[i];
+        if (softcap) score = p.softcap * std::tanh(score / p.softcap);
+        const int64_t t = t0 + i;
+        s[i] = (t >= first_visible[r] && t <= last_visible[r]) ? score : kNegInf;
+        tile_max = std::max(tile_max, s[i]);
       }
+      const float new_max = std::max(row_max[r], tile_max);
+      if (new_max == kNegInf) continue;  // nothing visible yet for this row
       if (new_max > row_max[r]) {
         const float correction = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
         denom[r] *= correction;
@@ -385,20 +469,10 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
         row_max[r] = new_max;
       }
       denom[r] += Ops::exp_sum(s, new_max, n);
+      for (int64_t i = 0; i < n; ++i) weights[i] = s[i] * value_factor[i];
+      Ops::tile_accumulate(acc + r * d, weights, values, n, d);
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* entry = p.values.entry(block, t - b * bs, kv_head);
-      const float* v = reinterpret_cast<const float*>(entry);
-      if (!is_float32) {
-        Ops::to_float(entry, d, p.element, widened);
-        v = widened;
-      }
-      const float factor = vector_scale(p, entry);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float weight = scores[r * bs + (t - t0)];
-        if (weight != 0.f) Ops::axpy(acc + r * d, weight * factor, v, d);
-      }
-    }
+    t0 = t1;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = kv_head * group + r % group;
@@ -417,18 +491,18 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
 
 template <typename Ops>
 void attend_range(const Problem& p, int64_t begin, int64_t end) {
-  std::vector<float> work;
+  Work work;
   for (int64_t task = begin; task < end; ++task) attend_one<Ops>(p, task / p.num_kv_heads, task % p.num_kv_heads, work);
 }
 
 __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t begin, int64_t end) {
-  std::vector<float> work;
+  Work work;
   for (int64_t task = begin; task < end; ++task)
     attend_one<Avx512>(p, task / p.num_kv_heads, task % p.num_kv_heads, work);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Problem& p, int64_t begin, int64_t end) {
-  std::vector<float> work;
+  Work work;
   for (int64_t task = begin; task < end; ++task)
     attend_one<Avx2>(p, task / p.num_kv_heads, task % p.num_kv_heads, work);
 }
