@@ -6,8 +6,9 @@ One decode step of a model's attention is the backend's `prepare` plus one `forw
 (block size 16, each request's blocks spread over the pool). For each model shape (the ~10M bench
 Llama and the ~100M one; `--kv-cache-dtype` for a quantized cache), concurrency (1, 16) and
 context (128, 512, 2048), the two backends alternate within each round; a round's time is the
-median of `--steps` steps, the result the median of the rounds. The load average at the start
-and at the end is recorded beside the numbers.
+median of `--steps` steps, the result the median of the rounds. Beside wall time, the process's
+CPU time per step (which a shared machine inflates less: time spent waiting for a core is not
+counted). The load average at the start and at the end is recorded beside the numbers.
 
     .venv/bin/python benchmarks/native_attention.py --rounds 5 --threads 1
 """
@@ -60,17 +61,18 @@ def decode_step(shape: dict[str, int], concurrency: int, context: int, kv_cache_
     return layout, query, key, value, caches, spec, kv_format
 
 
-def time_step(backend: Any, step: tuple, steps: int) -> float:
-    """Median seconds of `steps` decode steps' attention (prepare + every layer's forward)."""
+def time_step(backend: Any, step: tuple, steps: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of `steps` decode steps' attention (prepare + every layer's forward)."""
     layout, query, key, value, caches, spec, _ = step
-    seconds = []
+    wall, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         metadata = backend.prepare(layout, {None})
         for key_cache, value_cache in caches:
             backend.forward(query, key, value, key_cache, value_cache, metadata, spec)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,20 +102,23 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.context:
                 step = decode_step(shape, concurrency, context, args.kv_cache_dtype)
                 backends = {"torch": TorchAttentionBackend(step[-1]), "native": TorchAttentionBackend(step[-1], kernels)}
-                rounds: dict[str, list[float]] = {name: [] for name in backends}
+                rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
                 for r in range(args.rounds):
                     order = list(backends) if r % 2 == 0 else list(reversed(backends))
                     for name in order:
                         rounds[name].append(time_step(backends[name], step, args.steps))
-                torch_ms = statistics.median(rounds["torch"]) * 1e3
-                native_ms = statistics.median(rounds["native"]) * 1e3
+                wall = {name: statistics.median(w for w, _ in times) * 1e3 for name, times in rounds.items()}
+                cpu = {name: statistics.median(c for _, c in times) * 1e3 for name, times in rounds.items()}
                 row = {"model": model, "concurrency": concurrency, "context": context,
-                       "torch_ms": round(torch_ms, 3), "native_ms": round(native_ms, 3),
-                       "speedup": round(torch_ms / native_ms, 2),
-                       "rounds_ms": {name: [round(s * 1e3, 3) for s in times] for name, times in rounds.items()}}
+                       "torch_ms": round(wall["torch"], 3), "native_ms": round(wall["native"], 3),
+                       "speedup": round(wall["torch"] / wall["native"], 2),
+                       "torch_cpu_ms": round(cpu["torch"], 3), "native_cpu_ms": round(cpu["native"], 3),
+                       "cpu_speedup": round(cpu["torch"] / cpu["native"], 2),
+                       "rounds_ms": {name: [round(w * 1e3, 3) for w, _ in times] for name, times in rounds.items()}}
                 rows.append(row)
-                print(f"{model:>5} c={concurrency:<3} context={context:<5} torch {torch_ms:8.3f} ms  "
-                      f"native {native_ms:8.3f} ms  {row['speedup']:.2f}x", flush=True)
+                print(f"{model:>5} c={concurrency:<3} context={context:<5} wall: torch {wall['torch']:8.3f} ms  "
+                      f"native {wall['native']:8.3f} ms  {row['speedup']:.2f}x;  CPU: {row['cpu_speedup']:.2f}x",
+                      flush=True)
     payload = {
         "command": " ".join([".venv/bin/python", "benchmarks/native_attention.py", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),

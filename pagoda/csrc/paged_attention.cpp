@@ -366,6 +366,7 @@ struct Problem {
   bool per_token_scale;  // a float32 scale after each vector's head_dim values
   float tensor_scale;    // otherwise this one (1 for float caches)
   int64_t value_bytes;   // head_dim * element size: where the per-token scale sits
+  int64_t entry_bytes;   // value_bytes and the scale, if any
   const int32_t* block_tables;
   int64_t max_blocks, block_size;
   const int64_t *query_starts, *query_lens, *seq_lens;
@@ -434,6 +435,18 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     const int64_t b = t0 / bs;
     const int64_t t1 = std::min({seq_len, (b + 1) * bs, t0 + kTile}), n = t1 - t0;
     const int32_t block = table[b];
+    // The next tile's keys and values start coming from memory while this one computes (blocks are scattered
+    // over the pool and a head's vectors strided, so the hardware prefetchers see no stream to follow).
+    const int64_t next = std::min({seq_len, (t1 / bs + 1) * bs, t1 + kTile});
+    for (int64_t t = t1; t < next; ++t) {
+      const int32_t next_block = table[t / bs];
+      const char* key = reinterpret_cast<const char*>(p.keys.entry(next_block, t % bs, kv_head));
+      const char* value = reinterpret_cast<const char*>(p.values.entry(next_block, t % bs, kv_head));
+      for (int64_t byte = 0; byte < p.entry_bytes; byte += 64) {
+        _mm_prefetch(key + byte, _MM_HINT_T0);
+        _mm_prefetch(value + byte, _MM_HINT_T0);
+      }
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* key = p.keys.entry(block, t - b * bs, kv_head);
       const uint8_t* value = p.values.entry(block, t - b * bs, kv_head);
@@ -594,7 +607,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   }
   at::Tensor out = at::empty_like(q);
   Problem p{q.data_ptr<float>(), out.data_ptr<float>(), cache_of(key_cache), cache_of(value_cache), element,
-            kv_scale_per_token, static_cast<float>(kv_tensor_scale), value_bytes, tables.data_ptr<int32_t>(),
+            kv_scale_per_token, static_cast<float>(kv_tensor_scale), value_bytes, entry_bytes, tables.data_ptr<int32_t>(),
             max_blocks, block_size, starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(),
             heads, kv_heads, d, static_cast<float>(scale), sliding_window.value_or(0),
             static_cast<float>(softcap.value_or(0.0)), sinks_ptr};

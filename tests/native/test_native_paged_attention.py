@@ -165,7 +165,7 @@ def mixed_layout(context_lens: list[int], query_lens: list[int], block_size: int
 
 
 @pytest.mark.parametrize("kv_dtype, dtype", [("auto", torch.float32), ("int8", torch.float32), ("fp8", torch.float32),
-                                             ("auto", torch.bfloat16)])
+                                             ("auto", torch.bfloat16), ("auto", torch.float16)])
 def test_backend_with_native_kernels_matches_without(kv_dtype, dtype):
     # Decodes, a verification of 3 tokens, a first chunk of 5 and a prefill chunk of 20 over a context:
     # all but the last through the kernel, the last through SDPA, in one batch.
@@ -186,7 +186,7 @@ def test_backend_with_native_kernels_matches_without(kv_dtype, dtype):
         assert (metadata.native is not None) == (kernels is not None)
         outputs.append(backend.forward(query, key, value, *(c.clone() for c in caches), metadata, spec))
     assert outputs[1].dtype == dtype
-    # bfloat16: the SDPA path attends the verification and the chunk in bfloat16, the kernel in float32.
+    # Half precision: the SDPA path attends the verification and the chunk in it, the kernel in float32.
     torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=0,
                                atol=ATOL if dtype == torch.float32 else 2e-2)
 
