@@ -36,13 +36,15 @@ constexpr int64_t kTile = 16;  // keys scored and accumulated together (within o
 // fp8 formats as (mantissa bits, exponent bias); values are never NaN or infinite (the cache clamps them).
 constexpr int mantissa_bits(Element e) { return e == Element::e4m3 ? 3 : 2; }
 constexpr int exponent_bias(Element e) { return e == Element::e4m3 ? 7 : 15; }
+// The value of the smallest subnormal step, 2^(1 - bias - mantissa bits).
+constexpr float subnormal_step(Element e) { return e == Element::e4m3 ? 0x1p-9f : 0x1p-16f; }
 
 inline float fp8_to_float(uint8_t byte, Element e) {
   const int mbits = mantissa_bits(e), bias = exponent_bias(e);
   const uint32_t magnitude = byte & 0x7F;
   float value;
   if ((magnitude >> mbits) == 0) {  // subnormal (or zero): m * 2^(1 - bias - mbits)
-    value = std::ldexp(static_cast<float>(magnitude), 1 - bias - mbits);
+    value = static_cast<float>(magnitude) * subnormal_step(e);
   } else {
     const uint32_t bits = (magnitude << (23 - mbits)) + (static_cast<uint32_t>(127 - bias) << 23);
     std::memcpy(&value, &bits, sizeof(value));
@@ -69,7 +71,7 @@ __attribute__((target("avx512f"))) inline __m512 fp8x16(const uint8_t* p, Elemen
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
   const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 23 - mbits),
                                           _mm512_set1_epi32((127 - bias) << 23));
-  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(std::ldexp(1.f, 1 - bias - mbits)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(subnormal_step(e)));
   const __mmask16 is_sub = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(1 << mbits));
   const __m512i value = _mm512_mask_blend_epi32(is_sub, normal, _mm512_castps_si512(subnormal));
   return _mm512_castsi512_ps(_mm512_or_si512(value, sign));
@@ -215,7 +217,7 @@ __attribute__((target("avx2,fma"))) inline __m256 fp8x8(const uint8_t* p, Elemen
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)), 24);
   const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(magnitude, 23 - mbits),
                                           _mm256_set1_epi32((127 - bias) << 23));
-  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(std::ldexp(1.f, 1 - bias - mbits)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(subnormal_step(e)));
   const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << mbits), magnitude);
   const __m256i value = _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_sub);
   return _mm256_castsi256_ps(_mm256_or_si256(value, sign));
