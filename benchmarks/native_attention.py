@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         for concurrency in args.concurrency:
             for context in args.context:
                 step = decode_step(shape, concurrency, context, args.kv_cache_dtype)
-                backends = {"torch": TorchAttentionBackend(step[-1]), "native": TorchAttentionBackend(step[-1], kernels)}
+                kv_format = step[-1]
+                backends = {"torch": TorchAttentionBackend(kv_format),
+                            "native": TorchAttentionBackend(kv_format, kernels)}
                 rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
                 for r in range(args.rounds):
                     order = list(backends) if r % 2 == 0 else list(reversed(backends))

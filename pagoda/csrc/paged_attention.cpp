@@ -571,7 +571,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            std::optional<int64_t> sliding_window, std::optional<double> softcap,
                            const std::optional<at::Tensor>& sinks, const std::string& kv_element,
                            bool kv_scale_per_token, double kv_tensor_scale, const std::string& isa_name) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, "paged_attention: query must be float32 [T, H, D]");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat,
+              "paged_attention: query must be float32 [T, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
               value_cache.strides() == key_cache.strides() && value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_attention: key and value caches must be alike [blocks, block_size, kv_heads, entry]");
@@ -586,7 +587,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
               entry_bytes, " bytes do not hold head_dim ", d, kv_scale_per_token ? " values and a scale" : " values");
   TORCH_CHECK(!kv_scale_per_token || element == Element::i8 || element == Element::e4m3 || element == Element::e5m2,
               "paged_attention: per-token scales come with a quantized cache");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, "paged_attention: block_tables must be int32 [R, max_blocks]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt,
+              "paged_attention: block_tables must be int32 [R, max_blocks]");
   const int64_t reqs = block_tables.size(0);
   for (const at::Tensor* t : {&query_starts, &query_lens, &seq_lens})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == reqs && t->scalar_type() == at::kLong && t->device().is_cpu(),
@@ -609,7 +611,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   }
   at::Tensor out = at::empty_like(q);
   Problem p{q.data_ptr<float>(), out.data_ptr<float>(), cache_of(key_cache), cache_of(value_cache), element,
-            kv_scale_per_token, static_cast<float>(kv_tensor_scale), value_bytes, entry_bytes, tables.data_ptr<int32_t>(),
+            kv_scale_per_token, static_cast<float>(kv_tensor_scale), value_bytes, entry_bytes,
+            tables.data_ptr<int32_t>(),
             max_blocks, block_size, starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(),
             heads, kv_heads, d, static_cast<float>(scale), sliding_window.value_or(0),
             static_cast<float>(softcap.value_or(0.0)), sinks_ptr};

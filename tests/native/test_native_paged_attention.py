@@ -17,7 +17,7 @@ from engine_helpers import prompts_for as engine_prompts
 from model_factory import assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams, native
 from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
-from pagoda.model.attention.torch_backend import TorchAttentionBackend, attend, visibility_mask
+from pagoda.model.attention.torch_backend import NATIVE_KV_ELEMENTS, TorchAttentionBackend, attend, visibility_mask
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 if not native.available():
@@ -26,8 +26,9 @@ if not native.available():
 KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
 ATOL = 2e-5
 QUANTIZED_ATOL = 1e-4  # float32 rounding of values an order of magnitude coarser (scale applied in another order)
-ISAS = [isa for isa in ("avx512", "avx2", "scalar")
-        if ("avx512", "avx2", "scalar").index(isa) >= ("avx512", "avx2", "scalar").index(KERNELS.isa)]
+# The CPU's own instruction set and every one below it, forced through the kernel's `isa` argument.
+ISA_ORDER = ("avx512", "avx2", "scalar")
+ISAS = list(ISA_ORDER[ISA_ORDER.index(KERNELS.isa):])
 
 
 def paged_problem(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -75,8 +76,7 @@ def reference(query, starts, query_lens, keys, values, spec: AttentionLayerSpec)
 def run_kernel(query, key_cache, value_cache, block_tables, starts, query_lens, seq_lens, spec, kv_format, isa=""):
     element, per_token, tensor_scale = "", False, 1.0
     if kv_format is not None:
-        element = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}[
-            kv_format.element_dtype]
+        element = NATIVE_KV_ELEMENTS[kv_format.element_dtype]
         per_token, tensor_scale = kv_format.scale_per_token, kv_format.tensor_scale
     return KERNELS.paged_attention(query, key_cache, value_cache, block_tables, starts, torch.tensor(query_lens),
                                    torch.tensor(seq_lens), spec.scale, spec.sliding_window, spec.logit_softcap,

@@ -112,7 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
             return self._prepare_gathers(layout, sliding_windows, range(layout.num_reqs))
         query_lens = layout.query_lens_host
         rows = [i for i, n in enumerate(query_lens) if 0 < n <= NATIVE_MAX_QUERY_TOKENS]
-        metadata = self._prepare_gathers(layout, sliding_windows, [i for i, n in enumerate(query_lens) if n > NATIVE_MAX_QUERY_TOKENS])
+        longer = [i for i, n in enumerate(query_lens) if n > NATIVE_MAX_QUERY_TOKENS]
+        metadata = self._prepare_gathers(layout, sliding_windows, longer)
         if not rows:
             return metadata
         if len(rows) == layout.num_reqs:  # the whole batch, as laid out
@@ -216,11 +217,14 @@ class TorchAttentionBackend(AttentionBackend):
         dtype); the other rows are left for the SDPA path to fill."""
         assert self.native is not None
         kv_format = self.kv_format
-        element = NATIVE_KV_ELEMENTS[kv_format.element_dtype] if kv_format is not None else ""
+        element, per_token, tensor_scale = "", False, 1.0  # float caches: read as their dtype
+        if kv_format is not None:
+            element = NATIVE_KV_ELEMENTS[kv_format.element_dtype]
+            per_token, tensor_scale = kv_format.scale_per_token, kv_format.tensor_scale
         out = self.native.paged_attention(
             query.float(), key_cache, value_cache, requests.block_tables, requests.query_starts, requests.query_lens,
-            requests.seq_lens, spec.scale, spec.sliding_window, spec.logit_softcap, spec.sinks, element,
-            kv_format is not None and kv_format.scale_per_token, kv_format.tensor_scale if kv_format is not None else 1.0)
+            requests.seq_lens, spec.scale, spec.sliding_window, spec.logit_softcap, spec.sinks, element, per_token,
+            tensor_scale)
         return out.to(query.dtype)
 
     def _decode(self, q: torch.Tensor, decode: DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
