@@ -206,10 +206,12 @@ def parity_prompts(vocab_size: int) -> list[list[int]]:
 
 
 # Llama (GQA 2), Gemma 2 (soft-capped scores, alternating sliding windows), gpt-oss (sinks, a sliding layer);
-# ngram speculation sends several query tokens per sequence through the kernel.
+# ngram speculation and prefill chunks of at most 16 tokens (over cached prefixes, in blocks of 4) send several
+# query tokens per sequence through the kernel.
 @pytest.mark.parametrize("architecture, engine_args", [
     ("llama", {}), ("gemma2", {}), ("gpt_oss", {}), ("gpt_oss", dict(speculative="ngram", num_speculative_tokens=3)),
-], ids=["llama", "gemma2", "gpt_oss", "gpt_oss-ngram"])
+    ("gemma2", dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4)),
+], ids=["llama", "gemma2", "gpt_oss", "gpt_oss-ngram", "gemma2-chunks"])
 def test_greedy_matches_transformers_with_native_attention(tmp_path, architecture, engine_args):
     directory = build_model(tmp_path / architecture, architecture)
     prompts, references = hf_references(directory, parity_prompts, NEW_TOKENS)
