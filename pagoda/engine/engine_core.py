@@ -142,9 +142,9 @@ class EngineCore:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
                         config.max_num_batched_tokens)
 
+        self.native_kernels = resolve_native_kernels(config.native_kernels, self.device)
         self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                                config.quantization_zero_point,
-                                                resolve_native_kernels(config.native_kernels, self.device))
+                                                config.quantization_zero_point, self.native_kernels)
         self.weight_format.check_kernel(self.device, self.dtype)
         # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
         # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
@@ -213,7 +213,7 @@ class EngineCore:
             long_rope_boundary=self.model_config.long_rope_boundary, num_micro_batches=self.num_micro_batches)
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
         self.in_flight: deque[InFlightStep] = deque()
-        backend = select_backend(config.attention_backend, self.device, self.kv_format)
+        backend = select_backend(config.attention_backend, self.device, self.kv_format, self.native_kernels)
         drafter = None
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,

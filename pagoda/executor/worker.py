@@ -118,7 +118,7 @@ def run_worker(spec: WorkerSpec) -> None:
     model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage)
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
-    backend = select_backend(config.attention_backend, device, kv_format)
+    backend = select_backend(config.attention_backend, device, kv_format, getattr(spec.weight_format, "native", None))
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
     if spec.stage is not None:

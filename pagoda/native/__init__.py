@@ -116,6 +116,21 @@ class NativeKernels:
         q and k heads of the fused qkv output) with the step's cos and sin_rolled rows [T, D]."""
         load_extension().rotary_(heads, cos, sin_rolled)
 
+    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None,
+                        sinks: torch.Tensor | None, kv_element: str = "", kv_scale_per_token: bool = False,
+                        kv_tensor_scale: float = 1.0, isa: str = "") -> torch.Tensor:
+        """Attention of query [T, H, D] float32 over the paged caches [blocks, block_size, KVH, entry],
+        read in place: request i's query_lens[i] rows from query_starts[i] are its last positions
+        of seq_lens[i] (causal), its keys in the blocks block_tables[i] (int32) lists. kv_element
+        "" reads float caches as their dtype; "int8" / "fp8_e4m3" / "fp8_e5m2" read uint8 entries,
+        each followed by a float32 scale (kv_scale_per_token) or scaled by kv_tensor_scale. Rows
+        of no request are left unwritten. isa: "" for the CPU's best, else "avx2" or "scalar"."""
+        return load_extension().paged_attention(query, key_cache, value_cache, block_tables, query_starts, query_lens,
+                                                seq_lens, scale, sliding_window, softcap, sinks, kv_element,
+                                                kv_scale_per_token, kv_tensor_scale, isa)
+
     def describe(self) -> str:
         return f"native CPU kernels ({self.isa}: {', '.join(kernel_families())})"
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 
 from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 __all__ = ["AttentionBackend", "AttentionLayerSpec", "BatchLayout", "select_backend"]
 
 
-def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | None = None) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | None = None,
+                   native: NativeKernels | None = None) -> AttentionBackend:
     """`auto` means Triton on CUDA when it is installed, the torch reference otherwise. Both
-    read every KV cache dtype (`kv_format`; None: the model dtype)."""
+    read every KV cache dtype (`kv_format`; None: the model dtype). With `native` (the CPU
+    kernels), the torch backend attends decode-sized requests through the native kernel."""
     if name in ("auto", "triton") and device.type == "cuda":
         try:
             from pagoda.model.attention.triton_backend import TritonAttentionBackend
@@ -28,4 +31,4 @@ def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | N
         raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
     from pagoda.model.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(kv_format)
+    return TorchAttentionBackend(kv_format, native)

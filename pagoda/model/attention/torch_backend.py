@@ -7,6 +7,12 @@ the longest one in the batch; requests with several (prefill chunks, with or wit
 context is gathered whole blocks at a time (`index_select` on the block dimension copies
 block-sized rows, cheaper on CPU than gathering token by token), and the gather
 indices and masks are built once per step and shared by every layer.
+
+With pagoda's native kernels (pagoda.native), requests of up to NATIVE_MAX_QUERY_TOKENS new
+tokens (decodes, speculative verification, short first chunks) are attended instead by the
+native paged attention, which reads K/V in place through the block tables (no gather, no
+padding, quantized entries widened in registers), all of them in one call per layer; longer
+prefill chunks keep the SDPA path.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
@@ -32,6 +39,12 @@ DECODE_GROUP_MAX_PADDING = 2048
 # half-precision decode attention upcasts the gathered K/V and computes in float32, the output
 # cast back (benchmarks/results/bf16.json; lever `bf16-decode-upcast` in benchmarks/levers.py).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# Requests with at most this many new tokens go through the native kernel when it is on: it walks
+# the context once per KV head for all their query rows, where SDPA would first gather it.
+NATIVE_MAX_QUERY_TOKENS = 16
+# How the native kernel names a quantized cache's stored element type.
+NATIVE_KV_ELEMENTS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 @dataclass
@@ -52,6 +65,16 @@ class PrefillRequest:
 
 
 @dataclass
+class NativeRequests:
+    """The requests the native kernel attends (in place, through their block tables)."""
+
+    query_starts: torch.Tensor  # [R] int64: first row of each in the flattened batch
+    query_lens: torch.Tensor  # [R] int64
+    seq_lens: torch.Tensor  # [R] int64: context + new tokens
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup] = field(default_factory=list)
@@ -59,6 +82,7 @@ class TorchAttentionMetadata:
     # One decode group holding every row of the batch in order (always so at concurrency 1):
     # its queries are the batch as is, and its output is the layer's, with no gather or scatter.
     whole_batch_decode: bool = False
+    native: NativeRequests | None = None
 
 
 def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -76,23 +100,45 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, kv_format: KVCacheFormat | None = None) -> None:
+    def __init__(self, kv_format: KVCacheFormat | None = None, native: NativeKernels | None = None) -> None:
         # None: caches hold the model dtype. A quantized format stores encoded entries
         # (pagoda.quant.kv_cache_dtype) that are decoded after the block gather.
         self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
         self.upcast_half_decode = True  # float32 decode attention for half-precision models on CPU
+        self.native = native  # the native CPU kernels: decode-sized requests attend in place
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TorchAttentionMetadata:
+        if self.native is None or layout.slot_mapping.device.type != "cpu":
+            return self._prepare_gathers(layout, sliding_windows, range(layout.num_reqs))
+        query_lens = layout.query_lens_host
+        rows = [i for i, n in enumerate(query_lens) if 0 < n <= NATIVE_MAX_QUERY_TOKENS]
+        longer = [i for i, n in enumerate(query_lens) if n > NATIVE_MAX_QUERY_TOKENS]
+        metadata = self._prepare_gathers(layout, sliding_windows, longer)
+        if not rows:
+            return metadata
+        if len(rows) == layout.num_reqs:  # the whole batch, as laid out
+            metadata.native = NativeRequests(layout.query_start_loc[:-1], torch.tensor(query_lens),
+                                             layout.seq_lens, layout.block_tables)
+        else:
+            index = torch.tensor(rows)
+            metadata.native = NativeRequests(layout.query_start_loc[index], torch.tensor([query_lens[i] for i in rows]),
+                                             layout.seq_lens[index], layout.block_tables[index])
+        return metadata
+
+    def _prepare_gathers(self, layout: BatchLayout, sliding_windows: set[int | None],
+                         requests: range | list[int]) -> TorchAttentionMetadata:
+        """The gathers, masks and decode groups of the requests attended through SDPA."""
         device = layout.slot_mapping.device
         query_lens = layout.query_lens_host
         context_lens = layout.context_lens_host
         starts = layout.query_start_loc.tolist()
 
-        decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: context_lens[i])
+        decode_rows = sorted((i for i in requests if query_lens[i] == 1), key=lambda i: context_lens[i])
         decodes = [self._decode_group(layout, rows, sliding_windows)
                    for rows in decode_groups(decode_rows, context_lens)]
         prefills = []
-        for i, n in enumerate(query_lens):
+        for i in requests:
+            n = query_lens[i]
             if n <= 1:
                 continue
             total = context_lens[i] + n
@@ -150,7 +196,8 @@ class TorchAttentionBackend(AttentionBackend):
 
         if metadata.whole_batch_decode:
             return self._decode(query.unsqueeze(2), metadata.decodes[0], key_cache, value_cache, spec).squeeze(2)
-        output = torch.empty_like(query)
+        output = self._native(query, key_cache, value_cache, metadata.native, spec) \
+            if metadata.native is not None else torch.empty_like(query)
         for decode in metadata.decodes:
             output[decode.token_index] = self._decode(query[decode.token_index].unsqueeze(2), decode,
                                                       key_cache, value_cache, spec).squeeze(2)
@@ -163,6 +210,22 @@ class TorchAttentionBackend(AttentionBackend):
             out = attend(q, k, v, prefill.masks[spec.sliding_window], spec)
             output[prefill.start:prefill.end] = out.squeeze(0).transpose(0, 1)
         return output
+
+    def _native(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                requests: NativeRequests, spec: AttentionLayerSpec) -> torch.Tensor:
+        """The native kernel's output for its requests' rows (in float32, cast back to the model
+        dtype); the other rows are left for the SDPA path to fill."""
+        assert self.native is not None
+        kv_format = self.kv_format
+        element, per_token, tensor_scale = "", False, 1.0  # float caches: read as their dtype
+        if kv_format is not None:
+            element = NATIVE_KV_ELEMENTS[kv_format.element_dtype]
+            per_token, tensor_scale = kv_format.scale_per_token, kv_format.tensor_scale
+        out = self.native.paged_attention(
+            query.float(), key_cache, value_cache, requests.block_tables, requests.query_starts, requests.query_lens,
+            requests.seq_lens, spec.scale, spec.sliding_window, spec.logit_softcap, spec.sinks, element, per_token,
+            tensor_scale)
+        return out.to(query.dtype)
 
     def _decode(self, q: torch.Tensor, decode: DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 spec: AttentionLayerSpec) -> torch.Tensor:
