@@ -184,6 +184,19 @@ def make_gguf(model_dir: Path, llama_cpp: Path, gguf_type: str) -> Path:
     return out
 
 
+def gguf_model_dir(gguf: Path, model_dir: Path) -> Path:
+    """A directory holding the GGUF (linked) and the model's tokenizer and config.json, for
+    `pagoda serve --model`: the engine takes the model from the GGUF, while `pagoda serve`'s
+    startup banner reads config.json (it fails on a bare .gguf path)."""
+    directory = gguf.parent / gguf.stem
+    directory.mkdir(exist_ok=True)
+    for source in [gguf, *(p for p in model_dir.iterdir() if p.suffix == ".json")]:
+        link = directory / source.name
+        if not link.exists():
+            link.symlink_to(source.resolve())
+    return directory
+
+
 def gguf_bytes_per_token(gguf: Path, llama_cpp: Path) -> int:
     """Bytes of the tensors one decode token reads: all of them but the embedding table, of which
     it reads one row, unless the table is also the LM head (no `output.weight`)."""
@@ -263,16 +276,17 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
     context = args.prompt_len + max(args.output_len, args.check_tokens) + 16
     slots = max(levels)
-    pagoda_model = gguf if comparison.pagoda_serves_gguf else model_dir
+    pagoda_model = gguf_model_dir(gguf, model_dir) if comparison.pagoda_serves_gguf else model_dir
     pagoda_flags = ["--max-num-seqs", str(slots), "--max-model-len", str(context),
                     "--kv-cache-memory", kv_cache_memory(model_dir, slots * context), *comparison.pagoda_flags,
-                    *(["--tokenizer", str(model_dir)] if comparison.pagoda_serves_gguf else []), *args.pagoda_flag]
+                    *args.pagoda_flag]
     commands = {}
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[str, int]] = {}
         for mode in ("off", "on"):
             flags = [*pagoda_flags, "--native-kernels", mode]
-            url, process = stack.enter_context(pagoda_server_process(pagoda_model, flags, log_dir / f"pagoda-{mode}.log"))
+            log = log_dir / f"pagoda-{mode}.log"
+            url, process = stack.enter_context(pagoda_server_process(pagoda_model, flags, log))
             servers[f"pagoda native {mode}"] = (url, process.pid)
             commands[f"pagoda native {mode}"] = f"pagoda serve --model {pagoda_model} " + " ".join(flags)
         for threads in (1, 2):
@@ -318,7 +332,8 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
 
     medians = {name: {c: summarize(by_c[c]) for c in levels} for name, by_c in runs.items()}
     return {"label": comparison.label, "gguf": gguf.name, "gguf_type": comparison.gguf_type,
-            "pagoda_weights": pagoda_model.name, "commands": commands, "greedy_agreement": agreement,
+            "pagoda_weights": gguf.name if comparison.pagoda_serves_gguf else model_dir.name,
+            "commands": commands, "greedy_agreement": agreement,
             "median_over_rounds": medians, **judge(comparison, medians, levels), "runs": runs,
             "bytes_per_token": gguf_bytes_per_token(gguf, llama_cpp)}
 
@@ -472,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown configuration {', '.join(unknown)}; choose from {', '.join(CONFIGURATIONS)}")
     llama_cpp = Path(args.llama_cpp) if args.llama_cpp else None
-    needed = ["convert_hf_to_gguf.py", "build/bin/llama-server", "build/bin/llama-quantize", "build/bin/llama-perplexity"]
+    needed = ["convert_hf_to_gguf.py", *(f"build/bin/llama-{tool}" for tool in ("server", "quantize", "perplexity"))]
     missing = [n for n in needed if llama_cpp is None or not (llama_cpp / n).is_file()]
     if missing:
         parser.error(f"--llama-cpp must be a built llama.cpp tree; missing: {', '.join(missing)}")
