@@ -257,10 +257,10 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.config import parse_replica_roles
     from pagoda.engine.engine_core import resolve_device, resolve_dtype
-    from pagoda.model.model_config import ModelConfig
+    from pagoda.model.loader import load_model_config
     from pagoda.native import active_description
 
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = load_model_config(config.model)  # a directory or a GGUF file
     device = resolve_device(config.device)
     dtype = str(resolve_dtype(config.dtype, model_config.config_dtype, device)).removeprefix("torch.")
     stats = llm.get_stats()

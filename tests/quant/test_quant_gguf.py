@@ -175,3 +175,18 @@ def test_k_quant_tensors_are_dequantized_and_unpermuted(tmp_path: Path) -> None:
     torch.testing.assert_close(effective(layer.self_attn.qkv_proj)[:256], unpermuted)
     _, outputs = _greedy(path, PROMPTS[:1], max_tokens=4)
     assert len(outputs[0].outputs[0].token_ids) == 4
+
+
+def test_serve_banner_reads_the_config_from_a_gguf_file(gguf_files: dict[str, Path]) -> None:
+    from pagoda.config import DeploymentConfig, EngineConfig
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.serve.launch import startup_banner
+    from pagoda.serve.settings import ServerSettings
+
+    config = EngineConfig(model=str(gguf_files["F32"]), num_kv_blocks=32, num_threads=1)
+    llm = AsyncLLM(config, transport="thread")
+    try:
+        banner = startup_banner(config, DeploymentConfig(), ServerSettings(served_model_name="tiny"), llm)
+    finally:
+        llm.shutdown()
+    assert "tiny-F32.gguf" in banner and "KV pool" in banner
