@@ -44,6 +44,9 @@ from pagoda.quant.weight_formats import FullWeight, WeightFormat
 # held expert, hit or not; a loop over the hit experts pays a larger one per hit expert. Grouped
 # wins once at least 1/this of the held experts are hit (decode batches beyond a few sequences).
 GROUPED_MIN_ACTIVE_SHARE = 6
+# Inputs of up to this many tokens (decode steps) run the native fused-MoE op on the native
+# kernels; larger ones (prefill) sort and run the grouped products, which block for many rows.
+FUSED_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -55,16 +58,23 @@ class Routing:
     counts: torch.Tensor  # [E] pairs per expert: the segment lengths, in expert order
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
-    """Top-k experts per token from router logits [T, E] (softmax in float32 as transformers)."""
+def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  softmax_over_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's routing weights [T, k] (float32) and experts [T, k] from router logits [T, E]
+    (softmax in float32 as transformers)."""
     if softmax_over_top_k:
         logits, experts = torch.topk(router_logits, top_k, dim=-1)
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32), experts
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
+    """Top-k experts per token from router logits [T, E], the pairs sorted by expert."""
+    weights, experts = top_k_experts(router_logits, top_k, renormalize, softmax_over_top_k)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     return Routing(order // top_k, weights.reshape(-1)[order],
@@ -157,6 +167,25 @@ class Experts(nn.ModuleDict):
         if self.native is not None and hidden.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS * active:
             return "native"
         return "grouped_mm" if active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size else "loop"
+
+    def fuses(self, hidden: torch.Tensor) -> bool:
+        """Whether these rows run through the native fused-MoE op (`run_fused`): decode-sized
+        float32 inputs on the native kernels, experts stacked (float32, or int8), SiLU or gpt-oss's
+        clamped SwiGLU."""
+        return (self.native is not None and hidden.device.type == "cpu" and hidden.dtype == torch.float32
+                and hidden.shape[0] <= FUSED_MAX_TOKENS
+                and (self.gate_up_weight is not None or self.gate_up_qweight is not None)
+                and (self.gated.swiglu_limit is not None or self.gated.activation == "silu"))
+
+    def run_fused(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's share of sum_k weight_k * expert_k(x) in one native op, from each token's
+        top-k routing weights and experts [T, k] (no sort or gather here: the op groups the pairs)."""
+        quantized = self.gate_up_qweight is not None
+        return self.native.fused_moe(
+            hidden, experts, weights,
+            self.gate_up_qweight if quantized else self.gate_up_weight, self.gate_up_scales, self.gate_up_bias,
+            self.down_qweight if quantized else self.down_weight, self.down_scales, self.down_bias,
+            self.placement.experts.start, self.gated.swiglu_limit, self.gated.swiglu_alpha)
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -264,10 +293,17 @@ class SparseMoE(nn.Module):
         return counts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(hidden), self.top_k, self.renormalize, self.softmax_over_top_k)
-        if self.expert_counts is not None:
-            self.expert_counts += routing.counts.to(self.expert_counts.device)
-        out = self.experts(hidden, routing)
+        router_logits = self.gate(hidden)
+        if self.experts.fuses(hidden):
+            weights, experts = top_k_experts(router_logits, self.top_k, self.renormalize, self.softmax_over_top_k)
+            if self.expert_counts is not None:
+                self.expert_counts += torch.bincount(experts.reshape(-1), minlength=self.experts.num_experts)
+            out = self.experts.run_fused(hidden, weights, experts)
+        else:
+            routing = route(router_logits, self.top_k, self.renormalize, self.softmax_over_top_k)
+            if self.expert_counts is not None:
+                self.expert_counts += routing.counts.to(self.expert_counts.device)
+            out = self.experts(hidden, routing)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
