@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 #include <immintrin.h>
 #include <cstdint>
@@ -310,6 +311,48 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const
   return out;
 }
 
+// Each token's top-k experts from router logits [T, E] float32: softmax over all E then the k largest (renormalized
+// to sum 1 when asked), or (gpt-oss) the k largest logits then a softmax over them. Ties go to the lower expert.
+// Returns (weights [T, k] float32, ids [T, k] int64), largest first, as torch.topk orders them.
+std::tuple<at::Tensor, at::Tensor> route_top_k(const at::Tensor& logits, int64_t top_k, bool renormalize,
+                                               bool softmax_over_top_k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "route_top_k: logits must be float32 [T, E]");
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "route_top_k: top_k ", top_k, " of ", experts, " experts");
+  const at::Tensor lc = logits.contiguous();
+  at::Tensor weights = at::empty({tokens, top_k}, lc.options());
+  at::Tensor ids = at::empty({tokens, top_k}, lc.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> order(experts);
+  std::vector<float> probs(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = lp + t * experts;
+    float* w = wp + t * top_k;
+    int64_t* id = ip + t * top_k;
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [row](int64_t a, int64_t b) {
+      return row[a] > row[b] || (row[a] == row[b] && a < b);
+    });
+    const float top = row[order[0]];
+    float total = 0.f;
+    if (softmax_over_top_k) {
+      for (int64_t j = 0; j < top_k; ++j) total += (w[j] = std::exp(row[order[j]] - top));
+    } else {
+      float all = 0.f;
+      for (int64_t e = 0; e < experts; ++e) all += (probs[e] = std::exp(row[e] - top));
+      for (int64_t j = 0; j < top_k; ++j) total += (w[j] = probs[order[j]] / all);
+      if (!renormalize) total = 1.f;
+    }
+    for (int64_t j = 0; j < top_k; ++j) {
+      w[j] /= total;
+      id[j] = order[j];
+    }
+  }
+  return {weights, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGODA_NATIVE_NAMESPACE, m) {
@@ -317,4 +360,6 @@ TORCH_LIBRARY_FRAGMENT(PAGODA_NATIVE_NAMESPACE, m) {
         "Tensor? gate_up_bias, Tensor down, Tensor? down_scales, Tensor? down_bias, int first_expert, "
         "float? swiglu_limit, float swiglu_alpha) -> Tensor",
         &fused_moe);
+  m.def("route_top_k(Tensor logits, int top_k, bool renormalize, bool softmax_over_top_k) -> (Tensor, Tensor)",
+        &route_top_k);
 }

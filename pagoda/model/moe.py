@@ -18,6 +18,11 @@ so they are stored and multiplied in whatever weight format the model's other pr
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
+On the native kernels, decode-sized float32 inputs (up to FUSED_MAX_TOKENS tokens) skip steps
+2-4 in Python: the routing is one native op and the experts another (`Experts.run_fused`, the
+native fused-MoE op: it groups the pairs by expert itself, reads each hit expert's rows once for
+all its tokens and sums in expert order), float32 or int8 experts, SiLU or the clamped SwiGLU.
+
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
 router has a bias. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
@@ -295,7 +300,8 @@ class SparseMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)
         if self.experts.fuses(hidden):
-            weights, experts = top_k_experts(router_logits, self.top_k, self.renormalize, self.softmax_over_top_k)
+            weights, experts = self.experts.native.route_top_k(router_logits, self.top_k, self.renormalize,
+                                                               self.softmax_over_top_k)
             if self.expert_counts is not None:
                 self.expert_counts += torch.bincount(experts.reshape(-1), minlength=self.experts.num_experts)
             out = self.experts.run_fused(hidden, weights, experts)

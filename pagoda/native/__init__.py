@@ -89,6 +89,12 @@ class NativeKernels:
         return load_extension().fused_moe(hidden, topk_ids, topk_weights, gate_up, gate_up_scales, gate_up_bias,
                                           down, down_scales, down_bias, first_expert, swiglu_limit, swiglu_alpha)
 
+    def route_top_k(self, logits: torch.Tensor, top_k: int, renormalize: bool,
+                    softmax_over_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts from router logits [T, E] float32, as pagoda.model.moe.top_k_experts
+        computes them: (weights [T, k] float32, experts [T, k] int64)."""
+        return load_extension().route_top_k(logits, top_k, renormalize, softmax_over_top_k)
+
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -193,3 +193,18 @@ def test_greedy_parity_with_transformers_on_the_fused_op(tmp_path: Path, archite
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     assert_matches_reference(llm.generate(prompts, greedy), references, 2e-5)
     assert fused_calls  # the decode steps ran on the fused op
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("renormalize, softmax_over_top_k", [(True, False), (False, False), (False, True)])
+def test_routing_matches_top_k_experts(top_k: int, renormalize: bool, softmax_over_top_k: bool) -> None:
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(top_k)) * 3
+    weights, experts = KERNELS.route_top_k(logits, top_k, renormalize, softmax_over_top_k)
+    expected_weights, expected_experts = moe.top_k_experts(logits, top_k, renormalize, softmax_over_top_k)
+    assert torch.equal(experts, expected_experts)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_refuses_a_top_k_past_the_experts() -> None:
+    with pytest.raises(RuntimeError, match="top_k 5 of 4 experts"):
+        KERNELS.route_top_k(torch.randn(2, 4), 5, True, False)
