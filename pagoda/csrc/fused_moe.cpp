@@ -157,7 +157,8 @@ struct Projection {
 };
 
 Projection projection(const char* what, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                      const std::optional<at::Tensor>& bias, int64_t experts, int64_t k, std::vector<at::Tensor>& keep) {
+                      const std::optional<at::Tensor>& bias, int64_t experts, int64_t k,
+                      std::vector<at::Tensor>& keep) {
   TORCH_CHECK(weight.dim() == 3 && weight.size(0) == experts, "fused_moe: ", what, " must be [E, N, K] with E = ",
               experts);
   TORCH_CHECK(weight.stride(2) == 1, "fused_moe: ", what, " rows must be contiguous");

@@ -18,10 +18,11 @@ so they are stored and multiplied in whatever weight format the model's other pr
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does).
 
-On the native kernels, decode-sized float32 inputs (up to FUSED_MAX_TOKENS tokens) skip steps
-2-4 in Python: the routing is one native op and the experts another (`Experts.run_fused`, the
-native fused-MoE op: it groups the pairs by expert itself, reads each hit expert's rows once for
-all its tokens and sums in expert order), float32 or int8 experts, SiLU or the clamped SwiGLU.
+On the native kernels, float32 inputs to int8 experts, and decode-sized ones (up to
+FUSED_MAX_TOKENS tokens) to float32 experts, skip steps 2-4 in Python: the routing is one native
+op and the experts another (`Experts.run_fused`, the native fused-MoE op: it groups the pairs by
+expert itself, reads each hit expert's rows once for all its tokens and sums in expert order),
+float32 or int8 experts, SiLU or the clamped SwiGLU.
 
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
@@ -175,13 +176,16 @@ class Experts(nn.ModuleDict):
         return "grouped_mm" if active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size else "loop"
 
     def fuses(self, hidden: torch.Tensor) -> bool:
-        """Whether these rows run through the native fused-MoE op (`run_fused`): decode-sized
-        float32 inputs on the native kernels, experts stacked (float32, or int8), SiLU or gpt-oss's
-        clamped SwiGLU."""
-        return (self.native is not None and hidden.device.type == "cpu" and hidden.dtype == torch.float32
-                and hidden.shape[0] <= FUSED_MAX_TOKENS
-                and (self.gate_up_weight is not None or self.gate_up_qweight is not None)
-                and (self.gated.swiglu_limit is not None or self.gated.activation == "silu"))
+        """Whether these rows run through the native fused-MoE op (`run_fused`): float32 inputs on
+        the native kernels with SiLU or gpt-oss's clamped SwiGLU, int8 experts at every row count
+        (one arithmetic however a step is batched, as their other products), float32 ones while
+        the input is decode-sized."""
+        if (self.native is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+                or (self.gated.swiglu_limit is None and self.gated.activation != "silu")):
+            return False
+        if self.gate_up_qweight is not None:
+            return True
+        return self.gate_up_weight is not None and hidden.shape[0] <= FUSED_MAX_TOKENS
 
     def run_fused(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) in one native op, from each token's

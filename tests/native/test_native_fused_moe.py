@@ -179,6 +179,16 @@ def test_inputs_past_the_limit_take_the_grouped_products(monkeypatch) -> None:
     torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
 
 
+def test_int8_experts_fuse_at_every_row_count_and_do_not_depend_on_the_batch(monkeypatch) -> None:
+    block = moe_block("Qwen3MoeForCausalLM", seed=10, weight_format=Int8Weight(KERNELS))
+    monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 4)
+    hidden = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(10))  # one router product (native)
+    assert block.experts.fuses(hidden)
+    together = block(hidden)
+    assert torch.equal(together[7:8], block(hidden[7:8]))  # one token alone: the same bits
+    torch.testing.assert_close(together, reference(block, hidden), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
 def test_greedy_parity_with_transformers_on_the_fused_op(tmp_path: Path, architecture: str) -> None:
     directory = build_model(tmp_path / architecture, architecture)
