@@ -1,8 +1,9 @@
 """The native fused-MoE op (a block's experts in one op: grouping, gate/up, activation, down and
 the weighted sum) against a per-token torch reference: float32 and int8 experts, biases, SiLU
 and gpt-oss's clamped SwiGLU, top-k 1/2/8, every token on one expert, every expert hit, experts
-held by another rank; the MoE block taking it for decode-sized inputs; and greedy parity with
-transformers of tiny MoE models running on it.
+held by another rank; the native top-k routing; the MoE block taking them for decode-sized
+inputs; and greedy parity with transformers of the tiny MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE,
+gpt-oss) running on them.
 
 Tolerance: float32 rounding of a different summation order (the dot products are summed in
 vector lanes), as tests/native/test_native_kernels.py states it: rtol 1e-5, atol 1e-5 * sqrt(K)."""
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import prompts_for
-from model_factory import assert_matches_reference, build_model, hf_references
+from model_factory import MOE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams, native
 from pagoda.model import moe
 from pagoda.model.mlp import GatedActivation
@@ -189,7 +190,7 @@ def test_int8_experts_fuse_at_every_row_count_and_do_not_depend_on_the_batch(mon
     torch.testing.assert_close(together, reference(block, hidden), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
 def test_greedy_parity_with_transformers_on_the_fused_op(tmp_path: Path, architecture: str) -> None:
     directory = build_model(tmp_path / architecture, architecture)
     prompts, references = hf_references(directory, lambda vocab: prompts_for(vocab, (3, 11, 40), seed=1), 16)
