@@ -48,10 +48,12 @@ __attribute__((target("avx512f"))) inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// acc[r * C + c] = dot(w[r][0:k], x[c][0:k]) for R weight rows and C input rows given by pointers.
+// acc[r * C + c] = dot(w[r][0:k], x[c][0:k]) for R weight rows and C input rows given by pointers. `next`: the
+// rows the following tile reads (or null), fetched into the cache meanwhile: a tile's rows span a few pages, where
+// the hardware prefetcher stops.
 template <typename W, int R, int C>
 __attribute__((target("avx512f"))) void dots_avx512(const W* const* w, const float* const* x, int64_t k,
-                                                    float* acc) {
+                                                    float* acc, const W* const* next) {
   __m512 sum[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
@@ -59,6 +61,8 @@ __attribute__((target("avx512f"))) void dots_avx512(const W* const* w, const flo
   for (; i + 16 <= k; i += 16) {
     __m512 xv[C];
     _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(x[c] + i);
+    if (next && (i * sizeof(W)) % 64 == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next[r] + i), _MM_HINT_T0);
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
       const __m512 wv = load16(w[r] + i);
       _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) sum[r][c] = _mm512_fmadd_ps(wv, xv[c], sum[r][c]);
@@ -112,9 +116,9 @@ void dots_scalar(const W* const* w, const float* const* x, int64_t k, float* acc
 }
 
 template <typename W, int R, int C>
-void dots(Isa isa, const W* const* w, const float* const* x, int64_t k, float* acc) {
+void dots(Isa isa, const W* const* w, const float* const* x, int64_t k, float* acc, const W* const* next) {
   switch (isa) {
-    case Isa::avx512: return dots_avx512<W, R, C>(w, x, k, acc);
+    case Isa::avx512: return dots_avx512<W, R, C>(w, x, k, acc, next);
     case Isa::avx2: return dots_avx2<W, R, C>(w, x, k, acc);
     default: return dots_scalar<W, R, C>(w, x, k, acc);
   }
@@ -122,15 +126,16 @@ void dots(Isa isa, const W* const* w, const float* const* x, int64_t k, float* a
 
 // acc [R][kMaxCols] for `cols` (1..kMaxCols) input rows; AVX2 has half the registers: one input row per pass.
 template <typename W, int R>
-void dots_cols(Isa isa, const W* const* w, const float* const* x, int64_t cols, int64_t k, float* acc) {
+void dots_cols(Isa isa, const W* const* w, const float* const* x, int64_t cols, int64_t k, float* acc,
+               const W* const* next) {
   float part[R * kMaxCols];
   int64_t done = 0;
   while (done < cols) {
     int64_t c = isa == Isa::avx512 ? std::min<int64_t>(kMaxCols, cols - done) : 1;
     switch (c) {
-      case 3: dots<W, R, 3>(isa, w, x + done, k, part); break;
-      case 2: dots<W, R, 2>(isa, w, x + done, k, part); break;
-      default: dots<W, R, 1>(isa, w, x + done, k, part); break;
+      case 3: dots<W, R, 3>(isa, w, x + done, k, part, done ? nullptr : next); break;
+      case 2: dots<W, R, 2>(isa, w, x + done, k, part, done ? nullptr : next); break;
+      default: dots<W, R, 1>(isa, w, x + done, k, part, done ? nullptr : next); break;
     }
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < c; ++j) acc[r * kMaxCols + done + j] = part[r * c + j];
@@ -217,22 +222,29 @@ void run(const at::Tensor& x, const int64_t* ids, const float* route_weights, in
   at::parallel_for(0, static_cast<int64_t>(hit.size()) * blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[2 * kBlockRows * kMaxCols];
     const W* rows[2 * kBlockRows];
+    const W* next[2 * kBlockRows];
     const float* cols[kMaxCols];
+    // A short block repeats its last row (computed, never stored).
+    auto tile_rows = [&](int64_t task, const W** out) {
+      const int64_t j0 = (task % blocks) * kBlockRows, nrows = std::min<int64_t>(kBlockRows, inter - j0);
+      const W* base = gw + hit[task / blocks] * gate_up.lde;
+      for (int r = 0; r < kBlockRows; ++r) {
+        const int64_t j = j0 + std::min<int64_t>(r, nrows - 1);
+        out[r] = base + j * gate_up.ldw;
+        out[kBlockRows + r] = base + (inter + j) * gate_up.ldw;
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t e = hit[task / blocks], j0 = (task % blocks) * kBlockRows;
       const int64_t nrows = std::min<int64_t>(kBlockRows, inter - j0);
-      const W* base = gw + e * gate_up.lde;
-      for (int r = 0; r < kBlockRows; ++r) {  // a short block repeats its last row (computed, never stored)
-        const int64_t j = j0 + std::min<int64_t>(r, nrows - 1);
-        rows[r] = base + j * gate_up.ldw;
-        rows[kBlockRows + r] = base + (inter + j) * gate_up.ldw;
-      }
+      tile_rows(task, rows);
+      if (task + 1 < end) tile_rows(task + 1, next);
       const float* scale = gate_up.scales ? gate_up.scales + e * gate_up.n : nullptr;
       const float* bias = gate_up.bias ? gate_up.bias + e * gate_up.n : nullptr;
       for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kMaxCols) {
         const int64_t ncols = std::min<int64_t>(kMaxCols, start[e + 1] - p0);
         for (int64_t c = 0; c < ncols; ++c) cols[c] = xp + pair_token[p0 + c] * hidden;
-        dots_cols<W, 2 * kBlockRows>(isa, rows, cols, ncols, hidden, acc);
+        dots_cols<W, 2 * kBlockRows>(isa, rows, cols, ncols, hidden, acc, task + 1 < end ? next : nullptr);
         for (int64_t r = 0; r < nrows; ++r) {
           const int64_t g = j0 + r, u = inter + j0 + r;
           for (int64_t c = 0; c < ncols; ++c) {
@@ -253,18 +265,26 @@ void run(const at::Tensor& x, const int64_t* ids, const float* route_weights, in
   at::parallel_for(0, out_blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[kDownRows * kMaxCols];
     const W* rows[kDownRows];
+    const W* next[kDownRows];
     const float* cols[kMaxCols];
-    for (const int64_t e : hit) {
-      const W* base = dw + e * down.lde;
+    auto tile_rows = [&](int64_t e, int64_t block, const W** out) {
+      const int64_t h0 = block * kDownRows, nrows = std::min<int64_t>(kDownRows, hidden - h0);
+      for (int r = 0; r < kDownRows; ++r)
+        out[r] = dw + e * down.lde + (h0 + std::min<int64_t>(r, nrows - 1)) * down.ldw;
+    };
+    for (size_t h = 0; h < hit.size(); ++h) {
+      const int64_t e = hit[h];
       const float* scale = down.scales ? down.scales + e * down.n : nullptr;
       const float* bias = down.bias ? down.bias + e * down.n : nullptr;
       for (int64_t block = begin; block < end; ++block) {
         const int64_t h0 = block * kDownRows, nrows = std::min<int64_t>(kDownRows, hidden - h0);
-        for (int r = 0; r < kDownRows; ++r) rows[r] = base + (h0 + std::min<int64_t>(r, nrows - 1)) * down.ldw;
+        tile_rows(e, block, rows);
+        const bool more = block + 1 < end || h + 1 < hit.size();
+        if (more) block + 1 < end ? tile_rows(e, block + 1, next) : tile_rows(hit[h + 1], begin, next);
         for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kMaxCols) {
           const int64_t ncols = std::min<int64_t>(kMaxCols, start[e + 1] - p0);
           for (int64_t c = 0; c < ncols; ++c) cols[c] = ap + (p0 + c) * inter;
-          dots_cols<W, kDownRows>(isa, rows, cols, ncols, inter, acc);
+          dots_cols<W, kDownRows>(isa, rows, cols, ncols, inter, acc, more ? next : nullptr);
           for (int64_t r = 0; r < nrows; ++r) {
             const int64_t h = h0 + r;
             for (int64_t c = 0; c < ncols; ++c) {
