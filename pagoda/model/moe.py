@@ -51,8 +51,8 @@ from pagoda.quant.weight_formats import FullWeight, WeightFormat
 # wins once at least 1/this of the held experts are hit (decode batches beyond a few sequences).
 GROUPED_MIN_ACTIVE_SHARE = 6
 # Inputs of up to this many tokens (decode steps) run the native fused-MoE op on the native
-# kernels; larger ones (prefill chunks) sort and run the grouped products, whose blocked GEMM
-# wins once every expert has many rows (benchmarks/moe.py's block rows).
+# kernels; larger ones (prefill chunks, float32 experts) sort and run the grouped products, left
+# to torch's blocked GEMM once every expert has many rows (benchmarks/moe.py's block rows).
 FUSED_MAX_TOKENS = 128
 
 
