@@ -1,12 +1,16 @@
 """Mixture of experts on the CPU: a Qwen3-30B-A3B-shaped MoE scaled down (128 experts, top-8,
 expert width 0.375 x hidden as in the original, hidden 256, 4 layers, float32, random weights).
 
-  offline: 16 prompts of 64 tokens, 32 greedy output tokens each, output tok/s wall, pagoda vs
-    transformers' generate (batch 16) on the same weights;
+  offline (uniform): 16 prompts of 64 tokens, 32 greedy output tokens each, output tok/s wall,
+    pagoda vs transformers' generate (batch 16) on the same weights;
+  offline (standard): the project's offline workload (benchmarks/offline_throughput.py: prompt
+    and output lengths uniform in [32, 256], all requests at once, transformers in static
+    batches of 16 with left padding, only the tokens asked for counted) on the same MoE weights;
   decode step: (time for 33 output tokens - time for 1) / 32 at batch 1 and 16, the MoE model vs
     a dense model with the same active parameters (intermediate = 8 x the expert width);
   block: one MoE block's forward at 1, 16 and 256 tokens: pagoda's loop over the hit experts,
-    its grouped products (torch._grouped_mm) and its native grouped kernel, vs transformers' own
+    its grouped products (torch._grouped_mm), its native grouped kernel and the native fused-MoE
+    op (one op for the block's experts), vs transformers' own
     block (Qwen3MoeSparseMoeBlock with transformers 5's default experts implementation, which is
     also torch's grouped_mm) on the same weights;
   parallel: the offline run with tensor_parallel_size 2, experts split (TP=2) vs placed whole
@@ -14,11 +18,16 @@ expert width 0.375 x hidden as in the original, hidden 256, 4 layers, float32, r
 
 pagoda runs each of these as configured by default, with `--native-kernels on` (pagoda.native;
 "native" in the names below), and the decode steps also with `--quantization int8` on the
-native kernels ("int8_native"), the dense model likewise. Every configuration is
+native kernels ("int8_native"), the dense model likewise; the MoE decode steps on the native
+kernels take the fused-MoE op, and "_grouped" names the same engines with the op turned off (the
+native grouped products instead). Every configuration is
 measured in alternating rounds and medians are reported; the machine is shared, so compare
 ratios within one run.
 
     .venv/bin/python benchmarks/moe.py --rounds 5 --out benchmarks/results/moe/speed.json
+
+On a loaded machine write to benchmarks/results/moe/speed_dev.json instead (fewer standard requests
+with --standard-requests N, --no-parallel to skip EP/TP).
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ from pagoda.model import moe as moe_module  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 from model_factory import build_model  # noqa: E402
+from offline_throughput import make_workload, run_transformers  # noqa: E402
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=1024)
@@ -95,14 +106,35 @@ def block_seconds(block, hidden: torch.Tensor, repeats: int) -> float:
 
 
 def pagoda_block_seconds(block, hidden: torch.Tensor, repeats: int, path: str, native) -> float:
-    """One of the experts' execution paths: "loop", "grouped" (torch._grouped_mm) or "native"."""
-    share = moe_module.GROUPED_MIN_ACTIVE_SHARE
+    """One of the experts' execution paths: "loop", "grouped" (torch._grouped_mm), "native" (the
+    native grouped products) or "fused" (the native fused-MoE op)."""
+    share, fused_max = moe_module.GROUPED_MIN_ACTIVE_SHARE, moe_module.FUSED_MAX_TOKENS
     moe_module.GROUPED_MIN_ACTIVE_SHARE = {"loop": 0, "grouped": block.experts.num_experts}.get(path, share)
-    block.experts.native = native if path == "native" else None
+    moe_module.FUSED_MAX_TOKENS = hidden.shape[0] if path == "fused" else 0
+    block.experts.native = native if path in ("native", "fused") else None
     try:
         return block_seconds(block, hidden, repeats)
     finally:
-        moe_module.GROUPED_MIN_ACTIVE_SHARE = share
+        moe_module.GROUPED_MIN_ACTIVE_SHARE, moe_module.FUSED_MAX_TOKENS = share, fused_max
+
+
+def unfused_decode_step_ms(llm: LLM, batch: list[list[int]]) -> float:
+    """The decode step with the fused-MoE op turned off (the native grouped products instead)."""
+    fused_max = moe_module.FUSED_MAX_TOKENS
+    moe_module.FUSED_MAX_TOKENS = 0
+    try:
+        return decode_step_ms(llm, batch)
+    finally:
+        moe_module.FUSED_MAX_TOKENS = fused_max
+
+
+def standard_offline_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> float:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == sum(output_lens)
+    return generated / (time.perf_counter() - started)
 
 
 def decode_step_ms(llm: LLM, batch: list[list[int]]) -> float:
@@ -117,6 +149,8 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=Path("/tmp/pagoda-moe-bench"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe" / "speed.json")
     parser.add_argument("--no-parallel", action="store_true", help="skip the TP=2 / EP=2 runs")
+    parser.add_argument("--standard-requests", type=int, default=256,
+                        help="requests in the standard offline workload (0 skips it)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     load_at_start = os.getloadavg()
@@ -125,6 +159,8 @@ def main() -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     batch = prompts(hf.config.vocab_size)
+    standard_prompts, standard_output_lens = make_workload(args.standard_requests, 32, 256, hf.config.vocab_size,
+                                                           seed=0)
     engines = {f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode,
                                        quantization=quantization)
                for model, path in (("moe", moe_dir), ("dense", dense_dir))
@@ -145,12 +181,20 @@ def main() -> None:
         record("offline_tok_s/pagoda", BATCH * OUTPUT / timed_generate(engines["moe"], batch, OUTPUT))
         record("offline_tok_s/transformers", BATCH * OUTPUT / hf_generate_seconds(hf, batch))
         record("offline_tok_s/pagoda_native", BATCH * OUTPUT / timed_generate(engines["moe_native"], batch, OUTPUT))
+        if args.standard_requests:
+            for name in ("moe", "moe_native"):
+                record(f"offline_standard_tok_s/pagoda{name[3:]}",
+                       standard_offline_tok_s(engines[name], standard_prompts, standard_output_lens))
+            baseline = run_transformers(moe_dir, standard_prompts, standard_output_lens, THREADS, BATCH)
+            record("offline_standard_tok_s/transformers", baseline["output_tok_per_s"])
         for size in (1, BATCH):
             for name, llm in engines.items():
                 record(f"decode_step_ms/batch_{size}/{name}", decode_step_ms(llm, batch[:size]))
+                if name.startswith("moe") and name.endswith("native"):
+                    record(f"decode_step_ms/batch_{size}/{name}_grouped", unfused_decode_step_ms(llm, batch[:size]))
         for tokens in (1, 16, 256):
             hidden = torch.randn(tokens, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(tokens))
-            for path in ("loop", "grouped", "native"):
+            for path in ("loop", "grouped", "native", "fused"):
                 record(f"block_ms/{tokens}_tokens/pagoda_{path}",
                        1000 * pagoda_block_seconds(pagoda_block, hidden, 20, path, native))
             record(f"block_ms/{tokens}_tokens/transformers",
@@ -167,12 +211,20 @@ def main() -> None:
         "offline_pagoda_native_over_transformers":
             medians["offline_tok_s/pagoda_native"] / medians["offline_tok_s/transformers"],
     }
+    if args.standard_requests:
+        for name in ("pagoda", "pagoda_native"):
+            ratios[f"offline_standard_{name}_over_transformers"] = (
+                medians[f"offline_standard_tok_s/{name}"] / medians["offline_standard_tok_s/transformers"])
     for size in (1, BATCH):
         for suffix in ("", "_native", "_int8_native"):
             ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}"] = (
                 medians[f"decode_step_ms/batch_{size}/moe{suffix}"] / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
+        for suffix in ("_native", "_int8_native"):
+            ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}_grouped"] = (
+                medians[f"decode_step_ms/batch_{size}/moe{suffix}_grouped"]
+                / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
     for tokens in (1, 16, 256):
-        for path in ("loop", "grouped", "native"):
+        for path in ("loop", "grouped", "native", "fused"):
             ratios[f"block_{tokens}_transformers_over_{path}"] = (
                 medians[f"block_ms/{tokens}_tokens/transformers"] / medians[f"block_ms/{tokens}_tokens/pagoda_{path}"])
     if parallel:
@@ -188,7 +240,10 @@ def main() -> None:
                    f"torch {torch.__version__}, transformers {transformers.__version__}",
         "model": {**SHAPE, **MOE, "architecture": "Qwen3MoeForCausalLM", "dtype": "float32",
                   "dense_intermediate_size": MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]},
-        "workload": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT, "rounds": args.rounds},
+        "workload": {"uniform": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT},
+                     "standard": {"requests": args.standard_requests, "prompt_tokens": [32, 256],
+                                  "output_tokens": [32, 256], "transformers_batch": BATCH},
+                     "rounds": args.rounds},
         "medians": medians,
         "ratios": ratios,
         "samples": samples,

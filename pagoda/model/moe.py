@@ -21,6 +21,12 @@ so they are stored and multiplied in whatever weight format the model's other pr
    expert order for each token, as transformers does; the Triton path sums each token's rows,
    also in expert order, without atomics).
 
+On the native kernels, float32 inputs to int8 experts, and decode-sized ones (up to
+FUSED_MAX_TOKENS tokens) to float32 experts, skip steps 2-4 in Python: the routing is one native
+op and the experts another (`Experts.run_fused`, the native fused-MoE op: it groups the pairs by
+expert itself, reads each hit expert's rows once for all its tokens and sums in expert order),
+float32 or int8 experts, SiLU or the clamped SwiGLU.
+
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
 router has a bias. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
@@ -49,6 +55,10 @@ from pagoda.quant.weight_formats import FullWeight, WeightFormat
 # held expert, hit or not; a loop over the hit experts pays a larger one per hit expert. Grouped
 # wins once at least 1/this of the held experts are hit (decode batches beyond a few sequences).
 GROUPED_MIN_ACTIVE_SHARE = 6
+# Inputs of up to this many tokens (decode steps) run the native fused-MoE op on the native
+# kernels; larger ones (prefill chunks, float32 experts) sort and run the grouped products, left
+# to torch's blocked GEMM once every expert has many rows (benchmarks/moe.py's block rows).
+FUSED_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -60,16 +70,23 @@ class Routing:
     counts: torch.Tensor  # [E] pairs per expert: the segment lengths, in expert order
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
-    """Top-k experts per token from router logits [T, E] (softmax in float32 as transformers)."""
+def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  softmax_over_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's routing weights [T, k] (float32) and experts [T, k] from router logits [T, E]
+    (softmax in float32 as transformers)."""
     if softmax_over_top_k:
         logits, experts = torch.topk(router_logits, top_k, dim=-1)
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32), experts
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
+    """Top-k experts per token from router logits [T, E], the pairs sorted by expert."""
+    weights, experts = top_k_experts(router_logits, top_k, renormalize, softmax_over_top_k)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # Not bincount, which sizes its output from the largest id: a host sync on CUDA.
@@ -170,6 +187,28 @@ class Experts(nn.ModuleDict):
         if self.native is not None and hidden.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS * active:
             return "native"
         return "grouped_mm" if active * GROUPED_MIN_ACTIVE_SHARE >= self.placement.experts.size else "loop"
+
+    def fuses(self, hidden: torch.Tensor) -> bool:
+        """Whether these rows run through the native fused-MoE op (`run_fused`): float32 inputs on
+        the native kernels with SiLU or gpt-oss's clamped SwiGLU, int8 experts at every row count
+        (one arithmetic however a step is batched, as their other products), float32 ones while
+        the input is decode-sized."""
+        if (self.native is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+                or (self.gated.swiglu_limit is None and self.gated.activation != "silu")):
+            return False
+        if self.gate_up_qweight is not None:
+            return True
+        return self.gate_up_weight is not None and hidden.shape[0] <= FUSED_MAX_TOKENS
+
+    def run_fused(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's share of sum_k weight_k * expert_k(x) in one native op, from each token's
+        top-k routing weights and experts [T, k] (no sort or gather here: the op groups the pairs)."""
+        quantized = self.gate_up_qweight is not None
+        return self.native.fused_moe(
+            hidden, experts, weights,
+            self.gate_up_qweight if quantized else self.gate_up_weight, self.gate_up_scales, self.gate_up_bias,
+            self.down_qweight if quantized else self.down_weight, self.down_scales, self.down_bias,
+            self.placement.experts.start, self.gated.swiglu_limit, self.gated.swiglu_alpha)
 
     def forward(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -311,10 +350,18 @@ class SparseMoE(nn.Module):
         return counts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(hidden), self.top_k, self.renormalize, self.softmax_over_top_k)
-        if self.expert_counts is not None:
-            self.expert_counts += routing.counts.to(self.expert_counts.device)
-        out = self.experts(hidden, routing)
+        router_logits = self.gate(hidden)
+        if self.experts.fuses(hidden):
+            weights, experts = self.experts.native.route_top_k(router_logits, self.top_k, self.renormalize,
+                                                               self.softmax_over_top_k)
+            if self.expert_counts is not None:
+                self.expert_counts += torch.bincount(experts.reshape(-1), minlength=self.experts.num_experts)
+            out = self.experts.run_fused(hidden, weights, experts)
+        else:
+            routing = route(router_logits, self.top_k, self.renormalize, self.softmax_over_top_k)
+            if self.expert_counts is not None:
+                self.expert_counts += routing.counts.to(self.expert_counts.device)
+            out = self.experts(hidden, routing)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums

@@ -143,6 +143,25 @@ def kernel_families() -> list[str]:
     names = sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
     return [getattr(extension, name)() for name in names]
 
+    def fused_moe(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
+                  down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
+                  first_expert: int, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
+        """A MoE block's experts in one op: hidden [T, H] float32, each token's top-k experts
+        (topk_ids [T, k] int64, numbered in the model) and routing weights [T, k]; the held experts'
+        stacked gate_up [E, 2I, H'] (gate rows, then up rows) and down [E, H, I'], float32 or int8
+        with float32 scales [E, N], biases [E, N] or None. Experts outside [first_expert,
+        first_expert + E) are other ranks'. Activation SiLU, or with `swiglu_limit` gpt-oss's
+        clamped SwiGLU. Returns sum_k w_k * expert_k(x) [T, H]."""
+        return load_extension().fused_moe(hidden, topk_ids, topk_weights, gate_up, gate_up_scales, gate_up_bias,
+                                          down, down_scales, down_bias, first_expert, swiglu_limit, swiglu_alpha)
+
+    def route_top_k(self, logits: torch.Tensor, top_k: int, renormalize: bool,
+                    softmax_over_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts from router logits [T, E] float32, as pagoda.model.moe.top_k_experts
+        computes them: (weights [T, k] float32, experts [T, k] int64)."""
+        return load_extension().route_top_k(logits, top_k, renormalize, softmax_over_top_k)
+
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
