@@ -131,18 +131,6 @@ class NativeKernels:
                                                 seq_lens, scale, sliding_window, softcap, sinks, kv_element,
                                                 kv_scale_per_token, kv_tensor_scale, isa)
 
-    def describe(self) -> str:
-        return f"native CPU kernels ({self.isa}: {', '.join(kernel_families())})"
-
-
-def kernel_families() -> list[str]:
-    """What the built extension holds, one phrase per kernel family: each csrc/*.cpp registers an op
-    `family_<name>() -> str` beside its kernels, so the list is read from the build itself."""
-    extension = load_extension()
-    prefix = f"{extension.name.rsplit('.', 1)[-1]}::family_"
-    names = sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
-    return [getattr(extension, name)() for name in names]
-
     def fused_moe(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
                   down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
@@ -161,6 +149,18 @@ def kernel_families() -> list[str]:
         """Each token's top-k experts from router logits [T, E] float32, as pagoda.model.moe.top_k_experts
         computes them: (weights [T, k] float32, experts [T, k] int64)."""
         return load_extension().route_top_k(logits, top_k, renormalize, softmax_over_top_k)
+
+    def describe(self) -> str:
+        return f"native CPU kernels ({self.isa}: {', '.join(kernel_families())})"
+
+
+def kernel_families() -> list[str]:
+    """What the built extension holds, one phrase per kernel family: each csrc/*.cpp registers an op
+    `family_<name>() -> str` beside its kernels, so the list is read from the build itself."""
+    extension = load_extension()
+    prefix = f"{extension.name.rsplit('.', 1)[-1]}::family_"
+    names = sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
+    return [getattr(extension, name)() for name in names]
 
 
 def cache_dir() -> Path:
