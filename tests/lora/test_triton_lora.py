@@ -7,7 +7,6 @@ chosen off the kernels' block sizes on purpose (partial tiles, masks on every ax
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from pagoda.lora.batch import NO_SLOT, build_lora_batch
 from pagoda.lora.delta import segmented_delta
 
 from triton_import import import_triton_module
+from triton_compile import compile_for_gpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -61,37 +61,12 @@ def test_kernels_match_the_segmented_delta_and_leave_base_rows_alone(dtype) -> N
 # The interpreter checks what the kernels compute, not that they compile: this lowers both
 # kernels, as the launcher calls them, to GPU binaries (Triton's bundled ptxas; no GPU needed).
 COMPILE_FOR_GPU = r'''
-import sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton_compile import arch_and_dtype, compiling
 from pagoda.lora import triton_delta as td
 from pagoda.lora.batch import build_lora_batch
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32"}
-arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-target = GPUTarget("cuda", arch, 32)
-
-
-def compiling(fn):
-    def launch(*args, **kwargs):
-        values = dict(zip(fn.arg_names, args), **kwargs)
-        signature, constexprs = {}, {}
-        for param in fn.params:
-            value = values[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + TYPES[value.dtype]
-            elif value == 1:  # as Triton's launcher specializes it
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-            else:
-                signature[param.name] = "i32"
-        triton.compile(ASTSource(fn, signature, constexprs), target=target, options={})
-    return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
-
+dtype = arch_and_dtype()[1]
 
 td._shrink_kernel = compiling(td._shrink_kernel)
 td._expand_kernel = compiling(td._expand_kernel)
@@ -107,9 +82,5 @@ for in_features, out_features, width in ((4096, 12288, 48), (4096, 4096, 128), (
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1 (about a minute)")
 @pytest.mark.parametrize("arch,dtype", [(90, "bfloat16"), (80, "float32")])
 def test_kernels_compile_for_gpu(arch, dtype):
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = compile_for_gpu(COMPILE_FOR_GPU, arch, dtype)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -21,6 +21,7 @@ from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
 from pagoda.model.attention.torch_backend import TorchAttentionBackend
 
 from triton_import import import_triton_module
+from triton_compile import compile_for_gpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -280,41 +281,13 @@ def test_quantized_kv_skips_sdpa_prefill():
 # The interpreter checks what the kernels compute, not that they compile: this lowers every
 # kernel variant the launchers produce to a GPU binary (Triton's bundled ptxas; no GPU needed).
 COMPILE_FOR_GPU = r'''
-import sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton_compile import arch_and_dtype, compiling
 from pagoda.model.attention import triton_kernels as tk
 from pagoda.model.attention.triton_kv_codec import KVCacheEncoding
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32", torch.uint8: "u8"}
-arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-target = GPUTarget("cuda", arch, 32)
-
-
-def compiling(fn):
-    def launch(*args, **kwargs):
-        values = dict(zip(fn.arg_names, args), **kwargs)
-        options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
-        signature, constexprs = {}, {}
-        for param in fn.params:
-            value = values[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + TYPES[value.dtype]
-            elif isinstance(value, float):
-                signature[param.name] = "fp32"
-            elif value == 1:  # as Triton's launcher specializes it
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-            else:
-                signature[param.name] = "i32"
-        triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
-    return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
-
+dtype = arch_and_dtype()[1]
 
 for name in ("_write_kv_kernel", "_prefill_attention_kernel", "_decode_attention_kernel", "_reduce_splits_kernel"):
     setattr(tk, name, compiling(getattr(tk, name)))
@@ -352,12 +325,7 @@ for (head_dim, heads, kv_heads, window, num_reqs, width), kv_name in variants:
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1 (about a minute)")
 @pytest.mark.parametrize("arch,dtype", [(90, "bfloat16"), (80, "float16")])
 def test_kernels_compile_for_gpu(arch, dtype):
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = compile_for_gpu(COMPILE_FOR_GPU, arch, dtype)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

@@ -10,13 +10,13 @@ PAGODA_TRITON_COMPILE=1 also lowers every kernel variant to sm_80 / sm_90 binari
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from triton_import import import_triton_module
+from triton_compile import compile_for_gpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -233,37 +233,11 @@ def test_moe_block_on_cuda_replays_in_a_cuda_graph():
 
 
 COMPILE_FOR_GPU = r'''
-import sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton_compile import arch_and_dtype, compiling
 from pagoda.model import triton_moe as tm
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
-         torch.int32: "i32", torch.int64: "i64"}
-arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-target = GPUTarget("cuda", arch, 32)
-
-
-def compiling(fn):
-    def launch(*args, **kwargs):
-        values = dict(zip(fn.arg_names, args), **kwargs)
-        options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
-        signature, constexprs = {}, {}
-        for param in fn.params:
-            value = values[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + TYPES[value.dtype]
-            elif value == 1:  # as Triton's launcher specializes it
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-            else:
-                signature[param.name] = "i32"
-        triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
-    return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
-
+dtype = arch_and_dtype()[1]
 
 tm._grouped_expert_kernel = compiling(tm._grouped_expert_kernel)
 hidden_size, intermediate, experts = 2048, 768, 16
@@ -292,9 +266,5 @@ for tokens, top_k in ((4, 8), (64, 8), (1024, 8)):  # the three row-block sizes
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1")
 @pytest.mark.parametrize("arch,dtype", [(90, "bfloat16"), (80, "float16"), (80, "float32")])
 def test_kernel_compiles_for_gpu(arch, dtype):
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = compile_for_gpu(COMPILE_FOR_GPU, arch, dtype)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -9,12 +9,12 @@ kernel variant to sm_80 / sm_90 binaries (no GPU needed).
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
 from triton_import import import_triton_module
+from triton_compile import compile_for_gpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -99,36 +99,11 @@ def test_formats_use_triton_kernels_on_cuda(fmt):
 
 
 COMPILE_FOR_GPU = r'''
-import sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton_compile import arch_and_dtype, compiling
 from pagoda.quant import triton_weight_kernels as tk
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8"}
-arch, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
-target = GPUTarget("cuda", arch, 32)
-
-
-def compiling(fn):
-    def launch(*args, **kwargs):
-        values = dict(zip(fn.arg_names, args), **kwargs)
-        options = {k: values.pop(k) for k in ("num_warps", "num_stages") if k in values}
-        signature, constexprs = {}, {}
-        for param in fn.params:
-            value = values[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + TYPES[value.dtype]
-            elif value == 1:
-                signature[param.name], constexprs[param.name] = "constexpr", 1
-            else:
-                signature[param.name] = "i32"
-        triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
-    return type("Compiling", (), {"__getitem__": lambda self, grid: launch})()
-
+dtype = arch_and_dtype()[1]
 
 tk._int8_matmul_kernel = compiling(tk._int8_matmul_kernel)
 tk._int4_matmul_kernel = compiling(tk._int4_matmul_kernel)
@@ -144,9 +119,5 @@ for rows in (1, 32, 300):  # the three row-block sizes
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1")
 @pytest.mark.parametrize("arch,dtype", [(90, "bfloat16"), (80, "float16")])
 def test_kernels_compile_for_gpu(arch, dtype):
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(arch), dtype], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = compile_for_gpu(COMPILE_FOR_GPU, arch, dtype)
     assert result.returncode == 0, result.stderr[-4000:]
