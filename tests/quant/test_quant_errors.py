@@ -69,7 +69,7 @@ def test_corrupt_gguf_and_unsupported_arch(capsys, tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     line = _run(capsys, "chat", "--model", str(path))
-    assert "GGUF architecture 'mamba' is not supported; pagoda serves llama, qwen2, qwen3" in line
+    assert "GGUF architecture 'mamba' is not supported; pagoda serves llama, qwen2, qwen2moe, qwen3, qwen3moe" in line
 
 
 def test_unknown_kv_dtype_and_quantization_flags(capsys) -> None:
