@@ -20,7 +20,7 @@ from typing import Any
 
 from pagoda.bench.records import BenchRequest, RequestRecord, RunResult
 from pagoda.bench.server_metrics import scrape
-from pagoda.http_client.sse import aiter_sse_events
+from pagoda.http_client.sse import aiter_sse_events, aiter_sse_lines
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -122,7 +122,7 @@ async def send_request(client: Any, config: LoadConfig, request: BenchRequest, t
                 body = (await resp.aread()).decode(errors="replace")
                 record.error = _error_message(body) or f"HTTP {resp.status_code}"
                 return record
-            async for event in aiter_sse_events(resp.aiter_lines()):
+            async for event in aiter_sse_events(aiter_sse_lines(resp.aiter_text())):
                 if event.done:
                     break
                 chunk = event.json()

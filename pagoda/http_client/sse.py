@@ -1,5 +1,5 @@
-"""Reading server-sent events from the lines of a streamed response (httpx's `iter_lines` /
-`aiter_lines`, or a whole body's `splitlines()`).
+"""Reading server-sent events from the lines of a streamed response (`aiter_sse_lines` over
+httpx's `aiter_text`, httpx's `iter_lines`, or a whole body's `splitlines()`).
 
 One `data:` line is one event: OpenAI-compatible servers, pagoda's included (serve/api/sse.py
 escapes the line breaks JSON would leave raw), never split an event's data over several lines.
@@ -9,11 +9,16 @@ Blank lines end events and `:` lines are comments; both are skipped.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 DONE = "[DONE]"
+# SSE ends a line at CR LF, LF or CR only. httpx's `aiter_lines` (like str.splitlines) also ends
+# one at U+0085, U+2028, U+2029 and a few control characters, which JSON may carry raw inside a
+# string: another server's event with such a token would be cut in two.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -56,3 +61,18 @@ async def aiter_sse_events(lines: AsyncIterable[str],
     async for line in lines:
         if (event := sse_event(line, other_lines)) is not None:
             yield event
+
+
+async def aiter_sse_lines(chunks: AsyncIterable[str]) -> AsyncIterator[str]:
+    """The lines of a streamed text body (httpx's `aiter_text`), split where SSE splits them."""
+    pending = ""
+    async for chunk in chunks:
+        pending += chunk
+        # A CR at the end may be the first half of a CR LF: it waits for the next chunk.
+        held = "\r" if pending.endswith("\r") else ""
+        *lines, rest = _LINE_END.split(pending[:len(pending) - len(held)])
+        for line in lines:
+            yield line
+        pending = rest + held
+    if pending.rstrip("\r"):
+        yield pending.rstrip("\r")

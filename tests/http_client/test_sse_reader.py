@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagoda.http_client.sse import aiter_sse_events, iter_sse_events
+from pagoda.http_client.sse import aiter_sse_events, aiter_sse_lines, iter_sse_events
 
 STREAM = [
     ": keep-alive",
@@ -50,3 +50,22 @@ def test_malformed_payload_raises_on_json() -> None:
     event = next(iter_sse_events(["data: {not json"]))
     with pytest.raises(json.JSONDecodeError):
         event.json()
+
+
+def test_lines_split_only_where_sse_splits_them() -> None:
+    """A token such as U+2028 or U+0085 travels raw inside a JSON string (llama-server sends it
+    so); only CR LF, LF and CR end a line, also when a chunk ends between CR and LF."""
+    event = json.dumps({"text": "a\u2028b\x85c\x1cd"}, ensure_ascii=False)
+    body = f"data: {event}\r\n\r\ndata: [DONE]\n\n"
+
+    async def lines(chunks: list[str]) -> list[str]:
+        async def source():
+            for chunk in chunks:
+                yield chunk
+        return [line async for line in aiter_sse_lines(source())]
+
+    cuts = [body[:len(f"data: {event}\r")], body[len(f"data: {event}\r"):]]
+    for chunks in ([body], cuts, list(body)):
+        got = asyncio.run(lines(chunks))
+        assert got == [f"data: {event}", "", "data: [DONE]", ""]
+        assert json.loads(next(iter_sse_events(got)).data)["text"] == "a\u2028b\x85c\x1cd"
