@@ -49,8 +49,8 @@ def make_workload(num_requests: int, low: int, high: int, vocab_size: int, seed:
     return prompts, output_lens
 
 
-def run_pagoda(model_dir: Path, prompts, output_lens, threads: int) -> dict:
-    llm = LLM(model=str(model_dir), num_threads=threads)
+def run_pagoda(model_dir: Path, prompts, output_lens, threads: int, native_kernels: str = "off") -> dict:
+    llm = LLM(model=str(model_dir), num_threads=threads, native_kernels=native_kernels)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
@@ -118,7 +118,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-batch-size", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None, help="directory for offline_throughput.json")
+    parser.add_argument("--native-kernels", choices=("off", "on", "both"), default="off",
+                        help="pagoda's --native-kernels; both: each round also runs pagoda with them on")
     args = parser.parse_args()
+    modes = ("off", "on") if args.native_kernels == "both" else (args.native_kernels,)
 
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,18 +134,26 @@ def main() -> None:
         rounds = []
         for round_index in range(args.rounds):
             # who goes first alternates, so a load change within a round does not favour one side
+            runs = {}
             if round_index % 2 == 0:
-                pagoda = run_pagoda(model_dir, prompts, output_lens, args.threads)
+                runs.update({mode: run_pagoda(model_dir, prompts, output_lens, args.threads, mode) for mode in modes})
             baseline = run_transformers(model_dir, prompts, output_lens, args.threads, args.baseline_batch_size)
             if round_index % 2 == 1:
-                pagoda = run_pagoda(model_dir, prompts, output_lens, args.threads)
+                runs.update({mode: run_pagoda(model_dir, prompts, output_lens, args.threads, mode)
+                             for mode in reversed(modes)})
+            pagoda = runs[modes[0]]
             ratio = pagoda["output_tok_per_s"] / baseline["output_tok_per_s"]
             cpu_ratio = pagoda["output_tok_per_cpu_s"] / baseline["output_tok_per_cpu_s"]
-            rounds.append({"pagoda": pagoda, "transformers": baseline, "ratio": ratio, "cpu_ratio": cpu_ratio,
-                           "load_average": os.getloadavg()[0]})
+            record = {"pagoda": pagoda, "transformers": baseline, "ratio": ratio, "cpu_ratio": cpu_ratio,
+                      "load_average": os.getloadavg()[0]}
+            if len(modes) == 2:
+                record["pagoda_native_on"] = runs["on"]
+                record["ratio_native_on"] = runs["on"]["output_tok_per_s"] / baseline["output_tok_per_s"]
+            rounds.append(record)
             print(f"round {round_index + 1}: pagoda {pagoda['output_tok_per_s']:.0f} tok/s, "
                   f"transformers {baseline['output_tok_per_s']:.0f} tok/s, ratio {ratio:.2f}x "
-                  f"(per CPU second {cpu_ratio:.2f}x; load {os.getloadavg()[0]:.1f})", flush=True)
+                  f"(per CPU second {cpu_ratio:.2f}x; load {os.getloadavg()[0]:.1f})"
+                  + (f"; native kernels on {record['ratio_native_on']:.2f}x" if len(modes) == 2 else ""), flush=True)
         breakdown = step_breakdown(model_dir, vocab_size, args.threads)
 
     result = {
@@ -162,7 +173,11 @@ def main() -> None:
             "transformers_output_tok_per_s": statistics.median(r["transformers"]["output_tok_per_s"] for r in rounds),
             "ratio": statistics.median(r["ratio"] for r in rounds),
             "cpu_ratio": statistics.median(r["cpu_ratio"] for r in rounds),
+            **({"pagoda_native_on_output_tok_per_s": statistics.median(
+                    r["pagoda_native_on"]["output_tok_per_s"] for r in rounds),
+                "ratio_native_on": statistics.median(r["ratio_native_on"] for r in rounds)} if len(modes) == 2 else {}),
         },
+        "native_kernels": args.native_kernels,
         "load_average_start": load_start,
         "step_breakdown": breakdown,
     }
