@@ -292,7 +292,7 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
     pagoda_model = gguf if comparison.pagoda_serves_gguf else model_dir
     pagoda_flags = ["--max-num-seqs", str(slots), "--max-model-len", str(context),
                     "--kv-cache-memory", kv_cache_memory(model_dir, slots * context), *comparison.pagoda_flags,
-                    *args.pagoda_flag]
+                    *(["--tokenizer", str(model_dir)] if comparison.pagoda_serves_gguf else []), *args.pagoda_flag]
     commands = {}
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[str, int]] = {}
