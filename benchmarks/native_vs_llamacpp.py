@@ -489,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-rounds", type=int, default=15)
     parser.add_argument("--pagoda-flag", action="append", default=[],
                         help="extra `pagoda serve` flag for both pagoda servers (repeatable)")
+    parser.add_argument("--comparisons", default="",
+                        help="comma-separated comparison labels to run (default: every one of each configuration), "
+                             "e.g. 'Q4_0 GGUF'")
     parser.add_argument("--quick", action="store_true",
                         help="dry run: one round, one request per client, 2 check prompts, 2 perplexity chunks")
     args = parser.parse_args(argv)
@@ -537,7 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_model(configuration, Path(args.model_root))
         entry: dict[str, Any] = {"description": configuration.description, "model_dir": str(model_dir),
                                  "comparisons": []}
+        wanted = {label.strip() for label in args.comparisons.split(",") if label.strip()}
         for comparison in configuration.comparisons:
+            if wanted and comparison.label not in wanted:
+                continue
             print(f"{name}: {comparison.label}", flush=True)
             log_dir = out / "logs" / name / comparison.gguf_type.lower()
             log_dir.mkdir(parents=True, exist_ok=True)
