@@ -32,3 +32,16 @@ def assert_idle(llm: LLM) -> None:
     assert core.kv_cache.num_held_blocks() == 0
     assert all(block.ref_cnt == 0 for block in core.kv_cache.pool.blocks)
     assert core.requests == {}
+
+
+def teacher_forced_agreement(model, sequences: list[list[int]], prompt_lens: list[int]) -> float:
+    """Fraction of generated positions where `model`'s argmax is the reference's next token, fed
+    the reference's own sequence (robust to one early divergence, unlike free-running agreement)."""
+    llm = LLM(model=str(model), kv_cache_memory="32MiB")
+    outputs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    hits = total = 0
+    for output, sequence, start in zip(outputs, sequences, prompt_lens):
+        for position in range(start, len(sequence)):
+            hits += output.prompt_logprobs[position][sequence[position]].rank == 1
+            total += 1
+    return hits / total

@@ -10,6 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the `gguf` package")
 
+from engine_helpers import teacher_forced_agreement  # noqa: E402
 from gguf_factory import write_gguf  # noqa: E402
 from model_factory import build_model  # noqa: E402
 
@@ -42,19 +43,6 @@ def _greedy(model: str | Path, prompts, max_tokens: int = 24, **engine_args):
     return llm, outputs
 
 
-def _teacher_forced_agreement(model: Path, sequences: list[list[int]], prompt_lens: list[int]) -> float:
-    """Fraction of positions where `model`'s argmax is the reference's next token, fed the
-    reference's own sequence (robust to one early divergence, unlike free-running agreement)."""
-    llm = LLM(model=str(model), kv_cache_memory="32MiB")
-    outputs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    hits = total = 0
-    for output, sequence, start in zip(outputs, sequences, prompt_lens):
-        for position in range(start, len(sequence)):
-            hits += output.prompt_logprobs[position][sequence[position]].rank == 1
-            total += 1
-    return hits / total
-
-
 def test_f32_gguf_matches_safetensors_token_for_token(plain_llama: Path, gguf_files: dict[str, Path]) -> None:
     reference_llm, reference = _greedy(plain_llama, PROMPTS)
     gguf_llm, outputs = _greedy(gguf_files["F32"], PROMPTS)
@@ -77,7 +65,7 @@ def test_q8_0_gguf_agrees_with_full_precision(plain_llama: Path, gguf_files: dic
     prompt_lens = [len(o.prompt_token_ids) for o in reference]
     # Observed 125/128 on this random model (free-running greedy diverges earlier: random
     # tiny models have many near-ties).
-    assert _teacher_forced_agreement(gguf_files["Q8_0"], sequences, prompt_lens) >= 0.95
+    assert teacher_forced_agreement(gguf_files["Q8_0"], sequences, prompt_lens) >= 0.95
 
 
 def test_q4_0_gguf_is_served_as_int4_exactly(gguf_files: dict[str, Path]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the `gguf` package")
 
-from engine_helpers import prompts_for as engine_prompts  # noqa: E402
+from engine_helpers import prompts_for as engine_prompts, teacher_forced_agreement  # noqa: E402
 from gguf_factory import write_gguf  # noqa: E402
 from model_factory import assert_matches_reference, build_model, hf_references  # noqa: E402
 
@@ -70,19 +70,6 @@ def test_f32_moe_gguf_matches_safetensors_and_transformers(moe_models, arch: str
         assert all(isinstance(b, SparseMoE) for b in blocks)
 
 
-def _teacher_forced_agreement(model: Path, sequences: list[list[int]], prompt_lens: list[int]) -> float:
-    """Fraction of generated positions where `model`'s argmax is the reference's next token,
-    fed the reference's own sequence."""
-    llm = LLM(model=str(model), kv_cache_memory="32MiB")
-    outputs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    hits = total = 0
-    for output, sequence, start in zip(outputs, sequences, prompt_lens):
-        for position in range(start, len(sequence)):
-            hits += output.prompt_logprobs[position][sequence[position]].rank == 1
-            total += 1
-    return hits / total
-
-
 @pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("arch", MODELS)
 def test_quantized_moe_gguf_agrees_with_f32(moe_models, arch: str, tensor_type: str) -> None:
@@ -90,7 +77,7 @@ def test_quantized_moe_gguf_agrees_with_f32(moe_models, arch: str, tensor_type: 
     prompts = prompts_for(384)
     _, reference = _generate(files["F32"], prompts)
     sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in reference]
-    agreement = _teacher_forced_agreement(files[tensor_type], sequences, [len(p) for p in prompts])
+    agreement = teacher_forced_agreement(files[tensor_type], sequences, [len(p) for p in prompts])
     print(f"{arch} {tensor_type}: teacher-forced greedy agreement with F32 {agreement:.3f}")
     # Observed Q8_0 0.96-1.0, Q4_0 0.46-0.67: random tiny models have many near-ties, and 4 bits
     # move them (pagoda's own --quantization int4 of the Qwen3-MoE safetensors agrees exactly as
