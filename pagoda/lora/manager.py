@@ -23,7 +23,7 @@ from pagoda.lora.batch import NO_SLOT, LoRAStepState, build_lora_batch
 from pagoda.lora.layer import LoRALinear, LoRAPart
 from pagoda.lora.slots import SlotTable
 from pagoda.lora_request import AdapterIdentity, LoRARequest
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import LlamaFamilyModel
 
 
 def wrap_model(model: LlamaFamilyModel, state: LoRAStepState, *, max_loras: int, max_rank: int,

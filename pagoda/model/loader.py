@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.artifacts.digests import PICKLE_PATTERNS
 from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup

@@ -24,7 +24,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.llm import LLM
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import LlamaFamilyModel
 
 
 def signed_copy(source: Path, target: Path, private_key: Path | None = None, hash: str = "sha256") -> Path:

@@ -72,7 +72,7 @@ def test_fits():
 
 
 def tiny_model(device: torch.device):
-    from pagoda.model.llama import LlamaFamilyModel
+    from pagoda.model.decoder import LlamaFamilyModel
     from pagoda.model.model_config import ModelConfig
 
     config = ModelConfig.from_dict({
@@ -90,7 +90,7 @@ def tiny_model(device: torch.device):
 
 
 def reference_forward(model, caches, windows, input_ids, positions, layout):
-    from pagoda.model.llama import ForwardContext
+    from pagoda.model.decoder import ForwardContext
 
     reference = TorchAttentionBackend()
     with torch.inference_mode():

@@ -16,7 +16,7 @@ import torch
 
 from pagoda.model import families
 from pagoda.model.hf_config import HFConfig
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, GGUFLayout
 
