@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.artifacts.digests import PICKLE_PATTERNS
 from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
-from pagoda.model.decoder import LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup
@@ -92,7 +92,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, weight_format: WeightFormat | None = None,
-               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
+               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
     """The model with its weights; with `tp`, this rank's shards of them only; with `stage`,
     that pipeline stage's layers only."""
     gguf_file = find_gguf_file(model_dir)
@@ -117,7 +117,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
-               stage: PipelineStage | None) -> LlamaFamilyModel:
+               stage: PipelineStage | None) -> DecoderModel:
     checkpoint = GGUFCheckpoint(path)
     reading = gguf_reading(checkpoint)
     weight_format = gguf_weight_format(checkpoint, weight_format)
@@ -132,7 +132,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     return model.eval()
 
 
-def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
+def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
           config: ModelConfig, dtype: torch.dtype, source: str) -> None:
     """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
     let the weight formats finalize."""
@@ -184,7 +184,7 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                       weight_format: WeightFormat | None, source: str = "model",
-                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
+                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
     try:
@@ -231,7 +231,7 @@ def _per_expert(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | N
             yield file_name, f"{prefix}.{expert}.{projection}.weight", weight, None
 
 
-def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
+def _held_by_another_rank(model: DecoderModel, target: str) -> bool:
     """An expert's tensor that expert parallelism placed on another rank."""
     match = _EXPERT.match(target)
     if match is None:
@@ -244,7 +244,7 @@ def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
     return isinstance(experts, Experts) and expert < experts.num_experts and not experts.placement.holds(expert)
 
 
-def _held_by_another_stage(model: LlamaFamilyModel, target: str) -> bool:
+def _held_by_another_stage(model: DecoderModel, target: str) -> bool:
     """A tensor of a decoder layer, the embedding, or the final norm and LM head that pipeline
     parallelism placed on another stage."""
     parts = target.split(".")

@@ -16,7 +16,7 @@ import torch
 
 from pagoda.model import families
 from pagoda.model.hf_config import HFConfig
-from pagoda.model.decoder import LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, GGUFLayout
 
@@ -50,7 +50,7 @@ class ModelFamily:
     checkpoint_names: Callable[[list[str]], list[str]] = _same_names
     gguf: GGUFReading | None = None
     # The shared decoder runs every family today; one whose layers differ gives its own class.
-    model_class: type[LlamaFamilyModel] = LlamaFamilyModel
+    model_class: type[DecoderModel] = DecoderModel
 
     def read(self, config: dict[str, Any], source: str, architecture: str, require_supported: bool) -> ModelConfig:
         return self.read_config(HFConfig(config, source, architecture, require_supported))
