@@ -67,8 +67,10 @@ class HFConfig:
                 attention_sinks: bool = False) -> ModelConfig:
         """The ModelConfig of a decoder with these family traits. qkv_bias / o_bias None: the
         config's `attention_bias`; tie_word_embeddings: the default when the config names none;
-        scale_embeddings: embeddings multiplied by sqrt(hidden_size); moe: reads the experts
-        (None: dense)."""
+        scale_embeddings: embeddings multiplied by sqrt(hidden_size); default_rope_theta: where
+        the config names no base; default_sliding_rope_theta: the sliding layers' own base where
+        the config gives no rope per layer type (None: they use the global rope); moe: reads the
+        experts (None: dense)."""
         config, source = self.values, self.source
         hidden_size = self.required_int("hidden_size")
         num_heads = self.required_int("num_attention_heads")
@@ -81,22 +83,9 @@ class HFConfig:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
 
-        rope_parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        sliding_rope_theta, sliding_rope_scaling = None, None
-        if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
-            # one rope per layer type, as transformers 5 writes Gemma 3
-            local = rope_parameters.get("sliding_attention") or {}
-            rope = dict(rope_parameters.get("full_attention") or {})
-            sliding_rope_theta = float(local.get("rope_theta") or 10000.0)
-            sliding_rope_scaling = self._rope_scaling(local)
-        else:
-            rope = dict(rope_parameters)
-            if config.get("rope_local_base_freq") is not None:  # Gemma 3 as its checkpoints write it
-                sliding_rope_theta = float(config["rope_local_base_freq"])
+        rope, sliding_rope_theta, sliding_rope_scaling = self._layer_type_ropes(default_sliding_rope_theta)
         rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or default_rope_theta)
         rope_scaling = self._rope_scaling(rope)
-        if sliding_rope_theta is None:
-            sliding_rope_theta = default_sliding_rope_theta
         if self.require_supported and config.get("use_bidirectional_attention"):
             raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
         if self.require_supported and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
@@ -141,6 +130,18 @@ class HFConfig:
             moe=None if moe is None else moe(self, num_layers),
             attention_sinks=attention_sinks,
         )
+
+    def _layer_type_ropes(self, default_sliding_theta: float | None
+                          ) -> tuple[dict[str, Any], float | None, dict[str, Any] | None]:
+        """(the global rope's parameters, the sliding layers' theta and scaling): one rope per
+        layer type where transformers 5 writes them so, else `rope_parameters` (or the older
+        `rope_scaling`) for all and the family's default for the sliding layers."""
+        rope_parameters = self.get("rope_parameters") or self.get("rope_scaling") or {}
+        if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+            local = rope_parameters.get("sliding_attention") or {}
+            return (dict(rope_parameters.get("full_attention") or {}), float(local.get("rope_theta") or 10000.0),
+                    self._rope_scaling(local))
+        return dict(rope_parameters), default_sliding_theta, None
 
     def _layer_sliding_windows(self, num_layers: int, sliding_windows: SlidingWindows) -> list[int | None]:
         window = self.get("sliding_window")

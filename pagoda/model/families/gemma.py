@@ -6,6 +6,8 @@ Gemma 3 adds per-head q/k norms and a rope base of its own for the local layers
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagoda.model.families.base import ModelFamily
 from pagoda.model.hf_config import HFConfig, windows_from_max_window_layers
 from pagoda.model.model_config import ModelConfig
@@ -29,8 +31,14 @@ def read_config(hf: HFConfig) -> ModelConfig:
         qk_norm=gemma3,
         sliding_windows=_every_nth_layer_global if known else windows_from_max_window_layers,
         gemma_norms=True, tie_word_embeddings=True, scale_embeddings=True,
-        # transformers' defaults where a config names no base
-        default_rope_theta=1e6 if gemma3 else 10000.0, default_sliding_rope_theta=10000.0 if gemma3 else None)
+        # transformers' defaults where a config names no base; Gemma 3's checkpoints name the
+        # local layers' base `rope_local_base_freq`
+        default_rope_theta=1e6 if gemma3 else 10000.0,
+        default_sliding_rope_theta=_optional_float(hf.get("rope_local_base_freq")) or (10000.0 if gemma3 else None))
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 FAMILY = ModelFamily(read_config=read_config)
