@@ -11,15 +11,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.artifacts.digests import PICKLE_PATTERNS
+from pagoda.model.decoder import DecoderModel
 from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
-from pagoda.model.decoder import DecoderModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
-from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
+from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.weight_formats import GGUFBlockWeight, Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index). A

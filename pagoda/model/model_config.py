@@ -41,7 +41,7 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_type: str = ""
     family: str = ""  # the family that read it (pagoda.model.families): its checkpoint names and model class
-    # Gemma's differences from the Llama family, read by the one model (pagoda.model.decoder).
+    # Variations of the shared decoder (pagoda.model.decoder) some families use (Gemma first).
     gemma_norms: bool = False  # RMSNorm scales by (1 + w); post-attention and pre/post-MLP norms
     embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
     hidden_activation: str = "silu"  # of the gate: silu, gelu_pytorch_tanh or gelu (exact)

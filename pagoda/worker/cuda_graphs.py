@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.decoder import ForwardContext, DecoderModel
+from pagoda.model.decoder import DecoderModel, ForwardContext
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:

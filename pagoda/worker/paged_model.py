@@ -16,7 +16,7 @@ import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.decoder import ForwardContext, DecoderModel
+from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 

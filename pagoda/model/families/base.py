@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from pagoda.model import families
-from pagoda.model.hf_config import HFConfig
 from pagoda.model.decoder import DecoderModel
+from pagoda.model.hf_config import HFConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, GGUFLayout
 

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagoda.model.families.base import CheckpointItem as Item, ModelFamily
+from pagoda.model.families.base import CheckpointItem as Item
+from pagoda.model.families.base import ModelFamily
 from pagoda.model.hf_config import HFConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe_config import MoEConfig, expert_routing
