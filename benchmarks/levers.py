@@ -75,7 +75,7 @@ def _unfused_layer_ops(engine: Any) -> None:
     import torch
 
     from pagoda.model.layers import RMSNorm
-    from pagoda.model.llama import Attention
+    from pagoda.model.decoder import Attention
 
     model = engine.core.runner.model
     rotary = model.rotary

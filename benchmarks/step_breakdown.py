@@ -10,7 +10,7 @@ pipe send itself. Closed loop: `--concurrency` requests always in flight (prompt
 
 Reported as mean milliseconds per step over decode-only steps (what sets the ITL) and over all
 steps, written as text and JSON. The hooks cost a little themselves (in "forward, other").
-"norm" includes the residual adds, which the norms fold in (pagoda.model.llama), and Qwen3's and
+"norm" includes the residual adds, which the norms fold in (pagoda.model.decoder), and Qwen3's and
 Gemma 3's per-head q/k norms; "rotary" the rotation of q and k. With `--native-kernels on` each
 row times the native kernel that replaces its PyTorch ops (the hooks sit on the same modules).
 

@@ -4,6 +4,8 @@ a small byte-level BPE tokenizer, saved in the Hugging Face layout. Nothing is d
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,71 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-# Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
-MORE_ARCHITECTURES = ("gemma2", "gemma3", "phi3")
-# Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+@dataclass(frozen=True)
+class TinyModel:
+    """One architecture's tiny random-weight model: transformers' config and model classes, the
+    parity test group it joins, and its config beyond the common sizes (or a function of the
+    seed that makes them)."""
 
+    config_class: str
+    model_class: str  # the architecture
+    group: str  # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES) or "moe" (MOE_ARCHITECTURES)
+    overrides: dict[str, Any] | Callable[[int], dict[str, Any]] = field(default_factory=dict)
+
+
+def _phi3(seed: int) -> dict[str, Any]:
+    # LongRoPE: short factors up to original_max_position_embeddings, long ones past it.
+    head_dim = 64 // 4
+    generator = torch.Generator().manual_seed(seed)
+    return dict(max_position_embeddings=2048, original_max_position_embeddings=512,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
+                                 "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist()})
+
+
+# Every family's test parameters: a new family adds its entry here, and the parity tests of its
+# group (tests/model/test_model_correctness.py, test_gemma_phi3.py, test_moe_models.py) run it.
+TINY_MODELS: dict[str, TinyModel] = {
+    "llama": TinyModel("LlamaConfig", "LlamaForCausalLM", "dense", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": TinyModel("Qwen2Config", "Qwen2ForCausalLM", "dense", dict(tie_word_embeddings=True)),
+    "qwen3": TinyModel("Qwen3Config", "Qwen3ForCausalLM", "dense", dict(head_dim=32)),
+    "mistral": TinyModel("MistralConfig", "MistralForCausalLM", "dense", dict(sliding_window=24)),
+    # Local layers slide over 24 tokens; soft-caps low enough to bend the scores and logits.
+    "gemma2": TinyModel("Gemma2Config", "Gemma2ForCausalLM", "more", dict(
+        head_dim=16, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0, tie_word_embeddings=True, num_hidden_layers=3)),
+    # Layers 0, 2 local (their own rope base), 1 and 3 global with linear rope scaling.
+    "gemma3": TinyModel("Gemma3TextConfig", "Gemma3ForCausalLM", "more", dict(
+        head_dim=16, sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True, num_hidden_layers=4,
+        sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    "phi3": TinyModel("Phi3Config", "Phi3ForCausalLM", "more", _phi3),
+    # Top-2 of 4 experts, a sliding window shorter than the longer prompts.
+    "mixtral": TinyModel("MixtralConfig", "MixtralForCausalLM", "moe", dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
+    # Top-2 of 8 experts (not renormalized) plus the gated shared expert; layer 1 dense.
+    "qwen2_moe": TinyModel("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "moe", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
+    # Top-3 of 8 experts, renormalized; q/k norms.
+    "qwen3_moe": TinyModel("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True)),
+    # Top-2 of 4 biased experts behind a biased router; layer 0 slides over 24 tokens, layer 1
+    # is global; YaRN rope; a SwiGLU limit low enough that the clamps bite.
+    "gpt_oss": TinyModel("GptOssConfig", "GptOssForCausalLM", "moe", dict(
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+        swiglu_limit=0.6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+}
+ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
+# Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
+MORE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "more")
+# Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
+MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "moe")
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
     """Train a byte-level BPE on a tiny corpus; returns its vocabulary size."""
@@ -67,65 +128,11 @@ def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
     )
-    if architecture == "llama":
-        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
-        common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 64}
-    elif architecture == "qwen2":
-        config_class, model_class = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
-        common["tie_word_embeddings"] = True
-    elif architecture == "qwen3":
-        config_class, model_class = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
-        common["head_dim"] = 32
-    elif architecture == "mistral":
-        config_class, model_class = transformers.MistralConfig, transformers.MistralForCausalLM
-        common["sliding_window"] = 24
-    elif architecture == "gemma2":
-        # Local layers slide over 24 tokens; soft-caps low enough to bend the scores and logits.
-        config_class, model_class = transformers.Gemma2Config, transformers.Gemma2ForCausalLM
-        common.update(head_dim=16, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                      final_logit_softcapping=5.0, tie_word_embeddings=True, num_hidden_layers=3)
-    elif architecture == "gemma3":
-        # Layers 0, 2 local (their own rope base), 1 and 3 global with linear rope scaling.
-        config_class, model_class = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-        common.update(head_dim=16, sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,
-                      num_hidden_layers=4, sliding_window_pattern=2,
-                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
-    elif architecture == "phi3":
-        # LongRoPE: short factors up to original_max_position_embeddings, long ones past it.
-        config_class, model_class = transformers.Phi3Config, transformers.Phi3ForCausalLM
-        head_dim = common["hidden_size"] // common["num_attention_heads"]
-        generator = torch.Generator().manual_seed(seed)
-        common.update(max_position_embeddings=2048, original_max_position_embeddings=512,
-                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                       "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
-                                       "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist()})
-    elif architecture == "mixtral":
-        # Top-2 of 4 experts, a sliding window shorter than the longer prompts.
-        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
-        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)
-    elif architecture == "qwen2_moe":
-        # Top-2 of 8 experts (not renormalized) plus the gated shared expert; layer 1 dense.
-        config_class, model_class = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
-        common.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)
-    elif architecture == "qwen3_moe":
-        # Top-3 of 8 experts, renormalized; q/k norms.
-        config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
-        common.update(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
-                      norm_topk_prob=True)
-    elif architecture == "gpt_oss":
-        # Top-2 of 4 biased experts behind a biased router; layer 0 slides over 24 tokens, layer 1
-        # is global; YaRN rope; a SwiGLU limit low enough that the clamps bite.
-        config_class, model_class = transformers.GptOssConfig, transformers.GptOssForCausalLM
-        common.update(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                      sliding_window=24, swiglu_limit=0.6,
-                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
-                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
-    else:
+    if architecture not in TINY_MODELS:
         raise ValueError(f"unknown architecture {architecture}")
+    tiny = TINY_MODELS[architecture]
+    config_class, model_class = getattr(transformers, tiny.config_class), getattr(transformers, tiny.model_class)
+    common.update(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
     common.update(overrides)
     config = config_class(**common)
     torch.manual_seed(seed)

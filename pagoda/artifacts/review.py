@@ -7,13 +7,20 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.artifacts.digests import ArtifactError, ArtifactFiles, sha256_bytes, sha256_file
 from pagoda.artifacts.manifest import read_manifest
 from pagoda.artifacts.verify import compare_digests
+
+if TYPE_CHECKING:
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
+
+# The config.json a GGUF file's metadata makes; its families know (pagoda.model.families.base.gguf_config).
+GGUFConfigReader = Callable[["GGUFCheckpoint"], dict[str, Any]]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -82,9 +89,12 @@ class ArtifactReview:
         return asdict(self)
 
 
-def review_artifact(path: str | Path, base: str | Path | None = None) -> ArtifactReview:
+def review_artifact(path: str | Path, base: str | Path | None = None, *,
+                    gguf_config: GGUFConfigReader | None = None) -> ArtifactReview:
     """Review a model directory, GGUF file (or a directory holding one) or PEFT adapter; `base`
-    is the model an adapter is checked against. ArtifactError for pickle files or unreadable ones."""
+    is the model an adapter is checked against. ArtifactError for pickle files or unreadable ones.
+    gguf_config: how a GGUF file's metadata becomes a config.json; without it, the decoder's shape
+    only, with the file's own `general.architecture` for its architecture."""
     files = ArtifactFiles.of(path)
     pickles = files.pickle_files()
     if pickles:
@@ -98,9 +108,9 @@ def review_artifact(path: str | Path, base: str | Path | None = None) -> Artifac
     review.tokenizer_files = {n: d for n, d in digests.items() if Path(n).name in TOKENIZER_FILES}
     gguf_name = next((n for n in digests if n.endswith(".gguf")), None)
     if (files.root / _ADAPTER_CONFIG).is_file() and files.single_file is None:
-        _review_adapter(review, files.root, base)
+        _review_adapter(review, files.root, base, gguf_config or _gguf_shape)
     elif gguf_name is not None:
-        _review_gguf(review, files.root / gguf_name)
+        _review_gguf(review, files.root / gguf_name, gguf_config or _gguf_shape)
     else:
         _review_checkpoint(review, files.root, digests)
     if files.single_file is None:
@@ -210,13 +220,17 @@ def _kv_bytes(review: ArtifactReview, config: dict[str, Any], dtype: str) -> Non
 # ---- GGUF ---------------------------------------------------------------------------------------
 
 
-def _review_gguf(review: ArtifactReview, path: Path) -> None:
+def _gguf_shape(checkpoint: GGUFCheckpoint) -> dict[str, Any]:
+    return {**checkpoint.decoder_config(experts_may_stand_in=True), "architectures": [checkpoint.architecture]}
+
+
+def _review_gguf(review: ArtifactReview, path: Path, gguf_config: GGUFConfigReader) -> None:
     from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
 
     review.kind = "gguf"
     try:
         checkpoint = GGUFCheckpoint(path)
-        config = checkpoint.hf_config()
+        config = gguf_config(checkpoint)
     except ValueError as error:
         raise ArtifactError(str(error)) from None
     review.architecture = config["architectures"][0]
@@ -251,7 +265,8 @@ def _gguf_value(checkpoint: Any, key: str) -> Any:
 # ---- LoRA adapters -------------------------------------------------------------------------------
 
 
-def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None) -> None:
+def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None,
+                    gguf_config: GGUFConfigReader) -> None:
     review.kind = "lora-adapter"
     config = _read_json(root / _ADAPTER_CONFIG)
     weights = root / "adapter_model.safetensors"
@@ -266,19 +281,19 @@ def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None)
     if base is None:
         compatibility = "not checked (pass --base MODEL)"
     else:
-        problem = _adapter_mismatch(tensors, Path(base))
+        problem = _adapter_mismatch(tensors, Path(base), gguf_config)
         compatibility = f"compatible with {base}" if problem is None else f"incompatible with {base}: {problem}"
     review.adapter = AdapterReview(str(declared) if declared else None, config.get("r"), config.get("lora_alpha"),
                                    targets, compatibility)
 
 
-def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path) -> str | None:
+def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path, gguf_config: GGUFConfigReader) -> str | None:
     """Why the adapter's A/B shapes do not fit the base model's projections, or None."""
     from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file
 
     gguf_file = find_gguf_file(base) if base.exists() else None
     try:
-        config = GGUFCheckpoint(gguf_file).hf_config() if gguf_file else _read_json(base / "config.json")
+        config = gguf_config(GGUFCheckpoint(gguf_file)) if gguf_file else _read_json(base / "config.json")
     except ValueError as error:
         return f"its config is unreadable ({error})"
     config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config

@@ -46,6 +46,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pagoda.artifacts.review import render_json, render_markdown, render_table, review_artifact
     from pagoda.artifacts.signature import sign_manifest
     from pagoda.config import resolve_model_path
+    from pagoda.model.families.base import gguf_config
 
     if args.signing_certificate is not None and (args.sign is None or not args.certificate_chain):
         print("pagoda inspect: error: --signing-certificate needs --sign KEY and --certificate-chain PEM...",
@@ -53,7 +54,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 2
     model = resolve_model_path(args.model)
     try:
-        review = review_artifact(model, args.base)
+        review = review_artifact(model, args.base, gguf_config=gguf_config)
         written = []
         if args.write_manifest or args.sign is not None:
             files = ArtifactFiles.of(model)
@@ -65,7 +66,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 written.append(sign_manifest(files, manifest, args.sign, args.signing_certificate,
                                              args.certificate_chain))
             written.append(write_manifest(files, manifest))
-            review = review_artifact(model, args.base)
+            review = review_artifact(model, args.base, gguf_config=gguf_config)
     except ValueError as error:
         print(f"pagoda inspect: error: {error}", file=sys.stderr)
         return 1

@@ -23,10 +23,10 @@ from pagoda.lora.batch import NO_SLOT, LoRAStepState, build_lora_batch
 from pagoda.lora.layer import LoRALinear, LoRAPart
 from pagoda.lora.slots import SlotTable
 from pagoda.lora_request import AdapterIdentity, LoRARequest
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel
 
 
-def wrap_model(model: LlamaFamilyModel, state: LoRAStepState, *, max_loras: int, max_rank: int,
+def wrap_model(model: DecoderModel, state: LoRAStepState, *, max_loras: int, max_rank: int,
                dtype: torch.dtype, device: torch.device) -> list[LoRALinear]:
     """Replace every decoder projection by a LoRALinear around it (after loading: the base
     layers keep their parameters and weight formats)."""
@@ -53,7 +53,7 @@ def wrap_model(model: LlamaFamilyModel, state: LoRAStepState, *, max_loras: int,
 
 
 class LoRAManager:
-    def __init__(self, model: LlamaFamilyModel, *, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+    def __init__(self, model: DecoderModel, *, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         if max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")

@@ -11,15 +11,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.artifacts.digests import PICKLE_PATTERNS
-from pagoda.model.gpt_oss_checkpoint import gpt_oss_checkpoint_names, gpt_oss_tensors
+from pagoda.model.decoder import DecoderModel
+from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
-from pagoda.model.llama import LlamaFamilyModel
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
-from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
+from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
 from pagoda.quant.weight_formats import GGUFBlockWeight, Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index). A
@@ -34,9 +34,6 @@ _FUSED_PARTS = {
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Mixtral's names for its MoE block and experts' projections, as pagoda's (Qwen-MoE's) names.
-_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.)?")
 # transformers 5's in-memory layout: all experts of a layer in one tensor, [E, 2I, H] with gate
 # rows before up rows, and [E, H, I].
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -88,14 +85,14 @@ def load_model_config(model: str | Path) -> ModelConfig:
     """The config of a Hugging Face directory or of a GGUF file (or a directory holding one)."""
     gguf_file = find_gguf_file(model)
     if gguf_file is not None:
-        return ModelConfig.from_dict(GGUFCheckpoint(gguf_file).hf_config(), source=str(gguf_file))
+        return ModelConfig.from_dict(gguf_config(GGUFCheckpoint(gguf_file)), source=str(gguf_file))
     check_checkpoint_quantization(Path(model))
     return ModelConfig.from_dir(model)
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, weight_format: WeightFormat | None = None,
-               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
+               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
     """The model with its weights; with `tp`, this rank's shards of them only; with `stage`,
     that pipeline stage's layers only."""
     gguf_file = find_gguf_file(model_dir)
@@ -120,28 +117,29 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
-               stage: PipelineStage | None) -> LlamaFamilyModel:
+               stage: PipelineStage | None) -> DecoderModel:
     checkpoint = GGUFCheckpoint(path)
+    reading = gguf_reading(checkpoint)
     weight_format = gguf_weight_format(checkpoint, weight_format)
     weight_format.check_kernel(device, dtype)
     model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage)
     blocks = isinstance(weight_format, GGUFBlockWeight)
     keep_codes = blocks or (isinstance(weight_format, Int4Weight) and weight_format.group_size == 32)
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
-               for t in checkpoint.iterate(checkpoint.hf_config(), keep_q4_0_codes=keep_codes, keep_q8_0_codes=blocks))
+               for t in checkpoint.iterate(reading.config(checkpoint), reading.layout, keep_q4_0_codes=keep_codes,
+                                           keep_q8_0_codes=blocks))
     _fill(model, tensors, config, dtype, str(path))
     return model.eval()
 
 
-def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
+def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
           config: ModelConfig, dtype: torch.dtype, source: str) -> None:
     """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
     let the weight formats finalize."""
+    family = family_of(config)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    if config.architecture == "GptOssForCausalLM":
-        tensors = gpt_oss_tensors(tensors)
-    for file_name, name, tensor, int4_codes in _per_expert(tensors):
+    for file_name, name, tensor, int4_codes in _per_expert(family.checkpoint_tensors(tensors)):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -164,7 +162,7 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
                              f"expected {expected} from the model's config")
         if int4_codes is not None:
             if not hasattr(layer.weight_format, "stage_codes"):  # a MoE router or gate: always full precision
-                shown = (_mixtral_name(name) if config.architecture == "MixtralForCausalLM" else name)[:-len(".weight")]
+                shown = family.checkpoint_names([name])[0][:-len(".weight")]
                 raise ValueError(f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
                                  f"pagoda keeps {module_name} in full precision; use a checkpoint that leaves it "
                                  f"unquantized")
@@ -177,11 +175,8 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
             param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
         loaded.add(name)
     missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
-    if missing and config.architecture == "MixtralForCausalLM":
-        missing = [_mixtral_name(name) for name in missing]
-    if missing and config.architecture == "GptOssForCausalLM":
-        missing = gpt_oss_checkpoint_names(missing)
     if missing:
+        missing = family.checkpoint_names(missing)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
     finalize_linears(model)
@@ -189,12 +184,12 @@ def _fill(model: LlamaFamilyModel, tensors: Iterator[tuple[str, str, torch.Tenso
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                       weight_format: WeightFormat | None, source: str = "model",
-                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> LlamaFamilyModel:
+                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
     try:
         with torch.device(device):
-            model = LlamaFamilyModel(config, dtype, device, weight_format, tp, stage)
+            model = family_of(config).model_class(config, dtype, device, weight_format, tp, stage)
     except ValueError as error:  # a dimension that tensor_parallel_size does not divide
         raise ValueError(f"{source}: {error}") from None
     for name, module in model.named_modules():
@@ -224,10 +219,9 @@ def finalize_linears(model: torch.nn.Module) -> None:
 
 def _per_expert(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]]
                 ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
-    """Checkpoint items with MoE names made pagoda's: Mixtral's renamed, and a layer's fused
-    expert tensors (one [E, ...] tensor) cut into one tensor per expert."""
+    """Checkpoint items with a layer's fused expert tensors (one [E, ...] tensor, transformers 5's
+    layout) cut into one tensor per expert."""
     for file_name, name, tensor, int4_codes in tensors:
-        name = _MIXTRAL_EXPERT.sub(_mixtral_to_pagoda, name)
         fused = _FUSED_EXPERTS.match(name)
         if fused is None or tensor is None or tensor.dim() != 3:
             yield file_name, name, tensor, int4_codes
@@ -237,22 +231,7 @@ def _per_expert(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | N
             yield file_name, f"{prefix}.{expert}.{projection}.weight", weight, None
 
 
-def _mixtral_to_pagoda(match: re.Match) -> str:
-    expert, projection = match.groups()
-    return ".mlp." if expert is None else f".mlp.experts.{expert}.{_MIXTRAL_NAMES[projection]}."
-
-
-def _mixtral_name(name: str) -> str:
-    """pagoda's name of a Mixtral tensor as its checkpoints spell it (for error messages)."""
-    expert = re.match(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(.*)$", name)
-    if expert is not None:
-        prefix, index, projection, rest = expert.groups()
-        w = {v: k for k, v in _MIXTRAL_NAMES.items()}[projection]
-        return f"{prefix}.block_sparse_moe.experts.{index}.{w}.{rest}"
-    return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-
-
-def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
+def _held_by_another_rank(model: DecoderModel, target: str) -> bool:
     """An expert's tensor that expert parallelism placed on another rank."""
     match = _EXPERT.match(target)
     if match is None:
@@ -265,7 +244,7 @@ def _held_by_another_rank(model: LlamaFamilyModel, target: str) -> bool:
     return isinstance(experts, Experts) and expert < experts.num_experts and not experts.placement.holds(expert)
 
 
-def _held_by_another_stage(model: LlamaFamilyModel, target: str) -> bool:
+def _held_by_another_stage(model: DecoderModel, target: str) -> bool:
     """A tensor of a decoder layer, the embedding, or the final norm and LM head that pipeline
     parallelism placed on another stage."""
     parts = target.split(".")

@@ -1,5 +1,9 @@
 """GGUF checkpoints (llama.cpp's format): config from the metadata, tensors by their HF names.
 
+What every decoder's GGUF shares is read here: the metadata of its shape and the tensors under the
+names a family's GGUFLayout gives them; each family (pagoda.model.families) adds what is its own
+(biases, experts, which transformers architecture the file is).
+
 Read with the `gguf` package. Tensor types: F32/F16/BF16 as they are; Q4_0 maps exactly onto
 pagoda's int4 format (group 32, w = d * (q - 8): codes q, scale d, zero 0); every other type
 the package can dequantize (Q8_0, Q4_1, Q5_0/1, K-quants Q2_K..Q6_K, ...) is dequantized to the
@@ -7,7 +11,8 @@ model dtype at load and logged (re-quantize with `--quantization int8|int4` if w
 
 llama.cpp permutes the rows of Llama's q/k projections (its rope pairs adjacent dimensions,
 transformers' rotates halves; convert_hf_to_gguf.py `LlamaModel.permute`): undone here for the
-`llama` architecture, as transformers' GGUF loader does. Qwen2/Qwen3 are stored unpermuted.
+layouts that say so (`GGUFLayout.permuted_qk`), as transformers' GGUF loader does. Qwen2/Qwen3 are
+stored unpermuted.
 
 Mixture-of-experts files (Mixtral, Qwen2-MoE, Qwen3-MoE; pagoda.quant.gguf_moe) stack each
 projection of a layer's experts in one tensor: it is cut into one tensor per expert under the
@@ -18,25 +23,22 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagoda.quant.gguf_moe import (MOE_GGUF_ARCHITECTURES, MOE_LAYER_TENSORS, STACKED_EXPERT_TENSORS,
-                                   expert_tensor_kind, is_moe_gguf, moe_hf_config)
+from pagoda.quant.gguf_moe import STACKED_EXPERT_TENSORS, expert_tensor_kind
 from pagoda.quant.weight_formats import GGUF_BLOCK_BYTES, FullWeight, GGUFBlockWeight, Int4Weight, WeightFormat
 
 logger = logging.getLogger(__name__)
 
-# GGUF `general.architecture` -> transformers architecture.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      **MOE_GGUF_ARCHITECTURES}
 _PLAIN_TYPES = ("F32", "F16", "BF16")
-_LAYER_TENSORS = {
+# llama.cpp's names of a decoder layer's tensors (blk.N.<kind>) -> pagoda's (model.layers.N.<name>).
+DECODER_LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -48,12 +50,20 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    **MOE_LAYER_TENSORS,
 }
 # Decoder projections: the tensors whose type picks the weight format.
 _PROJECTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
                      "ffn_up_shexp", "ffn_down_shexp", *STACKED_EXPERT_TENSORS)
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """Where one GGUF architecture's tensors go: its layer tensors' names (stacked experts are
+    always read, pagoda.quant.gguf_moe), and whether llama.cpp permuted its q/k rows."""
+
+    layer_tensors: Mapping[str, str] = field(default_factory=lambda: dict(DECODER_LAYER_TENSORS))
+    permuted_qk: bool = False
 
 
 def find_gguf_file(path: str | Path) -> Path | None:
@@ -104,9 +114,6 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: not a readable GGUF file, corrupt or truncated "
                              f"({type(error).__name__}: {error})") from None
         self.architecture = self._string("general.architecture")
-        if self.architecture not in GGUF_ARCHITECTURES:
-            raise ValueError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; pagoda "
-                             f"serves {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.tensors = {t.name: t for t in self.reader.tensors}
         dequantizable = _dequantizable_type_names()
         for tensor in self.reader.tensors:
@@ -132,33 +139,35 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: missing metadata {key!r}")
         return str(value)
 
-    def _arch_value(self, key: str, default: Any = None) -> Any:
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """The architecture's metadata `<general.architecture>.<key>`, or `default`."""
         value = self._field(f"{self.architecture}.{key}")
         return default if value is None else value
 
-    def hf_config(self) -> dict[str, Any]:
-        """A transformers-style config.json dict built from the GGUF metadata."""
+    def decoder_config(self, experts_may_stand_in: bool = False) -> dict[str, Any]:
+        """The transformers-style config.json keys of the decoder's shape, from the metadata
+        every architecture writes; a family adds its own (`architectures` among them).
+        experts_may_stand_in: a MoE architecture, whose `feed_forward_length` only dense layers
+        (mlp_only_layers) use, and whose experts' size stands in where it is absent."""
         required = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
                     "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
-        moe = is_moe_gguf(self.architecture, self._arch_value)
-        if self.architecture in MOE_GGUF_ARCHITECTURES and self._arch_value("feed_forward_length") is None:
-            # Only dense layers (mlp_only_layers) use it: the experts' size stands in.
+        if experts_may_stand_in and self.arch_value("feed_forward_length") is None:
             required["expert_feed_forward_length"] = required.pop("feed_forward_length")
-        config: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[self.architecture]]}
+        config: dict[str, Any] = {}
         for key, name in required.items():
-            value = self._arch_value(key)
+            value = self.arch_value(key)
             if value is None:
                 raise ValueError(f"{self.path}: missing metadata {self.architecture}.{key}")
             config[name] = int(value)
-        config["num_key_value_heads"] = int(self._arch_value("attention.head_count_kv",
+        config["num_key_value_heads"] = int(self.arch_value("attention.head_count_kv",
                                                              config["num_attention_heads"]))
-        head_dim = self._arch_value("attention.key_length") or self._arch_value("rope.dimension_count")
+        head_dim = self.arch_value("attention.key_length") or self.arch_value("rope.dimension_count")
         if head_dim is not None:
             config["head_dim"] = int(head_dim)
-        config["max_position_embeddings"] = int(self._arch_value("context_length", 2048))
-        config["rope_theta"] = float(self._arch_value("rope.freq_base", 10000.0))
-        config["rms_norm_eps"] = float(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6))
-        if "rope_freqs.weight" in self.tensors or self._arch_value("rope.scaling.type") not in (None, "none"):
+        config["max_position_embeddings"] = int(self.arch_value("context_length", 2048))
+        config["rope_theta"] = float(self.arch_value("rope.freq_base", 10000.0))
+        config["rms_norm_eps"] = float(self.arch_value("attention.layer_norm_rms_epsilon", 1e-6))
+        if "rope_freqs.weight" in self.tensors or self.arch_value("rope.scaling.type") not in (None, "none"):
             raise ValueError(f"{self.path}: GGUF rope scaling (rope_freqs / rope.scaling.type) is not "
                              f"supported yet; pagoda reads unscaled rope from GGUF")
         embeddings = self.tensors.get("token_embd.weight")
@@ -166,12 +175,7 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: missing tensor 'token_embd.weight'")
         config["vocab_size"] = int(embeddings.shape[1])  # GGUF shapes list the fastest dimension first
         config["tie_word_embeddings"] = "output.weight" not in self.tensors
-        config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors and self.architecture == "llama"
-        if self.architecture == "qwen2moe":
-            config["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
-        if moe:
-            config.update(moe_hf_config(self.path, self.architecture, self._arch_value, self.tensors,
-                                        config["num_hidden_layers"]))
+        config["attention_bias"] = False  # a family whose files may carry one reads it
         eos = self._field("tokenizer.ggml.eos_token_id")
         if eos is not None:
             config["eos_token_id"] = int(eos)
@@ -193,16 +197,16 @@ class GGUFCheckpoint:
                 if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim in (2, 3)
                 and name.split(".")[2] in _PROJECTION_KINDS}
 
-    def iterate(self, config: dict[str, Any], keep_q4_0_codes: bool,
+    def iterate(self, config: dict[str, Any], layout: GGUFLayout, keep_q4_0_codes: bool,
                 keep_q8_0_codes: bool = False) -> Iterator[GGUFTensor]:
-        """Every tensor under its Hugging Face name. Q4_0 projection weights come as int4 codes
+        """Every tensor under its Hugging Face name (`layout`'s). Q4_0 projection weights come as int4 codes
         when `keep_q4_0_codes`, Q8_0 ones as int8 codes when `keep_q8_0_codes`, other quantized
         types dequantized to float32."""
         dequantized: Counter[str] = Counter()
         for name, tensor in self.tensors.items():
             type_name = tensor.tensor_type.name
             experts = expert_tensor_kind(name) is not None
-            hf_name = None if experts else self._hf_name(name)
+            hf_name = None if experts else self._hf_name(name, layout)
             is_projection = experts or hf_name.endswith("_proj.weight")
             codes_of = (_q4_0_codes if type_name == "Q4_0" and keep_q4_0_codes and is_projection else
                         _q8_0_codes if type_name == "Q8_0" and keep_q8_0_codes and is_projection else None)
@@ -214,7 +218,8 @@ class GGUFCheckpoint:
             try:
                 if codes_of is not None:
                     codes, scales = codes_of(np.asarray(tensor.data))
-                    codes, scales = self._unpermute(name, config, codes), self._unpermute(name, config, scales)
+                    codes = self._unpermute(name, config, layout, codes)
+                    scales = self._unpermute(name, config, layout, scales)
                     yield GGUFTensor(hf_name, type_name, None, (codes, scales))
                     continue
                 values = self._float_values(tensor)
@@ -224,7 +229,7 @@ class GGUFCheckpoint:
                 raise self._unreadable(name, type_name, error) from None
             if hf_name.endswith("shared_expert_gate.weight") and values.dim() == 1:
                 values = values.unsqueeze(0)  # [H] as some writers store it, the layer's [1, H]
-            yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, values))
+            yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, layout, values))
         for type_name, count in sorted(dequantized.items()):
             logger.info("%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
                         self.path.name, count, type_name, type_name)
@@ -276,17 +281,17 @@ class GGUFCheckpoint:
         return ValueError(f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
                           f"truncated ({type(error).__name__}: {error})")
 
-    def _hf_name(self, name: str) -> str:
+    def _hf_name(self, name: str, layout: GGUFLayout) -> str:
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) >= 4 and parts[2] in _LAYER_TENSORS:
-            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        if parts[0] == "blk" and len(parts) >= 4 and parts[2] in layout.layer_tensors:
+            return f"model.layers.{parts[1]}.{layout.layer_tensors[parts[2]]}.{parts[3]}"
         if parts[0] in _GLOBAL_TENSORS and len(parts) == 2:
             return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
         raise ValueError(f"{self.path}: unexpected tensor {name!r} for GGUF architecture {self.architecture}")
 
-    def _unpermute(self, name: str, config: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """Undo llama.cpp's q/k row permutation (Llama only)."""
-        if self.architecture != "llama":
+    def _unpermute(self, name: str, config: dict[str, Any], layout: GGUFLayout, rows: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's q/k row permutation (where the layout has it)."""
+        if not layout.permuted_qk:
             return rows
         kind = name.split(".")[2] if name.startswith("blk.") else ""
         if kind == "attn_q":

@@ -1,27 +1,22 @@
 """Mixture-of-experts GGUF files as llama.cpp's convert_hf_to_gguf.py writes them.
 
-Mixtral is the `llama` architecture with `llama.expert_count` / `expert_used_count` (its
-`feed_forward_length` is the experts'); Qwen2-MoE and Qwen3-MoE are `qwen2moe` / `qwen3moe` with
-`expert_feed_forward_length` (and Qwen2-MoE's `expert_shared_feed_forward_length`). A MoE layer
-holds its router `ffn_gate_inp` [E, H] and each projection of all its experts stacked in one
-tensor: `ffn_gate_exps` / `ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I] (or gate and up
-fused, `ffn_gate_up_exps` [E, 2I, H], gate rows first); Qwen2-MoE adds the shared expert
-`ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp`. A layer with the dense
-`ffn_gate`/`ffn_up`/`ffn_down` and no router is a dense layer (Qwen's `mlp_only_layers`).
-
-GGUF carries no `norm_topk_prob`: the routing weights are renormalized as llama.cpp computes
-them for the architecture (Mixtral and Qwen3-MoE yes, Qwen2-MoE no).
+An architecture's metadata names its experts `expert_count` / `expert_used_count` and, where
+they differ from `feed_forward_length`, their size `expert_feed_forward_length` (and a shared
+expert's, `expert_shared_feed_forward_length`). A MoE layer holds its router `ffn_gate_inp`
+[E, H] and each projection of all its experts stacked in one tensor: `ffn_gate_exps` /
+`ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I] (or gate and up fused, `ffn_gate_up_exps`
+[E, 2I, H], gate rows first); a shared expert adds `ffn_{gate,up,down}_shexp` and its gate
+`ffn_gate_inp_shexp`. A layer with the dense `ffn_gate`/`ffn_up`/`ffn_down` and no router is a
+dense layer (Qwen's `mlp_only_layers`). Which architectures have experts, and what their
+transformers config is, is each family's (pagoda.model.families).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# GGUF `general.architecture` of the MoE-only architectures -> transformers architecture.
-MOE_GGUF_ARCHITECTURES = {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Per-layer MoE tensors that are not stacked over experts, by their HF names (pagoda's).
 MOE_LAYER_TENSORS = {
     "ffn_gate_inp": "mlp.gate",
@@ -48,14 +43,20 @@ def expert_tensor_kind(name: str) -> str | None:
     return None
 
 
-def is_moe_gguf(architecture: str, arch_value: Callable[[str], Any]) -> bool:
-    return architecture in MOE_GGUF_ARCHITECTURES or (architecture == "llama" and bool(arch_value("expert_count")))
+@dataclass(frozen=True)
+class GGUFExperts:
+    """What a MoE GGUF's metadata and tensors say of its experts."""
+
+    num_experts: int
+    top_k: int
+    sparse_layers: list[bool]  # per layer: a router and experts (True) or a dense MLP
+    intermediate_size: int | None  # of each expert; None without a MoE layer
+    shared_intermediate_size: int | None  # of the shared expert; None without one
 
 
-def moe_hf_config(path: Path, architecture: str, arch_value: Callable[[str], Any], tensors: dict[str, Any],
-                  num_layers: int) -> dict[str, Any]:
-    """The MoE keys of a transformers config for a MoE GGUF (architecture included); ValueError
-    naming the file for missing metadata or a MoE layer missing a tensor."""
+def read_experts(path: Path, architecture: str, arch_value: Callable[[str], Any], tensors: dict[str, Any],
+                 num_layers: int) -> GGUFExperts:
+    """ValueError naming the file for missing metadata or a MoE layer missing a tensor."""
     num_experts = arch_value("expert_count")
     top_k = arch_value("expert_used_count")
     for key, value in (("expert_count", num_experts), ("expert_used_count", top_k)):
@@ -67,30 +68,14 @@ def moe_hf_config(path: Path, architecture: str, arch_value: Callable[[str], Any
     shared = any(f"blk.{i}.{kind}.weight" in tensors for i in range(num_layers) for kind in _SHARED_EXPERT_KINDS)
     for layer in (i for i in range(num_layers) if sparse[i]):
         _check_layer(path, tensors, layer, num_experts, shared)
-    if architecture == "llama":
-        if not all(sparse):
-            raise ValueError(f"{path}: layer {sparse.index(False)} has no router (blk.N.ffn_gate_inp); "
-                             f"Mixtral GGUFs have experts in every layer")
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": num_experts,
-                "num_experts_per_tok": top_k}
-    first = sparse.index(True) if any(sparse) else 0
-    config: dict[str, Any] = {
-        "architectures": [MOE_GGUF_ARCHITECTURES[architecture]],
-        "model_type": _MODEL_TYPES[architecture],
-        "num_experts": num_experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": int(arch_value("expert_feed_forward_length")
-                                     or _rows(tensors, f"blk.{first}.ffn_down_exps.weight", -1)),
-        "norm_topk_prob": _RENORMALIZE[architecture],
-        "mlp_only_layers": [i for i in range(num_layers) if not sparse[i]],
-    }
+    first = sparse.index(True) if any(sparse) else None
+    intermediate_size = None if first is None else int(
+        arch_value("expert_feed_forward_length") or _rows(tensors, f"blk.{first}.ffn_down_exps.weight", -1))
+    shared_size = None
     if shared:
-        if architecture != "qwen2moe":
-            raise ValueError(f"{path}: shared-expert tensors (ffn_*_shexp) in a {architecture} GGUF; only "
-                             f"qwen2moe has a shared expert")
-        config["shared_expert_intermediate_size"] = int(arch_value("expert_shared_feed_forward_length")
-                                                        or _rows(tensors, f"blk.{first}.ffn_down_shexp.weight", -1))
-    return config
+        shared_size = int(arch_value("expert_shared_feed_forward_length")
+                          or _rows(tensors, f"blk.{first or 0}.ffn_down_shexp.weight", -1))
+    return GGUFExperts(num_experts, top_k, sparse, intermediate_size, shared_size)
 
 
 def _check_layer(path: Path, tensors: dict[str, Any], layer: int, num_experts: int, shared: bool) -> None:

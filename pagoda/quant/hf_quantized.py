@@ -42,7 +42,7 @@ def checkpoint_quantization(model_dir: Path) -> dict[str, Any] | None:
         raise ValueError(f"{config_path}: not valid JSON ({error})") from None
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
-        return None  # gpt-oss's MXFP4 experts: dequantized as they load (pagoda.model.gpt_oss_checkpoint)
+        return None  # gpt-oss's MXFP4 experts: dequantized as they load (pagoda.model.families.gpt_oss)
     return quantization if isinstance(quantization, dict) else None
 
 

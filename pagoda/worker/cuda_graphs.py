@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel, ForwardContext
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -105,7 +105,7 @@ class DecodeGraphRunner:
     """Captures `model` per decode bucket; `run` replays. `run_eager` executes the same padded
     forward without a graph (for checking the padding on any device)."""
 
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend,
+    def __init__(self, model: DecoderModel, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sliding_windows: set[int | None],
                  max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         if not supports_cuda_graphs(backend):

@@ -20,7 +20,7 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
@@ -165,7 +165,7 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
 
 
 class ModelRunner(PagedModel):
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+    def __init__(self, model: DecoderModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
                  enforce_eager: bool = False, speculator: Speculator | None = None,
                  kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None,

@@ -16,11 +16,11 @@ import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.model.attention import AttentionBackend, BatchLayout
-from pagoda.model.llama import ForwardContext, LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
-def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_caches(model: DecoderModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, kv_format: KVCacheFormat | None = None,
                        groups: Sequence[KVCacheGroup] | None = None
                        ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -44,7 +44,7 @@ def allocate_kv_caches(model: LlamaFamilyModel, num_blocks: int, block_size: int
     return caches
 
 
-def single_group(model: LlamaFamilyModel) -> list[KVCacheGroup]:
+def single_group(model: DecoderModel) -> list[KVCacheGroup]:
     """Every layer in one group whose blocks are kept."""
     return [KVCacheGroup(tuple(range(model.config.num_layers)))]
 
@@ -54,7 +54,7 @@ class PagedModel:
     (spec_decode) holds its own, indexed by the same block ids and slots. `kv_format` is how the
     caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
 
-    def __init__(self, model: LlamaFamilyModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+    def __init__(self, model: DecoderModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None,
                  groups: Sequence[KVCacheGroup] | None = None) -> None:
         backend.check_layers([model.model.layers[i].self_attn.spec for i in model.stage.layers],

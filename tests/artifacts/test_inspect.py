@@ -15,6 +15,7 @@ import pytest
 
 from pagoda.artifacts.digests import ArtifactError, ArtifactFiles
 from pagoda.artifacts.review import render_markdown, render_table, review_artifact, safetensors_header
+from pagoda.model.families.base import gguf_config
 from pagoda.cli import main as cli_main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
@@ -68,7 +69,7 @@ def test_gguf_file(llama_dir: Path, tmp_path: Path) -> None:
     from gguf_factory import write_gguf
 
     path = write_gguf(llama_dir, tmp_path / "model.gguf")
-    review = review_artifact(path)
+    review = review_artifact(path, gguf_config=gguf_config)
     assert review.kind == "gguf" and review.architecture == "LlamaForCausalLM"
     assert [(f.name, f.sha256) for f in review.files] == [("model.gguf", hashlib.sha256(path.read_bytes()).hexdigest())]
     assert review.quantization == "none" and review.dtype == "F32"

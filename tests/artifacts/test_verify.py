@@ -24,7 +24,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.llm import LLM
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.model.llama import LlamaFamilyModel
+from pagoda.model.decoder import DecoderModel
 
 
 def signed_copy(source: Path, target: Path, private_key: Path | None = None, hash: str = "sha256") -> Path:
@@ -51,7 +51,7 @@ def small_llm(model: Path, **config) -> LLM:
 
 def live_models() -> int:
     gc.collect()
-    return sum(isinstance(o, LlamaFamilyModel) for o in gc.get_objects())
+    return sum(isinstance(o, DecoderModel) for o in gc.get_objects())
 
 
 @pytest.mark.parametrize("hash", ["sha256", "blake3"])

@@ -72,7 +72,7 @@ def test_fits():
 
 
 def tiny_model(device: torch.device):
-    from pagoda.model.llama import LlamaFamilyModel
+    from pagoda.model.decoder import DecoderModel
     from pagoda.model.model_config import ModelConfig
 
     config = ModelConfig.from_dict({
@@ -80,7 +80,7 @@ def tiny_model(device: torch.device):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "sliding_window": 24})
     torch.manual_seed(0)
-    model = LlamaFamilyModel(config, torch.float32, device)
+    model = DecoderModel(config, torch.float32, device)
     for param in model.parameters():
         param.data.normal_(0.0, 0.2)
     cache_shape = (12, 16, config.num_kv_heads, config.head_dim)
@@ -90,7 +90,7 @@ def tiny_model(device: torch.device):
 
 
 def reference_forward(model, caches, windows, input_ids, positions, layout):
-    from pagoda.model.llama import ForwardContext
+    from pagoda.model.decoder import ForwardContext
 
     reference = TorchAttentionBackend()
     with torch.inference_mode():

@@ -1,15 +1,15 @@
-"""The Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, and the
-mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as one implementation with flags.
+"""The shared decoder every family runs on (pagoda.model.families): embedding, decoder layers of
+attention and MLP (or sparse MoE) with RMSNorms, final norm and LM head.
 
-Differences are config flags: q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3, Gemma 3),
-per-layer sliding windows (Mistral, Phi-3, some Qwen, Gemma), rope scaling (Llama 3, linear,
-LongRoPE) and per-layer rope bases (Gemma 3), tied embeddings, and Gemma's: (1 + w) RMSNorms
-with norms after attention and around the MLP, embeddings scaled by sqrt(hidden), GELU-tanh,
-its attention scale, and soft-capped attention scores and logits; gpt-oss's attention sinks
-(one learned logit per head, a parameter of the attention backend) and YaRN rope. q/k/v and
-gate/up are fused into single matmuls; the loader splits checkpoints' tensors into them (or
-takes Phi-3's fused tensors as they are). A MoE model's layers have a `SparseMoE` block (pagoda.model.moe) where
-its config says so, a dense MLP elsewhere.
+What differs between families is a parameter of the shared blocks, read from ModelConfig:
+q/k/v (and o) bias, per-head q/k RMSNorm, per-layer sliding windows, rope scaling and per-layer
+rope bases, tied embeddings, Gemma-style norms ((1 + w) RMSNorms, a norm after attention and two
+around the MLP), an embedding scale, the gate's activation, the attention scale, soft-capped
+attention scores and logits, attention sinks (one learned logit per head, a parameter of the
+attention backend), and which layers have a `SparseMoE` block (pagoda.model.moe) in place of
+the dense MLP. q/k/v and gate/up are fused into single matmuls; the loader splits checkpoints'
+tensors into them (or takes already fused ones as they are). A family whose layers differ from
+these blocks gives its own classes in its module and reuses the rest.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaFamilyModel(nn.Module):
+class DecoderModel(nn.Module):
     """Decoder stack + LM head. Parameter names match the checkpoints' (after q/k/v and
     gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`.
 

@@ -1,7 +1,12 @@
-"""gpt-oss checkpoint tensors in pagoda's per-expert names.
+"""gpt-oss: the shared decoder with attention sinks (a learned logit per head joins each
+softmax's denominator), YaRN rope (base 150000 where the config names none), and a sparse MoE
+block in every layer: `num_local_experts` biased experts of `intermediate_size` behind a biased
+router whose softmax runs over the chosen experts only, with the clamped SwiGLU (`swiglu_limit`,
+`swiglu_alpha`).
 
-transformers saves a layer's experts fused: `experts.gate_up_proj` [E, H, 2I] (input-major,
-gate and up interleaved: even columns gate, odd up), `experts.gate_up_proj_bias` [E, 2I],
+Its checkpoint tensors become pagoda's per-expert names as they load. transformers saves a
+layer's experts fused: `experts.gate_up_proj` [E, H, 2I] (input-major, gate and up
+interleaved: even columns gate, odd up), `experts.gate_up_proj_bias` [E, 2I],
 `experts.down_proj` [E, I, H] and `experts.down_proj_bias` [E, H]; the Hub's checkpoints hold
 the two weights as MXFP4 `*_blocks` / `*_scales` in output-major order ([E, 2I, H] and
 [E, H, I] once dequantized, pagoda.quant.mxfp4). The router is `mlp.router`. Each becomes one
@@ -16,9 +21,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pagoda.model.families.base import CheckpointItem as Item
+from pagoda.model.families.base import ModelFamily
+from pagoda.model.hf_config import HFConfig
+from pagoda.model.model_config import ModelConfig
+from pagoda.model.moe_config import MoEConfig, expert_routing
 from pagoda.quant.mxfp4 import dequantize_mxfp4
-
-Item = tuple[str, str, torch.Tensor | None, tuple | None]  # (file, name, tensor, int4 codes)
 
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 # pagoda's name of one expert's tensor, gate and up as the loader expects them (apart or fused)
@@ -76,3 +84,22 @@ def gpt_oss_checkpoint_names(names: list[str]) -> list[str]:
         if name not in spelled:
             spelled.append(name)
     return spelled
+
+
+def _experts(hf: HFConfig, num_layers: int) -> MoEConfig | None:
+    routing = expert_routing(hf.values, hf.source)
+    if routing is None:
+        return None
+    num_experts, top_k = routing
+    return MoEConfig(num_experts, top_k, hf.required_int("intermediate_size"), True, 0, (True,) * num_layers,
+                     router_bias=True, softmax_over_top_k=True, expert_bias=True,
+                     swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
+                     swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702))
+
+
+def read_config(hf: HFConfig) -> ModelConfig:
+    return hf.decoder(default_rope_theta=150000.0, attention_sinks=True, moe=_experts)
+
+
+FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=gpt_oss_tensors,
+                     checkpoint_names=gpt_oss_checkpoint_names)
