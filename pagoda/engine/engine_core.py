@@ -16,6 +16,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.engine.assembly import (build_kv_tiers, build_model_stack, build_runner, plan_engine_kv_pool,
                                     verify_adapter)
 from pagoda.engine.disaggregation import DisaggStats
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
@@ -27,7 +28,6 @@ from pagoda.lora_request import LoRARequest
 from pagoda.model.moe_load import MoEStats
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.request import Request, RequestStatus
-from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.controller import SpecDecodeStats
 from pagoda.structured.compiler import StructuredOutputStats
 from pagoda.structured.manager import StructuredOutputManager
@@ -164,12 +164,12 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
-                    cache_salt: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None, enqueue: bool = True) -> list[Request]:
-        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest.
-        With enqueue=False the caller schedules it (a KV handoff being imported)."""
+    def add_request(self, request: EngineRequest, *, eos_token_ids: Iterable[int] = (),
+                    enqueue: bool = True) -> list[Request]:
+        """Validate and queue a request (its prompt as token ids); returns its samples (n of
+        them). Raises InvalidRequest. With enqueue=False the caller schedules it (a KV handoff
+        being imported)."""
+        request_id, params, prompt_token_ids = request.request_id, request.params, request.prompt_token_ids
         check_request_id_free(request_id, self.requests)
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         if params.pooling is not None and self.config.pipeline_parallel_size > 1:
@@ -177,15 +177,15 @@ class EngineCore:
             raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
                                  "(--pipeline-parallel-size > 1)", param="input")
         adapter = None
-        if lora_request is not None:
-            check_lora_enabled(lora_request.lora_name, self.lora is not None)
-            adapter = self.lora.resolve(lora_request)
+        if request.lora_request is not None:
+            check_lora_enabled(request.lora_request.lora_name, self.lora is not None)
+            adapter = self.lora.resolve(request.lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
-            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            prompt_token_ids=prompt_token_ids, sampling_params=params,
             eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
-            arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority,
-            parent_id=request_id, lora=adapter,
+            arrival_time=request.arrival_time or time.time(), cache_salt=request.cache_salt,
+            priority=request.priority, parent_id=request_id, lora=adapter,
             long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)))
         if adapter is not None:
             self.lora.retain(adapter)  # released with the request (release())

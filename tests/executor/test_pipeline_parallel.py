@@ -27,6 +27,7 @@ from pagoda.engine.threads import engine_thread_count
 from pagoda.errors import InvalidRequest
 from processes import process_alive, process_tree
 from server_utils import free_port, start_serve_process
+from pagoda.engine.engine_request import EngineRequest
 
 FEATURES = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=8,
                 speculative="ngram", num_speculative_tokens=3)
@@ -296,7 +297,7 @@ def test_a_supervised_engine_whose_stage_dies_is_restarted(llama_dir: Path) -> N
 
     async def generate(request_id: str) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        stream = await engine.add_request(request_id, [5] * 8, params)
+        stream = await engine.add_request(EngineRequest(request_id, [5] * 8, params))
         return [t async for delta in stream for s in delta.outputs for t in s.token_ids]
 
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2)
