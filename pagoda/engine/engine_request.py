@@ -10,7 +10,9 @@ side only resolves what the front cannot (the prompt's token ids, bad words' tok
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
@@ -36,3 +38,20 @@ class EngineRequest:
         if isinstance(self.prompt, str):
             raise InvalidRequest("the engine core takes token ids: tokenize the prompt first", param="prompt")
         return list(self.prompt)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as JSON-ready values (the process transport's encoding): every field by
+        its name, the sampling parameters and adapter as their fields' values."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["params"] = dataclasses.asdict(self.params)
+        data["lora_request"] = dataclasses.asdict(self.lora_request) if self.lora_request is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineRequest:
+        """The request to_dict described (SamplingParams checks its values again)."""
+        data = dict(data)
+        data["params"] = SamplingParams(**data["params"])
+        if data["lora_request"] is not None:
+            data["lora_request"] = LoRARequest(**data["lora_request"])
+        return cls(**data)

@@ -147,9 +147,9 @@ def test_architectures_match_one_stage(architecture: str, model_dirs: dict[str, 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
 def test_tensor_parallel_stages_match_one_rank(architecture: str, model_dirs: dict[str, Path], monkeypatch) -> None:
     """PP=2 x TP=2: four ranks, each stage a tensor-parallel group, micro-batches in flight."""
-    import pagoda.engine.engine_core as engine_core
+    import pagoda.engine.assembly as assembly
 
-    monkeypatch.setattr(engine_core, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
+    monkeypatch.setattr(assembly, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
     model_dir = model_dirs[architecture]
     prompts = prompts_for(300, lengths=(5, 40, 70))
     settings = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
@@ -193,9 +193,9 @@ def test_bad_partitions_name_the_numbers(llama_dir: Path, monkeypatch) -> None:
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="0,2")
     with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, got 0"):
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=0)
-    import pagoda.engine.engine_core as engine_core
+    import pagoda.engine.assembly as assembly
 
-    monkeypatch.setattr(engine_core, "available_cores", lambda: 1)
+    monkeypatch.setattr(assembly, "available_cores", lambda: 1)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 x tensor_parallel_size 1 = 2 ranks, "
                                          r"but only 1 CPU cores are available"):
         LLM(model=str(llama_dir), pipeline_parallel_size=2)

@@ -1,6 +1,5 @@
-"""What crosses between the front and the engine side. Picklable: the process transport sends
-them through a pipe (multiprocessing's, which pickles; the pipe joins two processes of one
-server, never a peer)."""
+"""What the front sends the engine side. The thread transport hands them over as they are; the
+process transport encodes them (encoding.py), a Ray actor's transport lets Ray serialize them."""
 
 from __future__ import annotations
 
