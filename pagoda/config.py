@@ -428,8 +428,15 @@ class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, Par
     (`config.cache`, `config.speculation`, ...), a frozen copy of those fields."""
 
     def __post_init__(self) -> None:
-        for group in ENGINE_CONFIG_GROUPS.values():
-            group.__post_init__(self)  # type: ignore[arg-type]  # an EngineConfig is each group
+        # An EngineConfig is each of its groups: each resolves and checks its own fields.
+        ModelLoadConfig.__post_init__(self)
+        CacheConfig.__post_init__(self)
+        SchedulerConfig.__post_init__(self)
+        SpeculativeConfig.__post_init__(self)
+        ParallelConfig.__post_init__(self)
+        DisaggregationConfig.__post_init__(self)
+        LoRAConfig.__post_init__(self)
+        StructuredOutputConfig.__post_init__(self)
         self._check_combinations()
 
     # ---- the sub-configs: what each consumer receives ----
