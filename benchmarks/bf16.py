@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
 
@@ -57,7 +58,7 @@ def decode_steps(model_dir: Path, concurrency: int, prompt_len: int, steps: int,
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for engine in engines.values():
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
+            engine.add_request(EngineRequest(str(i), prompt, params))
         while any(r.num_output_tokens == 0 for samples in engine.core.requests.values() for r in samples):
             engine.step()  # every prefill first: the rounds time decode steps only
     wall: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}

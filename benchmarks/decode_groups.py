@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`)
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 from common import REPO, RESULTS, build_bench_model, write_summary  # noqa: E402
 
@@ -52,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.rounds * args.steps * 2 + 16, ignore_eos=True)
     for i in range(8):
-        engine.add_request(f"chat{i}", [rng.randrange(5, 4000) for _ in range(64)], params)
-    engine.add_request("long", [rng.randrange(5, 4000) for _ in range(1500)], params)
+        engine.add_request(EngineRequest(f"chat{i}", [rng.randrange(5, 4000) for _ in range(64)], params))
+    engine.add_request(EngineRequest("long", [rng.randrange(5, 4000) for _ in range(1500)], params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for s in engine.core.requests.values() for r in s):
         engine.step()
     for _ in range(3):

@@ -199,10 +199,11 @@ def make_workload(num_seqs: int, low: int, high: int, vocab_size: int, seed: int
 
 def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
     from pagoda import SamplingParams
+    from pagoda.engine.engine_request import EngineRequest
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    engine.add_request("single-stream", prompt, params)
+    engine.add_request(EngineRequest("single-stream", prompt, params))
     start = time.perf_counter()
     first_time = first_count = None
     count = 0

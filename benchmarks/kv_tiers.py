@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
 
 from pagoda.stats import percentile  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 NAME = "kv_tiers"
 BLOCK = 16
@@ -51,7 +52,7 @@ def drive(core, jobs: deque, max_tokens: int, concurrency: int, on_done=None) ->
         while jobs and len(inflight) < concurrency:
             key, prompt = jobs.popleft()
             counter += 1
-            (sample,) = core.add_request(f"r{counter}", prompt, params)
+            (sample,) = core.add_request(EngineRequest(f"r{counter}", prompt, params))
             inflight[sample.request_id] = (key, sample)
         core.step()
         for rid, (key, sample) in list(inflight.items()):

@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
     write_summary  # noqa: E402
@@ -171,7 +172,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     for name, engine in engines.items():
         tokens[name] = {}
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
+            engine.add_request(EngineRequest(str(i), prompt, params))
         while any(r.num_output_tokens == 0 for samples in engine.core.requests.values() for r in samples):
             engine.step()  # every prefill first: the rounds time decode steps only
     seconds: dict[str, list[float]] = {"on": [], "off": []}

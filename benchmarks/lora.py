@@ -40,6 +40,7 @@ from pagoda.lora_request import LoRARequest  # noqa: E402
 from pagoda.model.loader import load_model_config  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.stats import percentile  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 
 def write_adapter(directory: Path, rank: int, seed: int) -> Path:
@@ -86,7 +87,7 @@ class ModeRun:
         if not self.engine.has_unfinished_requests():
             for prompt, lora in self.batches.pop(0):
                 self._ids += 1
-                self.engine.add_request(f"r{self._ids}", prompt, self.params, lora_request=lora)
+                self.engine.add_request(EngineRequest(f"r{self._ids}", prompt, self.params, lora_request=lora))
                 self._since_token[f"r{self._ids}"] = -1.0  # no token yet: the first gap is TTFT
         start = time.perf_counter()
         deltas = self.engine.step().deltas
@@ -156,7 +157,7 @@ def main() -> None:
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     engines = {mode: factory() for mode, (factory, _, _) in modes.items()}
     for engine in engines.values():  # warm up
-        engine.add_request("warm", prompts[0], SamplingParams(max_tokens=2))
+        engine.add_request(EngineRequest("warm", prompts[0], SamplingParams(max_tokens=2)))
         while engine.has_unfinished_requests():
             engine.step()
     for round_index in range(args.rounds):

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.model.moe import SparseMoE  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
 THREADS = 2
@@ -35,8 +36,7 @@ def start_decoding(llm: LLM, batch: list[list[int]], steps: int) -> None:
     """Adds the requests and steps until every one has its first token (prefill done)."""
     engine = llm.engine
     for i, prompt in enumerate(batch):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt,
-                           SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True))
+        engine.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)))
     for _ in range(8):
         engine.step()
         if all(len(r.output_token_ids) >= 1 for r in engine.core.scheduler.running) and \

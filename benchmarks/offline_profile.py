@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import build_model  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
 
@@ -38,7 +39,7 @@ PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
 def run_steps(model_dir: Path, prompts: list[list[int]], output_lens: list[int], threads: int) -> tuple[float, Counter, int]:
     engine = LLM(model=str(model_dir), num_threads=threads).engine
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(EngineRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     phases: Counter = Counter()
     wall = 0.0
     steps = 0

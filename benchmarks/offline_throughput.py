@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import build_model  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=1024)
@@ -89,7 +90,7 @@ def step_breakdown(model_dir: Path, vocab_size: int, threads: int, running: int 
     prompts, _ = make_workload(running, 32, 256, vocab_size, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(str(i), prompt, params))
     while any(r.num_output_tokens == 0 for samples in engine.core.requests.values() for r in samples):
         engine.step()  # finish every prefill first
     phases = {"schedule": [], "prepare": [], "forward": [], "logits": [], "sample": [], "update": [], "total": []}

@@ -39,6 +39,7 @@ prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.engine.threads import set_engine_threads  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 from tensor_parallel import build_model as build_llama  # noqa: E402
 from tensor_parallel import prompt  # noqa: E402
 
@@ -78,8 +79,8 @@ class BusyMeter:
 def single_stream(llm: LLM, index: int, max_tokens: int) -> tuple[float, float, float | None, float | None]:
     """(output tok/s after the first token, ms per token, bubble and stage-0 wait fractions) of one request."""
     engine = llm.engine
-    engine.add_request(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True))
+    engine.add_request(EngineRequest(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                       ignore_eos=True)))
     meter = BusyMeter(llm)
     times = []
     while engine.has_unfinished_requests():
@@ -98,7 +99,7 @@ def concurrent(llm: LLM, index: int, batch: int, max_tokens: int) -> tuple[float
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"batch-{index}-{i}", prompt(index * batch + i), params)
+        engine.add_request(EngineRequest(f"batch-{index}-{i}", prompt(index * batch + i), params))
     meter = BusyMeter(llm)
     start = time.perf_counter()
     last: dict[str, float] = {}

@@ -53,16 +53,17 @@ def build_gemma2(directory: Path) -> Path:
 
 def run(model_dir: Path, release: bool, args: argparse.Namespace, num_requests: int | None = None) -> dict:
     from pagoda import LLM, SamplingParams
+    from pagoda.engine.engine_request import EngineRequest
 
     num_requests = num_requests or args.num_requests
     blocker = None if release else "kept whole for the comparison"
-    with mock.patch("pagoda.engine.engine_core.release_blocker", lambda config: blocker):
+    with mock.patch("pagoda.engine.assembly.release_blocker", lambda config: blocker):
         llm = LLM(model=str(model_dir), num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                   max_num_seqs=num_requests, enable_prefix_caching=False, num_threads=args.threads)
     core = llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(num_requests):
-        core.add_request(f"r{i}", [5 + (i * 7 + j) % 200 for j in range(args.prompt_len)], params)
+        core.add_request(EngineRequest(f"r{i}", [5 + (i * 7 + j) % 200 for j in range(args.prompt_len)], params))
     running, steps = [], 0
     start = time.perf_counter()
     while core.has_unfinished_requests():

@@ -34,6 +34,7 @@ from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.stats import percentile  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "pagoda-coder-draft"
 
@@ -83,7 +84,7 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             index, prompt = pending.pop(0)
-            engine.add_request(str(index), prompt, params)
+            engine.add_request(EngineRequest(str(index), prompt, params))
             in_flight.add(str(index))
         for delta in engine.step().deltas:
             output = outputs.add(delta)

@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
     write_summary  # noqa: E402
@@ -82,7 +83,7 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     steps = []
     while finished < num_requests:
         while submitted < num_requests and submitted - finished < concurrency:
-            engine.add_request(str(submitted), [rng.randrange(1, vocab) for _ in range(prompt_len)], params)
+            engine.add_request(EngineRequest(str(submitted), [rng.randrange(1, vocab) for _ in range(prompt_len)], params))
             submitted += 1
         processing[0] = 0.0
         start = time.perf_counter()

@@ -32,6 +32,7 @@ from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.structured import StructuredOutputsParams  # noqa: E402
 from pagoda.structured.compiler import GrammarCompiler  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"  # main checkout
 
@@ -77,8 +78,8 @@ def large_schema(num_properties: int = 120) -> dict:
 def batch_run(engine: LLMEngine, prompts: list[str], constrained: int, max_tokens: int) -> dict:
     for i, prompt in enumerate(prompts):
         structured = StructuredOutputsParams(json=LONG_SCHEMA) if i < constrained else None
-        engine.add_request(f"r{time.perf_counter_ns()}-{i}", prompt, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured))
+        engine.add_request(EngineRequest(f"r{time.perf_counter_ns()}-{i}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured)))
     started = time.perf_counter()
     finished = []
     outputs = OutputAccumulator()  # step() returns deltas: whole outputs are built from them
@@ -122,7 +123,7 @@ def ttft_large_schema(model: str) -> dict:
     for label in ("cold_cache", "warm_cache"):
         params = SamplingParams(temperature=0.0, max_tokens=1,
                                 structured_outputs=StructuredOutputsParams(json=large_schema()))
-        engine.add_request(label, "def main():", params)
+        engine.add_request(EngineRequest(label, "def main():", params))
         output = None
         outputs = OutputAccumulator()
         while engine.has_unfinished_requests():

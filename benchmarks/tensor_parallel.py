@@ -27,6 +27,7 @@ prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.engine.threads import set_engine_threads  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 # ~150M parameters: 12 layers of hidden 1024 (16 query / 8 KV heads, intermediate 2816), 4k vocabulary.
 MODEL_SHAPE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
@@ -69,8 +70,8 @@ def prompt(index: int, length: int = 64) -> list[int]:
 def single_stream(llm: LLM, index: int, max_tokens: int) -> float:
     """Output tok/s of one request after its first token."""
     engine = llm.engine
-    engine.add_request(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True))
+    engine.add_request(EngineRequest(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                       ignore_eos=True)))
     times = []
     while engine.has_unfinished_requests():
         deltas = engine.step().deltas

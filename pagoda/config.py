@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, TypeVar
 
 from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 
@@ -66,9 +67,16 @@ def parse_bytes(text: str | int) -> int:
     return int(float(s))
 
 
-@dataclass
-class EngineConfig:
-    """Every knob of one engine. Field metadata carries the CLI help; flags are `--field-name`."""
+# Sub-configs: each group of engine settings is a frozen dataclass of its own, with its own
+# checks, handed to the code that consumes it (the KV pool and tiers take a CacheConfig,
+# speculation a SpeculativeConfig, ...). EngineConfig is their union: one flat set of fields, so
+# that flags (`--field-name`), `LLM(...)` keywords and models-file keys keep one name per setting.
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """Which model is loaded and how: its files, dtype and device, weight format and kernels,
+    and the checks its artifacts must pass."""
 
     model: str = field(default=str(DEFAULT_MODEL_DIR),
                        metadata={"help": "local Hugging Face model directory"})
@@ -78,52 +86,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's max_position_embeddings)"})
-    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"})
-    kv_cache_memory: str = field(default="1GiB", metadata={"help": "KV pool size in bytes, e.g. 2GiB"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
-    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
-    max_num_seqs: int | None = field(default=None, metadata={
-        "help": "most sequences running at once (default: what the KV pool holds at full context and what "
-                "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
-                "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
-                "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"})
-    max_num_seqs_itl_ms: float | None = field(default=50.0, metadata={
-        "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
-                "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
-                "latency to protect and skips this bound unless given"})
-    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
-        "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
-    num_threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
-                "but one when serving, that one left for the HTTP event loop)"})
-    seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
     attention_backend: AttentionBackend = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
-    speculative: SpeculativeMethod | None = field(default=None, metadata={
-        "help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"})
-    num_speculative_tokens: int = field(default=4, metadata={"help": "tokens proposed per speculative step"})
-    ngram_min: int = field(default=1, metadata={"help": "shortest suffix the n-gram proposer matches"})
-    ngram_max: int = field(default=4, metadata={"help": "longest suffix the n-gram proposer matches"})
-    draft_model: str | None = field(default=None, metadata={
-        "help": "draft model directory for --speculative draft (same tokenizer as the target)"})
-    speculative_max_batch: int = field(default=8, metadata={
-        "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
-                "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
-    # ---- KV cache tiers (pagoda/core/kv_tiers.py) ----
-    kv_offload_memory: str | None = field(default=None, metadata={
-        "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
-                "(pinned on CUDA; a second pool on CPU) (default: off)"})
-    preemption_mode: PreemptionMode = field(default="recompute", metadata={
-        "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
-                "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
-    kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
-    kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
-    kv_offload_disk_persist: bool = field(default=False, metadata={
-        "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
-                "model and config"})
     # ---- quantized serving (pagoda.quant) ----
     quantization: Quantization = field(default="none", metadata={
         "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
@@ -139,15 +103,165 @@ class EngineConfig:
         "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
                 "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
                 "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"})
+    moe_metrics: bool = field(default=False, metadata={
+        "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
+                "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})
+    # ---- artifact verification (pagoda/artifacts) ----
+    verify_manifest: bool = field(default=False, metadata={
+        "help": "refuse to load a model or adapter whose files do not match the manifest beside them "
+                "(pagoda inspect MODEL --write-manifest); hashed while the weights load"})
+    verify_key: str | None = field(default=None, metadata={
+        "metavar": "PUBKEY", "help": "require a model-signing signature by this key (a PEM elliptic-curve public "
+                                     "key, or the CA certificate of certificate-signed models) on the model and "
+                                     "every adapter, and check every file against the signed digests"})
+    require_signature: bool = field(default=False, metadata={
+        "help": "refuse an unsigned model (needs --verify-key; a deployment sets it per model)"})
+
+    def __post_init__(self) -> None:
+        _resolve_paths(self, "model", "tokenizer")
+        ModelLoadConfig.check(self)
+
+    def check(self) -> None:
+        check_choices(self)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            _fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.require_signature and self.verify_key is None:
+            _fail("require_signature", "needs --verify-key (the key signatures are checked with)")
+        if self.verify_key is not None and not Path(self.verify_key).is_file():
+            _fail("verify_key", f"no such file: {self.verify_key}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks, pool size and storage dtype, and the host and disk tiers below it."""
+
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"})
+    kv_cache_memory: str = field(default="1GiB", metadata={"help": "KV pool size in bytes, e.g. 2GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     kv_cache_dtype: KVCacheDType = field(default="auto", metadata={
         "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
                 "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
                 "layer, as vLLM's: exactly 1 byte per element)"})
-    # ---- structured output (pagoda/structured) ----
-    structured_output_timeout: float = field(default=30.0, metadata={
-        "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
-    structured_output_compile_threads: int = field(default=1, metadata={
-        "help": "threads compiling grammars beside the engine loop"})
+    # ---- KV cache tiers (pagoda/kv_transfer/tiers.py) ----
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
+                "(pinned on CUDA; a second pool on CPU) (default: off)"})
+    preemption_mode: PreemptionMode = field(default="recompute", metadata={
+        "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
+                "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
+    kv_offload_disk: str | None = field(default=None, metadata={
+        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
+    kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
+    kv_offload_disk_persist: bool = field(default=False, metadata={
+        "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
+                "model and config"})
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        return parse_bytes(self.kv_offload_memory) if self.kv_offload_memory is not None else 0
+
+    def __post_init__(self) -> None:
+        CacheConfig.check(self)
+
+    def check(self) -> None:
+        check_choices(self)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            _fail("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            _fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes <= 0:
+            _fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
+        for name in ("kv_offload_memory", "kv_offload_disk_size"):
+            value = getattr(self, name)
+            try:
+                size = parse_bytes(value) if value is not None else 1
+            except ValueError:
+                size = 0
+            if size <= 0:
+                _fail(name, f"must be a positive size like 8GiB, got {value!r}")
+        if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
+            _fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
+        if self.kv_offload_disk is not None:
+            if self.kv_offload_memory is None:
+                _fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one engine step may hold and in which order requests run."""
+
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "most sequences running at once (default: what the KV pool holds at full context and what "
+                "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
+                "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
+                "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"})
+    max_num_seqs_itl_ms: float | None = field(default=50.0, metadata={
+        "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
+                "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
+                "latency to protect and skips this bound unless given"})
+    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
+        "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
+    seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
+
+    @property
+    def max_num_seqs_bound(self) -> int:
+        """--max-num-seqs, or its ceiling while unset (before the engine resolves the default)."""
+        return self.max_num_seqs or MAX_NUM_SEQS_CEILING
+
+    def __post_init__(self) -> None:
+        SchedulerConfig.check(self)
+
+    def check(self) -> None:
+        check_choices(self)
+        if self.max_num_batched_tokens < 1:
+            _fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            _fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (pagoda/spec_decode): the proposer and how much it proposes."""
+
+    speculative: SpeculativeMethod | None = field(default=None, metadata={
+        "help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "tokens proposed per speculative step"})
+    ngram_min: int = field(default=1, metadata={"help": "shortest suffix the n-gram proposer matches"})
+    ngram_max: int = field(default=4, metadata={"help": "longest suffix the n-gram proposer matches"})
+    draft_model: str | None = field(default=None, metadata={
+        "help": "draft model directory for --speculative draft (same tokenizer as the target)"})
+    speculative_max_batch: int = field(default=8, metadata={
+        "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
+                "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+
+    def __post_init__(self) -> None:
+        _resolve_paths(self, "draft_model")
+        SpeculativeConfig.check(self)
+
+    def check(self) -> None:
+        check_choices(self)
+        if self.speculative == "draft" and not self.draft_model:
+            _fail("draft_model", "is required with speculative=draft")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            _fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            _fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over ranks and stages, where they run, and the threads they use."""
+
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
+                "but one when serving, that one left for the HTTP event loop)"})
     # ---- tensor parallelism (pagoda/executor) ----
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
@@ -163,9 +277,6 @@ class EngineConfig:
                 "micro-batches are in flight; with --tensor-parallel-size T each stage is T ranks"})
     pp_layer_partition: str | None = field(default=None, metadata={
         "metavar": "N,N,...", "help": "layers per pipeline stage, e.g. 3,5 (default: an even split)"})
-    moe_metrics: bool = field(default=False, metadata={
-        "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
-                "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})
     distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
         "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
                 "or ray (Ray actors; a replica and its ranks share one placement group; "
@@ -173,7 +284,88 @@ class EngineConfig:
     ray_address: str | None = field(default=None, metadata={
         "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
                 "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
-    # ---- prefill/decode disaggregation (pagoda/engine/disaggregation.py) ----
+    # Not a flag: how many engine replicas this one is one of (DeploymentConfig.replica_config
+    # sets it), so that the serving default of --num-threads shares the cores out between them.
+    num_replicas: int = 1
+
+    @property
+    def pp_layer_counts(self) -> list[int] | None:
+        """--pp-layer-partition as layer counts per stage (None: an even split)."""
+        if not self.pp_layer_partition:
+            return None
+        try:
+            counts = [int(part) for part in self.pp_layer_partition.split(",")]
+        except ValueError:
+            _fail("pp_layer_partition", f"must be comma-separated layer counts like 3,5, "
+                                        f"got {self.pp_layer_partition!r}")
+        if any(count < 1 for count in counts):
+            _fail("pp_layer_partition", f"{self.pp_layer_partition}: every stage needs at least one layer")
+        return counts
+
+    def __post_init__(self) -> None:
+        ParallelConfig.check(self)
+
+    def check(self) -> None:
+        check_choices(self)
+        if self.num_replicas < 1:
+            _fail("num_replicas", f"must be >= 1, got {self.num_replicas}")
+        if self.tensor_parallel_size < 1:
+            _fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            _fail("pipeline_parallel_size", f"must be >= 1, got {self.pipeline_parallel_size}")
+        counts = self.pp_layer_counts  # fails on malformed text
+        if counts is not None and len(counts) != self.pipeline_parallel_size:
+            _fail("pp_layer_partition", f"{self.pp_layer_partition} has {len(counts)} stage(s), "
+                                        f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (pagoda/lora): which are loaded at start and how many a step may mix."""
+
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
+    lora_modules: list[str] = field(default_factory=list, metadata={
+        "metavar": "NAME=PATH", "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
+                "(default: none)"})
+    max_loras: int = field(default=4, metadata={
+        "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
+                "at most this many distinct adapters"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "largest adapter rank accepted; the slots are sized for it"})
+
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """--lora-modules NAME=PATH entries as (name, path); a malformed entry gives an empty name."""
+        pairs = []
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            pairs.append((name.strip(), path.strip()) if sep and path.strip() else ("", entry))
+        return pairs
+
+    def __post_init__(self) -> None:
+        LoRAConfig.check(self)
+
+    def check(self) -> None:
+        if self.max_loras < 1:
+            _fail("max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            _fail("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            _fail("lora_modules", "need --enable-lora")
+        seen: set[str] = set()
+        for name, path in self.lora_module_paths():
+            if not name:
+                _fail("lora_modules", f"entries must be NAME=PATH, got {path!r}")
+            if name in seen:
+                _fail("lora_modules", f"name the adapter {name!r} only once")
+            seen.add(name)
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (pagoda/engine/disaggregation.py): this engine's role and
+    how its KV blocks travel."""
+
     role: EngineRole = field(default="both", metadata={
         "help": "this engine's role: both (prefill and decode here), prefill (compute the prompt and "
                 "first token, then hand the request and its KV blocks to a decode engine), or decode "
@@ -188,108 +380,104 @@ class EngineConfig:
     kv_transfer_timeout: float = field(default=10.0, metadata={
         "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
                 "(the decode replica then prefills the request itself)"})
-    # ---- LoRA adapters (pagoda/lora) ----
-    enable_lora: bool = field(default=False, metadata={
-        "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
-    lora_modules: list[str] = field(default_factory=list, metadata={
-        "metavar": "NAME=PATH", "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
-                "(default: none)"})
-    max_loras: int = field(default=4, metadata={
-        "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
-                "at most this many distinct adapters"})
-    max_lora_rank: int = field(default=16, metadata={
-        "help": "largest adapter rank accepted; the slots are sized for it"})
-    # ---- artifact verification (pagoda/artifacts) ----
-    verify_manifest: bool = field(default=False, metadata={
-        "help": "refuse to load a model or adapter whose files do not match the manifest beside them "
-                "(pagoda inspect MODEL --write-manifest); hashed while the weights load"})
-    verify_key: str | None = field(default=None, metadata={
-        "metavar": "PUBKEY", "help": "require a model-signing signature by this key (a PEM elliptic-curve public "
-                                     "key, or the CA certificate of certificate-signed models) on the model and "
-                                     "every adapter, and check every file against the signed digests"})
-    require_signature: bool = field(default=False, metadata={
-        "help": "refuse an unsigned model (needs --verify-key; a deployment sets it per model)"})
-
-    # Not a flag: how many engine replicas this one is one of (DeploymentConfig.replica_config
-    # sets it), so that the serving default of --num-threads shares the cores out between them.
-    num_replicas: int = 1
-
-    @property
-    def max_num_seqs_bound(self) -> int:
-        """--max-num-seqs, or its ceiling while unset (before the engine resolves the default)."""
-        return self.max_num_seqs or MAX_NUM_SEQS_CEILING
 
     def __post_init__(self) -> None:
-        self.model = resolve_model_path(self.model)
-        if self.tokenizer is not None:
-            self.tokenizer = resolve_model_path(self.tokenizer)
-        if self.draft_model is not None:
-            self.draft_model = resolve_model_path(self.draft_model)
-        self.validate()
+        DisaggregationConfig.check(self)
 
-    def validate(self) -> None:
+    def check(self) -> None:
         check_choices(self)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            _fail("block_size", f"must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            _fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes <= 0:
-            _fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
-        if self.max_num_batched_tokens < 1:
-            _fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            _fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            _fail("max_model_len", f"must be >= 1, got {self.max_model_len}")
-        if self.speculative == "draft" and not self.draft_model:
-            _fail("draft_model", "is required with speculative=draft")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            _fail("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.kv_transfer_timeout <= 0:
+            _fail("kv_transfer_timeout", f"must be > 0 seconds, got {self.kv_transfer_timeout}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Grammar compilation for structured output (pagoda/structured)."""
+
+    structured_output_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
+    structured_output_compile_threads: int = field(default=1, metadata={
+        "help": "threads compiling grammars beside the engine loop"})
+
+    def __post_init__(self) -> None:
+        StructuredOutputConfig.check(self)
+
+    def check(self) -> None:
         if not self.structured_output_timeout > 0:
             _fail("structured_output_timeout", f"must be > 0, got {self.structured_output_timeout}")
         if self.structured_output_compile_threads < 1:
             _fail("structured_output_compile_threads", f"must be >= 1, got {self.structured_output_compile_threads}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            _fail("ngram_min", f"must be >= 1 and <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        for name in ("kv_offload_memory", "kv_offload_disk_size"):
-            value = getattr(self, name)
-            try:
-                size = parse_bytes(value) if value is not None else 1
-            except ValueError:
-                size = 0
-            if size <= 0:
-                _fail(name, f"must be a positive size like 8GiB, got {value!r}")
-        if self.preemption_mode != "recompute" and self.kv_offload_memory is None:
-            _fail("preemption_mode", f"{self.preemption_mode} needs a host tier: set kv_offload_memory")
-        if self.kv_offload_disk is not None:
-            if self.kv_offload_memory is None:
-                _fail("kv_offload_disk", "needs a host tier above it: set kv_offload_memory")
-        if self.max_loras < 1:
-            _fail("max_loras", f"must be >= 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            _fail("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
-        if self.lora_modules and not self.enable_lora:
-            _fail("lora_modules", "need --enable-lora")
-        seen: set[str] = set()
-        for name, path in self.lora_module_paths():
-            if not name:
-                _fail("lora_modules", f"entries must be NAME=PATH, got {path!r}")
-            if name in seen:
-                _fail("lora_modules", f"name the adapter {name!r} only once")
-            seen.add(name)
-        if self.require_signature and self.verify_key is None:
-            _fail("require_signature", "needs --verify-key (the key signatures are checked with)")
-        if self.verify_key is not None and not Path(self.verify_key).is_file():
-            _fail("verify_key", f"no such file: {self.verify_key}")
-        if self.num_replicas < 1:
-            _fail("num_replicas", f"must be >= 1, got {self.num_replicas}")
+
+
+# The groups in the order their flags are listed, each an argument group of its own under this title.
+ENGINE_CONFIG_GROUPS: dict[str, type] = {
+    "model": ModelLoadConfig, "KV cache": CacheConfig, "scheduler": SchedulerConfig,
+    "speculative decoding": SpeculativeConfig, "parallelism": ParallelConfig,
+    "prefill/decode disaggregation": DisaggregationConfig, "LoRA adapters": LoRAConfig,
+    "structured output": StructuredOutputConfig}
+
+
+# Bases listed last-group-first: a dataclass collects its bases' fields from the last base to
+# the first, and the fields (hence --help) then follow ENGINE_CONFIG_GROUPS.
+@dataclass(frozen=True)
+class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, ParallelConfig, SpeculativeConfig,
+                   SchedulerConfig, CacheConfig, ModelLoadConfig):
+    """Every knob of one engine: the union of the sub-configs' fields, built flat from keywords
+    (`EngineConfig(block_size=32)`, `dataclasses.replace(config, seed=1)`), each field a flag
+    `--field-name` whose help is its metadata. Code that needs one group takes its sub-config
+    (`config.cache`, `config.speculation`, ...), a frozen copy of those fields."""
+
+    def __post_init__(self) -> None:
+        # An EngineConfig is each of its groups: each resolves and checks its own fields.
+        ModelLoadConfig.__post_init__(self)
+        CacheConfig.__post_init__(self)
+        SchedulerConfig.__post_init__(self)
+        SpeculativeConfig.__post_init__(self)
+        ParallelConfig.__post_init__(self)
+        DisaggregationConfig.__post_init__(self)
+        LoRAConfig.__post_init__(self)
+        StructuredOutputConfig.__post_init__(self)
+        self._check_combinations()
+
+    # ---- the sub-configs: what each consumer receives ----
+
+    @cached_property
+    def model_load(self) -> ModelLoadConfig:
+        return _group(ModelLoadConfig, self)
+
+    @cached_property
+    def cache(self) -> CacheConfig:
+        return _group(CacheConfig, self)
+
+    @cached_property
+    def scheduler(self) -> SchedulerConfig:
+        return _group(SchedulerConfig, self)
+
+    @cached_property
+    def speculation(self) -> SpeculativeConfig:
+        return _group(SpeculativeConfig, self)
+
+    @cached_property
+    def parallel(self) -> ParallelConfig:
+        return _group(ParallelConfig, self)
+
+    @cached_property
+    def disaggregation(self) -> DisaggregationConfig:
+        return _group(DisaggregationConfig, self)
+
+    @cached_property
+    def lora(self) -> LoRAConfig:
+        return _group(LoRAConfig, self)
+
+    @cached_property
+    def structured_output(self) -> StructuredOutputConfig:
+        return _group(StructuredOutputConfig, self)
+
+    # ---- checks across groups ----
+
+    def _check_combinations(self) -> None:
         self._validate_tensor_parallel()
         self._validate_pipeline_parallel()
-        self._validate_role()
-
-    def _validate_role(self) -> None:
-        if self.kv_transfer_timeout <= 0:
-            _fail("kv_transfer_timeout", f"must be > 0 seconds, got {self.kv_transfer_timeout}")
         if self.role != "both":
             self.check_handoff_support()
 
@@ -306,8 +494,6 @@ class EngineConfig:
                          "(a handoff carries one stage's KV pool)")
 
     def _validate_tensor_parallel(self) -> None:
-        if self.tensor_parallel_size < 1:
-            _fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1:
             return
         # Features whose state lives beside one model's KV cache and is not split yet.
@@ -320,12 +506,6 @@ class EngineConfig:
             _fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     def _validate_pipeline_parallel(self) -> None:
-        if self.pipeline_parallel_size < 1:
-            _fail("pipeline_parallel_size", f"must be >= 1, got {self.pipeline_parallel_size}")
-        counts = self.pp_layer_counts  # fails on malformed text
-        if counts is not None and len(counts) != self.pipeline_parallel_size:
-            _fail("pp_layer_partition", f"{self.pp_layer_partition} has {len(counts)} stage(s), "
-                                        f"pipeline_parallel_size is {self.pipeline_parallel_size}")
         if self.pipeline_parallel_size == 1:
             return
         # State that lives beside one process's whole model and KV cache.
@@ -337,41 +517,12 @@ class EngineConfig:
         if self.enable_lora:
             _fail("enable_lora", "LoRA adapters are not supported with pipeline_parallel_size > 1 yet")
 
-    @property
-    def pp_layer_counts(self) -> list[int] | None:
-        """--pp-layer-partition as layer counts per stage (None: an even split)."""
-        if not self.pp_layer_partition:
-            return None
-        try:
-            counts = [int(part) for part in self.pp_layer_partition.split(",")]
-        except ValueError:
-            _fail("pp_layer_partition", f"must be comma-separated layer counts like 3,5, "
-                                        f"got {self.pp_layer_partition!r}")
-        if any(count < 1 for count in counts):
-            _fail("pp_layer_partition", f"{self.pp_layer_partition}: every stage needs at least one layer")
-        return counts
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
-
-    def lora_module_paths(self) -> list[tuple[str, str]]:
-        """--lora-modules NAME=PATH entries as (name, path); a malformed entry gives an empty name."""
-        pairs = []
-        for entry in self.lora_modules:
-            name, sep, path = entry.partition("=")
-            pairs.append((name.strip(), path.strip()) if sep and path.strip() else ("", entry))
-        return pairs
-
-    @property
-    def kv_offload_bytes(self) -> int:
-        return parse_bytes(self.kv_offload_memory) if self.kv_offload_memory is not None else 0
-
     # ---- CLI -------------------------------------------------------------------------------
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-        add_flags(parser, cls, "engine", skip=skip)
+        for title, group in ENGINE_CONFIG_GROUPS.items():
+            add_flags(parser, group, f"engine: {title}", skip=skip)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":
@@ -566,6 +717,23 @@ class DeploymentConfig:
 
 def _fail(name: str, message: str) -> NoReturn:
     raise ValueError(f"{name} {message}")
+
+
+G = TypeVar("G")
+
+
+def _group(group: type[G], config: EngineConfig) -> G:
+    """The sub-config `group` holding `config`'s values of its fields."""
+    return group(**{f.name: getattr(config, f.name) for f in dataclasses.fields(group)})  # type: ignore[arg-type]
+
+
+def _resolve_paths(config: object, *names: str) -> None:
+    """Model directory fields given as a bundled model's name become its directory (a frozen
+    dataclass sets them once, in __post_init__)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None:
+            object.__setattr__(config, name, resolve_model_path(value))
 
 
 def parse_replica_roles(spec: str) -> dict[str, int] | None:

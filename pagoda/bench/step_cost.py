@@ -47,6 +47,7 @@ def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost
     import torch
 
     from pagoda.config import EngineConfig
+    from pagoda.engine.engine_request import EngineRequest
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.sampling_params import SamplingParams
 
@@ -69,16 +70,16 @@ def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost
 
     for _ in range(repeats):
         for length in (16, 64, 256, min(1024, max_len // 2)):
-            engine.add_request(f"p{next(counter)}", prompt(length),
-                               SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.add_request(EngineRequest(f"p{next(counter)}", prompt(length),
+                                             SamplingParams(max_tokens=1, ignore_eos=True)))
             timed_step(length, 0, 0)
             while engine.has_unfinished_requests():
                 engine.step()
         for batch in (1, 4, 16, 32):
             for context in (32, min(384, max_len // 2)):
                 for _ in range(batch):
-                    engine.add_request(f"d{next(counter)}", prompt(context),
-                                       SamplingParams(max_tokens=4, ignore_eos=True))
+                    engine.add_request(EngineRequest(f"d{next(counter)}", prompt(context),
+                                                     SamplingParams(max_tokens=4, ignore_eos=True)))
                 engine.step()  # the prompts, all in one step (the budget holds them)
                 for _ in range(2):
                     timed_step(0, batch, batch * context)

@@ -19,7 +19,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
-from pagoda.engine.client import RequestOptions, generate_outputs
+from pagoda.engine.client import generate_outputs
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.transport import (AbortRequests, AddRequest, EngineDeadError, TransportKind,
@@ -140,15 +141,15 @@ class AsyncLLM:
         check, run here so a caller can refuse it before queueing it)."""
         validate_request(prompt_token_ids, params, self.engine_limits)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          options: RequestOptions = RequestOptions(), *, wake: asyncio.Event | None = None,
+    async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None,
                           handoff: HandoffTarget | None = None, awaiting_kv: bool = False) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it (EngineClient).
 
-        Raises InvalidRequest (a ValueError) or EngineDeadError. The options' route hints mean
+        Raises InvalidRequest (a ValueError) or EngineDeadError. The request's route hints mean
         nothing to one engine. `handoff` and `awaiting_kv`: see LLMEngine.add_request
         (disaggregation, used by the router).
         """
+        request_id = request.request_id
         stream = RequestStream(request_id, asyncio.get_running_loop(), wake)
         with self._lock:
             if self._error is not None or self._stopped:
@@ -156,9 +157,7 @@ class AsyncLLM:
             check_request_id_free(request_id, self._streams)
             self._streams[request_id] = stream
         # Sent after registering: once the engine has died, whatever is registered is failed.
-        self._transport.send(AddRequest(request_id, prompt, params, options.arrival_time,
-                                        options.cache_salt, options.priority, options.lora_request,
-                                        handoff, awaiting_kv))
+        self._transport.send(AddRequest(request, handoff, awaiting_kv))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -166,11 +165,10 @@ class AsyncLLM:
             raise
         return stream
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's whole output so far, after each step the consumer reads (independent
         copies); the request is aborted if the consumer stops early."""
-        return generate_outputs(self, request_id, prompt, params, options)
+        return generate_outputs(self, request)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop requests; their streams get nothing more and the engine frees their blocks."""

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.validation import validate_request
 from pagoda.errors import InvalidRequest
-from pagoda.lora_request import LoRARequest
 from pagoda.outputs import CompletionDelta, Logprob, PositionLogprobs, RequestMetrics, RequestOutputDelta
 from pagoda.request import Request
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -183,10 +183,9 @@ class _Search:
     prompt_token_ids: list[int]
     params: SamplingParams
     search: BeamSearch
-    arrival_time: float
-    cache_salt: str | None
-    priority: int
-    lora_request: LoRARequest | None
+    # The request as the engine received it (its prompt as token ids, arrival time set): each
+    # beam request is this one with its own id, prompt and step_params.
+    request: EngineRequest
     step_params: SamplingParams  # each beam request's: one token and its top logprobs
     # The step in flight: beam request id -> the beam's index in `search.running`.
     pending: dict[str, int] = field(default_factory=dict)
@@ -211,10 +210,10 @@ class BeamSearchRunner:
     def owns(self, request_id: str) -> bool:
         return request_id in self._searches
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, *,
-            arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
-            lora_request: LoRARequest | None = None) -> None:
-        """Start a search; raises InvalidRequest (nothing is kept then)."""
+    def add(self, request: EngineRequest, prompt: str | None) -> None:
+        """Start a search for `request` (its prompt as token ids; `prompt` the text it was
+        tokenized from, if any); raises InvalidRequest (nothing is kept then)."""
+        request_id, params, prompt_token_ids = request.request_id, request.params, request.prompt_token_ids
         if request_id in self._searches or request_id in self.core.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids | frozenset(params.stop_token_ids)
@@ -228,8 +227,8 @@ class BeamSearchRunner:
                 f"tokens of each step ({len(eos)} end-of-sequence tokens on this model), more than "
                 f"{MAX_LOGPROBS}; use at most {MAX_LOGPROBS - len(eos)} beams", param="n")
         step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
-        state = _Search(request_id, prompt, list(prompt_token_ids), params, search,
-                        arrival_time or time.time(), cache_salt, priority, lora_request, step_params)
+        state = _Search(request_id, prompt, prompt_token_ids, params, search,
+                        replace(request, arrival_time=request.arrival_time or time.time()), step_params)
         self._searches[request_id] = state
         try:
             self._submit_step(state)
@@ -296,9 +295,8 @@ class BeamSearchRunner:
         state.next_logprobs = [None] * len(running)
         for index, beam in enumerate(running):
             beam_request_id = f"{state.request_id}\x00beam{index}"
-            self.core.add_request(beam_request_id, state.prompt_token_ids + beam.token_ids, state.step_params,
-                                  arrival_time=state.arrival_time, cache_salt=state.cache_salt,
-                                  priority=state.priority, lora_request=state.lora_request)
+            self.core.add_request(replace(state.request, request_id=beam_request_id,
+                                          prompt=state.prompt_token_ids + beam.token_ids, params=state.step_params))
             state.pending[beam_request_id] = index
             self._by_beam_request[beam_request_id] = state
 
@@ -335,6 +333,6 @@ class BeamSearchRunner:
     def _metrics(self, state: _Search) -> RequestMetrics:
         now = time.time()
         # The beams are ranked only at the end: every token is released then.
-        return RequestMetrics(arrival_time=state.arrival_time, first_scheduled_time=state.first_scheduled_time,
+        return RequestMetrics(arrival_time=state.request.arrival_time, first_scheduled_time=state.first_scheduled_time,
                               first_token_time=now, last_token_time=now, finished_time=now,
                               num_preemptions=state.num_preemptions)

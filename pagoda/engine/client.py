@@ -2,9 +2,9 @@
 
 `AsyncLLM` (one engine) and `replicas.ReplicaSet` (replicas of one model behind a router) both
 are one, so the HTTP layer is written once against this protocol and never learns how many
-engines answer it. `RequestOptions` is everything a request carries beyond its prompt and
-sampling parameters, the same object for every client: a client that has no use for part of it
-(one engine and the route hints) ignores that part.
+engines answer it. A request is one `EngineRequest` (engine/engine_request.py), the same object
+for every client: a client that has no use for part of it (one engine and the route hints)
+ignores that part.
 
 Arguments that only a router gives its own replicas (disaggregation's handoff target,
 `awaiting_kv`) stay off the protocol: they are AsyncLLM's keyword arguments.
@@ -13,9 +13,9 @@ Arguments that only a router gives its own replicas (disaggregation's handoff ta
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import StreamRoute
 from pagoda.engine.transport import EngineDeadError
 from pagoda.lora_request import LoRARequest
@@ -28,21 +28,8 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
     from pagoda.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineStream", "RequestOptions", "StreamRoute",
+__all__ = ["EngineClient", "EngineDeadError", "EngineRequest", "EngineStream", "StreamRoute",
            "generate_outputs"]
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """What a request carries beyond its prompt and sampling parameters."""
-
-    arrival_time: float | None = None  # when the request reached the server (time.time())
-    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
-    priority: int = 0  # --scheduling-policy priority: lower runs first
-    lora_request: LoRARequest | None = None  # None: the base model
-    # Route hints: what a replica router's pool rules match on.
-    tenant: str | None = None
-    model: str | None = None  # the model name the client asked for (the served one or an adapter)
 
 
 class EngineStream(Protocol):
@@ -102,16 +89,13 @@ class EngineClient(Protocol):
         """Raise InvalidRequest if the engine would refuse this request."""
         ...
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: "SamplingParams",
-                          options: RequestOptions = RequestOptions(), *,
-                          wake: asyncio.Event | None = None) -> EngineStream:
+    async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None) -> EngineStream:
         """Submit a request; returns its stream once it was accepted. Raises InvalidRequest or
         EngineDeadError. `wake` is set whenever the stream has something new (share one across
         streams to wait on several)."""
         ...
 
-    def generate(self, request_id: str, prompt: str | list[int], params: "SamplingParams",
-                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's whole output so far after each step read (generate_outputs)."""
         ...
 
@@ -136,16 +120,14 @@ class EngineClient(Protocol):
         ...
 
 
-async def generate_outputs(client: EngineClient, request_id: str, prompt: str | list[int],
-                           params: "SamplingParams",
-                           options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+async def generate_outputs(client: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput]:
     """Submit a request to `client` and yield its whole output so far after each delta the
     consumer reads (independent copies); the request is aborted if the consumer stops early."""
-    stream = await client.add_request(request_id, prompt, params, options)
+    stream = await client.add_request(request)
     outputs = OutputAccumulator()
     try:
         async for delta in stream:
             yield outputs.add(delta).snapshot()
     finally:
         if not stream.finished:
-            client.abort([request_id])
+            client.abort([request.request_id])

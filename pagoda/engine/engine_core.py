@@ -9,45 +9,31 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from pagoda.artifacts.digests import ArtifactError
-from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
 from pagoda.config import EngineConfig
-from pagoda.core.kv_cache_groups import (KVCacheGroup, kv_cache_groups, layers_per_page,
-                                         longest_sequence_blocks, pages_per_sequence, release_blocker)
+from pagoda.core.kv_cache_groups import longest_sequence_blocks
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
+from pagoda.engine.assembly import (build_kv_tiers, build_model_stack, build_runner, plan_engine_kv_pool,
+                                    verify_adapter)
 from pagoda.engine.disaggregation import DisaggStats
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
                                       check_request_id_free, validate_request)
-from pagoda.engine.threads import available_cores
-from pagoda.executor.pipeline import PipelineExecutor
-from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
-from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
+from pagoda.kv_transfer.tiers import KVTierStats
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
-from pagoda.model.attention import select_backend
-from pagoda.model.loader import load_model, load_model_config
-from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
-from pagoda.model.pipeline import PipelineStage, pipeline_stages
-from pagoda.native import resolve_native_kernels
+from pagoda.model.moe_load import MoEStats
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
-from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
-from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.controller import SpecDecodeController, SpecDecodeStats
-from pagoda.spec_decode.draft_proposer import DraftModelProposer
+from pagoda.spec_decode.controller import SpecDecodeStats
 from pagoda.structured.compiler import StructuredOutputStats
 from pagoda.structured.manager import StructuredOutputManager
-from pagoda.worker.model_runner import ModelRunner, StepTimings, SubmittedStep
+from pagoda.worker.model_runner import StepTimings, SubmittedStep
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -104,103 +90,22 @@ class LoRAStats:
     num_slot_loads: int  # adapters copied into a device slot since start (LRU misses)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # transformers-identical greedy outputs; --dtype bfloat16 trades that for speed
-    return _DTYPES.get(config_dtype or "", torch.bfloat16) if config_dtype != "float32" else torch.bfloat16
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         # Torch's thread count is the driver's to set (pagoda.engine.threads), on its own thread.
+        # What is built here comes from pagoda.engine.assembly; the core wires it and runs it.
         self.config = config
-        self.verification = VerificationPolicy(config.verify_manifest, config.verify_key)
-        # With verification on, every file of the model is hashed on a thread while the weights
-        # load; the manifest's id is the weights digest provenance reports (None unverified).
-        artifact_check = None
-        if self.verification.enabled:
-            artifact_check = ArtifactCheck(config.model, self.verification).start()
-            if config.tokenizer not in (None, config.model):
-                verify_artifact(config.tokenizer, self.verification)
-        self.weights_digest: str | None = None
-        self.model_config = load_model_config(config.model)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.config_dtype, self.device)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
-                        config.max_num_batched_tokens)
-
-        self.native_kernels = resolve_native_kernels(config.native_kernels, self.device)
-        self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                                config.quantization_zero_point, self.native_kernels)
-        self.weight_format.check_kernel(self.device, self.dtype)
-        # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
-        # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
-        # stages 1..P-1 load their layers, this process is the first stage.
-        self.stages = self._pipeline_stages()
-        self.num_micro_batches = len(self.stages) if self.stages is not None else 1
-        self.executor: TensorParallelExecutor | None = None
-        if self.stages is not None:
-            self.executor = PipelineExecutor(config, self.device, self.dtype, self.weight_format,
-                                             torch.get_num_threads(), self.stages, self.model_config.vocab_size)
-        elif config.tensor_parallel_size > 1:
-            self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
-                                                   torch.get_num_threads())
-        try:
-            model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
-                               self.executor.group if self.executor else None,
-                           self.stages[0] if self.stages is not None else None)
-        except ValueError:
-            if artifact_check is not None:
-                artifact_check.result()  # a tampered file is named as such, not as a corrupt one
-            raise
-        if artifact_check is not None:
-            try:
-                self.weights_digest = artifact_check.result()
-            except ArtifactError:
-                del model  # nothing loaded from an unverified artifact stays in memory
-                if self.executor is not None:
-                    self.executor.shutdown()
-                raise
-        draft_model = self._load_draft_model() if config.speculative == "draft" else None
-        self.moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
-            if config.moe_metrics and self.model_config.moe is not None else None
-        self.lora = self._load_loras(model) if config.enable_lora else None
+        stack = build_model_stack(config)
+        self.model_config, self.device, self.dtype = stack.model_config, stack.device, stack.dtype
+        self.max_model_len, self.weights_digest = stack.max_model_len, stack.weights_digest
+        self.verification, self.native_kernels, self.weight_format = (stack.verification, stack.native_kernels,
+                                                                      stack.weight_format)
+        self.stages, self.executor, self.num_micro_batches = stack.stages, stack.executor, stack.num_micro_batches
+        self.lora, self.moe_meter = stack.lora, stack.moe_meter
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
-        # The same formula `pagoda plan` uses (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes).
-        element_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        # Sliding-window layers release the blocks behind their windows, in KV cache groups of
-        # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
-        windows = self.model_config.layer_sliding_windows
-        self.release_blocker = release_blocker(config) if any(w is not None for w in windows) else None
-        self.kv_groups = kv_cache_groups(windows, release=self.release_blocker is None)
-        if self.release_blocker is not None:
-            logger.info("sliding-window KV blocks are kept whole: %s", self.release_blocker)
-        # Per rank: each holds its KV heads' slice of every block.
-        bytes_per_block = model.config.kv_bytes_per_token(element_bytes, model.num_kv_heads,
-                                                          kv_cache_dtype=config.kv_cache_dtype) * config.block_size
-        bytes_per_block = bytes_per_block * layers_per_page(self.kv_groups) // model.config.num_layers
-        if self.stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
-            bytes_per_block = bytes_per_block * max(stage_layers_per_page(self.kv_groups, stage)
-                                                    for stage in self.stages) // layers_per_page(self.kv_groups)
-        if draft_model is not None:
-            bytes_per_block += draft_model.config.kv_bytes_per_token(
-                element_bytes, kv_cache_dtype=config.kv_cache_dtype) * config.block_size
-        self.num_blocks = self._num_kv_blocks(bytes_per_block)
-        self.kv_tiers = KVTiers(config, bytes_per_block, str(self.dtype).removeprefix("torch.")) \
-            if config.kv_offload_memory is not None else None
+        plan = plan_engine_kv_pool(config, stack)
+        self.kv_groups, self.release_blocker, self.num_blocks = plan.groups, plan.release_blocker, plan.num_blocks
+        self.kv_tiers = build_kv_tiers(config, plan, self.dtype)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                        host_tier=self.kv_tiers.host if self.kv_tiers else None,
                                        preemption=self.kv_tiers.policy if self.kv_tiers else None,
@@ -208,36 +113,18 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs_bound, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy, draft_shares_blocks=draft_model is not None,
+            policy=config.scheduling_policy, draft_shares_blocks=stack.draft_model is not None,
             max_loras=config.max_loras if self.lora is not None else None,
             long_rope_boundary=self.model_config.long_rope_boundary, num_micro_batches=self.num_micro_batches)
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
         self.in_flight: deque[InFlightStep] = deque()
-        backend = select_backend(config.attention_backend, self.device, self.kv_format, self.native_kernels)
-        drafter = None
-        if draft_model is not None:
-            drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
-                                         self.device, self.kv_format)
-        self.speculation = SpecDecodeController(config, drafter)
-        self.runner = ModelRunner(model, backend, self.num_blocks, config.block_size, self.dtype, self.device,
-                                  config.seed, max_num_seqs=config.max_num_seqs_bound,
-                                  max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager or self.executor is not None,
-                                  speculator=self.speculation if config.speculative else None,
-                                  kv_format=self.kv_format, lora=self.lora, groups=self.kv_groups)
-        if self.executor is not None:
-            self.executor.start_serving(self.num_blocks, self.kv_groups)
-            if isinstance(self.executor, PipelineExecutor):
-                self.runner.pipeline = self.executor
-            else:
-                self.runner.tensor_parallel = self.executor
+        self.runner, self.speculation = build_runner(config, stack, plan, self.kv_format)
         self.engine_limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_blocks if self.kv_cache.single_table else longest_sequence_blocks(
                 self.kv_groups, self.num_blocks, config.block_size, self.max_model_len,
                 config.max_num_batched_tokens),
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill)
         if self.kv_tiers is not None:
             # The same caches _copy_blocks copies: the target's, then the draft model's, so a
@@ -250,90 +137,39 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
             timeout_s=config.structured_output_timeout, max_workers=config.structured_output_compile_threads)
-        # Step statistics: written here only, read by stats().
+        self._reset_step_stats()
+        self._resolve_max_num_seqs()
+        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
+                    self.model_config.architecture, self.dtype, self.device,
+                    stack.model.model.layers[0].self_attn.o_proj.weight_format.name,
+                    self.num_blocks, config.block_size, config.kv_cache_dtype, self.runner.backend.name)
+
+    def _reset_step_stats(self) -> None:
+        """Step statistics: written by steps only, read by stats()."""
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.iteration_tokens = TokenHistogram()
         self.last_step_timings = StepTimings()
-        # ---- --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps ----
-        self.max_num_seqs_choice = resolve_max_num_seqs(self, config.max_num_seqs, config.max_num_seqs_itl_ms)
+
+    def _resolve_max_num_seqs(self) -> None:
+        """The --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps,
+        whose statistics are then forgotten (calibration steps are not traffic)."""
+        self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs,
+                                                        self.config.max_num_seqs_itl_ms)
         self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
-        if not self.max_num_seqs_choice.explicit:  # calibration steps are not traffic
-            self.num_prompt_tokens = self.num_generation_tokens = 0
-            self.iteration_tokens = TokenHistogram()
-            self.last_step_timings = StepTimings()
+        if not self.max_num_seqs_choice.explicit:
+            self._reset_step_stats()
             self.scheduler.prefix_cache_queries = self.scheduler.prefix_cache_hits = 0
             self.speculation.reset_stats()
-        # ---- end --max-num-seqs default ----
-        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
-                    self.model_config.architecture, self.dtype, self.device,
-                    model.model.layers[0].self_attn.o_proj.weight_format.name,
-                    self.num_blocks, config.block_size, config.kv_cache_dtype, backend.name)
-
-    def _pipeline_stages(self) -> list[PipelineStage] | None:
-        """--pipeline-parallel-size's stages (None without), checked against the model and the
-        machine before any process starts."""
-        num_stages = self.config.pipeline_parallel_size
-        if num_stages == 1:
-            return None
-        stages = pipeline_stages(self.model_config.num_layers, num_stages, self.config.pp_layer_counts)
-        ranks = num_stages * self.config.tensor_parallel_size
-        if self.device.type == "cuda":
-            available, what = torch.cuda.device_count(), "CUDA devices"
-        else:
-            available, what = available_cores(), "CPU cores"
-        if ranks > available:
-            raise ValueError(f"pipeline_parallel_size {num_stages} x tensor_parallel_size "
-                             f"{self.config.tensor_parallel_size} = {ranks} ranks, but only {available} {what} "
-                             f"are available")
-        return stages
-
-    def _load_draft_model(self):
-        draft_dir = self.config.draft_model
-        if self.verification.enabled:
-            verify_artifact(draft_dir, self.verification)
-        draft_config = load_model_config(draft_dir)
-        if draft_config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
-                             f"target {self.model_config.vocab_size}: they must share the tokenizer")
-        if draft_config.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
-                             f"fewer than max_model_len {self.max_model_len}")
-        return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format)
-
-    def _load_loras(self, model) -> LoRAManager:
-        """Wrap the projections and load --lora-modules; a bad adapter stops the start."""
-        manager = LoRAManager(model, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
-                              dtype=self.dtype, device=self.device)
-        for name, path in self.config.lora_module_paths():
-            try:
-                self._verify_adapter(name, path)
-                manager.add(name, path)
-            except InvalidRequest as error:
-                raise ValueError(f"--lora-modules: {error}") from None
-        return manager
-
-    def _num_kv_blocks(self, bytes_per_block: int) -> int:
-        if self.config.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
-            return self.config.num_kv_blocks * self.model_config.num_layers // layers_per_page(self.kv_groups)
-        num_blocks = self.config.kv_cache_bytes // bytes_per_block
-        # More than every running sequence at full length could ever use is wasted memory.
-        useful = self.config.max_num_seqs_bound * pages_per_sequence(
-            self.kv_groups, self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens)
-        num_blocks = min(num_blocks, useful)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block "
-                             f"({bytes_per_block} bytes each)")
-        return num_blocks
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    eos_token_ids: Iterable[int] = (), arrival_time: float | None = None,
-                    cache_salt: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None, enqueue: bool = True) -> list[Request]:
-        """Validate and queue a request; returns its samples (n of them). Raises InvalidRequest.
-        With enqueue=False the caller schedules it (a KV handoff being imported)."""
+    def add_request(self, request: EngineRequest, *, eos_token_ids: Iterable[int] = (),
+                    enqueue: bool = True) -> list[Request]:
+        """Validate and queue a request (its prompt as token ids); returns its samples (n of
+        them). Raises InvalidRequest. With enqueue=False the caller schedules it (a KV handoff
+        being imported)."""
+        request_id, params, prompt_token_ids = request.request_id, request.params, request.prompt_token_ids
         check_request_id_free(request_id, self.requests)
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         if params.pooling is not None and self.config.pipeline_parallel_size > 1:
@@ -341,15 +177,15 @@ class EngineCore:
             raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
                                  "(--pipeline-parallel-size > 1)", param="input")
         adapter = None
-        if lora_request is not None:
-            check_lora_enabled(lora_request.lora_name, self.lora is not None)
-            adapter = self.lora.resolve(lora_request)
+        if request.lora_request is not None:
+            check_lora_enabled(request.lora_request.lora_name, self.lora is not None)
+            adapter = self.lora.resolve(request.lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
-            prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            prompt_token_ids=prompt_token_ids, sampling_params=params,
             eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
-            arrival_time=arrival_time or time.time(), cache_salt=cache_salt, priority=priority,
-            parent_id=request_id, lora=adapter,
+            arrival_time=request.arrival_time or time.time(), cache_salt=request.cache_salt,
+            priority=request.priority, parent_id=request_id, lora=adapter,
             long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)))
         if adapter is not None:
             self.lora.retain(adapter)  # released with the request (release())
@@ -389,18 +225,8 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter at run time; InvalidRequest if it is bad or its name is taken."""
         manager = self._require_lora(lora_request.lora_name)
-        self._verify_adapter(lora_request.lora_name, lora_request.lora_path)
+        verify_adapter(self.verification, lora_request.lora_name, lora_request.lora_path)
         manager.add(lora_request.lora_name, lora_request.lora_path)
-
-    def _verify_adapter(self, name: str, path: str) -> None:
-        """An adapter proves itself as the model does (--verify-manifest / --verify-key)."""
-        if not self.verification.enabled:
-            return
-        try:
-            verify_artifact(path, self.verification)
-        except ArtifactError as error:
-            raise InvalidRequest(f"LoRA adapter {name!r} failed verification: {error}", param="lora_path",
-                                 code="adapter_verification_failed") from None
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests cannot name it; running ones finish with it."""
@@ -550,8 +376,3 @@ def _record_prompt_logprobs(request: Request, first_position: int, entries: list
     if skip < len(entries):
         request.prompt_logprobs.extend(entries[max(skip, 0):])
 
-
-def stage_layers_per_page(groups: list[KVCacheGroup], stage: PipelineStage) -> int:
-    """Layers of a pool block a pipeline stage holds: the places its layers take in the groups
-    (pagoda.worker.paged_model allocates only those)."""
-    return len({place for group in groups for place, layer in enumerate(group.layers) if stage.holds_layer(layer)})

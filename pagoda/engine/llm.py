@@ -9,6 +9,7 @@ from typing import Any
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import require_both_role
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
@@ -74,8 +75,9 @@ class LLM:
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                    priority=priority[i] if priority else 0, lora_request=lora_request[i])
+            self.engine.add_request(EngineRequest(request_id, prompt, params, cache_salt=cache_salt,
+                                                  priority=priority[i] if priority else 0,
+                                                  lora_request=lora_request[i]))
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -107,7 +109,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is released (the first sample's)."""
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, sampling_params or self.get_default_sampling_params())
+        self.engine.add_request(EngineRequest(request_id, prompt, sampling_params or self.get_default_sampling_params()))
         try:
             while True:
                 output = self.engine.step()

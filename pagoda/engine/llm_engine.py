@@ -9,12 +9,14 @@ failures, KV handoffs ended). Prefill/decode disaggregation lives behind `kv_con
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.beam_search import BeamSearchRunner
 from pagoda.engine.disaggregation import sampling_params_from_dict
 from pagoda.engine.engine_core import EngineCore, EngineStats
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.kv_connector import KVConnector
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.roles import HandoffTarget
@@ -62,9 +64,7 @@ class LLMEngine:
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None, handoff: HandoffTarget | None = None,
+    def add_request(self, request: EngineRequest, *, handoff: HandoffTarget | None = None,
                     awaiting_kv: bool = False) -> None:
         """Queue a request. A string prompt is tokenized with special tokens; a list is token ids.
         Raises InvalidRequest (a ValueError) with a message fit for the client; the next step()
@@ -75,39 +75,32 @@ class LLMEngine:
         its first token; a decode engine holds an `awaiting_kv` request until that arrives (or
         kv_connector.prefill_locally is called)."""
         try:
-            self._add_request(request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt,
-                              priority=priority, lora_request=lora_request, handoff=handoff,
-                              awaiting_kv=awaiting_kv)
+            self._add_request(request, handoff, awaiting_kv)
         except Exception as error:
-            self._output.refused[request_id] = _refusal(error)
+            self._output.refused[request.request_id] = _refusal(error)
             raise
-        if not self.is_waiting_for_grammar(request_id):
-            self._output.accepted.append(request_id)
+        if not self.is_waiting_for_grammar(request.request_id):
+            self._output.accepted.append(request.request_id)
 
-    def _add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                     arrival_time: float | None, cache_salt: str | None, priority: int,
-                     lora_request: LoRARequest | None, handoff: HandoffTarget | None, awaiting_kv: bool) -> None:
-        if isinstance(prompt, str):
-            check_prompt_text(prompt)
-            prompt_text: str | None = prompt
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text = None
-            prompt_token_ids = list(prompt)
+    def _add_request(self, request: EngineRequest, handoff: HandoffTarget | None, awaiting_kv: bool) -> None:
+        request_id, params = request.request_id, request.params
+        prompt_text: str | None = None
+        if isinstance(request.prompt, str):
+            check_prompt_text(request.prompt)
+            prompt_text = request.prompt
+            request = replace(request, prompt=self.tokenizer.encode(request.prompt))
         check_role_accepts(self.config.role, params, handoff, awaiting_kv)
         if self.beam_searches.owns(request_id):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if params.use_beam_search:
             if handoff is not None or awaiting_kv:
                 raise InvalidRequest("use_beam_search is not supported across a KV handoff", param="use_beam_search")
-            self.beam_searches.add(request_id, prompt_text, prompt_token_ids, params, arrival_time=arrival_time,
-                                   cache_salt=cache_salt, priority=priority, lora_request=lora_request)
+            self.beam_searches.add(request, prompt_text)
             return
         if params.bad_words and params.bad_words_token_ids is None:  # the sampler bans token ids
-            params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
-        samples = self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                                        arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
-                                        lora_request=lora_request, enqueue=not awaiting_kv)
+            request = replace(request, params=params.clone(
+                bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer)))
+        samples = self.core.add_request(request, eos_token_ids=self.eos_token_ids, enqueue=not awaiting_kv)
         self.output_processor.add_request(request_id, prompt_text, samples)
         self.kv_connector.on_add(samples[0], handoff, awaiting_kv)
 
@@ -124,9 +117,9 @@ class LLMEngine:
         lora = LoRARequest(lora_name=header.lora_name) if header.lora_name is not None else None
         try:
             params = sampling_params_from_dict(header.sampling_params)
-            samples = self.core.add_request(header.request_id, header.prompt_token_ids, params,
-                                            eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                                            cache_salt=header.cache_salt, lora_request=lora, enqueue=False)
+            request = EngineRequest(header.request_id, header.prompt_token_ids, params, arrival_time=arrival_time,
+                                    cache_salt=header.cache_salt, lora_request=lora)
+            samples = self.core.add_request(request, eos_token_ids=self.eos_token_ids, enqueue=False)
         except (InvalidRequest, TypeError) as error:  # TypeError: sampling params this version lacks
             incoming.reject(str(error))
             raise invalid_handoff(header.request_id, error) from None

@@ -50,8 +50,7 @@ import torch
 from pagoda.config import MAX_NUM_SEQS_CEILING as CEILING
 from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
-from pagoda.sampling_params import SamplingParams
-
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.kv_transfer.tiers import model_fingerprint
 from pagoda.sampling_params import SamplingParams
 
@@ -147,7 +146,7 @@ class CalibratedEngine(Protocol):
     dtype: torch.dtype
     executor: Any
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
+    def add_request(self, request: EngineRequest) -> Any: ...
     def step(self) -> Any: ...
     def abort_request(self, request_ids: list[str]) -> Any: ...
     def release(self, request_id: str) -> None: ...
@@ -176,7 +175,7 @@ def calibrate_decode_step(core: CalibratedEngine) -> Callable[[int], float]:
             torch.set_num_threads(1)
         for i, request_id in enumerate(ids):
             prompt = [(7 * i + 13 * j + 1) % vocab for j in range(prompt_tokens)]
-            core.add_request(request_id, prompt, params)
+            core.add_request(EngineRequest(request_id, prompt, params))
         try:
             while any(not s.num_output_tokens for r in ids for s in core.requests[r]):
                 core.step()  # prefill (in chunks if the token budget is smaller than the batch)

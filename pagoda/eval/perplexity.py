@@ -134,7 +134,7 @@ def evaluate_perplexity(options: PerplexityOptions, config: EngineConfig) -> lis
     token_lists = None
     for label, engine_config in configs:
         start = time.perf_counter()
-        llm = LLM(**vars(engine_config))
+        llm = LLM(**{f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)})
         if token_lists is None:
             token_lists = tokenize_documents(llm, documents, options.max_tokens or None)
         window = min(options.window, llm.engine.core.max_model_len)

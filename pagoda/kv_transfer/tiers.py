@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagoda.config import EngineConfig, parse_bytes
+from pagoda.config import CacheConfig, EngineConfig, parse_bytes
 from pagoda.core.kv_tiers import DiskTier, HostTier, PreemptionPolicy
 from pagoda.kv_transfer.disk_store import DiskStore, file_bytes
 
@@ -55,7 +55,7 @@ def model_fingerprint(config: EngineConfig, dtype_name: str) -> bytes:
     return h.digest()
 
 
-def num_host_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+def num_host_blocks(config: CacheConfig, bytes_per_block: int) -> int:
     """Blocks the host tier holds (0 when off); what `pagoda plan` should report for it."""
     if config.kv_offload_memory is None:
         return 0
@@ -66,7 +66,7 @@ def num_host_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return blocks
 
 
-def num_disk_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+def num_disk_blocks(config: CacheConfig, bytes_per_block: int) -> int:
     if config.kv_offload_disk is None:
         return 0
     blocks = parse_bytes(config.kv_offload_disk_size) // bytes_per_block
@@ -79,12 +79,12 @@ def num_disk_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 class KVTiers:
     """The engine's tiers: bookkeeping for the scheduler, copies for the runner."""
 
-    def __init__(self, config: EngineConfig, bytes_per_block: int, dtype_name: str) -> None:
+    def __init__(self, config: CacheConfig, bytes_per_block: int, fingerprint: bytes) -> None:
+        """`fingerprint`: model_fingerprint of the engine, the identity of a disk tier's blocks."""
         self.config = config
         self.disk_store: DiskStore | None = None
         disk = None
         if config.kv_offload_disk is not None:
-            fingerprint = model_fingerprint(config, dtype_name)
             self.disk_store = DiskStore(config.kv_offload_disk, fingerprint)
             existing = self.disk_store.scan() if config.kv_offload_disk_persist else []
             if not config.kv_offload_disk_persist:  # an engine dropped without close() cleans up too

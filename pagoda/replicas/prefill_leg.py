@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import replace
 from typing import Any, Callable
 
-from pagoda.config import EngineConfig
-from pagoda.engine.client import RequestOptions
+from pagoda.config import DisaggregationConfig
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.step_output import HandoffOutcome
@@ -50,25 +51,23 @@ def is_exportable(params: SamplingParams) -> bool:
 class PrefillLeg:
     """Runs one request's prefill leg as a task on the router's event loop."""
 
-    def __init__(self, config: EngineConfig, choose: Choose, lock: threading.Lock, request_id: str,
-                 attempt: int, route: RouteRequest, prompt: list[int], params: SamplingParams,
-                 decode: Replica, decode_stream: RequestStream, submit_options: RequestOptions,
+    def __init__(self, config: DisaggregationConfig, choose: Choose, lock: threading.Lock, request: EngineRequest,
+                 attempt: int, route: RouteRequest, decode: Replica, decode_stream: RequestStream,
                  on_end: Callable[["PrefillLeg"], None], *, prefill_timeout: float) -> None:
-        """`lock` guards the replicas' load counters (the router's lock); `prefill_timeout`:
-        seconds the prefill replica has to hand the request off (--kv-prefill-timeout)."""
+        """`request`: as submitted to the decode replica (its prompt as token ids). `lock`
+        guards the replicas' load counters (the router's lock); `prefill_timeout`: seconds the
+        prefill replica has to hand the request off (--kv-prefill-timeout)."""
         self.config = config
         self.prefill_timeout = prefill_timeout
         self._choose = choose
         self._lock = lock
-        self.request_id = request_id
+        self.request_id = request.request_id
         # Its own id on the prefill replica: a retried request's old leg may still be there.
-        self.leg_id = f"{request_id}@prefill{attempt}"
+        self.leg_id = f"{request.request_id}@prefill{attempt}"
+        self.leg_request = replace(request, request_id=self.leg_id)
         self.route = route
-        self.prompt = prompt
-        self.params = params
         self.decode = decode
         self.decode_stream = decode_stream
-        self.submit_options = submit_options
         self.outcome = "running"  # then: handed_off, finished, fallback, cancelled
         self._on_end = on_end
         self._prefill: Replica | None = None
@@ -90,7 +89,7 @@ class PrefillLeg:
                     return
                 self._prefill, cached = choice
                 with self._lock:
-                    flight = Flight(self._prefill, max(0, len(self.prompt) - cached), 0)
+                    flight = Flight(self._prefill, max(0, len(self.leg_request.prompt) - cached), 0)
                 try:
                     outcome = await self._prefill_on(self._prefill, target, self.prefill_timeout)
                 except EngineDeadError:
@@ -119,8 +118,7 @@ class PrefillLeg:
     async def _prefill_on(self, prefill: Replica, target: HandoffTarget,
                           timeout: float) -> HandoffOutcome | Any:
         async def submit_and_wait() -> HandoffOutcome | Any:
-            stream = await prefill.llm.add_request(self.leg_id, self.prompt, self.params, self.submit_options,
-                                                   handoff=target)
+            stream = await prefill.llm.add_request(self.leg_request, handoff=target)
             return await stream.handoff_outcome()
 
         return await asyncio.wait_for(submit_and_wait(), timeout)

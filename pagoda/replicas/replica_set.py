@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protoc
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.client import RequestOptions, generate_outputs
+from pagoda.engine.client import generate_outputs
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import RequestOutput
@@ -196,42 +197,39 @@ class ReplicaSet(ModelFront):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.replicas[0].llm.validate(prompt_token_ids, params)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          options: RequestOptions = RequestOptions(), *,
-                          wake: asyncio.Event | None = None) -> RoutedStream:
+    async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None) -> RoutedStream:
         """Route and submit a request; returns its stream once a replica accepted it.
 
-        The options' `tenant` and `model` are what route rules match on. Raises InvalidRequest
+        The request's `tenant` and `model` are what route rules match on. Raises InvalidRequest
         or EngineDeadError (no live replica)."""
-        if isinstance(prompt, str):
-            prompt = self.tokenizer.encode(prompt)
+        if isinstance(request.prompt, str):
+            request = dataclasses.replace(request, prompt=self.tokenizer.encode(request.prompt))
+        prompt = request.prompt_token_ids
         wake = wake if wake is not None else asyncio.Event()
         # An adapter's blocks never serve the base model or another adapter (their hashes
         # differ), so the router's prefix tree keys them apart as well.
-        lora_request = options.lora_request
-        route_salt = (options.cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
-        route = RouteRequest(prompt, _max_output_tokens(params, len(prompt), self.max_model_len),
-                             route_salt, options.tenant, options.model)
+        lora_request = request.lora_request
+        route_salt = (request.cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
+        route = RouteRequest(prompt, _max_output_tokens(request.params, len(prompt), self.max_model_len),
+                             route_salt, request.tenant, request.model)
         attempts = 0
 
         async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
             nonlocal attempts
             if not self.disaggregated:
-                return await self._submit(request_id, route, prompt, params, options, excluded, wake)
+                return await self._submit(request, route, excluded, wake)
             attempts += 1
-            return await self._submit_disaggregated(request_id, attempts, route, prompt, params, options,
-                                                    excluded, wake)
+            return await self._submit_disaggregated(request, attempts, route, excluded, wake)
 
         stream, flight = await submit(set())
-        routed = RoutedStream(request_id, stream, flight, submit, wake, on_done=self._forget)
+        routed = RoutedStream(request.request_id, stream, flight, submit, wake, on_done=self._forget)
         with self.lock:
-            self._flights[request_id] = routed
+            self._flights[request.request_id] = routed
         return routed
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's whole output so far, after each step the consumer reads."""
-        return generate_outputs(self, request_id, prompt, params, options)
+        return generate_outputs(self, request)
 
     # ---- LoRA adapters: every replica loads the same ones ---------------------------------------
 
@@ -381,13 +379,14 @@ class ReplicaSet(ModelFront):
             replica.num_routed += 1
             return replica, choice.expected_cached_tokens
 
-    async def _submit(self, request_id: str, route: RouteRequest, prompt: list[int],
-                      params: SamplingParams, options: RequestOptions, excluded: set[int],
+    async def _submit(self, request: EngineRequest, route: RouteRequest, excluded: set[int],
                       wake: asyncio.Event, role: str = "both",
                       handoff_above: int | None = None) -> tuple[RequestStream, Flight]:
-        """`handoff_above` (a decode replica, disaggregated): the request awaits its KV from a
-        prefill replica if more than that many of its prompt tokens are not cached on the chosen
-        replica, else that replica prefills it itself (see the flight's `awaiting_kv`)."""
+        """Submit `request` (its prompt as token ids) to a replica. `handoff_above` (a decode
+        replica, disaggregated): the request awaits its KV from a prefill replica if more than
+        that many of its prompt tokens are not cached on the chosen replica, else that replica
+        prefills it itself (see the flight's `awaiting_kv`)."""
+        prompt, params = request.prompt, request.params
         excluded = set(excluded)
         while True:
             chosen = self.choose(route, excluded, role)
@@ -402,8 +401,7 @@ class ReplicaSet(ModelFront):
             with self.lock:
                 flight = Flight(replica, uncached, route.max_tokens * params.n, awaiting_kv=awaiting_kv)
             try:
-                stream = await replica.llm.add_request(request_id, prompt, params, options, wake=wake,
-                                                       awaiting_kv=awaiting_kv)
+                stream = await replica.llm.add_request(request, wake=wake, awaiting_kv=awaiting_kv)
             except EngineDeadError:
                 flight.close()
                 replica.num_moved_away += 1
@@ -414,22 +412,21 @@ class ReplicaSet(ModelFront):
                 raise
             return stream, flight
 
-    async def _submit_disaggregated(self, request_id: str, attempt: int, route: RouteRequest, prompt: list[int],
-                                    params: SamplingParams, options: RequestOptions, excluded: set[int],
-                                    wake: asyncio.Event) -> tuple[RequestStream, Flight]:
+    async def _submit_disaggregated(self, request: EngineRequest, attempt: int, route: RouteRequest,
+                                    excluded: set[int], wake: asyncio.Event) -> tuple[RequestStream, Flight]:
         """Submit to a decode replica and, when the request is to be handed off (it can be, and
         more than --max-local-prefill-tokens of its prompt are not cached there), start the
         prefill leg that feeds it; returns the decode replica's stream."""
-        handoff_above = self.deployment.max_local_prefill_tokens if is_exportable(params) else None
-        stream, flight = await self._submit(request_id, route, prompt, params, options, excluded, wake,
-                                            role="decode", handoff_above=handoff_above)
+        request_id = request.request_id
+        handoff_above = self.deployment.max_local_prefill_tokens if is_exportable(request.params) else None
+        stream, flight = await self._submit(request, route, excluded, wake, role="decode",
+                                            handoff_above=handoff_above)
         previous = self._legs.pop(request_id, None)
         if previous is not None:  # the request moved off a dead decode replica
             previous.cancel()
         if flight.awaiting_kv:
-            self._legs[request_id] = PrefillLeg(self.config, self.choose, self.lock, request_id, attempt, route,
-                                                prompt, params, flight.replica, stream, options,
-                                                on_end=self._leg_ended,
+            self._legs[request_id] = PrefillLeg(self.config.disaggregation, self.choose, self.lock, request, attempt,
+                                                route, flight.replica, stream, on_end=self._leg_ended,
                                                 prefill_timeout=self.deployment.kv_prefill_timeout)
         return stream, flight
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
-from pagoda.engine.client import EngineStream, RequestOptions, generate_outputs
+from pagoda.engine.client import EngineStream, generate_outputs
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.replicas.supervisor import EngineSupervisor, ModelFront
@@ -51,14 +52,11 @@ class SupervisedEngine(ModelFront):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.supervisor.llm.validate(prompt_token_ids, params)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          options: RequestOptions = RequestOptions(), *,
-                          wake: asyncio.Event | None = None) -> EngineStream:
-        return await self.supervisor.llm.add_request(request_id, prompt, params, options, wake=wake)
+    async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None) -> EngineStream:
+        return await self.supervisor.llm.add_request(request, wake=wake)
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
-        return generate_outputs(self, request_id, prompt, params, options)
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return generate_outputs(self, request)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self.supervisor.llm.abort(request_ids)

@@ -256,7 +256,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
                    llm: EngineClient) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.config import parse_replica_roles
-    from pagoda.engine.engine_core import resolve_device, resolve_dtype
+    from pagoda.engine.assembly import resolve_device, resolve_dtype
     from pagoda.model.loader import load_model_config
     from pagoda.native import active_description
 

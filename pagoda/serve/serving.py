@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pagoda.engine.client import EngineClient, EngineDeadError, EngineStream, RequestOptions
+from pagoda.engine.client import EngineClient, EngineDeadError, EngineRequest, EngineStream
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
@@ -257,17 +257,16 @@ class Generation:
             self._output_guard = guard_generation_output(  # guardrails hook
                 ctx.guard, ctx.llm.abort, self.tenant, self.params)
             self.admission.charge_tokens(self.work, [len(p.token_ids) for p in self.prompts])
-            options = RequestOptions(arrival_time=self.arrival_time, cache_salt=self.tenant.cache_salt,
-                                     priority=self.tenant.limits.priority if self.priority is None else self.priority,
-                                     lora_request=self.lora_request,
-                                     tenant=self.tenant.name, model=self.model_name)
+            priority = self.tenant.limits.priority if self.priority is None else self.priority
+            requests = [EngineRequest(request_id, prompt.token_ids, self.params, arrival_time=self.arrival_time,
+                                      cache_salt=self.tenant.cache_salt, priority=priority,
+                                      lora_request=self.lora_request, tenant=self.tenant.name, model=self.model_name)
+                        for request_id, prompt in zip(self.engine_request_ids, self.prompts)]
             # All prompts are sent at once (in order) and their acceptances awaited together:
             # one engine round trip per batch, not one per prompt (sequential submits of a large
             # batch wait on the busy engine once per prompt).
-            submitted = await asyncio.gather(*(
-                ctx.llm.add_request(request_id, prompt.token_ids, self.params, options, wake=self._wake)
-                for request_id, prompt in zip(self.engine_request_ids, self.prompts)),
-                return_exceptions=True)
+            submitted = await asyncio.gather(*(ctx.llm.add_request(request, wake=self._wake) for request in requests),
+                                             return_exceptions=True)
             for stream in submitted:
                 if not isinstance(stream, BaseException):  # accepted: close() aborts it on error
                     self.streams.append(stream)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import SpeculativeConfig
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.request import Request
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
@@ -43,7 +43,7 @@ class SpecDecodeStats:
 
 
 class SpecDecodeController:
-    def __init__(self, config: EngineConfig, drafter: DraftModelProposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: DraftModelProposer | None = None) -> None:
         self.method = config.speculative  # None, "ngram" or "draft"
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch

@@ -12,6 +12,7 @@ from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
 from pagoda.engine.threads import engine_thread_count
 from pagoda.sampling_params import SamplingParams
 from server_utils import build_tiny_model
+from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def wait_idle(llm: AsyncLLM) -> None:
 def test_generate_streams_growing_outputs(llm: AsyncLLM) -> None:
     async def main() -> list:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        return [o async for o in llm.generate("r1", [5, 6, 7], params)]
+        return [o async for o in llm.generate(EngineRequest("r1", [5, 6, 7], params))]
 
     outputs = asyncio.run(main())
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
@@ -52,7 +53,7 @@ def test_generate_streams_growing_outputs(llm: AsyncLLM) -> None:
 def test_leaving_early_aborts(llm: AsyncLLM) -> None:
     async def main() -> None:
         params = SamplingParams(max_tokens=400, ignore_eos=True)
-        async for output in llm.generate("r2", [5, 6, 7], params):
+        async for output in llm.generate(EngineRequest("r2", [5, 6, 7], params)):
             if len(output.outputs[0].token_ids) >= 3:
                 break
 
@@ -62,7 +63,7 @@ def test_leaving_early_aborts(llm: AsyncLLM) -> None:
 
 def test_validation_error_before_streaming(llm: AsyncLLM) -> None:
     async def main() -> None:
-        await llm.add_request("r3", [], SamplingParams())
+        await llm.add_request(EngineRequest("r3", [], SamplingParams()))
 
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(main())
@@ -81,7 +82,7 @@ def test_shutdown(model_dir) -> None:
     assert not engine.is_alive
 
     async def main() -> None:
-        await engine.add_request("late", [1, 2], SamplingParams())
+        await engine.add_request(EngineRequest("late", [1, 2], SamplingParams()))
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
@@ -95,11 +96,11 @@ def test_process_transport(model_dir) -> None:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 
         async def main() -> list:
-            whole = [o async for o in engine.generate("p1", [5, 6, 7], params)]
+            whole = [o async for o in engine.generate(EngineRequest("p1", [5, 6, 7], params))]
             with pytest.raises(ValueError, match="empty"):
-                await engine.add_request("p2", [], SamplingParams())
-            async for output in engine.generate("p3", [5, 6], SamplingParams(max_tokens=400,
-                                                                              ignore_eos=True)):
+                await engine.add_request(EngineRequest("p2", [], SamplingParams()))
+            async for output in engine.generate(EngineRequest("p3", [5, 6], SamplingParams(max_tokens=400,
+                                                                                           ignore_eos=True))):
                 if len(output.outputs[0].token_ids) >= 3:
                     break
             return whole
@@ -113,7 +114,7 @@ def test_process_transport(model_dir) -> None:
                                             num_kv_blocks=64))
         try:
             async def same() -> list:
-                return [o async for o in with_thread.generate("t1", [5, 6, 7], params)]
+                return [o async for o in with_thread.generate(EngineRequest("t1", [5, 6, 7], params))]
 
             reference = asyncio.run(same())[-1].outputs[0]
         finally:
@@ -129,7 +130,7 @@ def test_process_transport(model_dir) -> None:
         assert not engine.is_alive and engine.error is not None
 
         async def late() -> None:
-            await engine.add_request("p4", [1, 2], SamplingParams())
+            await engine.add_request(EngineRequest("p4", [1, 2], SamplingParams()))
 
         with pytest.raises(EngineDeadError):
             asyncio.run(late())

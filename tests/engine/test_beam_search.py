@@ -16,6 +16,7 @@ from pagoda.outputs import Logprob
 from pagoda.sampling_params import MAX_BEAM_WIDTH
 from engine_helpers import assert_idle
 from model_factory import build_model, load_hf_model
+from pagoda.engine.engine_request import EngineRequest
 
 # A token these random weights pick often, made the model's end-of-sequence token (beside the
 # tokenizer's, token 0), so beams end at different lengths.
@@ -107,7 +108,7 @@ def test_n_best_of_a_wider_search_and_the_prefix_cache_shares_the_beams(llm: LLM
 def test_abort_mid_search_frees_every_beam(llm: LLM, hf_model) -> None:
     prompt = prompts_for(hf_model.config.vocab_size)[1]
     engine = llm.engine
-    engine.add_request("beams", prompt, SamplingParams(use_beam_search=True, n=3, max_tokens=20))
+    engine.add_request(EngineRequest("beams", prompt, SamplingParams(use_beam_search=True, n=3, max_tokens=20)))
     for _ in range(3):
         engine.step()
     assert len(engine.core.requests) == 3  # the next step's beams, one request each

@@ -20,6 +20,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer.handoff import KVHandoff, KVListener, TransferError
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -47,13 +48,13 @@ def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
 def single_engine_outputs(model_dir, token_lists, **overrides) -> dict[str, list[int]]:
     llm = engine(model_dir, "both", **overrides)
     for i, tokens in enumerate(token_lists):
-        llm.add_request(f"r{i}", tokens, GREEDY)
+        llm.add_request(EngineRequest(f"r{i}", tokens, GREEDY))
     return run_to_end(llm)
 
 
 def prefill_all(llm: LLMEngine, token_lists, salts=None) -> list[KVHandoff]:
     for i, tokens in enumerate(token_lists):
-        llm.add_request(f"r{i}", tokens, GREEDY, cache_salt=salts[i] if salts else None)
+        llm.add_request(EngineRequest(f"r{i}", tokens, GREEDY, cache_salt=salts[i] if salts else None))
     assert run_to_end(llm) == {}  # nothing is reported here: the decode engine streams it all
     handoffs = llm.kv_connector.take_handoffs()
     assert_idle(llm)  # blocks are freed at export, before any byte travels
@@ -123,7 +124,7 @@ def test_shared_prefix_hits_the_decode_cache_and_tenants_stay_apart(llama_dir):
     salts = ["a", "a", "b"]
     llm = engine(llama_dir, "both")
     for i, tokens in enumerate(token_lists):
-        llm.add_request(f"r{i}", tokens, GREEDY, cache_salt=salts[i])
+        llm.add_request(EngineRequest(f"r{i}", tokens, GREEDY, cache_salt=salts[i]))
     expected = run_to_end(llm)
     prefill, decode = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     handoffs = prefill_all(prefill, token_lists, salts)
@@ -248,9 +249,9 @@ def test_roles_are_checked(llama_dir):
         LLM(model=str(llama_dir), role="prefill")
     prefill = engine(llama_dir, "prefill")
     with pytest.raises(InvalidRequest, match="n > 1"):
-        prefill.add_request("r", [5, 6, 7], SamplingParams(n=2))
+        prefill.add_request(EngineRequest("r", [5, 6, 7], SamplingParams(n=2)))
     # A request that ends with its first token is simply finished, not handed off.
-    prefill.add_request("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
+    prefill.add_request(EngineRequest("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1)))
     outputs = run_to_end(prefill)
     assert len(outputs["one"]) == 1 and prefill.kv_connector.take_handoffs() == []
     assert_idle(prefill)
@@ -270,12 +271,12 @@ def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, 
 
     def alone(adapter) -> list[int]:
         llm = lora_engine("both", adapter)
-        llm.add_request("r0", token_lists[0], params, lora_request=LoRARequest("sql"))
+        llm.add_request(EngineRequest("r0", token_lists[0], params, lora_request=LoRARequest("sql")))
         return run_to_end(llm)["r0"]
 
     prefill = lora_engine("prefill", adapters[0])
     for role_adapter, expect_import in ((adapters[0], True), (adapters[1], False)):
-        prefill.add_request("r0", token_lists[0], params, lora_request=LoRARequest("sql"))
+        prefill.add_request(EngineRequest("r0", token_lists[0], params, lora_request=LoRARequest("sql")))
         run_to_end(prefill)
         (handoff,) = prefill.kv_connector.take_handoffs()
         assert handoff.header.lora_name == "sql"
@@ -304,7 +305,7 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     woken = threading.Event()
     decode.kv_connector.set_wake(woken.set)
     for i, tokens in enumerate(token_lists):
-        decode.add_request(f"r{i}", tokens, GREEDY, awaiting_kv=True)
+        decode.add_request(EngineRequest(f"r{i}", tokens, GREEDY), awaiting_kv=True)
     assert not decode.has_unfinished_requests()  # nothing to step until a handoff arrives
 
     # r0 goes through untouched; r1's blocks wait on `release` after the header.

@@ -9,6 +9,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import OutputAccumulator
 from pagoda.config import EngineConfig
+from pagoda.engine.engine_request import EngineRequest
 
 
 def test_prefix_caching_does_not_change_outputs(llama_dir):
@@ -69,7 +70,7 @@ def test_seeded_samples_are_reproducible_and_share_prompt_blocks(llama_dir):
     prompt = list(range(5, 5 + 40))  # 40 tokens: 2 full blocks + a partial one
 
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
-    engine.add_request("r", prompt, params)
+    engine.add_request(EngineRequest("r", prompt, params))
     deltas = []  # step() returns what each request gained: collect it all
     while engine.core.requests["r"][0].pending_forks:
         deltas.extend(engine.step().deltas)
@@ -121,9 +122,9 @@ def test_shared_prefix_is_served_from_cache_and_salt_isolates(llama_dir):
 def test_idle_after_aborts_in_prefill_and_decode(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_batched_tokens=16))
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    engine.add_request("decoding", [5, 6, 7], params)
-    engine.add_request("prefilling", list(range(5, 105)), params)  # 100 tokens: 7 steps of prefill
-    engine.add_request("waiting", list(range(5, 200)), params)
+    engine.add_request(EngineRequest("decoding", [5, 6, 7], params))
+    engine.add_request(EngineRequest("prefilling", list(range(5, 105)), params))  # 100 tokens: 7 steps of prefill
+    engine.add_request(EngineRequest("waiting", list(range(5, 200)), params))
     engine.step()
     engine.step()
     decoding = engine.core.requests["decoding"][0]
@@ -140,7 +141,8 @@ def test_idle_after_aborts_in_prefill_and_decode(llama_dir):
 
 def test_idle_after_n_samples_aborted_mid_decode(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
-    engine.add_request("r", list(range(5, 45)), SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True))
+    engine.add_request(EngineRequest("r", list(range(5, 45)),
+                                     SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True)))
     for _ in range(6):
         engine.step()
     engine.abort_request(["r"])
@@ -152,9 +154,9 @@ def test_idle_after_n_samples_aborted_mid_decode(llama_dir):
 def test_chunked_prefill_never_stalls_running_decodes(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_batched_tokens=32))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    engine.add_request("short", [5, 6, 7], params)
+    engine.add_request(EngineRequest("short", [5, 6, 7], params))
     engine.step()
-    engine.add_request("long", list(range(5, 305)), params)  # 300 tokens: ~10 chunks
+    engine.add_request(EngineRequest("long", list(range(5, 305)), params))  # 300 tokens: ~10 chunks
     short = engine.core.requests["short"][0]
     long = engine.core.requests["long"][0]
     while long.num_computed_tokens < long.num_prompt_tokens:
@@ -168,10 +170,10 @@ def test_chunked_prefill_never_stalls_running_decodes(llama_dir):
 def test_priority_policy_runs_urgent_requests_first(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1, scheduling_policy="priority"))
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine.add_request("low-a", [5, 6, 7], params, priority=5)
-    engine.add_request("low-b", [8, 9, 10], params, priority=5)
+    engine.add_request(EngineRequest("low-a", [5, 6, 7], params, priority=5))
+    engine.add_request(EngineRequest("low-b", [8, 9, 10], params, priority=5))
     engine.step()
-    engine.add_request("urgent", [11, 12], params, priority=0)  # the one slot is taken: low-a gives way
+    engine.add_request(EngineRequest("urgent", [11, 12], params, priority=0))  # the one slot is taken: low-a gives way
     finish_order = []
     while engine.has_unfinished_requests():
         finish_order.extend(o.request_id for o in engine.step().deltas if o.finished)
@@ -183,10 +185,10 @@ def test_priority_policy_runs_urgent_requests_first(llama_dir):
 def test_fcfs_policy_never_preempts_for_new_arrivals(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1))
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine.add_request("a", [5, 6, 7], params)
-    engine.add_request("b", [8, 9, 10], params)
+    engine.add_request(EngineRequest("a", [5, 6, 7], params))
+    engine.add_request(EngineRequest("b", [8, 9, 10], params))
     engine.step()
-    engine.add_request("late", [11, 12], params, priority=-10)
+    engine.add_request(EngineRequest("late", [11, 12], params, priority=-10))
     finish_order = []
     while engine.has_unfinished_requests():
         finish_order.extend(o.request_id for o in engine.step().deltas if o.finished)

@@ -13,12 +13,13 @@ from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 
 from test_kv_tiers_engine import assert_tiers_idle, block_bytes, distinct_prompts
+from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def run(core: EngineCore, prompts) -> tuple[list[list[int]], list[int]]:
-    samples = [core.add_request(f"p{i}-{id(prompts)}", p, GREEDY)[0] for i, p in enumerate(prompts)]
+    samples = [core.add_request(EngineRequest(f"p{i}-{id(prompts)}", p, GREEDY))[0] for i, p in enumerate(prompts)]
     while core.has_unfinished_requests():
         core.step()
     for sample in samples:
@@ -132,7 +133,8 @@ def test_all_tiers_under_pressure_match_the_plain_engine(llama_dir, tmp_path):
     def waves(core: EngineCore) -> list[list[int]]:
         outputs = {}
         for wave in (prompts[:4], prompts[4:], prompts[::3]):
-            samples = [core.add_request(f"w{len(outputs) + i}", p, params)[0] for i, p in enumerate(wave)]
+            samples = [core.add_request(EngineRequest(f"w{len(outputs) + i}", p, params))[0]
+                       for i, p in enumerate(wave)]
             while core.has_unfinished_requests():
                 core.step()
             for sample in samples:

@@ -12,6 +12,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.request import RequestStatus
+from pagoda.engine.engine_request import EngineRequest
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -133,7 +134,7 @@ def test_aborts_while_swapped_and_during_swap_in_leave_every_tier_idle(llama_dir
     core = EngineCore(config)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(distinct_prompts(6, 60, seed=11)):
-        core.add_request(f"r{i}", prompt, params)
+        core.add_request(EngineRequest(f"r{i}", prompt, params))
     aborted_swapped = aborted_swapping_in = False
     swapped_before: set[str] = set()
     while core.has_unfinished_requests():

@@ -18,6 +18,7 @@ from pagoda.config import EngineConfig
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.grammar import build_grammar
 from structured_schemas import random_object_schema
+from pagoda.engine.engine_request import EngineRequest
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
@@ -172,9 +173,9 @@ def test_bad_grammar_and_compile_timeout_fail_only_their_request(llama_dir, monk
         return original(params)
 
     monkeypatch.setattr(compiler, "_compile", slow_compile)
-    engine.add_request("slow", "a", constrained(regex="slow"))
-    engine.add_request("bad", "a", constrained(regex="[a-"))
-    engine.add_request("plain", "a", SamplingParams(temperature=0.0, max_tokens=5))
+    engine.add_request(EngineRequest("slow", "a", constrained(regex="slow")))
+    engine.add_request(EngineRequest("bad", "a", constrained(regex="[a-")))
+    engine.add_request(EngineRequest("plain", "a", SamplingParams(temperature=0.0, max_tokens=5)))
     assert engine.is_waiting_for_grammar("slow") and not engine.is_waiting_for_grammar("plain")
     outcomes, finished = {}, {}
     deadline = time.time() + 30
@@ -212,7 +213,7 @@ def test_abort_while_waiting_for_the_grammar(llama_dir, monkeypatch):
     compiler = engine.core.structured.compiler
     original = compiler._compile
     monkeypatch.setattr(compiler, "_compile", lambda params: (time.sleep(0.3), original(params))[1])
-    engine.add_request("waiting", "a", constrained(regex="[a-z]{3}"))
+    engine.add_request(EngineRequest("waiting", "a", constrained(regex="[a-z]{3}")))
     first = engine.step()
     grammar_outcomes = [*first.accepted, *first.refused]
     engine.abort_request(["waiting"])
@@ -260,10 +261,11 @@ def test_process_transport_defers_acceptance_until_the_grammar_compiles(llama_di
     engine = AsyncLLM(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64), transport="process")
     try:
         async def main() -> tuple:
-            outputs = [o async for o in engine.generate("ok", [5, 6, 7], constrained(choice=["alpha", "beta"]))]
+            outputs = [o async for o in engine.generate(EngineRequest("ok", [5, 6, 7],
+                                                                      constrained(choice=["alpha", "beta"])))]
             with pytest.raises(ValueError, match="structured_outputs.regex"):
-                await engine.add_request("bad", [5, 6], constrained(regex="(unclosed"))
-            plain = [o async for o in engine.generate("plain", [5, 6], SamplingParams(max_tokens=3))]
+                await engine.add_request(EngineRequest("bad", [5, 6], constrained(regex="(unclosed")))
+            plain = [o async for o in engine.generate(EngineRequest("plain", [5, 6], SamplingParams(max_tokens=3)))]
             return outputs[-1], plain[-1]
 
         constrained_output, plain_output = asyncio.run(main())

@@ -27,6 +27,7 @@ from pagoda.engine.threads import engine_thread_count
 from pagoda.errors import InvalidRequest
 from processes import process_alive, process_tree
 from server_utils import free_port, start_serve_process
+from pagoda.engine.engine_request import EngineRequest
 
 FEATURES = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=8,
                 speculative="ngram", num_speculative_tokens=3)
@@ -146,9 +147,9 @@ def test_architectures_match_one_stage(architecture: str, model_dirs: dict[str, 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
 def test_tensor_parallel_stages_match_one_rank(architecture: str, model_dirs: dict[str, Path], monkeypatch) -> None:
     """PP=2 x TP=2: four ranks, each stage a tensor-parallel group, micro-batches in flight."""
-    import pagoda.engine.engine_core as engine_core
+    import pagoda.engine.assembly as assembly
 
-    monkeypatch.setattr(engine_core, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
+    monkeypatch.setattr(assembly, "available_cores", lambda: 4)  # a 2-core CI machine: slower, not wrong
     model_dir = model_dirs[architecture]
     prompts = prompts_for(300, lengths=(5, 40, 70))
     settings = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
@@ -192,9 +193,9 @@ def test_bad_partitions_name_the_numbers(llama_dir: Path, monkeypatch) -> None:
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="0,2")
     with pytest.raises(ValueError, match=r"pipeline_parallel_size must be >= 1, got 0"):
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=0)
-    import pagoda.engine.engine_core as engine_core
+    import pagoda.engine.assembly as assembly
 
-    monkeypatch.setattr(engine_core, "available_cores", lambda: 1)
+    monkeypatch.setattr(assembly, "available_cores", lambda: 1)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 x tensor_parallel_size 1 = 2 ranks, "
                                          r"but only 1 CPU cores are available"):
         LLM(model=str(llama_dir), pipeline_parallel_size=2)
@@ -296,7 +297,7 @@ def test_a_supervised_engine_whose_stage_dies_is_restarted(llama_dir: Path) -> N
 
     async def generate(request_id: str) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        stream = await engine.add_request(request_id, [5] * 8, params)
+        stream = await engine.add_request(EngineRequest(request_id, [5] * 8, params))
         return [t async for delta in stream for s in delta.outputs for t in s.token_ids]
 
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2)

@@ -30,7 +30,7 @@ def test_observe_copy_is_an_exponential_moving_average() -> None:
 
 def test_tiers_feed_each_steps_loads_so_the_rate_follows_recent_copies(tmp_path) -> None:
     config = EngineConfig(model=str(tmp_path), kv_offload_memory="1MiB", preemption_mode="auto")
-    tiers = KVTiers(config, bytes_per_block=4096, dtype_name="float32")
+    tiers = KVTiers(config.cache, bytes_per_block=4096, fingerprint=b"")
     transfer = FakeTransfer()
     tiers.transfer = transfer  # type: ignore[assignment]
 

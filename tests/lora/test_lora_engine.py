@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
+from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 17, 42, 99, 100, 7, 8, 200, 31, 64, 12, 250, 3, 9, 77, 120, 41, 6, 90, 11],
@@ -106,8 +107,8 @@ def test_unload_and_reload_mid_run_keeps_running_requests_and_idles(llama_dir, l
     expected = {name: lora_llm(llama_dir).generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest(
         name, 1, str(lora_dirs[name])))[0].outputs[0].token_ids for name in ("sql", "chat")}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    engine.add_request("a", PROMPTS[0], params, lora_request=LoRARequest("sql", 1))
-    engine.add_request("b", PROMPTS[0], params, lora_request=LoRARequest("chat", 2))
+    engine.add_request(EngineRequest("a", PROMPTS[0], params, lora_request=LoRARequest("sql", 1)))
+    engine.add_request(EngineRequest("b", PROMPTS[0], params, lora_request=LoRARequest("chat", 2)))
     outputs: dict[str, list[int]] = {"a": [], "b": []}
 
     def step() -> None:
@@ -119,10 +120,10 @@ def test_unload_and_reload_mid_run_keeps_running_requests_and_idles(llama_dir, l
         step()
     engine.remove_lora("sql")  # "a" keeps running with it; new requests cannot name it
     with pytest.raises(InvalidRequest) as error:
-        engine.add_request("c", PROMPTS[1], params, lora_request=LoRARequest("sql", 1))
+        engine.add_request(EngineRequest("c", PROMPTS[1], params, lora_request=LoRARequest("sql", 1)))
     assert error.value.code == "model_not_found"
     engine.add_lora(LoRARequest("sql", 3, str(lora_dirs["sql"])))  # reloaded under the same name
-    engine.add_request("c", PROMPTS[0], params, lora_request=LoRARequest("sql", 3))
+    engine.add_request(EngineRequest("c", PROMPTS[0], params, lora_request=LoRARequest("sql", 3)))
     outputs["c"] = []
     while engine.has_unfinished_requests():
         step()

@@ -20,6 +20,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer.handoff import KVListener
 from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.engine.engine_request import EngineRequest
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
@@ -116,12 +117,12 @@ def test_prefill_decode_pair_matches_one_engine(moe_dirs, architecture: str) -> 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     single = engine(model_dir, "both")
     for i, tokens in enumerate(prompts):
-        single.add_request(f"r{i}", tokens, params)
+        single.add_request(EngineRequest(f"r{i}", tokens, params))
     expected = run_to_end(single)
 
     prefill, decode = engine(model_dir, "prefill"), engine(model_dir, "decode")
     for i, tokens in enumerate(prompts):
-        prefill.add_request(f"r{i}", tokens, params)
+        prefill.add_request(EngineRequest(f"r{i}", tokens, params))
     assert run_to_end(prefill) == {}
     imported = []
     with KVListener("shm") as listener:

@@ -12,6 +12,7 @@ import torch
 from engine_helpers import assert_idle
 from model_factory import assert_matches_reference, build_model, hf_greedy, load_hf_model
 from pagoda import LLM, SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 WINDOW = 8
 BLOCK = 4
@@ -65,7 +66,7 @@ def test_held_blocks_stop_growing_on_the_local_layers_past_the_window(windowed_d
     llm = LLM(model=str(windowed_dirs[architecture]), block_size=BLOCK, enable_prefix_caching=False)
     core = llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    core.add_request("long", list(range(5, 10)), params)
+    core.add_request(EngineRequest("long", list(range(5, 10)), params))
     held = []
     while core.has_unfinished_requests():
         core.step()

@@ -24,6 +24,7 @@ from pagoda.replicas.scale_decider import ScalingRules
 from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.metrics.server import ServerMetrics
+from pagoda.engine.engine_request import EngineRequest
 
 
 class _PacedEngine(LLMEngine):
@@ -81,7 +82,7 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
 
         async def hold_a_queue() -> None:
             # One sequence at a time on the one replica: the rest wait in its engine.
-            streams = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(5)]
+            streams = [await replicas.add_request(EngineRequest(f"q{i}", [7, 8, 9, 10 + i], long)) for i in range(5)]
             await asyncio.to_thread(wait_for, lambda: len(replicas.replicas) == 2, "the added replica")
             results = await asyncio.gather(*(read(s) for s in streams))
             assert all(len(tokens) == 40 for tokens, _ in results)
@@ -100,7 +101,7 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
             # Round robin: one of two requests lands on the added replica, the newest, which
             # idleness drains while that request is still unread.
             for i in range(2):
-                stream = await replicas.add_request(f"b{i}", [5, 6, 7], long)
+                stream = await replicas.add_request(EngineRequest(f"b{i}", [5, 6, 7], long))
                 if stream.replica == added.index:
                     break
                 await read(stream)
@@ -110,7 +111,7 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
             assert added.llm.is_alive and added in replicas.replicas  # its request is not read yet
             # A new request goes to the replica that stays.
             short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            other = await replicas.add_request("c", [5], short)
+            other = await replicas.add_request(EngineRequest("c", [5], short))
             assert other.replica == 0
             await read(other)
             return await read(stream)
@@ -169,7 +170,7 @@ def test_a_replica_that_cannot_start_is_logged_and_the_set_keeps_serving(llama_d
     try:
         async def scenario() -> None:
             long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-            streams = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(5)]
+            streams = [await replicas.add_request(EngineRequest(f"q{i}", [7, 8, 9, 10 + i], long)) for i in range(5)]
             await asyncio.to_thread(wait_for, lambda: replicas.health()["autoscale"]["failed_starts"] >= 1,
                                     "the failed start")
             assert all(len(tokens) == 40 for tokens, _ in await asyncio.gather(*(read(s) for s in streams)))

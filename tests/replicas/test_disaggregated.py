@@ -16,12 +16,12 @@ import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.kv_transfer import handoff as handoff_wire
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -49,7 +49,7 @@ def prompts(count: int, length: int, seed: int = 0, shared: int = 0) -> list[lis
 
 async def generate(replicas, request_id: str, prompt: list[int], params: SamplingParams = GREEDY,
                    **hints: object) -> list[int]:
-    stream = await replicas.add_request(request_id, prompt, params, RequestOptions(**hints))
+    stream = await replicas.add_request(EngineRequest(request_id, prompt, params, **hints))
     tokens: list[int] = []
     async for delta in stream:
         tokens.extend(t for s in delta.outputs for t in s.token_ids)
@@ -229,7 +229,7 @@ def test_tenant_salts_travel_with_the_blocks_and_an_abort_leaks_nothing(llama_di
         assert decode.handoffs_imported == 3
 
         async def aborted() -> None:
-            stream = await replicas.add_request("gone", token_lists[0], SamplingParams(max_tokens=50))
+            stream = await replicas.add_request(EngineRequest("gone", token_lists[0], SamplingParams(max_tokens=50)))
             await asyncio.sleep(0.05)
             replicas.abort(["gone"])
             assert stream is not None

@@ -16,6 +16,7 @@ import pytest
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 ray = pytest.importorskip("ray", reason="Ray is optional (pip install 'pagoda[ray]')")
 
@@ -63,14 +64,14 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
 
         async def scenario() -> None:
             # One sequence at a time on the one replica: the rest wait in its engine.
-            queued = [await replicas.add_request(f"q{i}", [7, 8, 9, 10 + i], long) for i in range(10)]
+            queued = [await replicas.add_request(EngineRequest(f"q{i}", [7, 8, 9, 10 + i], long)) for i in range(10)]
             await asyncio.to_thread(wait_for, lambda: len(replicas.replicas) == 2, "the added replica")
             added = replicas.replicas[1]
             assert added.llm.is_alive and added.llm._transport.node_id
             # The added replica takes requests (round robin: one of two lands there); it is the
             # newest, so idleness drains it while its request is unread.
             for i in range(2):
-                stream = await replicas.add_request(f"b{i}", [5, 6, 7], long)
+                stream = await replicas.add_request(EngineRequest(f"b{i}", [5, 6, 7], long))
                 if stream.replica == added.index:
                     break
                 queued.append(stream)

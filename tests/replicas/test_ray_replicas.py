@@ -16,6 +16,7 @@ from pagoda.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray", reason="Ray is optional (pip install 'pagoda[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest
 
 pytestmark = pytest.mark.ray
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_one_replica_per_node_both_serve(two_node_cluster, llama_dir: Path) -> N
             params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
             outputs = []
             for i in range(4):
-                stream = await replicas.add_request(f"r{i}", [7, 8, 9, 10 + i], params)
+                stream = await replicas.add_request(EngineRequest(f"r{i}", [7, 8, 9, 10 + i], params))
                 outputs.append([t async for d in stream for s in d.outputs for t in s.token_ids])
             return outputs
 
@@ -79,7 +80,7 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
     prompts = [[7, 8, 9, 10 + i] * 9 for i in range(3)]
     reference = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
     for i, prompt in enumerate(prompts):
-        reference.add_request(f"r{i}", prompt, params)
+        reference.add_request(EngineRequest(f"r{i}", prompt, params))
     expected: dict[str, list[int]] = {}
     while reference.has_unfinished_requests():
         for delta in reference.step().deltas:
@@ -95,7 +96,7 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
         async def serve() -> dict[str, list[int]]:
             outputs = {}
             for i, prompt in enumerate(prompts):
-                stream = await replicas.add_request(f"r{i}", prompt, params)
+                stream = await replicas.add_request(EngineRequest(f"r{i}", prompt, params))
                 outputs[f"r{i}"] = [t async for d in stream for s in d.outputs for t in s.token_ids]
             return outputs
 

@@ -11,11 +11,11 @@ import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.client import RequestOptions
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.transport import EngineDeadError
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -52,7 +52,7 @@ def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # t
 
 
 async def generate(replicas: ReplicaSet, request_id: str, prompt: list[int], **hints: str) -> list[int]:
-    stream = await replicas.add_request(request_id, prompt, GREEDY, RequestOptions(**hints))
+    stream = await replicas.add_request(EngineRequest(request_id, prompt, GREEDY, **hints))
     tokens: list[int] = []
     async for delta in stream:
         tokens.extend(t for s in delta.outputs for t in s.token_ids)
@@ -132,7 +132,7 @@ def test_aborted_requests_pay_back_their_load(llama_dir: Path) -> None:
     try:
         async def scenario() -> None:
             params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            streams = [await replicas.add_request(f"a{i}", [3 + i] * 30, params) for i in range(4)]
+            streams = [await replicas.add_request(EngineRequest(f"a{i}", [3 + i] * 30, params)) for i in range(4)]
             assert sum(r.outstanding_tokens for r in replicas.replicas) > 0
             await streams[0].get()
             replicas.abort([s.request_id for s in streams])
@@ -165,14 +165,14 @@ def test_adapters_load_on_every_replica_and_route_apart_from_the_base(llama_dir:
             await replicas.add_lora(adapter)
             assert all(r.llm.lora_names == ["sql"] for r in replicas.replicas)
             for replica in replicas.replicas:  # every replica serves the adapter alike
-                stream = await replica.llm.add_request(f"on-{replica.index}", prompt, GREEDY,
-                                                       RequestOptions(lora_request=adapter))
+                stream = await replica.llm.add_request(EngineRequest(f"on-{replica.index}", prompt, GREEDY,
+                                                                     lora_request=adapter))
                 tokens = [t async for delta in stream for s in delta.outputs for t in s.token_ids]
                 assert tokens == list(expected)
-            stream = await replicas.add_request("routed", prompt, GREEDY, RequestOptions(lora_request=adapter))
+            stream = await replicas.add_request(EngineRequest("routed", prompt, GREEDY, lora_request=adapter))
             assert [t async for delta in stream for s in delta.outputs for t in s.token_ids] == list(expected)
-            generated = [o async for o in replicas.generate("generated", prompt, GREEDY,
-                                                            RequestOptions(lora_request=adapter))]
+            generated = [o async for o in replicas.generate(EngineRequest("generated", prompt, GREEDY,
+                                                                          lora_request=adapter))]
             assert generated[-1].outputs[0].token_ids == list(expected)
             base = await generate(replicas, "base", prompt)
             assert base != list(expected)  # the adapter changed the output: it was applied

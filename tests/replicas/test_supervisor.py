@@ -21,6 +21,7 @@ from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.supervised_engine import SupervisedEngine
 from pagoda.replicas.supervisor import MAX_BACKOFF_S, EngineKeeper, EngineSupervisor, RestartPolicy
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FAST = {"replica_restart_backoff": 0.01}
@@ -62,7 +63,7 @@ def start_set(llama_dir: Path, dying: Callable[[EngineConfig], LLMEngine], **opt
 
 
 async def generate(client: Any, request_id: str, prompt: list[int]) -> list[int]:
-    stream = await client.add_request(request_id, prompt, GREEDY)
+    stream = await client.add_request(EngineRequest(request_id, prompt, GREEDY))
     return [t async for delta in stream for s in delta.outputs for t in s.token_ids]
 
 

@@ -14,6 +14,7 @@ from pagoda.request import Request
 from pagoda.spec_decode import rejection_sampler
 from pagoda.spec_decode.ngram_proposer import NgramProposer
 from pagoda.worker.sampler import Sampler
+from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_aborts_during_speculation_free_every_block(llama_dir, draft_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), speculative="draft", draft_model=str(draft_dir)))
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     for i, prompt in enumerate(mixed_prompts()):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(str(i), prompt, params))
     for _ in range(6):
         engine.step()
     engine.abort_request([str(i) for i in range(5)])

@@ -11,6 +11,7 @@ from model_factory import load_hf_model
 from pagoda import LLM, SamplingParams
 from pagoda.request import Request
 from pagoda.worker.sampler import Sampler
+from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +39,15 @@ def test_request_level_errors(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("a", [], params)
+        engine.add_request(EngineRequest("a", [], params))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("b", [5, 10**6], params)
+        engine.add_request(EngineRequest("b", [5, 10**6], params))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("c", [5, -1], params)
+        engine.add_request(EngineRequest("c", [5, -1], params))
     with pytest.raises(ValueError, match=r"maximum context length is 512.*600.*\(100 in the prompt, 500"):
-        engine.add_request("d", [5] * 100, SamplingParams(max_tokens=500))
+        engine.add_request(EngineRequest("d", [5] * 100, SamplingParams(max_tokens=500)))
     with pytest.raises(ValueError, match="logit_bias"):
-        engine.add_request("e", [5], SamplingParams(logit_bias={10**6: 1.0}))
+        engine.add_request(EngineRequest("e", [5], SamplingParams(logit_bias={10**6: 1.0})))
     assert not engine.has_unfinished_requests()
 
 

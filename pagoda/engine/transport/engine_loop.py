@@ -97,14 +97,11 @@ def _apply_request(engine: "LLMEngine", message: AddRequest | UpdateLoRA) -> Non
         if isinstance(message, UpdateLoRA):
             engine.update_lora(message.control_id, message.lora_request, unload=message.unload)
         else:
-            engine.add_request(message.request_id, message.prompt, message.params,
-                               arrival_time=message.arrival_time, cache_salt=message.cache_salt,
-                               priority=message.priority, lora_request=message.lora_request,
-                               handoff=message.handoff, awaiting_kv=message.awaiting_kv)
+            engine.add_request(message.request, handoff=message.handoff, awaiting_kv=message.awaiting_kv)
     except InvalidRequest:
         pass
     except Exception as error:  # a bug for this request (but a bad add); the engine keeps serving
         if isinstance(message, UpdateLoRA):
             logger.exception("LoRA update failed for %s", message.lora_request.lora_name)
         elif not isinstance(error, ValueError):
-            logger.exception("add_request failed for %s", message.request_id)
+            logger.exception("add_request failed for %s", message.request.request_id)

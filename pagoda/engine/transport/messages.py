@@ -1,25 +1,19 @@
-"""What crosses between the front and the engine side. Picklable: the process transport sends
-them through a pipe."""
+"""What the front sends the engine side. The thread transport hands them over as they are; the
+process transport encodes them (encoding.py), a Ray actor's transport lets Ray serialize them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Union
 
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import HandoffTarget
 from pagoda.lora_request import LoRARequest
-from pagoda.sampling_params import SamplingParams
 
 
 @dataclass
 class AddRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    arrival_time: float | None
-    cache_salt: str | None
-    priority: int
-    lora_request: LoRARequest | None = None
+    request: EngineRequest  # as the front built it
     # Disaggregation: a prefill engine hands the request off here once it has its first token;
     # a decode engine with awaiting_kv holds it until its KV arrives (or PrefillLocally).
     handoff: HandoffTarget | None = None

@@ -21,6 +21,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
+from pagoda.engine.transport.encoding import decode_message, encode_message
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -72,13 +73,14 @@ class ProcessTransport(EngineTransport):
         self._stopping = False
         # A sender thread, so the event loop never blocks on a full pipe (a long prompt while
         # the engine is busy stepping).
-        self._outbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        # Messages are encoded by send(), so that one that cannot be is the caller's error.
+        self._outbox: queue.SimpleQueue[tuple[bytes, bool]] = queue.SimpleQueue()  # (message, is it the last)
         for target, name in ((self._read, "pagoda-engine-reader"),
                              (self._write, "pagoda-engine-writer")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def send(self, message: ToEngine) -> None:
-        self._outbox.put(message)
+        self._outbox.put((encode_message(message), isinstance(message, Shutdown)))
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -89,7 +91,7 @@ class ProcessTransport(EngineTransport):
 
     def shutdown(self, timeout: float | None) -> None:
         self._stopping = True
-        self._outbox.put(Shutdown())
+        self.send(Shutdown())
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
@@ -98,12 +100,12 @@ class ProcessTransport(EngineTransport):
 
     def _write(self) -> None:
         while True:
-            message = self._outbox.get()
+            payload, last = self._outbox.get()
             try:
-                self._conn.send(message)
+                self._conn.send_bytes(payload)
             except (OSError, ValueError):
                 return  # the engine process is gone; the reader reports it
-            if isinstance(message, Shutdown):
+            if last:
                 return
 
     def _read(self) -> None:
@@ -167,12 +169,13 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
 
     # The pipe is read on a thread of its own into the inbox, where the engine's KV handoff
     # threads post their wake-ups too; a closed pipe (the front went away) stops the engine.
+    # The front's messages arrive explicitly encoded (encoding.py), never pickled.
     inbox = EngineInbox()
 
     def forward() -> None:
         while True:
             try:
-                message = conn.recv()
+                message = decode_message(conn.recv_bytes())
             except (EOFError, OSError):
                 inbox.put(Shutdown())
                 return

@@ -1,0 +1,83 @@
+"""Planning one engine's KV pool before it is allocated: the KV cache groups its layers fall in,
+the bytes one pool block takes on a rank, and how many blocks the pool holds.
+
+The same formula as `pagoda plan` (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes);
+the pool itself is allocated by the model runner (pagoda.worker.paged_model), the host and disk
+tiers below it by pagoda.kv_transfer.tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_page, pages_per_sequence
+
+if TYPE_CHECKING:
+    from pagoda.model.model_config import ModelConfig
+    from pagoda.model.pipeline import PipelineStage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """What plan_kv_pool decided."""
+
+    groups: list[KVCacheGroup]  # a pool block holds one layer of each group member
+    release_blocker: str | None  # why sliding-window blocks are kept whole (None: released or no windows)
+    bytes_per_block: int  # on one rank (or the largest pipeline stage), the draft model's included
+    num_blocks: int
+
+
+def plan_kv_pool(cache: CacheConfig, scheduler: SchedulerConfig, model_config: ModelConfig, *,
+                 num_kv_heads: int, element_bytes: int, max_model_len: int, release_blocker: str | None,
+                 stages: list[PipelineStage] | None = None,
+                 draft_config: ModelConfig | None = None) -> KVPoolPlan:
+    """The pool of a model whose ranks each hold `num_kv_heads` KV heads, stored at
+    `element_bytes` per element (before --kv-cache-dtype). `release_blocker`: why these settings
+    keep sliding-window blocks whole (pagoda.core.kv_cache_groups.release_blocker), if they do."""
+    # Sliding-window layers release the blocks behind their windows, in KV cache groups of
+    # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
+    windows = model_config.layer_sliding_windows
+    blocker = release_blocker if any(w is not None for w in windows) else None
+    groups = kv_cache_groups(windows, release=blocker is None)
+    if blocker is not None:
+        logger.info("sliding-window KV blocks are kept whole: %s", blocker)
+    # Per rank: each holds its KV heads' slice of every block.
+    bytes_per_block = model_config.kv_bytes_per_token(element_bytes, num_kv_heads,
+                                                      kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
+    bytes_per_block = bytes_per_block * layers_per_page(groups) // model_config.num_layers
+    if stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
+        bytes_per_block = bytes_per_block * max(stage_layers_per_page(groups, stage)
+                                                for stage in stages) // layers_per_page(groups)
+    if draft_config is not None:
+        bytes_per_block += draft_config.kv_bytes_per_token(
+            element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
+    num_blocks = num_kv_blocks(cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len)
+    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks)
+
+
+def num_kv_blocks(cache: CacheConfig, scheduler: SchedulerConfig, groups: list[KVCacheGroup], num_layers: int,
+                  bytes_per_block: int, max_model_len: int) -> int:
+    """--num-kv-blocks, else what --kv-cache-memory holds, at most what the running sequences
+    could ever use."""
+    if cache.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
+        return cache.num_kv_blocks * num_layers // layers_per_page(groups)
+    num_blocks = cache.kv_cache_bytes // bytes_per_block
+    # More than every running sequence at full length could ever use is wasted memory.
+    useful = scheduler.max_num_seqs_bound * pages_per_sequence(
+        groups, max_model_len, cache.block_size, scheduler.max_num_batched_tokens)
+    num_blocks = min(num_blocks, useful)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block "
+                         f"({bytes_per_block} bytes each)")
+    return num_blocks
+
+
+def stage_layers_per_page(groups: list[KVCacheGroup], stage: PipelineStage) -> int:
+    """Layers of a pool block a pipeline stage holds: the places its layers take in the groups
+    (pagoda.worker.paged_model allocates only those)."""
+    return len({place for group in groups for place, layer in enumerate(group.layers) if stage.holds_layer(layer)})

@@ -1,0 +1,249 @@
+"""Assembling one engine's parts, apart from the core that runs them (engine_core.py).
+
+`build_model_stack` loads what computes: artifact verification, weight format and kernels,
+the tensor- or pipeline-parallel executor, the model, the draft model, LoRA adapters.
+`plan_engine_kv_pool` sizes the KV pool for that stack (pagoda.core.kv_plan), `build_kv_tiers`
+the host and disk tiers under it, and `build_runner` joins model, pool and speculation into the
+model runner. Each takes the settings it reads; the core only wires the results together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagoda.artifacts.digests import ArtifactError
+from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
+from pagoda.config import EngineConfig, LoRAConfig
+from pagoda.core.kv_cache_groups import release_blocker
+from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
+from pagoda.engine.threads import available_cores
+from pagoda.errors import InvalidRequest
+from pagoda.executor.pipeline import PipelineExecutor
+from pagoda.executor.tensor_parallel import TensorParallelExecutor
+from pagoda.kv_transfer.tiers import KVTiers, model_fingerprint
+from pagoda.lora.manager import LoRAManager
+from pagoda.model.attention import select_backend
+from pagoda.model.loader import load_model, load_model_config
+from pagoda.model.moe_load import ExpertLoadMeter
+from pagoda.model.pipeline import PipelineStage, pipeline_stages
+from pagoda.native import resolve_native_kernels
+from pagoda.quant.weight_formats import WeightFormat, make_weight_format
+from pagoda.spec_decode.controller import SpecDecodeController
+from pagoda.spec_decode.draft_proposer import DraftModelProposer
+from pagoda.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagoda.model.model_config import ModelConfig
+    from pagoda.quant.kv_cache_dtype import KVCacheFormat
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # transformers-identical greedy outputs; --dtype bfloat16 trades that for speed
+    return _DTYPES.get(config_dtype or "", torch.bfloat16) if config_dtype != "float32" else torch.bfloat16
+
+
+@dataclass
+class ModelStack:
+    """What computes in one engine, loaded and checked (build_model_stack)."""
+
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    verification: VerificationPolicy
+    weights_digest: str | None  # the verified manifest's digest (--verify-manifest), else None
+    native_kernels: Any  # pagoda.native's kernels, or None
+    weight_format: WeightFormat
+    stages: list[PipelineStage] | None  # pipeline parallelism: every stage, this process the first
+    executor: TensorParallelExecutor | None  # the other ranks or stages, None on one
+    model: Any  # the target model (this rank's shard, or the first stage's layers)
+    draft_model: Any | None  # --speculative draft
+    lora: LoRAManager | None  # --enable-lora
+    moe_meter: ExpertLoadMeter | None  # --moe-metrics on a MoE model
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Steps in flight at once: one per pipeline stage."""
+        return len(self.stages) if self.stages is not None else 1
+
+
+def build_model_stack(config: EngineConfig) -> ModelStack:
+    """Load the model (and draft model, adapters) the settings name, on the ranks they name.
+    Raises ValueError for settings the model or machine cannot meet, ArtifactError for files
+    that fail verification (nothing loaded from them stays in memory)."""
+    verification = VerificationPolicy(config.verify_manifest, config.verify_key)
+    # With verification on, every file of the model is hashed on a thread while the weights
+    # load; the manifest's id is the weights digest provenance reports (None unverified).
+    artifact_check = None
+    if verification.enabled:
+        artifact_check = ArtifactCheck(config.model, verification).start()
+        if config.tokenizer not in (None, config.model):
+            verify_artifact(config.tokenizer, verification)
+    model_config = load_model_config(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {model_config.max_position_embeddings}")
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
+                    config.max_num_batched_tokens)
+    native_kernels = resolve_native_kernels(config.native_kernels, device)
+    weight_format = make_weight_format(config.quantization, config.quantization_group_size,
+                                       config.quantization_zero_point, native_kernels)
+    weight_format.check_kernel(device, dtype)
+    # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
+    # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
+    # stages 1..P-1 load their layers, this process is the first stage.
+    stages = _pipeline_stages(config, model_config, device)
+    executor: TensorParallelExecutor | None = None
+    if stages is not None:
+        executor = PipelineExecutor(config, device, dtype, weight_format, torch.get_num_threads(), stages,
+                                    model_config.vocab_size)
+    elif config.tensor_parallel_size > 1:
+        executor = TensorParallelExecutor(config, device, dtype, weight_format, torch.get_num_threads())
+    try:
+        model = load_model(config.model, model_config, dtype, device, weight_format,
+                           executor.group if executor else None, stages[0] if stages is not None else None)
+    except ValueError:
+        if artifact_check is not None:
+            artifact_check.result()  # a tampered file is named as such, not as a corrupt one
+        raise
+    weights_digest = None
+    if artifact_check is not None:
+        try:
+            weights_digest = artifact_check.result()
+        except ArtifactError:
+            del model  # nothing loaded from an unverified artifact stays in memory
+            if executor is not None:
+                executor.shutdown()
+            raise
+    draft_model = None
+    if config.speculative == "draft":
+        draft_model = _load_draft_model(config.draft_model, model_config, max_model_len, dtype, device,
+                                        weight_format, verification)
+    moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
+        if config.moe_metrics and model_config.moe is not None else None
+    lora = load_loras(config.lora, model, dtype, device, verification) if config.enable_lora else None
+    return ModelStack(model_config, device, dtype, max_model_len, verification, weights_digest, native_kernels,
+                      weight_format, stages, executor, model, draft_model, lora, moe_meter)
+
+
+def _pipeline_stages(config: EngineConfig, model_config: ModelConfig,
+                     device: torch.device) -> list[PipelineStage] | None:
+    """--pipeline-parallel-size's stages (None without), checked against the model and the
+    machine before any process starts."""
+    parallel = config.parallel
+    num_stages = parallel.pipeline_parallel_size
+    if num_stages == 1:
+        return None
+    stages = pipeline_stages(model_config.num_layers, num_stages, parallel.pp_layer_counts)
+    ranks = num_stages * parallel.tensor_parallel_size
+    if device.type == "cuda":
+        available, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        available, what = available_cores(), "CPU cores"
+    if ranks > available:
+        raise ValueError(f"pipeline_parallel_size {num_stages} x tensor_parallel_size "
+                         f"{parallel.tensor_parallel_size} = {ranks} ranks, but only {available} {what} "
+                         f"are available")
+    return stages
+
+
+def _load_draft_model(draft_dir: str | None, target: ModelConfig, max_model_len: int, dtype: torch.dtype,
+                      device: torch.device, weight_format: WeightFormat, verification: VerificationPolicy):
+    assert draft_dir is not None  # SpeculativeConfig requires it with speculative=draft
+    if verification.enabled:
+        verify_artifact(draft_dir, verification)
+    draft_config = load_model_config(draft_dir)
+    if draft_config.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
+                         f"target {target.vocab_size}: they must share the tokenizer")
+    if draft_config.max_position_embeddings < max_model_len:
+        raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
+                         f"fewer than max_model_len {max_model_len}")
+    return load_model(draft_dir, draft_config, dtype, device, weight_format)
+
+
+def load_loras(lora: LoRAConfig, model: Any, dtype: torch.dtype, device: torch.device,
+               verification: VerificationPolicy) -> LoRAManager:
+    """Wrap the projections and load --lora-modules; a bad adapter stops the start."""
+    manager = LoRAManager(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+                          dtype=dtype, device=device)
+    for name, path in lora.lora_module_paths():
+        try:
+            verify_adapter(verification, name, path)
+            manager.add(name, path)
+        except InvalidRequest as error:
+            raise ValueError(f"--lora-modules: {error}") from None
+    return manager
+
+
+def verify_adapter(verification: VerificationPolicy, name: str, path: str) -> None:
+    """An adapter proves itself as the model does (--verify-manifest / --verify-key)."""
+    if not verification.enabled:
+        return
+    try:
+        verify_artifact(path, verification)
+    except ArtifactError as error:
+        raise InvalidRequest(f"LoRA adapter {name!r} failed verification: {error}", param="lora_path",
+                             code="adapter_verification_failed") from None
+
+
+def plan_engine_kv_pool(config: EngineConfig, stack: ModelStack) -> KVPoolPlan:
+    """The KV pool of this stack under these settings (pagoda.core.kv_plan)."""
+    return plan_kv_pool(config.cache, config.scheduler, stack.model.config, num_kv_heads=stack.model.num_kv_heads,
+                        element_bytes=torch.tensor([], dtype=stack.dtype).element_size(),
+                        max_model_len=stack.max_model_len, release_blocker=release_blocker(config),
+                        stages=stack.stages,
+                        draft_config=stack.draft_model.config if stack.draft_model is not None else None)
+
+
+def build_kv_tiers(config: EngineConfig, plan: KVPoolPlan, dtype: torch.dtype) -> KVTiers | None:
+    """The host (and disk) tiers under the pool, with --kv-offload-memory; None without."""
+    if config.kv_offload_memory is None:
+        return None
+    fingerprint = model_fingerprint(config, str(dtype).removeprefix("torch."))
+    return KVTiers(config.cache, plan.bytes_per_block, fingerprint)
+
+
+def build_runner(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan,
+                 kv_format: KVCacheFormat) -> tuple[ModelRunner, SpecDecodeController]:
+    """The model runner over the pool, with speculation, and the executor's ranks serving the
+    same block ids."""
+    backend = select_backend(config.attention_backend, stack.device, kv_format, stack.native_kernels)
+    drafter = None
+    if stack.draft_model is not None:
+        drafter = DraftModelProposer(stack.draft_model, backend, plan.num_blocks, config.block_size, stack.dtype,
+                                     stack.device, kv_format)
+    speculation = SpecDecodeController(config.speculation, drafter)
+    runner = ModelRunner(stack.model, backend, plan.num_blocks, config.block_size, stack.dtype, stack.device,
+                         config.seed, max_num_seqs=config.max_num_seqs_bound, max_model_len=stack.max_model_len,
+                         enforce_eager=config.enforce_eager or stack.executor is not None,
+                         speculator=speculation if config.speculative else None,
+                         kv_format=kv_format, lora=stack.lora, groups=plan.groups)
+    if stack.executor is not None:
+        stack.executor.start_serving(plan.num_blocks, plan.groups)
+        if isinstance(stack.executor, PipelineExecutor):
+            runner.pipeline = stack.executor
+        else:
+            runner.tensor_parallel = stack.executor
+    return runner, speculation
