@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -374,7 +375,9 @@ def kv_cache_memory(args: argparse.Namespace, device: torch.device, weight_bytes
 
 
 def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, Any], device: torch.device,
-                 workload: tuple[list[list[int]], list[int]], single_prompt: list[int]) -> dict[str, Any]:
+                 workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
+                 save: Callable[[], None]) -> None:
+    """Fills `result`, calling `save` after each measurement (a run cut off keeps what it did)."""
     from pagoda import LLM
 
     weight_bytes = 2 * sum(math.prod(s) for s in checkpoint_shapes(config).values())
@@ -384,20 +387,26 @@ def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, An
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               enable_prefix_caching=False)
     core = llm.engine.core
-    result: dict[str, Any] = {"attention_backend": core.runner.backend.name, "kv_blocks": core.num_blocks,
-                              "enforce_eager": args.enforce_eager}
+    result.update({"attention_backend": core.runner.backend.name, "kv_blocks": core.num_blocks,
+                   "enforce_eager": args.enforce_eager,
+                   "cuda_graphs": core.runner.decode_graphs is not None})
+    print(f"  pagoda: {result['attention_backend']} attention, {core.num_blocks} KV blocks, "
+          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}", flush=True)
     pagoda_single_stream(llm, single_prompt[:64], 16)  # warm-up: kernels compiled, allocator settled
     result["single_stream"] = pagoda_single_stream(llm, single_prompt, args.single_output_len)
     print(f"  pagoda single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
+    save()
     if not args.skip_offline:
         result["offline"] = pagoda_offline(llm, *workload)
         print(f"  pagoda offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+        save()
     if args.profile_batches:
         result["decode_profile"] = {}
         for batch_size in args.profile_batches:
             summary, table = profile_decode(llm, batch_size, config["vocab_size"], device, args.seed,
                                             prompt_len=min(args.profile_prompt_len, max_model_len // 2))
             result["decode_profile"][str(batch_size)] = summary
+            save()
             print(f"  decode step at batch {batch_size}: {json.dumps(summary)}", flush=True)
             if args.profile_out is not None:
                 with args.profile_out.open("a") as log:
@@ -405,22 +414,23 @@ def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, An
                               f"({device_name(device)})\n{json.dumps(summary, indent=2)}\n{table}\n\n")
     del llm, core
     free_memory(device)
-    return result
 
 
 def bench_transformers(args: argparse.Namespace, model_dir: Path, device: torch.device,
-                       workload: tuple[list[list[int]], list[int]], single_prompt: list[int]) -> dict[str, Any]:
+                       workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
+                       save: Callable[[], None]) -> None:
     import transformers
 
     placement = {"device_map": str(device)} if args.hf_device_map else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **placement).to(device).eval()
-    result: dict[str, Any] = {"version": transformers.__version__}
+    result["version"] = transformers.__version__
     with torch.inference_mode():
         hf_generate(model, [single_prompt[:64]], 8, device)  # warm-up
         result["single_stream"] = hf_single_stream(model, single_prompt,
                                                    args.hf_single_output_len or args.single_output_len, device)
         print(f"  transformers single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
+        save()
         if not args.skip_hf_offline and not args.skip_offline:
             prompts, output_lens = workload
             subset = args.hf_num_seqs or len(prompts)
@@ -428,13 +438,33 @@ def bench_transformers(args: argparse.Namespace, model_dir: Path, device: torch.
             result["offline"]["num_seqs"] = subset
             print(f"  transformers offline ({subset} of {len(prompts)} requests): "
                   f"{result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+            save()
     del model
     free_memory(device)
-    return result
+
+
+def summarize(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """The headline ratios from whatever `result` holds so far."""
+    summary: dict[str, Any] = {}
+    pagoda, hf = result.get("pagoda", {}), result.get("transformers", {})
+    if "single_stream" not in pagoda:
+        return summary
+    pagoda_single = pagoda["single_stream"]["decode_tok_per_s"]
+    summary["pagoda_single_stream_fraction_of_roofline"] = pagoda_single / result["single_stream_roofline"]["tok_per_s"]
+    if "single_stream" in hf:
+        summary["single_stream_vs_transformers"] = pagoda_single / hf["single_stream"]["decode_tok_per_s"]
+    if "offline" in hf and "offline" in pagoda:
+        summary["offline_vs_transformers"] = pagoda["offline"]["output_tok_per_s"] / hf["offline"]["output_tok_per_s"]
+        if hf["offline"]["num_seqs"] < args.num_seqs:
+            summary["offline_vs_transformers_note"] = (
+                f"output tok/s of pagoda on {args.num_seqs} requests over transformers on the first "
+                f"{hf['offline']['num_seqs']}")
+    return summary
 
 
 def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwidth: float,
-              workdir: Path) -> dict[str, Any]:
+              workdir: Path, result: dict[str, Any], save: Callable[[], None]) -> None:
+    """Fills `result` for model `name`; `save` writes everything measured so far."""
     config = MODELS[name]
     print(f"{name}: writing random weights", flush=True)
     model_dir = workdir / name
@@ -447,34 +477,22 @@ def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwid
     mean_context = args.single_prompt_len + args.single_output_len / 2
     weight_bytes, kv_bytes = decode_bytes_per_token(config, mean_context)
     roofline = bandwidth / (weight_bytes + kv_bytes)
-    result: dict[str, Any] = {
+    result.update({
         "config": {k: config[k] for k in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                                           "tie_word_embeddings")},
         "params": num_params,
         "single_stream_roofline": {"weight_bytes_per_token": weight_bytes, "kv_bytes_per_token": kv_bytes,
                                    "mean_context": mean_context, "tok_per_s": roofline},
-    }
+    })
     print(f"{name}: {num_params / 1e6:.0f}M params; roofline {roofline:.0f} tok/s", flush=True)
-    result["pagoda"] = bench_pagoda(args, model_dir, config, device, workload, single_prompt)
+    save()
+    bench_pagoda(args, model_dir, config, device, workload, single_prompt, result.setdefault("pagoda", {}), save)
     if not args.skip_hf:
-        result["transformers"] = bench_transformers(args, model_dir, device, workload, single_prompt)
-
-    pagoda_single = result["pagoda"]["single_stream"]["decode_tok_per_s"]
-    summary = {"pagoda_single_stream_fraction_of_roofline": pagoda_single / roofline}
-    hf = result.get("transformers", {})
-    if "single_stream" in hf:
-        summary["single_stream_vs_transformers"] = pagoda_single / hf["single_stream"]["decode_tok_per_s"]
-    if "offline" in hf and "offline" in result["pagoda"]:
-        summary["offline_vs_transformers"] = (result["pagoda"]["offline"]["output_tok_per_s"]
-                                              / hf["offline"]["output_tok_per_s"])
-        if hf["offline"]["num_seqs"] < args.num_seqs:
-            summary["offline_vs_transformers_note"] = (
-                f"output tok/s of pagoda on {args.num_seqs} requests over transformers on the first "
-                f"{hf['offline']['num_seqs']}")
-    result["summary"] = summary
-    print(f"{name}: {json.dumps(summary)}", flush=True)
-    return result
+        bench_transformers(args, model_dir, device, workload, single_prompt, result.setdefault("transformers", {}),
+                           save)
+    save()
+    print(f"{name}: {json.dumps(result['summary'])}", flush=True)
 
 
 def device_name(device: torch.device) -> str:
@@ -567,11 +585,16 @@ def main(argv: list[str] | None = None) -> None:
         results["versions"]["triton"] = triton.__version__
     except ImportError:
         pass
+
+    def save() -> None:  # after every measurement: a run cut off keeps what it did
+        for model in results["models"].values():
+            model["summary"] = summarize(args, model)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in args.models.split(","):
-            results["models"][name] = run_model(args, name, device, bandwidth, Path(tmp))
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2) + "\n")  # after each model: partial results survive
+            run_model(args, name, device, bandwidth, Path(tmp), results["models"].setdefault(name, {}), save)
     print(f"wrote {args.out}")
 
 
