@@ -4,7 +4,7 @@
 # nano-vllm workload against transformers, and a profiled decode step at batch 1 and 64.
 #
 #   benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root, .whl/ beside it
-#   PYTHON=.venv/bin/python benchmarks/gpu_check.sh --dry-run    # the same stages on this CPU, tiny
+#   PYTHON=.venv/bin/python PYTHONPATH=/tmp/triton-site benchmarks/gpu_check.sh --dry-run   # on this CPU, tiny
 #   benchmarks/gpu_check.sh --only tests,llama                   # a re-run of some stages
 #
 # Every result is written to $OUT (default /tmp/gpu_check) as soon as it exists, so a run cut
@@ -31,11 +31,12 @@ TEST_FILES=(
 )
 TEST_NAME_PATTERNS=('test_triton_*.py' 'test_cuda_*.py')
 PER_TEST_TIMEOUT_S=60
+TEST_WORKERS=6         # pytest-xdist processes, where it is installed: Triton compiles on the CPU, one kernel a process
 TOTAL_S=470            # the whole script, from its start
 BUDGET_ENV_S=20
 BUDGET_INSTALL_S=60
-BUDGET_TESTS_S=170
-BUDGET_LLAMA_S=120
+BUDGET_TESTS_S=150
+BUDGET_LLAMA_S=140
 BUDGET_QWEN_S=170
 STAGES=env,install,tests,llama,qwen
 
@@ -60,14 +61,16 @@ fi
 
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/check.log"; }
 wants() { [[ ",$STAGES," == *",$1,"* ]]; }
-# Seconds for a stage: its budget, or what is left of TOTAL_S if less.
-budget() { local left=$((TOTAL_S - SECONDS)); echo $(($1 < left ? $1 : left)); }
+# Seconds for a stage: its budget, or what is left of TOTAL_S if less; GPU_CHECK_SCALE (an integer,
+# default 1) stretches every budget, for a dry run on a loaded CPU.
+SCALE=${GPU_CHECK_SCALE:-1}
+budget() { local want=$(($1 * SCALE)) left=$((TOTAL_S * SCALE - SECONDS)); echo $((want < left ? want : left)); }
 # run_stage NAME BUDGET FUNCTION: the function's commands run under `t` (timeout of the stage's
 # seconds, STAGE_S, each); its output is appended to check.log.
 run_stage() {
     local name=$1 fn=$3
     STAGE_S=$(budget "$2")
-    if (( STAGE_S < 15 )); then log "$name: skipped, ${STAGE_S}s left of ${TOTAL_S}s"; return 0; fi
+    if (( STAGE_S < 15 )); then log "$name: skipped, ${STAGE_S}s left of $((TOTAL_S * SCALE))s"; return 0; fi
     log "$name: start (budget ${STAGE_S}s)"
     "$fn" >>"$OUT/check.log" 2>&1
     local rc=$?
@@ -136,7 +139,9 @@ test_files() {
 stage_tests() {
     mapfile -t files < <(test_files)
     echo "test files: ${files[*]}"
-    t "$PY" -m pytest -p no:cacheprovider -v -rfEs --timeout "$PER_TEST_TIMEOUT_S" --durations=15 \
+    local workers=()
+    if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$((DRY_RUN ? 2 : TEST_WORKERS))"); fi
+    t "$PY" -m pytest -p no:cacheprovider "${workers[@]}" -v -rfEs --timeout "$PER_TEST_TIMEOUT_S" --durations=15 \
         --junitxml "$OUT/tests.xml" "${files[@]}" >"$OUT/tests.log" 2>&1
     local rc=$?
     tail -n 1 "$OUT/tests.log"
@@ -167,7 +172,7 @@ stage_qwen() {  # single stream, the nano-vllm workload (transformers on its fir
 
 summary() {
     echo "==== summary (full logs in \$OUT: check.log tests.log tests.xml bench.log profile.txt *.json env.txt)"
-    grep -E "^(device|torch|triton) " "$OUT/env.txt" 2>/dev/null
+    grep -E "^(device|torch|triton)[: ]" "$OUT/env.txt" 2>/dev/null
     grep -E ": (start|end|cut off|skipped)" "$OUT/check.log"
     [[ -f $OUT/tests.log ]] && { grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -40; tail -n 1 "$OUT/tests.log"; }
     [[ -f $OUT/bench.log ]] && grep -vE "Loading weights|it/s\]|profiler_st" "$OUT/bench.log" | tail -n 40
