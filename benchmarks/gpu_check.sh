@@ -104,7 +104,7 @@ for name in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "ty
         print(name, "MISSING")
 EOF
     } >"$OUT/env.txt" 2>&1
-    grep -E "^(device|torch|triton|python) " "$OUT/env.txt" | tee -a "$OUT/check.log"
+    grep -E "^(device|torch|triton|python)[: ]" "$OUT/env.txt" | tee -a "$OUT/check.log"
 }
 
 stage_install() {
