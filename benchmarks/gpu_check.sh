@@ -19,8 +19,10 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 # ---- what runs: edit here ------------------------------------------------------------------
-# The CUDA subset. Files that moved are found again by name under tests/ (TEST_NAME_PATTERNS
-# too), so a moved file is still run; a listed name found nowhere is reported.
+# The CUDA subset. Files that moved are found again by name under tests/, and every test file
+# named like TEST_NAME_PATTERNS or whose text matches TEST_CONTENT_PATTERN (a module of Triton
+# kernels imported for a test, or a CUDA check) joins, so a moved or renamed file is still run; a
+# listed name found nowhere is reported in check.log.
 TEST_FILES=(
     tests/model/test_triton_attention.py       # paged prefill, split-KV decode (windows, soft-capping, sinks), quantized KV
     tests/worker/test_cuda_graphs.py           # decode graph replay against the eager forward
@@ -30,6 +32,7 @@ TEST_FILES=(
     tests/gpu/test_cuda_paths.py               # the device grammar bitmask, the pinned host KV tier
 )
 TEST_NAME_PATTERNS=('test_triton_*.py' 'test_cuda_*.py')
+TEST_CONTENT_PATTERN='import_triton_module|cuda\.is_available\(\)'
 PER_TEST_TIMEOUT_S=60
 TEST_WORKERS=6         # pytest-xdist processes, where it is installed: Triton compiles on the CPU, one kernel a process
 TOTAL_S=470            # the whole script, from its start
@@ -133,6 +136,8 @@ test_files() {
     for name in "${TEST_NAME_PATTERNS[@]}"; do
         while IFS= read -r listed; do found+=("$listed"); done < <(find tests -name "$name" | sort)
     done
+    while IFS= read -r listed; do found+=("$listed"); done \
+        < <(grep -rlE "$TEST_CONTENT_PATTERN" tests --include='test_*.py' | sort)
     printf '%s\n' "${found[@]}" | awk '!seen[$0]++'
 }
 
