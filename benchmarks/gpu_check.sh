@@ -145,7 +145,11 @@ stage_tests() {
     mapfile -t files < <(test_files)
     echo "test files: ${files[*]}"
     local workers=()
-    if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$((DRY_RUN ? 2 : TEST_WORKERS))"); fi
+    # A test past its timeout takes its worker down (stacks dumped), and xdist starts another: a
+    # kernel that hangs costs one test, not the stage.
+    if "$PY" -c "import xdist" 2>/dev/null; then
+        workers=(-n "$((DRY_RUN ? 2 : TEST_WORKERS))" --timeout-method=thread)
+    fi
     t "$PY" -m pytest -p no:cacheprovider "${workers[@]}" -v -rfEs --timeout "$PER_TEST_TIMEOUT_S" --durations=15 \
         --junitxml "$OUT/tests.xml" "${files[@]}" >"$OUT/tests.log" 2>&1
     local rc=$?
