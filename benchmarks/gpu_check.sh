@@ -4,7 +4,7 @@
 # nano-vllm workload against transformers, and a profiled decode step at batch 1 and 64.
 #
 #   benchmarks/gpu_check.sh                 # on the GPU machine, from the repository root, .whl/ beside it
-#   PYTHON=.venv/bin/python PYTHONPATH=/tmp/triton-site benchmarks/gpu_check.sh --dry-run   # on this CPU, tiny
+#   PYTHON=.venv/bin/python PYTHONPATH=/tmp/triton-site GPU_CHECK_SCALE=3 benchmarks/gpu_check.sh --dry-run  # here
 #   benchmarks/gpu_check.sh --only tests,llama                   # a re-run of some stages
 #
 # Every result is written to $OUT (default /tmp/gpu_check) as soon as it exists, so a run cut
