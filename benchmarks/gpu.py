@@ -15,10 +15,15 @@ Per model:
   offline throughput: --num-seqs requests, prompt and output lengths uniform in [--min-len, --max-len],
       ignore_eos (the nano-vllm workload); output tokens/s and total tokens/s
   both again through `transformers` generate (bf16, SDPA; offline in static batches of
-      --hf-batch-size with left padding, counting only the tokens each request asked for)
+      --hf-batch-size with left padding, counting only the tokens each request asked for;
+      --hf-num-seqs runs it on the workload's first N requests only, and the ratio is then one of
+      output tokens per second, each side over the requests it ran)
+  with --profile-batches: one decode step at each batch size under torch.profiler (host time
+      per step, device kernel time, how many steps replayed a CUDA graph, the top kernels)
 
     python benchmarks/gpu.py                                   # everything, ~15-30 min on one H100
     python benchmarks/gpu.py --models qwen3-0.6b --num-seqs 64
+    benchmarks/gpu_check.sh runs it cut to fit a few minutes (see benchmarks/README.md)
     python benchmarks/gpu.py --models tiny --device cpu --num-seqs 4 --max-len 32 \\
         --single-prompt-len 16 --single-output-len 16 --out /tmp/gpu.json   # smoke run
 Results go to benchmarks/results/gpu.json (with the GPU's name and the date).
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -238,6 +244,85 @@ def pagoda_offline(llm: Any, prompts: list[list[int]], output_lens: list[int]) -
             "total_tok_per_s": total / elapsed}
 
 
+def profile_decode(llm: Any, batch_size: int, vocab_size: int, device: torch.device, seed: int,
+                   prompt_len: int = 128, warmup_steps: int = 3, steps: int = 3) -> tuple[dict[str, Any], str]:
+    """`batch_size` requests prefilled, then `steps` decode-only engine steps under torch.profiler:
+    wall time per step against device kernel time (the rest is the GPU waiting on the host), the
+    runner's host phases, how many steps replayed a CUDA graph, and a table of the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagoda import SamplingParams
+
+    engine, core = llm.engine, llm.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + 2 * steps + 8, ignore_eos=True)
+    prompts = make_workload(batch_size, prompt_len, prompt_len, vocab_size, seed + 2)[0]
+    ids = [f"profile-{batch_size}-{i}" for i in range(batch_size)]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    emitted: dict[str, int] = dict.fromkeys(ids, 0)
+    finished: set[str] = set()
+
+    def step() -> None:
+        for delta in engine.step().deltas:
+            if delta.request_id in emitted:
+                emitted[delta.request_id] += sum(len(sample.token_ids) for sample in delta.outputs)
+                if delta.finished:
+                    finished.add(delta.request_id)
+
+    while min(emitted.values()) == 0:  # every prompt prefilled: from here on steps are decode-only
+        step()
+    for _ in range(warmup_steps):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):  # the same steps without the profiler's own cost
+        step()
+    synchronize(device)
+    plain_wall = (time.perf_counter() - start) / steps
+    graphs = core.runner.decode_graphs
+    replays = [0]
+    if graphs is not None:
+        replay = graphs.run
+
+        def counting_run(*args: Any, **kwargs: Any) -> Any:
+            replays[0] += 1
+            return replay(*args, **kwargs)
+
+        graphs.run = counting_run
+    phases = {name: 0.0 for name in ("schedule", "prepare", "forward", "logits", "sample", "update")}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+            for name in phases:
+                phases[name] += getattr(core.last_step_timings, name)
+        synchronize(device)
+        wall = (time.perf_counter() - start) / steps
+    if graphs is not None:
+        del graphs.run  # the instance attribute goes: the class's method again
+    while len(finished) < batch_size:
+        step()
+
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    summary = {
+        "batch_size": batch_size, "context": prompt_len + warmup_steps + steps, "steps": steps,
+        "step_wall_ms": 1e3 * plain_wall,
+        "step_wall_ms_profiled": 1e3 * wall,
+        "kernel_ms": 1e3 * kernel_s,
+        "gpu_idle_ms": 1e3 * max(plain_wall - kernel_s, 0.0) if device.type == "cuda" else None,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "host_phases_ms": {name: 1e3 * seconds / steps for name, seconds in phases.items()},
+        "graph_replays": replays[0] if graphs is not None else None,
+        "graph_coverage": replays[0] / steps if graphs is not None else 0.0,
+    }
+    sort_by = "self_device_time_total" if kernels else "self_cpu_time_total"
+    return summary, averages.table(sort_by=sort_by, row_limit=20)
+
+
 def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, device: torch.device) -> None:
     width = max(len(p) for p in batch)
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
@@ -291,7 +376,9 @@ def kv_cache_memory(args: argparse.Namespace, device: torch.device, weight_bytes
 
 
 def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, Any], device: torch.device,
-                 workload: tuple[list[list[int]], list[int]], single_prompt: list[int]) -> dict[str, Any]:
+                 workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
+                 save: Callable[[], None]) -> None:
+    """Fills `result`, calling `save` after each measurement (a run cut off keeps what it did)."""
     from pagoda import LLM
 
     weight_bytes = 2 * sum(math.prod(s) for s in checkpoint_shapes(config).values())
@@ -301,39 +388,84 @@ def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, An
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               enable_prefix_caching=False)
     core = llm.engine.core
-    result: dict[str, Any] = {"attention_backend": core.runner.backend.name, "kv_blocks": core.num_blocks,
-                              "enforce_eager": args.enforce_eager}
+    result.update({"attention_backend": core.runner.backend.name, "kv_blocks": core.num_blocks,
+                   "enforce_eager": args.enforce_eager,
+                   "cuda_graphs": core.runner.decode_graphs is not None})
+    print(f"  pagoda: {result['attention_backend']} attention, {core.num_blocks} KV blocks, "
+          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}", flush=True)
     pagoda_single_stream(llm, single_prompt[:64], 16)  # warm-up: kernels compiled, allocator settled
     result["single_stream"] = pagoda_single_stream(llm, single_prompt, args.single_output_len)
     print(f"  pagoda single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
-    result["offline"] = pagoda_offline(llm, *workload)
-    print(f"  pagoda offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+    save()
+    if not args.skip_offline:
+        result["offline"] = pagoda_offline(llm, *workload)
+        print(f"  pagoda offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+        save()
+    if args.profile_batches:
+        result["decode_profile"] = {}
+        for batch_size in args.profile_batches:
+            summary, table = profile_decode(llm, batch_size, config["vocab_size"], device, args.seed,
+                                            prompt_len=min(args.profile_prompt_len, max_model_len // 2))
+            result["decode_profile"][str(batch_size)] = summary
+            save()
+            print(f"  decode step at batch {batch_size}: {json.dumps(summary)}", flush=True)
+            if args.profile_out is not None:
+                with args.profile_out.open("a") as log:
+                    log.write(f"== {model_dir.name}, one decode step at batch {batch_size} "
+                              f"({device_name(device)})\n{json.dumps(summary, indent=2)}\n{table}\n\n")
     del llm, core
     free_memory(device)
-    return result
 
 
 def bench_transformers(args: argparse.Namespace, model_dir: Path, device: torch.device,
-                       workload: tuple[list[list[int]], list[int]], single_prompt: list[int]) -> dict[str, Any]:
+                       workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
+                       save: Callable[[], None]) -> None:
     import transformers
 
+    placement = {"device_map": str(device)} if args.hf_device_map else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa").to(device).eval()
-    result: dict[str, Any] = {"version": transformers.__version__}
+        model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **placement).to(device).eval()
+    result["version"] = transformers.__version__
     with torch.inference_mode():
         hf_generate(model, [single_prompt[:64]], 8, device)  # warm-up
-        result["single_stream"] = hf_single_stream(model, single_prompt, args.single_output_len, device)
+        result["single_stream"] = hf_single_stream(model, single_prompt,
+                                                   args.hf_single_output_len or args.single_output_len, device)
         print(f"  transformers single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
-        if not args.skip_hf_offline:
-            result["offline"] = hf_offline(model, *workload, args.hf_batch_size, device)
-            print(f"  transformers offline: {result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+        save()
+        if not args.skip_hf_offline and not args.skip_offline:
+            prompts, output_lens = workload
+            subset = args.hf_num_seqs or len(prompts)
+            result["offline"] = hf_offline(model, prompts[:subset], output_lens[:subset], args.hf_batch_size, device)
+            result["offline"]["num_seqs"] = subset
+            print(f"  transformers offline ({subset} of {len(prompts)} requests): "
+                  f"{result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+            save()
     del model
     free_memory(device)
-    return result
+
+
+def summarize(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """The headline ratios from whatever `result` holds so far."""
+    summary: dict[str, Any] = {}
+    pagoda, hf = result.get("pagoda", {}), result.get("transformers", {})
+    if "single_stream" not in pagoda:
+        return summary
+    pagoda_single = pagoda["single_stream"]["decode_tok_per_s"]
+    summary["pagoda_single_stream_fraction_of_roofline"] = pagoda_single / result["single_stream_roofline"]["tok_per_s"]
+    if "single_stream" in hf:
+        summary["single_stream_vs_transformers"] = pagoda_single / hf["single_stream"]["decode_tok_per_s"]
+    if "offline" in hf and "offline" in pagoda:
+        summary["offline_vs_transformers"] = pagoda["offline"]["output_tok_per_s"] / hf["offline"]["output_tok_per_s"]
+        if hf["offline"]["num_seqs"] < args.num_seqs:
+            summary["offline_vs_transformers_note"] = (
+                f"output tok/s of pagoda on {args.num_seqs} requests over transformers on the first "
+                f"{hf['offline']['num_seqs']}")
+    return summary
 
 
 def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwidth: float,
-              workdir: Path) -> dict[str, Any]:
+              workdir: Path, result: dict[str, Any], save: Callable[[], None]) -> None:
+    """Fills `result` for model `name`; `save` writes everything measured so far."""
     config = MODELS[name]
     print(f"{name}: writing random weights", flush=True)
     model_dir = workdir / name
@@ -346,36 +478,38 @@ def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwid
     mean_context = args.single_prompt_len + args.single_output_len / 2
     weight_bytes, kv_bytes = decode_bytes_per_token(config, mean_context)
     roofline = bandwidth / (weight_bytes + kv_bytes)
-    result: dict[str, Any] = {
+    result.update({
         "config": {k: config[k] for k in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                                           "tie_word_embeddings")},
         "params": num_params,
         "single_stream_roofline": {"weight_bytes_per_token": weight_bytes, "kv_bytes_per_token": kv_bytes,
                                    "mean_context": mean_context, "tok_per_s": roofline},
-    }
+    })
     print(f"{name}: {num_params / 1e6:.0f}M params; roofline {roofline:.0f} tok/s", flush=True)
-    result["pagoda"] = bench_pagoda(args, model_dir, config, device, workload, single_prompt)
+    save()
+    bench_pagoda(args, model_dir, config, device, workload, single_prompt, result.setdefault("pagoda", {}), save)
     if not args.skip_hf:
-        result["transformers"] = bench_transformers(args, model_dir, device, workload, single_prompt)
-
-    pagoda_single = result["pagoda"]["single_stream"]["decode_tok_per_s"]
-    summary = {"pagoda_single_stream_fraction_of_roofline": pagoda_single / roofline}
-    hf = result.get("transformers", {})
-    if "single_stream" in hf:
-        summary["single_stream_vs_transformers"] = pagoda_single / hf["single_stream"]["decode_tok_per_s"]
-    if "offline" in hf:
-        summary["offline_vs_transformers"] = (result["pagoda"]["offline"]["output_tok_per_s"]
-                                              / hf["offline"]["output_tok_per_s"])
-    result["summary"] = summary
-    print(f"{name}: {json.dumps(summary)}", flush=True)
-    return result
+        bench_transformers(args, model_dir, device, workload, single_prompt, result.setdefault("transformers", {}),
+                           save)
+    save()
+    print(f"{name}: {json.dumps(result['summary'])}", flush=True)
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
+
+
+def driver_version(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def git_commit() -> str | None:
@@ -405,7 +539,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     parser.add_argument("--skip-hf-offline", action="store_true", help="transformers single stream only")
+    parser.add_argument("--skip-offline", action="store_true", help="single stream only (pagoda and transformers)")
+    parser.add_argument("--hf-num-seqs", type=int, default=0,
+                        help="transformers offline on the first N requests only (default: all)")
+    parser.add_argument("--hf-single-output-len", type=int, default=0,
+                        help="transformers single-stream output length (default: --single-output-len)")
+    parser.add_argument("--profile-batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[],
+                        help="profile one pagoda decode step at each of these batch sizes, e.g. 1,64")
+    parser.add_argument("--profile-prompt-len", type=int, default=512, help="context of the profiled requests")
+    parser.add_argument("--profile-out", type=Path, default=None, help="append the profiles' kernel tables here")
     parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB, help="size of the copy that measures bandwidth")
+    parser.add_argument("--hf-device-map", action="store_true",
+                        help="load transformers' weights straight onto the device (accelerate's device_map)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="where the models go (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -428,7 +573,8 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": device_name(device),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "pagoda_commit": git_commit()},
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver_version(device),
+                     "pagoda_commit": git_commit()},
         "copy_bandwidth_bytes_per_s": bandwidth,
         "workload": {"num_seqs": args.num_seqs, "prompt_len": [args.min_len, args.max_len],
                      "output_len": [args.min_len, args.max_len], "ignore_eos": True, "dtype": args.dtype,
@@ -440,11 +586,16 @@ def main(argv: list[str] | None = None) -> None:
         results["versions"]["triton"] = triton.__version__
     except ImportError:
         pass
+
+    def save() -> None:  # after every measurement: a run cut off keeps what it did
+        for model in results["models"].values():
+            model["summary"] = summarize(args, model)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in args.models.split(","):
-            results["models"][name] = run_model(args, name, device, bandwidth, Path(tmp))
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2) + "\n")  # after each model: partial results survive
+            run_model(args, name, device, bandwidth, Path(tmp), results["models"].setdefault(name, {}), save)
     print(f"wrote {args.out}")
 
 
