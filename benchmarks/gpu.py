@@ -206,6 +206,7 @@ def make_workload(num_seqs: int, low: int, high: int, vocab_size: int, seed: int
 def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
     from pagoda import SamplingParams
     from pagoda.engine.engine_request import EngineRequest
+    from pagoda.engine.engine_request import EngineRequest
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -258,7 +259,7 @@ def profile_decode(llm: Any, batch_size: int, vocab_size: int, device: torch.dev
     prompts = make_workload(batch_size, prompt_len, prompt_len, vocab_size, seed + 2)[0]
     ids = [f"profile-{batch_size}-{i}" for i in range(batch_size)]
     for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(EngineRequest(request_id, prompt, params))
     emitted: dict[str, int] = dict.fromkeys(ids, 0)
     finished: set[str] = set()
 

@@ -90,10 +90,15 @@ class KVCacheFormat:
             return values
         element_dtype, largest = _QUANTIZED[self.name]
         values = values.float()
+        # Divisors as tensors on the values' device: CUDA divides by a Python scalar as a
+        # multiplication by its reciprocal, which rounds differently from the IEEE division the
+        # CPU and the Triton kernels do, and the cache must hold the same bytes on every backend.
         if not self.scale_per_token:
-            stored = (values / self.tensor_scale).clamp(-largest, largest).to(element_dtype)
+            tensor_scale = torch.full((), self.tensor_scale, dtype=torch.float32, device=values.device)
+            stored = (values / tensor_scale).clamp(-largest, largest).to(element_dtype)
             return stored.view(torch.uint8)
-        scales = values.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / largest
+        largest_value = torch.full((), largest, dtype=torch.float32, device=values.device)
+        scales = values.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / largest_value
         scaled = values / scales
         if element_dtype == torch.int8:
             stored = torch.round(scaled).clamp(-127, 127).to(torch.int8)
