@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
-
 from pagoda.stats import percentile  # noqa: E402
 
 NAME = "kv_tiers"

@@ -27,8 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
 
-from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
-    write_summary  # noqa: E402
+# isort: split
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    write_summary,
+)
 
 NAME = "levers"
 SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}
@@ -150,12 +159,12 @@ LEVERS: dict[str, Callable[[Any], int | None]] = {
 
 def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, steps: int, rounds: int,
             threads: int | None, dtype: str = "auto") -> dict[str, Any]:
+    import torch
+
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.threads import set_engine_threads
     from pagoda.sampling_params import SamplingParams
-
-    import torch
 
     output_len = steps * rounds + 8
     config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,

@@ -56,11 +56,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, RESULTS, build_bench_model, git_commit,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import (  # noqa: E402
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    PYTHON,
+    RESULTS,
+    build_bench_model,
+    git_commit,
+    pagoda_server_process,
+    write_summary,
+)
 from native_kernels import read_bandwidth  # noqa: E402
-from vs_llamacpp import (NEAR_TIE, check_greedy_agreement, convert_to_gguf, llama_server, run_load,  # noqa: E402
-                         token_prompts, warm)
+from vs_llamacpp import NEAR_TIE, check_greedy_agreement, convert_to_gguf, llama_server, run_load, token_prompts, warm  # noqa: E402
 
 NAME = "native_vs_llamacpp"
 QWEN_VOCAB_SIZE = 32768
@@ -136,8 +143,9 @@ def run(command: list[str]) -> str:
 def build_tokenizer(directory: Path, vocab_size: int) -> None:
     """A byte-level BPE of `vocab_size` trained on the ASCII lines of the whole standard library
     (the benchmark tokenizer's recipe on more text, so every id is a real token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
 

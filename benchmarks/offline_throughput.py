@@ -34,7 +34,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import build_model  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8,

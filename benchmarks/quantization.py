@@ -35,7 +35,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import build_tokenizer, git_commit  # noqa: E402
-
 from pagoda.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 LARGE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -186,8 +185,8 @@ def kernel_microbench(threads: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from pagoda.quant.weight_formats import Int4Weight, Int8Weight
     from pagoda.model.layers import Linear
+    from pagoda.quant.weight_formats import Int4Weight, Int8Weight
 
     torch.set_num_threads(threads)
     out_features, in_features = 4096, 1024

@@ -32,8 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
 
-from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
-    write_summary  # noqa: E402
+# isort: split
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    write_summary,
+)
 
 NAME = "step_breakdown"
 SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}

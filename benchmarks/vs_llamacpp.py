@@ -34,8 +34,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    PYTHON,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    pagoda_server_process,
+    write_summary,
+)
 
 NAME = "vs_llamacpp"
 PAGODA, LLAMA = "pagoda", "llama-server"

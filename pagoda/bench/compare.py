@@ -108,7 +108,7 @@ def compare_benchmark(options: CompareBenchOptions) -> int:
     print(render_table(headers, rows))
     out = options.report.output_dir()
     if out is not None:
-        from pagoda.bench.plots import plot_bars, plot_target_cdfs
+        from pagoda.bench.plots import plot_target_cdfs
 
         payload: dict[str, Any] = {**run_metadata(options), "targets": [s.__dict__ for s in specs],
                                    "comparison": {"headers": headers, "rows": rows},

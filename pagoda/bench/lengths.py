@@ -29,7 +29,7 @@ class LengthDist:
         sigma = (math.log(self.b) - mu) / Z95
         return max(1, round(math.exp(rng.gauss(mu, sigma))))
 
-    def scaled(self, factor: float) -> "LengthDist":
+    def scaled(self, factor: float) -> LengthDist:
         if factor == 1.0:
             return self
         s = lambda x: max(1.0, round(x * factor))

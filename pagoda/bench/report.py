@@ -33,7 +33,7 @@ class LatencyStats:
     max: float
 
     @classmethod
-    def of(cls, values: list[float]) -> "LatencyStats | None":
+    def of(cls, values: list[float]) -> LatencyStats | None:
         if not values:
             return None
         s = sorted(values)

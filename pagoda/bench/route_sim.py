@@ -26,9 +26,10 @@ import json
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pagoda.bench.route_traces import TraceRequest, generate_trace, load_trace, trace_summary
 from pagoda.bench.step_cost import DEFAULT_STEP_COST, StepCost

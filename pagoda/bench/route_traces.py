@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 TRACE_KINDS = ("chat", "rag")
 

@@ -14,6 +14,7 @@ from pagoda.bench.report import Summary, parse_slo, render_summary, render_table
 from pagoda.bench.server_metrics import metrics_delta
 from pagoda.bench.workloads import Workload, make_workload
 
+
 def parse_sweep(text: str) -> list[int]:
     try:
         points = [int(x) for x in text.split(",") if x.strip()]

@@ -8,8 +8,9 @@ latency objectives an operator sets) and the named constants below (what counts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.diagnosis.findings import Finding, ranked
 from pagoda.diagnosis.observations import Observations

@@ -17,9 +17,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,7 +60,7 @@ class BlockTransfer:
     """Host-side tensors mirroring the device caches, and the copies between them."""
 
     def __init__(self, device_caches: Sequence[torch.Tensor], num_host_blocks: int,
-                 disk: "DiskStore | None" = None) -> None:
+                 disk: DiskStore | None = None) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_host_blocks}")
         self.device_caches = list(device_caches)
@@ -78,7 +78,7 @@ class BlockTransfer:
         self.stats = TransferStats()
         self.disk = disk
 
-    def run(self, ops: "Sequence[TransferOp]") -> None:
+    def run(self, ops: Sequence[TransferOp]) -> None:
         """Execute a step's tier copies in their recorded order."""
         for op in ops:
             if op.kind == "store":
@@ -95,7 +95,7 @@ class BlockTransfer:
             else:
                 raise ValueError(f"unknown transfer kind {op.kind!r}")
 
-    def _require_disk(self) -> "DiskStore":
+    def _require_disk(self) -> DiskStore:
         if self.disk is None:
             raise RuntimeError("a disk-tier copy was planned but no disk tier is configured")
         return self.disk
@@ -161,7 +161,7 @@ class BlockTransfer:
         self.stats.seconds_to_host += time.perf_counter() - started
 
     def _scatter_to_host(self, staged: list[torch.Tensor], dst: torch.Tensor,
-                         done_event: "torch.cuda.Event | None") -> None:
+                         done_event: torch.cuda.Event | None) -> None:
         if done_event is not None:
             done_event.synchronize()
         with torch.inference_mode():

@@ -95,7 +95,7 @@ class HandoffHeader:
         return json.dumps(self.__dict__).encode()
 
     @classmethod
-    def from_json(cls, payload: bytes) -> "HandoffHeader":
+    def from_json(cls, payload: bytes) -> HandoffHeader:
         data = json.loads(payload)
         data["layout"] = [(dtype, list(shape)) for dtype, shape in data["layout"]]
         return cls(**data)
@@ -132,7 +132,7 @@ def _recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) 
     while received < size:
         try:
             n = sock.recv_into(buffer[received:size])
-        except socket.timeout:
+        except TimeoutError:
             raise TransferError("KV transfer timed out waiting for the peer") from None
         except OSError as error:
             raise TransferError(f"KV transfer connection failed: {error}") from None
@@ -152,7 +152,7 @@ def _recv_frame(sock: socket.socket, limit: int = MAX_HEADER_BYTES) -> memoryvie
 def _sendall(sock: socket.socket, *parts: bytes | memoryview) -> None:
     try:
         _send_frame(sock, *parts)
-    except socket.timeout:
+    except TimeoutError:
         raise TransferError("KV transfer timed out sending to the peer") from None
     except OSError as error:
         raise TransferError(f"KV transfer connection failed: {error}") from None
@@ -212,7 +212,7 @@ class KVListener:
             self._sock.bind(self.address)
             self._sock.listen()
 
-    def accept(self, timeout: float) -> "IncomingHandoff":
+    def accept(self, timeout: float) -> IncomingHandoff:
         """The next handoff, its header read; TransferError if none arrives within `timeout`."""
         return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout, self.segment_maps)
 
@@ -221,7 +221,7 @@ class KVListener:
         self._sock.settimeout(timeout)
         try:
             conn, _ = self._sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise TransferError(f"no KV handoff arrived within {timeout} s") from None
         conn.settimeout(timeout)
         return conn
@@ -235,7 +235,7 @@ class KVListener:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "KVListener":
+    def __enter__(self) -> KVListener:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from pagoda.ops.probes import (BudgetExceeded, Finding, Session, cache_probe, length_probe,
-                               queue_probe, stream_probe)
+from pagoda.ops.probes import BudgetExceeded, Finding, Session, cache_probe, length_probe, queue_probe, stream_probe
 from pagoda.ops.target import Target, TargetError, launch_pagoda
 
 PROBES = ("cache", "length", "queue", "stream")
@@ -52,7 +51,7 @@ class AuditOptions:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "AuditOptions":
+    def from_args(cls, args: argparse.Namespace) -> AuditOptions:
         return cls(args.key_a, args.key_b, args.model,
                    tuple(p.strip() for p in args.probes.split(",") if p.strip()), args.trials,
                    args.budget, not args.no_rerun, args.seed, args.timeout, args.launch_timeout,

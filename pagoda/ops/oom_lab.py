@@ -26,8 +26,7 @@ from pagoda.bench.loadgen import LoadConfig, send_request
 from pagoda.bench.records import BenchRequest
 from pagoda.bench.server_metrics import metrics_delta, scrape
 from pagoda.config import parse_bytes
-from pagoda.plan import (RequestClass, build_plan, kv_bytes_per_token, load_model, normalize_dtype,
-                         weight_bytes)
+from pagoda.plan import RequestClass, build_plan, kv_bytes_per_token, load_model, normalize_dtype, weight_bytes
 
 AGREEMENT = 0.10  # measured and planned preemption boundaries within this fraction of plan's
 

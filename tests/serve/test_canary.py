@@ -4,7 +4,6 @@ the admin endpoints, and a rollback that leaves both models loaded and stable se
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
