@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(f"{lever:<10} c={c:<3} step {result['step_ms_on']:7.2f} ms on vs {result['step_ms_off']:7.2f} ms off: "
                   f"{result['speedup']:.2f}x (rounds {min(result['per_round_ratio']):.2f}-"
-                  f"{max(result['per_round_ratio']):.2f}); CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
+                  f"{max(result['per_round_ratio']):.2f}); "
+                  f"CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
                   f"{result['cpu_speedup']:.2f}x (rounds {min(result['cpu_per_round_ratio']):.2f}-"
                   f"{max(result['cpu_per_round_ratio']):.2f}); identical tokens: {result['identical_tokens']}", flush=True)
     out = Path(args.out)

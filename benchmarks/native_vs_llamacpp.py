@@ -24,10 +24,11 @@ Configurations:
 
 Where both sides serve the same fp32 weights their greedy outputs must agree up to near ties
 (vs_llamacpp.py's check) before timing; for the MoE model they are compared and reported only
-(a router's near ties between its 8th and 9th expert break apart under two summation orders). The floor of each comparison is the bytes of weights one
-token reads in llama.cpp's file (every tensor but the embedding table, read whole when it is
-also the LM head) over the read bandwidth measured in the same run (torch `sum` over 256 MB,
-one and two threads); each side's fraction of it is floor / its c=1 median ITL.
+(a router's near ties between its 8th and 9th expert break apart under two summation orders).
+The floor of each comparison is the bytes of weights one token reads in llama.cpp's file (every
+tensor but the embedding table, read whole when it is also the LM head) over the read bandwidth
+measured in the same run (torch `sum` over 256 MB, one and two threads); each side's fraction of
+it is floor / its c=1 median ITL.
 
     .venv/bin/python benchmarks/native_vs_llamacpp.py --llama-cpp /path/to/llama.cpp --rounds 3
     .venv/bin/python benchmarks/native_vs_llamacpp.py --llama-cpp /path/to/llama.cpp --quick --out /tmp/nvl

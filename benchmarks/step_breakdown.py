@@ -165,7 +165,8 @@ def render(result: dict[str, Any], which: str) -> str:
              ("engine, untimed rest", data["engine_other"]), ("IPC (pickle + pipe send)", data["ipc_send"])]
     if "ipc_send_cpu" in data:
         rows.append(("  of which CPU time of the sending thread", data["ipc_send_cpu"]))
-    lines = [f"concurrency {result['concurrency']}, {which} steps ({result['decode_steps'] if which == 'decode' else result['steps']}), "
+    steps = result["decode_steps"] if which == "decode" else result["steps"]
+    lines = [f"concurrency {result['concurrency']}, {which} steps ({steps}), "
              f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
              f"native kernels: {result.get('native_kernels', 'off (PyTorch ops)')}",
              f"{'phase':<42}{'ms/step':>9}{'share':>8}"]

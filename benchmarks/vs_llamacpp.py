@@ -152,7 +152,7 @@ def check_greedy_agreement(pagoda_url: str, llama_url: str, prompts: list[list[i
             identical += 1
             continue
         offset = 0
-        for position, entry in enumerate(theirs["logprobs"]["content"]):
+        for position, entry in enumerate(theirs["logprobs"]["content"]):  # noqa: B007 (read after the loop)
             if ours[offset:offset + len(entry["token"])] != entry["token"]:
                 break
             offset += len(entry["token"])

@@ -32,8 +32,11 @@ class LengthDist:
     def scaled(self, factor: float) -> LengthDist:
         if factor == 1.0:
             return self
-        s = lambda x: max(1.0, round(x * factor))
-        return LengthDist(self.kind, s(self.a), s(self.b) if self.kind != "fixed" else 0.0)
+
+        def scale(x: float) -> float:
+            return max(1.0, round(x * factor))
+
+        return LengthDist(self.kind, scale(self.a), scale(self.b) if self.kind != "fixed" else 0.0)
 
     @property
     def median(self) -> float:

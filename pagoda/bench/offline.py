@@ -93,7 +93,7 @@ def offline_benchmark(options: OfflineBenchOptions) -> int:
     result = run_pagoda(llm, prepared.requests, prepared.workload.builder.encode,
                         static_batch=options.static_batch, warmup_requests=prepared.warmup,
                         progress=not report.no_progress)
-    label = report.label or ("pagoda static batch %d" % options.static_batch if options.static_batch
+    label = report.label or (f"pagoda static batch {options.static_batch}" if options.static_batch
                              else "pagoda")
     summary = summarize(label, result.records, result.duration, slo)
     print(render_summary(summary))

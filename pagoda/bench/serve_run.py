@@ -54,7 +54,9 @@ def sweep_point(summary: Summary) -> dict[str, Any]:
 
 
 def render_sweep(points: list[dict[str, Any]]) -> str:
-    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
     rows = [[str(p["concurrency"]), f"{p['request_throughput']:.2f}", f"{p['output_throughput']:.1f}",
              ms(p["ttft_p50"]), ms(p["ttft_p99"]), ms(p["itl_p99"]), ms(p["e2e_p99"])] for p in points]
     return render_table(["concurrency", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms",

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,8 +91,7 @@ class BlockTransfer:
             elif op.kind == "fetch":
                 self._fetch(op.src, op.dst)
             elif op.kind == "delete":
-                disk = self._require_disk()
-                self._worker.submit(lambda names=list(op.src): [disk.delete(n) for n in names])
+                self._delete(op.src)
             else:
                 raise ValueError(f"unknown transfer kind {op.kind!r}")
 
@@ -110,6 +110,17 @@ class BlockTransfer:
 
         self._worker.submit(write)
 
+    def _delete(self, names: Sequence[str]) -> None:
+        """Delete files on the transfer thread, after the writes queued before."""
+        disk = self._require_disk()
+        names = list(names)
+
+        def delete() -> None:
+            for name in names:
+                disk.delete(name)
+
+        self._worker.submit(delete)
+
     def _fetch(self, names: Sequence[str], host_ids: Sequence[int]) -> None:
         """Read files into host blocks on the transfer thread; loads of them wait for it."""
         disk = self._require_disk()
@@ -122,7 +133,7 @@ class BlockTransfer:
         with self._lock:
             for host_id in host_ids:
                 self._pending[host_id] = future
-        future.add_done_callback(lambda f, ids=list(host_ids): self._forget(ids, f))
+        future.add_done_callback(partial(self._forget, list(host_ids)))
 
     # ---- device -> host ------------------------------------------------------------------------
 
@@ -155,7 +166,7 @@ class BlockTransfer:
         with self._lock:
             for host_id in host_ids:
                 self._pending[host_id] = future
-        future.add_done_callback(lambda f, ids=list(host_ids): self._forget(ids, f))
+        future.add_done_callback(partial(self._forget, list(host_ids)))
         self.stats.bytes_to_host += len(device_ids) * self.bytes_per_block
         self.stats.blocks_to_host += len(device_ids)
         self.stats.seconds_to_host += time.perf_counter() - started

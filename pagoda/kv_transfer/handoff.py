@@ -346,12 +346,14 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
         run_blocks = blocks_per_run(block_nbytes)
         for first in range(skip, header.num_blocks, run_blocks):
             last = min(first + run_blocks, header.num_blocks)
-            parts = [memoryview(t[first:last].numpy()).cast("B") for t in per_block]
+            parts = [t[first:last].numpy().data.cast("B") for t in per_block]
             notice = _RUN.pack(first, last - first)
             if shm is not None:
+                buf = shm.buf
+                assert buf is not None  # None only once the segment is closed
                 offset = first * block_nbytes
                 for part in parts:
-                    shm.buf[offset:offset + len(part)] = part
+                    buf[offset:offset + len(part)] = part
                     offset += len(part)
                 _sendall(sock, notice)
             else:
