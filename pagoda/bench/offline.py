@@ -48,10 +48,10 @@ def run_pagoda(llm: Any, requests: Sequence[BenchRequest], encode: Encode, *, st
                warmup_requests: Sequence[BenchRequest] = (), temperature: float = 0.0,
                progress: bool = False) -> RunResult:
     """Run the requests on an already built `pagoda.LLM` and time them."""
-    prompts = [encode(r.prompt) for r in requests]
+    prompts = [r.prompt_ids(encode) for r in requests]
     params = _sampling_params(requests, temperature)
     if warmup_requests:
-        llm.generate([encode(r.prompt) for r in warmup_requests], _sampling_params(warmup_requests, temperature),
+        llm.generate([r.prompt_ids(encode) for r in warmup_requests], _sampling_params(warmup_requests, temperature),
                      use_tqdm=False)
     started_at = time.time()
     t0 = time.perf_counter()

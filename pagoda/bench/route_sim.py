@@ -189,8 +189,8 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
     events: list[tuple[float, int, int, int]] = []  # (time, order, kind, replica or request)
     ARRIVAL, STEP_DONE = 0, 1
     order = 0
-    for index, request in enumerate(trace):
-        events.append((request.arrival_s, order, ARRIVAL, index))
+    for index, traced in enumerate(trace):
+        events.append((traced.arrival_s, order, ARRIVAL, index))
         order += 1
     heapq.heapify(events)
     all_requests: list[_Request] = []

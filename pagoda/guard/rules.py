@@ -46,7 +46,11 @@ class PatternRule(Rule):
 
     def unfinished_start(self, text: str) -> int | None:
         """Where a match that the next characters could complete or extend begins."""
-        patterns = [PATTERNS[t] for t in self.pii_types] if self.kind == "pii" else [self.pattern]
+        if self.kind == "pii":
+            patterns = [PATTERNS[t] for t in self.pii_types]
+        else:
+            assert self.pattern is not None  # set for every non-pii kind by the config parser
+            patterns = [self.pattern]
         starts = [s for s in (unfinished_start(p, text) for p in patterns) if s is not None]
         return min(starts, default=None)
 

@@ -198,9 +198,11 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
     start = time.monotonic()
     keys = {"a": options.key_a, "b": options.key_b}
     launched = None
+    launch_args: list[str] = []
     if isinstance(parsed, Target):
         target = parsed
     else:
+        launch_args = parsed
         launched = launch_pagoda(parsed, "audit", api_key=options.key_a,
                                  timeout=options.launch_timeout)
         target = launched.target
@@ -218,7 +220,7 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
             for finding in findings:
                 if finding.severity == "none":
                     continue
-                plan = mitigated_launch(list(parsed), finding.probe, keys, Path(workdir))
+                plan = mitigated_launch(list(launch_args), finding.probe, keys, Path(workdir))
                 if plan is None:
                     continue
                 args, new_keys = plan
@@ -244,7 +246,7 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
     return {
         "kind": "pagoda-audit-report",
         "version": 1,
-        "target": target.describe() | ({"launched": "pagoda serve " + shlex.join(parsed)}
+        "target": target.describe() | ({"launched": "pagoda serve " + shlex.join(launch_args)}
                                        if launched is not None else {}),
         "requests_sent": sent,
         "duration_s": round(time.monotonic() - start, 2),

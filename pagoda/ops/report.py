@@ -127,7 +127,8 @@ def _latency_plots(latency: dict[str, Any]) -> str:
     sides = latency.get("sides")
     if not sides:
         return "<p>latency profile skipped</p>"
-    groups, errors = {}, {}
+    groups: dict[str, dict[str, float | None]] = {}
+    errors: dict[str, dict[str, tuple[float, float]]] = {}
     for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
         groups[metric] = {side: sides[side][metric] for side in ("baseline", "candidate")}
     for side in ("baseline", "candidate"):

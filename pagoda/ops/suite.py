@@ -167,7 +167,10 @@ def parse_suite(lines: Iterable[str], name: str) -> Suite:
         if case.id in seen:
             raise SuiteError(f"{where}: id {case.id!r} appears twice")
         seen.add(case.id)
-        (suite.bad_requests if isinstance(case, BadRequestCase) else suite.cases).append(case)
+        if isinstance(case, BadRequestCase):
+            suite.bad_requests.append(case)
+        else:
+            suite.cases.append(case)
     if not suite.cases:
         raise SuiteError(f"{name}: the suite has no prompts")
     return suite
