@@ -194,7 +194,6 @@ def current_rss(live: LiveServer) -> dict[str, int | None]:
 def test_schemathesis_bodies_never_get_a_server_error(server: LiveServer,
                                                       recorder: Recorder) -> None:
     schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extra")
-    from hypothesis import HealthCheck, Phase, given, settings
 
     rss_before = current_rss(server)
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
@@ -207,22 +206,28 @@ def test_schemathesis_bodies_never_get_a_server_error(server: LiveServer,
                 # A random model name is a 404 before anything else is looked at; serve the
                 # positive cases under the real name so they reach sampling and the engine.
                 strategy = strategy.map(_served_model_name)
-
-            @given(case=strategy)
-            @settings(max_examples=SCHEMATHESIS_EXAMPLES, deadline=None, database=None,
-                      derandomize=True, phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))
-            def fuzz(case: Any) -> None:
-                response = case.call(base_url=server.url, timeout=60)
-                recorder.check(path, _case_bytes(case), response.status_code, response.text,  # noqa: B023 (run below)
-                               response.headers.get("content-type", ""))
-
-            fuzz()
+            _fuzz(strategy, path, server, recorder)
     elapsed = time.monotonic() - started
     print(f"schemathesis: {recorder.sent} requests in {elapsed:.1f} s, statuses {recorder.statuses}")
     recorder.assert_clean()
     assert recorder.statuses.get(200, 0) > 0, "no generated body was ever served"
     assert_server_healthy(server, rss_before)
+
+
+def _fuzz(strategy: Any, path: str, server: LiveServer, recorder: Recorder) -> None:
+    """Send the bodies hypothesis draws from `strategy` to `path`, each checked by `recorder`."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    @given(case=strategy)
+    @settings(max_examples=SCHEMATHESIS_EXAMPLES, deadline=None, database=None,
+              derandomize=True, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: Any) -> None:
+        response = case.call(base_url=server.url, timeout=60)
+        recorder.check(path, _case_bytes(case), response.status_code, response.text,
+                       response.headers.get("content-type", ""))
+
+    fuzz()
 
 
 def _served_model_name(case: Any) -> Any:
