@@ -5,8 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: serve test test-triton chat install clean
+.PHONY: serve test test-triton lint chat install clean
 
 # The server needs only pagoda's own dependencies.
 $(STAMP): pyproject.toml
@@ -23,6 +24,13 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray,otel]'
 	touch $(TEST_STAMP)
 
+# The linters at their pinned versions. mypy follows pagoda's imports into torch, transformers, and the
+# optional Ray and OpenTelemetry (installed here, as for the tests, so every machine checks the same code;
+# triton, a ~1 GB install, is left out: pyproject.toml lets mypy treat it as untyped).
+$(LINT_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[lint,ray,otel]'
+	touch $(LINT_STAMP)
+
 install: $(STAMP)
 
 serve: $(STAMP)
@@ -34,6 +42,12 @@ chat: $(STAMP)
 # -rs lists every skipped test with its reason under the summary.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -rs $(ARGS)
+
+# Lint rules, formatting and types; the settings are in pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Triton kernels under the CPU interpreter, plus a compile of every kernel variant for sm_80/sm_90.
 # Separate from `test` because triton is a ~300 MB download (~1 GB installed).

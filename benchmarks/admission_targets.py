@@ -4,9 +4,10 @@ Open-loop Poisson arrivals at several times the server's capacity (chat class: 3
 prompts, 64 output tokens) against three `pagoda serve` processes that share
 `--max-queued-requests 16`: the old fixed `--max-num-seqs 256`, the measured default
 (pagoda/engine/max_num_seqs.py; the value each server chose is read from `/v1/models`), and the
-measured default with `--target-ttft-ms` / `--target-itl-ms`. Reports, for each: requests admitted and refused (503), the admitted requests' p50/p99 TTFT and TPOT
-against the targets, output tok/s, and goodput — requests per second that met both targets
-(TTFT and mean time per output token), counting refused ones as missed.
+measured default with `--target-ttft-ms` / `--target-itl-ms`. Reports, for each: requests
+admitted and refused (503), the admitted requests' p50/p99 TTFT and TPOT against the targets,
+output tok/s, and goodput — requests per second that met both targets (TTFT and mean time per
+output token), counting refused ones as missed.
 
     .venv/bin/python benchmarks/admission_targets.py
 """
@@ -19,8 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results,  # noqa: E402
-                    metadata, pagoda_server, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    pagoda_server,
+    write_summary,
+)
 
 NAME = "admission_targets"
 

@@ -20,8 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results, metadata,  # noqa: E402
-                    replot_compare, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    replot_compare,
+    write_summary,
+)
 
 NAME = "batching"
 
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_tokens": o["output_tokens"],
         }
     base = rows["pagoda continuous"]
-    for name, row in rows.items():
+    for row in rows.values():
         row["throughput_vs_continuous"] = row["output_tok_per_s"] / base["output_tok_per_s"]
         row["e2e_p50_vs_continuous"] = row["e2e_p50_s"] / base["e2e_p50_s"]
         row["e2e_p99_vs_continuous"] = row["e2e_p99_s"] / base["e2e_p99_s"]

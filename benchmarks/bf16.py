@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
+# isort: split
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
 
 NAME = "bf16"
@@ -85,7 +86,6 @@ def decode_steps(model_dir: Path, concurrency: int, prompt_len: int, steps: int,
 
 def offline(model_dir: Path, rounds: int, threads: int) -> dict[str, Any]:
     from offline_throughput import make_workload
-
     from pagoda import LLM, SamplingParams
 
     prompts, output_lens = make_workload(256, 32, 256, 4096, seed=0)
@@ -108,10 +108,9 @@ def offline(model_dir: Path, rounds: int, threads: int) -> dict[str, Any]:
 
 
 def quality(num_files: int, max_tokens: int, num_prompts: int, greedy_tokens: int) -> dict[str, Any]:
-    from quantization import heldout_texts
-
     from pagoda import LLM, SamplingParams
     from pagoda.eval.perplexity import perplexity, tokenize_documents
+    from quantization import heldout_texts
 
     documents = [(str(p), p.read_text(errors="replace")) for p in heldout_texts(num_files)]
     result: dict[str, Any] = {"model": "pagoda-coder (bundled; checkpoint in bfloat16)", "held_out_files": num_files}

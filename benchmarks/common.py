@@ -34,8 +34,9 @@ MODEL_SHAPE_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_laye
 
 
 def build_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(stdlib.glob("*.py"))[:60]

@@ -20,8 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results, metadata,  # noqa: E402
-                    pagoda_server, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    pagoda_server,
+    write_summary,
+)
 
 NAME = "data_parallel"
 CONFIGS = {

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`)
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
+# isort: split
 from common import REPO, RESULTS, build_bench_model, write_summary  # noqa: E402
 
 NAME = "decode_groups"

@@ -36,8 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, pagoda_server_process, write_summary  # noqa: E402
 
 NAME = "disaggregation"
 COLOCATED_2T, COLOCATED_1T = "co-located, 2 threads", "co-located, 1 thread"
@@ -90,8 +89,8 @@ def run_config(label: str, model_dir: Path, engine: list[str], load: Any, worklo
                slo: dict[str, Any], scratch: Path) -> tuple[dict[str, Any], list[Any]]:
     """One server, one run of the workload: (summary row, records)."""
     from pagoda.bench.handoff_metrics import handoff_delta
-    from pagoda.bench.server_metrics import parse_labeled
     from pagoda.bench.mixed_load import run_mixed, summarize_mixed, summary_row, warm_up
+    from pagoda.bench.server_metrics import parse_labeled
 
     flags = [*CONFIGS[label], *engine]
     with pagoda_server_process(model_dir, flags, scratch / "server.log") as (url, _):

@@ -13,8 +13,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -84,8 +86,8 @@ def main() -> int:
     with pagoda_server(model_dir, ["--num-threads", "1", "--max-num-seqs", "32"],
                        args.out / "server.log") as url:
         for label, path, body in WORKLOADS:
-            results[label] = [health_while(url, lambda: httpx.post(url + path, json=body, timeout=300))
-                              for _ in range(args.rounds)]
+            post = partial(httpx.post, url + path, json=body, timeout=300)
+            results[label] = [health_while(url, post) for _ in range(args.rounds)]
             print(label, json.dumps(results[label]), flush=True)
         results["silent connection held (s, capped at 60)"] = silent_connection_held_s(url)
         print("silent connection held", results["silent connection held (s, capped at 60)"], "s")

@@ -105,8 +105,9 @@ def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
     """A word-level tokenizer with one entry per model token id, so every id decodes."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))

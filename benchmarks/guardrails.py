@@ -29,8 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results, metadata,  # noqa: E402
-                    pagoda_server, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    pagoda_server,
+    write_summary,
+)
 
 NAME = "guardrails"
 SAFE_LABEL, UNSAFE_LABEL = "True", "False"
@@ -43,6 +52,7 @@ def build_guard_model(bench_model: Path, directory: Path) -> Path:
     first token is one of the labels, chosen by the sign of the last hidden state along v."""
     import torch
     from safetensors.torch import load_file, save_file
+
     from tokenizers import Tokenizer
 
     if (directory / "model.safetensors").exists():

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
-
 from pagoda.stats import percentile  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
@@ -113,31 +112,34 @@ def rag(model_dir: Path, threads: int, configs: dict[str, dict], seed: int) -> d
 
 
 def chat(model_dir: Path, threads: int, configs: dict[str, dict], seed: int) -> dict:
-    rows = {}
-    for label, engine in configs.items():
-        rng = random.Random(seed)
-        system = [rng.randrange(5, 4000) for _ in range(64)]
-        histories = {c: list(system) + [c + 5] for c in range(8)}
-        turns = {c: 0 for c in range(8)}
-        jobs: deque = deque()
+    return {label: chat_run(model_dir, threads, engine, seed) for label, engine in configs.items()}
 
-        def user_turn(c: int) -> tuple[int, list[int]]:
-            histories[c] += [rng.randrange(5, 4000) for _ in range(48)]
-            return c, list(histories[c])
 
-        def on_done(c: int, output: list[int]) -> None:
-            histories[c] += output
-            turns[c] += 1
-            if turns[c] < 5:
-                jobs.append(user_turn(c))
+def chat_run(model_dir: Path, threads: int, engine: dict, seed: int) -> dict:
+    """Eight conversations of five turns on a shared system prompt; each user turn follows its answer."""
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 4000) for _ in range(64)]
+    histories = {c: list(system) + [c + 5] for c in range(8)}
+    turns = {c: 0 for c in range(8)}
+    jobs: deque = deque()
 
-        jobs.extend(user_turn(c) for c in range(8))
-        core = make_core(model_dir, threads, num_kv_blocks=64, **engine)
-        start = time.perf_counter()
-        records = drive(core, jobs, 32, 1, on_done)
-        rows[label] = summarize(core, records, time.perf_counter() - start, 32 * len(records))
-        core.close()
-    return rows
+    def user_turn(c: int) -> tuple[int, list[int]]:
+        histories[c] += [rng.randrange(5, 4000) for _ in range(48)]
+        return c, list(histories[c])
+
+    def on_done(c: int, output: list[int]) -> None:
+        histories[c] += output
+        turns[c] += 1
+        if turns[c] < 5:
+            jobs.append(user_turn(c))
+
+    jobs.extend(user_turn(c) for c in range(8))
+    core = make_core(model_dir, threads, num_kv_blocks=64, **engine)
+    start = time.perf_counter()
+    records = drive(core, jobs, 32, 1, on_done)
+    row = summarize(core, records, time.perf_counter() - start, 32 * len(records))
+    core.close()
+    return row
 
 
 def preemption(model_dir: Path, threads: int, host: str, seed: int, rounds: int) -> dict:

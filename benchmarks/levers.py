@@ -28,8 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
-from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
-    write_summary  # noqa: E402
+# isort: split
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    write_summary,
+)
 
 NAME = "levers"
 SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}
@@ -151,12 +160,12 @@ LEVERS: dict[str, Callable[[Any], int | None]] = {
 
 def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, steps: int, rounds: int,
             threads: int | None, dtype: str = "auto") -> dict[str, Any]:
+    import torch
+
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.threads import set_engine_threads
     from pagoda.sampling_params import SamplingParams
-
-    import torch
 
     output_len = steps * rounds + 8
     config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(f"{lever:<10} c={c:<3} step {result['step_ms_on']:7.2f} ms on vs {result['step_ms_off']:7.2f} ms off: "
                   f"{result['speedup']:.2f}x (rounds {min(result['per_round_ratio']):.2f}-"
-                  f"{max(result['per_round_ratio']):.2f}); CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
+                  f"{max(result['per_round_ratio']):.2f}); "
+                  f"CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
                   f"{result['cpu_speedup']:.2f}x (rounds {min(result['cpu_per_round_ratio']):.2f}-"
                   f"{max(result['cpu_per_round_ratio']):.2f}); identical tokens: {result['identical_tokens']}", flush=True)
     out = Path(args.out)

@@ -41,9 +41,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import git_commit  # noqa: E402
-from quantization import build_large_model, heldout_texts  # noqa: E402
-
 from pagoda.config import DEFAULT_MODEL_DIR  # noqa: E402
+from quantization import build_large_model, heldout_texts  # noqa: E402
 
 CONVERT_WITH_GPT2_PRETOKENIZER = r"""
 import runpy, sys

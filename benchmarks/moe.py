@@ -36,8 +36,8 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path

@@ -20,10 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import models, prompts  # noqa: E402  (imports pagoda first)
-
 import torch  # noqa: E402
 
+from moe import models, prompts  # noqa: E402  (imports pagoda first)
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.model.moe import SparseMoE  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402

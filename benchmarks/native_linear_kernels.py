@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from pagoda import native
 from pagoda.quant.weight_formats import PACK_ROWS_HINT, pack_int4_nibbles, quantize_int4_grouped
 

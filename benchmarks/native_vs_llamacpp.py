@@ -24,10 +24,11 @@ Configurations:
 
 Where both sides serve the same fp32 weights their greedy outputs must agree up to near ties
 (vs_llamacpp.py's check) before timing; for the MoE model they are compared and reported only
-(a router's near ties between its 8th and 9th expert break apart under two summation orders). The floor of each comparison is the bytes of weights one
-token reads in llama.cpp's file (every tensor but the embedding table, read whole when it is
-also the LM head) over the read bandwidth measured in the same run (torch `sum` over 256 MB,
-one and two threads); each side's fraction of it is floor / its c=1 median ITL.
+(a router's near ties between its 8th and 9th expert break apart under two summation orders).
+The floor of each comparison is the bytes of weights one token reads in llama.cpp's file (every
+tensor but the embedding table, read whole when it is also the LM head) over the read bandwidth
+measured in the same run (torch `sum` over 256 MB, one and two threads); each side's fraction of
+it is floor / its c=1 median ITL.
 
     .venv/bin/python benchmarks/native_vs_llamacpp.py --llama-cpp /path/to/llama.cpp --rounds 3
     .venv/bin/python benchmarks/native_vs_llamacpp.py --llama-cpp /path/to/llama.cpp --quick --out /tmp/nvl
@@ -56,11 +57,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, RESULTS, build_bench_model, git_commit,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import (  # noqa: E402
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    PYTHON,
+    RESULTS,
+    build_bench_model,
+    git_commit,
+    pagoda_server_process,
+    write_summary,
+)
 from native_kernels import read_bandwidth  # noqa: E402
-from vs_llamacpp import (NEAR_TIE, check_greedy_agreement, convert_to_gguf, llama_server, run_load,  # noqa: E402
-                         token_prompts, warm)
+from vs_llamacpp import NEAR_TIE, check_greedy_agreement, convert_to_gguf, llama_server, run_load, token_prompts, warm  # noqa: E402
 
 NAME = "native_vs_llamacpp"
 QWEN_VOCAB_SIZE = 32768
@@ -136,8 +144,9 @@ def run(command: list[str]) -> str:
 def build_tokenizer(directory: Path, vocab_size: int) -> None:
     """A byte-level BPE of `vocab_size` trained on the ASCII lines of the whole standard library
     (the benchmark tokenizer's recipe on more text, so every id is a real token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
 

@@ -23,13 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offline_throughput import MODEL_SHAPE, make_workload  # noqa: E402  (imports pagoda first)
-
 import torch  # noqa: E402
+
+from offline_throughput import MODEL_SHAPE, make_workload  # noqa: E402  (imports pagoda first)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import build_model  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 

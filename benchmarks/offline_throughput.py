@@ -34,7 +34,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_factory import build_model  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 

@@ -35,9 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, PYTHON, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
-                    pagoda_server_process, write_summary)
-
+from common import META_KEYS, PYTHON, REPO, RESULTS, build_bench_model, metadata, pagoda_server_process, write_summary  # noqa: E402
 from pagoda.http_client.server_process import free_port  # noqa: E402
 from pagoda.stats import histogram_quantile, percentile  # noqa: E402
 

@@ -17,8 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results,  # noqa: E402
-                    metadata, pagoda_server, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    pagoda_server,
+    write_summary,
+)
 
 NAME = "prefix_caching"
 CONFIGS = {"prefix caching on": ["--enable-prefix-caching"], "prefix caching off": ["--no-enable-prefix-caching"]}

@@ -35,7 +35,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import build_tokenizer, git_commit  # noqa: E402
-
 from pagoda.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 LARGE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -186,8 +185,8 @@ def kernel_microbench(threads: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from pagoda.quant.weight_formats import Int4Weight, Int8Weight
     from pagoda.model.layers import Linear
+    from pagoda.quant.weight_formats import Int4Weight, Int8Weight
 
     torch.set_num_threads(threads)
     out_features, in_features = 4096, 1024
@@ -214,11 +213,10 @@ def kernel_microbench(threads: int) -> list[dict]:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples) * 1e6
 
-    rows = []
-    for m in (1, 16):
+    def timings(m: int) -> dict[str, float]:
         x = torch.randn(m, in_features)
         xb = x.to(torch.bfloat16)
-        rows.append({
+        return {
             "rows": m,
             "fp32_dense_us": median_us(lambda: F.linear(x, weight)),
             "bf16_dense_us": median_us(lambda: F.linear(xb, bf16_weight)),
@@ -231,7 +229,11 @@ def kernel_microbench(threads: int) -> list[dict]:
             "int4_kernel_bf16_input_us": median_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xb, int4.qweight, 128, int4.scales_and_zeros)),
             **{f"int4_g{group}_format_us": median_us(lambda fmt=fmt: fmt(x)) for group, fmt in int4_by_group.items()},
-        })
+        }
+
+    rows = []
+    for m in (1, 16):
+        rows.append(timings(m))
         print("kernels", rows[-1], flush=True)
     return rows
 

@@ -17,7 +17,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, git_commit, write_summary  # noqa: E402
-
 from pagoda.bench.route_sim import RouteSimOptions, render_table, route_sim  # noqa: E402
 
 NAME = "route_sim"

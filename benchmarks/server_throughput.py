@@ -24,8 +24,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, REPO, RESULTS, bench, build_bench_model, load_results, metadata,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    REPO,
+    RESULTS,
+    bench,
+    build_bench_model,
+    load_results,
+    metadata,
+    pagoda_server_process,
+    write_summary,
+)
 
 NAME = "server_throughput"
 
@@ -55,19 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             if round_index % 2 == 1:
                 targets.reverse()
             pids = {"http": proc.pid, "engine": _children(proc.pid), "load generator": os.getpid()}
-            marks: list[dict[str, float]] = []
-
-            def mark_cpu() -> None:
-                marks.append({name: sum(_cpu_seconds(pid) for pid in ([p] if isinstance(p, int) else p))
-                              for name, p in pids.items()} | {"wall": time.perf_counter()})
-
-            mark_cpu()
+            marks = [_cpu_mark(pids)]
             rc = bench(["compare", "--model", str(model_dir), "--num-threads", str(args.threads),
                         "--mix", "chat", "--param", "chat.prompt=uniform:32:256", "--param", "chat.output=uniform:32:256",
                         "--max-model-len", "1024", "--num-requests", str(args.num_requests), "--warmup", "4",
                         "--concurrency", str(args.concurrency), "--seed", "0", "--no-progress", "--out", str(round_out),
                         *targets])
-            mark_cpu()
+            marks.append(_cpu_mark(pids))
         (round_out / "server.log").unlink(missing_ok=True)
         if rc:
             return rc
@@ -116,6 +119,12 @@ def _children(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
     return children
+
+
+def _cpu_mark(pids: dict[str, int | list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each named process (or group of processes), and the wall clock."""
+    return {name: sum(_cpu_seconds(pid) for pid in ([p] if isinstance(p, int) else p))
+            for name, p in pids.items()} | {"wall": time.perf_counter()}
 
 
 def _cpu_seconds(pid: int) -> float:

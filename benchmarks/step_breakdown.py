@@ -33,8 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pagoda  # noqa: E402,F401  (first: idle OpenMP threads sleep, as in `pagoda serve`; see engine/threads.py)
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
-from common import META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, REPO, RESULTS, build_bench_model, metadata, \
-    write_summary  # noqa: E402
+# isort: split
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    write_summary,
+)
 
 NAME = "step_breakdown"
 SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}
@@ -157,7 +166,8 @@ def render(result: dict[str, Any], which: str) -> str:
              ("engine, untimed rest", data["engine_other"]), ("IPC (pickle + pipe send)", data["ipc_send"])]
     if "ipc_send_cpu" in data:
         rows.append(("  of which CPU time of the sending thread", data["ipc_send_cpu"]))
-    lines = [f"concurrency {result['concurrency']}, {which} steps ({result['decode_steps'] if which == 'decode' else result['steps']}), "
+    steps = result["decode_steps"] if which == "decode" else result["steps"]
+    lines = [f"concurrency {result['concurrency']}, {which} steps ({steps}), "
              f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
              f"native kernels: {result.get('native_kernels', 'off (PyTorch ops)')}",
              f"{'phase':<42}{'ms/step':>9}{'share':>8}"]

@@ -149,7 +149,7 @@ def main() -> None:
     num_params = sum(p.numel() for p in engines["tp1"].engine.core.runner.model.parameters())
     results: dict[str, dict[str, list[float]]] = {name: {"decode_tok_s": [], "throughput_tok_s": []}
                                                   for name in engines}
-    for name, llm in engines.items():  # warm-up: first-call allocations, page faults
+    for llm in engines.values():  # warm-up: first-call allocations, page faults
         set_engine_threads(llm.engine.config, serving=False)
         throughput(llm, 99, 2, 4)
     for round_index in range(args.rounds):

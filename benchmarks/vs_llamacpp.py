@@ -34,8 +34,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (META_KEYS, MODEL_SHAPE, MODEL_SHAPE_100M, PYTHON, REPO, RESULTS, build_bench_model, metadata,  # noqa: E402
-                    pagoda_server_process, write_summary)
+from common import (  # noqa: E402
+    META_KEYS,
+    MODEL_SHAPE,
+    MODEL_SHAPE_100M,
+    PYTHON,
+    REPO,
+    RESULTS,
+    build_bench_model,
+    metadata,
+    pagoda_server_process,
+    write_summary,
+)
 
 NAME = "vs_llamacpp"
 PAGODA, LLAMA = "pagoda", "llama-server"
@@ -142,7 +152,7 @@ def check_greedy_agreement(pagoda_url: str, llama_url: str, prompts: list[list[i
             identical += 1
             continue
         offset = 0
-        for position, entry in enumerate(theirs["logprobs"]["content"]):
+        for position, entry in enumerate(theirs["logprobs"]["content"]):  # noqa: B007 (read after the loop)
             if ours[offset:offset + len(entry["token"])] != entry["token"]:
                 break
             offset += len(entry["token"])

@@ -24,7 +24,7 @@ class InvalidRequest(ValueError):
         self.param = param
         self.code = code
 
-    def renamed(self, names: dict[str, str]) -> "InvalidRequest":
+    def renamed(self, names: dict[str, str]) -> InvalidRequest:
         """The same error with `param` in another API's terms (unmapped names stay)."""
         if self.param is None or self.param not in names:
             return self

@@ -40,6 +40,6 @@ class AdapterIdentity:
     load_id: int
 
     @property
-    def cache_key(self) -> tuple[str, str]:
+    def cache_key(self) -> tuple[str, str, str]:
         """What enters every prefix-cache block hash of a request using this adapter."""
         return ("lora", self.name, self.content_hash)

@@ -91,7 +91,7 @@ class RequestOutput:
     embedding: list[float] | None = None  # a pooling request's (SamplingParams.pooling)
 
     @classmethod
-    def from_delta(cls, delta: "RequestOutputDelta") -> "RequestOutput":
+    def from_delta(cls, delta: RequestOutputDelta) -> RequestOutput:
         """A request's output so far, starting from its first delta."""
         output = cls(request_id=delta.request_id, prompt=delta.prompt,
                      prompt_token_ids=list(delta.prompt_token_ids or []),
@@ -99,7 +99,7 @@ class RequestOutput:
         output.add(delta)
         return output
 
-    def add(self, delta: "RequestOutputDelta") -> None:
+    def add(self, delta: RequestOutputDelta) -> None:
         """Grow this output by a later delta of the same request (in place)."""
         for sample in delta.outputs:
             completion = self.outputs[sample.index]
@@ -123,7 +123,7 @@ class RequestOutput:
         if delta.embedding is not None:
             self.embedding = delta.embedding
 
-    def snapshot(self) -> "RequestOutput":
+    def snapshot(self) -> RequestOutput:
         """A copy whose lists later `add` calls do not change."""
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
@@ -144,7 +144,7 @@ class OutputAccumulator:
     def __init__(self) -> None:
         self._outputs: dict[str, RequestOutput] = {}
 
-    def add(self, delta: "RequestOutputDelta") -> RequestOutput:
+    def add(self, delta: RequestOutputDelta) -> RequestOutput:
         """The request's output so far, this delta included; forgotten once finished."""
         output = self._outputs.get(delta.request_id)
         if output is None:
@@ -173,7 +173,7 @@ class CompletionDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merge(self, later: "CompletionDelta") -> None:
+    def merge(self, later: CompletionDelta) -> None:
         """Append a later delta of the same sample (in place)."""
         self.text += later.text
         self.token_ids.extend(later.token_ids)
@@ -204,7 +204,7 @@ class RequestOutputDelta:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
 
-    def merge(self, later: "RequestOutputDelta") -> "RequestOutputDelta":
+    def merge(self, later: RequestOutputDelta) -> RequestOutputDelta:
         """Fold a later delta of the same request into this one (in place); returns self.
 
         A consumer that lags behind the engine therefore reads one bigger delta instead of a

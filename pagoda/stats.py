@@ -23,6 +23,13 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     ordered = sorted(values)
     if not ordered:
         return None
+    return sorted_percentile(ordered, q)
+
+
+def sorted_percentile(ordered: Sequence[float], q: float) -> float:
+    """`percentile` of values already sorted, at least one."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
     position = (len(ordered) - 1) * q / 100
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)

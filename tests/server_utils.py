@@ -19,7 +19,7 @@ import uvicorn
 from pagoda.config import DEFAULT_MODEL_DIR, DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.http_client import server_process
-from pagoda.http_client.server_process import ServerStartError, free_port
+from pagoda.http_client.server_process import ServerStartError, free_port  # noqa: F401 (the server tests import it from here)
 from pagoda.replicas.start import start_engines
 from pagoda.serve.app import build_app
 from pagoda.serve.connections import http_config

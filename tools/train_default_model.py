@@ -40,6 +40,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -696,7 +697,8 @@ def main(argv: list[str] | None = None) -> None:
             "num_heldout_files": len(heldout_sources),
             "skipped_non_utf8_files": skipped,
             "excluded_top_level_dirs": sorted(EXCLUDED_TOP_DIRS),
-            "heldout_rule": f"sha256(relative path) as a big-endian integer of its first 8 bytes % {HELDOUT_MODULUS} == 0",
+            "heldout_rule": (f"sha256(relative path) as a big-endian integer of its first 8 bytes "
+                             f"% {HELDOUT_MODULUS} == 0"),
             "train_tokens": int(len(train_stream)),
             "heldout_tokens": int(len(heldout_stream)),
             "vocab_size": tokenizer.get_vocab_size(),
@@ -859,7 +861,8 @@ def model_card(report: dict, name: str) -> str:
     test_sample = report["test_sample"]
     if is_target:
         lines += [
-            f"`tests/model/test_bundled_model.py` recomputes the float32 perplexity on the first {test_sample['max_tokens_per_file']} "
+            "`tests/model/test_bundled_model.py` recomputes the float32 perplexity on the first "
+            f"{test_sample['max_tokens_per_file']} "
             f"tokens of the first {len(test_sample['files'])} held-out files ({test_sample['num_predicted_tokens']} "
             f"predicted tokens): {test_sample['perplexity']:.2f} when trained, and the test requires it to stay within "
             "15% of that.",

@@ -179,7 +179,9 @@ def drill_main(options: DrillOptions) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     rollback = result["time_to_rollback_s"]
-    print(f"canary drill: {'rolled back after %.1f s (%s)' % (rollback, result['rollback_rule']) if rollback is not None else 'no rollback'}"
-          f", {result['client_visible_errors']} client-visible errors of {sum(result['requests'].values())} "
-          f"requests ({result['requests']['canary']} answered by the candidate) -> {out}")
+    outcome = (f"rolled back after {rollback:.1f} s ({result['rollback_rule']})" if rollback is not None
+               else "no rollback")
+    requests = result["requests"]
+    print(f"canary drill: {outcome}, {result['client_visible_errors']} client-visible errors of "
+          f"{sum(requests.values())} requests ({requests['canary']} answered by the candidate) -> {out}")
     return 0 if result["passed"] else 1

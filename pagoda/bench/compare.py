@@ -8,7 +8,7 @@ from typing import Any
 
 from pagoda.bench.options import CompareBenchOptions, prepare_requests, run_metadata
 from pagoda.bench.records import BenchRequest, RunResult
-from pagoda.bench.report import Summary, render_summary, render_table, summarize
+from pagoda.bench.report import LatencyStats, Summary, render_summary, render_table, summarize
 from pagoda.bench.targets import TargetSpec, parse_target
 
 
@@ -59,7 +59,9 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def comparison_rows(summaries: list[Summary]) -> tuple[list[str], list[list[str]]]:
     first = summaries[0].overall
-    ms = lambda stats, attr: "-" if stats is None else f"{getattr(stats, attr) * 1000:.1f}"
+    def ms(stats: LatencyStats | None, attr: str) -> str:
+        return "-" if stats is None else f"{getattr(stats, attr) * 1000:.1f}"
+
     rows = []
     for s in summaries:
         o = s.overall
@@ -77,7 +79,9 @@ def comparison_rows(summaries: list[Summary]) -> tuple[list[str], list[list[str]
 def plot_comparison(summaries: list[Summary], path: Path) -> None:
     from pagoda.bench.plots import plot_bars
 
-    seconds = lambda stats, attr: getattr(stats, attr) if stats else 0.0
+    def seconds(stats: LatencyStats | None, attr: str) -> float:
+        return getattr(stats, attr) if stats else 0.0
+
     plot_bars({
         "output tokens / s\n(higher is better)": {s.target: s.overall.output_throughput for s in summaries},
         "E2E p50 (s)\n(lower is better)": {s.target: seconds(s.overall.e2e, "p50") for s in summaries},
@@ -104,11 +108,11 @@ def compare_benchmark(options: CompareBenchOptions) -> int:
         summaries.append(summary)
         results.append(result)
     headers, rows = comparison_rows(summaries)
-    print("latencies in ms; every target ran the same %d requests" % len(requests))
+    print(f"latencies in ms; every target ran the same {len(requests)} requests")
     print(render_table(headers, rows))
     out = options.report.output_dir()
     if out is not None:
-        from pagoda.bench.plots import plot_bars, plot_target_cdfs
+        from pagoda.bench.plots import plot_target_cdfs
 
         payload: dict[str, Any] = {**run_metadata(options), "targets": [s.__dict__ for s in specs],
                                    "comparison": {"headers": headers, "rows": rows},

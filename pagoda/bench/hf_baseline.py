@@ -63,9 +63,9 @@ class HFGenerateTarget:
     def run(self, requests: Sequence[BenchRequest], encode: Callable[[str], list[int]],
             warmup_requests: Sequence[BenchRequest] = ()) -> RunResult:
         if warmup_requests:
-            self._generate([encode(r.prompt) for r in warmup_requests[: self.batch_size]],
+            self._generate([r.prompt_ids(encode) for r in warmup_requests[: self.batch_size]],
                            max(r.output_len for r in warmup_requests[: self.batch_size]))
-        prompts = [encode(r.prompt) for r in requests]
+        prompts = [r.prompt_ids(encode) for r in requests]
         records: list[RequestRecord] = []
         started_at = time.time()
         t0 = time.perf_counter()

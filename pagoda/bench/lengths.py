@@ -29,11 +29,14 @@ class LengthDist:
         sigma = (math.log(self.b) - mu) / Z95
         return max(1, round(math.exp(rng.gauss(mu, sigma))))
 
-    def scaled(self, factor: float) -> "LengthDist":
+    def scaled(self, factor: float) -> LengthDist:
         if factor == 1.0:
             return self
-        s = lambda x: max(1.0, round(x * factor))
-        return LengthDist(self.kind, s(self.a), s(self.b) if self.kind != "fixed" else 0.0)
+
+        def scale(x: float) -> float:
+            return max(1.0, round(x * factor))
+
+        return LengthDist(self.kind, scale(self.a), scale(self.b) if self.kind != "fixed" else 0.0)
 
     @property
     def median(self) -> float:

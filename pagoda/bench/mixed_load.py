@@ -276,7 +276,7 @@ def summary_row(summary: MixedSummary) -> dict[str, Any]:
                 row[f"{name}_{metric}_p50_s"] = stats.p50
                 row[f"{name}_{metric}_p99_s"] = stats.p99
         row[f"{name}_output_tok_per_s"] = c.output_throughput
-        if c.goodput is not None:
+        if c.goodput is not None and c.num_good is not None:
             row[f"{name}_goodput_req_per_s"] = c.goodput
             row[f"{name}_good_fraction"] = c.num_good / c.num_requests if c.num_requests else None
     return row

@@ -48,10 +48,10 @@ def run_pagoda(llm: Any, requests: Sequence[BenchRequest], encode: Encode, *, st
                warmup_requests: Sequence[BenchRequest] = (), temperature: float = 0.0,
                progress: bool = False) -> RunResult:
     """Run the requests on an already built `pagoda.LLM` and time them."""
-    prompts = [encode(r.prompt) for r in requests]
+    prompts = [r.prompt_ids(encode) for r in requests]
     params = _sampling_params(requests, temperature)
     if warmup_requests:
-        llm.generate([encode(r.prompt) for r in warmup_requests], _sampling_params(warmup_requests, temperature),
+        llm.generate([r.prompt_ids(encode) for r in warmup_requests], _sampling_params(warmup_requests, temperature),
                      use_tqdm=False)
     started_at = time.time()
     t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def offline_benchmark(options: OfflineBenchOptions) -> int:
     result = run_pagoda(llm, prepared.requests, prepared.workload.builder.encode,
                         static_batch=options.static_batch, warmup_requests=prepared.warmup,
                         progress=not report.no_progress)
-    label = report.label or ("pagoda static batch %d" % options.static_batch if options.static_batch
+    label = report.label or (f"pagoda static batch {options.static_batch}" if options.static_batch
                              else "pagoda")
     summary = summarize(label, result.records, result.duration, slo)
     print(render_summary(summary))

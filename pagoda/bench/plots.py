@@ -87,8 +87,8 @@ def plot_over_time(records: list[RequestRecord], path: Path, title: str = "") ->
     for name, group in _by_class(records).items():
         if name == "all":
             continue
-        with_ttft = [r for r in group if r.ttft is not None]
-        axes[0].scatter([r.start for r in with_ttft], [r.ttft * 1000 for r in with_ttft], s=8, label=name)
+        ttfts = [(r.start, r.ttft) for r in group if r.ttft is not None]
+        axes[0].scatter([start for start, _ in ttfts], [ttft * 1000 for _, ttft in ttfts], s=8, label=name)
         times, gaps = [], []
         for r in group:
             if r.ttft is None:

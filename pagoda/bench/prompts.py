@@ -32,7 +32,7 @@ class PromptBuilder:
     num_special: int  # tokens the tokenizer adds around any text (e.g. BOS)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "PromptBuilder":
+    def from_tokenizer(cls, tokenizer: Any) -> PromptBuilder:
         anchor = tokenizer.encode(_ANCHOR, add_special_tokens=False)
         words = []
         for token_id, text in _space_led_pieces(tokenizer):

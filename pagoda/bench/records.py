@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,10 @@ class BenchRequest:
     output_len: int  # max_tokens sent (exactly this many with ignore_eos)
     session: int | None = None  # agent sessions: turns of one session run in order
     turn: int = 0
+
+    def prompt_ids(self, encode: Callable[[str], list[int]]) -> list[int]:
+        """The prompt as token ids: the text encoded, or the ids it already is."""
+        return self.prompt if isinstance(self.prompt, list) else encode(self.prompt)
     depends_on: int | None = None  # index of the request that must finish before this one is sent
 
 

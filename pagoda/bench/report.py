@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.bench.records import RequestRecord
 from pagoda.bench.server_metrics import ServerMetricsDelta
-from pagoda.stats import percentile
+from pagoda.stats import sorted_percentile
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
@@ -33,11 +33,12 @@ class LatencyStats:
     max: float
 
     @classmethod
-    def of(cls, values: list[float]) -> "LatencyStats | None":
+    def of(cls, values: list[float]) -> LatencyStats | None:
         if not values:
             return None
         s = sorted(values)
-        return cls(len(s), sum(s) / len(s), *(percentile(s, q) for q in PERCENTILES), s[-1])
+        p50, p90, p95, p99 = (sorted_percentile(s, q) for q in PERCENTILES)
+        return cls(len(s), sum(s) / len(s), p50, p90, p95, p99, s[-1])
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -66,7 +67,7 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
         "tpot": record.tpot if record.tpot is not None else 0.0,
         "e2e": record.e2e,
     }
-    return all(checks[k] is not None and checks[k] <= limit for k, limit in slo.items())
+    return all((value := checks[k]) is not None and value <= limit for k, limit in slo.items())
 
 
 @dataclass

@@ -26,9 +26,10 @@ import json
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pagoda.bench.route_traces import TraceRequest, generate_trace, load_trace, trace_summary
 from pagoda.bench.step_cost import DEFAULT_STEP_COST, StepCost
@@ -188,8 +189,8 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
     events: list[tuple[float, int, int, int]] = []  # (time, order, kind, replica or request)
     ARRIVAL, STEP_DONE = 0, 1
     order = 0
-    for index, request in enumerate(trace):
-        events.append((request.arrival_s, order, ARRIVAL, index))
+    for index, traced in enumerate(trace):
+        events.append((traced.arrival_s, order, ARRIVAL, index))
         order += 1
     heapq.heapify(events)
     all_requests: list[_Request] = []

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 TRACE_KINDS = ("chat", "rag")
 
@@ -65,11 +66,12 @@ def generate_trace(kind: str, num_replicas: int, *, requests_per_replica: int,
     num_requests = requests_per_replica * num_replicas
     arrivals = _poisson(rng, rate_per_replica * num_replicas)
     tokens = _TokenSource(rng, vocab_size)
-    tenants = {} if tenants_per_replica is None else {"tenants_per_replica": tenants_per_replica}
     if kind == "chat":
-        requests = _chat(rng, tokens, ChatShape(**tenants), num_replicas)
+        chat = ChatShape() if tenants_per_replica is None else ChatShape(tenants_per_replica=tenants_per_replica)
+        requests = _chat(rng, tokens, chat, num_replicas)
     elif kind == "rag":
-        requests = _rag(rng, tokens, RagShape(**tenants), num_replicas)
+        rag = RagShape() if tenants_per_replica is None else RagShape(tenants_per_replica=tenants_per_replica)
+        requests = _rag(rng, tokens, rag, num_replicas)
     else:
         raise ValueError(f"trace must be one of {', '.join(TRACE_KINDS)} or a file, got {kind!r}")
     return [TraceRequest(next(arrivals), tenant, prompt, output)

@@ -14,6 +14,7 @@ from pagoda.bench.report import Summary, parse_slo, render_summary, render_table
 from pagoda.bench.server_metrics import metrics_delta
 from pagoda.bench.workloads import Workload, make_workload
 
+
 def parse_sweep(text: str) -> list[int]:
     try:
         points = [int(x) for x in text.split(",") if x.strip()]
@@ -53,7 +54,9 @@ def sweep_point(summary: Summary) -> dict[str, Any]:
 
 
 def render_sweep(points: list[dict[str, Any]]) -> str:
-    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f}"
+
     rows = [[str(p["concurrency"]), f"{p['request_throughput']:.2f}", f"{p['output_throughput']:.1f}",
              ms(p["ttft_p50"]), ms(p["ttft_p99"]), ms(p["itl_p99"]), ms(p["e2e_p99"])] for p in points]
     return render_table(["concurrency", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms",
@@ -99,6 +102,8 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
     base = options.load
     meta = run_metadata(options)
     workload_options = options.workload
+    tokenizer = workload_options.tokenizer
+    assert tokenizer is not None  # _with_served_model sets it or refuses
     shown_config = dataclasses.replace(base, api_key="<redacted>" if base.api_key else None)
 
     if options.sweep_concurrency:
@@ -106,7 +111,7 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
         for i, concurrency in enumerate(parse_sweep(options.sweep_concurrency)):
             config = dataclasses.replace(base, concurrency=concurrency, request_rate=math.inf)
             # A fresh seed per point: a repeated prompt would be served from the prefix cache.
-            workload = make_workload(workload_options.spec(seed_offset=i), workload_options.tokenizer)
+            workload = make_workload(workload_options.spec(seed_offset=i), tokenizer)
             warmup = Workload(workload_options.spec(WARMUP_SEED_OFFSET), workload.builder) if i == 0 else None
             result, summary = one_run(options, config, workload, warmup, f"{label} c={concurrency}")
             print(render_summary(summary), "\n", flush=True)
@@ -125,7 +130,7 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
             print(f"wrote {out}/results.json, latency_cdf.png, over_time.png, sweep.png")
         return 0
 
-    workload = make_workload(workload_options.spec(), workload_options.tokenizer)
+    workload = make_workload(workload_options.spec(), tokenizer)
     warmup = Workload(workload_options.spec(WARMUP_SEED_OFFSET), workload.builder)
     result, summary = one_run(options, base, workload, warmup, label)
     print(render_summary(summary))

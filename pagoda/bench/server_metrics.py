@@ -107,7 +107,7 @@ def metrics_delta(before: Samples, after: Samples) -> ServerMetricsDelta | None:
     return delta
 
 
-async def scrape(client: "object", url: str) -> Samples | None:
+async def scrape(client: object, url: str) -> Samples | None:
     """GET url with an httpx.AsyncClient; None when the target has no Prometheus endpoint."""
     try:
         response = await client.get(url, timeout=10.0)  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ class ShootoutTarget:
     model: str | None = None
 
     @classmethod
-    def parse(cls, spec: str, index: int) -> "ShootoutTarget":
+    def parse(cls, spec: str, index: int) -> ShootoutTarget:
         """`URL` or `LABEL=URL`."""
         label, sep, url = spec.partition("=")
         if not sep or label.startswith("http"):

@@ -116,7 +116,7 @@ class ServerUnderTest:
 
 def _keys_file(directory: Path) -> Path:
     name, key, rpm = LIMITED_TENANT
-    tenants = {tenant: {"api_keys": [k]} for tenant, k in TENANT_KEYS.items()}
+    tenants: dict[str, dict[str, Any]] = {tenant: {"api_keys": [k]} for tenant, k in TENANT_KEYS.items()}
     tenants[name] = {"api_keys": [key], "requests_per_minute": rpm}
     path = directory / "tenants.json"
     path.write_text(json.dumps({"tenants": tenants}))

@@ -108,7 +108,7 @@ class ChaosThread(threading.Thread):
                 if self.finishing.is_set():
                     time.sleep(0.1)
                     continue
-                if fill_at is not None and now >= fill_at:
+                if fill_at is not None and plan.disk_dir and now >= fill_at:
                     fill_at = None
                     self.fills.append(self._fill(plan.disk_dir, plan.fill_limit_bytes))
                 if free_at is not None and self.fills and now >= free_at:

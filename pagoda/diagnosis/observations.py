@@ -9,8 +9,9 @@ samples (what happened in the window); gauges at both ends. pagoda's names come 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.stats import histogram_quantile
 

@@ -8,8 +8,9 @@ latency objectives an operator sets) and the named constants below (what counts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.diagnosis.findings import Finding, ranked
 from pagoda.diagnosis.observations import Observations
@@ -121,8 +122,10 @@ def _queue(obs: Observations, targets: Targets) -> list[Finding]:
 
 def _slow_prefill(obs: Observations, targets: Targets) -> list[Finding]:
     ttft, prefill = obs.histogram("ttft"), obs.histogram("prefill")
-    p95 = ttft.quantile(0.95) if ttft else None
-    if p95 is None or p95 <= targets.ttft_s or prefill is None or prefill.mean is None:
+    if ttft is None or prefill is None or prefill.mean is None:
+        return []
+    p95 = ttft.quantile(0.95)
+    if p95 is None or p95 <= targets.ttft_s:
         return []
     share = prefill.mean / ttft.mean if ttft.mean else None
     if share is None or share < PREFILL_SHARE:
@@ -240,17 +243,16 @@ def _acceptance(obs: Observations) -> float | None:
 
 
 def _speculation(obs: Observations, targets: Targets) -> list[Finding]:
-    rate = _acceptance(obs)
-    if rate is None or (obs.spec_draft_tokens or 0) < MIN_DRAFT_TOKENS or rate >= LOW_ACCEPTANCE:
+    rate, drafted, accepted = _acceptance(obs), obs.spec_draft_tokens, obs.spec_accepted
+    if rate is None or drafted is None or accepted is None or drafted < MIN_DRAFT_TOKENS or rate >= LOW_ACCEPTANCE:
         return []
-    per_step = 1 + obs.spec_accepted / obs.spec_drafts if obs.spec_drafts else None
+    per_step = 1 + accepted / obs.spec_drafts if obs.spec_drafts else None
     return [Finding("speculation_no_gain", "warning",
                     "speculation rarely hits: drafted tokens are mostly rejected",
-                    {"acceptance_rate": round(rate, 3), "draft_tokens": obs.spec_draft_tokens,
-                     "accepted_tokens": obs.spec_accepted,
+                    {"acceptance_rate": round(rate, 3), "draft_tokens": drafted,
+                     "accepted_tokens": accepted,
                      "tokens_per_verify_step": _round(per_step, 2),
-                     "draft_tokens_per_step": _round(obs.spec_draft_tokens / obs.spec_drafts
-                                                     if obs.spec_drafts else None, 2)},
+                     "draft_tokens_per_step": _round(drafted / obs.spec_drafts if obs.spec_drafts else None, 2)},
                     ["turn --speculative off for this traffic, or --num-speculative-tokens lower",
                      "ngram drafting pays on text that repeats its prompt (code edits, RAG quotes), "
                      "not on sampled text at high temperature",

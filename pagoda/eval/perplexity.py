@@ -100,8 +100,11 @@ def perplexity(llm: LLM, token_lists: list[list[int]], window: int, stride: int)
     count = 0
     for window_, output in zip(windows, outputs):
         entries = output.prompt_logprobs
+        assert entries is not None  # asked for (prompt_logprobs=0)
         for position in range(window_.first_scored, len(window_.token_ids)):
-            nll -= entries[position][window_.token_ids[position]].logprob
+            scored = entries[position]
+            assert scored is not None  # only the first prompt token has none; windows score from the second
+            nll -= scored[window_.token_ids[position]].logprob
             count += 1
     mean = nll / count
     return PerplexityResult(math.exp(mean), mean, count, len(token_lists), len(windows))
@@ -153,6 +156,7 @@ def delta_percent(runs: list[PerplexityRun]) -> float | None:
 
 
 def _describe(config: EngineConfig) -> str:
+    weights: str
     if config.quantization in ("none", "int8"):
         weights = config.quantization
     else:

@@ -2,8 +2,7 @@
 classifier guard model), configured per tenant from a YAML file (--guardrails)."""
 
 from pagoda.guard.classifier import GuardModel, GuardModelError, Verdict
-from pagoda.guard.config import (GuardrailsConfig, GuardrailsConfigError, load_guardrails,
-                                 parse_guardrails)
+from pagoda.guard.config import GuardrailsConfig, GuardrailsConfigError, load_guardrails, parse_guardrails
 from pagoda.guard.decision import Decision, RuleHit
 from pagoda.guard.guardrails import Guardrails, InputGuard, OutputFilter
 from pagoda.guard.metrics import GuardMetrics

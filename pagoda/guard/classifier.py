@@ -55,7 +55,7 @@ class GuardModel:
     _llm: Any = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     # Checks waiting for the next batch, and whether a batch is running (event loop only).
-    _queue: list[tuple[str, str, "asyncio.Future[Verdict]"]] = field(
+    _queue: list[tuple[str, str, asyncio.Future[Verdict]]] = field(
         default_factory=list, init=False, repr=False)
     _draining: bool = field(default=False, init=False, repr=False)
 

@@ -38,7 +38,7 @@ class Decision:
     def redacted(self) -> bool:
         return any(h.action == "redact" for h in self.hits)
 
-    def merge(self, other: "Decision") -> None:
+    def merge(self, other: Decision) -> None:
         """Fold the hits (and block) of `other` into this decision; `text` is left alone."""
         self.hits.extend(other.hits)
         if self.blocked_by is None:

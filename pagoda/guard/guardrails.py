@@ -14,8 +14,8 @@ Streaming output is held back so that what reaches the client has been checked:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pagoda.guard.classifier import GuardModelError
 from pagoda.guard.config import GuardrailsConfig
@@ -104,10 +104,10 @@ class Guardrails:
                                         [r for r in rules if isinstance(r, ClassifierRule)])
         return self._cache[key]
 
-    def input_guard(self) -> "InputGuard":
+    def input_guard(self) -> InputGuard:
         return InputGuard(self)
 
-    def output_filter(self, tenant: str) -> "OutputFilter | None":
+    def output_filter(self, tenant: str) -> OutputFilter | None:
         """A filter for one generated sample, or None when no output rule applies."""
         rules = self.rules_for(tenant, "output")
         if not rules:

@@ -8,8 +8,8 @@ API keys must have a known vendor prefix or a long high-entropy-looking token af
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import regex  # the `re` superset with partial matching, to hold back a match still forming
 
@@ -99,7 +99,7 @@ def find_pii(text: str, types: tuple[str, ...] = PII_TYPES) -> list[Span]:
     return sorted(spans, key=lambda s: (s.start, -s.end))
 
 
-def unfinished_start(pattern: "regex.Pattern[str]", text: str) -> int | None:
+def unfinished_start(pattern: regex.Pattern[str], text: str) -> int | None:
     """Where a match of `pattern` that more text could still extend begins: a partial match
     at the end of `text`, or a complete one that touches the end. None if there is none."""
     for match in pattern.finditer(text, partial=True):

@@ -33,7 +33,7 @@ class Rule:
 class PatternRule(Rule):
     """regex, blocklist and pii rules: spans of the text, each replaced when redacting."""
 
-    pattern: "regex.Pattern[str] | None" = None  # regex and blocklist
+    pattern: regex.Pattern[str] | None = None  # regex and blocklist
     pii_types: tuple[str, ...] = PII_TYPES
     replacement: str | None = None  # None: "[REDACTED_<LABEL>]" for pii, "[REDACTED]" else
 
@@ -46,7 +46,11 @@ class PatternRule(Rule):
 
     def unfinished_start(self, text: str) -> int | None:
         """Where a match that the next characters could complete or extend begins."""
-        patterns = [PATTERNS[t] for t in self.pii_types] if self.kind == "pii" else [self.pattern]
+        if self.kind == "pii":
+            patterns = [PATTERNS[t] for t in self.pii_types]
+        else:
+            assert self.pattern is not None  # set for every non-pii kind by the config parser
+            patterns = [self.pattern]
         starts = [s for s in (unfinished_start(p, text) for p in patterns) if s is not None]
         return min(starts, default=None)
 
@@ -62,10 +66,10 @@ class PatternRule(Rule):
 class ClassifierRule(Rule):
     """A guard model's verdict on the whole input, and on the output window by window."""
 
-    model: "GuardModel | None" = None
+    model: GuardModel | None = None
 
 
-def blocklist_pattern(words: list[str], case_sensitive: bool) -> "regex.Pattern[str]":
+def blocklist_pattern(words: list[str], case_sensitive: bool) -> regex.Pattern[str]:
     """Whole-word matches of any of `words` (longest first, so overlapping entries prefer
     the longer one)."""
     escaped = [regex.escape(w) for w in sorted(words, key=len, reverse=True)]

@@ -5,8 +5,9 @@ may take to connect and to send its first byte: a server that is down or stuck i
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 

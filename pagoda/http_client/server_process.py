@@ -41,6 +41,7 @@ def start_server(command: Sequence[str], health_url: str, *, timeout: float,
     the caller reads as `process.stdout`. If the process exits first or `timeout` seconds pass,
     it is stopped and ServerStartError names `name` and ends with the log's tail.
     """
+    process: subprocess.Popen  # of text (the pipe) or of bytes (the log file)
     if log_path is None:
         process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, env=env, cwd=cwd, start_new_session=start_new_session)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,7 +61,7 @@ class BlockTransfer:
     """Host-side tensors mirroring the device caches, and the copies between them."""
 
     def __init__(self, device_caches: Sequence[torch.Tensor], num_host_blocks: int,
-                 disk: "DiskStore | None" = None) -> None:
+                 disk: DiskStore | None = None) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_host_blocks}")
         self.device_caches = list(device_caches)
@@ -78,7 +79,7 @@ class BlockTransfer:
         self.stats = TransferStats()
         self.disk = disk
 
-    def run(self, ops: "Sequence[TransferOp]") -> None:
+    def run(self, ops: Sequence[TransferOp]) -> None:
         """Execute a step's tier copies in their recorded order."""
         for op in ops:
             if op.kind == "store":
@@ -90,12 +91,11 @@ class BlockTransfer:
             elif op.kind == "fetch":
                 self._fetch(op.src, op.dst)
             elif op.kind == "delete":
-                disk = self._require_disk()
-                self._worker.submit(lambda names=list(op.src): [disk.delete(n) for n in names])
+                self._delete(op.src)
             else:
                 raise ValueError(f"unknown transfer kind {op.kind!r}")
 
-    def _require_disk(self) -> "DiskStore":
+    def _require_disk(self) -> DiskStore:
         if self.disk is None:
             raise RuntimeError("a disk-tier copy was planned but no disk tier is configured")
         return self.disk
@@ -110,6 +110,17 @@ class BlockTransfer:
 
         self._worker.submit(write)
 
+    def _delete(self, names: Sequence[str]) -> None:
+        """Delete files on the transfer thread, after the writes queued before."""
+        disk = self._require_disk()
+        names = list(names)
+
+        def delete() -> None:
+            for name in names:
+                disk.delete(name)
+
+        self._worker.submit(delete)
+
     def _fetch(self, names: Sequence[str], host_ids: Sequence[int]) -> None:
         """Read files into host blocks on the transfer thread; loads of them wait for it."""
         disk = self._require_disk()
@@ -122,7 +133,7 @@ class BlockTransfer:
         with self._lock:
             for host_id in host_ids:
                 self._pending[host_id] = future
-        future.add_done_callback(lambda f, ids=list(host_ids): self._forget(ids, f))
+        future.add_done_callback(partial(self._forget, list(host_ids)))
 
     # ---- device -> host ------------------------------------------------------------------------
 
@@ -155,13 +166,13 @@ class BlockTransfer:
         with self._lock:
             for host_id in host_ids:
                 self._pending[host_id] = future
-        future.add_done_callback(lambda f, ids=list(host_ids): self._forget(ids, f))
+        future.add_done_callback(partial(self._forget, list(host_ids)))
         self.stats.bytes_to_host += len(device_ids) * self.bytes_per_block
         self.stats.blocks_to_host += len(device_ids)
         self.stats.seconds_to_host += time.perf_counter() - started
 
     def _scatter_to_host(self, staged: list[torch.Tensor], dst: torch.Tensor,
-                         done_event: "torch.cuda.Event | None") -> None:
+                         done_event: torch.cuda.Event | None) -> None:
         if done_event is not None:
             done_event.synchronize()
         with torch.inference_mode():

@@ -95,7 +95,7 @@ class HandoffHeader:
         return json.dumps(self.__dict__).encode()
 
     @classmethod
-    def from_json(cls, payload: bytes) -> "HandoffHeader":
+    def from_json(cls, payload: bytes) -> HandoffHeader:
         data = json.loads(payload)
         data["layout"] = [(dtype, list(shape)) for dtype, shape in data["layout"]]
         return cls(**data)
@@ -132,7 +132,7 @@ def _recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) 
     while received < size:
         try:
             n = sock.recv_into(buffer[received:size])
-        except socket.timeout:
+        except TimeoutError:
             raise TransferError("KV transfer timed out waiting for the peer") from None
         except OSError as error:
             raise TransferError(f"KV transfer connection failed: {error}") from None
@@ -152,7 +152,7 @@ def _recv_frame(sock: socket.socket, limit: int = MAX_HEADER_BYTES) -> memoryvie
 def _sendall(sock: socket.socket, *parts: bytes | memoryview) -> None:
     try:
         _send_frame(sock, *parts)
-    except socket.timeout:
+    except TimeoutError:
         raise TransferError("KV transfer timed out sending to the peer") from None
     except OSError as error:
         raise TransferError(f"KV transfer connection failed: {error}") from None
@@ -212,7 +212,7 @@ class KVListener:
             self._sock.bind(self.address)
             self._sock.listen()
 
-    def accept(self, timeout: float) -> "IncomingHandoff":
+    def accept(self, timeout: float) -> IncomingHandoff:
         """The next handoff, its header read; TransferError if none arrives within `timeout`."""
         return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout, self.segment_maps)
 
@@ -221,7 +221,7 @@ class KVListener:
         self._sock.settimeout(timeout)
         try:
             conn, _ = self._sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             raise TransferError(f"no KV handoff arrived within {timeout} s") from None
         conn.settimeout(timeout)
         return conn
@@ -235,7 +235,7 @@ class KVListener:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "KVListener":
+    def __enter__(self) -> KVListener:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -346,12 +346,14 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
         run_blocks = blocks_per_run(block_nbytes)
         for first in range(skip, header.num_blocks, run_blocks):
             last = min(first + run_blocks, header.num_blocks)
-            parts = [memoryview(t[first:last].numpy()).cast("B") for t in per_block]
+            parts = [t[first:last].numpy().data.cast("B") for t in per_block]
             notice = _RUN.pack(first, last - first)
             if shm is not None:
+                buf = shm.buf
+                assert buf is not None  # None only once the segment is closed
                 offset = first * block_nbytes
                 for part in parts:
-                    shm.buf[offset:offset + len(part)] = part
+                    buf[offset:offset + len(part)] = part
                     offset += len(part)
                 _sendall(sock, notice)
             else:

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -55,7 +54,7 @@ class Sent:
     error: TransferError | None
 
 
-HandoffEvent = Union[HeaderArrived, Received, Sent]
+HandoffEvent = HeaderArrived | Received | Sent
 # Writes one run of arrived blocks: (indices within the request's blocks, one tensor per cache).
 WriteBlocks = Callable[[list[int], Sequence[torch.Tensor]], None]
 

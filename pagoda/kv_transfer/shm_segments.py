@@ -82,7 +82,7 @@ class MappedSegment:
     which would unlink it, or complain, at exit — Python < 3.13 cannot turn that off)."""
 
     def __init__(self, name: str) -> None:
-        import _posixshmem  # the module multiprocessing.shared_memory maps segments with
+        import _posixshmem  # type: ignore[import-not-found]  # CPython's own, without a stub; shared_memory uses it
 
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         try:

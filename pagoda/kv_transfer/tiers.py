@@ -126,7 +126,7 @@ class KVTiers:
                        self.config.kv_offload_disk_size, configured, fits)
         return fits
 
-    def attach(self, device_caches: "list[torch.Tensor]") -> "BlockTransfer":
+    def attach(self, device_caches: list[torch.Tensor]) -> BlockTransfer:
         """Allocate the host tensors mirroring the device caches (every layer's keys and values,
         the draft model's included)."""
         from pagoda.kv_transfer.block_transfer import BlockTransfer

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from pagoda.ops.probes import (BudgetExceeded, Finding, Session, cache_probe, length_probe,
-                               queue_probe, stream_probe)
+from pagoda.ops.probes import BudgetExceeded, Finding, Session, cache_probe, length_probe, queue_probe, stream_probe
 from pagoda.ops.target import Target, TargetError, launch_pagoda
 
 PROBES = ("cache", "length", "queue", "stream")
@@ -52,7 +51,7 @@ class AuditOptions:
             raise ValueError(f"--budget must be >= 1, got {self.budget}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "AuditOptions":
+    def from_args(cls, args: argparse.Namespace) -> AuditOptions:
         return cls(args.key_a, args.key_b, args.model,
                    tuple(p.strip() for p in args.probes.split(",") if p.strip()), args.trials,
                    args.budget, not args.no_rerun, args.seed, args.timeout, args.launch_timeout,
@@ -199,9 +198,11 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
     start = time.monotonic()
     keys = {"a": options.key_a, "b": options.key_b}
     launched = None
+    launch_args: list[str] = []
     if isinstance(parsed, Target):
         target = parsed
     else:
+        launch_args = parsed
         launched = launch_pagoda(parsed, "audit", api_key=options.key_a,
                                  timeout=options.launch_timeout)
         target = launched.target
@@ -219,7 +220,7 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
             for finding in findings:
                 if finding.severity == "none":
                     continue
-                plan = mitigated_launch(list(parsed), finding.probe, keys, Path(workdir))
+                plan = mitigated_launch(list(launch_args), finding.probe, keys, Path(workdir))
                 if plan is None:
                     continue
                 args, new_keys = plan
@@ -245,7 +246,7 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
     return {
         "kind": "pagoda-audit-report",
         "version": 1,
-        "target": target.describe() | ({"launched": "pagoda serve " + shlex.join(parsed)}
+        "target": target.describe() | ({"launched": "pagoda serve " + shlex.join(launch_args)}
                                        if launched is not None else {}),
         "requests_sent": sent,
         "duration_s": round(time.monotonic() - start, 2),

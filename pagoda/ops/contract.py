@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from pagoda.ops.calls import Completion, Tokenized, send_bad_request, stream, generation_body
+from pagoda.ops.calls import Completion, Tokenized, generation_body, send_bad_request, stream
 from pagoda.ops.suite import BadRequestCase, SuiteCase
 from pagoda.ops.target import Target
 

@@ -9,8 +9,9 @@ export, the rules skip. The exit code is the worst severity: 0 nothing above inf
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 

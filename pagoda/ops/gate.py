@@ -77,10 +77,10 @@ def collect_side(client: httpx.Client, target: Target, suite: Suite, *,
                 case, side.greedy[case.id], tokenized if tokenized.status == 200 else None)
         streamed = [next((c for c in suite.cases if c.is_chat is chat), None)
                     for chat in (False, True)]
-        for case in streamed:
-            if case is not None:
+        for stream_case in streamed:
+            if stream_case is not None:
                 side.contract_failures += contract.stream_failures(
-                    client, target, case, side.greedy[case.id])
+                    client, target, stream_case, side.greedy[stream_case.id])
             bar.update(1)
         side.bad_statuses = contract.bad_request_statuses(client, target, suite.bad_requests)
         side.contract_failures += contract.bad_request_failures(suite.bad_requests,

@@ -9,7 +9,8 @@ sequences of prompt + output tokens its KV blocks hold. Stepping stops at the fi
 time-out (a request whose tokens exceed the whole pool is refused outright) or at
 --max-concurrency. Preemption shows where outputs outgrow the pool (short prompts, long
 outputs: every request is admitted, then they grow); where prompts alone fill the pool the
-scheduler queues the extra requests instead, which each step's queue time shows. The lab lives in ops/ because it needs both bench's HTTP client and plan.
+scheduler queues the extra requests instead, which each step's queue time shows. The lab lives
+in ops/ because it needs both bench's HTTP client and plan.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from pagoda.bench.loadgen import LoadConfig, send_request
 from pagoda.bench.records import BenchRequest
 from pagoda.bench.server_metrics import metrics_delta, scrape
 from pagoda.config import parse_bytes
-from pagoda.plan import (RequestClass, build_plan, kv_bytes_per_token, load_model, normalize_dtype,
-                         weight_bytes)
+from pagoda.plan import RequestClass, build_plan, kv_bytes_per_token, load_model, normalize_dtype, weight_bytes
 
 AGREEMENT = 0.10  # measured and planned preemption boundaries within this fraction of plan's
 

@@ -11,15 +11,16 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 
 from pagoda.http_client.sse import aiter_sse_events
 from pagoda.ops.stats import auc, bootstrap_auc_interval
 from pagoda.ops.target import Target
-from pagoda.stats import median, percentile
+from pagoda.stats import median, sorted_percentile
 
 WORDS = ("alpha beta gamma delta river stone cloud maple orbit piano violet ember signal "
          "harbor quartz lantern meadow copper falcon glacier tunnel pepper saffron canyon "
@@ -154,8 +155,10 @@ def severity_of(stat: dict[str, Any]) -> str:
 
 
 def _ms(values: list[float]) -> str:
-    p50 = median(values)
-    return "–" if p50 is None else f"{p50 * 1000:.1f} ms (p90 {percentile(values, 90) * 1000:.1f})"
+    if not values:
+        return "–"
+    ordered = sorted(values)
+    return f"{sorted_percentile(ordered, 50) * 1000:.1f} ms (p90 {sorted_percentile(ordered, 90) * 1000:.1f})"
 
 
 def _auc_text(stat: dict[str, Any]) -> str:

@@ -127,7 +127,8 @@ def _latency_plots(latency: dict[str, Any]) -> str:
     sides = latency.get("sides")
     if not sides:
         return "<p>latency profile skipped</p>"
-    groups, errors = {}, {}
+    groups: dict[str, dict[str, float | None]] = {}
+    errors: dict[str, dict[str, tuple[float, float]]] = {}
     for metric in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
         groups[metric] = {side: sides[side][metric] for side in ("baseline", "candidate")}
     for side in ("baseline", "candidate"):
@@ -178,6 +179,8 @@ def gate_html(report: dict[str, Any]) -> str:
                     for n in s["notes"])
     provenance = [[f"<b>{esc(name)}</b>" if base != cand else esc(name), esc(base), esc(cand)]
                   for name, base, cand in provenance_rows(report)]
+    provenance_html = (_table(["", "baseline", "candidate"], provenance) if provenance
+                       else "<p>neither server reports provenance</p>")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>pagoda gate: {verdict}</title>
 <style>{HTML_STYLE}</style></head><body>
 <h1>pagoda gate: <span class="{'pass' if report['passed'] else 'fail'}">{verdict}</span></h1>
@@ -189,7 +192,7 @@ suite {esc(report['suite']['name'])}: {report['suite']['cases']} cases,
 <h2>Latency</h2>{_latency_plots(report['sections']['latency']['details'])}
 <h2>Outputs per case</h2>{_table(['case', 'tags', 'exact match', 'first divergence', 'max |Δ logprob|'], case_rows)}
 <h2>Bad requests (HTTP status)</h2>{_table(['case', 'expected', 'baseline', 'candidate'], bad_rows)}
-<h2>Provenance</h2>{_table(['', 'baseline', 'candidate'], provenance) if provenance else '<p>neither server reports provenance</p>'}
+<h2>Provenance</h2>{provenance_html}
 <h2>All metrics</h2>{_table(['section', 'metric', 'value'], metrics_rows)}
 <h2>Notes</h2><ul>{notes or '<li>none</li>'}</ul>
 </body></html>

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_SUITE = "default"
@@ -94,7 +95,7 @@ class Suite:
     cases: list[SuiteCase] = field(default_factory=list)
     bad_requests: list[BadRequestCase] = field(default_factory=list)
 
-    def with_max_tokens(self, max_tokens: int | None) -> "Suite":
+    def with_max_tokens(self, max_tokens: int | None) -> Suite:
         """The suite with every case's max_tokens capped (shorter gate runs)."""
         if max_tokens is None:
             return self
@@ -166,7 +167,10 @@ def parse_suite(lines: Iterable[str], name: str) -> Suite:
         if case.id in seen:
             raise SuiteError(f"{where}: id {case.id!r} appears twice")
         seen.add(case.id)
-        (suite.bad_requests if isinstance(case, BadRequestCase) else suite.cases).append(case)
+        if isinstance(case, BadRequestCase):
+            suite.bad_requests.append(case)
+        else:
+            suite.cases.append(case)
     if not suite.cases:
         raise SuiteError(f"{name}: the suite has no prompts")
     return suite

@@ -14,7 +14,7 @@ from pagoda.cli import COMMANDS
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "httpx", "matplotlib", "numpy")
 
 # Runs `pagoda ARGV` in a fresh interpreter and reports the heavy modules it imported.
-PROBE = """
+PROBE = f"""
 import contextlib, io, json, sys
 from pagoda.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
@@ -22,8 +22,8 @@ with contextlib.redirect_stdout(io.StringIO()):
         main(sys.argv[1:])
     except SystemExit:
         pass
-print(json.dumps(sorted(m for m in {heavy} if m in sys.modules)))
-""".format(heavy=repr(HEAVY))
+print(json.dumps(sorted(m for m in {repr(HEAVY)} if m in sys.modules)))
+"""
 
 
 def heavy_modules_after(*argv: str) -> list[str]:

@@ -1,9 +1,10 @@
 """Pipeline parallelism end to end: PP=2 (two local processes, gloo), alone and with TP=2 inside
-each stage, gives PP=1's greedy tokens and logprobs on the tiny Llama, Qwen2 (tied embeddings: the last stage's head is the embedding)
-and Mistral (sliding window) models, through chunking, preemption, prefix caching and n-gram
-speculation, with two micro-batches of disjoint requests in flight; each stage holds only its layers and their KV; bad partitions and unsupported
-combinations are one-line startup errors; a stage's death ends the engine (/health 503, the
-request failed, no process left).
+each stage, gives PP=1's greedy tokens and logprobs on the tiny Llama, Qwen2 (tied embeddings:
+the last stage's head is the embedding) and Mistral (sliding window) models, through chunking,
+preemption, prefix caching and n-gram speculation, with two micro-batches of disjoint requests in
+flight; each stage holds only its layers and their KV; bad partitions and unsupported combinations
+are one-line startup errors; a stage's death ends the engine (/health 503, the request failed, no
+process left).
 
 Starting a PP engine costs a few seconds (a process importing torch and loading its layers),
 so one pair of engines serves the feature tests."""

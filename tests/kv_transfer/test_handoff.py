@@ -161,7 +161,7 @@ def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
         for block_ids in ([1, 2, 3], [4, 5], [6]):
             handoff = make_handoff(caches, block_ids)
             outcome: dict = {}
-            thread = threading.Thread(target=lambda h=handoff: outcome.update(
+            thread = threading.Thread(target=lambda h=handoff, outcome=outcome: outcome.update(
                 sent=send_handoff(h, "shm", listener.address, 5.0, pool)))
             thread.start()
             incoming = listener.accept(5.0)

@@ -119,7 +119,7 @@ def _fuse_experts(source: Path, destination: Path) -> Path:
     layers = sorted({name.split(".experts.")[0] for name in tensors if ".experts." in name})
     for prefix in layers:
         count = len({name for name in tensors if name.startswith(prefix + ".experts.") and "gate_proj" in name})
-        take = lambda e, p: tensors.pop(f"{prefix}.experts.{e}.{p}.weight")  # noqa: E731
+        take = lambda e, p, prefix=prefix: tensors.pop(f"{prefix}.experts.{e}.{p}.weight")  # noqa: E731
         fused[f"{prefix}.experts.gate_up_proj"] = torch.stack(
             [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in range(count)])
         fused[f"{prefix}.experts.down_proj"] = torch.stack([take(e, "down_proj") for e in range(count)])

@@ -100,7 +100,9 @@ def test_grouped_experts_match_reference(dtype, case, tokens, top_k, bias):
     down_bias = torch.randn(EXPERTS, HIDDEN, generator=generator).to(dtype) if bias else None
     expected = reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias)
 
-    on = (lambda t: None if t is None else t.to(DEVICE))
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(DEVICE)
+
     stacked = kernels.ExpertWeights(on(gate_up), on(down), on(gate_up_bias), on(down_bias))
     got = kernels.grouped_experts(on(hidden), on(token_index), on(route_weights), on(counts), stacked, silu_and_mul)
     assert got.dtype == dtype and got.shape == (tokens, HIDDEN)

@@ -222,7 +222,8 @@ def broken_app() -> Any:
         if body.get("stream"):
             def events() -> Iterator[str]:
                 yield 'data: {"id": "a", "object": "text_completion", "choices": [{"text": "hi"}]}\n\n'
-                yield 'data: {"id": "b", "object": "text_completion", "choices": [{"text": "!", "finish_reason": "stop"}]}\n\n'
+                yield ('data: {"id": "b", "object": "text_completion", '
+                       '"choices": [{"text": "!", "finish_reason": "stop"}]}\n\n')
             return StreamingResponse(events(), media_type="text/event-stream")
         return {"id": "x", "object": "text_completion", "model": "broken",
                 "choices": [{"index": 0, "text": "hi!", "finish_reason": "stop"}], "usage": usage}

@@ -11,7 +11,8 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the `gguf` package")
 
-from engine_helpers import prompts_for as engine_prompts, teacher_forced_agreement  # noqa: E402
+from engine_helpers import prompts_for as engine_prompts  # noqa: E402
+from engine_helpers import teacher_forced_agreement  # noqa: E402
 from gguf_factory import write_gguf  # noqa: E402
 from model_factory import assert_matches_reference, build_model, hf_references  # noqa: E402
 

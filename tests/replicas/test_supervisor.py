@@ -133,9 +133,9 @@ def test_past_the_budget_a_replica_stays_down_with_the_reason(llama_dir: Path) -
         for attempt in range(2):  # each death is caused by the request routed there
             engine = victim.llm
             generate_all(replicas, f"a{attempt}", [[5] * 8] * 2)
-            wait_for(lambda: not engine.is_alive, "the replica died")
+            wait_for(lambda engine=engine: not engine.is_alive, "the replica died")
             if attempt == 0:
-                wait_for(lambda: victim.llm is not engine and victim.is_alive, "replica 1 restarted")
+                wait_for(lambda engine=engine: victim.llm is not engine and victim.is_alive, "replica 1 restarted")
         state = wait_for(lambda: (s := victim.supervisor.state()).status == "failed" and s, "replica 1 given up")
         assert state.restarts == 1 and not state.alive
         assert "--max-replica-restarts" in state.error and "simulated engine crash" in state.error

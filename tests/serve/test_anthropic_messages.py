@@ -88,7 +88,7 @@ def test_stop_sequence(server: LiveServer) -> None:
 def test_tool_loop_with_tool_result(server: LiveServer) -> None:
     sdk = client(server)
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    for turn in range(2):
+    for _ in range(2):
         message = sdk.messages.create(model=MODEL_NAME, max_tokens=64, messages=messages, tools=[WEATHER],
                                       tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
         assert message.stop_reason == "tool_use", message

@@ -4,7 +4,6 @@ the admin endpoints, and a rollback that leaves both models loaded and stable se
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -99,7 +98,7 @@ def test_an_error_rate_rolls_back_and_a_clean_period_promotes() -> None:
 
     clock = Clock()
     canary = controller("min_requests: 5\nwindow_s: 10\npromote_after_s: 30\nrules: {error_rate: 0.2}", clock)
-    for second in range(40):
+    for _ in range(40):
         clock.now += 1
         canary.observe(record("alpha"))
         canary.observe(record("beta"))

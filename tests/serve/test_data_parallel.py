@@ -96,7 +96,7 @@ def test_both_replicas_serve(server: LiveServer) -> None:
 def test_one_tenants_prefix_sticks_to_one_replica(server: LiveServer) -> None:
     landed, cached = set(), []
     for i in range(4):
-        replica, response = landed_on(server, lambda: complete(
+        replica, response = landed_on(server, lambda i=i: complete(
             server, "key-alice", SYSTEM_PROMPT + f"question {i}:"))
         assert response.status_code == 200
         landed.add(replica)

@@ -295,7 +295,7 @@ def test_a_body_sent_a_byte_at_a_time_gets_408(impatient_server: LiveServer) -> 
             try:
                 sock.sendall(bytes([byte]))
                 answer += sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except (BrokenPipeError, ConnectionResetError):
                 break

@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -194,7 +194,6 @@ def current_rss(live: LiveServer) -> dict[str, int | None]:
 def test_schemathesis_bodies_never_get_a_server_error(server: LiveServer,
                                                       recorder: Recorder) -> None:
     schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extra")
-    from hypothesis import HealthCheck, Phase, given, settings
 
     rss_before = current_rss(server)
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
@@ -207,22 +206,28 @@ def test_schemathesis_bodies_never_get_a_server_error(server: LiveServer,
                 # A random model name is a 404 before anything else is looked at; serve the
                 # positive cases under the real name so they reach sampling and the engine.
                 strategy = strategy.map(_served_model_name)
-
-            @given(case=strategy)
-            @settings(max_examples=SCHEMATHESIS_EXAMPLES, deadline=None, database=None,
-                      derandomize=True, phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))
-            def fuzz(case: Any) -> None:
-                response = case.call(base_url=server.url, timeout=60)
-                recorder.check(path, _case_bytes(case), response.status_code, response.text,
-                               response.headers.get("content-type", ""))
-
-            fuzz()
+            _fuzz(strategy, path, server, recorder)
     elapsed = time.monotonic() - started
     print(f"schemathesis: {recorder.sent} requests in {elapsed:.1f} s, statuses {recorder.statuses}")
     recorder.assert_clean()
     assert recorder.statuses.get(200, 0) > 0, "no generated body was ever served"
     assert_server_healthy(server, rss_before)
+
+
+def _fuzz(strategy: Any, path: str, server: LiveServer, recorder: Recorder) -> None:
+    """Send the bodies hypothesis draws from `strategy` to `path`, each checked by `recorder`."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    @given(case=strategy)
+    @settings(max_examples=SCHEMATHESIS_EXAMPLES, deadline=None, database=None,
+              derandomize=True, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: Any) -> None:
+        response = case.call(base_url=server.url, timeout=60)
+        recorder.check(path, _case_bytes(case), response.status_code, response.text,
+                       response.headers.get("content-type", ""))
+
+    fuzz()
 
 
 def _served_model_name(case: Any) -> Any:
@@ -268,7 +273,7 @@ _SAMPLING_ATTACKS: list[dict[str, Any]] = [
     {"logit_bias": {"1": "high"}}, {"logit_bias": {"": 1}}, {"logit_bias": {"1.5": 1}},
     {"logit_bias": {str(i): 1.0 for i in range(5000)}}, {"logit_bias": {"1": -100, "2": 100}},
     {"logit_bias": {str(i): -100 for i in range(2048)}, "temperature": 1.0},
-    {"stop": ["s%d" % i for i in range(5000)]}, {"stop": ["y" * 100_000]}, {"stop": [""]},
+    {"stop": [f"s{i}" for i in range(5000)]}, {"stop": ["y" * 100_000]}, {"stop": [""]},
     {"stop": "\ud800"}, {"stop": ["e", " ", "a"], "include_stop_str_in_output": True},
     {"stop_token_ids": list(range(5000))}, {"stop_token_ids": [2**40]}, {"stop_token_ids": [-1]},
     {"n": 129}, {"n": 65}, {"n": 64}, {"n": 0}, {"n": 2**31}, {"n": 64, "max_tokens": 60, "seed": 7},

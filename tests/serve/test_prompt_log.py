@@ -17,7 +17,7 @@ import pytest
 
 from pagoda.guard import load_guardrails
 from pagoda.serve.admission.tenants import TenantRegistry
-from pagoda.serve.prompt_log import (AUDIT_FILE, PromptLog, PromptLogQuery, parse_duration,
+from pagoda.serve.prompt_log import (AUDIT_FILE, PromptLog, parse_duration,
                                      redaction_rules)
 from pagoda.serve.request_log import LOGGER_NAME, RequestLogRecord
 from pagoda.serve.settings import ServerSettings

@@ -7,7 +7,6 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
