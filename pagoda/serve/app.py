@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.client import EngineClient
-from pagoda.serve.access_log import redact_access_log
+from pagoda.serve.observability.access_log import redact_access_log
 from pagoda.serve.admission.body_limit import BodySizeLimit
 from pagoda.serve.api.admin_prompt_log import read_prompt_log
 from pagoda.serve.api.anthropic_messages import MessagesEndpoint
@@ -32,14 +32,14 @@ from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
 from pagoda.serve.api.responses_store import ResponsesStore
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
-from pagoda.serve.fast_refusal import FastRefusal, RefusalRoute
+from pagoda.serve.admission.fast_refusal import FastRefusal, RefusalRoute
 from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
                                load_lora_adapter, unload_lora_adapter)
 from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.routing.canary import CanaryController
 from pagoda.serve.routing.dispatch import ModelDispatcher
 from pagoda.serve.routing.metrics import RoutingMetrics, merged_registry

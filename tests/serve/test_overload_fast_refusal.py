@@ -1,5 +1,5 @@
 """While the admission queue is full, generation requests are refused before their body is read
-(serve/fast_refusal.py), with the endpoint's own 503, headers, metrics and log lines; a key that
+(serve/admission/fast_refusal.py), with the endpoint's own 503, headers, metrics and log lines; a key that
 does not authenticate still gets its 401 and a tenant over its own cap its 429; with room in the
 queue, requests go through the app as before."""
 
@@ -15,8 +15,8 @@ import pytest
 from pagoda.serve.admission.queue import QueueSlot
 from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from pagoda.serve.admission.work import RequestWork
-from pagoda.serve.fast_refusal import api_key_of
-from pagoda.serve.request_log import LOGGER_NAME
+from pagoda.serve.admission.fast_refusal import api_key_of
+from pagoda.serve.observability.request_log import LOGGER_NAME
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 QUEUE_LIMIT = 16

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.errors import APIError, bad_request
-from pagoda.serve.prompt_log import DEFAULT_READ_LIMIT, MAX_READ_LIMIT, PromptLog, PromptLogQuery
+from pagoda.serve.observability.prompt_log import DEFAULT_READ_LIMIT, MAX_READ_LIMIT, PromptLog, PromptLogQuery
 from pagoda.serve.serving import ServeContext
 
 QUERY_PARAMS = ("tenant", "limit")

@@ -31,7 +31,7 @@ from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.errors import APIError, anthropic_error_body
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
