@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.engine.client import EngineClient
 from pagoda.serve.observability.access_log import redact_access_log
 from pagoda.serve.admission.body_limit import BodySizeLimit
-from pagoda.serve.api.admin_prompt_log import read_prompt_log
+from pagoda.serve.admin import read_prompt_log
 from pagoda.serve.api.anthropic_messages import MessagesEndpoint
 from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokensResponse,
                                                  MessagesRequest, MessagesResponse)
