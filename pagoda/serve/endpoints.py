@@ -139,6 +139,10 @@ class Endpoint:
     anthropic: bool = False  # errors in Anthropic's shape instead of OpenAI's
     method: str = "POST"
 
+    def __post_init__(self) -> None:
+        if self.queues_work and self.name is None:
+            raise ValueError(f"{self.path} queues work: its refusals must be counted under a name")
+
     def run(self, parts: AppParts) -> Run:
         return self.handler(parts, self.path)
 

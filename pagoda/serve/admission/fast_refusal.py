@@ -122,6 +122,7 @@ class FastRefusal:
     def _account(self, route: Endpoint, tenant: Tenant, error: APIError, started: float) -> None:
         """What the app records for a request refused at admission: its metrics and log line."""
         ctx = self.ctx
+        assert route.name is not None  # every endpoint that queues work has one (Endpoint checks)
         reason = rejection_reason(error)
         ctx.metrics.record_rejected(reason)
         ctx.metrics.record_refusal_time(reason, time.perf_counter() - started)
