@@ -13,7 +13,7 @@ import httpx
 from pagoda.http_client.sse import iter_sse_events
 from pagoda.ops.suite import BadRequestCase, SuiteCase
 from pagoda.ops.target import Target
-from pagoda.serve.provenance import HEADER as PROVENANCE_HEADER
+from pagoda.serve.observability.provenance import HEADER as PROVENANCE_HEADER
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pagoda.ops.policy import Rule, RuleResult, evaluate
 from pagoda.ops.schema_check import validate_text
 from pagoda.ops.suite import Suite, SuiteCase
 from pagoda.ops.target import Target, resolve_model
-from pagoda.serve.drift import Comparison, compare_outputs, compare_tokenization
+from pagoda.serve.observability.drift import Comparison, compare_outputs, compare_tokenization
 
 
 @dataclass

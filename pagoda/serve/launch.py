@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pagoda.serve.drain import DrainingServer
     from pagoda.serve.model_registry import ModelRegistry
     from pagoda.serve.models_file import ModelsFile
-    from pagoda.serve.cost import PriceTable
+    from pagoda.serve.observability.cost import PriceTable
 
 # How often --no-restart looks whether an engine is left.
 DEATH_WATCH_INTERVAL_S = 0.2
@@ -219,7 +219,7 @@ def _price_table(settings: ServerSettings, served_models: list[str]) -> "PriceTa
     when it is malformed)."""
     if not settings.price_table:
         return None
-    from pagoda.serve.cost import PriceTableError, load_price_table
+    from pagoda.serve.observability.cost import PriceTableError, load_price_table
 
     try:
         return load_price_table(settings.price_table, served_models)

@@ -152,7 +152,7 @@ class Route:
 
 @dataclass(frozen=True)
 class ShadowSpec:
-    """Stable requests replayed greedily to stable and candidate and diffed (serve/drift.py)."""
+    """Stable requests replayed greedily to stable and candidate and diffed (serve/observability/drift.py)."""
 
     sample: float = 0.0  # the share of stable's requests replayed (0: no shadow traffic)
     max_tokens: int = 16

@@ -34,12 +34,12 @@ from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_g
 from pagoda.serve.metrics.cost import CostCounter
 from pagoda.serve.metrics.server import ServerMetrics
 from pagoda.serve.api.protocol import PromptTokensDetails, Usage
-from pagoda.serve.prompt_log import PromptLog
-from pagoda.serve.provenance import ModelProvenance, Provenance, ProvenanceBook
-from pagoda.serve.request_log import RequestLogger, RequestLogRecord
+from pagoda.serve.observability.prompt_log import PromptLog
+from pagoda.serve.observability.provenance import ModelProvenance, Provenance, ProvenanceBook
+from pagoda.serve.observability.request_log import RequestLogger, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
-from pagoda.serve.tracing import RequestTrace, RequestTracer
+from pagoda.serve.observability.tracing import RequestTrace, RequestTracer
 
 # HTTP status logged for requests whose client went away (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499

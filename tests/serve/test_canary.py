@@ -12,7 +12,7 @@ import pytest
 from pagoda.serve.admission.tenants import TenantRegistry, parse_tenants
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
 from pagoda.serve.models_file import ModelsFileError, parse_models_file
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.routing.canary import CanaryController
 from pagoda.serve.settings import ServerSettings
 from test_models import Served, build_model_dir, engine, metric_samples, wait_for

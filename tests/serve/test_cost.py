@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from pagoda.config import EngineConfig
-from pagoda.serve.cost import ModelPrice, PriceTableError, load_price_table, parse_price_table
+from pagoda.serve.observability.cost import ModelPrice, PriceTableError, load_price_table, parse_price_table
 from pagoda.serve.launch import built_settings
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server

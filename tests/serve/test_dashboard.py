@@ -17,7 +17,7 @@ from pagoda.guard import GuardMetrics
 from pagoda.http_client.sse import iter_sse_events
 from pagoda.serve.dashboard import DashboardWindow, Histogram
 from pagoda.serve.metrics.server import ServerMetrics
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 

@@ -20,7 +20,7 @@ from pagoda.guard import (GuardModelError, Guardrails, GuardrailsConfigError, lo
                           parse_guardrails)
 from pagoda.guard.pii import find_pii, luhn_valid
 from pagoda.http_client.sse import iter_sse_events
-from pagoda.serve.request_log import LOGGER_NAME
+from pagoda.serve.observability.request_log import LOGGER_NAME
 from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, run, start_server
 

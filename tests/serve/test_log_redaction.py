@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagoda.serve.prompt_log import PromptLog, PromptLogQuery
-from pagoda.serve.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord, redact_message
+from pagoda.serve.observability.prompt_log import PromptLog, PromptLogQuery
+from pagoda.serve.observability.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord, redact_message
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 SECRET = "zq-SECRET-7731"

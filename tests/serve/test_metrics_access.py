@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from pagoda.engine.engine_core import LoRAStats
 from pagoda.guard import GuardMetrics
 from pagoda.guard.decision import RuleHit
-from pagoda.serve.access_log import ACCESS_LOGGER_NAME, redact_url
+from pagoda.serve.observability.access_log import ACCESS_LOGGER_NAME, redact_url
 from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.metrics.lora import lora_families
 from pagoda.serve.metrics.server import PREFIX, ServerMetrics

@@ -1,5 +1,5 @@
 """While the admission queue is full, generation requests are refused before their body is read
-(serve/fast_refusal.py), with the endpoint's own 503, headers, metrics and log lines; a key that
+(serve/admission/fast_refusal.py), with the endpoint's own 503, headers, metrics and log lines; a key that
 does not authenticate still gets its 401 and a tenant over its own cap its 429; with room in the
 queue, requests go through the app as before."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
@@ -15,8 +15,9 @@ import pytest
 from pagoda.serve.admission.queue import QueueSlot
 from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from pagoda.serve.admission.work import RequestWork
-from pagoda.serve.fast_refusal import api_key_of
-from pagoda.serve.request_log import LOGGER_NAME
+from pagoda.serve.endpoints import ENDPOINTS, Endpoint
+from pagoda.serve.admission.authentication import api_key_of
+from pagoda.serve.observability.request_log import LOGGER_NAME
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 QUEUE_LIMIT = 16
@@ -91,20 +92,42 @@ def test_fast_and_admission_refusals_look_alike(server: LiveServer) -> None:
     assert without_message[0] == without_message[1]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}),
-    ("/messages", {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
-])
-def test_each_generation_route_refuses_in_its_own_shape(server: LiveServer, full_queue: list[QueueSlot],
-                                                        path: str, body: dict[str, Any]) -> None:
-    response = httpx.post(server.base_url + path, json=body, headers={"x-api-key": "key-open"})
+QUEUEING = [endpoint for endpoint in ENDPOINTS if endpoint.queues_work]
+
+
+def test_every_generation_endpoint_queues_work() -> None:
+    assert {endpoint.path for endpoint in QUEUEING} == {
+        "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+        "/invocations"}
+
+
+@pytest.mark.parametrize("endpoint", QUEUEING, ids=lambda endpoint: endpoint.path)
+def test_each_generation_endpoint_refuses_in_its_own_shape(server: LiveServer, full_queue: list[QueueSlot],
+                                                           endpoint: Endpoint,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Every endpoint of the table that queues work is refused before its body is read: a body
+    that is not JSON would be the app's 400."""
+    rejected, timed = refusal_counts(server)
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        response = httpx.request(endpoint.method, server.url + endpoint.path, content=b"{not json",
+                                 headers={"x-api-key": "key-open"})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
-    if path == "/messages":  # Anthropic's shape
+    if endpoint.anthropic:
         payload = response.json()
         assert payload["type"] == "error" and payload["error"]["type"] == "overloaded_error"
         assert "sequences queued" in payload["error"]["message"]
     else:
         assert response.json()["error"]["code"] == "server_busy"
+    assert refusal_counts(server) == (rejected + 1, timed + 1)
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+    assert line["endpoint"] == endpoint.name and line["status"] == 503
+
+
+@pytest.mark.parametrize("path", [endpoint.path for endpoint in ENDPOINTS if not endpoint.queues_work])
+def test_endpoints_that_queue_nothing_read_their_body(server: LiveServer, full_queue: list[QueueSlot],
+                                                      path: str) -> None:
+    response = httpx.post(server.url + path, content=b"{not json", headers=HEADERS)
+    assert response.status_code == 400
 
 
 def test_a_refusal_is_logged_as_at_admission(server: LiveServer, full_queue: list[QueueSlot],

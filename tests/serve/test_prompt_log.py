@@ -17,9 +17,9 @@ import pytest
 
 from pagoda.guard import load_guardrails
 from pagoda.serve.admission.tenants import TenantRegistry
-from pagoda.serve.prompt_log import (AUDIT_FILE, PromptLog, parse_duration,
+from pagoda.serve.observability.prompt_log import (AUDIT_FILE, PromptLog, parse_duration,
                                      redaction_rules)
-from pagoda.serve.request_log import LOGGER_NAME, RequestLogRecord
+from pagoda.serve.observability.request_log import LOGGER_NAME, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 

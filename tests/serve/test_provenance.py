@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pagoda.serve.provenance import (HEADER, ProvenanceBook, RouteTaken, engine_config_fingerprint,
+from pagoda.serve.observability.provenance import (HEADER, ProvenanceBook, RouteTaken, engine_config_fingerprint,
                                      unverified_weights_digest)
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.engine.client import StreamRoute
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 from pagoda.serve.admission.tenants import TenantRegistry
@@ -212,7 +212,7 @@ def test_route_of_a_batch_and_the_bounded_book() -> None:
     assert (route.pool, route.replica, route.fallback, route.canary) == ("a,b", "2,10", False, None)
     assert RouteTaken.of("m", [None], "route:auto:m").route == "auto"
     assert RouteTaken.of("m", [None], "fallback:m").fallback
-    from pagoda.serve.provenance import ModelProvenance
+    from pagoda.serve.observability.provenance import ModelProvenance
 
     book = ProvenanceBook(ModelProvenance("m", "w", None, None, None, None, "f"), max_records=2)
     for i in range(3):

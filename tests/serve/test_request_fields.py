@@ -6,16 +6,19 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagoda.serve.api.request_fields import CHAT, COMPLETIONS, RESPONSES, Support
+from pagoda.serve.api.request_fields import Support
+from pagoda.serve.endpoints import ENDPOINTS
 from server_utils import LiveServer, build_tiny_model, start_server
 
-BASES = {
-    "completions": ("/v1/completions", {"prompt": "hello", "max_tokens": 2, "temperature": 0}),
-    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                      "temperature": 0}),
-    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "temperature": 0, "store": False}),
+# The endpoints walked through the server, by name: the path and field table are the endpoint table's.
+BODIES = {
+    "completions": {"prompt": "hello", "max_tokens": 2, "temperature": 0},
+    "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0},
+    "responses": {"input": "hi", "max_output_tokens": 2, "temperature": 0, "store": False},
 }
-TABLES = {"completions": COMPLETIONS, "chat": CHAT, "responses": RESPONSES}
+BASES = {endpoint.name: (endpoint.path, BODIES[endpoint.name]) for endpoint in ENDPOINTS
+         if endpoint.name in BODIES}
+TABLES = {endpoint.name: endpoint.fields for endpoint in ENDPOINTS if endpoint.name in BODIES}
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +71,9 @@ def test_inert_values_of_refused_fields_are_accepted(server: LiveServer) -> None
 
 
 def test_every_request_model_field_is_in_the_table() -> None:
-    from pagoda.serve.api.protocol import ChatCompletionRequest, CompletionRequest
-    from pagoda.serve.api.responses_protocol import ResponsesRequest
-
-    for model, table in ((CompletionRequest, COMPLETIONS), (ChatCompletionRequest, CHAT),
-                         (ResponsesRequest, RESPONSES)):
-        missing = set(model.model_fields) - set(table)
+    for endpoint in ENDPOINTS:
+        if endpoint.fields is None:
+            continue
+        model = endpoint.request_model
+        missing = set(model.model_fields) - set(endpoint.fields)
         assert not missing, f"{model.__name__} fields missing from the table: {sorted(missing)}"

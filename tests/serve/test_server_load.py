@@ -15,8 +15,8 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.serve.prompt_log import PromptLog, PromptLogQuery
-from pagoda.serve.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord
+from pagoda.serve.observability.prompt_log import PromptLog, PromptLogQuery
+from pagoda.serve.observability.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord
 from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.http_client.sse import aiter_sse_events, iter_sse_events
 from pagoda.replicas.replica_set import ReplicaSet
-from pagoda.serve.request_log import LOGGER_NAME
+from pagoda.serve.observability.request_log import LOGGER_NAME
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, free_port, start_serve_process, start_server
 
 TIMEOUT_S = 60

@@ -16,7 +16,7 @@ import pytest
 
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.tracing import RequestTrace, otel_missing, request_phases
+from pagoda.serve.observability.tracing import RequestTrace, otel_missing, request_phases
 from server_utils import MODEL_NAME, build_tiny_model, start_server
 
 pytestmark = pytest.mark.skipif(otel_missing() is not None,
@@ -148,7 +148,7 @@ def test_an_in_memory_exporter_sees_an_error_status() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import StatusCode
 
-    from pagoda.serve.tracing import RequestTracer
+    from pagoda.serve.observability.tracing import RequestTracer
 
     exporter = InMemorySpanExporter()
     tracer = RequestTracer(exporter, batch=False)

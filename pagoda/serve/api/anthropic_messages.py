@@ -26,7 +26,7 @@ from pagoda.serve.api.anthropic_protocol import (AnthropicMessage, ContentBlock,
 from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.protocol import ChatCompletionRequest
-from pagoda.serve.api.request_fields import check_fields
+from pagoda.serve.api.request_fields import MESSAGES, check_fields
 from pagoda.serve.api.sse import to_json
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan
 from pagoda.serve.errors import APIError, anthropic_error_body, bad_request, validation_error
@@ -176,13 +176,14 @@ class MessagesEndpoint(ChatEndpoint):
     """Anthropic's Messages API: chat's preparation and admission, Anthropic's answer."""
 
     name = "messages"
+    fields = MESSAGES
     id_prefix = "msg"
 
     async def handle_messages(self, ctx: ServeContext, raw: Request, request: MessagesRequest,
                               tenant: Tenant, *, route: str | None = None,
                               await_first_token: bool = False) -> Response:
         """As `GenerationEndpoint.handle`, in Anthropic's shapes."""
-        check_fields(request, self.name)
+        check_fields(request, self.fields)
         if request.max_tokens < 1:
             raise bad_request("max_tokens: must be at least 1.", param="max_tokens")
         chat_request = to_chat_request(request)
@@ -198,7 +199,7 @@ class MessagesEndpoint(ChatEndpoint):
 
     async def count_tokens(self, ctx: ServeContext, _: Request, request: CountTokensRequest,
                            tenant: Tenant) -> Response:
-        check_fields(request, self.name)
+        check_fields(request, self.fields)
         chat_request = to_chat_request(request)
         # Templating and the tools' grammar check block: off the event loop, as generation's.
         prepared = await asyncio.to_thread(self.prepare, ctx, chat_request, tenant)

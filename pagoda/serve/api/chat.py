@@ -24,6 +24,7 @@ from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceL
                                    ChatCompletionRequest, ChatCompletionResponse)
 from pagoda.serve.api.reasoning import (ReasoningParser, ReasoningStream, after_reasoning,
                                         check_template_kwargs, get_reasoning_parser)
+from pagoda.serve.api.request_fields import CHAT
 from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
@@ -43,6 +44,7 @@ def reject_unsupported(request: ChatCompletionRequest) -> None:
 
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     name = "chat"
+    fields = CHAT
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 

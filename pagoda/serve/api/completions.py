@@ -14,6 +14,7 @@ from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, Prepare
 from pagoda.serve.api.logprobs import join_legacy, legacy_logprobs, prompt_logprobs
 from pagoda.serve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                    CompletionResponse)
+from pagoda.serve.api.request_fields import COMPLETIONS
 from pagoda.serve.api.sampling import build_sampling_params
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
@@ -76,6 +77,7 @@ def completion_prompts(prompt: Any, tokenizer: Any) -> list[EnginePrompt]:
 
 class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
     name = "completions"
+    fields = COMPLETIONS
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 

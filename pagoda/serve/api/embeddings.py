@@ -22,13 +22,14 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagoda.sampling_params import SamplingParams
+from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.api.completions import completion_prompts
 from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import OpenAIRequest, PromptInput
-from pagoda.serve.api.request_fields import check_fields
+from pagoda.serve.api.request_fields import EMBEDDINGS, check_fields
 from pagoda.serve.api.truncation import truncate_prompt, truncation_length
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id
@@ -106,6 +107,7 @@ def encode_base64(vector: list[float]) -> str:
 
 class EmbeddingsEndpoint:
     name = "embeddings"
+    fields = EMBEDDINGS
 
     def __init__(self, ctx: ServeContext) -> None:
         self.ctx = ctx
@@ -114,12 +116,15 @@ class EmbeddingsEndpoint:
     async def handle(self, raw: Request, request: EmbeddingRequest, tenant: Tenant) -> Response:
         ctx = self.ctx
         lora_request = resolve_model(ctx, request.model, tenant)
-        check_fields(request, self.name)
+        check_fields(request, self.fields)
         if request.dimensions is not None and request.dimensions < 1:
             raise bad_request(f"dimensions must be >= 1, got {request.dimensions}.", param="dimensions")
         keep = truncation_length(request.truncate_prompt_tokens, ctx.llm.max_model_len)
         num_inputs = 1 if isinstance(request.input, str) or (
             request.input and isinstance(request.input[0], int)) else max(len(request.input), 1)
+        # No await between the two: the full-queue refusal never sees this request counted
+        # both as arriving and as queued.
+        end_arrival(raw.scope)
         admission = ctx.admit(tenant, RequestWork(num_inputs, 1))
         try:  # tokenizing a large input takes a while: off the event loop
             prompts = await asyncio.to_thread(self._prompts, request, keep)

@@ -22,7 +22,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, TypeVar
 
 import pydantic
 from fastapi import Request
@@ -35,8 +35,8 @@ from pagoda.serve.guardrails import guard_input
 from pagoda.serve.api.json_body import json_text, model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import SamplingFields
-from pagoda.serve.api.request_fields import check_fields
-from pagoda.serve.provenance import HEADER as PROVENANCE_HEADER
+from pagoda.serve.api.request_fields import Field, check_fields
+from pagoda.serve.observability.provenance import HEADER as PROVENANCE_HEADER
 from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
                                   new_request_id, rejection_reason)
 from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
@@ -44,7 +44,7 @@ from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, Ev
 from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
-from pagoda.serve.tracing import trace_headers
+from pagoda.serve.observability.tracing import trace_headers
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -82,6 +82,7 @@ class ChunkFormatter(ABC):
 
 class GenerationEndpoint(ABC, Generic[Body]):
     name: str  # in metrics and log lines
+    fields: Mapping[str, Field]  # its request-field table (request_fields.py)
     id_prefix: str  # of response ids
     chunk_object: str  # "object" of streamed chunks
 
@@ -157,7 +158,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                      tenant: Tenant, route: str | None = None) -> Generation:
         """Check, admit, prepare and submit the request; raises the APIError refusing it."""
         lora_request = resolve_model(ctx, request.model, tenant)
-        check_fields(request, self.name)
+        check_fields(request, self.fields)
         priority = tenant.resolve_priority(getattr(request, "priority", None))
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
@@ -250,7 +251,7 @@ async def respond(raw: Request, generation: Generation, stream_body: AsyncIterat
     for it to finish (aborting it if the client leaves) and send `answer` as JSON: a large
     answer is built and written on a worker thread, so the event loop keeps answering.
     The generation is closed with the status the client saw. Either answer carries the
-    provenance id (serve/provenance.py) in its headers."""
+    provenance id (serve/observability/provenance.py) in its headers."""
     if stream_body is not None:
         return _with_provenance(generation, EventStreamResponse(stream_body, on_close=lambda: generation.close(
             200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST)))

@@ -1,20 +1,21 @@
 """Every request field pagoda knows, per endpoint: supported, accepted and ignored, or refused.
 
-One table answers "what happens to field X" for both endpoints, so nothing a client sends is
+One table per endpoint answers "what happens to field X", so nothing a client sends is
 silently dropped when it would change the answer. A field is *ignored* only when it cannot
 change the output (bookkeeping such as `user`, `metadata`, `store`); a field that would change
 the output and that pagoda does not implement is *refused* with a 400 naming it, whatever the
 client meant by it. A refused field set to its inert value (false, null, empty) is accepted:
 `"return_tokens_as_token_ids": false` asks for nothing. Fields missing from the table are unknown and are
 ignored, as vLLM does (OpenAI's own unknown-field check is the pydantic model's business, not
-ours). tests/serve/test_request_fields.py walks the table.
+ours). Each endpoint class holds its table as `fields`, and the endpoint table (serve/endpoints.py)
+names it beside the endpoint's route; tests/serve/test_request_fields.py walks them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 from pagoda.serve.errors import bad_request
 
@@ -142,10 +143,6 @@ RESPONSES: dict[str, Field] = {
     "context_management": Field(R, "not supported", [{"type": "compaction"}]),
 }
 
-TABLES = {"completions": COMPLETIONS, "chat": CHAT, "messages": MESSAGES, "embeddings": EMBEDDINGS,
-          "responses": RESPONSES}
-
-
 def is_inert(value: Any, field: Field | None = None) -> bool:
     if value is None:
         return True
@@ -154,9 +151,9 @@ def is_inert(value: Any, field: Field | None = None) -> bool:
     return value is False or value == "" or value == [] or value == {}
 
 
-def check_fields(body: Any, endpoint: str) -> None:
-    """Raise a 400 naming the first refused field the body sets to a non-inert value."""
-    table = TABLES[endpoint]
+def check_fields(body: Any, table: Mapping[str, Field]) -> None:
+    """Raise a 400 naming the first refused field the body sets to a non-inert value; `table`
+    is the endpoint's (its `fields`)."""
     present = dict(getattr(body, "model_extra", None) or {})
     for name in getattr(body, "model_fields_set", ()):
         present[name] = getattr(body, name)

@@ -29,7 +29,7 @@ from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import PreparedRequest, WholeAnswer, respond
 from pagoda.serve.api.protocol import ChatCompletionRequest
-from pagoda.serve.api.request_fields import check_fields
+from pagoda.serve.api.request_fields import RESPONSES, check_fields
 from pagoda.serve.api.responses_protocol import (DeletedResponse, InputItem, InputTokensDetails,
                                                  OutputTokensDetails, ResponseObject,
                                                  ResponsesRequest, ResponseUsage, TextConfig)
@@ -462,6 +462,7 @@ class ResponsesEndpoint(ChatEndpoint):
     store of responses (None: --no-responses-store)."""
 
     name = "responses"
+    fields = RESPONSES
     id_prefix = "resp"
 
     def __init__(self, store: ResponsesStore | None) -> None:
@@ -472,7 +473,7 @@ class ResponsesEndpoint(ChatEndpoint):
                                await_first_token: bool = False) -> Response:
         """As `GenerationEndpoint.handle`, in the Responses API's shapes."""
         try:
-            check_fields(request, self.name)
+            check_fields(request, self.fields)
             conversation = [*self._history(request, tenant), *input_messages(request.input)]
             chat_request = to_chat_request(request, conversation)
             generation = await self.begin(ctx, raw, chat_request, tenant, route=route,

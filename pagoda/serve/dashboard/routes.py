@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from pagoda.serve.dashboard.window import DashboardWindow
 from pagoda.serve.errors import APIError
-from pagoda.serve.request_log import RequestLogger
+from pagoda.serve.observability.request_log import RequestLogger
 from pagoda.serve.api.sse import EventStreamResponse, sse_event, to_json
 from pagoda.serve.admission.tenants import Tenant, TenantRegistry
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry
 
 from pagoda.diagnosis import MetricSamples, diagnose, observe
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.stats import histogram_quantile
 
 PREFIX = "pagoda:"

@@ -10,7 +10,7 @@ see no error of the candidate's.
 
 What is compared: per-model rolling windows of the request log (5xx rate, TTFT p99, ITL p99,
 guardrail block rate) and shadow replays (a sample of stable's requests run greedily on both
-models and diffed with `pagoda gate`'s drift rules, serve/drift.py). A broken rule rolls back at
+models and diffed with `pagoda gate`'s drift rules, serve/observability/drift.py). A broken rule rolls back at
 once: every request goes to stable again (already loaded: nothing waits for a load), the event
 is logged and counted in /metrics, and the candidate stays loaded for inspection. With
 `promote_after_s`, a candidate that served at least `min_requests` in its window and broke no
@@ -32,10 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagoda.engine.client import generate_outputs
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.drift import compare_outputs, compare_tokenization
+from pagoda.serve.observability.drift import compare_outputs, compare_tokenization
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
 from pagoda.serve.models_file import CanarySpec
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.stats import percentile
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class ShadowResult:
     evidence: list[str]
 
 
-# Duck types of what serve/drift.py compares: one case, two sides.
+# Duck types of what serve/observability/drift.py compares: one case, two sides.
 @dataclass(frozen=True)
 class _Case:
     id: str

@@ -29,7 +29,7 @@ from pagoda.serve.api.protocol import SamplingFields
 from pagoda.serve.errors import APIError, bad_request, model_not_found
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
 from pagoda.serve.models_file import RemoteEndpoint
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.routing.canary import CanaryController, ShadowRequest
 from pagoda.serve.routing.metrics import RoutingMetrics
 from pagoda.serve.routing.rules import RequestFacts, first_match

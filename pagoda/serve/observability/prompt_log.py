@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
     from pagoda.guard.rules import PatternRule
-    from pagoda.serve.request_log import RequestLogRecord
+    from pagoda.serve.observability.request_log import RequestLogRecord
 
 FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700

@@ -55,7 +55,7 @@ class RequestLogRecord:
     prompt: str | list[str] | None = None
     output: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)
-    # What served the request (serve/provenance.py), once it reached the engine.
+    # What served the request (serve/observability/provenance.py), once it reached the engine.
     provenance: dict[str, object] | None = None
     cost_usd: float | None = None  # by --price-table; None without one
 

@@ -24,37 +24,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
 
+from pagoda.serve.admission.authentication import api_key_of
 from pagoda.serve.admission.queue import end_arrival
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.admission.work import RequestWork
+from pagoda.serve.endpoints import Endpoint
 from pagoda.serve.errors import APIError, anthropic_error_body
-from pagoda.serve.request_log import RequestLogRecord
+from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
                    Awaitable[None]]
 
 ONE_SEQUENCE = RequestWork(num_prompts=1, n=1)
-
-
-@dataclass(frozen=True)
-class RefusalRoute:
-    """A generation route the middleware may refuse on."""
-
-    endpoint: str  # the endpoint's name in metrics and log lines
-    anthropic: bool = False  # errors in Anthropic's shape instead of OpenAI's
-
-
-def api_key_of(authorization: str | None, x_api_key: str | None) -> str | None:
-    """The API key a request carries: `Authorization: Bearer KEY`, or (only without an
-    Authorization header, as Anthropic's clients send it) `x-api-key: KEY`."""
-    if authorization:
-        scheme, _, key = authorization.partition(" ")
-        return key.strip() if scheme.lower() == "bearer" else None
-    return (x_api_key or "").strip() or None
 
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -71,18 +55,20 @@ def json_bytes(content: Any) -> bytes:
 
 
 class FastRefusal:
-    """ASGI middleware: while the queue is full, refuse POSTs to `routes` (path -> route) with
-    the endpoint's own 503 before the app sees them; pass everything else on untouched."""
+    """ASGI middleware: while the queue is full, refuse the requests of every endpoint of
+    `endpoints` that queues work (serve/endpoints.py) with the endpoint's own 503 before the app
+    sees them; pass everything else on untouched."""
 
-    def __init__(self, app: ASGIApp, ctx: ServeContext, routes: dict[str, RefusalRoute]) -> None:
+    def __init__(self, app: ASGIApp, ctx: ServeContext, endpoints: Iterable[Endpoint]) -> None:
         self.app = app
         self.ctx = ctx
-        self.routes = routes
+        self.routes = {(endpoint.method, endpoint.path): endpoint for endpoint in endpoints
+                       if endpoint.queues_work}
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.routes.get(scope["path"])
+        if scope["type"] == "http":
+            route = self.routes.get((scope["method"], scope["path"]))
             if route is not None:
                 started = time.perf_counter()
                 refusal = self.ctx.admission.refusal_of_any()
@@ -123,7 +109,7 @@ class FastRefusal:
         lease.release()
         return tenant, queue_full
 
-    async def _answer(self, send: Callable[[dict], Awaitable[None]], route: RefusalRoute,
+    async def _answer(self, send: Callable[[dict], Awaitable[None]], route: Endpoint,
                       error: APIError) -> None:
         body = json_bytes(anthropic_error_body(error) if route.anthropic else error.body())
         headers = [(name.lower().encode("latin-1"), value.encode("latin-1"))
@@ -133,12 +119,13 @@ class FastRefusal:
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _account(self, route: RefusalRoute, tenant: Tenant, error: APIError, started: float) -> None:
+    def _account(self, route: Endpoint, tenant: Tenant, error: APIError, started: float) -> None:
         """What the app records for a request refused at admission: its metrics and log line."""
         ctx = self.ctx
+        assert route.name is not None  # every endpoint that queues work has one (Endpoint checks)
         reason = rejection_reason(error)
         ctx.metrics.record_rejected(reason)
         ctx.metrics.record_refusal_time(reason, time.perf_counter() - started)
         ctx.request_log.log(RequestLogRecord(
-            request_id=new_request_id("rejected"), endpoint=route.endpoint, tenant=tenant.name,
+            request_id=new_request_id("rejected"), endpoint=route.name, tenant=tenant.name,
             model=ctx.model_name, status=error.status, error=error.message, error_param=error.param))
