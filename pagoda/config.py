@@ -644,12 +644,12 @@ class DeploymentConfig:
             _fail("replica_restart_backoff", f"must be >= 0 seconds, got {self.replica_restart_backoff}")
         self._check_autoscaling()
         if self.replica_roles is not None:
-            counts = parse_replica_roles(self.replica_roles)
-            if counts is None:
+            role_counts = parse_replica_roles(self.replica_roles)
+            if role_counts is None:
                 _fail("replica_roles", f"must look like prefill=1,decode=1 (both at least 1), "
                                        f"got {self.replica_roles!r}")
-            elif self.data_parallel_size not in (1, sum(counts.values())):
-                _fail("replica_roles", f"counts add up to {sum(counts.values())} replicas but "
+            elif self.data_parallel_size not in (1, sum(role_counts.values())):
+                _fail("replica_roles", f"counts add up to {sum(role_counts.values())} replicas but "
                                        f"data_parallel_size is {self.data_parallel_size}")
             if self.replica_pools is not None:
                 _fail("replica_roles", "cannot be combined with replica_pools yet")

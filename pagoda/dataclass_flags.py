@@ -60,7 +60,7 @@ def alternatives(values: tuple[Any, ...]) -> str:
 def check_choices(instance: Any) -> None:
     """ValueError naming the first field of the dataclass `instance` whose value is outside its
     Literal ("dtype must be auto, float32, bfloat16 or float16, got 'x'")."""
-    cls = type(instance)
+    cls: type = type(instance)
     for f in dataclasses.fields(cls):
         allowed = choices(cls, f.name)
         if allowed is None:

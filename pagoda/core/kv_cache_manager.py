@@ -26,7 +26,7 @@ class CachedPrefix(list):
     """The first group's cached blocks that prefix a request, in order; `tables` holds every
     group's (None where a sliding group needs no block)."""
 
-    def __init__(self, tables: list[list[KVBlock | TierEntry | None]]) -> None:
+    def __init__(self, tables: list[Sequence[KVBlock | TierEntry | None]]) -> None:
         super().__init__(tables[0] if tables else [])
         self.tables = tables
 
@@ -106,13 +106,14 @@ class KVCacheManager:
         while length and not all(
                 runs[g][length - 1] >= length - self._first_needed(g, length * self.block_size) for g in sliding):
             length -= 1
-        tables: list[list[KVBlock | TierEntry | None]] = []
+        tables: list[Sequence[KVBlock | TierEntry | None]] = []
         for g, group in enumerate(self.groups):
             if group.window is None:
                 tables.append([self._cached_block(request, g, i) for i in range(length)])
             else:
                 first = self._first_needed(g, length * self.block_size)
-                tables.append([None] * first + sliding[g][first:length])
+                released: list[KVBlock | None] = [None] * first
+                tables.append(released + sliding[g][first:length])
         return CachedPrefix(tables)
 
     def _cached_chain(self, request: Request, max_blocks: int) -> list[KVBlock | TierEntry]:
@@ -156,7 +157,7 @@ class KVCacheManager:
             state = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
             self._requests[request.request_id] = state
         num_cached = len(cached_blocks)
-        cached_tables: list[list] = []
+        cached_tables: list[Sequence[KVBlock | TierEntry | None]] = []
         if num_cached:
             cached_tables = cached_blocks.tables if isinstance(cached_blocks, CachedPrefix) else [list(cached_blocks)]
         else:
@@ -179,13 +180,13 @@ class KVCacheManager:
             self.pool.touch(device_hits)
             loaded = dict(zip(map(id, tier_hits), self._load_tier_hits(tier_hits))) if tier_hits else {}
             for g, table in enumerate(cached_tables):
-                state.tables[g].extend(loaded.get(id(b), b) for b in table)
+                state.tables[g].extend(loaded[id(b)] if isinstance(b, TierEntry) else b for b in table)
                 state.num_released[g] = next((i for i, b in enumerate(table) if b is not None), len(table))
             state.num_cached = len(state.tables[0])
             self._count_hits(num_cached - len(tier_hits), tier_hits)
-        for g, table in enumerate(state.tables):
-            if cow[g] is not None:
-                self._copy_on_write(table, cow[g])
+        for g, (table, cow_index) in enumerate(zip(state.tables, cow)):
+            if cow_index is not None:
+                self._copy_on_write(table, cow_index)
             if needed[g]:
                 table.extend(self.pool.allocate(needed[g]))
         request.block_tables = state.block_ids()
@@ -295,7 +296,7 @@ class KVCacheManager:
         return request.block_hashes
 
     def _update_block_hashes(self, request: Request) -> None:
-        extra_keys = (request.cache_salt,) if request.cache_salt else ()
+        extra_keys: tuple[object, ...] = (request.cache_salt,) if request.cache_salt else ()
         if request.lora is not None:  # KV computed through an adapter is that adapter's alone
             extra_keys += request.lora.cache_key
         if request.long_rope:  # KV of LongRoPE's long factors never serves a short sequence, nor the reverse
@@ -350,7 +351,7 @@ class KVCacheManager:
         if self.host_tier is None or self.preemption.mode == "recompute":
             return False
         state = self._requests.get(request.request_id)
-        blocks = state.tables[0] if state is not None else []
+        blocks = _kept_blocks(state.tables[0]) if state is not None else []
         num_blocks = min(self.num_blocks_for(request.num_computed_tokens), len(blocks))
         if num_blocks == 0 or any(b.block_id in self._written_this_step for b in blocks[:num_blocks]):
             return False
@@ -379,7 +380,8 @@ class KVCacheManager:
             self._written_this_step.add(block.block_id)
         assert self.host_tier is not None
         self.host_tier.free_private(host_ids)  # reused only by copies recorded after the loads
-        state = RequestBlocks([blocks], num_released=[0])
+        table: list[KVBlock | None] = list(blocks)
+        state = RequestBlocks([table], num_released=[0])
         self._requests[request.request_id] = state
         request.block_tables = state.block_ids()
         return self.allocate_slots(request, num_new_tokens)
@@ -393,6 +395,14 @@ def _group_hash(block_hash: bytes, group: int) -> bytes:
     """The prefix-cache key of a block of `group`: each group caches its own copy of a token
     block (group 0 under the plain hash, which the host tier and KV handoff use)."""
     return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+def _kept_blocks(table: list[KVBlock | None]) -> list[KVBlock]:
+    """A table with no entry released: a host tier works only with one table of kept blocks
+    (`single_table`, no sliding window), so its tables hold no None."""
+    kept = [b for b in table if b is not None]
+    assert len(kept) == len(table), "a block table the host tier handles had blocks released behind a window"
+    return kept
 
 
 def _hit_runs(hits: list[KVBlock | None]) -> list[int]:

@@ -261,7 +261,9 @@ class BeamSearchRunner:
             self.core.release(request.request_id)
             if state.pending:
                 continue
-            state.search.advance(state.next_logprobs)
+            answered = [entry for entry in state.next_logprobs if entry is not None]
+            assert len(answered) == len(state.next_logprobs), "no beam is pending: every one answered"
+            state.search.advance(answered)
             if state.search.done:
                 del self._searches[state.request_id]
                 answers.append(self._answer(state))
@@ -332,7 +334,9 @@ class BeamSearchRunner:
 
     def _metrics(self, state: _Search) -> RequestMetrics:
         now = time.time()
+        arrival_time = state.request.arrival_time
+        assert arrival_time is not None  # add() set it
         # The beams are ranked only at the end: every token is released then.
-        return RequestMetrics(arrival_time=state.request.arrival_time, first_scheduled_time=state.first_scheduled_time,
+        return RequestMetrics(arrival_time=arrival_time, first_scheduled_time=state.first_scheduled_time,
                               first_token_time=now, last_token_time=now, finished_time=now,
                               num_preemptions=state.num_preemptions)

@@ -37,7 +37,12 @@ class EngineStream(Protocol):
 
     request_id: str
     finished: bool  # the finishing delta has been read
-    route: StreamRoute | None  # the replica serving it now; None behind one engine
+
+    # Read-only in the protocol: a router's stream computes it (failover moves the request).
+    @property
+    def route(self) -> StreamRoute | None:
+        """The replica serving the request now; None behind one engine."""
+        ...
 
     def poll(self) -> RequestOutputDelta | None:
         """What the request gained since the last read, or None; raises if it failed."""
@@ -60,7 +65,12 @@ class EngineClient(Protocol):
     weights_digest: str | None  # the weights' verified manifest digest (--verify-manifest), else None
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
     transport: str  # where the engine runs: "thread", "process", ...
-    max_num_seqs_choice: "MaxNumSeqsChoice | None"  # --max-num-seqs as resolved, and why
+
+    # Read-only in the protocol, so a client that always resolves it may hold the narrower type.
+    @property
+    def max_num_seqs_choice(self) -> "MaxNumSeqsChoice | None":
+        """--max-num-seqs as resolved, and why."""
+        ...
 
     @property
     def is_alive(self) -> bool:

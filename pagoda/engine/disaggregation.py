@@ -241,7 +241,9 @@ class KVHandoffs:
         for request in progressed:
             if request.request_id in self._first_decode_pending:
                 self._first_decode_pending.discard(request.request_id)
-                self.stats.observe("first_decode", now - request.metrics.first_scheduled_time)
+                scheduled = request.metrics.first_scheduled_time
+                assert scheduled is not None, "a request that progressed in a step was scheduled"
+                self.stats.observe("first_decode", now - scheduled)
 
     def forget(self, request_id: str) -> None:
         self._first_decode_pending.discard(request_id)

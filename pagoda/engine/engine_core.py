@@ -129,7 +129,7 @@ class EngineCore:
         if self.kv_tiers is not None:
             # The same caches _copy_blocks copies: the target's, then the draft model's, so a
             # block's KV travels between tiers for both models at once.
-            caches = [t for pair in self.runner.kv_caches for t in pair]
+            caches = [t for pair in self.runner.distinct_kv_caches for t in pair]
             caches += [t for pair in self.speculation.kv_caches for t in pair]
             self.runner.kv_transfer = self.kv_tiers.attach(caches)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
@@ -179,6 +179,7 @@ class EngineCore:
         adapter = None
         if request.lora_request is not None:
             check_lora_enabled(request.lora_request.lora_name, self.lora is not None)
+            assert self.lora is not None  # check_lora_enabled raised otherwise
             adapter = self.lora.resolve(request.lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
@@ -188,6 +189,7 @@ class EngineCore:
             priority=request.priority, parent_id=request_id, lora=adapter,
             long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)))
         if adapter is not None:
+            assert self.lora is not None  # an adapter was resolved by it
             self.lora.retain(adapter)  # released with the request (release())
         lead.pending_forks = [lead.new_sample(i) for i in range(1, params.n)]
         samples = [lead, *lead.pending_forks]
@@ -237,6 +239,7 @@ class EngineCore:
 
     def _require_lora(self, name: str) -> LoRAManager:
         check_lora_updatable(name, self.lora is not None)
+        assert self.lora is not None  # check_lora_updatable raised otherwise
         return self.lora
 
     def has_unfinished_requests(self) -> bool:
@@ -245,8 +248,11 @@ class EngineCore:
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:
         samples = self.requests.get(request_id)
-        return bool(samples) and samples[0].sampling_params.structured_outputs is not None \
-            and samples[0].structured_output is None and not samples[0].is_finished
+        if not samples:
+            return False
+        lead = samples[0]
+        return (lead.sampling_params.structured_outputs is not None and lead.structured_output is None
+                and not lead.is_finished)
 
     def _admit_compiled(self, result: CoreStepResult) -> None:
         if not self.structured.has_pending:
@@ -278,7 +284,9 @@ class EngineCore:
             self.iteration_tokens.observe(scheduler_output.num_batched_tokens)
             self.in_flight.append(InFlightStep(self.runner.submit(scheduler_output), schedule_s))
         elif scheduler_output.kv_transfers:  # a request swapped itself out and nothing runs
-            self.runner.kv_transfer.run(scheduler_output.kv_transfers)
+            transfer = self.runner.kv_transfer
+            assert transfer is not None, "the scheduler plans tier copies only with KV tiers attached"
+            transfer.run(scheduler_output.kv_transfers)
         if not self.in_flight or (len(self.in_flight) < self.num_micro_batches and not scheduler_output.is_empty):
             return result
         self._collect(self.in_flight.popleft(), result)
@@ -311,9 +319,9 @@ class EngineCore:
             self.num_generation_tokens += request.num_output_tokens - num_before
             entries = runner_output.logprobs.get(request.request_id)
             if entries is not None:
-                for entry, token_id in zip(entries, request.output_token_ids[num_before:]):
-                    request.output_logprobs.append(entry)
-                    request.cumulative_logprob += entry[token_id].logprob
+                for position, token_id in zip(entries, request.output_token_ids[num_before:]):
+                    request.output_logprobs.append(position)
+                    request.cumulative_logprob += position[token_id].logprob
         self.last_step_timings = replace(runner_output.timings, schedule=step.schedule_s,
                                          update=time.perf_counter() - executed)
         if self.kv_tiers is not None:

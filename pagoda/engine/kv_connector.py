@@ -52,8 +52,8 @@ class KVConnector:
         self._aborted_receiving: set[str] = set()
         if config.role != "both":
             self._threads = HandoffThreads()
-        if config.role == "decode":
-            self._threads.listen(config.kv_transport, _listen_address(config), config.kv_transfer_timeout)
+            if config.role == "decode":
+                self._threads.listen(config.kv_transport, _listen_address(config), config.kv_transfer_timeout)
 
     @property
     def kv_address(self) -> str | None:
@@ -118,7 +118,8 @@ class KVConnector:
                 self._exported.append(handoff)  # the engine-level API: the caller sends it
             else:
                 handoff.header.request_id = target.request_id  # the decode engine's id for it
-                self._threads.send(delta.request_id, handoff, target.transport, target.address, target.timeout)
+                self._role_threads().send(delta.request_id, handoff, target.transport, target.address,
+                                          target.timeout)
             exported.add(delta.request_id)
         return exported
 
@@ -183,6 +184,11 @@ class KVConnector:
 
     # ---- the handoff threads' events ------------------------------------------------------------
 
+    def _role_threads(self) -> HandoffThreads:
+        """The handoff threads, which every role but "both" has."""
+        assert self._threads is not None, "KV handoffs run only on a prefill or decode engine"
+        return self._threads
+
     def _prefill_here(self, request: Request) -> None:
         """Its KV will not come: prefill the request here from the prompt (and the sender's first
         token, if it was kept), as a preempted request recomputes."""
@@ -204,8 +210,8 @@ class KVConnector:
             self._prefill_here(request)
             return
         self._receiving[request_id] = (incoming, request, skip, started)
-        self._threads.receive(incoming, request_id, skip,
-                              lambda indices, data: self.handoffs.write_blocks(request, indices, data))
+        self._role_threads().receive(incoming, request_id, skip,
+                                     lambda indices, data: self.handoffs.write_blocks(request, indices, data))
 
     def _end_receive(self, event: Received) -> bool:
         """True when the request was aborted meanwhile (its written blocks are to be freed)."""

@@ -159,8 +159,9 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests and free their blocks now; they are reported finished ("abort") by the next step()."""
         for request_id in request_ids:
-            if self.beam_searches.owns(request_id):
-                self._output.deltas.append(self.beam_searches.abort(request_id))
+            beam_search_aborted = self.beam_searches.abort(request_id)  # None: not a beam search
+            if beam_search_aborted is not None:
+                self._output.deltas.append(beam_search_aborted)
                 continue
             if self.kv_connector.on_abort(request_id):
                 continue  # a receive thread is writing its blocks: aborted once it ends

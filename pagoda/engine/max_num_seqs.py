@@ -115,7 +115,9 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
     sizes = sorted({b for b in PROBE_BATCH_SIZES if b < largest_step} | {largest_step})
     measured: list[tuple[int, float]] = []
     hardware: int | None = None
-    for batch in sizes if itl_budget_ms is not None and step_time_ms is not None else ():
+    probes = sizes if itl_budget_ms is not None and step_time_ms is not None else []
+    for batch in probes:
+        assert itl_budget_ms is not None and step_time_ms is not None  # probes is empty otherwise
         ms = step_time_ms(batch)
         if ms > itl_budget_ms:  # confirm: a moment of other work on the machine must not decide it
             ms = min(ms, step_time_ms(batch))

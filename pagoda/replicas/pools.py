@@ -124,13 +124,13 @@ def _rule(index: int, entry: Any) -> RouteRule:
     unknown = set(entry) - _RULE_KEYS
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_RULE_KEYS)}")
-    bounds = {}
+    bounds: dict[str, int | None] = {}
     for key in ("min_prompt_tokens", "max_prompt_tokens"):
         value = entry.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
         bounds[key] = value
-    names = {}
+    names: dict[str, frozenset[str] | None] = {}
     for key in ("tenants", "models"):
         value = entry.get(key)
         if isinstance(value, str):
@@ -139,4 +139,6 @@ def _rule(index: int, entry: Any) -> RouteRule:
                                   or not all(isinstance(v, str) for v in value)):
             raise ValueError(f"{where}: {key} must be a list of names, got {value!r}")
         names[key] = frozenset(value) if value is not None else None
-    return RouteRule(entry["pool"], **bounds, **names)
+    return RouteRule(entry["pool"], min_prompt_tokens=bounds["min_prompt_tokens"],
+                     max_prompt_tokens=bounds["max_prompt_tokens"], tenants=names["tenants"],
+                     models=names["models"])

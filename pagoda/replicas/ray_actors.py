@@ -124,8 +124,9 @@ class RayActorTransport(EngineTransport):
         self.placement_group = placement_group(bundles, strategy="STRICT_PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=startup_timeout)
-            actor_class = ray.remote(EngineActor)
-            self.actor = actor_class.options(
+            # Ray builds the handle's `.remote` methods at run time: the handle is typed as Any.
+            actor_class: Any = ray.remote(EngineActor)
+            self.actor: Any = actor_class.options(
                 num_cpus=num_cpus, num_gpus=bundle.get("GPU", 0), max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=0)).remote(config, factory)

@@ -256,8 +256,9 @@ class ReplicaSet(ModelFront):
         """Unload an adapter from every live replica; InvalidRequest if none had it."""
         live = [r for r in self.replicas if self._check_alive(r)]
         results = await asyncio.gather(*(r.supervisor.remove_lora(name) for r in live), return_exceptions=True)
-        if live and all(isinstance(result, BaseException) for result in results):
-            raise results[0]
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if live and len(errors) == len(results):
+            raise errors[0]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}

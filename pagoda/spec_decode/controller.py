@@ -58,7 +58,7 @@ class SpecDecodeController:
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The draft model's KV tensors (same block ids as the target's), for copy-on-write."""
-        return list(self.drafter.kv_caches) if self.drafter is not None else []
+        return self.drafter.distinct_kv_caches if self.drafter is not None else []
 
     def plan(self, running: Sequence[Request]) -> None:
         """Decide each decoding request's drafts for this step. Beyond speculative_max_batch

@@ -18,6 +18,7 @@ import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.kv_transfer.block_transfer import BlockTransfer
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.attention import AttentionBackend, BatchLayout
 from pagoda.model.decoder import DecoderModel
@@ -174,7 +175,7 @@ class ModelRunner(PagedModel):
         self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
-        self.kv_transfer = None  # BlockTransfer of the KV tiers (pagoda.kv_transfer), if any
+        self.kv_transfer: BlockTransfer | None = None  # the KV tiers' copies (pagoda.kv_transfer), if any
         # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
         # the other ranks just before this one runs it.
         self.tensor_parallel: StepBroadcaster | None = None
