@@ -153,11 +153,10 @@ class EngineCore:
         self.num_micro_batches = len(self.stages) if self.stages is not None else 1
         self.executor: TensorParallelExecutor | None = None
         if self.stages is not None:
-            self.executor = PipelineExecutor(config, self.device, self.dtype, self.weight_format,
-                                             torch.get_num_threads(), self.stages, self.model_config.vocab_size)
+            self.executor = PipelineExecutor(config, self.device, self.dtype, torch.get_num_threads(), self.stages,
+                                             self.model_config.vocab_size)
         elif config.tensor_parallel_size > 1:
-            self.executor = TensorParallelExecutor(config, self.device, self.dtype, self.weight_format,
-                                                   torch.get_num_threads())
+            self.executor = TensorParallelExecutor(config, self.device, self.dtype, torch.get_num_threads())
         try:
             model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
                                self.executor.group if self.executor else None,
