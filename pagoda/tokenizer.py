@@ -76,7 +76,9 @@ class Tokenizer:
                 f"(expected one of {', '.join(TOKENIZER_FILES)})"
             )
         try:
-            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            # Never the directory's own code: an `auto_map` in config.json or tokenizer_config.json
+            # names Python files transformers would import (vLLM CVE-2026-22807).
+            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"could not load the tokenizer in {str(path)!r}: {exc}") from exc
         return cls(hf)
@@ -87,7 +89,7 @@ class Tokenizer:
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         try:
             hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                               local_files_only=True)
+                                               local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # transformers raises many types for GGUF vocabularies it cannot convert
             raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
                              f"{exc}); pass --tokenizer DIR") from None

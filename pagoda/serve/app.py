@@ -31,6 +31,7 @@ from pagoda.serve.api.responses import ResponsesEndpoint
 from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
 from pagoda.serve.api.responses_store import ResponsesStore
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
+from pagoda.serve.docs_access import KeyedDocs
 from pagoda.serve.errors import APIError, anthropic_error_body, unauthorized, validation_error
 from pagoda.serve.fast_refusal import FastRefusal, RefusalRoute
 from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards,
@@ -151,6 +152,7 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
                        on_reject=lambda: ctx.metrics.record_rejected("too_large"),
                        timeout=settings.body_timeout,
                        on_timeout=lambda: ctx.metrics.record_rejected("body_timeout"))
+    app.add_middleware(KeyedDocs, tenants=settings.tenants)  # /docs, /openapi.json: a key when keys are set
     app.add_middleware(FastRefusal, ctx=ctx, routes={  # full queue: refused before the body is read
         "/v1/completions": RefusalRoute(CompletionsEndpoint.name),
         "/v1/chat/completions": RefusalRoute(ChatEndpoint.name),
