@@ -124,7 +124,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return _error_response(APIError(500, "Internal server error.", type="server_error"))
+        # Starlette re-raises after this answer and the server then drops the connection: say so,
+        # so a keep-alive client does not find its next request's socket reset.
+        return _error_response(APIError(500, "Internal server error.", type="server_error",
+                                        headers={"Connection": "close"}))
 
 
 def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> FastAPI:
