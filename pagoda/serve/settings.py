@@ -100,6 +100,9 @@ class ServerSettings:
     allow_runtime_lora: bool = field(default=False, metadata={
         "help": "let admin keys load and unload LoRA adapters at run time (POST "
                 "/v1/load_lora_adapter, /v1/unload_lora_adapter; needs --enable-lora)"})
+    lora_root: str | None = field(default=None, metadata={
+        "metavar": "DIR", "help": "with --allow-runtime-lora: adapters load only from directories under DIR "
+                                  "(symbolic links resolved); default: any directory the server can read"})
     log_prompts: bool = field(default=False, metadata={
         "help": "write prompts, outputs and error messages, PII-redacted, to the prompt log "
                 "(owner-only files in --prompt-log-dir; never to the request log)"})
@@ -217,6 +220,8 @@ class ServerSettings:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
             raise ValueError(f"--max-connections-per-client must be >= 1, got {self.max_connections_per_client}")
+        if self.lora_root is not None and not Path(self.lora_root).is_dir():
+            raise ValueError(f"--lora-root {self.lora_root}: not a directory")
         if self.max_header_bytes < 1024:
             raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
         if self.http_parser == "httptools" and importlib.util.find_spec("httptools") is None:
