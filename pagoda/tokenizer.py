@@ -14,6 +14,7 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.errors import InvalidRequest
+from pagoda.gguf_layout import check_gguf_layout
 
 # Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
 TOKENIZER_FILES = (
@@ -110,14 +111,16 @@ class Tokenizer:
             # Never the directory's own code: an `auto_map` in config.json or tokenizer_config.json
             # names Python files transformers would import (vLLM CVE-2026-22807).
             hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - transformers and tokenizers raise many types on bad files
+            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: "
+                             f"{_first_line(exc)}") from None
         return cls(hf)
 
     @classmethod
     def _from_gguf(cls, path: Path) -> "Tokenizer":
         """The tokenizer stored in a GGUF file's metadata (transformers converts it)."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+        check_gguf_layout(gguf_file)  # before transformers reads its counts and lengths
         try:
             hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                local_files_only=True, trust_remote_code=False)

@@ -5,6 +5,7 @@ hashes to. Pure reading: config.json, safetensors headers, GGUF metadata; no wei
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from dataclasses import asdict, dataclass, field
@@ -124,15 +125,22 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
-    """The tensors' dtypes and shapes from a safetensors file's JSON header."""
+    """The tensors' dtypes and shapes from a safetensors file's JSON header. The header's
+    stated length is checked against the file before a byte of it is read."""
     try:
         with open(path, "rb") as file:
             (length,) = struct.unpack("<Q", file.read(8))
-            if length > 100 << 20:
-                raise ValueError(f"header of {length} bytes")
+            size = os.fstat(file.fileno()).st_size
+            if length > min(100 << 20, size - 8):
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
             header = json.loads(file.read(length))
+    except RecursionError:
+        raise ArtifactError(f"{path}: unreadable safetensors header (nested too deeply)") from None
     except (OSError, ValueError, struct.error) as error:
         raise ArtifactError(f"{path}: unreadable safetensors header ({error})") from None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for k, v in header.items()
+                                               if k != "__metadata__"):
+        raise ArtifactError(f"{path}: unreadable safetensors header (not a map of tensor entries)")
     header.pop("__metadata__", None)
     return header
 
