@@ -17,6 +17,7 @@ import mmap
 import struct
 from pathlib import Path
 
+UNREADABLE = "not a readable GGUF file, corrupt or truncated"
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -51,7 +52,7 @@ class _Cursor:
         return len(self.data) - self.offset
 
     def fail(self, what: str) -> ValueError:
-        return ValueError(f"{self.path}: not a readable GGUF file ({what} at byte {self.offset})")
+        return ValueError(f"{self.path}: {UNREADABLE} ({what} at byte {self.offset})")
 
     def unpack(self, fmt: str, what: str) -> tuple:
         layout = struct.Struct(self.order + fmt)
@@ -88,7 +89,7 @@ def check_gguf_layout(path: str | Path) -> None:
         with path.open("rb") as handle:
             size = path.stat().st_size
             if size < 24:
-                raise ValueError(f"{path}: not a readable GGUF file ({size} bytes, shorter than a GGUF header)")
+                raise ValueError(f"{path}: {UNREADABLE} ({size} bytes, shorter than a GGUF header)")
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 _check(data, path)
     except OSError as error:
@@ -97,14 +98,15 @@ def check_gguf_layout(path: str | Path) -> None:
 
 def _check(data: mmap.mmap, path: Path) -> None:
     if data[:4] != MAGIC:
-        raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
+        raise ValueError(f"{path}: {UNREADABLE} (no GGUF magic)")
     (version,) = struct.unpack_from("<I", data, 4)
     order = "<"
     if version & 0xFFFF == 0:  # written on a machine of the other byte order
         order = ">"
         (version,) = struct.unpack_from(">I", data, 4)
     if version not in SUPPORTED_VERSIONS:
-        raise ValueError(f"{path}: GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
+        raise ValueError(f"{path}: {UNREADABLE} (GGUF version {version}; pagoda reads versions "
+                         f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
     cursor = _Cursor(data, path, order)
     cursor.offset = 8
     (n_tensors, n_kv) = cursor.unpack("QQ", "tensor and metadata counts")
@@ -150,8 +152,8 @@ def _check(data: mmap.mmap, path: Path) -> None:
         if offset % alignment:
             raise cursor.fail(f"tensor {index}'s offset {offset} is not a multiple of the alignment {alignment}")
         if data_start + offset + nbytes > len(data):
-            raise ValueError(f"{path}: not a readable GGUF file (tensor {index}'s {nbytes} bytes at offset "
-                             f"{offset} run past the end of the file, truncated or corrupt)")
+            raise ValueError(f"{path}: {UNREADABLE} (tensor {index}'s {nbytes} bytes at offset "
+                             f"{offset} run past the end of the file)")
 
 
 def _skip_value(cursor: _Cursor, kind: int, key: str, depth: int) -> None:
