@@ -209,7 +209,7 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
             if names:
                 cards += adapter_cards(model.context, tenant, started)
         cards += [ModelCard(id=route.name, created=started, owned_by="pagoda-route")
-                  for route in registry.routes if registry.may_use(tenant, route.name)]
+                  for route in registry.routes if registry.may_list_route(tenant, route)]
         return ModelList(data=cards)
 
     documented: dict[str, tuple[type[pydantic.BaseModel], type[pydantic.BaseModel] | None]] = {}
