@@ -78,3 +78,14 @@ def test_json_nested_too_deeply_says_so(server: LiveServer) -> None:
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 400
     assert "nested too deeply" in response.json()["error"]["message"]
+
+
+def test_stop_strings_are_bounded_in_total(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        heavy = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
+                                                 "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)]})
+        assert heavy.status_code == 400 and heavy.json()["error"]["param"] == "stop"
+        assert "together" in heavy.json()["error"]["message"]
+        light = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
+                                                 "stop": [f"{i:02d}" + "y" * 60 for i in range(64)]})
+        assert light.status_code == 200, light.text
