@@ -383,3 +383,39 @@ def test_serve_refuses_a_crafted_gguf_in_one_line(tmp_path: Path) -> None:
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "model.gguf" in lines[0]
+
+
+def _cli_one_line(argv: list[str], capsys) -> str:
+    from pagoda.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", ["header length past the file", "offsets past the file", "shape overflowing",
+                                  "not an object", "deep nesting"])
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_the_cli_refuses_a_crafted_safetensors_file_in_one_line(name: str, command: str, fuzz_model: Path,
+                                                                 capsys) -> None:
+    model = _model_dir_with(fuzz_model, SAFETENSORS_CRAFTED[name])
+    capsys.readouterr()  # the model factory's progress bar
+    argv = ["inspect", str(model)] if command == "inspect" else \
+        ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]
+    assert "model.safetensors" in _cli_one_line(argv, capsys)
+
+
+@pytest.mark.parametrize("content", [b"{", b'{"model": 5}', b"[" * 5000 + b"]" * 5000])
+def test_generate_refuses_a_crafted_tokenizer_in_one_line(content: bytes, tmp_path: Path, capsys) -> None:
+    from model_factory import build_model
+
+    model = build_model(tmp_path / "model", "llama")
+    from pagoda.config import DEFAULT_MODEL_DIR
+
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer_config.json", model / "tokenizer_config.json")
+    (model / "tokenizer.json").write_bytes(content)
+    capsys.readouterr()  # the model factory's progress bar
+    line = _cli_one_line(["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"], capsys)
+    assert "tokenizer" in line
