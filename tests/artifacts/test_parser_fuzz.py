@@ -348,7 +348,6 @@ TEMPLATE_PIECES = ["{{ messages[0].content }}", "{% for m in messages %}{{ m.rol
 @given(pieces=st.lists(st.sampled_from(TEMPLATE_PIECES) | st.text(max_size=10), min_size=1, max_size=4))
 def test_fuzzed_chat_templates_render_or_are_refused(tokenizer_dir: Path, pieces: list[str]) -> None:
     from pagoda.errors import InvalidRequest
-    from pagoda.tokenizer import Tokenizer
 
     tokenizer = _tokenizer(tokenizer_dir)
     try:

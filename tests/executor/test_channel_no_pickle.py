@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.executor.channel import (MAX_MESSAGE_BYTES, ChannelCodec, RejectedMessage, decode, encode, new_secret)
-from pagoda.executor.group import (Endpoint, broadcast_object, open_payload, recv_payload, seal_payload,
-                                   share_payload)
+from pagoda.executor.group import (Endpoint, broadcast_object, open_payload, recv_payload, share_payload)
 from pagoda.executor.process_workers import read_spec, spec_frame, worker_command
 from pagoda.executor.worker import KVSetup, StageMessage, StepInputs, WorkerSpec
 from pagoda.model.attention import BatchLayout

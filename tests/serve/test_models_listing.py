@@ -3,7 +3,6 @@ tenant may not use is left off its list (calling it could answer "does not exist
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest

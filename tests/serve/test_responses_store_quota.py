@@ -6,7 +6,6 @@ from __future__ import annotations
 import textwrap
 
 import httpx
-import pytest
 
 from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.api.responses_store import ResponsesStore
