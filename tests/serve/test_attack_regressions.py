@@ -89,3 +89,19 @@ def test_stop_strings_are_bounded_in_total(server: LiveServer) -> None:
         light = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
                                                  "stop": [f"{i:02d}" + "y" * 60 for i in range(64)]})
         assert light.status_code == 200, light.text
+
+
+def test_a_server_fault_is_logged_as_a_500_and_closes_the_connection(server: LiveServer, monkeypatch) -> None:
+    from pagoda.serve.api import handler
+
+    def broken(self) -> None:
+        raise TypeError("a bug while writing the answer")
+
+    records = []
+    server.app.state.ctx.request_log.add_listener(records.append)
+    monkeypatch.setattr(handler.WholeAnswer, "response", broken)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        response = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert response.status_code == 500
+    assert response.headers.get("connection") == "close"
+    assert [r.status for r in records if r.endpoint != "rejected"][-1] == 500
