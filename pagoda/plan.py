@@ -10,11 +10,11 @@ import dataclasses
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagoda.artifacts.review import safetensors_header
 from pagoda.config import parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
@@ -186,17 +186,9 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a .safetensors file: 8-byte little-endian length, then JSON. Reads nothing else."""
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise ValueError(f"{path} is too short to be a safetensors file")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > 100 * 2**20:
-            raise ValueError(f"{path}: implausible safetensors header length {header_len}")
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return header
+    """The JSON header of a .safetensors file (artifacts' reader: every length and tensor entry
+    checked against the file). Reads nothing else."""
+    return safetensors_header(path)
 
 
 def count_params_from_safetensors(files: list[Path]) -> ParamCount:

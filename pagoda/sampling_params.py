@@ -28,6 +28,9 @@ MAX_LENGTH_PENALTY = 10.0
 # Here, beside SamplingParams (as in vLLM), because SamplingParams holds one; the grammar
 # machinery that serves it lives in pagoda/structured, above the request layer.
 
+# The grammar engine's parser follows at most this many alternatives of one rule (llguidance's
+# row limit): a longer choice list could never be honoured, and building it takes seconds.
+MAX_CHOICES = 2000
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -62,6 +65,9 @@ class StructuredOutputsParams:
                     not all(isinstance(c, str) for c in self.choice):
                 raise InvalidRequest("structured_outputs.choice must be a non-empty list of strings",
                                      param="structured_outputs.choice")
+            if len(self.choice) > MAX_CHOICES:
+                raise InvalidRequest(f"structured_outputs.choice has {len(self.choice)} options; at most "
+                                     f"{MAX_CHOICES} can be followed", param="structured_outputs.choice")
             object.__setattr__(self, "choice", list(self.choice))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise InvalidRequest("structured_outputs.grammar must be a non-empty grammar text",
@@ -157,16 +163,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
-        if not 0.0 <= self.temperature:
-            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature or not math.isfinite(self.temperature):  # 1e400 parses as inf
+            fail("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             fail("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not self.repetition_penalty > 0.0 or not math.isfinite(self.repetition_penalty):
+            fail("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

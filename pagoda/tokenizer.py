@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import sys
+import time
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +14,7 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.errors import InvalidRequest
+from pagoda.gguf_layout import check_gguf_layout
 
 # Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
 TOKENIZER_FILES = (
@@ -32,6 +35,35 @@ PROMPT_CONTEXT_TOKENS = 5
 MAX_PENDING_TOKENS = 16
 
 REPLACEMENT_CHAR = "\ufffd"
+
+# A chat template (the model's, the server's, or one a request brings under
+# --trust-request-chat-template) renders within this many seconds and characters, or the request
+# is refused: the Jinja sandbox bounds what a template may touch, not how long it loops.
+CHAT_TEMPLATE_TIME_LIMIT_S = 2.0
+CHAT_TEMPLATE_MAX_CHARS = 8 * 1024 * 1024
+# Jinja compiles every template to Python code under this file name.
+_TEMPLATE_CODE_FILE = "<template>"
+
+
+class _TemplateDeadline:
+    """A trace function for the rendering thread that stops a template's own code (its loops
+    and macros, never the library around it) once the deadline passes."""
+
+    CHECK_EVERY = 1024  # line events between clock reads
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
+        self.events = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._in_template if frame.f_code.co_filename == _TEMPLATE_CODE_FILE else None
+
+    def _in_template(self, frame: Any, event: str, arg: Any) -> Any:
+        self.events += 1
+        if self.events % self.CHECK_EVERY == 0 and time.monotonic() > self.deadline:
+            raise InvalidRequest(f"the chat template did not render within {self.seconds:g} s", param="messages")
+        return self._in_template
 
 
 class Tokenizer:
@@ -76,18 +108,22 @@ class Tokenizer:
                 f"(expected one of {', '.join(TOKENIZER_FILES)})"
             )
         try:
-            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {exc}") from exc
+            # Never the directory's own code: an `auto_map` in config.json or tokenizer_config.json
+            # names Python files transformers would import (vLLM CVE-2026-22807).
+            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # noqa: BLE001 - transformers and tokenizers raise many types on bad files
+            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: "
+                             f"{_first_line(exc)}") from None
         return cls(hf)
 
     @classmethod
     def _from_gguf(cls, path: Path) -> "Tokenizer":
         """The tokenizer stored in a GGUF file's metadata (transformers converts it)."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+        check_gguf_layout(gguf_file)  # before transformers reads its counts and lengths
         try:
             hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                               local_files_only=True)
+                                               local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # transformers raises many types for GGUF vocabularies it cannot convert
             raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
                              f"{exc}); pass --tokenizer DIR") from None
@@ -184,6 +220,8 @@ class Tokenizer:
                 "use the completions API or supply a model with one", param="messages"
             )
         conversation = normalize_messages(messages)
+        previous_trace = sys.gettrace()
+        sys.settrace(_TemplateDeadline(CHAT_TEMPLATE_TIME_LIMIT_S))
         try:
             rendered = self.hf.apply_chat_template(
                 conversation,
@@ -191,12 +229,23 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **template_kwargs,
             )
-        except jinja2.TemplateError as exc:
-            raise InvalidRequest(f"chat template error: {exc}", param="messages") from exc
+        except InvalidRequest:
+            raise
+        except jinja2.TemplateError as exc:  # a raise_exception() in the template, an unknown include
+            raise InvalidRequest(f"chat template error: {_first_line(exc)}", param="messages") from None
         except ValueError as exc:  # transformers' checks of the messages (continue_final_message)
-            raise InvalidRequest(f"chat template: {exc}", param="messages") from exc
+            raise InvalidRequest(f"chat template: {_first_line(exc)}", param="messages") from None
+        except (ArithmeticError, LookupError, TypeError, AttributeError, RecursionError, MemoryError) as exc:
+            # What a template's own expressions raise ({{ 1/0 }}, range(100001)|list): its fault, not the server's
+            raise InvalidRequest(f"chat template error: {type(exc).__name__}: {_first_line(exc)}",
+                                 param="messages") from None
+        finally:
+            sys.settrace(previous_trace)
         if not isinstance(rendered, str):
             raise ValueError(f"chat template rendered {type(rendered).__name__}, expected a string")
+        if len(rendered) > CHAT_TEMPLATE_MAX_CHARS:
+            raise InvalidRequest(f"the chat template rendered {len(rendered)} characters; at most "
+                                 f"{CHAT_TEMPLATE_MAX_CHARS} are taken", param="messages")
         return rendered
 
     def encode_chat(
@@ -211,6 +260,11 @@ class Tokenizer:
         # The template writes BOS itself where the model wants one; adding special tokens again
         # would give Llama 3 two <|begin_of_text|>.
         return self.encode(rendered, add_special_tokens=False)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def normalize_messages(messages: Any, roles: Sequence[str] | None = None) -> list[dict]:

@@ -5,6 +5,7 @@ hashes to. Pure reading: config.json, safetensors headers, GGUF metadata; no wei
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Callable
@@ -134,17 +135,58 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
-    """The tensors' dtypes and shapes from a safetensors file's JSON header."""
+    """The tensors' dtypes and shapes from a safetensors file's JSON header. The header's
+    stated length is checked against the file before a byte of it is read."""
     try:
         with open(path, "rb") as file:
             (length,) = struct.unpack("<Q", file.read(8))
-            if length > 100 << 20:
-                raise ValueError(f"header of {length} bytes")
+            size = os.fstat(file.fileno()).st_size
+            if length > min(100 << 20, size - 8):
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
             header = json.loads(file.read(length))
+    except RecursionError:
+        raise ArtifactError(f"{path}: unreadable safetensors header (nested too deeply)") from None
     except (OSError, ValueError, struct.error) as error:
         raise ArtifactError(f"{path}: unreadable safetensors header ({error})") from None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for k, v in header.items()
+                                               if k != "__metadata__"):
+        raise ArtifactError(f"{path}: unreadable safetensors header (not a map of tensor entries)")
     header.pop("__metadata__", None)
+    data_bytes = size - 8 - length
+    for name, entry in header.items():
+        problem = _safetensors_entry_problem(entry, data_bytes)
+        if problem is not None:
+            raise ArtifactError(f"{path}: unreadable safetensors header (tensor {name[:80]!r}: {problem})")
     return header
+
+
+# Bytes per element of safetensors' dtypes (a dtype not listed is checked for bounds only).
+_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                            "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+                            "F8_E8M0": 1}
+
+
+def _safetensors_entry_problem(entry: dict[str, Any], data_bytes: int) -> str | None:
+    """What is wrong with one tensor entry of a header whose data section has `data_bytes`."""
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        return "no dtype"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return "its shape is not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        return "its data_offsets are not two integers"
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes:
+        return f"its data [{begin}, {end}) lies outside the file's {data_bytes} data bytes"
+    if dtype in _SAFETENSORS_DTYPE_BYTES:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if numel * _SAFETENSORS_DTYPE_BYTES[dtype] != end - begin:
+            return f"shape {shape} of {dtype} does not match its {end - begin} bytes"
+    return None
 
 
 def _review_checkpoint(review: ArtifactReview, root: Path, digests: dict[str, str]) -> None:

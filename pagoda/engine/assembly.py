@@ -116,10 +116,10 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
     stages = _pipeline_stages(config, model_config, device)
     executor: TensorParallelExecutor | None = None
     if stages is not None:
-        executor = PipelineExecutor(config, device, dtype, weight_format, torch.get_num_threads(), stages,
+        executor = PipelineExecutor(config, device, dtype, torch.get_num_threads(), stages,
                                     model_config.vocab_size)
     elif config.tensor_parallel_size > 1:
-        executor = TensorParallelExecutor(config, device, dtype, weight_format, torch.get_num_threads())
+        executor = TensorParallelExecutor(config, device, dtype, torch.get_num_threads())
     try:
         model = load_model(config.model, model_config, dtype, device, weight_format,
                            executor.group if executor else None, stages[0] if stages is not None else None)

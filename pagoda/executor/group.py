@@ -3,7 +3,8 @@
 Each group is a standalone torch.distributed backend object built on a TCPStore that rank 0
 hosts (no process-global default group, so several engines can live in one process one after
 another). On CPU one gloo group does everything; on CUDA the model's collectives run on NCCL
-and the control messages on a second, gloo, group (objects are pickled on the host).
+and the control messages on a second, gloo, group (typed messages signed with the deployment's
+secret, pagoda.executor.channel; never pickles).
 
 Gloo notices a peer that died at once (its socket closes: "Connection closed by peer"), so a
 rank blocked in a collective fails instead of hanging; the groups get a very long operation
@@ -13,7 +14,6 @@ timeout because a worker waits in a broadcast for as long as the engine is idle.
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pagoda.executor.channel import ChannelCodec
 from pagoda.model.parallel import TensorParallelGroup
 
 # A worker waits for the next step as long as the engine stays idle.
@@ -107,18 +108,18 @@ def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | Non
         time.sleep(0.05)
 
 
-def broadcast_object(control: Any, obj: Any, rank: int) -> Any:
-    """Rank 0 sends `obj` (pickled), every other rank returns it."""
+def broadcast_object(control: Any, codec: ChannelCodec, obj: Any, rank: int, kind: Any = None) -> Any:
+    """Rank 0 sends `obj` (signed), every other rank returns it decoded as `kind`."""
     if rank == 0:
-        payload = pickle_payload(obj)
+        payload = seal_payload(codec, obj)
         size = torch.tensor([payload.numel()], dtype=torch.long)
     else:
         size = torch.zeros(1, dtype=torch.long)
     control.broadcast(size, 0).wait()
     if rank != 0:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        payload = torch.empty(codec.check_size(int(size.item()), "rank 0"), dtype=torch.uint8)
     control.broadcast(payload, 0).wait()
-    return obj if rank == 0 else unpickle_payload(payload)
+    return obj if rank == 0 else open_payload(codec, payload, kind, "rank 0")
 
 
 class Outbox:
@@ -139,36 +140,36 @@ class Outbox:
         self._pending = []
 
 
-def pickle_payload(obj: Any) -> torch.Tensor:
-    """`obj` pickled, as a tensor to send."""
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+def seal_payload(codec: ChannelCodec, obj: Any) -> torch.Tensor:
+    """`obj` encoded and signed, as a tensor to send."""
+    return torch.frombuffer(bytearray(codec.seal(obj)), dtype=torch.uint8)
 
 
 def forward_payload(outbox: Outbox, control: Any, payload: torch.Tensor, peer: int, tag: int) -> None:
-    """Send an already pickled object (as received by `recv_payload`) on to `peer`."""
+    """Send an already sealed message (as received by `recv_payload`) on to `peer`."""
     outbox.send(control, torch.tensor([payload.numel()], dtype=torch.long), peer, tag)
     outbox.send(control, payload, peer, tag)
 
 
-def recv_payload(control: Any, peer: int, tag: int) -> torch.Tensor:
-    """The next pickled object `peer` sent with `tag`, still pickled."""
+def recv_payload(control: Any, codec: ChannelCodec, peer: int, tag: int) -> torch.Tensor:
+    """The next sealed message `peer` sent with `tag`, still sealed (its size checked first)."""
     size = torch.zeros(1, dtype=torch.long)
     control.recv([size], peer, tag).wait()
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(codec.check_size(int(size.item()), f"rank {peer}"), dtype=torch.uint8)
     control.recv([payload], peer, tag).wait()
     return payload
 
 
-def unpickle_payload(payload: torch.Tensor) -> Any:
-    """The object a payload holds."""
-    return pickle.loads(payload.numpy().tobytes())
+def open_payload(codec: ChannelCodec, payload: torch.Tensor, kind: Any, sender: str) -> Any:
+    """The `kind` a sealed payload holds (RejectedMessage for anything else)."""
+    return codec.open(payload.numpy().tobytes(), kind, sender)
 
 
-def share_payload(stage: Any, payload: torch.Tensor | None, local_rank: int) -> torch.Tensor:
-    """The stage's lead (local rank 0) hands a pickled object to the stage's other ranks."""
+def share_payload(stage: Any, codec: ChannelCodec, payload: torch.Tensor | None, local_rank: int) -> torch.Tensor:
+    """The stage's lead (local rank 0) hands a sealed message to the stage's other ranks."""
     size = torch.tensor([payload.numel() if local_rank == 0 else 0], dtype=torch.long)
     stage.broadcast(size, 0).wait()
     if local_rank != 0:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        payload = torch.empty(codec.check_size(int(size.item()), "the stage's lead"), dtype=torch.uint8)
     stage.broadcast(payload, 0).wait()
     return payload

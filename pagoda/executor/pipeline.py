@@ -31,20 +31,19 @@ from collections import deque
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.executor.group import Outbox, forward_payload, pickle_payload, share_payload
+from pagoda.executor.group import Outbox, forward_payload, seal_payload, share_payload
 from pagoda.executor.tensor_parallel import TensorParallelError, TensorParallelExecutor
-from pagoda.executor.worker import BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, BusyQuery, StepInputs, layout_to
+from pagoda.executor.worker import (BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, StageMessage, StepInputs,
+                                    layout_to)
 from pagoda.model.attention import BatchLayout
 from pagoda.model.pipeline import PipelineStage
-from pagoda.quant.weight_formats import WeightFormat
 
 
 class PipelineExecutor(TensorParallelExecutor):
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 weight_format: WeightFormat, num_threads: int, stages: list[PipelineStage],
-                 vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, num_threads: int,
+                 stages: list[PipelineStage], vocab_size: int) -> None:
         """Start stages 1..P-1 (returns once all have joined); this process is stages[0]."""
-        super().__init__(config, device, dtype, weight_format, num_threads, stages)
+        super().__init__(config, device, dtype, num_threads, stages)
         self.stages = stages
         self.vocab_size = vocab_size
         self.stage_ranks = config.tensor_parallel_size  # each stage's tensor-parallel ranks; a lead is rank 0 of them
@@ -68,10 +67,10 @@ class PipelineExecutor(TensorParallelExecutor):
                        logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None:
         """Send the step down the chain (called by the runner just before its own forward)."""
         host = torch.device("cpu")
-        if self.device.type != "cpu":  # pickled tensors must not name this stage's device
+        if self.device.type != "cpu":  # the step travels from the host
             input_ids, positions = input_ids.to(host), positions.to(host)
             layouts = [layout_to(layout, host) for layout in layouts]
-        self._send_down(StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies)))
+        self._send_down(StageMessage(StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies))))
         self._forward_started = time.perf_counter()
 
     def hand_on(self, hidden: torch.Tensor, logit_rows: list[int]) -> None:
@@ -98,7 +97,7 @@ class PipelineExecutor(TensorParallelExecutor):
         Only between steps: a stage answers after the steps it was handed before."""
         if self._logit_rows:
             raise RuntimeError("stage_busy_seconds: steps are still in the pipeline")
-        self._send_down(BusyQuery())
+        self._send_down(StageMessage(busy_query=True))
         busy = [self._busy_s]
         for stage in self.stages[1:]:
             reply = torch.zeros(1, dtype=torch.float64)
@@ -112,14 +111,14 @@ class PipelineExecutor(TensorParallelExecutor):
         send the stop down the chain."""
         while self._logit_rows:
             self.collect_logits()
-        self._send_down(None)
+        self._send_down(StageMessage())
         self._outbox.wait()
 
-    def _send_down(self, message: StepInputs | BusyQuery | None) -> None:
+    def _send_down(self, message: StageMessage) -> None:
         """To this stage's other tensor-parallel ranks, and to the next stage's lead."""
-        payload = pickle_payload(message)
+        payload = seal_payload(self.codec, message)
         if self.groups.stage is not None:
-            self._guard(lambda: share_payload(self.groups.stage, payload, 0))
+            self._guard(lambda: share_payload(self.groups.stage, self.codec, payload, 0))
         self._guard(lambda: forward_payload(self._outbox, self.groups.control, payload, self.stage_ranks, STEP_TAG))
 
     def _guard(self, transfer) -> None:

@@ -1,7 +1,7 @@
 """The `mp` backend: tensor-parallel ranks 1..N-1 as local child processes.
 
-Started with subprocess (a fresh interpreter running this module, the WorkerSpec pickled on
-its stdin) rather than multiprocessing: the engine core often runs in a daemonic process
+Started with subprocess (a fresh interpreter running this module, the WorkerSpec on its stdin
+as one length-prefixed msgpack message, pagoda.executor.channel: never a pickle) rather than multiprocessing: the engine core often runs in a daemonic process
 (pagoda serve's engine process), and multiprocessing forbids daemonic processes children.
 
 A worker ignores SIGINT/SIGTERM like the engine process (a terminal's Ctrl-C reaches the whole
@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
+import struct
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
+from pagoda.executor.channel import MAX_MESSAGE_BYTES, decode, encode
 from pagoda.executor.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+_SPEC_LENGTH = struct.Struct(">I")  # the spec's byte count, before it on the worker's stdin
 
 # rank, why -> None: called once, from a watcher thread, when a worker exits unexpectedly.
 OnWorkerExit = Callable[[int, str], None]
@@ -49,7 +52,7 @@ class ProcessWorkers:
             process = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=env)
             assert process.stdin is not None
             try:
-                process.stdin.write(pickle.dumps(spec))
+                process.stdin.write(spec_frame(spec))
                 process.stdin.flush()  # kept open: the worker's lifeline (see the module docstring)
             except BrokenPipeError:
                 pass  # it died at once: watch() reports its exit code
@@ -98,6 +101,26 @@ def _close(process: subprocess.Popen) -> None:
         pass
 
 
+def spec_frame(spec: WorkerSpec) -> bytes:
+    """The spec as a worker reads it from its stdin."""
+    body = encode(spec)
+    return _SPEC_LENGTH.pack(len(body)) + body
+
+
+def read_spec(stream: BinaryIO) -> WorkerSpec:
+    """The spec the worker's stdin starts with; ValueError when it holds anything else."""
+    header = stream.read(_SPEC_LENGTH.size)
+    if len(header) < _SPEC_LENGTH.size:
+        raise ValueError("no worker spec on stdin")
+    (size,) = _SPEC_LENGTH.unpack(header)
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a worker spec of {size} bytes is not one")
+    body = stream.read(size)
+    if len(body) < size:
+        raise ValueError(f"the worker spec ended after {len(body)} of {size} bytes")
+    return decode(body, WorkerSpec)
+
+
 def _exit_when_stdin_closes() -> None:
     sys.stdin.buffer.read()  # returns at end of file: rank 0's process is gone or gave up on us
     os._exit(1)
@@ -106,7 +129,12 @@ def _exit_when_stdin_closes() -> None:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    spec: WorkerSpec = pickle.load(sys.stdin.buffer)  # one object; the pipe stays open
+    try:
+        spec = read_spec(sys.stdin.buffer)  # one message; the pipe stays open
+    except ValueError as error:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-worker %(levelname)s %(message)s")
+        logger.error("worker refused its spec: %s", error)
+        sys.exit(2)
     threading.Thread(target=_exit_when_stdin_closes, name="pagoda-tp-lifeline", daemon=True).start()
     label = f"pp-stage-{spec.stage.index}" if spec.stage is not None else f"tp-rank-{spec.rank}"
     if spec.stage is not None and spec.stage_ranks > 1:

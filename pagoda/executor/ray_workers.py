@@ -24,6 +24,7 @@ import signal
 import threading
 from pathlib import Path
 
+from pagoda.executor.channel import encode
 from pagoda.executor.process_workers import OnWorkerExit
 from pagoda.executor.worker import WorkerSpec
 
@@ -64,8 +65,11 @@ def node_address(address: str | None) -> str:
 class _RankActor:
     """One worker rank (wrapped with ray.remote on first use)."""
 
-    def run(self, spec: WorkerSpec) -> None:
+    def run(self, encoded_spec: bytes) -> None:
+        from pagoda.executor.channel import decode
         from pagoda.executor.worker import run_worker
+
+        spec = decode(encoded_spec, WorkerSpec)  # typed, as on the mp backend's stdin
 
         # Like the engine process and the mp workers: a terminal's Ctrl-C or a SIGTERM to the
         # server's process group must not end a rank while the server drains (Ray's own
@@ -112,7 +116,7 @@ class RayWorkers:
             ).remote()
             for spec in specs
         ]
-        self.runs = [actor.run.remote(spec) for actor, spec in zip(self.actors, specs)]
+        self.runs = [actor.run.remote(encode(spec)) for actor, spec in zip(self.actors, specs)]
         self._stopping = threading.Event()
 
     def watch(self, on_exit: OnWorkerExit) -> None:

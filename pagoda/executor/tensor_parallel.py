@@ -25,13 +25,13 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
+from pagoda.executor.channel import ChannelCodec, new_secret
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
 from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
 from pagoda.model.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
-from pagoda.quant.weight_formats import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,9 @@ class TensorParallelError(RuntimeError):
 
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 weight_format: WeightFormat, num_threads: int, stages: list[PipelineStage] | None = None) -> None:
+                 num_threads: int, stages: list[PipelineStage] | None = None) -> None:
         """Start ranks 1..N-1 and join the group as rank 0 (returns once all have joined).
+        Each worker resolves the weight format and native kernels from `config` as rank 0 did.
         `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py).
         `stages`: the ranks are these pipeline stages instead, each of tensor_parallel_size
         ranks (pagoda.executor.pipeline)."""
@@ -65,8 +66,10 @@ class TensorParallelExecutor:
         else:
             host = "127.0.0.1"
         store = host_store(host, world_size, STARTUP_TIMEOUT_S)
+        secret = new_secret()  # this deployment's: signs every control message
+        self.codec = ChannelCodec(secret)
         specs = [WorkerSpec(config, rank, world_size, Endpoint(host, store.port), _worker_device(device, rank),
-                            dtype, weight_format, num_threads, STARTUP_TIMEOUT_S,
+                            dtype, num_threads, STARTUP_TIMEOUT_S, secret,
                             stages[rank // stage_ranks] if stages is not None else None)
                  for rank in range(1, world_size)]
         if ray_backend:
@@ -121,7 +124,7 @@ class TensorParallelExecutor:
                        logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None:
         """Hand one forward to the workers (called by rank 0's runner just before its own)."""
         host = torch.device("cpu")
-        if self.device.type != "cpu":  # pickled tensors must not name rank 0's device
+        if self.device.type != "cpu":  # the step travels from the host
             input_ids, positions = input_ids.to(host), positions.to(host)
             layouts = [layout_to(layout, host) for layout in layouts]
         self._broadcast(StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies)))
@@ -145,7 +148,7 @@ class TensorParallelExecutor:
         if self._failure is not None:
             raise TensorParallelError(self._failure)
         try:
-            broadcast_object(self.groups.control, obj, 0)
+            broadcast_object(self.groups.control, self.codec, obj, 0)
         except RuntimeError as error:  # a peer's socket closed under the collective
             raise TensorParallelError(self._failure or f"the workers' group failed: {error}") from None
 

@@ -25,14 +25,16 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
+from pagoda.executor.channel import ChannelCodec
 from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
-                                   recv_payload, share_payload, unpickle_payload)
+                                   open_payload, recv_payload, share_payload)
 from pagoda.model.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
-from pagoda.quant.weight_formats import WeightFormat
+from pagoda.native import resolve_native_kernels
+from pagoda.quant.weight_formats import make_weight_format
 from pagoda.worker.paged_model import PagedModel
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to build its rank (decided by rank 0, which resolved dtype
-    and weight format the same way for itself)."""
+    """Everything a worker needs to build its rank (decided by rank 0, which resolved the dtype
+    for itself). Plain settings only (pagoda.executor.channel encodes it): the worker resolves
+    its weight format and native kernels from the config, as rank 0 did."""
 
     config: EngineConfig
     rank: int
@@ -49,9 +52,9 @@ class WorkerSpec:
     endpoint: Endpoint
     device: str
     dtype: torch.dtype
-    weight_format: WeightFormat
     num_threads: int
     startup_timeout_s: float
+    channel_secret: bytes  # signs the control messages (pagoda.executor.channel)
     stage: PipelineStage | None = None  # pipeline parallelism: the stage this worker belongs to
 
     @property
@@ -89,15 +92,19 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
-class BusyQuery:
-    """Stage 0 asks every pipeline stage for the seconds it has spent computing so far."""
+class StageMessage:
+    """What passes down the chain of pipeline stages: a step, the busy query (stage 0 asks every
+    stage for the seconds it has spent computing so far), or, with neither, the stop."""
+
+    step: StepInputs | None = None
+    busy_query: bool = False
 
 
 # Tags of the point-to-point messages between pipeline stages.
 HIDDEN_TAG = 1
 LOGITS_TAG = 2
 BUSY_TAG = 3
-STEP_TAG = 4  # a pickled StepInputs, BusyQuery or stop (None), passed down the chain
+STEP_TAG = 4  # a sealed StageMessage, passed down the chain
 
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
@@ -114,32 +121,37 @@ def run_worker(spec: WorkerSpec) -> None:
     config = spec.config
     groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
                      config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
+    codec = ChannelCodec(spec.channel_secret)
     model_config = load_model_config(config.model)
-    model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage)
-    setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
+    weight_format = make_weight_format(config.quantization, config.quantization_group_size,
+                                       config.quantization_zero_point,
+                                       resolve_native_kernels(config.native_kernels, device))
+    model = load_model(config.model, model_config, spec.dtype, device, weight_format, groups.model, spec.stage)
+    setup: KVSetup = broadcast_object(groups.control, codec, None, spec.rank, KVSetup)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
-    backend = select_backend(config.attention_backend, device, kv_format, getattr(spec.weight_format, "native", None))
+    backend = select_backend(config.attention_backend, device, kv_format, getattr(weight_format, "native", None))
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
     if spec.stage is not None:
         logger.info("%s of %d ready: layers %d-%d, %d threads", spec.title, spec.stage.num_stages,
                     spec.stage.first_layer, spec.stage.end_layer - 1, spec.num_threads)
-        serve_stage(paged, spec.stage, groups, spec.rank % spec.stage_ranks, spec.stage_ranks, device, spec.dtype)
+        serve_stage(paged, spec.stage, groups, codec, spec.rank % spec.stage_ranks, spec.stage_ranks, device,
+                    spec.dtype)
         return
     logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
                 model.num_kv_heads, spec.num_threads)
     while True:
-        step: StepInputs | None = broadcast_object(groups.control, None, spec.rank)
+        step: StepInputs | None = broadcast_object(groups.control, codec, None, spec.rank, StepInputs | None)
         if step is None:
             return
         run_step(paged, step, device)
 
 
-def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, local_rank: int, stage_ranks: int,
-                device: torch.device, dtype: torch.dtype) -> None:
-    """A pipeline stage's loop, one message at a time: a step (its layers between the hidden
+def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, codec: ChannelCodec, local_rank: int,
+                stage_ranks: int, device: torch.device, dtype: torch.dtype) -> None:
+    """A pipeline stage's loop, one StageMessage at a time: a step (its layers between the hidden
     states received from the previous stage and those sent to the next, or the logits sent to
-    stage 0), a BusyQuery (answered with its compute seconds so far), or the stop (None).
+    stage 0), the busy query (answered with its compute seconds so far), or the stop.
 
     The stage's lead (its tensor-parallel rank 0) receives each message from the previous
     stage's lead and passes it down the chain first; sends complete in the background, so the
@@ -156,19 +168,20 @@ def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, local_r
     while True:
         payload = None
         if lead:
-            payload = recv_payload(control, previous, STEP_TAG)
+            payload = recv_payload(control, codec, previous, STEP_TAG)
             if not stage.is_last:
                 forward_payload(outbox, control, payload, following, STEP_TAG)
         if groups.stage is not None:
-            payload = share_payload(groups.stage, payload, local_rank)
-        message: StepInputs | BusyQuery | None = unpickle_payload(payload)
-        if message is None:
-            outbox.wait()
-            return
-        if isinstance(message, BusyQuery):
+            payload = share_payload(groups.stage, codec, payload, local_rank)
+        received_message: StageMessage = open_payload(codec, payload, StageMessage, f"rank {previous}")
+        if received_message.busy_query:
             if lead:
                 outbox.send(control, torch.tensor([busy_s], dtype=torch.float64), 0, BUSY_TAG)
             continue
+        message = received_message.step
+        if message is None:
+            outbox.wait()
+            return
         received = None
         if not stage.is_first:
             received = torch.empty(message.input_ids.numel(), hidden_size, dtype=dtype)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda.gguf_layout import check_gguf_layout
 from pagoda.quant.gguf_moe import STACKED_EXPERT_TENSORS, expert_tensor_kind
 from pagoda.quant.weight_formats import GGUF_BLOCK_BYTES, FullWeight, GGUFBlockWeight, Int4Weight, WeightFormat
 
@@ -108,6 +109,7 @@ class GGUFCheckpoint:
         except ImportError:
             raise ValueError(f"{self.path}: reading GGUF needs the `gguf` package (pip install gguf)") from None
         self._gguf = gguf
+        check_gguf_layout(self.path)  # every count and offset against the file's size, first
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as error:  # the reader raises ValueError, IndexError, struct/numpy errors on bad bytes

@@ -110,6 +110,7 @@ async def read_prompt_log(ctx: ServeContext, request: Request,
                           authenticate: Callable[[], Tenant]) -> Response:
     log: PromptLog | None = ctx.prompt_log
     if log is None:
+        authenticate()  # whether the log is on is no one's business without a key
         raise APIError(404, "The prompt log is off (the server runs without --log-prompts).",
                        type="not_found_error")
     params = dict(request.query_params)

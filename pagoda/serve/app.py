@@ -21,6 +21,7 @@ from pagoda.serve.admission.authentication import check_metrics_token
 from pagoda.serve.admission.body_limit import BodySizeLimit
 from pagoda.serve.admission.fast_refusal import FastRefusal
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
+from pagoda.serve.admission.docs_access import KeyedDocs
 from pagoda.serve.endpoints import ENDPOINTS, AppParts, document_bodies, install_endpoints, install_reads
 from pagoda.serve.errors import APIError, validation_error
 from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
@@ -55,6 +56,7 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
                        timeout=settings.body_timeout,
                        on_timeout=lambda: ctx.metrics.record_rejected("body_timeout"))
     # A full queue: the endpoints that queue work are refused before their body is read.
+    app.add_middleware(KeyedDocs, tenants=settings.tenants)  # /docs, /openapi.json: a key when keys are set
     app.add_middleware(FastRefusal, ctx=ctx, endpoints=ENDPOINTS)
     _install_health_and_metrics(app, parts)
     # --- dashboard: GET /dashboard, /dashboard/events ---
@@ -118,4 +120,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return _error_response(APIError(500, "Internal server error.", type="server_error"))
+        # Starlette re-raises after this answer and the server then drops the connection: say so,
+        # so a keep-alive client does not find its next request's socket reset.
+        return _error_response(APIError(500, "Internal server error.", type="server_error",
+                                        headers={"Connection": "close"}))

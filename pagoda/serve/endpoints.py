@@ -209,7 +209,7 @@ def install_reads(app: FastAPI, parts: AppParts) -> None:
             if names:
                 cards += adapter_cards(model.context, tenant, parts.started)
         cards += [ModelCard(id=route.name, created=parts.started, owned_by="pagoda-route")
-                  for route in registry.routes if registry.may_use(tenant, route.name)]
+                  for route in registry.routes if registry.may_list_route(tenant, route)]
         return ModelList(data=cards)
 
     async def stored_response(request: Request, response_id: str) -> Response:

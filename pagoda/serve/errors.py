@@ -120,6 +120,9 @@ def validation_error(errors: list[Any]) -> APIError:
         return bad_request("Invalid request.")
     first = errors[0]
     if first.get("type") == "json_invalid":
+        if "recursion limit" in str(first.get("msg", "")):  # valid JSON, but deeper than the parser goes
+            return bad_request("The request body is nested too deeply (JSON arrays and objects inside each "
+                               "other more than about 128 levels).")
         return bad_request("The request body is not valid JSON (or not valid UTF-8).")
     if first.get("type") in ("model_type", "model_attributes_type") and not _field_path(
             first.get("loc", ())):

@@ -131,6 +131,22 @@ class ModelRegistry:
         model = self._by_name.get(name) or (self.model_with_adapter(name) if name not in self._routes else None)
         return bool(tenant.models & set(model.names)) if model is not None else name in tenant.models
 
+    def may_list_route(self, tenant: Tenant, route: Route) -> bool:
+        """Whether /v1/models shows `route` to `tenant`: it may call the route, and every rule
+        that can apply to it (its tenant among the rule's, if the rule names tenants) picks a
+        model it may use; a route that could answer "does not exist" is not listed."""
+        if not self.may_use(tenant, route.name):
+            return False
+        for rule in route.rules:
+            if rule.tenants is not None and tenant.name not in rule.tenants:
+                continue  # never this tenant's
+            if not self.may_use(tenant, rule.model):
+                return False
+            if rule.tasks is None and rule.classes is None and rule.min_prompt_tokens is None \
+                    and rule.max_prompt_tokens is None:
+                return True  # always matches for this tenant: the rules after it never apply
+        return True
+
     def fallbacks(self, model: ServedModel, tenant: Tenant) -> list[ServedModel | RemoteEndpoint]:
         """Where `model`'s requests go, in order, when it cannot answer (what `tenant` may use)."""
         if not tenant.allow_fallback:

@@ -35,6 +35,9 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 1024
+# A request's head (request line and headers) larger than this gets 431: every real client's
+# fits in a few KB (nginx's default buffers hold 32 KB).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_RESPONSES_STORE_SIZE = 1000
 DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
 
@@ -97,6 +100,9 @@ class ServerSettings:
     allow_runtime_lora: bool = field(default=False, metadata={
         "help": "let admin keys load and unload LoRA adapters at run time (POST "
                 "/v1/load_lora_adapter, /v1/unload_lora_adapter; needs --enable-lora)"})
+    lora_root: str | None = field(default=None, metadata={
+        "metavar": "DIR", "help": "with --allow-runtime-lora: adapters load only from directories under DIR "
+                                  "(symbolic links resolved); default: any directory the server can read"})
     log_prompts: bool = field(default=False, metadata={
         "help": "write prompts, outputs and error messages, PII-redacted, to the prompt log "
                 "(owner-only files in --prompt-log-dir; never to the request log)"})
@@ -134,6 +140,13 @@ class ServerSettings:
         "help": "open client connections at once; one more gets 503 and is closed (default: "
                 f"{DEFAULT_MAX_CONNECTIONS}: above --max-queued-requests with room for streams and "
                 "/health, and within the usual open-files limit, which serve raises to fit)"})
+    max_connections_per_client: int | None = field(default=None, metadata={
+        "help": "open connections from one client address at once; one more gets 503 and is closed "
+                "(default: 7/8 of --max-connections, so one client cannot hold them all; raise it to "
+                "--max-connections behind a proxy, whose connections all come from one address)"})
+    max_header_bytes: int = field(default=DEFAULT_MAX_HEADER_BYTES, metadata={
+        "help": "bytes of a request's head (request line and headers); a larger head gets 431 and the "
+                f"connection is closed before it is read further (default: {DEFAULT_MAX_HEADER_BYTES})"})
     pooling: PoolingMethod | None = field(default=None, metadata={
         "help": "how /v1/embeddings pools a prompt's final hidden states (default: the model's "
                 "sentence-transformers config (modules.json) when it has one, else last)"})
@@ -205,6 +218,12 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError(f"--max-connections-per-client must be >= 1, got {self.max_connections_per_client}")
+        if self.lora_root is not None and not Path(self.lora_root).is_dir():
+            raise ValueError(f"--lora-root {self.lora_root}: not a directory")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
         if self.http_parser == "httptools" and importlib.util.find_spec("httptools") is None:
             raise ValueError("--http-parser httptools: the httptools package is not installed "
                              "(pip install httptools), or choose --http-parser h11")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
+import numpy as np
 
 from pagoda.sampling_params import KINDS, StructuredOutputsParams
 from pagoda.structured.grammar import GrammarError, build_grammar
@@ -51,6 +52,33 @@ class StructuredOutputStats:
         return StructuredOutputStats(list(self.compile_time_bucket_counts), self.compile_time_sum,
                                      self.num_compiles, self.cache_queries, self.cache_hits, self.num_timeouts,
                                      self.num_failures, dict(self.requests_by_kind))
+
+
+def error_summary(error: str, limit: int = 200) -> str:
+    """llguidance's error without what follows its first line (its dumps of the parser state
+    and the whole grammar, which hold the request's content)."""
+    lines = error.strip().splitlines()
+    first = lines[0] if lines else "error"
+    return first if len(first) <= limit else first[:limit] + "..."
+
+
+def _probe(matcher: llguidance.LLMatcher, kind: str) -> None:
+    """GrammarError for a grammar llguidance cannot follow past its start.
+
+    llguidance builds its lexer and parser lazily: a grammar too large for them (a regex
+    "x{1000000}", a choice of 50,000 options) yields a first mask of EOS alone and fails at the
+    first token it takes. A copy takes the first allowed token here, at compile time, so such a
+    grammar is a 400 naming its field instead of an empty answer that "stopped"."""
+    probe = matcher.deep_copy()
+    mask = np.frombuffer(probe.compute_bitmask(), dtype=np.uint32)
+    words = np.flatnonzero(mask)
+    if not probe.is_error() and len(words):
+        word = int(words[0])
+        bits = int(mask[word])
+        probe.consume_token(word * 32 + (bits & -bits).bit_length() - 1)
+    if probe.is_error():
+        raise GrammarError(f"structured_outputs.{kind}",
+                           f"the grammar cannot be honoured ({error_summary(probe.get_error())})")
 
 
 class GrammarCompiler:
@@ -107,7 +135,8 @@ class GrammarCompiler:
         grammar = build_grammar(params, tokenizer=tokenizer)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"structured_outputs.{params.kind}", matcher.get_error().splitlines()[0])
+            raise GrammarError(f"structured_outputs.{params.kind}", error_summary(matcher.get_error()))
+        _probe(matcher, params.kind)
         elapsed = time.perf_counter() - started
         with self._lock:
             self.stats.observe_compile(elapsed)

@@ -17,7 +17,7 @@ import torch
 
 from pagoda.request import Request
 from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
-from pagoda.structured.compiler import GrammarCompiler, StructuredOutputStats
+from pagoda.structured.compiler import GrammarCompiler, StructuredOutputStats, error_summary
 from pagoda.structured.grammar import GrammarError
 from pagoda.structured.matcher import RequestMatcher
 
@@ -108,8 +108,9 @@ class StructuredOutputManager:
                 del request.all_token_ids[-extra:]
                 request.stop_reason = None
             if matcher.failed:
+                # The first line only: the rest dumps the grammar and the tokens (request content).
                 logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id,
-                               matcher.matcher.get_error() or "a token outside the grammar")
+                               error_summary(matcher.matcher.get_error() or "a token outside the grammar"))
             if not request.is_finished and (matcher.is_terminated or matcher.failed):
                 done.append(request)
         return done

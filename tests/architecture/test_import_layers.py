@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
      "dataclass_flags",  # command-line flags generated from the settings dataclasses
      "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
      "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table
-     "http_client"),  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
+     "http_client",  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
+     "gguf_layout"),  # a GGUF header's counts and offsets checked against the file: tokenizer, quant
     ("diagnosis",),  # triage rules over metric samples (on stats): ops' doctor and serve's dashboard
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/

@@ -25,6 +25,7 @@ from pagoda.serve.api.anthropic_protocol import (AnthropicMessage, ContentBlock,
                                                  MessagesResponse, MessagesUsage)
 from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import WholeAnswer, respond
+from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import ChatCompletionRequest
 from pagoda.serve.api.request_fields import MESSAGES, check_fields
 from pagoda.serve.api.sse import to_json
@@ -199,6 +200,9 @@ class MessagesEndpoint(ChatEndpoint):
 
     async def count_tokens(self, ctx: ServeContext, _: Request, request: CountTokensRequest,
                            tenant: Tenant) -> Response:
+        # An adapter the tenant may not use is a 404 like an unknown model, as on /v1/messages:
+        # counting must not tell another tenant's adapter names from names that do not exist.
+        resolve_model(ctx, request.model, tenant)
         check_fields(request, self.fields)
         chat_request = to_chat_request(request)
         # Templating and the tools' grammar check block: off the event loop, as generation's.

@@ -267,7 +267,10 @@ async def respond(raw: Request, generation: Generation, stream_body: AsyncIterat
     except APIError as exc:
         generation.close(exc.status, exc)
         raise
-    except BaseException:
+    except Exception:  # a fault of the server's, answered as a 500: logged as one
+        generation.close(500)
+        raise
+    except BaseException:  # cancelled: the client went away
         generation.close(CLIENT_CLOSED_REQUEST)
         raise
     generation.close(200)

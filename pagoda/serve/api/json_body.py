@@ -57,8 +57,9 @@ def _item_nodes(items: list[Any] | tuple[Any, ...]) -> int:
 
 
 def dump_in_steps(model: BaseModel) -> Any:
-    """`model.model_dump()`, one call per small part. For response models: fields hold models,
-    lists of models, or plain JSON values (which model_dump returns as they are)."""
+    """`model.model_dump()`, one call per small part. Fields hold models, lists or maps that
+    hold models at any depth (prompt_logprobs: a list of None or maps of models), or plain JSON
+    values (which model_dump returns as they are)."""
     if estimated_nodes(model) <= STEP_NODES:
         return model.model_dump()
     return {name: _dump_field(getattr(model, name)) for name in type(model).model_fields}
@@ -67,10 +68,14 @@ def dump_in_steps(model: BaseModel) -> Any:
 def _dump_field(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return dump_in_steps(value)
-    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-        if _item_nodes(value) <= STEP_NODES:  # many small models: one call each, no estimate
-            return [item.model_dump() for item in value]
-        return [dump_in_steps(item) for item in value]
+    if isinstance(value, list) and value:
+        if isinstance(value[0], (int, float, str, bool)):  # plain values: nothing to dump
+            return value
+        if isinstance(value[0], BaseModel) and _item_nodes(value) <= STEP_NODES:
+            return [item.model_dump() for item in value]  # many small models: one call each
+        return [_dump_field(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _dump_field(item) for key, item in value.items()}
     return value
 
 

@@ -7,12 +7,17 @@
   `parent` = the base model (vLLM's shape).
 - `POST /v1/load_lora_adapter` {lora_name, lora_path} and `POST /v1/unload_lora_adapter`
   {lora_name} (vLLM's shapes) change the loaded set between engine steps; only with
-  --allow-runtime-lora and only for admin keys.
+  --allow-runtime-lora and only for admin keys. A name is letters, digits and `._:-` (no path
+  pieces); a path must be a directory holding adapter_config.json, under --lora-root when set,
+  and every path that is not gets the same answer (no probing which part of it exists).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
@@ -25,6 +30,11 @@ from pagoda.serve.errors import APIError, bad_request, engine_unavailable, inval
 from pagoda.serve.api.protocol import ModelCard
 from pagoda.serve.serving import ServeContext
 from pagoda.serve.admission.tenants import Tenant
+
+
+# What an adapter name may be: it is a model name in requests and /v1/models, never a path.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+MAX_PATH_CHARS = 4096  # PATH_MAX
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -67,18 +77,44 @@ async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapter
     name = body.lora_name.strip()
     if not name or not body.lora_path.strip():
         raise bad_request("Both lora_name and lora_path must be non-empty.", param="lora_name")
+    if not ADAPTER_NAME.fullmatch(name) or ".." in name:
+        raise bad_request("lora_name must be 1 to 128 letters, digits and ._:- (starting with a letter or "
+                          "digit, no '..').", param="lora_name")
+    path = await asyncio.to_thread(usable_adapter_dir, name, body.lora_path, ctx.settings.lora_root)
     if name == ctx.model_name:
         raise bad_request(f"The LoRA adapter name {name!r} is the served model's name.", param="lora_name",
                           code="lora_adapter_exists")
     try:
-        await ctx.llm.add_lora(LoRARequest(name, 0, body.lora_path))
+        await ctx.llm.add_lora(LoRARequest(name, 0, path))
     except InvalidRequest as error:
         raise invalid_request(error) from None
     except EngineDeadError:
         raise engine_unavailable() from None
     # The engine read the files it needs: hash them for the requests' provenance.
-    await asyncio.to_thread(ctx.provenance.adapter_loaded, name, body.lora_path)
+    await asyncio.to_thread(ctx.provenance.adapter_loaded, name, path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+def usable_adapter_dir(name: str, lora_path: str, lora_root: str | None) -> str:
+    """`lora_path` resolved, when it is a directory holding adapter_config.json (under
+    `lora_root` when given); else the one 400 every unusable path gets."""
+    unusable = bad_request(f"lora_path for {name!r} is not a usable LoRA adapter: a readable directory holding "
+                           f"adapter_config.json{' under the server' + chr(39) + 's --lora-root' if lora_root else ''}.",
+                           param="lora_path", code="lora_path_unusable")
+    if len(lora_path) > MAX_PATH_CHARS or "\0" in lora_path:
+        raise unusable
+    try:
+        resolved = Path(lora_path).expanduser().resolve(strict=True)
+        if lora_root is not None:
+            root = Path(lora_root).resolve(strict=True)
+            if resolved != root and root not in resolved.parents:
+                raise unusable
+        if not (resolved.is_dir() and (resolved / "adapter_config.json").is_file()
+                and os.access(resolved / "adapter_config.json", os.R_OK)):
+            raise unusable
+    except (OSError, RuntimeError, ValueError):  # too long, a loop of links, unreadable
+        raise unusable from None
+    return str(resolved)
 
 
 async def unload_lora_adapter(ctx: ServeContext, _: Request, body: UnloadLoRAAdapterRequest,

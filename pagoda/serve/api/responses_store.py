@@ -2,8 +2,10 @@
 
 Each stored response keeps its tenant, the conversation up to and including its answer (as the
 chat messages the template renders: earlier instructions are not carried over, as OpenAI
-does) and the response body. The store is bounded twice: by count (the oldest goes first) and
-by age (an entry older than the TTL is gone whatever the count). It lives in the front's memory,
+does) and the response body. The store is bounded twice: by count and by age (an entry older
+than the TTL is gone whatever the count). When the count is reached, the tenant holding the most
+entries loses its oldest: one tenant's flood of requests evicts its own responses, never those of
+a tenant holding fewer (each tenant's share is at least the store's size over the tenants using it). It lives in the front's memory,
 so a restart forgets it. A response of another tenant is answered exactly as an unknown one (a
 404), so ids reveal nothing across tenants.
 """
@@ -47,6 +49,7 @@ class ResponsesStore:
         self.ttl_s = ttl_s
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # each tenant's ids, oldest first
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -57,11 +60,20 @@ class ResponsesStore:
     def put(self, response_id: str, tenant: str, conversation: list[dict[str, Any]],
             body: dict[str, Any]) -> None:
         with self._lock:
+            if response_id in self._entries:
+                self._forget(response_id)
             self._entries[response_id] = StoredResponse(tenant, self._clock(), conversation, body)
-            self._entries.move_to_end(response_id)
+            self._by_tenant.setdefault(tenant, OrderedDict())[response_id] = None
             while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+                largest = max(self._by_tenant.values(), key=len)
+                self._forget(next(iter(largest)))
             self._expire()
+
+    def tenant_count(self, tenant: str) -> int:
+        """Responses `tenant` has stored."""
+        with self._lock:
+            self._expire()
+            return len(self._by_tenant.get(tenant, ()))
 
     def get(self, tenant: str, response_id: str, param: str | None = None) -> StoredResponse:
         """The tenant's stored response, or a 404 APIError naming `param`."""
@@ -79,7 +91,7 @@ class ResponsesStore:
             entry = self._entries.get(response_id)
             if entry is None or entry.tenant != tenant:
                 raise response_not_found(response_id)
-            del self._entries[response_id]
+            self._forget(response_id)
 
     def _expire(self) -> None:
         deadline = self._clock() - self.ttl_s
@@ -88,4 +100,11 @@ class ResponsesStore:
             oldest_id, oldest = next(iter(self._entries.items()))
             if oldest.stored_at > deadline:
                 break
-            del self._entries[oldest_id]
+            self._forget(oldest_id)
+
+    def _forget(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id)
+        ids = self._by_tenant[entry.tenant]
+        del ids[response_id]
+        if not ids:
+            del self._by_tenant[entry.tenant]

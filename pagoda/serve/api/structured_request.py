@@ -123,6 +123,10 @@ def _make(field: str, **constraint: Any) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**constraint)
     except ValueError as exc:
+        # The constraint's own field when it names one under this field (structured_outputs.choice).
+        param = getattr(exc, "param", None)
+        if field == "structured_outputs" and isinstance(param, str) and param.startswith("structured_outputs."):
+            field = param
         raise bad_request(f"Invalid {field}: {exc}", param=field) from None
 
 

@@ -58,7 +58,9 @@ class ToolPlan:
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         """The assistant message for a finished output, and its finish_reason."""
-        parsed = self.parser.parse(text) if self.parse else None
+        parsed = None
+        if self.parse:  # cut by max_tokens: the complete calls still count, the cut one is content
+            parsed = self.parser.parse_cut(text) if finish_reason == "length" else self.parser.parse(text)
         if parsed is None or not parsed.tool_calls:
             return AssistantMessage(content=text), finish_reason
         if self.legacy_functions:

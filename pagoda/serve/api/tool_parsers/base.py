@@ -50,6 +50,12 @@ class ToolCallParser:
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
+    def parse_cut(self, text: str) -> ParsedOutput:
+        """`text` cut short by max_tokens: the calls it completed, and as content the unfinished
+        call's text (never a call: a client would run it with half its arguments). Formats that
+        cannot tell their calls apart mid-way answer as `parse` does."""
+        return self.parse(text)
+
     def partial_calls(self, text: str) -> list[tuple[str, str]]:
         """(name, argument text so far) of each call begun in `text`, for formats that stream
         arguments as they are generated (the others send each call once the output is done)."""

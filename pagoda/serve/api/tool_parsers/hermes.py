@@ -37,6 +37,34 @@ class HermesParser(ToolCallParser):
             return ParsedOutput(text, [])
         return ParsedOutput(text[:start].strip() or None, calls)
 
+    def parse_cut(self, text: str) -> ParsedOutput:
+        start = text.find(self.start_marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        whole = self.parse(text)
+        if whole.tool_calls:
+            return whole
+        calls = []
+        position = start
+        while True:  # complete <tool_call>...</tool_call> segments, in order, up to the cut one
+            end = text.find(self.end_marker, position)
+            if end < 0:
+                break
+            parsed = self.parse(text[position:end + len(self.end_marker)])
+            if len(parsed.tool_calls) != 1 or parsed.content:
+                break
+            calls.extend(parsed.tool_calls)
+            position = end + len(self.end_marker)
+            following = text.find(self.start_marker, position)
+            if following < 0 or text[position:following].strip():
+                break
+            position = following
+        if not calls:
+            return ParsedOutput(text, [])
+        before = text[:start].strip()
+        cut = text[position:].strip()
+        return ParsedOutput("\n".join(part for part in (before, cut) if part) or None, calls)
+
     def partial_calls(self, text: str) -> list[tuple[str, str]]:
         """The argument texts only ever grow, and end as `parse` returns them."""
         start = text.find(self.start_marker)
