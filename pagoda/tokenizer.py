@@ -12,6 +12,7 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.errors import InvalidRequest
+from pagoda.gguf_tokenizer import gguf_hf_tokenizer
 
 # Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
 TOKENIZER_FILES = (
@@ -83,14 +84,13 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path) -> "Tokenizer":
-        """The tokenizer stored in a GGUF file's metadata (transformers converts it)."""
+        """The tokenizer stored in a GGUF file's metadata, rebuilt as llama.cpp reads it
+        (pagoda/gguf_tokenizer.py), with the file's chat template."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         try:
-            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                               local_files_only=True)
-        except Exception as exc:  # transformers raises many types for GGUF vocabularies it cannot convert
-            raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
-                             f"{exc}); pass --tokenizer DIR") from None
+            hf = gguf_hf_tokenizer(gguf_file)
+        except ValueError as exc:
+            raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r}: {exc}") from None
         return cls(hf)
 
     def __repr__(self) -> str:
