@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagoda.config import parse_bytes
+from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
@@ -769,8 +769,9 @@ def _layer_counts(text: str | None) -> list[int] | None:
 
 @dataclass(frozen=True)
 class ModelNeed:
-    """What one model of a models file needs: its engines' weights and one full-context
-    sequence of KV cache each (the least an engine can run with)."""
+    """What one model of a models file needs as `pagoda serve` would run it: its engines' weights
+    in the dtype serve resolves on this machine, and the KV pool serve allocates for each
+    (--kv-cache-memory, or --num-kv-blocks blocks)."""
 
     name: str
     line: int  # where the models file names it
@@ -779,28 +780,44 @@ class ModelNeed:
     context: int
     engines: int  # replicas; tensor-parallel ranks share one replica's weights
     weight_bytes: int
-    kv_bytes: int  # one full-context sequence
+    kv_bytes: int  # one engine's KV pool
 
     @property
     def total_bytes(self) -> int:
         return self.engines * (self.weight_bytes + self.kv_bytes)
 
 
-def model_need(name: str, line: int, model: str, *, dtype: str, quantization: str,
-               max_model_len: int | None, engines: int) -> ModelNeed:
-    """`dtype` and `quantization` as EngineConfig names them (auto, float32, ...; none, int8, int4)."""
-    shape, params = load_model(model)
-    if dtype == "auto":
-        weight_dtype = shape.config_dtype or "bf16"
+def serving_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
+    """The weight dtype `pagoda serve` runs (as plan names dtypes): --dtype, or with auto the
+    engine's rule (engine_core.resolve_dtype: float32 on CPU, the config's on a GPU)."""
+    from pagoda.engine.engine_core import resolve_device, resolve_dtype
+
+    hf_names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    resolved = resolve_dtype(dtype if dtype == "auto" else hf_names.get(normalize_dtype(dtype), dtype),
+                             hf_names.get(config_dtype or ""), resolve_device(device))
+    return normalize_dtype(str(resolved))
+
+
+def serving_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """--kv-cache-dtype as plan names it: auto stores the KV in the weights' dtype."""
+    if kv_cache_dtype == "auto":
+        return weight_dtype if weight_dtype in KV_DTYPES and weight_dtype != "int8" else "bf16"
+    return normalize_dtype(kv_cache_dtype)
+
+
+def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
+    """One model of a models file, with the engine settings serve would give it."""
+    shape, params = load_model(engine.model)
+    weight_dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
+    quant = engine.quantization if engine.quantization in ("int8", "int4") else None
+    context = engine.max_model_len or shape.max_position_embeddings or 2048
+    if engine.num_kv_blocks is not None:
+        kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
+        kv_bytes = engine.num_kv_blocks * engine.block_size * kv_token
     else:
-        weight_dtype = normalize_dtype(dtype)
-    if weight_dtype not in KV_DTYPES or weight_dtype in ("int8", "fp8"):
-        weight_dtype = "bf16"
-    quant = quantization if quantization in ("int8", "int4") else None
-    context = max_model_len or shape.max_position_embeddings or 2048
-    return ModelNeed(name, line, model, weight_dtype, context, engines,
-                     weight_bytes(params, weight_dtype, quant),
-                     kv_bytes_per_token(shape, weight_dtype) * context)
+        kv_bytes = engine.kv_cache_bytes
+    return ModelNeed(name, line, engine.model, weight_dtype, context, engines,
+                     weight_bytes(params, weight_dtype, quant), kv_bytes)
 
 
 @dataclass(frozen=True)
@@ -820,7 +837,7 @@ class ModelsFit:
     def describe(self, path: str, separator: str = "\n") -> str:
         """A line per model (its file line, engines and memory), the total and the verdict."""
         lines = [f"{path}:{need.line}: {need.name}: {need.engines} x ({fmt_bytes(need.weight_bytes)} weights "
-                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV for one {need.context}-token sequence) "
+                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV pool, {need.context}-token context) "
                  f"= {fmt_bytes(need.total_bytes)}" for need in self.needs]
         usable = self.memory_bytes - self.reserve_bytes
         verdict = "fit" if self.fits else "do NOT fit"

@@ -264,3 +264,19 @@ def test_pipeline_partition_errors_name_the_numbers(llama3_config: Path, capsys:
     rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "33"],
                          capsys)
     assert rc == 2 and "pipeline_parallel_size 33 is larger than the model's 32 layers" in err
+
+
+def test_plan_and_serve_agree_on_dtype_and_kv_pool(tmp_path) -> None:
+    """`plan --models` counts each model as `serve` would run it here: the dtype serve resolves
+    on this machine and the KV pool the engine allocates for the same flags."""
+    from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+
+    for flags in ({"kv_cache_memory": "8MiB"}, {"num_kv_blocks": 40}, {"kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"}):
+        engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1, **flags)
+        need = P.model_need("m", 1, engine, engines=1)
+        core = EngineCore(engine)
+        assert need.dtype == P.normalize_dtype(str(core.dtype)) == "fp32"
+        pool_bytes = core.num_blocks * engine.block_size * P.kv_bytes_per_token(
+            P.load_model(str(DEFAULT_MODEL_DIR))[0], P.serving_kv_dtype(engine.kv_cache_dtype, need.dtype))
+        assert abs(need.kv_bytes - pool_bytes) <= pool_bytes / core.num_blocks, flags  # within one block

@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="model directory or its config.json, or a bundled model's name (pagoda-coder)")
     parser.add_argument("--models", default=None, metavar="FILE",
                         help="instead of --model: whether the models of a `pagoda serve --models` file fit\n"
-                             "(each model's replicas, weights and one full-context sequence of KV)")
+                             "(each model's replicas, its weights and the KV pool serve allocates, as serve\n"
+                             "would run them on this machine)")
     parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB "
                         "(with --models, default: this machine's)")
     parser.add_argument("--dtype", default=None,
@@ -77,7 +78,6 @@ def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig"
     """Whether the models of the models file at `path` fit in `memory_bytes` (less `reserve`),
     with `config` and `deployment` as every model's defaults; ValueError (naming the line) for
     a bad file or model."""
-    from pagoda.config import resolve_model_path
     from pagoda.serve.models_file import load_models_file
 
     models_file = load_models_file(path)
@@ -86,9 +86,7 @@ def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig"
         engine = entry.engine_config(config)
         try:
             replicas = entry.deployment_config(deployment)
-            needs.append(model_need(entry.name, entry.line, resolve_model_path(engine.model), dtype=engine.dtype,
-                                    quantization=engine.quantization, max_model_len=engine.max_model_len,
-                                    engines=replicas.num_replicas))
+            needs.append(model_need(entry.name, entry.line, engine, engines=replicas.num_replicas))
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}:{entry.line}: model {entry.name!r}: {exc}") from None
     return ModelsFit(needs, memory_bytes, parse_reserve(reserve, memory_bytes))

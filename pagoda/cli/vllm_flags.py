@@ -92,8 +92,7 @@ def apply_gpu_memory_utilization(engine: EngineConfig, fraction: float | None,
 
     on_gpu = engine.device != "cpu" and torch.cuda.is_available()
     budget = int(fraction * machine_memory_bytes("cuda" if on_gpu else "cpu"))
-    need = model_need("model", 0, engine.model, dtype=engine.dtype, quantization=engine.quantization,
-                      max_model_len=engine.max_model_len, engines=1)
+    need = model_need("model", 0, engine, engines=1)
     if on_gpu:
         if kv_cache_memory_given:
             raise SystemExit("pagoda serve: give --gpu-memory-utilization or --kv-cache-memory, not both")
