@@ -11,7 +11,11 @@ world loads without transformers' GGUF internals (which change between releases)
   the start or a special token (`add_space_prefix`), then pieces merge pairwise, the pair whose
   merged piece has the highest score first; characters left outside the vocabulary fall back to
   their `<0xXX>` byte pieces. A BPE model whose merges are ranked by those scores is the same
-  procedure.
+  procedure while the scores differ. Where they tie (llama.cpp's converter writes -1000 for
+  every piece of a vocabulary converted from tokenizer.json alone) llama.cpp merges the leftmost
+  pair first, which BPE's ranks cannot say: such vocabularies also get an encoder whose
+  pre-tokenizer runs llama.cpp's procedure itself (`SentencePieceSegmenter`) and hands the
+  finished pieces to the same BPE model.
 - `gpt2` (byte-level BPE): the text is split by the pre-tokenizer's regular expressions (one
   after another, as llama.cpp applies them), bytes are mapped to GPT-2's printable alphabet, and
   the stored merges apply in order.
@@ -225,9 +229,86 @@ def _set_post_processor(tokenizer: Any, vocabulary: GGUFVocabulary) -> None:
     tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def gguf_hf_tokenizer(path: str | Path) -> Any:
+def scores_tie(vocabulary: GGUFVocabulary) -> bool:
+    """Whether two pieces that merges can form share a score (then ranks cannot order them as
+    llama.cpp does: leftmost first)."""
+    if vocabulary.model != "llama":
+        return False
+    scores = [score for score, kind in zip(vocabulary.scores, vocabulary.token_types) if kind in (NORMAL, USER_DEFINED)]
+    return len(set(scores)) < len(scores)
+
+
+class SentencePieceSegmenter:
+    """llama.cpp's SentencePiece procedure (`llm_tokenizer_spm_session`) as a `tokenizers`
+    pre-tokenizer: repeatedly merge the adjacent pair whose concatenation is a piece of the
+    vocabulary with the highest score, the leftmost on a tie; each finished piece becomes one
+    pre-token, which the BPE model then maps to its id (or to byte pieces)."""
+
+    def __init__(self, vocabulary: GGUFVocabulary) -> None:
+        self._scores = {piece: vocabulary.scores[token_id] if vocabulary.scores else 0.0
+                        for token_id, piece in enumerate(vocabulary.tokens)
+                        if vocabulary.token_types[token_id] in (NORMAL, USER_DEFINED, UNUSED)}
+
+    def pieces(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) of each finished piece of `text`, in characters."""
+        import heapq
+
+        starts = list(range(len(text)))
+        ends = [start + 1 for start in starts]
+        following = [index + 1 for index in starts]
+        preceding = [index - 1 for index in starts]
+        queue: list[tuple[float, int, int, int]] = []
+
+        def consider(left: int, right: int) -> None:
+            if left < 0 or right >= len(text):
+                return
+            score = self._scores.get(text[starts[left]:ends[right]])
+            if score is not None:
+                heapq.heappush(queue, (-score, left, right, ends[right] - starts[left]))
+
+        for index in range(1, len(text)):
+            consider(index - 1, index)
+        while queue:
+            _, left, right, length = heapq.heappop(queue)
+            # Stale when either symbol has merged since (emptied, or grown): llama.cpp's test.
+            sizes = (ends[left] - starts[left], ends[right] - starts[right])
+            if 0 in sizes or sum(sizes) != length:
+                continue
+            ends[left] = ends[right]
+            starts[right] = ends[right]  # emptied
+            following[left] = following[right]
+            if following[right] < len(text):
+                preceding[following[right]] = left
+            consider(preceding[left], left)
+            consider(left, following[left])
+        spans, index = [], 0
+        while index < len(text):
+            spans.append((starts[index], ends[index]))
+            index = following[index]
+        return spans
+
+    def pre_tokenize(self, pretokenized: Any) -> None:
+        pretokenized.split(lambda _, normalized: [normalized[start:end] for start, end in self.pieces(str(normalized))])
+
+
+def build_encoder(vocabulary: GGUFVocabulary) -> Any | None:
+    """For a SentencePiece vocabulary whose scores tie: a tokenizer that encodes with
+    SentencePieceSegmenter (decoding and everything else stay `build_tokenizer`'s, which can be
+    serialized); None when the ranked BPE already encodes as llama.cpp does."""
+    if not scores_tie(vocabulary):
+        return None
+    from tokenizers import pre_tokenizers
+
+    encoder = build_tokenizer(vocabulary)
+    model = encoder.model
+    model.ignore_merges = True  # a finished piece is a token as it is; a lone unknown character falls back to bytes
+    encoder.pre_tokenizer = pre_tokenizers.PreTokenizer.custom(SentencePieceSegmenter(vocabulary))
+    return encoder
+
+
+def gguf_hf_tokenizer(path: str | Path) -> tuple[Any, Any | None]:
     """A transformers fast tokenizer around `build_tokenizer`, with the file's special tokens and
-    chat template (what pagoda.tokenizer.Tokenizer wraps)."""
+    chat template, and the encoder `build_encoder` gives (what pagoda.tokenizer.Tokenizer wraps)."""
     from transformers import PreTrainedTokenizerFast
 
     vocabulary = read_gguf_vocabulary(path)
@@ -239,4 +320,4 @@ def gguf_hf_tokenizer(path: str | Path) -> Any:
                                  **{name: piece for name, piece in special.items() if piece is not None})
     if vocabulary.chat_template:
         hf.chat_template = vocabulary.chat_template
-    return hf
+    return hf, build_encoder(vocabulary)

@@ -42,7 +42,9 @@ class Tokenizer:
     never the hub.
     """
 
-    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
+    def __init__(self, hf: PreTrainedTokenizerBase, encoder: Any | None = None) -> None:
+        """`encoder`: a `tokenizers.Tokenizer` that encodes instead of `hf` (a GGUF SentencePiece
+        vocabulary whose scores tie: pagoda/gguf_tokenizer.py); `hf` does everything else."""
         if not getattr(hf, "is_fast", False):
             raise ValueError(
                 f"{type(hf).__name__} is not a fast (Rust `tokenizers`) tokenizer; "
@@ -60,6 +62,7 @@ class Tokenizer:
         )
         self.all_special_ids: set[int] = set(hf.all_special_ids) | self._skipped_ids
         self._backend = hf.backend_tokenizer
+        self._encoder = encoder
         self._anchor_ids, self._anchor_text = self._find_anchor()
 
     @classmethod
@@ -88,10 +91,10 @@ class Tokenizer:
         (pagoda/gguf_tokenizer.py), with the file's chat template."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         try:
-            hf = gguf_hf_tokenizer(gguf_file)
+            hf, encoder = gguf_hf_tokenizer(gguf_file)
         except ValueError as exc:
             raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r}: {exc}") from None
-        return cls(hf)
+        return cls(hf, encoder)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
@@ -113,6 +116,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        if self._encoder is not None:
+            return list(self._encoder.encode(text, add_special_tokens=add_special_tokens).ids)
         # verbose=False: length limits are the engine's to enforce, not a log line per long prompt.
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
