@@ -112,3 +112,19 @@ def test_a_vllm_launch_line_serves(model: Path) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_gpu_memory_utilization_sizes_the_kv_pool_on_a_gpu(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the share of its memory less the weights (in the dtype serve runs there) is the KV pool."""
+    import torch
+
+    from pagoda import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan, "machine_memory_bytes", lambda device: 10 * 2**30 if device == "cuda" else 0)
+    engine, _, _ = configs(str(model), "--gpu-memory-utilization", "0.5")
+    weights = plan.model_need("m", 0, engine, engines=1).weight_bytes
+    assert plan.model_need("m", 0, engine, engines=1).dtype == "bf16"
+    assert int(engine.kv_cache_memory) == 5 * 2**30 - weights
+    with pytest.raises(SystemExit, match="not both"):
+        configs(str(model), "--gpu-memory-utilization", "0.5", "--kv-cache-memory", "2GiB")
