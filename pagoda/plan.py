@@ -591,7 +591,14 @@ def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *,
 
 
 def load_model(model: str) -> tuple[ModelShape, ParamCount]:
+    """A model directory, its config.json, or a GGUF file (its metadata; parameters from the architecture)."""
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file
+
     path = Path(model)
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        shape = model_shape_from_config(GGUFCheckpoint(gguf_file).hf_config(), str(gguf_file))
+        return shape, count_params_from_architecture(shape)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise ValueError(f"no config.json at {config_path}; pass a model directory or its config.json")
@@ -719,7 +726,10 @@ class PlanOptions:
     """What `pagoda plan` is asked: the model, the memory, and the knobs that change the answer."""
 
     model: str  # model directory or its config.json
-    memory: str  # accelerator memory, e.g. 80GiB
+    # accelerator memory, e.g. 80GiB; None: the KV pool `pagoda serve` allocates on this machine
+    # (--kv-cache-memory), with the dtype it runs here
+    memory: str | None = None
+    kv_cache_memory: str | None = None  # with memory None: serve's --kv-cache-memory (default: serve's)
     dtype: str | None = None  # weight dtype (default: the config's, else bf16)
     kv_dtype: str | None = None  # default: the weight dtype, or bf16 if that is quantized
     context: int | None = None  # default: the model's max_position_embeddings
@@ -734,6 +744,8 @@ class PlanOptions:
 
 def plan_from_options(options: PlanOptions) -> Plan:
     shape, params = load_model(options.model)
+    if options.memory is None:
+        return _serving_plan(options, shape, params)
     dtype = normalize_dtype(options.dtype) if options.dtype else (shape.config_dtype or "bf16")
     if dtype == "fp8":
         raise ValueError("--dtype fp8 is not supported for weights; use int8 or int4")
@@ -753,6 +765,29 @@ def plan_from_options(options: PlanOptions) -> Plan:
                       group_size=options.quantization_group_size,
                       pipeline_parallel_size=options.pipeline_parallel_size,
                       pp_layer_partition=_layer_counts(options.pp_layer_partition))
+
+
+def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -> Plan:
+    """The plan of what `pagoda serve` runs on this machine with these flags: its dtype, its KV
+    dtype and the KV pool it allocates (the numbers its banner prints)."""
+    flags = {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+        normalize_dtype(options.dtype), options.dtype) if options.dtype else "auto",
+             "block_size": options.block_size, "max_model_len": options.context}
+    if options.kv_cache_memory:
+        flags["kv_cache_memory"] = options.kv_cache_memory
+    engine = EngineConfig(model=options.model, **flags)
+    dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
+    kv_dtype = normalize_dtype(options.kv_dtype) if options.kv_dtype else serving_kv_dtype("auto", dtype)
+    context = options.context or shape.max_position_embeddings
+    group_size, _ = int4_group_size(shape, options.quantization_group_size)
+    kv_token = kv_bytes_per_token(shape, kv_dtype)
+    pool = serving_pool_blocks(engine, kv_token, context) * kv_token * options.block_size
+    memory = _configured_weight_bytes(params, dtype, group_size) + pool
+    classes = ([parse_request_class(spec) for spec in options.classes] if options.classes else
+               [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()])
+    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
+                      context=context, block_size=options.block_size, reserve_bytes=0, classes=classes,
+                      group_size=options.quantization_group_size)
 
 
 def _layer_counts(text: str | None) -> list[int] | None:
@@ -805,17 +840,26 @@ def serving_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
     return normalize_dtype(kv_cache_dtype)
 
 
+def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int) -> int:
+    """The KV blocks the engine allocates for these settings (EngineCore._num_kv_blocks):
+    --num-kv-blocks, else --kv-cache-memory's worth, at most what --max-num-seqs sequences of the
+    full context can use."""
+    if engine.num_kv_blocks is not None:
+        return engine.num_kv_blocks
+    blocks = engine.kv_cache_bytes // (kv_token * engine.block_size)
+    one_group = kv_cache_groups([None], release=False)  # every layer's blocks together, as plan counts them
+    return min(blocks, engine.max_num_seqs_bound * pages_per_sequence(one_group, context, engine.block_size,
+                                                                      engine.max_num_batched_tokens))
+
+
 def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
     """One model of a models file, with the engine settings serve would give it."""
     shape, params = load_model(engine.model)
     weight_dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
     quant = engine.quantization if engine.quantization in ("int8", "int4") else None
     context = engine.max_model_len or shape.max_position_embeddings or 2048
-    if engine.num_kv_blocks is not None:
-        kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
-        kv_bytes = engine.num_kv_blocks * engine.block_size * kv_token
-    else:
-        kv_bytes = engine.kv_cache_bytes
+    kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
+    kv_bytes = serving_pool_blocks(engine, kv_token, context) * engine.block_size * kv_token
     return ModelNeed(name, line, engine.model, weight_dtype, context, engines,
                      weight_bytes(params, weight_dtype, quant), kv_bytes)
 

@@ -280,3 +280,23 @@ def test_plan_and_serve_agree_on_dtype_and_kv_pool(tmp_path) -> None:
         pool_bytes = core.num_blocks * engine.block_size * P.kv_bytes_per_token(
             P.load_model(str(DEFAULT_MODEL_DIR))[0], P.serving_kv_dtype(engine.kv_cache_dtype, need.dtype))
         assert abs(need.kv_bytes - pool_bytes) <= pool_bytes / core.num_blocks, flags  # within one block
+
+
+@pytest.mark.parametrize("flags", [{}, {"kv_cache_memory": "8MiB"}, {"kv_cache_memory": "8MiB", "context": 256}])
+def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
+    """`pagoda plan --model M` with no --memory: serve's dtype on this (CPU) machine, its KV dtype and
+    the KV pool it allocates for the same flags (the blocks its banner prints)."""
+    import torch
+
+    from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+
+    if torch.cuda.is_available():
+        pytest.skip("compares with serve on CPU")
+    plan = P.plan_from_options(P.PlanOptions(model=str(DEFAULT_MODEL_DIR), kv_cache_memory=flags.get("kv_cache_memory"),
+                                             context=flags.get("context")))
+    engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1,
+                          kv_cache_memory=flags.get("kv_cache_memory", "1GiB"), max_model_len=flags.get("context"))
+    core = EngineCore(engine)
+    assert plan.dtype == P.normalize_dtype(str(core.dtype)) == "fp32" and plan.kv_dtype == "fp32"
+    assert plan.num_blocks == core.num_blocks and plan.context == core.max_model_len

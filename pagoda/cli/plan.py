@@ -28,8 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="instead of --model: whether the models of a `pagoda serve --models` file fit\n"
                              "(each model's replicas, its weights and the KV pool serve allocates, as serve\n"
                              "would run them on this machine)")
-    parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB "
-                        "(with --models, default: this machine's)")
+    parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB (default: with --model,\n"
+                        "what `pagoda serve` runs on this machine: its dtype, KV dtype and the KV pool of\n"
+                        "--kv-cache-memory, as its banner shows; with --models, this machine's memory)")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="without --memory: serve's --kv-cache-memory (default: serve's, 1GiB)")
     parser.add_argument("--dtype", default=None,
                         help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8; fp8/int8 "
@@ -59,9 +62,6 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     if args.models is not None:
         return _run_models_plan(args)
-    if args.memory is None:
-        print("pagoda plan: error: --memory is required with --model", file=sys.stderr)
-        return 2
     try:
         from pagoda.config import resolve_model_path
 
