@@ -26,9 +26,12 @@ else, as llama.cpp does when it parses special tokens (the server's prompts alwa
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 # llama.cpp's token types (gguf.TokenType): what each id is.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -166,10 +169,9 @@ def read_gguf_vocabulary(path: str | Path) -> GGUFVocabulary:
     )
 
 
-def build_tokenizer(vocabulary: GGUFVocabulary) -> Any:
-    """A `tokenizers.Tokenizer` that encodes and decodes as llama.cpp does with this vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
+def build_tokenizer(vocabulary: GGUFVocabulary) -> Tokenizer:
+    """A `tokenizers.Tokenizer` that encodes and decodes as llama.cpp does with this vocabulary
+    (for SentencePiece scores that tie, encode with `build_encoder`'s)."""
     vocab = {piece: token_id for token_id, piece in enumerate(vocabulary.tokens)}
     unk = vocabulary.token(vocabulary.unknown_token_id)
     if vocabulary.model == "llama":
@@ -185,8 +187,6 @@ def build_tokenizer(vocabulary: GGUFVocabulary) -> Any:
         merges = [tuple(merge.split(" ", 1)) for merge in vocabulary.merges]
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
                                          ignore_merges=pre.ignore_merges))
-        from tokenizers import Regex
-
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(expression), behavior="isolated") for expression in pre.expressions]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -215,9 +215,7 @@ def _merges_by_score(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
     return [(left, right) for *_, left, right in ranked]
 
 
-def _set_post_processor(tokenizer: Any, vocabulary: GGUFVocabulary) -> None:
-    from tokenizers import processors
-
+def _set_post_processor(tokenizer: Tokenizer, vocabulary: GGUFVocabulary) -> None:
     bos = vocabulary.token(vocabulary.bos_token_id) if vocabulary.adds_bos else None
     eos = vocabulary.token(vocabulary.eos_token_id) if vocabulary.adds_eos else None
     if bos is None and eos is None:
@@ -251,8 +249,6 @@ class SentencePieceSegmenter:
 
     def pieces(self, text: str) -> list[tuple[int, int]]:
         """(start, end) of each finished piece of `text`, in characters."""
-        import heapq
-
         starts = list(range(len(text)))
         ends = [start + 1 for start in starts]
         following = [index + 1 for index in starts]
@@ -291,14 +287,12 @@ class SentencePieceSegmenter:
         pretokenized.split(lambda _, normalized: [normalized[start:end] for start, end in self.pieces(str(normalized))])
 
 
-def build_encoder(vocabulary: GGUFVocabulary) -> Any | None:
+def build_encoder(vocabulary: GGUFVocabulary) -> Tokenizer | None:
     """For a SentencePiece vocabulary whose scores tie: a tokenizer that encodes with
     SentencePieceSegmenter (decoding and everything else stay `build_tokenizer`'s, which can be
     serialized); None when the ranked BPE already encodes as llama.cpp does."""
     if not scores_tie(vocabulary):
         return None
-    from tokenizers import pre_tokenizers
-
     encoder = build_tokenizer(vocabulary)
     model = encoder.model
     model.ignore_merges = True  # a finished piece is a token as it is; a lone unknown character falls back to bytes
@@ -306,7 +300,7 @@ def build_encoder(vocabulary: GGUFVocabulary) -> Any | None:
     return encoder
 
 
-def gguf_hf_tokenizer(path: str | Path) -> tuple[Any, Any | None]:
+def gguf_hf_tokenizer(path: str | Path) -> tuple[Any, Tokenizer | None]:
     """A transformers fast tokenizer around `build_tokenizer`, with the file's special tokens and
     chat template, and the encoder `build_encoder` gives (what pagoda.tokenizer.Tokenizer wraps)."""
     from transformers import PreTrainedTokenizerFast
