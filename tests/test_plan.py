@@ -300,3 +300,8 @@ def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
     core = EngineCore(engine)
     assert plan.dtype == P.normalize_dtype(str(core.dtype)) == "fp32" and plan.kv_dtype == "fp32"
     assert plan.num_blocks == core.num_blocks and plan.context == core.max_model_len
+    from pagoda.serve.launch import kv_pool_line  # the banner's line for these numbers
+
+    assert kv_pool_line(engine, core.model_config, core.num_blocks, core.max_model_len) == (
+        f"{plan.num_blocks} blocks x {plan.block_size} = {plan.num_blocks * plan.block_size} tokens "
+        f"({plan.full_context_seqs} sequences at full context)")
