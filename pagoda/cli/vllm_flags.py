@@ -39,6 +39,7 @@ REFUSED = {
     "--ssl-keyfile": "pagoda serves plain HTTP: put a TLS-terminating proxy in front of it",
     "--ssl-certfile": "pagoda serves plain HTTP: put a TLS-terminating proxy in front of it",
     "--limit-mm-per-prompt": "pagoda serves text models: drop the flag",
+    "--guided-decoding-backend": "pagoda's structured output always runs llguidance: drop the flag",
 }
 
 
@@ -70,6 +71,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="accepted: pagoda logs no prompts unless --log-prompts")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="accepted: statistics are on /metrics, not in the log")
+    group.add_argument("--uvicorn-log-level", dest="log_level", type=lambda level: "debug" if level == "trace" else level,
+                       choices=("critical", "error", "warning", "info", "debug"), metavar="LEVEL",
+                       help="as --log-level (vLLM's trace is debug)")
     for flag in REFUSED:
         group.add_argument(flag, dest="refused_" + flag.lstrip("-").replace("-", "_"), nargs="?", action=_Refuse, help=argparse.SUPPRESS)
     dtype = next(action for action in parser._actions if action.dest == "dtype")

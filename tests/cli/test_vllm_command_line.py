@@ -32,11 +32,13 @@ def test_launch_lines_map_onto_pagoda_settings(model: Path) -> None:
     engine, deployment, settings = configs(
         str(model), "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "my-model",
         "--max-model-len", "512", "--dtype", "half", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--api-key", "k", "--max-num-seqs", "8", "--disable-log-requests", "--num-gpu-blocks-override", "40")
+        "--api-key", "k", "--max-num-seqs", "8", "--disable-log-requests", "--num-gpu-blocks-override", "40",
+        "--uvicorn-log-level", "warning")
     assert engine.model == str(model) and engine.max_model_len == 512 and engine.dtype == "float16"
     assert engine.max_num_seqs == 8 and engine.num_kv_blocks == 40
     assert (settings.host, settings.port, settings.served_model_names) == ("0.0.0.0", 8001, ["my-model"])
     assert settings.tool_call_parser == "hermes" and deployment.data_parallel_size == 1
+    assert settings.log_level == "warning"
     engine, _, _ = configs("--model", str(model), "--tensor-parallel-size", "2", "--dtype", "float",
                            "--enable-prefix-caching", "--max-num-batched-tokens", "1024")
     assert engine.tensor_parallel_size == 2 and engine.dtype == "float32" and engine.max_num_batched_tokens == 1024
