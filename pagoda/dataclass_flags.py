@@ -92,8 +92,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str, *,
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
             continue
-        # A help text that already states its default ("(default: the model's)") keeps it.
-        if "(default" not in help_text:
+        # A help text that already states its default ("(default: the model's)", "...; default: off")
+        # keeps it: one default per flag.
+        if "default:" not in help_text and "(default" not in help_text:
             help_text = f"{help_text} (default: {default})"
         if typing.get_origin(kind) is list:  # --lora-modules a=PATH b=PATH
             group.add_argument(flag, dest=f.name, nargs="+", default=default,

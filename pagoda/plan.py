@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.artifacts.review import safetensors_header
-from pagoda.config import parse_bytes
+from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
@@ -583,7 +583,15 @@ def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *,
 
 
 def load_model(model: str) -> tuple[ModelShape, ParamCount]:
+    """A model directory, its config.json, or a GGUF file (its metadata; parameters from the architecture)."""
+    from pagoda.model.families.base import gguf_config
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file
+
     path = Path(model)
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        shape = model_shape_from_config(gguf_config(GGUFCheckpoint(gguf_file)), str(gguf_file))
+        return shape, count_params_from_architecture(shape)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise ValueError(f"no config.json at {config_path}; pass a model directory or its config.json")
@@ -711,7 +719,10 @@ class PlanOptions:
     """What `pagoda plan` is asked: the model, the memory, and the knobs that change the answer."""
 
     model: str  # model directory or its config.json
-    memory: str  # accelerator memory, e.g. 80GiB
+    # accelerator memory, e.g. 80GiB; None: the KV pool `pagoda serve` allocates on this machine
+    # (--kv-cache-memory), with the dtype it runs here
+    memory: str | None = None
+    kv_cache_memory: str | None = None  # with memory None: serve's --kv-cache-memory (default: serve's)
     dtype: str | None = None  # weight dtype (default: the config's, else bf16)
     kv_dtype: str | None = None  # default: the weight dtype, or bf16 if that is quantized
     context: int | None = None  # default: the model's max_position_embeddings
@@ -726,6 +737,8 @@ class PlanOptions:
 
 def plan_from_options(options: PlanOptions) -> Plan:
     shape, params = load_model(options.model)
+    if options.memory is None:
+        return _serving_plan(options, shape, params)
     dtype = normalize_dtype(options.dtype) if options.dtype else (shape.config_dtype or "bf16")
     if dtype == "fp8":
         raise ValueError("--dtype fp8 is not supported for weights; use int8 or int4")
@@ -747,6 +760,29 @@ def plan_from_options(options: PlanOptions) -> Plan:
                       pp_layer_partition=_layer_counts(options.pp_layer_partition))
 
 
+def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -> Plan:
+    """The plan of what `pagoda serve` runs on this machine with these flags: its dtype, its KV
+    dtype and the KV pool it allocates (the numbers its banner prints)."""
+    flags = {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+        normalize_dtype(options.dtype), options.dtype) if options.dtype else "auto",
+             "block_size": options.block_size, "max_model_len": options.context}
+    if options.kv_cache_memory:
+        flags["kv_cache_memory"] = options.kv_cache_memory
+    engine = EngineConfig(model=options.model, **flags)
+    dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
+    kv_dtype = normalize_dtype(options.kv_dtype) if options.kv_dtype else serving_kv_dtype("auto", dtype)
+    context = options.context or shape.max_position_embeddings
+    group_size, _ = int4_group_size(shape, options.quantization_group_size)
+    kv_token = kv_bytes_per_token(shape, kv_dtype)
+    pool = serving_pool_blocks(engine, kv_token, context) * kv_token * options.block_size
+    memory = _configured_weight_bytes(params, dtype, group_size) + pool
+    classes = ([parse_request_class(spec) for spec in options.classes] if options.classes else
+               [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()])
+    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
+                      context=context, block_size=options.block_size, reserve_bytes=0, classes=classes,
+                      group_size=options.quantization_group_size)
+
+
 def _layer_counts(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -761,8 +797,9 @@ def _layer_counts(text: str | None) -> list[int] | None:
 
 @dataclass(frozen=True)
 class ModelNeed:
-    """What one model of a models file needs: its engines' weights and one full-context
-    sequence of KV cache each (the least an engine can run with)."""
+    """What one model of a models file needs as `pagoda serve` would run it: its engines' weights
+    in the dtype serve resolves on this machine, and the KV pool serve allocates for each
+    (--kv-cache-memory, or --num-kv-blocks blocks)."""
 
     name: str
     line: int  # where the models file names it
@@ -771,28 +808,53 @@ class ModelNeed:
     context: int
     engines: int  # replicas; tensor-parallel ranks share one replica's weights
     weight_bytes: int
-    kv_bytes: int  # one full-context sequence
+    kv_bytes: int  # one engine's KV pool
 
     @property
     def total_bytes(self) -> int:
         return self.engines * (self.weight_bytes + self.kv_bytes)
 
 
-def model_need(name: str, line: int, model: str, *, dtype: str, quantization: str,
-               max_model_len: int | None, engines: int) -> ModelNeed:
-    """`dtype` and `quantization` as EngineConfig names them (auto, float32, ...; none, int8, int4)."""
-    shape, params = load_model(model)
-    if dtype == "auto":
-        weight_dtype = shape.config_dtype or "bf16"
-    else:
-        weight_dtype = normalize_dtype(dtype)
-    if weight_dtype not in KV_DTYPES or weight_dtype in ("int8", "fp8"):
-        weight_dtype = "bf16"
-    quant = quantization if quantization in ("int8", "int4") else None
-    context = max_model_len or shape.max_position_embeddings or 2048
-    return ModelNeed(name, line, model, weight_dtype, context, engines,
-                     weight_bytes(params, weight_dtype, quant),
-                     kv_bytes_per_token(shape, weight_dtype) * context)
+def serving_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
+    """The weight dtype `pagoda serve` runs (as plan names dtypes): --dtype, or with auto the
+    engine's rule (engine_core.resolve_dtype: float32 on CPU, the config's on a GPU)."""
+    from pagoda.engine.engine_core import resolve_device, resolve_dtype
+
+    hf_names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    resolved = resolve_dtype(dtype if dtype == "auto" else hf_names.get(normalize_dtype(dtype), dtype),
+                             hf_names.get(config_dtype or ""), resolve_device(device))
+    return normalize_dtype(str(resolved))
+
+
+def serving_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
+    """--kv-cache-dtype as plan names it: auto stores the KV in the weights' dtype."""
+    if kv_cache_dtype == "auto":
+        return weight_dtype if weight_dtype in KV_DTYPES and weight_dtype != "int8" else "bf16"
+    return normalize_dtype(kv_cache_dtype)
+
+
+def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int) -> int:
+    """The KV blocks the engine allocates for these settings (EngineCore._num_kv_blocks):
+    --num-kv-blocks, else --kv-cache-memory's worth, at most what --max-num-seqs sequences of the
+    full context can use."""
+    if engine.num_kv_blocks is not None:
+        return engine.num_kv_blocks
+    blocks = engine.kv_cache_bytes // (kv_token * engine.block_size)
+    one_group = kv_cache_groups([None], release=False)  # every layer's blocks together, as plan counts them
+    return min(blocks, engine.max_num_seqs_bound * pages_per_sequence(one_group, context, engine.block_size,
+                                                                      engine.max_num_batched_tokens))
+
+
+def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
+    """One model of a models file, with the engine settings serve would give it."""
+    shape, params = load_model(engine.model)
+    weight_dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
+    quant = engine.quantization if engine.quantization in ("int8", "int4") else None
+    context = engine.max_model_len or shape.max_position_embeddings or 2048
+    kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
+    kv_bytes = serving_pool_blocks(engine, kv_token, context) * engine.block_size * kv_token
+    return ModelNeed(name, line, engine.model, weight_dtype, context, engines,
+                     weight_bytes(params, weight_dtype, quant), kv_bytes)
 
 
 @dataclass(frozen=True)
@@ -812,7 +874,7 @@ class ModelsFit:
     def describe(self, path: str, separator: str = "\n") -> str:
         """A line per model (its file line, engines and memory), the total and the verdict."""
         lines = [f"{path}:{need.line}: {need.name}: {need.engines} x ({fmt_bytes(need.weight_bytes)} weights "
-                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV for one {need.context}-token sequence) "
+                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV pool, {need.context}-token context) "
                  f"= {fmt_bytes(need.total_bytes)}" for need in self.needs]
         usable = self.memory_bytes - self.reserve_bytes
         verdict = "fit" if self.fits else "do NOT fit"

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagoda.errors import InvalidRequest
 from pagoda.gguf_layout import check_gguf_layout
+from pagoda.gguf_tokenizer import gguf_hf_tokenizer
 
 # Any one of these marks a directory as holding a tokenizer that AutoTokenizer can load.
 TOKENIZER_FILES = (
@@ -73,7 +74,9 @@ class Tokenizer:
     never the hub.
     """
 
-    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
+    def __init__(self, hf: PreTrainedTokenizerBase, encoder: Any | None = None) -> None:
+        """`encoder`: a `tokenizers.Tokenizer` that encodes instead of `hf` (a GGUF SentencePiece
+        vocabulary whose scores tie: pagoda/gguf_tokenizer.py); `hf` does everything else."""
         if not getattr(hf, "is_fast", False):
             raise ValueError(
                 f"{type(hf).__name__} is not a fast (Rust `tokenizers`) tokenizer; "
@@ -91,6 +94,7 @@ class Tokenizer:
         )
         self.all_special_ids: set[int] = set(hf.all_special_ids) | self._skipped_ids
         self._backend = hf.backend_tokenizer
+        self._encoder = encoder
         self._anchor_ids, self._anchor_text = self._find_anchor()
 
     @classmethod
@@ -118,16 +122,16 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path) -> "Tokenizer":
-        """The tokenizer stored in a GGUF file's metadata (transformers converts it)."""
+        """The tokenizer stored in a GGUF file's metadata, rebuilt as llama.cpp reads it
+        (pagoda/gguf_tokenizer.py), with the file's chat template."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         check_gguf_layout(gguf_file)  # before transformers reads its counts and lengths
         try:
-            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                               local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # transformers raises many types for GGUF vocabularies it cannot convert
+            hf, encoder = gguf_hf_tokenizer(gguf_file)
+        except Exception as exc:  # a vocabulary the file's metadata cannot describe, whatever the reader raised
             raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
                              f"{exc}); pass --tokenizer DIR") from None
-        return cls(hf)
+        return cls(hf, encoder)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
@@ -149,6 +153,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        if self._encoder is not None:
+            return list(self._encoder.encode(text, add_special_tokens=add_special_tokens).ids)
         # verbose=False: length limits are the engine's to enforce, not a log line per long prompt.
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 

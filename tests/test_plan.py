@@ -264,3 +264,44 @@ def test_pipeline_partition_errors_name_the_numbers(llama3_config: Path, capsys:
     rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "33"],
                          capsys)
     assert rc == 2 and "pipeline_parallel_size 33 is larger than the model's 32 layers" in err
+
+
+def test_plan_and_serve_agree_on_dtype_and_kv_pool(tmp_path) -> None:
+    """`plan --models` counts each model as `serve` would run it here: the dtype serve resolves
+    on this machine and the KV pool the engine allocates for the same flags."""
+    from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+
+    for flags in ({"kv_cache_memory": "8MiB"}, {"num_kv_blocks": 40}, {"kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"}):
+        engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1, **flags)
+        need = P.model_need("m", 1, engine, engines=1)
+        core = EngineCore(engine)
+        assert need.dtype == P.normalize_dtype(str(core.dtype)) == "fp32"
+        pool_bytes = core.num_blocks * engine.block_size * P.kv_bytes_per_token(
+            P.load_model(str(DEFAULT_MODEL_DIR))[0], P.serving_kv_dtype(engine.kv_cache_dtype, need.dtype))
+        assert abs(need.kv_bytes - pool_bytes) <= pool_bytes / core.num_blocks, flags  # within one block
+
+
+@pytest.mark.parametrize("flags", [{}, {"kv_cache_memory": "8MiB"}, {"kv_cache_memory": "8MiB", "context": 256}])
+def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
+    """`pagoda plan --model M` with no --memory: serve's dtype on this (CPU) machine, its KV dtype and
+    the KV pool it allocates for the same flags (the blocks its banner prints)."""
+    import torch
+
+    from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+
+    if torch.cuda.is_available():
+        pytest.skip("compares with serve on CPU")
+    plan = P.plan_from_options(P.PlanOptions(model=str(DEFAULT_MODEL_DIR), kv_cache_memory=flags.get("kv_cache_memory"),
+                                             context=flags.get("context")))
+    engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1,
+                          kv_cache_memory=flags.get("kv_cache_memory", "1GiB"), max_model_len=flags.get("context"))
+    core = EngineCore(engine)
+    assert plan.dtype == P.normalize_dtype(str(core.dtype)) == "fp32" and plan.kv_dtype == "fp32"
+    assert plan.num_blocks == core.num_blocks and plan.context == core.max_model_len
+    from pagoda.serve.launch import kv_pool_line  # the banner's line for these numbers
+
+    assert kv_pool_line(engine, core.model_config, core.num_blocks, core.max_model_len) == (
+        f"{plan.num_blocks} blocks x {plan.block_size} = {plan.num_blocks * plan.block_size} tokens "
+        f"({plan.full_context_seqs} sequences at full context)")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pagoda.config import EngineConfig
+from pagoda.cli.model_flag import use_chat_model_default
 from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
@@ -18,6 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser, default_max_tokens=256)
     # --seed is the request's seed here; the engine keeps its default.
     EngineConfig.add_cli_args(parser, skip=("seed",))
+    use_chat_model_default(parser)
     parser.set_defaults(func=run_chat)
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 from pagoda.config import EngineConfig
+from pagoda.cli.model_flag import use_chat_model_default
 from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
 
 
@@ -22,6 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser, default_max_tokens=128)
     # --seed is the request's seed here; the engine keeps its default.
     EngineConfig.add_cli_args(parser, skip=("seed",))
+    use_chat_model_default(parser)
     parser.set_defaults(func=run_generate)
 
 

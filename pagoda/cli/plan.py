@@ -26,9 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="model directory or its config.json, or a bundled model's name (pagoda-coder)")
     parser.add_argument("--models", default=None, metavar="FILE",
                         help="instead of --model: whether the models of a `pagoda serve --models` file fit\n"
-                             "(each model's replicas, weights and one full-context sequence of KV)")
-    parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB "
-                        "(with --models, default: this machine's)")
+                             "(each model's replicas, its weights and the KV pool serve allocates, as serve\n"
+                             "would run them on this machine)")
+    parser.add_argument("--memory", default=None, help="accelerator memory, e.g. 80GiB, 24GB (default: with --model,\n"
+                        "what `pagoda serve` runs on this machine: its dtype, KV dtype and the KV pool of\n"
+                        "--kv-cache-memory, as its banner shows; with --models, this machine's memory)")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="without --memory: serve's --kv-cache-memory (default: serve's, 1GiB)")
     parser.add_argument("--dtype", default=None,
                         help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype: bf16, fp16, fp32, fp8, int8; fp8/int8 "
@@ -58,9 +62,6 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     if args.models is not None:
         return _run_models_plan(args)
-    if args.memory is None:
-        print("pagoda plan: error: --memory is required with --model", file=sys.stderr)
-        return 2
     try:
         from pagoda.config import resolve_model_path
 
@@ -77,7 +78,6 @@ def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig"
     """Whether the models of the models file at `path` fit in `memory_bytes` (less `reserve`),
     with `config` and `deployment` as every model's defaults; ValueError (naming the line) for
     a bad file or model."""
-    from pagoda.config import resolve_model_path
     from pagoda.serve.models_file import load_models_file
 
     models_file = load_models_file(path)
@@ -86,9 +86,7 @@ def models_fit(path: str, config: "EngineConfig", deployment: "DeploymentConfig"
         engine = entry.engine_config(config)
         try:
             replicas = entry.deployment_config(deployment)
-            needs.append(model_need(entry.name, entry.line, resolve_model_path(engine.model), dtype=engine.dtype,
-                                    quantization=engine.quantization, max_model_len=engine.max_model_len,
-                                    engines=replicas.num_replicas))
+            needs.append(model_need(entry.name, entry.line, engine, engines=replicas.num_replicas))
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}:{entry.line}: model {entry.name!r}: {exc}") from None
     return ModelsFit(needs, memory_bytes, parse_reserve(reserve, memory_bytes))

@@ -23,8 +23,8 @@ promise.
 
 The measured steps are cached in a small JSON file (`calibration_cache_path()`:
 $XDG_CACHE_HOME/pagoda/max_num_seqs.json, else ~/.cache/pagoda/...), keyed by the machine (CPU
-model, cores, torch version, accelerator), the model's fingerprint and the settings that change a
-step; the next start with the same key reuses them, so two starts give the same value. Deleting
+model, cores, torch version, accelerator, torch threads), the model's fingerprint (dtype and
+quantization included), the native kernels and the settings that change a step; the next start with the same key reuses them, so two starts give the same value. Deleting
 the file recalibrates; a damaged file is ignored (one log line) and rewritten. The result never
 exceeds 256. An explicit --max-num-seqs always wins and skips calibration and cache.
 """
@@ -214,11 +214,15 @@ def _cpu_model() -> str:
 
 
 def calibration_key(core: CalibratedEngine, itl_budget_ms: float) -> str:
-    """What a calibration depends on: the machine, the model and the settings that change a step."""
+    """What a calibration depends on: the machine, the model and the settings that change a step
+    (the model's fingerprint holds its dtype and weight quantization; the threads and the native
+    kernels change every step's time as much as the model does)."""
     config = core.config
     accelerator = torch.cuda.get_device_name(core.device) if core.device.type == "cuda" else core.device.type
     parts = {
-        "machine": [_cpu_model(), os.cpu_count(), torch.__version__, accelerator],
+        "machine": [_cpu_model(), os.cpu_count(), torch.__version__, accelerator, torch.get_num_threads()],
+        "kernels": [config.native_kernels, config.quantization, config.quantization_group_size,
+                    config.quantization_zero_point],
         "model": model_fingerprint(config, str(core.dtype).removeprefix("torch.")).hex(),
         "settings": [core.num_blocks, config.block_size, core.max_model_len, config.max_num_batched_tokens,
                      itl_budget_ms, config.kv_cache_dtype, config.speculative, config.num_speculative_tokens,

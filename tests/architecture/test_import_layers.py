@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
      "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table
      "http_client",  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
      "gguf_layout"),  # a GGUF header's counts and offsets checked against the file: tokenizer, quant
+    ("gguf_tokenizer",),  # a GGUF file's vocabulary as a `tokenizers` tokenizer, as llama.cpp splits text
     ("diagnosis",),  # triage rules over metric samples (on stats): ops' doctor and serve's dashboard
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
+from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig, default_chat_model, resolve_model_path
 from pagoda.cli.serve import add_parser
 from server_utils import build_tiny_model, free_port, start_serve_process, start_server
 
@@ -21,7 +21,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_cover_the_engine_config() -> None:
     args = parse()
-    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, str(DEFAULT_MODEL_DIR))
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, default_chat_model())
     config = EngineConfig.from_cli_args(parse("--max-num-seqs", "7", "--no-enable-prefix-caching",
                                               "--kv-cache-memory", "64MiB"))
     assert config.max_num_seqs == 7 and not config.enable_prefix_caching
@@ -31,9 +31,11 @@ def test_flags_cover_the_engine_config() -> None:
     assert args.func.__name__ == "run_serve"
 
 
-def test_bundled_default_model_serves() -> None:
-    """No --model: the bundled model, its chat template and its sampling defaults."""
+def test_bundled_model_serves() -> None:
+    """The bundled model by name: its chat template and its sampling defaults."""
     config = EngineConfig.from_cli_args(parse("--num-threads", "1", "--num-kv-blocks", "64"))
+    assert config.model == resolve_model_path(default_chat_model())
+    config = EngineConfig.from_cli_args(parse("--model", "pagoda-coder"))
     assert config.model == str(DEFAULT_MODEL_DIR)
     live = start_server(DEFAULT_MODEL_DIR, engine={"num_kv_blocks": 64})
     try:

@@ -181,3 +181,28 @@ def test_a_damaged_cache_is_ignored_with_one_log_line(llama_dir, cache_home, cap
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
     assert choice.value >= 1 and not choice.cached
     assert json.loads(path.read_text())["version"] == 1  # rewritten whole
+
+
+def test_the_cache_key_changes_with_what_changes_a_step(llama_dir) -> None:
+    """Native kernels, threads and weight quantization each change a step's time: none of them may
+    reuse another's timings."""
+    import types
+
+    import torch
+
+    def key(**fields) -> str:
+        config = EngineConfig(model=str(llama_dir), **fields)
+        core = types.SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32,
+                                     num_blocks=64, max_model_len=256)
+        return max_num_seqs.calibration_key(core, 50.0)
+
+    base = key()
+    assert key() == base
+    assert len({base, key(native_kernels="on"), key(quantization="int8"), key(quantization="int4"),
+                key(quantization="int4", quantization_group_size=32)}) == 5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert key() != base
+    finally:
+        torch.set_num_threads(threads)

@@ -98,7 +98,7 @@ def test_plan_says_whether_the_models_fit_naming_each(tmp_path) -> None:
     assert fits.returncode == 0, fits.stderr
     lines = fits.stdout.splitlines()
     assert lines[0].startswith(f"{path}:2: a: 2 x (") and lines[1].startswith(f"{path}:3: b: 1 x (")
-    assert "128-token sequence" in lines[1] and lines[-1].endswith("the models fit")
+    assert "128-token context" in lines[1] and "KV pool" in lines[1] and lines[-1].endswith("the models fit")
     too_small = run_cli("plan", "--models", str(path), "--memory", "16MiB")
     assert too_small.returncode == 1 and too_small.stdout.splitlines()[-1].endswith("the models do NOT fit")
 
