@@ -818,7 +818,7 @@ class ModelNeed:
 def serving_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
     """The weight dtype `pagoda serve` runs (as plan names dtypes): --dtype, or with auto the
     engine's rule (engine_core.resolve_dtype: float32 on CPU, the config's on a GPU)."""
-    from pagoda.engine.engine_core import resolve_device, resolve_dtype
+    from pagoda.engine.assembly import resolve_device, resolve_dtype
 
     hf_names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
     resolved = resolve_dtype(dtype if dtype == "auto" else hf_names.get(normalize_dtype(dtype), dtype),

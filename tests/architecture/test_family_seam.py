@@ -14,7 +14,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 FAMILIES_DIR = PACKAGE_DIR / "model" / "families"
 ARCHITECTURE_LITERAL = re.compile(r"\w+ForCausalLM")
 # Strings that spell a GGUF architecture and mean something else.
-NOT_ARCHITECTURES = {("pagoda/config.py", "qwen3")}  # the qwen3 reasoning parser (serve/api/reasoning.py)
+NOT_ARCHITECTURES = {("pagoda/config.py", "qwen3"),  # the qwen3 reasoning parser (serve/api/reasoning.py)
+                     ("pagoda/gguf_tokenizer.py", "llama")}  # tokenizer.ggml.model: SentencePiece vocabularies
 
 
 def modules_outside_families() -> list[Path]:
