@@ -70,7 +70,7 @@ class ConnectionGuard:
         super().__init__(*args, **kwargs)
         self.header_deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         limits = self.limits
         if len(self.connections) > limits.max_connections:
@@ -79,7 +79,7 @@ class ConnectionGuard:
                 limits.warned_at_cap = True
                 logger.warning("%d connections are open (--max-connections): refusing new ones "
                                "with 503 until some close", limits.max_connections)
-            transport.write(_refusal_bytes())
+            self.transport.write(_refusal_bytes())  # the protocol's own, set by super()
             transport.close()
             return
         if limits.warned_at_cap and len(self.connections) < limits.max_connections:
@@ -145,7 +145,7 @@ def _httptools_protocol() -> type[ConnectionGuard] | None:
     return GuardedHttpToolsProtocol
 
 
-def guarded_protocol(settings: ServerSettings) -> type[ConnectionGuard]:
+def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
     """A protocol class for one server, its limits from `settings`, on the parser
     `settings.http_parser` names ("auto": httptools when installed, else h11)."""
     limits = ConnectionLimits(settings.header_timeout, settings.max_connections)
