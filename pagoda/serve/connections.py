@@ -93,7 +93,7 @@ class ConnectionGuard:
         self.head_bytes: int | None = 0  # bytes of the head being received; None once it is in
         self.head_tail = b""  # the last bytes seen, for a head end split between reads
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         limits = self.limits
         if len(self.connections) > limits.max_connections:
@@ -102,7 +102,7 @@ class ConnectionGuard:
                 limits.warned_at_cap = True
                 logger.warning("%d connections are open (--max-connections): refusing new ones "
                                "with 503 until some close", limits.max_connections)
-            transport.write(_refusal_bytes())
+            self.transport.write(_refusal_bytes())  # the protocol's own, set by super()
             transport.close()
             return
         peer = transport.get_extra_info("peername")
@@ -212,7 +212,7 @@ def _httptools_protocol() -> type[ConnectionGuard] | None:
     return GuardedHttpToolsProtocol
 
 
-def guarded_protocol(settings: ServerSettings) -> type[ConnectionGuard]:
+def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
     """A protocol class for one server, its limits from `settings`, on the parser
     `settings.http_parser` names ("auto": httptools when installed, else h11)."""
     per_client = settings.max_connections_per_client or max(1, settings.max_connections - settings.max_connections // 8)

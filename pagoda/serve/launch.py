@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.threads import prefer_passive_omp_wait
@@ -20,7 +20,9 @@ from pagoda.serve.settings import ServerSettings
 
 if TYPE_CHECKING:
     from pagoda.engine.client import EngineClient
+    from pagoda.guard import GuardrailsConfig
     from pagoda.model.model_config import ModelConfig
+    from pagoda.serve.admission.tenants import TenantRegistry
     from pagoda.serve.drain import DrainingServer
     from pagoda.serve.model_registry import ModelRegistry
     from pagoda.serve.models_file import ModelsFile
@@ -183,7 +185,17 @@ class EngineDeathWatch:
         self._stopped.set()
 
 
-def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, object]:
+class BuiltSettings(TypedDict):
+    """The ServerSettings fields launch builds from the flags."""
+
+    served_model_name: str
+    model_path: str
+    tenants: TenantRegistry
+    guardrails: GuardrailsConfig | None
+    prices: PriceTable | None
+
+
+def built_settings(settings: ServerSettings, config: EngineConfig) -> BuiltSettings:
     """The settings launch builds from the flags: the served model's name and path, the tenants
     (--api-key or --api-keys), the loaded guardrails and price table; SystemExit for a bad file."""
     from pagoda.serve.admission.tenants import TenantRegistry
@@ -268,7 +280,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     blocks = stats.num_total_blocks if stats is not None else 0
     native_kernels = active_description(config.native_kernels, device)
     features = [name for name, on in (
-        (native_kernels, native_kernels is not None),
+        (native_kernels or "", native_kernels is not None),
         ("prefix caching", config.enable_prefix_caching),
         ("chunked prefill", config.enable_chunked_prefill),
         (f"speculative decoding ({config.speculative})", bool(config.speculative)),

@@ -110,7 +110,10 @@ class FallbackTarget:
 
     @property
     def label(self) -> str:
-        return self.model if self.remote is None else self.remote.label
+        if self.remote is not None:
+            return self.remote.label
+        assert self.model is not None, "a fallback names a model of this file or a remote endpoint"
+        return self.model
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ class ServeContext:
         """One model's context; the models of one server share `limiter` (tenant limits are
         the server's) and `logs`."""
         logs = logs or ServerLogs.create(settings)
+        name = settings.served_model_name
+        assert name is not None, "launch names the served model before its context is built"
         ctx = cls(
             llm=llm,
             settings=settings,
@@ -96,14 +98,14 @@ class ServeContext:
             limiter=limiter or TenantLimiter(),
             admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
                                           settings.latency_targets, max_model_len=llm.max_model_len),
-            metrics=ServerMetrics(settings.served_model_name, llm.get_stats,
+            metrics=ServerMetrics(name, llm.get_stats,
                                   compat=settings.metrics_compat, replica_stats=llm.replica_stats,
                                   tenant_labels=settings.metrics_tenant_labels, health=llm.health),
             request_log=logs.request_log,
             prompt_log=logs.prompt_log,
             tracer=logs.tracer,
             provenance=ProvenanceBook(ModelProvenance.of(
-                llm, settings.served_model_name, guardrails=settings.guardrails is not None,
+                llm, name, guardrails=settings.guardrails is not None,
                 guardrails_file=settings.guardrails_file)),
         )
         for name, path in llm.config.lora_module_paths():  # --lora-modules, loaded with the engine
@@ -116,7 +118,9 @@ class ServeContext:
 
     @property
     def model_name(self) -> str:
-        return self.settings.served_model_name
+        name = self.settings.served_model_name
+        assert name is not None, "create() checked the served model's name"
+        return name
 
     def answers_to(self, name: str) -> bool:
         """Whether `name` is this model's served name or one of its aliases."""

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets
 from pagoda.serve.admission.work import RequestWork, never_fits
@@ -58,7 +59,7 @@ class _Arrival:
     counted: bool = True
 
 
-def end_arrival(scope: dict) -> None:
+def end_arrival(scope: MutableMapping[str, Any]) -> None:
     """The request reached admission (any model's), or ended before it: it no longer counts as
     arriving where it was counted. Once per request; a no-op for requests never counted."""
     held = scope.pop(ARRIVING, None)

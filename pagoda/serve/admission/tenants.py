@@ -391,7 +391,7 @@ class TenantLimiter:
         if usage.tokens is None or lease.reserved_tokens:
             return
         amount = work.estimated_tokens
-        if amount > limits.tokens_per_minute:
+        if amount > usage.tokens.capacity:  # the bucket holds limits.tokens_per_minute
             raise never_fits(
                 f"This request may use {work.describe_tokens()}, over this key's quota of "
                 f"{limits.tokens_per_minute} tokens per minute. Lower max_tokens or n.",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any, AsyncIterator
 
 import pydantic
@@ -40,13 +41,13 @@ def anthropic_event(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {to_json({'type': kind, **payload})}\n\n"
 
 
-def _text_of(blocks: str | list[ContentBlock] | list[dict[str, Any]] | None, where: str) -> str:
+def _text_of(blocks: str | Sequence[ContentBlock | dict[str, Any]] | None, where: str) -> str:
     """Text blocks (a tool_result's content, the system prompt) joined; other blocks are a 400."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     texts = []
-    for i, block in enumerate(blocks):
-        block = block if isinstance(block, dict) else block.model_dump()
+    for i, item in enumerate(blocks):
+        block = item if isinstance(item, dict) else item.model_dump()
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise bad_request(f"{where}[{i}] has type {block.get('type')!r}; only text blocks are "
                               "supported here (text only, no images or documents).", param=where)
@@ -272,7 +273,7 @@ async def _stream(generation: Generation, tools: ToolPlan | None,
     tool_stream = ToolCallStream(tools.parser, tools.forced) if tools is not None and tools.parse else None
     reasoning_stream = reasoning.stream() if reasoning is not None else None
     text_so_far = answer_so_far = ""
-    stop = ("end_turn", None)
+    stop: tuple[str, str | None] = ("end_turn", None)
     try:
         async for _, delta in generation.deltas():
             for sample in delta.outputs:

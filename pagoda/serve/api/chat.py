@@ -58,7 +58,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         template = template_choice(ctx, request)
         # Tool calling: the tools are validated here and shown to the chat template.
         tools = plan_tools(request, ctx.settings.tool_call_parser, template.template)
-        template_tools = {"tools": tools.tools} if tools else {}
+        template_tools: dict[str, Any] = {"tools": tools.tools} if tools else {}
         template_kwargs = check_template_kwargs(request.chat_template_kwargs)
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:

@@ -162,7 +162,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
         priority = tenant.resolve_priority(getattr(request, "priority", None))
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-        ctx.settings.request_limits.check(request, max_num_seqs=ctx.llm.config.max_num_seqs)
+        max_num_seqs = ctx.llm.config.max_num_seqs
+        assert max_num_seqs is not None, "an engine client's config holds --max-num-seqs as the engine resolved it"
+        ctx.settings.request_limits.check(request, max_num_seqs=max_num_seqs)
         # Refusals by sequence count (full queue, tenant cap, latency targets) come first, on
         # the loop and without waiting on anything: an overloaded server answers them at once
         # instead of after the tokenizing threads.
@@ -197,9 +199,9 @@ async def _events(generation: Generation, formatter: ChunkFormatter,
             yield event
         async for i, delta in generation.deltas():
             for sample in delta.outputs:
-                event = formatter.chunk(i, sample, delta)
-                if event is not None:
-                    yield event
+                chunk = formatter.chunk(i, sample, delta)
+                if chunk is not None:
+                    yield chunk
         if chunks.include_usage:
             yield sse_event({**chunks.base, "choices": [],
                              "usage": generation.usage().model_dump()})

@@ -25,10 +25,9 @@ def template_messages(messages: list[ChatMessage], tokenizer: Any = None) -> lis
     plain = []
     for message in messages:
         content = message.content
-        if isinstance(content, list):
-            content = [part.model_dump() for part in content]
+        parts = [part.model_dump() for part in content] if isinstance(content, list) else content
         extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
-        plain.append({"role": message.role, "content": content, **extra})
+        plain.append({"role": message.role, "content": parts, **extra})
     custom = {message.role for message in messages if message.role not in ROLES}
     roles = ROLES + tuple(sorted(role for role in custom if tokenizer is not None
                                  and template_renders_role(tokenizer, role)))

@@ -32,7 +32,7 @@ from pagoda.serve.api.protocol import ChatCompletionRequest
 from pagoda.serve.api.request_fields import RESPONSES, check_fields
 from pagoda.serve.api.responses_protocol import (DeletedResponse, InputItem, InputTokensDetails,
                                                  OutputTokensDetails, ResponseObject,
-                                                 ResponsesRequest, ResponseUsage, TextConfig)
+                                                 ResponsesRequest, ResponseStatus, ResponseUsage, TextConfig)
 from pagoda.serve.api.responses_store import ResponsesStore, response_not_found
 from pagoda.serve.api.sse import to_json
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan
@@ -233,7 +233,7 @@ def _echoed(value: Any) -> Any:
     return value
 
 
-def _status(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+def _status(finish_reason: str | None) -> tuple[ResponseStatus, dict[str, Any] | None]:
     reason = _INCOMPLETE.get(finish_reason or "")
     return ("incomplete", {"reason": reason}) if reason else ("completed", None)
 
@@ -263,7 +263,7 @@ class _Answer:
         self.store = store if request.store is not False else None
         self.created_at = int(time.time())
 
-    def body(self, status: str, output: list[dict[str, Any]], usage: ResponseUsage | None = None,
+    def body(self, status: ResponseStatus, output: list[dict[str, Any]], usage: ResponseUsage | None = None,
              incomplete_details: dict[str, Any] | None = None) -> ResponseObject:
         request = self.request
         text = request.text.model_dump(by_alias=True, exclude_none=True) if request.text else None

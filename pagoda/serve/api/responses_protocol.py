@@ -81,11 +81,14 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
 
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "failed"]
+
+
 class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: ResponseStatus
     incomplete_details: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     model: str

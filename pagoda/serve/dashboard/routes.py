@@ -27,7 +27,7 @@ _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css",
 
 
 def _asset(name: str) -> bytes:
-    return resources.files("pagoda.serve.dashboard").joinpath("static", name).read_bytes()
+    return (resources.files("pagoda.serve.dashboard") / "static" / name).read_bytes()
 
 
 def visible_tenants(tenant: Tenant, registry: TenantRegistry) -> list[str] | None:

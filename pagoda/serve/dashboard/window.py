@@ -87,6 +87,12 @@ class Sample:
     histograms: dict[str, Histogram]
     labeled: MetricSamples = field(default_factory=dict)  # every series, for the diagnosis rules
 
+    def scalar(self, key: str) -> float:
+        """One of the _SCALARS figures: read_registry gives each a value (only _LABELLED ones may be None)."""
+        value = self.scalars[key]
+        assert value is not None, f"{key} is a labelled counter, not one of the dashboard's scalars"
+        return value
+
 
 def read_registry(registry: CollectorRegistry, now: float) -> Sample:
     """One reading of the pagoda:* families the dashboard shows."""
@@ -160,7 +166,7 @@ def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | Non
             max(0.0, count - before.get(layer, {}).get(expert, 0.0)) for expert, count in zip(experts, counts)]
         routed = sum(window) if window is not None else 0.0
         layers.append({"layer": layer, "expert_tokens": counts, "window_tokens": window,
-                       "window_imbalance": max(window) * len(window) / routed if routed else None,
+                       "window_imbalance": max(window) * len(window) / routed if window and routed else None,
                        **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE}})
     return layers
 
@@ -235,7 +241,7 @@ class DashboardWindow:
         def rate(key: str) -> float:
             if previous is None or elapsed <= 0:
                 return 0.0
-            return max(0.0, s[key] - previous.scalars[key]) / elapsed
+            return max(0.0, sample.scalar(key) - previous.scalar(key)) / elapsed
 
         start = self._window_start()
         point: dict[str, Any] = {
@@ -259,10 +265,9 @@ class DashboardWindow:
     def _totals(self, sample: Sample) -> dict[str, Any]:
         s = sample.scalars
         start = self._window_start()
-        old = start.scalars if start is not None else None
 
         def delta(key: str) -> float:
-            return s[key] - old[key] if old is not None else s[key]
+            return sample.scalar(key) - start.scalar(key) if start is not None else sample.scalar(key)
 
         queries, draft = delta("prefix_queries"), delta("spec_draft_tokens")
         return {
@@ -302,7 +307,7 @@ class DashboardWindow:
 
     def _timelines(self, visible: Callable[[str | None], bool]) -> list[dict[str, Any]]:
         """The last requests as queue -> prefill -> decode durations (seconds)."""
-        timelines = []
+        timelines: list[dict[str, Any]] = []
         for ended, record in reversed(self._records):
             if len(timelines) >= self.max_timelines:
                 break

@@ -41,7 +41,7 @@ class ReplicaLabelledCollector(Collector):
             return
         merged: dict[str, Metric] = {}
         for label, stats in by_replica.items():
-            for family in self._collector_of(lambda stats=stats: stats).collect():
+            for family in self._collector_of(_reading(stats)).collect():
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = Metric(family.name, family.documentation,
@@ -49,6 +49,11 @@ class ReplicaLabelledCollector(Collector):
                 into.samples.extend(sample._replace(labels={**sample.labels, REPLICA_LABEL: label})
                                     for sample in family.samples)
         yield from merged.values()
+
+
+def _reading(stats: EngineStats | None) -> Callable[[], EngineStats | None]:
+    """A stats source that returns one replica's stats, read once for this scrape."""
+    return lambda: stats
 
 
 class SupervisionCollector(Collector):

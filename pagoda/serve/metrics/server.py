@@ -12,6 +12,7 @@ second time under `vllm:` (plus vLLM's older `gpu_cache_usage_perc` and
 from __future__ import annotations
 
 import bisect
+import copy
 from typing import TYPE_CHECKING, Any, Callable, Iterator, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -199,11 +200,10 @@ class _RenamedCollector(Collector):
 
 
 def _renamed(family: Any, old: str, new: str) -> Any:
-    copy = type(family).__new__(type(family))
-    copy.__dict__.update(family.__dict__)
-    copy.name = new
-    copy.samples = [sample._replace(name=new + sample.name[len(old):]) for sample in family.samples]
-    return copy
+    renamed = copy.copy(family)
+    renamed.name = new
+    renamed.samples = [sample._replace(name=new + sample.name[len(old):]) for sample in family.samples]
+    return renamed
 
 
 class ServerMetrics:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagoda.engine.client import generate_outputs
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.observability.drift import compare_outputs, compare_tokenization
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
@@ -419,8 +420,8 @@ class CanaryController:
         tokens = await asyncio.to_thread(tokenize)
         params = SamplingParams(temperature=0.0, max_tokens=self.spec.shadow.max_tokens, logprobs=0)
         final = None
-        async for output in generate_outputs(model.llm, f"canary-shadow-{model.name}-{case_id}",
-                                             tokens.tokens, params):
+        request_id = f"canary-shadow-{model.name}-{case_id}"
+        async for output in generate_outputs(model.llm, EngineRequest(request_id, tokens.tokens, params)):
             final = output
         assert final is not None and final.outputs
         sample = final.outputs[0]

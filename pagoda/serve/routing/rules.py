@@ -29,7 +29,9 @@ class RequestFacts:
 
     @classmethod
     def of(cls, tenant: str, body: dict[str, Any], headers: Any) -> "RequestFacts":
-        metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        metadata = body.get("metadata")
+        if not isinstance(metadata, dict):
+            metadata = {}
         texts: list[str] = []
         ids = 0
         prompt = body.get("prompt")

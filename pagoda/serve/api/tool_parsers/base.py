@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,8 @@ class ToolCallParser:
     def auto_placement(self, parallel: bool) -> str:
         return "final"
 
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        """[{trigger, body}]: the output's calls begin with a trigger, then the body. `repeat`:
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> Sequence[Mapping[str, str | list[str]]]:
+        """[{trigger, body, tokens?}]: the output's calls begin with a trigger, then the body. `repeat`:
         the body itself holds every further call (required / named) rather than the
         placement allowing more segments (auto, anywhere)."""
         raise NotImplementedError

@@ -35,7 +35,7 @@ class DeepSeekV3Parser(ToolCallParser):
             return ParsedOutput(text, [])
         return ParsedOutput(text[:start].strip() or None, calls)
 
-    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
+    def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str | list[str]]]:
         functions = " | ".join(f'{lark_string(name + chr(10) + "```json" + chr(10))} {tools.arguments_json(name)}'
                                for name in tools.names)
         call = f'{lark_string(CALL_BEGIN)} "function" {lark_string(SEPARATOR)} ({functions}) ' \

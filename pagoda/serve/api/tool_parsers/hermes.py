@@ -76,7 +76,11 @@ class HermesParser(ToolCallParser):
             if raw is None:
                 break
             name, complete, _ = raw
-            calls.append((name, complete if complete is not None else segment[self._head.match(segment).end():]))
+            if complete is None:  # still generating: everything after the head so far
+                head = self._head.match(segment)
+                assert head is not None, "_raw_call found a call, so its head matched"
+                complete = segment[head.end():]
+            calls.append((name, complete))
         return calls
 
     def _segments(self, text: str) -> list[str]:
