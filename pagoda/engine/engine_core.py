@@ -30,7 +30,7 @@ from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
-from pagoda.model.attention import select_backend
+from pagoda.kernels.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
 from pagoda.model.pipeline import PipelineStage, pipeline_stages

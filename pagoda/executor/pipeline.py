@@ -34,7 +34,7 @@ from pagoda.config import EngineConfig
 from pagoda.executor.group import Outbox, forward_payload, pickle_payload, share_payload
 from pagoda.executor.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from pagoda.executor.worker import BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, BusyQuery, StepInputs, layout_to
-from pagoda.model.attention import BatchLayout
+from pagoda.kernels.attention import BatchLayout
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.weight_formats import WeightFormat
 

@@ -27,7 +27,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
                                    recv_payload, share_payload, unpickle_payload)
-from pagoda.model.attention import BatchLayout, select_backend
+from pagoda.kernels.attention import BatchLayout, select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage

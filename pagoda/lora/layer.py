@@ -18,7 +18,7 @@ from torch import nn
 
 from pagoda.lora.adapter import LoRAAdapter
 from pagoda.lora.batch import LoRAStepState
-from pagoda.lora.delta import add_lora_delta
+from pagoda.kernels.lora_delta import add_lora_delta
 from pagoda.model.layers import Linear
 
 

@@ -70,7 +70,7 @@ class LoRAManager:
         self.slots = SlotTable(max_loras)
         if device.type == "cuda":
             try:  # the GPU delta's kernels: missing ones are a startup error, never a slow fallback
-                import pagoda.lora.triton_delta  # noqa: F401
+                import pagoda.kernels.triton.lora_delta  # noqa: F401
             except ImportError as error:
                 raise ValueError(f"LoRA on {device} needs triton (pip install 'pagoda[gpu]'): {error}") from None
         self._by_name: dict[str, AdapterIdentity] = {}  # servable adapters

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
+from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig

@@ -15,7 +15,7 @@ so they are stored and multiplied in whatever weight format the model's other pr
    decode-sized), else `torch._grouped_mm` when enough experts are hit to pay its per-expert
    cost; otherwise a loop over the hit experts only (other quantized formats, a single
    sequence's few experts), never over tokens; on CUDA (with triton installed), the Triton
-   fused-MoE kernel (pagoda.model.triton_moe: grouped GEMMs over expert-sorted blocks of rows)
+   fused-MoE kernel (pagoda.kernels.triton.fused_moe: grouped GEMMs over expert-sorted blocks of rows)
    for full-precision and int8 experts, the loop for other formats;
 4. each row scaled by its routing weight and scattered back with one `index_add_` (summing in
    expert order for each token, as transformers does; the Triton path sums each token's rows,
@@ -303,7 +303,7 @@ def triton_moe() -> ModuleType | None:
     """The Triton fused-MoE kernels, or None where triton is not installed (experts on CUDA then
     loop over the hit experts)."""
     try:
-        from pagoda.model import triton_moe as kernels
+        from pagoda.kernels.triton import fused_moe as kernels
     except ImportError:
         return None
     return kernels

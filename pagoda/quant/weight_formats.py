@@ -20,7 +20,7 @@ Formats (weight-only: activations stay in floating point):
   (default) each group maps [min, max] onto 0..15; symmetric maps [-max|w|, max|w|] onto
   -7..7 (zero point 0). (scale, zero) pairs where w = (q - 8) * scale + zero (tinygemm's
   convention); codes in tinygemm's CPU packed layout for `aten._weight_int4pack_mm_for_cpu`,
-  or two per byte for the Triton w4a16 kernel on CUDA (pagoda/quant/triton_weight_kernels.py).
+  or two per byte for the Triton w4a16 kernel on CUDA (pagoda/kernels/triton/weight_matmul.py).
 
 PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (with
 float32 inputs they run far slower than a float32 dense matmul, with bfloat16 faster than it;
@@ -467,7 +467,7 @@ def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _triton_kernels() -> ModuleType:
     """The CUDA kernels, imported on first use: triton is optional (the `gpu` extra)."""
     try:
-        from pagoda.quant import triton_weight_kernels
+        from pagoda.kernels.triton import weight_matmul as triton_weight_kernels
     except ImportError as error:
         raise RuntimeError(f"quantized weights on CUDA need the `triton` package (pip install 'pagoda[gpu]'): "
                            f"{error}") from None

@@ -19,7 +19,7 @@ import torch
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.lora.manager import LoRAManager
-from pagoda.model.attention import AttentionBackend, BatchLayout
+from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.model.llama import LlamaFamilyModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat

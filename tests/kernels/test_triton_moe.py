@@ -1,4 +1,4 @@
-"""The Triton fused-MoE kernel (pagoda/model/triton_moe.py) against the torch reference.
+"""The Triton fused-MoE kernel (pagoda/kernels/triton/fused_moe.py) against the torch reference.
 
 With a GPU it runs compiled; without one under Triton's interpreter (TRITON_INTERPRET=1), in
 float32 and float16 (the interpreter cannot multiply bfloat16 in `tl.dot`), with tiny shapes
@@ -21,7 +21,7 @@ from triton_compile import compile_for_gpu
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
-kernels = import_triton_module("pagoda.model.triton_moe", interpret=INTERPRET)
+kernels = import_triton_module("pagoda.kernels.triton.fused_moe", interpret=INTERPRET)
 
 from pagoda.model import moe  # noqa: E402
 from pagoda.model.loader import finalize_linears  # noqa: E402
@@ -235,7 +235,7 @@ def test_moe_block_on_cuda_replays_in_a_cuda_graph():
 COMPILE_FOR_GPU = r'''
 import torch
 from triton_compile import arch_and_dtype, compiling
-from pagoda.model import triton_moe as tm
+from pagoda.kernels.triton import fused_moe as tm
 
 dtype = arch_and_dtype()[1]
 

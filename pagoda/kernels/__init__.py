@@ -1,0 +1,1 @@
+"""The ops the model calls, each implemented per device (see docs/DESIGN.md, "Kernels")."""
