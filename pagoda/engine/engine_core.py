@@ -30,11 +30,10 @@ from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
-from pagoda.kernels.attention import select_backend
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
 from pagoda.model.pipeline import PipelineStage, pipeline_stages
-from pagoda.native import resolve_native_kernels
+from pagoda.kernels import resolve_kernels
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
@@ -142,10 +141,10 @@ class EngineCore:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
                         config.max_num_batched_tokens)
 
-        self.native_kernels = resolve_native_kernels(config.native_kernels, self.device)
+        self.kernels = resolve_kernels(self.device, config.native_kernels)
         self.weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                                config.quantization_zero_point, self.native_kernels)
-        self.weight_format.check_kernel(self.device, self.dtype)
+                                                config.quantization_zero_point, self.kernels.native_layout)
+        self.kernels.linear.check(self.weight_format, self.device, self.dtype)
         # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
         # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
         # stages 1..P-1 load their layers, this process is the first stage.
@@ -161,7 +160,7 @@ class EngineCore:
         try:
             model = load_model(config.model, self.model_config, self.dtype, self.device, self.weight_format,
                                self.executor.group if self.executor else None,
-                           self.stages[0] if self.stages is not None else None)
+                           self.stages[0] if self.stages is not None else None, self.kernels)
         except ValueError:
             if artifact_check is not None:
                 artifact_check.result()  # a tampered file is named as such, not as a corrupt one
@@ -213,7 +212,7 @@ class EngineCore:
             long_rope_boundary=self.model_config.long_rope_boundary, num_micro_batches=self.num_micro_batches)
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
         self.in_flight: deque[InFlightStep] = deque()
-        backend = select_backend(config.attention_backend, self.device, self.kv_format, self.native_kernels)
+        backend = self.kernels.attention_backend(config.attention_backend, self.kv_format)
         drafter = None
         if draft_model is not None:
             drafter = DraftModelProposer(draft_model, backend, self.num_blocks, config.block_size, self.dtype,
@@ -299,7 +298,7 @@ class EngineCore:
         if draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
                              f"fewer than max_model_len {self.max_model_len}")
-        return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format)
+        return load_model(draft_dir, draft_config, self.dtype, self.device, self.weight_format, kernels=self.kernels)
 
     def _load_loras(self, model) -> LoRAManager:
         """Wrap the projections and load --lora-modules; a bad adapter stops the start."""

@@ -27,7 +27,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
                                    recv_payload, share_payload, unpickle_payload)
-from pagoda.kernels.attention import BatchLayout, select_backend
+from pagoda.kernels import resolve_kernels
+from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
@@ -115,10 +116,12 @@ def run_worker(spec: WorkerSpec) -> None:
     groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
                      config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
     model_config = load_model_config(config.model)
-    model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage)
+    kernels = resolve_kernels(device, config.native_kernels)  # this process's own, for its device
+    model = load_model(config.model, model_config, spec.dtype, device, spec.weight_format, groups.model, spec.stage,
+                       kernels)
     setup: KVSetup = broadcast_object(groups.control, None, spec.rank)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
-    backend = select_backend(config.attention_backend, device, kv_format, getattr(spec.weight_format, "native", None))
+    backend = kernels.attention_backend(config.attention_backend, kv_format)
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
     if spec.stage is not None:

@@ -21,43 +21,15 @@ On CUDA the Triton kernels in kernels/triton/lora_delta.py take over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass
-class LoRABatch:
-    """The tokens of a step that use an adapter, grouped by slot.
-
-    `rows` are those tokens' positions in the batch, sorted by slot (a request's tokens are
-    contiguous, so each slot's rows are a few runs); `segments` says which stretch of `rows`
-    belongs to which slot, for the segment matmuls; `slots` is each row's slot, for the
-    gathered formulation. `rank` is the largest rank among the step's adapters: the stacked
-    weights are zero beyond an adapter's own rank, so a layer computes only `rank` columns.
-    """
-
-    rows: torch.Tensor  # [n] long
-    slots: torch.Tensor  # [n] long
-    segments: list[tuple[int, int, int]]  # (slot, start, end) into rows
-    rank: int
-    num_tokens: int  # of the whole batch, adapter or not
-    # The GPU kernel's tile table, built on first use and shared by all layers of the step.
-    kernel_tiles: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def covers_all_tokens(self) -> bool:
-        return self.rows.shape[0] == self.num_tokens
+from pagoda.kernels.lora_batch import LoRABatch
 
 
 def add_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
                    batch: LoRABatch, width: int) -> torch.Tensor:
     """Add the delta of each adapter token to `output` [T, out] in place; returns `output`.
-    On CUDA the Triton kernels (kernels/triton/lora_delta.py) do it in two launches."""
-    if output.is_cuda:
-        from pagoda.kernels.triton.lora_delta import add_lora_delta_triton
-
-        return add_lora_delta_triton(output, x, lora_a, lora_b_t, batch, width)
+    On CUDA the Triton kernels (kernels/triton/lora_delta.py) do it in two launches instead."""
     if batch.covers_all_tokens and len(batch.segments) == 1:
         slot = batch.segments[0][0]  # one adapter for the whole batch: no gather, no scatter
         output += (x @ lora_a[slot, :width].T) @ lora_b_t[slot, :width]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagoda.kernels.lora_delta import LoRABatch
+from pagoda.kernels.lora_batch import LoRABatch
 
 NO_SLOT = -1  # a token of a base-model request: its projections stay exactly the base's
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.lora_delta import LoRABatch
+from pagoda.kernels.lora_batch import LoRABatch
 
 BLOCK_M = 16  # tokens per tile (tl.dot needs >= 16)
 BLOCK_K = 32  # input features per shrink step
