@@ -35,9 +35,10 @@ class Kernels:
 
     def __init__(self, device: torch.device, native: NativeKernels | None = None) -> None:
         self.device = torch.device(device)
+        if native is not None and self.device.type != "cpu":
+            raise ValueError(f"the native kernels run on the CPU, not on {self.device}")
         self._native = native
         on_cuda = self.device.type == "cuda"
-        self.triton_available = on_cuda and _triton_module("weight_matmul") is not None
         if native is not None:
             self.linear: TorchLinear = NativeLinear(native)
             self.norm: TorchNorm = NativeNorm(native)

@@ -69,7 +69,7 @@ class LoRAManager:
                                  device=device)
         self.slots = SlotTable(max_loras)
         # The delta's kernels: missing ones are a startup error, never a slow fallback.
-        self.layers[0].base.kernels.check_lora()
+        model.kernels.check_lora()
         self._by_name: dict[str, AdapterIdentity] = {}  # servable adapters
         self._adapters: dict[int, LoRAAdapter] = {}  # load id -> weights, removed ones still in use too
         self._identities: dict[int, AdapterIdentity] = {}

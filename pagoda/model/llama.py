@@ -157,6 +157,7 @@ class LlamaFamilyModel(nn.Module):
                  stage: PipelineStage | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
         kernels = kernels or Kernels(device)
+        self.kernels = kernels
         self.config = config
         self.tp = tp or TensorParallelGroup()
         self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
