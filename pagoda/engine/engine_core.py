@@ -27,13 +27,13 @@ from pagoda.engine.threads import available_cores
 from pagoda.executor.pipeline import PipelineExecutor
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
 from pagoda.errors import InvalidRequest
+from pagoda.kernels import resolve_kernels
 from pagoda.kv_transfer.tiers import KVTiers, KVTierStats
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter, MoEStats
 from pagoda.model.pipeline import PipelineStage, pipeline_stages
-from pagoda.kernels import resolve_kernels
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.request import Request, RequestStatus
