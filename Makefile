@@ -59,10 +59,10 @@ lint: $(LINT_STAMP)
 # Separate from `test` because triton is a ~300 MB download (~1 GB installed).
 test-triton: $(TEST_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,gpu]'
-	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_attention.py tests/quant/test_triton_weight_kernels.py \
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/kernels/test_triton_attention.py tests/kernels/test_triton_weight_kernels.py \
 		tests/worker/test_cuda_graphs.py
-	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/lora/test_triton_lora.py
-	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/model/test_triton_moe.py
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/kernels/test_triton_lora.py
+	PAGODA_TRITON_COMPILE=1 $(PY) -m pytest -q tests/kernels/test_triton_moe.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import pagoda.model.attention.torch_backend as torch_backend
+    import pagoda.kernels.attention.torch_backend as torch_backend
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.sampling_params import SamplingParams

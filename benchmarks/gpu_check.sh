@@ -24,11 +24,11 @@ REPO=$PWD
 # kernels imported for a test, or a CUDA check) joins, so a moved or renamed file is still run; a
 # listed name found nowhere is reported in check.log.
 TEST_FILES=(
-    tests/model/test_triton_attention.py       # paged prefill, split-KV decode (windows, soft-capping, sinks), quantized KV
+    tests/kernels/test_triton_attention.py     # paged prefill, split-KV decode (windows, soft-capping, sinks), quantized KV
     tests/worker/test_cuda_graphs.py           # decode graph replay against the eager forward
-    tests/quant/test_triton_weight_kernels.py  # w8a16 / w4a16 weight kernels
-    tests/lora/test_triton_lora.py             # LoRA shrink / expand
-    tests/model/test_triton_moe.py             # fused MoE (and its graph capture)
+    tests/kernels/test_triton_weight_kernels.py  # w8a16 / w4a16 weight kernels
+    tests/kernels/test_triton_lora.py           # LoRA shrink / expand
+    tests/kernels/test_triton_moe.py           # fused MoE (and its graph capture)
     tests/gpu/test_cuda_paths.py               # the device grammar bitmask, the pinned host KV tier
 )
 TEST_NAME_PATTERNS=('test_triton_*.py' 'test_cuda_*.py')

@@ -54,7 +54,7 @@ def _without_prepacked_weights(engine: Any) -> None:
             # The packed tensor replaced the dense weight: recover it (the layer applied to an
             # identity), then FullWeight.apply falls back to F.linear on it.
             eye = torch.eye(module.in_features, dtype=module.weight_dtype)
-            dense = module.weight_format.apply(module, eye, None).t().contiguous()
+            dense = module.kernels.linear(module, eye, None).t().contiguous()
             delattr(module, "packed_weight")
             if hasattr(module, "single_row_weight"):
                 delattr(module, "single_row_weight")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pagoda.lora.batch import LoRABatch, build_lora_batch
-from pagoda.lora.delta import gathered_delta, segmented_delta
+from pagoda.kernels.lora_delta import gathered_delta, segmented_delta
 
 
 def dense_delta(x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch,

@@ -49,7 +49,7 @@ prefer_passive_omp_wait()  # before torch loads
 import torch  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.model import moe as moe_module  # noqa: E402
+from pagoda.kernels import moe as moe_module  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -111,11 +111,14 @@ def pagoda_block_seconds(block, hidden: torch.Tensor, repeats: int, path: str, n
     share, fused_max = moe_module.GROUPED_MIN_ACTIVE_SHARE, moe_module.FUSED_MAX_TOKENS
     moe_module.GROUPED_MIN_ACTIVE_SHARE = {"loop": 0, "grouped": block.experts.num_experts}.get(path, share)
     moe_module.FUSED_MAX_TOKENS = hidden.shape[0] if path == "fused" else 0
-    block.experts.native = native if path in ("native", "fused") else None
+    moe_kernels = block.kernels.moe
+    own_native = moe_kernels.native
+    moe_kernels.native = native if path in ("native", "fused") else None
     try:
         return block_seconds(block, hidden, repeats)
     finally:
         moe_module.GROUPED_MIN_ACTIVE_SHARE, moe_module.FUSED_MAX_TOKENS = share, fused_max
+        moe_kernels.native = own_native
 
 
 def unfused_decode_step_ms(llm: LLM, batch: list[list[int]]) -> float:
@@ -170,7 +173,7 @@ def main() -> None:
         name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
         for name, ep in (("tp2", False), ("ep2", True))}
     pagoda_block = engines["moe"].engine.core.runner.model.model.layers[0].mlp
-    native = engines["moe_native"].engine.core.runner.model.model.layers[0].mlp.experts.native
+    native = engines["moe_native"].engine.core.kernels.moe.native
     hf_block = hf.model.layers[0].mlp
     samples: dict[str, list[float]] = {}
 

@@ -37,7 +37,7 @@ def decode_step(shape: dict[str, int], concurrency: int, context: int, kv_cache_
     of `context` tokens each, their blocks shuffled over the pool."""
     import torch
 
-    from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
+    from pagoda.kernels.attention.backend import AttentionLayerSpec, BatchLayout
     from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 
     generator = torch.Generator().manual_seed(seed)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pagoda import native
-    from pagoda.model.attention.torch_backend import TorchAttentionBackend
+    from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
 
     torch.set_num_threads(args.threads)
     kernels = native.resolve_native_kernels("on", torch.device("cpu"))

@@ -126,8 +126,7 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
 
 
 def _kernels_of(engine: Any) -> str:
-    native = getattr(engine.core.weight_format, "native", None)
-    return native.describe() if native is not None else "off (PyTorch ops)"
+    return engine.core.kernels.describe() or "off (PyTorch ops)"
 
 
 def _drain(conn: Any) -> None:

@@ -42,13 +42,13 @@ class VersionAction(argparse.Action):
                  option_string: str | None = None) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
-        from pagoda.native import version_line
+        from pagoda.kernels import native_version_line
 
         try:
             package_version = version("pagoda")
         except PackageNotFoundError:
             package_version = "(not installed)"
-        print(f"pagoda {package_version}\n{version_line()}")
+        print(f"pagoda {package_version}\n{native_version_line()}")
         parser.exit()
 
 

@@ -24,13 +24,13 @@ from pagoda.engine.threads import available_cores
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
+from pagoda.kernels import Kernels, resolve_kernels
 from pagoda.kv_transfer.tiers import KVTiers, model_fingerprint
 from pagoda.lora.manager import LoRAManager
-from pagoda.model.attention import select_backend
+from pagoda.model.decoder import DecoderModel
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.moe_load import ExpertLoadMeter
 from pagoda.model.pipeline import PipelineStage, pipeline_stages
-from pagoda.native import resolve_native_kernels
 from pagoda.quant.weight_formats import WeightFormat, make_weight_format
 from pagoda.spec_decode.controller import SpecDecodeController
 from pagoda.spec_decode.draft_proposer import DraftModelProposer
@@ -69,7 +69,7 @@ class ModelStack:
     max_model_len: int
     verification: VerificationPolicy
     weights_digest: str | None  # the verified manifest's digest (--verify-manifest), else None
-    native_kernels: Any  # pagoda.native's kernels, or None
+    kernels: Kernels  # the ops the model's layers call, resolved once for the device (pagoda.kernels)
     weight_format: WeightFormat
     stages: list[PipelineStage] | None  # pipeline parallelism: every stage, this process the first
     executor: TensorParallelExecutor | None  # the other ranks or stages, None on one
@@ -106,10 +106,10 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
                     config.max_num_batched_tokens)
-    native_kernels = resolve_native_kernels(config.native_kernels, device)
+    kernels = resolve_kernels(device, config.native_kernels)
     weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                       config.quantization_zero_point, native_kernels)
-    weight_format.check_kernel(device, dtype)
+                                       config.quantization_zero_point, kernels.native_layout)
+    kernels.linear.check(weight_format, device, dtype)
     # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
     # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
     # stages 1..P-1 load their layers, this process is the first stage.
@@ -122,7 +122,8 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
         executor = TensorParallelExecutor(config, device, dtype, torch.get_num_threads())
     try:
         model = load_model(config.model, model_config, dtype, device, weight_format,
-                           executor.group if executor else None, stages[0] if stages is not None else None)
+                           executor.group if executor else None, stages[0] if stages is not None else None,
+                           kernels)
     except ValueError:
         if artifact_check is not None:
             artifact_check.result()  # a tampered file is named as such, not as a corrupt one
@@ -139,11 +140,11 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
     draft_model = None
     if config.speculative == "draft":
         draft_model = _load_draft_model(config.draft_model, model_config, max_model_len, dtype, device,
-                                        weight_format, verification)
+                                        weight_format, verification, kernels)
     moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
         if config.moe_metrics and model_config.moe is not None else None
     lora = load_loras(config.lora, model, dtype, device, verification) if config.enable_lora else None
-    return ModelStack(model_config, device, dtype, max_model_len, verification, weights_digest, native_kernels,
+    return ModelStack(model_config, device, dtype, max_model_len, verification, weights_digest, kernels,
                       weight_format, stages, executor, model, draft_model, lora, moe_meter)
 
 
@@ -169,7 +170,8 @@ def _pipeline_stages(config: EngineConfig, model_config: ModelConfig,
 
 
 def _load_draft_model(draft_dir: str | None, target: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device, weight_format: WeightFormat, verification: VerificationPolicy):
+                      device: torch.device, weight_format: WeightFormat, verification: VerificationPolicy,
+                      kernels: Kernels) -> DecoderModel:
     assert draft_dir is not None  # SpeculativeConfig requires it with speculative=draft
     if verification.enabled:
         verify_artifact(draft_dir, verification)
@@ -180,7 +182,7 @@ def _load_draft_model(draft_dir: str | None, target: ModelConfig, max_model_len:
     if draft_config.max_position_embeddings < max_model_len:
         raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
                          f"fewer than max_model_len {max_model_len}")
-    return load_model(draft_dir, draft_config, dtype, device, weight_format)
+    return load_model(draft_dir, draft_config, dtype, device, weight_format, kernels=kernels)
 
 
 def load_loras(lora: LoRAConfig, model: Any, dtype: torch.dtype, device: torch.device,
@@ -229,7 +231,7 @@ def build_runner(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan,
                  kv_format: KVCacheFormat) -> tuple[ModelRunner, SpecDecodeController]:
     """The model runner over the pool, with speculation, and the executor's ranks serving the
     same block ids."""
-    backend = select_backend(config.attention_backend, stack.device, kv_format, stack.native_kernels)
+    backend = stack.kernels.attention_backend(config.attention_backend, kv_format)
     drafter = None
     if stack.draft_model is not None:
         drafter = DraftModelProposer(stack.draft_model, backend, plan.num_blocks, config.block_size, stack.dtype,

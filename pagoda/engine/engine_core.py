@@ -98,8 +98,7 @@ class EngineCore:
         stack = build_model_stack(config)
         self.model_config, self.device, self.dtype = stack.model_config, stack.device, stack.dtype
         self.max_model_len, self.weights_digest = stack.max_model_len, stack.weights_digest
-        self.verification, self.native_kernels, self.weight_format = (stack.verification, stack.native_kernels,
-                                                                      stack.weight_format)
+        self.verification, self.kernels, self.weight_format = stack.verification, stack.kernels, stack.weight_format
         self.stages, self.executor, self.num_micro_batches = stack.stages, stack.executor, stack.num_micro_batches
         self.lora, self.moe_meter = stack.lora, stack.moe_meter
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)

@@ -35,7 +35,7 @@ from pagoda.executor.group import Outbox, forward_payload, seal_payload, share_p
 from pagoda.executor.tensor_parallel import TensorParallelError, TensorParallelExecutor
 from pagoda.executor.worker import (BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, StageMessage, StepInputs,
                                     layout_to)
-from pagoda.model.attention import BatchLayout
+from pagoda.kernels.attention import BatchLayout
 from pagoda.model.pipeline import PipelineStage
 
 

@@ -28,7 +28,7 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec, new_secret
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
 from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
-from pagoda.model.attention import BatchLayout
+from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage

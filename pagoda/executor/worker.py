@@ -28,12 +28,12 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec
 from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
                                    open_payload, recv_payload, share_payload)
-from pagoda.model.attention import BatchLayout, select_backend
+from pagoda.kernels import resolve_kernels
+from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
-from pagoda.native import resolve_native_kernels
 from pagoda.quant.weight_formats import make_weight_format
 from pagoda.worker.paged_model import PagedModel
 
@@ -123,13 +123,14 @@ def run_worker(spec: WorkerSpec) -> None:
                      config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
     codec = ChannelCodec(spec.channel_secret)
     model_config = load_model_config(config.model)
+    kernels = resolve_kernels(device, config.native_kernels)  # this process's own, for its device
     weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                       config.quantization_zero_point,
-                                       resolve_native_kernels(config.native_kernels, device))
-    model = load_model(config.model, model_config, spec.dtype, device, weight_format, groups.model, spec.stage)
+                                       config.quantization_zero_point, kernels.native_layout)
+    model = load_model(config.model, model_config, spec.dtype, device, weight_format, groups.model, spec.stage,
+                       kernels)
     setup: KVSetup = broadcast_object(groups.control, codec, None, spec.rank, KVSetup)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
-    backend = select_backend(config.attention_backend, device, kv_format, getattr(weight_format, "native", None))
+    backend = kernels.attention_backend(config.attention_backend, kv_format)
     paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
                        setup.kv_groups)
     if spec.stage is not None:

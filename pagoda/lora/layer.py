@@ -18,7 +18,6 @@ from torch import nn
 
 from pagoda.lora.adapter import LoRAAdapter
 from pagoda.lora.batch import LoRAStepState
-from pagoda.lora.delta import add_lora_delta
 from pagoda.model.layers import Linear
 
 
@@ -62,7 +61,7 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None:
             return output
-        return add_lora_delta(output, x, self.lora_a, self.lora_b_t, batch, batch.rank * len(self.parts))
+        return self.base.kernels.lora_delta(output, x, self.lora_a, self.lora_b_t, batch, batch.rank * len(self.parts))
 
     def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write the adapter's A and B for this layer into `slot` (zeros where it has none)."""

@@ -68,11 +68,8 @@ class LoRAManager:
         self.layers = wrap_model(model, self.state, max_loras=max_loras, max_rank=max_lora_rank, dtype=dtype,
                                  device=device)
         self.slots = SlotTable(max_loras)
-        if device.type == "cuda":
-            try:  # the GPU delta's kernels: missing ones are a startup error, never a slow fallback
-                import pagoda.lora.triton_delta  # noqa: F401
-            except ImportError as error:
-                raise ValueError(f"LoRA on {device} needs triton (pip install 'pagoda[gpu]'): {error}") from None
+        # The delta's kernels: missing ones are a startup error, never a slow fallback.
+        model.kernels.check_lora()
         self._by_name: dict[str, AdapterIdentity] = {}  # servable adapters
         self._adapters: dict[int, LoRAAdapter] = {}  # load id -> weights, removed ones still in use too
         self._identities: dict[int, AdapterIdentity] = {}

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
+from pagoda.kernels import Kernels
+from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
-from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import WeightFormat
 
 
@@ -41,17 +41,11 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 
 
-def native_kernels(weight_format: WeightFormat | None) -> NativeKernels | None:
-    """The native CPU kernels the engine chose (they ride with the weight format it passes down),
-    which the norms and rotary use too."""
-    return getattr(weight_format, "native", None)
-
-
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism)."""
 
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup, kernels: Kernels) -> None:
         super().__init__()
         self.layer_index = layer_index
         heads = tp.attention_heads(config.num_heads, config.num_kv_heads, config.head_dim)
@@ -63,11 +57,12 @@ class Attention(nn.Module):
         full_q = config.num_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, full_q + 2 * config.num_kv_heads * config.head_dim,
                                config.qkv_bias, dtype, device, weight_format,
-                               tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads))
+                               tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads),
+                               kernels=kernels)
         self.o_proj = Linear(full_q, config.hidden_size, config.o_bias, dtype, device, weight_format,
-                             tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce)
-        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms,
-                     native_kernels(weight_format))
+                             tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce,
+                             kernels=kernels)
+        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
@@ -104,12 +99,11 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup) -> None:
+                 weight_format: WeightFormat | None, tp: TensorParallelGroup, kernels: Kernels) -> None:
         super().__init__()
-        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
-                     native_kernels(weight_format))
+        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp)
+        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
@@ -118,10 +112,10 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(*norm_args)
             self.post_feedforward_layernorm = RMSNorm(*norm_args)
         if config.moe is not None and config.moe.sparse_layers[layer_index]:
-            self.mlp = SparseMoE(config, dtype, device, weight_format, tp)
+            self.mlp = SparseMoE(config, dtype, device, weight_format, tp, kernels)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_activation,
-                           dtype, device, weight_format, tp)
+                           dtype, device, weight_format, tp, kernels)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 rotary: RotaryEmbedding, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +147,17 @@ class DecoderModel(nn.Module):
     shards and `num_kv_heads` is the rank's count (what its KV cache holds).
 
     `stage`: this pipeline stage (pagoda.model.pipeline): only its decoder layers are built, the
-    embedding on the first stage, the final norm and LM head on the last."""
+    embedding on the first stage, the final norm and LM head on the last.
+
+    `kernels`: the ops' implementations for the device (pagoda.kernels; None: PyTorch's), which
+    every layer calls."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
+        kernels = kernels or Kernels(device)
+        self.kernels = kernels
         self.config = config
         self.tp = tp or TensorParallelGroup()
         self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
@@ -168,14 +167,14 @@ class DecoderModel(nn.Module):
         self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device,
                                                          self.tp) if holds_embedding else None
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, weight_format, self.tp) if self.stage.holds_layer(i)
+            DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels) if self.stage.holds_layer(i)
             else OtherStageLayer() for i in range(config.num_layers))
         self.num_kv_heads = self.model.layers[self.stage.first_layer].self_attn.num_kv_heads
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
-                                  native_kernels(weight_format)) if self.stage.is_last else None
+                                  kernels) if self.stage.is_last else None
         self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
-            shard=self.tp.vocab(config.vocab_size, config.hidden_size))
+            shard=self.tp.vocab(config.vocab_size, config.hidden_size), kernels=kernels)
         # In the model dtype, as transformers multiplies by it.
         self.register_buffer("embedding_scale", None if config.embedding_scale is None else torch.tensor(
             config.embedding_scale, dtype=dtype, device=device), persistent=False)
@@ -188,7 +187,7 @@ class DecoderModel(nn.Module):
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device,
-                            config.long_rope_boundary, native_kernels(weight_format))
+                            config.long_rope_boundary, kernels)
             for theta, scaling in distinct)
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 

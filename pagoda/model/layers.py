@@ -9,23 +9,23 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import Kernels
 from pagoda.model.parallel import LinearShard
 from pagoda.model.rope import rope_attention_factor, rope_inv_freq
-from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b, with W stored and multiplied by a weight format (pagoda.quant).
+    """y = x @ W^T + b, with W stored by a weight format (pagoda.quant) and multiplied by the
+    kernels' linear op (pagoda.kernels.linear), which picks the format's product for the device.
 
     The shape other features build on (DESIGN.md, "One linear layer"):
-    - `weight_format` owns storage, loading and the matmul: loaders write full-precision rows
-      into the staging `weight` [out_features, in_features] (fused parts by row offset), then
-      call `finalize(name)`, which lets the format quantize and pack; `forward` calls
-      `weight_format.apply`. The model code never branches on the format.
+    - `weight_format` owns storage and loading: loaders write full-precision rows into the
+      staging `weight` [out_features, in_features] (fused parts by row offset), then call
+      `finalize(name)`, which lets the format quantize and pack; `forward` calls
+      `kernels.linear`. The model code never branches on the format.
     - Tensor parallelism: `shard` (pagoda.model.parallel.LinearShard, column or row parallel)
       makes in/out features the rank's slice; loaders narrow checkpoint tensors with
       `shard.take`; a row-parallel layer all-reduces its output in `forward` after `apply`,
@@ -36,11 +36,13 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device, weight_format: WeightFormat | None = None,
-                 shard: LinearShard | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> None:
+                 shard: LinearShard | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 kernels: Kernels | None = None) -> None:
         """in/out features are the whole layer's; with a shard the layer holds the rank's slice
-        and `reduce` (the group's all-reduce) sums a row-parallel layer's partial outputs."""
+        and `reduce` (the group's all-reduce) sums a row-parallel layer's partial outputs.
+        kernels: the model's (None: PyTorch's for `device`)."""
         super().__init__()
+        self.kernels = kernels or Kernels(device)
         # --- tensor parallelism (pagoda.model.parallel) ---
         self.shard = shard or LinearShard.whole(in_features, out_features)
         self.reduce = reduce if self.shard.reduce else None
@@ -59,8 +61,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
-            return self.weight_format.apply(self, x, self.bias)
-        out = self.reduce(self.weight_format.apply(self, x, None))  # row parallel: sum the partial outputs
+            return self.kernels.linear(self, x, self.bias)
+        out = self.reduce(self.kernels.linear(self, x, None))  # row parallel: sum the partial outputs
         return out if self.bias is None else out + self.bias
 
 
@@ -68,55 +70,29 @@ class RMSNorm(nn.Module):
     """unit_offset: Gemma's form, which scales by (1 + weight) and casts after the product.
 
     Called with a residual, it also adds: the decoder keeps its residual stream apart from each
-    block's output and this norm folds the add in (one pass instead of two). native: pagoda's
-    native CPU kernels (pagoda.native), used for float32; with them the add is written into the
-    block output's buffer, which the caller hands over."""
+    block's output and this norm folds the add in (one pass instead of two); the kernels' norm
+    (pagoda.kernels.norm) may write the sum into the block output's buffer, which the caller
+    hands over."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
-                 unit_offset: bool = False, native: NativeKernels | None = None) -> None:
+                 unit_offset: bool = False, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
-        self.native = native
+        self.kernels = kernels or Kernels(device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pre_norm: RMSNorm | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With it: (norm(s), s) for the new residual stream
         s = residual + x, or residual + pre_norm(x) (Gemma's norm of a block's output before the
-        add); x is consumed (the native path overwrites it with s)."""
+        add); x is consumed (an implementation may overwrite it with s)."""
+        norm = self.kernels.norm
         if residual is None:
-            return self._norm(x)
-        if self._native_for(x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == torch.float32 \
-                and (pre_norm is None or pre_norm._native_for(x)):
-            x = x.contiguous()
-            out = self.native.add_rms_norm_(x, residual, self.weight, self.eps, self.unit_offset,
-                                            None if pre_norm is None else pre_norm.weight)
-            return out, x
+            return norm.rms_norm(x, self.weight, self.eps, self.unit_offset)
         # pre_norm's own forward is not called: its time is this call's (forward hooks, profiles)
-        summed = residual + (x if pre_norm is None else pre_norm._norm(x))
-        return self._norm(summed), summed
-
-    def _native_for(self, x: torch.Tensor) -> bool:
-        return self.native is not None and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native_for(x):
-            return self.native.rms_norm(x, self.weight, self.eps, self.unit_offset)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel instead of five; in float32 it computes transformers' ops
-            # (mean of squares, rsqrt, scale, weight) with the same results, bit for bit.
-            weight = 1.0 + self.weight if self.unit_offset else self.weight
-            return F.rms_norm(x, self.weight.shape, weight, self.eps)
-        input_dtype = x.dtype
-        if self.unit_offset:
-            x = x.float()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (x * (1.0 + self.weight.float())).to(input_dtype)
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return norm.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset,
+                                 None if pre_norm is None else pre_norm.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -132,14 +108,13 @@ class RotaryEmbedding(nn.Module):
     position, and a token on the long factors reads row boundary + position. A rotary of another
     rope type in such a model repeats its rows the same way.
 
-    native: pagoda's native CPU kernels (pagoda.native): float32 heads are rotated in place (the
-    q and k columns of the fused qkv output, no copy), with the same products, bit for bit."""
+    The rotation itself is the kernels' rotary (pagoda.kernels.rotary)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device,
-                 long_rope_boundary: int | None = None, native: NativeKernels | None = None) -> None:
+                 long_rope_boundary: int | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
-        self.native = native
+        self.kernels = kernels or Kernels(device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:
             long_freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
@@ -151,7 +126,6 @@ class RotaryEmbedding(nn.Module):
         if attention_factor != 1.0:
             cos, sin = cos * attention_factor, sin * attention_factor
         half = head_dim // 2
-        self.half = half
         self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin_rolled", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
             dtype=dtype, device=device), persistent=False)
@@ -163,9 +137,5 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
         """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables; the
-        heads are consumed (rotated in place on the native path)."""
-        if self.native is not None and heads.dtype == torch.float32 and cos.dtype == torch.float32 \
-                and heads.stride(-1) == 1:
-            self.native.rotary_(heads, cos, sin_rolled)
-            return heads
-        return heads * cos + heads.roll(self.half, dims=-1) * sin_rolled
+        heads are consumed (an implementation may rotate them in place)."""
+        return self.kernels.rotary(heads, cos, sin_rolled)

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.artifacts.digests import PICKLE_PATTERNS
+from pagoda.kernels import Kernels
 from pagoda.model.decoder import DecoderModel
 from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
@@ -92,20 +93,22 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, weight_format: WeightFormat | None = None,
-               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
+               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
+               kernels: Kernels | None = None) -> DecoderModel:
     """The model with its weights; with `tp`, this rank's shards of them only; with `stage`,
-    that pipeline stage's layers only."""
+    that pipeline stage's layers only; its layers call `kernels` (None: PyTorch's for `device`)."""
+    kernels = kernels or Kernels(device)
     gguf_file = find_gguf_file(model_dir)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, config, dtype, device, weight_format, tp, stage)
+        return _load_gguf(gguf_file, config, dtype, device, weight_format, tp, stage, kernels)
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     requested = weight_format.name if weight_format is not None else "none"
     checkpoint_format, quantization = resolve_checkpoint_format(model_dir, "none" if requested == "full" else requested)
     if checkpoint_format is not None:  # a GPTQ checkpoint: its codes load as they are
         weight_format = checkpoint_format
-        weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(model_dir), tp, stage)
+        kernels.linear.check(weight_format, device, dtype)
+    model = build_empty_model(config, dtype, device, weight_format, str(model_dir), tp, stage, kernels)
     plain = ((path.name, name, tensor) for path, name, tensor in iterate_tensors(files))
     if quantization is not None:
         tensors = gptq_tensors(plain, quantization)
@@ -117,12 +120,12 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
-               stage: PipelineStage | None) -> DecoderModel:
+               stage: PipelineStage | None, kernels: Kernels) -> DecoderModel:
     checkpoint = GGUFCheckpoint(path)
     reading = gguf_reading(checkpoint)
     weight_format = gguf_weight_format(checkpoint, weight_format)
-    weight_format.check_kernel(device, dtype)
-    model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage)
+    kernels.linear.check(weight_format, device, dtype)
+    model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage, kernels)
     blocks = isinstance(weight_format, GGUFBlockWeight)
     keep_codes = blocks or (isinstance(weight_format, Int4Weight) and weight_format.group_size == 32)
     tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
@@ -184,12 +187,13 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                       weight_format: WeightFormat | None, source: str = "model",
-                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None) -> DecoderModel:
+                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
+                      kernels: Kernels | None = None) -> DecoderModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
     try:
         with torch.device(device):
-            model = family_of(config).model_class(config, dtype, device, weight_format, tp, stage)
+            model = family_of(config).model_class(config, dtype, device, weight_format, tp, stage, kernels)
     except ValueError as error:  # a dimension that tensor_parallel_size does not divide
         raise ValueError(f"{source}: {error}") from None
     for name, module in model.named_modules():

@@ -10,7 +10,8 @@ between machines stays valid.
 
 A process tries the build at most once (`_build`). When it fails (no compiler, no
 `ninja`, a CPU the sources do not compile for) it logs one line and every caller keeps its
-PyTorch path: `resolve_native_kernels("auto")` then answers None, `"on"` raises.
+PyTorch path: `resolve_native_kernels("auto")` then answers None, `"on"` raises. The engine
+reaches them only through pagoda.kernels, which resolves every op's implementation per device.
 
 Every kernel has a PyTorch reference beside it (tests/native): results agree within the float32
 rounding of a different summation order, not bit for bit (bit for bit where the order is the same,
@@ -51,8 +52,8 @@ class NativeKernelsUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The built extension, as layers hold it. Pickles as its instruction set name and loads the
-    extension again in the receiving process (tensor-parallel workers)."""
+    """The built extension, as pagoda.kernels holds it. Pickles as its instruction set name and loads
+    the extension again in the receiving process (tensor-parallel workers)."""
 
     isa: str
 
@@ -146,7 +147,7 @@ class NativeKernels:
 
     def route_top_k(self, logits: torch.Tensor, top_k: int, renormalize: bool,
                     softmax_over_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k experts from router logits [T, E] float32, as pagoda.model.moe.top_k_experts
+        """Each token's top-k experts from router logits [T, E] float32, as pagoda.kernels.moe.top_k_experts
         computes them: (weights [T, k] float32, experts [T, k] int64)."""
         return load_extension().route_top_k(logits, top_k, renormalize, softmax_over_top_k)
 
@@ -247,15 +248,6 @@ def resolve_native_kernels(mode: str, device: torch.device) -> NativeKernels | N
             raise ValueError(f"--native-kernels on: {_build()}")
         return None
     return NativeKernels(isa=load_extension().isa())
-
-
-def active_description(mode: str, device: torch.device) -> str | None:
-    """What the startup banner lists: the active kernels, or None."""
-    try:
-        kernels = resolve_native_kernels(mode, device)
-    except ValueError:
-        return None
-    return kernels.describe() if kernels is not None else None
 
 
 def version_line() -> str:

@@ -343,19 +343,20 @@ def _q8_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | None) -> WeightFormat:
     """The decoder projections' format for a GGUF file: a requested int8/int4 format wins
     (tensors dequantized and re-quantized, except Q4_0 into int4 group 32, which is exact);
-    with the native kernels, projections all Q8_0 or all Q4_0 are served as their blocks
+    in the native layout (the engine runs the native kernels), projections all Q8_0 or all Q4_0
+    are served as their blocks
     (GGUFBlockWeight); otherwise Q4_0 projections are served as int4 group 32 and everything else
     as floats."""
     if requested is not None and not isinstance(requested, FullWeight):
         return requested
     types = checkpoint.linear_types()
-    native = requested.native if requested is not None else None
-    if native is not None and len(types) == 1 and next(iter(types)) in GGUF_BLOCK_BYTES:
-        return GGUFBlockWeight(next(iter(types)), native)
+    native_layout = requested is not None and requested.native_layout
+    if native_layout and len(types) == 1 and next(iter(types)) in GGUF_BLOCK_BYTES:
+        return GGUFBlockWeight(next(iter(types)))
     if "Q4_0" in types:
         others = sorted(types - {"Q4_0"})
         if others:
             logger.info("%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
                         checkpoint.path.name, ", ".join(others))
-        return Int4Weight(group_size=32, zero_point=False, native=native)
+        return Int4Weight(group_size=32, zero_point=False, native_layout=native_layout)
     return requested or FullWeight()

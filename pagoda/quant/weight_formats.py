@@ -1,37 +1,39 @@
-"""Weight formats (vLLM: quant methods): how a `Linear`'s weight is stored, loaded and multiplied.
+"""Weight formats (vLLM: quant methods): how a `Linear`'s weight is stored and loaded.
 
-A format is a small stateless-per-layer strategy object shared by every quantized `Linear`:
+A format is a small stateless-per-layer strategy object shared by every quantized `Linear`; it
+holds storage only (bytes, scales, layout), the products live in pagoda.kernels.linear:
 
 - `create_weights(layer, ...)` registers a full-precision staging `weight` [out, in] that the
   loaders fill row slice by row slice (fused q/k/v and gate/up included);
 - `finalize(layer, name)` converts the staged weight once loading is done (round-to-nearest
-  quantization, packing into the kernel's layout) and frees it;
-- `apply(layer, x, bias)` computes `x @ W^T + b` with the format's kernel.
+  quantization, packing into the layout the device's kernels read) and frees it.
 
 Formats (weight-only: activations stay in floating point):
 
-- `full`: the weight as loaded; on CPU pre-packed once for oneDNN's matmul, or, with the
-  native kernels, kept dense for their decode-sized products.
+- `full`: the weight as loaded; on CPU pre-packed once for oneDNN's matmul, or, in the native
+  layout (`native_layout`: the engine runs pagoda's native kernels), kept dense for their
+  decode-sized products.
 - `int8`: per-output-channel symmetric int8, scale = max|w_row| / 127, round to nearest;
-  `aten._weight_int8pack_mm` (CPU), a Triton w8a16 kernel (CUDA); with pagoda's native kernels
-  (pagoda.native) a float32 model's int8 products run natively in float32 at every row count,
+  `aten._weight_int8pack_mm` (CPU), a Triton w8a16 kernel (CUDA); in the native layout (pagoda's
+  native kernels) a float32 model's int8 products run natively in float32 at every row count,
   so an output never depends on how a step was batched or chunked.
 - `int4`: group-wise int4 along the input dimension (group 32/64/128). With zero points
   (default) each group maps [min, max] onto 0..15; symmetric maps [-max|w|, max|w|] onto
   -7..7 (zero point 0). (scale, zero) pairs where w = (q - 8) * scale + zero (tinygemm's
   convention); codes in tinygemm's CPU packed layout for `aten._weight_int4pack_mm_for_cpu`,
-  or two per byte for the Triton w4a16 kernel on CUDA (pagoda/quant/triton_weight_kernels.py).
+  or two per byte (`pack_int4_nibbles`) for the native kernels and the Triton w4a16 kernel on CUDA
+  (pagoda/kernels/triton/weight_matmul.py), which read the same order.
 
 PyTorch's packed CPU kernels are vectorized only for bfloat16/float16 activations (with
 float32 inputs they run far slower than a float32 dense matmul, with bfloat16 faster than it;
 benchmarks/quantization.py), so quantized layers of a float32 model compute in bfloat16 and
 cast the output back. A format whose kernel is missing on the device fails at startup
-(`check_kernel`), never falls back to a slow path silently.
+(pagoda.kernels.linear's `check`), never falls back to a slow path silently.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -39,11 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import functools
-from types import ModuleType
-
-from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
-from pagoda.native import NativeKernels
 from pagoda.quant.storage_bytes import INT4_GROUP_SIZES, int4_group_size_for, linear_weight_bytes
 from pagoda.quant.storage_bytes import WEIGHT_QUANTIZATIONS as QUANTIZATION_CHOICES
 
@@ -51,9 +48,12 @@ INT8_K_TILE = 16
 
 
 class WeightFormat(ABC):
-    """Strategy owning the storage and the matmul of a `Linear`'s weight."""
+    """Strategy owning the storage of a `Linear`'s weight (its product: pagoda.kernels.linear)."""
 
     name: str
+    # Store the layout pagoda's native CPU kernels read (the engine runs them) where the weight is
+    # on the CPU; else the one PyTorch's ops (CPU) or the Triton kernels (CUDA) read.
+    native_layout: bool = False
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
                        device: torch.device) -> None:
@@ -70,13 +70,6 @@ class WeightFormat(ABC):
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         """Called once after every tensor of the layer was loaded."""
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features]."""
-
-    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Raise ValueError when this format's kernel does not run on `device`."""
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         """Bytes one layer's weight takes in this format (for planning and logs)."""
@@ -104,19 +97,17 @@ class FullWeight(WeightFormat):
     tensor replaces the dense `weight` (one copy of each projection in memory, not two), except
     that small float32 weights keep it for 1-row inputs (SINGLE_ROW_DENSE_MAX_ELEMENTS).
 
-    With the native kernels (pagoda.native), a float32 or bfloat16 CPU weight stays dense
-    instead (the layout the native kernel streams row by row; still one copy): inputs of up to
-    native.MAX_ROWS rows (decode steps) go through the native product (bfloat16 widened to
-    float32 in registers, summed in float32), larger ones (prefill) through F.linear."""
+    In the native layout, a float32 or bfloat16 CPU weight stays dense instead (`native_weight`,
+    the layout the native kernel streams row by row; still one copy)."""
 
     name = "full"
 
-    def __init__(self, native: NativeKernels | None = None) -> None:
-        self.native = native
+    def __init__(self, native_layout: bool = False) -> None:
+        self.native_layout = native_layout
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         weight = layer.weight.detach()
-        if self.native is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
+        if self.native_layout and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
             _replace_staging_weight(layer, native_weight=weight.contiguous())
         elif _can_prepack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
@@ -124,33 +115,6 @@ class FullWeight(WeightFormat):
             small = weight.dtype == torch.float32 and weight.numel() <= SINGLE_ROW_DENSE_MAX_ELEMENTS
             single_row = {"single_row_weight": weight} if small else {}
             _replace_staging_weight(layer, packed_weight=packed, **single_row)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        native_weight = getattr(layer, "native_weight", None)
-        if native_weight is not None:
-            return _native_or_dense(self.native, x, native_weight, bias)
-        packed = getattr(layer, "packed_weight", None)
-        if packed is None:
-            return F.linear(x, layer.weight, bias)
-        flat = x.reshape(-1, x.shape[-1]).to(layer.weight_dtype).contiguous()
-        single_row = getattr(layer, "single_row_weight", None)
-        if single_row is not None and flat.shape[0] == 1:
-            out = F.linear(flat, single_row, bias)
-        elif flat.shape[0] == 0:
-            out = flat.new_empty(0, layer.out_features)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _native_or_dense(native: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.dtype != weight.dtype or flat.shape[0] > NATIVE_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    product = native.linear_f32 if weight.dtype == torch.float32 else native.linear_bf16
-    out = product(flat, weight, bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -174,51 +138,22 @@ class Int8Weight(WeightFormat):
 
     name = "int8"
 
-    def __init__(self, native: NativeKernels | None = None) -> None:
-        self.native = native
+    def __init__(self, native_layout: bool = False) -> None:
+        self.native_layout = native_layout
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         weight = layer.weight.detach().float()
         qweight, scales = quantize_int8_per_channel(weight)
-        if self.native is not None and weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
+        if self.native_layout and weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
             # The native product reads the same int8 rows and float32 scales (a few bytes per row).
             layer.register_buffer("native_scales", scales.contiguous(), persistent=False)
         # The bf16 CPU kernel reads the input dimension in tiles of 16 (and crashes on a
-        # remainder): pad odd sizes with zero columns; apply() pads x to match.
+        # remainder): pad odd sizes with zero columns; the product pads x to match.
         padding = -weight.shape[1] % INT8_K_TILE
         if padding:
             qweight = F.pad(qweight, (0, padding))
         _replace_staging_weight(layer, qweight=qweight.contiguous(),
                                 scales=scales.to(kernel_dtype(layer.weight.dtype)))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        native_scales = getattr(layer, "native_scales", None)
-        if native_scales is not None and x.dtype == torch.float32:  # every row count: one arithmetic
-            out = self.native.linear_int8(x.reshape(-1, shape[-1]), layer.qweight, native_scales, bias)
-            return out.reshape(*shape[:-1], out.shape[-1])
-        flat = x.reshape(-1, shape[-1]).to(layer.scales.dtype)
-        if flat.device.type == "cuda":
-            out = _triton_kernels().int8_matmul(flat, layer.qweight, layer.scales, shape[-1])
-        else:
-            if flat.shape[1] != layer.qweight.shape[1]:
-                flat = F.pad(flat, (0, layer.qweight.shape[1] - flat.shape[1]))
-            out = torch.ops.aten._weight_int8pack_mm(flat, layer.qweight, layer.scales)
-        out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        return out if bias is None else out + bias
-
-    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
-        def probe() -> None:
-            x = torch.ones(1, 16, dtype=kernel_dtype(dtype), device=device)
-            w = torch.ones(16, 16, dtype=torch.int8, device=device)
-            scales = torch.ones(16, dtype=x.dtype, device=device)
-            if device.type == "cuda":
-                _triton_kernels().int8_matmul(x, w, scales, 16)
-            else:
-                torch.ops.aten._weight_int8pack_mm(x, w, scales)
-
-        kernel = "the Triton w8a16 kernel" if device.type == "cuda" else "aten._weight_int8pack_mm"
-        _probe_kernel("int8", kernel, device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int8", element_size)
@@ -239,7 +174,7 @@ class Int4Weight(WeightFormat):
 
     group_size: int | None = None
     zero_point: bool = True
-    native: NativeKernels | None = None
+    native_layout: bool = False
     name: ClassVar[str] = "int4"
 
     def for_layer(self, in_features: int) -> "Int4Weight":
@@ -295,7 +230,7 @@ class Int4Weight(WeightFormat):
         codes int32 [N, K] in 0..15; scales/zeros [N, K / group_size]."""
         dtype = kernel_dtype(layer.weight.dtype)
         device = layer.weight.device
-        if self.native is not None and device.type == "cpu":
+        if self.native_layout and device.type == "cpu":
             # The native product reads the codes two per byte and dequantizes them in registers, at every
             # row count (one arithmetic however a step is batched); no tinygemm copy is kept.
             symmetric = not bool(zeros.any())
@@ -303,44 +238,10 @@ class Int4Weight(WeightFormat):
                                     native_scales=scales.float().contiguous(),
                                     **({} if symmetric else {"native_zeros": zeros.float().contiguous()}))
             return
-        # tinygemm wants [K / group, N, 2] (scale, zero) pairs.
+        # tinygemm (CPU) and the Triton kernel (CUDA) want [K / group, N, 2] (scale, zero) pairs.
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         packed = _pack_int4(codes.to(device), device)
         _replace_staging_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(device))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        nibbles = getattr(layer, "native_nibbles", None)
-        if nibbles is not None:
-            out = self.native.linear_int4(x.reshape(-1, shape[-1]), nibbles, layer.native_scales,
-                                          getattr(layer, "native_zeros", None), bias)
-            return out.reshape(*shape[:-1], out.shape[-1])
-        flat = x.reshape(-1, shape[-1]).to(layer.scales_and_zeros.dtype)
-        if flat.device.type == "cuda":
-            out = _triton_kernels().int4_matmul(flat, layer.qweight, layer.scales_and_zeros, self.group_size)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.qweight, self.group_size,
-                                                               layer.scales_and_zeros)
-        out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        return out if bias is None else out + bias
-
-    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
-        name = "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else "the Triton w4a16 kernel"
-
-        group_size = self.group_size or max(INT4_GROUP_SIZES)
-
-        def probe() -> None:
-            k = max(group_size, 256)
-            codes = torch.zeros(16, k, dtype=torch.int32, device=device)
-            packed = _pack_int4(codes, device)
-            sz = torch.ones(k // group_size, 16, 2, dtype=kernel_dtype(dtype), device=device)
-            x = torch.ones(1, k, dtype=kernel_dtype(dtype), device=device)
-            if device.type == "cuda":
-                _triton_kernels().int4_matmul(x, packed, sz, group_size)
-            else:
-                torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
-
-        _probe_kernel("int4", name, device, probe)
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int4", element_size,
@@ -379,7 +280,7 @@ GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # bytes per block of 32 values: an 
 
 
 class GGUFBlockWeight(WeightFormat):
-    """GGUF Q8_0 or Q4_0 projections served as the file stores them, with the native kernels: each
+    """GGUF Q8_0 or Q4_0 projections served as the file stores them, by the native kernels: each
     row a run of ggml blocks of 32 values (fp16 scale d, then 32 int8 codes q with w = d * q, or 16
     bytes of nibbles with w = d * (q - 8)), dequantized in registers at every row count. The loader
     stages codes and scales (`stage_codes`, the rows of fused and sharded projections by offset);
@@ -387,12 +288,13 @@ class GGUFBlockWeight(WeightFormat):
 
     group_size = 32
 
-    def __init__(self, block_type: str, native: NativeKernels) -> None:
+    native_layout = True  # only the native kernels read ggml's blocks
+
+    def __init__(self, block_type: str) -> None:
         if block_type not in GGUF_BLOCK_BYTES:
             raise ValueError(f"GGUF blocks of type {block_type} have no native kernel; "
                              f"served natively: {', '.join(GGUF_BLOCK_BYTES)}")
         self.block_type = block_type
-        self.native = native
         self.name = block_type.lower()
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
@@ -430,20 +332,10 @@ class GGUFBlockWeight(WeightFormat):
         del layer.staged_codes
         _replace_staging_weight(layer, blocks=blocks.reshape(out_features, -1))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        product = self.native.linear_q8_0 if self.block_type == "Q8_0" else self.native.linear_q4_0
-        out = product(x.reshape(-1, x.shape[-1]), layer.blocks, bias)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
         if in_features % 32:
             raise ValueError(f"{layer_name}: {self.block_type} blocks of 32 do not divide its input dimension "
                              f"{in_features}")
-
-    def check_kernel(self, device: torch.device, dtype: torch.dtype) -> None:
-        if device.type != "cpu":
-            raise ValueError(f"GGUF {self.block_type} blocks are served by the native CPU kernels; the engine is "
-                             f"on {device}")
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return out_features * in_features / 32 * GGUF_BLOCK_BYTES[self.block_type]
@@ -458,44 +350,26 @@ def pack_int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int4 codes in the layout the device's product reads: two per byte (`pack_int4_nibbles`,
+    the Triton kernel's order) on CUDA, tinygemm's packed layout on the CPU."""
     if device.type == "cuda":
-        return _triton_kernels().pack_int4(codes.to(device))
+        return pack_int4_nibbles(codes.to(device))
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
-@functools.cache
-def _triton_kernels() -> ModuleType:
-    """The CUDA kernels, imported on first use: triton is optional (the `gpu` extra)."""
-    try:
-        from pagoda.quant import triton_weight_kernels
-    except ImportError as error:
-        raise RuntimeError(f"quantized weights on CUDA need the `triton` package (pip install 'pagoda[gpu]'): "
-                           f"{error}") from None
-    return triton_weight_kernels
-
-
-def _probe_kernel(format_name: str, kernel: str, device: torch.device, probe) -> None:
-    try:
-        probe()
-    except (RuntimeError, NotImplementedError, AttributeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"quantization {format_name}: its kernel {kernel} does not run on {device} "
-                         f"with torch {torch.__version__} ({first_line})") from None
-
-
 def make_weight_format(quantization: str, group_size: int | None = None, zero_point: bool = True,
-                       native: NativeKernels | None = None) -> WeightFormat:
+                       native_layout: bool = False) -> WeightFormat:
     """The format for `--quantization`; ValueError for unknown names or group sizes. int4 without
-    `group_size`: each layer's own (Int4Weight.for_layer). `native`: the native CPU kernels the
-    full, int8 and int4 formats use on the CPU."""
+    `group_size`: each layer's own (Int4Weight.for_layer). `native_layout`: store CPU weights as
+    the native kernels read them (pagoda.kernels' `Kernels.native_layout`)."""
     if quantization in ("none", "full"):
-        return FullWeight(native)
+        return FullWeight(native_layout)
     if quantization == "int8":
-        return Int8Weight(native)
+        return Int8Weight(native_layout)
     if quantization == "int4":
         if group_size is not None and group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "
                              f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}")
-        return Int4Weight(group_size=group_size, zero_point=zero_point, native=native)
+        return Int4Weight(group_size=group_size, zero_point=zero_point, native_layout=native_layout)
     raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
                      f"{', '.join(QUANTIZATION_CHOICES)}")

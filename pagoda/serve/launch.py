@@ -269,8 +269,8 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.config import parse_replica_roles
     from pagoda.engine.assembly import resolve_device, resolve_dtype
+    from pagoda.kernels import describe_native
     from pagoda.model.loader import load_model_config
-    from pagoda.native import active_description
 
     model_config = load_model_config(config.model)  # a directory or a GGUF file
     device = resolve_device(config.device)
@@ -278,7 +278,7 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     stats = llm.get_stats()
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
-    native_kernels = active_description(config.native_kernels, device)
+    native_kernels = describe_native(config.native_kernels, device)
     features = [name for name, on in (
         (native_kernels or "", native_kernels is not None),
         ("prefix caching", config.enable_prefix_caching),

@@ -18,7 +18,7 @@ import torch
 
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.request import Request
-from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
 from pagoda.worker.model_runner import PagedModel, Segment, build_batch
 from pagoda.worker.sampler import DraftedRow, Sampler
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.request import Request
-from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
 from pagoda.structured.compiler import GrammarCompiler, StructuredOutputStats, error_summary
 from pagoda.structured.grammar import GrammarError
 from pagoda.structured.matcher import RequestMatcher

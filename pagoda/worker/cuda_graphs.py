@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.model.attention import AttentionBackend, BatchLayout
+from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.model.decoder import DecoderModel, ForwardContext
 
 

@@ -20,7 +20,7 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.kv_transfer.block_transfer import BlockTransfer
 from pagoda.lora.manager import LoRAManager
-from pagoda.model.attention import AttentionBackend, BatchLayout
+from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.model.decoder import DecoderModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat

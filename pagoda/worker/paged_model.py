@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
-from pagoda.model.attention import AttentionBackend, BatchLayout
+from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 

@@ -29,9 +29,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "sampling_params", "outputs", "tokenizer",
      "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
-    ("structured",),  # grammar-constrained decoding on llguidance: used by worker, engine, serve, cli
-    ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, used by quant/ and model/
+    ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, reached through kernels/
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
+    ("kernels",),  # the ops the model calls, one implementation each per device: native, PyTorch, Triton
+    ("structured",),  # grammar-constrained decoding on llguidance (its bitmask op in kernels/): worker, engine, serve
     ("artifacts",),  # file digests, manifests, signatures (model-signing), inspect's review: model/, engine, cli
     ("model",),
     ("lora",),  # LoRA adapters: PEFT loading, registry, device slots, the LoRALinear around model/'s Linear

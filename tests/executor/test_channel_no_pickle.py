@@ -24,7 +24,7 @@ from pagoda.executor.channel import (MAX_MESSAGE_BYTES, ChannelCodec, RejectedMe
 from pagoda.executor.group import (Endpoint, broadcast_object, open_payload, recv_payload, share_payload)
 from pagoda.executor.process_workers import read_spec, spec_frame, worker_command
 from pagoda.executor.worker import KVSetup, StageMessage, StepInputs, WorkerSpec
-from pagoda.model.attention import BatchLayout
+from pagoda.kernels.attention import BatchLayout
 from pagoda.core.kv_cache_groups import KVCacheGroup
 
 ROOT = Path(__file__).resolve().parents[2]

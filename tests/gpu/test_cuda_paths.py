@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
 
 DEVICE = "cuda" if torch.cuda.is_available() else os.environ.get("PAGODA_GPU_TESTS_DEVICE")
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a GPU (or PAGODA_GPU_TESTS_DEVICE=cpu)")

@@ -6,7 +6,7 @@ import torch
 
 from pagoda.lora.adapter import LoRAAdapter, ModuleLoRA
 from pagoda.lora.batch import NO_SLOT, LoRAStepState, build_lora_batch
-from pagoda.lora.delta import gathered_delta, segmented_delta
+from pagoda.kernels.lora_delta import gathered_delta, segmented_delta
 from pagoda.lora.layer import LoRALinear, LoRAPart
 from pagoda.lora.slots import SlotTable
 from pagoda.model.layers import Linear

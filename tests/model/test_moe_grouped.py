@@ -1,4 +1,4 @@
-"""The MoE block's two execution paths (pagoda.model.moe.Experts): the grouped products over
+"""The MoE block's two execution paths (pagoda.kernels.moe over pagoda.model.moe.Experts): the grouped products over
 all held experts and the loop over the hit experts compute the same outputs as a per-token
 reference, with experts never hit at the start, middle and end of the expert range, with
 gpt-oss's biased experts, and whichever path the hit count picks."""
@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.model import moe
+from pagoda.kernels import Kernels, moe
+from pagoda.kernels.moe import route
 from pagoda.model.layers import Linear
 from pagoda.model.loader import finalize_linears
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.moe import SparseMoE, route
+from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.quant.weight_formats import WeightFormat
 
@@ -21,7 +22,8 @@ ALWAYS_GROUPED = EXPERTS  # any hit expert makes the share
 NEVER_GROUPED = 0
 
 
-def moe_block(architecture: str, seed: int = 0, weight_format: WeightFormat | None = None) -> SparseMoE:
+def moe_block(architecture: str, seed: int = 0, weight_format: WeightFormat | None = None,
+              kernels: Kernels | None = None) -> SparseMoE:
     config = {"architectures": [architecture], "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_experts_per_tok": TOP_K}
     if architecture == "GptOssForCausalLM":
@@ -30,7 +32,7 @@ def moe_block(architecture: str, seed: int = 0, weight_format: WeightFormat | No
     else:
         config.update(num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=16, norm_topk_prob=True)
     block = SparseMoE(ModelConfig.from_dict(config), torch.float32, torch.device("cpu"), weight_format,
-                      TensorParallelGroup())
+                      TensorParallelGroup(), kernels or Kernels(torch.device("cpu")))
     generator = torch.Generator().manual_seed(seed)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
@@ -95,8 +97,8 @@ def test_hit_count_picks_the_path(monkeypatch) -> None:
     takes the grouped products. Both give the reference's outputs."""
     block = moe_block("Qwen3MoeForCausalLM", seed=4)
     grouped_calls = []
-    run_grouped = block.experts.run_grouped
-    monkeypatch.setattr(block.experts, "run_grouped", lambda *a: grouped_calls.append(1) or run_grouped(*a))
+    run_grouped = block.kernels.moe.run_grouped
+    monkeypatch.setattr(block.kernels.moe, "run_grouped", lambda *a: grouped_calls.append(1) or run_grouped(*a))
     one = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(block(one), reference(block, one), rtol=1e-5, atol=1e-5)
     assert not grouped_calls

@@ -79,7 +79,7 @@ def test_int4_quantizes_the_experts_and_agrees_with_float32(moe_dirs, architectu
                 assert projection.weight_format.name == "int4" and projection.qweight.dtype != torch.float32
                 assert not hasattr(projection, "weight")
         hidden = torch.zeros(8, block.gate.in_features)
-        assert block.experts.path(hidden, rows=16, active=4) == "loop"  # the per-expert loop, over hit experts
+        assert block.kernels.moe.path(block.experts, hidden, rows=16, active=4) == "loop"  # the loop over hit experts
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in llm.generate(prompts(), GREEDY))
     agreement, perplexity = teacher_forced(llm, sequences, starts)
     assert_idle(llm)

@@ -24,7 +24,7 @@ def rank_group(rank: int, world_size: int) -> TensorParallelGroup:
 
 def effective(layer: torch.nn.Module) -> torch.Tensor:
     """The weight the layer multiplies by [out, in], without bias or all-reduce."""
-    return layer.weight_format.apply(layer, torch.eye(layer.in_features), None).t()
+    return layer.kernels.linear(layer, torch.eye(layer.in_features), None).t()
 
 
 def load(model_dir: Path, quantization: str = "none", group: TensorParallelGroup | None = None):

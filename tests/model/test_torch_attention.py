@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
-from pagoda.model.attention.torch_backend import TorchAttentionBackend
+from pagoda.kernels.attention.backend import AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
 
 BLOCK_SIZE = 16
 
@@ -55,7 +55,7 @@ def test_half_precision_decode_attends_in_float32(dtype):
 
 
 def test_decode_groups_split_where_padding_would_be_large():
-    from pagoda.model.attention.torch_backend import decode_groups
+    from pagoda.kernels.attention.torch_backend import decode_groups
 
     lens = {0: 60, 1: 64, 2: 70, 3: 1500, 4: 66}
     rows = sorted(lens, key=lens.get)
@@ -67,7 +67,7 @@ def test_decode_groups_split_where_padding_would_be_large():
 
 def test_split_decode_groups_attend_exactly_as_one_padded_group(monkeypatch):
     """Grouping changes only which rows share an SDPA call: every row's output is the same."""
-    import pagoda.model.attention.torch_backend as torch_backend
+    import pagoda.kernels.attention.torch_backend as torch_backend
 
     layout, query, key, value, (key_cache, value_cache) = decode_case([5, 9, 700, 12, 650, 7], 4, 2, 32,
                                                                         torch.float32)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from engine_helpers import prompts_for
 from model_factory import MOE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams, native
-from pagoda.model import moe
+from pagoda.kernels import Kernels, moe
 from pagoda.model.mlp import GatedActivation
 from pagoda.quant.weight_formats import Int8Weight, quantize_int8_per_channel
 
@@ -31,6 +31,7 @@ if not native.available():
     pytest.skip(f"the native kernels do not build here: {native._build()}", allow_module_level=True)
 
 KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
+NATIVE = Kernels(torch.device("cpu"), KERNELS)  # every op on the native kernels
 H, I = 40, 20  # tails of the vector width and of the row tiles
 ALPHA = 1.702
 
@@ -154,17 +155,17 @@ def test_shapes_that_do_not_fit_are_refused() -> None:
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("tokens, hit", [(1, None), (16, None), (5, [23, 0])])
 def test_moe_block_fuses_decode_sized_inputs(architecture: str, int8: bool, tokens: int, hit, monkeypatch) -> None:
-    block = moe_block(architecture, seed=7, weight_format=Int8Weight(KERNELS) if int8 else None)
-    block.experts.native = KERNELS
+    block = moe_block(architecture, seed=7, weight_format=Int8Weight(native_layout=True) if int8 else None,
+                      kernels=NATIVE)
     if hit is not None:
         route_only_to(block, hit)
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
     if hit is not None:
         hidden[:, 0] = 1.0
-    assert block.experts.fuses(hidden)
+    assert NATIVE.moe.fuses(block.experts, hidden)
     calls = []
-    run_fused = block.experts.run_fused
-    monkeypatch.setattr(block.experts, "run_fused", lambda *a: calls.append(1) or run_fused(*a))
+    run_fused = NATIVE.moe.run_fused
+    monkeypatch.setattr(NATIVE.moe, "run_fused", lambda *a: calls.append(1) or run_fused(*a))
     block.count_experts(True)
     torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
     assert calls
@@ -172,19 +173,18 @@ def test_moe_block_fuses_decode_sized_inputs(architecture: str, int8: bool, toke
 
 
 def test_inputs_past_the_limit_take_the_grouped_products(monkeypatch) -> None:
-    block = moe_block("Qwen3MoeForCausalLM", seed=8)
-    block.experts.native = KERNELS
+    block = moe_block("Qwen3MoeForCausalLM", seed=8, kernels=NATIVE)
     monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 4)
     hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9))
-    assert not block.experts.fuses(hidden) and block.experts.fuses(hidden[:4])
+    assert not NATIVE.moe.fuses(block.experts, hidden) and NATIVE.moe.fuses(block.experts, hidden[:4])
     torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_experts_fuse_at_every_row_count_and_do_not_depend_on_the_batch(monkeypatch) -> None:
-    block = moe_block("Qwen3MoeForCausalLM", seed=10, weight_format=Int8Weight(KERNELS))
+    block = moe_block("Qwen3MoeForCausalLM", seed=10, weight_format=Int8Weight(native_layout=True), kernels=NATIVE)
     monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 4)
     hidden = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(10))  # one router product (native)
-    assert block.experts.fuses(hidden)
+    assert NATIVE.moe.fuses(block.experts, hidden)
     together = block(hidden)
     assert torch.equal(together[7:8], block(hidden[7:8]))  # one token alone: the same bits
     torch.testing.assert_close(together, reference(block, hidden), rtol=1e-5, atol=1e-5)
@@ -196,11 +196,9 @@ def test_greedy_parity_with_transformers_on_the_fused_op(tmp_path: Path, archite
     prompts, references = hf_references(directory, lambda vocab: prompts_for(vocab, (3, 11, 40), seed=1), 16)
     llm = LLM(model=str(directory), native_kernels="on")
     fused_calls = []
-    for layer in llm.engine.core.runner.model.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            run_fused = experts.run_fused
-            experts.run_fused = lambda *a, run=run_fused: fused_calls.append(1) or run(*a)
+    moe_kernels = llm.engine.core.kernels.moe  # the one every layer calls
+    run_fused = moe_kernels.run_fused
+    moe_kernels.run_fused = lambda *a: fused_calls.append(1) or run_fused(*a)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     assert_matches_reference(llm.generate(prompts, greedy), references, 2e-5)
     assert fused_calls  # the decode steps ran on the fused op

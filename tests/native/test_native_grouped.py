@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import native
+from pagoda.kernels import Kernels
 from pagoda.quant.weight_formats import Int8Weight, quantize_int8_per_channel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -21,6 +22,7 @@ if not native.available():
     pytest.skip(f"the native kernels do not build here: {native._build()}", allow_module_level=True)
 
 KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
+NATIVE = Kernels(torch.device("cpu"), KERNELS)  # every op on the native kernels
 
 
 @pytest.mark.parametrize("counts", [[0, 3, 0, 17, 1], [5], [0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 40]])
@@ -45,8 +47,7 @@ def test_counts_that_do_not_cover_the_rows_are_refused() -> None:
 @pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
 @pytest.mark.parametrize("tokens, hit", [(1, None), (40, None), (5, [23, 0])])
 def test_moe_block_on_native_kernels_matches_reference(architecture: str, tokens: int, hit) -> None:
-    block = moe_block(architecture, seed=7)
-    block.experts.native = KERNELS
+    block = moe_block(architecture, seed=7, kernels=NATIVE)
     if hit is not None:
         route_only_to(block, hit)
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -73,7 +74,7 @@ def test_grouped_int8_product_matches_per_group_int8_product(biased: bool) -> No
 
 @pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
 def test_int8_experts_run_grouped_and_match_their_linears(architecture: str) -> None:
-    block = moe_block(architecture, seed=9, weight_format=Int8Weight(KERNELS))
+    block = moe_block(architecture, seed=9, weight_format=Int8Weight(native_layout=True), kernels=NATIVE)
     experts = block.experts
     assert experts.gate_up_qweight is not None and experts.gate_up_qweight.dtype == torch.int8
     # The Linears hold views of the stacked rows: one copy in memory.
@@ -86,13 +87,12 @@ def test_int8_experts_run_grouped_and_match_their_linears(architecture: str) -> 
 def test_float32_experts_take_the_native_product_for_decode_sized_segments() -> None:
     """As FullWeight: native while the segments are decode-sized, torch's grouped product for
     prefill-sized ones (many rows per hit expert); the outputs agree either way."""
-    block = moe_block("Qwen3MoeForCausalLM", seed=8)
-    block.experts.native = KERNELS
-    experts = block.experts
-    assert experts.path(torch.empty(1, HIDDEN), rows=2, active=2) == "native"
-    assert experts.path(torch.empty(1, HIDDEN), rows=16 * 24, active=24) == "native"
-    assert experts.path(torch.empty(1, HIDDEN), rows=16 * 24 + 1, active=24) == "grouped_mm"
-    assert experts.path(torch.empty(1, HIDDEN), rows=400, active=2) == "loop"  # few experts, long segments
+    block = moe_block("Qwen3MoeForCausalLM", seed=8, kernels=NATIVE)
+    experts, path = block.experts, NATIVE.moe.path
+    assert path(experts, torch.empty(1, HIDDEN), rows=2, active=2) == "native"
+    assert path(experts, torch.empty(1, HIDDEN), rows=16 * 24, active=24) == "native"
+    assert path(experts, torch.empty(1, HIDDEN), rows=16 * 24 + 1, active=24) == "grouped_mm"
+    assert path(experts, torch.empty(1, HIDDEN), rows=400, active=2) == "loop"  # few experts, long segments
     for tokens in (4, 300):
         hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
         torch.testing.assert_close(block(hidden), reference(block, hidden), rtol=1e-5, atol=1e-5)

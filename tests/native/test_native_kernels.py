@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import native
+from pagoda.kernels import Kernels, describe_native
 from pagoda.model.layers import Linear
 from pagoda.quant.weight_formats import FullWeight, Int8Weight, make_weight_format, quantize_int8_per_channel
 
@@ -23,6 +24,7 @@ if not native.available():
     pytest.skip(f"the native kernels do not build here: {native._build()}", allow_module_level=True)
 
 KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
+NATIVE = Kernels(torch.device("cpu"), KERNELS)  # every op on the native kernels
 SHAPES = [(1, 33, 7), (3, 256, 256), (16, 100, 70), (5, 1000, 129), (37, 64, 20)]  # (M, K, N): tails included
 
 
@@ -54,8 +56,9 @@ def test_rejects_mismatched_shapes_and_takes_empty_inputs():
     assert KERNELS.linear_f32(torch.randn(0, 8), torch.randn(4, 8), None).shape == (0, 4)
 
 
-def _linear(weight_format, weight: torch.Tensor, bias: bool) -> Linear:
-    layer = Linear(weight.shape[1], weight.shape[0], bias, torch.float32, torch.device("cpu"), weight_format)
+def _linear(weight_format, weight: torch.Tensor, bias: bool, kernels: Kernels | None = None) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias, torch.float32, torch.device("cpu"), weight_format,
+                   kernels=kernels)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias:
@@ -69,7 +72,7 @@ def _linear(weight_format, weight: torch.Tensor, bias: bool) -> Linear:
 def test_weight_format_with_native_kernels_matches_without(quantization, rows):
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(rows))
     plain = _linear(make_weight_format(quantization), weight, bias=False)
-    fast = _linear(make_weight_format(quantization, native=KERNELS), weight, bias=False)
+    fast = _linear(make_weight_format(quantization, native_layout=True), weight, bias=False, kernels=NATIVE)
     x = torch.randn(2, rows, 64, generator=torch.Generator().manual_seed(100 + rows))
     # int8 without the kernels computes in bfloat16 (aten's packed kernel), with them in float32:
     # bfloat16's rounding of the activations (2^-8 relative) over 64 products of outputs of about
@@ -80,11 +83,13 @@ def test_weight_format_with_native_kernels_matches_without(quantization, rows):
         assert not hasattr(fast, "packed_weight") and not hasattr(fast, "single_row_weight")
 
 
-def test_formats_carry_the_kernels_and_pickle_as_a_reload():
-    assert make_weight_format("none", native=KERNELS).native is KERNELS
-    assert make_weight_format("int8", native=KERNELS).native is KERNELS
-    assert isinstance(make_weight_format("none"), FullWeight) and make_weight_format("int8").native is None
-    assert pickle.loads(pickle.dumps(Int8Weight(KERNELS))).native == KERNELS
+def test_formats_carry_the_layout_and_kernels_pickle_as_a_reload():
+    assert make_weight_format("none", native_layout=True).native_layout
+    assert make_weight_format("int8", native_layout=True).native_layout
+    assert isinstance(make_weight_format("none"), FullWeight) and not make_weight_format("int8").native_layout
+    assert pickle.loads(pickle.dumps(Int8Weight(native_layout=True))).native_layout
+    reloaded = pickle.loads(pickle.dumps(NATIVE))
+    assert reloaded.linear.native == KERNELS and reloaded.native_layout
 
 
 def test_modes_off_on_and_other_devices():
@@ -95,7 +100,7 @@ def test_modes_off_on_and_other_devices():
     with pytest.raises(ValueError, match="run on the CPU"):
         native.resolve_native_kernels("on", torch.device("cuda"))
     assert KERNELS.isa in ("avx512", "avx2", "scalar")
-    assert KERNELS.isa in native.active_description("auto", cpu)
+    assert KERNELS.isa in describe_native("auto", cpu)
 
 
 def test_a_failed_build_falls_back_under_auto_and_fails_under_on(monkeypatch):
@@ -107,7 +112,7 @@ def test_a_failed_build_falls_back_under_auto_and_fails_under_on(monkeypatch):
     with pytest.raises(ValueError, match="--native-kernels on: native CPU kernels did not build"):
         native.resolve_native_kernels("on", cpu)
     assert native.version_line().startswith("no native kernels")
-    assert native.active_description("on", cpu) is None
+    assert describe_native("on", cpu) is None
 
 
 def test_build_key_changes_with_the_sources(tmp_path, monkeypatch):

@@ -15,12 +15,14 @@ import torch.nn.functional as F
 from engine_helpers import prompts_for as engine_prompts
 from model_factory import MORE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams, native
+from pagoda.kernels import Kernels
 from pagoda.model.layers import RMSNorm, RotaryEmbedding
 
 if not native.available():
     pytest.skip(f"the native kernels do not build here: {native._build()}", allow_module_level=True)
 
 KERNELS = native.resolve_native_kernels("on", torch.device("cpu"))
+NATIVE = Kernels(torch.device("cpu"), KERNELS)  # every op on the native kernels
 RTOL = ATOL = 1e-6
 SIZES = [1, 7, 16, 33, 64, 256, 1000]  # vector widths and their tails
 EPS = 1e-6
@@ -100,7 +102,7 @@ def test_rotary_in_place_on_fused_qkv_is_exact(head_dim, rope_type):
     scaling = scaling_of(rope_type, head_dim)
     boundary = 32 if rope_type == "longrope" else None
     args = (head_dim, 128, 10000.0, scaling, torch.float32, torch.device("cpu"), boundary)
-    reference, rotary = RotaryEmbedding(*args), RotaryEmbedding(*args, native=KERNELS)
+    reference, rotary = RotaryEmbedding(*args), RotaryEmbedding(*args, kernels=NATIVE)
     generator = torch.Generator().manual_seed(head_dim)
     heads, kv_heads = 6, 2
     qk_size = (heads + kv_heads) * head_dim
@@ -121,7 +123,7 @@ def test_layers_take_the_native_path_and_agree():
     """RMSNorm and RotaryEmbedding with the kernels give the PyTorch path's results; bf16 stays on PyTorch."""
     generator = torch.Generator().manual_seed(5)
     plain = RMSNorm(64, EPS, torch.float32, torch.device("cpu"))
-    fused = RMSNorm(64, EPS, torch.float32, torch.device("cpu"), native=KERNELS)
+    fused = RMSNorm(64, EPS, torch.float32, torch.device("cpu"), kernels=NATIVE)
     fused.weight.copy_(torch.randn(64, generator=generator))
     plain.weight.copy_(fused.weight)
     x, residual = torch.randn(3, 64, generator=generator), torch.randn(3, 64, generator=generator)
@@ -130,7 +132,7 @@ def test_layers_take_the_native_path_and_agree():
     out, new_residual = fused(x.clone(), residual)
     assert_close(out, expected_out)
     torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
-    half = RMSNorm(64, EPS, torch.bfloat16, torch.device("cpu"), native=KERNELS)
+    half = RMSNorm(64, EPS, torch.bfloat16, torch.device("cpu"), kernels=NATIVE)
     half.weight.copy_(fused.weight)
     assert half(x.bfloat16()).dtype == torch.bfloat16
 

@@ -16,8 +16,8 @@ import torch
 from engine_helpers import prompts_for as engine_prompts
 from model_factory import assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams, native
-from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
-from pagoda.model.attention.torch_backend import NATIVE_KV_ELEMENTS, TorchAttentionBackend, attend, visibility_mask
+from pagoda.kernels.attention.backend import AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.torch_backend import NATIVE_KV_ELEMENTS, TorchAttentionBackend, attend, visibility_mask
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 if not native.available():

@@ -165,13 +165,15 @@ def gguf_models(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 
 @pytest.mark.parametrize("block_type", ["Q8_0", "Q4_0"])
 def test_gguf_blocks_stay_quantized_and_generate_alike(gguf_models, block_type):
+    from pagoda.kernels import Kernels
     from pagoda.model.loader import load_model, load_model_config
     from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
     from pagoda.quant.weight_formats import FullWeight
 
     gguf = pytest.importorskip("gguf")
     path = gguf_models[block_type]
-    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), FullWeight(KERNELS))
+    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), FullWeight(native_layout=True),
+                       kernels=Kernels(torch.device("cpu"), KERNELS))
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight_format.name == block_type.lower() and not hasattr(layer, "weight")
     tensor = GGUFCheckpoint(path).tensors["blk.0.ffn_down.weight"]

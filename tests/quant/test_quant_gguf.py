@@ -153,7 +153,7 @@ def test_k_quant_tensors_are_dequantized_and_unpermuted(tmp_path: Path) -> None:
     assert layer.mlp.down_proj.weight_format.name == "full"
 
     def effective(linear):  # the weight a (possibly pre-packed) layer multiplies by, [out, in]
-        return linear.weight_format.apply(linear, torch.eye(linear.in_features), None).t()
+        return linear.kernels.linear(linear, torch.eye(linear.in_features), None).t()
 
     torch.testing.assert_close(effective(layer.mlp.down_proj), dequantized("blk.1.ffn_down.weight"))
     torch.testing.assert_close(effective(layer.mlp.gate_up_proj)[512:], dequantized("blk.1.ffn_up.weight"))

@@ -124,9 +124,9 @@ def test_output_neutral_features_within_a_quantized_dtype(llama_dir, dtype: str)
 
 
 def test_backend_selection_with_quantized_kv() -> None:
-    # Both backends read quantized caches (Triton's kernels: tests/model/test_triton_attention.py);
+    # Both backends read quantized caches (Triton's kernels: tests/kernels/test_triton_attention.py);
     # on CPU, auto stays the torch backend, which decodes the format.
-    from pagoda.model.attention import select_backend
+    from pagoda.kernels.attention import select_backend
 
     backend = select_backend("auto", torch.device("cpu"), KVCacheFormat("int8", torch.float32))
     assert backend.name == "torch" and backend.kv_format == KVCacheFormat("int8", torch.float32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.kernels import Kernels
 from pagoda.model.layers import Linear
 from pagoda.quant.weight_formats import (Int4Weight, Int8Weight, dequantize_int4_grouped, make_weight_format,
                                          quantize_int4_grouped, quantize_int8_per_channel)
@@ -91,7 +92,8 @@ def test_unknown_quantization_and_group_size() -> None:
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_kernels_are_available_on_cpu(name: str) -> None:
-    make_weight_format(name, group_size=32).check_kernel(torch.device("cpu"), torch.float32)
+    Kernels(torch.device("cpu")).linear.check(make_weight_format(name, group_size=32), torch.device("cpu"),
+                                              torch.float32)
 
 
 def test_quantized_bundled_model_greedy_agreement() -> None:

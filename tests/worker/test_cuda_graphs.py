@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from pagoda.model.attention.backend import BatchLayout
-from pagoda.model.attention.torch_backend import TorchAttentionBackend
+from pagoda.kernels.attention.backend import BatchLayout
+from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, DecodeInputs, bucket_for, decode_batch_sizes
 
 
@@ -122,10 +122,10 @@ def test_padded_forward_matches_unpadded(monkeypatch):
                         "(make test-triton runs this file on its own)")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
-    from pagoda.model.attention import triton_kernels
+    from pagoda.kernels.triton import paged_attention as triton_kernels
     if (device.type == "cpu") != type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
         pytest.skip("Triton kernels were imported in the other mode (interpreted or compiled) in this process")
-    from pagoda.model.attention.triton_backend import TritonAttentionBackend
+    from pagoda.kernels.attention.triton_backend import TritonAttentionBackend
 
     model, caches, windows = tiny_model(device)
     reference_caches = [(k.clone(), v.clone()) for k, v in caches]
@@ -146,7 +146,7 @@ def test_graph_replay_matches_eager():
     """Capture every bucket, then replay batches of several sizes (different buckets, stale
     buffer contents between them) against the eager torch backend."""
     pytest.importorskip("triton")
-    from pagoda.model.attention.triton_backend import TritonAttentionBackend
+    from pagoda.kernels.attention.triton_backend import TritonAttentionBackend
 
     device = torch.device("cuda")
     model, caches, windows = tiny_model(device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
 
 
 def reference(logits: torch.Tensor, allowed: list[set[int]], rows: list[int]) -> torch.Tensor:

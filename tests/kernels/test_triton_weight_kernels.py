@@ -1,7 +1,7 @@
 """The Triton w8a16 / w4a16 kernels (the int8 / int4 formats on CUDA) against float references.
 
 With a GPU they run compiled; without one, under Triton's interpreter (TRITON_INTERPRET=1, set
-before triton is first imported, as in tests/model/test_triton_attention.py), in float16: the
+before triton is first imported, as in tests/kernels/test_triton_attention.py), in float16: the
 interpreter cannot multiply bfloat16 in `tl.dot`. PAGODA_TRITON_COMPILE=1 also lowers every
 kernel variant to sm_80 / sm_90 binaries (no GPU needed).
 """
@@ -20,7 +20,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-kernels = import_triton_module("pagoda.quant.triton_weight_kernels", interpret=INTERPRET)
+kernels = import_triton_module("pagoda.kernels.triton.weight_matmul", interpret=INTERPRET)
 
 from pagoda.quant.weight_formats import (Int4Weight, Int8Weight, dequantize_int4_grouped,  # noqa: E402
                                          quantize_int4_grouped, quantize_int8_per_channel)
@@ -101,7 +101,7 @@ def test_formats_use_triton_kernels_on_cuda(fmt):
 COMPILE_FOR_GPU = r'''
 import torch
 from triton_compile import arch_and_dtype, compiling
-from pagoda.quant import triton_weight_kernels as tk
+from pagoda.kernels.triton import weight_matmul as tk
 
 dtype = arch_and_dtype()[1]
 

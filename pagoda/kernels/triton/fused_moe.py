@@ -25,7 +25,7 @@ activation between them in torch: it is elementwise on [pairs, I] and covers gpt
 SwiGLU with no kernel variant of its own.
 
 Tested against the torch reference under TRITON_INTERPRET=1 and compiled for sm_80 / sm_90 in
-tests/model/test_triton_moe.py.
+tests/kernels/test_triton_moe.py.
 """
 
 from __future__ import annotations

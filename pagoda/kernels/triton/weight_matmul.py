@@ -14,7 +14,7 @@ in its quantized size. One program owns a [BLOCK_M, BLOCK_N] tile of the output 
   straddles two groups.
 
 Tested against float references under TRITON_INTERPRET=1 and compiled for sm_80 / sm_90 in
-tests/quant/test_triton_weight_kernels.py; not yet run on a GPU.
+tests/kernels/test_triton_weight_kernels.py; not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -16,24 +16,20 @@ Formulations on CPU (benchmarks/lora_ops.py, results in benchmarks/results/lora/
   check the segmented path and the GPU kernels against.
 - dense (only in the benchmark): every token times every slot's A, masked to its own slot,
   then one GEMM over all slots' B; its cost grows with slots x rank.
-On CUDA the Triton kernels in triton_delta.py take over.
+On CUDA the Triton kernels in kernels/triton/lora_delta.py take over.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagoda.lora.batch import LoRABatch
+from pagoda.kernels.lora_batch import LoRABatch
 
 
 def add_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
                    batch: LoRABatch, width: int) -> torch.Tensor:
     """Add the delta of each adapter token to `output` [T, out] in place; returns `output`.
-    On CUDA the Triton kernels (lora/triton_delta.py) do it in two launches."""
-    if output.is_cuda:
-        from pagoda.lora.triton_delta import add_lora_delta_triton
-
-        return add_lora_delta_triton(output, x, lora_a, lora_b_t, batch, width)
+    On CUDA the Triton kernels (kernels/triton/lora_delta.py) do it in two launches instead."""
     if batch.covers_all_tokens and len(batch.segments) == 1:
         slot = batch.segments[0][0]  # one adapter for the whole batch: no gather, no scatter
         output += (x @ lora_a[slot, :width].T) @ lora_b_t[slot, :width]

@@ -23,7 +23,7 @@ before masking, and HAS_SINKS adds a per-query-head logit to each softmax's deno
 (attention sinks, gpt-oss), merged when the output is normalized.
 
 Quantized caches (--kv-cache-dtype, the KV_QUANT constexpr; layouts in pagoda.quant.kv_cache_dtype)
-are uint8: the write kernel quantizes each new [head_dim] vector (triton_kv_codec), and the
+are uint8: the write kernel quantizes each new [head_dim] vector (kv_codec), and the
 attention tiles decode keys and values to the query's dtype right after loading them. A key's
 scale multiplies its column of scores after the dot (one multiply per score, not per element);
 a value's scale multiplies its row of the value tile before the dot.
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.model.attention.triton_kv_codec import (MODEL_DTYPE, PER_TOKEN_SCALE, KVCacheEncoding, decode_bytes,
+from pagoda.kernels.triton.kv_codec import (MODEL_DTYPE, PER_TOKEN_SCALE, KVCacheEncoding, decode_bytes,
                                                     encode_vectors)
 
 LOG2E = 1.4426950408889634

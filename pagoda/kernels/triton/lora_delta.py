@@ -10,7 +10,7 @@ kernels, so one launch each serves every adapter in the step, whatever their mix
   xa[tile] @ B_t[slot, :width, cols]`. Each row belongs to one tile, so the read-add-write
   needs no atomics, and rows of base-model tokens are never touched.
 
-Tested on CPU under TRITON_INTERPRET=1 (tests/lora/test_triton_lora.py, `make test-triton`).
+Tested on CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_lora.py, `make test-triton`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.lora.batch import LoRABatch
+from pagoda.kernels.lora_batch import LoRABatch
 
 BLOCK_M = 16  # tokens per tile (tl.dot needs >= 16)
 BLOCK_K = 32  # input features per shrink step

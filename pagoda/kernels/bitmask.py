@@ -1,4 +1,5 @@
-"""The batch's token bitmask: bit t of row r (word t // 32, bit t % 32) allows token t."""
+"""The batch's token bitmask: bit t of row r (word t // 32, bit t % 32) allows token t, and the op
+that applies it to the logits (structured output's grammar masks, pagoda.structured.manager)."""
 
 from __future__ import annotations
 

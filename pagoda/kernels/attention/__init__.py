@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
@@ -18,7 +18,7 @@ def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | N
     kernels), the torch backend attends decode-sized requests through the native kernel."""
     if name in ("auto", "triton") and device.type == "cuda":
         try:
-            from pagoda.model.attention.triton_backend import TritonAttentionBackend
+            from pagoda.kernels.attention.triton_backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise ValueError("attention_backend=triton needs the `triton` package "
@@ -29,6 +29,6 @@ def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | N
         raise ValueError("attention_backend=triton needs a CUDA device")
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
-    from pagoda.model.attention.torch_backend import TorchAttentionBackend
+    from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend(kv_format, native)

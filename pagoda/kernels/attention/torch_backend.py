@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 

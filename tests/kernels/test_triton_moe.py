@@ -1,4 +1,4 @@
-"""The Triton fused-MoE kernel (pagoda/model/triton_moe.py) against the torch reference.
+"""The Triton fused-MoE kernel (pagoda/kernels/triton/fused_moe.py) against the torch reference.
 
 With a GPU it runs compiled; without one under Triton's interpreter (TRITON_INTERPRET=1), in
 float32 and float16 (the interpreter cannot multiply bfloat16 in `tl.dot`), with tiny shapes
@@ -21,12 +21,13 @@ from triton_compile import compile_for_gpu
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
-kernels = import_triton_module("pagoda.model.triton_moe", interpret=INTERPRET)
+kernels = import_triton_module("pagoda.kernels.triton.fused_moe", interpret=INTERPRET)
 
-from pagoda.model import moe  # noqa: E402
+from pagoda.kernels import Kernels  # noqa: E402
+from pagoda.kernels.moe import route  # noqa: E402
 from pagoda.model.loader import finalize_linears  # noqa: E402
 from pagoda.model.model_config import ModelConfig  # noqa: E402
-from pagoda.model.moe import SparseMoE, route  # noqa: E402
+from pagoda.model.moe import SparseMoE  # noqa: E402
 from pagoda.model.parallel import TensorParallelGroup  # noqa: E402
 from pagoda.quant.weight_formats import Int8Weight, WeightFormat, quantize_int8_per_channel  # noqa: E402
 
@@ -47,7 +48,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_for(experts: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token_index, route weights, counts) of top-k choices [T, k] sorted by expert, as moe.route."""
+    """(token_index, route weights, counts) of top-k choices [T, k] sorted by expert, as pagoda.kernels.moe.route."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     return order // experts.shape[1], weights.reshape(-1)[order], torch.bincount(flat, minlength=EXPERTS)
@@ -179,7 +180,8 @@ def moe_block(architecture: str, top_k: int, dtype: torch.dtype,
     else:
         config.update(num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=INTERMEDIATE,
                       norm_topk_prob=True)
-    block = SparseMoE(ModelConfig.from_dict(config), dtype, DEVICE, weight_format, TensorParallelGroup())
+    block = SparseMoE(ModelConfig.from_dict(config), dtype, DEVICE, weight_format, TensorParallelGroup(),
+                      Kernels(DEVICE))
     generator = torch.Generator().manual_seed(top_k)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
@@ -191,12 +193,14 @@ def moe_block(architecture: str, top_k: int, dtype: torch.dtype,
 def test_moe_block_on_the_triton_path_matches_the_loop(architecture, top_k, monkeypatch):
     block = moe_block(architecture, top_k, torch.float32)
     hidden = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    monkeypatch.setattr(moe.Experts, "path", lambda self, hidden, rows, active: "loop")
+    moe_kernels = block.kernels.moe
+    monkeypatch.setattr(moe_kernels, "path", lambda experts, hidden, rows, active: "loop")
     expected = block(hidden)
     calls = []
-    run_triton = moe.Experts.run_triton
-    monkeypatch.setattr(moe.Experts, "runs_triton", lambda self, hidden: True)
-    monkeypatch.setattr(moe.Experts, "run_triton", lambda self, *args: calls.append(1) or run_triton(self, *args))
+    monkeypatch.setattr(moe_kernels, "triton", kernels)  # the interpreted kernels, on the CPU too
+    run_triton = moe_kernels.run_triton
+    monkeypatch.setattr(moe_kernels, "runs_triton", lambda experts, hidden: True)
+    monkeypatch.setattr(moe_kernels, "run_triton", lambda *args: calls.append(1) or run_triton(*args))
     torch.testing.assert_close(block(hidden), expected, rtol=1e-5, atol=1e-5)
     assert calls
 
@@ -207,13 +211,14 @@ def test_moe_block_on_the_triton_path_matches_the_loop(architecture, top_k, monk
 def test_moe_block_picks_triton_on_cuda(dtype, weight_format):
     block = moe_block("GptOssForCausalLM", 2, dtype, weight_format)
     hidden = torch.randn(9, HIDDEN, device=DEVICE, dtype=dtype)
-    assert block.experts.runs_triton(hidden)
+    assert block.kernels.moe.runs_triton(block.experts, hidden)
     routing = route(block.gate(hidden), 2, True, block.softmax_over_top_k)
     expected = torch.zeros_like(hidden, dtype=torch.float32)
     for row, (token, weight) in enumerate(zip(routing.token_index.tolist(), routing.weights.tolist())):
         expert = int(torch.repeat_interleave(torch.arange(EXPERTS, device=DEVICE), routing.counts)[row])
         expected[token] += weight * block.experts.run_expert(expert, hidden[token:token + 1])[0].float()
-    torch.testing.assert_close(block.experts(hidden, routing).float(), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(block.kernels.moe.run_routed(block.experts, hidden, routing).float(), expected,
+                               **TOLERANCE[dtype])
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
@@ -237,7 +242,7 @@ def test_moe_block_on_cuda_replays_in_a_cuda_graph():
 COMPILE_FOR_GPU = r'''
 import torch
 from triton_compile import arch_and_dtype, compiling
-from pagoda.model import triton_moe as tm
+from pagoda.kernels.triton import fused_moe as tm
 
 dtype = arch_and_dtype()[1]
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda.model.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
-from pagoda.model.attention.triton_kernels import BLOCK_N, decode_attention, prefill_attention, write_kv_cache
-from pagoda.model.attention.triton_kv_codec import MODEL_DTYPE, KVCacheEncoding
+from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.kernels.triton.paged_attention import BLOCK_N, decode_attention, prefill_attention, write_kv_cache
+from pagoda.kernels.triton.kv_codec import MODEL_DTYPE, KVCacheEncoding
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 

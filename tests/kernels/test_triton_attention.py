@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from pagoda.model.attention.backend import AttentionLayerSpec, BatchLayout
-from pagoda.model.attention.torch_backend import TorchAttentionBackend
+from pagoda.kernels.attention.backend import AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
 
 from triton_import import import_triton_module
 from triton_compile import compile_for_gpu
@@ -27,7 +27,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-TritonAttentionBackend = import_triton_module("pagoda.model.attention.triton_backend",
+TritonAttentionBackend = import_triton_module("pagoda.kernels.attention.triton_backend",
                                               interpret=INTERPRET).TritonAttentionBackend
 
 
@@ -283,8 +283,8 @@ def test_quantized_kv_skips_sdpa_prefill():
 COMPILE_FOR_GPU = r'''
 import torch
 from triton_compile import arch_and_dtype, compiling
-from pagoda.model.attention import triton_kernels as tk
-from pagoda.model.attention.triton_kv_codec import KVCacheEncoding
+from pagoda.kernels.triton import paged_attention as tk
+from pagoda.kernels.triton.kv_codec import KVCacheEncoding
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 
 dtype = arch_and_dtype()[1]

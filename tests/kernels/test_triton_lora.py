@@ -1,4 +1,4 @@
-"""The Triton LoRA kernels (pagoda/lora/triton_delta.py) against the torch formulation.
+"""The Triton LoRA kernels (pagoda/kernels/triton/lora_delta.py) against the torch formulation.
 
 With a GPU they run compiled; without one under Triton's interpreter (TRITON_INTERPRET=1),
 which runs each program in numpy, so shapes are small. Tiles, widths and feature counts are
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda.lora.batch import NO_SLOT, build_lora_batch
-from pagoda.lora.delta import segmented_delta
+from pagoda.kernels.lora_delta import segmented_delta
 
 from triton_import import import_triton_module
 from triton_compile import compile_for_gpu
@@ -21,7 +21,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-triton_delta = import_triton_module("pagoda.lora.triton_delta", interpret=INTERPRET)
+triton_delta = import_triton_module("pagoda.kernels.triton.lora_delta", interpret=INTERPRET)
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,7 @@ def test_kernels_match_the_segmented_delta_and_leave_base_rows_alone(dtype) -> N
 COMPILE_FOR_GPU = r'''
 import torch
 from triton_compile import arch_and_dtype, compiling
-from pagoda.lora import triton_delta as td
+from pagoda.kernels.triton import lora_delta as td
 from pagoda.lora.batch import build_lora_batch
 
 dtype = arch_and_dtype()[1]
