@@ -30,6 +30,7 @@ WHEELS=(
     llguidance==1.9.1
     gguf==0.19.0
     sniffio==1.3.1
+    msgspec==0.22.0  # the executor channels between ranks
     opentelemetry-api==1.45.2  # fastapi.telemetry imports it
 )
 DIR=.whl
@@ -89,7 +90,7 @@ if [[ -n "$py312" ]]; then
     "$py312" -m venv "$tmp/venv"
     "$tmp/venv/bin/python" -m pip install -q typing-extensions anyio h11 click numpy pyyaml tqdm annotated-doc idna
     PYTHONPATH="$tmp/site" "$tmp/venv/bin/python" -c "
-import fastapi, starlette, pydantic, pydantic_core, uvicorn, httptools, llguidance, gguf, sniffio
+import fastapi, starlette, pydantic, pydantic_core, uvicorn, httptools, llguidance, gguf, sniffio, msgspec
 import uvicorn.protocols.http.httptools_impl
 print('imported by', __import__('sys').version.split()[0] + ':', 'fastapi', fastapi.__version__, 'pydantic',
       pydantic.VERSION, 'llguidance', llguidance.__version__ if hasattr(llguidance, '__version__') else '?')"
