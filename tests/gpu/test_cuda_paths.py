@@ -92,3 +92,15 @@ def test_host_offload_serves_evicted_prefixes_unchanged(llama_dir):
     assert stats.hits["host"] > 0
     assert stats.transfer_bytes["device_to_host"] > 0 and stats.transfer_bytes["host_to_device"] > 0
     llm.engine.core.kv_tiers.transfer.wait_all()
+
+
+@pytest.mark.parametrize("kv_name", ["int8", "fp8_e4m3", "fp8_e5m2", "fp8"])
+def test_kv_encoding_on_the_device_writes_the_cpu_bytes(kv_name):
+    # The first H200 run found CUDA's torch encoder writing other bytes than the CPU's and the
+    # Triton kernels': it divided by a Python scalar as a multiplication by its reciprocal. Every
+    # backend must read the cache another wrote (tiers, swap, a prefill/decode handoff).
+    from pagoda.quant.kv_cache_dtype import KVCacheFormat
+
+    values = torch.randn(64, 4, 32, generator=torch.Generator().manual_seed(1)) * 3.0
+    kv_format = KVCacheFormat(kv_name, torch.float32)
+    assert torch.equal(kv_format.encode(values.to(DEVICE)).cpu(), kv_format.encode(values))
