@@ -19,8 +19,8 @@ from pagoda.engine.disaggregation import DisaggStats
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
-from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
-                                      check_request_id_free, validate_request)
+from pagoda.engine.validation import (EngineLimits, check_classifier_use, check_lora_enabled,
+                                      check_lora_updatable, check_request_id_free, validate_request)
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTierStats
 from pagoda.lora.manager import LoRAManager
@@ -176,6 +176,7 @@ class EngineCore:
             # The hidden states to pool are the last stage's; only logits come back from it.
             raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
                                  "(--pipeline-parallel-size > 1)", param="input")
+        check_classifier_use(params, self.model_config.classifier)
         adapter = None
         if request.lora_request is not None:
             check_lora_enabled(request.lora_request.lora_name, self.lora is not None)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.attention import AttentionBackend, AttentionLayerSpec
+from pagoda.model.classifier import ClassifierHead
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
@@ -176,6 +177,9 @@ class DecoderModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
             shard=self.tp.vocab(config.vocab_size, config.hidden_size))
+        # A classifier's head (scoring, pagoda/worker/pooling.py), on the last stage.
+        self.score = ClassifierHead(config.classifier, config.hidden_size, dtype, device) \
+            if config.classifier is not None and self.stage.is_last else None
         # In the model dtype, as transformers multiplies by it.
         self.register_buffer("embedding_scale", None if config.embedding_scale is None else torch.tensor(
             config.embedding_scale, dtype=dtype, device=device), persistent=False)
