@@ -37,14 +37,18 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
     return list(zip(first, second))
 
 
-def pair_prompt(tokenizer: Tokenizer, classifier: ClassifierConfig, text_1: str, text_2: str) -> list[int]:
+def pair_prompt(tokenizer: Tokenizer, classifier: ClassifierConfig, text_1: str, text_2: str,
+                max_length: int | None = None) -> list[int]:
     """One pair as one prompt. A cross-encoder (a sequence-classification checkpoint) reads
     the tokenizer's text pair (its separators and special tokens); a causal LM read as a
     reranker reads the two texts joined as they are, formatted by the caller (Qwen3-Reranker's
-    instruction prefix on the query, its suffix on the document), as vLLM does."""
+    instruction prefix on the query, its suffix on the document), as vLLM does. `max_length`:
+    cut by the tokenizer's truncation (the longer text first, for a pair), as vLLM's
+    truncate_prompt_tokens does."""
+    cut = {"truncation": True, "max_length": max_length} if max_length is not None else {}
     if classifier.from_tokens is None:
-        return list(tokenizer.hf(text_1, text_pair=text_2)["input_ids"])
-    return tokenizer.encode(text_1 + text_2)
+        return list(tokenizer.hf(text_1, text_pair=text_2, verbose=False, **cut)["input_ids"])
+    return list(tokenizer.hf(text_1 + text_2, verbose=False, **cut)["input_ids"])
 
 
 def pair_score(logits: Sequence[float], classifier: ClassifierConfig) -> float:

@@ -40,6 +40,9 @@ from pagoda.serve.api.request_fields import Field
 from pagoda.serve.api.responses import ResponsesEndpoint
 from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
 from pagoda.serve.api.responses_store import ResponsesStore
+from pagoda.serve.api.scoring import ScoringEndpoints
+from pagoda.serve.api.scoring_protocol import (ClassificationRequest, ClassificationResponse, RerankRequest,
+                                               RerankResponse, ScoreRequest, ScoreResponse)
 from pagoda.serve.api.tokenization import TokenizationEndpoints
 from pagoda.serve.errors import APIError, anthropic_error_body, validation_error
 from pagoda.serve.model_registry import ModelRegistry
@@ -70,6 +73,7 @@ class AppParts:
     messages: MessagesEndpoint
     responses: ResponsesEndpoint
     embeddings: dict[str, EmbeddingsEndpoint]  # by model name
+    scoring: ScoringEndpoints
     tokenization: dict[str, TokenizationEndpoints]  # by model name
     started: int = field(default_factory=lambda: int(time.time()))  # the model cards' `created`
 
@@ -80,7 +84,7 @@ class AppParts:
                  if settings.responses_store else None)
         return cls(settings, registry, dispatcher, canary, CompletionsEndpoint(), ChatEndpoint(),
                    MessagesEndpoint(), ResponsesEndpoint(store),
-                   {model.name: EmbeddingsEndpoint(model.context) for model in registry},
+                   {model.name: EmbeddingsEndpoint(model.context) for model in registry}, ScoringEndpoints(),
                    {model.name: TokenizationEndpoints(model.context) for model in registry})
 
     @property
@@ -158,6 +162,22 @@ EMBEDDINGS = Endpoint(
     lambda parts, _: parts.embed, EmbeddingsEndpoint.fields, queues_work=True)
 
 
+def _scoring_routes() -> tuple[Endpoint, ...]:
+    """vLLM's scoring routes (serve/api/scoring.py): /score and /v1/score; rerank under its three
+    paths (Jina's and Cohere's v1, Cohere's v2); /classify."""
+    scoring = ScoringEndpoints
+    return (
+        *(Endpoint(path, scoring.score_name, ScoreRequest, ScoreResponse,
+                   lambda parts, _: parts.by_model(parts.scoring.score), scoring.score_fields, queues_work=True)
+          for path in ("/score", "/v1/score")),
+        *(Endpoint(path, scoring.rerank_name, RerankRequest, RerankResponse,
+                   lambda parts, _: parts.by_model(parts.scoring.rerank), scoring.rerank_fields, queues_work=True)
+          for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        Endpoint("/classify", scoring.classify_name, ClassificationRequest, ClassificationResponse,
+                 lambda parts, _: parts.by_model(parts.scoring.classify), scoring.classify_fields, queues_work=True),
+    )
+
+
 def _invocations(parts: AppParts, _: str) -> Run:
     """SageMaker's one route: the first of chat, completions, embeddings (vLLM's order) whose
     request model the body validates as."""
@@ -183,6 +203,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/detokenize", "detokenize", DetokenizeRequest, DetokenizeResponse,
              lambda parts, _: parts.detokenize),
     EMBEDDINGS,
+    *_scoring_routes(),
     Endpoint("/invocations", "invocations", InvocationRequest, None, _invocations, queues_work=True),
 )
 
