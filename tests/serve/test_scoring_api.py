@@ -135,3 +135,17 @@ def test_openapi_documents_the_bodies(cross_encoder: LiveServer) -> None:
     paths = httpx.get(cross_encoder.url + "/openapi.json", timeout=30).json()["paths"]
     for path in ("/v1/score", "/v1/rerank", "/v2/rerank", "/classify"):
         assert "requestBody" in paths[path]["post"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/rerank", {"query": "", "documents": [""]}),
+    ("/v1/score", {"text_1": [], "text_2": "x"}),
+    ("/v1/score", {"text_1": "x", "text_2": []}),
+    ("/v1/score", {"text_1": "x", "text_2": "y", "truncate_prompt_tokens": 10**9}),
+    ("/classify", {"input": []}),
+    ("/classify", {"input": ""}),
+    ("/classify", {"input": [10**9]}),
+])
+def test_bad_bodies_are_400s(cross_encoder: LiveServer, path: str, body: dict) -> None:
+    response = post(cross_encoder, path, body)
+    assert response.status_code == 400, response.text
