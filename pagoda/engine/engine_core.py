@@ -154,8 +154,11 @@ class EngineCore:
     def _resolve_max_num_seqs(self) -> None:
         """The --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps,
         whose statistics are then forgotten (calibration steps are not traffic)."""
-        self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs,
-                                                        self.config.max_num_seqs_itl_ms)
+        classifier = self.model_config.classifier
+        # A sequence classifier never decodes: there is no decode step to hold to the ITL budget.
+        itl_budget_ms = None if classifier is not None and not classifier.generates \
+            else self.config.max_num_seqs_itl_ms
+        self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs, itl_budget_ms)
         self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
         if not self.max_num_seqs_choice.explicit:
             self._reset_step_stats()

@@ -64,7 +64,9 @@ def test_cross_encoder_scores_equal_transformers(tmp_path: Path, architecture: s
 
 def test_classification_equals_transformers(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "qwen2_classifier", "qwen2_classifier")
-    llm = engine(model_dir)
+    # --max-num-seqs from its default: a model that never decodes has no decode step to calibrate.
+    llm = LLM(model=str(model_dir), num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs_itl_ms=50.0)
+    assert llm.engine.core.max_num_seqs_choice.itl_budget_ms is None
     tokenizer = llm.get_tokenizer()
     outputs = llm.classify(DOCUMENTS)
     for output, text in zip(outputs, DOCUMENTS):
