@@ -7,7 +7,8 @@ Two kinds of checkpoints have one:
 - a causal LM read as a reranker by two of its tokens (Qwen3-Reranker's style, vLLM's
   `classifier_from_token` with `is_original_qwen3_reranker`, or pagoda's `--score-tokens no,yes`):
   one label whose weight is the LM head's "true" row minus its "false" row, so that
-  sigmoid(logit) = softmax(logit_false, logit_true)[true]. The LM head stays: it still generates.
+  sigmoid(logit) = softmax(logit_false, logit_true)[true]; `classifier_from_token` without that
+  flag makes one label per token, its row as it is. The LM head stays: it still generates.
 """
 
 from __future__ import annotations

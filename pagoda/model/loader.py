@@ -95,6 +95,8 @@ def load_model_config(model: str | Path, score_tokens: str | None = None,
     else:
         check_checkpoint_quantization(Path(model))
         model_config = ModelConfig.from_dir(model)
+    if score_tokens and model_config.classifier is not None and not model_config.classifier.generates:
+        raise ValueError(f"{model}: --score-tokens reads a causal LM's head; this checkpoint has its own classifier")
     classifier = token_classifier(score_tokens, "--score-tokens") if score_tokens else model_config.classifier
     if classifier is None or classifier.from_tokens is None:
         return model_config

@@ -115,11 +115,20 @@ def test_yes_no_reranker_from_config_keys(reranker_dir: Path, tmp_path: Path) ->
     (probs,) = llm.classify([QUERIES[1] + DOCUMENTS[2]])
     logit = hf_yes_no_logit(reranker_dir, tokenizer.encode(QUERIES[1] + DOCUMENTS[2]), no, yes)
     assert abs(probs.outputs.probs[0] - torch.sigmoid(torch.tensor(logit)).item()) < TOLERANCE
+    del llm
+    # Without is_original_qwen3_reranker: one label per token, softmax over their logits.
+    config.pop("is_original_qwen3_reranker")
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (two_labels,) = engine(model_dir).classify([QUERIES[1] + DOCUMENTS[2]])
+    assert two_labels.outputs.probs == pytest.approx(torch.softmax(torch.tensor([0.0, logit]), -1).tolist(),
+                                                     abs=TOLERANCE)
 
 
-def test_unknown_score_token_is_refused(reranker_dir: Path) -> None:
+def test_unknown_score_token_is_refused(reranker_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not in the tokenizer"):
         engine(reranker_dir, score_tokens="no-such-token,y")
+    with pytest.raises(ValueError, match="its own classifier"):
+        engine(build_model(tmp_path / "classifier", "llama_classifier"), score_tokens="n,y")
 
 
 def test_a_plain_lm_does_not_score(llama_dir: Path) -> None:
