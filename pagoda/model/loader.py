@@ -106,7 +106,7 @@ def load_model_config(model: str | Path, score_tokens: str | None = None,
     ids = []
     for token in classifier.from_tokens:
         token_id = hf.convert_tokens_to_ids(token)
-        if token_id is None or (token_id == hf.unk_token_id and token != hf.unk_token):
+        if not isinstance(token_id, int) or (token_id == hf.unk_token_id and token != hf.unk_token):
             raise ValueError(f"{model}: the classifier's token {token!r} is not in the tokenizer's vocabulary")
         ids.append(int(token_id))
     return replace(model_config, classifier=classifier.with_token_ids(tuple(ids)))
@@ -170,6 +170,7 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
             if tensor is None:
                 raise ValueError(f"{file_name}: {name!r} comes quantized; a classifier read from its tokens "
                                  f"needs it in full precision")
+            assert model.score is not None  # a head source is only named for a model with a head
             model.score.fill_from_head(tensor)
             loaded.add("score.weight")
         if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -28,9 +28,20 @@ from pagoda.serve.api.completions import completion_prompts
 from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.request_fields import CLASSIFY, RERANK, SCORE, check_fields
-from pagoda.serve.api.scoring_protocol import (ClassificationData, ClassificationRequest, ClassificationResponse,
-                                               RerankDocument, RerankRequest, RerankResponse, RerankResult,
-                                               RerankUsage, ScoreData, ScoreRequest, ScoreResponse, ScoringUsage)
+from pagoda.serve.api.scoring_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    ScoringUsage,
+)
 from pagoda.serve.api.truncation import truncate_prompt, truncation_length
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.serving import EnginePrompt, Generation, ServeContext, new_request_id
