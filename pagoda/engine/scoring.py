@@ -51,17 +51,21 @@ def pair_prompt(tokenizer: Tokenizer, classifier: ClassifierConfig, text_1: str,
     return list(tokenizer.hf(text_1 + text_2, verbose=False, **cut)["input_ids"])
 
 
-def pair_score(logits: Sequence[float], classifier: ClassifierConfig) -> float:
+def pair_score(logits: Sequence[float], classifier: ClassifierConfig, activate: bool | None = None) -> float:
     """A pair's score from a one-label head: sigmoid of its logit, or the logit itself where the
-    checkpoint's sentence-transformers config asks for no activation."""
+    checkpoint's sentence-transformers config asks for no activation (`activate`, vLLM's
+    use_activation, overrides the config)."""
     if len(logits) != 1:
         raise ValueError(f"scoring needs a one-label classifier; this model has {len(logits)} labels "
                          f"(use /classify)")
-    return sigmoid(logits[0]) if classifier.activate_scores else float(logits[0])
+    return sigmoid(logits[0]) if (classifier.activate_scores if activate is None else activate) else float(logits[0])
 
 
-def class_probs(logits: Sequence[float]) -> list[float]:
-    """Class probabilities: softmax over the labels, sigmoid of a one-label head's logit."""
+def class_probs(logits: Sequence[float], activate: bool = True) -> list[float]:
+    """Class probabilities: softmax over the labels, sigmoid of a one-label head's logit; the
+    logits as they are without `activate`."""
+    if not activate:
+        return list(logits)
     if len(logits) == 1:
         return [sigmoid(logits[0])]
     top = max(logits)

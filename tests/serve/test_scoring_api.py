@@ -96,6 +96,16 @@ def test_rerank_refusals_name_the_field(cross_encoder: LiveServer, body: dict, p
     assert error["param"] == param and (code is None or error["code"] == code)
 
 
+def test_use_activation_false_answers_logits(cross_encoder_dir: Path, cross_encoder: LiveServer,
+                                            expected_scores: list[float]) -> None:
+    raw = post(cross_encoder, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS, "use_activation": False}).json()
+    logits = torch.tensor([d["score"] for d in raw["data"]])
+    assert torch.sigmoid(logits).tolist() == pytest.approx(expected_scores, abs=TOLERANCE)
+    (item,) = post(cross_encoder, "/classify", {"input": QUERY, "use_activation": False}).json()["data"]
+    logit = hf_logits(cross_encoder_dir, cross_encoder.llm.tokenizer.encode(QUERY))[0].item()
+    assert item["probs"] == pytest.approx([logit], abs=TOLERANCE)
+
+
 def test_truncation_cuts_the_pair(cross_encoder: LiveServer) -> None:
     body = post(cross_encoder, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[0],
                                              "truncate_prompt_tokens": 4}).json()

@@ -116,12 +116,12 @@ EMBEDDINGS: dict[str, Field] = {
 
 # vLLM's scoring endpoints (serve/api/scoring.py); rerank takes Cohere's and Jina's bodies.
 SCORE: dict[str, Field] = {
-    **{name: Field(S) for name in ("model", "text_1", "text_2", "truncate_prompt_tokens")},
+    **{name: Field(S) for name in ("model", "text_1", "text_2", "truncate_prompt_tokens", "use_activation")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
 }
 RERANK: dict[str, Field] = {
     **{name: Field(S) for name in ("model", "query", "documents", "top_n", "return_documents",
-                                   "truncate_prompt_tokens")},
+                                   "truncate_prompt_tokens", "use_activation")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
     "rank_fields": Field(R, "documents are strings or {\"text\": ...} objects; no other field is ranked",
                          ["title"]),
@@ -130,7 +130,7 @@ RERANK: dict[str, Field] = {
                                    "pair)", 512),
 }
 CLASSIFY: dict[str, Field] = {
-    **{name: Field(S) for name in ("model", "input", "truncate_prompt_tokens")},
+    **{name: Field(S) for name in ("model", "input", "truncate_prompt_tokens", "use_activation")},
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
 }
 

@@ -67,7 +67,7 @@ class ScoringEndpoints:
                                            for a, b in pairs], "text_1")
 
         def body(_: list[Any]) -> ScoreResponse:
-            data = [ScoreData(index=i, score=pair_score(_logits(final), classifier))
+            data = [ScoreData(index=i, score=pair_score(_logits(final), classifier, request.use_activation))
                     for i, final in enumerate(generation.finals)]
             return ScoreResponse(id=generation.request_id, model=generation.model_name, data=data,
                                  usage=_usage(generation))
@@ -90,7 +90,7 @@ class ScoringEndpoints:
                                   "documents")
 
         def body(_: list[Any]) -> RerankResponse:
-            scores = [pair_score(_logits(final), classifier) for final in generation.finals]
+            scores = [pair_score(_logits(final), classifier, request.use_activation) for final in generation.finals]
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n or None]
             results = [RerankResult(index=i, relevance_score=scores[i],
                                     document=RerankDocument(text=documents[i]) if request.return_documents else None)
@@ -123,7 +123,7 @@ class ScoringEndpoints:
         def body(_: list[Any]) -> ClassificationResponse:
             data = []
             for index, final in enumerate(generation.finals):
-                probs = class_probs(_logits(final))
+                probs = class_probs(_logits(final), request.use_activation is not False)
                 best = max(range(len(probs)), key=probs.__getitem__)
                 data.append(ClassificationData(index=index, label=classifier.labels[best], probs=probs,
                                                num_classes=len(probs)))

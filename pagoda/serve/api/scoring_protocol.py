@@ -25,6 +25,7 @@ class ScoreRequest(OpenAIRequest):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # vLLM's: false answers the head's raw logits
     user: str | None = None
 
 
@@ -57,6 +58,7 @@ class RerankRequest(OpenAIRequest):
     top_n: int | None = None
     return_documents: bool = True
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # vLLM's: false answers the head's raw logits
     user: str | None = None
 
     def document_texts(self) -> list[str]:
@@ -95,6 +97,7 @@ class ClassificationRequest(OpenAIRequest):
     model: str | None = None
     input: PromptInput
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # vLLM's: false answers the head's raw logits
     user: str | None = None
 
 
