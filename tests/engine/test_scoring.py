@@ -62,6 +62,23 @@ def test_cross_encoder_scores_equal_transformers(tmp_path: Path, architecture: s
         llm.score(QUERIES, DOCUMENTS)
 
 
+def test_scores_reuse_the_query_prefix(tmp_path: Path) -> None:
+    # The query's blocks, cached by the first call, are hits for the second: only the last
+    # position is read, and it is always computed.
+    model_dir = build_model(tmp_path / "llama_classifier", "llama_classifier")
+    llm = engine(model_dir)
+    query = QUERIES[0] * 8  # 40 tokens: two full blocks of 16 shared by every pair
+    first = [o.outputs.score for o in llm.score(query, DOCUMENTS)]
+    scheduler = llm.engine.core.scheduler
+    hits_before = scheduler.prefix_cache_hits
+    second = llm.score(query, DOCUMENTS)
+    assert scheduler.prefix_cache_hits - hits_before >= 2 * 16 * len(DOCUMENTS)
+    ids = llm.get_tokenizer()(query, text_pair=DOCUMENTS[0])["input_ids"]
+    expected = torch.sigmoid(hf_classifier_logits(model_dir, ids)[0]).item()
+    assert abs(second[0].outputs.score - expected) < TOLERANCE
+    assert [o.outputs.score for o in second] == pytest.approx(first, abs=TOLERANCE)
+
+
 def test_classification_equals_transformers(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "qwen2_classifier", "qwen2_classifier")
     # --max-num-seqs from its default: a model that never decodes has no decode step to calibrate.
