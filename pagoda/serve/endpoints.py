@@ -162,27 +162,26 @@ EMBEDDINGS = Endpoint(
     lambda parts, _: parts.embed, EmbeddingsEndpoint.fields, queues_work=True)
 
 
-def _scoring_routes() -> tuple[Endpoint, ...]:
-    """vLLM's scoring routes (serve/api/scoring.py): /score and /v1/score; rerank under its three
-    paths (Jina's and Cohere's v1, Cohere's v2); /classify."""
-    scoring = ScoringEndpoints
-    return (
-        *(Endpoint(path, scoring.score_name, ScoreRequest, ScoreResponse,
-                   lambda parts, _: parts.by_model(parts.scoring.score), scoring.score_fields, queues_work=True)
-          for path in ("/score", "/v1/score")),
-        *(Endpoint(path, scoring.rerank_name, RerankRequest, RerankResponse,
-                   lambda parts, _: parts.by_model(parts.scoring.rerank), scoring.rerank_fields, queues_work=True)
-          for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
-        Endpoint("/classify", scoring.classify_name, ClassificationRequest, ClassificationResponse,
-                 lambda parts, _: parts.by_model(parts.scoring.classify), scoring.classify_fields, queues_work=True),
-    )
+# vLLM's scoring routes (serve/api/scoring.py): /score and /v1/score; rerank under its three
+# paths (Jina's and Cohere's v1, Cohere's v2); /classify.
+SCORE_ROUTES = tuple(
+    Endpoint(path, ScoringEndpoints.score_name, ScoreRequest, ScoreResponse,
+             lambda parts, _: parts.by_model(parts.scoring.score), ScoringEndpoints.score_fields, queues_work=True)
+    for path in ("/score", "/v1/score"))
+RERANK_ROUTES = tuple(
+    Endpoint(path, ScoringEndpoints.rerank_name, RerankRequest, RerankResponse,
+             lambda parts, _: parts.by_model(parts.scoring.rerank), ScoringEndpoints.rerank_fields, queues_work=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"))
+CLASSIFY = Endpoint(
+    "/classify", ScoringEndpoints.classify_name, ClassificationRequest, ClassificationResponse,
+    lambda parts, _: parts.by_model(parts.scoring.classify), ScoringEndpoints.classify_fields, queues_work=True)
 
 
 def _invocations(parts: AppParts, _: str) -> Run:
-    """SageMaker's one route: the first of chat, completions, embeddings (vLLM's order) whose
-    request model the body validates as."""
+    """SageMaker's one route: the first of chat, completions, embeddings, score, rerank (vLLM's
+    order) whose request model the body validates as."""
     return invocations([InvocationTarget(endpoint.path, endpoint.request_model, endpoint.run(parts))
-                        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)])
+                        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS, SCORE_ROUTES[-1], RERANK_ROUTES[1])])
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -203,7 +202,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/detokenize", "detokenize", DetokenizeRequest, DetokenizeResponse,
              lambda parts, _: parts.detokenize),
     EMBEDDINGS,
-    *_scoring_routes(),
+    *SCORE_ROUTES,
+    *RERANK_ROUTES,
+    CLASSIFY,
     Endpoint("/invocations", "invocations", InvocationRequest, None, _invocations, queues_work=True),
 )
 

@@ -141,6 +141,13 @@ def test_classify_equals_transformers(tmp_path: Path) -> None:
         live.stop()
 
 
+def test_invocations_dispatch_score_and_rerank(cross_encoder: LiveServer, expected_scores: list[float]) -> None:
+    score = post(cross_encoder, "/invocations", {"text_1": QUERY, "text_2": DOCUMENTS[0]}).json()
+    assert score["data"][0]["score"] == pytest.approx(expected_scores[0], abs=TOLERANCE)
+    rerank = post(cross_encoder, "/invocations", {"query": QUERY, "documents": DOCUMENTS[:2]}).json()
+    assert len(rerank["results"]) == 2
+
+
 def test_openapi_documents_the_bodies(cross_encoder: LiveServer) -> None:
     paths = httpx.get(cross_encoder.url + "/openapi.json", timeout=30).json()["paths"]
     for path in ("/v1/score", "/v1/rerank", "/v2/rerank", "/classify"):
