@@ -144,6 +144,11 @@ class ModelLoadConfig:
         "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
                 "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
                 "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"})
+    score_tokens: str | None = field(default=None, metadata={
+        "metavar": "FALSE,TRUE", "help": "serve a causal LM as a reranker scored by two tokens' logits at the "
+                                         "last position, e.g. no,yes (Qwen3-Reranker): score = sigmoid(logit_yes - "
+                                         "logit_no) on /v1/score, /v1/rerank and /classify (default: the config's "
+                                         "classifier_from_token, else none)"})
     moe_metrics: bool = field(default=False, metadata={
         "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
                 "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})

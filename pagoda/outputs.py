@@ -88,7 +88,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
-    embedding: list[float] | None = None  # a pooling request's (SamplingParams.pooling)
+    # A pooling request's vector (SamplingParams.pooling): its embedding, or the classifier's logits.
+    embedding: list[float] | None = None
 
     @classmethod
     def from_delta(cls, delta: RequestOutputDelta) -> RequestOutput:
@@ -228,3 +229,43 @@ class RequestOutputDelta:
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
         return self
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ScoringOutput): the classifier's one logit through its
+    activation (sigmoid for a cross-encoder)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s answer for one pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """One input's class probabilities (vLLM's ClassificationOutput): softmax over the labels,
+    or sigmoid of a one-label head's logit."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s answer for one input (vLLM's ClassificationRequestOutput)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -128,9 +128,10 @@ class SamplingParams:
     # `bad_words_token_ids` (`tokenize_bad_words`) when the request is added.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
-    # An embedding request (pagoda/worker/pooling.py): the prompt's final hidden states pooled
-    # by "last" or "mean" come back as the output's `embedding`; nothing is decoded after the
-    # prefill's one token (max_tokens 1).
+    # A pooling request (pagoda/worker/pooling.py): the prompt's final hidden states pooled
+    # by "last" or "mean" come back as the output's `embedding`, or with "classify" the
+    # classifier head's logits over the last one (a scoring or classification request);
+    # nothing is decoded after the prefill's one token (max_tokens 1).
     pooling: str | None = None
     # Beam search (vLLM's fields; scored as transformers' `num_beams` generation, see
     # pagoda/engine/beam_search.py): `best_of` beams (None: n), the n best returned, best first.
@@ -204,8 +205,8 @@ class SamplingParams:
                 fail("allowed_token_ids", "must not be empty (null allows every token)")
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
                 fail("allowed_token_ids", "must contain only non-negative integers")
-        if self.pooling is not None and self.pooling not in ("last", "mean"):
-            fail("pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
+        if self.pooling is not None and self.pooling not in ("last", "mean", "classify"):
+            fail("pooling", f"must be 'last', 'mean' or 'classify', got {self.pooling!r}")
         if self.bad_words is not None:
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 fail("bad_words", "must contain only non-blank strings")

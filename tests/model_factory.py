@@ -34,7 +34,8 @@ class TinyModel:
 
     config_class: str
     model_class: str  # the architecture
-    group: str  # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES) or "moe" (MOE_ARCHITECTURES)
+    # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES), "moe" (MOE_ARCHITECTURES) or "classifier"
+    group: str
     overrides: dict[str, Any] | Callable[[int], dict[str, Any]] = field(default_factory=dict)
 
 
@@ -85,6 +86,14 @@ TINY_MODELS: dict[str, TinyModel] = {
         swiglu_limit=0.6,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
+    # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
+    "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),
+    "qwen2_classifier": TinyModel("Qwen2Config", "Qwen2ForSequenceClassification", "classifier", dict(
+        num_labels=3, id2label={0: "negative", 1: "neutral", 2: "positive"},
+        label2id={"negative": 0, "neutral": 1, "positive": 2})),
+    "qwen3_classifier": TinyModel("Qwen3Config", "Qwen3ForSequenceClassification", "classifier", dict(
+        head_dim=32, num_labels=1)),
 }
 ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.

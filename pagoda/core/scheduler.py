@@ -290,9 +290,11 @@ class Scheduler:
                     passed_over.append(self.waiting.pop())
                     continue
             swapped = self.kv_cache.is_swapped(request)  # its computed KV waits in the host tier
-            # Prompt logprobs and pooling need every prompt position computed: no cache hits.
+            # Prompt logprobs and embeddings need every prompt position computed: no cache hits.
+            # Scoring ("classify") reads the last position only, which is never a hit (rerank's
+            # pairs share their query's blocks).
             cached = [] if swapped or request.sampling_params.prompt_logprobs is not None \
-                or request.sampling_params.pooling is not None \
+                or request.sampling_params.pooling not in (None, "classify") \
                 else self.kv_cache.find_cached_prefix(request)
             num_cached = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             num_new = request.prefill_limit - num_cached

@@ -96,7 +96,7 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
         artifact_check = ArtifactCheck(config.model, verification).start()
         if config.tokenizer not in (None, config.model):
             verify_artifact(config.tokenizer, verification)
-    model_config = load_model_config(config.model)
+    model_config = load_model_config(config.model, config.score_tokens, config.tokenizer)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
     max_model_len = config.max_model_len or model_config.max_position_embeddings

@@ -30,6 +30,7 @@ from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.transport.messages import PrefillLocally, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, check_request_id_free, validate_request
 from pagoda.lora_request import LoRARequest
+from pagoda.model.classifier_config import ClassifierConfig
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class AsyncLLM:
         self.tokenizer = self._transport.tokenizer
         self.max_model_len: int = info.max_model_len
         self.generation_defaults: dict = info.generation_defaults
+        self.classifier: ClassifierConfig | None = info.classifier
         self.engine_limits: EngineLimits = info.engine_limits
         # --max-num-seqs as the engine resolved it (its default is measured at startup).
         self.max_num_seqs_choice = info.max_num_seqs_choice

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import EngineStats
     from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
+    from pagoda.model.classifier_config import ClassifierConfig
     from pagoda.sampling_params import SamplingParams
     from pagoda.tokenizer import Tokenizer
 
@@ -64,6 +65,7 @@ class EngineClient(Protocol):
     max_model_len: int
     weights_digest: str | None  # the weights' verified manifest digest (--verify-manifest), else None
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
+    classifier: "ClassifierConfig | None"  # the model's classifier head (scoring), None for a plain LM
     transport: str  # where the engine runs: "thread", "process", ...
 
     # Read-only in the protocol, so a client that always resolves it may hold the narrower type.

@@ -19,8 +19,8 @@ from pagoda.engine.disaggregation import DisaggStats
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
-from pagoda.engine.validation import (EngineLimits, check_lora_enabled, check_lora_updatable,
-                                      check_request_id_free, validate_request)
+from pagoda.engine.validation import (EngineLimits, check_classifier_use, check_lora_enabled,
+                                      check_lora_updatable, check_request_id_free, validate_request)
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTierStats
 from pagoda.lora.manager import LoRAManager
@@ -153,8 +153,11 @@ class EngineCore:
     def _resolve_max_num_seqs(self) -> None:
         """The --max-num-seqs default (pagoda/engine/max_num_seqs.py): calibrated on real steps,
         whose statistics are then forgotten (calibration steps are not traffic)."""
-        self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs,
-                                                        self.config.max_num_seqs_itl_ms)
+        classifier = self.model_config.classifier
+        # A sequence classifier never decodes: there is no decode step to hold to the ITL budget.
+        itl_budget_ms = None if classifier is not None and not classifier.generates \
+            else self.config.max_num_seqs_itl_ms
+        self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs, itl_budget_ms)
         self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
         if not self.max_num_seqs_choice.explicit:
             self._reset_step_stats()
@@ -175,6 +178,7 @@ class EngineCore:
             # The hidden states to pool are the last stage's; only logits come back from it.
             raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
                                  "(--pipeline-parallel-size > 1)", param="input")
+        check_classifier_use(params, self.model_config.classifier)
         adapter = None
         if request.lora_request is not None:
             check_lora_enabled(request.lora_request.lora_name, self.lora is not None)

@@ -11,11 +11,14 @@ from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import require_both_role
+from pagoda.engine.scoring import class_probs, classify_params, pair_prompt, pair_score, score_pairs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagoda.engine.threads import set_engine_threads
 from pagoda.lora_request import LoRARequest
-from pagoda.outputs import OutputAccumulator, RequestOutput
+from pagoda.model.classifier_config import ClassifierConfig
+from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, OutputAccumulator, RequestOutput,
+                            ScoringOutput, ScoringRequestOutput)
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int]  # one prompt as the engine takes it
@@ -105,6 +108,37 @@ class LLM:
                                score=beam_score(sample.cumulative_logprob or 0.0, len(sample.token_ids),
                                                 params.length_penalty))
             for sample in output.outputs]) for output in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *, use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Score pairs on a classifier model (vLLM's `LLM.score`): one text_1 against every
+        text_2, or lists paired one to one; one output per pair, in order."""
+        classifier = self._classifier()
+        pairs = score_pairs(text_1, text_2)
+        prompts = [{"prompt_token_ids": pair_prompt(self.tokenizer, classifier, a, b)} for a, b in pairs]
+        outputs = self.generate(prompts, classify_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ScoringRequestOutput(output.request_id, ScoringOutput(pair_score(self._logits(output), classifier)),
+                                     output.prompt_token_ids) for output in outputs]
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput], *, use_tqdm: bool = False,
+                 lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each prompt on a classifier model (vLLM's `LLM.classify`)."""
+        self._classifier()
+        outputs = self.generate(prompts, classify_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ClassificationRequestOutput(output.request_id, ClassificationOutput(class_probs(self._logits(output))),
+                                            output.prompt_token_ids) for output in outputs]
+
+    def _classifier(self) -> ClassifierConfig:
+        classifier = self.engine.classifier
+        if classifier is None:
+            raise ValueError("this model has no classifier head: scoring and classification need a "
+                             "*ForSequenceClassification checkpoint or score_tokens (e.g. 'no,yes')")
+        return classifier
+
+    @staticmethod
+    def _logits(output: RequestOutput) -> list[float]:
+        assert output.embedding is not None  # a finished "classify" pooling request carries them
+        return output.embedding
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is released (the first sample's)."""

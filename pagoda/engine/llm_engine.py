@@ -25,6 +25,7 @@ from pagoda.engine.validation import EngineLimits, check_prompt_text, check_role
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.handoff import IncomingHandoff, TransferError
 from pagoda.lora_request import LoRARequest
+from pagoda.model.classifier_config import ClassifierConfig
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams, tokenize_bad_words
 from pagoda.structured.grammar import grammar_failure
@@ -55,6 +56,11 @@ class LLMEngine:
     @property
     def engine_limits(self) -> EngineLimits:
         return self.core.engine_limits
+
+    @property
+    def classifier(self) -> ClassifierConfig | None:
+        """The model's classifier head (scoring, classification), or None for a plain LM."""
+        return self.core.model_config.classifier
 
     @property
     def generation_defaults(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.engine.roles import HandoffTarget
+    from pagoda.model.classifier_config import ClassifierConfig
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,17 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams,
         raise InvalidRequest(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
                              f"({limits.max_num_batched_tokens}) with chunked prefill off", param="prompt")
     return max_output
+
+
+def check_classifier_use(params: SamplingParams, classifier: "ClassifierConfig | None") -> None:
+    """Scoring needs a classifier head; a sequence-classification checkpoint has no LM head,
+    so it only scores and classifies."""
+    if params.pooling == "classify" and classifier is None:
+        raise InvalidRequest("this model has no classifier head: scoring and classification need a "
+                             "*ForSequenceClassification checkpoint or --score-tokens (e.g. no,yes)", param="model")
+    if params.pooling is None and classifier is not None and not classifier.generates:
+        raise InvalidRequest("this model is a sequence classifier: it scores and classifies (/v1/score, "
+                             "/v1/rerank, /classify) and does not generate text", param="model")
 
 
 def check_request_id_free(request_id: str, in_use: Container[str]) -> None:

@@ -122,7 +122,7 @@ def run_worker(spec: WorkerSpec) -> None:
     groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
                      config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
     codec = ChannelCodec(spec.channel_secret)
-    model_config = load_model_config(config.model)
+    model_config = load_model_config(config.model, config.score_tokens, config.tokenizer)
     kernels = resolve_kernels(device, config.native_kernels)  # this process's own, for its device
     weight_format = make_weight_format(config.quantization, config.quantization_group_size,
                                        config.quantization_zero_point, kernels.native_layout)

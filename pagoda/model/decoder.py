@@ -22,6 +22,7 @@ from torch import nn
 
 from pagoda.kernels import Kernels
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
+from pagoda.model.classifier import ClassifierHead
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
@@ -175,6 +176,9 @@ class DecoderModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
             config.hidden_size, config.vocab_size, False, dtype, device,
             shard=self.tp.vocab(config.vocab_size, config.hidden_size), kernels=kernels)
+        # A classifier's head (scoring, pagoda/worker/pooling.py), on the last stage.
+        self.score = ClassifierHead(config.classifier, config.hidden_size, dtype, device) \
+            if config.classifier is not None and self.stage.is_last else None
         # In the model dtype, as transformers multiplies by it.
         self.register_buffer("embedding_scale", None if config.embedding_scale is None else torch.tensor(
             config.embedding_scale, dtype=dtype, device=device), persistent=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagoda.artifacts.digests import PICKLE_PATTERNS
 from pagoda.kernels import Kernels
+from pagoda.model.classifier_config import token_classifier
 from pagoda.model.decoder import DecoderModel
 from pagoda.model.families.base import family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
@@ -82,13 +84,33 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
             raise ValueError(f"{path}: unreadable safetensors file, corrupt or truncated ({where}: {error})") from None
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
-    """The config of a Hugging Face directory or of a GGUF file (or a directory holding one)."""
+def load_model_config(model: str | Path, score_tokens: str | None = None,
+                      tokenizer: str | Path | None = None) -> ModelConfig:
+    """The config of a Hugging Face directory or of a GGUF file (or a directory holding one).
+    `score_tokens` ("no,yes"): read the LM as a reranker by those tokens' logits (--score-tokens);
+    a classifier read from tokens has their ids looked up in the tokenizer (`tokenizer`, else
+    the model's)."""
     gguf_file = find_gguf_file(model)
     if gguf_file is not None:
-        return ModelConfig.from_dict(gguf_config(GGUFCheckpoint(gguf_file)), source=str(gguf_file))
-    check_checkpoint_quantization(Path(model))
-    return ModelConfig.from_dir(model)
+        model_config = ModelConfig.from_dict(gguf_config(GGUFCheckpoint(gguf_file)), source=str(gguf_file))
+    else:
+        check_checkpoint_quantization(Path(model))
+        model_config = ModelConfig.from_dir(model)
+    if score_tokens and model_config.classifier is not None and not model_config.classifier.generates:
+        raise ValueError(f"{model}: --score-tokens reads a causal LM's head; this checkpoint has its own classifier")
+    classifier = token_classifier(score_tokens, "--score-tokens") if score_tokens else model_config.classifier
+    if classifier is None or classifier.from_tokens is None:
+        return model_config
+    from pagoda.tokenizer import Tokenizer  # only a reranker read from tokens needs it here
+
+    hf = Tokenizer.from_pretrained(tokenizer or model).hf
+    ids = []
+    for token in classifier.from_tokens:
+        token_id = hf.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or (token_id == hf.unk_token_id and token != hf.unk_token):
+            raise ValueError(f"{model}: the classifier's token {token!r} is not in the tokenizer's vocabulary")
+        ids.append(int(token_id))
+    return replace(model_config, classifier=classifier.with_token_ids(tuple(ids)))
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -142,9 +164,18 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
     family = family_of(config)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    # A reranker read from tokens: its head comes from rows of the LM head (or tied embedding).
+    head_source = _classifier_head_source(model, config)
     for file_name, name, tensor, int4_codes in _per_expert(family.checkpoint_tensors(tensors)):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        if name == head_source:
+            if tensor is None:
+                raise ValueError(f"{file_name}: {name!r} comes quantized; a classifier read from its tokens "
+                                 f"needs it in full precision")
+            assert model.score is not None  # a head source is only named for a model with a head
+            model.score.fill_from_head(tensor)
+            loaded.add("score.weight")
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target, part = _locate(name)
@@ -183,6 +214,16 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
     finalize_linears(model)
+
+
+def _classifier_head_source(model: DecoderModel, config: ModelConfig) -> str | None:
+    """The checkpoint tensor a classifier read from tokens takes its rows from, or None."""
+    classifier = config.classifier
+    if classifier is None or classifier.from_tokens is None or model.score is None:
+        return None
+    if classifier.token_ids is None:
+        raise ValueError(f"the classifier's tokens {list(classifier.from_tokens)} were not resolved to ids")
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -256,7 +297,7 @@ def _held_by_another_stage(model: DecoderModel, target: str) -> bool:
         return not model.stage.holds_layer(int(parts[2]))
     if parts[:2] == ["model", "embed_tokens"]:
         return model.model.embed_tokens is None
-    if parts[:2] == ["model", "norm"] or parts[0] == "lm_head":
+    if parts[:2] == ["model", "norm"] or parts[0] in ("lm_head", "score"):
         return not model.stage.is_last
     return False
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.model import families
+from pagoda.model.classifier_config import ClassifierConfig, read_classifier
 from pagoda.model.moe_config import MoEConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
@@ -56,6 +57,9 @@ class ModelConfig:
     # gpt-oss: a learned logit per attention head joins each softmax's denominator (a key that
     # soaks up attention and contributes no value).
     attention_sinks: bool = False
+    # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
+    # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
+    classifier: ClassifierConfig | None = None
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -115,8 +119,14 @@ class ModelConfig:
             architecture = architectures[0] if architectures else model_type
         family = families.family_name(architecture, model_type)
         model_config = families.family(family).FAMILY.read(config, source, architecture, require_supported)
+        classifier = read_classifier(config, families.is_sequence_classifier(architecture))
+        if classifier is not None and not classifier.generates:
+            # A sequence-classification checkpoint has no LM head: the embedding matrix stands
+            # in for it where a step computes the prefill's (dropped) token.
+            model_config = replace(model_config, tie_word_embeddings=True)
         # An architecture pagoda does not run is read as a dense decoder: its experts' keys are its own.
-        return replace(model_config, family=family, moe=model_config.moe if supported else None)
+        return replace(model_config, family=family, moe=model_config.moe if supported else None,
+                       classifier=classifier)
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:
         for token_id in as_id_list(generation.get("eos_token_id")):

@@ -27,6 +27,7 @@ from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.kv_transfer.disk_store import remove_files_written_since
 from pagoda.lora_request import LoRARequest
+from pagoda.model.classifier_config import ClassifierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -293,4 +294,5 @@ class ModelFront:
         self.max_model_len: int = first.max_model_len
         self.weights_digest: str | None = first.weights_digest
         self.generation_defaults: dict = first.generation_defaults
+        self.classifier: ClassifierConfig | None = first.classifier
         self.engine_limits = first.engine_limits

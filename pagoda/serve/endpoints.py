@@ -40,6 +40,9 @@ from pagoda.serve.api.request_fields import Field
 from pagoda.serve.api.responses import ResponsesEndpoint
 from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
 from pagoda.serve.api.responses_store import ResponsesStore
+from pagoda.serve.api.scoring import ScoringEndpoints
+from pagoda.serve.api.scoring_protocol import (ClassificationRequest, ClassificationResponse, RerankRequest,
+                                               RerankResponse, ScoreRequest, ScoreResponse)
 from pagoda.serve.api.tokenization import TokenizationEndpoints
 from pagoda.serve.errors import APIError, anthropic_error_body, validation_error
 from pagoda.serve.model_registry import ModelRegistry
@@ -70,6 +73,7 @@ class AppParts:
     messages: MessagesEndpoint
     responses: ResponsesEndpoint
     embeddings: dict[str, EmbeddingsEndpoint]  # by model name
+    scoring: ScoringEndpoints
     tokenization: dict[str, TokenizationEndpoints]  # by model name
     started: int = field(default_factory=lambda: int(time.time()))  # the model cards' `created`
 
@@ -80,7 +84,7 @@ class AppParts:
                  if settings.responses_store else None)
         return cls(settings, registry, dispatcher, canary, CompletionsEndpoint(), ChatEndpoint(),
                    MessagesEndpoint(), ResponsesEndpoint(store),
-                   {model.name: EmbeddingsEndpoint(model.context) for model in registry},
+                   {model.name: EmbeddingsEndpoint(model.context) for model in registry}, ScoringEndpoints(),
                    {model.name: TokenizationEndpoints(model.context) for model in registry})
 
     @property
@@ -158,11 +162,26 @@ EMBEDDINGS = Endpoint(
     lambda parts, _: parts.embed, EmbeddingsEndpoint.fields, queues_work=True)
 
 
+# vLLM's scoring routes (serve/api/scoring.py): /score and /v1/score; rerank under its three
+# paths (Jina's and Cohere's v1, Cohere's v2); /classify.
+SCORE_ROUTES = tuple(
+    Endpoint(path, ScoringEndpoints.score_name, ScoreRequest, ScoreResponse,
+             lambda parts, _: parts.by_model(parts.scoring.score), ScoringEndpoints.score_fields, queues_work=True)
+    for path in ("/score", "/v1/score"))
+RERANK_ROUTES = tuple(
+    Endpoint(path, ScoringEndpoints.rerank_name, RerankRequest, RerankResponse,
+             lambda parts, _: parts.by_model(parts.scoring.rerank), ScoringEndpoints.rerank_fields, queues_work=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"))
+CLASSIFY = Endpoint(
+    "/classify", ScoringEndpoints.classify_name, ClassificationRequest, ClassificationResponse,
+    lambda parts, _: parts.by_model(parts.scoring.classify), ScoringEndpoints.classify_fields, queues_work=True)
+
+
 def _invocations(parts: AppParts, _: str) -> Run:
-    """SageMaker's one route: the first of chat, completions, embeddings (vLLM's order) whose
-    request model the body validates as."""
+    """SageMaker's one route: the first of chat, completions, embeddings, score, rerank (vLLM's
+    order) whose request model the body validates as."""
     return invocations([InvocationTarget(endpoint.path, endpoint.request_model, endpoint.run(parts))
-                        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)])
+                        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS, SCORE_ROUTES[-1], RERANK_ROUTES[1])])
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -183,6 +202,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/detokenize", "detokenize", DetokenizeRequest, DetokenizeResponse,
              lambda parts, _: parts.detokenize),
     EMBEDDINGS,
+    *SCORE_ROUTES,
+    *RERANK_ROUTES,
+    CLASSIFY,
     Endpoint("/invocations", "invocations", InvocationRequest, None, _invocations, queues_work=True),
 )
 

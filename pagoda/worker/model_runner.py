@@ -254,7 +254,7 @@ class ModelRunner(PagedModel):
         output = ModelRunnerOutput()
         if any(entry.request.sampling_params.pooling for entry in step.scheduler_output.scheduled):
             output.pooled = pool_prompts(step.scheduler_output.scheduled, step.hidden,
-                                         step.query_start_loc.tolist())
+                                         step.query_start_loc.tolist(), self.model.score)
         if logits is not None:
             step.grammar_masks.apply(logits)  # filled while the forward ran
             self._sample(logits, step.row_owners, step.draft_probs, output)

@@ -98,7 +98,7 @@ QUEUEING = [endpoint for endpoint in ENDPOINTS if endpoint.queues_work]
 def test_every_generation_endpoint_queues_work() -> None:
     assert {endpoint.path for endpoint in QUEUEING} == {
         "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-        "/invocations"}
+        "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/invocations"}
 
 
 @pytest.mark.parametrize("endpoint", QUEUEING, ids=lambda endpoint: endpoint.path)

@@ -10,6 +10,7 @@ from pagoda.config import EngineConfig, TransportKind
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.transport.messages import ToEngine
 from pagoda.engine.validation import EngineLimits
+from pagoda.model.classifier_config import ClassifierConfig
 
 if TYPE_CHECKING:
     from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
@@ -35,6 +36,7 @@ class EngineInfo:
     max_model_len: int
     engine_limits: EngineLimits
     generation_defaults: dict[str, Any]
+    classifier: ClassifierConfig | None  # the model's classifier head, for scoring
     stats: "EngineStats"
     max_num_seqs_choice: "MaxNumSeqsChoice"  # the value in use and why
     kv_address: str | None  # role decode: where prefill engines send KV handoffs
@@ -43,7 +45,8 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: "LLMEngine") -> "EngineInfo":
         return cls(max_model_len=engine.max_model_len, engine_limits=engine.engine_limits,
-                   generation_defaults=engine.generation_defaults, stats=engine.get_stats(),
+                   generation_defaults=engine.generation_defaults, classifier=engine.classifier,
+                   stats=engine.get_stats(),
                    max_num_seqs_choice=engine.core.max_num_seqs_choice,
                    kv_address=engine.kv_connector.kv_address, weights_digest=engine.core.weights_digest)
 

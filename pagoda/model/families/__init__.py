@@ -3,8 +3,8 @@
 A family module (`pagoda.model.families.<module>`) defines `FAMILY`, a ModelFamily
 (pagoda.model.families.base): its config reader, checkpoint and GGUF names, and model class.
 This registry names each family's module with what selects it: the transformers architectures
-of config.json, the GGUF files' `general.architecture`, and the `model_type`s that name the
-family (transformers picks a model's class by its model_type: a config's model_type, where a
+of config.json (a family's `*ForSequenceClassification` runs its decoder under a classifier
+head), the GGUF files' `general.architecture`, and the `model_type`s that name the family (transformers picks a model's class by its model_type: a config's model_type, where a
 family claims it, picks the family before its architecture does; it also reads, for `pagoda
 plan`, configs of architectures pagoda does not run). Modules are imported on first use, so
 reading one family's config imports none of the others.
@@ -17,9 +17,9 @@ from types import ModuleType
 
 # module: (transformers architectures, GGUF architectures, model types that pick it)
 _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "llama": (("LlamaForCausalLM",), ("llama",), ()),
-    "qwen2": (("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
-    "qwen3": (("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    "llama": (("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), ()),
+    "qwen2": (("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), ("qwen2",)),
+    "qwen3": (("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), ("qwen3",)),
     "mistral": (("MistralForCausalLM",), (), ()),
     "gemma": (("Gemma2ForCausalLM", "Gemma3ForCausalLM"), (), ("gemma", "gemma2", "gemma3", "gemma3_text")),
     "phi3": (("Phi3ForCausalLM",), (), ()),
@@ -28,6 +28,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
 }
+_SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
 _FALLBACK = "llama"
 DEFAULT_MODEL_TYPE = "llama"
@@ -40,6 +41,12 @@ _BY_MODEL_TYPE = {name: module for module, (_, _, names) in _FAMILIES.items() fo
 def architectures() -> tuple[str, ...]:
     """The transformers architectures pagoda runs."""
     return tuple(_BY_ARCHITECTURE)
+
+
+def is_sequence_classifier(architecture: str) -> bool:
+    """A `*ForSequenceClassification` architecture: the decoder with a classifier head
+    (pagoda.model.classifier) instead of an LM head."""
+    return architecture in _BY_ARCHITECTURE and architecture.endswith(_SEQUENCE_CLASSIFIER)
 
 
 def gguf_architectures() -> tuple[str, ...]:

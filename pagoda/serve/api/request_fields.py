@@ -114,6 +114,26 @@ EMBEDDINGS: dict[str, Field] = {
     "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
 }
 
+# vLLM's scoring endpoints (serve/api/scoring.py); rerank takes Cohere's and Jina's bodies.
+SCORE: dict[str, Field] = {
+    **{name: Field(S) for name in ("model", "text_1", "text_2", "truncate_prompt_tokens", "use_activation")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+}
+RERANK: dict[str, Field] = {
+    **{name: Field(S) for name in ("model", "query", "documents", "top_n", "return_documents",
+                                   "truncate_prompt_tokens", "use_activation")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+    "rank_fields": Field(R, "documents are strings or {\"text\": ...} objects; no other field is ranked",
+                         ["title"]),
+    "max_chunks_per_doc": Field(R, "documents are not chunked (truncate_prompt_tokens cuts a long pair)", 4),
+    "max_tokens_per_doc": Field(R, "documents are not cut on their own (truncate_prompt_tokens cuts a long "
+                                   "pair)", 512),
+}
+CLASSIFY: dict[str, Field] = {
+    **{name: Field(S) for name in ("model", "input", "truncate_prompt_tokens", "use_activation")},
+    "user": Field(I, "recorded nowhere; tenants are identified by API key", "u-1"),
+}
+
 # OpenAI's Responses API.
 RESPONSES: dict[str, Field] = {
     **{name: Field(S) for name in (
