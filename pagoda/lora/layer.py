@@ -31,6 +31,10 @@ class LoRAPart:
 
 
 class LoRALinear(nn.Module):
+    # Per-slot adapter weights, registered as (non-persistent) buffers in __init__.
+    lora_a: torch.Tensor
+    lora_b_t: torch.Tensor
+
     def __init__(self, base: Linear, layer_index: int, parts: list[LoRAPart], *, max_loras: int,
                  max_rank: int, state: LoRAStepState, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

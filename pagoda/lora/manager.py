@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagoda.errors import InvalidRequest
 from pagoda.lora.adapter import LoRAAdapter, load_peft_adapter
@@ -42,7 +43,9 @@ def wrap_model(model: DecoderModel, state: LoRAStepState, *, max_loras: int, max
         ("mlp", "down_proj"): [LoRAPart("down_proj", 0, config.hidden_size)],
     }
     wrapped = []
-    for index, layer in enumerate(model.model.layers):
+    layers = model.model.layers
+    assert isinstance(layers, nn.ModuleList), "the decoder stack's layers"
+    for index, layer in enumerate(layers):
         for (block_name, proj_name), parts in layout.items():
             block = getattr(layer, block_name)
             lora = LoRALinear(getattr(block, proj_name), index, parts, max_loras=max_loras, max_rank=max_rank,

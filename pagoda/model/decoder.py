@@ -39,7 +39,7 @@ class ForwardContext:
 
     backend: AttentionBackend
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (key_cache, value_cache); None: other stages
 
 
 class Attention(nn.Module):
@@ -92,7 +92,9 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rotary(q, *rope), rotary(k, *rope)
-        key_cache, value_cache = context.kv_caches[self.layer_index]
+        caches = context.kv_caches[self.layer_index]
+        assert caches is not None, "a stage allocates the caches of every layer it runs"
+        key_cache, value_cache = caches
         out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index],
                                      self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -109,7 +109,7 @@ class ConnectionGuard:
         address = peer[0] if isinstance(peer, (tuple, list)) and peer else None
         if address is not None and limits.by_client.get(address, 0) >= limits.max_connections_per_client:
             limits.refused += 1  # not logged one by one: the client decides how many there are
-            transport.write(_refusal_bytes("This client has too many open connections; close some first.",
+            self.transport.write(_refusal_bytes("This client has too many open connections; close some first.",
                                            "too_many_client_connections"))
             transport.close()
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -22,7 +23,7 @@ def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
 
 def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
     """The constraint the flags ask for, or None. Raises ValueError naming the flag."""
-    given = {name: value for name, value in (
+    given: dict[str, Any] = {name: value for name, value in (
         ("json", getattr(args, "json_schema", None)), ("json_object", getattr(args, "json_object", False) or None),
         ("regex", getattr(args, "regex", None)), ("choice", getattr(args, "choice", None)),
         ("grammar", getattr(args, "grammar", None))) if value is not None}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import llguidance
 import llguidance.hf
 import numpy as np
+from transformers import PreTrainedTokenizerFast
 
 from pagoda.sampling_params import KINDS, StructuredOutputsParams
 from pagoda.structured.grammar import GrammarError, build_grammar
@@ -105,6 +106,8 @@ class GrammarCompiler:
         eos = set(eos_token_ids)
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
+        if not isinstance(hf, PreTrainedTokenizerFast):  # llguidance reads the Rust tokenizer
+            raise ValueError(f"{type(hf).__name__} is not a fast tokenizer; grammars need one")
         # Every EOS id is allowed exactly where the grammar may end.
         return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(eos) or None)
 

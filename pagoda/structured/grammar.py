@@ -8,7 +8,7 @@ well-formed grammars ever wait for compilation in the engine.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -18,9 +18,12 @@ from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured.triggered import (check_triggered_spec, is_triggered_spec, special_trigger_ids,
                                          triggered_lark)
 
+if TYPE_CHECKING:  # a TypedDict of llguidance's stubs only
+    from llguidance._lib import JsonCompileOptions
+
 # JSON as OpenAI and vLLM emit it under a schema: compact separators, no free whitespace (a
 # model cannot pad forever), properties in schema order.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
 
 
@@ -78,14 +81,19 @@ def _translate(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenize
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    # `kind` names the one field StructuredOutputsParams holds set, so the reads below are not None.
     if kind == "regex":
+        assert params.regex is not None
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
+        assert params.choice is not None
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in params.choice))
     if kind == "grammar":
         # Lark as llguidance reads it, or GBNF/EBNF as llama.cpp writes it (`root ::= ...`).
+        assert params.grammar is not None
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     if kind == "structural_tag":
+        assert params.structural_tag is not None
         spec = triggered_spec(params.structural_tag)
         special = special_trigger_ids(spec, tokenizer) if tokenizer is not None else None
         return llguidance.LLMatcher.grammar_from_lark(triggered_lark(spec, special))

@@ -43,6 +43,7 @@ class StructuredOutputManager:
 
     def submit(self, request_id: str, samples: list[Request]) -> None:
         params = samples[0].sampling_params.structured_outputs
+        assert params is not None, "only a constrained request waits for its grammar"
         future = self.compiler.submit(params)
         self._pending.append(_Pending(request_id, samples, future, time.monotonic()))
 
@@ -68,7 +69,9 @@ class StructuredOutputManager:
                 error = pending.future.exception()
                 if error is None:
                     template = pending.future.result()
-                    kind = pending.samples[0].sampling_params.structured_outputs.kind
+                    params = pending.samples[0].sampling_params.structured_outputs
+                    assert params is not None, "only a constrained request waits for its grammar"
+                    kind = params.kind
                     for sample in pending.samples:
                         sample.structured_output = RequestMatcher(template.deep_copy(), kind, self.compiler.executor)
                     ready.append((pending.request_id, pending.samples))
@@ -152,6 +155,7 @@ class GrammarMasks:
 
     def _fill_rows(self) -> None:
         bitmask = self.bitmask
+        assert bitmask is not None, "masks are filled only when some row is constrained"
         batched: list[tuple[RequestMatcher, int]] = []  # (matcher, bitmask row), filled in one call
         position = 0
         for _, request, drafts in self.constrained:
@@ -167,6 +171,7 @@ class GrammarMasks:
             batched[0][0].fill_mask(bitmask, batched[0][1])
         elif batched:
             executor = batched[0][0].executor
+            assert executor is not None, "only matchers with an executor are batched"
             try:
                 executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in batched], bitmask.data_ptr(),
                                                  bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
@@ -179,6 +184,7 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor) -> None:
         if not self.constrained:
             return
+        assert self.bitmask is not None, "allocated whenever some row is constrained"
         if self._filled is not None:
             try:
                 self._filled.result()

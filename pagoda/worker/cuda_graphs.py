@@ -106,7 +106,7 @@ class DecodeGraphRunner:
     forward without a graph (for checking the padding on any device)."""
 
     def __init__(self, model: DecoderModel, backend: AttentionBackend,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sliding_windows: set[int | None],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None], sliding_windows: set[int | None],
                  max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         if not supports_cuda_graphs(backend):
             raise ValueError(f"attention backend {backend.name!r} cannot be captured in CUDA graphs")

@@ -143,11 +143,10 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
         query_start_loc.append(query_start_loc[-1] + len(segment.token_ids))
         context_lens.append(segment.start)
         query_lens.append(len(segment.token_ids))
-    shared = dict(
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.long, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-        seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long, device=device),
-        block_size=block_size, query_lens_host=query_lens, context_lens_host=context_lens)
+    # Shared by every KV cache group's layout.
+    query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.long, device=device)
+    context_lens_t = torch.tensor(context_lens, dtype=torch.long, device=device)
+    seq_lens_t = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long, device=device)
     layouts = []
     for group in range(num_groups):
         slots: list[int] = []
@@ -160,7 +159,8 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32,
                                       device=device),
-            **shared))
+            query_start_loc=query_start_loc_t, context_lens=context_lens_t, seq_lens=seq_lens_t,
+            block_size=block_size, query_lens_host=query_lens, context_lens_host=context_lens))
     return (torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device), layouts)
 
@@ -198,6 +198,7 @@ class ModelRunner(PagedModel):
         hidden states on without waiting for the others); `collect` samples it."""
         start = time.perf_counter()
         if scheduler_output.kv_transfers:  # tier copies go first: CoW targets may be evicted blocks
+            assert self.kv_transfer is not None, "the scheduler plans tier copies only with KV tiers"
             self.kv_transfer.run(scheduler_output.kv_transfers)
         self._copy_blocks(scheduler_output.block_copies)
         draft_probs: dict[str, torch.Tensor | None] = {}

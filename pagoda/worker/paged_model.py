@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
-from pagoda.kernels.attention import AttentionBackend, BatchLayout
+from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
@@ -29,7 +29,9 @@ def allocate_kv_caches(model: DecoderModel, num_blocks: int, block_size: int, dt
     config = model.config
     groups = groups or single_group(model)
     kv_format = kv_format or KVCacheFormat("auto", dtype)
-    shape = (num_blocks, block_size, model.num_kv_heads, kv_format.entry_size(config.head_dim))  # the rank's heads
+    num_kv_heads = model.num_kv_heads  # the rank's heads
+    assert isinstance(num_kv_heads, int), "read from the model's attention layers"
+    shape = (num_blocks, block_size, num_kv_heads, kv_format.entry_size(config.head_dim))
     storage = kv_format.storage_dtype
     # A pipeline stage allocates only the places its own layers use; other stages' layers get None.
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -57,8 +59,12 @@ class PagedModel:
     def __init__(self, model: DecoderModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None,
                  groups: Sequence[KVCacheGroup] | None = None) -> None:
-        backend.check_layers([model.model.layers[i].self_attn.spec for i in model.stage.layers],
-                             model.config.architecture)
+        specs: list[AttentionLayerSpec] = []
+        for i in model.stage.layers:
+            spec = model.get_submodule(f"model.layers.{i}.self_attn").spec
+            assert isinstance(spec, AttentionLayerSpec), "every attention layer describes itself"
+            specs.append(spec)
+        backend.check_layers(specs, model.config.architecture)
         self.model = model
         self.backend = backend
         self.block_size = block_size

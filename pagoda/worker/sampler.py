@@ -87,9 +87,10 @@ class Sampler:
         wanted = [r.sampling_params.logprobs for r in requests]
         logprobs: list[PositionLogprobs | None] = [None] * len(requests)
         if any(k is not None for k in wanted):
-            rows = [i for i, k in enumerate(wanted) if k is not None]
-            computed = position_logprobs(raw_logits[rows], [sampled[i] for i in rows], [wanted[i] for i in rows])
-            for i, entry in zip(rows, computed):
+            asking = [i for i, k in enumerate(wanted) if k is not None]
+            computed = position_logprobs(raw_logits[asking], [sampled[i] for i in asking],
+                                         [k for k in wanted if k is not None])
+            for i, entry in zip(asking, computed):
                 logprobs[i] = entry
         return SamplerOutput(sampled, logprobs)
 
@@ -111,8 +112,7 @@ class Sampler:
                 ids = torch.tensor(list(params.logit_bias), device=row.device)
                 row[ids] += torch.tensor(list(params.logit_bias.values()), device=row.device)
             if request.num_output_tokens < params.min_tokens:
-                stop_ids = set(params.stop_token_ids) | set(request.eos_token_ids)
-                stop_ids = [t for t in stop_ids if t < self.vocab_size]
+                stop_ids = [t for t in set(params.stop_token_ids) | set(request.eos_token_ids) if t < self.vocab_size]
                 if stop_ids:
                     row[torch.tensor(stop_ids, device=row.device)] = float("-inf")
             if params.needs_penalties:
@@ -151,7 +151,7 @@ class Sampler:
                  torch.tensor(banned[1], device=logits.device)] = True
         logits.masked_fill_(mask, float("-inf"))
 
-    def _apply_penalties(self, row: torch.Tensor, request: Request) -> None:
+    def _apply_penalties(self, row: torch.Tensor, request: Request | DraftedRow) -> None:
         params = request.sampling_params
         if params.repetition_penalty != 1.0:
             # Applies to every token seen so far, prompt included (as transformers and vLLM do).
@@ -235,9 +235,11 @@ def position_logprobs(logits: torch.Tensor, chosen: Sequence[int], top_k: Sequen
     ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
     chosen_values = chosen_lp.squeeze(1).tolist()
     max_k = max(top_k) if top_k else 0
-    top_values, top_ids = (logprobs.topk(max_k, dim=-1) if max_k else (None, None))
-    top_values = top_values.tolist() if max_k else None
-    top_ids = top_ids.tolist() if max_k else None
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if max_k:
+        top = logprobs.topk(max_k, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
     result = []
     for row, token_id in enumerate(chosen):
         entry: PositionLogprobs = {token_id: Logprob(chosen_values[row], ranks[row])}
