@@ -110,11 +110,8 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, *, max_r
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
 
     shapes = module_shapes(config)
-    # A lora_alpha present was checked above; without one, the rank `r` (8 without either) stands in.
-    alpha_value = peft_config["lora_alpha"] if "lora_alpha" in peft_config else peft_config.get("r", 8)
-    if not isinstance(alpha_value, (int, float)) or alpha_value <= 0:
-        raise fail(f"without lora_alpha, r must be a positive number, got {alpha_value!r}")
-    alpha = float(alpha_value)
+    # Checked above; without one, PEFT's LoraConfig default (8) is what the adapter was trained with.
+    alpha = float(peft_config.get("lora_alpha", 8))
     rslora = bool(peft_config.get("use_rslora", False))
     modules: dict[tuple[int, str], ModuleLoRA] = {}
     for (layer, module), pair in sorted(pairs.items()):

@@ -83,3 +83,17 @@ def test_quantized_base_with_adapter_runs_the_base_format(llama_dir, llama_adapt
     assert with_adapter[1].outputs[0].token_ids == plain.generate([PROMPT], params)[0].outputs[0].token_ids
     assert with_adapter[0].outputs[0].token_ids != with_adapter[1].outputs[0].token_ids
     assert torch.get_num_threads() == 1
+
+
+def test_an_adapter_without_lora_alpha_takes_peft_default(llama_dir, tmp_path) -> None:
+    # PEFT's LoraConfig defaults lora_alpha to 8, whatever the rank: a config that omits it is
+    # scaled 8 / r, as PEFT loads it (rank 16 here, so any other stand-in would show).
+    import json
+
+    adapter = build_adapter(llama_dir, tmp_path / "no-alpha", rank=16, alpha=8, seed=7)
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    del config["lora_alpha"]
+    config_path.write_text(json.dumps(config))
+    llm = LLM(model=str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64)
+    _compare(llama_dir, {"no-alpha": adapter}, llm)
