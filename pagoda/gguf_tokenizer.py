@@ -184,7 +184,7 @@ def build_tokenizer(vocabulary: GGUFVocabulary) -> Tokenizer:
                                                decoders.Fuse(), *strip])
     else:
         pre = vocabulary.pre_tokenizer
-        merges = [tuple(merge.split(" ", 1)) for merge in vocabulary.merges]
+        merges = [_merge_pair(merge) for merge in vocabulary.merges]
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
                                          ignore_merges=pre.ignore_merges))
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -196,6 +196,14 @@ def build_tokenizer(vocabulary: GGUFVocabulary) -> Tokenizer:
         for piece, kind in zip(vocabulary.tokens, vocabulary.token_types) if kind in (CONTROL, USER_DEFINED, UNKNOWN)])
     _set_post_processor(tokenizer, vocabulary)
     return tokenizer
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A stored merge "left right" as the pair of pieces BPE takes."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise ValueError(f"merge {merge!r} is not two pieces separated by a space")
+    return left, right
 
 
 def _merges_by_score(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:

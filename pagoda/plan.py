@@ -456,7 +456,9 @@ def build_plan(
         stage_pool_blocks = min(stage.num_blocks for stage in stages)
     class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows)
                   for rc in classes]
-    targeted = [row for row in class_rows if row.target_concurrency is not None]
+    # The classes with a target concurrency: _class_capacity sets their memory needs with it.
+    needs_p50 = [row.memory_needed_p50 for row in class_rows if row.memory_needed_p50 is not None]
+    needs_p95 = [row.memory_needed_p95 for row in class_rows if row.memory_needed_p95 is not None]
     blocks_per_seq = blocks_for(context, block_size)
     return Plan(
         model=model,
@@ -478,8 +480,8 @@ def build_plan(
         num_blocks=base.num_blocks,
         full_context_seqs=base.full_context_seqs,
         classes=class_rows,
-        classes_total_memory_p50=sum(row.memory_needed_p50 for row in targeted) if targeted else None,
-        classes_total_memory_p95=sum(row.memory_needed_p95 for row in targeted) if targeted else None,
+        classes_total_memory_p50=sum(needs_p50) if needs_p50 else None,
+        classes_total_memory_p95=sum(needs_p95) if needs_p95 else None,
         scenarios=[base, *_what_if_scenarios(shape, params, base, dtype=dtype, kv_dtype=kv_dtype,
                                              block_size=block_size, memory_bytes=memory_bytes,
                                              reserve_bytes=reserve_bytes, group_size=group_size)],
@@ -504,12 +506,13 @@ def int4_group_size(shape: ModelShape, group_size: int | None) -> tuple[int, str
                             f"{', '.join(map(str, bad))}: the server refuses it; leave --quantization-group-size "
                             f"out to let each layer take the largest that divides it") if bad else None
     chosen = [int4_group_size_for(d) for d in inputs]
-    if None in chosen:
+    fitting = [g for g in chosen if g is not None]
+    if len(fitting) < len(chosen):
         bad = [d for d, g in zip(inputs, chosen) if g is None]
         return max(INT4_GROUP_SIZES), (f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the "
                                        f"layer input dimension(s) {', '.join(map(str, bad))}: int4 cannot hold "
                                        f"this model; use int8")
-    return min(chosen), None  # type: ignore[type-var]
+    return min(fitting), None
 
 
 def _check_knobs(context: int, block_size: int, kv_dtype: str, group_size: int | None) -> None:
@@ -689,11 +692,12 @@ def render_plan(plan: Plan) -> str:
         out.append("request classes (p50/p95; tokens = prompt + output, each class alone in the cache)")
         out.append(_table(["class", "tokens", "blocks/req", "fit at once", "target", "blocks needed",
                            "KV needed"], rows))
-        if plan.classes_total_memory_p95 is not None:
-            verdict = "fits" if plan.classes_total_memory_p95 <= plan.kv_memory_bytes else (
-                "fits at p50 only" if plan.classes_total_memory_p50 <= plan.kv_memory_bytes else "does NOT fit")
-            out.append(f"all targets together need {fmt_bytes(plan.classes_total_memory_p50)} (p50) / "
-                       f"{fmt_bytes(plan.classes_total_memory_p95)} (p95) of KV cache "
+        total_p50, total_p95 = plan.classes_total_memory_p50, plan.classes_total_memory_p95
+        if total_p50 is not None and total_p95 is not None:  # set together, with any class's target
+            verdict = "fits" if total_p95 <= plan.kv_memory_bytes else (
+                "fits at p50 only" if total_p50 <= plan.kv_memory_bytes else "does NOT fit")
+            out.append(f"all targets together need {fmt_bytes(total_p50)} (p50) / "
+                       f"{fmt_bytes(total_p95)} (p95) of KV cache "
                        f"of {fmt_bytes(plan.kv_memory_bytes)}: {verdict}")
         out.append("")
     rows = [[sc.name, fmt_bytes(sc.weight_bytes), f"{sc.kv_bytes_per_token:,}", str(sc.context),
@@ -763,7 +767,8 @@ def plan_from_options(options: PlanOptions) -> Plan:
 def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -> Plan:
     """The plan of what `pagoda serve` runs on this machine with these flags: its dtype, its KV
     dtype and the KV pool it allocates (the numbers its banner prints)."""
-    flags = {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+    # Values as given: EngineConfig checks each flag's choices itself (check_choices), as serve's do.
+    flags: dict[str, Any] = {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
         normalize_dtype(options.dtype), options.dtype) if options.dtype else "auto",
              "block_size": options.block_size, "max_model_len": options.context}
     if options.kv_cache_memory:

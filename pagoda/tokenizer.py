@@ -160,7 +160,9 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = self._checked_ids(token_ids)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(self._checked_ids(token_ids)))

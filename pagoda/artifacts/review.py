@@ -189,12 +189,18 @@ def _safetensors_entry_problem(entry: dict[str, Any], data_bytes: int) -> str | 
     return None
 
 
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's keys: a multimodal config's `text_config`, else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def _review_checkpoint(review: ArtifactReview, root: Path, digests: dict[str, str]) -> None:
     config_path = root / "config.json"
     if not config_path.is_file():
         raise ArtifactError(f"{root}: no config.json, GGUF file or adapter_config.json: not a model artifact")
     config = _read_json(config_path)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     architectures = config.get("architectures") or [config.get("model_type")]
     review.architecture = str(architectures[0]) if architectures and architectures[0] else None
     review.dtype = config.get("dtype") or config.get("torch_dtype")
@@ -338,7 +344,7 @@ def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path, gguf_confi
         config = gguf_config(GGUFCheckpoint(gguf_file)) if gguf_file else _read_json(base / "config.json")
     except ValueError as error:
         return f"its config is unreadable ({error})"
-    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    config = _text_config(config)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     hidden, inter = config["hidden_size"], config.get("intermediate_size", 0)

@@ -93,7 +93,8 @@ def _model_signing_manifest(files: ArtifactFiles, manifest: Manifest):
     from model_signing import manifest as ms_manifest
     from model_signing._hashing import hashing
 
-    ignored = [pathlib.PurePosixPath(p.name) for p in (files.manifest_path, files.signature_path)]
+    # Bare file names (model-signing records them as strings): the same on every platform's Path.
+    ignored = [pathlib.Path(p.name) for p in (files.manifest_path, files.signature_path)]
     # Links are followed when hashing (digests.py), so model-signing's own verifier must too.
     serialization = ms_manifest._FileSerialization(manifest.hash, True, ignored)
     items = [ms_manifest.FileManifestItem(path=pathlib.PurePosixPath(name),

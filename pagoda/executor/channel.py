@@ -37,7 +37,7 @@ SIGNATURE_BYTES = hashlib.sha256().digest_size
 MAX_MESSAGE_BYTES = 256 << 20
 
 WireDType = Literal["int64", "int32", "int16", "int8", "uint8", "bool", "float32", "float16", "bfloat16", "float64"]
-_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(WireDType)}
+_DTYPES: dict[WireDType, torch.dtype] = {name: getattr(torch, name) for name in get_args(WireDType)}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 T = TypeVar("T")

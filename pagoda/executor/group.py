@@ -167,9 +167,12 @@ def open_payload(codec: ChannelCodec, payload: torch.Tensor, kind: Any, sender: 
 
 def share_payload(stage: Any, codec: ChannelCodec, payload: torch.Tensor | None, local_rank: int) -> torch.Tensor:
     """The stage's lead (local rank 0) hands a sealed message to the stage's other ranks."""
-    size = torch.tensor([payload.numel() if local_rank == 0 else 0], dtype=torch.long)
-    stage.broadcast(size, 0).wait()
-    if local_rank != 0:
+    if local_rank == 0:
+        assert payload is not None, "the stage's lead shares the message it received"
+        stage.broadcast(torch.tensor([payload.numel()], dtype=torch.long), 0).wait()
+    else:
+        size = torch.tensor([0], dtype=torch.long)
+        stage.broadcast(size, 0).wait()
         payload = torch.empty(codec.check_size(int(size.item()), "the stage's lead"), dtype=torch.uint8)
     stage.broadcast(payload, 0).wait()
     return payload

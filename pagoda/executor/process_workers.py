@@ -95,6 +95,7 @@ class ProcessWorkers:
 
 
 def _close(process: subprocess.Popen) -> None:
+    assert process.stdin is not None, "every worker is started with stdin=PIPE"
     try:
         process.stdin.close()
     except OSError:  # the pipe was already broken

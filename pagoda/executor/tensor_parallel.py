@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -32,6 +32,10 @@ from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
+
+if TYPE_CHECKING:  # each backend is imported where it is chosen
+    from pagoda.executor.process_workers import ProcessWorkers
+    from pagoda.executor.ray_workers import RayWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class TensorParallelExecutor:
                             dtype, num_threads, STARTUP_TIMEOUT_S, secret,
                             stages[rank // stage_ranks] if stages is not None else None)
                  for rank in range(1, world_size)]
+        self.workers: RayWorkers | ProcessWorkers
         if ray_backend:
             self.workers = RayWorkers(specs, config.ray_address)
         else:

@@ -174,6 +174,7 @@ def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, codec: 
                 forward_payload(outbox, control, payload, following, STEP_TAG)
         if groups.stage is not None:
             payload = share_payload(groups.stage, codec, payload, local_rank)
+        assert payload is not None, "ranks besides the lead are in a stage group, whose lead shares the message"
         received_message: StageMessage = open_payload(codec, payload, StageMessage, f"rank {previous}")
         if received_message.busy_query:
             if lead:

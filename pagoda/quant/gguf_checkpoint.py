@@ -207,14 +207,14 @@ class GGUFCheckpoint:
         dequantized: Counter[str] = Counter()
         for name, tensor in self.tensors.items():
             type_name = tensor.tensor_type.name
-            experts = expert_tensor_kind(name) is not None
-            hf_name = None if experts else self._hf_name(name, layout)
-            is_projection = experts or hf_name.endswith("_proj.weight")
+            # None: a stacked experts tensor, read one HF tensor per expert
+            hf_name = None if expert_tensor_kind(name) is not None else self._hf_name(name, layout)
+            is_projection = hf_name is None or hf_name.endswith("_proj.weight")
             codes_of = (_q4_0_codes if type_name == "Q4_0" and keep_q4_0_codes and is_projection else
                         _q8_0_codes if type_name == "Q8_0" and keep_q8_0_codes and is_projection else None)
             if type_name not in _PLAIN_TYPES and codes_of is None:
                 dequantized[type_name] += 1
-            if experts:
+            if hf_name is None:
                 yield from self._expert_tensors(name, tensor, codes_of)
                 continue
             try:
@@ -265,15 +265,17 @@ class GGUFCheckpoint:
         try:
             data = np.asarray(tensor.data)
             for expert in range(num_experts):
+                # (float values, None) or (None, (codes, scales)) per projection, as GGUFTensor holds them
+                parts: list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]]
                 if codes_of is not None:
                     codes, scales = codes_of(data[expert])
                     parts = [(None, (c, s)) for c, s in zip(codes.split(part_rows), scales.split(part_rows))]
                 else:
                     values = self._dequantize(data[expert], tensor.tensor_type, (rows, columns))
                     parts = [(v, None) for v in values.split(part_rows)]
-                for projection, (values, codes) in zip(projections, parts):
+                for projection, (part_values, part_codes) in zip(projections, parts):
                     yield GGUFTensor(f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight", type_name,
-                                     values, codes)
+                                     part_values, part_codes)
         except ValueError:
             raise
         except Exception as error:

@@ -63,7 +63,7 @@ def gptq_weight_format(quantization: dict[str, Any], source: Path) -> Int4Weight
     if bits != 4:
         raise ValueError(f"{source}: GPTQ with bits={bits} is not supported; pagoda loads 4-bit GPTQ")
     group_size = quantization.get("group_size")
-    if group_size not in INT4_GROUP_SIZES:
+    if group_size is None or group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"{source}: GPTQ group_size {group_size} is not supported; pagoda loads group sizes "
                          f"{', '.join(map(str, INT4_GROUP_SIZES))}")
     checkpoint_format = quantization.get("checkpoint_format", "gptq")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,12 +106,12 @@ class FullWeight(WeightFormat):
         self.native_layout = native_layout
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
-        weight = layer.weight.detach()
+        weight = _staging_weight(layer).detach()
         if self.native_layout and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
             _replace_staging_weight(layer, native_weight=weight.contiguous())
         elif _can_prepack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-            layer.weight_dtype = weight.dtype
+            _set_plain_attribute(layer, "weight_dtype", weight.dtype)
             small = weight.dtype == torch.float32 and weight.numel() <= SINGLE_ROW_DENSE_MAX_ELEMENTS
             single_row = {"single_row_weight": weight} if small else {}
             _replace_staging_weight(layer, packed_weight=packed, **single_row)
@@ -125,6 +125,28 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """Activation dtype the packed kernels run in for a model of `dtype` (see module docstring)."""
     return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def _staging_weight(layer: nn.Module) -> torch.Tensor:
+    """The full-precision `weight` `create_weights` registered, which the loaders filled."""
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor), "create_weights registers the staging weight as a Parameter"
+    return weight
+
+
+def _set_plain_attribute(layer: nn.Module, name: str, value: object) -> None:
+    """Hold a value that is neither a tensor nor a module on `layer`: nn.Module's __setattr__ is typed
+    for those two only, though it keeps any other value as a plain attribute."""
+    setattr(layer, name, value)
+
+
+def _stage_rows(layer: nn.Module, rows: tuple[Any, ...]) -> None:
+    """Append (row_offset, codes, scales[, zeros]) to the rows staged on `layer` until `finalize`."""
+    staged = getattr(layer, "staged_codes", None)
+    if staged is None:
+        staged = []
+        _set_plain_attribute(layer, "staged_codes", staged)
+    staged.append(rows)
 
 
 def _replace_staging_weight(layer: nn.Module, **buffers: torch.Tensor) -> None:
@@ -142,9 +164,10 @@ class Int8Weight(WeightFormat):
         self.native_layout = native_layout
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
-        weight = layer.weight.detach().float()
+        staging = _staging_weight(layer)
+        weight = staging.detach().float()
         qweight, scales = quantize_int8_per_channel(weight)
-        if self.native_layout and weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
+        if self.native_layout and weight.device.type == "cpu" and staging.dtype == torch.float32:
             # The native product reads the same int8 rows and float32 scales (a few bytes per row).
             layer.register_buffer("native_scales", scales.contiguous(), persistent=False)
         # The bf16 CPU kernel reads the input dimension in tiles of 16 (and crashes on a
@@ -153,7 +176,7 @@ class Int8Weight(WeightFormat):
         if padding:
             qweight = F.pad(qweight, (0, padding))
         _replace_staging_weight(layer, qweight=qweight.contiguous(),
-                                scales=scales.to(kernel_dtype(layer.weight.dtype)))
+                                scales=scales.to(kernel_dtype(staging.dtype)))
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int8", element_size)
@@ -175,15 +198,21 @@ class Int4Weight(WeightFormat):
     group_size: int | None = None
     zero_point: bool = True
     native_layout: bool = False
-    name: ClassVar[str] = "int4"
+    name = "int4"  # not annotated: a class attribute, no dataclass field
 
     def for_layer(self, in_features: int) -> "Int4Weight":
         if self.group_size is not None:
             return self
         return replace(self, group_size=int4_group_size_for(in_features) or max(INT4_GROUP_SIZES))
 
+    @property
+    def layer_group_size(self) -> int:
+        """The group size of a layer's format: every Linear holds the one `for_layer` gave it."""
+        assert self.group_size is not None, "an int4 format without a group size gives each layer its own (for_layer)"
+        return self.group_size
+
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
-        group_size = self.for_layer(in_features).group_size
+        group_size = self.for_layer(in_features).layer_group_size
         if in_features % group_size:
             fits = int4_group_size_for(in_features)
             advice = (f"pass --quantization-group-size {fits} (or leave it out: each layer then takes the "
@@ -199,24 +228,23 @@ class Int4Weight(WeightFormat):
                     zeros: torch.Tensor | None = None) -> None:
         """Load rows that are already int4 in this layout (e.g. GGUF Q4_0) without re-quantizing:
         w = (codes - 8) * scales + zeros, codes int32 [rows, K], scales/zeros [rows, K / group]."""
-        if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
+        if codes.shape[1] != layer.in_features or scales.shape[1] * self.layer_group_size != layer.in_features:
             raise ValueError(f"int4 codes of shape {tuple(codes.shape)} / scales {tuple(scales.shape)} do not "
                              f"fit a [{layer.out_features}, {layer.in_features}] layer with group {self.group_size}")
         zeros = torch.zeros_like(scales) if zeros is None else zeros
-        if not hasattr(layer, "staged_codes"):
-            layer.staged_codes = []
-        layer.staged_codes.append((row_offset, codes, scales, zeros))
+        _stage_rows(layer, (row_offset, codes, scales, zeros))
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
-        out_features, in_features = layer.weight.shape
+        staging = _staging_weight(layer)
+        out_features, in_features = staging.shape
         self.check_shape(layer_name, in_features, out_features)
         staged = getattr(layer, "staged_codes", [])
         if sum(codes.shape[0] for _, codes, _, _ in staged) == out_features:
             codes = torch.empty(out_features, in_features, dtype=torch.int32)
-            scales = torch.empty(out_features, in_features // self.group_size)
+            scales = torch.empty(out_features, in_features // self.layer_group_size)
             zeros = torch.empty_like(scales)
         else:  # some rows came as floats: round them to nearest; staged rows overwrite theirs
-            codes, scales, zeros = quantize_int4_grouped(layer.weight.detach().float().cpu(), self.group_size,
+            codes, scales, zeros = quantize_int4_grouped(staging.detach().float().cpu(), self.layer_group_size,
                                                          self.zero_point)
         for row_offset, part_codes, part_scales, part_zeros in staged:
             rows = slice(row_offset, row_offset + part_codes.shape[0])
@@ -228,8 +256,9 @@ class Int4Weight(WeightFormat):
     def load_codes(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Install already-quantized codes: w = (codes - 8) * scales + zeros per group.
         codes int32 [N, K] in 0..15; scales/zeros [N, K / group_size]."""
-        dtype = kernel_dtype(layer.weight.dtype)
-        device = layer.weight.device
+        staging = _staging_weight(layer)
+        dtype = kernel_dtype(staging.dtype)
+        device = staging.device
         if self.native_layout and device.type == "cpu":
             # The native product reads the codes two per byte and dequantizes them in registers, at every
             # row count (one arithmetic however a step is batched); no tinygemm copy is kept.
@@ -245,7 +274,7 @@ class Int4Weight(WeightFormat):
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int4", element_size,
-                                   self.for_layer(in_features).group_size)
+                                   self.for_layer(in_features).layer_group_size)
 
 
 def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: bool
@@ -310,13 +339,11 @@ class GGUFBlockWeight(WeightFormat):
         if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
             raise ValueError(f"{self.block_type} codes of shape {tuple(codes.shape)} do not fit a "
                              f"[{layer.out_features}, {layer.in_features}] layer")
-        if not hasattr(layer, "staged_codes"):
-            layer.staged_codes = []
-        layer.staged_codes.append((row_offset, codes, scales))
+        _stage_rows(layer, (row_offset, codes, scales))
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         staged = getattr(layer, "staged_codes", [])
-        out_features, in_features = layer.weight.shape
+        out_features, in_features = _staging_weight(layer).shape
         if sum(codes.shape[0] for _, codes, _ in staged) != out_features:
             raise ValueError(f"{layer_name}: not every row came as {self.block_type} blocks; a GGUF file mixing "
                              f"tensor types is served with the native kernels off")
