@@ -15,27 +15,37 @@ name with JSON-able arguments, applied between steps on the engine's thread
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
+from pagoda.engine.sleep_mode import SleepMode
+from pagoda.engine.weight_updates import WeightUpdates
 from pagoda.errors import InvalidRequest
 from pagoda.rl.weight_group import WeightGroupSpec, parse_metas
 
-if TYPE_CHECKING:
-    from pagoda.engine.llm_engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What the commands act on (pagoda.engine.llm_engine.LLMEngine, which imports this module)."""
+
+    weight_updates: WeightUpdates
+    sleep_mode: SleepMode
+
+    def pause(self, mode: str) -> bool: ...
+
+    def resume(self) -> None: ...
 
 
-def _from_disk(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _from_disk(engine: LLMEngine, args: dict[str, Any]) -> bool:
     engine.weight_updates.stage_from_disk(_text(args, "model_path"))
     engine.weight_updates.commit()
     return True
 
 
-def _stage_from_disk(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _stage_from_disk(engine: LLMEngine, args: dict[str, Any]) -> bool:
     engine.weight_updates.stage_from_disk(_text(args, "model_path"))
     return True
 
 
-def _init_group(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _init_group(engine: LLMEngine, args: dict[str, Any]) -> bool:
     try:
         spec = WeightGroupSpec(str(args["master_address"]), int(args["master_port"]), int(args["rank_offset"]),
                                int(args["world_size"]), str(args.get("backend", "gloo")),
@@ -46,13 +56,13 @@ def _init_group(engine: "LLMEngine", args: dict[str, Any]) -> bool:
     return True
 
 
-def _start(engine: "LLMEngine", _: dict[str, Any]) -> bool:
+def _start(engine: LLMEngine, _: dict[str, Any]) -> bool:
     _awake(engine)
     engine.weight_updates.start()
     return True
 
 
-def _update(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _update(engine: LLMEngine, args: dict[str, Any]) -> bool:
     try:
         metas = parse_metas(list(args["names"]), list(args["dtypes"]), [list(s) for s in args["shapes"]])
     except (KeyError, TypeError, ValueError) as error:
@@ -61,7 +71,7 @@ def _update(engine: "LLMEngine", args: dict[str, Any]) -> bool:
     return True
 
 
-def _finish(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _finish(engine: LLMEngine, args: dict[str, Any]) -> bool:
     if args.get("abort"):
         engine.weight_updates.discard()
     else:
@@ -69,21 +79,21 @@ def _finish(engine: "LLMEngine", args: dict[str, Any]) -> bool:
     return True
 
 
-def _destroy(engine: "LLMEngine", _: dict[str, Any]) -> bool:
+def _destroy(engine: LLMEngine, _: dict[str, Any]) -> bool:
     engine.weight_updates.destroy_group()
     return True
 
 
-def _pause(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _pause(engine: LLMEngine, args: dict[str, Any]) -> bool:
     return engine.pause(str(args.get("mode", "wait")))
 
 
-def _resume(engine: "LLMEngine", _: dict[str, Any]) -> bool:
+def _resume(engine: LLMEngine, _: dict[str, Any]) -> bool:
     engine.resume()
     return True
 
 
-def _sleep(engine: "LLMEngine", args: dict[str, Any]) -> bool:
+def _sleep(engine: LLMEngine, args: dict[str, Any]) -> bool:
     try:
         level = int(args.get("level", 1))
     except (TypeError, ValueError):
@@ -92,12 +102,12 @@ def _sleep(engine: "LLMEngine", args: dict[str, Any]) -> bool:
     return True
 
 
-def _wake_up(engine: "LLMEngine", _: dict[str, Any]) -> bool:
+def _wake_up(engine: LLMEngine, _: dict[str, Any]) -> bool:
     engine.sleep_mode.wake_up()
     return True
 
 
-def _awake(engine: "LLMEngine") -> None:
+def _awake(engine: LLMEngine) -> None:
     if engine.sleep_mode.level:
         raise InvalidRequest("the engine is asleep: wake it up first")
 
@@ -109,7 +119,7 @@ def _text(args: dict[str, Any], key: str) -> str:
     return value
 
 
-COMMANDS: dict[str, Callable[["LLMEngine", dict[str, Any]], bool]] = {
+COMMANDS: dict[str, Callable[[LLMEngine, dict[str, Any]], bool]] = {
     "update_weights_from_disk": lambda engine, args: (_awake(engine), _from_disk(engine, args))[1],
     "stage_weights_from_disk": lambda engine, args: (_awake(engine), _stage_from_disk(engine, args))[1],
     "init_weight_update_group": _init_group,
@@ -124,7 +134,7 @@ COMMANDS: dict[str, Callable[["LLMEngine", dict[str, Any]], bool]] = {
 }
 
 
-def run_command(engine: "LLMEngine", command: str, args: dict[str, Any]) -> bool:
+def run_command(engine: LLMEngine, command: str, args: dict[str, Any]) -> bool:
     """Apply `command`; True when answered now (pause(wait) answers once drained). Raises
     InvalidRequest with the reason it was refused."""
     apply = COMMANDS.get(command)

@@ -113,7 +113,7 @@ def barrier(group: WeightGroup) -> None:
 def broadcast(group: WeightGroup, tensors: Iterable[torch.Tensor]) -> None:
     """The trainer's side: each tensor to every rank, in the announced order."""
     for tensor in tensors:
-        group.backend.broadcast([tensor.detach().to(group.device).contiguous()], TRAINER_RANK).wait()
+        group.backend.broadcast(tensor.detach().to(group.device).contiguous(), TRAINER_RANK).wait()
 
 
 def receive(group: WeightGroup, metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
@@ -121,6 +121,6 @@ def receive(group: WeightGroup, metas: list[TensorMeta]) -> dict[str, torch.Tens
     received = {}
     for meta in metas:
         tensor = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=group.device)
-        group.backend.broadcast([tensor], TRAINER_RANK).wait()
+        group.backend.broadcast(tensor, TRAINER_RANK).wait()
         received[meta.name] = tensor
     return received
