@@ -4,9 +4,11 @@ them; a failed update answers success=false and keeps the old weights; sleep ans
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,24 @@ MAX_TOKENS = 8
 ADMIN = {"Authorization": "Bearer key-admin"}
 USER = {"Authorization": "Bearer key-user"}
 TRAINER = textwrap.dedent("""
-    import sys, torch, transformers
-    from pagoda.rl.trainer_client import WeightUpdateClient
-    url, port, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    import json, sys, urllib.request
+    from safetensors.torch import load_file
+    from pagoda.rl.trainer_client import WeightUpdateClient, WeightUpdateError
+    url, port, model_dir, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+    tensors = load_file(model_dir + "/model.safetensors")  # the trainer's parameters, by checkpoint name
     client = WeightUpdateClient(url, api_key="key-admin")
     client.init_weight_update_group("127.0.0.1", port)
-    print(client.update_weights(model.named_parameters())["message"])
+    partial = [(name, t) for name, t in tensors.items() if not name.endswith("down_proj.weight")]
+    try:
+        client.update_weights(partial)
+    except WeightUpdateError as error:
+        print("REFUSED", error)
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json",
+                                     "Authorization": "Bearer key-user"})
+    print("BETWEEN", json.loads(urllib.request.urlopen(request).read())["choices"][0]["token_ids"])
+    print("UPDATED", client.update_weights(tensors.items())["seconds"])
     client.destroy_weight_update_group()
 """)
 
@@ -70,10 +83,12 @@ def admin(server: LiveServer, path: str, body: dict[str, Any] | None = None, key
 
 def test_a_trainer_process_streams_new_weights_over_gloo(server: LiveServer, checkpoints, references) -> None:
     assert tokens(server) == references["old"]
-    trainer = subprocess.run([sys.executable, "-c", TRAINER, server.url, str(free_port()), str(checkpoints["new"])],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    trainer = subprocess.run([sys.executable, "-c", TRAINER, server.url, str(free_port()), str(checkpoints["new"]),
+                              json.dumps(PROMPT)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
-    assert "tensors updated" in trainer.stdout or "done" in trainer.stdout
+    lines = dict(line.split(" ", 1) for line in trainer.stdout.splitlines())
+    assert "checkpoint is missing tensor(s) model.layers.0.mlp.down_proj.weight" in lines["REFUSED"]
+    assert json.loads(lines["BETWEEN"]) == references["old"]  # the refused update left the old weights serving
     assert tokens(server) == references["new"]
 
 
@@ -104,14 +119,11 @@ def test_sleep_answers_503_until_woken(server: LiveServer, references) -> None:
 def test_pause_holds_new_requests_until_resume(server: LiveServer, references) -> None:
     assert admin(server, "/pause?mode=bogus").status_code == 400
     assert admin(server, "/pause?mode=wait").json()["success"] is True
-    with httpx.Client(timeout=60) as client:
-        import threading
-        result: list[httpx.Response] = []
-        held = threading.Thread(target=lambda: result.append(greedy(server)))
-        held.start()
-        held.join(0.5)
-        assert held.is_alive()  # held at the front while paused
-        assert admin(server, "/resume").json()["success"] is True
-        held.join(30)
-        del client
+    result: list[httpx.Response] = []
+    held = threading.Thread(target=lambda: result.append(greedy(server)))
+    held.start()
+    held.join(0.5)
+    assert held.is_alive()  # held at the front while paused
+    assert admin(server, "/resume").json()["success"] is True
+    held.join(30)
     assert result and result[0].status_code == 200
