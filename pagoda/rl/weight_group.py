@@ -38,6 +38,8 @@ class WeightGroupSpec:
         if not 0 < self.rank_offset < self.world_size:
             raise ValueError(f"rank_offset must be from 1 to world_size - 1, got {self.rank_offset} "
                              f"with world_size {self.world_size}")
+        if not 0 < self.timeout_s <= 3600:
+            raise ValueError(f"timeout_s must be above 0 and at most 3600, got {self.timeout_s}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
 

@@ -4,6 +4,7 @@ serving, no prefix cached with old weights serves a new request, and sleep relea
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -153,3 +154,50 @@ def test_pause_keeps_waits_or_aborts_what_is_in_flight(checkpoints, references) 
     engine.run_command("pause-abort", "pause", {"mode": "abort"})
     done = _run(engine, 2)
     assert done["pause-abort"] == "accepted" and done["aborted"].outputs[0].finish_reason == "abort"
+
+
+def test_every_replica_updates_or_none_does(checkpoints, references, tmp_path: Path) -> None:
+    from pagoda.config import DeploymentConfig, EngineConfig
+    from pagoda.replicas.start import start_engines
+
+    config = EngineConfig(model=str(checkpoints["old"]), num_threads=1, num_kv_blocks=64, max_num_seqs=4)
+    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2), transport="thread")
+    bad = _corrupt(checkpoints["new"], tmp_path / "bad", "wrong shape")
+
+    def served() -> list[list[int]]:  # each replica's own greedy answer
+        async def each() -> list[list[int]]:
+            answers = []
+            for i, replica in enumerate(replicas.replicas):
+                final = None
+                async for final in replica.llm.generate(EngineRequest(f"r{i}-{len(answers)}", PROMPT, GREEDY)):
+                    pass
+                answers.append(list(final.outputs[0].token_ids))
+            return answers
+        return asyncio.run(each())
+
+    try:
+        with pytest.raises(InvalidRequest, match="has shape"):
+            asyncio.run(replicas.engine_command("update_weights_from_disk", {"model_path": str(bad)}))
+        assert served() == [references["old"]] * 2
+        # One replica refuses a checkpoint the other staged: neither commits it.
+        second = replicas.replicas[1].llm
+        command = second.engine_command
+
+        async def refuse_staging(name: str, args: dict | None = None) -> None:
+            if name == "stage_weights_from_disk":
+                raise InvalidRequest("weights not updated: this replica ran out of memory")
+            await command(name, args)
+
+        second.engine_command = refuse_staging  # type: ignore[method-assign]
+        with pytest.raises(InvalidRequest, match="out of memory"):
+            asyncio.run(replicas.engine_command("update_weights_from_disk", {"model_path": str(checkpoints["new"])}))
+        second.engine_command = command  # type: ignore[method-assign]
+        assert served() == [references["old"]] * 2
+        asyncio.run(replicas.engine_command("update_weights_from_disk", {"model_path": str(checkpoints["new"])}))
+        assert served() == [references["new"]] * 2
+        asyncio.run(replicas.engine_command("sleep", {"level": 1}))
+        assert replicas.sleep_level == 1 and replicas.health()["status"] == "asleep"
+        asyncio.run(replicas.engine_command("wake_up"))
+        assert replicas.health()["status"] == "ok"
+    finally:
+        replicas.shutdown()
