@@ -77,19 +77,21 @@ class SleepMode:
     def wake_up(self) -> None:
         if not self.level:
             raise InvalidRequest("the engine is awake")
+        if self._reload_from is not None:
+            # First, so that a checkpoint gone meanwhile leaves the engine asleep, not empty.
+            self.weights.reload_dropped(self._reload_from)
+            self._reload_from = None
+        for storage, nbytes, host in self._weights:
+            storage.resize_(nbytes)
+            if host is not None:
+                storage.copy_(host)
         for storage, nbytes in self._kv:
             # Resized storage holds whatever the allocator hands back: the pool starts zeroed, as
             # at startup (attention's padding positions read unwritten slots).
             storage.resize_(nbytes)
             storage.fill_(0)
-        for storage, nbytes, host in self._weights:
-            storage.resize_(nbytes)
-            if host is not None:
-                storage.copy_(host)
-        reload_from, self._reload_from, self._weights, self._kv = self._reload_from, None, [], []
+        self._weights, self._kv = [], []
         self.level = 0
-        if reload_from is not None:
-            self.weights.reload_dropped(reload_from)
         logger.info("engine awake")
 
 

@@ -96,9 +96,12 @@ class WeightUpdates:
     def reload_dropped(self, model_path: str) -> None:
         """Sleep level 2 on the CPU dropped the weights: load them again from their checkpoint."""
         core = self.core
-        adopt_weights(core.runner.model, stage_weights(core.runner.model, checkpoint_items(model_path),
-                                                       core.model_config, core.dtype, core.device, core.weight_format,
-                                                       model_path, check_layout=False))
+        try:
+            staged = stage_weights(core.runner.model, checkpoint_items(model_path), core.model_config, core.dtype,
+                                   core.device, core.weight_format, model_path, check_layout=False)
+        except ValueError as error:
+            raise InvalidRequest(f"the weights could not be loaded again: {error}") from None
+        adopt_weights(core.runner.model, staged)
 
     def discard(self) -> None:
         self._staged, self._staged_source = None, None

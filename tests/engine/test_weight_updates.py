@@ -201,3 +201,16 @@ def test_every_replica_updates_or_none_does(checkpoints, references, tmp_path: P
         assert replicas.health()["status"] == "ok"
     finally:
         replicas.shutdown()
+
+
+def test_a_wake_that_cannot_reload_the_weights_stays_asleep(checkpoints, references, tmp_path: Path) -> None:
+    served = shutil.copytree(checkpoints["old"], tmp_path / "served")
+    llm = LLM(model=str(served), num_kv_blocks=64)
+    llm.sleep(2)
+    (served / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    with pytest.raises(InvalidRequest, match="could not be loaded again"):
+        llm.wake_up()
+    assert llm.is_sleeping
+    (tmp_path / "moved.safetensors").rename(served / "model.safetensors")
+    llm.wake_up()
+    assert greedy(llm) == references["old"]
