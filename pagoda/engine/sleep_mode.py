@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.errors import InvalidRequest
 from pagoda.model.loader import drop_weights
+from pagoda.quant.gguf_checkpoint import find_gguf_file
 
 if TYPE_CHECKING:
     from pagoda.engine.engine_core import EngineCore
@@ -57,8 +59,8 @@ class SleepMode:
     def _release_weights(self) -> None:
         model = self.core.runner.model
         if self.core.device.type == "cpu":
-            if self.weights.source is None:
-                return  # from a trainer: no file to reload them from, so they stay
+            if not self._reloadable():
+                return  # no plain safetensors checkpoint to reload them from, so they stay
             self._reload_from = self.weights.source
             drop_weights(model)
             return
@@ -73,6 +75,14 @@ class SleepMode:
             seen.add(storage.data_ptr())
             self._weights.append((storage, storage.nbytes(), storage.cpu()))
             storage.resize_(0)
+
+    def _reloadable(self) -> bool:
+        """Weights read from a safetensors directory into the full-precision format (not a
+        trainer's, a GGUF file's or a GPTQ checkpoint's), which wake_up can read again."""
+        source = self.weights.source
+        layer = self.core.runner.model.model.layers[0].self_attn.o_proj
+        return (source is not None and Path(source).is_dir() and find_gguf_file(source) is None
+                and layer.weight_format.name == "full")
 
     def wake_up(self) -> None:
         if not self.level:
