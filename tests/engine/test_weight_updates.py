@@ -168,10 +168,9 @@ def test_every_replica_updates_or_none_does(checkpoints, references, tmp_path: P
         async def each() -> list[list[int]]:
             answers = []
             for i, replica in enumerate(replicas.replicas):
-                final = None
-                async for final in replica.llm.generate(EngineRequest(f"r{i}-{len(answers)}", PROMPT, GREEDY)):
-                    pass
-                answers.append(list(final.outputs[0].token_ids))
+                outputs = [output async for output in
+                           replica.llm.generate(EngineRequest(f"r{i}-{len(answers)}", PROMPT, GREEDY))]
+                answers.append(list(outputs[-1].outputs[0].token_ids))
             return answers
         return asyncio.run(each())
 
