@@ -35,12 +35,13 @@ class LLMEngine(Protocol):
 
 
 def _from_disk(engine: LLMEngine, args: dict[str, Any]) -> bool:
-    engine.weight_updates.stage_from_disk(_text(args, "model_path"))
+    _stage_from_disk(engine, args)
     engine.weight_updates.commit()
     return True
 
 
 def _stage_from_disk(engine: LLMEngine, args: dict[str, Any]) -> bool:
+    _awake(engine)
     engine.weight_updates.stage_from_disk(_text(args, "model_path"))
     return True
 
@@ -120,8 +121,8 @@ def _text(args: dict[str, Any], key: str) -> str:
 
 
 COMMANDS: dict[str, Callable[[LLMEngine, dict[str, Any]], bool]] = {
-    "update_weights_from_disk": lambda engine, args: (_awake(engine), _from_disk(engine, args))[1],
-    "stage_weights_from_disk": lambda engine, args: (_awake(engine), _stage_from_disk(engine, args))[1],
+    "update_weights_from_disk": _from_disk,
+    "stage_weights_from_disk": _stage_from_disk,
     "init_weight_update_group": _init_group,
     "start_weight_update": _start,
     "update_weights": _update,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,7 @@ class SleepMode:
         self.weights = weights
         self.level = 0  # 0: awake
         self._kv: list[tuple[torch.UntypedStorage, int]] = []  # each released storage and its size
+        self._kv_tensors: list[torch.Tensor] = []  # the caches over them
         self._weights: list[tuple[torch.UntypedStorage, int, torch.UntypedStorage | None]] = []
         self._reload_from: str | None = None
 
@@ -49,7 +50,7 @@ class SleepMode:
         self.core.kv_cache.invalidate_prefix_cache()
         caches = [t for pair in self.core.runner.distinct_kv_caches for t in pair]
         caches += [t for pair in self.core.speculation.kv_caches for t in pair]
-        self._kv = _release(caches)
+        self._kv, self._kv_tensors = _release(caches), caches
         if level == 2:
             self._release_weights()
         self.level = level
@@ -80,7 +81,7 @@ class SleepMode:
         """Weights read from a safetensors directory into the full-precision format (not a
         trainer's, a GGUF file's or a GPTQ checkpoint's), which wake_up can read again."""
         source = self.weights.source
-        layer = self.core.runner.model.model.layers[0].self_attn.o_proj
+        layer: Any = self.core.runner.model.get_submodule("model.layers.0.self_attn.o_proj")
         return (source is not None and Path(source).is_dir() and find_gguf_file(source) is None
                 and layer.weight_format.name == "full")
 
@@ -96,11 +97,12 @@ class SleepMode:
             if host is not None:
                 storage.copy_(host)
         for storage, nbytes in self._kv:
+            storage.resize_(nbytes)
+        for cache in self._kv_tensors:
             # Resized storage holds whatever the allocator hands back: the pool starts zeroed, as
             # at startup (attention's padding positions read unwritten slots).
-            storage.resize_(nbytes)
-            storage.fill_(0)
-        self._weights, self._kv = [], []
+            cache.zero_()
+        self._weights, self._kv, self._kv_tensors = [], [], []
         self.level = 0
         logger.info("engine awake")
 

@@ -156,13 +156,14 @@ def drop_weights(model: DecoderModel) -> None:
     """Free every parameter and buffer of `model` (each becomes an empty tensor of its dtype) until
     `adopt_weights` gives it new ones: sleep mode on the CPU, where packed weights have no
     storage to shrink in place."""
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):  # noqa: SLF001 (the tensors themselves are swapped)
-            for name, tensor in table.items():
-                if tensor is not None:
-                    empty = torch.empty(0, dtype=tensor.dtype)
-                    table[name] = torch.nn.Parameter(empty, requires_grad=False) \
-                        if isinstance(tensor, torch.nn.Parameter) else empty
+    for module in model.modules():  # the tensors themselves are swapped, so their tables are written
+        for name, param in module._parameters.items():  # noqa: SLF001
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=param.dtype),  # noqa: SLF001
+                                                              requires_grad=False)
+        for name, buffer in module._buffers.items():  # noqa: SLF001
+            if buffer is not None:
+                module._buffers[name] = torch.empty(0, dtype=buffer.dtype)  # noqa: SLF001
 
 
 def adopt_weights(model: DecoderModel, staged: DecoderModel) -> None:
