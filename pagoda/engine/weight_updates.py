@@ -6,8 +6,9 @@ serving), then committed (copied in place) and the prefix cache invalidated, so 
 with the old weights serves a new request. A replica set stages on every replica before it
 commits on any (replicas/replica_set.py).
 
-Tensor and pipeline parallelism are refused for now: each rank would have to stage its shard and
-the engine commit on all of them together.
+With tensor parallelism an update from disk runs in rounds over the ranks' control group
+(executor/tensor_parallel.py): every rank stages its shard, their outcomes are summed, and rank 0
+commits or drops on all of them. Streamed updates and pipeline parallelism are refused for now.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagoda.errors import InvalidRequest
+from pagoda.executor.pipeline import PipelineExecutor
+from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.loader import adopt_weights, checkpoint_items, commit_weights, stage_weights
 from pagoda.rl.weight_group import TensorMeta, WeightGroup, WeightGroupSpec, join, receive
 
@@ -35,27 +38,51 @@ class WeightUpdates:
         self.group: WeightGroup | None = None
         self._staged: Any = None  # a filled model awaiting commit
         self._staged_source: str | None = None
+        self._workers_staged = False  # tensor parallelism: the workers hold a staged shard too
 
-    def _check_updatable(self) -> None:
-        if self.core.executor is not None:
-            raise InvalidRequest("weight updates are not supported with tensor or pipeline parallelism yet")
+    def _check_updatable(self, streamed: bool = False) -> None:
+        executor = self.core.executor
+        if isinstance(executor, PipelineExecutor):
+            raise InvalidRequest("weight updates are not supported with pipeline parallelism yet")
+        if streamed and executor is not None:
+            raise InvalidRequest("weights streamed from a trainer are not supported with tensor parallelism yet "
+                                 "(update from disk: every rank stages its shard)")
 
     def stage_from_disk(self, model_path: str) -> None:
+        """Stage a safetensors directory; with tensor parallelism every rank stages its shard and
+        a refusal on any rank drops them all."""
         self._check_updatable()
         path = Path(model_path)
         if not path.is_dir():
             raise InvalidRequest(f"model_path {model_path!r} is not a directory")
-        self._stage(checkpoint_items(path), str(path))
+        executor = self.core.executor
+        if executor is None:
+            self._stage(checkpoint_items(path), str(path))
+            return
+        self.discard()
+
+        def stage_here() -> str | None:
+            try:
+                self._stage(checkpoint_items(path), str(path), executor.group)
+            except InvalidRequest as error:
+                return str(error)
+            return None
+
+        error = executor.stage_weights(str(path), stage_here)
+        self._workers_staged = True  # (not before: a refusal on rank 0 discards its own shard only)
+        if error is not None:
+            self.discard()
+            raise InvalidRequest(error if error.startswith("weights not updated") else f"weights not updated: {error}")
 
     def join_group(self, spec: WeightGroupSpec, rank: int) -> None:
-        self._check_updatable()
+        self._check_updatable(streamed=True)
         if self.group is not None:
             raise InvalidRequest("a weight update group is already joined; destroy it first")
         self.group = join(spec, rank)
 
     def start(self) -> None:
         """The start phase: what can be checked before the trainer broadcasts."""
-        self._check_updatable()
+        self._check_updatable(streamed=True)
         if self.group is None:
             raise InvalidRequest("no weight update group: call /init_weight_update_group first")
         self.discard()
@@ -68,12 +95,12 @@ class WeightUpdates:
         tensors = receive(self.group, metas)
         self._stage(((("trainer", name, tensor, None)) for name, tensor in tensors.items()), None)
 
-    def _stage(self, items: Any, source: str | None) -> None:
+    def _stage(self, items: Any, source: str | None, tp: TensorParallelGroup | None = None) -> None:
         core = self.core
         started = time.perf_counter()
         try:
             self._staged = stage_weights(core.runner.model, items, core.model_config, core.dtype, core.device,
-                                         core.weight_format, source or "trainer")
+                                         core.weight_format, source or "trainer", tp)
         except ValueError as error:
             self.discard()
             raise InvalidRequest(f"weights not updated: {error}") from None
@@ -88,6 +115,10 @@ class WeightUpdates:
         if self._staged is None:
             raise InvalidRequest("no weights are staged")
         commit_weights(self.core.runner.model, self._staged)
+        if self._workers_staged:
+            assert self.core.executor is not None  # workers staged through it
+            self.core.executor.finish_weights(commit=True)
+            self._workers_staged = False
         self.source, self._staged, self._staged_source = self._staged_source, None, None
         self.version += 1
         self.core.kv_cache.invalidate_prefix_cache()
@@ -105,6 +136,10 @@ class WeightUpdates:
 
     def discard(self) -> None:
         self._staged, self._staged_source = None, None
+        if self._workers_staged:
+            assert self.core.executor is not None
+            self.core.executor.finish_weights(commit=False)
+            self._workers_staged = False
 
     def destroy_group(self) -> None:
         self.group = None

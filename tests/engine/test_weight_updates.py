@@ -213,3 +213,17 @@ def test_a_wake_that_cannot_reload_the_weights_stays_asleep(checkpoints, referen
     (tmp_path / "moved.safetensors").rename(served / "model.safetensors")
     llm.wake_up()
     assert greedy(llm) == references["old"]
+
+
+def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, tmp_path: Path) -> None:
+    llm = LLM(model=str(checkpoints["old"]), tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        with pytest.raises(InvalidRequest, match="has shape"):
+            llm.update_weights_from_disk(str(_corrupt(checkpoints["new"], tmp_path / "bad", "wrong shape")))
+        assert greedy(llm) == references["old"]
+        llm.update_weights_from_disk(str(checkpoints["new"]))
+        assert greedy(llm) == references["new"]
+        with pytest.raises(InvalidRequest, match="not supported with tensor"):
+            llm.sleep(1)
+    finally:
+        llm.engine.close()
