@@ -57,15 +57,18 @@ class WeightUpdates:
             raise InvalidRequest(f"model_path {model_path!r} is not a directory")
         executor = self.core.executor
         if executor is None:
-            self._stage(checkpoint_items(path), str(path))
+            self._stage(_checkpoint(path), str(path))
             return
         self.discard()
 
-        def stage_here() -> str | None:
+        def stage_here() -> str | None:  # raises nothing: every rank must reach the round's all-reduce
             try:
-                self._stage(checkpoint_items(path), str(path), executor.group)
+                self._stage(_checkpoint(path), str(path), executor.group)
             except InvalidRequest as error:
                 return str(error)
+            except Exception as error:  # a bug; still a refusal, so the other ranks drop theirs
+                logger.exception("staging weights failed")
+                return f"weights not updated: {error!r}"
             return None
 
         error = executor.stage_weights(str(path), stage_here)
@@ -101,7 +104,7 @@ class WeightUpdates:
         try:
             self._staged = stage_weights(core.runner.model, items, core.model_config, core.dtype, core.device,
                                          core.weight_format, source or "trainer", tp)
-        except ValueError as error:
+        except (ValueError, OSError) as error:
             self.discard()
             raise InvalidRequest(f"weights not updated: {error}") from None
         self._staged_source = source
@@ -130,7 +133,7 @@ class WeightUpdates:
         try:
             staged = stage_weights(core.runner.model, checkpoint_items(model_path), core.model_config, core.dtype,
                                    core.device, core.weight_format, model_path, check_layout=False)
-        except ValueError as error:
+        except (ValueError, OSError) as error:
             raise InvalidRequest(f"the weights could not be loaded again: {error}") from None
         adopt_weights(core.runner.model, staged)
 
@@ -143,3 +146,11 @@ class WeightUpdates:
 
     def destroy_group(self) -> None:
         self.group = None
+
+
+def _checkpoint(path: Path) -> Any:
+    """The directory's tensors for staging; InvalidRequest when it holds no safetensors checkpoint."""
+    try:
+        return checkpoint_items(path)
+    except (ValueError, OSError) as error:
+        raise InvalidRequest(f"weights not updated: {error}") from None

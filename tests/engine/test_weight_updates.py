@@ -68,11 +68,13 @@ def _corrupt(source: Path, target: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("how, reason", [
     ("missing tensor", "missing tensor"), ("wrong shape", "has shape"), ("wrong dtype", "has dtype torch.int32"),
-    ("unreadable file", "model.safetensors"), ("no directory", "is not a directory")])
+    ("unreadable file", "model.safetensors"), ("no directory", "is not a directory"),
+    ("no checkpoint", "no \\*.safetensors weights")])
 def test_a_failed_update_keeps_the_old_weights_serving(checkpoints, references, tmp_path: Path,
                                                        how: str, reason: str) -> None:
     llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
-    path = tmp_path / "absent" if how == "no directory" else _corrupt(checkpoints["new"], tmp_path / "bad", how)
+    path = tmp_path / "absent" if how == "no directory" else tmp_path if how == "no checkpoint" else \
+        _corrupt(checkpoints["new"], tmp_path / "bad", how)
     with pytest.raises(InvalidRequest, match=reason):
         llm.update_weights_from_disk(str(path))
     assert greedy(llm) == references["old"]
@@ -224,6 +226,8 @@ def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, t
     try:
         with pytest.raises(InvalidRequest, match="has shape"):
             llm.update_weights_from_disk(str(_corrupt(checkpoints["new"], tmp_path / "bad", "wrong shape")))
+        with pytest.raises(InvalidRequest, match="no \\*.safetensors weights"):
+            llm.update_weights_from_disk(str(tmp_path))  # a directory without a checkpoint
         assert greedy(llm) == references["old"]
         llm.update_weights_from_disk(str(checkpoints["new"]))
         assert greedy(llm) == references["new"]
