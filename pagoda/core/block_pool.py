@@ -149,6 +149,14 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self.cached_blocks[block_hash] = block
 
+    def forget_cached(self) -> None:
+        """Drop every block's hash (new weights: no block computed before serves a new request);
+        blocks in use stay with their requests."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+            block.token_ids = None
+        self.cached_blocks.clear()
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:

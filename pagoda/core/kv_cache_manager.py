@@ -68,6 +68,9 @@ class KVCacheManager:
         self._written_this_step: set[int] = set()
         self._swapped: dict[str, list[int]] = {}  # request id -> host blocks holding its KV
         self.tier_hits = {"device": 0, "host": 0, "disk": 0}  # prompt tokens found, per tier
+        # Bumped by each weight update and hashed into every block after it: KV computed with
+        # older weights, in any tier, never matches a new request's prefix.
+        self.weights_version = 0
         if host_tier is not None:
             host_tier.bind(self._plan)
 
@@ -301,11 +304,19 @@ class KVCacheManager:
             extra_keys += request.lora.cache_key
         if request.long_rope:  # KV of LongRoPE's long factors never serves a short sequence, nor the reverse
             extra_keys += (("rope factors", "long"),)
+        if self.weights_version:
+            extra_keys += (("weights", self.weights_version),)
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         for i in range(len(hashes), num_full):
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, extra_keys))
+
+    def invalidate_prefix_cache(self) -> None:
+        """The model's weights changed: the device pool forgets its cached blocks, and the host
+        and disk tiers' entries (hashed under the old version) can no longer match."""
+        self.weights_version += 1
+        self.pool.forget_cached()
 
     # ---- host tier -----------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 from pagoda.config import EngineConfig
-from pagoda.engine.client import generate_outputs
+from pagoda.engine.client import EngineAsleepError, generate_outputs
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream, deliver_all
 from pagoda.engine.step_output import EngineStepOutput
@@ -27,7 +27,7 @@ from pagoda.engine.transport import (AbortRequests, AddRequest, EngineDeadError,
                                      create_transport)
 from pagoda.engine.transport.base import EngineFactory, TransportStarter
 from pagoda.engine.roles import HandoffTarget
-from pagoda.engine.transport.messages import PrefillLocally, UpdateLoRA
+from pagoda.engine.transport.messages import EngineCommand, PrefillLocally, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, check_request_id_free, validate_request
 from pagoda.lora_request import LoRARequest
 from pagoda.model.classifier_config import ClassifierConfig
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from pagoda.engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
+
+PAUSED_POLL_S = 0.005  # how often a request held by a pause looks for the resume
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
@@ -59,6 +61,8 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _streams, _error and _stopped
         self._error: BaseException | None = None
         self._stopped = False
+        self._paused = False
+        self._sleep_level = 0
         if callable(transport):
             self._transport = transport(config, engine_factory, self._on_emitted, self._on_death,
                                         startup_timeout=startup_timeout)
@@ -93,6 +97,8 @@ class AsyncLLM:
     def health(self) -> dict[str, Any]:
         """ok, or dead with the error that stopped the engine; and the engine's pid."""
         if self.is_alive:
+            if self._sleep_level:
+                return {"status": "asleep", "pid": self.engine_pid, "sleep_level": self._sleep_level}
             return {"status": "ok", "pid": self.engine_pid}
         return {"status": "dead", "pid": self.engine_pid, "error": repr(self.error)}
 
@@ -124,8 +130,43 @@ class AsyncLLM:
         await self._update_lora(UpdateLoRA("", LoRARequest(name), unload=True))
 
     async def _update_lora(self, message: UpdateLoRA) -> None:
-        # Answered like an add: ACCEPTED or the refusal, on a stream of its own.
         message.control_id = f"lora-update-{uuid.uuid4().hex}"
+        await self._control(message)
+
+    # ---- engine commands: weight updates, pause, sleep (engine/commands.py) ----------------
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 or 2 asleep (requests are refused with EngineAsleepError)."""
+        return self._sleep_level
+
+    @property
+    def paused(self) -> bool:
+        """New requests wait (in add_request) until resume."""
+        return self._paused
+
+    async def engine_command(self, command: str, args: dict[str, Any] | None = None) -> None:
+        """Run one of engine/commands.py's commands between engine steps; raises InvalidRequest
+        with the reason it was refused. Pause holds new requests here until resume; sleep refuses
+        them until wake_up."""
+        args = dict(args or {})
+        if command == "pause":
+            self._paused = True  # held from now on, while the engine stops what is in flight
+        try:
+            await self._control(EngineCommand(f"command-{uuid.uuid4().hex}", command, args))
+        except BaseException:
+            if command == "pause":
+                self._paused = False
+            raise
+        if command == "resume":
+            self._paused = False
+        elif command == "sleep":
+            self._sleep_level = int(args.get("level", 1))
+        elif command == "wake_up":
+            self._sleep_level = 0
+
+    async def _control(self, message: UpdateLoRA | EngineCommand) -> None:
+        # Answered like an add: ACCEPTED or the refusal, on a stream of its own.
         stream = RequestStream(message.control_id, asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or self._stopped:
@@ -151,6 +192,10 @@ class AsyncLLM:
         nothing to one engine. `handoff` and `awaiting_kv`: see LLMEngine.add_request
         (disaggregation, used by the router).
         """
+        while self._paused and not self._sleep_level:  # until resume (a pause is short: a weight update)
+            await asyncio.sleep(PAUSED_POLL_S)
+        if self._sleep_level:
+            raise EngineAsleepError(f"the model is asleep (level {self._sleep_level}): POST /wake_up first")
         request_id = request.request_id
         stream = RequestStream(request_id, asyncio.get_running_loop(), wake)
         with self._lock:

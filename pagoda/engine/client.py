@@ -29,8 +29,12 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
     from pagoda.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineRequest", "EngineStream", "StreamRoute",
+__all__ = ["EngineAsleepError", "EngineClient", "EngineDeadError", "EngineRequest", "EngineStream", "StreamRoute",
            "generate_outputs"]
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine sleeps (POST /sleep): requests are refused until it wakes up."""
 
 
 class EngineStream(Protocol):
@@ -126,6 +130,17 @@ class EngineClient(Protocol):
 
     async def remove_lora(self, name: str) -> None:
         """Unload an adapter; InvalidRequest if it is not loaded."""
+        ...
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 (KV pool released) or 2 (weights too) asleep."""
+        ...
+
+    async def engine_command(self, command: str, args: dict[str, Any] | None = None) -> None:
+        """Run an engine command (engine/commands.py: weight updates, pause and resume, sleep and
+        wake_up) on every engine, or on none (a replica set stages a weight update on all before
+        committing on any); raises InvalidRequest with the reason it was refused."""
         ...
 
     def shutdown(self, timeout: float | None = 10.0) -> None:

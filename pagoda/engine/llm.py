@@ -9,12 +9,14 @@ from typing import Any
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
+from pagoda.engine.commands import run_command
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import require_both_role
 from pagoda.engine.scoring import class_probs, classify_params, pair_prompt, pair_score, score_pairs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagoda.engine.threads import set_engine_threads
+from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.model.classifier_config import ClassifierConfig
 from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, OutputAccumulator, RequestOutput,
@@ -170,7 +172,28 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(conversation, **extra) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    # ---- weight updates and sleep (vLLM's LLM.sleep / wake_up, SGLang's update_weights_from_disk) ----
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Load new weights for the model from a safetensors directory, all or nothing; raises
+        InvalidRequest with the reason (the old weights keep serving). Cached prefixes are dropped."""
+        run_command(self.engine, "update_weights_from_disk", {"model_path": str(model_path)})
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV pool's memory (level 1) and the weights' too (level 2) until wake_up."""
+        run_command(self.engine, "sleep", {"level": level})
+
+    def wake_up(self) -> None:
+        run_command(self.engine, "wake_up", {})
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleep_mode.level)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        if self.engine.sleep_mode.level:
+            self.engine.abort_request(request_ids)
+            raise InvalidRequest("the engine is asleep: call wake_up() first")
         pending = set(request_ids)
         outputs = OutputAccumulator()
         finished: dict[str, RequestOutput] = {}

@@ -8,20 +8,24 @@ failures, KV handoffs ended). Prefill/decode disaggregation lives behind `kv_con
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.beam_search import BeamSearchRunner
+from pagoda.engine.commands import run_command
 from pagoda.engine.disaggregation import sampling_params_from_dict
 from pagoda.engine.engine_core import EngineCore, EngineStats
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.kv_connector import KVConnector
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.roles import HandoffTarget
+from pagoda.engine.sleep_mode import SleepMode
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.validation import EngineLimits, check_prompt_text, check_role_accepts, invalid_handoff
+from pagoda.engine.weight_updates import WeightUpdates
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.handoff import IncomingHandoff, TransferError
 from pagoda.lora_request import LoRARequest
@@ -32,6 +36,8 @@ from pagoda.structured.grammar import grammar_failure
 from pagoda.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "EngineStats"]
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -48,6 +54,10 @@ class LLMEngine:
         self.kv_connector = KVConnector(config, self.core)
         self.beam_searches = BeamSearchRunner(self.core, self.tokenizer, self.eos_token_ids)
         self._output = EngineStepOutput()  # what the next step() reports besides its own deltas
+        self.weight_updates = WeightUpdates(self.core)
+        self.sleep_mode = SleepMode(self.core, self.weight_updates)
+        self.paused: str | None = None  # "keep": nothing steps; "wait": in-flight requests finish
+        self._drain_waiters: list[str] = []  # pause(wait) commands answered once nothing is in flight
 
     @property
     def max_model_len(self) -> int:
@@ -159,6 +169,38 @@ class LLMEngine:
             raise
         self._output.accepted.append(control_id)
 
+    # ---- commands: weight updates, pause, sleep (engine/commands.py names them) ------------
+
+    def run_command(self, control_id: str, command: str, args: dict[str, Any]) -> None:
+        """Apply one command between steps; the next step() answers under `control_id`: accepted,
+        or refused with the reason (an InvalidRequest)."""
+        try:
+            answered = run_command(self, command, args)
+        except Exception as error:
+            if not isinstance(error, InvalidRequest):
+                logger.exception("engine command %s failed", command)
+            self._output.refused[control_id] = error if isinstance(error, InvalidRequest) else InvalidRequest(
+                f"{command} failed: {error}")
+            return
+        if answered:
+            self._output.accepted.append(control_id)
+        else:
+            self._drain_waiters.append(control_id)
+
+    def pause(self, mode: str) -> bool:
+        """Stop stepping requests: "keep" freezes them in place, "abort" ends them (finish reason
+        abort), "wait" lets those in flight finish (True once nothing is; else the next step that
+        drains them answers). The front holds new requests meanwhile."""
+        if mode not in ("keep", "wait", "abort"):
+            raise InvalidRequest(f"mode must be keep, wait or abort, got {mode!r}")
+        if mode == "abort":
+            self.abort_request(list(self.core.requests))
+        self.paused = mode
+        return mode != "wait" or not self.core.has_unfinished_requests()
+
+    def resume(self) -> None:
+        self.paused = None
+
     def list_loras(self) -> list[str]:
         return self.core.list_loras()
 
@@ -182,8 +224,8 @@ class LLMEngine:
         previous step did to requests."""
         self.abort_request(self.kv_connector.before_step(self._output.handoffs))
         output, self._output = self._output, EngineStepOutput()
-        if not self.core.has_unfinished_requests():
-            return output
+        if not self.core.has_unfinished_requests() or self.paused == "keep" or self.sleep_mode.level:
+            return self._answer_drained(output)
         result = self.core.step()
         output.accepted.extend(result.grammars_compiled)
         for request_id, message in result.grammars_failed.items():  # it never ran
@@ -201,11 +243,19 @@ class LLMEngine:
             self._forget(request_id)
         output.deltas.extend(delta for delta in changed if delta.request_id not in exported)
         output.deltas.extend(beam_answers)
+        return self._answer_drained(output)
+
+    def _answer_drained(self, output: EngineStepOutput) -> EngineStepOutput:
+        """pause(wait) is answered by the step after which nothing is in flight."""
+        if self._drain_waiters and not self.core.has_unfinished_requests():
+            output.accepted.extend(self._drain_waiters)
+            self._drain_waiters = []
         return output
 
     def has_unfinished_requests(self) -> bool:
         """Work for step(): scheduled requests, aborts to report, or KV handoff events."""
-        return (self.core.has_unfinished_requests() or bool(self._output.deltas)
+        stepping = self.paused != "keep" and not self.sleep_mode.level
+        return ((stepping and self.core.has_unfinished_requests()) or bool(self._output.deltas)
                 or self.kv_connector.has_events())
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:

@@ -27,7 +27,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec, new_secret
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
-from pagoda.executor.worker import KVSetup, StepInputs, WorkerSpec, layout_to
+from pagoda.executor.worker import (KVSetup, RankMessage, StepInputs, WeightsRound, WorkerSpec, agree_staged,
+                                    layout_to)
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
@@ -132,7 +133,21 @@ class TensorParallelExecutor:
         if self.device.type != "cpu":  # the step travels from the host
             input_ids, positions = input_ids.to(host), positions.to(host)
             layouts = [layout_to(layout, host) for layout in layouts]
-        self._broadcast(StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies)))
+        self._broadcast(RankMessage(step=StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies))))
+
+    def stage_weights(self, model_path: str, stage_here: Callable[[], str | None]) -> str | None:
+        """A weight update's first round: every worker stages its shard of `model_path` while
+        `stage_here` stages rank 0's (returning its refusal, or None); the refusal, or None when
+        every rank staged. Then `finish_weights` commits or drops them everywhere."""
+        self._broadcast(RankMessage(weights=WeightsRound("stage", model_path)))
+        error = stage_here()
+        failures = agree_staged(self.groups.control, error is None)
+        if error is None and failures:
+            return f"{failures} tensor-parallel rank(s) could not stage the weights (their logs say why)"
+        return error
+
+    def finish_weights(self, commit: bool) -> None:
+        self._broadcast(RankMessage(weights=WeightsRound("commit" if commit else "discard")))
 
     def shutdown(self) -> None:
         """Stop the workers (the stop message, then a kill for any that lingers)."""

@@ -30,11 +30,13 @@ from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, c
                                    open_payload, recv_payload, share_payload)
 from pagoda.kernels import resolve_kernels
 from pagoda.kernels.attention import BatchLayout
-from pagoda.model.loader import load_model, load_model_config
+from pagoda.model.decoder import DecoderModel
+from pagoda.model.loader import checkpoint_items, commit_weights, load_model, load_model_config, stage_weights
+from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
-from pagoda.quant.weight_formats import make_weight_format
+from pagoda.quant.weight_formats import WeightFormat, make_weight_format
 from pagoda.worker.paged_model import PagedModel
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,24 @@ class StepInputs:
     block_copies: list[tuple[int, int]]
 
 
+@dataclass
+class WeightsRound:
+    """A weight update's round (engine/weight_updates.py): "stage" `model_path` (each rank its
+    shard, then every rank's outcome summed in `agree_staged`), "commit" or "discard"."""
+
+    action: str
+    model_path: str = ""
+
+
+@dataclass
+class RankMessage:
+    """What rank 0 broadcasts to tensor-parallel workers after setup: a step or a weights round
+    (the stop is None)."""
+
+    step: StepInputs | None = None
+    weights: WeightsRound | None = None
+
+
 @dataclass(frozen=True)
 class StageMessage:
     """What passes down the chain of pipeline stages: a step, the busy query (stage 0 asks every
@@ -141,11 +161,42 @@ def run_worker(spec: WorkerSpec) -> None:
         return
     logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
                 model.num_kv_heads, spec.num_threads)
+    staged = None  # a weight update's shard, staged until rank 0 says commit or discard
     while True:
-        step: StepInputs | None = broadcast_object(groups.control, codec, None, spec.rank, StepInputs | None)
-        if step is None:
+        message: RankMessage | None = broadcast_object(groups.control, codec, None, spec.rank, RankMessage | None)
+        if message is None:
             return
-        run_step(paged, step, device)
+        if message.step is not None:
+            run_step(paged, message.step, device)
+        elif message.weights is not None:
+            staged = weights_round(message.weights, model, staged, groups, model_config, spec.dtype, device,
+                                   weight_format)
+
+
+def weights_round(message: WeightsRound, model: DecoderModel, staged: DecoderModel | None, groups: Groups,
+                  model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  weight_format: WeightFormat) -> DecoderModel | None:
+    """A worker's part of a weight update: stage its shard (and report the outcome to the
+    other ranks), commit it, or drop it; returns what stays staged."""
+    if message.action == "stage":
+        try:
+            staged = stage_weights(model, checkpoint_items(message.model_path), model_config, dtype, device,
+                                   weight_format, message.model_path, groups.model)
+        except (ValueError, OSError) as error:
+            logger.error("rank %d could not stage new weights: %s", groups.model.rank, error)
+            staged = None
+        agree_staged(groups.control, staged is not None)
+        return staged
+    if message.action == "commit" and staged is not None:
+        commit_weights(model, staged)
+    return None
+
+
+def agree_staged(control: Any, staged: bool) -> int:
+    """Every rank's staging outcome, summed over the control group: the ranks that failed."""
+    failures = torch.tensor([0 if staged else 1], dtype=torch.long)
+    control.allreduce([failures]).wait()
+    return int(failures.item())
 
 
 def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, codec: ChannelCodec, local_rank: int,

@@ -140,6 +140,79 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     return model.eval()
 
 
+def checkpoint_items(model_dir: str | Path) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+    """A safetensors checkpoint directory's tensors as `_fill` takes them (file, name, tensor,
+    None); GPTQ checkpoints and GGUF files are refused (a weight update carries plain tensors)."""
+    model_dir = Path(model_dir)
+    if find_gguf_file(model_dir) is not None:
+        raise ValueError(f"{model_dir}: a GGUF file; weight updates read safetensors checkpoints")
+    files = checkpoint_files(model_dir)
+    return ((path.name, name, tensor, None) for path, name, tensor in iterate_tensors(files))
+
+
+def stage_weights(model: DecoderModel, tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]],
+                  config: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: WeightFormat,
+                  source: str, tp: TensorParallelGroup | None = None,
+                  stage: PipelineStage | None = None, check_layout: bool = True) -> DecoderModel:
+    """New weights for the live `model` (every tensor of a checkpoint) in a fresh model of the
+    same shape, which `commit_weights` copies in: a missing tensor, a wrong shape or dtype or an
+    unreadable file raises ValueError here with the live model untouched. Costs one model's
+    memory until committed or dropped."""
+    fresh = build_empty_model(config, dtype, device, weight_format, source, tp, stage, model.kernels)
+    _fill(fresh, _floating(tensors), config, dtype, source)
+    live, new = _tensors(model), _tensors(fresh)
+    if check_layout and (set(live) != set(new) or any(live[k].shape != new[k].shape or live[k].dtype != new[k].dtype
+                                                      for k in new)):
+        raise ValueError(f"{source}: the loaded weights do not lay out as the served model's (a weight format "
+                         f"that packs weights differently per load cannot be updated in place)")
+    return fresh
+
+
+def commit_weights(model: DecoderModel, staged: DecoderModel) -> None:
+    """Copy what `stage_weights` staged into the live model's storage, in place (CUDA graphs, the
+    runner and adapters keep pointing at the same tensors)."""
+    live = _tensors(model)
+    with torch.no_grad():
+        for name, tensor in _tensors(staged).items():
+            live[name].copy_(tensor)
+
+
+def drop_weights(model: DecoderModel) -> None:
+    """Free every parameter and buffer of `model` (each becomes an empty tensor of its dtype) until
+    `adopt_weights` gives it new ones: sleep mode on the CPU, where packed weights have no
+    storage to shrink in place."""
+    for module in model.modules():  # the tensors themselves are swapped, so their tables are written
+        for name, param in module._parameters.items():  # noqa: SLF001
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=param.dtype),  # noqa: SLF001
+                                                              requires_grad=False)
+        for name, buffer in module._buffers.items():  # noqa: SLF001
+            if buffer is not None:
+                module._buffers[name] = torch.empty(0, dtype=buffer.dtype)  # noqa: SLF001
+
+
+def adopt_weights(model: DecoderModel, staged: DecoderModel) -> None:
+    """Give the live `model` the staged model's tensors themselves (after drop_weights)."""
+    for name, module in staged.named_modules():
+        live = model.get_submodule(name)
+        live._parameters.update(module._parameters)  # noqa: SLF001
+        live._buffers.update(module._buffers)  # noqa: SLF001
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+
+def _floating(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]]
+              ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+    """A plain checkpoint's tensors, refusing integer or boolean ones: cast silently into a float
+    parameter they would serve garbage."""
+    for file_name, name, tensor, codes in tensors:
+        if tensor is not None and not (tensor.is_floating_point() or name.endswith(_IGNORED_SUFFIXES)):
+            raise ValueError(f"{file_name}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
+        yield file_name, name, tensor, codes
+
+
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
                stage: PipelineStage | None, kernels: Kernels) -> DecoderModel:

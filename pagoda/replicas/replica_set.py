@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protoc
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.client import generate_outputs
+from pagoda.engine.client import EngineAsleepError, generate_outputs
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.transport import EngineDeadError
@@ -172,6 +172,8 @@ class ReplicaSet(ModelFront):
             status = "dead"
         elif not any(alive):
             status = "restarting" if any(state.status == "restarting" for state in states) else "dead"
+        elif self.sleep_level:
+            status = "asleep"
         else:
             status = "ok" if all(alive) else "degraded"
         health: dict[str, Any] = {"status": status, "replicas": [
@@ -180,7 +182,7 @@ class ReplicaSet(ModelFront):
              "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
              **({"draining": True} if r.draining else {})}
             for r, state in zip(replicas, states)]}
-        if status != "ok" and status != "degraded":
+        if status not in ("ok", "degraded", "asleep"):
             health["error"] = repr(self.error)
         if self.autoscaler is not None:
             health["autoscale"] = self.autoscaler.state()
@@ -202,6 +204,8 @@ class ReplicaSet(ModelFront):
 
         The request's `tenant` and `model` are what route rules match on. Raises InvalidRequest
         or EngineDeadError (no live replica)."""
+        if self.sleep_level:
+            raise EngineAsleepError("the model is asleep: POST /wake_up first")
         if isinstance(request.prompt, str):
             request = dataclasses.replace(request, prompt=self.tokenizer.encode(request.prompt))
         prompt = request.prompt_token_ids
@@ -258,6 +262,47 @@ class ReplicaSet(ModelFront):
         results = await asyncio.gather(*(r.supervisor.remove_lora(name) for r in live), return_exceptions=True)
         errors = [result for result in results if isinstance(result, BaseException)]
         if live and len(errors) == len(results):
+            raise errors[0]
+
+    # ---- engine commands: every replica applies them, or none does -----------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        return max((r.llm.sleep_level for r in self.replicas if self._check_alive(r)), default=0)
+
+    async def engine_command(self, command: str, args: dict[str, Any] | None = None) -> None:
+        """Run an engine command on every live replica. A weight update is staged on all of them
+        before any commits it (a refusal anywhere drops it everywhere); a weight update group
+        gives replica i the rank `rank_offset + i`. InvalidRequest: the first refusal."""
+        live = [r for r in self.replicas if self._check_alive(r)]
+        if not live:
+            raise EngineDeadError("no replica is running")
+        args = dict(args or {})
+        if command == "update_weights_from_disk":
+            await self._on_all_or_none(live, "stage_weights_from_disk", args)
+            await self._on_all(live, lambda r: ("finish_weight_update", {}))
+        elif command == "update_weights":
+            await self._on_all_or_none(live, "update_weights", args)
+        elif command == "init_weight_update_group":
+            offset = int(args.get("rank_offset", 1))
+            await self._on_all(live, lambda r: (command, args | {"rank": offset + live.index(r)}))
+        else:
+            await self._on_all(live, lambda r: (command, args))
+
+    async def _on_all_or_none(self, live: list[Replica], command: str, args: dict[str, Any]) -> None:
+        try:
+            await self._on_all(live, lambda r: (command, args))
+        except BaseException:
+            await asyncio.gather(*(r.llm.engine_command("finish_weight_update", {"abort": True}) for r in live),
+                                 return_exceptions=True)
+            raise
+
+    async def _on_all(self, live: list[Replica],
+                      command_for: Callable[[Replica], tuple[str, dict[str, Any]]]) -> None:
+        results = await asyncio.gather(*(r.llm.engine_command(*command_for(r)) for r in live),
+                                       return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
             raise errors[0]
 
     def abort(self, request_ids: Iterable[str]) -> None:

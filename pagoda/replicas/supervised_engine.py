@@ -40,7 +40,10 @@ class SupervisedEngine(ModelFront):
     def health(self) -> dict[str, Any]:
         """The engine's state: status ok, restarting (a restart is pending), failed (out of
         restarts) or dead, with its pid, restarts and error."""
-        return self.supervisor.state().as_dict()
+        body = self.supervisor.state().as_dict()
+        if body.get("status") == "ok" and self.sleep_level:
+            body.update(status="asleep", sleep_level=self.sleep_level)
+        return body
 
     def get_stats(self) -> "EngineStats | None":
         return self.supervisor.llm.get_stats()
@@ -54,6 +57,13 @@ class SupervisedEngine(ModelFront):
 
     async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None) -> EngineStream:
         return await self.supervisor.llm.add_request(request, wake=wake)
+
+    @property
+    def sleep_level(self) -> int:
+        return self.supervisor.llm.sleep_level
+
+    async def engine_command(self, command: str, args: dict[str, Any] | None = None) -> None:
+        await self.supervisor.llm.engine_command(command, args)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         return generate_outputs(self, request)

@@ -101,6 +101,12 @@ def engine_unavailable(message: str = "The engine is not running.") -> APIError:
                     headers={"Retry-After": "5"})
 
 
+def model_asleep(message: str) -> APIError:
+    """The model sleeps (POST /sleep) until an admin wakes it (POST /wake_up)."""
+    return APIError(503, f"{message[:1].upper()}{message[1:]}.", type="server_error", code="model_asleep",
+                    headers={"Retry-After": "5"})
+
+
 def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pagoda.engine.client import EngineClient, EngineDeadError, EngineRequest, EngineStream
+from pagoda.engine.client import EngineAsleepError, EngineClient, EngineDeadError, EngineRequest, EngineStream
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
@@ -28,7 +28,7 @@ from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission.queue import AdmissionController, QueueSlot
 from pagoda.serve.admission.work import RequestWork
-from pagoda.serve.errors import APIError, engine_unavailable, invalid_request
+from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_asleep
 from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
                                      guard_log_fields)
 from pagoda.serve.metrics.cost import CostCounter
@@ -283,6 +283,8 @@ class Generation:
                     raise invalid_request(outcome, param_names) from None
                 if isinstance(outcome, EngineDeadError):
                     raise engine_unavailable() from None
+                if isinstance(outcome, EngineAsleepError):
+                    raise model_asleep(str(outcome)) from None
                 if isinstance(outcome, BaseException):
                     raise outcome
         except APIError as exc:

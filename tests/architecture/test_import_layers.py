@@ -19,6 +19,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
+     "rl",  # a trainer's weight-update group and HTTP helper: torch only, engine/ receives with it
      "dataclass_flags",  # command-line flags generated from the settings dataclasses
      "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
      "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table

@@ -17,8 +17,8 @@ from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.transport.encoding import decode_message, encode_message
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, PrefillLocally, Shutdown, UpdateLoRA,
-                                              Wake)
+from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
+                                              UpdateLoRA, Wake)
 from pagoda.lora_request import LoRARequest
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.supervised_engine import SupervisedEngine
@@ -71,7 +71,9 @@ def test_every_field_survives_the_process_encoding(prompt: str | list[int]) -> N
 @pytest.mark.parametrize("message", [
     AddRequest(EngineRequest("r", [1], SamplingParams())), AbortRequests(["a", "b"]),
     UpdateLoRA("lora-update-1", LoRARequest("chat", 0, "/adapters/chat")),
-    UpdateLoRA("lora-update-2", LoRARequest("chat"), unload=True), PrefillLocally(["c"]), Wake(), Shutdown()])
+    UpdateLoRA("lora-update-2", LoRARequest("chat"), unload=True), PrefillLocally(["c"]), Wake(), Shutdown(),
+    EngineCommand("command-1", "update_weights", {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 3]]}),
+    EngineCommand("command-2", "sleep", {"level": 2})])
 def test_every_message_round_trips(message) -> None:
     assert decode_message(encode_message(message)) == message
 

@@ -14,12 +14,14 @@ from typing import Any
 
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import HandoffTarget
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, PrefillLocally, Shutdown, ToEngine,
-                                              UpdateLoRA, Wake)
+from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
+                                              ToEngine, UpdateLoRA, Wake)
 from pagoda.lora_request import LoRARequest
 
 _KINDS: dict[str, type] = {"add": AddRequest, "abort": AbortRequests, "update_lora": UpdateLoRA,
-                           "prefill_locally": PrefillLocally, "wake": Wake, "shutdown": Shutdown}
+                           "prefill_locally": PrefillLocally, "wake": Wake, "shutdown": Shutdown,
+                           # engine commands: their arguments are JSON values already (the plain-field branch)
+                           "command": EngineCommand}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 

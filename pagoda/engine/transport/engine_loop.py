@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Callable
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import set_engine_threads
 from pagoda.engine.transport.base import EngineFactory, OnEmitted
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, PrefillLocally, Shutdown, ToEngine,
-                                              UpdateLoRA, Wake)
+from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
+                                              ToEngine, UpdateLoRA, Wake)
 from pagoda.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
                 engine.abort_request(message.request_ids)
             elif isinstance(message, PrefillLocally):
                 engine.kv_connector.prefill_locally(message.request_ids)
+            elif isinstance(message, EngineCommand):
+                engine.run_command(message.control_id, message.command, message.args)
         # Also without work to step: the adds' answers and handoff outcomes go out now.
         emit(engine.step(), engine.get_stats())
 

@@ -3,8 +3,8 @@ process transport encodes them (encoding.py), a Ray actor's transport lets Ray s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import HandoffTarget
@@ -53,4 +53,17 @@ class Shutdown:
     pass
 
 
-ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, PrefillLocally, Wake, Shutdown]
+# ---- engine commands (weight updates, pause, sleep: engine/commands.py) ----------------------
+
+
+@dataclass
+class EngineCommand:
+    """One of engine/commands.py's commands with its JSON-able arguments; answered like an
+    AddRequest under `control_id`: accepted, or refused with the reason."""
+
+    control_id: str
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, PrefillLocally, Wake, Shutdown, EngineCommand]
