@@ -207,7 +207,6 @@ def make_workload(num_seqs: int, low: int, high: int, vocab_size: int, seed: int
 def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
     from pagoda import SamplingParams
     from pagoda.engine.engine_request import EngineRequest
-    from pagoda.engine.engine_request import EngineRequest
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -254,6 +253,7 @@ def profile_decode(llm: Any, batch_size: int, vocab_size: int, device: torch.dev
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import SamplingParams
+    from pagoda.engine.engine_request import EngineRequest
 
     engine, core = llm.engine, llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + 2 * steps + 8, ignore_eos=True)
