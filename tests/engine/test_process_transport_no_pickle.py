@@ -49,9 +49,9 @@ def step_output() -> EngineStepOutput:
                               "stop", "</s>")], 1, finished=True, num_cached_tokens=2,
         metrics=RequestMetrics(1.0, 2.0, num_preemptions=1), prompt_logprobs=[None, {5: Logprob(-1.0, 1, "x")}],
         prompt="p", prompt_token_ids=[1, 2])
-    return EngineStepOutput([delta], ["a"], {"x": InvalidRequest("too long", param="prompt", code="context_length_exceeded"),
-                                             "y": RuntimeError("the engine could not add the request")},
-                            {"z": HandoffOutcome(False, "refused")})
+    refused = {"x": InvalidRequest("too long", param="prompt", code="context_length_exceeded"),
+               "y": RuntimeError("the engine could not add the request")}
+    return EngineStepOutput([delta], ["a"], refused, {"z": HandoffOutcome(False, "refused")})
 
 
 def test_what_the_engine_sends_round_trips_typed() -> None:

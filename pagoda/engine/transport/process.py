@@ -4,8 +4,9 @@ Its own GIL, so the engine's steps do not wait on the front's Python (the HTTP s
 tokens) as on the thread transport, and an engine crash leaves the front alive to report it.
 Each step's output crosses the pipe as it is (deltas, not whole outputs), so the cost per step
 does not grow with output length. Both directions, and the child's startup arguments, are bytes
-of an explicit encoding (encoding.py): neither side unpickles what the pipe carries. Being spawned, the child re-imports the parent's `__main__`: scripts that use this
-transport need an `if __name__ == "__main__":` guard.
+of an explicit encoding (encoding.py): neither side unpickles what the pipe carries. Being
+spawned, the child re-imports the parent's `__main__`: scripts that use this transport need an
+`if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
