@@ -146,3 +146,12 @@ def test_the_engine_process_refuses_a_pickle_and_keeps_serving(model_dir, tmp_pa
         engine.shutdown()
     time.sleep(0.1)
     assert not marker.exists()
+
+
+def test_no_module_of_the_package_reads_a_pipe_unpickling() -> None:
+    """multiprocessing's Connection.recv() (and a Queue's get) unpickle: every pipe is read with recv_bytes."""
+    root = Path(__file__).resolve().parents[2] / "pagoda"
+    hits = [str(path.relative_to(root)) for path in root.rglob("*.py")
+            if any(call in path.read_text(encoding="utf-8")
+                   for call in (".recv()", "multiprocessing.Queue(", "context.Queue(", "context.SimpleQueue("))]
+    assert hits == []
