@@ -32,6 +32,7 @@ from common import MODEL_SHAPE, REPO, RESULTS, git_commit, write_summary  # noqa
 
 NAME = "kv_transfer"
 BLOCK = 16
+SECRET = "bench-" * 8  # the KV transfer secret both sides sign with
 
 
 def cache_layout(kv_cache_dtype: str) -> tuple[str, list[int]]:
@@ -61,7 +62,7 @@ def sender(conn, num_pool_blocks: int) -> None:
     import torch
 
     from pagoda.kv_transfer.block_transfer import gather_blocks
-    from pagoda.kv_transfer.handoff import HandoffHeader, KVHandoff, layout_of, send_handoff
+    from pagoda.kv_transfer.handoff import HandoffAuth, HandoffHeader, KVHandoff, layout_of, send_handoff
     from pagoda.kv_transfer.shm_segments import ShmSegments
 
     torch.set_num_threads(1)
@@ -84,7 +85,7 @@ def sender(conn, num_pool_blocks: int) -> None:
                                block_hashes=[f"{i:032x}" for i in range(context // BLOCK)], num_blocks=num_blocks,
                                layout=layout_of(caches), fingerprint="bench")
         handoff = KVHandoff(header, blocks)
-        send_handoff(handoff, transport, address, timeout=60,
+        send_handoff(handoff, transport, address, timeout=60, auth=HandoffAuth(SECRET),
                      segments=segments if variant == "shm" else None)  # shm-unpooled: a segment per handoff
         conn.send((time.perf_counter() - started, handoff.nbytes))
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagoda.bench.report import machine_info
     from pagoda.kv_transfer.block_transfer import scatter_blocks
-    from pagoda.kv_transfer.handoff import KVListener
+    from pagoda.kv_transfer.handoff import HandoffAuth, KVListener
 
     torch.set_num_threads(1)
     load_at_start = os.getloadavg()
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parent, child = context_mp.Pipe()
     process = context_mp.Process(target=sender, args=(child, num_pool_blocks))
     process.start()
-    listeners = {"tcp": KVListener("tcp"), "shm": KVListener("shm"), "shm-unpooled": KVListener("shm")}
+    auth = HandoffAuth(SECRET)  # frames are signed as in a deployment
+    listeners = {"tcp": KVListener("tcp", auth), "shm": KVListener("shm", auth),
+                 "shm-unpooled": KVListener("shm", auth)}
     timings: dict[str, list[float]] = {}
     nbytes: dict[str, int] = {}
     try:

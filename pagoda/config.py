@@ -426,6 +426,12 @@ class DisaggregationConfig:
     kv_transfer_timeout: float = field(default=10.0, metadata={
         "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
                 "(the decode replica then prefills the request itself)"})
+    # Not in repr: the config is logged and shown; the secret is not.
+    kv_transfer_secret: str | None = field(default=None, repr=False, metadata={
+        "help": "the secret (at least 32 characters) every KV handoff frame between prefill and decode "
+                "engines is signed with (HMAC-SHA256); frames signed otherwise are refused (default: "
+                "--replica-roles draws one per deployment; engines started apart read "
+                "PAGODA_KV_TRANSFER_SECRET, which keeps it off the command line)"})
 
     def __post_init__(self) -> None:
         DisaggregationConfig.check(self)
@@ -434,6 +440,8 @@ class DisaggregationConfig:
         check_choices(self)
         if self.kv_transfer_timeout <= 0:
             _fail("kv_transfer_timeout", f"must be > 0 seconds, got {self.kv_transfer_timeout}")
+        if self.kv_transfer_secret is not None and len(self.kv_transfer_secret) < 32:
+            _fail("kv_transfer_secret", "must have at least 32 characters")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class InvalidRequest(ValueError):
             return self
         return InvalidRequest(self.message, param=names[self.param], code=self.code)
 
-    def __reduce__(self):  # keeps param and code across the engine process's pipe
+    def __reduce__(self):  # keeps param and code across Ray's serialization (a Ray replica's refusals)
         return (_rebuild, (self.message, self.param, self.code))
 
 

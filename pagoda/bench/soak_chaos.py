@@ -5,6 +5,7 @@ engine on a schedule and fills the disk KV tier's file system, a /health prober 
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
 import signal
@@ -206,7 +207,7 @@ def _probe_health(url: str, interval_s: float, timeout_s: float, stop: Any, resu
             end = time.monotonic()
             samples.append((round(begin - started, 3), end - begin, status))
             stop.wait(max(0.0, interval_s - (end - begin)))
-    results.send(samples)
+    results.send_bytes(json.dumps(samples).encode())  # JSON, as every internal channel: never a pickle
     results.close()
 
 
@@ -224,6 +225,7 @@ class HealthProber:
 
     def stop(self) -> list[tuple[float, float, int]]:
         self._stop.set()
-        samples = self._receive.recv() if self._receive.poll(30) else []
+        samples = [(float(at), float(took), int(status)) for at, took, status in
+                   json.loads(self._receive.recv_bytes())] if self._receive.poll(30) else []
         self._process.join(10)
         return samples

@@ -52,8 +52,9 @@ class AsyncLLM:
                  engine_factory: EngineFactory | None = None,
                  startup_timeout: float | None = None) -> None:
         """`engine_factory` builds the engine instead of LLMEngine(config); on the process
-        transport it must be picklable (a module-level function). `transport` may also be a
-        TransportStarter: a transport from elsewhere (a replica as a Ray actor)."""
+        transport it must be a module-level function or class (the engine process imports it by
+        name). `transport` may also be a TransportStarter: a transport from elsewhere (a replica
+        as a Ray actor)."""
         if not callable(transport) and transport not in ("thread", "process"):
             raise ValueError(f"transport must be 'thread' or 'process', got {transport!r}")
         self.config = config

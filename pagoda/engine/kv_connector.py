@@ -19,6 +19,7 @@ do nothing, and its stats stay at zero.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -27,7 +28,8 @@ from pagoda.engine.disaggregation import DisaggStats, KVHandoffs
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.step_output import HandoffOutcome
-from pagoda.kv_transfer.handoff import HandoffRefused, IncomingHandoff, KVHandoff, TransferError, send_handoff
+from pagoda.kv_transfer.handoff import (TRANSFER_SECRET_ENV, HandoffAuth, HandoffRefused, IncomingHandoff,
+                                        KVHandoff, TransferError, send_handoff)
 from pagoda.kv_transfer.handoff_threads import HandoffThreads, HeaderArrived, Received, Sent
 from pagoda.kv_transfer.tiers import model_fingerprint
 from pagoda.outputs import RequestOutputDelta
@@ -51,7 +53,7 @@ class KVConnector:
         self._receiving: dict[str, tuple[IncomingHandoff, Request, int, float]] = {}
         self._aborted_receiving: set[str] = set()
         if config.role != "both":
-            self._threads = HandoffThreads()
+            self._threads = HandoffThreads(HandoffAuth(transfer_secret(config)))
             if config.role == "decode":
                 self._threads.listen(config.kv_transport, _listen_address(config), config.kv_transfer_timeout)
 
@@ -70,7 +72,10 @@ class KVConnector:
         return self._threads is not None and self._threads.has_events()
 
     def stats(self) -> DisaggStats:
-        return self.handoffs.stats.copy()
+        stats = self.handoffs.stats.copy()
+        if self._threads is not None:
+            stats.failures["unauthenticated"] = self._threads.auth.rejected
+        return stats
 
     # ---- the engine's fixed points -------------------------------------------------------------
 
@@ -153,7 +158,7 @@ class KVConnector:
         """Ship an exported request to a decode engine's listener. False (counted as a send
         failure) if it did not arrive; this engine holds no block of it either way."""
         try:
-            num_sent = send_handoff(handoff, transport, address, timeout)
+            num_sent = send_handoff(handoff, transport, address, timeout, self._role_threads().auth)
         except TransferError:
             self.handoffs.stats.failures["send"] += 1
             return False
@@ -237,9 +242,22 @@ class KVConnector:
         return HandoffOutcome(False, str(event.error))
 
 
+def transfer_secret(config: EngineConfig) -> str:
+    """The deployment's KV transfer secret: --kv-transfer-secret (a replica set draws one for its
+    replicas), else the environment's PAGODA_KV_TRANSFER_SECRET (engines of one deployment
+    started apart, on other machines). A prefill or decode engine without one does not start:
+    its handoffs would be unauthenticated."""
+    secret = config.kv_transfer_secret or os.environ.get(TRANSFER_SECRET_ENV)
+    if not secret:
+        raise ValueError(f"role {config.role} needs the deployment's KV transfer secret: set kv_transfer_secret "
+                         f"(--kv-transfer-secret) or {TRANSFER_SECRET_ENV}, the same on its prefill and decode engines")
+    return secret
+
+
 def _listen_address(config: EngineConfig) -> str | None:
     """A decode engine's KV listener: --kv-listen, else loopback (every interface with Ray,
-    whose prefill replicas may run on other nodes); shm picks a socket path itself."""
+    whose prefill replicas may run on other nodes: every frame is signed); shm picks a socket
+    path itself."""
     if config.kv_transport != "tcp":
         return None
     if config.kv_listen is not None:

@@ -4,8 +4,8 @@ The engine records what happened to each request since the previous step (adds a
 refused, grammars compiled or failed, aborts, KV handoffs ended) in the output it is building,
 and `step()` returns it with the step's deltas. It is the only channel from the engine to its
 driver: the offline `LLM` reads it directly, and every transport carries it unchanged to
-`AsyncLLM`, which routes each field to the request's stream. Picklable (the process transport
-sends it through a pipe).
+`AsyncLLM`, which routes each field to the request's stream. The process transport sends it
+through its pipe as typed msgpack (engine/transport/encoding.py): its fields stay plain values.
 """
 
 from __future__ import annotations

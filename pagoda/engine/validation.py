@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The engine's limits a request is checked against (picklable: sent at start-up)."""
+    """The engine's limits a request is checked against (sent to the front at start-up)."""
 
     max_model_len: int
     vocab_size: int

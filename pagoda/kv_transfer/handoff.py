@@ -7,8 +7,10 @@ One small interface, two transports:
   block bytes are written by the sender into a POSIX shared-memory segment and copied by the
   receiver out of it (they never pass through the socket).
 
-The exchange, in length-prefixed frames (8-byte big-endian length, then the payload):
+The exchange, in length-prefixed frames (8-byte big-endian length, then the payload and its
+signature):
 
+    receiver -> its nonce (16 bytes, unframed), sender -> its nonce (16 bytes, unframed)
     sender   -> header (JSON: request, block hashes, block layout, the shm segment's name)
     receiver -> reply  (JSON: {"skip": k}: the leading blocks its own prefix cache holds, or
                         {"reject": reason})
@@ -25,13 +27,28 @@ model) for a few KiB each, which dominated the transfer time (benchmarks/kv_tran
 the raw cache entries as stored: quantized KV (int8 / fp8 entries with their scales) travels
 quantized. Every socket operation has a timeout; anything that goes wrong raises
 TransferError on both sides.
+
+Every frame is signed: HMAC-SHA256 under the deployment's KV transfer secret (HandoffAuth; the
+prefill and decode engines of one deployment are handed the same one), over both nonces, the
+frame's direction and its sequence number in that direction, and its payload (over shm, a run's
+bytes in the segment too, as the receiver copied them out). A frame whose signature does not
+verify is refused before anything is built from it: the handoff fails with FrameRejected, and
+the refusal is counted (`HandoffAuth.rejected`) and logged. The nonces make each connection's
+signatures its own, so frames recorded from one handoff cannot be replayed into another.
+Nothing here is ever unpickled: the header and replies are JSON, the blocks raw bytes checked
+against the header's layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import os
+import secrets
 import socket
+import threading
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
@@ -42,12 +59,19 @@ import torch
 
 from pagoda.kv_transfer.shm_segments import SegmentMaps, ShmSegments
 
+logger = logging.getLogger(__name__)
+
 TRANSPORTS = ("tcp", "shm")
 _LENGTH = struct.Struct(">Q")
 _RUN = struct.Struct(">II")  # first block index, number of blocks
 CHUNK_BYTES = 2 << 20  # a run of blocks per frame: large enough to amortize, small enough to overlap
 _END = b"END"
 MAX_HEADER_BYTES = 64 << 20  # a header larger than this is not a handoff header
+NONCE_BYTES = 16
+TAG_BYTES = hashlib.sha256().digest_size
+TRANSFER_SECRET_ENV = "PAGODA_KV_TRANSFER_SECRET"  # engines started apart read the secret here
+MIN_SECRET_CHARS = 32  # an operator's --kv-transfer-secret; a drawn one is 64 hex digits
+_TO_RECEIVER, _TO_SENDER = b"R", b"S"  # a frame's direction, signed with it
 
 
 class TransferError(RuntimeError):
@@ -61,6 +85,73 @@ class HandoffRefused(TransferError):
 
 class TransportUnavailable(TransferError):
     """The transport asked for cannot run here (unknown name, no shared memory, no Unix sockets)."""
+
+
+class FrameRejected(TransferError):
+    """A frame not signed with the deployment's KV transfer secret (or replayed from another
+    connection, or out of order)."""
+
+
+def new_transfer_secret() -> str:
+    """A deployment's KV transfer secret, drawn once and handed to its prefill and decode engines."""
+    return secrets.token_hex(32)
+
+
+class HandoffAuth:
+    """Signs and verifies one engine's KV handoff frames with its deployment's secret, and counts
+    the frames it refused (thread-safe: every handoff thread shares it)."""
+
+    def __init__(self, secret: str) -> None:
+        if len(secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"a KV transfer secret has at least {MIN_SECRET_CHARS} characters")
+        self._secret = secret.encode()
+        self._lock = threading.Lock()
+        self.rejected = 0  # frames refused since start
+
+    def session(self, receiver_nonce: bytes, sender_nonce: bytes, sending: bytes) -> FrameSession:
+        """One connection's signer: `sending` is the direction of the frames this side sends."""
+        return FrameSession(self, receiver_nonce + sender_nonce, sending)
+
+    def tag(self, context: bytes, direction: bytes, sequence: int, parts: Sequence[bytes | memoryview]) -> bytes:
+        mac = hmac.new(self._secret, context + direction + sequence.to_bytes(8, "big"), hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+    def reject(self, peer: str, why: str) -> FrameRejected:
+        with self._lock:
+            self.rejected += 1
+            count = self.rejected
+        logger.error("KV handoff: refused frame %d from %s: %s", count, peer, why)
+        return FrameRejected(f"KV handoff frame from {peer} refused: {why}")
+
+
+class FrameSession:
+    """The signatures of one connection's frames: each direction numbers its frames from 0."""
+
+    def __init__(self, auth: HandoffAuth, context: bytes, sending: bytes) -> None:
+        self._auth = auth
+        self._context = context
+        self._sending = sending
+        self._receiving = _TO_SENDER if sending == _TO_RECEIVER else _TO_RECEIVER
+        self._sent = self._received = 0
+        self.peer = "?"
+
+    def sign(self, parts: Sequence[bytes | memoryview]) -> bytes:
+        tag = self._auth.tag(self._context, self._sending, self._sent, parts)
+        self._sent += 1
+        return tag
+
+    def verify(self, parts: Sequence[bytes | memoryview], tag: bytes | memoryview) -> None:
+        """Raise FrameRejected (counted, logged) unless `tag` signs the next frame from the peer."""
+        expected = self._auth.tag(self._context, self._receiving, self._received, parts)
+        if not hmac.compare_digest(expected, bytes(tag)):
+            raise self.reject("bad signature (another deployment's secret, or none)")
+        self._received += 1
+
+    def reject(self, why: str) -> FrameRejected:
+        """Count and log a refused frame from the peer; the error to raise."""
+        return self._auth.reject(self.peer, why)
 
 
 @dataclass
@@ -120,10 +211,15 @@ class KVHandoff:
 
 # ---- framing -----------------------------------------------------------------------------------
 
-def _send_frame(sock: socket.socket, *parts: bytes | memoryview) -> None:
-    sock.sendall(_LENGTH.pack(sum(len(p) for p in parts)))
+def _send_frame(sock: socket.socket, session: FrameSession, parts: Sequence[bytes | memoryview],
+                signed_too: Sequence[bytes | memoryview] = ()) -> None:
+    """One signed frame of `parts`; `signed_too`: bytes the signature covers that travel
+    elsewhere (over shm, the run in the segment)."""
+    tag = session.sign([*parts, *signed_too])
+    sock.sendall(_LENGTH.pack(sum(len(p) for p in parts) + TAG_BYTES))
     for part in parts:
         sock.sendall(part)
+    sock.sendall(tag)
 
 
 def _recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) -> memoryview:
@@ -142,20 +238,51 @@ def _recv_exact(sock: socket.socket, size: int, into: memoryview | None = None) 
     return buffer
 
 
-def _recv_frame(sock: socket.socket, limit: int = MAX_HEADER_BYTES) -> memoryview:
+def _recv_size(sock: socket.socket, limit: int, session: FrameSession) -> int:
+    """The next frame's payload size (its signature excluded), refused (before allocating)
+    when no frame here is that large."""
     (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if size > limit:
-        raise TransferError(f"KV transfer frame of {size} bytes exceeds the limit of {limit}")
-    return _recv_exact(sock, size)
+    if not TAG_BYTES <= size <= limit + TAG_BYTES:
+        raise session.reject(f"a frame of {size} bytes is outside [{TAG_BYTES}, {limit + TAG_BYTES}]")
+    return size - TAG_BYTES
 
 
-def _sendall(sock: socket.socket, *parts: bytes | memoryview) -> None:
+def _recv_frame(sock: socket.socket, session: FrameSession, limit: int = MAX_HEADER_BYTES) -> memoryview:
+    """The next frame's payload, its signature verified."""
+    size = _recv_size(sock, limit, session)
+    frame = _recv_exact(sock, size + TAG_BYTES)
+    session.verify([frame[:size]], frame[size:])
+    return frame[:size]
+
+
+def _sendall(sock: socket.socket, session: FrameSession, *parts: bytes | memoryview,
+             signed_too: Sequence[bytes | memoryview] = ()) -> None:
     try:
-        _send_frame(sock, *parts)
+        _send_frame(sock, session, parts, signed_too)
     except TimeoutError:
         raise TransferError("KV transfer timed out sending to the peer") from None
     except OSError as error:
         raise TransferError(f"KV transfer connection failed: {error}") from None
+
+
+def _exchange_nonces(sock: socket.socket, auth: HandoffAuth, receiving_side: bool, peer: str) -> FrameSession:
+    """Each side sends a fresh nonce, the receiver first; both sign with both."""
+    mine = secrets.token_bytes(NONCE_BYTES)
+    try:
+        if receiving_side:
+            sock.sendall(mine)
+            theirs = bytes(_recv_exact(sock, NONCE_BYTES))
+            session = auth.session(mine, theirs, _TO_SENDER)
+        else:
+            theirs = bytes(_recv_exact(sock, NONCE_BYTES))
+            sock.sendall(mine)
+            session = auth.session(theirs, mine, _TO_RECEIVER)
+    except TimeoutError:
+        raise TransferError("KV transfer timed out opening the connection") from None
+    except OSError as error:
+        raise TransferError(f"KV transfer connection failed: {error}") from None
+    session.peer = peer
+    return session
 
 
 # ---- transports --------------------------------------------------------------------------------
@@ -193,11 +320,13 @@ def _connect(transport: str, address: str, timeout: float) -> socket.socket:
 class KVListener:
     """The decode side's endpoint: accepts one incoming handoff at a time."""
 
-    def __init__(self, transport: str, address: str | None = None) -> None:
-        """`address`: host:port for tcp (port 0 picks a free one), a socket path for shm
-        (default: a fresh path in the temporary directory)."""
+    def __init__(self, transport: str, auth: HandoffAuth, address: str | None = None) -> None:
+        """`address`: host:port for tcp (port 0 picks a free one; the default is loopback), a
+        socket path for shm (default: a fresh path in the temporary directory). `auth`: the
+        deployment's secret, which every handoff's frames must be signed with."""
         check_transport(transport)
         self.transport = transport
+        self.auth = auth
         self.segment_maps = SegmentMaps()  # shm: mappings of the senders' reused segments
         if transport == "tcp":
             host, _, port = (address or "127.0.0.1:0").rpartition(":")
@@ -214,7 +343,7 @@ class KVListener:
 
     def accept(self, timeout: float) -> IncomingHandoff:
         """The next handoff, its header read; TransferError if none arrives within `timeout`."""
-        return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout, self.segment_maps)
+        return IncomingHandoff(self.accept_connection(timeout), self.transport, timeout, self.auth, self.segment_maps)
 
     def accept_connection(self, timeout: float) -> socket.socket:
         """The next sender's connection, before its header (TransferError after `timeout`)."""
@@ -246,9 +375,10 @@ class IncomingHandoff:
     """One handoff being received. The engine reads the header, answers how many leading
     blocks it already holds, then iterates over the rest as they arrive."""
 
-    def __init__(self, conn: socket.socket, transport: str, timeout: float,
+    def __init__(self, conn: socket.socket, transport: str, timeout: float, auth: HandoffAuth,
                  segment_maps: SegmentMaps | None = None) -> None:
-        """`segment_maps`: the listener's mappings of shm segments (reused across handoffs)."""
+        """`segment_maps`: the listener's mappings of shm segments (reused across handoffs).
+        Raises TransferError (FrameRejected for a header not signed with `auth`'s secret)."""
         self._conn = conn
         self.transport = transport
         self.timeout = timeout
@@ -256,7 +386,8 @@ class IncomingHandoff:
         self._shm: Any = None
         self.bytes_received = 0
         try:
-            self.header = HandoffHeader.from_json(bytes(_recv_frame(conn)))
+            self._session = _exchange_nonces(conn, auth, True, _peer_name(conn, transport))
+            self.header = HandoffHeader.from_json(bytes(_recv_frame(conn, self._session)))
         except (TransferError, ValueError, TypeError, KeyError) as error:
             conn.close()
             if isinstance(error, TransferError):
@@ -266,7 +397,7 @@ class IncomingHandoff:
     def reject(self, reason: str) -> None:
         """Refuse the blocks (the decode side will prefill itself); the sender sees TransferError."""
         try:
-            _sendall(self._conn, json.dumps({"reject": reason}).encode())
+            _sendall(self._conn, self._session, json.dumps({"reject": reason}).encode())
         except TransferError:
             pass
         self.close()
@@ -276,7 +407,7 @@ class IncomingHandoff:
         holding those blocks) for each run of them as it arrives (CPU tensors; valid until the
         next one is yielded). Acks at the end."""
         header = self.header
-        _sendall(self._conn, json.dumps({"skip": skip}).encode())
+        _sendall(self._conn, self._session, json.dumps({"skip": skip}).encode())
         if self.transport == "shm" and skip < header.num_blocks:
             try:
                 self._shm = self._maps.open(str(header.shm_name))
@@ -286,13 +417,17 @@ class IncomingHandoff:
         # One reusable buffer: the yielded tensors view it. For shm each run is copied out of
         # the segment first, so no view into the sender's segment outlives this handoff.
         run_blocks = blocks_per_run(block_nbytes)
-        wire = memoryview(bytearray(_RUN.size + run_blocks * block_nbytes))
+        wire = memoryview(bytearray(_RUN.size + run_blocks * block_nbytes + TAG_BYTES))
+        capacity = len(wire) - TAG_BYTES
         expected = skip
         while expected < header.num_blocks:
-            (size,) = _LENGTH.unpack(_recv_exact(self._conn, _LENGTH.size))
-            if size < _RUN.size or size > len(wire):
+            size = _recv_size(self._conn, capacity, self._session)
+            if size < _RUN.size:
                 raise TransferError(f"KV block frame of {size} bytes is malformed")
-            frame = _recv_exact(self._conn, size, wire[:size])
+            frame = _recv_exact(self._conn, size + TAG_BYTES, wire[:size + TAG_BYTES])
+            tag = bytes(frame[size:])
+            if self.transport == "tcp":
+                self._session.verify([frame[:size]], tag)
             first, count = _RUN.unpack(frame[:_RUN.size])
             if first != expected or not 0 < count <= min(run_blocks, header.num_blocks - first):
                 raise TransferError(f"KV blocks {first}+{count} arrived, expected a run from block {expected}")
@@ -300,19 +435,22 @@ class IncomingHandoff:
             if self.transport == "tcp":
                 if size != _RUN.size + nbytes:
                     raise TransferError(f"KV block frame of {size} bytes, expected {_RUN.size + nbytes}")
-                payload = frame[_RUN.size:]
+                payload = frame[_RUN.size:size]
             else:
                 if size != _RUN.size:
                     raise TransferError(f"KV block notice of {size} bytes, expected {_RUN.size}")
                 payload = wire[_RUN.size:_RUN.size + nbytes]
+                # Verified on the copy (the tag was copied out before the run overwrote it): what
+                # the segment holds may change under us, what we checked may not.
                 payload[:] = self._shm.buf[first * block_nbytes:first * block_nbytes + nbytes]
+                self._session.verify([frame[:_RUN.size], payload], tag)
             self.bytes_received += nbytes
             yield list(range(first, first + count)), _split_run(payload, header.layout, count)
             expected += count
-        end = bytes(_recv_frame(self._conn))
+        end = bytes(_recv_frame(self._conn, self._session))
         if end != _END:
             raise TransferError("KV transfer ended without its end frame")
-        _sendall(self._conn, b"OK")
+        _sendall(self._conn, self._session, b"OK")
 
     def close(self) -> None:
         if self._shm is not None:
@@ -321,23 +459,26 @@ class IncomingHandoff:
         self._conn.close()
 
 
-def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: float,
+def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: float, auth: HandoffAuth,
                  segments: ShmSegments | None = None) -> int:
-    """Ship `handoff` to the listener at `address`; returns the number of blocks sent (the
-    receiver's cache held the others). Raises TransferError if the receiver does not take it.
-    `segments`: the sender's pool of shm segments (without one, a segment lives for one handoff)."""
+    """Ship `handoff` to the listener at `address`, every frame signed with `auth`'s secret;
+    returns the number of blocks sent (the receiver's cache held the others). Raises
+    TransferError if the receiver does not take it (FrameRejected: its replies were not signed
+    with the same secret). `segments`: the sender's pool of shm segments (without one, a
+    segment lives for one handoff)."""
     sock = _connect(transport, address, timeout)
     shm = None
     pool = segments if segments is not None else ShmSegments(max_free_bytes=0)
     delivered = refused = False
     try:
+        session = _exchange_nonces(sock, auth, False, f"{transport}://{address}")
         header = handoff.header
         block_nbytes = header.block_nbytes
         if transport == "shm" and header.num_blocks:
             shm = pool.acquire(block_nbytes * header.num_blocks)
             header.shm_name = shm.name
-        _sendall(sock, header.to_json())
-        reply = json.loads(bytes(_recv_frame(sock)))
+        _sendall(sock, session, header.to_json())
+        reply = json.loads(bytes(_recv_frame(sock, session)))
         if "reject" in reply:
             refused = True
             raise HandoffRefused(f"the KV receiver refused the handoff: {reply['reject']}")
@@ -355,11 +496,11 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
                 for part in parts:
                     buf[offset:offset + len(part)] = part
                     offset += len(part)
-                _sendall(sock, notice)
+                _sendall(sock, session, notice, signed_too=parts)
             else:
-                _sendall(sock, notice, *parts)
-        _sendall(sock, _END)
-        if bytes(_recv_frame(sock)) != b"OK":
+                _sendall(sock, session, notice, *parts)
+        _sendall(sock, session, _END)
+        if bytes(_recv_frame(sock, session)) != b"OK":
             raise TransferError("the KV receiver did not acknowledge the handoff")
         delivered = True
         return header.num_blocks - skip
@@ -404,6 +545,17 @@ def _split_run(payload: memoryview, layout: Sequence[tuple[str, Sequence[int]]],
         tensors.append(raw.view(dtype).reshape(count, *shape))
         offset += size
     return tensors
+
+
+def _peer_name(conn: socket.socket, transport: str) -> str:
+    """Who is on the other end, for the log."""
+    if transport != "tcp":
+        return f"{transport} peer"
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a tcp peer"
+    return f"{host}:{port}"
 
 
 def _host_address() -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.kv_transfer.handoff import IncomingHandoff, KVHandoff, KVListener, TransferError, send_handoff
+from pagoda.kv_transfer.handoff import HandoffAuth, IncomingHandoff, KVHandoff, KVListener, TransferError, send_handoff
 from pagoda.kv_transfer.shm_segments import SegmentMaps, ShmSegments
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ WriteBlocks = Callable[[list[int], Sequence[torch.Tensor]], None]
 class HandoffThreads:
     """One engine's KV handoff threads and the events they post for its engine thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: HandoffAuth) -> None:
+        """`auth`: the deployment's KV transfer secret, signing what is sent and checking what arrives."""
+        self.auth = auth
         self._events: queue.SimpleQueue[HandoffEvent] = queue.SimpleQueue()
         self._wake: Callable[[], None] = lambda: None
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="pagoda-kv")
@@ -79,7 +81,7 @@ class HandoffThreads:
 
     def listen(self, transport: str, address: str | None, timeout: float) -> str:
         """Start accepting handoffs; returns the address senders connect to."""
-        self._listener = KVListener(transport, address)
+        self._listener = KVListener(transport, self.auth, address)
         self.address = self._listener.address
         threading.Thread(target=self._accept_loop, args=(self._listener, timeout),
                          name="pagoda-kv-listener", daemon=True).start()
@@ -97,7 +99,7 @@ class HandoffThreads:
 
     def _read_header(self, conn: socket.socket, transport: str, timeout: float, maps: SegmentMaps) -> None:
         try:
-            incoming = IncomingHandoff(conn, transport, timeout, maps)
+            incoming = IncomingHandoff(conn, transport, timeout, self.auth, maps)
         except TransferError as error:
             logger.warning("a KV handoff connection failed before its header: %s", error)
             return
@@ -129,7 +131,7 @@ class HandoffThreads:
 
     def _send(self, request_id: str, handoff: KVHandoff, transport: str, address: str, timeout: float) -> None:
         try:
-            num_sent, error = send_handoff(handoff, transport, address, timeout, self._segments), None
+            num_sent, error = send_handoff(handoff, transport, address, timeout, self.auth, self._segments), None
         except TransferError as exc:
             num_sent, error = 0, exc
         except Exception as exc:  # e.g. a malformed address

@@ -10,6 +10,12 @@ messages in order, a reader thread long-polls the actor for each step's results;
 that dies (its node lost, its process killed) is reported as the replica's death, and the
 ReplicaSet takes it out of rotation as it does a dead engine process.
 
+What pagoda hands the actor and gets back is bytes of the process transport's encodings
+(engine/transport/encoding.py): the config as msgpack and the factory by name, the front's
+messages as JSON, the engine's replies as typed msgpack; the actor decodes what it is sent
+against the expected types, as the front does what it gets. Ray still carries those bytes in
+its own serialization (Ray's channel, inside the cluster).
+
 Only this module imports ray, and only when the Ray backend is chosen.
 """
 
@@ -23,7 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.transport.base import EngineFactory, EngineTransport, OnDeath, OnEmitted
+from pagoda.engine.transport.base import EngineFactory, EngineInfo, EngineTransport, OnDeath, OnEmitted
+from pagoda.engine.transport.encoding import (Batch, Dead, Failed, Ready, decode_config, decode_message, decode_reply,
+                                              encode_config, encode_message, encode_reply, factory_reference,
+                                              resolve_factory)
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -39,41 +48,37 @@ POLL_SECONDS = 0.5  # a reader's long poll; bounds how late a shutdown is notice
 class EngineActor:
     """Runs one engine inside a Ray actor (threaded: `send` and `next_batches` may overlap)."""
 
-    def __init__(self, config: EngineConfig, factory: EngineFactory | None) -> None:
+    def __init__(self, config: bytes, factory: str | None) -> None:
+        """`config`: the EngineConfig as encode_config wrote it; `factory`: factory_reference's name."""
         self._inbox = EngineInbox()
-        self._outbox: queue.SimpleQueue[tuple[EngineStepOutput, Any] | BaseException] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # encoded Batch or Dead
         self._ready = threading.Event()
-        self._info: Any = None
-        self._error: BaseException | None = None
+        self._info = b""  # encoded Ready or Failed
         threading.Thread(target=self._run, args=(config, factory), name="pagoda-engine",
                          daemon=True).start()
 
-    def _run(self, config: EngineConfig, factory: EngineFactory | None) -> None:
-        from pagoda.engine.transport.base import EngineInfo
-
+    def _run(self, config: bytes, factory: str | None) -> None:
         try:
-            engine = build_engine(config, factory)
+            engine = build_engine(decode_config(config), resolve_factory(factory))
         except BaseException as exc:
-            self._error = exc
+            self._info = encode_reply(Failed(f"{type(exc).__name__}: {exc}"))
             self._ready.set()
             return
-        self._info = EngineInfo.of(engine)
+        self._info = encode_reply(Ready.of(EngineInfo.of(engine)))
         self._ready.set()
 
         def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
-            self._outbox.put((output, stats))
+            self._outbox.put(encode_reply(Batch(output, stats)))
 
         try:
             run_engine_loop(engine, self._inbox, emit)
         except BaseException as exc:
             logger.exception("engine loop died")
-            self._outbox.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            self._outbox.put(encode_reply(Dead(f"{type(exc).__name__}: {exc}")))
 
-    def ready(self) -> Any:
-        """The engine's EngineInfo once built; raises what stopped it from building."""
+    def ready(self) -> bytes:
+        """The engine's Ready once built, or Failed with what stopped it (encoded)."""
         self._ready.wait()
-        if self._error is not None:
-            raise RuntimeError(f"{type(self._error).__name__}: {self._error}")
         return self._info
 
     def node_id(self) -> str:
@@ -81,11 +86,16 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
-    def send(self, messages: list[ToEngine]) -> None:
-        for message in messages:
+    def send(self, messages: list[bytes]) -> None:
+        for payload in messages:
+            try:
+                message = decode_message(payload)
+            except ValueError as error:  # not the front speaking: refused, nothing built from it
+                logger.error("engine actor: refused a message: %s", error)
+                continue
             self._inbox.put(message)
 
-    def next_batches(self, timeout: float) -> list[tuple["EngineStepOutput", Any] | BaseException]:
+    def next_batches(self, timeout: float) -> list[bytes]:
         """Every step result since the last call, waiting up to `timeout` for the first."""
         try:
             batches = [self._outbox.get(timeout=timeout)]
@@ -129,9 +139,14 @@ class RayActorTransport(EngineTransport):
             self.actor: Any = actor_class.options(
                 num_cpus=num_cpus, num_gpus=bundle.get("GPU", 0), max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=0)).remote(config, factory)
+                    self.placement_group, placement_group_bundle_index=0)).remote(
+                        encode_config(config), factory_reference(factory))
             self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
-            self.info = ray.get(self.actor.ready.remote(), timeout=startup_timeout)
+            ready = decode_reply(ray.get(self.actor.ready.remote(), timeout=startup_timeout))
+            if not isinstance(ready, Ready):
+                reason = ready.reason if isinstance(ready, (Failed, Dead)) else "it reported a step before it was ready"
+                raise RuntimeError("the engine failed to start") from RuntimeError(reason)
+            self.info = ready.info()
             self.node_id: str = ray.get(self.actor.node_id.remote())
         except BaseException as exc:
             remove_placement_group(self.placement_group)
@@ -140,12 +155,12 @@ class RayActorTransport(EngineTransport):
             raise
         self._alive = True
         self._stopping = False
-        self._outbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # encoded by send()
         for target, name in ((self._read, "pagoda-ray-reader"), (self._write, "pagoda-ray-writer")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def send(self, message: ToEngine) -> None:
-        self._outbox.put(message)
+        self._outbox.put(encode_message(message))
 
     def is_alive(self) -> bool:
         return self._alive
@@ -155,7 +170,7 @@ class RayActorTransport(EngineTransport):
         from ray.util.placement_group import remove_placement_group
 
         self._stopping = True
-        self._outbox.put(Shutdown())
+        self._outbox.put(encode_message(Shutdown()))
         try:
             ray.kill(self.actor)
         finally:
@@ -189,11 +204,18 @@ class RayActorTransport(EngineTransport):
             except ray.exceptions.RayError as exc:
                 self._die(RuntimeError(f"the replica's Ray actor died: {exc}"))
                 return
-            for batch in batches:
-                if isinstance(batch, BaseException):
-                    self._die(batch)
+            for payload in batches:
+                try:
+                    message = decode_reply(payload)
+                except ValueError as error:
+                    logger.error("Ray replica: refused a message from its actor: %s", error)
+                    self._die(RuntimeError(f"the replica's Ray actor sent {error}"))
                     return
-                self._on_emitted(*batch)
+                if isinstance(message, Batch):
+                    self._on_emitted(message.output, message.stats)
+                elif isinstance(message, Dead):
+                    self._die(RuntimeError(message.reason))
+                    return
 
     def _die(self, error: BaseException) -> None:
         self._alive = False

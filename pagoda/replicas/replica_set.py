@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
@@ -44,6 +45,7 @@ from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.transport import EngineDeadError
 from pagoda.outputs import RequestOutput
+from pagoda.kv_transfer.handoff import TRANSFER_SECRET_ENV, new_transfer_secret
 from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
@@ -116,6 +118,8 @@ class ReplicaSet(ModelFront):
         restart policy), and the router `deployment.router` in front; replicas already up are
         shut down if one fails."""
         deployment.validate_with(config)
+        if deployment.replica_roles is not None:
+            config = with_transfer_secret(config)
         pools = parse_replica_pools(deployment.replica_pools) if deployment.replica_pools else None
         rules = RouteRules.from_file(deployment.route_rules) if deployment.route_rules else None
         keepers = [EngineKeeper(functools.partial(starter, index, deployment.replica_config(config, index)),
@@ -518,3 +522,13 @@ def sum_engine_stats(stats: Sequence["EngineStats"]) -> "EngineStats | None":
     total = summed["num_total_blocks"]
     usage = 1.0 - summed["num_free_blocks"] / total if total else 0.0
     return dataclasses.replace(stats[0], **summed, kv_cache_usage=usage)
+
+
+def with_transfer_secret(config: EngineConfig) -> EngineConfig:
+    """A disaggregated deployment's engine config with its KV transfer secret: the operator's
+    (--kv-transfer-secret, or PAGODA_KV_TRANSFER_SECRET), else one drawn here. Every replica's
+    config derives from this one, so its prefill and decode engines (restarted or added ones
+    too) sign and check their handoffs with the same secret."""
+    if config.kv_transfer_secret is not None or os.environ.get(TRANSFER_SECRET_ENV):
+        return config
+    return dataclasses.replace(config, kv_transfer_secret=new_transfer_secret())

@@ -18,17 +18,19 @@ from pagoda.config import EngineConfig
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.kv_transfer.handoff import KVHandoff, KVListener, TransferError
+from pagoda.kv_transfer.handoff import HandoffAuth, KVHandoff, KVListener, TransferError
 from pagoda.sampling_params import SamplingParams
 from pagoda.engine.engine_request import EngineRequest
 
 BLOCK = 16
+SECRET = "k" * 32  # the deployment's KV transfer secret, shared by its prefill and decode engines
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(model_dir, role: str, **overrides) -> LLMEngine:
     config = dict(model=str(model_dir), role=role, num_kv_blocks=48, max_num_seqs=4,
-                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True)
+                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True,
+                  kv_transfer_secret=SECRET)
     return LLMEngine(EngineConfig(**{**config, **overrides}))
 
 
@@ -65,7 +67,7 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, handoffs, transport: str, *
               fallback: bool = True) -> tuple[list[bool], list[bool]]:
     """Send each handoff from a thread; import it on this one. Returns (sent, imported)."""
     sent, imported = [], []
-    with KVListener(transport) as listener:
+    with KVListener(transport, HandoffAuth(SECRET)) as listener:
         for handoff in handoffs:
             thread = threading.Thread(
                 target=lambda h=handoff: sent.append(prefill.kv_connector.send_handoff(h, transport, listener.address, timeout)))
@@ -165,12 +167,12 @@ def test_stalled_transfer_times_out_and_decode_engine_prefills(llama_dir, monkey
     real_sendall = wire._sendall
     stall = threading.Event()
 
-    def stalling_sendall(sock, *parts):
+    def stalling_sendall(sock, session, *parts, **signed):
         # The sender (not this, the receiving thread) stalls before its second run of blocks.
         run = parts[0] if threading.current_thread() is not threading.main_thread() else b""
         if len(run) == wire._RUN.size and wire._RUN.unpack(run)[0] == 1:
             stall.wait(1.0)  # the receiver (timeout 0.5 s) gives up meanwhile
-        real_sendall(sock, *parts)
+        real_sendall(sock, session, *parts, **signed)
 
     monkeypatch.setattr(wire, "CHUNK_BYTES", handoffs[0].header.block_nbytes)  # one block per frame
     monkeypatch.setattr(wire, "_sendall", stalling_sendall)
@@ -205,10 +207,10 @@ def _prefill_and_send(model_dir: str, token_lists, address: str, die_after_heade
         import pagoda.kv_transfer.handoff as wire
         original = wire._sendall
 
-        def die_on_blocks(sock, *parts):
+        def die_on_blocks(sock, session, *parts, **signed):
             if parts and len(parts[0]) == wire._RUN.size and wire._RUN.unpack(parts[0])[0] == 1:
                 os._exit(3)  # killed after the header and the first block, mid-transfer
-            original(sock, *parts)
+            original(sock, session, *parts, **signed)
 
         wire._sendall = die_on_blocks
         wire.CHUNK_BYTES = handoffs[0].header.block_nbytes  # one block per frame
@@ -222,7 +224,7 @@ def test_shm_across_processes(llama_dir, killed):
     expected = single_engine_outputs(llama_dir, token_lists)
     decode = engine(llama_dir, "decode")
     context = multiprocessing.get_context("spawn")
-    with KVListener("shm") as listener:
+    with KVListener("shm", HandoffAuth(SECRET)) as listener:
         sender = context.Process(target=_prefill_and_send,
                                  args=(str(llama_dir), token_lists, listener.address, killed))
         sender.start()
@@ -312,10 +314,10 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     release = threading.Event()
     real_sendall = wire._sendall
 
-    def held_blocks(sock, *parts):
+    def held_blocks(sock, session, *parts, **signed):
         if len(parts) > 1 and threading.current_thread().name == "held":
             release.wait(10)
-        return real_sendall(sock, *parts)
+        return real_sendall(sock, session, *parts, **signed)
 
     monkeypatch.setattr(wire, "_sendall", held_blocks)
     sent = []

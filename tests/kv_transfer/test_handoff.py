@@ -14,10 +14,12 @@ import torch
 
 import pagoda.kv_transfer.handoff as wire
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
-from pagoda.kv_transfer.handoff import (HandoffHeader, KVHandoff, KVListener, TransferError, TransportUnavailable,
-                                        check_transport, layout_of, send_handoff)
+from pagoda.kv_transfer.handoff import (HandoffAuth, HandoffHeader, KVHandoff, KVListener, TransferError,
+                                        TransportUnavailable, check_transport, layout_of, send_handoff)
 
 TRANSPORTS = ("tcp", "shm")
+SECRET = "s" * 32  # the deployment's: both sides sign with it
+AUTH = HandoffAuth(SECRET)
 
 
 def make_caches(dtype: torch.dtype = torch.float32, num_blocks: int = 8) -> list[torch.Tensor]:
@@ -43,7 +45,7 @@ def send_in_thread(handoff: KVHandoff, transport: str, address: str, timeout: fl
 
     def run() -> None:
         try:
-            outcome["sent"] = send_handoff(handoff, transport, address, timeout)
+            outcome["sent"] = send_handoff(handoff, transport, address, timeout, AUTH)
         except TransferError as error:
             outcome["error"] = error
 
@@ -51,6 +53,18 @@ def send_in_thread(handoff: KVHandoff, transport: str, address: str, timeout: fl
     thread.start()
     outcome["thread"] = thread
     return outcome
+
+
+def send_signed_header(peer: socket.socket, payload: bytes, auth: HandoffAuth = AUTH) -> threading.Thread:
+    """What a sender sends first (its nonce once it has the receiver's, then the header frame,
+    signed), from a thread: the receiver speaks first, once accepted."""
+    def run() -> None:
+        session = wire._exchange_nonces(peer, auth, False, "the receiver")
+        wire._sendall(peer, session, payload)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
 
 
 def shm_segments() -> set[str]:
@@ -68,7 +82,7 @@ def test_blocks_arrive_bit_exact_and_cached_ones_stay_home(transport, dtype, run
     handoff = make_handoff(source, [5, 1, 6])
     if len(runs) > 1:  # one block per frame
         monkeypatch.setattr(wire, "CHUNK_BYTES", handoff.header.block_nbytes)
-    with KVListener(transport) as listener:
+    with KVListener(transport, AUTH) as listener:
         outcome = send_in_thread(handoff, transport, listener.address)
         incoming = listener.accept(timeout=5)
         assert incoming.header.layout == layout_of(source) and incoming.header.output_token_ids == [7]
@@ -90,7 +104,7 @@ def test_blocks_arrive_bit_exact_and_cached_ones_stay_home(transport, dtype, run
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_refusal_reaches_the_sender(transport):
     handoff = make_handoff(make_caches(), [0, 1])
-    with KVListener(transport) as listener:
+    with KVListener(transport, AUTH) as listener:
         outcome = send_in_thread(handoff, transport, listener.address)
         listener.accept(timeout=5).reject("layout differs")
         outcome["thread"].join()
@@ -101,14 +115,14 @@ def test_refusal_reaches_the_sender(transport):
 def test_receiver_times_out_on_a_stalled_sender(transport):
     """A sender that sends its header and then stalls: the receiver gives up after its timeout."""
     handoff = make_handoff(make_caches(), [0, 1, 2])
-    with KVListener(transport) as listener:
+    with KVListener(transport, AUTH) as listener:
         family = socket.AF_INET if transport == "tcp" else socket.AF_UNIX
         stalled = socket.socket(family, socket.SOCK_STREAM)
         host, _, port = listener.address.rpartition(":")
         stalled.connect((host, int(port)) if transport == "tcp" else listener.address)
-        payload = handoff.header.to_json()
-        stalled.sendall(len(payload).to_bytes(8, "big") + payload)
+        sender = send_signed_header(stalled, handoff.header.to_json())
         incoming = listener.accept(timeout=0.3)
+        sender.join()
         with pytest.raises(TransferError, match="timed out|gone"):
             list(incoming.receive(skip=0))
         incoming.close()
@@ -120,7 +134,7 @@ def test_dropped_connection_fails_both_sides(transport, monkeypatch):
     before = shm_segments()
     handoff = make_handoff(make_caches(), [0, 1, 2, 3])
     monkeypatch.setattr(wire, "CHUNK_BYTES", handoff.header.block_nbytes)  # one block per frame
-    with KVListener(transport) as listener:
+    with KVListener(transport, AUTH) as listener:
         outcome = send_in_thread(handoff, transport, listener.address)
         incoming = listener.accept(timeout=5)
         blocks = incoming.receive(skip=0)
@@ -135,17 +149,17 @@ def test_unreachable_receiver_and_unknown_transport():
     with pytest.raises(TransportUnavailable, match="unknown KV transport 'rdma'"):
         check_transport("rdma")
     with pytest.raises(TransferError, match="cannot reach"):
-        send_handoff(make_handoff(make_caches(), [0]), "shm", f"/tmp/pagoda-missing-{os.getpid()}.sock", 1.0)
+        send_handoff(make_handoff(make_caches(), [0]), "shm", f"/tmp/pagoda-missing-{os.getpid()}.sock", 1.0, AUTH)
 
 
 def test_malformed_header_is_a_transfer_error():
-    with KVListener("tcp") as listener:
+    with KVListener("tcp", AUTH) as listener:
         host, _, port = listener.address.rpartition(":")
         with socket.create_connection((host, int(port))) as peer:
-            payload = b'{"request_id": "r", "unknown": 1}'
-            peer.sendall(len(payload).to_bytes(8, "big") + payload)
+            sender = send_signed_header(peer, b'{"request_id": "r", "unknown": 1}')
             with pytest.raises(TransferError, match="malformed KV handoff header"):
                 listener.accept(timeout=5)
+            sender.join()
 
 
 def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
@@ -156,13 +170,13 @@ def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
     before = shm_segments()
     caches = make_caches()
     pool = ShmSegments()
-    with KVListener("shm") as listener:
+    with KVListener("shm", AUTH) as listener:
         received = []
         for block_ids in ([1, 2, 3], [4, 5], [6]):
             handoff = make_handoff(caches, block_ids)
             outcome: dict = {}
             thread = threading.Thread(target=lambda h=handoff, outcome=outcome: outcome.update(
-                sent=send_handoff(h, "shm", listener.address, 5.0, pool)))
+                sent=send_handoff(h, "shm", listener.address, 5.0, AUTH, pool)))
             thread.start()
             incoming = listener.accept(5.0)
             target = [torch.zeros_like(c) for c in caches]
@@ -179,7 +193,7 @@ def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
         handoff = make_handoff(caches, [1, 2])
         outcome = {}
         thread = threading.Thread(target=lambda: outcome.update(
-            error=pytest.raises(TransferError, send_handoff, handoff, "shm", listener.address, 5.0, pool)))
+            error=pytest.raises(TransferError, send_handoff, handoff, "shm", listener.address, 5.0, AUTH, pool)))
         thread.start()
         incoming = listener.accept(5.0)
         incoming.close()

@@ -18,7 +18,7 @@ from model_factory import assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.kv_transfer.handoff import KVListener
+from pagoda.kv_transfer.handoff import HandoffAuth, KVListener
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.engine.engine_request import EngineRequest
 
@@ -27,6 +27,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test
 ARCHITECTURES = ("mixtral", "qwen3_moe")
 NEW_TOKENS = 16
 LOGPROB_TOLERANCE = 2e-5
+SECRET = "k" * 32  # the KV transfer secret the prefill and decode engines share
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 BLOCK = 16
 
@@ -99,7 +100,8 @@ def test_host_kv_tier_serves_evicted_prefixes_without_changing_outputs(moe_dirs,
 
 def engine(model_dir: Path, role: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), role=role, num_kv_blocks=48, max_num_seqs=4,
-                                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True))
+                                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True,
+                                  kv_transfer_secret=SECRET))
 
 
 def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
@@ -125,7 +127,7 @@ def test_prefill_decode_pair_matches_one_engine(moe_dirs, architecture: str) -> 
         prefill.add_request(EngineRequest(f"r{i}", tokens, params))
     assert run_to_end(prefill) == {}
     imported = []
-    with KVListener("shm") as listener:
+    with KVListener("shm", HandoffAuth(SECRET)) as listener:
         for handoff in prefill.kv_connector.take_handoffs():
             sender = threading.Thread(
                 target=lambda h=handoff: prefill.kv_connector.send_handoff(h, "shm", listener.address, 10.0))

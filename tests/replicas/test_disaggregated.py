@@ -171,13 +171,13 @@ def test_a_dropped_transfer_is_prefilled_on_the_decode_replica(llama_dir, monkey
     real_send = handoff_wire._sendall
     sent_runs = {"count": 0}
 
-    def drop_after_the_first_run(sock, *parts):
+    def drop_after_the_first_run(sock, session, *parts, **signed):
         # Runs of blocks carry a run header + payload: drop the connection on the second one.
         if len(parts) > 1:
             sent_runs["count"] += 1
             sock.close()
             raise handoff_wire.TransferError("connection dropped (injected)")
-        return real_send(sock, *parts)
+        return real_send(sock, session, *parts, **signed)
 
     monkeypatch.setattr(handoff_wire, "_sendall", drop_after_the_first_run)
     monkeypatch.setattr(handoff_wire, "CHUNK_BYTES", 1)  # one block per run

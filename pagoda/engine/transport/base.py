@@ -31,7 +31,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class EngineInfo:
-    """What the front learns once the engine is built (sent over the pipe by the process)."""
+    """What the front learns once the engine is built (the process transport's `Ready`)."""
 
     max_model_len: int
     engine_limits: EngineLimits

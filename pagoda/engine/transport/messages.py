@@ -1,5 +1,6 @@
 """What the front sends the engine side. The thread transport hands them over as they are; the
-process transport encodes them (encoding.py), a Ray actor's transport lets Ray serialize them."""
+process transport encodes them as JSON (encoding.py; never unpickled), a Ray actor's transport
+lets Ray serialize them."""
 
 from __future__ import annotations
 

@@ -3,8 +3,10 @@
 Its own GIL, so the engine's steps do not wait on the front's Python (the HTTP side, streaming
 tokens) as on the thread transport, and an engine crash leaves the front alive to report it.
 Each step's output crosses the pipe as it is (deltas, not whole outputs), so the cost per step
-does not grow with output length. Being spawned, the child re-imports the parent's `__main__`: scripts that use this
-transport need an `if __name__ == "__main__":` guard.
+does not grow with output length. Both directions, and the child's startup arguments, are bytes
+of an explicit encoding (encoding.py): neither side unpickles what the pipe carries. Being
+spawned, the child re-imports the parent's `__main__`: scripts that use this transport need an
+`if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pagoda.config import EngineConfig
 from pagoda.engine.parent_watch import exit_when_parent_dies
 from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
                                           OnEmitted)
-from pagoda.engine.transport.encoding import decode_message, encode_message
+from pagoda.engine.transport.encoding import (Batch, Dead, Failed, FromEngine, Ready, decode_config, decode_message,
+                                              decode_reply, encode_config, encode_message, encode_reply,
+                                              factory_reference, resolve_factory)
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -42,12 +46,14 @@ class ProcessTransport(EngineTransport):
 
     def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
                  on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
-        """`factory` must be picklable (a module-level function)."""
+        """`factory` must be a module-level function or class: the engine process imports it."""
         super().__init__(config, on_emitted, on_death)
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
+        # Only bytes and plain values cross to the child (encoding.py), never a pickled object.
         process = context.Process(target=_engine_process_main, name="pagoda-engine",
-                                  args=(child_conn, config, factory, os.getpid()), daemon=True)
+                                  args=(child_conn, encode_config(config), factory_reference(factory), os.getpid()),
+                                  daemon=True)
         process.start()
         child_conn.close()
         from pagoda.tokenizer import Tokenizer  # loaded here while the child loads the model
@@ -61,13 +67,17 @@ class ProcessTransport(EngineTransport):
             process.kill()
             raise TimeoutError("the engine did not start in time")
         try:
-            message = conn.recv()
+            message: FromEngine = decode_reply(conn.recv_bytes())
         except EOFError:
-            message = ("failed", f"the engine process exited with code {process.exitcode}")
-        if message[0] != "ready":
+            message = Failed(f"the engine process exited with code {process.exitcode}")
+        except ValueError as error:
+            process.kill()
+            message = Failed(f"the engine process sent {error}")
+        if not isinstance(message, Ready):
             process.join(5)
-            raise RuntimeError("the engine failed to start") from RuntimeError(message[1])
-        self.info = message[1]
+            reason = message.reason if isinstance(message, (Failed, Dead)) else "it reported a step before it was ready"
+            raise RuntimeError("the engine failed to start") from RuntimeError(reason)
+        self.info = message.info()
         self.process = process
         self._conn = conn
         self._stopping = False
@@ -111,7 +121,13 @@ class ProcessTransport(EngineTransport):
     def _read(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = decode_reply(self._conn.recv_bytes())
+            except ValueError as error:  # not the engine speaking: its state is unknown, stop it
+                logger.error("engine process: refused a message on its pipe: %s", error)
+                self._stopping = True
+                self.process.kill()
+                self._on_death(RuntimeError(f"the engine process sent {error}"))
+                return
             except (EOFError, OSError):
                 if not self._stopping:
                     # The pipe closes as the process exits: wait for the exit itself, so the
@@ -119,10 +135,10 @@ class ProcessTransport(EngineTransport):
                     self.process.join(REAP_TIMEOUT_S)
                     self._on_death(RuntimeError(f"the engine process {describe_exit(self.process.exitcode)}"))
                 return
-            if message[0] == "batch":
-                self._on_emitted(message[1], message[2])
-            elif message[0] == "dead":
-                self._on_death(RuntimeError(message[1]))
+            if isinstance(message, Batch):
+                self._on_emitted(message.output, message.stats)
+            elif isinstance(message, Dead):
+                self._on_death(RuntimeError(message.reason))
                 return
 
 
@@ -139,8 +155,8 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _engine_process_main(conn: "Connection", config: EngineConfig,
-                         factory: EngineFactory | None, parent_pid: int) -> None:
+def _engine_process_main(conn: "Connection", config_bytes: bytes, factory_name: str | None,
+                         parent_pid: int) -> None:
     """Entry point of the engine process.
 
     Its lifetime is the server's: Ctrl-C in a terminal (SIGINT to the whole process group) or a
@@ -151,17 +167,17 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_when_parent_dies(parent_pid)
     try:
-        engine = build_engine(config, factory)
+        engine = build_engine(decode_config(config_bytes), resolve_factory(factory_name))
     except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(encode_reply(Failed(f"{type(exc).__name__}: {exc}")))
         return
-    conn.send(("ready", EngineInfo.of(engine)))
+    conn.send_bytes(encode_reply(Ready.of(EngineInfo.of(engine))))
     sending = threading.Lock()  # the loop's batches and a worker-failure report share the pipe
 
     def report_failure(reason: str) -> None:
         with sending:
             try:
-                conn.send(("dead", reason))
+                conn.send_bytes(encode_reply(Dead(reason)))
             except OSError:
                 pass
 
@@ -179,6 +195,9 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
             except (EOFError, OSError):
                 inbox.put(Shutdown())
                 return
+            except ValueError as error:  # not the front speaking: refused, nothing built from it
+                logger.error("engine process: refused a message on its pipe: %s", error)
+                continue
             inbox.put(message)
             if isinstance(message, Shutdown):
                 return
@@ -187,7 +206,7 @@ def _engine_process_main(conn: "Connection", config: EngineConfig,
 
     def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
         with sending:
-            conn.send(("batch", output, stats))
+            conn.send_bytes(encode_reply(Batch(output, stats)))
 
     try:
         run_engine_loop(engine, inbox, emit)

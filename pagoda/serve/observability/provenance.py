@@ -43,7 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # EngineConfig fields that say where things are, not how tokens are computed: left out of the
 # fingerprint so the same deployment on another host (or replica role) fingerprints the same.
 _PLACE_FIELDS = frozenset({"model", "tokenizer", "draft_model", "lora_modules", "kv_offload_disk",
-                           "kv_listen", "ray_address", "role"})
+                           "kv_listen", "ray_address", "role", "kv_transfer_secret"})
 
 
 def sha256_bytes(data: bytes) -> str:
