@@ -210,7 +210,7 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, 
     names = settings.served_model_names
     served_model_name = names[0] if names else settings.served_model_name or Path(config.model).name
     return {"served_model_name": served_model_name, "model_path": config.model, "tenants": tenants,
-            "guardrails": guardrails,
+            "guardrails": guardrails, "batch_store": settings.batch_store or settings.default_batch_store(),
             "prices": _price_table(settings, [served_model_name]) if settings.models_file is None else None}
 
 
