@@ -174,3 +174,54 @@ def test_cancel_keeps_what_finished(server: LiveServer) -> None:
     with pytest.raises(openai.ConflictError):
         sdk.batches.cancel(batch.id)
     server.wait_idle()
+
+
+def test_batch_lines_wait_for_online_requests_and_run_at_the_lowest_priority(
+        server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.serve.batches.runner import BATCH_PRIORITY
+
+    priorities: list[int] = []
+    add_request = server.llm.add_request
+
+    async def recording(request, **kwargs):  # type: ignore[no-untyped-def]
+        priorities.append(request.priority)
+        return await add_request(request, **kwargs)
+
+    monkeypatch.setattr(server.llm, "add_request", recording)
+    admission = server.app.state.ctx.admission
+    sdk = client(server)
+    file = sdk.files.create(file=("w.jsonl", io.BytesIO(jsonl([line("w", CHAT)]))), purpose="batch")
+    admission.queued_sequences += 5  # online requests waiting for their first token
+    try:
+        batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+        time.sleep(1.0)
+        batch = sdk.batches.retrieve(batch.id)
+        assert batch.status == "in_progress" and batch.request_counts.completed == 0 and priorities == []
+    finally:
+        admission.queued_sequences -= 5
+    assert wait_done(sdk, batch.id).request_counts.completed == 1
+    assert priorities == [BATCH_PRIORITY]
+
+
+def test_lines_not_run_within_the_completion_window_expire(server: LiveServer) -> None:
+    sdk = client(server)
+    long = {**CHAT, "max_tokens": 64, "ignore_eos": True}
+    file = sdk.files.create(file=("x.jsonl", io.BytesIO(jsonl([line(f"x{i}", long) for i in range(60)]))),
+                            purpose="batch")
+    batch = wait_done(sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                              completion_window="1s").id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    counts = batch.request_counts
+    assert counts.total == 60 and counts.completed + counts.failed == 60 and counts.failed >= 1
+    errors = [json.loads(t) for t in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert errors[-1]["response"] is None and errors[-1]["error"]["code"] == "batch_expired"
+    server.wait_idle()
+
+
+def test_batch_priority_is_the_lowest_rank_the_key_may_ask_for() -> None:
+    from pagoda.serve.admission.tenants import TenantLimits
+    from pagoda.serve.batches.runner import BATCH_PRIORITY, batch_priority
+
+    assert batch_priority(Tenant("t")) == BATCH_PRIORITY
+    assert batch_priority(Tenant("t", TenantLimits(priority=3, priority_range=(0, 10)))) == 10
+    assert batch_priority(Tenant("t", TenantLimits(priority=2 * BATCH_PRIORITY))) == 2 * BATCH_PRIORITY

@@ -150,8 +150,12 @@ class BatchRunner:
         self.admissions = admissions  # every served model's admission queue
         self.concurrency = concurrency
         self.clock = clock
-        self._lines: dict[str, list[BatchLine]] = {}  # batch id -> its parsed input, while active
+        # Batch id -> its parsed input while active (once running: the lines without a result at start).
+        self._lines: dict[str, list[BatchLine]] = {}
         self._in_flight: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch id -> line -> task
+        # Batch id -> the first line not started yet: every line before it has a result or is in
+        # flight (a line refused for load is retried inside its task), so each step starts from here.
+        self._next: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
 
@@ -245,18 +249,23 @@ class BatchRunner:
         if tenant is None:  # its keys were removed from the keys file: nobody runs it
             return
         in_flight = self._in_flight.setdefault(batch.id, {})
-        done = self.store.done_lines(batch.id)
-        pending = [line for line in lines if line.index not in done and line.index not in in_flight]
-        if not pending and not in_flight:
+        if batch.id not in self._next:  # first seen (or resumed): skip the lines with a result
+            self._next[batch.id] = 0
+            done = self.store.done_lines(batch.id)
+            lines = [line for line in lines if line.index not in done]
+            self._lines[batch.id] = lines
+        position = self._next[batch.id]
+        if position >= len(lines) and not in_flight:
             await self._finalize(tenant_name, batch, "completed")
             return
-        for line in pending:
-            if self.lines_in_flight >= self.concurrency or self._online_waiting():
-                break
+        while position < len(lines) and self.lines_in_flight < self.concurrency and not self._online_waiting():
+            line = lines[position]
             task = asyncio.get_running_loop().create_task(self._run_line(tenant, batch, line),
                                                           name=f"{batch.id}-{line.index}")
             in_flight[line.index] = task
             task.add_done_callback(lambda _, batch_id=batch.id, index=line.index: self._line_ended(batch_id, index))
+            position += 1
+        self._next[batch.id] = position
 
     def _online_waiting(self) -> bool:
         """Whether requests other than the batch lines wait for admission or their first token."""
@@ -318,6 +327,7 @@ class BatchRunner:
         self.store.put_batch(tenant_name, batch)
         self._lines.pop(batch.id, None)
         self._in_flight.pop(batch.id, None)
+        self._next.pop(batch.id, None)
         logger.info("batch %s %s: %d succeeded, %d failed", batch.id, status, len(outputs), len(errors))
 
     # ---- one line ----
