@@ -17,9 +17,10 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from pagoda.engine.validation import validate_request
 from pagoda.errors import InvalidRequest

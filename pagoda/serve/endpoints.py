@@ -180,8 +180,8 @@ def _batches(parts: AppParts) -> Batches:
     store = BatchStore.memory() if settings.batch_store in (None, "memory") else BatchStore.open(settings.batch_store)
     targets = {endpoint.path: BatchTarget(endpoint.request_model, endpoint.run(parts))
                for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)}
-    runner = BatchRunner(store, targets, settings.tenants, lambda: [model.context.admission for model in parts.registry],
-                         settings.batch_concurrency)
+    runner = BatchRunner(store, targets, settings.tenants,
+                         lambda: [model.context.admission for model in parts.registry], settings.batch_concurrency)
     return Batches(runner, FilesAPI(store, settings.batch_max_file_bytes, settings.batch_max_tenant_bytes))
 
 

@@ -61,7 +61,8 @@ def test_a_killed_server_resumes_its_batch_where_it_stopped(tmp_path: Path) -> N
     try:
         sdk = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=30)
         done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b)
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (LINES, LINES, 0)
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
         records = {r["custom_id"]: r for r in map(json.loads, sdk.files.content(done.output_file_id).text.splitlines())}
         assert sorted(records) == sorted(f"r{i}" for i in range(LINES))
         for custom_id, record in before.items():  # not run again: the same answer, request id and all

@@ -5,14 +5,21 @@ that starts the batch runner on the server's event loop."""
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.batches.files import FilesAPI, file_not_found, list_limit, page
-from pagoda.serve.batches.protocol import BATCH_ENDPOINTS, BatchCreateRequest, BatchList, BatchObject
+from pagoda.serve.batches.protocol import (
+    BATCH_ENDPOINTS,
+    BatchCreateRequest,
+    BatchList,
+    BatchObject,
+    BatchRequestCounts,
+)
 from pagoda.serve.batches.runner import BatchRunner, completion_window_seconds
 from pagoda.serve.batches.store import new_id
 from pagoda.serve.errors import APIError, bad_request
@@ -50,7 +57,7 @@ class Batches:
         now = int(time.time())
         batch = BatchObject(id=new_id("batch"), endpoint=body.endpoint, input_file_id=file.id,
                             completion_window=body.completion_window, status="validating", created_at=now,
-                            expires_at=now + window, request_counts={"total": 0}, metadata=body.metadata)
+                            expires_at=now + window, request_counts=BatchRequestCounts(), metadata=body.metadata)
         self.store.put_batch(tenant.name, batch)
         self.runner.wake()
         return JSONResponse(batch.model_dump())

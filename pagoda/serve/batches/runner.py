@@ -21,12 +21,14 @@ polls included: `ensure_running`), and resumes every batch the store holds unfin
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import pydantic
 from fastapi import Request
@@ -116,6 +118,7 @@ def parse_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Ba
         if problem is not None:
             errors.append(BatchError(code=problem[0], param=problem[1], message=problem[2], line=number))
             continue
+        assert isinstance(custom_id, str) and isinstance(body, dict)
         seen.add(custom_id)
         lines.append(BatchLine(len(lines), custom_id, body))
     if not lines and not errors:
@@ -208,6 +211,8 @@ class BatchRunner:
 
     async def _validate(self, tenant_name: str, batch: BatchObject) -> None:
         path = self.store.file_path(batch.input_file_id)
+        lines: list[BatchLine]
+        errors: list[BatchError]
         try:
             content = await asyncio.to_thread(path.read_bytes)
         except OSError:
@@ -230,11 +235,12 @@ class BatchRunner:
 
     async def _batch_lines(self, batch: BatchObject) -> list[BatchLine]:
         """The batch's parsed input: read again after a restart (it was valid when accepted)."""
-        lines = self._lines.get(batch.id)
-        if lines is None:
-            content = await asyncio.to_thread(self.store.file_path(batch.input_file_id).read_bytes)
-            lines, _ = await asyncio.to_thread(parse_lines, content, batch.endpoint)
-            self._lines[batch.id] = lines
+        known = self._lines.get(batch.id)
+        if known is not None:
+            return known
+        content = await asyncio.to_thread(self.store.file_path(batch.input_file_id).read_bytes)
+        lines, _ = await asyncio.to_thread(parse_lines, content, batch.endpoint)
+        self._lines[batch.id] = lines
         return lines
 
     async def _advance(self, tenant_name: str, batch: BatchObject) -> None:
@@ -263,7 +269,7 @@ class BatchRunner:
             task = asyncio.get_running_loop().create_task(self._run_line(tenant, batch, line),
                                                           name=f"{batch.id}-{line.index}")
             in_flight[line.index] = task
-            task.add_done_callback(lambda _, batch_id=batch.id, index=line.index: self._line_ended(batch_id, index))
+            task.add_done_callback(functools.partial(self._line_ended, batch.id, line.index))
             position += 1
         self._next[batch.id] = position
 
@@ -272,7 +278,7 @@ class BatchRunner:
         waiting = sum(admission.queued_sequences + admission.arriving for admission in self.admissions())
         return waiting > self.lines_in_flight
 
-    def _line_ended(self, batch_id: str, index: int) -> None:
+    def _line_ended(self, batch_id: str, index: int, _: asyncio.Task[None]) -> None:
         self._in_flight.get(batch_id, {}).pop(index, None)
         self.wake()
 
@@ -308,7 +314,8 @@ class BatchRunner:
         if batch.status != "finalizing" and status == "completed":
             batch.status, batch.finalizing_at = "finalizing", now
             self.store.put_batch(tenant_name, batch)
-        outputs, errors = [], []
+        outputs: list[str] = []
+        errors: list[str] = []
         for result in self.store.results(batch.id):
             (errors if result.failed else outputs).append(json.dumps(result.record, ensure_ascii=False))
         for records, kind in ((outputs, "output"), (errors, "error")):

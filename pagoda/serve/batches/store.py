@@ -20,9 +20,10 @@ import sqlite3
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pagoda.serve.batches.protocol import ACTIVE_STATUSES, BatchObject, BatchRequestCounts, FileObject
 
@@ -64,14 +65,14 @@ class BatchStore:
         self._db.executescript(_SCHEMA)
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> "BatchStore":
+    def open(cls, path: str | os.PathLike[str]) -> BatchStore:
         """The store at `path` (created with its directory when missing)."""
         database = Path(path)
         database.parent.mkdir(parents=True, exist_ok=True)
         return cls(str(database), database.with_name(database.name + ".files"))
 
     @classmethod
-    def memory(cls) -> "BatchStore":
+    def memory(cls) -> BatchStore:
         temporary = tempfile.TemporaryDirectory(prefix="pagoda-batch-files-")
         return cls(":memory:", Path(temporary.name), temporary)
 
