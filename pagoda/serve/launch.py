@@ -54,6 +54,8 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     settings = dataclasses.replace(settings, **built_settings(settings, config))
+    if settings.batch_store is None:  # the Batch API persists by default: a restart resumes batches
+        settings = dataclasses.replace(settings, batch_store=ServerSettings.default_batch_store())
     if settings.models_file is not None:
         return _serve_models(config, settings, deployment)
     try:
@@ -210,7 +212,7 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> dict[str, 
     names = settings.served_model_names
     served_model_name = names[0] if names else settings.served_model_name or Path(config.model).name
     return {"served_model_name": served_model_name, "model_path": config.model, "tenants": tenants,
-            "guardrails": guardrails, "batch_store": settings.batch_store or settings.default_batch_store(),
+            "guardrails": guardrails,
             "prices": _price_table(settings, [served_model_name]) if settings.models_file is None else None}
 
 
