@@ -225,3 +225,13 @@ def test_batch_priority_is_the_lowest_rank_the_key_may_ask_for() -> None:
     assert batch_priority(Tenant("t")) == BATCH_PRIORITY
     assert batch_priority(Tenant("t", TenantLimits(priority=3, priority_range=(0, 10)))) == 10
     assert batch_priority(Tenant("t", TenantLimits(priority=2 * BATCH_PRIORITY))) == 2 * BATCH_PRIORITY
+
+
+def test_serve_keeps_batches_under_the_state_directory_by_default(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    from pagoda.serve.settings import ServerSettings
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert ServerSettings.default_batch_store() == str(tmp_path / "pagoda" / "batches.sqlite")
+    with pytest.raises(ValueError, match="--batch-concurrency"):
+        ServerSettings(batch_concurrency=0)
