@@ -17,6 +17,8 @@ from model_factory import build_model  # noqa: E402
 # Caches pagoda writes (the --max-num-seqs calibration) go to a directory of this run, not the
 # user's home; subprocesses inherit it.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pagoda-test-cache-")
+# State too (`pagoda serve`'s default --batch-store): servers started by the tests keep none there.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="pagoda-test-state-")
 
 # Two cores in CI: one intra-op thread keeps tests from fighting each other (MEASURED.md).
 torch.set_num_threads(1)

@@ -1,11 +1,11 @@
-"""`pagoda` command line: serve | generate | chat | bench | plan | gate | audit | doctor | eval | inspect.
+"""`pagoda` command line: serve | generate | run-batch | chat | bench | plan | gate | audit | doctor | eval | inspect.
 
 One module per command in this package; each exposes `add_parser(subparsers)`, which registers
 the command's flags and sets `func` to the function that runs it. Adding a command is one
 module plus one line in `COMMANDS`.
 
 Only argument parsing lives here: a command turns its flags into the dataclass its domain
-module takes (EngineConfig, DeploymentConfig, ServerSettings, the bench options, PlanOptions, PerplexityOptions) and calls it. Command
+module takes (EngineConfig, DeploymentConfig, ServerSettings, the bench options, PlanOptions, PerplexityOptions, RunBatchOptions) and calls it. Command
 modules import heavy packages (torch, fastapi, transformers) inside their run functions so that
 `pagoda --help` and `pagoda COMMAND --help` stay fast (tests/cli/test_cli_startup.py).
 """
@@ -19,6 +19,7 @@ import importlib
 COMMANDS = (
     "pagoda.cli.serve",      # pagoda serve
     "pagoda.cli.generate",   # pagoda generate
+    "pagoda.cli.run_batch",  # pagoda run-batch
     "pagoda.cli.chat",       # pagoda chat
     "pagoda.cli.bench",      # pagoda bench serve|offline|compare
     "pagoda.cli.plan",       # pagoda plan

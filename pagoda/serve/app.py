@@ -22,6 +22,7 @@ from pagoda.serve.admission.body_limit import BodySizeLimit
 from pagoda.serve.admission.fast_refusal import FastRefusal
 from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.admission.docs_access import KeyedDocs
+from pagoda.serve.batches.routes import RunnerStart, install_batch_routes
 from pagoda.serve.endpoints import ENDPOINTS, AppParts, document_bodies, install_endpoints, install_reads
 from pagoda.serve.errors import APIError, validation_error
 from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
@@ -58,6 +59,7 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
     # A full queue: the endpoints that queue work are refused before their body is read.
     app.add_middleware(KeyedDocs, tenants=settings.tenants)  # /docs, /openapi.json: a key when keys are set
     app.add_middleware(FastRefusal, ctx=ctx, endpoints=ENDPOINTS)
+    app.add_middleware(RunnerStart, runner=parts.batches.runner)  # the Batch API's runner: no lifespan
     _install_health_and_metrics(app, parts)
     # --- dashboard: GET /dashboard, /dashboard/events ---
     install_dashboard(app, parts.authenticate, settings.tenants,
@@ -66,6 +68,7 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
                           "max_model_len": ctx.llm.max_model_len}), ctx.request_log)
     install_endpoints(app, parts, ENDPOINTS + ADMIN_ENDPOINTS)
     install_reads(app, parts)
+    install_batch_routes(app, parts.authenticate, parts.batches)
     install_admin_routes(app, parts)
     document_bodies(app, ENDPOINTS + ADMIN_ENDPOINTS)
     return app

@@ -44,6 +44,11 @@ from pagoda.serve.api.scoring import ScoringEndpoints
 from pagoda.serve.api.scoring_protocol import (ClassificationRequest, ClassificationResponse, RerankRequest,
                                                RerankResponse, ScoreRequest, ScoreResponse)
 from pagoda.serve.api.tokenization import TokenizationEndpoints
+from pagoda.serve.batches.files import FilesAPI
+from pagoda.serve.batches.protocol import BatchCreateRequest, BatchObject
+from pagoda.serve.batches.routes import Batches
+from pagoda.serve.batches.runner import BatchRunner, BatchTarget
+from pagoda.serve.batches.store import BatchStore
 from pagoda.serve.errors import APIError, anthropic_error_body, validation_error
 from pagoda.serve.model_registry import ModelRegistry
 from pagoda.serve.observability.request_log import RequestLogRecord
@@ -75,6 +80,7 @@ class AppParts:
     embeddings: dict[str, EmbeddingsEndpoint]  # by model name
     scoring: ScoringEndpoints
     tokenization: dict[str, TokenizationEndpoints]  # by model name
+    batches: Batches = field(init=False)  # the Batch API: its store and runner
     started: int = field(default_factory=lambda: int(time.time()))  # the model cards' `created`
 
     @classmethod
@@ -82,10 +88,12 @@ class AppParts:
            canary: CanaryController | None) -> AppParts:
         store = (ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
                  if settings.responses_store else None)
-        return cls(settings, registry, dispatcher, canary, CompletionsEndpoint(), ChatEndpoint(),
-                   MessagesEndpoint(), ResponsesEndpoint(store),
-                   {model.name: EmbeddingsEndpoint(model.context) for model in registry}, ScoringEndpoints(),
-                   {model.name: TokenizationEndpoints(model.context) for model in registry})
+        parts = cls(settings, registry, dispatcher, canary, CompletionsEndpoint(), ChatEndpoint(),
+                    MessagesEndpoint(), ResponsesEndpoint(store),
+                    {model.name: EmbeddingsEndpoint(model.context) for model in registry}, ScoringEndpoints(),
+                    {model.name: TokenizationEndpoints(model.context) for model in registry})
+        parts.batches = _batches(parts)
+        return parts
 
     @property
     def ctx(self) -> ServeContext:
@@ -184,6 +192,18 @@ def _invocations(parts: AppParts, _: str) -> Run:
                         for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS, SCORE_ROUTES[-1], RERANK_ROUTES[1])])
 
 
+def _batches(parts: AppParts) -> Batches:
+    """The Batch API over --batch-store (None or "memory": kept in memory): each line is answered
+    by its URL's endpoint of this table, as online."""
+    settings = parts.settings
+    store = BatchStore.memory() if settings.batch_store in (None, "memory") else BatchStore.open(settings.batch_store)
+    targets = {endpoint.path: BatchTarget(endpoint.request_model, endpoint.run(parts))
+               for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)}
+    runner = BatchRunner(store, targets, settings.tenants,
+                         lambda: [model.context.admission for model in parts.registry], settings.batch_concurrency)
+    return Batches(runner, FilesAPI(store, settings.batch_max_file_bytes, settings.batch_max_tenant_bytes))
+
+
 ENDPOINTS: tuple[Endpoint, ...] = (
     COMPLETIONS,
     CHAT,
@@ -206,6 +226,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     *RERANK_ROUTES,
     CLASSIFY,
     Endpoint("/invocations", "invocations", InvocationRequest, None, _invocations, queues_work=True),
+    # The Batch API: creating a batch queues nothing (the runner runs its lines later); the
+    # files' routes and the batches' reads and cancel carry no JSON body (batches/routes.py).
+    Endpoint("/v1/batches", "batches", BatchCreateRequest, BatchObject, lambda parts, _: parts.batches.create),
 )
 
 

@@ -56,6 +56,8 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     settings = dataclasses.replace(settings, **built_settings(settings, config))
+    if settings.batch_store is None:  # the Batch API persists by default: a restart resumes batches
+        settings = dataclasses.replace(settings, batch_store=ServerSettings.default_batch_store())
     if settings.models_file is not None:
         return _serve_models(config, settings, deployment)
     try:

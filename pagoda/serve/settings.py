@@ -40,6 +40,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_RESPONSES_STORE_SIZE = 1000
 DEFAULT_RESPONSES_STORE_TTL_S = 3600.0
+DEFAULT_BATCH_CONCURRENCY = 4
+DEFAULT_BATCH_MAX_FILE_BYTES = DEFAULT_MAX_REQUEST_BYTES
+DEFAULT_BATCH_MAX_TENANT_BYTES = 2**30
 
 
 def parse_optional_limit(text: str) -> int | None:
@@ -180,6 +183,20 @@ class ServerSettings:
     responses_store_ttl: float = field(default=DEFAULT_RESPONSES_STORE_TTL_S, metadata={
         "help": "seconds a stored response is kept (default: "
                 f"{DEFAULT_RESPONSES_STORE_TTL_S:g})"})
+    batch_store: str | None = field(default=None, metadata={
+        "metavar": "PATH", "help": "SQLite database of the Batch API's files and batches (/v1/files, /v1/batches), "
+                                   "the files' bytes in PATH.files/ beside it; a restart resumes unfinished "
+                                   "batches ('memory': kept in memory only; default: "
+                                   "$XDG_STATE_HOME/pagoda/batches.sqlite)"})
+    batch_concurrency: int = field(default=DEFAULT_BATCH_CONCURRENCY, metadata={
+        "help": "batch lines in flight at once, over every batch; they run at the lowest priority and "
+                f"wait while online requests queue (default: {DEFAULT_BATCH_CONCURRENCY})"})
+    batch_max_file_bytes: int = field(default=DEFAULT_BATCH_MAX_FILE_BYTES, metadata={
+        "parse": parse_bytes, "help": "largest file uploaded to /v1/files (uploads are also bounded by "
+                                      "--max-request-bytes)"})
+    batch_max_tenant_bytes: int = field(default=DEFAULT_BATCH_MAX_TENANT_BYTES, metadata={
+        "parse": parse_bytes, "help": "bytes of files one API key's tenant may hold, batch outputs included "
+                                      "(default: 1GiB)"})
     price_table: str | None = field(default=None, metadata={
         "metavar": "FILE", "help": "YAML or JSON prices per served model (USD per 1K prompt, cached-prompt "
                                    "and completion tokens): each request's cost in the request log, "
@@ -239,6 +256,9 @@ class ServerSettings:
             raise ValueError(f"--responses-store-size must be >= 1, got {self.responses_store_size}")
         if not self.responses_store_ttl > 0:
             raise ValueError(f"--responses-store-ttl must be > 0, got {self.responses_store_ttl}")
+        for name in ("batch_concurrency", "batch_max_file_bytes", "batch_max_tenant_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
     def _check_prompt_log(self) -> float | None:
         """--prompt-log-* checked (they need --log-prompts); the retention in seconds."""
@@ -257,6 +277,12 @@ class ServerSettings:
             return Path(self.prompt_log_dir)
         state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
         return Path(state) / "pagoda" / "prompt-log"
+
+    @staticmethod
+    def default_batch_store() -> str:
+        """Where `pagoda serve` keeps the Batch API's store without --batch-store."""
+        state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return str(Path(state) / "pagoda" / "batches.sqlite")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

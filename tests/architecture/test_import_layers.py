@@ -46,7 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicas",),  # data-parallel replicas and their router: AsyncLLMs behind one front
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
-    ("serve", "bench", "plan", "eval"),
+    ("serve", "bench", "plan", "eval",
+     "batch_offline"),  # pagoda run-batch: OpenAI batch lines through the offline LLM
     ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
 ]

@@ -32,7 +32,8 @@ def heavy_modules_after(*argv: str) -> list[str]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-COMMAND_NAMES = [name.rsplit(".", 1)[1] for name in COMMANDS]
+# A module per command, named as the command (run_batch: `pagoda run-batch`).
+COMMAND_NAMES = [name.rsplit(".", 1)[1].replace("_", "-") for name in COMMANDS]
 
 
 @pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMAND_NAMES],

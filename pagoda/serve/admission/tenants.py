@@ -188,6 +188,12 @@ class TenantRegistry:
             return True
         return not any(t.adapters and name in t.adapters for t in self._by_digest.values())
 
+    def by_name(self, name: str) -> Tenant | None:
+        """The tenant called `name` (what runs work stored under its name, e.g. a batch)."""
+        if self._open_tenant is not None:
+            return self._open_tenant if self._open_tenant.name == name else None
+        return next((tenant for tenant in self._by_digest.values() if tenant.name == name), None)
+
     def authenticate(self, api_key: str | None) -> Tenant | None:
         if self._open_tenant is not None:
             return self._open_tenant
