@@ -56,15 +56,42 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for label, flags in configs.items():
         run_dir = out / label.replace(" ", "_")
-        engine = ["--num-threads", str(args.threads), "--max-model-len", "1024",
-                  "--max-queued-requests", "16", *flags]
+        engine = ["--num-threads", str(args.threads), "--max-model-len", "1024", "--max-queued-requests", "16", *flags]
         with pagoda_server(model_dir, engine, run_dir / "server.log") as url:
             max_num_seqs = _served_max_num_seqs(url)
-            rc = bench(["serve", "--base-url", url, "--model", "bench", "--tokenizer", str(model_dir),
-                        "--mix", "chat", "--param", "chat.prompt=uniform:32:128", "--param", "chat.output=64",
-                        "--ignore-eos", "--request-rate", str(args.request_rate),
-                        "--num-requests", str(args.num_requests), "--slo", slo, "--warmup", "2",
-                        "--seed", "0", "--label", label, "--no-progress", "--out", str(run_dir)])
+            rc = bench(
+                [
+                    "serve",
+                    "--base-url",
+                    url,
+                    "--model",
+                    "bench",
+                    "--tokenizer",
+                    str(model_dir),
+                    "--mix",
+                    "chat",
+                    "--param",
+                    "chat.prompt=uniform:32:128",
+                    "--param",
+                    "chat.output=64",
+                    "--ignore-eos",
+                    "--request-rate",
+                    str(args.request_rate),
+                    "--num-requests",
+                    str(args.num_requests),
+                    "--slo",
+                    slo,
+                    "--warmup",
+                    "2",
+                    "--seed",
+                    "0",
+                    "--label",
+                    label,
+                    "--no-progress",
+                    "--out",
+                    str(run_dir),
+                ]
+            )
         (run_dir / "server.log").unlink(missing_ok=True)
         if rc:
             return rc
@@ -72,19 +99,35 @@ def main(argv: list[str] | None = None) -> int:
         overall = summary["overall"]
         rows[label] = {
             "max_num_seqs": max_num_seqs,
-            "admitted": overall["num_ok"], "refused": overall["num_requests"] - overall["num_ok"],
+            "admitted": overall["num_ok"],
+            "refused": overall["num_requests"] - overall["num_ok"],
             "errors_by_status": overall.get("errors_by_status"),
-            "ttft_p50_s": overall["ttft"]["p50"], "ttft_p99_s": overall["ttft"]["p99"],
-            "tpot_p50_s": overall["tpot"]["p50"], "tpot_p99_s": overall["tpot"]["p99"],
-            "output_tok_per_s": overall["output_throughput"], "goodput_req_per_s": overall["goodput"],
+            "ttft_p50_s": overall["ttft"]["p50"],
+            "ttft_p99_s": overall["ttft"]["p99"],
+            "tpot_p50_s": overall["tpot"]["p50"],
+            "tpot_p99_s": overall["tpot"]["p99"],
+            "output_tok_per_s": overall["output_throughput"],
+            "goodput_req_per_s": overall["goodput"],
         }
         print(label, rows[label], flush=True)
-    write_summary(out / "summary.json", {**meta, "workload": {
-        "class": "chat", "prompt_tokens": "uniform 32-128", "output_tokens": 64,
-        "arrival": f"Poisson {args.request_rate} req/s", "requests": args.num_requests,
-        "max_queued_requests": 16, "threads": args.threads,
-        "targets": {"ttft_ms": args.target_ttft_ms, "itl_ms": args.target_itl_ms},
-        "goodput": "requests/s meeting TTFT and TPOT targets"}, "results": rows})
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "workload": {
+                "class": "chat",
+                "prompt_tokens": "uniform 32-128",
+                "output_tokens": 64,
+                "arrival": f"Poisson {args.request_rate} req/s",
+                "requests": args.num_requests,
+                "max_queued_requests": 16,
+                "threads": args.threads,
+                "targets": {"ttft_ms": args.target_ttft_ms, "itl_ms": args.target_itl_ms},
+                "goodput": "requests/s meeting TTFT and TPOT targets",
+            },
+            "results": rows,
+        },
+    )
     _plot(out, rows)
     print(f"wrote {out}/summary.json and admission.png")
     return 0
@@ -99,12 +142,16 @@ def _served_max_num_seqs(url: str) -> int | None:
 def _plot(out: Path, rows: dict[str, dict]) -> None:
     from pagoda.bench.plots import plot_bars
 
-    plot_bars({
-        "admitted TTFT p99 (ms)\n(lower is better)": {k: v["ttft_p99_s"] * 1000 for k, v in rows.items()},
-        "admitted TPOT p99 (ms)\n(lower is better)": {k: v["tpot_p99_s"] * 1000 for k, v in rows.items()},
-        "goodput (req/s)\n(higher is better)": {k: v["goodput_req_per_s"] or 0.0 for k, v in rows.items()},
-        "refused (503)": {k: float(v["refused"]) for k, v in rows.items()},
-    }, out / "admission.png", "overload with and without latency targets")
+    plot_bars(
+        {
+            "admitted TTFT p99 (ms)\n(lower is better)": {k: v["ttft_p99_s"] * 1000 for k, v in rows.items()},
+            "admitted TPOT p99 (ms)\n(lower is better)": {k: v["tpot_p99_s"] * 1000 for k, v in rows.items()},
+            "goodput (req/s)\n(higher is better)": {k: v["goodput_req_per_s"] or 0.0 for k, v in rows.items()},
+            "refused (503)": {k: float(v["refused"]) for k, v in rows.items()},
+        },
+        out / "admission.png",
+        "overload with and without latency targets",
+    )
 
 
 if __name__ == "__main__":

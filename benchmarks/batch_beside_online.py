@@ -37,15 +37,44 @@ NAME = "batch_beside_online"
 
 
 def _online(url: str, model_dir: Path, args: argparse.Namespace, run_dir: Path, label: str) -> dict:
-    rc = bench(["serve", "--base-url", url, "--model", "bench", "--tokenizer", str(model_dir), "--mix", "chat",
-                "--param", "chat.prompt=uniform:32:128", "--param", "chat.output=64", "--ignore-eos",
-                "--concurrency", str(args.streams), "--num-requests", str(args.num_requests), "--seed", "0",
-                "--label", label, "--no-progress", "--out", str(run_dir)])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            url,
+            "--model",
+            "bench",
+            "--tokenizer",
+            str(model_dir),
+            "--mix",
+            "chat",
+            "--param",
+            "chat.prompt=uniform:32:128",
+            "--param",
+            "chat.output=64",
+            "--ignore-eos",
+            "--concurrency",
+            str(args.streams),
+            "--num-requests",
+            str(args.num_requests),
+            "--seed",
+            "0",
+            "--label",
+            label,
+            "--no-progress",
+            "--out",
+            str(run_dir),
+        ]
+    )
     if rc:
         raise SystemExit(rc)
     overall = load_results(run_dir / "results.json")["summary"]["overall"]
-    return {"itl_p50_s": overall["itl"]["p50"], "itl_p99_s": overall["itl"]["p99"],
-            "output_tok_per_s": overall["output_throughput"], "ok": overall["num_ok"]}
+    return {
+        "itl_p50_s": overall["itl"]["p50"],
+        "itl_p99_s": overall["itl"]["p99"],
+        "output_tok_per_s": overall["output_throughput"],
+        "ok": overall["num_ok"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,28 +95,46 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir).items() if k in META_KEYS}
     with tempfile.TemporaryDirectory() as state:
-        engine = ["--num-threads", str(args.threads), "--max-model-len", "1024", "--scheduling-policy", "priority",
-                  "--batch-store", str(Path(state) / "batches.sqlite"),
-                  "--batch-concurrency", str(args.batch_concurrency)]
+        engine = [
+            "--num-threads",
+            str(args.threads),
+            "--max-model-len",
+            "1024",
+            "--scheduling-policy",
+            "priority",
+            "--batch-store",
+            str(Path(state) / "batches.sqlite"),
+            "--batch-concurrency",
+            str(args.batch_concurrency),
+        ]
         with pagoda_server(model_dir, engine, out / "server.log") as url:
             alone = _online(url, model_dir, args, out / "alone", "online alone")
             sdk = openai.OpenAI(base_url=url + "/v1", api_key="none")
-            body = {"model": "bench", "messages": [{"role": "user", "content": "write"}], "max_tokens": 64,
-                    "ignore_eos": True}
-            lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-                                        "body": body}) + "\n" for i in range(args.batch_lines))
+            body = {
+                "model": "bench",
+                "messages": [{"role": "user", "content": "write"}],
+                "max_tokens": 64,
+                "ignore_eos": True,
+            }
+            lines = "".join(
+                json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+                for i in range(args.batch_lines)
+            )
             file = sdk.files.create(file=("batch.jsonl", io.BytesIO(lines.encode())), purpose="batch")
-            batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                       completion_window="24h")
+            batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
             started = sdk.batches.retrieve(batch.id).request_counts.completed
             beside = _online(url, model_dir, args, out / "beside_batch", "online beside a batch")
             progress = sdk.batches.retrieve(batch.id)
             sdk.batches.cancel(batch.id)
     (out / "server.log").unlink(missing_ok=True)
     ratio = beside["itl_p99_s"] / alone["itl_p99_s"] if alone["itl_p99_s"] else None
-    rows = {"alone": alone, "beside_batch": beside,
-            "itl_p99_ratio": ratio, "batch_lines_completed_meanwhile": progress.request_counts.completed - started,
-            "batch_status": progress.status}
+    rows = {
+        "alone": alone,
+        "beside_batch": beside,
+        "itl_p99_ratio": ratio,
+        "batch_lines_completed_meanwhile": progress.request_counts.completed - started,
+        "batch_status": progress.status,
+    }
     write_summary(out / "summary.json", {"meta": meta, "rows": rows})
     print(json.dumps(rows, indent=2))
     return 0

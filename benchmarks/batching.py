@@ -51,14 +51,35 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     meta = load_results(out / "summary.json") if args.replot else metadata(f"{NAME}.py", argv, model_dir)
     meta = {k: meta[k] for k in META_KEYS if k in meta}
-    targets = [f"pagoda:max_num_seqs={args.batch},label=pagoda continuous",
-               f"pagoda-static:batch={args.batch},label=pagoda static"]
+    targets = [
+        f"pagoda:max_num_seqs={args.batch},label=pagoda continuous",
+        f"pagoda-static:batch={args.batch},label=pagoda static",
+    ]
     if not args.no_transformers:
         targets.append(f"hf:batch_size={args.batch},label=transformers static")
-    command = ["compare", "--model", str(model_dir), "--num-threads", str(args.threads), "--mix", "chat",
-               "--param", "chat.prompt=lognormal:32:128", "--param", "chat.output=lognormal:32:512",
-               "--max-model-len", "1024", "--num-requests", str(args.num_requests), "--warmup", "4",
-               "--no-progress", "--out", str(out), *[f"--target={t}" for t in targets]]
+    command = [
+        "compare",
+        "--model",
+        str(model_dir),
+        "--num-threads",
+        str(args.threads),
+        "--mix",
+        "chat",
+        "--param",
+        "chat.prompt=lognormal:32:128",
+        "--param",
+        "chat.output=lognormal:32:512",
+        "--max-model-len",
+        "1024",
+        "--num-requests",
+        str(args.num_requests),
+        "--warmup",
+        "4",
+        "--no-progress",
+        "--out",
+        str(out),
+        *[f"--target={t}" for t in targets],
+    ]
     rc = 0 if args.replot else bench(command)
     if rc:
         return rc
@@ -69,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         s = run["summary"]
         o = s["overall"]
         rows[s["target"]] = {
-            "seconds": s["duration"], "output_tok_per_s": o["output_throughput"],
-            "e2e_p50_s": o["e2e"]["p50"], "e2e_p99_s": o["e2e"]["p99"],
-            "ttft_p50_s": o["ttft"]["p50"], "ttft_p99_s": o["ttft"]["p99"],
+            "seconds": s["duration"],
+            "output_tok_per_s": o["output_throughput"],
+            "e2e_p50_s": o["e2e"]["p50"],
+            "e2e_p99_s": o["e2e"]["p99"],
+            "ttft_p50_s": o["ttft"]["p50"],
+            "ttft_p99_s": o["ttft"]["p99"],
             "output_tokens": o["output_tokens"],
         }
     base = rows["pagoda continuous"]
@@ -79,9 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         row["throughput_vs_continuous"] = row["output_tok_per_s"] / base["output_tok_per_s"]
         row["e2e_p50_vs_continuous"] = row["e2e_p50_s"] / base["e2e_p50_s"]
         row["e2e_p99_vs_continuous"] = row["e2e_p99_s"] / base["e2e_p99_s"]
-    write_summary(out / "summary.json", {**meta, "workload": {
-        "requests": args.num_requests, "prompt": "lognormal p50 32 / p95 128", "output": "lognormal p50 32 / p95 512",
-        "arrival": "all at once", "batch": args.batch, "threads": args.threads}, "results": rows})
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "workload": {
+                "requests": args.num_requests,
+                "prompt": "lognormal p50 32 / p95 128",
+                "output": "lognormal p50 32 / p95 512",
+                "arrival": "all at once",
+                "batch": args.batch,
+                "threads": args.threads,
+            },
+            "results": rows,
+        },
+    )
     if args.replot:
         replot_compare(out)
     print(f"wrote {out}/summary.json")

@@ -32,10 +32,12 @@ from common import REPO, build_bench_model, metadata, write_summary  # noqa: E40
 NAME = "before_after"
 SERVER_LABEL_PREFIX = "server"
 # Per pass: what server_throughput.py's summary holds, by target label prefix.
-FIELDS = {"offline_tok_per_s": ("offline", "output_tok_per_s"),
-          "server_tok_per_s": (SERVER_LABEL_PREFIX, "output_tok_per_s"),
-          "server_ttft_p50_s": (SERVER_LABEL_PREFIX, "ttft_p50_s"),
-          "server_itl_p50_s": (SERVER_LABEL_PREFIX, "itl_p50_s")}
+FIELDS = {
+    "offline_tok_per_s": ("offline", "output_tok_per_s"),
+    "server_tok_per_s": (SERVER_LABEL_PREFIX, "output_tok_per_s"),
+    "server_ttft_p50_s": (SERVER_LABEL_PREFIX, "ttft_p50_s"),
+    "server_itl_p50_s": (SERVER_LABEL_PREFIX, "itl_p50_s"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,34 +67,60 @@ def main(argv: list[str] | None = None) -> int:
                 for side in order:
                     summary = _run_pass(trees[side], model_dir, args, Path(scratch) / f"round{index + 1}-{side}")
                     results[side] = _fields(summary)
-                ratios = {key: results["after"][key] / results["before"][key]
-                          for key in FIELDS if results["before"].get(key)}
-                rounds.append({"first": order[0], "results": results, "after_over_before": ratios,
-                               "load_average": os.getloadavg()[0]})
-                print(f"round {index + 1} ({order[0]} first): " + ", ".join(
-                    f"{key} {value:.3f}" for key, value in ratios.items()), flush=True)
+                ratios = {
+                    key: results["after"][key] / results["before"][key] for key in FIELDS if results["before"].get(key)
+                }
+                rounds.append(
+                    {
+                        "first": order[0],
+                        "results": results,
+                        "after_over_before": ratios,
+                        "load_average": os.getloadavg()[0],
+                    }
+                )
+                print(
+                    f"round {index + 1} ({order[0]} first): "
+                    + ", ".join(f"{key} {value:.3f}" for key, value in ratios.items()),
+                    flush=True,
+                )
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
-    medians = {side: {key: statistics.median(r["results"][side][key] for r in rounds) for key in FIELDS}
-               for side in revisions}
-    ratio_medians = {key: statistics.median(r["after_over_before"][key] for r in rounds)
-                     for key in rounds[0]["after_over_before"]}
-    payload = {**meta, "revisions": revisions,
-               "workload": {"requests": args.num_requests, "prompt": "uniform 32-256", "output": "uniform 32-256",
-                            "ignore_eos": True, "concurrency": args.concurrency, "threads": args.threads},
-               "medians": medians, "after_over_before_median": ratio_medians, "rounds": rounds}
+    medians = {
+        side: {key: statistics.median(r["results"][side][key] for r in rounds) for key in FIELDS} for side in revisions
+    }
+    ratio_medians = {
+        key: statistics.median(r["after_over_before"][key] for r in rounds) for key in rounds[0]["after_over_before"]
+    }
+    payload = {
+        **meta,
+        "revisions": revisions,
+        "workload": {
+            "requests": args.num_requests,
+            "prompt": "uniform 32-256",
+            "output": "uniform 32-256",
+            "ignore_eos": True,
+            "concurrency": args.concurrency,
+            "threads": args.threads,
+        },
+        "medians": medians,
+        "after_over_before_median": ratio_medians,
+        "rounds": rounds,
+    }
     write_summary(out / "summary.json", payload)
     for key, value in ratio_medians.items():
-        print(f"{key}: before {medians['before'][key]:.4g}, after {medians['after'][key]:.4g}, "
-              f"after/before median of rounds {value:.3f}")
+        print(
+            f"{key}: before {medians['before'][key]:.4g}, after {medians['after'][key]:.4g}, "
+            f"after/before median of rounds {value:.3f}"
+        )
     print(f"wrote {out}/summary.json")
     return 0
 
 
 def _resolve(revision: str) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", revision], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", revision], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _worktree(revision: str, path: Path) -> Path:
@@ -103,9 +131,20 @@ def _worktree(revision: str, path: Path) -> Path:
 def _run_pass(tree: Path, model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """That revision's own server_throughput.py, importing that revision's package; its summary
     (the per-request records stay in the scratch directory)."""
-    command = [sys.executable, str(tree / "benchmarks" / "server_throughput.py"), "--model-dir", str(model_dir),
-               "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-               "--threads", str(args.threads), "--out", str(out)]
+    command = [
+        sys.executable,
+        str(tree / "benchmarks" / "server_throughput.py"),
+        "--model-dir",
+        str(model_dir),
+        "--num-requests",
+        str(args.num_requests),
+        "--concurrency",
+        str(args.concurrency),
+        "--threads",
+        str(args.threads),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run(command, cwd=tree, env=env, check=True)
     return json.loads((out / "summary.json").read_text())

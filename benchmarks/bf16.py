@@ -40,8 +40,9 @@ NAME = "bf16"
 DTYPES = ("float32", "bfloat16")
 
 
-def decode_steps(model_dir: Path, concurrency: int, prompt_len: int, steps: int, rounds: int,
-                 threads: int) -> dict[str, Any]:
+def decode_steps(
+    model_dir: Path, concurrency: int, prompt_len: int, steps: int, rounds: int, threads: int
+) -> dict[str, Any]:
     import torch
 
     from pagoda.config import EngineConfig
@@ -49,9 +50,18 @@ def decode_steps(model_dir: Path, concurrency: int, prompt_len: int, steps: int,
     from pagoda.sampling_params import SamplingParams
 
     output_len = steps * rounds + 8
-    engines = {dtype: LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, max_num_seqs=concurrency,
-                                             num_threads=threads, max_model_len=prompt_len + output_len + 16))
-               for dtype in DTYPES}
+    engines = {
+        dtype: LLMEngine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=dtype,
+                max_num_seqs=concurrency,
+                num_threads=threads,
+                max_model_len=prompt_len + output_len + 16,
+            )
+        )
+        for dtype in DTYPES
+    }
     torch.set_num_threads(threads)
     rng = random.Random(0)
     vocab = engines["float32"].core.model_config.vocab_size
@@ -65,15 +75,20 @@ def decode_steps(model_dir: Path, concurrency: int, prompt_len: int, steps: int,
     wall: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     cpu: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     for round_index in range(rounds):
-        for dtype in (DTYPES if round_index % 2 == 0 else DTYPES[::-1]):
+        for dtype in DTYPES if round_index % 2 == 0 else DTYPES[::-1]:
             engine = engines[dtype]
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 engine.step()
             wall[dtype].append((time.perf_counter() - start) / steps)
             cpu[dtype].append((time.process_time() - cpu_start) / steps)
-    result: dict[str, Any] = {"concurrency": concurrency, "prompt_len": prompt_len, "steps_per_round": steps,
-                              "rounds": rounds, "threads": threads}
+    result: dict[str, Any] = {
+        "concurrency": concurrency,
+        "prompt_len": prompt_len,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "threads": threads,
+    }
     for dtype in DTYPES:
         result[f"step_ms_{dtype}"] = 1000 * statistics.median(wall[dtype])
         result[f"cpu_ms_{dtype}"] = 1000 * statistics.median(cpu[dtype])
@@ -92,7 +107,7 @@ def offline(model_dir: Path, rounds: int, threads: int) -> dict[str, Any]:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     runs: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     for round_index in range(rounds):
-        for dtype in (DTYPES if round_index % 2 == 0 else DTYPES[::-1]):
+        for dtype in DTYPES if round_index % 2 == 0 else DTYPES[::-1]:
             llm = LLM(model=str(model_dir), dtype=dtype, num_threads=threads)
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -100,11 +115,17 @@ def offline(model_dir: Path, rounds: int, threads: int) -> dict[str, Any]:
             runs[dtype].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
             del llm, outputs
             gc.collect()
-        print(f"offline round {round_index + 1}: " + ", ".join(f"{d} {runs[d][-1]:.0f} tok/s" for d in DTYPES),
-              flush=True)
+        print(
+            f"offline round {round_index + 1}: " + ", ".join(f"{d} {runs[d][-1]:.0f} tok/s" for d in DTYPES), flush=True
+        )
     ratios = [b / a for a, b in zip(runs["float32"], runs["bfloat16"])]
-    return {"workload": "256 requests, prompt and output uniform 32-256, ignore_eos", "threads": threads,
-            "output_tok_per_s": runs, "bf16_over_fp32_per_round": ratios, "bf16_over_fp32": statistics.median(ratios)}
+    return {
+        "workload": "256 requests, prompt and output uniform 32-256, ignore_eos",
+        "threads": threads,
+        "output_tok_per_s": runs,
+        "bf16_over_fp32_per_round": ratios,
+        "bf16_over_fp32": statistics.median(ratios),
+    }
 
 
 def quality(num_files: int, max_tokens: int, num_prompts: int, greedy_tokens: int) -> dict[str, Any]:
@@ -124,10 +145,12 @@ def quality(num_files: int, max_tokens: int, num_prompts: int, greedy_tokens: in
         result[f"perplexity_{dtype}"] = ppl.perplexity
         result["num_scored_tokens"] = ppl.num_scored_tokens
         # Greedy continuations of 64-token prefixes taken from the held-out files.
-        prefixes = [tokens[start:start + 64] for tokens in token_lists
-                    for start in range(0, max(len(tokens) - 64, 1), 512)][:num_prompts]
-        outputs = llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=greedy_tokens, ignore_eos=True),
-                               use_tqdm=False)
+        prefixes = [
+            tokens[start : start + 64] for tokens in token_lists for start in range(0, max(len(tokens) - 64, 1), 512)
+        ][:num_prompts]
+        outputs = llm.generate(
+            prefixes, SamplingParams(temperature=0.0, max_tokens=greedy_tokens, ignore_eos=True), use_tqdm=False
+        )
         greedy[dtype] = [list(o.outputs[0].token_ids) for o in outputs]
         print(f"{dtype}: perplexity {ppl.perplexity:.4f}", flush=True)
         del llm
@@ -141,9 +164,12 @@ def quality(num_files: int, max_tokens: int, num_prompts: int, greedy_tokens: in
         first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
     result.update(
         perplexity_delta_percent=(result["perplexity_bfloat16"] / result["perplexity_float32"] - 1) * 100,
-        greedy_prompts=len(first_divergence), greedy_tokens=greedy_tokens,
-        greedy_identical_outputs=identical_outputs, greedy_position_agreement=same_tokens / total,
-        greedy_first_divergence_median=statistics.median(first_divergence))
+        greedy_prompts=len(first_divergence),
+        greedy_tokens=greedy_tokens,
+        greedy_identical_outputs=identical_outputs,
+        greedy_position_agreement=same_tokens / total,
+        greedy_first_divergence_median=statistics.median(first_divergence),
+    )
     return result
 
 
@@ -173,17 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         for c in sorted({int(x) for x in args.concurrency.split(",")}):
             entry = decode_steps(model_dir, c, args.prompt_len, args.steps, args.rounds, args.threads)
             results["decode"].append(entry)
-            print(f"decode c={c}: step fp32 {entry['step_ms_float32']:.2f} ms, bf16 {entry['step_ms_bfloat16']:.2f} ms: "
-                  f"{entry['speedup']:.2f}x (CPU {entry['cpu_speedup']:.2f}x)", flush=True)
+            print(
+                f"decode c={c}: step fp32 {entry['step_ms_float32']:.2f} ms, bf16 {entry['step_ms_bfloat16']:.2f} ms: "
+                f"{entry['speedup']:.2f}x (CPU {entry['cpu_speedup']:.2f}x)",
+                flush=True,
+            )
     if "offline" not in args.skip:
         results["offline"] = offline(model_dir, args.offline_rounds, args.offline_threads)
         print(f"offline bf16 / fp32: {results['offline']['bf16_over_fp32']:.2f}x", flush=True)
     if "quality" not in args.skip:
         results["quality"] = quality(args.ppl_files, args.ppl_tokens, args.greedy_prompts, args.greedy_tokens)
         q = results["quality"]
-        print(f"perplexity fp32 {q['perplexity_float32']:.4f}, bf16 {q['perplexity_bfloat16']:.4f} "
-              f"({q['perplexity_delta_percent']:+.3f}%); greedy identical {q['greedy_identical_outputs']}/"
-              f"{q['greedy_prompts']}, position agreement {q['greedy_position_agreement']:.3f}", flush=True)
+        print(
+            f"perplexity fp32 {q['perplexity_float32']:.4f}, bf16 {q['perplexity_bfloat16']:.4f} "
+            f"({q['perplexity_delta_percent']:+.3f}%); greedy identical {q['greedy_identical_outputs']}/"
+            f"{q['greedy_prompts']}, position agreement {q['greedy_position_agreement']:.3f}",
+            flush=True,
+        )
     write_summary(Path(args.out) / f"{NAME}.json", {**meta, "results": results})
     return 0
 

@@ -25,12 +25,24 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PYTHON = sys.executable
 
-MODEL_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=8,
-                   num_key_value_heads=4, max_position_embeddings=2048)
+MODEL_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=10,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
 VOCAB_SIZE = 4096
 # A ~100M model of the same family, where matmuls weigh more than per-step host work.
-MODEL_SHAPE_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                        num_key_value_heads=4, max_position_embeddings=2048)
+MODEL_SHAPE_100M = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
 
 
 def build_tokenizer(directory: Path) -> None:
@@ -52,10 +64,11 @@ def build_tokenizer(directory: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"], show_progress=False)
     tokenizer.train_from_iterator(ascii_lines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     fast.save_pretrained(directory)
 
 
@@ -70,8 +83,15 @@ def build_bench_model(directory: Path, seed: int = 0, shape: dict[str, int] | No
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
     vocab = len(transformers.AutoTokenizer.from_pretrained(directory))
-    config = transformers.LlamaConfig(vocab_size=vocab, eos_token_id=0, pad_token_id=0, bos_token_id=None,
-                                      tie_word_embeddings=False, rope_theta=10000.0, **(shape or MODEL_SHAPE))
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        **(shape or MODEL_SHAPE),
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # larger weights: peaked distributions, like a trained model's
@@ -96,17 +116,38 @@ def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> I
 
 
 @contextlib.contextmanager
-def pagoda_server_process(model_dir: Path, engine_flags: list[str], log_path: Path
-                          ) -> Iterator[tuple[str, subprocess.Popen]]:
+def pagoda_server_process(
+    model_dir: Path, engine_flags: list[str], log_path: Path
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """`pagoda serve` as a subprocess on a free loopback port; yields its base URL and process."""
     from pagoda.http_client.server_process import free_port, running_server
 
     port = free_port()
-    command = [PYTHON, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning", *engine_flags]
+    command = [
+        PYTHON,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--log-level",
+        "warning",
+        *engine_flags,
+    ]
     url = f"http://127.0.0.1:{port}"
-    with running_server(command, url + "/health", timeout=120, log_path=log_path, cwd=REPO,
-                        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, name="pagoda serve") as proc:
+    with running_server(
+        command,
+        url + "/health",
+        timeout=120,
+        log_path=log_path,
+        cwd=REPO,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        name="pagoda serve",
+    ) as proc:
         yield url, proc
 
 
@@ -127,8 +168,9 @@ def git_commit() -> str | None:
     if (REPO / "COMMIT").is_file():
         return (REPO / "COMMIT").read_text().strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -142,8 +184,13 @@ def metadata(script: str, argv: list[str], model_dir: Path, shape: dict[str, int
         "git_commit": git_commit(),
         "machine": machine_info(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "model": {"shape": shape or MODEL_SHAPE, "vocab_size": VOCAB_SIZE, "params": num_params(model_dir),
-                  "dtype": "float32", "weights": "random N(0, 0.08)"},
+        "model": {
+            "shape": shape or MODEL_SHAPE,
+            "vocab_size": VOCAB_SIZE,
+            "params": num_params(model_dir),
+            "dtype": "float32",
+            "weights": "random N(0, 0.08)",
+        },
         "python": platform.python_version(),
     }
 
@@ -160,8 +207,10 @@ def replot_compare(out: Path) -> None:
 
     runs = load_results(out / "results.json")["runs"]
     records = {run["summary"]["target"]: records_from_json(run["requests"]) for run in runs}
-    plot_comparison([summarize(run["summary"]["target"], records[run["summary"]["target"]], run["duration"])
-                     for run in runs], out / "compare.png")
+    plot_comparison(
+        [summarize(run["summary"]["target"], records[run["summary"]["target"]], run["duration"]) for run in runs],
+        out / "compare.png",
+    )
     plot_target_cdfs(records, out / "compare_cdf.png", "same requests, back to back: latency CDFs")
 
 

@@ -58,35 +58,83 @@ def main(argv: list[str] | None = None) -> int:
         row = {}
         for label in order:
             engine = [*CONFIGS[label], "--max-num-seqs", str(args.concurrency), "--max-model-len", "1024"]
-            with tempfile.TemporaryDirectory() as scratch, \
-                    pagoda_server(model_dir, engine, Path(scratch) / "server.log") as url:
+            with (
+                tempfile.TemporaryDirectory() as scratch,
+                pagoda_server(model_dir, engine, Path(scratch) / "server.log") as url,
+            ):
                 run_out = Path(scratch) / "run"
-                rc = bench(["serve", "--base-url", url, "--model", "bench", "--tokenizer", str(model_dir),
-                            "--mix", "chat", "--param", "chat.prompt=uniform:32:256",
-                            "--param", "chat.output=uniform:64:64", "--max-model-len", "1024",
-                            "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-                            "--ignore-eos", "--warmup", "4", "--seed", str(round_index), "--no-progress",
-                            "--label", label, "--out", str(run_out)])
+                rc = bench(
+                    [
+                        "serve",
+                        "--base-url",
+                        url,
+                        "--model",
+                        "bench",
+                        "--tokenizer",
+                        str(model_dir),
+                        "--mix",
+                        "chat",
+                        "--param",
+                        "chat.prompt=uniform:32:256",
+                        "--param",
+                        "chat.output=uniform:64:64",
+                        "--max-model-len",
+                        "1024",
+                        "--num-requests",
+                        str(args.num_requests),
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--ignore-eos",
+                        "--warmup",
+                        "4",
+                        "--seed",
+                        str(round_index),
+                        "--no-progress",
+                        "--label",
+                        label,
+                        "--out",
+                        str(run_out),
+                    ]
+                )
                 if rc:
                     return rc
                 overall = load_results(run_out / "results.json")["summary"]["overall"]
-            row[label] = {"output_tok_per_s": overall["output_throughput"],
-                          "ttft_p50_s": overall["ttft"]["p50"], "ttft_p99_s": overall["ttft"]["p99"],
-                          "itl_p50_s": overall["itl"]["p50"], "itl_p99_s": overall["itl"]["p99"]}
-            print(f"round {round_index + 1} {label}: {row[label]['output_tok_per_s']:.0f} output tok/s",
-                  flush=True)
+            row[label] = {
+                "output_tok_per_s": overall["output_throughput"],
+                "ttft_p50_s": overall["ttft"]["p50"],
+                "ttft_p99_s": overall["ttft"]["p99"],
+                "itl_p50_s": overall["itl"]["p50"],
+                "itl_p99_s": overall["itl"]["p99"],
+            }
+            print(f"round {round_index + 1} {label}: {row[label]['output_tok_per_s']:.0f} output tok/s", flush=True)
         rounds.append(row)
-    medians = {label: {key: statistics.median(r[label][key] for r in rounds) for key in rounds[0][label]}
-               for label in CONFIGS}
+    medians = {
+        label: {key: statistics.median(r[label][key] for r in rounds) for key in rounds[0][label]} for label in CONFIGS
+    }
     dp1, dp2 = list(CONFIGS)
     ratios = [r[dp2]["output_tok_per_s"] / r[dp1]["output_tok_per_s"] for r in rounds]
-    write_summary(out / "summary.json", {**meta, "workload": {
-        "requests": args.num_requests, "prompt": "uniform 32-256", "output": 64, "ignore_eos": True,
-        "concurrency": args.concurrency, "max_num_seqs": args.concurrency},
-        "rounds": rounds, "median": medians, "dp2_over_dp1_per_round": ratios,
-        "dp2_over_dp1_median": statistics.median(ratios)})
-    print(f"DP=2 / DP=1 output throughput per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.2f}; wrote {out}/summary.json")
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "workload": {
+                "requests": args.num_requests,
+                "prompt": "uniform 32-256",
+                "output": 64,
+                "ignore_eos": True,
+                "concurrency": args.concurrency,
+                "max_num_seqs": args.concurrency,
+            },
+            "rounds": rounds,
+            "median": medians,
+            "dp2_over_dp1_per_round": ratios,
+            "dp2_over_dp1_median": statistics.median(ratios),
+        },
+    )
+    print(
+        f"DP=2 / DP=1 output throughput per round: {', '.join(f'{x:.2f}' for x in ratios)}; "
+        f"median {statistics.median(ratios):.2f}; wrote {out}/summary.json"
+    )
     return 0
 
 

@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     model_dir = build_bench_model(Path(args.model_dir))
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=2048, num_kv_blocks=2000,
-                                    max_num_batched_tokens=2048))
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=2048, num_kv_blocks=2000, max_num_batched_tokens=2048)
+    )
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.rounds * args.steps * 2 + 16, ignore_eos=True)
     for i in range(8):
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: round(statistics.median(v), 2) for name, v in step_ms.items()}
     summary = {
         "command": " ".join([".venv/bin/python", "benchmarks/decode_groups.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average_at_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_at_start": os.getloadavg(),
         "workload": "8 decodes with 64-token prompts + 1 with a 1500-token prompt, 10M benchmark Llama fp32, 1 thread",
         "step_ms_median": medians,
         "step_ms_rounds": {name: [round(v, 2) for v in values] for name, values in step_ms.items()},

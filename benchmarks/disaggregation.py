@@ -47,14 +47,26 @@ CONFIGS: dict[str, list[str]] = {
     DISAGG_TCP: ["--replica-roles", "prefill=1,decode=1", "--kv-transport", "tcp", "--num-threads", "1"],
     DISAGG_SHM: ["--replica-roles", "prefill=1,decode=1", "--kv-transport", "shm", "--num-threads", "1"],
 }
-CONFIG_KEYS = {"colocated-2t": COLOCATED_2T, "colocated-1t": COLOCATED_1T, "disagg-tcp": DISAGG_TCP,
-               "disagg-shm": DISAGG_SHM}
+CONFIG_KEYS = {
+    "colocated-2t": COLOCATED_2T,
+    "colocated-1t": COLOCATED_1T,
+    "disagg-tcp": DISAGG_TCP,
+    "disagg-shm": DISAGG_SHM,
+}
 ROLE_CORES = {"prefill": 0, "decode": 1}
 # The numbers compared in the summary: (row key, lower is better).
-HEADLINE = (("chat_itl_p50_s", True), ("chat_itl_p99_s", True), ("chat_ttft_p50_s", True),
-            ("chat_ttft_p99_s", True), ("rag_ttft_p50_s", True), ("rag_ttft_p99_s", True),
-            ("output_tok_per_s", False), ("goodput_req_per_s", False), ("chat_goodput_req_per_s", False),
-            ("rag_goodput_req_per_s", False))
+HEADLINE = (
+    ("chat_itl_p50_s", True),
+    ("chat_itl_p99_s", True),
+    ("chat_ttft_p50_s", True),
+    ("chat_ttft_p99_s", True),
+    ("rag_ttft_p50_s", True),
+    ("rag_ttft_p99_s", True),
+    ("output_tok_per_s", False),
+    ("goodput_req_per_s", False),
+    ("chat_goodput_req_per_s", False),
+    ("rag_goodput_req_per_s", False),
+)
 
 
 def pin_engines(url: str) -> dict[str, dict[str, Any]]:
@@ -85,8 +97,9 @@ def metrics_text(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
 
 
-def run_config(label: str, model_dir: Path, engine: list[str], load: Any, workload: Any,
-               slo: dict[str, Any], scratch: Path) -> tuple[dict[str, Any], list[Any]]:
+def run_config(
+    label: str, model_dir: Path, engine: list[str], load: Any, workload: Any, slo: dict[str, Any], scratch: Path
+) -> tuple[dict[str, Any], list[Any]]:
     """One server, one run of the workload: (summary row, records)."""
     from pagoda.bench.handoff_metrics import handoff_delta
     from pagoda.bench.mixed_load import run_mixed, summarize_mixed, summary_row, warm_up
@@ -110,11 +123,16 @@ def run_config(label: str, model_dir: Path, engine: list[str], load: Any, worklo
         row["pinned"] = pinned
     handoffs = handoff_delta(before, after) if pinned else None
     if handoffs is not None:
-        row.update(handoffs=handoffs.handoffs_exported, handoffs_imported=handoffs.handoffs_imported,
-                   handoff_failures=handoffs.failures, fallback_prefills=handoffs.fallback_prefills,
-                   blocks_per_handoff=handoffs.blocks_per_handoff, bytes_per_handoff=handoffs.bytes_per_handoff,
-                   blocks_cached=handoffs.blocks_cached,
-                   **{f"handoff_{phase}_mean_s": mean for phase, mean in handoffs.phase_mean_s.items()})
+        row.update(
+            handoffs=handoffs.handoffs_exported,
+            handoffs_imported=handoffs.handoffs_imported,
+            handoff_failures=handoffs.failures,
+            fallback_prefills=handoffs.fallback_prefills,
+            blocks_per_handoff=handoffs.blocks_per_handoff,
+            bytes_per_handoff=handoffs.bytes_per_handoff,
+            blocks_cached=handoffs.blocks_cached,
+            **{f"handoff_{phase}_mean_s": mean for phase, mean in handoffs.phase_mean_s.items()},
+        )
     return row, result.records
 
 
@@ -141,8 +159,9 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
         return BenchRequest(index, name, prompt, [], builder.count(prompt), output_len)
 
     async def chats(client: Any, config: LoadConfig, first: int) -> list[float]:
-        records = await asyncio.gather(*(send_request(client, config, request(first + i, "chat", 64, 48),
-                                                      time.perf_counter()) for i in range(8)))
+        records = await asyncio.gather(
+            *(send_request(client, config, request(first + i, "chat", 64, 48), time.perf_counter()) for i in range(8))
+        )
         if not all(r.ok for r in records):
             raise RuntimeError(f"probe request failed: {[r.error for r in records if not r.ok]}")
         return [g for r in records for g in r.itls]
@@ -156,8 +175,13 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
             first_token = asyncio.Event()
 
             async def long_stream() -> None:
-                body = {"model": "bench", "prompt": long_request.prompt, "max_tokens": long_request.output_len,
-                        "ignore_eos": True, "stream": True}
+                body = {
+                    "model": "bench",
+                    "prompt": long_request.prompt,
+                    "max_tokens": long_request.output_len,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 async with client.stream("POST", config.url, json=body) as response:
                     async for _ in aiter_sse_events(response.aiter_lines()):
                         first_token.set()
@@ -167,9 +191,11 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
             beside_long = await chats(client, config, 20)
             long_still_running = not long_task.done()
             long_task.cancel()
-        return {"chat_itl_p50_alone_s": statistics.median(alone),
-                "chat_itl_p50_beside_long_context_s": statistics.median(beside_long),
-                "long_request_decoding_throughout": long_still_running}
+        return {
+            "chat_itl_p50_alone_s": statistics.median(alone),
+            "chat_itl_p50_beside_long_context_s": statistics.median(beside_long),
+            "long_request_decoding_throughout": long_still_running,
+        }
 
     flags = [*CONFIGS[label], *engine]
     with pagoda_server_process(model_dir, flags, scratch / "server.log") as (url, _):
@@ -181,25 +207,46 @@ def decode_step_probe(label: str, model_dir: Path, engine: list[str], builder: A
 def transfer_cost(rounds: int) -> dict[str, Any]:
     """ms per 1k tokens of context per transport (fp32 KV of this model): measured now by
     benchmarks/kv_transfer.py when rounds > 0, and as committed in results/kv_transfer.json."""
+
     def rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{k: row[k] for k in ("transport", "kv_cache_dtype", "context_tokens", "bytes", "median_ms",
-                                     "ms_per_1k_tokens")} for row in payload["results"]]
+        return [
+            {
+                k: row[k]
+                for k in ("transport", "kv_cache_dtype", "context_tokens", "bytes", "median_ms", "ms_per_1k_tokens")
+            }
+            for row in payload["results"]
+        ]
 
     out: dict[str, Any] = {}
     committed = RESULTS / "kv_transfer.json"
     if committed.is_file():
         payload = json.loads(committed.read_text())
-        out["committed"] = {"file": "benchmarks/results/kv_transfer.json", "date": payload["date"],
-                            "command": payload["command"], "results": rows(payload)}
+        out["committed"] = {
+            "file": "benchmarks/results/kv_transfer.json",
+            "date": payload["date"],
+            "command": payload["command"],
+            "results": rows(payload),
+        }
     if rounds > 0:
         with tempfile.TemporaryDirectory() as scratch:
-            command = [sys.executable, str(REPO / "benchmarks" / "kv_transfer.py"), "--rounds", str(rounds),
-                       "--contexts", "1536", "--out", scratch]
+            command = [
+                sys.executable,
+                str(REPO / "benchmarks" / "kv_transfer.py"),
+                "--rounds",
+                str(rounds),
+                "--contexts",
+                "1536",
+                "--out",
+                scratch,
+            ]
             subprocess.run(command, check=True, cwd=REPO)
             payload = json.loads((Path(scratch) / "kv_transfer.json").read_text())
-        out["this_run"] = {"command": f".venv/bin/python benchmarks/kv_transfer.py --rounds {rounds} "
-                                      f"--contexts 1536", "date": payload["date"],
-                           "load_average_at_start": payload["load_average_at_start"], "results": rows(payload)}
+        out["this_run"] = {
+            "command": f".venv/bin/python benchmarks/kv_transfer.py --rounds {rounds} --contexts 1536",
+            "date": payload["date"],
+            "load_average_at_start": payload["load_average_at_start"],
+            "results": rows(payload),
+        }
     return out
 
 
@@ -233,21 +280,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=str(REPO / "tmp" / "bench-model"))
     parser.add_argument("--out", default=str(RESULTS / NAME))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", default="colocated-2t,colocated-1t,disagg-tcp,disagg-shm",
-                        help=f"comma-separated, from {', '.join(CONFIG_KEYS)}")
+    parser.add_argument(
+        "--configs",
+        default="colocated-2t,colocated-1t,disagg-tcp,disagg-shm",
+        help=f"comma-separated, from {', '.join(CONFIG_KEYS)}",
+    )
     parser.add_argument("--streams", type=int, default=8, help="closed-loop chat clients")
     parser.add_argument("--rag-rate", type=float, default=0.5, help="long-prompt requests per second (Poisson)")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds of sending per run")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="chunked-prefill token budget per engine step, every configuration")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="chunked-prefill token budget per engine step, every configuration",
+    )
     parser.add_argument("--chat-slo", default="ttft=1,itl_p99=100ms")
     parser.add_argument("--rag-slo", default="ttft=3,itl_p99=100ms")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-decode-probe", dest="decode_probe", action="store_false",
-                        help="skip the probe of chat decode steps beside one long context (after the runs)")
-    parser.add_argument("--transfer-rounds", type=int, default=5,
-                        help="rounds of benchmarks/kv_transfer.py at a 1536-token context after the runs "
-                             "(0: only cite the committed results/kv_transfer.json)")
+    parser.add_argument(
+        "--no-decode-probe",
+        dest="decode_probe",
+        action="store_false",
+        help="skip the probe of chat decode steps beside one long context (after the runs)",
+    )
+    parser.add_argument(
+        "--transfer-rounds",
+        type=int,
+        default=5,
+        help="rounds of benchmarks/kv_transfer.py at a 1536-token context after the runs "
+        "(0: only cite the committed results/kv_transfer.json)",
+    )
     args = parser.parse_args(argv)
 
     from pagoda.bench.lengths import uniform
@@ -260,13 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_bench_model(Path(args.model_dir))
     out = Path(args.out)
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir).items() if k in META_KEYS}
-    spec = MixedLoadSpec(streams=args.streams, stream_prompt=uniform(56, 72), stream_output=128,
-                         arrival_rate=args.rag_rate, arrival_prompt=uniform(1400, 1600), arrival_output=16,
-                         duration=args.duration, seed=args.seed)
+    spec = MixedLoadSpec(
+        streams=args.streams,
+        stream_prompt=uniform(56, 72),
+        stream_output=128,
+        arrival_rate=args.rag_rate,
+        arrival_prompt=uniform(1400, 1600),
+        arrival_output=16,
+        duration=args.duration,
+        seed=args.seed,
+    )
     workload = MixedWorkload(spec, PromptBuilder.from_tokenizer(load_tokenizer(str(model_dir))))
     slo = {"chat": parse_request_slo(args.chat_slo), "rag": parse_request_slo(args.rag_slo)}
-    engine = ["--max-model-len", "2048", "--max-num-seqs", "32", "--enable-chunked-prefill",
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    engine = [
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "32",
+        "--enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
 
     def load(url: str) -> LoadConfig:
         return LoadConfig(base_url=url, model="bench", ignore_eos=True, duration=spec.duration, timeout=300.0)
@@ -289,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             chat_gaps[label] += [g for r in records if r.ok and r.class_name == "chat" for g in r.itls]
             r = row[label]
-            print(f"round {round_index + 1} {label}: {r['output_tok_per_s']:.0f} tok/s, chat ITL p50/p99 "
-                  f"{r.get('chat_itl_p50_s', 0) * 1e3:.0f}/{r.get('chat_itl_p99_s', 0) * 1e3:.0f} ms, "
-                  f"rag TTFT p50 {r.get('rag_ttft_p50_s', 0):.2f} s, goodput {r['goodput_req_per_s']:.2f} req/s "
-                  f"({time.monotonic() - started:.0f} s)", flush=True)
+            print(
+                f"round {round_index + 1} {label}: {r['output_tok_per_s']:.0f} tok/s, chat ITL p50/p99 "
+                f"{r.get('chat_itl_p50_s', 0) * 1e3:.0f}/{r.get('chat_itl_p99_s', 0) * 1e3:.0f} ms, "
+                f"rag TTFT p50 {r.get('rag_ttft_p50_s', 0):.2f} s, goodput {r['goodput_req_per_s']:.2f} req/s "
+                f"({time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
         rounds.append(row)
 
     ok_rounds = [{k: v for k, v in r.items() if "failed" not in v} for r in rounds]
@@ -302,41 +381,61 @@ def main(argv: list[str] | None = None) -> int:
     colocated = [label for label in (COLOCATED_2T, COLOCATED_1T) if label in medians]
     if colocated:
         # Compare with the better co-located engine: the one with the higher goodput, then throughput.
-        best = max(colocated, key=lambda label: (medians[label]["goodput_req_per_s"]["median"],
-                                                 medians[label]["output_tok_per_s"]["median"]))
-        comparisons = {"baseline": best, "ratios_vs_baseline": {
-            label: comparison(medians, best, label) for label in measured if label != best}}
+        best = max(
+            colocated,
+            key=lambda label: (
+                medians[label]["goodput_req_per_s"]["median"],
+                medians[label]["output_tok_per_s"]["median"],
+            ),
+        )
+        comparisons = {
+            "baseline": best,
+            "ratios_vs_baseline": {label: comparison(medians, best, label) for label in measured if label != best},
+        }
     probes = {}
-    for label in [label for label in (COLOCATED_2T, COLOCATED_1T, DISAGG_TCP) if label in labels] \
-            if args.decode_probe else []:
+    for label in (
+        [label for label in (COLOCATED_2T, COLOCATED_1T, DISAGG_TCP) if label in labels] if args.decode_probe else []
+    ):
         with tempfile.TemporaryDirectory() as scratch:
             probes[label] = decode_step_probe(label, model_dir, engine, workload.builder, Path(scratch))
-        print(f"decode-step probe, {label}: chat ITL p50 "
-              f"{probes[label]['chat_itl_p50_alone_s'] * 1e3:.0f} ms alone, "
-              f"{probes[label]['chat_itl_p50_beside_long_context_s'] * 1e3:.0f} ms beside a 1500-token context",
-              flush=True)
+        print(
+            f"decode-step probe, {label}: chat ITL p50 "
+            f"{probes[label]['chat_itl_p50_alone_s'] * 1e3:.0f} ms alone, "
+            f"{probes[label]['chat_itl_p50_beside_long_context_s'] * 1e3:.0f} ms beside a 1500-token context",
+            flush=True,
+        )
     load_average_at_end = [round(x, 2) for x in os.getloadavg()]
     transfer = transfer_cost(args.transfer_rounds)
-    write_summary(out / "summary.json", {
-        **meta,
-        "workload": {"chat": f"{spec.streams} closed-loop streams, prompt uniform 56-72 tokens, "
-                             f"{spec.stream_output} output tokens",
-                     "rag": f"Poisson {spec.arrival_rate} req/s, prompt uniform 1400-1600 tokens, "
-                            f"{spec.arrival_output} output tokens",
-                     "duration_s": spec.duration, "seed": spec.seed, "ignore_eos": True, "endpoint": "completions",
-                     "arrivals": len(workload.arrival_times())},
-        "engine_flags_every_config": engine,
-        "configs": {label: CONFIGS[label] for label in labels},
-        "pinning": "disaggregated: prefill engine -> core 0, decode engine -> core 1 (every thread); "
-                   "co-located engine, HTTP front and load generator unpinned",
-        "slo": {name: slo_text(s) for name, s in slo.items()},
-        "machine_note": "2 vCPUs shared with other engineers' tests and benchmarks during the run; "
-                        "each run's load average at its start is in its round row",
-        "load_average_at_end": load_average_at_end,
-        "rounds": rounds, "summary": medians, **comparisons,
-        "kv_transfer_ms_per_1k_tokens": transfer,
-        "decode_step_probe": probes,
-    })
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "workload": {
+                "chat": f"{spec.streams} closed-loop streams, prompt uniform 56-72 tokens, "
+                f"{spec.stream_output} output tokens",
+                "rag": f"Poisson {spec.arrival_rate} req/s, prompt uniform 1400-1600 tokens, "
+                f"{spec.arrival_output} output tokens",
+                "duration_s": spec.duration,
+                "seed": spec.seed,
+                "ignore_eos": True,
+                "endpoint": "completions",
+                "arrivals": len(workload.arrival_times()),
+            },
+            "engine_flags_every_config": engine,
+            "configs": {label: CONFIGS[label] for label in labels},
+            "pinning": "disaggregated: prefill engine -> core 0, decode engine -> core 1 (every thread); "
+            "co-located engine, HTTP front and load generator unpinned",
+            "slo": {name: slo_text(s) for name, s in slo.items()},
+            "machine_note": "2 vCPUs shared with other engineers' tests and benchmarks during the run; "
+            "each run's load average at its start is in its round row",
+            "load_average_at_end": load_average_at_end,
+            "rounds": rounds,
+            "summary": medians,
+            **comparisons,
+            "kv_transfer_ms_per_1k_tokens": transfer,
+            "decode_step_probe": probes,
+        },
+    )
     _plot(out, medians, chat_gaps)
     print(f"wrote {out}/summary.json and {NAME}.png")
     return 0
@@ -348,9 +447,13 @@ def _plot(out: Path, medians: dict[str, dict[str, Any]], chat_gaps: dict[str, li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("chat ITL p99 (ms)", "chat_itl_p99_s", 1e3), ("chat TTFT p99 (ms)", "chat_ttft_p99_s", 1e3),
-              ("RAG TTFT p99 (s)", "rag_ttft_p99_s", 1), ("output tok/s", "output_tok_per_s", 1),
-              ("goodput (req/s)", "goodput_req_per_s", 1))
+    panels = (
+        ("chat ITL p99 (ms)", "chat_itl_p99_s", 1e3),
+        ("chat TTFT p99 (ms)", "chat_ttft_p99_s", 1e3),
+        ("RAG TTFT p99 (s)", "rag_ttft_p99_s", 1),
+        ("output tok/s", "output_tok_per_s", 1),
+        ("goodput (req/s)", "goodput_req_per_s", 1),
+    )
     labels = list(medians)
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 4.4))
     for ax, (title, key, scale) in zip(axes, panels):
@@ -358,8 +461,7 @@ def _plot(out: Path, medians: dict[str, dict[str, Any]], chat_gaps: dict[str, li
         mid = [s["median"] * scale if s else 0 for s in stats]
         low = [(s["median"] - s["min"]) * scale if s else 0 for s in stats]
         high = [(s["max"] - s["median"]) * scale if s else 0 for s in stats]
-        bars = ax.bar(range(len(labels)), mid, yerr=[low, high], capsize=4,
-                      color=[f"C{i}" for i in range(len(labels))])
+        bars = ax.bar(range(len(labels)), mid, yerr=[low, high], capsize=4, color=[f"C{i}" for i in range(len(labels))])
         ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in mid], fontsize=8)
         ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -368,15 +470,21 @@ def _plot(out: Path, medians: dict[str, dict[str, Any]], chat_gaps: dict[str, li
     for i, (label, gaps) in enumerate(chat_gaps.items()):
         if gaps:
             xs = sorted(g * 1e3 for g in gaps)
-            cdf.step(xs, [(j + 1) / len(xs) for j in range(len(xs))], where="post", color=f"C{i}",
-                     label=f"{label} (n={len(xs)})")
+            cdf.step(
+                xs,
+                [(j + 1) / len(xs) for j in range(len(xs))],
+                where="post",
+                color=f"C{i}",
+                label=f"{label} (n={len(xs)})",
+            )
     cdf.set_xscale("log")
     cdf.set_xlabel("chat inter-token gap (ms), every round")
     cdf.set_title("chat ITL CDF", fontsize=10)
     cdf.grid(True, which="both", alpha=0.3)
     cdf.legend(fontsize=7)
-    fig.suptitle("prefill/decode disaggregation vs one co-located engine, 2 cores: medians over rounds "
-                 "(whiskers: min-max)")
+    fig.suptitle(
+        "prefill/decode disaggregation vs one co-located engine, 2 cores: medians over rounds (whiskers: min-max)"
+    )
     fig.tight_layout()
     fig.savefig(out / f"{NAME}.png", dpi=110)
     plt.close(fig)

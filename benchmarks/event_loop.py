@@ -25,11 +25,24 @@ from common import RESULTS, build_bench_model, metadata, pagoda_server, write_su
 
 LIPSUM = "lorem ipsum dolor sit amet "
 WORKLOADS: list[tuple[str, str, dict[str, Any]]] = [
-    ("chat n=25 top_logprobs=20 max_tokens=256", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "n": 25, "logprobs": True, "top_logprobs": 20,
-      "max_tokens": 256, "temperature": 1, "ignore_eos": True}),
-    ("completions n=25 logprobs=20 max_tokens=256", "/v1/completions",
-     {"prompt": "def", "n": 25, "logprobs": 20, "max_tokens": 256, "temperature": 1, "ignore_eos": True}),
+    (
+        "chat n=25 top_logprobs=20 max_tokens=256",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 25,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "max_tokens": 256,
+            "temperature": 1,
+            "ignore_eos": True,
+        },
+    ),
+    (
+        "completions n=25 logprobs=20 max_tokens=256",
+        "/v1/completions",
+        {"prompt": "def", "n": 25, "logprobs": 20, "max_tokens": 256, "temperature": 1, "ignore_eos": True},
+    ),
     ("/tokenize 1 MB, return_token_strs", "/tokenize", {"prompt": LIPSUM * 40_000, "return_token_strs": True}),
     ("/tokenize 7.5 MB over the context", "/tokenize", {"prompt": "word " * 1_500_000, "return_token_strs": True}),
 ]
@@ -58,9 +71,13 @@ def health_while(url: str, work: Callable[[], httpx.Response]) -> dict[str, Any]
     worker.join()
     response = outcome["response"]
     latencies.sort()
-    return {"status": response.status_code, "body_mb": round(len(response.content) / 1e6, 2),
-            "health_samples": len(latencies), "health_max_ms": round(max(latencies, default=0), 1),
-            "health_p50_ms": round(latencies[len(latencies) // 2], 1) if latencies else None}
+    return {
+        "status": response.status_code,
+        "body_mb": round(len(response.content) / 1e6, 2),
+        "health_samples": len(latencies),
+        "health_max_ms": round(max(latencies, default=0), 1),
+        "health_p50_ms": round(latencies[len(latencies) // 2], 1) if latencies else None,
+    }
 
 
 def silent_connection_held_s(url: str, limit: float = 60) -> float:
@@ -83,16 +100,14 @@ def main() -> int:
     args = parser.parse_args()
     model_dir = build_bench_model(args.model_dir)
     results: dict[str, Any] = {}
-    with pagoda_server(model_dir, ["--num-threads", "1", "--max-num-seqs", "32"],
-                       args.out / "server.log") as url:
+    with pagoda_server(model_dir, ["--num-threads", "1", "--max-num-seqs", "32"], args.out / "server.log") as url:
         for label, path, body in WORKLOADS:
             post = partial(httpx.post, url + path, json=body, timeout=300)
             results[label] = [health_while(url, post) for _ in range(args.rounds)]
             print(label, json.dumps(results[label]), flush=True)
         results["silent connection held (s, capped at 60)"] = silent_connection_held_s(url)
         print("silent connection held", results["silent connection held (s, capped at 60)"], "s")
-    write_summary(args.out / "summary.json", {**metadata("event_loop.py", sys.argv[1:], model_dir),
-                                              "results": results})
+    write_summary(args.out / "summary.json", {**metadata("event_loop.py", sys.argv[1:], model_dir), "results": results})
     return 0
 
 

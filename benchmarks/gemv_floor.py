@@ -95,17 +95,32 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average_at_start": os.getloadavg(),
         "torch": torch.__version__,
-        "model_shape": MODEL_SHAPE, "vocab_size": VOCAB_SIZE, "weight_mib_per_token": round(weight_mib, 1),
+        "model_shape": MODEL_SHAPE,
+        "vocab_size": VOCAB_SIZE,
+        "weight_mib_per_token": round(weight_mib, 1),
         "ms_per_token_median": {name: round(statistics.median(v), 3) for name, v in per_round.items()},
         "ms_per_token_min_max": {name: [round(min(v), 3), round(max(v), 3)] for name, v in per_round.items()},
-        "effective_gb_per_s": {name: round(weight_mib * 2**20 / (statistics.median(v) / 1e3) / 1e9, 2)
-                               for name, v in per_round.items()},
+        "effective_gb_per_s": {
+            name: round(weight_mib * 2**20 / (statistics.median(v) / 1e3) / 1e9, 2) for name, v in per_round.items()
+        },
         "llama_server_c1_median_itl_ms": llama_itl,
         "reference": str(reference.relative_to(REPO)),
     }
     write_summary(Path(args.out), summary)
-    print(json.dumps({k: summary[k] for k in ("weight_mib_per_token", "ms_per_token_median",
-                                               "effective_gb_per_s", "llama_server_c1_median_itl_ms")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "weight_mib_per_token",
+                    "ms_per_token_median",
+                    "effective_gb_per_s",
+                    "llama_server_c1_median_itl_ms",
+                )
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

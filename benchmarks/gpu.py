@@ -40,37 +40,74 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu.json"
-GiB = 2 ** 30
+GiB = 2**30
 
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
     },
     "llama3-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
         "hidden_act": "silu",
     },
     "tiny": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
-        "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "vocab_size": 2048, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 2048,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
     },
 }
 
@@ -112,20 +149,22 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(
-        directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(directory)
 
 
-def write_random_model(directory: Path, config: dict[str, Any], device: torch.device, seed: int = 0,
-                       shard_bytes: int = 4 * GiB) -> int:
+def write_random_model(
+    directory: Path, config: dict[str, Any], device: torch.device, seed: int = 0, shard_bytes: int = 4 * GiB
+) -> int:
     """config.json, tokenizer and bf16 safetensors shards of N(0, 0.02) weights (norms = 1),
     drawn on `device`. Returns the number of parameters."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(
-        {**config, "torch_dtype": "bfloat16", "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0},
-        indent=2))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {**config, "torch_dtype": "bfloat16", "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0}, indent=2
+        )
+    )
     write_tokenizer(directory, config["vocab_size"])
     generator = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
@@ -153,8 +192,9 @@ def write_random_model(directory: Path, config: dict[str, Any], device: torch.de
             flush()
     if shard:
         flush()
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 2 * num_params}, "weight_map": weight_map}, indent=2))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 2 * num_params}, "weight_map": weight_map}, indent=2)
+    )
     return num_params
 
 
@@ -226,8 +266,11 @@ def pagoda_single_stream(llm: Any, prompt: list[int], output_len: int) -> dict[s
         if delta.finished:
             break
     decode_tokens = count - first_count
-    return {"time_to_first_token_s": first_time - start, "decode_tokens": decode_tokens,
-            "decode_tok_per_s": decode_tokens / (now - first_time)}
+    return {
+        "time_to_first_token_s": first_time - start,
+        "decode_tokens": decode_tokens,
+        "decode_tok_per_s": decode_tokens / (now - first_time),
+    }
 
 
 def pagoda_offline(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
@@ -241,12 +284,24 @@ def pagoda_offline(llm: Any, prompts: list[list[int]], output_lens: list[int]) -
     if generated != sum(output_lens):
         raise RuntimeError(f"pagoda generated {generated} tokens, {sum(output_lens)} were asked for")
     total = generated + sum(len(p) for p in prompts)
-    return {"seconds": elapsed, "output_tokens": generated, "output_tok_per_s": generated / elapsed,
-            "total_tok_per_s": total / elapsed}
+    return {
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tok_per_s": generated / elapsed,
+        "total_tok_per_s": total / elapsed,
+    }
 
 
-def profile_decode(llm: Any, batch_size: int, vocab_size: int, device: torch.device, seed: int,
-                   prompt_len: int = 128, warmup_steps: int = 3, steps: int = 3) -> tuple[dict[str, Any], str]:
+def profile_decode(
+    llm: Any,
+    batch_size: int,
+    vocab_size: int,
+    device: torch.device,
+    seed: int,
+    prompt_len: int = 128,
+    warmup_steps: int = 3,
+    steps: int = 3,
+) -> tuple[dict[str, Any], str]:
     """`batch_size` requests prefilled, then `steps` decode-only engine steps under torch.profiler:
     wall time per step against device kernel time (the rest is the GPU waiting on the host), the
     runner's host phases, how many steps replayed a CUDA graph, and a table of the top ops."""
@@ -311,7 +366,9 @@ def profile_decode(llm: Any, batch_size: int, vocab_size: int, device: torch.dev
     kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
     summary = {
-        "batch_size": batch_size, "context": prompt_len + warmup_steps + steps, "steps": steps,
+        "batch_size": batch_size,
+        "context": prompt_len + warmup_steps + steps,
+        "steps": steps,
         "step_wall_ms": 1e3 * plain_wall,
         "step_wall_ms_profiled": 1e3 * wall,
         "kernel_ms": 1e3 * kernel_s,
@@ -329,8 +386,14 @@ def hf_generate(model: Any, batch: list[list[int]], new_tokens: int, device: tor
     width = max(len(p) for p in batch)
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-    model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
     synchronize(device)
 
 
@@ -342,20 +405,29 @@ def hf_single_stream(model: Any, prompt: list[int], output_len: int, device: tor
     start = time.perf_counter()
     hf_generate(model, [prompt], output_len, device)
     full = time.perf_counter() - start
-    return {"time_to_first_token_s": prefill, "decode_tokens": output_len - 1,
-            "decode_tok_per_s": (output_len - 1) / (full - prefill)}
+    return {
+        "time_to_first_token_s": prefill,
+        "decode_tokens": output_len - 1,
+        "decode_tok_per_s": (output_len - 1) / (full - prefill),
+    }
 
 
-def hf_offline(model: Any, prompts: list[list[int]], output_lens: list[int], batch_size: int,
-               device: torch.device) -> dict[str, float]:
+def hf_offline(
+    model: Any, prompts: list[list[int]], output_lens: list[int], batch_size: int, device: torch.device
+) -> dict[str, float]:
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        hf_generate(model, prompts[i:i + batch_size], max(output_lens[i:i + batch_size]), device)
+        hf_generate(model, prompts[i : i + batch_size], max(output_lens[i : i + batch_size]), device)
     elapsed = time.perf_counter() - start
     useful = sum(output_lens)
     total = useful + sum(len(p) for p in prompts)
-    return {"seconds": elapsed, "output_tokens": useful, "output_tok_per_s": useful / elapsed,
-            "total_tok_per_s": total / elapsed, "batch_size": batch_size}
+    return {
+        "seconds": elapsed,
+        "output_tokens": useful,
+        "output_tok_per_s": useful / elapsed,
+        "total_tok_per_s": total / elapsed,
+        "batch_size": batch_size,
+    }
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -377,24 +449,46 @@ def kv_cache_memory(args: argparse.Namespace, device: torch.device, weight_bytes
     return str(max(int(0.85 * (free - weight_bytes) - 4 * GiB), GiB))
 
 
-def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, Any], device: torch.device,
-                 workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
-                 save: Callable[[], None]) -> None:
+def bench_pagoda(
+    args: argparse.Namespace,
+    model_dir: Path,
+    config: dict[str, Any],
+    device: torch.device,
+    workload: tuple[list[list[int]], list[int]],
+    single_prompt: list[int],
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
     """Fills `result`, calling `save` after each measurement (a run cut off keeps what it did)."""
     from pagoda import LLM
 
     weight_bytes = 2 * sum(math.prod(s) for s in checkpoint_shapes(config).values())
     max_model_len = max(args.max_len * 2, args.single_prompt_len + args.single_output_len)
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device=str(device), max_model_len=max_model_len,
-              kv_cache_memory=kv_cache_memory(args, device, weight_bytes), max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=str(device),
+        max_model_len=max_model_len,
+        kv_cache_memory=kv_cache_memory(args, device, weight_bytes),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+    )
     core = llm.engine.core
-    result.update({"attention_backend": core.runner.backend.name, "kv_blocks": core.num_blocks,
-                   "enforce_eager": args.enforce_eager,
-                   "cuda_graphs": core.runner.decode_graphs is not None})
-    print(f"  pagoda: {result['attention_backend']} attention, {core.num_blocks} KV blocks, "
-          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}", flush=True)
+    result.update(
+        {
+            "attention_backend": core.runner.backend.name,
+            "kv_blocks": core.num_blocks,
+            "enforce_eager": args.enforce_eager,
+            "cuda_graphs": core.runner.decode_graphs is not None,
+        }
+    )
+    print(
+        f"  pagoda: {result['attention_backend']} attention, {core.num_blocks} KV blocks, "
+        f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}",
+        flush=True,
+    )
     pagoda_single_stream(llm, single_prompt[:64], 16)  # warm-up: kernels compiled, allocator settled
     result["single_stream"] = pagoda_single_stream(llm, single_prompt, args.single_output_len)
     print(f"  pagoda single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
@@ -406,32 +500,52 @@ def bench_pagoda(args: argparse.Namespace, model_dir: Path, config: dict[str, An
     if args.profile_batches:
         result["decode_profile"] = {}
         for batch_size in args.profile_batches:
-            summary, table = profile_decode(llm, batch_size, config["vocab_size"], device, args.seed,
-                                            prompt_len=min(args.profile_prompt_len, max_model_len // 2))
+            summary, table = profile_decode(
+                llm,
+                batch_size,
+                config["vocab_size"],
+                device,
+                args.seed,
+                prompt_len=min(args.profile_prompt_len, max_model_len // 2),
+            )
             result["decode_profile"][str(batch_size)] = summary
             save()
             print(f"  decode step at batch {batch_size}: {json.dumps(summary)}", flush=True)
             if args.profile_out is not None:
                 with args.profile_out.open("a") as log:
-                    log.write(f"== {model_dir.name}, one decode step at batch {batch_size} "
-                              f"({device_name(device)})\n{json.dumps(summary, indent=2)}\n{table}\n\n")
+                    log.write(
+                        f"== {model_dir.name}, one decode step at batch {batch_size} "
+                        f"({device_name(device)})\n{json.dumps(summary, indent=2)}\n{table}\n\n"
+                    )
     del llm, core
     free_memory(device)
 
 
-def bench_transformers(args: argparse.Namespace, model_dir: Path, device: torch.device,
-                       workload: tuple[list[list[int]], list[int]], single_prompt: list[int], result: dict[str, Any],
-                       save: Callable[[], None]) -> None:
+def bench_transformers(
+    args: argparse.Namespace,
+    model_dir: Path,
+    device: torch.device,
+    workload: tuple[list[list[int]], list[int]],
+    single_prompt: list[int],
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
     import transformers
 
     placement = {"device_map": str(device)} if args.hf_device_map else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **placement).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **placement
+        )
+        .to(device)
+        .eval()
+    )
     result["version"] = transformers.__version__
     with torch.inference_mode():
         hf_generate(model, [single_prompt[:64]], 8, device)  # warm-up
-        result["single_stream"] = hf_single_stream(model, single_prompt,
-                                                   args.hf_single_output_len or args.single_output_len, device)
+        result["single_stream"] = hf_single_stream(
+            model, single_prompt, args.hf_single_output_len or args.single_output_len, device
+        )
         print(f"  transformers single stream: {result['single_stream']['decode_tok_per_s']:.1f} tok/s", flush=True)
         save()
         if not args.skip_hf_offline and not args.skip_offline:
@@ -439,8 +553,11 @@ def bench_transformers(args: argparse.Namespace, model_dir: Path, device: torch.
             subset = args.hf_num_seqs or len(prompts)
             result["offline"] = hf_offline(model, prompts[:subset], output_lens[:subset], args.hf_batch_size, device)
             result["offline"]["num_seqs"] = subset
-            print(f"  transformers offline ({subset} of {len(prompts)} requests): "
-                  f"{result['offline']['output_tok_per_s']:.0f} output tok/s", flush=True)
+            print(
+                f"  transformers offline ({subset} of {len(prompts)} requests): "
+                f"{result['offline']['output_tok_per_s']:.0f} output tok/s",
+                flush=True,
+            )
             save()
     del model
     free_memory(device)
@@ -461,12 +578,20 @@ def summarize(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any
         if hf["offline"]["num_seqs"] < args.num_seqs:
             summary["offline_vs_transformers_note"] = (
                 f"output tok/s of pagoda on {args.num_seqs} requests over transformers on the first "
-                f"{hf['offline']['num_seqs']}")
+                f"{hf['offline']['num_seqs']}"
+            )
     return summary
 
 
-def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwidth: float,
-              workdir: Path, result: dict[str, Any], save: Callable[[], None]) -> None:
+def run_model(
+    args: argparse.Namespace,
+    name: str,
+    device: torch.device,
+    bandwidth: float,
+    workdir: Path,
+    result: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
     """Fills `result` for model `name`; `save` writes everything measured so far."""
     config = MODELS[name]
     print(f"{name}: writing random weights", flush=True)
@@ -474,26 +599,45 @@ def run_model(args: argparse.Namespace, name: str, device: torch.device, bandwid
     num_params = write_random_model(model_dir, config, device, seed=args.seed)
     free_memory(device)
     workload = make_workload(args.num_seqs, args.min_len, args.max_len, config["vocab_size"], args.seed)
-    single_prompt = make_workload(1, args.single_prompt_len, args.single_prompt_len, config["vocab_size"],
-                                  args.seed + 1)[0][0]
+    single_prompt = make_workload(
+        1, args.single_prompt_len, args.single_prompt_len, config["vocab_size"], args.seed + 1
+    )[0][0]
 
     mean_context = args.single_prompt_len + args.single_output_len / 2
     weight_bytes, kv_bytes = decode_bytes_per_token(config, mean_context)
     roofline = bandwidth / (weight_bytes + kv_bytes)
-    result.update({
-        "config": {k: config[k] for k in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                                          "tie_word_embeddings")},
-        "params": num_params,
-        "single_stream_roofline": {"weight_bytes_per_token": weight_bytes, "kv_bytes_per_token": kv_bytes,
-                                   "mean_context": mean_context, "tok_per_s": roofline},
-    })
+    result.update(
+        {
+            "config": {
+                k: config[k]
+                for k in (
+                    "architectures",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                )
+            },
+            "params": num_params,
+            "single_stream_roofline": {
+                "weight_bytes_per_token": weight_bytes,
+                "kv_bytes_per_token": kv_bytes,
+                "mean_context": mean_context,
+                "tok_per_s": roofline,
+            },
+        }
+    )
     print(f"{name}: {num_params / 1e6:.0f}M params; roofline {roofline:.0f} tok/s", flush=True)
     save()
     bench_pagoda(args, model_dir, config, device, workload, single_prompt, result.setdefault("pagoda", {}), save)
     if not args.skip_hf:
-        bench_transformers(args, model_dir, device, workload, single_prompt, result.setdefault("transformers", {}),
-                           save)
+        bench_transformers(
+            args, model_dir, device, workload, single_prompt, result.setdefault("transformers", {}), save
+        )
     save()
     print(f"{name}: {json.dumps(result['summary'])}", flush=True)
 
@@ -508,24 +652,32 @@ def driver_version(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="qwen3-0.6b,llama3-8b",
-                        help=f"comma-separated, from {', '.join(MODELS)} (default: %(default)s)")
+    parser.add_argument(
+        "--models",
+        default="qwen3-0.6b,llama3-8b",
+        help=f"comma-separated, from {', '.join(MODELS)} (default: %(default)s)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -535,24 +687,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--single-output-len", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-memory", default="auto",
-                        help="pagoda's KV pool, e.g. 40GiB (default: most of the free GPU memory)")
+    parser.add_argument(
+        "--kv-cache-memory", default="auto", help="pagoda's KV pool, e.g. 40GiB (default: most of the free GPU memory)"
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="run pagoda without CUDA graphs")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     parser.add_argument("--skip-hf-offline", action="store_true", help="transformers single stream only")
     parser.add_argument("--skip-offline", action="store_true", help="single stream only (pagoda and transformers)")
-    parser.add_argument("--hf-num-seqs", type=int, default=0,
-                        help="transformers offline on the first N requests only (default: all)")
-    parser.add_argument("--hf-single-output-len", type=int, default=0,
-                        help="transformers single-stream output length (default: --single-output-len)")
-    parser.add_argument("--profile-batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[],
-                        help="profile one pagoda decode step at each of these batch sizes, e.g. 1,64")
+    parser.add_argument(
+        "--hf-num-seqs", type=int, default=0, help="transformers offline on the first N requests only (default: all)"
+    )
+    parser.add_argument(
+        "--hf-single-output-len",
+        type=int,
+        default=0,
+        help="transformers single-stream output length (default: --single-output-len)",
+    )
+    parser.add_argument(
+        "--profile-batches",
+        type=lambda s: [int(b) for b in s.split(",") if b],
+        default=[],
+        help="profile one pagoda decode step at each of these batch sizes, e.g. 1,64",
+    )
     parser.add_argument("--profile-prompt-len", type=int, default=512, help="context of the profiled requests")
     parser.add_argument("--profile-out", type=Path, default=None, help="append the profiles' kernel tables here")
     parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB, help="size of the copy that measures bandwidth")
-    parser.add_argument("--hf-device-map", action="store_true",
-                        help="load transformers' weights straight onto the device (accelerate's device_map)")
+    parser.add_argument(
+        "--hf-device-map",
+        action="store_true",
+        help="load transformers' weights straight onto the device (accelerate's device_map)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="where the models go (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -575,16 +740,26 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": device_name(device),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver_version(device),
-                     "pagoda_commit": git_commit()},
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "driver": driver_version(device),
+            "pagoda_commit": git_commit(),
+        },
         "copy_bandwidth_bytes_per_s": bandwidth,
-        "workload": {"num_seqs": args.num_seqs, "prompt_len": [args.min_len, args.max_len],
-                     "output_len": [args.min_len, args.max_len], "ignore_eos": True, "dtype": args.dtype,
-                     "single_stream": {"prompt_len": args.single_prompt_len, "output_len": args.single_output_len}},
+        "workload": {
+            "num_seqs": args.num_seqs,
+            "prompt_len": [args.min_len, args.max_len],
+            "output_len": [args.min_len, args.max_len],
+            "ignore_eos": True,
+            "dtype": args.dtype,
+            "single_stream": {"prompt_len": args.single_prompt_len, "output_len": args.single_output_len},
+        },
         "models": {},
     }
     try:
         import triton
+
         results["versions"]["triton"] = triton.__version__
     except ImportError:
         pass

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import META_KEYS, REPO, RESULTS, build_bench_model, metadata, write_summary  # noqa: E402
-from pagoda.stats import percentile  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
+from pagoda.stats import percentile  # noqa: E402
 
 NAME = "kv_tiers"
 BLOCK = 16
@@ -57,9 +57,14 @@ def drive(core, jobs: deque, max_tokens: int, concurrency: int, on_done=None) ->
         for rid, (key, sample) in list(inflight.items()):
             if sample.is_finished:
                 m = sample.metrics
-                records.append({"ttft": m.first_token_time - sample.arrival_time,
-                                "e2e": m.finished_time - sample.arrival_time,
-                                "prompt": sample.num_prompt_tokens, "cached": sample.num_cached_tokens})
+                records.append(
+                    {
+                        "ttft": m.first_token_time - sample.arrival_time,
+                        "e2e": m.finished_time - sample.arrival_time,
+                        "prompt": sample.num_prompt_tokens,
+                        "cached": sample.num_cached_tokens,
+                    }
+                )
                 core.release(rid)
                 del inflight[rid]
                 if on_done is not None:
@@ -70,7 +75,8 @@ def drive(core, jobs: deque, max_tokens: int, concurrency: int, on_done=None) ->
 def summarize(core, records: list[dict], seconds: float, output_tokens: int) -> dict:
     stats = core.stats()
     row = {
-        "requests": len(records), "seconds": seconds,
+        "requests": len(records),
+        "seconds": seconds,
         "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
         "ttft_p99_s": percentile([r["ttft"] for r in records], 99),
         "e2e_p50_s": percentile([r["e2e"] for r in records], 50),
@@ -147,8 +153,11 @@ def preemption(model_dir: Path, threads: int, host: str, seed: int, rounds: int)
     each mode's best round is reported (the machine may be shared), every round is kept."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(5, 4000) for _ in range(1024)] for _ in range(4)]
-    modes = {"recompute": {}, "swap": {"kv_offload_memory": host, "preemption_mode": "swap"},
-             "auto": {"kv_offload_memory": host, "preemption_mode": "auto"}}
+    modes = {
+        "recompute": {},
+        "swap": {"kv_offload_memory": host, "preemption_mode": "swap"},
+        "auto": {"kv_offload_memory": host, "preemption_mode": "auto"},
+    }
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(rounds):
         for mode, engine in modes.items():
@@ -157,8 +166,10 @@ def preemption(model_dir: Path, threads: int, host: str, seed: int, rounds: int)
             records = drive(core, deque(enumerate(prompts)), 64, 4)
             runs[mode].append(summarize(core, records, time.perf_counter() - start, 64 * len(prompts)))
             core.close()
-    return {mode: {**min(rows, key=lambda r: r["seconds"]), "rounds_seconds": [r["seconds"] for r in rows]}
-            for mode, rows in runs.items()}
+    return {
+        mode: {**min(rows, key=lambda r: r["seconds"]), "rounds_seconds": [r["seconds"] for r in rows]}
+        for mode, rows in runs.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     configs = {
         "device only": {},
         "device + host": {"kv_offload_memory": "80MiB"},
-        "device + host + disk": {"kv_offload_memory": "10MiB", "kv_offload_disk": args.disk_dir,
-                                 "kv_offload_disk_size": "80MiB"},
+        "device + host + disk": {
+            "kv_offload_memory": "10MiB",
+            "kv_offload_disk": args.disk_dir,
+            "kv_offload_disk_size": "80MiB",
+        },
     }
     results = {"rag": rag(model_dir, args.threads, configs, args.seed)}
     print("rag", {k: (round(v["prefix_hit_rate"], 3), round(v["ttft_p50_s"], 4)) for k, v in results["rag"].items()})
@@ -194,19 +208,31 @@ def main(argv: list[str] | None = None) -> int:
         base, host = results[workload]["device only"], results[workload]["device + host"]
         ratios[workload] = {
             "hit_rate_host_over_device": host["prefix_hit_rate"] / base["prefix_hit_rate"]
-            if base["prefix_hit_rate"] else None,
+            if base["prefix_hit_rate"]
+            else None,
             "ttft_p50_device_over_host": base["ttft_p50_s"] / host["ttft_p50_s"],
-            "ttft_p99_device_over_host": base["ttft_p99_s"] / host["ttft_p99_s"]}
+            "ttft_p99_device_over_host": base["ttft_p99_s"] / host["ttft_p99_s"],
+        }
     pre = results["preemption"]
-    ratios["preemption"] = {"seconds_recompute_over_swap": pre["recompute"]["seconds"] / pre["swap"]["seconds"],
-                            "e2e_p99_recompute_over_swap": pre["recompute"]["e2e_p99_s"] / pre["swap"]["e2e_p99_s"]}
-    write_summary(Path(args.out) / "summary.json", {
-        **meta, "note": "shared machine: absolute numbers are noisy; compare ratios within this run",
-        "workloads": {"rag": "8 docs x 512 tokens (4x the 64-block device pool), 40 requests, 16 out, 1 in flight",
-                      "chat": "8 conversations x 5 turns, 64-token system, 48 user + 32 assistant per turn",
-                      "preemption": "4 x (1024 prompt + 64 out) at once, 160-block pool, 256-token step budget; "
-                                    "recompute without a host tier, swap/auto with 80 MiB; best of alternating rounds"},
-        "results": results, "ratios": ratios})
+    ratios["preemption"] = {
+        "seconds_recompute_over_swap": pre["recompute"]["seconds"] / pre["swap"]["seconds"],
+        "e2e_p99_recompute_over_swap": pre["recompute"]["e2e_p99_s"] / pre["swap"]["e2e_p99_s"],
+    }
+    write_summary(
+        Path(args.out) / "summary.json",
+        {
+            **meta,
+            "note": "shared machine: absolute numbers are noisy; compare ratios within this run",
+            "workloads": {
+                "rag": "8 docs x 512 tokens (4x the 64-block device pool), 40 requests, 16 out, 1 in flight",
+                "chat": "8 conversations x 5 turns, 64-token system, 48 user + 32 assistant per turn",
+                "preemption": "4 x (1024 prompt + 64 out) at once, 160-block pool, 256-token step budget; "
+                "recompute without a host tier, swap/auto with 80 MiB; best of alternating rounds",
+            },
+            "results": results,
+            "ratios": ratios,
+        },
+    )
     _plot(Path(args.out), results)
     print(f"wrote {args.out}/summary.json and kv_tiers.png")
     return 0
@@ -215,12 +241,16 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(out: Path, results: dict) -> None:
     from pagoda.bench.plots import plot_bars
 
-    plot_bars({
-        "rag: prefix hit rate": {k: v["prefix_hit_rate"] for k, v in results["rag"].items()},
-        "rag: TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in results["rag"].items()},
-        "chat: TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in results["chat"].items()},
-        "preemption: wall time (s)": {k: v["seconds"] for k, v in results["preemption"].items()},
-    }, out / "kv_tiers.png", "KV tiers: device-only vs +host (+disk); swap vs recompute (1k contexts)")
+    plot_bars(
+        {
+            "rag: prefix hit rate": {k: v["prefix_hit_rate"] for k, v in results["rag"].items()},
+            "rag: TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in results["rag"].items()},
+            "chat: TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in results["chat"].items()},
+            "preemption: wall time (s)": {k: v["seconds"] for k, v in results["preemption"].items()},
+        },
+        out / "kv_tiers.png",
+        "KV tiers: device-only vs +host (+disk); swap vs recompute (1k contexts)",
+    )
 
 
 if __name__ == "__main__":

@@ -80,13 +80,28 @@ def sender(conn, num_pool_blocks: int) -> None:
         block_ids = list(range(num_pool_blocks - num_blocks, num_pool_blocks))[::-1]  # scattered, not 0..n
         started = time.perf_counter()
         blocks = [t.cpu() for t in gather_blocks(caches, block_ids)]
-        header = HandoffHeader(request_id="bench", prompt_token_ids=list(range(context)), output_token_ids=[1],
-                               sampling_params={}, cache_salt=None, lora_name=None, block_size=BLOCK,
-                               block_hashes=[f"{i:032x}" for i in range(context // BLOCK)], num_blocks=num_blocks,
-                               layout=layout_of(caches), fingerprint="bench")
+        header = HandoffHeader(
+            request_id="bench",
+            prompt_token_ids=list(range(context)),
+            output_token_ids=[1],
+            sampling_params={},
+            cache_salt=None,
+            lora_name=None,
+            block_size=BLOCK,
+            block_hashes=[f"{i:032x}" for i in range(context // BLOCK)],
+            num_blocks=num_blocks,
+            layout=layout_of(caches),
+            fingerprint="bench",
+        )
         handoff = KVHandoff(header, blocks)
-        send_handoff(handoff, transport, address, timeout=60, auth=HandoffAuth(SECRET),
-                     segments=segments if variant == "shm" else None)  # shm-unpooled: a segment per handoff
+        send_handoff(
+            handoff,
+            transport,
+            address,
+            timeout=60,
+            auth=HandoffAuth(SECRET),
+            segments=segments if variant == "shm" else None,
+        )  # shm-unpooled: a segment per handoff
         conn.send((time.perf_counter() - started, handoff.nbytes))
 
 
@@ -113,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     process = context_mp.Process(target=sender, args=(child, num_pool_blocks))
     process.start()
     auth = HandoffAuth(SECRET)  # frames are signed as in a deployment
-    listeners = {"tcp": KVListener("tcp", auth), "shm": KVListener("shm", auth),
-                 "shm-unpooled": KVListener("shm", auth)}
+    listeners = {
+        "tcp": KVListener("tcp", auth),
+        "shm": KVListener("shm", auth),
+        "shm-unpooled": KVListener("shm", auth),
+    }
     timings: dict[str, list[float]] = {}
     nbytes: dict[str, int] = {}
     try:
@@ -143,23 +161,39 @@ def main(argv: list[str] | None = None) -> int:
     for key, values in timings.items():
         transport, kv_dtype, context = key.split()
         median = statistics.median(values)
-        rows.append({"transport": transport, "kv_cache_dtype": kv_dtype, "context_tokens": int(context),
-                     "bytes": nbytes[key], "median_ms": round(median * 1e3, 3),
-                     "ms_per_1k_tokens": round(median * 1e3 * 1000 / int(context), 3),
-                     "gib_per_s": round(nbytes[key] / median / 2**30, 3),
-                     "rounds_ms": [round(v * 1e3, 3) for v in values]})
+        rows.append(
+            {
+                "transport": transport,
+                "kv_cache_dtype": kv_dtype,
+                "context_tokens": int(context),
+                "bytes": nbytes[key],
+                "median_ms": round(median * 1e3, 3),
+                "ms_per_1k_tokens": round(median * 1e3 * 1000 / int(context), 3),
+                "gib_per_s": round(nbytes[key] / median / 2**30, 3),
+                "rounds_ms": [round(v * 1e3, 3) for v in values],
+            }
+        )
     for row in rows:
-        print(f"{row['transport']:>4} {row['kv_cache_dtype']:>7} {row['context_tokens']:>5} tokens: "
-              f"{row['median_ms']:8.2f} ms ({row['ms_per_1k_tokens']:.2f} ms / 1k tokens, "
-              f"{row['bytes'] / 2**20:.1f} MiB, {row['gib_per_s']:.2f} GiB/s)")
+        print(
+            f"{row['transport']:>4} {row['kv_cache_dtype']:>7} {row['context_tokens']:>5} tokens: "
+            f"{row['median_ms']:8.2f} ms ({row['ms_per_1k_tokens']:.2f} ms / 1k tokens, "
+            f"{row['bytes'] / 2**20:.1f} MiB, {row['gib_per_s']:.2f} GiB/s)"
+        )
     payload = {
         "command": " ".join([".venv/bin/python", f"benchmarks/{NAME}.py", *argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "machine": machine_info(),
-        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-        "model_kv": {"layers": MODEL_SHAPE["num_hidden_layers"], "kv_heads": MODEL_SHAPE["num_key_value_heads"],
-                     "head_dim": MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"],
-                     "block_size": BLOCK},
-        "rounds": args.rounds, "results": rows,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
+        "model_kv": {
+            "layers": MODEL_SHAPE["num_hidden_layers"],
+            "kv_heads": MODEL_SHAPE["num_key_value_heads"],
+            "head_dim": MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"],
+            "block_size": BLOCK,
+        },
+        "rounds": args.rounds,
+        "results": rows,
     }
     write_summary(Path(args.out) / f"{NAME}.json", payload)
     return 0

@@ -84,8 +84,8 @@ def _unfused_layer_ops(engine: Any) -> None:
 
     import torch
 
-    from pagoda.model.layers import RMSNorm
     from pagoda.model.decoder import Attention
+    from pagoda.model.layers import RMSNorm
 
     model = engine.core.runner.model
     rotary = model.rotary
@@ -102,8 +102,9 @@ def _unfused_layer_ops(engine: Any) -> None:
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
-    def attention_forward(self: Attention, hidden: torch.Tensor, positions: torch.Tensor, _rotary: Any,
-                          context: Any) -> torch.Tensor:
+    def attention_forward(
+        self: Attention, hidden: torch.Tensor, positions: torch.Tensor, _rotary: Any, context: Any
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -158,8 +159,16 @@ LEVERS: dict[str, Callable[[Any], int | None]] = {
 }
 
 
-def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, steps: int, rounds: int,
-            threads: int | None, dtype: str = "auto") -> dict[str, Any]:
+def measure(
+    model_dir: Path,
+    lever: str,
+    concurrency: int,
+    prompt_len: int,
+    steps: int,
+    rounds: int,
+    threads: int | None,
+    dtype: str = "auto",
+) -> dict[str, Any]:
     import torch
 
     from pagoda.config import EngineConfig
@@ -168,8 +177,13 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     from pagoda.sampling_params import SamplingParams
 
     output_len = steps * rounds + 8
-    config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
-                          max_model_len=prompt_len + output_len + 16, dtype=dtype)
+    config = EngineConfig(
+        model=str(model_dir),
+        max_num_seqs=concurrency,
+        num_threads=threads,
+        max_model_len=prompt_len + output_len + 16,
+        dtype=dtype,
+    )
     used_threads = set_engine_threads(config, serving=True)
     engines = {"on": LLMEngine(config), "off": LLMEngine(config)}
     threads_for = {"on": used_threads, "off": LEVERS[lever](engines["off"]) or used_threads}
@@ -187,7 +201,7 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     seconds: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
     for round_index in range(rounds):
-        for name in (("on", "off") if round_index % 2 == 0 else ("off", "on")):
+        for name in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
             engine = engines[name]
             torch.set_num_threads(threads_for[name])
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -199,12 +213,23 @@ def measure(model_dir: Path, lever: str, concurrency: int, prompt_len: int, step
     on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
     cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     torch.set_num_threads(used_threads)
-    return {"lever": lever, "concurrency": concurrency, "dtype": dtype, "threads": threads_for, "steps_per_round": steps,
-            "rounds": rounds, "step_ms_on": 1000 * on, "step_ms_off": 1000 * off, "speedup": off / on,
-            "per_round_ratio": [b / a for a, b in zip(seconds["on"], seconds["off"])],
-            "cpu_ms_on": 1000 * cpu_on, "cpu_ms_off": 1000 * cpu_off, "cpu_speedup": cpu_off / cpu_on,
-            "cpu_per_round_ratio": [b / a for a, b in zip(cpu["on"], cpu["off"])],
-            "identical_tokens": tokens["on"] == tokens["off"]}
+    return {
+        "lever": lever,
+        "concurrency": concurrency,
+        "dtype": dtype,
+        "threads": threads_for,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "step_ms_on": 1000 * on,
+        "step_ms_off": 1000 * off,
+        "speedup": off / on,
+        "per_round_ratio": [b / a for a, b in zip(seconds["on"], seconds["off"])],
+        "cpu_ms_on": 1000 * cpu_on,
+        "cpu_ms_off": 1000 * cpu_off,
+        "cpu_speedup": cpu_off / cpu_on,
+        "cpu_per_round_ratio": [b / a for a, b in zip(cpu["on"], cpu["off"])],
+        "identical_tokens": tokens["on"] == tokens["off"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,20 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     shape = SHAPES[args.model]
-    model_dir = build_bench_model(REPO / "tmp" / ("bench-model" if args.model == "10m" else f"bench-model-{args.model}"),
-                                  shape=shape)
+    model_dir = build_bench_model(
+        REPO / "tmp" / ("bench-model" if args.model == "10m" else f"bench-model-{args.model}"), shape=shape
+    )
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir, shape).items() if k in META_KEYS}
     results = []
     for lever in args.lever:
         for c in sorted({int(x) for x in args.concurrency.split(",")}):
             result = measure(model_dir, lever, c, args.prompt_len, args.steps, args.rounds, args.threads, args.dtype)
             results.append(result)
-            print(f"{lever:<10} c={c:<3} step {result['step_ms_on']:7.2f} ms on vs {result['step_ms_off']:7.2f} ms off: "
-                  f"{result['speedup']:.2f}x (rounds {min(result['per_round_ratio']):.2f}-"
-                  f"{max(result['per_round_ratio']):.2f}); "
-                  f"CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
-                  f"{result['cpu_speedup']:.2f}x (rounds {min(result['cpu_per_round_ratio']):.2f}-"
-                  f"{max(result['cpu_per_round_ratio']):.2f}); identical tokens: {result['identical_tokens']}", flush=True)
+            print(
+                f"{lever:<10} c={c:<3} step {result['step_ms_on']:7.2f} ms on vs {result['step_ms_off']:7.2f} ms off: "
+                f"{result['speedup']:.2f}x (rounds {min(result['per_round_ratio']):.2f}-"
+                f"{max(result['per_round_ratio']):.2f}); "
+                f"CPU {result['cpu_ms_on']:.2f} vs {result['cpu_ms_off']:.2f} ms: "
+                f"{result['cpu_speedup']:.2f}x (rounds {min(result['cpu_per_round_ratio']):.2f}-"
+                f"{max(result['cpu_per_round_ratio']):.2f}); identical tokens: {result['identical_tokens']}",
+                flush=True,
+            )
     out = Path(args.out)
     suffix = "" if args.model == "10m" else f"_{args.model}"
     write_summary(out / f"{'_'.join(args.lever)}{suffix}.json", {**meta, "results": results})

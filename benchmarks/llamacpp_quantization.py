@@ -66,8 +66,19 @@ def run(command: list[str], **kwargs) -> str:
 def make_ggufs(llama_cpp: Path, model_dir: Path, work: Path, stem: str) -> dict[str, Path]:
     files = {name: work / f"{stem}-{name.lower()}.gguf" for name in GGUF_TYPES}
     if not files["F32"].exists():
-        run([sys.executable, "-c", CONVERT_WITH_GPT2_PRETOKENIZER, str(llama_cpp), str(model_dir),
-             "--outtype", "f32", "--outfile", str(files["F32"])])
+        run(
+            [
+                sys.executable,
+                "-c",
+                CONVERT_WITH_GPT2_PRETOKENIZER,
+                str(llama_cpp),
+                str(model_dir),
+                "--outtype",
+                "f32",
+                "--outfile",
+                str(files["F32"]),
+            ]
+        )
     for name in ("Q8_0", "Q4_0"):
         if not files[name].exists():
             run([str(llama_cpp / "build/bin/llama-quantize"), str(files["F32"]), str(files[name]), name])
@@ -78,15 +89,29 @@ def llama_perplexity(llama_cpp: Path, model: Path, text: Path, chunks: int, thre
     # llama.cpp's asynchronous logger sometimes exits before writing its last lines (about one run
     # in two here, whether to a pipe or to --log-file): run again until the final estimate shows.
     for _ in range(8):
-        output = run([str(llama_cpp / "build/bin/llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "512",
-                      "--chunks", str(chunks), "-t", str(threads), "-b", "512"])
+        output = run(
+            [
+                str(llama_cpp / "build/bin/llama-perplexity"),
+                "-m",
+                str(model),
+                "-f",
+                str(text),
+                "-c",
+                "512",
+                "--chunks",
+                str(chunks),
+                "-t",
+                str(threads),
+                "-b",
+                "512",
+            ]
+        )
         final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output)
         if final:
             break
     else:
         raise RuntimeError(f"llama-perplexity printed no final estimate for {model}")
-    return {"perplexity": float(final.group(1)), "plus_minus": float(final.group(2)),
-            "scored_tokens": chunks * 256}
+    return {"perplexity": float(final.group(1)), "plus_minus": float(final.group(2)), "scored_tokens": chunks * 256}
 
 
 def pagoda_scores(llm, token_ids: list[int]) -> tuple[float, list[int], int]:
@@ -97,8 +122,9 @@ def pagoda_scores(llm, token_ids: list[int]) -> tuple[float, list[int], int]:
     from pagoda.sampling_params import SamplingParams
 
     windows = make_windows(token_ids, 512, 256)
-    outputs = llm.generate([w.token_ids for w in windows],
-                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+    outputs = llm.generate(
+        [w.token_ids for w in windows], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    )
     nll, top1 = 0.0, []
     for window, output in zip(windows, outputs):
         for position in range(window.first_scored, len(window.token_ids)):
@@ -130,26 +156,48 @@ def measure_quality(llama_cpp: Path, work: Path, chunks: int, threads: int) -> d
     for label, options in runs.items():
         llm = LLM(kv_cache_memory="256MiB", num_threads=threads, **options)
         if token_ids is None:  # llama-perplexity's text, as many tokens as its chunks cover
-            token_ids = llm.tokenizer.encode(text.read_text())[:chunks * 512]
+            token_ids = llm.tokenizer.encode(text.read_text())[: chunks * 512]
         ppl, top1, scored = pagoda_scores(llm, token_ids)
         reference_top1 = reference_top1 or top1
-        pagoda[label] = {"perplexity": ppl, "scored_tokens": scored,
-                         "top1_agreement_vs_safetensors_none": sum(a == b for a, b in zip(top1, reference_top1)) / scored}
-        print(f"pagoda {label}: ppl {ppl:.4f}, top-1 agreement {pagoda[label]['top1_agreement_vs_safetensors_none']:.4f}",
-              flush=True)
+        pagoda[label] = {
+            "perplexity": ppl,
+            "scored_tokens": scored,
+            "top1_agreement_vs_safetensors_none": sum(a == b for a, b in zip(top1, reference_top1)) / scored,
+        }
+        print(
+            f"pagoda {label}: ppl {ppl:.4f}, top-1 agreement {pagoda[label]['top1_agreement_vs_safetensors_none']:.4f}",
+            flush=True,
+        )
         del llm
         gc.collect()
     for entry in pagoda.values():
         entry["delta_percent"] = (entry["perplexity"] / pagoda["safetensors none"]["perplexity"] - 1) * 100
-    return {"text": f"{len(heldout_texts(8))} held-out stdlib files ({DEFAULT_MODEL_DIR.name}/heldout_files.txt), "
-                    f"first {chunks} x 512 tokens",
-            "llama_cpp_perplexity": llama, "pagoda_perplexity": pagoda}
+    return {
+        "text": f"{len(heldout_texts(8))} held-out stdlib files ({DEFAULT_MODEL_DIR.name}/heldout_files.txt), "
+        f"first {chunks} x 512 tokens",
+        "llama_cpp_perplexity": llama,
+        "pagoda_perplexity": pagoda,
+    }
 
 
 def llama_bench(llama_cpp: Path, models: dict[str, Path], threads: int) -> dict[str, float]:
-    output = run([str(llama_cpp / "build/bin/llama-bench"), *[a for p in models.values() for a in ("-m", str(p))],
-                  "-p", "0", "-n", "32", "-t", str(threads), "-r", "1", "-o", "json"])
-    rows = json.loads(output[output.index("["):output.rindex("]") + 1])
+    output = run(
+        [
+            str(llama_cpp / "build/bin/llama-bench"),
+            *[a for p in models.values() for a in ("-m", str(p))],
+            "-p",
+            "0",
+            "-n",
+            "32",
+            "-t",
+            str(threads),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ]
+    )
+    rows = json.loads(output[output.index("[") : output.rindex("]") + 1])
     by_path = {row["model_filename"]: row["avg_ts"] for row in rows}
     return {name: by_path[str(path)] for name, path in models.items()}
 
@@ -164,10 +212,16 @@ def measure_speed(llama_cpp: Path, work: Path, model_dir: Path, rounds: int, thr
     engines = {
         "none": LLM(model=str(model_dir), kv_cache_memory="128MiB", num_threads=threads),
         "int8": LLM(model=str(model_dir), quantization="int8", kv_cache_memory="128MiB", num_threads=threads),
-        "int4 g32": LLM(model=str(model_dir), quantization="int4", quantization_group_size=32,
-                        kv_cache_memory="128MiB", num_threads=threads),
-        "gguf Q4_0": LLM(model=str(ggufs["Q4_0"]), tokenizer=str(model_dir), kv_cache_memory="128MiB",
-                         num_threads=threads),
+        "int4 g32": LLM(
+            model=str(model_dir),
+            quantization="int4",
+            quantization_group_size=32,
+            kv_cache_memory="128MiB",
+            num_threads=threads,
+        ),
+        "gguf Q4_0": LLM(
+            model=str(ggufs["Q4_0"]), tokenizer=str(model_dir), kv_cache_memory="128MiB", num_threads=threads
+        ),
     }
     prompt = [torch.randint(5, 4000, (32,), generator=torch.Generator().manual_seed(0)).tolist()]
 
@@ -176,6 +230,7 @@ def measure_speed(llama_cpp: Path, work: Path, model_dir: Path, rounds: int, thr
             start = time.perf_counter()
             llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
             return time.perf_counter() - start
+
         return 32 / max(timed(33) - timed(1), 1e-9)
 
     for llm in engines.values():
@@ -187,25 +242,46 @@ def measure_speed(llama_cpp: Path, work: Path, model_dir: Path, rounds: int, thr
             llama_rounds[name].append(rate)
         for name, llm in engines.items():
             pagoda_rounds[name].append(decode_rate(llm))
-        print(f"round {index}: llama.cpp " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in llama_rounds.items())
-              + " | pagoda " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in pagoda_rounds.items()), flush=True)
+        print(
+            f"round {index}: llama.cpp "
+            + ", ".join(f"{k} {v[-1]:.1f}" for k, v in llama_rounds.items())
+            + " | pagoda "
+            + ", ".join(f"{k} {v[-1]:.1f}" for k, v in pagoda_rounds.items()),
+            flush=True,
+        )
 
     def summary(rates: dict[str, list[float]], base: str) -> dict:
-        return {name: {"tok_s_median": statistics.median(values), "rounds": values,
-                       "speedup_vs_f32": statistics.median(a / b for a, b in zip(values, rates[base]))}
-                for name, values in rates.items()}
+        return {
+            name: {
+                "tok_s_median": statistics.median(values),
+                "rounds": values,
+                "speedup_vs_f32": statistics.median(a / b for a, b in zip(values, rates[base])),
+            }
+            for name, values in rates.items()
+        }
 
-    return {"llama_cpp_tg32": summary(llama_rounds, "F32"), "pagoda_single_stream": summary(pagoda_rounds, "none"),
-            "gguf_bytes": {name: path.stat().st_size for name, path in ggufs.items()}}
+    return {
+        "llama_cpp_tg32": summary(llama_rounds, "F32"),
+        "pagoda_single_stream": summary(pagoda_rounds, "none"),
+        "gguf_bytes": {name: path.stat().st_size for name, path in ggufs.items()},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp", type=Path, default=Path("/work/tools/llama.cpp"),
-                        help="llama.cpp checkout with build/bin/llama-{quantize,perplexity,bench}")
+    parser.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=Path("/work/tools/llama.cpp"),
+        help="llama.cpp checkout with build/bin/llama-{quantize,perplexity,bench}",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagoda-bench-llamacpp"), help="GGUF files (reused)")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagoda-bench-quant-316m"),
-                        help="the random 316M Llama of benchmarks/quantization.py (built if missing)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp/pagoda-bench-quant-316m"),
+        help="the random 316M Llama of benchmarks/quantization.py (built if missing)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--chunks", type=int, default=24, help="512-token chunks of text scored")
     parser.add_argument("--rounds", type=int, default=3)
@@ -232,8 +308,9 @@ def main() -> None:
     }
     results["quality"] = measure_quality(args.llama_cpp, args.work, args.chunks, args.threads)
     if not args.skip_speed:
-        results["speed"] = measure_speed(args.llama_cpp, args.work, build_large_model(args.model_dir), args.rounds,
-                                         args.threads)
+        results["speed"] = measure_speed(
+            args.llama_cpp, args.work, build_large_model(args.model_dir), args.rounds, args.threads
+        )
     text = json.dumps(results, indent=2)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

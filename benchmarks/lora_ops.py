@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from pagoda.lora.batch import LoRABatch, build_lora_batch
 from pagoda.kernels.lora_delta import gathered_delta, segmented_delta
+from pagoda.lora.batch import LoRABatch, build_lora_batch
 
 
-def dense_delta(x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch,
-                width: int) -> torch.Tensor:
+def dense_delta(
+    x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch, width: int
+) -> torch.Tensor:
     num_slots, full, in_features = lora_a.shape
     shrunk = (x_rows @ lora_a.reshape(num_slots * full, in_features).T).view(-1, num_slots, full)
     mask = torch.nn.functional.one_hot(batch.slots, num_slots).to(x_rows.dtype)
@@ -60,9 +61,13 @@ def case(num_tokens: int, num_adapters: int, rank: int, rounds: int) -> dict:
             times[name].append((time.perf_counter() - start) / 10)
             torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
     medians = {name: statistics.median(t) * 1e6 for name, t in times.items()}
-    return {"tokens": num_tokens, "adapters": num_adapters, "rank": rank,
-            "median_us": {k: round(v, 1) for k, v in medians.items()},
-            "fastest": min(medians, key=medians.get)}
+    return {
+        "tokens": num_tokens,
+        "adapters": num_adapters,
+        "rank": rank,
+        "median_us": {k: round(v, 1) for k, v in medians.items()},
+        "fastest": min(medians, key=medians.get),
+    }
 
 
 def main() -> None:
@@ -71,18 +76,29 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = [case(tokens, adapters, rank, args.rounds)
-               for tokens in (64, 512) for adapters in (1, 4, 16) for rank in (8, 64)]
+    results = [
+        case(tokens, adapters, rank, args.rounds) for tokens in (64, 512) for adapters in (1, 4, 16) for rank in (8, 64)
+    ]
     for r in results:
-        print(f"{r['tokens']:4d} tok {r['adapters']:2d} adapters rank {r['rank']:2d}: "
-              + "  ".join(f"{k} {v:8.1f} us" for k, v in r["median_us"].items()) + f"  -> {r['fastest']}")
+        print(
+            f"{r['tokens']:4d} tok {r['adapters']:2d} adapters rank {r['rank']:2d}: "
+            + "  ".join(f"{k} {v:8.1f} us" for k, v in r["median_us"].items())
+            + f"  -> {r['fastest']}"
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "lora_ops.json").write_text(json.dumps({
-            "command": "PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py " + " ".join(sys.argv[1:]),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, shared with other jobs",
-            "projection": "gate_up of pagoda-coder: 256 -> 2 x 704, float32",
-            "results": results}, indent=1) + "\n")
+        (args.out / "lora_ops.json").write_text(
+            json.dumps(
+                {
+                    "command": "PYTHONPATH=. .venv/bin/python benchmarks/lora_ops.py " + " ".join(sys.argv[1:]),
+                    "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, shared with other jobs",
+                    "projection": "gate_up of pagoda-coder: 256 -> 2 x 704, float32",
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

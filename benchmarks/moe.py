@@ -57,10 +57,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from model_factory import build_model  # noqa: E402
 from offline_throughput import make_workload, run_transformers  # noqa: E402
 
-SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             max_position_embeddings=1024)
-MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=96, intermediate_size=768,
-           norm_topk_prob=True)
+SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+)
+MOE = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=96, intermediate_size=768, norm_topk_prob=True)
 BATCH, PROMPT, OUTPUT = 16, 64, 32
 THREADS = 2
 
@@ -71,7 +76,9 @@ def models(root: Path) -> tuple[Path, Path]:
     if not (moe / "model.safetensors").exists():
         build_model(moe, "qwen3_moe", **SHAPE, **MOE)
     if not (dense / "model.safetensors").exists():  # the same active parameters per token
-        build_model(dense, "qwen3", **SHAPE, intermediate_size=MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"])
+        build_model(
+            dense, "qwen3", **SHAPE, intermediate_size=MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]
+        )
     return moe, dense
 
 
@@ -91,8 +98,14 @@ def hf_generate_seconds(model, batch: list[list[int]]) -> float:
     ids = torch.tensor(batch)
     started = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=OUTPUT,
-                       min_new_tokens=OUTPUT, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=OUTPUT,
+            min_new_tokens=OUTPUT,
+            pad_token_id=0,
+        )
     return time.perf_counter() - started
 
 
@@ -152,8 +165,9 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=Path("/tmp/pagoda-moe-bench"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe" / "speed.json")
     parser.add_argument("--no-parallel", action="store_true", help="skip the TP=2 / EP=2 runs")
-    parser.add_argument("--standard-requests", type=int, default=256,
-                        help="requests in the standard offline workload (0 skips it)")
+    parser.add_argument(
+        "--standard-requests", type=int, default=256, help="requests in the standard offline workload (0 skips it)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     load_at_start = os.getloadavg()
@@ -162,16 +176,26 @@ def main() -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     batch = prompts(hf.config.vocab_size)
-    standard_prompts, standard_output_lens = make_workload(args.standard_requests, 32, 256, hf.config.vocab_size,
-                                                           seed=0)
-    engines = {f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode,
-                                       quantization=quantization)
-               for model, path in (("moe", moe_dir), ("dense", dense_dir))
-               for suffix, mode, quantization in (("", "off", "none"), ("_native", "on", "none"),
-                                                  ("_int8_native", "on", "int8"))}
-    parallel = {} if args.no_parallel else {
-        name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
-        for name, ep in (("tp2", False), ("ep2", True))}
+    standard_prompts, standard_output_lens = make_workload(
+        args.standard_requests, 32, 256, hf.config.vocab_size, seed=0
+    )
+    engines = {
+        f"{model}{suffix}": LLM(model=str(path), num_threads=THREADS, native_kernels=mode, quantization=quantization)
+        for model, path in (("moe", moe_dir), ("dense", dense_dir))
+        for suffix, mode, quantization in (
+            ("", "off", "none"),
+            ("_native", "on", "none"),
+            ("_int8_native", "on", "int8"),
+        )
+    }
+    parallel = (
+        {}
+        if args.no_parallel
+        else {
+            name: LLM(model=str(moe_dir), tensor_parallel_size=2, enable_expert_parallel=ep, num_threads=THREADS)
+            for name, ep in (("tp2", False), ("ep2", True))
+        }
+    )
     pagoda_block = engines["moe"].engine.core.runner.model.model.layers[0].mlp
     native = engines["moe_native"].engine.core.kernels.moe.native
     hf_block = hf.model.layers[0].mlp
@@ -186,8 +210,10 @@ def main() -> None:
         record("offline_tok_s/pagoda_native", BATCH * OUTPUT / timed_generate(engines["moe_native"], batch, OUTPUT))
         if args.standard_requests:
             for name in ("moe", "moe_native"):
-                record(f"offline_standard_tok_s/pagoda{name[3:]}",
-                       standard_offline_tok_s(engines[name], standard_prompts, standard_output_lens))
+                record(
+                    f"offline_standard_tok_s/pagoda{name[3:]}",
+                    standard_offline_tok_s(engines[name], standard_prompts, standard_output_lens),
+                )
             baseline = run_transformers(moe_dir, standard_prompts, standard_output_lens, THREADS, BATCH)
             record("offline_standard_tok_s/transformers", baseline["output_tok_per_s"])
         for size in (1, BATCH):
@@ -198,10 +224,11 @@ def main() -> None:
         for tokens in (1, 16, 256):
             hidden = torch.randn(tokens, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(tokens))
             for path in ("loop", "grouped", "native", "fused"):
-                record(f"block_ms/{tokens}_tokens/pagoda_{path}",
-                       1000 * pagoda_block_seconds(pagoda_block, hidden, 20, path, native))
-            record(f"block_ms/{tokens}_tokens/transformers",
-                   1000 * block_seconds(hf_block, hidden.unsqueeze(0), 20))
+                record(
+                    f"block_ms/{tokens}_tokens/pagoda_{path}",
+                    1000 * pagoda_block_seconds(pagoda_block, hidden, 20, path, native),
+                )
+            record(f"block_ms/{tokens}_tokens/transformers", 1000 * block_seconds(hf_block, hidden.unsqueeze(0), 20))
         for name, llm in parallel.items():
             record(f"offline_tok_s/{name}", BATCH * OUTPUT / timed_generate(llm, batch, OUTPUT))
         print(f"round {round_index + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -211,42 +238,59 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     ratios = {
         "offline_pagoda_over_transformers": medians["offline_tok_s/pagoda"] / medians["offline_tok_s/transformers"],
-        "offline_pagoda_native_over_transformers":
-            medians["offline_tok_s/pagoda_native"] / medians["offline_tok_s/transformers"],
+        "offline_pagoda_native_over_transformers": medians["offline_tok_s/pagoda_native"]
+        / medians["offline_tok_s/transformers"],
     }
     if args.standard_requests:
         for name in ("pagoda", "pagoda_native"):
             ratios[f"offline_standard_{name}_over_transformers"] = (
-                medians[f"offline_standard_tok_s/{name}"] / medians["offline_standard_tok_s/transformers"])
+                medians[f"offline_standard_tok_s/{name}"] / medians["offline_standard_tok_s/transformers"]
+            )
     for size in (1, BATCH):
         for suffix in ("", "_native", "_int8_native"):
             ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}"] = (
-                medians[f"decode_step_ms/batch_{size}/moe{suffix}"] / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
+                medians[f"decode_step_ms/batch_{size}/moe{suffix}"]
+                / medians[f"decode_step_ms/batch_{size}/dense{suffix}"]
+            )
         for suffix in ("_native", "_int8_native"):
             ratios[f"decode_step_moe_over_dense/batch_{size}{suffix}_grouped"] = (
                 medians[f"decode_step_ms/batch_{size}/moe{suffix}_grouped"]
-                / medians[f"decode_step_ms/batch_{size}/dense{suffix}"])
+                / medians[f"decode_step_ms/batch_{size}/dense{suffix}"]
+            )
     for tokens in (1, 16, 256):
         for path in ("loop", "grouped", "native", "fused"):
             ratios[f"block_{tokens}_transformers_over_{path}"] = (
-                medians[f"block_ms/{tokens}_tokens/transformers"] / medians[f"block_ms/{tokens}_tokens/pagoda_{path}"])
+                medians[f"block_ms/{tokens}_tokens/transformers"] / medians[f"block_ms/{tokens}_tokens/pagoda_{path}"]
+            )
     if parallel:
         ratios["offline_ep2_over_tp2"] = medians["offline_tok_s/ep2"] / medians["offline_tok_s/tp2"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     result = {
         "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, {THREADS} threads, "
-                   f"torch {torch.__version__}, transformers {transformers.__version__}",
-        "model": {**SHAPE, **MOE, "architecture": "Qwen3MoeForCausalLM", "dtype": "float32",
-                  "dense_intermediate_size": MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]},
-        "workload": {"uniform": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT},
-                     "standard": {"requests": args.standard_requests, "prompt_tokens": [32, 256],
-                                  "output_tokens": [32, 256], "transformers_batch": BATCH},
-                     "rounds": args.rounds},
+        f"torch {torch.__version__}, transformers {transformers.__version__}",
+        "model": {
+            **SHAPE,
+            **MOE,
+            "architecture": "Qwen3MoeForCausalLM",
+            "dtype": "float32",
+            "dense_intermediate_size": MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"],
+        },
+        "workload": {
+            "uniform": {"batch": BATCH, "prompt_tokens": PROMPT, "output_tokens": OUTPUT},
+            "standard": {
+                "requests": args.standard_requests,
+                "prompt_tokens": [32, 256],
+                "output_tokens": [32, 256],
+                "transformers_batch": BATCH,
+            },
+            "rounds": args.rounds,
+        },
         "medians": medians,
         "ratios": ratios,
         "samples": samples,

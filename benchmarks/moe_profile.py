@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from moe import models, prompts  # noqa: E402  (imports pagoda first)
 from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.model.moe import SparseMoE  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
+from pagoda.model.moe import SparseMoE  # noqa: E402
 
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
 THREADS = 2
@@ -35,11 +35,18 @@ def start_decoding(llm: LLM, batch: list[list[int]], steps: int) -> None:
     """Adds the requests and steps until every one has its first token (prefill done)."""
     engine = llm.engine
     for i, prompt in enumerate(batch):
-        engine.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)))
+        engine.add_request(
+            EngineRequest(
+                f"r{time.monotonic_ns()}-{i}",
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True),
+            )
+        )
     for _ in range(8):
         engine.step()
-        if all(len(r.output_token_ids) >= 1 for r in engine.core.scheduler.running) and \
-                len(engine.core.scheduler.running) == len(batch):
+        if all(len(r.output_token_ids) >= 1 for r in engine.core.scheduler.running) and len(
+            engine.core.scheduler.running
+        ) == len(batch):
             return
 
 
@@ -87,8 +94,10 @@ def op_table(llm: LLM, batch: list[list[int]], steps: int, rows: int) -> list[st
     total = sum(e.self_cpu_time_total for e in events)
     lines = [f"  {'op':<44} {'self ms/step':>12} {'share':>6} {'calls/step':>10}"]
     for event in events[:rows]:
-        lines.append(f"  {event.key[:44]:<44} {event.self_cpu_time_total / 1000 / steps:12.3f} "
-                     f"{100 * event.self_cpu_time_total / total:5.1f}% {event.count / steps:10.1f}")
+        lines.append(
+            f"  {event.key[:44]:<44} {event.self_cpu_time_total / 1000 / steps:12.3f} "
+            f"{100 * event.self_cpu_time_total / total:5.1f}% {event.count / steps:10.1f}"
+        )
     lines.append(f"  {'(all ops)':<44} {total / 1000 / steps:12.3f}")
     return lines
 
@@ -104,29 +113,39 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     moe_dir, dense_dir = models(args.models)
     commit = os.popen("git rev-parse --short HEAD").read().strip()
-    lines = [f"$ .venv/bin/python benchmarks/moe_profile.py {' '.join(sys.argv[1:])}",
-             f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, commit {commit}, load average at start "
-             f"{os.getloadavg()[0]:.1f} (shared 2-core machine), torch {torch.__version__}, {THREADS} threads, "
-             f"native kernels {args.native_kernels}", ""]
-    engines = {name: LLM(model=str(path), num_threads=THREADS, native_kernels=args.native_kernels)
-               for name, path in (("moe", moe_dir), ("dense", dense_dir))}
+    lines = [
+        f"$ .venv/bin/python benchmarks/moe_profile.py {' '.join(sys.argv[1:])}",
+        f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, commit {commit}, load average at start "
+        f"{os.getloadavg()[0]:.1f} (shared 2-core machine), torch {torch.__version__}, {THREADS} threads, "
+        f"native kernels {args.native_kernels}",
+        "",
+    ]
+    engines = {
+        name: LLM(model=str(path), num_threads=THREADS, native_kernels=args.native_kernels)
+        for name, path in (("moe", moe_dir), ("dense", dense_dir))
+    }
     for size in (1, 16):
         batch = prompts(engines["moe"].engine.core.model_config.vocab_size)[:size]
         for name, llm in engines.items():
             timed_phases(llm, batch, 4)  # warm-up
             wall, phases, moe_seconds = timed_phases(llm, batch, args.steps)
-            lines.append(f"== {name}, batch {size}: {1000 * wall / args.steps:.2f} ms per decode step "
-                         f"(load average {os.getloadavg()[0]:.1f})")
+            lines.append(
+                f"== {name}, batch {size}: {1000 * wall / args.steps:.2f} ms per decode step "
+                f"(load average {os.getloadavg()[0]:.1f})"
+            )
             for phase in PHASES:
-                lines.append(f"  {phase:<10} {1000 * phases[phase] / args.steps:8.2f} ms  "
-                             f"{100 * phases[phase] / wall:5.1f}%")
+                lines.append(
+                    f"  {phase:<10} {1000 * phases[phase] / args.steps:8.2f} ms  {100 * phases[phase] / wall:5.1f}%"
+                )
             if name == "moe":
-                lines.append(f"  inside the MoE blocks: {1000 * moe_seconds / args.steps:.2f} ms "
-                             f"({100 * moe_seconds / wall:.1f}% of the step)")
+                lines.append(
+                    f"  inside the MoE blocks: {1000 * moe_seconds / args.steps:.2f} ms "
+                    f"({100 * moe_seconds / wall:.1f}% of the step)"
+                )
             lines.append("  aten ops under torch.profiler, per decode step:")
             lines += op_table(llm, batch, args.steps, args.ops)
             lines.append("")
-            print("\n".join(lines[-args.ops - 14:]), flush=True)
+            print("\n".join(lines[-args.ops - 14 :]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
 

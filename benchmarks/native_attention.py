@@ -49,15 +49,25 @@ def decode_step(shape: dict[str, int], concurrency: int, context: int, kv_cache_
     tables = [[pool.pop() for _ in range(blocks_per_request)] for _ in range(concurrency)]
     layout = BatchLayout(
         slot_mapping=torch.tensor([t[context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE for t in tables]),
-        query_start_loc=torch.arange(concurrency + 1), context_lens=torch.full((concurrency,), context),
-        seq_lens=torch.full((concurrency,), context + 1), block_tables=torch.tensor(tables, dtype=torch.int32),
-        block_size=BLOCK_SIZE, query_lens_host=[1] * concurrency, context_lens_host=[context] * concurrency)
+        query_start_loc=torch.arange(concurrency + 1),
+        context_lens=torch.full((concurrency,), context),
+        seq_lens=torch.full((concurrency,), context + 1),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_size=BLOCK_SIZE,
+        query_lens_host=[1] * concurrency,
+        context_lens_host=[context] * concurrency,
+    )
     kv_format = make_kv_cache_format(kv_cache_dtype, torch.float32)
-    caches = [tuple(kv_format.encode(torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator))
-                    for _ in range(2)) for _ in range(shape["num_hidden_layers"])]
+    caches = [
+        tuple(
+            kv_format.encode(torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator))
+            for _ in range(2)
+        )
+        for _ in range(shape["num_hidden_layers"])
+    ]
     query = torch.randn(concurrency, heads, head_dim, generator=generator)
     key, value = (torch.randn(concurrency, kv_heads, head_dim, generator=generator) for _ in range(2))
-    spec = AttentionLayerSpec(heads, kv_heads, head_dim, head_dim ** -0.5, None)
+    spec = AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5, None)
     return layout, query, key, value, caches, spec, kv_format
 
 
@@ -102,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.context:
                 step = decode_step(shape, concurrency, context, args.kv_cache_dtype)
                 kv_format = step[-1]
-                backends = {"torch": TorchAttentionBackend(kv_format),
-                            "native": TorchAttentionBackend(kv_format, kernels)}
+                backends = {
+                    "torch": TorchAttentionBackend(kv_format),
+                    "native": TorchAttentionBackend(kv_format, kernels),
+                }
                 rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in backends}
                 for r in range(args.rounds):
                     order = list(backends) if r % 2 == 0 else list(reversed(backends))
@@ -111,24 +123,38 @@ def main(argv: list[str] | None = None) -> int:
                         rounds[name].append(time_step(backends[name], step, args.steps))
                 wall = {name: statistics.median(w for w, _ in times) * 1e3 for name, times in rounds.items()}
                 cpu = {name: statistics.median(c for _, c in times) * 1e3 for name, times in rounds.items()}
-                row = {"model": model, "concurrency": concurrency, "context": context,
-                       "torch_ms": round(wall["torch"], 3), "native_ms": round(wall["native"], 3),
-                       "speedup": round(wall["torch"] / wall["native"], 2),
-                       "torch_cpu_ms": round(cpu["torch"], 3), "native_cpu_ms": round(cpu["native"], 3),
-                       "cpu_speedup": round(cpu["torch"] / cpu["native"], 2),
-                       "rounds_ms": {name: [round(w * 1e3, 3) for w, _ in times] for name, times in rounds.items()}}
+                row = {
+                    "model": model,
+                    "concurrency": concurrency,
+                    "context": context,
+                    "torch_ms": round(wall["torch"], 3),
+                    "native_ms": round(wall["native"], 3),
+                    "speedup": round(wall["torch"] / wall["native"], 2),
+                    "torch_cpu_ms": round(cpu["torch"], 3),
+                    "native_cpu_ms": round(cpu["native"], 3),
+                    "cpu_speedup": round(cpu["torch"] / cpu["native"], 2),
+                    "rounds_ms": {name: [round(w * 1e3, 3) for w, _ in times] for name, times in rounds.items()},
+                }
                 rows.append(row)
-                print(f"{model:>5} c={concurrency:<3} context={context:<5} wall: torch {wall['torch']:8.3f} ms  "
-                      f"native {wall['native']:8.3f} ms  {row['speedup']:.2f}x;  CPU: {row['cpu_speedup']:.2f}x",
-                      flush=True)
+                print(
+                    f"{model:>5} c={concurrency:<3} context={context:<5} wall: torch {wall['torch']:8.3f} ms  "
+                    f"native {wall['native']:8.3f} ms  {row['speedup']:.2f}x;  CPU: {row['cpu_speedup']:.2f}x",
+                    flush=True,
+                )
     payload = {
         "command": " ".join([".venv/bin/python", "benchmarks/native_attention.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": git_commit(),
         "what": "attention time per decode step (prepare + every layer's forward), float32 queries, "
-                f"KV cache {args.kv_cache_dtype}, block size {BLOCK_SIZE}, medians of alternating rounds",
-        "kernels": kernels.describe(), "threads": args.threads, "rounds": args.rounds, "steps": args.steps,
+        f"KV cache {args.kv_cache_dtype}, block size {BLOCK_SIZE}, medians of alternating rounds",
+        "kernels": kernels.describe(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "steps": args.steps,
         "shapes": {model: MODELS[model] for model in args.models},
-        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "results": rows,
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
+        "results": rows,
     }
     write_summary(args.out, payload)
     return 0

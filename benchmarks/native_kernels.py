@@ -68,9 +68,16 @@ def run_model(name: str, shape: dict[str, int], args: argparse.Namespace) -> dic
     from pagoda import LLM, SamplingParams
 
     model_dir = build_bench_model(Path(args.model_root) / name, shape=shape)
-    engines = {mode: LLM(model=str(model_dir), native_kernels=mode, num_threads=args.threads,
-                         enable_prefix_caching=False, kv_cache_memory="256MiB")
-               for mode in ("off", "on")}
+    engines = {
+        mode: LLM(
+            model=str(model_dir),
+            native_kernels=mode,
+            num_threads=args.threads,
+            enable_prefix_caching=False,
+            kv_cache_memory="256MiB",
+        )
+        for mode in ("off", "on")
+    }
     prompt = [5 + i % 200 for i in range(PROMPT_TOKENS)]
     outputs = {}
     for mode, llm in engines.items():  # warm-up, and the greedy outputs of both for the record
@@ -87,8 +94,9 @@ def run_model(name: str, shape: dict[str, int], args: argparse.Namespace) -> dic
     floor_bytes = weight_bytes_per_token(shape, VOCAB_SIZE)
     return {
         "model": metadata(f"{NAME}.py", [], model_dir, shape)["model"],
-        "itl_ms": {mode: {"median": statistics.median(v), "rounds": [round(x, 3) for x in v]}
-                   for mode, v in itl.items()},
+        "itl_ms": {
+            mode: {"median": statistics.median(v), "rounds": [round(x, 3) for x in v]} for mode, v in itl.items()
+        },
         "speedup_median": statistics.median(itl["off"]) / statistics.median(itl["on"]),
         "weight_bytes_per_token": floor_bytes,
         "greedy_ids_equal_first_32": outputs["off"] == outputs["on"],
@@ -121,12 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     meta = metadata(f"{NAME}.py", sys.argv[1:] if argv is None else argv, first)
     meta.pop("model")
     meta["load_average_at_start"] = load_at_start
-    payload = {**meta, "threads": args.threads, "native_kernels": native.version_line(),
-               "read_bandwidth_gb_s": bandwidth / 1e9, "load_average_at_end": os.getloadavg(), "models": models}
+    payload = {
+        **meta,
+        "threads": args.threads,
+        "native_kernels": native.version_line(),
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "load_average_at_end": os.getloadavg(),
+        "models": models,
+    }
     write_summary(args.out, payload)
     for name, result in models.items():
-        print(f"{name}: ITL off {result['itl_ms']['off']['median']:.2f} ms, on {result['itl_ms']['on']['median']:.2f} ms "
-              f"(x{result['speedup_median']:.2f}); floor {result['floor_ms']:.2f} ms")
+        print(
+            f"{name}: ITL off {result['itl_ms']['off']['median']:.2f} ms, on {result['itl_ms']['on']['median']:.2f} ms "
+            f"(x{result['speedup_median']:.2f}); floor {result['floor_ms']:.2f} ms"
+        )
     return 0
 
 

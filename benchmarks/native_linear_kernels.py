@@ -48,8 +48,11 @@ def pairs(kernels: native.NativeKernels, k: int, n: int, m: int) -> dict[str, tu
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).bfloat16().contiguous()
     q8 = torch.round(weight / 0.004).clamp(-127, 127).to(torch.int8)
     d = torch.full((n, k // 32), 0.004).half()
-    q8_blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), q8.view(torch.uint8).reshape(n, -1, 32)],
-                          -1).reshape(n, -1).contiguous()
+    q8_blocks = (
+        torch.cat([d.view(torch.uint8).reshape(n, -1, 2), q8.view(torch.uint8).reshape(n, -1, 32)], -1)
+        .reshape(n, -1)
+        .contiguous()
+    )
     q8_dense = q8.float() * 0.004
     q4_blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), nibbles.reshape(n, -1, 16)], -1).reshape(n, -1)
     q4_blocks = q4_blocks.contiguous()
@@ -57,14 +60,22 @@ def pairs(kernels: native.NativeKernels, k: int, n: int, m: int) -> dict[str, tu
     bf16_packed = torch.ops.mkldnn._reorder_linear_weight(bf16, PACK_ROWS_HINT)
     q8_packed = torch.ops.mkldnn._reorder_linear_weight(q8_dense, PACK_ROWS_HINT)
     return {
-        "bf16": (lambda: kernels.linear_bf16(x, bf16, None),
-                 lambda: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), bf16_packed, None, "none", [], "").float()),
-        "int4_g32": (lambda: kernels.linear_int4(x, nibbles, scales, zeros, None),
-                     lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float()),
-        "q8_0": (lambda: kernels.linear_q8_0(x, q8_blocks, None),
-                 lambda: torch.ops.mkldnn._linear_pointwise(x, q8_packed, None, "none", [], "")),
-        "q4_0": (lambda: kernels.linear_q4_0(x, q4_blocks, None),
-                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float()),
+        "bf16": (
+            lambda: kernels.linear_bf16(x, bf16, None),
+            lambda: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), bf16_packed, None, "none", [], "").float(),
+        ),
+        "int4_g32": (
+            lambda: kernels.linear_int4(x, nibbles, scales, zeros, None),
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float(),
+        ),
+        "q8_0": (
+            lambda: kernels.linear_q8_0(x, q8_blocks, None),
+            lambda: torch.ops.mkldnn._linear_pointwise(x, q8_packed, None, "none", [], ""),
+        ),
+        "q4_0": (
+            lambda: kernels.linear_q4_0(x, q4_blocks, None),
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, tinygemm, 32, scales_and_zeros).float(),
+        ),
     }
 
 
@@ -89,19 +100,41 @@ def main() -> None:
                     times["torch"].append(per_call(torch_fn, args.calls))
                 native_us = statistics.median(times["native"]) * 1e6
                 torch_us = statistics.median(times["torch"]) * 1e6
-                results.append({"kernel": kernel, "projection": shape_name, "m": m, "k": k, "n": n,
-                                "native_us": round(native_us, 1), "torch_us": round(torch_us, 1),
-                                "speedup": round(torch_us / native_us, 2)})
-                print(f"m={m:2d} {shape_name:8s} {kernel:9s} native {native_us:8.1f} us  torch {torch_us:8.1f} us  "
-                      f"x{torch_us / native_us:.2f}", flush=True)
+                results.append(
+                    {
+                        "kernel": kernel,
+                        "projection": shape_name,
+                        "m": m,
+                        "k": k,
+                        "n": n,
+                        "native_us": round(native_us, 1),
+                        "torch_us": round(torch_us, 1),
+                        "speedup": round(torch_us / native_us, 2),
+                    }
+                )
+                print(
+                    f"m={m:2d} {shape_name:8s} {kernel:9s} native {native_us:8.1f} us  torch {torch_us:8.1f} us  "
+                    f"x{torch_us / native_us:.2f}",
+                    flush=True,
+                )
     RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "command": f".venv/bin/python benchmarks/native_linear_kernels.py --threads {args.threads} "
-                   f"--rounds {args.rounds} --calls {args.calls} --rows {' '.join(map(str, args.rows))}",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "isa": kernels.isa, "threads": args.threads,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "note": "other agents shared the 2 cores while this ran: compare native and torch within a row only",
-        "results": results}, indent=1) + "\n")
+    RESULT.write_text(
+        json.dumps(
+            {
+                "command": f".venv/bin/python benchmarks/native_linear_kernels.py --threads {args.threads} "
+                f"--rounds {args.rounds} --calls {args.calls} --rows {' '.join(map(str, args.rows))}",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "isa": kernels.isa,
+                "threads": args.threads,
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+                "note": "other agents shared the 2 cores while this ran: compare native and torch within a row only",
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

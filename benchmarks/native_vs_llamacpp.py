@@ -72,8 +72,14 @@ from vs_llamacpp import NEAR_TIE, check_greedy_agreement, convert_to_gguf, llama
 
 NAME = "native_vs_llamacpp"
 QWEN_VOCAB_SIZE = 32768
-QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, max_position_embeddings=4096)
+QWEN_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 PERPLEXITY_WINDOW, PERPLEXITY_STRIDE = 512, 256
 # The issue's targets, as (concurrency, metric, pagoda / llama-server at least) on output tok/s,
 # or for "itl_p50_ms" llama-server / pagoda at least (pagoda's ITL at most llama-server's).
@@ -115,19 +121,29 @@ class Configuration:
 FP32 = Comparison("fp32", "F32", False, (), FP32_TARGETS)
 CONFIGURATIONS = {
     "10m": Configuration("10m", "~10M Llama (common.MODEL_SHAPE), vocab 4096, fp32", (FP32,), MODEL_SHAPE),
-    "100m": Configuration("100m", "Llama hidden 768 x 12 layers (common.MODEL_SHAPE_100M), vocab 4096, fp32", (FP32,),
-                          MODEL_SHAPE_100M),
+    "100m": Configuration(
+        "100m", "Llama hidden 768 x 12 layers (common.MODEL_SHAPE_100M), vocab 4096, fp32", (FP32,), MODEL_SHAPE_100M
+    ),
     "qwen0.5b": Configuration(
-        "qwen0.5b", f"Qwen2.5-0.5B-shaped Qwen2 (hidden 896, 24 layers, GQA 14/2, intermediate 4864, qkv bias, tied "
-                    f"embeddings), vocab {QWEN_VOCAB_SIZE}",
-        (Comparison("int8 vs Q8_0", "Q8_0", False, ("--quantization", "int8"), QUANTIZED_TARGETS),
-         Comparison("Q4_0 GGUF", "Q4_0", True, (), QUANTIZED_TARGETS)),
-        QWEN_SHAPE, architecture="qwen2", perplexity=True),
+        "qwen0.5b",
+        f"Qwen2.5-0.5B-shaped Qwen2 (hidden 896, 24 layers, GQA 14/2, intermediate 4864, qkv bias, tied "
+        f"embeddings), vocab {QWEN_VOCAB_SIZE}",
+        (
+            Comparison("int8 vs Q8_0", "Q8_0", False, ("--quantization", "int8"), QUANTIZED_TARGETS),
+            Comparison("Q4_0 GGUF", "Q4_0", True, (), QUANTIZED_TARGETS),
+        ),
+        QWEN_SHAPE,
+        architecture="qwen2",
+        perplexity=True,
+    ),
     "moe": Configuration(
-        "moe", "Qwen3-30B-A3B's ratios scaled down (benchmarks/moe.py: 128 experts, top-8, hidden 256, "
-               "expert intermediate 96, 4 layers), fp32",
-        (Comparison("fp32 MoE", "F32", False, (), MOE_TARGETS, outputs_must_agree=False),), {},
-        architecture="qwen3_moe"),
+        "moe",
+        "Qwen3-30B-A3B's ratios scaled down (benchmarks/moe.py: 128 experts, top-8, hidden 256, "
+        "expert intermediate 96, 4 layers), fp32",
+        (Comparison("fp32 MoE", "F32", False, (), MOE_TARGETS, outputs_must_agree=False),),
+        {},
+        architecture="qwen3_moe",
+    ),
 }
 
 
@@ -163,8 +179,9 @@ def build_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer.train_from_iterator(ascii_lines(), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"the standard library gave a vocabulary of {tokenizer.get_vocab_size()}, not {vocab_size}")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                            pad_token="<|endoftext|>").save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    ).save_pretrained(directory)
 
 
 def build_qwen_shaped_model(directory: Path, seed: int = 0) -> Path:
@@ -177,9 +194,17 @@ def build_qwen_shaped_model(directory: Path, seed: int = 0) -> Path:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory, QWEN_VOCAB_SIZE)
-    config = transformers.Qwen2Config(vocab_size=QWEN_VOCAB_SIZE, eos_token_id=0, pad_token_id=0, bos_token_id=None,
-                                      tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                      use_sliding_window=False, **QWEN_SHAPE)
+    config = transformers.Qwen2Config(
+        vocab_size=QWEN_VOCAB_SIZE,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        **QWEN_SHAPE,
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():
@@ -221,8 +246,11 @@ def gguf_bytes_per_token(gguf: Path, llama_cpp: Path) -> int:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
-    fields = {name: field.contents() for name, field in reader.fields.items()
-              if name.endswith((".expert_count", ".expert_used_count"))}
+    fields = {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if name.endswith((".expert_count", ".expert_used_count"))
+    }
     used = next((v for k, v in fields.items() if k.endswith("used_count")), 1)
     count = next((v for k, v in fields.items() if k.endswith(".expert_count")), 1)
     tensors = {t.name: int(t.n_bytes) * (used / count if "_exps." in t.name else 1) for t in reader.tensors}
@@ -263,8 +291,12 @@ def llama_best(medians: dict[str, dict[int, dict[str, Any]]], c: int) -> dict[st
     llama = [name for name in medians if name.startswith("llama-server")]
     fastest = max(llama, key=lambda name: medians[name][c]["output_tok_per_s"]["median"])
     quickest = min(llama, key=lambda name: medians[name][c]["itl_p50_ms"]["median"])
-    return {"output_tok_per_s": medians[fastest][c]["output_tok_per_s"]["median"], "output_tok_per_s_by": fastest,
-            "itl_p50_ms": medians[quickest][c]["itl_p50_ms"]["median"], "itl_p50_ms_by": quickest}
+    return {
+        "output_tok_per_s": medians[fastest][c]["output_tok_per_s"]["median"],
+        "output_tok_per_s_by": fastest,
+        "itl_p50_ms": medians[quickest][c]["itl_p50_ms"]["median"],
+        "itl_p50_ms_by": quickest,
+    }
 
 
 def judge(comparison: Comparison, medians: dict[str, dict[int, dict[str, Any]]], levels: list[int]) -> dict[str, Any]:
@@ -272,24 +304,34 @@ def judge(comparison: Comparison, medians: dict[str, dict[int, dict[str, Any]]],
     ratios = {}
     for c in levels:
         best = llama_best(medians, c)
-        ratios[c] = {"llama_server_best": best, **{
-            name: {"output_tok_per_s_ratio": medians[name][c]["output_tok_per_s"]["median"] / best["output_tok_per_s"],
-                   "itl_p50_ratio": medians[name][c]["itl_p50_ms"]["median"] / best["itl_p50_ms"]}
-            for name in ("pagoda native off", "pagoda native on")}}
+        ratios[c] = {
+            "llama_server_best": best,
+            **{
+                name: {
+                    "output_tok_per_s_ratio": medians[name][c]["output_tok_per_s"]["median"] / best["output_tok_per_s"],
+                    "itl_p50_ratio": medians[name][c]["itl_p50_ms"]["median"] / best["itl_p50_ms"],
+                }
+                for name in ("pagoda native off", "pagoda native on")
+            },
+        }
     targets = []
     for c, metric, at_least in comparison.targets:
         if c not in ratios:
             continue
         entry = ratios[c]["pagoda native on"]
         achieved = 1 / entry["itl_p50_ratio"] if metric == "itl_p50_ms" else entry["output_tok_per_s_ratio"]
-        wording = ("pagoda native on median ITL <= llama-server's" if metric == "itl_p50_ms"
-                   else f"pagoda native on output tok/s >= {at_least}x llama-server's")
+        wording = (
+            "pagoda native on median ITL <= llama-server's"
+            if metric == "itl_p50_ms"
+            else f"pagoda native on output tok/s >= {at_least}x llama-server's"
+        )
         targets.append({"concurrency": c, "target": wording, "achieved_ratio": achieved, "met": achieved >= at_least})
     return {"pagoda_over_llama_server_best": ratios, "targets": targets}
 
 
-def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Namespace, levels: list[int],
-                   log_dir: Path) -> dict[str, Any]:
+def run_comparison(
+    comparison: Comparison, model_dir: Path, args: argparse.Namespace, levels: list[int], log_dir: Path
+) -> dict[str, Any]:
     from transformers import AutoConfig
 
     llama_cpp = Path(args.llama_cpp)
@@ -299,9 +341,17 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
     context = args.prompt_len + max(args.output_len, args.check_tokens) + 16
     slots = max(levels)
     pagoda_model = gguf if comparison.pagoda_serves_gguf else model_dir
-    pagoda_flags = ["--max-num-seqs", str(slots), "--max-model-len", str(context),
-                    "--kv-cache-memory", kv_cache_memory(model_dir, slots * context), *comparison.pagoda_flags,
-                    *(["--tokenizer", str(model_dir)] if comparison.pagoda_serves_gguf else []), *args.pagoda_flag]
+    pagoda_flags = [
+        "--max-num-seqs",
+        str(slots),
+        "--max-model-len",
+        str(context),
+        "--kv-cache-memory",
+        kv_cache_memory(model_dir, slots * context),
+        *comparison.pagoda_flags,
+        *(["--tokenizer", str(model_dir)] if comparison.pagoda_serves_gguf else []),
+        *args.pagoda_flag,
+    ]
     commands = {}
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[str, int]] = {}
@@ -312,25 +362,33 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
             servers[f"pagoda native {mode}"] = (url, process.pid)
             commands[f"pagoda native {mode}"] = f"pagoda serve --model {pagoda_model} " + " ".join(flags)
         for threads in (1, 2):
-            servers[f"llama-server -t {threads}"] = stack.enter_context(llama_server(
-                binary, gguf, slots, context, threads, log_dir / f"llama-server-t{threads}.log"))
-            commands[f"llama-server -t {threads}"] = (f"llama-server -m {gguf} -np {slots} -c {slots * context} "
-                                                      f"-t {threads} -tb {threads} -ctk f32 -ctv f32")
+            servers[f"llama-server -t {threads}"] = stack.enter_context(
+                llama_server(binary, gguf, slots, context, threads, log_dir / f"llama-server-t{threads}.log")
+            )
+            commands[f"llama-server -t {threads}"] = (
+                f"llama-server -m {gguf} -np {slots} -c {slots * context} -t {threads} -tb {threads} -ctk f32 -ctv f32"
+            )
         print(f"  servers up: {', '.join(servers)}", flush=True)
 
         agreement: dict[str, Any] = {}
         check = token_prompts(args.check_prompts, args.prompt_len, vocab_size, seed=1)
         if comparison.same_weights:
             for mode in ("off", "on"):
-                result = check_greedy_agreement(servers[f"pagoda native {mode}"][0], servers["llama-server -t 2"][0],
-                                                check, args.check_tokens)
+                result = check_greedy_agreement(
+                    servers[f"pagoda native {mode}"][0], servers["llama-server -t 2"][0], check, args.check_tokens
+                )
                 agreement[f"pagoda native {mode} vs llama-server"] = result
-                print(f"  greedy, pagoda native {mode} vs llama-server: {result['identical']}/{len(check)} identical, "
-                      f"{len(result['near_tie_divergences'])} near ties (< {NEAR_TIE}), "
-                      f"{len(result['disagreements'])} disagreements", flush=True)
+                print(
+                    f"  greedy, pagoda native {mode} vs llama-server: {result['identical']}/{len(check)} identical, "
+                    f"{len(result['near_tie_divergences'])} near ties (< {NEAR_TIE}), "
+                    f"{len(result['disagreements'])} disagreements",
+                    flush=True,
+                )
                 if result["disagreements"] and comparison.outputs_must_agree:
-                    raise RuntimeError(f"greedy outputs of pagoda native {mode} and llama-server disagree on the same "
-                                       f"weights: {result['disagreements'][0]}")
+                    raise RuntimeError(
+                        f"greedy outputs of pagoda native {mode} and llama-server disagree on the same "
+                        f"weights: {result['disagreements'][0]}"
+                    )
         else:
             agreement["note"] = "different quantizations (or llama.cpp's Q8_0 activations): outputs not compared"
         for base, _ in servers.values():
@@ -340,24 +398,35 @@ def run_comparison(comparison: Comparison, model_dir: Path, args: argparse.Names
         for round_index in range(args.rounds):
             order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
             for c in levels:
-                prompts = token_prompts(max(2, args.requests_per_client * c), args.prompt_len, vocab_size,
-                                        seed=1000 * round_index + c)
+                prompts = token_prompts(
+                    max(2, args.requests_per_client * c), args.prompt_len, vocab_size, seed=1000 * round_index + c
+                )
                 for name in order:
                     base, pid = servers[name]
                     load = os.getloadavg()[0]
                     result = run_load(base, pid, prompts, args.output_len, c)
                     result["load_average_1m_before"] = load
                     runs[name][c].append(result)
-                    print(f"  round {round_index + 1} c={c:<3} {name:<18} {result['output_tok_per_s']:8.1f} tok/s  "
-                          f"ITL p50 {result['itl_p50_ms']:7.2f} ms  cores {result['cores_busy'] or 0:.2f}  "
-                          f"load {load:.1f}", flush=True)
+                    print(
+                        f"  round {round_index + 1} c={c:<3} {name:<18} {result['output_tok_per_s']:8.1f} tok/s  "
+                        f"ITL p50 {result['itl_p50_ms']:7.2f} ms  cores {result['cores_busy'] or 0:.2f}  "
+                        f"load {load:.1f}",
+                        flush=True,
+                    )
 
     medians = {name: {c: summarize(by_c[c]) for c in levels} for name, by_c in runs.items()}
-    return {"label": comparison.label, "gguf": gguf.name, "gguf_type": comparison.gguf_type,
-            "pagoda_weights": gguf.name if comparison.pagoda_serves_gguf else model_dir.name,
-            "commands": commands, "greedy_agreement": agreement,
-            "median_over_rounds": medians, **judge(comparison, medians, levels), "runs": runs,
-            "bytes_per_token": gguf_bytes_per_token(gguf, llama_cpp)}
+    return {
+        "label": comparison.label,
+        "gguf": gguf.name,
+        "gguf_type": comparison.gguf_type,
+        "pagoda_weights": gguf.name if comparison.pagoda_serves_gguf else model_dir.name,
+        "commands": commands,
+        "greedy_agreement": agreement,
+        "median_over_rounds": medians,
+        **judge(comparison, medians, levels),
+        "runs": runs,
+        "bytes_per_token": gguf_bytes_per_token(gguf, llama_cpp),
+    }
 
 
 def add_floor(result: dict[str, Any], bandwidth: dict[int, float]) -> None:
@@ -368,7 +437,8 @@ def add_floor(result: dict[str, Any], bandwidth: dict[int, float]) -> None:
     if all(1 in by_c for by_c in medians.values()):
         result["fraction_of_floor_at_c1"] = {
             name: {key: ms / by_c[1]["itl_p50_ms"]["median"] for key, ms in floor.items()}
-            for name, by_c in medians.items()}
+            for name, by_c in medians.items()
+        }
 
 
 # ---- quality -----------------------------------------------------------------------------------
@@ -384,9 +454,28 @@ def heldout_text(work: Path) -> Path:
 
 
 def pagoda_perplexity(model: Path, tokenizer: Path, text: Path, max_tokens: int, flags: list[str]) -> dict[str, Any]:
-    command = [PYTHON, "-m", "pagoda.cli", "eval", "perplexity", "--model", str(model), "--tokenizer", str(tokenizer),
-               "--text", str(text), "--window", str(PERPLEXITY_WINDOW), "--stride", str(PERPLEXITY_STRIDE),
-               "--max-tokens", str(max_tokens), "--no-baseline", "--json", *flags]
+    command = [
+        PYTHON,
+        "-m",
+        "pagoda.cli",
+        "eval",
+        "perplexity",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(tokenizer),
+        "--text",
+        str(text),
+        "--window",
+        str(PERPLEXITY_WINDOW),
+        "--stride",
+        str(PERPLEXITY_STRIDE),
+        "--max-tokens",
+        str(max_tokens),
+        "--no-baseline",
+        "--json",
+        *flags,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
@@ -398,12 +487,30 @@ def pagoda_perplexity(model: Path, tokenizer: Path, text: Path, max_tokens: int,
 def llama_perplexity(llama_cpp: Path, gguf: Path, text: Path, chunks: int) -> dict[str, Any]:
     # llama.cpp's asynchronous logger sometimes exits before its last lines: run until they show.
     for _ in range(8):
-        output = run([str(llama_cpp / "build" / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", str(text),
-                      "-c", str(PERPLEXITY_WINDOW), "--chunks", str(chunks), "-t", "2", "-b", str(PERPLEXITY_WINDOW)])
+        output = run(
+            [
+                str(llama_cpp / "build" / "bin" / "llama-perplexity"),
+                "-m",
+                str(gguf),
+                "-f",
+                str(text),
+                "-c",
+                str(PERPLEXITY_WINDOW),
+                "--chunks",
+                str(chunks),
+                "-t",
+                "2",
+                "-b",
+                str(PERPLEXITY_WINDOW),
+            ]
+        )
         final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output)
         if final:
-            return {"perplexity": float(final.group(1)), "plus_minus": float(final.group(2)),
-                    "scored_tokens": chunks * PERPLEXITY_WINDOW // 2}
+            return {
+                "perplexity": float(final.group(1)),
+                "plus_minus": float(final.group(2)),
+                "scored_tokens": chunks * PERPLEXITY_WINDOW // 2,
+            }
     raise RuntimeError(f"llama-perplexity printed no final estimate for {gguf}")
 
 
@@ -413,20 +520,35 @@ def measure_perplexity(model_dir: Path, llama_cpp: Path, work: Path, chunks: int
     ggufs = {name: make_gguf(model_dir, llama_cpp, name) for name in ("F32", "Q8_0", "Q4_0")}
     llama = {name: llama_perplexity(llama_cpp, path, text, chunks) for name, path in ggufs.items()}
     max_tokens = chunks * PERPLEXITY_WINDOW
-    pagoda = {"fp32": pagoda_perplexity(model_dir, model_dir, text, max_tokens, []),
-              "int8": pagoda_perplexity(model_dir, model_dir, text, max_tokens, ["--quantization", "int8"]),
-              "Q4_0 GGUF": pagoda_perplexity(ggufs["Q4_0"], model_dir, text, max_tokens, [])}
+    pagoda = {
+        "fp32": pagoda_perplexity(model_dir, model_dir, text, max_tokens, []),
+        "int8": pagoda_perplexity(model_dir, model_dir, text, max_tokens, ["--quantization", "int8"]),
+        "Q4_0 GGUF": pagoda_perplexity(ggufs["Q4_0"], model_dir, text, max_tokens, []),
+    }
     for results, base in ((llama, "F32"), (pagoda, "fp32")):
         for entry in results.values():
             entry["delta_percent"] = (entry["perplexity"] / results[base]["perplexity"] - 1) * 100
     for tool, results in (("llama.cpp", llama), ("pagoda", pagoda)):
-        print("  " + tool + ": " + ", ".join(f"{name} {entry['perplexity']:.2f} ({entry['delta_percent']:+.2f}%)"
-                                             for name, entry in results.items()), flush=True)
-    return {"text": f"{text.name}: the bundled model's first 8 held-out standard-library files",
-            "pagoda": {"window": PERPLEXITY_WINDOW, "stride": PERPLEXITY_STRIDE, "runs": pagoda},
-            "llama_perplexity": {"context": PERPLEXITY_WINDOW, "chunks": chunks,
-                                 "scores": "the second half of each chunk", "runs": llama},
-            "note": "absolute values differ between the tools (different windows); compare each tool's deltas"}
+        print(
+            "  "
+            + tool
+            + ": "
+            + ", ".join(
+                f"{name} {entry['perplexity']:.2f} ({entry['delta_percent']:+.2f}%)" for name, entry in results.items()
+            ),
+            flush=True,
+        )
+    return {
+        "text": f"{text.name}: the bundled model's first 8 held-out standard-library files",
+        "pagoda": {"window": PERPLEXITY_WINDOW, "stride": PERPLEXITY_STRIDE, "runs": pagoda},
+        "llama_perplexity": {
+            "context": PERPLEXITY_WINDOW,
+            "chunks": chunks,
+            "scores": "the second half of each chunk",
+            "runs": llama,
+        },
+        "note": "absolute values differ between the tools (different windows); compare each tool's deltas",
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -438,27 +560,40 @@ def table(results: dict[str, Any], levels: list[int]) -> str:
         lines.append(f"{name}: {configuration['description']}")
         for comparison in configuration["comparisons"]:
             floor = comparison["floor_ms"]
-            lines.append(f"  {comparison['label']} ({comparison['gguf']}; floor {floor['2_thread']:.2f} ms/token at "
-                         f"2 threads, {floor['1_thread']:.2f} ms at 1; {comparison['bytes_per_token'] / 1e6:.1f} MB "
-                         f"per token)")
+            lines.append(
+                f"  {comparison['label']} ({comparison['gguf']}; floor {floor['2_thread']:.2f} ms/token at "
+                f"2 threads, {floor['1_thread']:.2f} ms at 1; {comparison['bytes_per_token'] / 1e6:.1f} MB "
+                f"per token)"
+            )
             medians = comparison["median_over_rounds"]
             for c in levels:
-                cells = [f"{target} {medians[target][c]['output_tok_per_s']['median']:7.1f} tok/s "
-                         f"ITL {medians[target][c]['itl_p50_ms']['median']:6.2f} ms" for target in medians]
+                cells = [
+                    f"{target} {medians[target][c]['output_tok_per_s']['median']:7.1f} tok/s "
+                    f"ITL {medians[target][c]['itl_p50_ms']['median']:6.2f} ms"
+                    for target in medians
+                ]
                 lines.append(f"    c={c:<3} " + " | ".join(cells))
             for target in comparison["targets"]:
-                lines.append(f"    target c={target['concurrency']}: {target['target']}: "
-                             f"{target['achieved_ratio']:.2f}x {'met' if target['met'] else 'NOT met'}")
+                lines.append(
+                    f"    target c={target['concurrency']}: {target['target']}: "
+                    f"{target['achieved_ratio']:.2f}x {'met' if target['met'] else 'NOT met'}"
+                )
             fractions = comparison.get("fraction_of_floor_at_c1")
             if fractions:
-                lines.append("    fraction of the 2-thread floor at c=1: " + ", ".join(
-                    f"{target} {value['2_thread']:.0%}" for target, value in fractions.items()))
+                lines.append(
+                    "    fraction of the 2-thread floor at c=1: "
+                    + ", ".join(f"{target} {value['2_thread']:.0%}" for target, value in fractions.items())
+                )
         quality = configuration.get("perplexity")
         if quality:
             for tool, key in (("pagoda", "pagoda"), ("llama.cpp", "llama_perplexity")):
-                lines.append(f"  perplexity {tool}: " + ", ".join(
-                    f"{label} {entry['perplexity']:.2f} ({entry['delta_percent']:+.2f}%)"
-                    for label, entry in quality[key]["runs"].items()))
+                lines.append(
+                    f"  perplexity {tool}: "
+                    + ", ".join(
+                        f"{label} {entry['perplexity']:.2f} ({entry['delta_percent']:+.2f}%)"
+                        for label, entry in quality[key]["runs"].items()
+                    )
+                )
     return "\n".join(lines)
 
 
@@ -471,38 +606,52 @@ def measure_bandwidth(rounds: int) -> dict[int, float]:
         torch.set_num_threads(threads)
         bandwidth[threads] = read_bandwidth(rounds)
     torch.set_num_threads(1)
-    print("read bandwidth: " + ", ".join(f"{t} thread(s) {bw / 1e9:.1f} GB/s" for t, bw in bandwidth.items()),
-          flush=True)
+    print(
+        "read bandwidth: " + ", ".join(f"{t} thread(s) {bw / 1e9:.1f} GB/s" for t, bw in bandwidth.items()), flush=True
+    )
     return bandwidth
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
-                        help="built llama.cpp tree (default: $LLAMA_CPP_DIR)")
-    parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
-                        help=f"comma-separated, from {', '.join(CONFIGURATIONS)}")
-    parser.add_argument("--model-root", default="/tmp/pagoda-bench-models",
-                        help="where models and their GGUFs are built (reused)")
+    parser.add_argument(
+        "--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="built llama.cpp tree (default: $LLAMA_CPP_DIR)"
+    )
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGURATIONS), help=f"comma-separated, from {', '.join(CONFIGURATIONS)}"
+    )
+    parser.add_argument(
+        "--model-root", default="/tmp/pagoda-bench-models", help="where models and their GGUFs are built (reused)"
+    )
     parser.add_argument("--out", default=str(RESULTS / NAME), help="results directory")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--requests-per-client", type=int, default=2,
-                        help="requests per run = max(2, this x concurrency)")
+    parser.add_argument(
+        "--requests-per-client", type=int, default=2, help="requests per run = max(2, this x concurrency)"
+    )
     parser.add_argument("--check-prompts", type=int, default=4, help="token-id prompts whose greedy outputs must agree")
     parser.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     parser.add_argument("--perplexity-chunks", type=int, default=16, help="512-token chunks of text scored")
     parser.add_argument("--bandwidth-rounds", type=int, default=15)
-    parser.add_argument("--pagoda-flag", action="append", default=[],
-                        help="extra `pagoda serve` flag for both pagoda servers (repeatable)")
-    parser.add_argument("--comparisons", default="",
-                        help="comma-separated comparison labels to run (default: every one of each configuration), "
-                             "e.g. 'Q4_0 GGUF'")
-    parser.add_argument("--quick", action="store_true",
-                        help="dry run: one round, one request per client, 2 check prompts, 2 perplexity chunks")
+    parser.add_argument(
+        "--pagoda-flag",
+        action="append",
+        default=[],
+        help="extra `pagoda serve` flag for both pagoda servers (repeatable)",
+    )
+    parser.add_argument(
+        "--comparisons",
+        default="",
+        help="comma-separated comparison labels to run (default: every one of each configuration), e.g. 'Q4_0 GGUF'",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="dry run: one round, one request per client, 2 check prompts, 2 perplexity chunks",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.requests_per_client, args.check_prompts, args.perplexity_chunks = 1, 1, 2, 2
@@ -533,22 +682,37 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join([".venv/bin/python", f"benchmarks/{NAME}.py", *argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "machine": machine_info(),
-            "llama_server": version_line(llama_cpp / "build" / "bin" / "llama-server"),
-            "native_kernels": native.version_line(), "load_average_at_start": os.getloadavg(), "quick": args.quick,
-            "workload": {"prompt": f"{args.prompt_len} random token ids", "output": args.output_len,
-                         "ignore_eos": True, "greedy": True, "closed_loop": True,
-                         "requests_per_run": f"max(2, {args.requests_per_client} x concurrency)",
-                         "rounds": args.rounds, "order": "reversed every other round"}}
+    meta = {
+        "command": " ".join([".venv/bin/python", f"benchmarks/{NAME}.py", *argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+        "llama_server": version_line(llama_cpp / "build" / "bin" / "llama-server"),
+        "native_kernels": native.version_line(),
+        "load_average_at_start": os.getloadavg(),
+        "quick": args.quick,
+        "workload": {
+            "prompt": f"{args.prompt_len} random token ids",
+            "output": args.output_len,
+            "ignore_eos": True,
+            "greedy": True,
+            "closed_loop": True,
+            "requests_per_run": f"max(2, {args.requests_per_client} x concurrency)",
+            "rounds": args.rounds,
+            "order": "reversed every other round",
+        },
+    }
     bandwidth = measure_bandwidth(args.bandwidth_rounds)
 
     results: dict[str, Any] = {}
     for name in names:
         configuration = CONFIGURATIONS[name]
         model_dir = build_model(configuration, Path(args.model_root))
-        entry: dict[str, Any] = {"description": configuration.description, "model_dir": str(model_dir),
-                                 "comparisons": []}
+        entry: dict[str, Any] = {
+            "description": configuration.description,
+            "model_dir": str(model_dir),
+            "comparisons": [],
+        }
         wanted = {label.strip() for label in args.comparisons.split(",") if label.strip()}
         for comparison in configuration.comparisons:
             if wanted and comparison.label not in wanted:
@@ -567,8 +731,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Other load only lowers a measured bandwidth: the floor takes the higher of two measurements.
     at_end = measure_bandwidth(args.bandwidth_rounds)
-    meta["read_bandwidth_gb_s"] = {"at_start": {f"{t}_thread": bw / 1e9 for t, bw in bandwidth.items()},
-                                   "at_end": {f"{t}_thread": bw / 1e9 for t, bw in at_end.items()}}
+    meta["read_bandwidth_gb_s"] = {
+        "at_start": {f"{t}_thread": bw / 1e9 for t, bw in bandwidth.items()},
+        "at_end": {f"{t}_thread": bw / 1e9 for t, bw in at_end.items()},
+    }
     for name in names:
         for result in results[name]["comparisons"]:
             add_floor(result, {t: max(bw, at_end[t]) for t, bw in bandwidth.items()})

@@ -35,10 +35,14 @@ from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update")
 
 
-def run_steps(model_dir: Path, prompts: list[list[int]], output_lens: list[int], threads: int) -> tuple[float, Counter, int]:
+def run_steps(
+    model_dir: Path, prompts: list[list[int]], output_lens: list[int], threads: int
+) -> tuple[float, Counter, int]:
     engine = LLM(model=str(model_dir), num_threads=threads).engine
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(EngineRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+        engine.add_request(
+            EngineRequest(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        )
     phases: Counter = Counter()
     wall = 0.0
     steps = 0
@@ -60,9 +64,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    lines = [f"$ .venv/bin/python benchmarks/offline_profile.py {' '.join(sys.argv[1:])}",
-             f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, load average at start {os.getloadavg()[0]:.1f} "
-             f"(shared 2-core machine), torch {torch.__version__}, {args.threads} threads", ""]
+    lines = [
+        f"$ .venv/bin/python benchmarks/offline_profile.py {' '.join(sys.argv[1:])}",
+        f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, load average at start {os.getloadavg()[0]:.1f} "
+        f"(shared 2-core machine), torch {torch.__version__}, {args.threads} threads",
+        "",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "llama10m", "llama", vocab_size=8192, **MODEL_SHAPE)
         prompts, output_lens = make_workload(256, 32, 256, 8192, seed=0)
@@ -71,8 +78,10 @@ def main() -> None:
         for name in PHASES:
             lines.append(f"  {name:<10} {phases[name]:8.2f} s  {100 * phases[name] / wall:5.1f}%")
         rest = wall - sum(phases.values())
-        lines += [f"  {'outputs':<10} {rest:8.2f} s  {100 * rest / wall:5.1f}%  (output processing, detokenization)",
-                  ""]
+        lines += [
+            f"  {'outputs':<10} {rest:8.2f} s  {100 * rest / wall:5.1f}%  (output processing, detokenization)",
+            "",
+        ]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             start = time.perf_counter()
             run_steps(model_dir, prompts, output_lens, args.threads)

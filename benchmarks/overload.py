@@ -77,9 +77,11 @@ async def one_request(port: int, body: bytes, start: asyncio.Event) -> Outcome:
     began = time.perf_counter()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-                     b"content-type: application/json\r\nconnection: close\r\n"
-                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -113,9 +115,11 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         value = percentile(values, q)
         return round(value * 1000, 1) if value is not None else None
 
-    return {"statuses": by_status,
-            "refused_e2e_ms": {"p50": ms(refused, 50), "p99": ms(refused, 99), "max": ms(refused, 100)},
-            "admitted_e2e_ms": {"p50": ms(admitted, 50), "p99": ms(admitted, 99)}}
+    return {
+        "statuses": by_status,
+        "refused_e2e_ms": {"p50": ms(refused, 50), "p99": ms(refused, 99), "max": ms(refused, 100)},
+        "admitted_e2e_ms": {"p50": ms(admitted, 50), "p99": ms(admitted, 99)},
+    }
 
 
 def refusal_histogram(metrics_text: str, reason: str = "overloaded") -> dict[str, Any]:
@@ -138,14 +142,18 @@ def refusal_histogram(metrics_text: str, reason: str = "overloaded") -> dict[str
     def ms(value: float | None) -> float | None:
         return round(value * 1000, 3) if value is not None else None
 
-    return {"count": int(count), "mean_ms": ms(total / count) if count else None,
-            "p50_ms": ms(histogram_quantile(0.5, buckets)),
-            "p99_ms": ms(histogram_quantile(0.99, buckets))}
+    return {
+        "count": int(count),
+        "mean_ms": ms(total / count) if count else None,
+        "p50_ms": ms(histogram_quantile(0.5, buckets)),
+        "p99_ms": ms(histogram_quantile(0.99, buckets)),
+    }
 
 
 def request_body(max_tokens: int) -> bytes:
-    return json.dumps({"model": "bench", "prompt": "def overload(request):\n    return",
-                       "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    return json.dumps(
+        {"model": "bench", "prompt": "def overload(request):\n    return", "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -168,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queued-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="floods of each server, alternating bare and pagoda; medians are reported")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="floods of each server, alternating bare and pagoda; medians are reported"
+    )
     args = parser.parse_args(argv)
 
     import httpx
@@ -180,11 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     body = request_body(args.max_tokens)
 
     bare_port = free_port()
-    engine = ["--num-threads", str(args.threads), "--max-model-len", "1024",
-              "--max-queued-requests", str(args.max_queued_requests)]
+    engine = [
+        "--num-threads",
+        str(args.threads),
+        "--max-model-len",
+        "1024",
+        "--max-queued-requests",
+        str(args.max_queued_requests),
+    ]
     rounds: list[dict[str, Any]] = []
-    with subprocess.Popen([PYTHON, "-c", BARE_SERVER, str(bare_port)]) as bare, \
-            pagoda_server_process(model_dir, engine, out / "server.log") as (url, server):
+    with (
+        subprocess.Popen([PYTHON, "-c", BARE_SERVER, str(bare_port)]) as bare,
+        pagoda_server_process(model_dir, engine, out / "server.log") as (url, server),
+    ):
         try:
             pagoda_port = int(url.rsplit(":", 1)[1])
             time.sleep(1.0)
@@ -197,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = summarize(outcomes)
                 result["server_cpu_ms_per_request"] = round(cpu * 1000 / args.num_requests, 3)
                 print(f"round {index + 1} pagoda serve:", json.dumps(result), flush=True)
-                rounds.append({"bare_asyncio_503": baseline, "pagoda": result,
-                               "load_average": os.getloadavg()})
+                rounds.append({"bare_asyncio_503": baseline, "pagoda": result, "load_average": os.getloadavg()})
             metrics_text = httpx.get(url + "/metrics", timeout=30).text
         finally:
             bare.terminate()
@@ -211,24 +227,35 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bare_asyncio_503_refused_e2e_ms": bare_ms,
         "pagoda_refused_e2e_ms": pagoda_ms,
-        "p99_ratio_to_bare": (round(pagoda_ms["p99"] / bare_ms["p99"], 2)
-                              if pagoda_ms["p99"] and bare_ms["p99"] else None),
+        "p99_ratio_to_bare": (
+            round(pagoda_ms["p99"] / bare_ms["p99"], 2) if pagoda_ms["p99"] and bare_ms["p99"] else None
+        ),
         "pagoda_admitted_e2e_ms": medians("pagoda", "admitted_e2e_ms"),
         "server_cpu_ms_per_request": median([r["pagoda"]["server_cpu_ms_per_request"] for r in rounds]),
         "server_refusal_time": refusal_histogram(metrics_text),
     }
     print("medians:", json.dumps(summary), flush=True)
-    write_summary(out / "summary.json", {
-        **meta, "num_requests": args.num_requests, "max_queued_requests": args.max_queued_requests,
-        "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds,
-        **summary, "per_round": rounds, "load_average_at_end": os.getloadavg(),
-        "note": "medians over alternating rounds (bare server, then pagoda, each round); "
-                "server_refusal_time: pagoda's own histogram over every round, from the fast "
-                "refusal's entry to the answer handed to the HTTP server; server_cpu_ms_per_request: "
-                "the server process's CPU time over one flood (HTTP parsing and writes included, "
-                "the engine runs in its own process) divided by the requests sent; one shared "
-                "2-core machine: the client, the server and other agents' work compete for the same "
-                "cores; see the load averages"})
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "num_requests": args.num_requests,
+            "max_queued_requests": args.max_queued_requests,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "rounds": args.rounds,
+            **summary,
+            "per_round": rounds,
+            "load_average_at_end": os.getloadavg(),
+            "note": "medians over alternating rounds (bare server, then pagoda, each round); "
+            "server_refusal_time: pagoda's own histogram over every round, from the fast "
+            "refusal's entry to the answer handed to the HTTP server; server_cpu_ms_per_request: "
+            "the server process's CPU time over one flood (HTTP parsing and writes included, "
+            "the engine runs in its own process) divided by the requests sent; one shared "
+            "2-core machine: the client, the server and other agents' work compete for the same "
+            "cores; see the load averages",
+        },
+    )
     return 0
 
 

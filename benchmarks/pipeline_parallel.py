@@ -38,14 +38,21 @@ from pagoda.engine.threads import prefer_passive_omp_wait
 prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
+from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from tensor_parallel import build_model as build_llama  # noqa: E402
 from tensor_parallel import prompt  # noqa: E402
 
 # ~30M parameters: 8 layers of hidden 512 (8 query / 4 KV heads, intermediate 1536), 4k vocabulary.
-MODEL_SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+MODEL_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
 TOTAL_THREADS = 2
 # Stage 0 also schedules, prepares and samples each micro-batch: fewer layers balance the stages.
 UNEVEN = "2,6"
@@ -79,8 +86,11 @@ class BusyMeter:
 def single_stream(llm: LLM, index: int, max_tokens: int) -> tuple[float, float, float | None, float | None]:
     """(output tok/s after the first token, ms per token, bubble and stage-0 wait fractions) of one request."""
     engine = llm.engine
-    engine.add_request(EngineRequest(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True)))
+    engine.add_request(
+        EngineRequest(
+            f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    )
     meter = BusyMeter(llm)
     times = []
     while engine.has_unfinished_requests():
@@ -131,10 +141,21 @@ def main() -> None:
     model_dir = build_model(args.model_dir)
     load_at_start = os.getloadavg()
     common = dict(model=str(model_dir), num_threads=TOTAL_THREADS, num_kv_blocks=512, max_num_seqs=args.batch)
-    engines = {"pp1": LLM(**common), "pp2": LLM(**common, pipeline_parallel_size=2),
-               f"pp2_{UNEVEN.replace(',', '_')}": LLM(**common, pipeline_parallel_size=2, pp_layer_partition=UNEVEN)}
-    metrics = ("c1_tok_s", "c1_ms_per_token", "c1_bubble", "c1_stage0_wait", "c16_tok_s", "c16_ms_per_token",
-               "c16_bubble", "c16_stage0_wait")
+    engines = {
+        "pp1": LLM(**common),
+        "pp2": LLM(**common, pipeline_parallel_size=2),
+        f"pp2_{UNEVEN.replace(',', '_')}": LLM(**common, pipeline_parallel_size=2, pp_layer_partition=UNEVEN),
+    }
+    metrics = (
+        "c1_tok_s",
+        "c1_ms_per_token",
+        "c1_bubble",
+        "c1_stage0_wait",
+        "c16_tok_s",
+        "c16_ms_per_token",
+        "c16_bubble",
+        "c16_stage0_wait",
+    )
     results: dict[str, dict[str, list]] = {name: {key: [] for key in metrics} for name in engines}
     for llm in engines.values():  # warm-up: first-call allocations, page faults
         set_engine_threads(llm.engine.config, serving=False)
@@ -146,32 +167,46 @@ def main() -> None:
             # Both engines step on this thread: re-apply this engine's share (2 threads for
             # PP=1, 1 for each PP=2 stage) before measuring.
             set_engine_threads(llm.engine.config, serving=False)
-            row = (*single_stream(llm, round_index, args.decode_tokens),
-                   *concurrent(llm, round_index, args.batch, args.batch_tokens))
+            row = (
+                *single_stream(llm, round_index, args.decode_tokens),
+                *concurrent(llm, round_index, args.batch, args.batch_tokens),
+            )
             for key, value in zip(metrics, row):
                 results[name][key].append(value)
-            print(f"round {round_index} {name}: " + ", ".join(
-                f"{key} {value:.3f}" for key, value in zip(metrics, row) if value is not None), flush=True)
-    medians = {name: {key: statistics.median(values) for key, values in values_of.items() if values
-                      and values[0] is not None}
-               for name, values_of in results.items()}
+            print(
+                f"round {round_index} {name}: "
+                + ", ".join(f"{key} {value:.3f}" for key, value in zip(metrics, row) if value is not None),
+                flush=True,
+            )
+    medians = {
+        name: {key: statistics.median(values) for key, values in values_of.items() if values and values[0] is not None}
+        for name, values_of in results.items()
+    }
     summary = {
         "benchmark": "pipeline_parallel",
         "model": {"shape": MODEL_SHAPE, "dtype": "float32"},
         "threads_total": TOTAL_THREADS,
         "pipeline": "up to P micro-batches of disjoint requests in flight (each an even share of the requests)",
-        "workload": {"c1": f"1 request, 64-token prompt, {args.decode_tokens} output tokens, greedy",
-                     "c16": f"{args.batch} requests at once, 64-token prompts, {args.batch_tokens} output "
-                            f"tokens each, greedy"},
+        "workload": {
+            "c1": f"1 request, 64-token prompt, {args.decode_tokens} output tokens, greedy",
+            "c16": f"{args.batch} requests at once, 64-token prompts, {args.batch_tokens} output tokens each, greedy",
+        },
         "rounds": args.rounds,
         "per_round": results,
         "median": medians,
-        "over_pp1": {name: {key: medians[name][key] / medians["pp1"][key] for key in medians["pp1"]}
-                     for name in engines if name != "pp1"},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-                    "note": "2 vCPU shared with other jobs during the run: absolute numbers are noisy, "
-                            "the interleaved ratios are what counts"},
+        "over_pp1": {
+            name: {key: medians[name][key] / medians["pp1"][key] for key in medians["pp1"]}
+            for name in engines
+            if name != "pp1"
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+            "note": "2 vCPU shared with other jobs during the run: absolute numbers are noisy, "
+            "the interleaved ratios are what counts",
+        },
     }
     print(json.dumps({"median": medians, "over_pp1": summary["over_pp1"]}, indent=2))
     for name, llm in engines.items():

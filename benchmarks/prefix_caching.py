@@ -55,11 +55,41 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = out / SUBDIRS[i]
         engine = ["--num-threads", str(args.threads), "--max-model-len", "2048", *flags]
         with pagoda_server(model_dir, engine, run_dir / "server.log") as url:
-            rc = bench(["serve", "--base-url", url, "--model", "bench", "--tokenizer", str(model_dir),
-                        "--mix", "rag", "--param", "rag.docs=4", "--param", "rag.doc=512",
-                        "--param", "rag.question=uniform:16:48", "--param", "rag.output=16", "--ignore-eos",
-                        "--request-rate", str(args.request_rate), "--num-requests", str(args.num_requests),
-                        "--warmup", "2", "--seed", "0", "--label", label, "--no-progress", "--out", str(run_dir)])
+            rc = bench(
+                [
+                    "serve",
+                    "--base-url",
+                    url,
+                    "--model",
+                    "bench",
+                    "--tokenizer",
+                    str(model_dir),
+                    "--mix",
+                    "rag",
+                    "--param",
+                    "rag.docs=4",
+                    "--param",
+                    "rag.doc=512",
+                    "--param",
+                    "rag.question=uniform:16:48",
+                    "--param",
+                    "rag.output=16",
+                    "--ignore-eos",
+                    "--request-rate",
+                    str(args.request_rate),
+                    "--num-requests",
+                    str(args.num_requests),
+                    "--warmup",
+                    "2",
+                    "--seed",
+                    "0",
+                    "--label",
+                    label,
+                    "--no-progress",
+                    "--out",
+                    str(run_dir),
+                ]
+            )
         (run_dir / "server.log").unlink(missing_ok=True)
         if rc:
             return rc
@@ -69,17 +99,35 @@ def main(argv: list[str] | None = None) -> int:
         s = load_results(out / sub / "results.json")["summary"]
         o = s["overall"]
         rows[label] = {
-            "ttft_p50_s": o["ttft"]["p50"], "ttft_p99_s": o["ttft"]["p99"], "e2e_p50_s": o["e2e"]["p50"],
-            "e2e_p99_s": o["e2e"]["p99"], "output_tok_per_s": o["output_throughput"], "ok": o["num_ok"],
+            "ttft_p50_s": o["ttft"]["p50"],
+            "ttft_p99_s": o["ttft"]["p99"],
+            "e2e_p50_s": o["e2e"]["p50"],
+            "e2e_p99_s": o["e2e"]["p99"],
+            "output_tok_per_s": o["output_throughput"],
+            "ok": o["num_ok"],
             "prefix_cache_hit_rate": s["server"]["prefix_cache_hit_rate"] if s["server"] else None,
             "queue_time_mean_s": s["server"]["queue_time_mean"] if s["server"] else None,
         }
     on, off = rows["prefix caching on"], rows["prefix caching off"]
     speedup = {"ttft_p50": off["ttft_p50_s"] / on["ttft_p50_s"], "ttft_p99": off["ttft_p99_s"] / on["ttft_p99_s"]}
-    write_summary(out / "summary.json", {**meta, "workload": {
-        "class": "rag", "documents": 4, "document_tokens": 512, "question_tokens": "uniform 16-48",
-        "output_tokens": 16, "arrival": f"Poisson {args.request_rate} req/s", "requests": args.num_requests,
-        "threads": args.threads}, "results": rows, "ttft_off_over_on": speedup})
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "workload": {
+                "class": "rag",
+                "documents": 4,
+                "document_tokens": 512,
+                "question_tokens": "uniform 16-48",
+                "output_tokens": 16,
+                "arrival": f"Poisson {args.request_rate} req/s",
+                "requests": args.num_requests,
+                "threads": args.threads,
+            },
+            "results": rows,
+            "ttft_off_over_on": speedup,
+        },
+    )
     _plot(out, rows)
     print(f"wrote {out}/summary.json, ttft.png, cdf.png")
     return 0
@@ -89,14 +137,20 @@ def _plot(out: Path, rows: dict[str, dict]) -> None:
     from pagoda.bench.plots import plot_bars, plot_target_cdfs
     from pagoda.bench.records import records_from_json
 
-    plot_bars({
-        "TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in rows.items()},
-        "TTFT p99 (ms)": {k: v["ttft_p99_s"] * 1000 for k, v in rows.items()},
-        "prefix cache hit rate": {k: v["prefix_cache_hit_rate"] or 0.0 for k, v in rows.items()},
-    }, out / "ttft.png", "rag class: 4 shared 512-token documents, Poisson arrivals")
+    plot_bars(
+        {
+            "TTFT p50 (ms)": {k: v["ttft_p50_s"] * 1000 for k, v in rows.items()},
+            "TTFT p99 (ms)": {k: v["ttft_p99_s"] * 1000 for k, v in rows.items()},
+            "prefix cache hit rate": {k: v["prefix_cache_hit_rate"] or 0.0 for k, v in rows.items()},
+        },
+        out / "ttft.png",
+        "rag class: 4 shared 512-token documents, Poisson arrivals",
+    )
 
-    runs = {label: records_from_json(load_results(out / sub / "results.json")["requests"])
-            for label, sub in zip(rows, SUBDIRS)}
+    runs = {
+        label: records_from_json(load_results(out / sub / "results.json")["requests"])
+        for label, sub in zip(rows, SUBDIRS)
+    }
     plot_target_cdfs(runs, out / "cdf.png", "rag class: latency CDFs, prefix caching on vs off")
 
 

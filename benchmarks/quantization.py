@@ -37,10 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_tokenizer, git_commit  # noqa: E402
 from pagoda.config import DEFAULT_MODEL_DIR  # noqa: E402
 
-LARGE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
-                   num_key_value_heads=16, max_position_embeddings=2048)
-WEIGHTS = {"none": {}, "int8": {"quantization": "int8"},
-           "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}
+LARGE_SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=2048,
+)
+WEIGHTS = {
+    "none": {},
+    "int8": {"quantization": "int8"},
+    "int4-g128": {"quantization": "int4", "quantization_group_size": 128},
+}
 KV_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -53,8 +62,15 @@ def build_large_model(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
     vocab = len(transformers.AutoTokenizer.from_pretrained(directory))
-    config = transformers.LlamaConfig(vocab_size=vocab, eos_token_id=0, pad_token_id=0, bos_token_id=None,
-                                      tie_word_embeddings=False, rope_theta=10000.0, **LARGE_SHAPE)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        **LARGE_SHAPE,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -77,13 +93,22 @@ def measure_perplexity(num_files: int, max_tokens: int) -> list[dict]:
 
     documents = [(str(p), p.read_text(errors="replace")) for p in heldout_texts(num_files)]
     # The bundled model's MLP is 704 wide: int4 groups of 64 or 32 divide it, 128 does not.
-    runs = [("none", "auto", {}), ("int8", "auto", {"quantization": "int8"}),
-            ("int4-g64", "auto", {"quantization": "int4", "quantization_group_size": 64}),
-            ("int4-g32", "auto", {"quantization": "int4", "quantization_group_size": 32}),
-            ("int4-g32-sym", "auto", {"quantization": "int4", "quantization_group_size": 32,
-                                      "quantization_zero_point": False}),
-            ("none", "int8", {}), ("none", "fp8_e4m3", {}), ("none", "fp8_e5m2", {}), ("none", "fp8", {}),
-            ("int8", "int8", {"quantization": "int8"})]
+    runs = [
+        ("none", "auto", {}),
+        ("int8", "auto", {"quantization": "int8"}),
+        ("int4-g64", "auto", {"quantization": "int4", "quantization_group_size": 64}),
+        ("int4-g32", "auto", {"quantization": "int4", "quantization_group_size": 32}),
+        (
+            "int4-g32-sym",
+            "auto",
+            {"quantization": "int4", "quantization_group_size": 32, "quantization_zero_point": False},
+        ),
+        ("none", "int8", {}),
+        ("none", "fp8_e4m3", {}),
+        ("none", "fp8_e5m2", {}),
+        ("none", "fp8", {}),
+        ("int8", "int8", {"quantization": "int8"}),
+    ]
     results = []
     token_lists = None
     for weights, kv, extra in runs:
@@ -92,8 +117,15 @@ def measure_perplexity(num_files: int, max_tokens: int) -> list[dict]:
             token_lists = tokenize_documents(llm, documents, max_tokens)
         start = time.perf_counter()
         result = perplexity(llm, token_lists, window=512, stride=256)
-        results.append({"weights": weights, "kv_cache_dtype": kv, "perplexity": result.perplexity,
-                         "num_scored_tokens": result.num_scored_tokens, "seconds": time.perf_counter() - start})
+        results.append(
+            {
+                "weights": weights,
+                "kv_cache_dtype": kv,
+                "perplexity": result.perplexity,
+                "num_scored_tokens": result.num_scored_tokens,
+                "seconds": time.perf_counter() - start,
+            }
+        )
         print(f"perplexity {weights:>12} kv {kv:>8}: {result.perplexity:.4f}", flush=True)
         del llm
         gc.collect()
@@ -132,8 +164,14 @@ def measure_decode(model_dir: Path, threads: int, repeats: int) -> list[dict]:
     engines, load_seconds = {}, {}
     for weights, kv in combos:
         start = time.perf_counter()
-        engines[weights, kv] = LLM(model=str(model_dir), kv_cache_dtype=kv, kv_cache_memory="256MiB",
-                                   num_threads=threads, max_num_seqs=16, **WEIGHTS[weights])
+        engines[weights, kv] = LLM(
+            model=str(model_dir),
+            kv_cache_dtype=kv,
+            kv_cache_memory="256MiB",
+            num_threads=threads,
+            max_num_seqs=16,
+            **WEIGHTS[weights],
+        )
         load_seconds[weights, kv] = time.perf_counter() - start
     single = {combo: [] for combo in combos}
     batch = {combo: [] for combo in combos}
@@ -141,22 +179,30 @@ def measure_decode(model_dir: Path, threads: int, repeats: int) -> list[dict]:
         for combo in combos:
             single[combo].append(decode_rate(engines[combo], prompts[:1], 32, 1))
             batch[combo].append(decode_rate(engines[combo], prompts, 16, 1))
-            print(f"round {round_index} decode {combo[0]:>10} kv {combo[1]:>5}: single {single[combo][-1]:6.2f} "
-                  f"tok/s, batch16 {batch[combo][-1]:7.2f} tok/s", flush=True)
+            print(
+                f"round {round_index} decode {combo[0]:>10} kv {combo[1]:>5}: single {single[combo][-1]:6.2f} "
+                f"tok/s, batch16 {batch[combo][-1]:7.2f} tok/s",
+                flush=True,
+            )
     baseline = ("none", "auto")
     results = []
     for combo in combos:
         weights, kv = combo
-        results.append({
-            "weights": weights, "kv_cache_dtype": kv,
-            "single_stream_tok_s": statistics.median(single[combo]),
-            "batch16_tok_s": statistics.median(batch[combo]),
-            "single_stream_rounds": single[combo], "batch16_rounds": batch[combo],
-            # Per round against that round's baseline, then the median.
-            "single_speedup": statistics.median(a / b for a, b in zip(single[combo], single[baseline])),
-            "batch16_speedup": statistics.median(a / b for a, b in zip(batch[combo], batch[baseline])),
-            "load_seconds": load_seconds[combo], "kv_blocks": engines[combo].engine.core.num_blocks,
-        })
+        results.append(
+            {
+                "weights": weights,
+                "kv_cache_dtype": kv,
+                "single_stream_tok_s": statistics.median(single[combo]),
+                "batch16_tok_s": statistics.median(batch[combo]),
+                "single_stream_rounds": single[combo],
+                "batch16_rounds": batch[combo],
+                # Per round against that round's baseline, then the median.
+                "single_speedup": statistics.median(a / b for a, b in zip(single[combo], single[baseline])),
+                "batch16_speedup": statistics.median(a / b for a, b in zip(batch[combo], batch[baseline])),
+                "load_seconds": load_seconds[combo],
+                "kv_blocks": engines[combo].engine.core.num_blocks,
+            }
+        )
     return results
 
 
@@ -165,8 +211,10 @@ def kv_blocks_per_gib() -> dict:
     from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
     bundled = ModelConfig.from_dir(DEFAULT_MODEL_DIR)
-    shapes = {"pagoda-coder (6 layers, 2 kv heads x 64)": (bundled.num_layers, bundled.num_kv_heads, bundled.head_dim),
-              "large (24 layers, 16 kv heads x 64)": (24, 16, 64)}
+    shapes = {
+        "pagoda-coder (6 layers, 2 kv heads x 64)": (bundled.num_layers, bundled.num_kv_heads, bundled.head_dim),
+        "large (24 layers, 16 kv heads x 64)": (24, 16, 64),
+    }
     table = {}
     for label, (layers, heads, head_dim) in shapes.items():
         row = {}
@@ -220,14 +268,16 @@ def kernel_microbench(threads: int) -> list[dict]:
             "rows": m,
             "fp32_dense_us": median_us(lambda: F.linear(x, weight)),
             "bf16_dense_us": median_us(lambda: F.linear(xb, bf16_weight)),
-            "int8_kernel_fp32_act_us": median_us(lambda: torch.ops.aten._weight_int8pack_mm(x, int8_q,
-                                                                                            int8_fp32_scales)),
+            "int8_kernel_fp32_act_us": median_us(
+                lambda: torch.ops.aten._weight_int8pack_mm(x, int8_q, int8_fp32_scales)
+            ),
             "int8_dequant_then_matmul_us": median_us(lambda: F.linear(x, int8_q.float() * int8_fp32_scales[:, None])),
             "int8_format_us": median_us(lambda: int8(x)),
             "int4_format_us": median_us(lambda: int4(x)),
             # The kernel alone on bfloat16 input: what the format adds is its two casts.
-            "int4_kernel_bf16_input_us": median_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb, int4.qweight, 128, int4.scales_and_zeros)),
+            "int4_kernel_bf16_input_us": median_us(
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4.qweight, 128, int4.scales_and_zeros)
+            ),
             **{f"int4_g{group}_format_us": median_us(lambda fmt=fmt: fmt(x)) for group, fmt in int4_by_group.items()},
         }
 
@@ -247,10 +297,15 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     decode = results["decode"]
     labels = [f"{r['weights']}\nkv {r['kv_cache_dtype']}" for r in decode]
-    for axis, key, title in ((axes[0], "single_stream_tok_s", "single-stream decode tok/s (316M Llama)"),
-                             (axes[1], "batch16_tok_s", "batch-16 decode tok/s (316M Llama)")):
-        axis.bar(range(len(decode)), [r[key] for r in decode],
-                 color=["C0" if r["kv_cache_dtype"] == "auto" else "C1" for r in decode])
+    for axis, key, title in (
+        (axes[0], "single_stream_tok_s", "single-stream decode tok/s (316M Llama)"),
+        (axes[1], "batch16_tok_s", "batch-16 decode tok/s (316M Llama)"),
+    ):
+        axis.bar(
+            range(len(decode)),
+            [r[key] for r in decode],
+            color=["C0" if r["kv_cache_dtype"] == "auto" else "C1" for r in decode],
+        )
         axis.set_xticks(range(len(decode)), labels, fontsize=7)
         axis.set_title(title, fontsize=10)
     ppl = results["perplexity"]
@@ -266,8 +321,12 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="directory for quantization.json and .png")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pagoda-bench-quant-316m"),
-                        help="where the random large model is built (reused)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp/pagoda-bench-quant-316m"),
+        help="where the random large model is built (reused)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved decode rounds")
     parser.add_argument("--ppl-files", type=int, default=8)

@@ -59,17 +59,43 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         round_out = out if args.rounds == 1 else out / f"round{round_index + 1}"
         with pagoda_server_process(model_dir, engine, round_out / "server.log") as (url, proc):
-            targets = [f"--target=pagoda:max_num_seqs={args.concurrency},label={offline_label}",
-                       f"--target=http:url={url},model=bench,label={server_label}"]
+            targets = [
+                f"--target=pagoda:max_num_seqs={args.concurrency},label={offline_label}",
+                f"--target=http:url={url},model=bench,label={server_label}",
+            ]
             if round_index % 2 == 1:
                 targets.reverse()
             pids = {"http": proc.pid, "engine": _children(proc.pid), "load generator": os.getpid()}
             marks = [_cpu_mark(pids)]
-            rc = bench(["compare", "--model", str(model_dir), "--num-threads", str(args.threads),
-                        "--mix", "chat", "--param", "chat.prompt=uniform:32:256", "--param", "chat.output=uniform:32:256",
-                        "--max-model-len", "1024", "--num-requests", str(args.num_requests), "--warmup", "4",
-                        "--concurrency", str(args.concurrency), "--seed", "0", "--no-progress", "--out", str(round_out),
-                        *targets])
+            rc = bench(
+                [
+                    "compare",
+                    "--model",
+                    str(model_dir),
+                    "--num-threads",
+                    str(args.threads),
+                    "--mix",
+                    "chat",
+                    "--param",
+                    "chat.prompt=uniform:32:256",
+                    "--param",
+                    "chat.output=uniform:32:256",
+                    "--max-model-len",
+                    "1024",
+                    "--num-requests",
+                    str(args.num_requests),
+                    "--warmup",
+                    "4",
+                    "--concurrency",
+                    str(args.concurrency),
+                    "--seed",
+                    "0",
+                    "--no-progress",
+                    "--out",
+                    str(round_out),
+                    *targets,
+                ]
+            )
             marks.append(_cpu_mark(pids))
         (round_out / "server.log").unlink(missing_ok=True)
         if rc:
@@ -78,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         for run in load_results(round_out / "results.json")["runs"]:
             summary = run["summary"]
             overall = summary["overall"]
-            row = {"seconds": summary["duration"], "output_tok_per_s": overall["output_throughput"],
-                   "ttft_p50_s": overall["ttft"]["p50"], "ttft_p99_s": overall["ttft"]["p99"]}
+            row = {
+                "seconds": summary["duration"],
+                "output_tok_per_s": overall["output_throughput"],
+                "ttft_p50_s": overall["ttft"]["p50"],
+                "ttft_p99_s": overall["ttft"]["p99"],
+            }
             if overall.get("itl"):
                 row.update(itl_p50_s=overall["itl"]["p50"], itl_p99_s=overall["itl"]["p99"])
             rows[summary["target"]] = row
@@ -88,17 +118,34 @@ def main(argv: list[str] | None = None) -> int:
         cpu = {name: marks[1][name] - marks[0][name] for name in pids}
         rows[server_label]["cpu_seconds"] = {"http process": cpu["http"], "engine process": cpu["engine"]}
         ratio = rows[server_label]["output_tok_per_s"] / rows[offline_label]["output_tok_per_s"]
-        rounds.append({"results": rows, "server_over_offline_throughput": ratio,
-                       "load_generator_cpu_seconds_both_passes": cpu["load generator"],
-                       "load_average": os.getloadavg()[0], "server_first": round_index % 2 == 1})
-        print(f"round {round_index + 1}: server / offline output throughput {ratio:.2f} "
-              f"(server CPU s: HTTP {cpu['http']:.1f}, engine {cpu['engine']:.1f}; load {os.getloadavg()[0]:.1f})",
-              flush=True)
+        rounds.append(
+            {
+                "results": rows,
+                "server_over_offline_throughput": ratio,
+                "load_generator_cpu_seconds_both_passes": cpu["load generator"],
+                "load_average": os.getloadavg()[0],
+                "server_first": round_index % 2 == 1,
+            }
+        )
+        print(
+            f"round {round_index + 1}: server / offline output throughput {ratio:.2f} "
+            f"(server CPU s: HTTP {cpu['http']:.1f}, engine {cpu['engine']:.1f}; load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     ratio = statistics.median(r["server_over_offline_throughput"] for r in rounds)
-    payload = {**meta, "workload": {
-        "requests": args.num_requests, "prompt": "uniform 32-256", "output": "uniform 32-256", "ignore_eos": True,
-        "concurrency": args.concurrency, "max_num_seqs": args.concurrency, "threads": args.threads},
-        "server_over_offline_throughput": ratio}
+    payload = {
+        **meta,
+        "workload": {
+            "requests": args.num_requests,
+            "prompt": "uniform 32-256",
+            "output": "uniform 32-256",
+            "ignore_eos": True,
+            "concurrency": args.concurrency,
+            "max_num_seqs": args.concurrency,
+            "threads": args.threads,
+        },
+        "server_over_offline_throughput": ratio,
+    }
     if args.rounds == 1:
         payload["results"] = rounds[0]["results"]
     else:
@@ -123,8 +170,9 @@ def _children(pid: int) -> list[int]:
 
 def _cpu_mark(pids: dict[str, int | list[int]]) -> dict[str, float]:
     """CPU seconds so far of each named process (or group of processes), and the wall clock."""
-    return {name: sum(_cpu_seconds(pid) for pid in ([p] if isinstance(p, int) else p))
-            for name, p in pids.items()} | {"wall": time.perf_counter()}
+    return {name: sum(_cpu_seconds(pid) for pid in ([p] if isinstance(p, int) else p)) for name, p in pids.items()} | {
+        "wall": time.perf_counter()
+    }
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -26,8 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS, build_tokenizer, metadata, write_summary  # noqa: E402
 
 NAME = "sliding_window"
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, sliding_window=64)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=64,
+)
 
 
 def build_gemma2(directory: Path) -> Path:
@@ -39,8 +46,9 @@ def build_gemma2(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
     vocab_size = len(transformers.AutoTokenizer.from_pretrained(directory))
-    config = transformers.Gemma2Config(vocab_size=vocab_size, max_position_embeddings=4096,
-                                       query_pre_attn_scalar=16, tie_word_embeddings=True, **SHAPE)
+    config = transformers.Gemma2Config(
+        vocab_size=vocab_size, max_position_embeddings=4096, query_pre_attn_scalar=16, tie_word_embeddings=True, **SHAPE
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config)
     with torch.no_grad():
@@ -58,8 +66,14 @@ def run(model_dir: Path, release: bool, args: argparse.Namespace, num_requests: 
     num_requests = num_requests or args.num_requests
     blocker = None if release else "kept whole for the comparison"
     with mock.patch("pagoda.engine.assembly.release_blocker", lambda config: blocker):
-        llm = LLM(model=str(model_dir), num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                  max_num_seqs=num_requests, enable_prefix_caching=False, num_threads=args.threads)
+        llm = LLM(
+            model=str(model_dir),
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            max_num_seqs=num_requests,
+            enable_prefix_caching=False,
+            num_threads=args.threads,
+        )
     core = llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(num_requests):
@@ -117,14 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         result["max_concurrent_without_preemption"] = largest_wave(model_dir, release, args)
         results.append(result)
     for r in results:
-        print(f"release={r['release']!s:5}  runs {r['max_concurrent_without_preemption']:3} at once  "
-              f"flood: mean running {r['mean_running']:6}  "
-              f"preemptions {r['preemptions']:3}  steps {r['steps']:5}  {r['seconds']:7.2f} s  "
-              f"{r['output_tok_per_s']:8.1f} tok/s")
-    payload = {**metadata(f"{NAME}.py", argv, model_dir, {**SHAPE, "architecture": "Gemma2ForCausalLM"}),
-               "settings": vars(args), "results": results,
-               "max_concurrent_ratio": round(results[1]["max_concurrent_without_preemption"]
-                                             / results[0]["max_concurrent_without_preemption"], 2)}
+        print(
+            f"release={r['release']!s:5}  runs {r['max_concurrent_without_preemption']:3} at once  "
+            f"flood: mean running {r['mean_running']:6}  "
+            f"preemptions {r['preemptions']:3}  steps {r['steps']:5}  {r['seconds']:7.2f} s  "
+            f"{r['output_tok_per_s']:8.1f} tok/s"
+        )
+    payload = {
+        **metadata(f"{NAME}.py", argv, model_dir, {**SHAPE, "architecture": "Gemma2ForCausalLM"}),
+        "settings": vars(args),
+        "results": results,
+        "max_concurrent_ratio": round(
+            results[1]["max_concurrent_without_preemption"] / results[0]["max_concurrent_without_preemption"], 2
+        ),
+    }
     write_summary(Path(args.out) / "summary.json", payload)
     return 0
 

@@ -29,12 +29,12 @@ from pagoda.engine.threads import prefer_passive_omp_wait
 prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 from pagoda.engine.llm_engine import LLMEngine  # noqa: E402
 from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from pagoda.outputs import OutputAccumulator  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 from pagoda.stats import percentile  # noqa: E402
-from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "pagoda-coder-draft"
 
@@ -56,7 +56,7 @@ def heldout_functions(model_dir: Path, count: int, min_lines: int = 8, max_lines
         lines = source.splitlines()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
-                body = lines[node.lineno - 1:node.end_lineno]
+                body = lines[node.lineno - 1 : node.end_lineno]
                 indent = len(body[0]) - len(body[0].lstrip())
                 functions.append("\n".join(line[indent:] for line in body))
                 if len(functions) == count:
@@ -109,8 +109,15 @@ def run_closed_loop(engine: LLMEngine, prompts: list[str], concurrency: int, max
     }
 
 
-def measure(mode: str, workload: list[str], concurrency: int, max_tokens: int, threads: int,
-            num_speculative_tokens: int, max_batch: int) -> dict:
+def measure(
+    mode: str,
+    workload: list[str],
+    concurrency: int,
+    max_tokens: int,
+    threads: int,
+    num_speculative_tokens: int,
+    max_batch: int,
+) -> dict:
     extra = {}
     if mode == "ngram":
         extra = dict(speculative="ngram", num_speculative_tokens=num_speculative_tokens)
@@ -121,9 +128,13 @@ def measure(mode: str, workload: list[str], concurrency: int, max_tokens: int, t
     engine = LLMEngine(config)
     result = run_closed_loop(engine, workload, concurrency, max_tokens)
     spec = engine.get_stats().spec_decode
-    result.update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
-                  num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
-                  accepted_per_position=spec.accepted_per_position)
+    result.update(
+        acceptance_rate=spec.acceptance_rate,
+        mean_accepted_length=spec.mean_accepted_length,
+        num_drafts=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        accepted_per_position=spec.accepted_per_position,
+    )
     return result
 
 
@@ -134,33 +145,56 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32],
-                        help="batch sizes for the n-gram on/off sweep (empty: skip)")
+    parser.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4, 8, 16, 32],
+        help="batch sizes for the n-gram on/off sweep (empty: skip)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     functions = heldout_functions(DEFAULT_MODEL_DIR, max(args.num_prompts, max(args.sweep or [0])))
-    workloads = {"edit": [edit_prompt(f) for f in functions[:args.num_prompts]],
-                 "write": [write_prompt(f) for f in functions[:args.num_prompts]]}
+    workloads = {
+        "edit": [edit_prompt(f) for f in functions[: args.num_prompts]],
+        "write": [write_prompt(f) for f in functions[: args.num_prompts]],
+    }
     runs = []
     for workload_name, prompts in workloads.items():
         for concurrency in args.concurrency:
             # Speculation stays on at every concurrency here, to show what it does there.
-            results = {mode: measure(mode, prompts, concurrency, args.max_tokens, args.threads,
-                                     args.num_speculative_tokens, max_batch=10**6)
-                       for mode in ("off", "ngram", "draft")}
+            results = {
+                mode: measure(
+                    mode,
+                    prompts,
+                    concurrency,
+                    args.max_tokens,
+                    args.threads,
+                    args.num_speculative_tokens,
+                    max_batch=10**6,
+                )
+                for mode in ("off", "ngram", "draft")
+            }
             baseline = results["off"]
             for mode, result in results.items():
                 assert result["tokens"] == baseline["tokens"], f"{mode} changed greedy output"
                 row = {key: value for key, value in result.items() if key != "tokens"}
-                row.update(workload=workload_name, concurrency=concurrency, mode=mode,
-                           itl_speedup=baseline["itl_ms_median"] / result["itl_ms_median"],
-                           throughput_ratio=result["output_tok_per_s"] / baseline["output_tok_per_s"])
+                row.update(
+                    workload=workload_name,
+                    concurrency=concurrency,
+                    mode=mode,
+                    itl_speedup=baseline["itl_ms_median"] / result["itl_ms_median"],
+                    throughput_ratio=result["output_tok_per_s"] / baseline["output_tok_per_s"],
+                )
                 runs.append(row)
-                print(f"{workload_name:5s} c={concurrency:<3d} {mode:5s} ITL {row['itl_ms_median']:7.2f} ms "
-                      f"({row['itl_speedup']:.2f}x)  {row['output_tok_per_s']:7.1f} tok/s "
-                      f"({row['throughput_ratio']:.2f}x)  acceptance {row['acceptance_rate']:.2f} "
-                      f"mean accepted length {row['mean_accepted_length']:.2f}", flush=True)
+                print(
+                    f"{workload_name:5s} c={concurrency:<3d} {mode:5s} ITL {row['itl_ms_median']:7.2f} ms "
+                    f"({row['itl_speedup']:.2f}x)  {row['output_tok_per_s']:7.1f} tok/s "
+                    f"({row['throughput_ratio']:.2f}x)  acceptance {row['acceptance_rate']:.2f} "
+                    f"mean accepted length {row['mean_accepted_length']:.2f}",
+                    flush=True,
+                )
 
     sweep = []
     edit_pool = [edit_prompt(f) for f in functions]
@@ -168,20 +202,37 @@ def main() -> None:
         prompts = (edit_pool * (batch // len(edit_pool) + 1))[:batch]
         off = measure("off", prompts, batch, args.max_tokens, args.threads, args.num_speculative_tokens, 10**6)
         ngram = measure("ngram", prompts, batch, args.max_tokens, args.threads, args.num_speculative_tokens, 10**6)
-        sweep.append({"batch": batch, "itl_ms_off": off["itl_ms_median"], "itl_ms_ngram": ngram["itl_ms_median"],
-                      "itl_speedup": off["itl_ms_median"] / ngram["itl_ms_median"],
-                      "acceptance_rate": ngram["acceptance_rate"]})
-        print(f"sweep batch {batch:3d}: ITL off {off['itl_ms_median']:.2f} ms, ngram {ngram['itl_ms_median']:.2f} ms "
-              f"({sweep[-1]['itl_speedup']:.2f}x)", flush=True)
+        sweep.append(
+            {
+                "batch": batch,
+                "itl_ms_off": off["itl_ms_median"],
+                "itl_ms_ngram": ngram["itl_ms_median"],
+                "itl_speedup": off["itl_ms_median"] / ngram["itl_ms_median"],
+                "acceptance_rate": ngram["acceptance_rate"],
+            }
+        )
+        print(
+            f"sweep batch {batch:3d}: ITL off {off['itl_ms_median']:.2f} ms, ngram {ngram['itl_ms_median']:.2f} ms "
+            f"({sweep[-1]['itl_speedup']:.2f}x)",
+            flush=True,
+        )
 
     result = {
         "benchmark": "spec_decode",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": args.threads,
+        },
         "models": {"target": DEFAULT_MODEL_DIR.name, "draft": DRAFT_DIR.name},
-        "settings": {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                     "num_speculative_tokens": args.num_speculative_tokens, "greedy": True},
+        "settings": {
+            "num_prompts": args.num_prompts,
+            "max_tokens": args.max_tokens,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "greedy": True,
+        },
         "runs": runs,
         "batch_sweep_ngram_edit": sweep,
     }

@@ -50,16 +50,28 @@ SHAPES = {"10m": MODEL_SHAPE, "100m": MODEL_SHAPE_100M}
 CORE_PHASES = ("schedule", "prepare", "propose", "forward", "logits", "sample", "update")
 
 
-def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int, num_requests: int,
-            threads: int | None, native_kernels: str = "off") -> dict[str, Any]:
+def measure(
+    model_dir: Path,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    num_requests: int,
+    threads: int | None,
+    native_kernels: str = "off",
+) -> dict[str, Any]:
     from pagoda.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.threads import set_engine_threads
     from pagoda.sampling_params import SamplingParams
     from pagoda.worker.forward_profile import KINDS, ForwardProfiler
 
-    config = EngineConfig(model=str(model_dir), max_num_seqs=concurrency, num_threads=threads,
-                          max_model_len=prompt_len + output_len + 16, native_kernels=native_kernels)
+    config = EngineConfig(
+        model=str(model_dir),
+        max_num_seqs=concurrency,
+        num_threads=threads,
+        max_model_len=prompt_len + output_len + 16,
+        native_kernels=native_kernels,
+    )
     used_threads = set_engine_threads(config, serving=True)
     engine = LLMEngine(config)
     runner = engine.core.runner
@@ -92,7 +104,9 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     steps = []
     while finished < num_requests:
         while submitted < num_requests and submitted - finished < concurrency:
-            engine.add_request(EngineRequest(str(submitted), [rng.randrange(1, vocab) for _ in range(prompt_len)], params))
+            engine.add_request(
+                EngineRequest(str(submitted), [rng.randrange(1, vocab) for _ in range(prompt_len)], params)
+            )
             submitted += 1
         processing[0] = 0.0
         start = time.perf_counter()
@@ -119,10 +133,16 @@ def measure(model_dir: Path, concurrency: int, prompt_len: int, output_len: int,
     profiler.close()
 
     decode_steps = [s for s in steps[concurrency:] if 0 < s["tokens"] <= concurrency]
-    return {"concurrency": concurrency, "threads": used_threads, "native_kernels": _kernels_of(engine),
-            "steps": len(steps),
-            "decode_steps": len(decode_steps), "kinds": list(KINDS),
-            "decode": _mean_ms(decode_steps), "all": _mean_ms(steps)}
+    return {
+        "concurrency": concurrency,
+        "threads": used_threads,
+        "native_kernels": _kernels_of(engine),
+        "steps": len(steps),
+        "decode_steps": len(decode_steps),
+        "kinds": list(KINDS),
+        "decode": _mean_ms(decode_steps),
+        "all": _mean_ms(steps),
+    }
 
 
 def _kernels_of(engine: Any) -> str:
@@ -141,8 +161,10 @@ def _mean_ms(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if not steps:
         return {}
     n = len(steps)
-    mean = {key: 1000 * sum(s[key] for s in steps) / n
-            for key in (*CORE_PHASES, "output_processing", "engine_other", "ipc_send", "ipc_send_cpu", "total")}
+    mean = {
+        key: 1000 * sum(s[key] for s in steps) / n
+        for key in (*CORE_PHASES, "output_processing", "engine_other", "ipc_send", "ipc_send_cpu", "total")
+    }
     layers = {kind: 1000 * sum(s["layers"][kind] for s in steps) / n for kind in steps[0]["layers"]}
     lm_head = layers.pop("lm_head")  # the LM head is its own phase (StepTimings.logits)
     layers["other"] = mean["forward"] - sum(layers.values())
@@ -160,16 +182,23 @@ def render(result: dict[str, Any], which: str) -> str:
         rows.append(("speculative proposals", data["propose"]))
     rows.append(("forward (decoder stack)", data["forward"]))
     rows += [(f"  {kind}", ms) for kind, ms in data["forward_layers"].items()]
-    rows += [("LM head (logits)", data["logits"]), ("sampling", data["sample"]),
-             ("scheduler update", data["update"]), ("output processing (detokenize, stops)", data["output_processing"]),
-             ("engine, untimed rest", data["engine_other"]), ("IPC (pickle + pipe send)", data["ipc_send"])]
+    rows += [
+        ("LM head (logits)", data["logits"]),
+        ("sampling", data["sample"]),
+        ("scheduler update", data["update"]),
+        ("output processing (detokenize, stops)", data["output_processing"]),
+        ("engine, untimed rest", data["engine_other"]),
+        ("IPC (pickle + pipe send)", data["ipc_send"]),
+    ]
     if "ipc_send_cpu" in data:
         rows.append(("  of which CPU time of the sending thread", data["ipc_send_cpu"]))
     steps = result["decode_steps"] if which == "decode" else result["steps"]
-    lines = [f"concurrency {result['concurrency']}, {which} steps ({steps}), "
-             f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
-             f"native kernels: {result.get('native_kernels', 'off (PyTorch ops)')}",
-             f"{'phase':<42}{'ms/step':>9}{'share':>8}"]
+    lines = [
+        f"concurrency {result['concurrency']}, {which} steps ({steps}), "
+        f"{data['tokens_per_step']:.1f} tokens per step, {result['threads']} torch thread(s)",
+        f"native kernels: {result.get('native_kernels', 'off (PyTorch ops)')}",
+        f"{'phase':<42}{'ms/step':>9}{'share':>8}",
+    ]
     lines += [f"{name:<42}{ms:>9.3f}{100 * ms / total:>7.1f}%" for name, ms in rows]
     lines.append(f"{'step total':<42}{total:>9.3f}{100.0:>7.1f}%")
     return "\n".join(lines)
@@ -184,23 +213,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch threads (default: the serving policy, engine/threads.py)")
-    parser.add_argument("--native-kernels", choices=("off", "on"), default="off",
-                        help="pagoda's native CPU kernels (pagoda.native) or PyTorch's ops")
+    parser.add_argument(
+        "--native-kernels",
+        choices=("off", "on"),
+        default="off",
+        help="pagoda's native CPU kernels (pagoda.native) or PyTorch's ops",
+    )
     parser.add_argument("--label", default="current", help="names the output files, e.g. before / after")
     parser.add_argument("--out", default=str(RESULTS / NAME))
     args = parser.parse_args(argv)
 
     shape = SHAPES[args.model]
-    model_dir = build_bench_model(REPO / "tmp" / ("bench-model" if args.model == "10m" else f"bench-model-{args.model}"),
-                                  shape=shape)
+    model_dir = build_bench_model(
+        REPO / "tmp" / ("bench-model" if args.model == "10m" else f"bench-model-{args.model}"), shape=shape
+    )
     out = Path(args.out)
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir, shape).items() if k in META_KEYS}
-    results, text = [], [f"# {meta['command']}", f"# {meta['date']}, git {meta['git_commit']}, load average at start "
-                         f"{', '.join(f'{x:.1f}' for x in meta['load_average_at_start'] or [])} "
-                         f"(2-core machine shared with other work: absolute times are noisy)", ""]
+    results, text = (
+        [],
+        [
+            f"# {meta['command']}",
+            f"# {meta['date']}, git {meta['git_commit']}, load average at start "
+            f"{', '.join(f'{x:.1f}' for x in meta['load_average_at_start'] or [])} "
+            f"(2-core machine shared with other work: absolute times are noisy)",
+            "",
+        ],
+    )
     for c in sorted({int(x) for x in args.concurrency.split(",")}):
-        result = measure(model_dir, c, args.prompt_len, args.output_len, max(4, args.requests_per_client * c),
-                         args.threads, args.native_kernels)
+        result = measure(
+            model_dir,
+            c,
+            args.prompt_len,
+            args.output_len,
+            max(4, args.requests_per_client * c),
+            args.threads,
+            args.native_kernels,
+        )
         results.append(result)
         for which in ("decode", "all"):
             text += [render(result, which), ""]

@@ -26,12 +26,19 @@ from pagoda.engine.threads import prefer_passive_omp_wait
 prefer_passive_omp_wait()  # before torch loads (the thread policy's one owner)
 
 from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.engine.threads import set_engine_threads  # noqa: E402
 from pagoda.engine.engine_request import EngineRequest  # noqa: E402
+from pagoda.engine.threads import set_engine_threads  # noqa: E402
 
 # ~150M parameters: 12 layers of hidden 1024 (16 query / 8 KV heads, intermediate 2816), 4k vocabulary.
-MODEL_SHAPE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
+MODEL_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=1024,
+)
 TOTAL_THREADS = 2
 
 
@@ -44,8 +51,9 @@ def build_model(directory: Path) -> Path:
     if (directory / "model.safetensors").exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    config = transformers.LlamaConfig(eos_token_id=0, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False,
-                                      rope_theta=10000.0, **MODEL_SHAPE)
+    config = transformers.LlamaConfig(
+        eos_token_id=0, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0, **MODEL_SHAPE
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -58,8 +66,9 @@ def build_model(directory: Path) -> Path:
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(MODEL_SHAPE["vocab_size"])}, unk_token="t1"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t0", "pad_token": "t0"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t0", "pad_token": "t0"})
+    )
     return directory
 
 
@@ -70,8 +79,11 @@ def prompt(index: int, length: int = 64) -> list[int]:
 def single_stream(llm: LLM, index: int, max_tokens: int) -> float:
     """Output tok/s of one request after its first token."""
     engine = llm.engine
-    engine.add_request(EngineRequest(f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True)))
+    engine.add_request(
+        EngineRequest(
+            f"single-{index}", prompt(index), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    )
     times = []
     while engine.has_unfinished_requests():
         deltas = engine.step().deltas
@@ -115,8 +127,9 @@ def collective_latency_us(hidden: int, rows: tuple[int, ...] = (1, 16), repeats:
 
     torch.set_num_threads(1)
     store = host_store("127.0.0.1", 2, 60)
-    peer = multiprocessing.get_context("spawn").Process(target=_collective_peer,
-                                                        args=(store.port, hidden, rows, repeats))
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_collective_peer, args=(store.port, hidden, rows, repeats)
+    )
     peer.start()
     groups = join(0, 2, torch.device("cpu"), store)
     latencies = {}
@@ -147,8 +160,9 @@ def main() -> None:
     common = dict(model=str(model_dir), num_threads=TOTAL_THREADS, num_kv_blocks=512, max_num_seqs=args.batch)
     engines = {"tp1": LLM(**common), "tp2": LLM(**common, tensor_parallel_size=2)}
     num_params = sum(p.numel() for p in engines["tp1"].engine.core.runner.model.parameters())
-    results: dict[str, dict[str, list[float]]] = {name: {"decode_tok_s": [], "throughput_tok_s": []}
-                                                  for name in engines}
+    results: dict[str, dict[str, list[float]]] = {
+        name: {"decode_tok_s": [], "throughput_tok_s": []} for name in engines
+    }
     for llm in engines.values():  # warm-up: first-call allocations, page faults
         set_engine_threads(llm.engine.config, serving=False)
         throughput(llm, 99, 2, 4)
@@ -161,29 +175,39 @@ def main() -> None:
             set_engine_threads(llm.engine.config, serving=False)
             results[name]["decode_tok_s"].append(single_stream(llm, round_index, args.decode_tokens))
             results[name]["throughput_tok_s"].append(throughput(llm, round_index, args.batch, args.batch_tokens))
-            print(f"round {round_index} {name}: decode {results[name]['decode_tok_s'][-1]:.2f} tok/s, "
-                  f"throughput {results[name]['throughput_tok_s'][-1]:.1f} tok/s", flush=True)
+            print(
+                f"round {round_index} {name}: decode {results[name]['decode_tok_s'][-1]:.2f} tok/s, "
+                f"throughput {results[name]['throughput_tok_s'][-1]:.1f} tok/s",
+                flush=True,
+            )
     latency = collective_latency_us(MODEL_SHAPE["hidden_size"])
     print(f"gloo all-reduce latency (us): {latency}", flush=True)
-    medians = {name: {key: statistics.median(values) for key, values in metrics.items()}
-               for name, metrics in results.items()}
+    medians = {
+        name: {key: statistics.median(values) for key, values in metrics.items()} for name, metrics in results.items()
+    }
     summary = {
         "benchmark": "tensor_parallel",
         "model": {"shape": MODEL_SHAPE, "parameters": num_params, "dtype": "float32"},
         "threads_total": TOTAL_THREADS,
-        "workload": {"decode": f"1 request, 64-token prompt, {args.decode_tokens} output tokens, greedy",
-                     "throughput": f"{args.batch} requests at once, 64-token prompts, {args.batch_tokens} output "
-                                   f"tokens each, greedy"},
+        "workload": {
+            "decode": f"1 request, 64-token prompt, {args.decode_tokens} output tokens, greedy",
+            "throughput": f"{args.batch} requests at once, 64-token prompts, {args.batch_tokens} output "
+            f"tokens each, greedy",
+        },
         "rounds": args.rounds,
         "per_round": results,
         "median": medians,
         "tp2_over_tp1": {key: medians["tp2"][key] / medians["tp1"][key] for key in medians["tp1"]},
         "allreduce_latency_us": latency,
         "collectives_per_step": 2 * MODEL_SHAPE["num_hidden_layers"] + 2,  # + embedding, logits gather
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
-                    "note": "2 vCPU shared with other jobs during the run: absolute numbers are noisy, "
-                            "the interleaved ratios are what counts"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+            "note": "2 vCPU shared with other jobs during the run: absolute numbers are noisy, "
+            "the interleaved ratios are what counts",
+        },
     }
     print(json.dumps({"median": medians, "tp2_over_tp1": summary["tp2_over_tp1"]}, indent=2))
     engines["tp2"].engine.close()

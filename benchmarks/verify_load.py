@@ -52,11 +52,22 @@ def build_checkpoint(directory: Path, layers: int, hidden: int, intermediate: in
     directory.mkdir(parents=True, exist_ok=True)
     bundled = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     heads, kv_heads = hidden // 128, max(1, hidden // 512)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "vocab_size": bundled["vocab_size"], "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", "eos_token_id": bundled.get("eos_token_id", 0)}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": bundled["vocab_size"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": bundled.get("eos_token_id", 0),
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (DEFAULT_MODEL_DIR / name).is_file():
@@ -106,8 +117,14 @@ def build_checkpoint(directory: Path, layers: int, hidden: int, intermediate: in
 
 def timed_load(model: Path, device: str, mode: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(model), device, mode], env=env,
-                            capture_output=True, text=True, timeout=1800, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_SNIPPET, str(model), device, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     if result.returncode != 0:
         raise SystemExit(f"load ({mode}) failed:\n{result.stderr[-2000:]}")
     body = json.loads(result.stdout.strip().splitlines()[-1])
@@ -124,8 +141,12 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--hash", choices=("sha256", "blake3"), default="sha256",
-                        help="the manifest's digest algorithm (written anew before the rounds)")
+    parser.add_argument(
+        "--hash",
+        choices=("sha256", "blake3"),
+        default="sha256",
+        help="the manifest's digest algorithm (written anew before the rounds)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "verify_load")
     args = parser.parse_args()
 
@@ -149,24 +170,43 @@ def main() -> None:
         order = ("plain", "verify") if index % 2 == 0 else ("verify", "plain")
         loads = {mode: timed_load(args.model_dir, args.device, mode) for mode in order}
         times = {mode: load["seconds"] for mode, load in loads.items()}
-        rounds.append({"order": list(order), **times, "ratio": times["verify"] / times["plain"],
-                       "cpu_seconds": {mode: load["cpu_seconds"] for mode, load in loads.items()},
-                       "load_average": os.getloadavg()[0]})
-        print(f"round {index}: plain {times['plain']:.2f} s, verify {times['verify']:.2f} s "
-              f"({times['verify'] / times['plain']:.2f}x); CPU {loads['plain']['cpu_seconds']:.1f} / "
-              f"{loads['verify']['cpu_seconds']:.1f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+        rounds.append(
+            {
+                "order": list(order),
+                **times,
+                "ratio": times["verify"] / times["plain"],
+                "cpu_seconds": {mode: load["cpu_seconds"] for mode, load in loads.items()},
+                "load_average": os.getloadavg()[0],
+            }
+        )
+        print(
+            f"round {index}: plain {times['plain']:.2f} s, verify {times['verify']:.2f} s "
+            f"({times['verify'] / times['plain']:.2f}x); CPU {loads['plain']['cpu_seconds']:.1f} / "
+            f"{loads['verify']['cpu_seconds']:.1f} s; load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
     plain = statistics.median(r["plain"] for r in rounds)
     verify = statistics.median(r["verify"] for r in rounds)
     result = {
         "benchmark": "verify_load",
-        "model": {"directory": str(args.model_dir), "bytes": total_bytes, "files": len(files.names()),
-                  "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
-                  "dtype": "bfloat16"},
+        "model": {
+            "directory": str(args.model_dir),
+            "bytes": total_bytes,
+            "files": len(files.names()),
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "dtype": "bfloat16",
+        },
         "device": args.device,
         "hash": args.hash,
         "command": " ".join(["benchmarks/verify_load.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+        },
         "hash_alone_seconds": hash_seconds,
         "hash_alone_gb_per_s": total_bytes / hash_seconds / 1e9,
         "rounds": rounds,
@@ -174,15 +214,18 @@ def main() -> None:
         "median_verify_seconds": verify,
         "median_ratio": verify / plain,
         "median_of_round_ratios": statistics.median(r["ratio"] for r in rounds),
-        "median_cpu_seconds": {mode: statistics.median(r["cpu_seconds"][mode] for r in rounds)
-                               for mode in ("plain", "verify")},
+        "median_cpu_seconds": {
+            mode: statistics.median(r["cpu_seconds"][mode] for r in rounds) for mode in ("plain", "verify")
+        },
         "target_ratio": 1.2,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.device if args.hash == "sha256" else f"{args.device}_{args.hash}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{total_bytes / 1e9:.2f} GB; hashing alone {hash_seconds:.2f} s; median load plain {plain:.2f} s, "
-          f"verified {verify:.2f} s: {verify / plain:.2f}x")
+    print(
+        f"{total_bytes / 1e9:.2f} GB; hashing alone {hash_seconds:.2f} s; median load plain {plain:.2f} s, "
+        f"verified {verify:.2f} s: {verify / plain:.2f}x"
+    )
 
 
 if __name__ == "__main__":

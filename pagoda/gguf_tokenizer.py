@@ -40,12 +40,18 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # writes in `tokenizer.ggml.pre`. Several expressions run one after another, each splitting the
 # pieces the previous one left.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
@@ -65,18 +71,26 @@ _QWEN2_PRE = PreTokenizer((_QWEN2,))
 _STARCODER_PRE = PreTokenizer((r"\p{N}", _GPT2))
 _GPT2_PRE = PreTokenizer((_GPT2,))
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano"), _LLAMA3_PRE),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+        _LLAMA3_PRE,
+    ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2"), _QWEN2_PRE),
     "qwen35": PreTokenizer((_QWEN35,)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-                    _STARCODER_PRE),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _STARCODER_PRE
+    ),
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "mellum", "a.x-4.0", "gigachat"), _GPT2_PRE),
-    "tekken": PreTokenizer((r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)",),
-                           ignore_merges=True, add_bos=True),
+    "tekken": PreTokenizer(
+        (
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)",
+        ),
+        ignore_merges=True,
+        add_bos=True,
+    ),
     "default": PreTokenizer(_DEFAULT),
     "": PreTokenizer(_DEFAULT),  # no name in the file: llama.cpp warns and uses its default
 }
@@ -124,9 +138,11 @@ class GGUFVocabulary:
         try:
             return PRE_TOKENIZERS[self.pre]
         except KeyError:
-            raise ValueError(f"the GGUF pre-tokenizer {self.pre!r} is not supported (supported: "
-                             f"{', '.join(sorted(name for name in PRE_TOKENIZERS if name))}); "
-                             f"pass --tokenizer DIR with the model's tokenizer.json") from None
+            raise ValueError(
+                f"the GGUF pre-tokenizer {self.pre!r} is not supported (supported: "
+                f"{', '.join(sorted(name for name in PRE_TOKENIZERS if name))}); "
+                f"pass --tokenizer DIR with the model's tokenizer.json"
+            ) from None
 
     def token(self, token_id: int | None) -> str | None:
         if token_id is None or not 0 <= token_id < len(self.tokens):
@@ -148,8 +164,10 @@ def read_gguf_vocabulary(path: str | Path) -> GGUFVocabulary:
     if model is None or value("tokenizer.ggml.tokens") is None:
         raise ValueError(f"{path}: no tokenizer in the GGUF metadata; pass --tokenizer DIR")
     if model not in ("llama", "gpt2"):
-        raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported (llama and gpt2 are); "
-                         f"pass --tokenizer DIR with the model's tokenizer.json")
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported (llama and gpt2 are); "
+            f"pass --tokenizer DIR with the model's tokenizer.json"
+        )
     tokens = list(value("tokenizer.ggml.tokens"))
     return GGUFVocabulary(
         model=model,
@@ -175,25 +193,33 @@ def build_tokenizer(vocabulary: GGUFVocabulary) -> Tokenizer:
     vocab = {piece: token_id for token_id, piece in enumerate(vocabulary.tokens)}
     unk = vocabulary.token(vocabulary.unknown_token_id)
     if vocabulary.model == "llama":
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(vocabulary), unk_token=unk,
-                                         fuse_unk=True, byte_fallback=True))
+        tokenizer = Tokenizer(
+            models.BPE(
+                vocab=vocab, merges=_merges_by_score(vocabulary), unk_token=unk, fuse_unk=True, byte_fallback=True
+            )
+        )
         prefix = [normalizers.Prepend("▁")] if vocabulary.adds_space_prefix else []
         tokenizer.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
         strip = [decoders.Strip(" ", 1, 0)] if vocabulary.adds_space_prefix else []
-        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                               decoders.Fuse(), *strip])
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        )
     else:
         pre = vocabulary.pre_tokenizer
         merges = [_merge_pair(merge) for merge in vocabulary.merges]
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
-                                         ignore_merges=pre.ignore_merges))
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, ignore_merges=pre.ignore_merges))
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(expression), behavior="isolated") for expression in pre.expressions]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
         tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([
-        AddedToken(piece, special=kind in (CONTROL, UNKNOWN), normalized=False)
-        for piece, kind in zip(vocabulary.tokens, vocabulary.token_types) if kind in (CONTROL, USER_DEFINED, UNKNOWN)])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(piece, special=kind in (CONTROL, UNKNOWN), normalized=False)
+            for piece, kind in zip(vocabulary.tokens, vocabulary.token_types)
+            if kind in (CONTROL, USER_DEFINED, UNKNOWN)
+        ]
+    )
     _set_post_processor(tokenizer, vocabulary)
     return tokenizer
 
@@ -210,8 +236,11 @@ def _merges_by_score(vocabulary: GGUFVocabulary) -> list[tuple[str, str]]:
     """SentencePiece's scores as BPE merges: every split of a piece into two pieces of the
     vocabulary is a merge, ranked by the merged piece's score (highest first), as llama.cpp's
     SentencePiece session picks the best-scoring pair at each step."""
-    pieces = {piece: token_id for token_id, piece in enumerate(vocabulary.tokens)
-              if vocabulary.token_types[token_id] in (NORMAL, USER_DEFINED, UNUSED)}
+    pieces = {
+        piece: token_id
+        for token_id, piece in enumerate(vocabulary.tokens)
+        if vocabulary.token_types[token_id] in (NORMAL, USER_DEFINED, UNUSED)
+    }
     scores = vocabulary.scores or [0.0] * len(vocabulary.tokens)
     ranked = []
     for piece, token_id in pieces.items():
@@ -230,8 +259,11 @@ def _set_post_processor(tokenizer: Tokenizer, vocabulary: GGUFVocabulary) -> Non
         return
     single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
     pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
-    specials = [(piece, token_id) for piece, token_id in ((bos, vocabulary.bos_token_id),
-                                                           (eos, vocabulary.eos_token_id)) if piece]
+    specials = [
+        (piece, token_id)
+        for piece, token_id in ((bos, vocabulary.bos_token_id), (eos, vocabulary.eos_token_id))
+        if piece
+    ]
     tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
@@ -251,9 +283,11 @@ class SentencePieceSegmenter:
     pre-token, which the BPE model then maps to its id (or to byte pieces)."""
 
     def __init__(self, vocabulary: GGUFVocabulary) -> None:
-        self._scores = {piece: vocabulary.scores[token_id] if vocabulary.scores else 0.0
-                        for token_id, piece in enumerate(vocabulary.tokens)
-                        if vocabulary.token_types[token_id] in (NORMAL, USER_DEFINED, UNUSED)}
+        self._scores = {
+            piece: vocabulary.scores[token_id] if vocabulary.scores else 0.0
+            for token_id, piece in enumerate(vocabulary.tokens)
+            if vocabulary.token_types[token_id] in (NORMAL, USER_DEFINED, UNUSED)
+        }
 
     def pieces(self, text: str) -> list[tuple[int, int]]:
         """(start, end) of each finished piece of `text`, in characters."""
@@ -266,7 +300,7 @@ class SentencePieceSegmenter:
         def consider(left: int, right: int) -> None:
             if left < 0 or right >= len(text):
                 return
-            score = self._scores.get(text[starts[left]:ends[right]])
+            score = self._scores.get(text[starts[left] : ends[right]])
             if score is not None:
                 heapq.heappush(queue, (-score, left, right, ends[right] - starts[left]))
 
@@ -314,12 +348,21 @@ def gguf_hf_tokenizer(path: str | Path) -> tuple[Any, Tokenizer | None]:
     from transformers import PreTrainedTokenizerFast
 
     vocabulary = read_gguf_vocabulary(path)
-    special = {name: vocabulary.token(token_id) for name, token_id in (
-        ("bos_token", vocabulary.bos_token_id), ("eos_token", vocabulary.eos_token_id),
-        ("unk_token", vocabulary.unknown_token_id), ("pad_token", vocabulary.padding_token_id))}
-    hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(vocabulary), name_or_path=str(path),
-                                 clean_up_tokenization_spaces=False,
-                                 **{name: piece for name, piece in special.items() if piece is not None})
+    special = {
+        name: vocabulary.token(token_id)
+        for name, token_id in (
+            ("bos_token", vocabulary.bos_token_id),
+            ("eos_token", vocabulary.eos_token_id),
+            ("unk_token", vocabulary.unknown_token_id),
+            ("pad_token", vocabulary.padding_token_id),
+        )
+    }
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(vocabulary),
+        name_or_path=str(path),
+        clean_up_tokenization_spaces=False,
+        **{name: piece for name, piece in special.items() if piece is not None},
+    )
     if vocabulary.chat_template:
         hf.chat_template = vocabulary.chat_template
     return hf, build_encoder(vocabulary)

@@ -94,9 +94,12 @@ class RequestOutput:
     @classmethod
     def from_delta(cls, delta: RequestOutputDelta) -> RequestOutput:
         """A request's output so far, starting from its first delta."""
-        output = cls(request_id=delta.request_id, prompt=delta.prompt,
-                     prompt_token_ids=list(delta.prompt_token_ids or []),
-                     outputs=[CompletionOutput(index=i) for i in range(delta.num_samples)])
+        output = cls(
+            request_id=delta.request_id,
+            prompt=delta.prompt,
+            prompt_token_ids=list(delta.prompt_token_ids or []),
+            outputs=[CompletionOutput(index=i) for i in range(delta.num_samples)],
+        )
         output.add(delta)
         return output
 
@@ -127,16 +130,27 @@ class RequestOutput:
     def snapshot(self) -> RequestOutput:
         """A copy whose lists later `add` calls do not change."""
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids[:],
-                                      cumulative_logprob=c.cumulative_logprob,
-                                      logprobs=c.logprobs[:] if c.logprobs is not None else None,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                     for c in self.outputs],
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=c.index,
+                    text=c.text,
+                    token_ids=c.token_ids[:],
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=c.logprobs[:] if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in self.outputs
+            ],
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs[:] if self.prompt_logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=copy.copy(self.metrics), embedding=self.embedding)
+            metrics=copy.copy(self.metrics),
+            embedding=self.embedding,
+        )
 
 
 class OutputAccumulator:

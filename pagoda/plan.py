@@ -19,8 +19,13 @@ from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
-from pagoda.quant.storage_bytes import (INT4_GROUP_SIZES, KV_SCALE_BYTES, int4_group_size_for,
-                                        kv_cache_bytes_per_token, weight_bytes_per_parameter)
+from pagoda.quant.storage_bytes import (
+    INT4_GROUP_SIZES,
+    KV_SCALE_BYTES,
+    int4_group_size_for,
+    kv_cache_bytes_per_token,
+    weight_bytes_per_parameter,
+)
 
 GIB = 2**30
 
@@ -29,22 +34,46 @@ GIB = 2**30
 # 4-byte scale per head vector on top of one byte per element.
 INT4_GROUP_SIZE = 128
 DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
     "int4": weight_bytes_per_parameter("int4", 2.0, INT4_GROUP_SIZE),
 }
 # The engine's --kv-cache-dtype for each KV dtype of the worksheet ("auto": the model dtype's bytes).
 KV_CACHE_DTYPE_OF = {"fp32": "auto", "bf16": "auto", "fp16": "auto", "fp8": "fp8_e4m3", "int8": "int8"}
 DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "fp32": "fp32",
-    "bfloat16": "bf16", "bf16": "bf16",
-    "float16": "fp16", "half": "fp16", "fp16": "fp16",
-    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
-    "int8": "int8", "int4": "int4",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp32": "fp32",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+    "int8": "int8",
+    "int4": "int4",
 }
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
 SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
 
 # Typical traffic shapes when --classes is not given: (p50 prompt, p50 output, p95 prompt, p95 output).
@@ -109,30 +138,49 @@ class ModelShape:
         return self.num_kv_heads == self.num_attention_heads
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig) -> "ModelShape":
+    def from_model_config(cls, config: ModelConfig) -> ModelShape:
         dtype = config.config_dtype
         return cls(
-            model_type=config.model_type, num_layers=config.num_layers, hidden_size=config.hidden_size,
-            num_attention_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-            tie_word_embeddings=config.tie_word_embeddings, qkv_bias=config.qkv_bias, o_bias=config.o_bias,
-            mlp_bias=config.mlp_bias, qk_norm=config.qk_norm,
+            model_type=config.model_type,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=config.tie_word_embeddings,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            mlp_bias=config.mlp_bias,
+            qk_norm=config.qk_norm,
             config_dtype=normalize_dtype(str(dtype)) if dtype and str(dtype).lower() in DTYPE_ALIASES else None,
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
-            **({} if config.moe is None else dict(
-                num_experts=config.moe.num_experts, experts_per_token=config.moe.top_k,
-                moe_intermediate_size=config.moe.intermediate_size,
-                shared_expert_intermediate_size=config.moe.shared_expert_intermediate_size,
-                num_moe_layers=config.moe.num_sparse_layers)),
+            **(
+                {}
+                if config.moe is None
+                else dict(
+                    num_experts=config.moe.num_experts,
+                    experts_per_token=config.moe.top_k,
+                    moe_intermediate_size=config.moe.intermediate_size,
+                    shared_expert_intermediate_size=config.moe.shared_expert_intermediate_size,
+                    num_moe_layers=config.moe.num_sparse_layers,
+                )
+            ),
         )
 
     @property
     def idle_expert_params(self) -> int:
         """Expert parameters a token does not multiply: those of the experts it is not routed to."""
-        return self.num_moe_layers * (self.num_experts - self.experts_per_token) * 3 * self.hidden_size \
+        return (
+            self.num_moe_layers
+            * (self.num_experts - self.experts_per_token)
+            * 3
+            * self.hidden_size
             * self.moe_intermediate_size
+        )
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -163,8 +211,11 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     mlp_linear = 3 * h * shape.intermediate_size
     # A MoE layer's block instead: the router, the experts, a shared expert and its gate.
     shared = shape.shared_expert_intermediate_size
-    moe_linear = h * shape.num_experts + shape.num_experts * 3 * h * shape.moe_intermediate_size \
+    moe_linear = (
+        h * shape.num_experts
+        + shape.num_experts * 3 * h * shape.moe_intermediate_size
         + (3 * h * shared + h if shared else 0)
+    )
     num_dense = shape.num_layers - shape.num_moe_layers
     per_layer_other = shape.norms_per_layer * h
     if shape.qkv_bias:
@@ -349,12 +400,14 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | Non
     """The engine's formula (the one ModelConfig.kv_bytes_per_token sizes the pool with) for a
     worksheet KV dtype."""
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return kv_cache_bytes_per_token(shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype],
-                                    DTYPE_BYTES[kv_dtype])
+    return kv_cache_bytes_per_token(
+        shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype], DTYPE_BYTES[kv_dtype]
+    )
 
 
-def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None,
-                 group_size: int = INT4_GROUP_SIZE) -> int:
+def weight_bytes(
+    params: ParamCount, dtype: str, weight_quant: str | None = None, group_size: int = INT4_GROUP_SIZE
+) -> int:
     """Decoder linears in `weight_quant` (int8/int4, as pagoda's weight formats store them) or
     `dtype`; embeddings, lm_head, norms and biases in `dtype`."""
     base = DTYPE_BYTES[dtype]
@@ -362,12 +415,27 @@ def weight_bytes(params: ParamCount, dtype: str, weight_quant: str | None = None
     return int(params.linear * linear_bytes + (params.embedding + params.lm_head + params.other) * base)
 
 
-def _scenario(name: str, w_bytes: int, kv_token: int, context: int, block_size: int,
-              memory: int, reserve: int, windows: tuple[int | None, ...] = ()) -> Scenario:
+def _scenario(
+    name: str,
+    w_bytes: int,
+    kv_token: int,
+    context: int,
+    block_size: int,
+    memory: int,
+    reserve: int,
+    windows: tuple[int | None, ...] = (),
+) -> Scenario:
     kv_memory = max(0, memory - reserve - w_bytes)
     num_blocks = kv_memory // (kv_token * block_size)
-    return Scenario(name, w_bytes, kv_token, context, kv_memory, num_blocks,
-                    sequences_in_pool(windows, num_blocks, block_size, context))
+    return Scenario(
+        name,
+        w_bytes,
+        kv_token,
+        context,
+        kv_memory,
+        num_blocks,
+        sequences_in_pool(windows, num_blocks, block_size, context),
+    )
 
 
 def sequences_in_pool(windows: tuple[int | None, ...], num_blocks: int, block_size: int, tokens: int) -> int:
@@ -380,9 +448,19 @@ def sequences_in_pool(windows: tuple[int | None, ...], num_blocks: int, block_si
     return pages // pages_per_sequence(groups, tokens, block_size)
 
 
-def stage_memory(shape: ModelShape, params: ParamCount, *, num_stages: int, partition: list[int] | None,
-                 dtype: str, kv_dtype: str, block_size: int, memory_bytes: int, reserve_bytes: int,
-                 group_size: int) -> list[StageMemory]:
+def stage_memory(
+    shape: ModelShape,
+    params: ParamCount,
+    *,
+    num_stages: int,
+    partition: list[int] | None,
+    dtype: str,
+    kv_dtype: str,
+    block_size: int,
+    memory_bytes: int,
+    reserve_bytes: int,
+    group_size: int,
+) -> list[StageMemory]:
     """Each stage's weights (its share of the decoder layers, the embedding on the first, the final
     norm and LM head on the last; tied embeddings: the embedding on the last too) and the KV
     blocks its memory holds for its layers. Layers are counted alike (a MoE model's dense and
@@ -401,12 +479,22 @@ def stage_memory(shape: ModelShape, params: ParamCount, *, num_stages: int, part
             lm_head=params.lm_head if stage.is_last else 0,
             linear=params.linear * count // shape.num_layers,
             other=per_layer_other * count // shape.num_layers + (shape.hidden_size if stage.is_last else 0),
-            source=params.source)
+            source=params.source,
+        )
         w_bytes = _configured_weight_bytes(stage_params, dtype, group_size)
         stage_kv_token = kv_token * count // shape.num_layers
         kv_memory = max(0, memory_bytes - reserve_bytes - w_bytes)
-        result.append(StageMemory(stage.index, stage.first_layer, stage.end_layer, w_bytes, stage_kv_token,
-                                  kv_memory, kv_memory // (stage_kv_token * block_size)))
+        result.append(
+            StageMemory(
+                stage.index,
+                stage.first_layer,
+                stage.end_layer,
+                w_bytes,
+                stage_kv_token,
+                kv_memory,
+                kv_memory // (stage_kv_token * block_size),
+            )
+        )
     return result
 
 
@@ -439,8 +527,9 @@ def build_plan(
     if group_warning and dtype == "int4":
         warnings.append(group_warning)
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
-        warnings.append(f"context {context} exceeds the model's max_position_embeddings "
-                        f"{shape.max_position_embeddings}")
+        warnings.append(
+            f"context {context} exceeds the model's max_position_embeddings {shape.max_position_embeddings}"
+        )
     w_bytes = _configured_weight_bytes(params, dtype, group_size)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     windows = shape.layer_sliding_windows
@@ -450,12 +539,22 @@ def build_plan(
     block_bytes = kv_token * block_size
     stages, stage_pool_blocks = [], 0
     if pipeline_parallel_size > 1:
-        stages = stage_memory(shape, params, num_stages=pipeline_parallel_size, partition=pp_layer_partition,
-                              dtype=dtype, kv_dtype=kv_dtype, block_size=block_size, memory_bytes=memory_bytes,
-                              reserve_bytes=reserve_bytes, group_size=group_size)
+        stages = stage_memory(
+            shape,
+            params,
+            num_stages=pipeline_parallel_size,
+            partition=pp_layer_partition,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            block_size=block_size,
+            memory_bytes=memory_bytes,
+            reserve_bytes=reserve_bytes,
+            group_size=group_size,
+        )
         stage_pool_blocks = min(stage.num_blocks for stage in stages)
-    class_rows = [_class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows)
-                  for rc in classes]
+    class_rows = [
+        _class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows) for rc in classes
+    ]
     # The classes with a target concurrency: _class_capacity sets their memory needs with it.
     needs_p50 = [row.memory_needed_p50 for row in class_rows if row.memory_needed_p50 is not None]
     needs_p95 = [row.memory_needed_p95 for row in class_rows if row.memory_needed_p95 is not None]
@@ -482,9 +581,20 @@ def build_plan(
         classes=class_rows,
         classes_total_memory_p50=sum(needs_p50) if needs_p50 else None,
         classes_total_memory_p95=sum(needs_p95) if needs_p95 else None,
-        scenarios=[base, *_what_if_scenarios(shape, params, base, dtype=dtype, kv_dtype=kv_dtype,
-                                             block_size=block_size, memory_bytes=memory_bytes,
-                                             reserve_bytes=reserve_bytes, group_size=group_size)],
+        scenarios=[
+            base,
+            *_what_if_scenarios(
+                shape,
+                params,
+                base,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                block_size=block_size,
+                memory_bytes=memory_bytes,
+                reserve_bytes=reserve_bytes,
+                group_size=group_size,
+            ),
+        ],
         shape=dataclasses.asdict(shape),
         warnings=warnings,
         quantization_group_size=group_size,
@@ -502,16 +612,20 @@ def int4_group_size(shape: ModelShape, group_size: int | None) -> tuple[int, str
     inputs = sorted({shape.hidden_size, shape.intermediate_size, shape.num_attention_heads * shape.head_dim})
     if group_size is not None:
         bad = [d for d in inputs if d % group_size]
-        return group_size, (f"int4 group size {group_size} does not divide the layer input dimension(s) "
-                            f"{', '.join(map(str, bad))}: the server refuses it; leave --quantization-group-size "
-                            f"out to let each layer take the largest that divides it") if bad else None
+        return group_size, (
+            f"int4 group size {group_size} does not divide the layer input dimension(s) "
+            f"{', '.join(map(str, bad))}: the server refuses it; leave --quantization-group-size "
+            f"out to let each layer take the largest that divides it"
+        ) if bad else None
     chosen = [int4_group_size_for(d) for d in inputs]
     fitting = [g for g in chosen if g is not None]
     if len(fitting) < len(chosen):
         bad = [d for d, g in zip(inputs, chosen) if g is None]
-        return max(INT4_GROUP_SIZES), (f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the "
-                                       f"layer input dimension(s) {', '.join(map(str, bad))}: int4 cannot hold "
-                                       f"this model; use int8")
+        return max(INT4_GROUP_SIZES), (
+            f"no int4 group size ({', '.join(map(str, INT4_GROUP_SIZES))}) divides the "
+            f"layer input dimension(s) {', '.join(map(str, bad))}: int4 cannot hold "
+            f"this model; use int8"
+        )
     return min(fitting), None
 
 
@@ -523,8 +637,9 @@ def _check_knobs(context: int, block_size: int, kv_dtype: str, group_size: int |
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"--quantization-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
-                         f"got {group_size}")
+        raise ValueError(
+            f"--quantization-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}"
+        )
 
 
 def _configured_weight_bytes(params: ParamCount, dtype: str, group_size: int) -> int:
@@ -534,8 +649,15 @@ def _configured_weight_bytes(params: ParamCount, dtype: str, group_size: int) ->
     return weight_bytes(params, dtype)
 
 
-def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes: int, num_blocks: int,
-                    warnings: list[str], windows: tuple[int | None, ...] = ()) -> ClassCapacity:
+def _class_capacity(
+    rc: RequestClass,
+    context: int,
+    block_size: int,
+    block_bytes: int,
+    num_blocks: int,
+    warnings: list[str],
+    windows: tuple[int | None, ...] = (),
+) -> ClassCapacity:
     """How many requests of one class fit at p50 and p95, and what its target concurrency needs."""
     p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
     p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
@@ -546,21 +668,41 @@ def _class_capacity(rc: RequestClass, context: int, block_size: int, block_bytes
     if rc.concurrency is not None:
         need50, need95 = rc.concurrency * p50_blocks, rc.concurrency * p95_blocks
         mem50, mem95 = need50 * block_bytes, need95 * block_bytes
-    return ClassCapacity(rc.name, p50_tokens, p95_tokens, p50_blocks, p95_blocks,
-                         sequences_in_pool(windows, num_blocks, block_size, p50_tokens),
-                         sequences_in_pool(windows, num_blocks, block_size, p95_tokens),
-                         rc.concurrency, need50, need95, mem50, mem95)
+    return ClassCapacity(
+        rc.name,
+        p50_tokens,
+        p95_tokens,
+        p50_blocks,
+        p95_blocks,
+        sequences_in_pool(windows, num_blocks, block_size, p50_tokens),
+        sequences_in_pool(windows, num_blocks, block_size, p95_tokens),
+        rc.concurrency,
+        need50,
+        need95,
+        mem50,
+        mem95,
+    )
 
 
-def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *, dtype: str, kv_dtype: str,
-                       block_size: int, memory_bytes: int, reserve_bytes: int,
-                       group_size: int = INT4_GROUP_SIZE) -> list[Scenario]:
+def _what_if_scenarios(
+    shape: ModelShape,
+    params: ParamCount,
+    base: Scenario,
+    *,
+    dtype: str,
+    kv_dtype: str,
+    block_size: int,
+    memory_bytes: int,
+    reserve_bytes: int,
+    group_size: int = INT4_GROUP_SIZE,
+) -> list[Scenario]:
     """Each lever alone: quantized weights, a smaller KV dtype, a shorter context, GQA."""
     base_dtype = "bf16" if dtype in ("int8", "int4") else dtype
     context = base.context
 
-    def scenario(name: str, *, w: int = base.weight_bytes, kv: int = base.kv_bytes_per_token,
-                 ctx: int = context) -> Scenario:
+    def scenario(
+        name: str, *, w: int = base.weight_bytes, kv: int = base.kv_bytes_per_token, ctx: int = context
+    ) -> Scenario:
         return _scenario(name, w, kv, ctx, block_size, memory_bytes, reserve_bytes, shape.layer_sliding_windows)
 
     scenarios = []
@@ -577,8 +719,7 @@ def _what_if_scenarios(shape: ModelShape, params: ParamCount, base: Scenario, *,
         for group in (4, 8):
             kv_heads = shape.num_attention_heads // group
             if kv_heads >= 1 and shape.num_attention_heads % group == 0:
-                scenarios.append(scenario(f"GQA {kv_heads} KV heads",
-                                          kv=kv_bytes_per_token(shape, kv_dtype, kv_heads)))
+                scenarios.append(scenario(f"GQA {kv_heads} KV heads", kv=kv_bytes_per_token(shape, kv_dtype, kv_heads)))
     return scenarios
 
 
@@ -641,8 +782,10 @@ def _sliding_window_lines(shape: dict[str, Any]) -> list[str]:
     windows = [w for w in shape.get("layer_sliding_windows") or () if w is not None]
     if not windows:
         return []
-    return [f"sliding windows  {len(windows)} of {shape['num_layers']} layers keep only the KV of their last "
-            f"{', '.join(map(str, sorted(set(windows))))} tokens (blocks behind are released)"]
+    return [
+        f"sliding windows  {len(windows)} of {shape['num_layers']} layers keep only the KV of their last "
+        f"{', '.join(map(str, sorted(set(windows))))} tokens (blocks behind are released)"
+    ]
 
 
 def render_plan(plan: Plan) -> str:
@@ -653,11 +796,17 @@ def render_plan(plan: Plan) -> str:
         f"{s['num_attention_heads']} heads / {s['num_kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tie_word_embeddings'] else ''}",
         f"parameters       {plan.params:,} ({fmt_count(plan.params)}, from {plan.params_source})",
-        *([f"active per token {plan.active_params:,} ({fmt_count(plan.active_params)}: {s['experts_per_token']} of "
-           f"{s['num_experts']} experts in {s['num_moe_layers']} MoE layers; the weights hold them all)"]
-          if s.get("num_experts") else []),
+        *(
+            [
+                f"active per token {plan.active_params:,} ({fmt_count(plan.active_params)}: {s['experts_per_token']} of "
+                f"{s['num_experts']} experts in {s['num_moe_layers']} MoE layers; the weights hold them all)"
+            ]
+            if s.get("num_experts")
+            else []
+        ),
         f"weights          {fmt_bytes(plan.weight_bytes)}"
-        + (f" = {plan.weight_bytes / 1e9:.2f} GB" if plan.weight_bytes >= 10**7 else "") + f" in {plan.dtype}"
+        + (f" = {plan.weight_bytes / 1e9:.2f} GB" if plan.weight_bytes >= 10**7 else "")
+        + f" in {plan.dtype}"
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
@@ -672,44 +821,85 @@ def render_plan(plan: Plan) -> str:
         "",
     ]
     if plan.stages:
-        out.append(f"pipeline stages, each on its own {fmt_bytes(plan.memory_bytes)} device: the KV pool is the "
-                   f"smallest stage's, {plan.stage_pool_blocks:,} blocks of every layer, "
-                   f"{plan.stage_full_context_seqs:,} full-context sequences at once")
-        out.append(_table(["stage", "layers", "weights", "KV B/token", "KV memory", "blocks"], [
-            [str(st.index), f"{st.first_layer}-{st.end_layer - 1}", fmt_bytes(st.weight_bytes),
-             f"{st.kv_bytes_per_token:,}", fmt_bytes(st.kv_memory_bytes), f"{st.num_blocks:,}"]
-            for st in plan.stages]))
+        out.append(
+            f"pipeline stages, each on its own {fmt_bytes(plan.memory_bytes)} device: the KV pool is the "
+            f"smallest stage's, {plan.stage_pool_blocks:,} blocks of every layer, "
+            f"{plan.stage_full_context_seqs:,} full-context sequences at once"
+        )
+        out.append(
+            _table(
+                ["stage", "layers", "weights", "KV B/token", "KV memory", "blocks"],
+                [
+                    [
+                        str(st.index),
+                        f"{st.first_layer}-{st.end_layer - 1}",
+                        fmt_bytes(st.weight_bytes),
+                        f"{st.kv_bytes_per_token:,}",
+                        fmt_bytes(st.kv_memory_bytes),
+                        f"{st.num_blocks:,}",
+                    ]
+                    for st in plan.stages
+                ],
+            )
+        )
         out.append("")
     if plan.classes:
         rows = []
         for c in plan.classes:
-            rows.append([c.name, f"{c.p50_tokens}/{c.p95_tokens}", f"{c.p50_blocks}/{c.p95_blocks}",
-                         f"{c.fits_at_p50:,}/{c.fits_at_p95:,}",
-                         "-" if c.target_concurrency is None else str(c.target_concurrency),
-                         "-" if c.blocks_needed_p95 is None else f"{c.blocks_needed_p50:,}/{c.blocks_needed_p95:,}",
-                         "-" if c.memory_needed_p95 is None
-                         else f"{fmt_bytes(c.memory_needed_p50)}/{fmt_bytes(c.memory_needed_p95)}"])
+            rows.append(
+                [
+                    c.name,
+                    f"{c.p50_tokens}/{c.p95_tokens}",
+                    f"{c.p50_blocks}/{c.p95_blocks}",
+                    f"{c.fits_at_p50:,}/{c.fits_at_p95:,}",
+                    "-" if c.target_concurrency is None else str(c.target_concurrency),
+                    "-" if c.blocks_needed_p95 is None else f"{c.blocks_needed_p50:,}/{c.blocks_needed_p95:,}",
+                    "-"
+                    if c.memory_needed_p95 is None
+                    else f"{fmt_bytes(c.memory_needed_p50)}/{fmt_bytes(c.memory_needed_p95)}",
+                ]
+            )
         out.append("request classes (p50/p95; tokens = prompt + output, each class alone in the cache)")
-        out.append(_table(["class", "tokens", "blocks/req", "fit at once", "target", "blocks needed",
-                           "KV needed"], rows))
+        out.append(
+            _table(["class", "tokens", "blocks/req", "fit at once", "target", "blocks needed", "KV needed"], rows)
+        )
         total_p50, total_p95 = plan.classes_total_memory_p50, plan.classes_total_memory_p95
         if total_p50 is not None and total_p95 is not None:  # set together, with any class's target
-            verdict = "fits" if total_p95 <= plan.kv_memory_bytes else (
-                "fits at p50 only" if total_p50 <= plan.kv_memory_bytes else "does NOT fit")
-            out.append(f"all targets together need {fmt_bytes(total_p50)} (p50) / "
-                       f"{fmt_bytes(total_p95)} (p95) of KV cache "
-                       f"of {fmt_bytes(plan.kv_memory_bytes)}: {verdict}")
+            verdict = (
+                "fits"
+                if total_p95 <= plan.kv_memory_bytes
+                else ("fits at p50 only" if total_p50 <= plan.kv_memory_bytes else "does NOT fit")
+            )
+            out.append(
+                f"all targets together need {fmt_bytes(total_p50)} (p50) / "
+                f"{fmt_bytes(total_p95)} (p95) of KV cache "
+                f"of {fmt_bytes(plan.kv_memory_bytes)}: {verdict}"
+            )
         out.append("")
-    rows = [[sc.name, fmt_bytes(sc.weight_bytes), f"{sc.kv_bytes_per_token:,}", str(sc.context),
-             fmt_bytes(sc.kv_memory_bytes), f"{sc.num_blocks:,}", f"{sc.full_context_seqs:,}",
-             f"{sc.full_context_seqs / plan.full_context_seqs:.2f}x" if plan.full_context_seqs else "-"]
-            for sc in plan.scenarios]
+    rows = [
+        [
+            sc.name,
+            fmt_bytes(sc.weight_bytes),
+            f"{sc.kv_bytes_per_token:,}",
+            str(sc.context),
+            fmt_bytes(sc.kv_memory_bytes),
+            f"{sc.num_blocks:,}",
+            f"{sc.full_context_seqs:,}",
+            f"{sc.full_context_seqs / plan.full_context_seqs:.2f}x" if plan.full_context_seqs else "-",
+        ]
+        for sc in plan.scenarios
+    ]
     out.append("what if")
-    out.append(_table(["scenario", "weights", "KV B/token", "context", "KV memory", "blocks",
-                       "full-context seqs", "vs now"], rows))
-    out.append(f"(int4 = 4-bit decoder linears + an fp16 (scale, zero) pair per {plan.quantization_group_size} "
-               "inputs; embeddings, lm_head and norms stay in the model dtype; fp8/int8 KV = 1 byte per "
-               "element + a 4-byte scale per head vector)")
+    out.append(
+        _table(
+            ["scenario", "weights", "KV B/token", "context", "KV memory", "blocks", "full-context seqs", "vs now"], rows
+        )
+    )
+    out.append(
+        f"(int4 = 4-bit decoder linears + an fp16 (scale, zero) pair per {plan.quantization_group_size} "
+        "inputs; embeddings, lm_head and norms stay in the model dtype; fp8/int8 KV = 1 byte per "
+        "element + a 4-byte scale per head vector)"
+    )
     for w in plan.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)
@@ -756,21 +946,36 @@ def plan_from_options(options: PlanOptions) -> Plan:
         classes = [parse_request_class(spec) for spec in options.classes]
     else:
         classes = [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
-    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
-                      context=context, block_size=options.block_size,
-                      reserve_bytes=parse_reserve(options.reserve, memory), classes=classes,
-                      group_size=options.quantization_group_size,
-                      pipeline_parallel_size=options.pipeline_parallel_size,
-                      pp_layer_partition=_layer_counts(options.pp_layer_partition))
+    return build_plan(
+        shape,
+        params,
+        model=options.model,
+        memory_bytes=memory,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        context=context,
+        block_size=options.block_size,
+        reserve_bytes=parse_reserve(options.reserve, memory),
+        classes=classes,
+        group_size=options.quantization_group_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        pp_layer_partition=_layer_counts(options.pp_layer_partition),
+    )
 
 
 def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -> Plan:
     """The plan of what `pagoda serve` runs on this machine with these flags: its dtype, its KV
     dtype and the KV pool it allocates (the numbers its banner prints)."""
     # Values as given: EngineConfig checks each flag's choices itself (check_choices), as serve's do.
-    flags: dict[str, Any] = {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
-        normalize_dtype(options.dtype), options.dtype) if options.dtype else "auto",
-             "block_size": options.block_size, "max_model_len": options.context}
+    flags: dict[str, Any] = {
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+            normalize_dtype(options.dtype), options.dtype
+        )
+        if options.dtype
+        else "auto",
+        "block_size": options.block_size,
+        "max_model_len": options.context,
+    }
     if options.kv_cache_memory:
         flags["kv_cache_memory"] = options.kv_cache_memory
     engine = EngineConfig(model=options.model, **flags)
@@ -781,11 +986,24 @@ def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     pool = serving_pool_blocks(engine, kv_token, context) * kv_token * options.block_size
     memory = _configured_weight_bytes(params, dtype, group_size) + pool
-    classes = ([parse_request_class(spec) for spec in options.classes] if options.classes else
-               [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()])
-    return build_plan(shape, params, model=options.model, memory_bytes=memory, dtype=dtype, kv_dtype=kv_dtype,
-                      context=context, block_size=options.block_size, reserve_bytes=0, classes=classes,
-                      group_size=options.quantization_group_size)
+    classes = (
+        [parse_request_class(spec) for spec in options.classes]
+        if options.classes
+        else [RequestClass(name, *lengths) for name, lengths in DEFAULT_CLASSES.items()]
+    )
+    return build_plan(
+        shape,
+        params,
+        model=options.model,
+        memory_bytes=memory,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        context=context,
+        block_size=options.block_size,
+        reserve_bytes=0,
+        classes=classes,
+        group_size=options.quantization_group_size,
+    )
 
 
 def _layer_counts(text: str | None) -> list[int] | None:
@@ -826,8 +1044,11 @@ def serving_dtype(dtype: str, config_dtype: str | None, device: str) -> str:
     from pagoda.engine.assembly import resolve_device, resolve_dtype
 
     hf_names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    resolved = resolve_dtype(dtype if dtype == "auto" else hf_names.get(normalize_dtype(dtype), dtype),
-                             hf_names.get(config_dtype or ""), resolve_device(device))
+    resolved = resolve_dtype(
+        dtype if dtype == "auto" else hf_names.get(normalize_dtype(dtype), dtype),
+        hf_names.get(config_dtype or ""),
+        resolve_device(device),
+    )
     return normalize_dtype(str(resolved))
 
 
@@ -846,8 +1067,11 @@ def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int) -> in
         return engine.num_kv_blocks
     blocks = engine.kv_cache_bytes // (kv_token * engine.block_size)
     one_group = kv_cache_groups([None], release=False)  # every layer's blocks together, as plan counts them
-    return min(blocks, engine.max_num_seqs_bound * pages_per_sequence(one_group, context, engine.block_size,
-                                                                      engine.max_num_batched_tokens))
+    return min(
+        blocks,
+        engine.max_num_seqs_bound
+        * pages_per_sequence(one_group, context, engine.block_size, engine.max_num_batched_tokens),
+    )
 
 
 def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
@@ -858,8 +1082,9 @@ def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> M
     context = engine.max_model_len or shape.max_position_embeddings or 2048
     kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
     kv_bytes = serving_pool_blocks(engine, kv_token, context) * engine.block_size * kv_token
-    return ModelNeed(name, line, engine.model, weight_dtype, context, engines,
-                     weight_bytes(params, weight_dtype, quant), kv_bytes)
+    return ModelNeed(
+        name, line, engine.model, weight_dtype, context, engines, weight_bytes(params, weight_dtype, quant), kv_bytes
+    )
 
 
 @dataclass(frozen=True)
@@ -878,14 +1103,19 @@ class ModelsFit:
 
     def describe(self, path: str, separator: str = "\n") -> str:
         """A line per model (its file line, engines and memory), the total and the verdict."""
-        lines = [f"{path}:{need.line}: {need.name}: {need.engines} x ({fmt_bytes(need.weight_bytes)} weights "
-                 f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV pool, {need.context}-token context) "
-                 f"= {fmt_bytes(need.total_bytes)}" for need in self.needs]
+        lines = [
+            f"{path}:{need.line}: {need.name}: {need.engines} x ({fmt_bytes(need.weight_bytes)} weights "
+            f"in {need.dtype} + {fmt_bytes(need.kv_bytes)} KV pool, {need.context}-token context) "
+            f"= {fmt_bytes(need.total_bytes)}"
+            for need in self.needs
+        ]
         usable = self.memory_bytes - self.reserve_bytes
         verdict = "fit" if self.fits else "do NOT fit"
-        lines.append(f"total {fmt_bytes(self.total_bytes)} of {fmt_bytes(usable)} usable "
-                     f"({fmt_bytes(self.memory_bytes)} less {fmt_bytes(self.reserve_bytes)} reserve): "
-                     f"the models {verdict}")
+        lines.append(
+            f"total {fmt_bytes(self.total_bytes)} of {fmt_bytes(usable)} usable "
+            f"({fmt_bytes(self.memory_bytes)} less {fmt_bytes(self.reserve_bytes)} reserve): "
+            f"the models {verdict}"
+        )
         return separator.join(lines)
 
 

@@ -28,8 +28,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
     @property
     def finish_reason(self) -> str | None:
@@ -95,7 +94,7 @@ class Request:
     stop_reason: int | str | None = None
     # Samples still to be forked from this one once the prompt (all but its last token) is
     # computed, so that they share the prompt's KV blocks (copy-on-write).
-    pending_forks: list["Request"] = field(default_factory=list)
+    pending_forks: list[Request] = field(default_factory=list)
 
     spec: SpecState = field(default_factory=SpecState)
 
@@ -117,8 +116,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(
-                _sample_seed(self.sampling_params.seed, self.sample_index))
+            self.generator = torch.Generator().manual_seed(_sample_seed(self.sampling_params.seed, self.sample_index))
 
     @property
     def block_ids(self) -> list[int]:
@@ -157,7 +155,7 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def new_sample(self, sample_index: int) -> "Request":
+    def new_sample(self, sample_index: int) -> Request:
         """Another sample of the same prompt; it shares this one's KV blocks once forked."""
         child = Request(
             request_id=f"{self.parent_id}#{sample_index}",

@@ -52,26 +52,38 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_fields = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_fields) != 1:
-            raise InvalidRequest("structured_outputs must set exactly one of " + ", ".join(KINDS)
-                                 + (f"; got {', '.join(set_fields)}" if set_fields else ""),
-                                 param="structured_outputs")
+            raise InvalidRequest(
+                "structured_outputs must set exactly one of "
+                + ", ".join(KINDS)
+                + (f"; got {', '.join(set_fields)}" if set_fields else ""),
+                param="structured_outputs",
+            )
         if self.json is not None and not isinstance(self.json, (dict, str, bool)):
-            raise InvalidRequest("structured_outputs.json must be a JSON schema (an object or its JSON text)",
-                                 param="structured_outputs.json")
+            raise InvalidRequest(
+                "structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                param="structured_outputs.json",
+            )
         if self.regex is not None and not isinstance(self.regex, str):
             raise InvalidRequest("structured_outputs.regex must be a string", param="structured_outputs.regex")
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
-                    not all(isinstance(c, str) for c in self.choice):
-                raise InvalidRequest("structured_outputs.choice must be a non-empty list of strings",
-                                     param="structured_outputs.choice")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
+                raise InvalidRequest(
+                    "structured_outputs.choice must be a non-empty list of strings", param="structured_outputs.choice"
+                )
             if len(self.choice) > MAX_CHOICES:
-                raise InvalidRequest(f"structured_outputs.choice has {len(self.choice)} options; at most "
-                                     f"{MAX_CHOICES} can be followed", param="structured_outputs.choice")
+                raise InvalidRequest(
+                    f"structured_outputs.choice has {len(self.choice)} options; at most {MAX_CHOICES} can be followed",
+                    param="structured_outputs.choice",
+                )
             object.__setattr__(self, "choice", list(self.choice))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise InvalidRequest("structured_outputs.grammar must be a non-empty grammar text",
-                                 param="structured_outputs.grammar")
+            raise InvalidRequest(
+                "structured_outputs.grammar must be a non-empty grammar text", param="structured_outputs.grammar"
+            )
 
     @property
     def kind(self) -> str:
@@ -219,16 +231,24 @@ class SamplingParams:
             if self.best_of != self.n and not self.use_beam_search:
                 fail("best_of", f"({self.best_of}) different from n ({self.n}) needs use_beam_search")
         if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
-            fail("early_stopping", f"must be true, false or \"never\", got {self.early_stopping!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) \
-                or not math.isfinite(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
-            fail("length_penalty", f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
-                                   f"got {self.length_penalty!r}")
+            fail("early_stopping", f'must be true, false or "never", got {self.early_stopping!r}')
+        if (
+            not isinstance(self.length_penalty, (int, float))
+            or isinstance(self.length_penalty, bool)
+            or not math.isfinite(self.length_penalty)
+            or abs(self.length_penalty) > MAX_LENGTH_PENALTY
+        ):
+            fail(
+                "length_penalty",
+                f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {self.length_penalty!r}",
+            )
         if not self.use_beam_search:
             return
         if self.beam_width > MAX_BEAM_WIDTH:
-            fail("best_of" if self.best_of is not None else "n",
-                 f"(the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {self.beam_width}")
+            fail(
+                "best_of" if self.best_of is not None else "n",
+                f"(the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {self.beam_width}",
+            )
         # Beam search ranks the model's raw log-probabilities: what reshapes them or cuts the
         # output short would be silently ignored, so it is refused.
         refused = {
@@ -246,8 +266,9 @@ class SamplingParams:
         }
         for name, is_set in refused.items():
             if is_set:
-                fail(name, "is not supported with use_beam_search (beam search ranks the model's "
-                           "raw log-probabilities)")
+                fail(
+                    name, "is not supported with use_beam_search (beam search ranks the model's raw log-probabilities)"
+                )
 
     @property
     def beam_width(self) -> int:
@@ -271,13 +292,9 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
 

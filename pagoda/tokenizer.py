@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import sys
 import time
-
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,8 +78,7 @@ class Tokenizer:
         vocabulary whose scores tie: pagoda/gguf_tokenizer.py); `hf` does everything else."""
         if not getattr(hf, "is_fast", False):
             raise ValueError(
-                f"{type(hf).__name__} is not a fast (Rust `tokenizers`) tokenizer; "
-                "pagoda needs a tokenizer.json"
+                f"{type(hf).__name__} is not a fast (Rust `tokenizers`) tokenizer; pagoda needs a tokenizer.json"
             )
         self.hf = hf
         self.vocab_size: int = len(hf)
@@ -98,30 +96,34 @@ class Tokenizer:
         self._anchor_ids, self._anchor_text = self._find_anchor()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
         directory = Path(path)
-        if directory.is_file() and directory.suffix == ".gguf" or (
-                directory.is_dir() and not any((directory / n).is_file() for n in TOKENIZER_FILES)
-                and any(directory.glob("*.gguf"))):
+        if (
+            directory.is_file()
+            and directory.suffix == ".gguf"
+            or (
+                directory.is_dir()
+                and not any((directory / n).is_file() for n in TOKENIZER_FILES)
+                and any(directory.glob("*.gguf"))
+            )
+        ):
             return cls._from_gguf(directory)
         if not directory.is_dir():
             raise ValueError(f"tokenizer directory {str(path)!r} does not exist or is not a folder")
         if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-            raise ValueError(
-                f"no tokenizer files in {str(path)!r} "
-                f"(expected one of {', '.join(TOKENIZER_FILES)})"
-            )
+            raise ValueError(f"no tokenizer files in {str(path)!r} (expected one of {', '.join(TOKENIZER_FILES)})")
         try:
             # Never the directory's own code: an `auto_map` in config.json or tokenizer_config.json
             # names Python files transformers would import (vLLM CVE-2026-22807).
             hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # noqa: BLE001 - transformers and tokenizers raise many types on bad files
-            raise ValueError(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: "
-                             f"{_first_line(exc)}") from None
+            raise ValueError(
+                f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: {_first_line(exc)}"
+            ) from None
         return cls(hf)
 
     @classmethod
-    def _from_gguf(cls, path: Path) -> "Tokenizer":
+    def _from_gguf(cls, path: Path) -> Tokenizer:
         """The tokenizer stored in a GGUF file's metadata, rebuilt as llama.cpp reads it
         (pagoda/gguf_tokenizer.py), with the file's chat template."""
         gguf_file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
@@ -129,8 +131,10 @@ class Tokenizer:
         try:
             hf, encoder = gguf_hf_tokenizer(gguf_file)
         except Exception as exc:  # a vocabulary the file's metadata cannot describe, whatever the reader raised
-            raise ValueError(f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
-                             f"{exc}); pass --tokenizer DIR") from None
+            raise ValueError(
+                f"could not build a tokenizer from {str(gguf_file)!r} ({type(exc).__name__}: "
+                f"{exc}); pass --tokenizer DIR"
+            ) from None
         return cls(hf, encoder)
 
     def __repr__(self) -> str:
@@ -191,9 +195,7 @@ class Tokenizer:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"token ids must be integers, got {token_id!r}")
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"token id {token_id} is out of range for a vocabulary of {self.vocab_size}"
-                )
+                raise ValueError(f"token id {token_id} is out of range for a vocabulary of {self.vocab_size}")
         return ids
 
     def _find_anchor(self) -> tuple[list[int], str]:
@@ -225,7 +227,8 @@ class Tokenizer:
         if not (template_kwargs.get("chat_template") or self.has_chat_template):
             raise InvalidRequest(
                 f"the tokenizer in {self.hf.name_or_path!r} has no chat template; "
-                "use the completions API or supply a model with one", param="messages"
+                "use the completions API or supply a model with one",
+                param="messages",
             )
         conversation = normalize_messages(messages)
         previous_trace = sys.gettrace()
@@ -245,15 +248,18 @@ class Tokenizer:
             raise InvalidRequest(f"chat template: {_first_line(exc)}", param="messages") from None
         except (ArithmeticError, LookupError, TypeError, AttributeError, RecursionError, MemoryError) as exc:
             # What a template's own expressions raise ({{ 1/0 }}, range(100001)|list): its fault, not the server's
-            raise InvalidRequest(f"chat template error: {type(exc).__name__}: {_first_line(exc)}",
-                                 param="messages") from None
+            raise InvalidRequest(
+                f"chat template error: {type(exc).__name__}: {_first_line(exc)}", param="messages"
+            ) from None
         finally:
             sys.settrace(previous_trace)
         if not isinstance(rendered, str):
             raise ValueError(f"chat template rendered {type(rendered).__name__}, expected a string")
         if len(rendered) > CHAT_TEMPLATE_MAX_CHARS:
-            raise InvalidRequest(f"the chat template rendered {len(rendered)} characters; at most "
-                                 f"{CHAT_TEMPLATE_MAX_CHARS} are taken", param="messages")
+            raise InvalidRequest(
+                f"the chat template rendered {len(rendered)} characters; at most {CHAT_TEMPLATE_MAX_CHARS} are taken",
+                param="messages",
+            )
         return rendered
 
     def encode_chat(
@@ -262,9 +268,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        rendered = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-        )
+        rendered = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         # The template writes BOS itself where the model wants one; adding special tokens again
         # would give Llama 3 two <|begin_of_text|>.
         return self.encode(rendered, add_special_tokens=False)
@@ -287,19 +291,19 @@ def normalize_messages(messages: Any, roles: Sequence[str] | None = None) -> lis
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequest(
-            "messages must be a non-empty list of {'role': ..., 'content': ...} objects",
-            param="messages")
+            "messages must be a non-empty list of {'role': ..., 'content': ...} objects", param="messages"
+        )
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise InvalidRequest(f"messages[{index}] must be an object, got {type(message).__name__}",
-                                 param="messages")
+            raise InvalidRequest(f"messages[{index}] must be an object, got {type(message).__name__}", param="messages")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{index}].role must be a non-empty string", param="messages")
         if roles is not None and role not in roles:
-            raise InvalidRequest(f"messages[{index}].role {role!r} is not supported; use one of "
-                                 f"{', '.join(roles)}.", param="messages")
+            raise InvalidRequest(
+                f"messages[{index}].role {role!r} is not supported; use one of {', '.join(roles)}.", param="messages"
+            )
         copied = dict(message)
         if role == "developer":
             copied["role"] = "system"
@@ -315,19 +319,20 @@ def _content_text(content: Any, index: int) -> str:
         return content
     if not isinstance(content, (list, tuple)):
         raise InvalidRequest(
-            f"messages[{index}].content must be a string or a list of content parts, "
-            f"got {type(content).__name__}", param="messages")
+            f"messages[{index}].content must be a string or a list of content parts, got {type(content).__name__}",
+            param="messages",
+        )
     texts = []
     for part_index, part in enumerate(content):
         where = f"messages[{index}].content[{part_index}]"
         if not isinstance(part, Mapping):
             raise InvalidRequest(
-                f"{where} must be a content part object like {{'type': 'text', 'text': ...}}",
-                param="messages")
+                f"{where} must be a content part object like {{'type': 'text', 'text': ...}}", param="messages"
+            )
         if part.get("type") != "text":
             raise InvalidRequest(
-                f"{where} has type {part.get('type')!r}; only 'text' content parts are supported",
-                param="messages")
+                f"{where} has type {part.get('type')!r}; only 'text' content parts are supported", param="messages"
+            )
         text = part.get("text")
         if not isinstance(text, str):
             raise InvalidRequest(f"{where}.text must be a string", param="messages")
@@ -379,9 +384,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         # Every proper prefix of every stop string: a text tail in this set may still grow
         # into a stop string, so it is withheld (only needed when stops are cut from the output).
-        self._stop_prefixes: frozenset[str] = frozenset(
-            s[:k] for s in self.stop for k in range(1, len(s))
-        )
+        self._stop_prefixes: frozenset[str] = frozenset(s[:k] for s in self.stop for k in range(1, len(s)))
         self._withhold = bool(self.stop) and not include_stop_str_in_output
         self._recent = ""  # last (max stop length - 1) chars decoded, for matches across calls
         self._withheld = ""
@@ -397,9 +400,7 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Feed newly generated tokens; returns the newly released text (may be "")."""
         if self.stop_string is not None:
-            raise RuntimeError(
-                f"stop string {self.stop_string!r} already matched; the request is over"
-            )
+            raise RuntimeError(f"stop string {self.stop_string!r} already matched; the request is over")
         if self._finished:
             raise RuntimeError("finish() was already called; the request is over")
         decoded = []
@@ -445,9 +446,7 @@ class IncrementalDetokenizer:
         return not (self.skip_special_tokens and token_id in self.tokenizer._skipped_ids)
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer._decode_raw(
-            self._token_ids[start:end], skip_special_tokens=self.skip_special_tokens
-        )
+        return self.tokenizer._decode_raw(self._token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def _detokenize_step(self) -> str:
         """Text newly completed by the last appended token; advances the window when stable."""

@@ -8,8 +8,9 @@ import torch
 from pagoda import LLM, SamplingParams
 
 
-def prompts_for(vocab_size: int, lengths=(5, 23, 70, 41, 9, 100, 33, 64), *, shared_length: int = 32,
-                seed: int = 7) -> list[list[int]]:
+def prompts_for(
+    vocab_size: int, lengths=(5, 23, 70, 41, 9, 100, 33, 64), *, shared_length: int = 32, seed: int = 7
+) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     shared = torch.randint(5, vocab_size, (shared_length,), generator=generator).tolist()
     prompts = []

@@ -26,8 +26,9 @@ def _pack_along(codes: np.ndarray, axis: int) -> torch.Tensor:
     return torch.from_numpy(np.moveaxis(packed, -1, axis).view(np.int32).copy())
 
 
-def write_gptq(model_dir: Path, target: Path, checkpoint_format: str = "gptq",
-               projections: Iterable[str] = PROJECTIONS) -> dict[str, torch.Tensor]:
+def write_gptq(
+    model_dir: Path, target: Path, checkpoint_format: str = "gptq", projections: Iterable[str] = PROJECTIONS
+) -> dict[str, torch.Tensor]:
     """RTN-quantize the `projections` (matched as `.{projection}.weight` in tensor names) into
     GPTQ's layout; returns the dequantized weights by their full-precision names."""
     shutil.copytree(model_dir, target)
@@ -54,7 +55,13 @@ def write_gptq(model_dir: Path, target: Path, checkpoint_format: str = "gptq",
         out[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
     save_file(out, str(target / "model.safetensors"))
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-                                     "sym": False, "checkpoint_format": checkpoint_format}
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+        "sym": False,
+        "checkpoint_format": checkpoint_format,
+    }
     (target / "config.json").write_text(json.dumps(config))
     return dequantized

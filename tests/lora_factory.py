@@ -13,16 +13,33 @@ MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 ALL_MODULES = ATTENTION_MODULES + MLP_MODULES
 
 
-def build_adapter(base_dir: Path, directory: Path, *, target_modules: list[str] = ALL_MODULES, rank: int = 8,
-                  alpha: float = 16, use_rslora: bool = False, seed: int = 0, scale: float = 0.1) -> Path:
+def build_adapter(
+    base_dir: Path,
+    directory: Path,
+    *,
+    target_modules: list[str] = ALL_MODULES,
+    rank: int = 8,
+    alpha: float = 16,
+    use_rslora: bool = False,
+    seed: int = 0,
+    scale: float = 0.1,
+) -> Path:
     """Save a random LoRA adapter for the model in `base_dir` into `directory`."""
     from peft import LoraConfig, get_peft_model
+
     from model_factory import load_hf_model
 
     directory = Path(directory)
     base = load_hf_model(base_dir)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                        use_rslora=use_rslora, init_lora_weights=False, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        lora_dropout=0.0,
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -36,6 +53,7 @@ def build_adapter(base_dir: Path, directory: Path, *, target_modules: list[str] 
 def load_hf_adapter_model(base_dir: Path, adapter_dir: Path):
     """transformers + peft: the base model with the adapter applied (the reference)."""
     from peft import PeftModel
+
     from model_factory import load_hf_model
 
     return PeftModel.from_pretrained(load_hf_model(base_dir), str(adapter_dir)).eval()

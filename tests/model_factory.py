@@ -26,6 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+
 @dataclass(frozen=True)
 class TinyModel:
     """One architecture's tiny random-weight model: transformers' config and model classes, the
@@ -43,63 +44,149 @@ def _phi3(seed: int) -> dict[str, Any]:
     # LongRoPE: short factors up to original_max_position_embeddings, long ones past it.
     head_dim = 64 // 4
     generator = torch.Generator().manual_seed(seed)
-    return dict(max_position_embeddings=2048, original_max_position_embeddings=512,
-                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                 "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
-                                 "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist()})
+    return dict(
+        max_position_embeddings=2048,
+        original_max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=generator)).tolist(),
+            "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist(),
+        },
+    )
 
 
 # Every family's test parameters: a new family adds its entry here, and the parity tests of its
 # group (tests/model/test_model_correctness.py, test_gemma_phi3.py, test_moe_models.py) run it.
 TINY_MODELS: dict[str, TinyModel] = {
-    "llama": TinyModel("LlamaConfig", "LlamaForCausalLM", "dense", dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama": TinyModel(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "dense",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
     "qwen2": TinyModel("Qwen2Config", "Qwen2ForCausalLM", "dense", dict(tie_word_embeddings=True)),
     "qwen3": TinyModel("Qwen3Config", "Qwen3ForCausalLM", "dense", dict(head_dim=32)),
     "mistral": TinyModel("MistralConfig", "MistralForCausalLM", "dense", dict(sliding_window=24)),
     # Local layers slide over 24 tokens; soft-caps low enough to bend the scores and logits.
-    "gemma2": TinyModel("Gemma2Config", "Gemma2ForCausalLM", "more", dict(
-        head_dim=16, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-        final_logit_softcapping=5.0, tie_word_embeddings=True, num_hidden_layers=3)),
+    "gemma2": TinyModel(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        "more",
+        dict(
+            head_dim=16,
+            sliding_window=24,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+            num_hidden_layers=3,
+        ),
+    ),
     # Layers 0, 2 local (their own rope base), 1 and 3 global with linear rope scaling.
-    "gemma3": TinyModel("Gemma3TextConfig", "Gemma3ForCausalLM", "more", dict(
-        head_dim=16, sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True, num_hidden_layers=4,
-        sliding_window_pattern=2,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    "gemma3": TinyModel(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        "more",
+        dict(
+            head_dim=16,
+            sliding_window=24,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+            num_hidden_layers=4,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
     "phi3": TinyModel("Phi3Config", "Phi3ForCausalLM", "more", _phi3),
     # Top-2 of 4 experts, a sliding window shorter than the longer prompts.
-    "mixtral": TinyModel("MixtralConfig", "MixtralForCausalLM", "moe", dict(
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
+    "mixtral": TinyModel(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        "moe",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
+    ),
     # Top-2 of 8 experts (not renormalized) plus the gated shared expert; layer 1 dense.
-    "qwen2_moe": TinyModel("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "moe", dict(
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen2_moe": TinyModel(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        "moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    ),
     # Top-3 of 8 experts, renormalized; q/k norms.
-    "qwen3_moe": TinyModel("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", dict(
-        head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True)),
+    "qwen3_moe": TinyModel(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "moe",
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True),
+    ),
     # Top-2 of 4 biased experts behind a biased router; layer 0 slides over 24 tokens, layer 1
     # is global; YaRN rope; a SwiGLU limit low enough that the clamps bite.
-    "gpt_oss": TinyModel("GptOssConfig", "GptOssForCausalLM", "moe", dict(
-        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
-        swiglu_limit=0.6,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    "gpt_oss": TinyModel(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        "moe",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=24,
+            swiglu_limit=0.6,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),
-    "qwen2_classifier": TinyModel("Qwen2Config", "Qwen2ForSequenceClassification", "classifier", dict(
-        num_labels=3, id2label={0: "negative", 1: "neutral", 2: "positive"},
-        label2id={"negative": 0, "neutral": 1, "positive": 2})),
-    "qwen3_classifier": TinyModel("Qwen3Config", "Qwen3ForSequenceClassification", "classifier", dict(
-        head_dim=32, num_labels=1)),
+    "qwen2_classifier": TinyModel(
+        "Qwen2Config",
+        "Qwen2ForSequenceClassification",
+        "classifier",
+        dict(
+            num_labels=3,
+            id2label={0: "negative", 1: "neutral", 2: "positive"},
+            label2id={"negative": 0, "neutral": 1, "positive": 2},
+        ),
+    ),
+    "qwen3_classifier": TinyModel(
+        "Qwen3Config", "Qwen3ForSequenceClassification", "classifier", dict(head_dim=32, num_labels=1)
+    ),
 }
 ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
 MORE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "more")
 # Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
 MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "moe")
+
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
     """Train a byte-level BPE on a tiny corpus; returns its vocabulary size."""
@@ -108,34 +195,56 @@ def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "bos_token": None,
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+            }
+        )
+    )
     return tokenizer.get_vocab_size()
 
 
-def build_model(directory: Path, architecture: str = "llama", *, seed: int = 0,
-                dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
-                **overrides: Any) -> Path:
+def build_model(
+    directory: Path,
+    architecture: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
     """Save a random-weight model of `architecture` (and a tokenizer) into `directory`."""
     import transformers
 
     directory = Path(directory)
     vocab_size = build_tokenizer(directory)
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     if architecture not in TINY_MODELS:
         raise ValueError(f"unknown architecture {architecture}")
@@ -169,10 +278,16 @@ def load_hf_model(directory: Path, dtype: torch.dtype = torch.float32):
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation and the raw logprob of each chosen token."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
 

@@ -13,13 +13,17 @@ from pagoda.config import DEFAULT_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-_HISTORY = ("{%- if tools %}Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}\n{% endif %}"
-            "{%- for message in messages %}{{ message.role }}: {{ message.content }}"
-            "{%- for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
-            "{{ '\\n' }}{% endfor %}")
-QWEN3_TEMPLATE = _HISTORY + ("{%- if add_generation_prompt %}assistant:"
-                             "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-                             "{%- endif %}{% endif %}")
+_HISTORY = (
+    "{%- if tools %}Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}\n{% endif %}"
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "{{ '\\n' }}{% endfor %}"
+)
+QWEN3_TEMPLATE = _HISTORY + (
+    "{%- if add_generation_prompt %}assistant:"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- endif %}{% endif %}"
+)
 R1_TEMPLATE = _HISTORY + "{%- if add_generation_prompt %}assistant:<think>\n{% endif %}"
 
 
@@ -28,8 +32,12 @@ def build_reasoning_model(directory: Path, opens_thinking: bool = False) -> Path
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False)
-                          for marker in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    tokenizer.add_tokens(
+        [
+            AddedToken(marker, special=False, normalized=False)
+            for marker in ("<think>", "</think>", "<tool_call>", "</tool_call>")
+        ]
+    )
     build_model(directory, "llama", vocab_size=tokenizer.get_vocab_size())
     for name in TOKENIZER_FILES:
         (directory / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import uvicorn
@@ -62,8 +63,7 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.llm.get_stats()
-            idle = (stats.num_running == 0 and stats.num_waiting == 0
-                    and stats.num_free_blocks == stats.num_total_blocks)
+            idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
             if idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.02)
@@ -74,24 +74,30 @@ class LiveServer:
         self.llm.shutdown()
 
 
-def start_server(model_dir: Path, *, engine: dict[str, Any] | None = None,
-                 deployment: dict[str, Any] | None = None,
-                 engine_factory: Callable[[EngineConfig], Any] | None = None,
-                 transport: str = "thread", **settings: Any) -> LiveServer:
+def start_server(
+    model_dir: Path,
+    *,
+    engine: dict[str, Any] | None = None,
+    deployment: dict[str, Any] | None = None,
+    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    transport: str = "thread",
+    **settings: Any,
+) -> LiveServer:
     """`engine`: EngineConfig fields; `deployment`: DeploymentConfig fields; `settings`:
     ServerSettings fields."""
-    config = EngineConfig(**{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256,
-                             "max_num_seqs": 64, **(engine or {})})
+    config = EngineConfig(
+        **{"model": str(model_dir), "num_threads": 1, "num_kv_blocks": 256, "max_num_seqs": 64, **(engine or {})}
+    )
     replicas = DeploymentConfig(**(deployment or {}))
     if replicas.num_replicas > 1:  # replicas behind a router (pagoda/replicas)
         llm = start_engines(config, replicas, transport=transport)  # type: ignore[assignment]
     else:
         llm = AsyncLLM(config, engine_factory=engine_factory, transport=transport)
-    server_settings = ServerSettings(**{"served_model_name": MODEL_NAME,
-                                        "model_path": str(model_dir), **settings})
+    server_settings = ServerSettings(**{"served_model_name": MODEL_NAME, "model_path": str(model_dir), **settings})
     app = build_app(llm, server_settings)
-    server = uvicorn.Server(http_config(app, server_settings, host="127.0.0.1", port=0,
-                                        log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        http_config(app, server_settings, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -114,11 +120,28 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def start_serve_process(model_dir: Path, port: int, *flags: str, timeout: float = 90) -> subprocess.Popen:
     """`pagoda serve` in a subprocess (its own process group, as in a terminal), once /health
     answers 200; stdout and stderr together in `process.stdout`."""
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--num-threads", "1", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--num-threads",
+        "1",
+        *flags,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     try:
-        return server_process.start_server(command, f"http://127.0.0.1:{port}/health", timeout=timeout,
-                                           env=env, start_new_session=True, name="pagoda serve")
+        return server_process.start_server(
+            command,
+            f"http://127.0.0.1:{port}/health",
+            timeout=timeout,
+            env=env,
+            start_new_session=True,
+            name="pagoda serve",
+        )
     except ServerStartError as exc:
         pytest.fail(str(exc))

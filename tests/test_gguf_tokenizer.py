@@ -17,8 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.gguf_tokenizer import (SentencePieceSegmenter, build_encoder, build_tokenizer, read_gguf_vocabulary,
-                                   scores_tie)
+from pagoda.gguf_tokenizer import (
+    SentencePieceSegmenter,
+    build_encoder,
+    build_tokenizer,
+    read_gguf_vocabulary,
+    scores_tie,
+)
 from pagoda.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_vocabularies"
@@ -79,8 +84,10 @@ def test_ranked_merges_and_llama_cpps_procedure_agree_where_scores_differ() -> N
         normalized = "▁" + text.replace(" ", "▁")
         pieces = [normalized[start:end] for start, end in segmenter.pieces(normalized)]
         assert ranked.encode(text, add_special_tokens=False).tokens == [
-            token for piece in pieces for token in ([piece] if piece in ranked.get_vocab() else
-                                                    [f"<0x{byte:02X}>" for byte in piece.encode()])], text
+            token
+            for piece in pieces
+            for token in ([piece] if piece in ranked.get_vocab() else [f"<0x{byte:02X}>" for byte in piece.encode()])
+        ], text
 
 
 def test_leading_whitespace_of_sentencepiece_as_llama_cpp() -> None:
@@ -104,7 +111,8 @@ def test_chat_template_from_the_metadata() -> None:
     qwen2 = tokenizer("qwen2-bpe")
     assert qwen2.has_chat_template
     assert qwen2.apply_chat_template([{"role": "user", "content": "hi"}]).endswith(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_unknown_pre_tokenizer_names_the_way_out() -> None:

@@ -14,10 +14,17 @@ from pagoda import plan as P
 from pagoda.cli import plan as plan_cli
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
-    "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 # embed 128256*4096 = 525,336,576 (x2, untied); per layer: q,o 4096*4096 each, k,v 4096*1024 each,
 # MLP 3*4096*14336, 2 norms of 4096 -> 218,112,000; x32 + final norm 4096.
@@ -76,8 +83,19 @@ def test_llama3_8b_plan_on_80gib(llama3_config: Path, capsys: pytest.CaptureFixt
 
 
 def test_classes_blocks_and_memory(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "80GiB", "--json", "--classes",
-                          "chat=p50:200/400,p95:1000/800,c:64", "rag=p50:4000/200,c:16"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "--model",
+            str(llama3_config),
+            "--memory",
+            "80GiB",
+            "--json",
+            "--classes",
+            "chat=p50:200/400,p95:1000/800,c:64",
+            "rag=p50:4000/200,c:16",
+        ],
+        capsys,
+    )
     assert rc == 0
     plan = json.loads(out)
     chat, rag = plan["classes"]
@@ -101,8 +119,18 @@ def test_human_table(llama3_config: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_mha_model_offers_gqa_and_qwen_flags() -> None:
     mha = {**LLAMA3_8B, "num_key_value_heads": 32}
     shape = P.model_shape_from_config(mha)
-    plan = P.build_plan(shape, P.count_params_from_architecture(shape), model="m", memory_bytes=80 * 2**30,
-                        dtype="bf16", kv_dtype="bf16", context=4096, block_size=16, reserve_bytes=0, classes=[])
+    plan = P.build_plan(
+        shape,
+        P.count_params_from_architecture(shape),
+        model="m",
+        memory_bytes=80 * 2**30,
+        dtype="bf16",
+        kv_dtype="bf16",
+        context=4096,
+        block_size=16,
+        reserve_bytes=0,
+        classes=[],
+    )
     gqa = {s.name: s for s in plan.scenarios if s.name.startswith("GQA")}
     assert gqa["GQA 8 KV heads"].kv_bytes_per_token == 131_072
     assert gqa["GQA 4 KV heads"].kv_bytes_per_token == 65_536
@@ -131,17 +159,38 @@ def _write_safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
 
 
 def test_params_from_safetensors_headers(tmp_path: Path) -> None:
-    tiny = {**LLAMA3_8B, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 10, "tie_word_embeddings": True}
+    tiny = {
+        **LLAMA3_8B,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 10,
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(tiny))
-    _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {
-        "model.embed_tokens.weight": [10, 8], "model.layers.0.self_attn.q_proj.weight": [8, 8],
-        "model.layers.0.self_attn.k_proj.weight": [4, 8], "model.layers.0.self_attn.v_proj.weight": [4, 8],
-        "model.layers.0.self_attn.o_proj.weight": [8, 8]})
-    _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {
-        "model.layers.0.mlp.gate_proj.weight": [16, 8], "model.layers.0.mlp.up_proj.weight": [16, 8],
-        "model.layers.0.mlp.down_proj.weight": [8, 16], "model.layers.0.input_layernorm.weight": [8],
-        "model.layers.0.post_attention_layernorm.weight": [8], "model.norm.weight": [8]})
+    _write_safetensors(
+        tmp_path / "model-00001-of-00002.safetensors",
+        {
+            "model.embed_tokens.weight": [10, 8],
+            "model.layers.0.self_attn.q_proj.weight": [8, 8],
+            "model.layers.0.self_attn.k_proj.weight": [4, 8],
+            "model.layers.0.self_attn.v_proj.weight": [4, 8],
+            "model.layers.0.self_attn.o_proj.weight": [8, 8],
+        },
+    )
+    _write_safetensors(
+        tmp_path / "model-00002-of-00002.safetensors",
+        {
+            "model.layers.0.mlp.gate_proj.weight": [16, 8],
+            "model.layers.0.mlp.up_proj.weight": [16, 8],
+            "model.layers.0.mlp.down_proj.weight": [8, 16],
+            "model.layers.0.input_layernorm.weight": [8],
+            "model.layers.0.post_attention_layernorm.weight": [8],
+            "model.norm.weight": [8],
+        },
+    )
     shape, params = P.load_model(str(tmp_path))
     assert params.source == "safetensors headers"
     assert params.total == P.count_params_from_architecture(shape).total == 80 + 192 + 384 + 24
@@ -159,10 +208,16 @@ def test_architecture_count_matches_checkpoint(tmp_path: Path, architecture: str
     assert params == dataclasses.replace(P.count_params_from_architecture(shape), source=params.source)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("chat", "expected NAME="), ("chat=p50:200", "PROMPT/OUTPUT"), ("chat=p95:1/2", "needs p50"),
-    ("chat=p50:1/2,x:3", "unknown key"), ("chat=p50:1/2,c:0", "concurrency >= 1"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("chat", "expected NAME="),
+        ("chat=p50:200", "PROMPT/OUTPUT"),
+        ("chat=p95:1/2", "needs p50"),
+        ("chat=p50:1/2,x:3", "unknown key"),
+        ("chat=p50:1/2,c:0", "concurrency >= 1"),
+    ],
+)
 def test_bad_class_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         P.parse_request_class(spec)
@@ -180,8 +235,12 @@ def test_user_errors_are_clear(tmp_path: Path, llama3_config: Path, capsys: pyte
 def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> None:
     from pagoda.model.model_config import ModelConfig
 
-    gemma_like = {**LLAMA3_8B, "architectures": ["SomeNewForCausalLM"], "model_type": "somenew",
-                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    gemma_like = {
+        **LLAMA3_8B,
+        "architectures": ["SomeNewForCausalLM"],
+        "model_type": "somenew",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_dict(gemma_like)  # the engine refuses it ...
     shape = P.model_shape_from_config(gemma_like)  # ... the worksheet still reads its shape
@@ -194,22 +253,58 @@ def test_reads_configs_pagoda_cannot_serve_and_shares_the_engines_parsing() -> N
 def test_sliding_window_layers_count_window_sized_kv() -> None:
     """Gemma 2's shape: half the layers keep only their 4096-token window, so at 8k context
     each sequence costs about three quarters of the KV it would with every block kept."""
-    config = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 2304, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 26, "vocab_size": 256000,
-              "intermediate_size": 9216, "sliding_window": 4096, "max_position_embeddings": 8192}
+    config = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "hidden_size": 2304,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "num_hidden_layers": 26,
+        "vocab_size": 256000,
+        "intermediate_size": 9216,
+        "sliding_window": 4096,
+        "max_position_embeddings": 8192,
+    }
     windowed = P.model_shape_from_config(config)
     kept = dataclasses.replace(windowed, layer_sliding_windows=())
-    plans = [P.build_plan(shape, P.count_params_from_architecture(shape), model="m", memory_bytes=24 * 2**30,
-                          dtype="bf16", kv_dtype="bf16", context=8192, block_size=16, reserve_bytes=2**30, classes=[])
-             for shape in (windowed, kept)]
+    plans = [
+        P.build_plan(
+            shape,
+            P.count_params_from_architecture(shape),
+            model="m",
+            memory_bytes=24 * 2**30,
+            dtype="bf16",
+            kv_dtype="bf16",
+            context=8192,
+            block_size=16,
+            reserve_bytes=2**30,
+            classes=[],
+        )
+        for shape in (windowed, kept)
+    ]
     assert plans[0].full_context_seqs > 1.3 * plans[1].full_context_seqs
     assert "sliding windows  13 of 26 layers" in P.render_plan(plans[0])
+
+
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-    "intermediate_size": 6144, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_hidden_layers": 48, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_hidden_layers": 48,
+    "vocab_size": 151936,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 # embed 151936*2048 = 311,164,928 (x2, untied); per layer: q,o 2048*4096 each, k,v 2048*512 each,
 # router 2048*128, experts 128*3*2048*768, 2 norms of 2048, q/k norms of 128 -> 623,120,640;
@@ -236,8 +331,20 @@ def test_moe_weights_count_every_expert_and_compute_the_active_ones(tmp_path: Pa
 
 
 def test_pipeline_stages_report_their_own_memory(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--json",
-                          "--pipeline-parallel-size", "2", "--pp-layer-partition", "15,17"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "--model",
+            str(llama3_config),
+            "--memory",
+            "24GiB",
+            "--json",
+            "--pipeline-parallel-size",
+            "2",
+            "--pp-layer-partition",
+            "15,17",
+        ],
+        capsys,
+    )
     assert rc == 0
     plan = json.loads(out)
     first, last = plan["stages"]
@@ -252,17 +359,26 @@ def test_pipeline_stages_report_their_own_memory(llama3_config: Path, capsys: py
         assert stage["num_blocks"] == stage["kv_memory_bytes"] // (stage["kv_bytes_per_token"] * 16)
     assert plan["stage_pool_blocks"] == min(first["num_blocks"], last["num_blocks"])
     assert plan["stage_full_context_seqs"] == plan["stage_pool_blocks"] // 512
-    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "2"],
-                         capsys)
+    rc, out, _ = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "2"], capsys)
     assert rc == 0 and "pipeline stages, each on its own 24.00 GiB device" in out and "0-15" in out
 
 
 def test_pipeline_partition_errors_name_the_numbers(llama3_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "2",
-                          "--pp-layer-partition", "10,10"], capsys)
+    rc, _, err = run_cli(
+        [
+            "--model",
+            str(llama3_config),
+            "--memory",
+            "24GiB",
+            "--pipeline-parallel-size",
+            "2",
+            "--pp-layer-partition",
+            "10,10",
+        ],
+        capsys,
+    )
     assert rc == 2 and "pp_layer_partition 10,10 sums to 20 layers, the model has 32" in err
-    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "33"],
-                         capsys)
+    rc, _, err = run_cli(["--model", str(llama3_config), "--memory", "24GiB", "--pipeline-parallel-size", "33"], capsys)
     assert rc == 2 and "pipeline_parallel_size 33 is larger than the model's 32 layers" in err
 
 
@@ -272,13 +388,22 @@ def test_plan_and_serve_agree_on_dtype_and_kv_pool(tmp_path) -> None:
     from pagoda.config import DEFAULT_MODEL_DIR, EngineConfig
     from pagoda.engine.engine_core import EngineCore
 
-    for flags in ({"kv_cache_memory": "8MiB"}, {"num_kv_blocks": 40}, {"kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"}):
+    for flags in (
+        {"kv_cache_memory": "8MiB"},
+        {"num_kv_blocks": 40},
+        {"kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"},
+    ):
         engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1, **flags)
         need = P.model_need("m", 1, engine, engines=1)
         core = EngineCore(engine)
         assert need.dtype == P.normalize_dtype(str(core.dtype)) == "fp32"
-        pool_bytes = core.num_blocks * engine.block_size * P.kv_bytes_per_token(
-            P.load_model(str(DEFAULT_MODEL_DIR))[0], P.serving_kv_dtype(engine.kv_cache_dtype, need.dtype))
+        pool_bytes = (
+            core.num_blocks
+            * engine.block_size
+            * P.kv_bytes_per_token(
+                P.load_model(str(DEFAULT_MODEL_DIR))[0], P.serving_kv_dtype(engine.kv_cache_dtype, need.dtype)
+            )
+        )
         assert abs(need.kv_bytes - pool_bytes) <= pool_bytes / core.num_blocks, flags  # within one block
 
 
@@ -293,10 +418,18 @@ def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("compares with serve on CPU")
-    plan = P.plan_from_options(P.PlanOptions(model=str(DEFAULT_MODEL_DIR), kv_cache_memory=flags.get("kv_cache_memory"),
-                                             context=flags.get("context")))
-    engine = EngineConfig(model=str(DEFAULT_MODEL_DIR), device="cpu", num_threads=1,
-                          kv_cache_memory=flags.get("kv_cache_memory", "1GiB"), max_model_len=flags.get("context"))
+    plan = P.plan_from_options(
+        P.PlanOptions(
+            model=str(DEFAULT_MODEL_DIR), kv_cache_memory=flags.get("kv_cache_memory"), context=flags.get("context")
+        )
+    )
+    engine = EngineConfig(
+        model=str(DEFAULT_MODEL_DIR),
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory=flags.get("kv_cache_memory", "1GiB"),
+        max_model_len=flags.get("context"),
+    )
     core = EngineCore(engine)
     assert plan.dtype == P.normalize_dtype(str(core.dtype)) == "fp32" and plan.kv_dtype == "fp32"
     assert plan.num_blocks == core.num_blocks and plan.context == core.max_model_len
@@ -304,4 +437,5 @@ def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
 
     assert kv_pool_line(engine, core.model_config, core.num_blocks, core.max_model_len) == (
         f"{plan.num_blocks} blocks x {plan.block_size} = {plan.num_blocks * plan.block_size} tokens "
-        f"({plan.full_context_seqs} sequences at full context)")
+        f"({plan.full_context_seqs} sequences at full context)"
+    )

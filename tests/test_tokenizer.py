@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pagoda.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, Tokenizer
-
 from tokenizer_fixtures import NAMES, tokenizer_dir
 
 TEXTS = {
@@ -75,9 +74,7 @@ def text_in_context(tok: Tokenizer, prompt: list[int], output: list[int], skip: 
     return full[len(prompt_text) :]
 
 
-def stream(
-    detok: IncrementalDetokenizer, output: Sequence[int], chunk_sizes: Sequence[int] = (1,)
-) -> list[str]:
+def stream(detok: IncrementalDetokenizer, output: Sequence[int], chunk_sizes: Sequence[int] = (1,)) -> list[str]:
     """Feed `output` in chunks (sizes cycle through `chunk_sizes`); checks invariants per step."""
     deltas = []
     position = 0
@@ -134,9 +131,7 @@ def test_qwen_im_start_counts_as_special(load: Callable[[str], Tokenizer]) -> No
 def test_encode_and_decode_match_transformers(tok: Tokenizer) -> None:
     text = TEXTS["mixed"]
     assert tok.encode(text) == tok.hf(text)["input_ids"]
-    assert tok.encode(text, add_special_tokens=False) == tok.hf(text, add_special_tokens=False)[
-        "input_ids"
-    ]
+    assert tok.encode(text, add_special_tokens=False) == tok.hf(text, add_special_tokens=False)["input_ids"]
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     special = max(tok.all_special_ids)
@@ -201,27 +196,19 @@ def test_from_pretrained_errors(tmp_path: Path) -> None:
 # -- chat templates ----------------------------------------------------------------------------
 
 
-def transformers_chat_ids(
-    tok: Tokenizer, messages: list[dict], add_generation_prompt: bool
-) -> list[int]:
-    result = tok.hf.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt
-    )
+def transformers_chat_ids(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    result = tok.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
     return list(result["input_ids"] if isinstance(result, Mapping) else result)
 
 
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_encode_chat_matches_transformers(
-    tok: Tokenizer, conversation: int, add_generation_prompt: bool
-) -> None:
+def test_encode_chat_matches_transformers(tok: Tokenizer, conversation: int, add_generation_prompt: bool) -> None:
     messages = CONVERSATIONS[conversation]
     ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     assert ids == transformers_chat_ids(tok, messages, add_generation_prompt)
     text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == tok.hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    assert text == tok.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     if tok.bos_token_id is not None:
         assert ids[0] == tok.bos_token_id
         assert ids[1] != tok.bos_token_id
@@ -423,9 +410,7 @@ def test_stop_string_across_tokens(
 
 def test_stop_cases_straddle_token_boundaries(tok: Tokenizer) -> None:
     for text, stop, _ in STOP_CASES:
-        assert straddles_tokens(tok, tok.encode(text, add_special_tokens=False), stop) or len(
-            stop
-        ) == 1, (text, stop)
+        assert straddles_tokens(tok, tok.encode(text, add_special_tokens=False), stop) or len(stop) == 1, (text, stop)
 
 
 def test_withheld_tail_is_released_by_finish(tok: Tokenizer) -> None:

@@ -16,8 +16,15 @@ from typing import Any
 
 import torch
 
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
-         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 def arch_and_dtype() -> tuple[int, torch.dtype]:
@@ -60,5 +67,6 @@ def compile_for_gpu(script: str, arch: int, dtype: str) -> subprocess.CompletedP
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tests = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", script, str(arch), dtype], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", script, str(arch), dtype], env=env, capture_output=True, text=True, timeout=600
+    )

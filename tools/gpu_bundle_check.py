@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-TARGET = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
-          "implementation_name": "cpython", "platform_python_implementation": "CPython",
-          "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix"}
+TARGET = {
+    **default_environment(),
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
 
 
 def normalize(name: str) -> str:
@@ -43,8 +51,11 @@ def needed(requirement: str) -> str | None:
 
 
 def main(folder: str, installed_list: str, pyproject: str) -> int:
-    installed = {normalize(line.strip()) for line in Path(installed_list).read_text().splitlines()
-                 if line.strip() and not line.startswith("#")}
+    installed = {
+        normalize(line.strip())
+        for line in Path(installed_list).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     bundle: dict[str, list[str]] = {}
     for wheel in sorted(Path(folder).glob("*.whl")):
         name, requirements = wheel_requirements(wheel)
@@ -66,8 +77,10 @@ def main(folder: str, installed_list: str, pyproject: str) -> int:
         print(f"unmet: {line}", file=sys.stderr)
     if unmet or duplicates:
         return 1
-    print(f"requirements met: {len(bundle)} wheels + {len(installed)} packages on the machine "
-          f"(not bundled, imported lazily: {', '.join(sorted(lazy))})")
+    print(
+        f"requirements met: {len(bundle)} wheels + {len(installed)} packages on the machine "
+        f"(not bundled, imported lazily: {', '.join(sorted(lazy))})"
+    )
     return 0
 
 

@@ -61,8 +61,12 @@ def main() -> None:
             expected[name] = [[text, llama_cpp_ids(args.tokenize_ids, gguf, text, scratch)] for text in texts]
             print(f"{name}: {len(texts)} strings")
     # One string and its ids per line.
-    blocks = [f"{json.dumps(name)}: [\n" + ",\n".join(f"  {json.dumps(entry, ensure_ascii=False)}" for entry in entries)
-              + "\n]" for name, entries in expected.items()]
+    blocks = [
+        f"{json.dumps(name)}: [\n"
+        + ",\n".join(f"  {json.dumps(entry, ensure_ascii=False)}" for entry in entries)
+        + "\n]"
+        for name, entries in expected.items()
+    ]
     (FIXTURES / "expected_ids.json").write_text("{\n" + ",\n".join(blocks) + "\n}\n")
 
 

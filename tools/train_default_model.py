@@ -80,8 +80,17 @@ TEST_SAMPLE_FILES = 8  # held-out files whose first seq_len tokens tests/model/t
 TEST_SAMPLE_TOKENS = 512
 # What --reevaluate keeps from the previous training_metrics.json: facts about training, not quality.
 TRAINING_KEYS = (
-    "parameters", "shape", "steps", "train_tokens_seen", "epochs", "peak_lr", "train_seconds",
-    "train_cpu_seconds", "train_tokens_per_second", "final_train_loss", "loss_history",
+    "parameters",
+    "shape",
+    "steps",
+    "train_tokens_seen",
+    "epochs",
+    "peak_lr",
+    "train_seconds",
+    "train_cpu_seconds",
+    "train_tokens_per_second",
+    "final_train_loss",
+    "loss_history",
 )
 
 
@@ -112,14 +121,24 @@ class Preset:
 CPU_PRESET = Preset(
     target=ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=704),
     draft=ModelShape(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384),
-    target_steps=1200, draft_steps=800, batch_size=8, seq_len=512, max_position_embeddings=1024, threads=2,
+    target_steps=1200,
+    draft_steps=800,
+    batch_size=8,
+    seq_len=512,
+    max_position_embeddings=1024,
+    threads=2,
 )
 # On a GPU the corpus (~8M tokens), not compute, is the limit: a wider, deeper target that still
 # fits the 30 MB bundle in bfloat16, trained for several epochs on longer windows.
 CUDA_PRESET = Preset(
     target=ModelShape(hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, intermediate_size=1024),
     draft=ModelShape(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384),
-    target_steps=4000, draft_steps=2000, batch_size=32, seq_len=1024, max_position_embeddings=2048, threads=4,
+    target_steps=4000,
+    draft_steps=2000,
+    batch_size=32,
+    seq_len=1024,
+    max_position_embeddings=2048,
+    threads=4,
 )
 
 
@@ -177,13 +196,18 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{EOS_TOKEN} $A", pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B", special_tokens=[(EOS_TOKEN, eos_id)],
+        single=f"{EOS_TOKEN} $A",
+        pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B",
+        special_tokens=[(EOS_TOKEN, eos_id)],
     )
     return tokenizer
 
@@ -202,8 +226,12 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: Path, max_length: int) -> No
     tokenizer.save(str(model_dir / "tokenizer.json"))
     added_tokens = {
         str(tokenizer.token_to_id(token)): {
-            "content": token, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for token in SPECIAL_TOKENS
     }
@@ -225,8 +253,9 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: Path, max_length: int) -> No
     (model_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def build_model(shape: ModelShape, vocab_size: int, max_positions: int, eos_id: int, pad_id: int,
-                seed: int) -> torch.nn.Module:
+def build_model(
+    shape: ModelShape, vocab_size: int, max_positions: int, eos_id: int, pad_id: int, seed: int
+) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -273,26 +302,39 @@ def next_token_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def quick_eval(model: torch.nn.Module, windows: torch.Tensor, device: torch.device, bf16: bool,
-               batch_size: int) -> float:
+def quick_eval(
+    model: torch.nn.Module, windows: torch.Tensor, device: torch.device, bf16: bool, batch_size: int
+) -> float:
     model.eval()
     losses = []
     for start in range(0, len(windows), batch_size):
         with autocast(device, bf16):
-            losses.append(next_token_loss(model, windows[start:start + batch_size].to(device)).item())
+            losses.append(next_token_loss(model, windows[start : start + batch_size].to(device)).item())
     model.train()
     return float(np.mean(losses))
 
 
-def train_model(model: torch.nn.Module, train_windows: torch.Tensor, eval_windows: torch.Tensor, *,
-                steps: int, batch_size: int, peak_lr: float, seed: int, device: torch.device,
-                bf16: bool, name: str) -> TrainResult:
+def train_model(
+    model: torch.nn.Module,
+    train_windows: torch.Tensor,
+    eval_windows: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    peak_lr: float,
+    seed: int,
+    device: torch.device,
+    bf16: bool,
+    name: str,
+) -> TrainResult:
     model.to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=peak_lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     order_rng = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(train_windows), generator=order_rng)
@@ -307,7 +349,7 @@ def train_model(model: torch.nn.Module, train_windows: torch.Tensor, eval_window
         if cursor + batch_size > len(order):  # next epoch, in a fresh deterministic order
             order = torch.randperm(len(train_windows), generator=order_rng)
             cursor = 0
-        batch = train_windows[order[cursor:cursor + batch_size]].to(device)
+        batch = train_windows[order[cursor : cursor + batch_size]].to(device)
         cursor += batch_size
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, peak_lr, warmup)
@@ -325,9 +367,11 @@ def train_model(model: torch.nn.Module, train_windows: torch.Tensor, eval_window
             result.train_losses.append(float(np.mean(running)))
             running = []
             eta = elapsed / (step + 1) * (steps - step - 1)
-            log(f"{name} step {step + 1}/{steps} loss {result.train_losses[-1]:.4f} "
+            log(
+                f"{name} step {step + 1}/{steps} loss {result.train_losses[-1]:.4f} "
                 f"lr {optimizer.param_groups[0]['lr']:.2e} {result.tokens_seen / elapsed:.0f} tok/s "
-                f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min")
+                f"elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min"
+            )
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             result.eval_steps.append(step + 1)
             result.eval_losses.append(quick_eval(model, eval_windows, device, bf16, batch_size))
@@ -342,8 +386,12 @@ def save_model(model: torch.nn.Module, model_dir: Path, eos_id: int, pad_id: int
 
     model.to("cpu", dtype=torch.bfloat16).save_pretrained(model_dir)
     GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id,
-        do_sample=True, temperature=0.7, top_p=0.95,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.95,
     ).save_pretrained(model_dir)
 
 
@@ -354,12 +402,13 @@ def load_fp32(model_dir: Path, device: torch.device) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def score_windows(model: torch.nn.Module, windows: torch.Tensor, device: torch.device,
-                  batch_size: int) -> tuple[float, torch.Tensor]:
+def score_windows(
+    model: torch.nn.Module, windows: torch.Tensor, device: torch.device, batch_size: int
+) -> tuple[float, torch.Tensor]:
     """Mean next-token loss over the windows and the model's argmax at every position."""
     total, count, argmaxes = 0.0, 0, []
     for start in range(0, len(windows), batch_size):
-        batch = windows[start:start + batch_size].to(device)
+        batch = windows[start : start + batch_size].to(device)
         logits = model(input_ids=batch[:, :-1]).logits.float()
         targets = batch[:, 1:]
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
@@ -376,7 +425,7 @@ def second_half_loss(model: torch.nn.Module, windows: torch.Tensor, device: torc
         batch = window[None].to(device)
         logits = model(input_ids=batch[:, :-1]).logits.float()[0]
         half = logits.shape[0] // 2
-        losses.append(F.cross_entropy(logits[half:], batch[0, 1 + half:], reduction="mean").item())
+        losses.append(F.cross_entropy(logits[half:], batch[0, 1 + half :], reduction="mean").item())
     return float(np.mean(losses))
 
 
@@ -392,13 +441,14 @@ def greedy_ignore_eos(model: torch.nn.Module, prompts: torch.Tensor, new_tokens:
 
 
 @torch.no_grad()
-def agreement_along_target_greedy(target: torch.nn.Module, draft: torch.nn.Module, prompts: torch.Tensor,
-                                  new_tokens: int) -> float:
+def agreement_along_target_greedy(
+    target: torch.nn.Module, draft: torch.nn.Module, prompts: torch.Tensor, new_tokens: int
+) -> float:
     """Fraction of the target's greedy tokens that the draft's argmax predicts: what greedy speculation accepts."""
     sequences = greedy_ignore_eos(target, prompts, new_tokens)
     draft_argmax = draft(input_ids=sequences[:, :-1]).logits.argmax(-1)
     generated = slice(prompts.shape[1] - 1, sequences.shape[1] - 1)
-    return (draft_argmax[:, generated] == sequences[:, generated.start + 1:]).float().mean().item()
+    return (draft_argmax[:, generated] == sequences[:, generated.start + 1 :]).float().mean().item()
 
 
 @torch.no_grad()
@@ -411,21 +461,27 @@ def greedy_samples(model_dir: Path, model: torch.nn.Module, device: torch.device
     prompts.append((chat_text, tokenizer(chat_text, add_special_tokens=False, return_tensors="pt").input_ids))
     samples = []
     for prompt_text, ids in prompts:
-        output = model.generate(ids.to(device), do_sample=False, max_new_tokens=new_tokens,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        completion = output[0, ids.shape[1]:].cpu()
-        samples.append({
-            "prompt": prompt_text,
-            "completion": tokenizer.decode(completion, skip_special_tokens=True),
-            "new_tokens": int(completion.numel()),
-            "ended_with_eos": bool(completion.numel() and completion[-1].item() == tokenizer.eos_token_id),
-        })
+        output = model.generate(
+            ids.to(device),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        completion = output[0, ids.shape[1] :].cpu()
+        samples.append(
+            {
+                "prompt": prompt_text,
+                "completion": tokenizer.decode(completion, skip_special_tokens=True),
+                "new_tokens": int(completion.numel()),
+                "ended_with_eos": bool(completion.numel() and completion[-1].item() == tokenizer.eos_token_id),
+            }
+        )
     return samples
 
 
 @torch.no_grad()
-def test_sample_metrics(model_dir: Path, model: torch.nn.Module, stdlib_root: Path,
-                        heldout: list[SourceFile]) -> dict:
+def test_sample_metrics(model_dir: Path, model: torch.nn.Module, stdlib_root: Path, heldout: list[SourceFile]) -> dict:
     """Exactly what tests/model/test_bundled_model.py recomputes: float32 loss on the first
     TEST_SAMPLE_TOKENS tokens (tokenizer defaults, so BOS first) of the first held-out files."""
     from transformers import AutoTokenizer
@@ -457,8 +513,12 @@ def plot_losses(result: TrainResult, tokens_per_step: int, title: str, path: Pat
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     ax.plot([s * tokens_per_step / 1e6 for s in result.steps], result.train_losses, label="train (bf16 autocast)")
-    ax.plot([s * tokens_per_step / 1e6 for s in result.eval_steps], result.eval_losses, "o-",
-            label="held-out (bf16 autocast, subset)")
+    ax.plot(
+        [s * tokens_per_step / 1e6 for s in result.eval_steps],
+        result.eval_losses,
+        "o-",
+        label="held-out (bf16 autocast, subset)",
+    )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("next-token cross-entropy (nats)")
     ax.set_title(title)
@@ -498,11 +558,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows in the final evaluation")
     parser.add_argument("--no-bf16", action="store_true", help="train in float32 instead of bf16 autocast")
-    parser.add_argument("--reevaluate", action="store_true",
-                        help="keep the trained models in --out-dir; rewrite their tokenizer files and re-run the "
-                             "evaluation, metrics and model cards")
-    parser.add_argument("--cards-only", action="store_true",
-                        help="only rewrite each README.md from the training_metrics.json already in --out-dir")
+    parser.add_argument(
+        "--reevaluate",
+        action="store_true",
+        help="keep the trained models in --out-dir; rewrite their tokenizer files and re-run the "
+        "evaluation, metrics and model cards",
+    )
+    parser.add_argument(
+        "--cards-only",
+        action="store_true",
+        help="only rewrite each README.md from the training_metrics.json already in --out-dir",
+    )
     return parser.parse_args(argv)
 
 
@@ -523,34 +589,58 @@ def resolve_settings(args: argparse.Namespace) -> RunSettings:
     preset = CUDA_PRESET if args.device == "cuda" else CPU_PRESET
     seq_len = args.seq_len or preset.seq_len
     return RunSettings(
-        preset=preset, device=torch.device(args.device), threads=args.threads or preset.threads,
-        target_steps=args.target_steps or preset.target_steps, draft_steps=args.draft_steps or preset.draft_steps,
-        batch_size=args.batch_size or preset.batch_size, seq_len=seq_len,
-        max_positions=max(preset.max_position_embeddings, seq_len), bf16=not args.no_bf16,
+        preset=preset,
+        device=torch.device(args.device),
+        threads=args.threads or preset.threads,
+        target_steps=args.target_steps or preset.target_steps,
+        draft_steps=args.draft_steps or preset.draft_steps,
+        batch_size=args.batch_size or preset.batch_size,
+        seq_len=seq_len,
+        max_positions=max(preset.max_position_embeddings, seq_len),
+        bf16=not args.no_bf16,
     )
 
 
-def train_both(args: argparse.Namespace, settings: RunSettings, tokenizer: Tokenizer, train_stream: np.ndarray,
-               quick_eval_windows: torch.Tensor) -> dict[str, dict[str, Any]]:
+def train_both(
+    args: argparse.Namespace,
+    settings: RunSettings,
+    tokenizer: Tokenizer,
+    train_stream: np.ndarray,
+    quick_eval_windows: torch.Tensor,
+) -> dict[str, dict[str, Any]]:
     """Train target then draft, saving each; returns what the report records about their training."""
     eos_id, pad_id = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
     train_windows = make_windows(train_stream, settings.seq_len + 1)
     shapes = {TARGET_NAME: settings.preset.target, DRAFT_NAME: settings.preset.draft}
     stats: dict[str, dict[str, Any]] = {}
-    for name, steps, lr, seed in [(TARGET_NAME, settings.target_steps, args.target_lr, args.seed),
-                                  (DRAFT_NAME, settings.draft_steps, args.draft_lr, args.seed + 1)]:
+    for name, steps, lr, seed in [
+        (TARGET_NAME, settings.target_steps, args.target_lr, args.seed),
+        (DRAFT_NAME, settings.draft_steps, args.draft_lr, args.seed + 1),
+    ]:
         model_dir = args.out_dir / name
         model_dir.mkdir(parents=True, exist_ok=True)
         model = build_model(shapes[name], tokenizer.get_vocab_size(), settings.max_positions, eos_id, pad_id, seed)
         params = count_params(model)
         log(f"{name}: {params:,} parameters, {steps} steps of {settings.batch_size} x {settings.seq_len} tokens")
         result = train_model(
-            model, train_windows, quick_eval_windows, steps=steps, batch_size=settings.batch_size, peak_lr=lr,
-            seed=seed, device=settings.device, bf16=settings.bf16, name=name,
+            model,
+            train_windows,
+            quick_eval_windows,
+            steps=steps,
+            batch_size=settings.batch_size,
+            peak_lr=lr,
+            seed=seed,
+            device=settings.device,
+            bf16=settings.bf16,
+            name=name,
         )
         save_model(model, model_dir, eos_id, pad_id)
-        plot_losses(result, settings.batch_size * settings.seq_len, f"{name} ({params / 1e6:.1f}M params)",
-                    model_dir / "loss_curve.png")
+        plot_losses(
+            result,
+            settings.batch_size * settings.seq_len,
+            f"{name} ({params / 1e6:.1f}M params)",
+            model_dir / "loss_curve.png",
+        )
         stats[name] = {
             "parameters": params,
             "shape": dataclasses.asdict(shapes[name]),
@@ -562,15 +652,24 @@ def train_both(args: argparse.Namespace, settings: RunSettings, tokenizer: Token
             "train_cpu_seconds": result.cpu_seconds,
             "train_tokens_per_second": result.tokens_seen / result.seconds,
             "final_train_loss": result.train_losses[-1],
-            "loss_history": {"steps": result.steps, "train": result.train_losses,
-                             "eval_steps": result.eval_steps, "eval": result.eval_losses},
+            "loss_history": {
+                "steps": result.steps,
+                "train": result.train_losses,
+                "eval_steps": result.eval_steps,
+                "eval": result.eval_losses,
+            },
         }
         del model
     return stats
 
 
-def evaluate_both(args: argparse.Namespace, settings: RunSettings, heldout_stream: np.ndarray,
-                  eval_windows: torch.Tensor, heldout_sources: list[SourceFile]) -> dict[str, Any]:
+def evaluate_both(
+    args: argparse.Namespace,
+    settings: RunSettings,
+    heldout_stream: np.ndarray,
+    eval_windows: torch.Tensor,
+    heldout_sources: list[SourceFile],
+) -> dict[str, Any]:
     """Everything the model cards quote about quality, in float32 from the saved bfloat16 weights."""
     device = settings.device
     target_dir, draft_dir = args.out_dir / TARGET_NAME, args.out_dir / DRAFT_NAME
@@ -581,9 +680,15 @@ def evaluate_both(args: argparse.Namespace, settings: RunSettings, heldout_strea
     for name, model in [(TARGET_NAME, target), (DRAFT_NAME, draft)]:
         loss, argmaxes[name] = score_windows(model, eval_windows, device, settings.batch_size)
         accuracy = (argmaxes[name] == eval_windows[:, 1:]).float().mean().item()
-        per_model[name] = {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_top1_accuracy": accuracy}
+        per_model[name] = {
+            "heldout_loss": loss,
+            "heldout_perplexity": math.exp(loss),
+            "heldout_top1_accuracy": accuracy,
+        }
         if len(long_windows):
-            per_model[name]["heldout_loss_positions_past_training_length"] = second_half_loss(model, long_windows, device)
+            per_model[name]["heldout_loss_positions_past_training_length"] = second_half_loss(
+                model, long_windows, device
+            )
         per_model[name]["greedy_samples"] = greedy_samples(args.out_dir / name, model, device, 128)
         log(f"{name}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f}, top-1 {accuracy:.3f}")
     heldout_agreement = (argmaxes[TARGET_NAME] == argmaxes[DRAFT_NAME]).float().mean().item()
@@ -591,8 +696,10 @@ def evaluate_both(args: argparse.Namespace, settings: RunSettings, heldout_strea
     prompt_windows = make_windows(heldout_stream, prompt_len)
     prompts = prompt_windows[torch.linspace(0, len(prompt_windows) - 1, 8).long()].to(device)
     greedy_agreement = agreement_along_target_greedy(target, draft, prompts, new_tokens)
-    log(f"draft/target argmax agreement: {heldout_agreement:.3f} on held-out text, "
-        f"{greedy_agreement:.3f} along the target's greedy output")
+    log(
+        f"draft/target argmax agreement: {heldout_agreement:.3f} on held-out text, "
+        f"{greedy_agreement:.3f} along the target's greedy output"
+    )
     return {
         "evaluation": {
             "heldout_windows": len(eval_windows),
@@ -601,7 +708,7 @@ def evaluate_both(args: argparse.Namespace, settings: RunSettings, heldout_strea
             "draft_target_argmax_agreement_heldout": heldout_agreement,
             "draft_target_argmax_agreement_along_target_greedy": greedy_agreement,
             "greedy_agreement_setup": f"{len(prompts)} held-out prompts of {prompt_len} tokens, {new_tokens} "
-                                      "greedy target tokens each (EOS not stopping)",
+            "greedy target tokens each (EOS not stopping)",
         },
         "test_sample": test_sample_metrics(target_dir, target, args.stdlib, heldout_sources),
         "per_model": per_model,
@@ -631,8 +738,10 @@ def main(argv: list[str] | None = None) -> None:
     sources, skipped = find_stdlib_sources(args.stdlib)
     train_sources = [s for s in sources if not is_heldout(s.relpath)]
     heldout_sources = [s for s in sources if is_heldout(s.relpath)]
-    log(f"{len(sources)} stdlib files ({len(train_sources)} train, {len(heldout_sources)} held out), "
-        f"{len(skipped)} skipped as non-UTF-8")
+    log(
+        f"{len(sources)} stdlib files ({len(train_sources)} train, {len(heldout_sources)} held out), "
+        f"{len(skipped)} skipped as non-UTF-8"
+    )
 
     phase = time.perf_counter()
     if args.reevaluate:
@@ -642,16 +751,19 @@ def main(argv: list[str] | None = None) -> None:
     train_stream = encode_stream(tokenizer, [s.text for s in train_sources])
     heldout_stream = encode_stream(tokenizer, [s.text for s in heldout_sources])
     tokenizer_seconds = time.perf_counter() - phase
-    log(f"tokenizer: vocab {tokenizer.get_vocab_size()}, {len(train_stream):,} train tokens, "
-        f"{len(heldout_stream):,} held-out tokens, {tokenizer_seconds:.0f} s")
+    log(
+        f"tokenizer: vocab {tokenizer.get_vocab_size()}, {len(train_stream):,} train tokens, "
+        f"{len(heldout_stream):,} held-out tokens, {tokenizer_seconds:.0f} s"
+    )
     heldout_windows = make_windows(heldout_stream, settings.seq_len + 1)
     pick = torch.linspace(0, len(heldout_windows) - 1, min(args.eval_windows, len(heldout_windows))).long()
     eval_windows = heldout_windows[pick]  # spread over all held-out files
 
     if args.reevaluate:
         previous = json.loads((target_dir / "training_metrics.json").read_text())
-        training_stats = {name: {key: previous["models"][name][key] for key in TRAINING_KEYS}
-                          for name in (TARGET_NAME, DRAFT_NAME)}
+        training_stats = {
+            name: {key: previous["models"][name][key] for key in TRAINING_KEYS} for name in (TARGET_NAME, DRAFT_NAME)
+        }
     else:
         quick_pick = torch.linspace(0, len(eval_windows) - 1, min(16, len(eval_windows))).long()
         training_stats = train_both(args, settings, tokenizer, train_stream, eval_windows[quick_pick])
@@ -667,7 +779,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.reevaluate:
         training = {**previous["training"], "eval_seconds": eval_seconds}
-        run_info = {key: previous[key] for key in ("command", "seed", "hardware", "bf16_autocast", "load_average_at_end")}
+        run_info = {
+            key: previous[key] for key in ("command", "seed", "hardware", "bf16_autocast", "load_average_at_end")
+        }
         run_info["reevaluated_with"] = command
     else:
         training = {
@@ -697,8 +811,9 @@ def main(argv: list[str] | None = None) -> None:
             "num_heldout_files": len(heldout_sources),
             "skipped_non_utf8_files": skipped,
             "excluded_top_level_dirs": sorted(EXCLUDED_TOP_DIRS),
-            "heldout_rule": (f"sha256(relative path) as a big-endian integer of its first 8 bytes "
-                             f"% {HELDOUT_MODULUS} == 0"),
+            "heldout_rule": (
+                f"sha256(relative path) as a big-endian integer of its first 8 bytes % {HELDOUT_MODULUS} == 0"
+            ),
             "train_tokens": int(len(train_stream)),
             "heldout_tokens": int(len(heldout_stream)),
             "vocab_size": tokenizer.get_vocab_size(),
@@ -731,10 +846,13 @@ def model_card(report: dict, name: str) -> str:
     target, draft = report["models"][TARGET_NAME], report["models"][DRAFT_NAME]
     shape = me["shape"]
     is_target = name == TARGET_NAME
-    role = ("pagoda's bundled default model: `pagoda serve`, `pagoda chat` and `pagoda generate` use it when no "
-            "`--model` is given" if is_target else
-            f"a draft model for speculative decoding with [`{TARGET_NAME}`](../{TARGET_NAME}/README.md); "
-            "it shares that model's tokenizer")
+    role = (
+        "pagoda's bundled default model: `pagoda serve`, `pagoda chat` and `pagoda generate` use it when no "
+        "`--model` is given"
+        if is_target
+        else f"a draft model for speculative decoding with [`{TARGET_NAME}`](../{TARGET_NAME}/README.md); "
+        "it shares that model's tokenizer"
+    )
     lines = [
         "---",
         "license: apache-2.0",
@@ -773,7 +891,7 @@ def model_card(report: dict, name: str) -> str:
         "top of a file; an assistant message is raw code ended by `<|endoftext|>`; the template itself writes BOS "
         "first, so tokenize the rendered text with `add_special_tokens=False`. A generation prompt adds nothing: "
         "the model continues with code after the comment. For example "
-        "`[{\"role\": \"user\", \"content\": \"Return the n-th Fibonacci number.\"}]` renders as "
+        '`[{"role": "user", "content": "Return the n-th Fibonacci number."}]` renders as '
         "`<|endoftext|># Return the n-th Fibonacci number.\\n\\n`.",
         "",
         "`generation_config.json` samples with temperature 0.7 and top-p 0.95; greedy decoding tends to repeat lines.",

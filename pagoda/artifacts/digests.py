@@ -76,13 +76,17 @@ class ArtifactFiles:
     signature_path: Path
 
     @classmethod
-    def of(cls, path: str | Path) -> "ArtifactFiles":
+    def of(cls, path: str | Path) -> ArtifactFiles:
         path = Path(path)
         if path.is_dir():
             return cls(path, None, path / MANIFEST_FILE, path / SIGNATURE_FILE)
         if path.is_file():
-            return cls(path.parent, path.name, path.parent / f"{path.name}.{MANIFEST_FILE}",
-                       path.parent / f"{path.name}.{SIGNATURE_FILE}")
+            return cls(
+                path.parent,
+                path.name,
+                path.parent / f"{path.name}.{MANIFEST_FILE}",
+                path.parent / f"{path.name}.{SIGNATURE_FILE}",
+            )
         raise ArtifactError(f"{path}: no such file or directory")
 
     def names(self) -> list[str]:

@@ -27,13 +27,19 @@ class Manifest:
         return digests_id(self.files)
 
     def to_json(self) -> str:
-        body = {"format": MANIFEST_FORMAT, "hash": self.hash, "source": self.source, "revision": self.revision,
-                "files": dict(sorted(self.files.items()))}
+        body = {
+            "format": MANIFEST_FORMAT,
+            "hash": self.hash,
+            "source": self.source,
+            "revision": self.revision,
+            "files": dict(sorted(self.files.items())),
+        }
         return json.dumps(body, indent=2) + "\n"
 
 
-def build_manifest(files: ArtifactFiles, source: str | None = None, revision: str | None = None,
-                   hash: str = "sha256") -> Manifest:
+def build_manifest(
+    files: ArtifactFiles, source: str | None = None, revision: str | None = None, hash: str = "sha256"
+) -> Manifest:
     return Manifest(files.digests(hash), source, revision, hash)
 
 
@@ -56,8 +62,9 @@ def read_manifest(files: ArtifactFiles) -> Manifest:
         raise ArtifactError(f"{path}: malformed manifest: 'format' must be {MANIFEST_FORMAT!r}")
     algorithm = body.get("hash")
     if algorithm not in HASH_ALGORITHMS:
-        raise ArtifactError(f"{path}: malformed manifest: 'hash' must be one of {', '.join(HASH_ALGORITHMS)}, "
-                            f"got {algorithm!r}")
+        raise ArtifactError(
+            f"{path}: malformed manifest: 'hash' must be one of {', '.join(HASH_ALGORITHMS)}, got {algorithm!r}"
+        )
     listed = body.get("files")
     if not isinstance(listed, dict) or not listed:
         raise ArtifactError(f"{path}: malformed manifest: 'files' must map file names to {algorithm} digests")

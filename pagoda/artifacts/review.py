@@ -23,8 +23,16 @@ if TYPE_CHECKING:
 # The config.json a GGUF file's metadata makes; its families know (pagoda.model.families.base.gguf_config).
 GGUFConfigReader = Callable[["GGUFCheckpoint"], dict[str, Any]]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING")
 _ADAPTER_CONFIG = "adapter_config.json"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -90,8 +98,9 @@ class ArtifactReview:
         return asdict(self)
 
 
-def review_artifact(path: str | Path, base: str | Path | None = None, *,
-                    gguf_config: GGUFConfigReader | None = None) -> ArtifactReview:
+def review_artifact(
+    path: str | Path, base: str | Path | None = None, *, gguf_config: GGUFConfigReader | None = None
+) -> ArtifactReview:
     """Review a model directory, GGUF file (or a directory holding one) or PEFT adapter; `base`
     is the model an adapter is checked against. ArtifactError for pickle files or unreadable ones.
     gguf_config: how a GGUF file's metadata becomes a config.json; without it, the decoder's shape
@@ -99,8 +108,10 @@ def review_artifact(path: str | Path, base: str | Path | None = None, *,
     files = ArtifactFiles.of(path)
     pickles = files.pickle_files()
     if pickles:
-        raise ArtifactError(f"{path}: pickle files, which pagoda refuses (loading one can run any code it holds): "
-                            f"{', '.join(pickles)}; convert them to safetensors where you trust them")
+        raise ArtifactError(
+            f"{path}: pickle files, which pagoda refuses (loading one can run any code it holds): "
+            f"{', '.join(pickles)}; convert them to safetensors where you trust them"
+        )
     if files.single_file is not None and not files.single_file.endswith(".gguf"):
         raise ArtifactError(f"{path}: a single file must be a GGUF model; pass the model's directory")
     digests = files.digests()
@@ -148,8 +159,7 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: unreadable safetensors header (nested too deeply)") from None
     except (OSError, ValueError, struct.error) as error:
         raise ArtifactError(f"{path}: unreadable safetensors header ({error})") from None
-    if not isinstance(header, dict) or not all(isinstance(v, dict) for k, v in header.items()
-                                               if k != "__metadata__"):
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for k, v in header.items() if k != "__metadata__"):
         raise ArtifactError(f"{path}: unreadable safetensors header (not a map of tensor entries)")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
@@ -161,9 +171,24 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 # Bytes per element of safetensors' dtypes (a dtype not listed is checked for bounds only).
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                            "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-                            "F8_E8M0": 1}
+_SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
 
 
 def _safetensors_entry_problem(entry: dict[str, Any], data_bytes: int) -> str | None:
@@ -171,11 +196,13 @@ def _safetensors_entry_problem(entry: dict[str, Any], data_bytes: int) -> str | 
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str):
         return "no dtype"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         return "its shape is not a list of sizes"
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
         return "its data_offsets are not two integers"
     begin, end = offsets
     if not 0 <= begin <= end <= data_bytes:
@@ -244,8 +271,9 @@ def _logical_elements(name: str, shape: list[int], bits: int) -> int:
     return elements
 
 
-def _count_parameters(review: ArtifactReview, counts: dict[str, int], config: dict[str, Any],
-                      expert_marker: str) -> None:
+def _count_parameters(
+    review: ArtifactReview, counts: dict[str, int], config: dict[str, Any], expert_marker: str
+) -> None:
     review.parameters = sum(counts.values())
     num_experts = config.get("num_local_experts") or config.get("num_experts")
     top_k = config.get("num_experts_per_tok")
@@ -291,12 +319,23 @@ def _review_gguf(review: ArtifactReview, path: Path, gguf_config: GGUFConfigRead
     counts = {t.name: int(t.n_elements) for t in checkpoint.reader.tensors}
     _count_parameters(review, counts, config, expert_marker="_exps.")
     _kv_bytes(review, config, "float32" if types == ["F32"] else "bfloat16")
-    metadata = {key: _gguf_value(checkpoint, key) for key in (
-        "general.license", "general.source.url", "general.source.huggingface.repository", "general.name",
-        "tokenizer.chat_template")}
+    metadata = {
+        key: _gguf_value(checkpoint, key)
+        for key in (
+            "general.license",
+            "general.source.url",
+            "general.source.huggingface.repository",
+            "general.name",
+            "tokenizer.chat_template",
+        )
+    }
     review.license = str(metadata["general.license"] or "unknown")
-    review.source = str(metadata["general.source.huggingface.repository"] or metadata["general.source.url"]
-                        or metadata["general.name"] or "unknown")
+    review.source = str(
+        metadata["general.source.huggingface.repository"]
+        or metadata["general.source.url"]
+        or metadata["general.name"]
+        or "unknown"
+    )
     template = metadata["tokenizer.chat_template"]
     if isinstance(template, str):
         review.chat_template = _template_review("tokenizer.chat_template (GGUF metadata)", template)
@@ -313,8 +352,7 @@ def _gguf_value(checkpoint: Any, key: str) -> Any:
 # ---- LoRA adapters -------------------------------------------------------------------------------
 
 
-def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None,
-                    gguf_config: GGUFConfigReader) -> None:
+def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None, gguf_config: GGUFConfigReader) -> None:
     review.kind = "lora-adapter"
     config = _read_json(root / _ADAPTER_CONFIG)
     weights = root / "adapter_model.safetensors"
@@ -331,8 +369,9 @@ def _review_adapter(review: ArtifactReview, root: Path, base: str | Path | None,
     else:
         problem = _adapter_mismatch(tensors, Path(base), gguf_config)
         compatibility = f"compatible with {base}" if problem is None else f"incompatible with {base}: {problem}"
-    review.adapter = AdapterReview(str(declared) if declared else None, config.get("r"), config.get("lora_alpha"),
-                                   targets, compatibility)
+    review.adapter = AdapterReview(
+        str(declared) if declared else None, config.get("r"), config.get("lora_alpha"), targets, compatibility
+    )
 
 
 def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path, gguf_config: GGUFConfigReader) -> str | None:
@@ -349,8 +388,15 @@ def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path, gguf_confi
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     hidden, inter = config["hidden_size"], config.get("intermediate_size", 0)
     q, kv = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     for name, tensor in sorted(tensors.items()):
         match = _LORA_TENSOR.search(name)
         if match is None:
@@ -364,8 +410,10 @@ def _adapter_mismatch(tensors: dict[str, dict[str, Any]], base: Path, gguf_confi
         shape = tensor.get("shape", [])
         expected_side, actual_side = (in_features, shape[1]) if which == "A" else (out_features, shape[0])
         if len(shape) != 2 or actual_side != expected_side:
-            return f"{name} has shape {shape}; the base's {module} needs {'in' if which == 'A' else 'out'} " \
-                   f"features {expected_side}"
+            return (
+                f"{name} has shape {shape}; the base's {module} needs {'in' if which == 'A' else 'out'} "
+                f"features {expected_side}"
+            )
     return None
 
 
@@ -407,8 +455,9 @@ def _review_card(review: ArtifactReview, root: Path) -> None:
         for name in LICENSE_FILES:
             path = root / name
             if path.is_file():
-                first = next((line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()),
-                             "")
+                first = next(
+                    (line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()), ""
+                )
                 review.license = f"{first[:80]} ({name}, sha256 {sha256_file(path)[:12]})"
                 break
 
@@ -437,15 +486,24 @@ def _review_manifest(review: ArtifactReview, files: ArtifactFiles, digests: dict
 
 def review_rows(review: ArtifactReview) -> list[tuple[str, str]]:
     """(field, value) rows of everything but the file list, in the order a reviewer reads them."""
+
     def count(n: int | None) -> str:
         return "unknown" if n is None else f"{n:,}"
 
-    rows = [("path", review.path), ("kind", review.kind), ("architecture", review.architecture or "unknown"),
-            ("parameters", count(review.parameters))]
+    rows = [
+        ("path", review.path),
+        ("kind", review.kind),
+        ("architecture", review.architecture or "unknown"),
+        ("parameters", count(review.parameters)),
+    ]
     if review.active_parameters is not None:
         rows.append(("active parameters", count(review.active_parameters)))
-    rows += [("dtype", review.dtype or "unknown"), ("quantization", review.quantization),
-             ("context length", count(review.context_length)), ("vocabulary", count(review.vocab_size))]
+    rows += [
+        ("dtype", review.dtype or "unknown"),
+        ("quantization", review.quantization),
+        ("context length", count(review.context_length)),
+        ("vocabulary", count(review.vocab_size)),
+    ]
     if review.kv_bytes_per_token is not None:
         rows.append(("KV bytes per token", f"{review.kv_bytes_per_token:,} ({review.kv_dtype})"))
     for name, digest in review.tokenizer_files.items():
@@ -458,12 +516,19 @@ def review_rows(review: ArtifactReview) -> list[tuple[str, str]]:
         rows.append(("generation config", json.dumps(review.generation_config, sort_keys=True)))
     if review.adapter is not None:
         adapter = review.adapter
-        rows += [("adapter base model", adapter.base_model or "unknown"),
-                 ("adapter rank / alpha", f"{adapter.rank} / {adapter.alpha}"),
-                 ("adapter targets", ", ".join(adapter.target_modules) or "unknown"),
-                 ("base compatibility", adapter.compatibility)]
-    rows += [("license", review.license), ("source", review.source), ("revision", review.revision),
-             ("manifest", review.manifest), ("signature", review.signature)]
+        rows += [
+            ("adapter base model", adapter.base_model or "unknown"),
+            ("adapter rank / alpha", f"{adapter.rank} / {adapter.alpha}"),
+            ("adapter targets", ", ".join(adapter.target_modules) or "unknown"),
+            ("base compatibility", adapter.compatibility),
+        ]
+    rows += [
+        ("license", review.license),
+        ("source", review.source),
+        ("revision", review.revision),
+        ("manifest", review.manifest),
+        ("signature", review.signature),
+    ]
     return rows
 
 

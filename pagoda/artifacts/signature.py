@@ -12,8 +12,13 @@ from pagoda.artifacts.digests import HASH_ALGORITHMS, ArtifactError, ArtifactFil
 from pagoda.artifacts.manifest import Manifest
 
 
-def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | Path,
-                  certificate: str | Path | None = None, certificate_chain: Sequence[str | Path] = ()) -> Path:
+def sign_manifest(
+    files: ArtifactFiles,
+    manifest: Manifest,
+    private_key: str | Path,
+    certificate: str | Path | None = None,
+    certificate_chain: Sequence[str | Path] = (),
+) -> Path:
     """Write the signature of `manifest`'s digests beside the artifact; with `certificate`, the
     signer's certificate (and its chain) go into the bundle."""
     # model-signing's public API hashes the files again to build what it signs; its signers take
@@ -23,8 +28,9 @@ def sign_manifest(files: ArtifactFiles, manifest: Manifest, private_key: str | P
         if certificate is None:
             signer = sign_ec_key.Signer(Path(private_key))
         else:
-            signer = _certificate_module().Signer(Path(private_key), Path(certificate),
-                                                  [Path(c) for c in certificate_chain])
+            signer = _certificate_module().Signer(
+                Path(private_key), Path(certificate), [Path(c) for c in certificate_chain]
+            )
         signature = signer.sign(signing.Payload(_model_signing_manifest(files, manifest)))
     except (OSError, ValueError, TypeError) as error:
         raise ArtifactError(f"{private_key}: cannot sign with this key ({error})") from None
@@ -46,8 +52,11 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> tuple[str, d
     except OSError as error:
         raise ArtifactError(f"{key_path}: cannot read the verification key ({error.strerror})") from None
     try:
-        verifier = (_certificate_module().Verifier([key_path]) if b"BEGIN CERTIFICATE" in key_text
-                    else sign_ec_key.Verifier(key_path))
+        verifier = (
+            _certificate_module().Verifier([key_path])
+            if b"BEGIN CERTIFICATE" in key_text
+            else sign_ec_key.Verifier(key_path)
+        )
     except (ValueError, TypeError) as error:
         raise ArtifactError(f"{key_path}: not a PEM elliptic-curve public key or CA certificate ({error})") from None
     try:
@@ -65,8 +74,10 @@ def signed_digests(files: ArtifactFiles, verify_key: str | Path) -> tuple[str, d
         algorithms.add(descriptor.digest.algorithm)
         digests[descriptor.identifier] = descriptor.digest.digest_hex
     if len(algorithms) != 1 or not algorithms <= set(HASH_ALGORITHMS):
-        raise ArtifactError(f"{path}: signed with {', '.join(sorted(algorithms)) or 'no'} digests; pagoda checks "
-                            f"one of {', '.join(HASH_ALGORITHMS)}")
+        raise ArtifactError(
+            f"{path}: signed with {', '.join(sorted(algorithms)) or 'no'} digests; pagoda checks "
+            f"one of {', '.join(HASH_ALGORITHMS)}"
+        )
     return algorithms.pop(), digests
 
 
@@ -75,8 +86,9 @@ def _model_signing():
     try:
         from model_signing._signing import sign_ec_key, sign_sigstore_pb, signing
     except ImportError as error:  # its package imports pyOpenSSL without declaring it
-        raise ArtifactError(f"signatures need the model-signing package and pyOpenSSL "
-                            f"(pip install model-signing pyopenssl): {error}") from None
+        raise ArtifactError(
+            f"signatures need the model-signing package and pyOpenSSL (pip install model-signing pyopenssl): {error}"
+        ) from None
     return sign_ec_key, signing, sign_sigstore_pb
 
 
@@ -97,7 +109,10 @@ def _model_signing_manifest(files: ArtifactFiles, manifest: Manifest):
     ignored = [pathlib.Path(p.name) for p in (files.manifest_path, files.signature_path)]
     # Links are followed when hashing (digests.py), so model-signing's own verifier must too.
     serialization = ms_manifest._FileSerialization(manifest.hash, True, ignored)
-    items = [ms_manifest.FileManifestItem(path=pathlib.PurePosixPath(name),
-                                          digest=hashing.Digest(manifest.hash, bytes.fromhex(digest)))
-             for name, digest in sorted(manifest.files.items())]
+    items = [
+        ms_manifest.FileManifestItem(
+            path=pathlib.PurePosixPath(name), digest=hashing.Digest(manifest.hash, bytes.fromhex(digest))
+        )
+        for name, digest in sorted(manifest.files.items())
+    ]
     return ms_manifest.Manifest(files.root.name, items, serialization)

@@ -38,19 +38,24 @@ def expected_digests(files: ArtifactFiles, policy: VerificationPolicy) -> tuple[
     return manifest.hash, manifest.files
 
 
-def compare_digests(files: ArtifactFiles, expected: dict[str, str], actual: dict[str, str],
-                    algorithm: str = "sha256") -> None:
+def compare_digests(
+    files: ArtifactFiles, expected: dict[str, str], actual: dict[str, str], algorithm: str = "sha256"
+) -> None:
     """ArtifactError naming the first file that differs, is missing or is not listed."""
     for name in sorted(expected):
         if name not in actual:
             raise ArtifactError(f"{files.root / name}: listed in the manifest but missing")
         if actual[name] != expected[name]:
-            raise ArtifactError(f"{files.root / name}: {ALGORITHM_NAMES[algorithm]} {actual[name]} does not match the manifest's "
-                                f"{expected[name]} (the file changed after the manifest was made)")
+            raise ArtifactError(
+                f"{files.root / name}: {ALGORITHM_NAMES[algorithm]} {actual[name]} does not match the manifest's "
+                f"{expected[name]} (the file changed after the manifest was made)"
+            )
     unlisted = sorted(set(actual) - set(expected))
     if unlisted:
-        raise ArtifactError(f"{files.root / unlisted[0]}: not in the manifest"
-                            + (f" (nor {len(unlisted) - 1} more file(s))" if len(unlisted) > 1 else ""))
+        raise ArtifactError(
+            f"{files.root / unlisted[0]}: not in the manifest"
+            + (f" (nor {len(unlisted) - 1} more file(s))" if len(unlisted) > 1 else "")
+        )
 
 
 def check_before_load(path: str | Path, policy: VerificationPolicy) -> None:
@@ -85,10 +90,14 @@ class ArtifactCheck:
     def check_small_files(self) -> None:
         small = [n for n in self._names if not n.endswith(WEIGHT_SUFFIXES)]
         self._actual.update((name, self._hash(name)) for name in small)
-        compare_digests(self.files, {n: d for n, d in self.expected.items() if not n.endswith(WEIGHT_SUFFIXES)},
-                        self._actual, self.algorithm)
+        compare_digests(
+            self.files,
+            {n: d for n, d in self.expected.items() if not n.endswith(WEIGHT_SUFFIXES)},
+            self._actual,
+            self.algorithm,
+        )
 
-    def start(self) -> "ArtifactCheck":
+    def start(self) -> ArtifactCheck:
         self.check_small_files()
         self._thread.start()
         return self
@@ -108,8 +117,9 @@ class ArtifactCheck:
         # in the time of its largest shard, not of all of them.
         weights = [name for name in self._names if name.endswith(WEIGHT_SUFFIXES)]
         try:
-            with ThreadPoolExecutor(max(1, min(len(weights), os.cpu_count() or 1)),
-                                    thread_name_prefix="pagoda-verify") as pool:
+            with ThreadPoolExecutor(
+                max(1, min(len(weights), os.cpu_count() or 1)), thread_name_prefix="pagoda-verify"
+            ) as pool:
                 self._actual.update(zip(weights, pool.map(self._hash, weights)))
             compare_digests(self.files, self.expected, self._actual, self.algorithm)
         except BaseException as error:  # handed to result(), on the loader's thread

@@ -27,9 +27,12 @@ from pagoda.config import DEFAULT_MODEL_DIR
 from pagoda.http_client.server_process import free_port, running_server
 
 TARGET_ROLLBACK_S = 30.0
-PROMPTS = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-           "import os\nfor name in os.listdir('.'):", "class Stack:\n    def push(self, item):",
-           "# read a file\nwith open(path) as f:")
+PROMPTS = (
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""',
+    "import os\nfor name in os.listdir('.'):",
+    "class Stack:\n    def push(self, item):",
+    "# read a file\nwith open(path) as f:",
+)
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,22 @@ def regressed_copy(model: Path, into: Path) -> Path:
 
 
 def models_file(stable: Path, candidate: Path, options: DrillOptions) -> str:
-    return "\n".join([
-        "models:", f"  - {{name: stable, model: {json.dumps(str(stable))}}}",
-        f"  - {{name: candidate, model: {json.dumps(str(candidate))}}}",
-        "canary:", "  stable: stable", "  candidate: candidate", f"  weight: {options.weight}",
-        "  window_s: 30", "  min_requests: 10", f"  shadow: {{sample: {options.shadow_sample}, max_tokens: 8}}",
-        "  rules: {error_rate: 0.05, ttft_p99_ratio: 3, tokenization_mismatches: 0}", ""])
+    return "\n".join(
+        [
+            "models:",
+            f"  - {{name: stable, model: {json.dumps(str(stable))}}}",
+            f"  - {{name: candidate, model: {json.dumps(str(candidate))}}}",
+            "canary:",
+            "  stable: stable",
+            "  candidate: candidate",
+            f"  weight: {options.weight}",
+            "  window_s: 30",
+            "  min_requests: 10",
+            f"  shadow: {{sample: {options.shadow_sample}, max_tokens: 8}}",
+            "  rules: {error_rate: 0.05, ttft_p99_ratio: 3, tokenization_mismatches: 0}",
+            "",
+        ]
+    )
 
 
 class Traffic:
@@ -73,8 +86,13 @@ class Traffic:
 
     def __init__(self, url: str, concurrency: int) -> None:
         self.url = url
-        self.counts: dict[str, int] = {"ok": 0, "canary": 0, "client_errors": 0, "server_errors": 0,
-                                       "transport_errors": 0}
+        self.counts: dict[str, int] = {
+            "ok": 0,
+            "canary": 0,
+            "client_errors": 0,
+            "server_errors": 0,
+            "transport_errors": 0,
+        }
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(concurrency)]
@@ -99,9 +117,15 @@ class Traffic:
                 prompt = PROMPTS[sent % len(PROMPTS)]
                 sent += 1
                 try:
-                    answer = client.post(f"{self.url}/v1/chat/completions", json={
-                        "model": "stable", "messages": [{"role": "user", "content": prompt}],
-                        "max_tokens": 16, "temperature": 0.7})
+                    answer = client.post(
+                        f"{self.url}/v1/chat/completions",
+                        json={
+                            "model": "stable",
+                            "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": 16,
+                            "temperature": 0.7,
+                        },
+                    )
                 except httpx.HTTPError:
                     self._count("transport_errors")
                     continue
@@ -124,11 +148,26 @@ def run_drill(options: DrillOptions) -> dict[str, Any]:
         spec.write_text(models_file(model, candidate, options))
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "pagoda.cli", "serve", "--models", str(spec), "--host", "127.0.0.1",
-                   "--port", str(port)]
+        command = [
+            sys.executable,
+            "-m",
+            "pagoda.cli",
+            "serve",
+            "--models",
+            str(spec),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         load_before = os.getloadavg()
-        with running_server(command, f"{base}/health", timeout=options.startup_timeout,
-                            log_path=root / "server.log", name="the drill's server"):
+        with running_server(
+            command,
+            f"{base}/health",
+            timeout=options.startup_timeout,
+            log_path=root / "server.log",
+            name="the drill's server",
+        ):
             traffic = Traffic(base, options.concurrency)
             regression_at = time.time()  # the candidate is regressed from its first request
             traffic.start()
@@ -139,8 +178,9 @@ def run_drill(options: DrillOptions) -> dict[str, Any]:
                 while time.monotonic() < deadline:
                     status = client.get(f"{base}/admin/canary").json()
                     if status["state"] == "rolled_back":
-                        rolled_back_at = next(e["at"] for e in reversed(status["events"])
-                                              if e["action"] == "rolled_back")
+                        rolled_back_at = next(
+                            e["at"] for e in reversed(status["events"]) if e["action"] == "rolled_back"
+                        )
                         time.sleep(options.after_rollback)  # stable alone serves on
                         status = client.get(f"{base}/admin/canary").json()
                         break
@@ -149,16 +189,27 @@ def run_drill(options: DrillOptions) -> dict[str, Any]:
     rollback_s = None if rolled_back_at is None else rolled_back_at - regression_at
     errors = traffic.counts["server_errors"] + traffic.counts["transport_errors"]
     return {
-        "kind": "pagoda-canary-drill", "regression": "candidate chat template: '# ' -> '## ' per prompt line",
-        "command": " ".join(["pagoda", "bench", "canary-drill", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "canary-drill"]
+        "kind": "pagoda-canary-drill",
+        "regression": "candidate chat template: '# ' -> '## ' per prompt line",
+        "command": " ".join(["pagoda", "bench", "canary-drill", *sys.argv[3:]])
+        if sys.argv[1:3] == ["bench", "canary-drill"]
         else "pagoda bench canary-drill",
-        "commit": _commit(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "options": {"concurrency": options.concurrency, "weight": options.weight,
-                    "shadow_sample": options.shadow_sample, "duration": options.duration},
-        "rolled_back": rollback_s is not None, "time_to_rollback_s": rollback_s,
-        "rollback_rule": next((e["by"] for e in reversed(status.get("events", [])) if e["action"] == "rolled_back"),
-                              None),
-        "client_visible_errors": errors, "requests": traffic.counts,
+        "commit": _commit(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "options": {
+            "concurrency": options.concurrency,
+            "weight": options.weight,
+            "shadow_sample": options.shadow_sample,
+            "duration": options.duration,
+        },
+        "rolled_back": rollback_s is not None,
+        "time_to_rollback_s": rollback_s,
+        "rollback_rule": next(
+            (e["by"] for e in reversed(status.get("events", [])) if e["action"] == "rolled_back"), None
+        ),
+        "client_visible_errors": errors,
+        "requests": traffic.counts,
         "candidate_loaded_after": status.get("loaded"),
         "passed": rollback_s is not None and rollback_s <= TARGET_ROLLBACK_S and errors == 0,
         "target": {"time_to_rollback_s": TARGET_ROLLBACK_S, "client_visible_errors": 0},
@@ -167,8 +218,12 @@ def run_drill(options: DrillOptions) -> dict[str, Any]:
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -179,9 +234,12 @@ def drill_main(options: DrillOptions) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     rollback = result["time_to_rollback_s"]
-    outcome = (f"rolled back after {rollback:.1f} s ({result['rollback_rule']})" if rollback is not None
-               else "no rollback")
+    outcome = (
+        f"rolled back after {rollback:.1f} s ({result['rollback_rule']})" if rollback is not None else "no rollback"
+    )
     requests = result["requests"]
-    print(f"canary drill: {outcome}, {result['client_visible_errors']} client-visible errors of "
-          f"{sum(requests.values())} requests ({requests['canary']} answered by the candidate) -> {out}")
+    print(
+        f"canary drill: {outcome}, {result['client_visible_errors']} client-visible errors of "
+        f"{sum(requests.values())} requests ({requests['canary']} answered by the candidate) -> {out}"
+    )
     return 0 if result["passed"] else 1

@@ -51,15 +51,19 @@ def handoff_delta(before: LabeledSamples, after: LabeledSamples) -> HandoffDelta
         return None
 
     def delta(name: str, **labels: str) -> float:
-        return (labeled_total(after, PREFIX + name, **labels) or 0.0) - \
-            (labeled_total(before, PREFIX + name, **labels) or 0.0)
+        return (labeled_total(after, PREFIX + name, **labels) or 0.0) - (
+            labeled_total(before, PREFIX + name, **labels) or 0.0
+        )
 
     result = HandoffDelta(
         handoffs_exported=delta("kv_handoffs_exported_total"),
         handoffs_imported=delta("kv_handoffs_imported_total"),
-        blocks_sent=delta("kv_handoff_blocks_sent_total"), bytes_sent=delta("kv_handoff_bytes_sent_total"),
-        blocks_cached=delta("kv_handoff_blocks_cached_total"), failures=delta("kv_handoff_failures_total"),
-        fallback_prefills=delta("kv_handoff_fallback_prefills_total"))
+        blocks_sent=delta("kv_handoff_blocks_sent_total"),
+        bytes_sent=delta("kv_handoff_bytes_sent_total"),
+        blocks_cached=delta("kv_handoff_blocks_cached_total"),
+        failures=delta("kv_handoff_failures_total"),
+        fallback_prefills=delta("kv_handoff_fallback_prefills_total"),
+    )
     for phase in PHASES:
         count = delta("kv_handoff_phase_seconds_count", phase=phase)
         total = delta("kv_handoff_phase_seconds_sum", phase=phase)

@@ -17,8 +17,9 @@ from pagoda.bench.records import BenchRequest, RequestRecord, RunResult
 class HFGenerateTarget:
     """A loaded transformers model that runs request lists in static batches."""
 
-    def __init__(self, model_dir: str, *, batch_size: int = 8, dtype: str = "float32",
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: str, *, batch_size: int = 8, dtype: str = "float32", num_threads: int | None = None
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -30,8 +31,7 @@ class HFGenerateTarget:
             torch.set_num_threads(num_threads)
         self.torch = torch
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                          local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), local_files_only=True)
         self.model.eval()
         config = self.model.config
         eos = getattr(config, "eos_token_id", None)
@@ -55,28 +55,50 @@ class HFGenerateTarget:
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=self.pad_token_id,
-                                stopping_criteria=StoppingCriteriaList([StepClock()]))
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=self.pad_token_id,
+                stopping_criteria=StoppingCriteriaList([StepClock()]),
+            )
         return step_times
 
-    def run(self, requests: Sequence[BenchRequest], encode: Callable[[str], list[int]],
-            warmup_requests: Sequence[BenchRequest] = ()) -> RunResult:
+    def run(
+        self,
+        requests: Sequence[BenchRequest],
+        encode: Callable[[str], list[int]],
+        warmup_requests: Sequence[BenchRequest] = (),
+    ) -> RunResult:
         if warmup_requests:
-            self._generate([r.prompt_ids(encode) for r in warmup_requests[: self.batch_size]],
-                           max(r.output_len for r in warmup_requests[: self.batch_size]))
+            self._generate(
+                [r.prompt_ids(encode) for r in warmup_requests[: self.batch_size]],
+                max(r.output_len for r in warmup_requests[: self.batch_size]),
+            )
         prompts = [r.prompt_ids(encode) for r in requests]
         records: list[RequestRecord] = []
         started_at = time.time()
         t0 = time.perf_counter()
         for lo in range(0, len(requests), self.batch_size):
-            group = requests[lo:lo + self.batch_size]
-            times = self._generate(prompts[lo:lo + self.batch_size], max(r.output_len for r in group))
+            group = requests[lo : lo + self.batch_size]
+            times = self._generate(prompts[lo : lo + self.batch_size], max(r.output_len for r in group))
             for request in group:
                 mine = times[: request.output_len]
-                records.append(RequestRecord(
-                    request.index, request.class_name, request.prompt_len, request.output_len, start=0.0,
-                    ttft=mine[0] - t0, itls=[b - a for a, b in zip(mine, mine[1:])], e2e=mine[-1] - t0,
-                    output_tokens=len(mine), status=200))
+                records.append(
+                    RequestRecord(
+                        request.index,
+                        request.class_name,
+                        request.prompt_len,
+                        request.output_len,
+                        start=0.0,
+                        ttft=mine[0] - t0,
+                        itls=[b - a for a, b in zip(mine, mine[1:])],
+                        e2e=mine[-1] - t0,
+                        output_tokens=len(mine),
+                        status=200,
+                    )
+                )
         duration = time.perf_counter() - t0
         return RunResult(records, duration, started_at)

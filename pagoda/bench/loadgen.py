@@ -251,8 +251,13 @@ class _Run:
         await asyncio.gather(*(client_loop() for _ in range(self.config.concurrency or 1)))
 
 
-async def run_load_async(config: LoadConfig, requests: Iterable[BenchRequest], *, progress: bool = True,
-                         warmup_requests: list[BenchRequest] | None = None) -> RunResult:
+async def run_load_async(
+    config: LoadConfig,
+    requests: Iterable[BenchRequest],
+    *,
+    progress: bool = True,
+    warmup_requests: list[BenchRequest] | None = None,
+) -> RunResult:
     import httpx
     from tqdm import tqdm
 
@@ -263,8 +268,9 @@ async def run_load_async(config: LoadConfig, requests: Iterable[BenchRequest], *
         for request in warmup_requests or []:
             record = await send_request(client, config, request, time.perf_counter())
             if not record.ok:
-                raise RuntimeError(f"warmup request failed against {config.url}: "
-                                   f"{record.error} (status {record.status})")
+                raise RuntimeError(
+                    f"warmup request failed against {config.url}: {record.error} (status {record.status})"
+                )
         before = await scrape(client, config.metrics_url)
         bar = tqdm(total=config.num_requests, disable=not progress, unit="req", desc="bench", leave=False)
         started_at = time.time()
@@ -279,6 +285,11 @@ async def run_load_async(config: LoadConfig, requests: Iterable[BenchRequest], *
     return RunResult(run.records, duration, started_at, before, after)
 
 
-def run_load(config: LoadConfig, requests: Iterable[BenchRequest], *, progress: bool = True,
-             warmup_requests: list[BenchRequest] | None = None) -> RunResult:
+def run_load(
+    config: LoadConfig,
+    requests: Iterable[BenchRequest],
+    *,
+    progress: bool = True,
+    warmup_requests: list[BenchRequest] | None = None,
+) -> RunResult:
     return asyncio.run(run_load_async(config, requests, progress=progress, warmup_requests=warmup_requests))

@@ -64,11 +64,13 @@ class MixedWorkload:
         self.spec = spec
         self.builder = builder
 
-    def _request(self, index: int, class_name: str, prompt_len: int, output_len: int,
-                 rng: random.Random) -> BenchRequest:
+    def _request(
+        self, index: int, class_name: str, prompt_len: int, output_len: int, rng: random.Random
+    ) -> BenchRequest:
         prompt = self.builder.extend_to("", max(prompt_len, self.builder.num_special + 1), rng)
-        return BenchRequest(index, class_name, prompt, [{"role": "user", "content": prompt}],
-                            self.builder.count(prompt), output_len)
+        return BenchRequest(
+            index, class_name, prompt, [{"role": "user", "content": prompt}], self.builder.count(prompt), output_len
+        )
 
     def stream_requests(self, client: int) -> Iterator[BenchRequest]:
         """The endless request sequence of one stream client (its k-th request has index
@@ -77,8 +79,9 @@ class MixedWorkload:
         rng = random.Random(f"{spec.seed}:{spec.stream_class}:{client}")
         k = 0
         while True:
-            yield self._request(k * spec.streams + client, spec.stream_class, spec.stream_prompt.sample(rng),
-                                spec.stream_output, rng)
+            yield self._request(
+                k * spec.streams + client, spec.stream_class, spec.stream_prompt.sample(rng), spec.stream_output, rng
+            )
             k += 1
 
     def arrival_times(self) -> list[float]:
@@ -96,16 +99,28 @@ class MixedWorkload:
     def arrivals(self) -> list[tuple[float, BenchRequest]]:
         spec = self.spec
         rng = random.Random(f"{spec.seed}:{spec.arrival_class}")
-        return [(t, self._request(ARRIVAL_INDEX_BASE + j, spec.arrival_class, spec.arrival_prompt.sample(rng),
-                                  spec.arrival_output, rng))
-                for j, t in enumerate(self.arrival_times())]
+        return [
+            (
+                t,
+                self._request(
+                    ARRIVAL_INDEX_BASE + j,
+                    spec.arrival_class,
+                    spec.arrival_prompt.sample(rng),
+                    spec.arrival_output,
+                    rng,
+                ),
+            )
+            for j, t in enumerate(self.arrival_times())
+        ]
 
     def warmup_requests(self) -> list[BenchRequest]:
         """One request of each class with their own seed (not part of the measured lists)."""
         spec = self.spec
         rng = random.Random(f"{spec.seed}:warmup")
-        return [self._request(-2, spec.stream_class, spec.stream_prompt.sample(rng), spec.stream_output, rng),
-                self._request(-1, spec.arrival_class, spec.arrival_prompt.sample(rng), spec.arrival_output, rng)]
+        return [
+            self._request(-2, spec.stream_class, spec.stream_prompt.sample(rng), spec.stream_output, rng),
+            self._request(-1, spec.arrival_class, spec.arrival_prompt.sample(rng), spec.arrival_output, rng),
+        ]
 
 
 async def warm_up_async(config: LoadConfig, workload: MixedWorkload) -> None:
@@ -116,8 +131,9 @@ async def warm_up_async(config: LoadConfig, workload: MixedWorkload) -> None:
         for request in workload.warmup_requests():
             record = await send_request(client, config, request, time.perf_counter())
             if not record.ok:
-                raise RuntimeError(f"warmup request failed against {config.url}: {record.error} "
-                                   f"(status {record.status})")
+                raise RuntimeError(
+                    f"warmup request failed against {config.url}: {record.error} (status {record.status})"
+                )
 
 
 def warm_up(config: LoadConfig, workload: MixedWorkload) -> None:
@@ -149,8 +165,9 @@ async def run_mixed_async(config: LoadConfig, workload: MixedWorkload) -> RunRes
             await asyncio.sleep(max(0.0, due - (time.perf_counter() - t0)))
             records.append(await send_request(client, config, request, t0))
 
-        await asyncio.gather(*(stream_client(i) for i in range(spec.streams)),
-                             *(arrival(due, request) for due, request in arrivals))
+        await asyncio.gather(
+            *(stream_client(i) for i in range(spec.streams)), *(arrival(due, request) for due, request in arrivals)
+        )
         duration = time.perf_counter() - t0
     records.sort(key=lambda r: r.index)
     return RunResult(records, duration, started_at)
@@ -177,8 +194,7 @@ def request_itl_p99(record: RequestRecord) -> float:
 
 
 def meets_request_slo(record: RequestRecord, slo: RequestSlo) -> bool:
-    return (record.ok and record.ttft is not None and record.ttft <= slo.ttft
-            and request_itl_p99(record) <= slo.itl_p99)
+    return record.ok and record.ttft is not None and record.ttft <= slo.ttft and request_itl_p99(record) <= slo.itl_p99
 
 
 @dataclass
@@ -208,8 +224,9 @@ class MixedSummary:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def summarize_mixed(records: list[RequestRecord], duration: float,
-                    slo: dict[str, RequestSlo] | None = None) -> MixedSummary:
+def summarize_mixed(
+    records: list[RequestRecord], duration: float, slo: dict[str, RequestSlo] | None = None
+) -> MixedSummary:
     """Per class and overall. `slo` maps a class name to its SLO; a class without one has no goodput."""
     slo = slo or {}
     per_class = {}
@@ -218,10 +235,14 @@ def summarize_mixed(records: list[RequestRecord], duration: float,
         ok = [r for r in group if r.ok]
         output_tokens = sum(r.output_tokens for r in ok)
         summary = MixedClassSummary(
-            name=name, num_requests=len(group), num_ok=len(ok), output_tokens=output_tokens,
+            name=name,
+            num_requests=len(group),
+            num_ok=len(ok),
+            output_tokens=output_tokens,
             output_throughput=output_tokens / duration if duration > 0 else 0.0,
             ttft=LatencyStats.of([r.ttft for r in ok if r.ttft is not None]),
-            itl=LatencyStats.of([gap for r in ok for gap in r.itls]))
+            itl=LatencyStats.of([gap for r in ok for gap in r.itls]),
+        )
         if name in slo:
             summary.num_good = sum(meets_request_slo(r, slo[name]) for r in group)
             summary.goodput = summary.num_good / duration if duration > 0 else 0.0
@@ -233,10 +254,15 @@ def summarize_mixed(records: list[RequestRecord], duration: float,
             errors[key] = errors.get(key, 0) + 1
     good = [c.num_good for c in per_class.values() if c.num_good is not None]
     return MixedSummary(
-        duration=duration, num_requests=len(records), num_ok=sum(c.num_ok for c in per_class.values()),
+        duration=duration,
+        num_requests=len(records),
+        num_ok=sum(c.num_ok for c in per_class.values()),
         output_throughput=sum(c.output_tokens for c in per_class.values()) / duration if duration > 0 else 0.0,
         goodput=(sum(good) / duration if duration > 0 else 0.0) if good else None,
-        per_class=per_class, slo=dict(slo), errors=errors)
+        per_class=per_class,
+        slo=dict(slo),
+        errors=errors,
+    )
 
 
 def parse_request_slo(text: str) -> RequestSlo:
@@ -266,8 +292,13 @@ def slo_text(slo: RequestSlo) -> str:
 
 def summary_row(summary: MixedSummary) -> dict[str, Any]:
     """The flat numbers a benchmark keeps per run (seconds, tokens / s, requests / s)."""
-    row: dict[str, Any] = {"duration_s": summary.duration, "requests": summary.num_requests, "ok": summary.num_ok,
-                           "output_tok_per_s": summary.output_throughput, "goodput_req_per_s": summary.goodput}
+    row: dict[str, Any] = {
+        "duration_s": summary.duration,
+        "requests": summary.num_requests,
+        "ok": summary.num_ok,
+        "output_tok_per_s": summary.output_throughput,
+        "goodput_req_per_s": summary.goodput,
+    }
     for name, c in summary.per_class.items():
         row[f"{name}_requests"] = c.num_requests
         for metric in ("ttft", "itl"):

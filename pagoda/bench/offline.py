@@ -26,12 +26,14 @@ def _sampling_params(requests: Sequence[BenchRequest], temperature: float) -> li
     return [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature) for r in requests]
 
 
-def _records(requests: Sequence[BenchRequest], outputs: Sequence[Any], t0_wall: float,
-             fallback_end: float) -> list[RequestRecord]:
+def _records(
+    requests: Sequence[BenchRequest], outputs: Sequence[Any], t0_wall: float, fallback_end: float
+) -> list[RequestRecord]:
     records = []
     for request, out in zip(requests, outputs):
-        record = RequestRecord(request.index, request.class_name, request.prompt_len, request.output_len,
-                               start=0.0, status=200)
+        record = RequestRecord(
+            request.index, request.class_name, request.prompt_len, request.output_len, start=0.0, status=200
+        )
         metrics = getattr(out, "metrics", None)
         record.output_tokens = len(out.outputs[0].token_ids)
         record.cached_tokens = out.num_cached_tokens
@@ -44,22 +46,33 @@ def _records(requests: Sequence[BenchRequest], outputs: Sequence[Any], t0_wall: 
     return records
 
 
-def run_pagoda(llm: Any, requests: Sequence[BenchRequest], encode: Encode, *, static_batch: int | None = None,
-               warmup_requests: Sequence[BenchRequest] = (), temperature: float = 0.0,
-               progress: bool = False) -> RunResult:
+def run_pagoda(
+    llm: Any,
+    requests: Sequence[BenchRequest],
+    encode: Encode,
+    *,
+    static_batch: int | None = None,
+    warmup_requests: Sequence[BenchRequest] = (),
+    temperature: float = 0.0,
+    progress: bool = False,
+) -> RunResult:
     """Run the requests on an already built `pagoda.LLM` and time them."""
     prompts = [r.prompt_ids(encode) for r in requests]
     params = _sampling_params(requests, temperature)
     if warmup_requests:
-        llm.generate([r.prompt_ids(encode) for r in warmup_requests], _sampling_params(warmup_requests, temperature),
-                     use_tqdm=False)
+        llm.generate(
+            [r.prompt_ids(encode) for r in warmup_requests],
+            _sampling_params(warmup_requests, temperature),
+            use_tqdm=False,
+        )
     started_at = time.time()
     t0 = time.perf_counter()
     batch = static_batch or len(prompts)
     outputs: list[Any] = []
     for lo in range(0, len(prompts), batch):
-        outputs += llm.generate(prompts[lo:lo + batch], params[lo:lo + batch],
-                                use_tqdm=progress and static_batch is None)
+        outputs += llm.generate(
+            prompts[lo : lo + batch], params[lo : lo + batch], use_tqdm=progress and static_batch is None
+        )
     duration = time.perf_counter() - t0
     return RunResult(_records(requests, outputs, started_at, started_at + duration), duration, started_at)
 
@@ -90,20 +103,32 @@ def offline_benchmark(options: OfflineBenchOptions) -> int:
     prepared = prepare_requests(options.workload, config.tokenizer or config.model, options.warmup)
     engine_kwargs = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     llm = build_llm(config.model, engine_kwargs)
-    result = run_pagoda(llm, prepared.requests, prepared.workload.builder.encode,
-                        static_batch=options.static_batch, warmup_requests=prepared.warmup,
-                        progress=not report.no_progress)
-    label = report.label or (f"pagoda static batch {options.static_batch}" if options.static_batch
-                             else "pagoda")
+    result = run_pagoda(
+        llm,
+        prepared.requests,
+        prepared.workload.builder.encode,
+        static_batch=options.static_batch,
+        warmup_requests=prepared.warmup,
+        progress=not report.no_progress,
+    )
+    label = report.label or (f"pagoda static batch {options.static_batch}" if options.static_batch else "pagoda")
     summary = summarize(label, result.records, result.duration, slo)
     print(render_summary(summary))
     out = report.output_dir()
     if out is not None:
         from pagoda.bench.plots import plot_latency_cdfs
 
-        write_json(out / "results.json", {**run_metadata(options), "engine_config": config, "summary": summary,
-                                          "requests": result.records, "started_at": result.started_at,
-                                          "duration": result.duration})
+        write_json(
+            out / "results.json",
+            {
+                **run_metadata(options),
+                "engine_config": config,
+                "summary": summary,
+                "requests": result.records,
+                "started_at": result.started_at,
+                "duration": result.duration,
+            },
+        )
         plot_latency_cdfs(result.records, out / "latency_cdf.png", f"{label}: latency CDFs")
         print(f"wrote {out}/results.json, latency_cdf.png")
     return 0

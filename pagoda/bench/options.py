@@ -43,9 +43,13 @@ class WorkloadOptions:
 
         if self.length_scale <= 0:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
-        return WorkloadSpec(mix=parse_mix(self.mix), overrides=parse_params(self.param),
-                            length_scale=self.length_scale, max_model_len=self.max_model_len,
-                            seed=self.seed + seed_offset)
+        return WorkloadSpec(
+            mix=parse_mix(self.mix),
+            overrides=parse_params(self.param),
+            length_scale=self.length_scale,
+            max_model_len=self.max_model_len,
+            seed=self.seed + seed_offset,
+        )
 
 
 @dataclass

@@ -64,8 +64,15 @@ def plot_latency_cdfs(records: list[RequestRecord], path: Path, title: str = "")
         _cdf(axes[2], [r.e2e for r in group if r.e2e is not None], name)
     for ax, label in zip(axes, ("TTFT", "inter-token latency", "end-to-end latency")):
         if not ax.has_data():
-            ax.text(0.5, 0.5, "no per-token timings\nfrom this target", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "no per-token timings\nfrom this target",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_xlabel(f"{label} (ms)")
@@ -145,16 +152,20 @@ def _short(value: float) -> str:
 METRIC_LABELS = {"ttft": "TTFT", "itl": "inter-token latency", "e2e": "end-to-end latency"}
 
 
-def plot_target_cdfs(runs: dict[str, list[RequestRecord]], path: Path, title: str = "",
-                     metrics: tuple[str, ...] = ("ttft", "e2e")) -> None:
+def plot_target_cdfs(
+    runs: dict[str, list[RequestRecord]], path: Path, title: str = "", metrics: tuple[str, ...] = ("ttft", "e2e")
+) -> None:
     """CDFs of the given metrics (ttft, itl, e2e), one line per target, on shared axes."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2), squeeze=False)
     for label, records in runs.items():
         ok = [r for r in records if r.ok]
         for ax, metric in zip(axes[0], metrics):
-            values = [g for r in ok for g in r.itls] if metric == "itl" else \
-                [getattr(r, metric) for r in ok if getattr(r, metric) is not None]
+            values = (
+                [g for r in ok for g in r.itls]
+                if metric == "itl"
+                else [getattr(r, metric) for r in ok if getattr(r, metric) is not None]
+            )
             _cdf(ax, values, label)
     for ax, metric in zip(axes[0], metrics):
         ax.set_xlabel(f"{METRIC_LABELS[metric]} (ms)")

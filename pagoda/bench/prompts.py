@@ -42,10 +42,12 @@ class PromptBuilder:
             if in_context == anchor + [token_id]:
                 words.append(text)
         if len(words) < 8:
-            raise ValueError(f"the tokenizer has too few single-token words to build prompts from "
-                             f"({len(words)} found; need 8)")
+            raise ValueError(
+                f"the tokenizer has too few single-token words to build prompts from ({len(words)} found; need 8)"
+            )
         num_special = len(tokenizer.encode("hello", add_special_tokens=True)) - len(
-            tokenizer.encode("hello", add_special_tokens=False))
+            tokenizer.encode("hello", add_special_tokens=False)
+        )
         return cls(tokenizer, words, num_special)
 
     def count(self, text: str) -> int:
@@ -75,12 +77,15 @@ class PromptBuilder:
             if diff > 0:
                 suffix_words.extend(rng.choice(self.words) for _ in range(diff))
             else:
-                del suffix_words[max(0, len(suffix_words) + diff):]
+                del suffix_words[max(0, len(suffix_words) + diff) :]
         raise ValueError(f"could not reach exactly {target} tokens with this tokenizer")
 
 
 def _space_led_pieces(tokenizer: Any) -> list[tuple[int, str]]:
     """(token id, text with a real leading space) for every vocabulary piece led by a space marker."""
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return [(token_id, " " + piece[1:]) for token_id, piece in enumerate(pieces)
-            if isinstance(piece, str) and piece[:1] in _SPACE_MARKERS]
+    return [
+        (token_id, " " + piece[1:])
+        for token_id, piece in enumerate(pieces)
+        if isinstance(piece, str) and piece[:1] in _SPACE_MARKERS
+    ]

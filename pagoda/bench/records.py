@@ -25,6 +25,7 @@ class BenchRequest:
     def prompt_ids(self, encode: Callable[[str], list[int]]) -> list[int]:
         """The prompt as token ids: the text encoded, or the ids it already is."""
         return self.prompt if isinstance(self.prompt, list) else encode(self.prompt)
+
     depends_on: int | None = None  # index of the request that must finish before this one is sent
 
 

@@ -16,8 +16,10 @@ from pagoda.stats import sorted_percentile
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
-SLO_HELP = ("latency targets in seconds (or with an ms suffix) for goodput, e.g. ttft=0.5,itl=50ms. "
-            "Keys: ttft, itl (every gap of the request), tpot (its mean time per output token), e2e")
+SLO_HELP = (
+    "latency targets in seconds (or with an ms suffix) for goodput, e.g. ttft=0.5,itl=50ms. "
+    "Keys: ttft, itl (every gap of the request), tpot (its mean time per output token), e2e"
+)
 
 
 @dataclass
@@ -89,8 +91,7 @@ class ClassSummary:
     cached_token_fraction: float | None = None  # as reported in usage, when the target reports it
 
 
-def summarize_records(name: str, records: list[RequestRecord], duration: float,
-                      slo: dict[str, float]) -> ClassSummary:
+def summarize_records(name: str, records: list[RequestRecord], duration: float, slo: dict[str, float]) -> ClassSummary:
     ok = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -108,8 +109,9 @@ def summarize_records(name: str, records: list[RequestRecord], duration: float,
         itl=LatencyStats.of([gap for r in ok for gap in r.itls]),
         tpot=LatencyStats.of([r.tpot for r in ok if r.tpot is not None]),
         e2e=LatencyStats.of([r.e2e for r in ok if r.e2e is not None]),
-        cached_token_fraction=(sum(r.cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_len for r in cached))
-                               if cached else None),
+        cached_token_fraction=(
+            sum(r.cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_len for r in cached)) if cached else None
+        ),
     )
     if slo:
         summary.num_good = sum(meets_slo(r, slo) for r in records)
@@ -133,8 +135,14 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def summarize(target: str, records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None,
-              server: ServerMetricsDelta | None = None, **kwargs: Any) -> Summary:
+def summarize(
+    target: str,
+    records: list[RequestRecord],
+    duration: float,
+    slo: dict[str, float] | None = None,
+    server: ServerMetricsDelta | None = None,
+    **kwargs: Any,
+) -> Summary:
     slo = slo or {}
     names = sorted({r.class_name for r in records})
     errors = Counter(f"{r.status}: {r.error}"[:160] for r in records if not r.ok)
@@ -142,8 +150,9 @@ def summarize(target: str, records: list[RequestRecord], duration: float, slo: d
         target=target,
         duration=duration,
         overall=summarize_records("all", records, duration, slo),
-        per_class=[summarize_records(n, [r for r in records if r.class_name == n], duration, slo)
-                   for n in names] if len(names) > 1 else [],
+        per_class=[summarize_records(n, [r for r in records if r.class_name == n], duration, slo) for n in names]
+        if len(names) > 1
+        else [],
         errors=dict(errors.most_common()),
         slo=slo,
         server=server,
@@ -168,13 +177,22 @@ def render_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def render_summary(summary: Summary) -> str:
-    out = [f"target {summary.target}: {summary.overall.num_ok}/{summary.overall.num_requests} ok "
-           f"in {summary.duration:.2f} s"]
+    out = [
+        f"target {summary.target}: {summary.overall.num_ok}/{summary.overall.num_requests} ok "
+        f"in {summary.duration:.2f} s"
+    ]
     classes = [summary.overall] + summary.per_class
-    rows = [[c.name, str(c.num_requests), f"{c.request_throughput:.2f}", f"{c.output_throughput:.1f}",
-             f"{c.total_token_throughput:.1f}"]
-            + ([f"{c.goodput:.2f} ({c.num_good}/{c.num_requests})"] if summary.slo else [])
-            for c in classes]
+    rows = [
+        [
+            c.name,
+            str(c.num_requests),
+            f"{c.request_throughput:.2f}",
+            f"{c.output_throughput:.1f}",
+            f"{c.total_token_throughput:.1f}",
+        ]
+        + ([f"{c.goodput:.2f} ({c.num_good}/{c.num_requests})"] if summary.slo else [])
+        for c in classes
+    ]
     headers = ["class", "requests", "req/s", "out tok/s", "total tok/s"] + (["goodput req/s"] if summary.slo else [])
     out += ["", render_table(headers, rows), ""]
     rows = []
@@ -195,13 +213,17 @@ def render_summary(summary: Summary) -> str:
     if server is not None:
         parts = []
         if server.prefix_cache_hit_rate is not None:
-            parts.append(f"prefix cache hit rate {server.prefix_cache_hit_rate:.1%} "
-                         f"({server.prefix_cache_hits:.0f}/{server.prefix_cache_queries:.0f} tokens)")
+            parts.append(
+                f"prefix cache hit rate {server.prefix_cache_hit_rate:.1%} "
+                f"({server.prefix_cache_hits:.0f}/{server.prefix_cache_queries:.0f} tokens)"
+            )
         if server.num_preemptions is not None:
             parts.append(f"preemptions {server.num_preemptions:.0f}")
         if server.queue_time_mean is not None:
-            parts.append(f"queue time mean {server.queue_time_mean * 1000:.1f} ms"
-                         + (f", p99 ~{server.queue_time_p99 * 1000:.1f} ms" if server.queue_time_p99 else ""))
+            parts.append(
+                f"queue time mean {server.queue_time_mean * 1000:.1f} ms"
+                + (f", p99 ~{server.queue_time_p99 * 1000:.1f} ms" if server.queue_time_p99 else "")
+            )
         out.append(f"server ({server.source} metrics, delta over the run): " + ("; ".join(parts) or "nothing known"))
     return "\n".join(out).rstrip()
 
@@ -209,8 +231,12 @@ def render_summary(summary: Summary) -> str:
 def machine_info() -> dict[str, Any]:
     import os
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

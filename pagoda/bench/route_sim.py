@@ -177,13 +177,20 @@ class PolicyResult:
     routed_by_prefix: float  # share of requests the policy sent for a cached prefix
 
     def row(self) -> list[str]:
-        return [self.policy, str(self.num_replicas), f"{self.hit_rate:.1%}", f"{self.imbalance:.2f}",
-                f"{self.ttft_p50_s * 1000:.0f}", f"{self.ttft_p99_s * 1000:.0f}",
-                f"{self.throughput_rps:.0f}"]
+        return [
+            self.policy,
+            str(self.num_replicas),
+            f"{self.hit_rate:.1%}",
+            f"{self.imbalance:.2f}",
+            f"{self.ttft_p50_s * 1000:.0f}",
+            f"{self.ttft_p99_s * 1000:.0f}",
+            f"{self.throughput_rps:.0f}",
+        ]
 
 
-def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: int,
-             model: ReplicaModel = ReplicaModel()) -> PolicyResult:
+def simulate(
+    trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: int, model: ReplicaModel = ReplicaModel()
+) -> PolicyResult:
     """Replay `trace` through `policy` onto `num_replicas` simulated replicas."""
     replicas = [_Replica(i, model) for i in range(num_replicas)]
     events: list[tuple[float, int, int, int]] = []  # (time, order, kind, replica or request)
@@ -212,8 +219,7 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
         now, _, kind, which = heapq.heappop(events)
         if kind == ARRIVAL:
             traced = trace[which]
-            route = RouteRequest(traced.prompt_token_ids, traced.output_tokens, traced.tenant,
-                                 traced.tenant)
+            route = RouteRequest(traced.prompt_token_ids, traced.output_tokens, traced.tenant, traced.tenant)
             loads = [ReplicaLoad(r.index, r.outstanding) for r in replicas]
             for r in replicas:
                 load_sums[r.index] += r.outstanding
@@ -234,14 +240,17 @@ def simulate(trace: Sequence[TraceRequest], policy: RouterPolicy, num_replicas: 
     prompt_tokens = sum(r.prompt_len for r in all_requests)
     cached = sum(r.cached_tokens for r in all_requests)
     return PolicyResult(
-        policy=policy.name, num_replicas=num_replicas,
+        policy=policy.name,
+        num_replicas=num_replicas,
         hit_rate=cached / prompt_tokens if prompt_tokens else 0.0,
         # Poisson arrivals see time averages (PASTA): load_sums / arrivals is each replica's
         # mean outstanding tokens over the run.
         imbalance=max(load_sums) / statistics.fmean(load_sums) if any(load_sums) else 1.0,
-        ttft_p50_s=_percentile_or_nan(ttfts, 50), ttft_p99_s=_percentile_or_nan(ttfts, 99),
+        ttft_p50_s=_percentile_or_nan(ttfts, 50),
+        ttft_p99_s=_percentile_or_nan(ttfts, 99),
         throughput_rps=len(all_requests) / now if now > 0 else 0.0,
-        routed_by_prefix=by_prefix / max(len(all_requests), 1))
+        routed_by_prefix=by_prefix / max(len(all_requests), 1),
+    )
 
 
 def _percentile_or_nan(values: list[float], q: float) -> float:
@@ -276,20 +285,29 @@ def route_sim(options: RouteSimOptions) -> dict[str, Any]:
             from pagoda.tokenizer import Tokenizer
 
             tokenize = Tokenizer.from_pretrained(options.tokenizer).encode
-        fixed_trace = load_trace(options.trace, rate=options.rate_per_replica * max(options.replicas),
-                                 tokenize=tokenize)
+        fixed_trace = load_trace(
+            options.trace, rate=options.rate_per_replica * max(options.replicas), tokenize=tokenize
+        )
     for n in options.replicas:
-        trace = fixed_trace if fixed_trace is not None else generate_trace(
-            options.trace, n, requests_per_replica=options.requests_per_replica,
-            rate_per_replica=options.rate_per_replica, seed=options.seed,
-            tenants_per_replica=options.tenants_per_replica)
+        trace = (
+            fixed_trace
+            if fixed_trace is not None
+            else generate_trace(
+                options.trace,
+                n,
+                requests_per_replica=options.requests_per_replica,
+                rate_per_replica=options.rate_per_replica,
+                seed=options.seed,
+                tenants_per_replica=options.tenants_per_replica,
+            )
+        )
         traces[n] = trace_summary(trace)
         for name in options.policies:
-            policy = make_policy(name, block_size=options.model.block_size,
-                                 capacity_blocks=options.model.cache_blocks)
+            policy = make_policy(name, block_size=options.model.block_size, capacity_blocks=options.model.cache_blocks)
             results.append(simulate(trace, policy, n, options.model))
     report = {
-        "trace": options.trace, "traces": traces,
+        "trace": options.trace,
+        "traces": traces,
         "replica_model": {**asdict(options.model), "cost": options.model.cost.to_dict()},
         "requests_per_replica": options.requests_per_replica,
         "rate_per_replica": options.rate_per_replica,
@@ -307,8 +325,6 @@ def render_table(report: dict[str, Any]) -> str:
     headers = ["policy", "replicas", "prefix hit", "imbalance", "TTFT p50 ms", "TTFT p99 ms", "req/s"]
     rows = [PolicyResult(**r).row() for r in report["results"]]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
-

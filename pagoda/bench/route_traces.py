@@ -56,9 +56,16 @@ class RagShape:
     zipf: float = 1.1
 
 
-def generate_trace(kind: str, num_replicas: int, *, requests_per_replica: int,
-                   rate_per_replica: float, seed: int = 0, vocab_size: int = 32000,
-                   tenants_per_replica: int | None = None) -> list[TraceRequest]:
+def generate_trace(
+    kind: str,
+    num_replicas: int,
+    *,
+    requests_per_replica: int,
+    rate_per_replica: float,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    tenants_per_replica: int | None = None,
+) -> list[TraceRequest]:
     """A trace for a fleet of `num_replicas`: tenants, requests and the arrival rate all grow
     with the fleet, so each replica sees the same load at every size. `tenants_per_replica`
     overrides the shape's (8 for chat, 2 for rag)."""
@@ -74,12 +81,15 @@ def generate_trace(kind: str, num_replicas: int, *, requests_per_replica: int,
         requests = _rag(rng, tokens, rag, num_replicas)
     else:
         raise ValueError(f"trace must be one of {', '.join(TRACE_KINDS)} or a file, got {kind!r}")
-    return [TraceRequest(next(arrivals), tenant, prompt, output)
-            for (tenant, prompt, output), _ in zip(requests, range(num_requests))]
+    return [
+        TraceRequest(next(arrivals), tenant, prompt, output)
+        for (tenant, prompt, output), _ in zip(requests, range(num_requests))
+    ]
 
 
-def load_trace(path: str | Path, *, rate: float, tokenize: Callable[[str], list[int]] | None = None,
-               limit: int | None = None) -> list[TraceRequest]:
+def load_trace(
+    path: str | Path, *, rate: float, tokenize: Callable[[str], list[int]] | None = None, limit: int | None = None
+) -> list[TraceRequest]:
     """Read a JSON-lines trace (or a server request log); see the module's docstring."""
     rng = random.Random(0)
     arrivals = _poisson(rng, rate)
@@ -100,9 +110,14 @@ def load_trace(path: str | Path, *, rate: float, tokenize: Callable[[str], list[
         if prompt is None:
             prompt = _logged_prompt(entry.get("prompt"), tokenize, f"{path}:{number}")
         arrival = entry.get("arrival_s")
-        trace.append(TraceRequest(float(arrival) if arrival is not None else next(arrivals),
-                                  str(entry.get("tenant") or ""), list(prompt),
-                                  max(1, int(entry["output_tokens"]))))
+        trace.append(
+            TraceRequest(
+                float(arrival) if arrival is not None else next(arrivals),
+                str(entry.get("tenant") or ""),
+                list(prompt),
+                max(1, int(entry["output_tokens"])),
+            )
+        )
         if limit is not None and len(trace) >= limit:
             break
     if not trace:
@@ -160,8 +175,9 @@ def _zipf_weights(count: int, exponent: float) -> list[float]:
     return [1.0 / (rank + 1) ** exponent for rank in range(count)]
 
 
-def _chat(rng: random.Random, tokens: _TokenSource, shape: ChatShape,
-          num_replicas: int) -> Iterator[tuple[str, list[int], int]]:
+def _chat(
+    rng: random.Random, tokens: _TokenSource, shape: ChatShape, num_replicas: int
+) -> Iterator[tuple[str, list[int], int]]:
     num_tenants = shape.tenants_per_replica * num_replicas
     systems = [tokens.tokens(shape.system_tokens) for _ in range(num_tenants)]
     weights = _zipf_weights(num_tenants, shape.zipf)
@@ -181,23 +197,29 @@ def _chat(rng: random.Random, tokens: _TokenSource, shape: ChatShape,
         yield f"tenant-{tenant}", prompt, len(output)
 
 
-def _rag(rng: random.Random, tokens: _TokenSource, shape: RagShape,
-         num_replicas: int) -> Iterator[tuple[str, list[int], int]]:
+def _rag(
+    rng: random.Random, tokens: _TokenSource, shape: RagShape, num_replicas: int
+) -> Iterator[tuple[str, list[int], int]]:
     num_tenants = shape.tenants_per_replica * num_replicas
     instruction = tokens.tokens((shape.instruction_tokens, shape.instruction_tokens))
-    docs = [[tokens.tokens(shape.doc_tokens) for _ in range(shape.docs_per_tenant)]
-            for _ in range(num_tenants)]
+    docs = [[tokens.tokens(shape.doc_tokens) for _ in range(shape.docs_per_tenant)] for _ in range(num_tenants)]
     doc_weights = _zipf_weights(shape.docs_per_tenant, shape.zipf)
     while True:
         tenant = rng.randrange(num_tenants)
         doc = rng.choices(docs[tenant], doc_weights)[0]
-        yield (f"tenant-{tenant}", instruction + doc + tokens.tokens(shape.question_tokens),
-               rng.randint(*shape.output_tokens))
+        yield (
+            f"tenant-{tenant}",
+            instruction + doc + tokens.tokens(shape.question_tokens),
+            rng.randint(*shape.output_tokens),
+        )
 
 
 def trace_summary(trace: list[TraceRequest]) -> dict[str, Any]:
     prompt = sum(len(r.prompt_token_ids) for r in trace)
-    return {"requests": len(trace), "tenants": len({r.tenant for r in trace}),
-            "duration_s": round(trace[-1].arrival_s, 3) if trace else 0.0,
-            "mean_prompt_tokens": round(prompt / max(len(trace), 1), 1),
-            "mean_output_tokens": round(sum(r.output_tokens for r in trace) / max(len(trace), 1), 1)}
+    return {
+        "requests": len(trace),
+        "tenants": len({r.tenant for r in trace}),
+        "duration_s": round(trace[-1].arrival_s, 3) if trace else 0.0,
+        "mean_prompt_tokens": round(prompt / max(len(trace), 1), 1),
+        "mean_output_tokens": round(sum(r.output_tokens for r in trace) / max(len(trace), 1), 1),
+    }

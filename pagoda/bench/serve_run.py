@@ -30,37 +30,66 @@ def _requests(workload: Workload, config: LoadConfig) -> Any:
     return workload.build(config.num_requests) if config.num_requests is not None else iter(workload)
 
 
-def one_run(options: ServeBenchOptions, config: LoadConfig, workload: Workload, warmup: Workload | None,
-            label: str) -> tuple[RunResult, Summary]:
+def one_run(
+    options: ServeBenchOptions, config: LoadConfig, workload: Workload, warmup: Workload | None, label: str
+) -> tuple[RunResult, Summary]:
     warmup_requests = warmup.build(config.warmup) if warmup and config.warmup else None
-    result = run_load(config, _requests(workload, config), progress=not options.report.no_progress,
-                      warmup_requests=warmup_requests)
-    server = (metrics_delta(result.metrics_before, result.metrics_after)
-              if result.metrics_before is not None and result.metrics_after is not None else None)
-    summary = summarize(label, result.records, result.duration, parse_slo(options.report.slo), server,
-                        concurrency=config.concurrency,
-                        request_rate=config.request_rate if math.isfinite(config.request_rate) else None)
+    result = run_load(
+        config, _requests(workload, config), progress=not options.report.no_progress, warmup_requests=warmup_requests
+    )
+    server = (
+        metrics_delta(result.metrics_before, result.metrics_after)
+        if result.metrics_before is not None and result.metrics_after is not None
+        else None
+    )
+    summary = summarize(
+        label,
+        result.records,
+        result.duration,
+        parse_slo(options.report.slo),
+        server,
+        concurrency=config.concurrency,
+        request_rate=config.request_rate if math.isfinite(config.request_rate) else None,
+    )
     return result, summary
 
 
 def sweep_point(summary: Summary) -> dict[str, Any]:
     o = summary.overall
-    return {"concurrency": summary.concurrency, "request_throughput": o.request_throughput,
-            "output_throughput": o.output_throughput,
-            "ttft_p50": o.ttft.p50 if o.ttft else None, "ttft_p99": o.ttft.p99 if o.ttft else None,
-            "itl_p50": o.itl.p50 if o.itl else None, "itl_p99": o.itl.p99 if o.itl else None,
-            "e2e_p50": o.e2e.p50 if o.e2e else None, "e2e_p99": o.e2e.p99 if o.e2e else None,
-            "num_ok": o.num_ok, "num_requests": o.num_requests}
+    return {
+        "concurrency": summary.concurrency,
+        "request_throughput": o.request_throughput,
+        "output_throughput": o.output_throughput,
+        "ttft_p50": o.ttft.p50 if o.ttft else None,
+        "ttft_p99": o.ttft.p99 if o.ttft else None,
+        "itl_p50": o.itl.p50 if o.itl else None,
+        "itl_p99": o.itl.p99 if o.itl else None,
+        "e2e_p50": o.e2e.p50 if o.e2e else None,
+        "e2e_p99": o.e2e.p99 if o.e2e else None,
+        "num_ok": o.num_ok,
+        "num_requests": o.num_requests,
+    }
 
 
 def render_sweep(points: list[dict[str, Any]]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f}"
 
-    rows = [[str(p["concurrency"]), f"{p['request_throughput']:.2f}", f"{p['output_throughput']:.1f}",
-             ms(p["ttft_p50"]), ms(p["ttft_p99"]), ms(p["itl_p99"]), ms(p["e2e_p99"])] for p in points]
-    return render_table(["concurrency", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms",
-                         "E2E p99 ms"], rows)
+    rows = [
+        [
+            str(p["concurrency"]),
+            f"{p['request_throughput']:.2f}",
+            f"{p['output_throughput']:.1f}",
+            ms(p["ttft_p50"]),
+            ms(p["ttft_p99"]),
+            ms(p["itl_p99"]),
+            ms(p["e2e_p99"]),
+        ]
+        for p in points
+    ]
+    return render_table(
+        ["concurrency", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "E2E p99 ms"], rows
+    )
 
 
 def write_outputs(out: Path, payload: dict[str, Any], result: RunResult, summary: Summary) -> None:
@@ -83,8 +112,7 @@ def _with_served_model(options: ServeBenchOptions) -> WorkloadOptions:
     tokenizer = workload.tokenizer
     if tokenizer is None:
         if served.local_dir is None:
-            raise ValueError("--tokenizer is required: the server does not name a local model directory "
-                             "in /v1/models")
+            raise ValueError("--tokenizer is required: the server does not name a local model directory in /v1/models")
         tokenizer = served.local_dir
         print(f"tokenizer: {tokenizer} (the served model's, from /v1/models)")
     max_model_len = workload.max_model_len
@@ -122,9 +150,15 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
             from pagoda.bench.plots import plot_sweep
 
             last_result, last_summary = runs[-1]
-            payload = {**meta, "config": shown_config, "sweep": points,
-                       "runs": [{"summary": s, "requests": r.records, "started_at": r.started_at,
-                                 "duration": r.duration} for r, s in runs]}
+            payload = {
+                **meta,
+                "config": shown_config,
+                "sweep": points,
+                "runs": [
+                    {"summary": s, "requests": r.records, "started_at": r.started_at, "duration": r.duration}
+                    for r, s in runs
+                ],
+            }
             write_outputs(out, payload, last_result, last_summary)
             plot_sweep(points, out / "sweep.png", f"{label}: concurrency sweep")
             print(f"wrote {out}/results.json, latency_cdf.png, over_time.png, sweep.png")
@@ -135,8 +169,14 @@ def serve_benchmark(options: ServeBenchOptions) -> int:
     result, summary = one_run(options, base, workload, warmup, label)
     print(render_summary(summary))
     if out is not None:
-        payload = {**meta, "config": shown_config, "summary": summary, "requests": result.records,
-                   "started_at": result.started_at, "duration": result.duration}
+        payload = {
+            **meta,
+            "config": shown_config,
+            "summary": summary,
+            "requests": result.records,
+            "started_at": result.started_at,
+            "duration": result.duration,
+        }
         write_outputs(out, payload, result, summary)
         print(f"wrote {out}/results.json, latency_cdf.png, over_time.png")
     return 0 if summary.overall.num_ok else 1

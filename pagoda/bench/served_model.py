@@ -22,8 +22,7 @@ class ServedModel:
     max_model_len: int | None
 
 
-def discover_served_model(base_url: str, model: str, api_key: str | None = None,
-                          timeout: float = 10.0) -> ServedModel:
+def discover_served_model(base_url: str, model: str, api_key: str | None = None, timeout: float = 10.0) -> ServedModel:
     """The served model's card; a server without /v1/models (or not answering) gives nothing."""
     url = base_url.rstrip("/")
     url = url[: -len("/v1")] if url.endswith("/v1") else url

@@ -85,14 +85,15 @@ def metrics_delta(before: Samples, after: Samples) -> ServerMetricsDelta | None:
     if prefix is None:
         return None
     delta = ServerMetricsDelta(source=prefix)
-    delta.prefix_cache_queries = _delta(before, after, [f"{prefix}prefix_cache_queries_total",
-                                                        f"{prefix}gpu_prefix_cache_queries_total"])
-    delta.prefix_cache_hits = _delta(before, after, [f"{prefix}prefix_cache_hits_total",
-                                                     f"{prefix}gpu_prefix_cache_hits_total"])
+    delta.prefix_cache_queries = _delta(
+        before, after, [f"{prefix}prefix_cache_queries_total", f"{prefix}gpu_prefix_cache_queries_total"]
+    )
+    delta.prefix_cache_hits = _delta(
+        before, after, [f"{prefix}prefix_cache_hits_total", f"{prefix}gpu_prefix_cache_hits_total"]
+    )
     if delta.prefix_cache_queries and delta.prefix_cache_hits is not None:
         delta.prefix_cache_hit_rate = delta.prefix_cache_hits / delta.prefix_cache_queries
-    delta.num_preemptions = _delta(before, after, [f"{prefix}num_preemptions_total",
-                                                   f"{prefix}num_preemptions"])
+    delta.num_preemptions = _delta(before, after, [f"{prefix}num_preemptions_total", f"{prefix}num_preemptions"])
     base = f"{prefix}request_queue_time_seconds"
     count = _delta(before, after, [base + "_count"])
     total = _delta(before, after, [base + "_sum"])
@@ -100,8 +101,9 @@ def metrics_delta(before: Samples, after: Samples) -> ServerMetricsDelta | None:
         delta.queue_time_count = count
         delta.queue_time_mean = total / count if count and total is not None else None
         bounds = {le for name, le in after if name == base + "_bucket" and le is not None}
-        buckets = [(float(le), after[(base + "_bucket", le)] - before.get((base + "_bucket", le), 0.0))
-                   for le in bounds]
+        buckets = [
+            (float(le), after[(base + "_bucket", le)] - before.get((base + "_bucket", le), 0.0)) for le in bounds
+        ]
         delta.queue_time_p50 = histogram_quantile(0.5, buckets)
         delta.queue_time_p99 = histogram_quantile(0.99, buckets)
     return delta

@@ -83,8 +83,10 @@ class SoakOptions:
         if self.kill_every <= 0:
             raise ValueError(f"--kill-every must be > 0 seconds, got {self.kill_every}")
         if self.kill_every >= self.duration:
-            raise ValueError(f"--kill-every ({self.kill_every:g}s) must be shorter than --duration "
-                             f"({self.duration:g}s), or nothing is killed")
+            raise ValueError(
+                f"--kill-every ({self.kill_every:g}s) must be shorter than --duration "
+                f"({self.duration:g}s), or nothing is killed"
+            )
         if self.url is None and (self.server_pid is not None or self.disk_dir is not None):
             raise ValueError("--server-pid and --disk-dir describe a server given by --url")
 
@@ -127,8 +129,12 @@ def _mount_tmpfs(directory: Path, size_bytes: int) -> str | None:
     """Mount a tmpfs of `size_bytes` on `directory`; the reason it failed, else None."""
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(1, size_bytes // 1024)}k", "tmpfs",
-                               str(directory)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={max(1, size_bytes // 1024)}k", "tmpfs", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"mount failed: {e}"
     return None if done.returncode == 0 else f"mount failed: {done.stderr.strip() or done.returncode}"
@@ -138,36 +144,82 @@ def _start(options: SoakOptions, workdir: Path, out: Path) -> ServerUnderTest:
     if options.url is not None:
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         return ServerUnderTest(
-            url=options.url.rstrip("/").removesuffix("/v1"), process=None, pid=options.server_pid,
-            headers=headers, keys=(options.api_key,) if options.api_key else (), limited_key=None,
-            disk_dir=options.disk_dir, fill_limit_bytes=parse_bytes(options.disk_size) if options.disk_dir else None,
-            disk_skip_reason=None if options.disk_dir else "no --disk-dir given with --url", log_path=None)
+            url=options.url.rstrip("/").removesuffix("/v1"),
+            process=None,
+            pid=options.server_pid,
+            headers=headers,
+            keys=(options.api_key,) if options.api_key else (),
+            limited_key=None,
+            disk_dir=options.disk_dir,
+            fill_limit_bytes=parse_bytes(options.disk_size) if options.disk_dir else None,
+            disk_skip_reason=None if options.disk_dir else "no --disk-dir given with --url",
+            log_path=None,
+        )
     disk = workdir / "disk-tier"
     mount_problem = _mount_tmpfs(disk, parse_bytes(options.tmpfs_size))
     if mount_problem is not None:
-        print(f"pagoda bench soak: no tmpfs for the disk tier ({mount_problem}); it is filled up to "
-              f"--disk-size instead, and ENOSPC is not guaranteed", file=sys.stderr)
+        print(
+            f"pagoda bench soak: no tmpfs for the disk tier ({mount_problem}); it is filled up to "
+            f"--disk-size instead, and ENOSPC is not guaranteed",
+            file=sys.stderr,
+        )
     port = free_port()
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", options.model or str(DEFAULT_MODEL_DIR),
-               "--port", str(port), "--data-parallel-size", "2", "--api-keys", str(_keys_file(workdir)),
-               "--max-request-bytes", str(options.max_request_bytes),
-               "--num-threads", "1", "--num-kv-blocks", "160", "--max-num-seqs", "8",
-               "--kv-offload-memory", "2MiB", "--kv-offload-disk", str(disk / "kv"),
-               "--kv-offload-disk-size", options.disk_size,
-               # Enough restarts for every kill of the run, so none stays down for want of budget.
-               "--max-replica-restarts", str(int(options.duration // options.kill_every) + 2),
-               *options.serve_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        "--model",
+        options.model or str(DEFAULT_MODEL_DIR),
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--api-keys",
+        str(_keys_file(workdir)),
+        "--max-request-bytes",
+        str(options.max_request_bytes),
+        "--num-threads",
+        "1",
+        "--num-kv-blocks",
+        "160",
+        "--max-num-seqs",
+        "8",
+        "--kv-offload-memory",
+        "2MiB",
+        "--kv-offload-disk",
+        str(disk / "kv"),
+        "--kv-offload-disk-size",
+        options.disk_size,
+        # Enough restarts for every kill of the run, so none stays down for want of budget.
+        "--max-replica-restarts",
+        str(int(options.duration // options.kill_every) + 2),
+        *options.serve_args,
+    ]
     log_path = out / "server.log"
-    process = start_server(command, f"http://127.0.0.1:{port}/health", timeout=options.startup_timeout_s,
-                           log_path=log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, name="pagoda serve")
+    process = start_server(
+        command,
+        f"http://127.0.0.1:{port}/health",
+        timeout=options.startup_timeout_s,
+        log_path=log_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        name="pagoda serve",
+    )
     first = next(iter(TENANT_KEYS.values()))
     return ServerUnderTest(
-        url=f"http://127.0.0.1:{port}", process=process, pid=process.pid,
-        headers={"Authorization": f"Bearer {first}"}, keys=tuple(TENANT_KEYS.values()),
-        limited_key=LIMITED_TENANT[1], disk_dir=str(disk),
+        url=f"http://127.0.0.1:{port}",
+        process=process,
+        pid=process.pid,
+        headers={"Authorization": f"Bearer {first}"},
+        keys=tuple(TENANT_KEYS.values()),
+        limited_key=LIMITED_TENANT[1],
+        disk_dir=str(disk),
         fill_limit_bytes=None if mount_problem is None else parse_bytes(options.disk_size),
-        disk_skip_reason=None, log_path=log_path, mounted=None if mount_problem else disk,
-        tmpfs_problem=mount_problem)
+        disk_skip_reason=None,
+        log_path=log_path,
+        mounted=None if mount_problem else disk,
+        tmpfs_problem=mount_problem,
+    )
 
 
 def _long_prompt(client: httpx.Client, model: str, target_tokens: int) -> str:
@@ -212,22 +264,32 @@ def _idle_state(client: httpx.Client) -> dict[str, Any]:
         "swapped": _per_replica(samples, "pagoda:num_requests_swapped"),
         "kv_cache_usage": _per_replica(samples, "pagoda:kv_cache_usage_perc"),
         "offload_usage": tiers,
-        "router": {str(r["replica"]): {"requests": r.get("requests"), "outstanding_tokens": r.get("outstanding_tokens"),
-                                       "alive": r.get("alive")} for r in health.get("replicas") or []},
+        "router": {
+            str(r["replica"]): {
+                "requests": r.get("requests"),
+                "outstanding_tokens": r.get("outstanding_tokens"),
+                "alive": r.get("alive"),
+            }
+            for r in health.get("replicas") or []
+        },
     }
 
 
 def _is_idle(state: dict[str, Any]) -> bool:
     held = [v for key in ("running", "waiting", "swapped", "kv_cache_usage") for v in state[key].values()]
     router = state["router"].values()
-    return (bool(state["running"]) and not any(held)
-            and all(r["alive"] and not r["requests"] and not r["outstanding_tokens"] for r in router))
+    return (
+        bool(state["running"])
+        and not any(held)
+        and all(r["alive"] and not r["requests"] and not r["outstanding_tokens"] for r in router)
+    )
 
 
 def _engine_rss(client: httpx.Client) -> dict[str, int | None]:
     replicas = engines_of(client.get("/health").json())
-    return {f"replica {r['replica']} (pid {r.get('pid')})": rss_bytes(r["pid"]) if r.get("pid") else None
-            for r in replicas}
+    return {
+        f"replica {r['replica']} (pid {r.get('pid')})": rss_bytes(r["pid"]) if r.get("pid") else None for r in replicas
+    }
 
 
 def _warm_up(client: httpx.Client, model: str) -> None:
@@ -252,13 +314,19 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
         # Unmounted whether or not the server started (a failed start leaves its mount too).
         subprocess.run(["umount", str(workdir / "disk-tier")], capture_output=True, timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)
-    report["machine"] = {"cpus": os.cpu_count(), "load_average_before": load_before,
-                         "load_average_after": os.getloadavg(), **report.get("machine", {})}
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        **report.get("machine", {}),
+    }
     if server.log_path is not None and server.log_path.exists():
         log = server.log_path.read_text(errors="replace")
-        report["server_log"] = {"disk_full_warnings": log.count(DISK_FULL_WARNING),
-                                "tracebacks": log.count("Traceback (most recent call last)"),
-                                "path": str(server.log_path)}
+        report["server_log"] = {
+            "disk_full_warnings": log.count(DISK_FULL_WARNING),
+            "tracebacks": log.count("Traceback (most recent call last)"),
+            "path": str(server.log_path),
+        }
     report["verdicts"] = [asdict(v) for v in _verdicts(options, report)]
     report["passed"] = all(v["passed"] is not False for v in report["verdicts"])
     notes = report["outcomes_of_note"]  # the first ones are evidence enough for the file
@@ -286,14 +354,30 @@ def _soak(options: SoakOptions, server: ServerUnderTest) -> dict[str, Any]:
         fill_for = options.fill_for if options.fill_for is not None else options.kill_every
         prober = HealthProber(server.url)
         started = time.monotonic()
-        chaos = ChaosThread(ChaosPlan(url=server.url, kill_every_s=options.kill_every, duration_s=options.duration,
-                                      recovery_wait_s=max(60.0, 2 * options.recovery_s), disk_dir=server.disk_dir,
-                                      fill_limit_bytes=server.fill_limit_bytes, fill_at_s=fill_at,
-                                      fill_for_s=fill_for, headers=server.headers), started)
+        chaos = ChaosThread(
+            ChaosPlan(
+                url=server.url,
+                kill_every_s=options.kill_every,
+                duration_s=options.duration,
+                recovery_wait_s=max(60.0, 2 * options.recovery_s),
+                disk_dir=server.disk_dir,
+                fill_limit_bytes=server.fill_limit_bytes,
+                fill_at_s=fill_at,
+                fill_for_s=fill_for,
+                headers=server.headers,
+            ),
+            started,
+        )
         tally = Tally(started=started)
-        plan = TrafficPlan(model=model, keys=server.keys, limited_key=server.limited_key,
-                           max_request_bytes=options.max_request_bytes, long_prompt=long_prompt,
-                           chat_streams=options.chat_streams, seed=options.seed)
+        plan = TrafficPlan(
+            model=model,
+            keys=server.keys,
+            limited_key=server.limited_key,
+            max_request_bytes=options.max_request_bytes,
+            long_prompt=long_prompt,
+            chat_streams=options.chat_streams,
+            seed=options.seed,
+        )
         chaos.start()
         try:
             asyncio.run(_drive(SoakTraffic(server.url, plan, tally), options.duration))
@@ -329,19 +413,37 @@ def _soak(options: SoakOptions, server: ServerUnderTest) -> dict[str, Any]:
         "kills": [asdict(k) for k in chaos.kills],
         "disk_fills": [asdict(f) for f in chaos.fills],
         "disk_fill_skipped": server.disk_skip_reason,
-        "disk_tier": {"directory": server.disk_dir, "tmpfs": server.mounted is not None,
-                      "tmpfs_problem": server.tmpfs_problem, "files_when_idle": disk_files},
-        "served_during_fill": [sum(1 for o in tally.outcomes if o.status == 200 and o.code is None
-                                   and f.at_s <= o.at_s <= (f.freed_at_s or o.at_s)) for f in chaos.fills],
+        "disk_tier": {
+            "directory": server.disk_dir,
+            "tmpfs": server.mounted is not None,
+            "tmpfs_problem": server.tmpfs_problem,
+            "files_when_idle": disk_files,
+        },
+        "served_during_fill": [
+            sum(
+                1
+                for o in tally.outcomes
+                if o.status == 200 and o.code is None and f.at_s <= o.at_s <= (f.freed_at_s or o.at_s)
+            )
+            for f in chaos.fills
+        ],
         "chaos_errors": chaos.errors,
-        "health": {"samples": len(health),
-                   "p50_ms": _ms(percentile(latencies, 50)), "p99_ms": _ms(percentile(latencies, 99)),
-                   "max_ms": _ms(max(latencies, default=None)),
-                   "statuses": _count(str(status) for _, _, status in health),
-                   "slowest": [{"at_s": t, "ms": _ms(lat), "status": s}
-                               for t, lat, s in sorted(health, key=lambda h: -h[1])[:5]]},
-        "rss": {"server_before": server_rss_before, "server_after": server_rss_after,
-                "engines_before": engines_before, "engines_after": engines_after},
+        "health": {
+            "samples": len(health),
+            "p50_ms": _ms(percentile(latencies, 50)),
+            "p99_ms": _ms(percentile(latencies, 99)),
+            "max_ms": _ms(max(latencies, default=None)),
+            "statuses": _count(str(status) for _, _, status in health),
+            "slowest": [
+                {"at_s": t, "ms": _ms(lat), "status": s} for t, lat, s in sorted(health, key=lambda h: -h[1])[:5]
+            ],
+        },
+        "rss": {
+            "server_before": server_rss_before,
+            "server_after": server_rss_after,
+            "engines_before": engines_before,
+            "engines_after": engines_after,
+        },
         "idle": {"after_s": round(drain_s, 1), "idle": _is_idle(state), "state": state},
         "metrics_delta": _metrics_delta(metrics_before, metrics_after),
         "client_counts": _client_counts(tally),
@@ -377,11 +479,12 @@ def _count(items: Any) -> dict[str, int]:
 
 def _metrics_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     out = {}
-    for name, label in (("pagoda:request_rejected_total", "reason"),
-                        ("pagoda:request_success_total", "finished_reason")):
+    for name, label in (
+        ("pagoda:request_rejected_total", "reason"),
+        ("pagoda:request_success_total", "finished_reason"),
+    ):
         b, a = _by_label(before, name, label), _by_label(after, name, label)
-        out[name] = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b))
-                     if a.get(k, 0.0) - b.get(k, 0.0)}
+        out[name] = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b)) if a.get(k, 0.0) - b.get(k, 0.0)}
     b, a = _per_replica(before, "pagoda:replica_restarts_total"), _per_replica(after, "pagoda:replica_restarts_total")
     out["pagoda:replica_restarts_total"] = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(a)}
     return out
@@ -389,12 +492,17 @@ def _metrics_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 def _client_counts(tally: Tally) -> dict[str, int]:
     """What the clients saw, under the reasons /metrics counts them by."""
-    return {"too_large": tally.count(413) + tally.count(0, UNREAD_413), "invalid_request": tally.count(400),
-            "unauthorized": tally.count(401),
-            "rate_limited": tally.count(429), "overloaded": tally.count(503, "overloaded"),
-            "too_large_unread": tally.count(0, UNREAD_413),
-            "engine_dead": tally.count(code="engine_dead"), "abort": tally.count(code="disconnect"),
-            "finished": tally.finished_requests}
+    return {
+        "too_large": tally.count(413) + tally.count(0, UNREAD_413),
+        "invalid_request": tally.count(400),
+        "unauthorized": tally.count(401),
+        "rate_limited": tally.count(429),
+        "overloaded": tally.count(503, "overloaded"),
+        "too_large_unread": tally.count(0, UNREAD_413),
+        "engine_dead": tally.count(code="engine_dead"),
+        "abort": tally.count(code="disconnect"),
+        "finished": tally.finished_requests,
+    }
 
 
 def _verdicts(options: SoakOptions, report: dict[str, Any]) -> list[Verdict]:
@@ -405,67 +513,107 @@ def _verdicts(options: SoakOptions, report: dict[str, Any]) -> list[Verdict]:
     verdicts = []
 
     # 1. No 5xx but engine_dead inside a kill's window.
-    windows = [(k["at_s"], k["at_s"] + (k["recovered_after_s"] or options.recovery_s) + ENGINE_DEAD_GRACE_S)
-               for k in kills]
+    windows = [
+        (k["at_s"], k["at_s"] + (k["recovered_after_s"] or options.recovery_s) + ENGINE_DEAD_GRACE_S) for k in kills
+    ]
     notes = report["outcomes_of_note"]
     excused = [o for o in notes if o["code"] == "engine_dead" and any(a <= o["at_s"] <= b for a, b in windows)]
     unexcused = [o for o in notes if o not in excused]
-    verdicts.append(Verdict(
-        "no 5xx except engine_dead on a killed replica", not unexcused, "0 outside kill windows",
-        f"{len(unexcused)} ({len(excused)} engine_dead inside kill windows)",
-        "; ".join(f"{o['traffic']} {o['status']} {o['code']} at {o['at_s']:.1f}s" for o in unexcused[:10])))
+    verdicts.append(
+        Verdict(
+            "no 5xx except engine_dead on a killed replica",
+            not unexcused,
+            "0 outside kill windows",
+            f"{len(unexcused)} ({len(excused)} engine_dead inside kill windows)",
+            "; ".join(f"{o['traffic']} {o['status']} {o['code']} at {o['at_s']:.1f}s" for o in unexcused[:10]),
+        )
+    )
 
     # 2. Every replica back in time.
     late = [k for k in kills if k["recovered_after_s"] is None or k["recovered_after_s"] > options.recovery_s]
-    expected_kills = sum(1 for k in range(1, int(options.duration // options.kill_every) + 1)
-                         if k * options.kill_every < options.duration)
+    expected_kills = sum(
+        1
+        for k in range(1, int(options.duration // options.kill_every) + 1)
+        if k * options.kill_every < options.duration
+    )
     recoveries = [k["recovered_after_s"] for k in kills]
-    verdicts.append(Verdict(
-        "every killed replica back", not late and len(kills) == expected_kills,
-        f"{expected_kills} kills, each back < {options.recovery_s:g} s",
-        f"{len(kills)} kills, back after {recoveries} s",
-        "; ".join([f"replica {k['replica']} pid {k['pid']} -> {k['new_pid']}" for k in kills]
-                  + report["chaos_errors"])))
+    verdicts.append(
+        Verdict(
+            "every killed replica back",
+            not late and len(kills) == expected_kills,
+            f"{expected_kills} kills, each back < {options.recovery_s:g} s",
+            f"{len(kills)} kills, back after {recoveries} s",
+            "; ".join(
+                [f"replica {k['replica']} pid {k['pid']} -> {k['new_pid']}" for k in kills] + report["chaos_errors"]
+            ),
+        )
+    )
 
     # 3. Nothing held once idle.
     idle = report["idle"]
-    verdicts.append(Verdict(
-        "zero KV blocks held when idle", idle["idle"], "0 running/waiting/swapped, kv_cache_usage 0, router at 0",
-        f"idle after {idle['after_s']} s" if idle["idle"] else f"not idle after {idle['after_s']} s",
-        json.dumps({k: idle["state"][k] for k in ("running", "waiting", "swapped", "kv_cache_usage", "router")})
-        + f"; tiers (cached copies, evictable): {json.dumps(idle['state']['offload_usage'])}"))
+    verdicts.append(
+        Verdict(
+            "zero KV blocks held when idle",
+            idle["idle"],
+            "0 running/waiting/swapped, kv_cache_usage 0, router at 0",
+            f"idle after {idle['after_s']} s" if idle["idle"] else f"not idle after {idle['after_s']} s",
+            json.dumps({k: idle["state"][k] for k in ("running", "waiting", "swapped", "kv_cache_usage", "router")})
+            + f"; tiers (cached copies, evictable): {json.dumps(idle['state']['offload_usage'])}",
+        )
+    )
 
     # 4. Server RSS.
     rss = report["rss"]
     if rss["server_before"] is None or rss["server_after"] is None:
-        verdicts.append(Verdict("server RSS growth", None, f"< {options.rss_growth_mb:g} MB", "n/a",
-                                "no server pid (give --server-pid with --url)"))
+        verdicts.append(
+            Verdict(
+                "server RSS growth",
+                None,
+                f"< {options.rss_growth_mb:g} MB",
+                "n/a",
+                "no server pid (give --server-pid with --url)",
+            )
+        )
     else:
         growth = (rss["server_after"] - rss["server_before"]) / 1e6
-        verdicts.append(Verdict("server RSS growth", growth < options.rss_growth_mb,
-                                f"< {options.rss_growth_mb:g} MB", f"{growth:+.1f} MB",
-                                f"{rss['server_before'] / 1e6:.1f} -> {rss['server_after'] / 1e6:.1f} MB; engines "
-                                f"{_mb(rss['engines_before'])} -> {_mb(rss['engines_after'])}"))
+        verdicts.append(
+            Verdict(
+                "server RSS growth",
+                growth < options.rss_growth_mb,
+                f"< {options.rss_growth_mb:g} MB",
+                f"{growth:+.1f} MB",
+                f"{rss['server_before'] / 1e6:.1f} -> {rss['server_after'] / 1e6:.1f} MB; engines "
+                f"{_mb(rss['engines_before'])} -> {_mb(rss['engines_after'])}",
+            )
+        )
 
     # 5. /health p99.
     health = report["health"]
     p99 = health["p99_ms"]
     statuses = health["statuses"]
     ok = p99 is not None and p99 < options.health_p99_ms and set(statuses) <= {"200"}
-    verdicts.append(Verdict("/health p99 throughout", ok, f"< {options.health_p99_ms:g} ms, always 200",
-                            f"p99 {p99} ms (p50 {health['p50_ms']}, max {health['max_ms']})",
-                            f"{health['samples']} probes, statuses {statuses}"
-                            + ("" if ok else f"; {load_note}")))
+    verdicts.append(
+        Verdict(
+            "/health p99 throughout",
+            ok,
+            f"< {options.health_p99_ms:g} ms, always 200",
+            f"p99 {p99} ms (p50 {health['p50_ms']}, max {health['max_ms']})",
+            f"{health['samples']} probes, statuses {statuses}" + ("" if ok else f"; {load_note}"),
+        )
+    )
 
     # 6. Errors counted under the right reason.
     rejected = report["metrics_delta"]["pagoda:request_rejected_total"]
     success = report["metrics_delta"]["pagoda:request_success_total"]
     client = report["client_counts"]
-    mismatches = [f"{reason}: clients {client[reason]}, /metrics {rejected.get(reason, 0):g}"
-                  for reason in ("too_large", "invalid_request", "unauthorized", "rate_limited", "overloaded",
-                                 "engine_dead") if client[reason] != rejected.get(reason, 0)]
-    unknown = sorted(set(rejected) - {"too_large", "invalid_request", "unauthorized", "rate_limited", "overloaded",
-                                      "engine_dead"})
+    mismatches = [
+        f"{reason}: clients {client[reason]}, /metrics {rejected.get(reason, 0):g}"
+        for reason in ("too_large", "invalid_request", "unauthorized", "rate_limited", "overloaded", "engine_dead")
+        if client[reason] != rejected.get(reason, 0)
+    ]
+    unknown = sorted(
+        set(rejected) - {"too_large", "invalid_request", "unauthorized", "rate_limited", "overloaded", "engine_dead"}
+    )
     mismatches += [f"{reason}: /metrics {rejected[reason]:g}, no client saw it" for reason in unknown]
     # A disconnect racing a kill may end as engine_dead instead of an abort.
     if abs(success.get("abort", 0) - client["abort"]) > len(kills):
@@ -473,15 +621,28 @@ def _verdicts(options: SoakOptions, report: dict[str, Any]) -> list[Verdict]:
     finished = sum(v for k, v in success.items() if k not in ("abort",))
     if finished != client["finished"]:
         mismatches.append(f"finished requests: clients {client['finished']}, /metrics {finished:g}")
-    verdicts.append(Verdict("every error counted in /metrics under its reason", not mismatches,
-                            "client counts == /metrics deltas", f"{len(mismatches)} mismatches",
-                            "; ".join(mismatches) or json.dumps({"rejected": rejected, "success": success})))
+    verdicts.append(
+        Verdict(
+            "every error counted in /metrics under its reason",
+            not mismatches,
+            "client counts == /metrics deltas",
+            f"{len(mismatches)} mismatches",
+            "; ".join(mismatches) or json.dumps({"rejected": rejected, "success": success}),
+        )
+    )
 
     # 7. The disk tier filled, and the server kept serving.
     fills = report["disk_fills"]
     if not fills:
-        verdicts.append(Verdict("disk tier filled, server kept serving", None, "filled, 200s meanwhile", "not filled",
-                                report.get("disk_fill_skipped") or "the run ended before the fill"))
+        verdicts.append(
+            Verdict(
+                "disk tier filled, server kept serving",
+                None,
+                "filled, 200s meanwhile",
+                "not filled",
+                report.get("disk_fill_skipped") or "the run ended before the fill",
+            )
+        )
     else:
         fill = fills[-1]
         log = report.get("server_log", {})
@@ -489,15 +650,18 @@ def _verdicts(options: SoakOptions, report: dict[str, Any]) -> list[Verdict]:
         # Two replicas, each warning once per full-disk condition.
         quiet = warnings is None or warnings <= 2 * len(fills)
         served = report["served_during_fill"][-1]
-        verdicts.append(Verdict(
-            "disk tier filled, server kept serving", fill["error"] is None and quiet and served > 0,
-            "filler written, 200s while full, freed; <= 1 full-disk warning per replica",
-            f"{fill['bytes_written'] / 1e6:.1f} MB filler, "
-            f"ENOSPC {'reached' if fill['reached_enospc'] else 'not reached'}",
-            f"filled at {fill['at_s']} s, freed at {fill['freed_at_s']} s, {served} requests served while full; "
-            f"full-disk warnings in the log: {warnings}; block files left once idle: "
-            f"{report['disk_tier']['files_when_idle']}"
-            + (f"; {fill['error']}" if fill["error"] else "")))
+        verdicts.append(
+            Verdict(
+                "disk tier filled, server kept serving",
+                fill["error"] is None and quiet and served > 0,
+                "filler written, 200s while full, freed; <= 1 full-disk warning per replica",
+                f"{fill['bytes_written'] / 1e6:.1f} MB filler, "
+                f"ENOSPC {'reached' if fill['reached_enospc'] else 'not reached'}",
+                f"filled at {fill['at_s']} s, freed at {fill['freed_at_s']} s, {served} requests served while full; "
+                f"full-disk warnings in the log: {warnings}; block files left once idle: "
+                f"{report['disk_tier']['files_when_idle']}" + (f"; {fill['error']}" if fill["error"] else ""),
+            )
+        )
     return verdicts
 
 
@@ -508,40 +672,75 @@ def _mb(by_engine: dict[str, int | None]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     options = report["options"]
     machine = report["machine"]
-    lines = [f"# pagoda bench soak: {'PASS' if report['passed'] else 'FAIL'}", "",
-             f"{options['duration']:g} s of mixed traffic against `{report['model']}` "
-             f"({'--url ' + options['url'] if options['url'] else 'DP=2, three tenants, host + disk KV tiers'}), "
-             f"a replica SIGKILLed every {options['kill_every']:g} s.",
-             f"Machine: {machine['cpus']} cores; load average before {_loads(machine['load_average_before'])}, "
-             f"after {_loads(machine['load_average_after'])}, highest 1-minute sample during the run "
-             f"{max([x for _, x in machine.get('load_average_samples', [])] or [0]):.2f}.", "",
-             "| invariant | verdict | bound | measured | evidence |", "|---|---|---|---|---|"]
+    lines = [
+        f"# pagoda bench soak: {'PASS' if report['passed'] else 'FAIL'}",
+        "",
+        f"{options['duration']:g} s of mixed traffic against `{report['model']}` "
+        f"({'--url ' + options['url'] if options['url'] else 'DP=2, three tenants, host + disk KV tiers'}), "
+        f"a replica SIGKILLed every {options['kill_every']:g} s.",
+        f"Machine: {machine['cpus']} cores; load average before {_loads(machine['load_average_before'])}, "
+        f"after {_loads(machine['load_average_after'])}, highest 1-minute sample during the run "
+        f"{max([x for _, x in machine.get('load_average_samples', [])] or [0]):.2f}.",
+        "",
+        "| invariant | verdict | bound | measured | evidence |",
+        "|---|---|---|---|---|",
+    ]
     for v in report["verdicts"]:
         verdict = {True: "pass", False: "**FAIL**", None: "not evaluated"}[v["passed"]]
         evidence = v["evidence"].replace("|", "\\|")
         lines.append(f"| {v['name']} | {verdict} | {v['bound']} | {v['value']} | {evidence} |")
     lines += ["", "## Traffic (status [code]: count)", "", "| class | outcomes |", "|---|---|"]
-    lines += [f"| {name} | {', '.join(f'{k}: {n}' for k, n in counts.items())} |"
-              for name, counts in report["traffic"].items()]
-    lines += ["", f"Finished requests (one per prompt, whatever its n): {report['finished_requests']}.", "",
-              "## Kills", "",
-              "| at (s) | replica | pid | back after (s) | new pid |", "|---|---|---|---|---|"]
-    lines += [f"| {k['at_s']:.1f} | {k['replica']} | {k['pid']} | {k['recovered_after_s']} | {k['new_pid']} |"
-              for k in report["kills"]]
+    lines += [
+        f"| {name} | {', '.join(f'{k}: {n}' for k, n in counts.items())} |"
+        for name, counts in report["traffic"].items()
+    ]
+    lines += [
+        "",
+        f"Finished requests (one per prompt, whatever its n): {report['finished_requests']}.",
+        "",
+        "## Kills",
+        "",
+        "| at (s) | replica | pid | back after (s) | new pid |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k['at_s']:.1f} | {k['replica']} | {k['pid']} | {k['recovered_after_s']} | {k['new_pid']} |"
+        for k in report["kills"]
+    ]
     disk = report["disk_tier"]
-    lines += ["", "## Disk tier", "",
-              f"{'A tmpfs' if disk['tmpfs'] else 'A plain directory'} at {disk['directory']}"
-              + (f" ({disk['tmpfs_problem']})" if disk["tmpfs_problem"] else "") + "; "
-              + ("; ".join(f"filled at {f['at_s']} s with {f['bytes_written'] / 1e6:.1f} MB "
-                           f"({'ENOSPC' if f['reached_enospc'] else 'no ENOSPC'}), freed at {f['freed_at_s']} s"
-                           for f in report["disk_fills"]) or f"not filled: {report['disk_fill_skipped']}")
-              + f"; block files once idle: {disk['files_when_idle']}."]
+    lines += [
+        "",
+        "## Disk tier",
+        "",
+        f"{'A tmpfs' if disk['tmpfs'] else 'A plain directory'} at {disk['directory']}"
+        + (f" ({disk['tmpfs_problem']})" if disk["tmpfs_problem"] else "")
+        + "; "
+        + (
+            "; ".join(
+                f"filled at {f['at_s']} s with {f['bytes_written'] / 1e6:.1f} MB "
+                f"({'ENOSPC' if f['reached_enospc'] else 'no ENOSPC'}), freed at {f['freed_at_s']} s"
+                for f in report["disk_fills"]
+            )
+            or f"not filled: {report['disk_fill_skipped']}"
+        )
+        + f"; block files once idle: {disk['files_when_idle']}.",
+    ]
     health = report["health"]
-    lines += ["", "## /health", "",
-              f"{health['samples']} probes: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, "
-              f"max {health['max_ms']} ms; slowest: "
-              + ", ".join(f"{s['ms']} ms at {s['at_s']:.1f} s" for s in health["slowest"]), "",
-              "## /metrics deltas", "", "```", json.dumps(report["metrics_delta"], indent=1), "```", ""]
+    lines += [
+        "",
+        "## /health",
+        "",
+        f"{health['samples']} probes: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, "
+        f"max {health['max_ms']} ms; slowest: "
+        + ", ".join(f"{s['ms']} ms at {s['at_s']:.1f} s" for s in health["slowest"]),
+        "",
+        "## /metrics deltas",
+        "",
+        "```",
+        json.dumps(report["metrics_delta"], indent=1),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -92,8 +92,11 @@ class ChaosThread(threading.Thread):
 
     def run(self) -> None:
         plan = self.plan
-        kill_times = [k * plan.kill_every_s for k in range(1, int(plan.duration_s // plan.kill_every_s) + 1)
-                      if k * plan.kill_every_s < plan.duration_s]
+        kill_times = [
+            k * plan.kill_every_s
+            for k in range(1, int(plan.duration_s // plan.kill_every_s) + 1)
+            if k * plan.kill_every_s < plan.duration_s
+        ]
         fill_at = plan.fill_at_s if plan.disk_dir else None
         free_at = None if fill_at is None else fill_at + plan.fill_for_s
         next_load = 0.0
@@ -147,8 +150,9 @@ class ChaosThread(threading.Thread):
         """Whether the killed replica serves again (alive, ok, a new pid), or was waited for long
         enough (then it stays unrecovered in the record)."""
         try:
-            entry = next((r for r in engines_of(client.get("/health").json())
-                          if str(r.get("replica")) == event.replica), None)
+            entry = next(
+                (r for r in engines_of(client.get("/health").json()) if str(r.get("replica")) == event.replica), None
+            )
         except (httpx.HTTPError, ValueError):
             entry = None
         if entry and entry.get("alive") and entry.get("status") == "ok" and entry.get("pid") != event.pid:
@@ -156,8 +160,9 @@ class ChaosThread(threading.Thread):
             event.new_pid = entry.get("pid")
             return True
         if self.elapsed() - event.at_s > self.plan.recovery_wait_s:
-            self.errors.append(f"replica {event.replica} not back {self.plan.recovery_wait_s:g}s after its kill "
-                               f"(/health: {entry})")
+            self.errors.append(
+                f"replica {event.replica} not back {self.plan.recovery_wait_s:g}s after its kill (/health: {entry})"
+            )
             return True
         return False
 
@@ -218,14 +223,18 @@ class HealthProber:
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
         self._receive, send = context.Pipe(duplex=False)
-        self._process = context.Process(target=_probe_health, name="soak-health",
-                                        args=(url, interval_s, timeout_s, self._stop, send), daemon=True)
+        self._process = context.Process(
+            target=_probe_health, name="soak-health", args=(url, interval_s, timeout_s, self._stop, send), daemon=True
+        )
         self._process.start()
         send.close()
 
     def stop(self) -> list[tuple[float, float, int]]:
         self._stop.set()
-        samples = [(float(at), float(took), int(status)) for at, took, status in
-                   json.loads(self._receive.recv_bytes())] if self._receive.poll(30) else []
+        samples = (
+            [(float(at), float(took), int(status)) for at, took, status in json.loads(self._receive.recv_bytes())]
+            if self._receive.poll(30)
+            else []
+        )
         self._process.join(10)
         return samples

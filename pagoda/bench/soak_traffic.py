@@ -25,12 +25,44 @@ REQUEST_TIMEOUT_S = 120.0
 # An oversized body whose 413 never reached the client: the server answered and closed before the
 # client had sent it all, and the reset took the answer with it (the server counts it too_large).
 UNREAD_413 = "closed_while_sending"
-WORDS = ("the", "queue", "river", "engine", "stone", "paper", "window", "garden", "signal", "market",
-         "yellow", "number", "quiet", "circle", "letter", "summer", "bridge", "cloud", "mirror", "table",
-         "forest", "doctor", "planet", "silver", "orange", "animal", "music", "winter", "island", "pocket")
-PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                  "age": {"type": "integer"}},
-                 "required": ["name", "age"], "additionalProperties": False}
+WORDS = (
+    "the",
+    "queue",
+    "river",
+    "engine",
+    "stone",
+    "paper",
+    "window",
+    "garden",
+    "signal",
+    "market",
+    "yellow",
+    "number",
+    "quiet",
+    "circle",
+    "letter",
+    "summer",
+    "bridge",
+    "cloud",
+    "mirror",
+    "table",
+    "forest",
+    "doctor",
+    "planet",
+    "silver",
+    "orange",
+    "animal",
+    "music",
+    "winter",
+    "island",
+    "pocket",
+)
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +104,9 @@ class Tally:
         return {name: dict(sorted(c.items())) for name, c in sorted(counts.items())}
 
     def count(self, status: int | None = None, code: str | None = None) -> int:
-        return sum(1 for o in self.outcomes
-                   if (status is None or o.status == status) and (code is None or o.code == code))
+        return sum(
+            1 for o in self.outcomes if (status is None or o.status == status) and (code is None or o.code == code)
+        )
 
 
 @dataclass(frozen=True)
@@ -120,8 +153,9 @@ class SoakTraffic:
 
     async def run(self, stop: asyncio.Event) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-        async with httpx.AsyncClient(base_url=self.url, timeout=REQUEST_TIMEOUT_S, limits=limits,
-                                     trust_env=False) as client:
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=REQUEST_TIMEOUT_S, limits=limits, trust_env=False
+        ) as client:
             loops: list[tuple[str, Callable[[httpx.AsyncClient], Awaitable[None]], int, float]] = [
                 ("chat_stream", self.chat_stream, self.plan.chat_streams, 0.2),
                 ("long_prompt", self.long_prompt, 1, 0.5),
@@ -132,11 +166,22 @@ class SoakTraffic:
                 ("tokenize", self.tokenize_flood, 1, 3.0),
                 ("malformed", self.malformed, 1, 3.0),
             ]
-            await asyncio.gather(*(self._loop(name, one, pause, client, stop)
-                                   for name, one, workers, pause in loops for _ in range(workers)))
+            await asyncio.gather(
+                *(
+                    self._loop(name, one, pause, client, stop)
+                    for name, one, workers, pause in loops
+                    for _ in range(workers)
+                )
+            )
 
-    async def _loop(self, name: str, one: Callable[[httpx.AsyncClient], Awaitable[None]], pause_s: float,
-                    client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    async def _loop(
+        self,
+        name: str,
+        one: Callable[[httpx.AsyncClient], Awaitable[None]],
+        pause_s: float,
+        client: httpx.AsyncClient,
+        stop: asyncio.Event,
+    ) -> None:
         while not stop.is_set():
             try:
                 await one(client)
@@ -147,8 +192,9 @@ class SoakTraffic:
             except asyncio.TimeoutError:
                 pass
 
-    async def _post(self, client: httpx.AsyncClient, traffic: str, path: str, body: dict[str, Any],
-                    key: str | None = None) -> None:
+    async def _post(
+        self, client: httpx.AsyncClient, traffic: str, path: str, body: dict[str, Any], key: str | None = None
+    ) -> None:
         response = await client.post(path, json=body, headers=self._headers(key))
         if response.status_code != 200:
             self.tally.add(traffic, response.status_code, _error_code(response.content))
@@ -158,10 +204,10 @@ class SoakTraffic:
             self.tally.finished_requests += sum(1 for c in choices if c.get("finish_reason")) // body.get("n", 1)
         self.tally.add(traffic, 200)
 
-    async def _stream(self, client: httpx.AsyncClient, traffic: str, path: str, body: dict[str, Any],
-                      drop_after_first: bool = False) -> None:
-        async with client.stream("POST", path, json={**body, "stream": True},
-                                 headers=self._headers()) as response:
+    async def _stream(
+        self, client: httpx.AsyncClient, traffic: str, path: str, body: dict[str, Any], drop_after_first: bool = False
+    ) -> None:
+        async with client.stream("POST", path, json={**body, "stream": True}, headers=self._headers()) as response:
             if response.status_code != 200:
                 self.tally.add(traffic, response.status_code, _error_code(await response.aread()))
                 return
@@ -182,39 +228,74 @@ class SoakTraffic:
             self.tally.add(traffic, 200, code)
 
     async def chat_stream(self, client: httpx.AsyncClient) -> None:
-        await self._stream(client, "chat_stream", "/v1/chat/completions", {
-            "model": self.plan.model, "messages": [{"role": "user", "content": self._text(12)}],
-            "max_tokens": self._random.randint(8, 32), "temperature": 0.8})
+        await self._stream(
+            client,
+            "chat_stream",
+            "/v1/chat/completions",
+            {
+                "model": self.plan.model,
+                "messages": [{"role": "user", "content": self._text(12)}],
+                "max_tokens": self._random.randint(8, 32),
+                "temperature": 0.8,
+            },
+        )
 
     async def long_prompt(self, client: httpx.AsyncClient) -> None:
         # A varying head so that each prompt is mostly cache misses (blocks flow down the tiers).
-        await self._post(client, "long_prompt", "/v1/completions", {
-            "model": self.plan.model, "prompt": self._text(4) + " " + self.plan.long_prompt,
-            "max_tokens": 4, "temperature": 0})
+        await self._post(
+            client,
+            "long_prompt",
+            "/v1/completions",
+            {
+                "model": self.plan.model,
+                "prompt": self._text(4) + " " + self.plan.long_prompt,
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+        )
 
     async def n_samples(self, client: httpx.AsyncClient) -> None:
-        await self._post(client, "n_samples", "/v1/completions", {
-            "model": self.plan.model, "prompt": self._text(8), "n": 3, "max_tokens": 12,
-            "temperature": 0.9})
+        await self._post(
+            client,
+            "n_samples",
+            "/v1/completions",
+            {"model": self.plan.model, "prompt": self._text(8), "n": 3, "max_tokens": 12, "temperature": 0.9},
+        )
 
     async def structured(self, client: httpx.AsyncClient) -> None:
-        await self._post(client, "structured", "/v1/chat/completions", {
-            "model": self.plan.model, "messages": [{"role": "user", "content": "a person: " + self._text(4)}],
-            "max_tokens": 32, "temperature": 0.7,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}})
+        await self._post(
+            client,
+            "structured",
+            "/v1/chat/completions",
+            {
+                "model": self.plan.model,
+                "messages": [{"role": "user", "content": "a person: " + self._text(4)}],
+                "max_tokens": 32,
+                "temperature": 0.7,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
+            },
+        )
 
     async def disconnect_storm(self, client: httpx.AsyncClient) -> None:
-        body = {"model": self.plan.model, "prompt": self._text(10), "max_tokens": 200, "temperature": 0.8,
-                "ignore_eos": True}
-        await asyncio.gather(*(self._stream(client, "disconnect", "/v1/completions", body, drop_after_first=True)
-                               for _ in range(4)), return_exceptions=False)
+        body = {
+            "model": self.plan.model,
+            "prompt": self._text(10),
+            "max_tokens": 200,
+            "temperature": 0.8,
+            "ignore_eos": True,
+        }
+        await asyncio.gather(
+            *(self._stream(client, "disconnect", "/v1/completions", body, drop_after_first=True) for _ in range(4)),
+            return_exceptions=False,
+        )
 
     async def oversized(self, client: httpx.AsyncClient) -> None:
         filler = "x" * (self.plan.max_request_bytes + 1024)
         content = json.dumps({"model": self.plan.model, "prompt": filler, "max_tokens": 1}).encode()
         try:
-            response = await client.post("/v1/completions", content=content,
-                                         headers={**self._headers(), "Content-Type": "application/json"})
+            response = await client.post(
+                "/v1/completions", content=content, headers={**self._headers(), "Content-Type": "application/json"}
+            )
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
             self.tally.add("oversized", 0, UNREAD_413)
             return
@@ -224,22 +305,40 @@ class SoakTraffic:
         prompt = self._text(400)
 
         async def one() -> None:
-            response = await client.post("/tokenize", json={"model": self.plan.model, "prompt": prompt},
-                                         headers=self._headers())
-            self.tally.add("tokenize", response.status_code,
-                           None if response.status_code == 200 else _error_code(response.content))
+            response = await client.post(
+                "/tokenize", json={"model": self.plan.model, "prompt": prompt}, headers=self._headers()
+            )
+            self.tally.add(
+                "tokenize", response.status_code, None if response.status_code == 200 else _error_code(response.content)
+            )
 
         await asyncio.gather(*(one() for _ in range(16)))
 
     async def malformed(self, client: httpx.AsyncClient) -> None:
         # n past its limit: 400 before any work.
-        await self._post(client, "malformed", "/v1/completions",
-                         {"model": self.plan.model, "prompt": "hello", "n": 10_000, "max_tokens": 1})
+        await self._post(
+            client,
+            "malformed",
+            "/v1/completions",
+            {"model": self.plan.model, "prompt": "hello", "n": 10_000, "max_tokens": 1},
+        )
         if self.plan.keys:  # a key nobody holds: 401
-            response = await client.post("/v1/completions", headers={"Authorization": "Bearer not-a-key"},
-                                         json={"model": self.plan.model, "prompt": "hello", "max_tokens": 1})
+            response = await client.post(
+                "/v1/completions",
+                headers={"Authorization": "Bearer not-a-key"},
+                json={"model": self.plan.model, "prompt": "hello", "max_tokens": 1},
+            )
             self.tally.add("malformed", response.status_code, _error_code(response.content))
         if self.plan.limited_key is not None:  # a burst past the tenant's request rate: some 429s
-            await asyncio.gather(*(self._post(client, "rate_limited", "/v1/completions",
-                                              {"model": self.plan.model, "prompt": self._text(3), "max_tokens": 2},
-                                              key=self.plan.limited_key) for _ in range(4)))
+            await asyncio.gather(
+                *(
+                    self._post(
+                        client,
+                        "rate_limited",
+                        "/v1/completions",
+                        {"model": self.plan.model, "prompt": self._text(3), "max_tokens": 2},
+                        key=self.plan.limited_key,
+                    )
+                    for _ in range(4)
+                )
+            )

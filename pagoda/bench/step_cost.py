@@ -28,8 +28,12 @@ class StepCost:
     source: str = "default"
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
-        return (self.base_s + self.per_prefill_token_s * prefill_tokens
-                + self.per_decode_seq_s * decode_seqs + self.per_context_token_s * context_tokens)
+        return (
+            self.base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_seq_s * decode_seqs
+            + self.per_context_token_s * context_tokens
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,9 +41,13 @@ class StepCost:
 
 # calibrate("pagoda-coder", num_threads=1) on the project machine (2 vCPU Zen 4) while it was
 # shared with other work (load average ~9): slower than a quiet machine, as a busy server is.
-DEFAULT_STEP_COST = StepCost(base_s=1.24e-2, per_prefill_token_s=4.08e-4, per_decode_seq_s=2.34e-3,
-                             per_context_token_s=1.14e-6,
-                             source="pagoda-coder, 1 thread, 2-core CPU (shared)")
+DEFAULT_STEP_COST = StepCost(
+    base_s=1.24e-2,
+    per_prefill_token_s=4.08e-4,
+    per_decode_seq_s=2.34e-3,
+    per_context_token_s=1.14e-6,
+    source="pagoda-coder, 1 thread, 2-core CPU (shared)",
+)
 
 
 def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost:
@@ -52,8 +60,9 @@ def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost
     from pagoda.sampling_params import SamplingParams
 
     torch.set_num_threads(num_threads)
-    engine = LLMEngine(EngineConfig(model=model, num_threads=num_threads,
-                                    enable_prefix_caching=False, max_num_batched_tokens=16384))
+    engine = LLMEngine(
+        EngineConfig(model=model, num_threads=num_threads, enable_prefix_caching=False, max_num_batched_tokens=16384)
+    )
     vocab = engine.core.model_config.vocab_size
     max_len = engine.max_model_len
     samples: list[tuple[int, int, int, float]] = []  # prefill, decode seqs, context, seconds
@@ -70,16 +79,20 @@ def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost
 
     for _ in range(repeats):
         for length in (16, 64, 256, min(1024, max_len // 2)):
-            engine.add_request(EngineRequest(f"p{next(counter)}", prompt(length),
-                                             SamplingParams(max_tokens=1, ignore_eos=True)))
+            engine.add_request(
+                EngineRequest(f"p{next(counter)}", prompt(length), SamplingParams(max_tokens=1, ignore_eos=True))
+            )
             timed_step(length, 0, 0)
             while engine.has_unfinished_requests():
                 engine.step()
         for batch in (1, 4, 16, 32):
             for context in (32, min(384, max_len // 2)):
                 for _ in range(batch):
-                    engine.add_request(EngineRequest(f"d{next(counter)}", prompt(context),
-                                                     SamplingParams(max_tokens=4, ignore_eos=True)))
+                    engine.add_request(
+                        EngineRequest(
+                            f"d{next(counter)}", prompt(context), SamplingParams(max_tokens=4, ignore_eos=True)
+                        )
+                    )
                 engine.step()  # the prompts, all in one step (the budget holds them)
                 for _ in range(2):
                     timed_step(0, batch, batch * context)
@@ -90,8 +103,7 @@ def calibrate(model: str, *, num_threads: int = 1, repeats: int = 5) -> StepCost
     for prefill, seqs, context, seconds in samples:
         key = (prefill, seqs, context)
         fastest[key] = min(seconds, fastest.get(key, seconds))
-    return fit([(*key, seconds) for key, seconds in fastest.items()],
-               source=f"{model}, {num_threads} thread(s)")
+    return fit([(*key, seconds) for key, seconds in fastest.items()], source=f"{model}, {num_threads} thread(s)")
 
 
 def fit(samples: list[tuple[int, int, int, float]], *, source: str) -> StepCost:

@@ -53,8 +53,9 @@ def parse_target(text: str) -> TargetSpec:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"bad target option {item!r} in {text!r}; expected KEY=VALUE")
-        options[key.strip().replace("-", "_")] = value.strip() if key.strip() in ("url", "model", "label") \
-            else parse_value(value.strip())
+        options[key.strip().replace("-", "_")] = (
+            value.strip() if key.strip() in ("url", "model", "label") else parse_value(value.strip())
+        )
     label = str(options.pop("label", text))
     if kind == "http" and "url" not in options:
         raise ValueError(f"target {text!r} needs url=http://HOST:PORT")

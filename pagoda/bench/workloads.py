@@ -30,8 +30,13 @@ DEFAULT_PARAMS: dict[str, dict[str, LengthDist]] = {
     "chat": {"prompt": lognormal(200, 1000), "output": lognormal(150, 500)},
     "rag": {"docs": fixed(4), "doc": fixed(2000), "question": uniform(10, 40), "output": lognormal(100, 300)},
     "summarize": {"prompt": lognormal(3000, 6000), "output": lognormal(400, 900)},
-    "agent": {"prompt": lognormal(800, 1500), "tool": uniform(50, 300), "output": lognormal(80, 200),
-              "turns": uniform(3, 6), "sessions": fixed(4)},
+    "agent": {
+        "prompt": lognormal(800, 1500),
+        "tool": uniform(50, 300),
+        "output": lognormal(80, 200),
+        "turns": uniform(3, 6),
+        "sessions": fixed(4),
+    },
     "file": {"output": lognormal(150, 500)},
 }
 COUNT_PARAMS = ("docs", "turns", "sessions")
@@ -40,10 +45,13 @@ AGENT_TASK = "You are an agent with tools. Task:"
 AGENT_ASSISTANT_MARK = "\n\nAssistant:"
 AGENT_TOOL_MARK = "\n\nTool result:"
 
-PARAM_HELP = ("override a class's lengths, repeatable: CLASS.FIELD=LENGTH, e.g. chat.prompt=lognormal:200:1000, "
-              "rag.doc=2000, rag.docs=4, agent.turns=uniform:3:6. Fields: " + "; ".join(
-                  f"{name}: {', '.join(f'{k}={v}' for k, v in fields.items())}"
-                  for name, fields in DEFAULT_PARAMS.items()))
+PARAM_HELP = (
+    "override a class's lengths, repeatable: CLASS.FIELD=LENGTH, e.g. chat.prompt=lognormal:200:1000, "
+    "rag.doc=2000, rag.docs=4, agent.turns=uniform:3:6. Fields: "
+    + "; ".join(
+        f"{name}: {', '.join(f'{k}={v}' for k, v in fields.items())}" for name, fields in DEFAULT_PARAMS.items()
+    )
+)
 
 
 @dataclass
@@ -60,8 +68,10 @@ class WorkloadSpec:
         base = DEFAULT_PARAMS["file" if class_name.startswith("file:") else class_name]
         merged = dict(base)
         merged.update(self.overrides.get(class_name, {}))
-        return {k: (v if k in COUNT_PARAMS or k in self.overrides.get(class_name, {})
-                    else v.scaled(self.length_scale)) for k, v in merged.items()}
+        return {
+            k: (v if k in COUNT_PARAMS or k in self.overrides.get(class_name, {}) else v.scaled(self.length_scale))
+            for k, v in merged.items()
+        }
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -137,7 +147,7 @@ class Workload:
         self.spec = spec
         self.builder = builder
         self.params = {name: spec.params(name) for name in spec.mix}
-        self._files = {name: _load_jsonl(Path(name[len("file:"):])) for name in spec.mix if name.startswith("file:")}
+        self._files = {name: _load_jsonl(Path(name[len("file:") :])) for name in spec.mix if name.startswith("file:")}
         self._rngs = {name: random.Random(spec.seed * 1_000_003 + zlib.crc32(name.encode())) for name in spec.mix}
         self._docs: list[str] = []
         self._sessions: list[_AgentSession] = []
@@ -163,8 +173,9 @@ class Workload:
         rng, params = self._rngs[name], self.params[name]
         prompt_len, output_len = self._fit(params["prompt"].sample(rng), params["output"].sample(rng))
         prompt = self._text(prompt_len, rng)
-        return BenchRequest(index, name, prompt, [{"role": "user", "content": prompt}],
-                            self.builder.count(prompt), output_len)
+        return BenchRequest(
+            index, name, prompt, [{"role": "user", "content": prompt}], self.builder.count(prompt), output_len
+        )
 
     def _rag(self, index: int) -> BenchRequest:
         rng, params = self._rngs["rag"], self.params["rag"]
@@ -179,8 +190,9 @@ class Workload:
         question_len, output_len = params["question"].sample(rng), params["output"].sample(rng)
         total, output_len = self._fit(base + max(1, question_len), output_len)
         prompt = self.builder.extend_to(prefix, max(total, base + 1), rng)
-        return BenchRequest(index, "rag", prompt, [{"role": "user", "content": prompt}],
-                            self.builder.count(prompt), output_len)
+        return BenchRequest(
+            index, "rag", prompt, [{"role": "user", "content": prompt}], self.builder.count(prompt), output_len
+        )
 
     def _agent(self, index: int) -> BenchRequest:
         rng, params = self._rngs["agent"], self.params["agent"]
@@ -197,12 +209,22 @@ class Workload:
             self._sessions.remove(session)  # the conversation no longer fits: the session ends
             return self._agent(index)
         prompt = self.builder.extend_to(head, base + tool_len, rng)
-        tool_text = prompt[len(head):]
-        messages = session.messages + [{"role": "assistant", "content": assistant},
-                                       {"role": "user", "content": AGENT_TOOL_MARK.strip() + tool_text}]
-        request = BenchRequest(index, "agent", prompt, messages, self.builder.count(prompt), output_len,
-                               session=session.session_id, turn=len(messages) // 2,
-                               depends_on=session.last_index)
+        tool_text = prompt[len(head) :]
+        messages = session.messages + [
+            {"role": "assistant", "content": assistant},
+            {"role": "user", "content": AGENT_TOOL_MARK.strip() + tool_text},
+        ]
+        request = BenchRequest(
+            index,
+            "agent",
+            prompt,
+            messages,
+            self.builder.count(prompt),
+            output_len,
+            session=session.session_id,
+            turn=len(messages) // 2,
+            depends_on=session.last_index,
+        )
         session.prompt, session.messages, session.last_index = prompt, messages, index
         session.last_output_len = output_len
         session.turns_left -= 1
@@ -214,19 +236,21 @@ class Workload:
         prompt_len, output_len = self._fit(params["prompt"].sample(rng), params["output"].sample(rng))
         prompt = self.builder.extend_to(AGENT_TASK, max(prompt_len, self.builder.count(AGENT_TASK) + 1), rng)
         messages = [{"role": "user", "content": prompt}]
-        session = _AgentSession(self._next_session, prompt, messages, max(1, params["turns"].sample(rng)) - 1,
-                                index, output_len)
+        session = _AgentSession(
+            self._next_session, prompt, messages, max(1, params["turns"].sample(rng)) - 1, index, output_len
+        )
         self._next_session += 1
         if session.turns_left > 0:
             self._sessions.append(session)
-        return BenchRequest(index, "agent", prompt, messages, self.builder.count(prompt), output_len,
-                            session=session.session_id, turn=0)
+        return BenchRequest(
+            index, "agent", prompt, messages, self.builder.count(prompt), output_len, session=session.session_id, turn=0
+        )
 
     def _from_file(self, index: int, name: str) -> BenchRequest:
         rows, rng = self._files[name], self._rngs[name]
         row = rows[self._file_pos[name] % len(rows)]
         self._file_pos[name] += 1
-        class_name = str(row.get("class", Path(name[len("file:"):]).stem))
+        class_name = str(row.get("class", Path(name[len("file:") :]).stem))
         output_len = int(row["output_len"]) if "output_len" in row else self.params[name]["output"].sample(rng)
         if "messages" in row:
             messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]]
@@ -240,8 +264,9 @@ class Workload:
             messages = [{"role": "user", "content": prompt}]
         prompt_len = self.builder.count(prompt)
         if self.spec.max_model_len is not None and prompt_len >= self.spec.max_model_len:
-            raise ValueError(f"{name}: a prompt of {prompt_len} tokens does not fit max_model_len "
-                             f"{self.spec.max_model_len}")
+            raise ValueError(
+                f"{name}: a prompt of {prompt_len} tokens does not fit max_model_len {self.spec.max_model_len}"
+            )
         _, output_len = self._fit(prompt_len, output_len)
         return BenchRequest(index, class_name, prompt, messages, prompt_len, output_len)
 

@@ -17,17 +17,17 @@ import importlib
 
 # The command modules, in the order `pagoda --help` lists them.
 COMMANDS = (
-    "pagoda.cli.serve",      # pagoda serve
-    "pagoda.cli.generate",   # pagoda generate
+    "pagoda.cli.serve",  # pagoda serve
+    "pagoda.cli.generate",  # pagoda generate
     "pagoda.cli.run_batch",  # pagoda run-batch
-    "pagoda.cli.chat",       # pagoda chat
-    "pagoda.cli.bench",      # pagoda bench serve|offline|compare
-    "pagoda.cli.plan",       # pagoda plan
-    "pagoda.cli.gate",       # pagoda gate | gate record
-    "pagoda.cli.audit",      # pagoda audit
-    "pagoda.cli.doctor",     # pagoda doctor
-    "pagoda.cli.eval",       # pagoda eval perplexity
-    "pagoda.cli.inspect",    # pagoda inspect MODEL
+    "pagoda.cli.chat",  # pagoda chat
+    "pagoda.cli.bench",  # pagoda bench serve|offline|compare
+    "pagoda.cli.plan",  # pagoda plan
+    "pagoda.cli.gate",  # pagoda gate | gate record
+    "pagoda.cli.audit",  # pagoda audit
+    "pagoda.cli.doctor",  # pagoda doctor
+    "pagoda.cli.eval",  # pagoda eval perplexity
+    "pagoda.cli.inspect",  # pagoda inspect MODEL
 )
 
 
@@ -36,11 +36,20 @@ class VersionAction(argparse.Action):
     (imports torch, so only when asked)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0,
-                         help="print pagoda's version and the native CPU kernels it runs here, then exit")
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            help="print pagoda's version and the native CPU kernels it runs here, then exit",
+        )
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
         from pagoda.kernels import native_version_line

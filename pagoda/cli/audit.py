@@ -15,22 +15,25 @@ with the mitigation applied. Traffic is bounded (--budget) and goes only to the 
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    audit = subparsers.add_parser("audit", help="side-channel audit of a deployment from two "
-                                  "tenants' seats", description=AUDIT_DESCRIPTION,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    audit = subparsers.add_parser(
+        "audit",
+        help="side-channel audit of a deployment from two tenants' seats",
+        description=AUDIT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     audit.add_argument("url", metavar="URL", help="base URL, or pagoda:ARGS to launch one")
     audit.add_argument("--key-a", default=None, help="tenant A's API key (the victim's seat)")
     audit.add_argument("--key-b", default=None, help="tenant B's API key (the observer's seat)")
     audit.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     audit.add_argument("--out", default="audit-report", help="directory for the report files")
-    audit.add_argument("--probes", default="cache,length,queue,stream",
-                       help="comma-separated subset of cache,length,queue,stream")
-    audit.add_argument("--trials", type=int, default=24,
-                       help="hit and miss trials each for the cache probe")
-    audit.add_argument("--budget", type=int, default=600,
-                       help="most requests the audit may send in total")
-    audit.add_argument("--no-rerun", action="store_true",
-                       help="do not re-run probes with mitigations on a launched pagoda")
+    audit.add_argument(
+        "--probes", default="cache,length,queue,stream", help="comma-separated subset of cache,length,queue,stream"
+    )
+    audit.add_argument("--trials", type=int, default=24, help="hit and miss trials each for the cache probe")
+    audit.add_argument("--budget", type=int, default=600, help="most requests the audit may send in total")
+    audit.add_argument(
+        "--no-rerun", action="store_true", help="do not re-run probes with mitigations on a launched pagoda"
+    )
     audit.add_argument("--seed", type=int, default=0, help="seed of the random probe prompts")
     audit.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
     audit.add_argument("--launch-timeout", type=float, default=300.0)

@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagoda.config import EngineConfig
 from pagoda.cli.model_flag import use_chat_model_default
 from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
+from pagoda.config import EngineConfig
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("chat", help="interactive chat in the terminal",
-                                   description="Chat with a model in the terminal; replies stream as they are generated.")
+    parser = subparsers.add_parser(
+        "chat",
+        help="interactive chat in the terminal",
+        description="Chat with a model in the terminal; replies stream as they are generated.",
+    )
     parser.add_argument("--system", default=None, help="system message to start the conversation with")
     add_sampling_args(parser, default_max_tokens=256)
     # --seed is the request's seed here; the engine keeps its default.

@@ -15,21 +15,33 @@ could not be read."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("doctor", help="diagnose a running server from its metrics",
-                                   description=DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "doctor",
+        help="diagnose a running server from its metrics",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--window", type=float, default=30.0,
-                        help="seconds between the two /metrics scrapes (default 30)")
-    parser.add_argument("--probe", action="store_true",
-                        help="send a few short requests: prefix-cache reuse, chunk spacing at a client")
-    parser.add_argument("--key", action="append", default=[], metavar="API_KEY",
-                        help="API key (repeatable: a second key's tenant is probed for prefix sharing)")
+    parser.add_argument(
+        "--window", type=float, default=30.0, help="seconds between the two /metrics scrapes (default 30)"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="send a few short requests: prefix-cache reuse, chunk spacing at a client"
+    )
+    parser.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        metavar="API_KEY",
+        help="API key (repeatable: a second key's tenant is probed for prefix sharing)",
+    )
     parser.add_argument("--model", default=None, help="model for the probe (default: the first of /v1/models)")
-    parser.add_argument("--ttft-target", type=float, default=1.0,
-                        help="time-to-first-token objective, seconds (default 1)")
-    parser.add_argument("--itl-target", type=float, default=0.1,
-                        help="inter-token latency objective, seconds (default 0.1)")
+    parser.add_argument(
+        "--ttft-target", type=float, default=1.0, help="time-to-first-token objective, seconds (default 1)"
+    )
+    parser.add_argument(
+        "--itl-target", type=float, default=0.1, help="inter-token latency objective, seconds (default 0.1)"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request (default 30)")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -45,9 +57,15 @@ def run_doctor_cli(args: argparse.Namespace) -> int:
     try:
         if args.ttft_target <= 0 or args.itl_target <= 0:
             raise ValueError("--ttft-target and --itl-target must be > 0")
-        options = DoctorOptions(url=args.url, window_s=args.window, probe=args.probe, api_keys=args.key,
-                                model=args.model, targets=Targets(args.ttft_target, args.itl_target),
-                                timeout_s=args.timeout)
+        options = DoctorOptions(
+            url=args.url,
+            window_s=args.window,
+            probe=args.probe,
+            api_keys=args.key,
+            model=args.model,
+            targets=Targets(args.ttft_target, args.itl_target),
+            timeout_s=args.timeout,
+        )
         report = run_doctor(options)
     except (ValueError, DoctorError) as error:
         print(f"pagoda doctor: error: {error}", file=sys.stderr)

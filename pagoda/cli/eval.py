@@ -12,23 +12,33 @@ from pagoda.eval.options import PerplexityOptions
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("eval", help="evaluate model quality with the engine (perplexity)",
-                                   description="Evaluate model quality with the engine itself.")
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate model quality with the engine (perplexity)",
+        description="Evaluate model quality with the engine itself.",
+    )
     evals = parser.add_subparsers(dest="eval_command", metavar="EVAL", required=True)
     perplexity = evals.add_parser(
-        "perplexity", help="perplexity on local text, with the delta against full precision",
+        "perplexity",
+        help="perplexity on local text, with the delta against full precision",
         description="Perplexity over sliding windows of prompt logprobs, for the engine as configured "
-                    "(--quantization, --kv-cache-dtype, ...) and for the same model at full precision.")
+        "(--quantization, --kv-cache-dtype, ...) and for the same model at full precision.",
+    )
     defaults = PerplexityOptions(text="")
     perplexity.add_argument("--text", required=True, help="a text file, or a directory of text files (recursive)")
-    perplexity.add_argument("--window", type=int, default=defaults.window,
-                            help="tokens per window (capped by the model length)")
-    perplexity.add_argument("--stride", type=int, default=defaults.stride,
-                            help="tokens a window advances; each token gets at least window - stride of context")
-    perplexity.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                            help="score at most this many tokens (0: all)")
-    perplexity.add_argument("--no-baseline", dest="baseline", action="store_false",
-                            help="skip the full-precision run")
+    perplexity.add_argument(
+        "--window", type=int, default=defaults.window, help="tokens per window (capped by the model length)"
+    )
+    perplexity.add_argument(
+        "--stride",
+        type=int,
+        default=defaults.stride,
+        help="tokens a window advances; each token gets at least window - stride of context",
+    )
+    perplexity.add_argument(
+        "--max-tokens", type=int, default=defaults.max_tokens, help="score at most this many tokens (0: all)"
+    )
+    perplexity.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the full-precision run")
     perplexity.add_argument("--json", action="store_true", help="print one JSON object")
     EngineConfig.add_cli_args(perplexity)
     perplexity.set_defaults(func=run_perplexity)

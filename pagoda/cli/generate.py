@@ -7,16 +7,20 @@ import json
 import sys
 import time
 
-from pagoda.config import EngineConfig
 from pagoda.cli.model_flag import use_chat_model_default
 from pagoda.cli.sampling_flags import add_sampling_args, sampling_params_from_args
+from pagoda.config import EngineConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("generate", help="generate completions offline (no server)",
-                                   description="Generate completions for prompts with the engine, no server.")
-    parser.add_argument("--prompt", action="append", required=True,
-                        help="prompt text (repeatable; several prompts run as one batch)")
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate completions offline (no server)",
+        description="Generate completions for prompts with the engine, no server.",
+    )
+    parser.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeatable; several prompts run as one batch)"
+    )
     parser.add_argument("--chat", action="store_true", help="treat each prompt as a user message (chat template)")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -50,13 +54,19 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     for prompt, output in zip(args.prompt, outputs):
         if args.json:
-            print(json.dumps({
-                "prompt": prompt,
-                "completions": [{"text": c.text, "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}
-                                for c in output.outputs],
-                "num_prompt_tokens": len(output.prompt_token_ids),
-                "num_cached_tokens": output.num_cached_tokens,
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "completions": [
+                            {"text": c.text, "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}
+                            for c in output.outputs
+                        ],
+                        "num_prompt_tokens": len(output.prompt_token_ids),
+                        "num_cached_tokens": output.num_cached_tokens,
+                    }
+                )
+            )
             continue
         for completion in output.outputs:
             print(f"--- prompt: {prompt!r} (sample {completion.index}, {completion.finish_reason})")

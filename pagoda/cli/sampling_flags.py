@@ -29,6 +29,10 @@ def sampling_params_from_args(args: argparse.Namespace, defaults: dict[str, Any]
         value = getattr(args, name)
         if value is not None:
             values[name] = value
-    values.update(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                  structured_outputs=structured_outputs_from_args(args), **extra)
+    values.update(
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        structured_outputs=structured_outputs_from_args(args),
+        **extra,
+    )
     return SamplingParams(**values)

@@ -20,11 +20,13 @@ SMOLLM2_TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "chat_templates" 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions, "
-                    "/v1/responses, /v1/embeddings and /v1/models, Anthropic's /v1/messages, and "
-                    "/tokenize, /detokenize, /health, /metrics. vLLM's `vllm serve` command lines "
-                    "run as they are.")
+        "/v1/responses, /v1/embeddings and /v1/models, Anthropic's /v1/messages, and "
+        "/tokenize, /detokenize, /health, /metrics. vLLM's `vllm serve` command lines "
+        "run as they are.",
+    )
     ServerSettings.add_cli_args(parser)
     EngineConfig.add_cli_args(parser)
     DeploymentConfig.add_cli_args(parser)
@@ -56,8 +58,9 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, DeploymentCon
     except ValueError as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
     kv_default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_memory")
-    engine = apply_gpu_memory_utilization(engine, args.gpu_memory_utilization,
-                                          kv_cache_memory_given=args.kv_cache_memory != kv_default)
+    engine = apply_gpu_memory_utilization(
+        engine, args.gpu_memory_utilization, kv_cache_memory_given=args.kv_cache_memory != kv_default
+    )
     return engine, deployment, settings
 
 

@@ -7,8 +7,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
-                      extra_keys: tuple = ()) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
     """Chained hash of one full block: H(parent, tokens, extra keys).
 
     The chain makes a block's hash name its whole prefix. Extra keys carry everything that
@@ -85,8 +84,9 @@ class FreeBlockQueue:
 class BlockPool:
     """All physical blocks of the KV cache and the map from block hash to cached block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool,
-                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, on_evict: Callable[[KVBlock], None] | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -43,7 +43,7 @@ def kv_cache_groups(layer_windows: Sequence[int | None], release: bool) -> list[
     groups = []
     for window, layers in by_window.items():
         for first in range(0, len(layers), size):
-            groups.append(KVCacheGroup(tuple(layers[first:first + size]), window))
+            groups.append(KVCacheGroup(tuple(layers[first : first + size]), window))
     return groups
 
 
@@ -69,14 +69,16 @@ def blocks_held(group: KVCacheGroup, num_tokens: int, block_size: int, num_new_t
     return min(total, blocks_for(group.window - 1 + num_new_tokens, block_size) + 1)
 
 
-def pages_per_sequence(groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int,
-                       num_new_tokens: int = 1) -> int:
+def pages_per_sequence(
+    groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, num_new_tokens: int = 1
+) -> int:
     """Pool blocks one sequence of `num_tokens` tokens holds, over all groups."""
     return sum(blocks_held(g, num_tokens, block_size, num_new_tokens) for g in groups)
 
 
-def longest_sequence_blocks(groups: Sequence[KVCacheGroup], num_pages: int, block_size: int,
-                            max_tokens: int, num_new_tokens: int) -> int:
+def longest_sequence_blocks(
+    groups: Sequence[KVCacheGroup], num_pages: int, block_size: int, max_tokens: int, num_new_tokens: int
+) -> int:
     """The longest sequence (in blocks of tokens, at most blocks_for(max_tokens)) whose blocks
     over all groups fit in `num_pages`, computing `num_new_tokens` at a time."""
     low, high = 0, blocks_for(max_tokens, block_size)

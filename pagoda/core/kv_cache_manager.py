@@ -44,9 +44,15 @@ class RequestBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 host_tier: HostTier | None = None, preemption: PreemptionPolicy | None = None,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        host_tier: HostTier | None = None,
+        preemption: PreemptionPolicy | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.host_tier = host_tier
@@ -58,8 +64,9 @@ class KVCacheManager:
         self.single_table = len(self.groups) == 1 and self.groups[0].window is None
         if host_tier is not None and not self.single_table:
             raise ValueError("a host KV tier cannot hold blocks of sliding-window groups yet")
-        self.pool = BlockPool(num_blocks, enable_caching,
-                              on_evict=self._offload if host_tier is not None and enable_caching else None)
+        self.pool = BlockPool(
+            num_blocks, enable_caching, on_evict=self._offload if host_tier is not None and enable_caching else None
+        )
         self._requests: dict[str, RequestBlocks] = {}
         # Copy-on-write copies (src block id, dst block id) to run before the next forward.
         self._pending_copies: list[tuple[int, int]] = []
@@ -103,11 +110,15 @@ class KVCacheManager:
         for g, group in enumerate(self.groups):
             if group.window is None:
                 length = next((i for i in range(length) if self._cached_block(request, g, i) is None), length)
-        sliding = {g: [self._cached_block(request, g, i) for i in range(length)]
-                   for g, group in enumerate(self.groups) if group.window is not None}
+        sliding = {
+            g: [self._cached_block(request, g, i) for i in range(length)]
+            for g, group in enumerate(self.groups)
+            if group.window is not None
+        }
         runs = {g: _hit_runs(hits) for g, hits in sliding.items()}
         while length and not all(
-                runs[g][length - 1] >= length - self._first_needed(g, length * self.block_size) for g in sliding):
+            runs[g][length - 1] >= length - self._first_needed(g, length * self.block_size) for g in sliding
+        ):
             length -= 1
         tables: list[Sequence[KVBlock | TierEntry | None]] = []
         for g, group in enumerate(self.groups):
@@ -123,7 +134,7 @@ class KVCacheManager:
         hits: list[KVBlock | TierEntry] = []
         tier = self.host_tier
         for i in range(max_blocks):
-            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = request.block_hashes[i]
             hit: KVBlock | TierEntry | None = self.pool.get_cached_block(block_hash, tokens)
             if hit is None and tier is not None:
@@ -138,7 +149,7 @@ class KVCacheManager:
         return hits
 
     def _cached_block(self, request: Request, group: int, index: int) -> KVBlock | None:
-        tokens = request.all_token_ids[index * self.block_size:(index + 1) * self.block_size]
+        tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
         return self.pool.get_cached_block(_group_hash(request.block_hashes[index], group), tokens)
 
     def _first_needed(self, group: int, num_computed_tokens: int) -> int:
@@ -146,8 +157,9 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[KVBlock | TierEntry] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[KVBlock | TierEntry] = ()
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
         Cached blocks held by a lower tier get fresh device blocks and are loaded into them
         before the step's forward. Blocks a sliding window has left behind are released first.
@@ -167,8 +179,10 @@ class KVCacheManager:
             self._release_behind_windows(request, state)
         write_pos = request.num_computed_tokens + num_cached * self.block_size
         total = self.num_blocks_for(write_pos + num_new_tokens)
-        needed = [max(total - len(table) - (len(cached_tables[g]) if cached_tables else 0), 0)
-                  for g, table in enumerate(state.tables)]
+        needed = [
+            max(total - len(table) - (len(cached_tables[g]) if cached_tables else 0), 0)
+            for g, table in enumerate(state.tables)
+        ]
         cow = [self._shared_partial_block(table, write_pos) if num_new_tokens else None for table in state.tables]
         hits = [b for table in cached_tables for b in table if b is not None]
         device_hits = [b for b in hits if isinstance(b, KVBlock)]
@@ -203,7 +217,7 @@ class KVCacheManager:
                 continue
             table = state.tables[g]
             first = min(self._first_needed(g, request.num_computed_tokens), len(table))
-            released = [b for b in table[state.num_released[g]:first] if b is not None]
+            released = [b for b in table[state.num_released[g] : first] if b is not None]
             if released:
                 self.pool.free(released)
             for i in range(state.num_released[g], first):
@@ -242,8 +256,7 @@ class KVCacheManager:
         source = self._requests.get(parent.request_id)
         if source is None:
             source = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
-        state = RequestBlocks([list(table) for table in source.tables], source.num_cached,
-                              list(source.num_released))
+        state = RequestBlocks([list(table) for table in source.tables], source.num_cached, list(source.num_released))
         self.pool.touch(b for table in state.tables for b in table if b is not None)
         self._requests[child.request_id] = state
         child.block_tables = state.block_ids()
@@ -262,7 +275,7 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         for i in range(start, num_full):
-            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             for g, table in enumerate(state.tables):
                 block = table[i]
                 if block is not None:
@@ -309,7 +322,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         for i in range(len(hashes), num_full):
-            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, extra_keys))
 
     def invalidate_prefix_cache(self) -> None:

@@ -32,10 +32,18 @@ class KVPoolPlan:
     num_blocks: int
 
 
-def plan_kv_pool(cache: CacheConfig, scheduler: SchedulerConfig, model_config: ModelConfig, *,
-                 num_kv_heads: int, element_bytes: int, max_model_len: int, release_blocker: str | None,
-                 stages: list[PipelineStage] | None = None,
-                 draft_config: ModelConfig | None = None) -> KVPoolPlan:
+def plan_kv_pool(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    model_config: ModelConfig,
+    *,
+    num_kv_heads: int,
+    element_bytes: int,
+    max_model_len: int,
+    release_blocker: str | None,
+    stages: list[PipelineStage] | None = None,
+    draft_config: ModelConfig | None = None,
+) -> KVPoolPlan:
     """The pool of a model whose ranks each hold `num_kv_heads` KV heads, stored at
     `element_bytes` per element (before --kv-cache-dtype). `release_blocker`: why these settings
     keep sliding-window blocks whole (pagoda.core.kv_cache_groups.release_blocker), if they do."""
@@ -47,21 +55,31 @@ def plan_kv_pool(cache: CacheConfig, scheduler: SchedulerConfig, model_config: M
     if blocker is not None:
         logger.info("sliding-window KV blocks are kept whole: %s", blocker)
     # Per rank: each holds its KV heads' slice of every block.
-    bytes_per_block = model_config.kv_bytes_per_token(element_bytes, num_kv_heads,
-                                                      kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
+    bytes_per_block = (
+        model_config.kv_bytes_per_token(element_bytes, num_kv_heads, kv_cache_dtype=cache.kv_cache_dtype)
+        * cache.block_size
+    )
     bytes_per_block = bytes_per_block * layers_per_page(groups) // model_config.num_layers
     if stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
-        bytes_per_block = bytes_per_block * max(stage_layers_per_page(groups, stage)
-                                                for stage in stages) // layers_per_page(groups)
+        bytes_per_block = (
+            bytes_per_block * max(stage_layers_per_page(groups, stage) for stage in stages) // layers_per_page(groups)
+        )
     if draft_config is not None:
-        bytes_per_block += draft_config.kv_bytes_per_token(
-            element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
+        bytes_per_block += (
+            draft_config.kv_bytes_per_token(element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
+        )
     num_blocks = num_kv_blocks(cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len)
     return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks)
 
 
-def num_kv_blocks(cache: CacheConfig, scheduler: SchedulerConfig, groups: list[KVCacheGroup], num_layers: int,
-                  bytes_per_block: int, max_model_len: int) -> int:
+def num_kv_blocks(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    groups: list[KVCacheGroup],
+    num_layers: int,
+    bytes_per_block: int,
+    max_model_len: int,
+) -> int:
     """--num-kv-blocks, else what --kv-cache-memory holds, at most what the running sequences
     could ever use."""
     if cache.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
@@ -69,11 +87,11 @@ def num_kv_blocks(cache: CacheConfig, scheduler: SchedulerConfig, groups: list[K
     num_blocks = cache.kv_cache_bytes // bytes_per_block
     # More than every running sequence at full length could ever use is wasted memory.
     useful = scheduler.max_num_seqs_bound * pages_per_sequence(
-        groups, max_model_len, cache.block_size, scheduler.max_num_batched_tokens)
+        groups, max_model_len, cache.block_size, scheduler.max_num_batched_tokens
+    )
     num_blocks = min(num_blocks, useful)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block "
-                         f"({bytes_per_block} bytes each)")
+        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block ({bytes_per_block} bytes each)")
     return num_blocks
 
 

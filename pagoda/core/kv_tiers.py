@@ -80,10 +80,14 @@ def disk_file_name(fingerprint: bytes, block_hash: bytes) -> str:
 class DiskTier:
     """Index of blocks spilled to files, with its own LRU and a capacity in blocks."""
 
-    def __init__(self, num_blocks: int, fingerprint: bytes,
-                 existing: Sequence[tuple[str, bytes, tuple[int, ...]]] = (),
-                 is_written: Callable[[str], bool] | None = None,
-                 can_write: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        fingerprint: bytes,
+        existing: Sequence[tuple[str, bytes, tuple[int, ...]]] = (),
+        is_written: Callable[[str], bool] | None = None,
+        can_write: Callable[[], bool] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the disk tier needs room for at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -235,8 +239,9 @@ class PreemptionPolicy:
 
     SWAP_OVERHEAD_S = 2e-3  # resuming a swapped request costs at least one extra bookkeeping pass
 
-    def __init__(self, mode: PreemptionMode, *, prior_forward_s_per_token: float = 2e-4,
-                 prior_copy_s_per_block: float = 5e-5) -> None:
+    def __init__(
+        self, mode: PreemptionMode, *, prior_forward_s_per_token: float = 2e-4, prior_copy_s_per_block: float = 5e-5
+    ) -> None:
         if mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {mode!r}")
         self.mode = mode

@@ -107,10 +107,20 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 draft_shares_blocks: bool = False, max_loras: int | None = None,
-                 long_rope_boundary: int | None = None, num_micro_batches: int = 1) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        draft_shares_blocks: bool = False,
+        max_loras: int | None = None,
+        long_rope_boundary: int | None = None,
+        num_micro_batches: int = 1,
+    ) -> None:
         self.kv_cache = kv_cache
         self.num_micro_batches = num_micro_batches
         self._in_flight: set[int] = set()  # ids of requests scheduled in a step not yet updated
@@ -143,8 +153,8 @@ class Scheduler:
         # More samples than --max-num-seqs can never run together: the excess wait as requests
         # of their own (they compute the prompt again, or find it in the prefix cache).
         if request.num_sequences > self.max_num_seqs:
-            alone = request.pending_forks[self.max_num_seqs - 1:]
-            request.pending_forks = request.pending_forks[:self.max_num_seqs - 1]
+            alone = request.pending_forks[self.max_num_seqs - 1 :]
+            request.pending_forks = request.pending_forks[: self.max_num_seqs - 1]
             for sample in alone:
                 sample.status = RequestStatus.WAITING
                 self.waiting.push(sample)
@@ -167,8 +177,7 @@ class Scheduler:
 
     def admit_imported(self) -> None:
         """Imported requests join the running set as far as --max-num-seqs allows."""
-        while self.imported and \
-                self.num_running_seqs + self.imported[0].num_sequences <= self.max_num_seqs:
+        while self.imported and self.num_running_seqs + self.imported[0].num_sequences <= self.max_num_seqs:
             request = self.imported.popleft()
             request.status = RequestStatus.RUNNING
             request.metrics.first_scheduled_time = time.time()
@@ -261,8 +270,9 @@ class Scheduler:
                 entry.request.metrics.first_scheduled_time = now
         return output
 
-    def _admit_waiting(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
-                       output: SchedulerOutput, batch_limit: int | None) -> int:
+    def _admit_waiting(
+        self, budget: int, scheduled_now: dict[int, ScheduledRequest], output: SchedulerOutput, batch_limit: int | None
+    ) -> int:
         limit = self.adapter_limit
         if limit is None:
             return self._admit_in_order(budget, scheduled_now, output, None, batch_limit)
@@ -274,9 +284,14 @@ class Scheduler:
             for request in reversed(passed_over):
                 self.waiting.push_front(request)
 
-    def _admit_in_order(self, budget: int, scheduled_now: dict[int, ScheduledRequest],
-                        output: SchedulerOutput, adapters: "tuple[AdapterLimit, list[Request]] | None",
-                        batch_limit: int | None) -> int:
+    def _admit_in_order(
+        self,
+        budget: int,
+        scheduled_now: dict[int, ScheduledRequest],
+        output: SchedulerOutput,
+        adapters: tuple[AdapterLimit, list[Request]] | None,
+        batch_limit: int | None,
+    ) -> int:
         active = AdapterLimit.adapters_of(self.running) if adapters is not None else set()
         while len(self.waiting) and budget > 0 and (batch_limit is None or len(scheduled_now) < batch_limit):
             request = self.waiting.peek()
@@ -293,17 +308,23 @@ class Scheduler:
             # Prompt logprobs and embeddings need every prompt position computed: no cache hits.
             # Scoring ("classify") reads the last position only, which is never a hit (rerank's
             # pairs share their query's blocks).
-            cached = [] if swapped or request.sampling_params.prompt_logprobs is not None \
-                or request.sampling_params.pooling not in (None, "classify") \
+            cached = (
+                []
+                if swapped
+                or request.sampling_params.prompt_logprobs is not None
+                or request.sampling_params.pooling not in (None, "classify")
                 else self.kv_cache.find_cached_prefix(request)
+            )
             num_cached = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             num_new = request.prefill_limit - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             admitted = self.num_running_seqs + request.num_sequences <= self.max_num_seqs and (
-                self.kv_cache.swap_in(request, num_new) if swapped
-                else self.kv_cache.allocate_slots(request, num_new, cached))
+                self.kv_cache.swap_in(request, num_new)
+                if swapped
+                else self.kv_cache.allocate_slots(request, num_new, cached)
+            )
             if not admitted:
                 victim = self._lower_priority_victim(request)
                 if victim is None:
@@ -393,8 +414,7 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request; append sampled tokens; finish the ones that stopped.
 
         Returns the requests that received tokens (finished or not)."""

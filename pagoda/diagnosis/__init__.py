@@ -11,5 +11,15 @@ from pagoda.diagnosis.findings import SEVERITIES, Finding, Severity, worst_sever
 from pagoda.diagnosis.observations import MetricSamples, Observations, ProbeReadings, observe
 from pagoda.diagnosis.rules import Targets, diagnose
 
-__all__ = ["SEVERITIES", "Finding", "MetricSamples", "Observations", "ProbeReadings", "Severity",
-           "Targets", "diagnose", "observe", "worst_severity"]
+__all__ = [
+    "SEVERITIES",
+    "Finding",
+    "MetricSamples",
+    "Observations",
+    "ProbeReadings",
+    "Severity",
+    "Targets",
+    "diagnose",
+    "observe",
+    "worst_severity",
+]

@@ -142,8 +142,7 @@ def _prefix_of(samples: MetricSamples) -> str | None:
     return next((p for p in PREFIXES if any(name.startswith(p) for name, _ in samples)), None)
 
 
-def _family(samples: MetricSamples, prefix: str, key: str,
-            suffixes: tuple[str, ...]) -> str | None:
+def _family(samples: MetricSamples, prefix: str, key: str, suffixes: tuple[str, ...]) -> str | None:
     """The first of the figure's names the sample has (with one of `suffixes`)."""
     names = {name for name, _ in samples}
     for short in _NAMES[key]:
@@ -152,11 +151,17 @@ def _family(samples: MetricSamples, prefix: str, key: str,
     return None
 
 
-def _values(samples: MetricSamples, name: str, suffixes: tuple[str, ...],
-            keep: Callable[[dict[str, str]], bool] = lambda labels: True
-            ) -> list[tuple[dict[str, str], float]]:
-    return [(dict(labels), value) for (sample_name, labels), value in samples.items()
-            if sample_name in {name + s for s in suffixes} and keep(dict(labels))]
+def _values(
+    samples: MetricSamples,
+    name: str,
+    suffixes: tuple[str, ...],
+    keep: Callable[[dict[str, str]], bool] = lambda labels: True,
+) -> list[tuple[dict[str, str], float]]:
+    return [
+        (dict(labels), value)
+        for (sample_name, labels), value in samples.items()
+        if sample_name in {name + s for s in suffixes} and keep(dict(labels))
+    ]
 
 
 _COUNTER = ("", "_total")
@@ -187,12 +192,20 @@ def _histogram(samples: MetricSamples, name: str) -> tuple[dict[float, float], f
     return buckets, _total(samples, name, ("_sum",)) or 0.0
 
 
-def observe(before: MetricSamples, after: MetricSamples, window_s: float, *,
-            health: dict[str, Any] | None = None, max_num_seqs: int | None = None,
-            max_model_len: int | None = None, probe: ProbeReadings | None = None) -> Observations:
+def observe(
+    before: MetricSamples,
+    after: MetricSamples,
+    window_s: float,
+    *,
+    health: dict[str, Any] | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    probe: ProbeReadings | None = None,
+) -> Observations:
     """The figures of the window between two samples (`before` may be empty: since the start)."""
-    obs = Observations(window_s=window_s, health=health, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len, probe=probe)
+    obs = Observations(
+        window_s=window_s, health=health, max_num_seqs=max_num_seqs, max_model_len=max_model_len, probe=probe
+    )
     prefix = _prefix_of(after)
     obs.source = prefix
     if prefix is None:
@@ -225,8 +238,17 @@ def observe(before: MetricSamples, after: MetricSamples, window_s: float, *,
     obs.waiting_before, obs.waiting_now = gauge_pair("waiting")
     obs.kv_usage_before, obs.kv_usage_now = gauge_pair("kv_usage", average=True)
     obs.swapped_now = gauge_pair("swapped")[1]
-    for key in ("finished", "prefix_queries", "prefix_hits", "spec_drafts", "spec_draft_tokens",
-                "spec_accepted", "prompt_tokens", "generation_tokens", "lora_slot_loads"):
+    for key in (
+        "finished",
+        "prefix_queries",
+        "prefix_hits",
+        "spec_drafts",
+        "spec_draft_tokens",
+        "spec_accepted",
+        "prompt_tokens",
+        "generation_tokens",
+        "lora_slot_loads",
+    ):
         setattr(obs, key, delta(key))
     obs.rejected = delta_by("rejected", "reason")
     obs.preemptions = delta_by("preemptions", "mode")
@@ -238,7 +260,8 @@ def observe(before: MetricSamples, after: MetricSamples, window_s: float, *,
         now, now_sum = _histogram(after, family)
         then, then_sum = _histogram(before, family)
         obs.histograms[key] = HistogramWindow(
-            [(bound, now[bound] - then.get(bound, 0.0)) for bound in sorted(now)], now_sum - then_sum)
+            [(bound, now[bound] - then.get(bound, 0.0)) for bound in sorted(now)], now_sum - then_sum
+        )
     load: dict[str, float] = {}
     for key in ("running", "waiting"):
         family = name(key, _GAUGE)

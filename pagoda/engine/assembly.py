@@ -101,14 +101,18 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
     dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {model_config.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"max_position_embeddings {model_config.max_position_embeddings}"
+        )
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        logger.info("chunked prefill is off: prompts longer than %d tokens will be rejected",
-                    config.max_num_batched_tokens)
+        logger.info(
+            "chunked prefill is off: prompts longer than %d tokens will be rejected", config.max_num_batched_tokens
+        )
     kernels = resolve_kernels(device, config.native_kernels)
-    weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                       config.quantization_zero_point, kernels.native_layout)
+    weight_format = make_weight_format(
+        config.quantization, config.quantization_group_size, config.quantization_zero_point, kernels.native_layout
+    )
     kernels.linear.check(weight_format, device, dtype)
     # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
     # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
@@ -116,14 +120,20 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
     stages = _pipeline_stages(config, model_config, device)
     executor: TensorParallelExecutor | None = None
     if stages is not None:
-        executor = PipelineExecutor(config, device, dtype, torch.get_num_threads(), stages,
-                                    model_config.vocab_size)
+        executor = PipelineExecutor(config, device, dtype, torch.get_num_threads(), stages, model_config.vocab_size)
     elif config.tensor_parallel_size > 1:
         executor = TensorParallelExecutor(config, device, dtype, torch.get_num_threads())
     try:
-        model = load_model(config.model, model_config, dtype, device, weight_format,
-                           executor.group if executor else None, stages[0] if stages is not None else None,
-                           kernels)
+        model = load_model(
+            config.model,
+            model_config,
+            dtype,
+            device,
+            weight_format,
+            executor.group if executor else None,
+            stages[0] if stages is not None else None,
+            kernels,
+        )
     except ValueError:
         if artifact_check is not None:
             artifact_check.result()  # a tampered file is named as such, not as a corrupt one
@@ -139,17 +149,36 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
             raise
     draft_model = None
     if config.speculative == "draft":
-        draft_model = _load_draft_model(config.draft_model, model_config, max_model_len, dtype, device,
-                                        weight_format, verification, kernels)
-    moe_meter = ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None) \
-        if config.moe_metrics and model_config.moe is not None else None
+        draft_model = _load_draft_model(
+            config.draft_model, model_config, max_model_len, dtype, device, weight_format, verification, kernels
+        )
+    moe_meter = (
+        ExpertLoadMeter(model, config.tensor_parallel_size if config.enable_expert_parallel else None)
+        if config.moe_metrics and model_config.moe is not None
+        else None
+    )
     lora = load_loras(config.lora, model, dtype, device, verification) if config.enable_lora else None
-    return ModelStack(model_config, device, dtype, max_model_len, verification, weights_digest, kernels,
-                      weight_format, stages, executor, model, draft_model, lora, moe_meter)
+    return ModelStack(
+        model_config,
+        device,
+        dtype,
+        max_model_len,
+        verification,
+        weights_digest,
+        kernels,
+        weight_format,
+        stages,
+        executor,
+        model,
+        draft_model,
+        lora,
+        moe_meter,
+    )
 
 
-def _pipeline_stages(config: EngineConfig, model_config: ModelConfig,
-                     device: torch.device) -> list[PipelineStage] | None:
+def _pipeline_stages(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device
+) -> list[PipelineStage] | None:
     """--pipeline-parallel-size's stages (None without), checked against the model and the
     machine before any process starts."""
     parallel = config.parallel
@@ -163,33 +192,46 @@ def _pipeline_stages(config: EngineConfig, model_config: ModelConfig,
     else:
         available, what = available_cores(), "CPU cores"
     if ranks > available:
-        raise ValueError(f"pipeline_parallel_size {num_stages} x tensor_parallel_size "
-                         f"{parallel.tensor_parallel_size} = {ranks} ranks, but only {available} {what} "
-                         f"are available")
+        raise ValueError(
+            f"pipeline_parallel_size {num_stages} x tensor_parallel_size "
+            f"{parallel.tensor_parallel_size} = {ranks} ranks, but only {available} {what} "
+            f"are available"
+        )
     return stages
 
 
-def _load_draft_model(draft_dir: str | None, target: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device, weight_format: WeightFormat, verification: VerificationPolicy,
-                      kernels: Kernels) -> DecoderModel:
+def _load_draft_model(
+    draft_dir: str | None,
+    target: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat,
+    verification: VerificationPolicy,
+    kernels: Kernels,
+) -> DecoderModel:
     assert draft_dir is not None  # SpeculativeConfig requires it with speculative=draft
     if verification.enabled:
         verify_artifact(draft_dir, verification)
     draft_config = load_model_config(draft_dir)
     if draft_config.vocab_size != target.vocab_size:
-        raise ValueError(f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
-                         f"target {target.vocab_size}: they must share the tokenizer")
+        raise ValueError(
+            f"draft model {draft_dir} has a vocabulary of {draft_config.vocab_size} tokens, the "
+            f"target {target.vocab_size}: they must share the tokenizer"
+        )
     if draft_config.max_position_embeddings < max_model_len:
-        raise ValueError(f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
-                         f"fewer than max_model_len {max_model_len}")
+        raise ValueError(
+            f"draft model {draft_dir} supports {draft_config.max_position_embeddings} positions, "
+            f"fewer than max_model_len {max_model_len}"
+        )
     return load_model(draft_dir, draft_config, dtype, device, weight_format, kernels=kernels)
 
 
-def load_loras(lora: LoRAConfig, model: Any, dtype: torch.dtype, device: torch.device,
-               verification: VerificationPolicy) -> LoRAManager:
+def load_loras(
+    lora: LoRAConfig, model: Any, dtype: torch.dtype, device: torch.device, verification: VerificationPolicy
+) -> LoRAManager:
     """Wrap the projections and load --lora-modules; a bad adapter stops the start."""
-    manager = LoRAManager(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
-                          dtype=dtype, device=device)
+    manager = LoRAManager(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank, dtype=dtype, device=device)
     for name, path in lora.lora_module_paths():
         try:
             verify_adapter(verification, name, path)
@@ -206,17 +248,24 @@ def verify_adapter(verification: VerificationPolicy, name: str, path: str) -> No
     try:
         verify_artifact(path, verification)
     except ArtifactError as error:
-        raise InvalidRequest(f"LoRA adapter {name!r} failed verification: {error}", param="lora_path",
-                             code="adapter_verification_failed") from None
+        raise InvalidRequest(
+            f"LoRA adapter {name!r} failed verification: {error}", param="lora_path", code="adapter_verification_failed"
+        ) from None
 
 
 def plan_engine_kv_pool(config: EngineConfig, stack: ModelStack) -> KVPoolPlan:
     """The KV pool of this stack under these settings (pagoda.core.kv_plan)."""
-    return plan_kv_pool(config.cache, config.scheduler, stack.model.config, num_kv_heads=stack.model.num_kv_heads,
-                        element_bytes=torch.tensor([], dtype=stack.dtype).element_size(),
-                        max_model_len=stack.max_model_len, release_blocker=release_blocker(config),
-                        stages=stack.stages,
-                        draft_config=stack.draft_model.config if stack.draft_model is not None else None)
+    return plan_kv_pool(
+        config.cache,
+        config.scheduler,
+        stack.model.config,
+        num_kv_heads=stack.model.num_kv_heads,
+        element_bytes=torch.tensor([], dtype=stack.dtype).element_size(),
+        max_model_len=stack.max_model_len,
+        release_blocker=release_blocker(config),
+        stages=stack.stages,
+        draft_config=stack.draft_model.config if stack.draft_model is not None else None,
+    )
 
 
 def build_kv_tiers(config: EngineConfig, plan: KVPoolPlan, dtype: torch.dtype) -> KVTiers | None:
@@ -227,21 +276,34 @@ def build_kv_tiers(config: EngineConfig, plan: KVPoolPlan, dtype: torch.dtype) -
     return KVTiers(config.cache, plan.bytes_per_block, fingerprint)
 
 
-def build_runner(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan,
-                 kv_format: KVCacheFormat) -> tuple[ModelRunner, SpecDecodeController]:
+def build_runner(
+    config: EngineConfig, stack: ModelStack, plan: KVPoolPlan, kv_format: KVCacheFormat
+) -> tuple[ModelRunner, SpecDecodeController]:
     """The model runner over the pool, with speculation, and the executor's ranks serving the
     same block ids."""
     backend = stack.kernels.attention_backend(config.attention_backend, kv_format)
     drafter = None
     if stack.draft_model is not None:
-        drafter = DraftModelProposer(stack.draft_model, backend, plan.num_blocks, config.block_size, stack.dtype,
-                                     stack.device, kv_format)
+        drafter = DraftModelProposer(
+            stack.draft_model, backend, plan.num_blocks, config.block_size, stack.dtype, stack.device, kv_format
+        )
     speculation = SpecDecodeController(config.speculation, drafter)
-    runner = ModelRunner(stack.model, backend, plan.num_blocks, config.block_size, stack.dtype, stack.device,
-                         config.seed, max_num_seqs=config.max_num_seqs_bound, max_model_len=stack.max_model_len,
-                         enforce_eager=config.enforce_eager or stack.executor is not None,
-                         speculator=speculation if config.speculative else None,
-                         kv_format=kv_format, lora=stack.lora, groups=plan.groups)
+    runner = ModelRunner(
+        stack.model,
+        backend,
+        plan.num_blocks,
+        config.block_size,
+        stack.dtype,
+        stack.device,
+        config.seed,
+        max_num_seqs=config.max_num_seqs_bound,
+        max_model_len=stack.max_model_len,
+        enforce_eager=config.enforce_eager or stack.executor is not None,
+        speculator=speculation if config.speculative else None,
+        kv_format=kv_format,
+        lora=stack.lora,
+        groups=plan.groups,
+    )
     if stack.executor is not None:
         stack.executor.start_serving(plan.num_blocks, plan.groups)
         if isinstance(stack.executor, PipelineExecutor):

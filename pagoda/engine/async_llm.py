@@ -13,20 +13,19 @@ import logging
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.client import EngineAsleepError, generate_outputs
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream, deliver_all
-from pagoda.engine.step_output import EngineStepOutput
-from pagoda.engine.transport import (AbortRequests, AddRequest, EngineDeadError, TransportKind,
-                                     create_transport)
-from pagoda.engine.transport.base import EngineFactory, TransportStarter
 from pagoda.engine.roles import HandoffTarget
+from pagoda.engine.step_output import EngineStepOutput
+from pagoda.engine.transport import AbortRequests, AddRequest, EngineDeadError, TransportKind, create_transport
+from pagoda.engine.transport.base import EngineFactory, TransportStarter
 from pagoda.engine.transport.messages import EngineCommand, PrefillLocally, UpdateLoRA
 from pagoda.engine.validation import EngineLimits, check_request_id_free, validate_request
 from pagoda.lora_request import LoRARequest
@@ -48,9 +47,14 @@ class AsyncLLM:
     """asyncio front of one LLMEngine running on its own thread or in its own process: the
     EngineClient of one engine."""
 
-    def __init__(self, config: EngineConfig, *, transport: TransportKind | TransportStarter = "thread",
-                 engine_factory: EngineFactory | None = None,
-                 startup_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        transport: TransportKind | TransportStarter = "thread",
+        engine_factory: EngineFactory | None = None,
+        startup_timeout: float | None = None,
+    ) -> None:
         """`engine_factory` builds the engine instead of LLMEngine(config); on the process
         transport it must be a module-level function or class (the engine process imports it by
         name). `transport` may also be a TransportStarter: a transport from elsewhere (a replica
@@ -65,11 +69,13 @@ class AsyncLLM:
         self._paused = False
         self._sleep_level = 0
         if callable(transport):
-            self._transport = transport(config, engine_factory, self._on_emitted, self._on_death,
-                                        startup_timeout=startup_timeout)
+            self._transport = transport(
+                config, engine_factory, self._on_emitted, self._on_death, startup_timeout=startup_timeout
+            )
         else:
-            self._transport = create_transport(transport, config, engine_factory, self._on_emitted,
-                                               self._on_death, startup_timeout=startup_timeout)
+            self._transport = create_transport(
+                transport, config, engine_factory, self._on_emitted, self._on_death, startup_timeout=startup_timeout
+            )
         self.transport: str = self._transport.kind
         info = self._transport.info
         self._stats: EngineStats = info.stats
@@ -103,10 +109,10 @@ class AsyncLLM:
             return {"status": "ok", "pid": self.engine_pid}
         return {"status": "dead", "pid": self.engine_pid, "error": repr(self.error)}
 
-    def get_stats(self) -> "EngineStats | None":
+    def get_stats(self) -> EngineStats | None:
         return self._stats
 
-    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+    def replica_stats(self) -> dict[str, EngineStats | None]:
         """Empty: one engine has no replicas (its metrics carry no replica label)."""
         return {}
 
@@ -185,8 +191,14 @@ class AsyncLLM:
         check, run here so a caller can refuse it before queueing it)."""
         validate_request(prompt_token_ids, params, self.engine_limits)
 
-    async def add_request(self, request: EngineRequest, *, wake: asyncio.Event | None = None,
-                          handoff: HandoffTarget | None = None, awaiting_kv: bool = False) -> RequestStream:
+    async def add_request(
+        self,
+        request: EngineRequest,
+        *,
+        wake: asyncio.Event | None = None,
+        handoff: HandoffTarget | None = None,
+        awaiting_kv: bool = False,
+    ) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it (EngineClient).
 
         Raises InvalidRequest (a ValueError) or EngineDeadError. The request's route hints mean
@@ -246,7 +258,7 @@ class AsyncLLM:
 
     # ---- engine side -> streams (runs on a transport's thread) ---------------------------------
 
-    def _on_emitted(self, output: EngineStepOutput, stats: "EngineStats") -> None:
+    def _on_emitted(self, output: EngineStepOutput, stats: EngineStats) -> None:
         """Route one step's output to its streams: acceptances and refusals first, then deltas,
         then handoff outcomes."""
         self._stats = stats

@@ -53,10 +53,17 @@ class BeamSearchParams:
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            use_beam_search=True, n=self.beam_width, best_of=self.beam_width, max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos, temperature=0.0, length_penalty=self.length_penalty,
-            early_stopping=self.early_stopping, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=0)
+            use_beam_search=True,
+            n=self.beam_width,
+            best_of=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=0.0,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=0,
+        )
 
 
 @dataclass
@@ -82,7 +89,7 @@ class BeamSearchOutput:
 
 def beam_score(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
     """A finished beam's score, as transformers': the generated length counts its EOS token."""
-    return cumulative_logprob / (num_generated ** length_penalty)
+    return cumulative_logprob / (num_generated**length_penalty)
 
 
 # ---- the search ------------------------------------------------------------------------------
@@ -94,7 +101,7 @@ class Beam:
     cumulative_logprob: float
     logprobs: list[PositionLogprobs]  # the entry each token was chosen from
 
-    def extended(self, token_id: int, cumulative_logprob: float, entry: PositionLogprobs) -> "Beam":
+    def extended(self, token_id: int, cumulative_logprob: float, entry: PositionLogprobs) -> Beam:
         return Beam(self.token_ids + [token_id], cumulative_logprob, self.logprobs + [entry])
 
 
@@ -108,8 +115,15 @@ class BeamSearch:
     """One prompt's search. `running` are the beams to expand next; `advance` takes each one's
     next-token logprobs (at least its top `logprobs_per_beam`) and makes one step."""
 
-    def __init__(self, width: int, max_tokens: int, eos_token_ids: Iterable[int], *,
-                 length_penalty: float = 1.0, early_stopping: bool | str = False) -> None:
+    def __init__(
+        self,
+        width: int,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        *,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ) -> None:
         self.width = width
         self.max_tokens = max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -139,11 +153,12 @@ class BeamSearch:
         """One step; `next_logprobs[i]` belongs to `running[i]`."""
         candidates: list[tuple[float, Beam, int, PositionLogprobs]] = []
         for beam, entry in zip(self.running, next_logprobs, strict=True):
-            top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:self.logprobs_per_beam]
-            candidates.extend((beam.cumulative_logprob + logprob.logprob, beam, token_id, entry)
-                              for token_id, logprob in top)
+            top = sorted(entry.items(), key=lambda item: -item[1].logprob)[: self.logprobs_per_beam]
+            candidates.extend(
+                (beam.cumulative_logprob + logprob.logprob, beam, token_id, entry) for token_id, logprob in top
+            )
         candidates.sort(key=lambda candidate: -candidate[0])  # stable: ties keep beam, then rank order
-        candidates = candidates[:self.num_candidates]
+        candidates = candidates[: self.num_candidates]
         length = self.num_generated + 1
         last_step = length >= self.max_tokens
 
@@ -153,24 +168,30 @@ class BeamSearch:
         # Only the best `width` continuations may become hypotheses; the others are there so
         # that `width` beams run on even when the best ones all end.
         if self.improvable and not (self.early_stopping is True and self._full()):
-            for cumulative, beam, token_id, entry in candidates[:self.width]:
+            for cumulative, beam, token_id, entry in candidates[: self.width]:
                 if ends(token_id):
-                    self.finished.append(Hypothesis(beam.extended(token_id, cumulative, entry),
-                                                    beam_score(cumulative, length, self.length_penalty)))
+                    self.finished.append(
+                        Hypothesis(
+                            beam.extended(token_id, cumulative, entry),
+                            beam_score(cumulative, length, self.length_penalty),
+                        )
+                    )
             self.finished.sort(key=lambda hypothesis: -hypothesis.score)
-            del self.finished[self.width:]
-        self.running = [beam.extended(token_id, cumulative, entry)
-                        for cumulative, beam, token_id, entry in candidates if not ends(token_id)][:self.width]
+            del self.finished[self.width :]
+        self.running = [
+            beam.extended(token_id, cumulative, entry)
+            for cumulative, beam, token_id, entry in candidates
+            if not ends(token_id)
+        ][: self.width]
         self.num_generated = length
         if self.improvable and self._full() and self.running:
             if self.early_stopping == "never" and self.length_penalty > 0.0:
                 best_length = self.max_tokens
             else:
                 best_length = length
-            best_possible = self.running[0].cumulative_logprob / (best_length ** self.length_penalty)
+            best_possible = self.running[0].cumulative_logprob / (best_length**self.length_penalty)
             self.improvable = best_possible > self.finished[-1].score
-        self.done = (not self.improvable or not self.running
-                     or (self.early_stopping is True and self._full()))
+        self.done = not self.improvable or not self.running or (self.early_stopping is True and self._full())
 
 
 # ---- the engine side -------------------------------------------------------------------------
@@ -218,17 +239,31 @@ class BeamSearchRunner:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids | frozenset(params.stop_token_ids)
         max_tokens = validate_request(prompt_token_ids, params, self.core.engine_limits)
-        search = BeamSearch(params.beam_width, max_tokens, eos, length_penalty=params.length_penalty,
-                            early_stopping=params.early_stopping)
+        search = BeamSearch(
+            params.beam_width,
+            max_tokens,
+            eos,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
         num_logprobs = max(search.logprobs_per_beam, params.logprobs or 0)
         if num_logprobs > MAX_LOGPROBS:
             raise InvalidRequest(
                 f"use_beam_search with a width of {params.beam_width} needs the top {num_logprobs} "
                 f"tokens of each step ({len(eos)} end-of-sequence tokens on this model), more than "
-                f"{MAX_LOGPROBS}; use at most {MAX_LOGPROBS - len(eos)} beams", param="n")
+                f"{MAX_LOGPROBS}; use at most {MAX_LOGPROBS - len(eos)} beams",
+                param="n",
+            )
         step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
-        state = _Search(request_id, prompt, prompt_token_ids, params, search,
-                        replace(request, arrival_time=request.arrival_time or time.time()), step_params)
+        state = _Search(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            search,
+            replace(request, arrival_time=request.arrival_time or time.time()),
+            step_params,
+        )
         self._searches[request_id] = state
         try:
             self._submit_step(state)
@@ -278,10 +313,16 @@ class BeamSearchRunner:
             return None
         self._drop(state)
         outputs = [CompletionDelta(index=i, finish_reason="abort") for i in range(state.params.n)]
-        return RequestOutputDelta(request_id=request_id, outputs=outputs, num_samples=state.params.n,
-                                  finished=True, num_cached_tokens=max(state.num_cached_tokens, 0),
-                                  metrics=self._metrics(state), prompt=state.prompt,
-                                  prompt_token_ids=state.prompt_token_ids)
+        return RequestOutputDelta(
+            request_id=request_id,
+            outputs=outputs,
+            num_samples=state.params.n,
+            finished=True,
+            num_cached_tokens=max(state.num_cached_tokens, 0),
+            metrics=self._metrics(state),
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+        )
 
     def _drop(self, state: _Search) -> None:
         self._searches.pop(state.request_id, None)
@@ -297,32 +338,49 @@ class BeamSearchRunner:
         state.next_logprobs = [None] * len(running)
         for index, beam in enumerate(running):
             beam_request_id = f"{state.request_id}\x00beam{index}"
-            self.core.add_request(replace(state.request, request_id=beam_request_id,
-                                          prompt=state.prompt_token_ids + beam.token_ids, params=state.step_params))
+            self.core.add_request(
+                replace(
+                    state.request,
+                    request_id=beam_request_id,
+                    prompt=state.prompt_token_ids + beam.token_ids,
+                    params=state.step_params,
+                )
+            )
             state.pending[beam_request_id] = index
             self._by_beam_request[beam_request_id] = state
 
     def _answer(self, state: _Search) -> RequestOutputDelta:
         params = state.params
         outputs = []
-        for index, hypothesis in enumerate(state.search.finished[:params.n]):
+        for index, hypothesis in enumerate(state.search.finished[: params.n]):
             beam = hypothesis.beam
             last = beam.token_ids[-1]
             stopped = last in state.search.eos_token_ids
             text_ids = beam.token_ids[:-1] if stopped and not params.include_stop_str_in_output else beam.token_ids
             delta = CompletionDelta(
-                index=index, text=self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens),
-                token_ids=list(beam.token_ids), cumulative_logprob=beam.cumulative_logprob,
+                index=index,
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens),
+                token_ids=list(beam.token_ids),
+                cumulative_logprob=beam.cumulative_logprob,
                 finish_reason="stop" if stopped else "length",
-                stop_reason=last if stopped and last not in self.eos_token_ids else None)
+                stop_reason=last if stopped and last not in self.eos_token_ids else None,
+            )
             if params.logprobs is not None:
-                delta.logprobs = [self._top(entry, token_id, params.logprobs)
-                                  for entry, token_id in zip(beam.logprobs, beam.token_ids)]
+                delta.logprobs = [
+                    self._top(entry, token_id, params.logprobs)
+                    for entry, token_id in zip(beam.logprobs, beam.token_ids)
+                ]
             outputs.append(delta)
-        return RequestOutputDelta(request_id=state.request_id, outputs=outputs, num_samples=params.n,
-                                  finished=True, num_cached_tokens=max(state.num_cached_tokens, 0),
-                                  metrics=self._metrics(state), prompt=state.prompt,
-                                  prompt_token_ids=state.prompt_token_ids)
+        return RequestOutputDelta(
+            request_id=state.request_id,
+            outputs=outputs,
+            num_samples=params.n,
+            finished=True,
+            num_cached_tokens=max(state.num_cached_tokens, 0),
+            metrics=self._metrics(state),
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+        )
 
     def _top(self, entry: PositionLogprobs, chosen: int, k: int) -> PositionLogprobs:
         """The chosen token's entry and the top k, decoded (each beam's own copy)."""
@@ -337,6 +395,11 @@ class BeamSearchRunner:
         arrival_time = state.request.arrival_time
         assert arrival_time is not None  # add() set it
         # The beams are ranked only at the end: every token is released then.
-        return RequestMetrics(arrival_time=arrival_time, first_scheduled_time=state.first_scheduled_time,
-                              first_token_time=now, last_token_time=now, finished_time=now,
-                              num_preemptions=state.num_preemptions)
+        return RequestMetrics(
+            arrival_time=arrival_time,
+            first_scheduled_time=state.first_scheduled_time,
+            first_token_time=now,
+            last_token_time=now,
+            finished_time=now,
+            num_preemptions=state.num_preemptions,
+        )

@@ -13,7 +13,8 @@ Arguments that only a router gives its own replicas (disaggregation's handoff ta
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import StreamRoute
@@ -29,8 +30,15 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
     from pagoda.tokenizer import Tokenizer
 
-__all__ = ["EngineAsleepError", "EngineClient", "EngineDeadError", "EngineRequest", "EngineStream", "StreamRoute",
-           "generate_outputs"]
+__all__ = [
+    "EngineAsleepError",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineRequest",
+    "EngineStream",
+    "StreamRoute",
+    "generate_outputs",
+]
 
 
 class EngineAsleepError(RuntimeError):
@@ -57,24 +65,23 @@ class EngineStream(Protocol):
         """The next delta, waiting for one if none is pending."""
         ...
 
-    def __aiter__(self) -> AsyncIterator[RequestOutputDelta]:
-        ...
+    def __aiter__(self) -> AsyncIterator[RequestOutputDelta]: ...
 
 
 class EngineClient(Protocol):
     """The engine front a server holds: requests in, deltas out, its state and adapters."""
 
-    config: "EngineConfig"  # with --max-num-seqs as the engine resolved it
-    tokenizer: "Tokenizer"
+    config: EngineConfig  # with --max-num-seqs as the engine resolved it
+    tokenizer: Tokenizer
     max_model_len: int
     weights_digest: str | None  # the weights' verified manifest digest (--verify-manifest), else None
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
-    classifier: "ClassifierConfig | None"  # the model's classifier head (scoring), None for a plain LM
+    classifier: ClassifierConfig | None  # the model's classifier head (scoring), None for a plain LM
     transport: str  # where the engine runs: "thread", "process", ...
 
     # Read-only in the protocol, so a client that always resolves it may hold the narrower type.
     @property
-    def max_num_seqs_choice(self) -> "MaxNumSeqsChoice | None":
+    def max_num_seqs_choice(self) -> MaxNumSeqsChoice | None:
         """--max-num-seqs as resolved, and why."""
         ...
 
@@ -93,15 +100,15 @@ class EngineClient(Protocol):
         client reports of itself."""
         ...
 
-    def get_stats(self) -> "EngineStats | None":
+    def get_stats(self) -> EngineStats | None:
         """The latest stats of the whole (summed over replicas)."""
         ...
 
-    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+    def replica_stats(self) -> dict[str, EngineStats | None]:
         """Each replica's latest stats by its label; empty when there are no replicas."""
         ...
 
-    def validate(self, prompt_token_ids: list[int], params: "SamplingParams") -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if the engine would refuse this request."""
         ...
 
@@ -143,8 +150,7 @@ class EngineClient(Protocol):
         committing on any); raises InvalidRequest with the reason it was refused."""
         ...
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        ...
+    def shutdown(self, timeout: float | None = 10.0) -> None: ...
 
 
 async def generate_outputs(client: EngineClient, request: EngineRequest) -> AsyncIterator[RequestOutput]:

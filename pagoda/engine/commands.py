@@ -15,7 +15,8 @@ name with JSON-able arguments, applied between steps on the engine's thread
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pagoda.engine.sleep_mode import SleepMode
 from pagoda.engine.weight_updates import WeightUpdates
@@ -48,9 +49,14 @@ def _stage_from_disk(engine: LLMEngine, args: dict[str, Any]) -> bool:
 
 def _init_group(engine: LLMEngine, args: dict[str, Any]) -> bool:
     try:
-        spec = WeightGroupSpec(str(args["master_address"]), int(args["master_port"]), int(args["rank_offset"]),
-                               int(args["world_size"]), str(args.get("backend", "gloo")),
-                               float(args.get("timeout_s", 120.0)))
+        spec = WeightGroupSpec(
+            str(args["master_address"]),
+            int(args["master_port"]),
+            int(args["rank_offset"]),
+            int(args["world_size"]),
+            str(args.get("backend", "gloo")),
+            float(args.get("timeout_s", 120.0)),
+        )
     except (KeyError, TypeError, ValueError) as error:
         raise InvalidRequest(f"init_weight_update_group: {error}") from None
     engine.weight_updates.join_group(spec, int(args.get("rank", spec.rank_offset)))

@@ -24,16 +24,41 @@ import torch
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.engine.validation import check_exportable
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
-from pagoda.kv_transfer.handoff import (HandoffHeader, HandoffRefused, IncomingHandoff, KVHandoff, TransferError,
-                                        layout_of)
+from pagoda.kv_transfer.handoff import (
+    HandoffHeader,
+    HandoffRefused,
+    IncomingHandoff,
+    KVHandoff,
+    TransferError,
+    layout_of,
+)
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 PHASES = ("queue", "prefill", "transfer", "first_decode")
 # Seconds; the server's TTFT histogram uses the same bounds (a phase is a part of the TTFT).
-PHASE_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 @dataclass
@@ -50,7 +75,7 @@ class PhaseHistogram:
         self.sum += seconds
         self.count += 1
 
-    def copy(self) -> "PhaseHistogram":
+    def copy(self) -> PhaseHistogram:
         return PhaseHistogram(list(self.counts), self.sum, self.count)
 
 
@@ -74,9 +99,10 @@ class DisaggStats:
     def observe(self, phase: str, seconds: float) -> None:
         self.phases[phase].observe(seconds)
 
-    def copy(self) -> "DisaggStats":
-        return dataclasses.replace(self, failures=dict(self.failures),
-                                   phases={p: h.copy() for p, h in self.phases.items()})
+    def copy(self) -> DisaggStats:
+        return dataclasses.replace(
+            self, failures=dict(self.failures), phases={p: h.copy() for p, h in self.phases.items()}
+        )
 
 
 def sampling_params_to_dict(params: SamplingParams) -> dict:
@@ -96,8 +122,7 @@ class KVHandoffs:
     tensors (the target model's keys and values, layer by layer). It never touches the
     scheduler's queues: the KVConnector that owns it does, through the scheduler's operations."""
 
-    def __init__(self, role: str, kv_cache: KVCacheManager, caches: Sequence[torch.Tensor],
-                 fingerprint: str) -> None:
+    def __init__(self, role: str, kv_cache: KVCacheManager, caches: Sequence[torch.Tensor], fingerprint: str) -> None:
         self.kv_cache = kv_cache
         self.caches = list(caches)
         self.layout = layout_of(self.caches)
@@ -119,19 +144,31 @@ class KVHandoffs:
         metrics = request.metrics
         scheduled = metrics.first_scheduled_time or metrics.arrival_time
         header = HandoffHeader(
-            request_id=request.parent_id, prompt_token_ids=list(request.prompt_token_ids),
+            request_id=request.parent_id,
+            prompt_token_ids=list(request.prompt_token_ids),
             output_token_ids=list(request.output_token_ids),
             sampling_params=sampling_params_to_dict(request.sampling_params),
-            cache_salt=request.cache_salt, lora_name=request.lora.name if request.lora is not None else None,
-            block_size=block_size, block_hashes=[h.hex() for h in hashes], num_blocks=num_blocks,
-            layout=self.layout, fingerprint=self.fingerprint,
+            cache_salt=request.cache_salt,
+            lora_name=request.lora.name if request.lora is not None else None,
+            block_size=block_size,
+            block_hashes=[h.hex() for h in hashes],
+            num_blocks=num_blocks,
+            layout=self.layout,
+            fingerprint=self.fingerprint,
             queue_seconds=scheduled - metrics.arrival_time,
             prefill_seconds=(metrics.first_token_time or time.time()) - scheduled,
-            output_logprobs=[[(token_id, entry.logprob, entry.rank) for token_id, entry in position.items()]
-                             for position in request.output_logprobs] or None,
+            output_logprobs=[
+                [(token_id, entry.logprob, entry.rank) for token_id, entry in position.items()]
+                for position in request.output_logprobs
+            ]
+            or None,
             cumulative_logprob=request.cumulative_logprob,
-            generator_state=(base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
-                             if request.generator is not None else None))
+            generator_state=(
+                base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
+                if request.generator is not None
+                else None
+            ),
+        )
         self.stats.handoffs_exported += 1
         self.stats.observe("queue", header.queue_seconds)
         self.stats.observe("prefill", header.prefill_seconds)
@@ -192,16 +229,19 @@ class KVHandoffs:
         for token_id in header.output_token_ids:
             request.append_output_token(token_id)
         if header.output_logprobs:
-            request.output_logprobs = [{int(token_id): Logprob(logprob, rank) for token_id, logprob, rank in position}
-                                       for position in header.output_logprobs]
+            request.output_logprobs = [
+                {int(token_id): Logprob(logprob, rank) for token_id, logprob, rank in position}
+                for position in header.output_logprobs
+            ]
             request.cumulative_logprob = header.cumulative_logprob
         if header.generator_state is not None and request.generator is not None:
             state = base64.b64decode(header.generator_state)
             request.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         cached = self.kv_cache.find_cached_prefix(request)
         skip = len(cached)
-        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens - skip * self.kv_cache.block_size,
-                                            cached):
+        if not self.kv_cache.allocate_slots(
+            request, request.num_prompt_tokens - skip * self.kv_cache.block_size, cached
+        ):
             self.stats.failures["refused"] += 1
             incoming.reject("no free KV blocks on the decode engine")
             raise TransferError(f"KV handoff of {header.request_id!r} refused: no free KV blocks")

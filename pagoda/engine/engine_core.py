@@ -13,14 +13,19 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import longest_sequence_blocks
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.assembly import (build_kv_tiers, build_model_stack, build_runner, plan_engine_kv_pool,
-                                    verify_adapter)
+from pagoda.engine.assembly import build_kv_tiers, build_model_stack, build_runner, plan_engine_kv_pool, verify_adapter
 from pagoda.engine.disaggregation import DisaggStats
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
-from pagoda.engine.validation import (EngineLimits, check_classifier_use, check_lora_enabled,
-                                      check_lora_updatable, check_request_id_free, validate_request)
+from pagoda.engine.validation import (
+    EngineLimits,
+    check_classifier_use,
+    check_lora_enabled,
+    check_lora_updatable,
+    check_request_id_free,
+    validate_request,
+)
 from pagoda.errors import InvalidRequest
 from pagoda.kv_transfer.tiers import KVTierStats
 from pagoda.lora.manager import LoRAManager
@@ -105,26 +110,41 @@ class EngineCore:
         plan = plan_engine_kv_pool(config, stack)
         self.kv_groups, self.release_blocker, self.num_blocks = plan.groups, plan.release_blocker, plan.num_blocks
         self.kv_tiers = build_kv_tiers(config, plan, self.dtype)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                       host_tier=self.kv_tiers.host if self.kv_tiers else None,
-                                       preemption=self.kv_tiers.policy if self.kv_tiers else None,
-                                       groups=self.kv_groups)
+        self.kv_cache = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            host_tier=self.kv_tiers.host if self.kv_tiers else None,
+            preemption=self.kv_tiers.policy if self.kv_tiers else None,
+            groups=self.kv_groups,
+        )
         self.scheduler = Scheduler(
-            self.kv_cache, max_num_seqs=config.max_num_seqs_bound, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy, draft_shares_blocks=stack.draft_model is not None,
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs_bound,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            draft_shares_blocks=stack.draft_model is not None,
             max_loras=config.max_loras if self.lora is not None else None,
-            long_rope_boundary=self.model_config.long_rope_boundary, num_micro_batches=self.num_micro_batches)
+            long_rope_boundary=self.model_config.long_rope_boundary,
+            num_micro_batches=self.num_micro_batches,
+        )
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
         self.in_flight: deque[InFlightStep] = deque()
         self.runner, self.speculation = build_runner(config, stack, plan, self.kv_format)
         self.engine_limits = EngineLimits(
-            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
-            num_kv_blocks=self.num_blocks if self.kv_cache.single_table else longest_sequence_blocks(
-                self.kv_groups, self.num_blocks, config.block_size, self.max_model_len,
-                config.max_num_batched_tokens),
-            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_kv_blocks=self.num_blocks
+            if self.kv_cache.single_table
+            else longest_sequence_blocks(
+                self.kv_groups, self.num_blocks, config.block_size, self.max_model_len, config.max_num_batched_tokens
+            ),
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
         if self.kv_tiers is not None:
             # The same caches _copy_blocks copies: the target's, then the draft model's, so a
             # block's KV travels between tiers for both models at once.
@@ -134,14 +154,25 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
-            config.tokenizer or config.model, self.model_config.vocab_size, self.model_config.eos_token_ids,
-            timeout_s=config.structured_output_timeout, max_workers=config.structured_output_compile_threads)
+            config.tokenizer or config.model,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            timeout_s=config.structured_output_timeout,
+            max_workers=config.structured_output_compile_threads,
+        )
         self._reset_step_stats()
         self._resolve_max_num_seqs()
-        logger.info("engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
-                    self.model_config.architecture, self.dtype, self.device,
-                    stack.model.model.layers[0].self_attn.o_proj.weight_format.name,
-                    self.num_blocks, config.block_size, config.kv_cache_dtype, self.runner.backend.name)
+        logger.info(
+            "engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
+            self.model_config.architecture,
+            self.dtype,
+            self.device,
+            stack.model.model.layers[0].self_attn.o_proj.weight_format.name,
+            self.num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            self.runner.backend.name,
+        )
 
     def _reset_step_stats(self) -> None:
         """Step statistics: written by steps only, read by stats()."""
@@ -155,8 +186,7 @@ class EngineCore:
         whose statistics are then forgotten (calibration steps are not traffic)."""
         classifier = self.model_config.classifier
         # A sequence classifier never decodes: there is no decode step to hold to the ITL budget.
-        itl_budget_ms = None if classifier is not None and not classifier.generates \
-            else self.config.max_num_seqs_itl_ms
+        itl_budget_ms = None if classifier is not None and not classifier.generates else self.config.max_num_seqs_itl_ms
         self.max_num_seqs_choice = resolve_max_num_seqs(self, self.config.max_num_seqs, itl_budget_ms)
         self.scheduler.max_num_seqs = self.max_num_seqs_choice.value
         if not self.max_num_seqs_choice.explicit:
@@ -166,8 +196,9 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest, *, eos_token_ids: Iterable[int] = (),
-                    enqueue: bool = True) -> list[Request]:
+    def add_request(
+        self, request: EngineRequest, *, eos_token_ids: Iterable[int] = (), enqueue: bool = True
+    ) -> list[Request]:
         """Validate and queue a request (its prompt as token ids); returns its samples (n of
         them). Raises InvalidRequest. With enqueue=False the caller schedules it (a KV handoff
         being imported)."""
@@ -176,8 +207,10 @@ class EngineCore:
         max_output = validate_request(prompt_token_ids, params, self.engine_limits)
         if params.pooling is not None and self.config.pipeline_parallel_size > 1:
             # The hidden states to pool are the last stage's; only logits come back from it.
-            raise InvalidRequest("embeddings are not supported with pipeline parallelism yet "
-                                 "(--pipeline-parallel-size > 1)", param="input")
+            raise InvalidRequest(
+                "embeddings are not supported with pipeline parallelism yet (--pipeline-parallel-size > 1)",
+                param="input",
+            )
         check_classifier_use(params, self.model_config.classifier)
         adapter = None
         if request.lora_request is not None:
@@ -186,11 +219,17 @@ class EngineCore:
             adapter = self.lora.resolve(request.lora_request)
         lead = Request(
             request_id=request_id if params.n == 1 else f"{request_id}#0",
-            prompt_token_ids=prompt_token_ids, sampling_params=params,
-            eos_token_ids=frozenset(eos_token_ids), max_output_tokens=max_output,
-            arrival_time=request.arrival_time or time.time(), cache_salt=request.cache_salt,
-            priority=request.priority, parent_id=request_id, lora=adapter,
-            long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)))
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=frozenset(eos_token_ids),
+            max_output_tokens=max_output,
+            arrival_time=request.arrival_time or time.time(),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            parent_id=request_id,
+            lora=adapter,
+            long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)),
+        )
         if adapter is not None:
             assert self.lora is not None  # an adapter was resolved by it
             self.lora.retain(adapter)  # released with the request (release())
@@ -254,8 +293,11 @@ class EngineCore:
         if not samples:
             return False
         lead = samples[0]
-        return (lead.sampling_params.structured_outputs is not None and lead.structured_output is None
-                and not lead.is_finished)
+        return (
+            lead.sampling_params.structured_outputs is not None
+            and lead.structured_output is None
+            and not lead.is_finished
+        )
 
     def _admit_compiled(self, result: CoreStepResult) -> None:
         if not self.structured.has_pending:
@@ -325,8 +367,9 @@ class EngineCore:
                 for position, token_id in zip(entries, request.output_token_ids[num_before:]):
                     request.output_logprobs.append(position)
                     request.cumulative_logprob += position[token_id].logprob
-        self.last_step_timings = replace(runner_output.timings, schedule=step.schedule_s,
-                                         update=time.perf_counter() - executed)
+        self.last_step_timings = replace(
+            runner_output.timings, schedule=step.schedule_s, update=time.perf_counter() - executed
+        )
         if self.kv_tiers is not None:
             self.kv_tiers.observe_step(scheduler_output.num_batched_tokens, self.last_step_timings.forward)
         result.progressed = progressed
@@ -359,8 +402,11 @@ class EngineCore:
             last_step_timings=self.last_step_timings,
             spec_decode=self.speculation.stats(),
             iteration_tokens=self.iteration_tokens.copy(),
-            kv_tiers=self.kv_tiers.stats(self.kv_cache.tier_hits, self.kv_cache.num_swapped,
-                                         self.scheduler.num_preemptions_by_mode) if self.kv_tiers else None,
+            kv_tiers=self.kv_tiers.stats(
+                self.kv_cache.tier_hits, self.kv_cache.num_swapped, self.scheduler.num_preemptions_by_mode
+            )
+            if self.kv_tiers
+            else None,
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
             moe=self.moe_meter.stats() if self.moe_meter is not None else None,
@@ -373,9 +419,13 @@ class EngineCore:
         def names(requests) -> list[str]:
             return sorted({r.lora.name for r in requests if r.lora is not None})
 
-        return LoRAStats(max_loras=self.lora.max_loras, running_adapters=names(self.scheduler.running),
-                         waiting_adapters=names(self.scheduler.waiting), loaded_adapters=self.lora.names(),
-                         num_slot_loads=self.lora.slots.num_loads)
+        return LoRAStats(
+            max_loras=self.lora.max_loras,
+            running_adapters=names(self.scheduler.running),
+            waiting_adapters=names(self.scheduler.waiting),
+            loaded_adapters=self.lora.names(),
+            num_slot_loads=self.lora.slots.num_loads,
+        )
 
 
 def _record_prompt_logprobs(request: Request, first_position: int, entries: list) -> None:
@@ -385,5 +435,4 @@ def _record_prompt_logprobs(request: Request, first_position: int, entries: list
         request.prompt_logprobs.append(None)  # the first prompt token has no context
     skip = len(request.prompt_logprobs) - (first_position + 1)
     if skip < len(entries):
-        request.prompt_logprobs.extend(entries[max(skip, 0):])
-
+        request.prompt_logprobs.extend(entries[max(skip, 0) :])

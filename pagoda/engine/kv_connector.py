@@ -28,8 +28,15 @@ from pagoda.engine.disaggregation import DisaggStats, KVHandoffs
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.step_output import HandoffOutcome
-from pagoda.kv_transfer.handoff import (TRANSFER_SECRET_ENV, HandoffAuth, HandoffRefused, IncomingHandoff,
-                                        KVHandoff, TransferError, send_handoff)
+from pagoda.kv_transfer.handoff import (
+    TRANSFER_SECRET_ENV,
+    HandoffAuth,
+    HandoffRefused,
+    IncomingHandoff,
+    KVHandoff,
+    TransferError,
+    send_handoff,
+)
 from pagoda.kv_transfer.handoff_threads import HandoffThreads, HeaderArrived, Received, Sent
 from pagoda.kv_transfer.tiers import model_fingerprint
 from pagoda.outputs import RequestOutputDelta
@@ -42,9 +49,12 @@ class KVConnector:
         self.core = core
         # The target model's caches, as KV handoffs carry them (roles need the whole model: no
         # pipeline stage's missing layers).
-        self.handoffs = KVHandoffs(config.role, core.kv_cache,
-                                   [t for pair in core.runner.kv_caches if pair is not None for t in pair],
-                                   model_fingerprint(config, str(core.dtype).removeprefix("torch.")).hex())
+        self.handoffs = KVHandoffs(
+            config.role,
+            core.kv_cache,
+            [t for pair in core.runner.kv_caches if pair is not None for t in pair],
+            model_fingerprint(config, str(core.dtype).removeprefix("torch.")).hex(),
+        )
         self._threads: HandoffThreads | None = None
         self._exported: list[KVHandoff] = []  # role prefill: exported without a target, not yet taken
         self._targets: dict[str, HandoffTarget] = {}  # role prefill: where each request goes
@@ -123,8 +133,7 @@ class KVConnector:
                 self._exported.append(handoff)  # the engine-level API: the caller sends it
             else:
                 handoff.header.request_id = target.request_id  # the decode engine's id for it
-                self._role_threads().send(delta.request_id, handoff, target.transport, target.address,
-                                          target.timeout)
+                self._role_threads().send(delta.request_id, handoff, target.transport, target.address, target.timeout)
             exported.add(delta.request_id)
         return exported
 
@@ -215,8 +224,9 @@ class KVConnector:
             self._prefill_here(request)
             return
         self._receiving[request_id] = (incoming, request, skip, started)
-        self._role_threads().receive(incoming, request_id, skip,
-                                     lambda indices, data: self.handoffs.write_blocks(request, indices, data))
+        self._role_threads().receive(
+            incoming, request_id, skip, lambda indices, data: self.handoffs.write_blocks(request, indices, data)
+        )
 
     def _end_receive(self, event: Received) -> bool:
         """True when the request was aborted meanwhile (its written blocks are to be freed)."""
@@ -249,8 +259,10 @@ def transfer_secret(config: EngineConfig) -> str:
     its handoffs would be unauthenticated."""
     secret = config.kv_transfer_secret or os.environ.get(TRANSFER_SECRET_ENV)
     if not secret:
-        raise ValueError(f"role {config.role} needs the deployment's KV transfer secret: set kv_transfer_secret "
-                         f"(--kv-transfer-secret) or {TRANSFER_SECRET_ENV}, the same on its prefill and decode engines")
+        raise ValueError(
+            f"role {config.role} needs the deployment's KV transfer secret: set kv_transfer_secret "
+            f"(--kv-transfer-secret) or {TRANSFER_SECRET_ENV}, the same on its prefill and decode engines"
+        )
     return secret
 
 

@@ -11,16 +11,22 @@ from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from pagoda.engine.commands import run_command
 from pagoda.engine.engine_request import EngineRequest
-from pagoda.engine.roles import require_both_role
-from pagoda.engine.scoring import class_probs, classify_params, pair_prompt, pair_score, score_pairs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
+from pagoda.engine.roles import require_both_role
+from pagoda.engine.scoring import class_probs, classify_params, pair_prompt, pair_score, score_pairs
 from pagoda.engine.threads import set_engine_threads
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.model.classifier_config import ClassifierConfig
-from pagoda.outputs import (ClassificationOutput, ClassificationRequestOutput, OutputAccumulator, RequestOutput,
-                            ScoringOutput, ScoringRequestOutput)
+from pagoda.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    OutputAccumulator,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int]  # one prompt as the engine takes it
@@ -32,8 +38,10 @@ class LLM:
         DeploymentConfig field (data_parallel_size, router, ...) is a ValueError."""
         deployment_args = sorted(set(engine_args) & {f.name for f in dataclasses.fields(DeploymentConfig)})
         if deployment_args:
-            raise ValueError(f"{', '.join(deployment_args)}: deployment settings, not the offline LLM's "
-                             f"(serve replicas with pagoda serve)")
+            raise ValueError(
+                f"{', '.join(deployment_args)}: deployment settings, not the offline LLM's "
+                f"(serve replicas with pagoda serve)"
+            )
         if model is not None:
             engine_args["model"] = model
         # Offline work wants throughput, not a per-token latency: --max-num-seqs defaults to what
@@ -57,11 +65,16 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, cache_salt: str | None = None,
-                 priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order. A prompt is text, token ids,
         `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt).
         `lora_request`: one adapter for all prompts or one per prompt (None: the base model); an
@@ -80,15 +93,28 @@ class LLM:
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._ids))
-            self.engine.add_request(EngineRequest(request_id, prompt, params, cache_salt=cache_salt,
-                                                  priority=priority[i] if priority else 0,
-                                                  lora_request=lora_request[i]))
+            self.engine.add_request(
+                EngineRequest(
+                    request_id,
+                    prompt,
+                    params,
+                    cache_salt=cache_salt,
+                    priority=priority[i] if priority else 0,
+                    lora_request=lora_request[i],
+                )
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
-    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, *,
-                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's `LLM.beam_search`): each output holds the
         `beam_width` best sequences, best first. `concurrency_limit`: at most this many prompts
         searched at once (None: all)."""
@@ -101,40 +127,77 @@ class LLM:
         chunk = concurrency_limit or max(len(prompts), 1)
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompts), chunk):
-            outputs += self.generate(prompts[start:start + chunk], sampling_params, use_tqdm=use_tqdm,
-                                     lora_request=lora_request[start:start + chunk])
-        return [BeamSearchOutput([
-            BeamSearchSequence(tokens=output.prompt_token_ids + sample.token_ids, logprobs=sample.logprobs or [],
-                               cum_logprob=sample.cumulative_logprob or 0.0, text=sample.text,
-                               finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                               score=beam_score(sample.cumulative_logprob or 0.0, len(sample.token_ids),
-                                                params.length_penalty))
-            for sample in output.outputs]) for output in outputs]
+            outputs += self.generate(
+                prompts[start : start + chunk],
+                sampling_params,
+                use_tqdm=use_tqdm,
+                lora_request=lora_request[start : start + chunk],
+            )
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=output.prompt_token_ids + sample.token_ids,
+                        logprobs=sample.logprobs or [],
+                        cum_logprob=sample.cumulative_logprob or 0.0,
+                        text=sample.text,
+                        finish_reason=sample.finish_reason,
+                        stop_reason=sample.stop_reason,
+                        score=beam_score(
+                            sample.cumulative_logprob or 0.0, len(sample.token_ids), params.length_penalty
+                        ),
+                    )
+                    for sample in output.outputs
+                ]
+            )
+            for output in outputs
+        ]
 
-    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *, use_tqdm: bool = False,
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
         """Score pairs on a classifier model (vLLM's `LLM.score`): one text_1 against every
         text_2, or lists paired one to one; one output per pair, in order."""
         classifier = self._classifier()
         pairs = score_pairs(text_1, text_2)
         prompts = [{"prompt_token_ids": pair_prompt(self.tokenizer, classifier, a, b)} for a, b in pairs]
         outputs = self.generate(prompts, classify_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ScoringRequestOutput(output.request_id, ScoringOutput(pair_score(self._logits(output), classifier)),
-                                     output.prompt_token_ids) for output in outputs]
+        return [
+            ScoringRequestOutput(
+                output.request_id, ScoringOutput(pair_score(self._logits(output), classifier)), output.prompt_token_ids
+            )
+            for output in outputs
+        ]
 
-    def classify(self, prompts: PromptInput | Sequence[PromptInput], *, use_tqdm: bool = False,
-                 lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ClassificationRequestOutput]:
         """Class probabilities of each prompt on a classifier model (vLLM's `LLM.classify`)."""
         self._classifier()
         outputs = self.generate(prompts, classify_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ClassificationRequestOutput(output.request_id, ClassificationOutput(class_probs(self._logits(output))),
-                                            output.prompt_token_ids) for output in outputs]
+        return [
+            ClassificationRequestOutput(
+                output.request_id, ClassificationOutput(class_probs(self._logits(output))), output.prompt_token_ids
+            )
+            for output in outputs
+        ]
 
     def _classifier(self) -> ClassifierConfig:
         classifier = self.engine.classifier
         if classifier is None:
-            raise ValueError("this model has no classifier head: scoring and classification need a "
-                             "*ForSequenceClassification checkpoint or score_tokens (e.g. 'no,yes')")
+            raise ValueError(
+                "this model has no classifier head: scoring and classification need a "
+                "*ForSequenceClassification checkpoint or score_tokens (e.g. 'no,yes')"
+            )
         return classifier
 
     @staticmethod
@@ -145,7 +208,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is released (the first sample's)."""
         request_id = str(next(self._ids))
-        self.engine.add_request(EngineRequest(request_id, prompt, sampling_params or self.get_default_sampling_params()))
+        self.engine.add_request(
+            EngineRequest(request_id, prompt, sampling_params or self.get_default_sampling_params())
+        )
         try:
             while True:
                 output = self.engine.step()
@@ -162,9 +227,14 @@ class LLM:
         finally:
             self.engine.abort_request([request_id])
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate the reply.
         `tools` (OpenAI function tools) are passed to the template, as vLLM's LLM.chat does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -80,8 +80,9 @@ class LLMEngine:
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
-    def add_request(self, request: EngineRequest, *, handoff: HandoffTarget | None = None,
-                    awaiting_kv: bool = False) -> None:
+    def add_request(
+        self, request: EngineRequest, *, handoff: HandoffTarget | None = None, awaiting_kv: bool = False
+    ) -> None:
         """Queue a request. A string prompt is tokenized with special tokens; a list is token ids.
         Raises InvalidRequest (a ValueError) with a message fit for the client; the next step()
         reports the request as accepted (a structured-output one once its grammar compiled) or
@@ -114,14 +115,16 @@ class LLMEngine:
             self.beam_searches.add(request, prompt_text)
             return
         if params.bad_words and params.bad_words_token_ids is None:  # the sampler bans token ids
-            request = replace(request, params=params.clone(
-                bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer)))
+            request = replace(
+                request, params=params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
+            )
         samples = self.core.add_request(request, eos_token_ids=self.eos_token_ids, enqueue=not awaiting_kv)
         self.output_processor.add_request(request_id, prompt_text, samples)
         self.kv_connector.on_add(samples[0], handoff, awaiting_kv)
 
-    def add_prefilled_request(self, incoming: IncomingHandoff, *, fallback: bool = True,
-                              arrival_time: float | None = None) -> bool:
+    def add_prefilled_request(
+        self, incoming: IncomingHandoff, *, fallback: bool = True, arrival_time: float | None = None
+    ) -> bool:
         """Continue a request handed off by a prefill engine. Its KV blocks are received into
         freshly allocated blocks (those this engine's prefix cache lacks); True when they were.
         If the transfer fails or is refused, what was allocated is released and, with
@@ -133,8 +136,14 @@ class LLMEngine:
         lora = LoRARequest(lora_name=header.lora_name) if header.lora_name is not None else None
         try:
             params = sampling_params_from_dict(header.sampling_params)
-            request = EngineRequest(header.request_id, header.prompt_token_ids, params, arrival_time=arrival_time,
-                                    cache_salt=header.cache_salt, lora_request=lora)
+            request = EngineRequest(
+                header.request_id,
+                header.prompt_token_ids,
+                params,
+                arrival_time=arrival_time,
+                cache_salt=header.cache_salt,
+                lora_request=lora,
+            )
             samples = self.core.add_request(request, eos_token_ids=self.eos_token_ids, enqueue=False)
         except (InvalidRequest, TypeError) as error:  # TypeError: sampling params this version lacks
             incoming.reject(str(error))
@@ -164,8 +173,11 @@ class LLMEngine:
             else:
                 self.add_lora(lora_request)
         except Exception as error:
-            self._output.refused[control_id] = error if isinstance(error, InvalidRequest) else RuntimeError(
-                f"the engine could not update LoRA adapter {lora_request.lora_name!r}: {error!r}")
+            self._output.refused[control_id] = (
+                error
+                if isinstance(error, InvalidRequest)
+                else RuntimeError(f"the engine could not update LoRA adapter {lora_request.lora_name!r}: {error!r}")
+            )
             raise
         self._output.accepted.append(control_id)
 
@@ -179,8 +191,9 @@ class LLMEngine:
         except Exception as error:
             if not isinstance(error, InvalidRequest):
                 logger.exception("engine command %s failed", command)
-            self._output.refused[control_id] = error if isinstance(error, InvalidRequest) else InvalidRequest(
-                f"{command} failed: {error}")
+            self._output.refused[control_id] = (
+                error if isinstance(error, InvalidRequest) else InvalidRequest(f"{command} failed: {error}")
+            )
             return
         if answered:
             self._output.accepted.append(control_id)
@@ -255,8 +268,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Work for step(): scheduled requests, aborts to report, or KV handoff events."""
         stepping = self.paused != "keep" and not self.sleep_mode.level
-        return ((stepping and self.core.has_unfinished_requests()) or bool(self._output.deltas)
-                or self.kv_connector.has_events())
+        return (
+            (stepping and self.core.has_unfinished_requests())
+            or bool(self._output.deltas)
+            or self.kv_connector.has_events()
+        )
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:
         """A structured-output request accepted only once its grammar compiles (see step)."""

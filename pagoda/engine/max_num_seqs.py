@@ -93,16 +93,30 @@ class MaxNumSeqsChoice:
         holds = f"KV pool holds {self.kv_bound}{' at full context' if self.full_context else ''}"
         if self.itl_budget_ms is None:
             return f"{self.value} (auto, bound by the {binding}: {holds}; no ITL budget)"
-        fit = self.hardware_bound if self.hardware_bound is not None else \
-            f"every batch measured (up to {self.step_ms[-1][0]})" if self.step_ms else "-"
+        fit = (
+            self.hardware_bound
+            if self.hardware_bound is not None
+            else f"every batch measured (up to {self.step_ms[-1][0]})"
+            if self.step_ms
+            else "-"
+        )
         source = "from the calibration cache" if self.cached else f"calibrated in {self.calibration_s:.2f} s"
-        return (f"{self.value} (auto, bound by the {binding}: {holds}, decode steps "
-                f"within {self.itl_budget_ms:g} ms fit {fit} [{measured}], {source})")
+        return (
+            f"{self.value} (auto, bound by the {binding}: {holds}, decode steps "
+            f"within {self.itl_budget_ms:g} ms fit {fit} [{measured}], {source})"
+        )
 
 
-def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                        itl_budget_ms: float | None, step_time_ms: Callable[[int], float] | None,
-                        ceiling: int = CEILING, max_model_len: int | None = None) -> MaxNumSeqsChoice:
+def choose_max_num_seqs(
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    itl_budget_ms: float | None,
+    step_time_ms: Callable[[int], float] | None,
+    ceiling: int = CEILING,
+    max_model_len: int | None = None,
+) -> MaxNumSeqsChoice:
     """The default for a pool of `num_blocks` and a hardware whose decode step of `batch`
     sequences takes `step_time_ms(batch)` ms (called for growing batches, stopping early).
     With `max_model_len`, the pool bound counts sequences at that full context; without, one
@@ -131,9 +145,16 @@ def choose_max_num_seqs(*, num_blocks: int, block_size: int, max_num_batched_tok
                 extra = int((itl_budget_ms - good_ms) / slope) if slope > 0 else 0
                 hardware = max(good, min(bad - 1, good + extra))
             break
-    return MaxNumSeqsChoice(value=min(cap, hardware or cap), explicit=False, kv_bound=kv_bound,
-                            hardware_bound=hardware, itl_budget_ms=itl_budget_ms, step_ms=tuple(measured),
-                            calibration_s=time.perf_counter() - started, full_context=max_model_len is not None)
+    return MaxNumSeqsChoice(
+        value=min(cap, hardware or cap),
+        explicit=False,
+        kv_bound=kv_bound,
+        hardware_bound=hardware,
+        itl_budget_ms=itl_budget_ms,
+        step_ms=tuple(measured),
+        calibration_s=time.perf_counter() - started,
+        full_context=max_model_len is not None,
+    )
 
 
 class CalibratedEngine(Protocol):
@@ -221,13 +242,30 @@ def calibration_key(core: CalibratedEngine, itl_budget_ms: float) -> str:
     accelerator = torch.cuda.get_device_name(core.device) if core.device.type == "cuda" else core.device.type
     parts = {
         "machine": [_cpu_model(), os.cpu_count(), torch.__version__, accelerator, torch.get_num_threads()],
-        "kernels": [config.native_kernels, config.quantization, config.quantization_group_size,
-                    config.quantization_zero_point],
+        "kernels": [
+            config.native_kernels,
+            config.quantization,
+            config.quantization_group_size,
+            config.quantization_zero_point,
+        ],
         "model": model_fingerprint(config, str(core.dtype).removeprefix("torch.")).hex(),
-        "settings": [core.num_blocks, config.block_size, core.max_model_len, config.max_num_batched_tokens,
-                     itl_budget_ms, config.kv_cache_dtype, config.speculative, config.num_speculative_tokens,
-                     config.enable_lora, config.max_loras, config.max_lora_rank, config.tensor_parallel_size,
-                     config.attention_backend, config.enforce_eager, config.enable_chunked_prefill],
+        "settings": [
+            core.num_blocks,
+            config.block_size,
+            core.max_model_len,
+            config.max_num_batched_tokens,
+            itl_budget_ms,
+            config.kv_cache_dtype,
+            config.speculative,
+            config.num_speculative_tokens,
+            config.enable_lora,
+            config.max_loras,
+            config.max_lora_rank,
+            config.tensor_parallel_size,
+            config.attention_backend,
+            config.enforce_eager,
+            config.enable_chunked_prefill,
+        ],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -236,8 +274,11 @@ def _read_cache(path: Path) -> dict[str, Any]:
     """The cache's entries; an absent file is empty, a damaged one is ignored with one log line."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or \
-                not isinstance(data.get("entries"), dict):
+        if (
+            not isinstance(data, dict)
+            or data.get("version") != CACHE_VERSION
+            or not isinstance(data.get("entries"), dict)
+        ):
             raise ValueError("not a calibration cache of this version")
         return data["entries"]
     except FileNotFoundError:
@@ -268,16 +309,20 @@ def _write_cache(path: Path, entries: dict[str, Any]) -> None:
         logger.info("could not write the --max-num-seqs calibration cache %s: %s", path, exc)
 
 
-def resolve_max_num_seqs(core: CalibratedEngine, explicit: int | None, itl_budget_ms: float | None,
-                         cache_path: Path | None = None) -> MaxNumSeqsChoice:
+def resolve_max_num_seqs(
+    core: CalibratedEngine, explicit: int | None, itl_budget_ms: float | None, cache_path: Path | None = None
+) -> MaxNumSeqsChoice:
     """The value to use: `explicit` (--max-num-seqs) when given, else the default: bound by the
     KV pool at full context and calibrated against `itl_budget_ms` (the step times read from the
     cache at `cache_path`, default calibration_cache_path(), when this machine and model were
     calibrated before), or bound by the KV pool alone when there is no budget (offline)."""
     if explicit is not None:
         return MaxNumSeqsChoice(value=explicit, explicit=True)
-    common = dict(num_blocks=core.num_blocks, block_size=core.config.block_size,
-                  max_num_batched_tokens=core.config.max_num_batched_tokens)
+    common = dict(
+        num_blocks=core.num_blocks,
+        block_size=core.config.block_size,
+        max_num_batched_tokens=core.config.max_num_batched_tokens,
+    )
     if itl_budget_ms is None:
         choice = choose_max_num_seqs(**common, itl_budget_ms=None, step_time_ms=None)
         logger.info("max_num_seqs %s", choice.describe())
@@ -296,12 +341,16 @@ def resolve_max_num_seqs(core: CalibratedEngine, explicit: int | None, itl_budge
             measured_any = True
         return cached[batch]
 
-    choice = choose_max_num_seqs(**common, itl_budget_ms=itl_budget_ms, step_time_ms=step_time_ms,
-                                 max_model_len=core.max_model_len)
+    choice = choose_max_num_seqs(
+        **common, itl_budget_ms=itl_budget_ms, step_time_ms=step_time_ms, max_model_len=core.max_model_len
+    )
     if measured_any:
-        entries[key] = {"step_ms": sorted(cached.items()), "written": time.time(),
-                        "machine": f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}",
-                        "model": str(core.config.model)}
+        entries[key] = {
+            "step_ms": sorted(cached.items()),
+            "written": time.time(),
+            "machine": f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}",
+            "model": str(core.config.model),
+        }
         _write_cache(path, entries)
     else:
         choice = dataclasses.replace(choice, cached=True)

@@ -49,9 +49,13 @@ class OutputProcessor:
         state = _RequestState(request_id, prompt)
         for sample in samples:
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, lead.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output)
+                self.tokenizer,
+                lead.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
             state.samples.append(_SampleState(sample, detokenizer))
         self._states[request_id] = state
 
@@ -68,8 +72,9 @@ class OutputProcessor:
             if stopped_by_string:
                 stopped.append(sample)
             changed.setdefault(sample.parent_id, []).append(delta)
-        return [self._request_delta(self._states[request_id], samples)
-                for request_id, samples in changed.items()], stopped
+        return [
+            self._request_delta(self._states[request_id], samples) for request_id, samples in changed.items()
+        ], stopped
 
     def finish_aborted(self, request_id: str) -> RequestOutputDelta | None:
         """The delta that ends an aborted request: every unfinished sample gets "abort"."""
@@ -80,8 +85,9 @@ class OutputProcessor:
         for sample_state in state.samples:
             if sample_state.finish_reason is None:
                 sample_state.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
-                samples.append(CompletionDelta(index=sample_state.request.sample_index,
-                                               finish_reason=sample_state.finish_reason))
+                samples.append(
+                    CompletionDelta(index=sample_state.request.sample_index, finish_reason=sample_state.finish_reason)
+                )
         return self._request_delta(state, samples)
 
     def remove(self, request_id: str) -> None:
@@ -105,10 +111,15 @@ class OutputProcessor:
             text += state.detokenizer.finish()
             state.finish_reason = request.status.finish_reason
             state.stop_reason = request.stop_reason
-        delta = CompletionDelta(index=request.sample_index, text=text, token_ids=new_tokens,
-                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        delta = CompletionDelta(
+            index=request.sample_index,
+            text=text,
+            token_ids=new_tokens,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
         if request.sampling_params.logprobs is not None:
-            entries = request.output_logprobs[start:state.num_tokens_emitted]
+            entries = request.output_logprobs[start : state.num_tokens_emitted]
             for entry in entries:
                 self._decode_entry(entry)
             delta.logprobs = entries
@@ -125,14 +136,18 @@ class OutputProcessor:
     def _request_delta(self, state: _RequestState, samples: list[CompletionDelta]) -> RequestOutputDelta:
         lead = state.samples[0].request
         delta = RequestOutputDelta(
-            request_id=state.request_id, outputs=samples, num_samples=len(state.samples),
-            finished=state.finished, num_cached_tokens=max(lead.num_cached_tokens, 0))
+            request_id=state.request_id,
+            outputs=samples,
+            num_samples=len(state.samples),
+            finished=state.finished,
+            num_cached_tokens=max(lead.num_cached_tokens, 0),
+        )
         if len(state.samples) > 1:
             delta.metrics = _merged_metrics([s.request.metrics for s in state.samples])
         else:
             delta.metrics = copy.copy(lead.metrics)  # the engine keeps updating the original
         if lead.sampling_params.prompt_logprobs is not None and lead.prompt_logprobs:
-            entries = lead.prompt_logprobs[state.num_prompt_logprobs_emitted:]
+            entries = lead.prompt_logprobs[state.num_prompt_logprobs_emitted :]
             for entry in entries:
                 self._decode_entry(entry)
             state.num_prompt_logprobs_emitted = len(lead.prompt_logprobs)

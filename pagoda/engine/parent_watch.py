@@ -31,8 +31,9 @@ def exit_when_parent_dies(parent_pid: int, poll_seconds: float = POLL_SECONDS) -
     _set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before we got here
         os._exit(1)
-    thread = threading.Thread(target=_poll_parent, args=(parent_pid, poll_seconds),
-                              name="pagoda-parent-watch", daemon=True)
+    thread = threading.Thread(
+        target=_poll_parent, args=(parent_pid, poll_seconds), name="pagoda-parent-watch", daemon=True
+    )
     thread.start()
 
 

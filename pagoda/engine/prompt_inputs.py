@@ -11,8 +11,7 @@ from typing import Any, Union
 
 PromptInput = Union[str, list[int], Mapping[str, Any]]
 
-ACCEPTED_SHAPES = ('a string, a list of token ids, {"prompt": str}, {"prompt_token_ids": [int, ...]}, '
-                   'or a list of these')
+ACCEPTED_SHAPES = 'a string, a list of token ids, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of these'
 
 
 def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[str | list[int]]:
@@ -46,11 +45,13 @@ def _normalize_one(prompt: object, index: int) -> str | list[int]:
         if "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
-                raise TypeError(f"{where}: \"prompt\" must be a string, got {type(text).__name__}")
+                raise TypeError(f'{where}: "prompt" must be a string, got {type(text).__name__}')
             return text
         keys = ", ".join(map(repr, prompt)) or "none"
-        raise TypeError(f"{where}: a dict prompt needs a \"prompt\" or \"prompt_token_ids\" key "
-                        f"(got keys: {keys}); accepted shapes: {ACCEPTED_SHAPES}")
+        raise TypeError(
+            f'{where}: a dict prompt needs a "prompt" or "prompt_token_ids" key '
+            f"(got keys: {keys}); accepted shapes: {ACCEPTED_SHAPES}"
+        )
     if isinstance(prompt, (list, tuple)):
         return _token_ids(prompt, where)
     raise TypeError(f"{where} must be {ACCEPTED_SHAPES}; got {type(prompt).__name__}")

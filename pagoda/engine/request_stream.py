@@ -45,7 +45,7 @@ class PolledStream:
                 return delta
             await self._ready.wait()
 
-    def __aiter__(self) -> "PolledStream":
+    def __aiter__(self) -> PolledStream:
         return self
 
     async def __anext__(self) -> RequestOutputDelta:
@@ -57,8 +57,7 @@ class PolledStream:
 class RequestStream(PolledStream):
     """The deltas of one request, read on the event loop that created it."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 wake: asyncio.Event | None = None) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, wake: asyncio.Event | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
         self.finished = False  # the finishing delta has been read

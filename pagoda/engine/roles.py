@@ -23,7 +23,9 @@ def require_both_role(config: EngineConfig, front: str) -> None:
     """The offline LLM runs whole requests: a prefill or decode engine only makes sense beside
     its partner, paired by the router of a server started with --replica-roles."""
     if config.role != "both":
-        raise ValueError(f"role {config.role} is not supported by {front}: prefill and decode engines are "
-                         f"paired by the router; serve with --replica-roles prefill=P,decode=D (the "
-                         f"engine-level API is LLMEngine.kv_connector.take_handoffs / send_handoff and "
-                         f"LLMEngine.add_prefilled_request)")
+        raise ValueError(
+            f"role {config.role} is not supported by {front}: prefill and decode engines are "
+            f"paired by the router; serve with --replica-roles prefill=P,decode=D (the "
+            f"engine-level API is LLMEngine.kv_connector.take_handoffs / send_handoff and "
+            f"LLMEngine.add_prefilled_request)"
+        )

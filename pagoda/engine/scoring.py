@@ -32,13 +32,15 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
-                         f"as text_2")
+        raise ValueError(
+            f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as text_2"
+        )
     return list(zip(first, second))
 
 
-def pair_prompt(tokenizer: Tokenizer, classifier: ClassifierConfig, text_1: str, text_2: str,
-                max_length: int | None = None) -> list[int]:
+def pair_prompt(
+    tokenizer: Tokenizer, classifier: ClassifierConfig, text_1: str, text_2: str, max_length: int | None = None
+) -> list[int]:
     """One pair as one prompt. A cross-encoder (a sequence-classification checkpoint) reads
     the tokenizer's text pair (its separators and special tokens); a causal LM read as a
     reranker reads the two texts joined as they are, formatted by the caller (Qwen3-Reranker's
@@ -56,8 +58,7 @@ def pair_score(logits: Sequence[float], classifier: ClassifierConfig, activate: 
     checkpoint's sentence-transformers config asks for no activation (`activate`, vLLM's
     use_activation, overrides the config)."""
     if len(logits) != 1:
-        raise ValueError(f"scoring needs a one-label classifier; this model has {len(logits)} labels "
-                         f"(use /classify)")
+        raise ValueError(f"scoring needs a one-label classifier; this model has {len(logits)} labels (use /classify)")
     return sigmoid(logits[0]) if (classifier.activate_scores if activate is None else activate) else float(logits[0])
 
 

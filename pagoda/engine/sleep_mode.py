@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class SleepMode:
-    def __init__(self, core: "EngineCore", weights: "WeightUpdates") -> None:
+    def __init__(self, core: EngineCore, weights: WeightUpdates) -> None:
         self.core = core
         self.weights = weights
         self.level = 0  # 0: awake
@@ -82,8 +82,12 @@ class SleepMode:
         trainer's, a GGUF file's or a GPTQ checkpoint's), which wake_up can read again."""
         source = self.weights.source
         layer: Any = self.core.runner.model.get_submodule("model.layers.0.self_attn.o_proj")
-        return (source is not None and Path(source).is_dir() and find_gguf_file(source) is None
-                and layer.weight_format.name == "full")
+        return (
+            source is not None
+            and Path(source).is_dir()
+            and find_gguf_file(source) is None
+            and layer.weight_format.name == "full"
+        )
 
     def wake_up(self) -> None:
         if not self.level:

@@ -10,9 +10,36 @@ import bisect
 from dataclasses import dataclass, field
 
 # Powers of two and their 1.5x, up to 128k tokens.
-TOKEN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
-                                  1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 32768,
-                                  65536, 131072)
+TOKEN_BUCKETS: tuple[int, ...] = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    12288,
+    16384,
+    32768,
+    65536,
+    131072,
+)
 
 
 @dataclass
@@ -26,5 +53,5 @@ class TokenHistogram:
         self.counts[bisect.bisect_left(TOKEN_BUCKETS, num_tokens)] += 1
         self.sum += num_tokens
 
-    def copy(self) -> "TokenHistogram":
+    def copy(self) -> TokenHistogram:
         return TokenHistogram(list(self.counts), self.sum)

@@ -38,8 +38,7 @@ class EngineLimits:
         return -(-num_tokens // self.block_size)
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams,
-                     limits: EngineLimits) -> int:
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
     """Raise InvalidRequest if the engine cannot serve this request; else return the most
     output tokens it may generate (max_tokens, or what the context leaves)."""
     vocab_size = limits.vocab_size
@@ -49,52 +48,71 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams,
         raise InvalidRequest("prompt is empty: at least one token is needed", param="prompt")
     bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt contains token id {bad!r} outside the vocabulary [0, {vocab_size})",
-                             param="prompt")
+        raise InvalidRequest(
+            f"prompt contains token id {bad!r} outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
     if params.logit_bias:
         bad = next((t for t in params.logit_bias if t >= vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})",
-                                 param="logit_bias")
+            raise InvalidRequest(
+                f"logit_bias has token id {bad} outside the vocabulary [0, {vocab_size})", param="logit_bias"
+            )
     if params.allowed_token_ids:
         bad = next((t for t in params.allowed_token_ids if t >= vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"allowed_token_ids has token id {bad} outside the vocabulary [0, {vocab_size})",
-                                 param="allowed_token_ids")
+            raise InvalidRequest(
+                f"allowed_token_ids has token id {bad} outside the vocabulary [0, {vocab_size})",
+                param="allowed_token_ids",
+            )
     if num_prompt >= max_model_len:
         # The prompt alone leaves no room for one generated token: max_tokens is not the fix.
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
             f"has {num_prompt} tokens, which leaves no room for the completion. Please reduce the "
-            f"length of the prompt.", param="prompt", code="context_length_exceeded")
+            f"length of the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     max_output = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_output > max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt + max_output} tokens ({num_prompt} in the prompt, {max_output} for the "
             f"completion). Please reduce the length of the prompt or max_tokens.",
-            param="max_tokens", code="context_length_exceeded")
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     blocks_needed = limits.num_blocks_for(num_prompt + max_output)
     if blocks_needed > limits.num_kv_blocks:
         raise InvalidRequest(
             f"request needs {blocks_needed} KV blocks ({num_prompt} prompt + {max_output} output "
             f"tokens) but the KV pool holds only {limits.num_kv_blocks}; lower max_tokens",
-            param="max_tokens")
+            param="max_tokens",
+        )
     if not limits.enable_chunked_prefill and num_prompt > limits.max_num_batched_tokens:
-        raise InvalidRequest(f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
-                             f"({limits.max_num_batched_tokens}) with chunked prefill off", param="prompt")
+        raise InvalidRequest(
+            f"prompt has {num_prompt} tokens, more than max_num_batched_tokens "
+            f"({limits.max_num_batched_tokens}) with chunked prefill off",
+            param="prompt",
+        )
     return max_output
 
 
-def check_classifier_use(params: SamplingParams, classifier: "ClassifierConfig | None") -> None:
+def check_classifier_use(params: SamplingParams, classifier: ClassifierConfig | None) -> None:
     """Scoring needs a classifier head; a sequence-classification checkpoint has no LM head,
     so it only scores and classifies."""
     if params.pooling == "classify" and classifier is None:
-        raise InvalidRequest("this model has no classifier head: scoring and classification need a "
-                             "*ForSequenceClassification checkpoint or --score-tokens (e.g. no,yes)", param="model")
+        raise InvalidRequest(
+            "this model has no classifier head: scoring and classification need a "
+            "*ForSequenceClassification checkpoint or --score-tokens (e.g. no,yes)",
+            param="model",
+        )
     if params.pooling is None and classifier is not None and not classifier.generates:
-        raise InvalidRequest("this model is a sequence classifier: it scores and classifies (/v1/score, "
-                             "/v1/rerank, /classify) and does not generate text", param="model")
+        raise InvalidRequest(
+            "this model is a sequence classifier: it scores and classifies (/v1/score, "
+            "/v1/rerank, /classify) and does not generate text",
+            param="model",
+        )
 
 
 def check_request_id_free(request_id: str, in_use: Container[str]) -> None:
@@ -111,15 +129,20 @@ def check_prompt_text(prompt: str) -> None:
 def check_lora_enabled(lora_name: str, enabled: bool) -> None:
     """A request may name an adapter only on an engine started with --enable-lora."""
     if not enabled:
-        raise InvalidRequest(f"LoRA adapter {lora_name!r} requested but the engine runs "
-                             f"without --enable-lora", param="model", code="model_not_found")
+        raise InvalidRequest(
+            f"LoRA adapter {lora_name!r} requested but the engine runs without --enable-lora",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_lora_updatable(lora_name: str, enabled: bool) -> None:
     """Adapters are loaded or unloaded at run time only with --enable-lora."""
     if not enabled:
-        raise InvalidRequest(f"cannot load or unload LoRA adapter {lora_name!r}: the engine runs without "
-                             f"--enable-lora", param="lora_name")
+        raise InvalidRequest(
+            f"cannot load or unload LoRA adapter {lora_name!r}: the engine runs without --enable-lora",
+            param="lora_name",
+        )
 
 
 def check_exportable(params: SamplingParams) -> None:
@@ -127,15 +150,16 @@ def check_exportable(params: SamplingParams) -> None:
     if params.n != 1:
         raise InvalidRequest("n > 1 is not supported by a prefill-role engine yet", param="n")
     if params.structured_outputs is not None:
-        raise InvalidRequest("structured output is not supported by a prefill-role engine yet "
-                             "(the grammar state does not travel with the KV)", param="structured_outputs")
+        raise InvalidRequest(
+            "structured output is not supported by a prefill-role engine yet "
+            "(the grammar state does not travel with the KV)",
+            param="structured_outputs",
+        )
     if params.prompt_logprobs is not None:
-        raise InvalidRequest("prompt_logprobs are not supported by a prefill-role engine yet",
-                             param="prompt_logprobs")
+        raise InvalidRequest("prompt_logprobs are not supported by a prefill-role engine yet", param="prompt_logprobs")
 
 
-def check_role_accepts(role: str, params: SamplingParams, handoff: "HandoffTarget | None",
-                       awaiting_kv: bool) -> None:
+def check_role_accepts(role: str, params: SamplingParams, handoff: HandoffTarget | None, awaiting_kv: bool) -> None:
     """What an engine of `role` (--role) takes: a prefill engine exportable requests, a handoff
     target only a prefill engine, a request awaiting its KV only a decode engine."""
     if role == "prefill":

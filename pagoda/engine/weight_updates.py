@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
-from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.loader import adopt_weights, checkpoint_items, commit_weights, stage_weights
+from pagoda.model.parallel import TensorParallelGroup
 from pagoda.rl.weight_group import TensorMeta, WeightGroup, WeightGroupSpec, join, receive
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class WeightUpdates:
-    def __init__(self, core: "EngineCore") -> None:
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.source: str | None = core.config.model  # where the serving weights came from; None: a trainer
         self.version = 0  # updates committed
@@ -45,8 +45,10 @@ class WeightUpdates:
         if isinstance(executor, PipelineExecutor):
             raise InvalidRequest("weight updates are not supported with pipeline parallelism yet")
         if streamed and executor is not None:
-            raise InvalidRequest("weights streamed from a trainer are not supported with tensor parallelism yet "
-                                 "(update from disk: every rank stages its shard)")
+            raise InvalidRequest(
+                "weights streamed from a trainer are not supported with tensor parallelism yet "
+                "(update from disk: every rank stages its shard)"
+            )
 
     def stage_from_disk(self, model_path: str) -> None:
         """Stage a safetensors directory; with tensor parallelism every rank stages its shard and
@@ -102,8 +104,16 @@ class WeightUpdates:
         core = self.core
         started = time.perf_counter()
         try:
-            self._staged = stage_weights(core.runner.model, items, core.model_config, core.dtype, core.device,
-                                         core.weight_format, source or "trainer", tp)
+            self._staged = stage_weights(
+                core.runner.model,
+                items,
+                core.model_config,
+                core.dtype,
+                core.device,
+                core.weight_format,
+                source or "trainer",
+                tp,
+            )
         except (ValueError, OSError) as error:
             self.discard()
             raise InvalidRequest(f"weights not updated: {error}") from None
@@ -131,8 +141,16 @@ class WeightUpdates:
         """Sleep level 2 on the CPU dropped the weights: load them again from their checkpoint."""
         core = self.core
         try:
-            staged = stage_weights(core.runner.model, checkpoint_items(model_path), core.model_config, core.dtype,
-                                   core.device, core.weight_format, model_path, check_layout=False)
+            staged = stage_weights(
+                core.runner.model,
+                checkpoint_items(model_path),
+                core.model_config,
+                core.dtype,
+                core.device,
+                core.weight_format,
+                model_path,
+                check_layout=False,
+            )
         except (ValueError, OSError) as error:
             raise InvalidRequest(f"the weights could not be loaded again: {error}") from None
         adopt_weights(core.runner.model, staged)

@@ -81,7 +81,7 @@ def tokenize_documents(llm: LLM, documents: list[tuple[str, str]], max_tokens: i
     for _, text in documents:
         ids = llm.tokenizer.encode(text)
         if budget is not None:
-            ids = ids[:budget + 1]
+            ids = ids[: budget + 1]
             budget -= max(len(ids) - 1, 0)
         if len(ids) >= 2:
             token_lists.append(ids)
@@ -166,24 +166,40 @@ def _describe(config: EngineConfig) -> str:
 
 def report_json(runs: list[PerplexityRun], options: PerplexityOptions) -> str:
     configured = runs[-1]
-    return json.dumps({
-        "model": configured.config.model, "text": options.text, "window": options.window, "stride": options.stride,
-        "num_scored_tokens": configured.result.num_scored_tokens,
-        "num_documents": configured.result.num_documents,
-        "runs": {run.label: {"perplexity": run.result.perplexity, "mean_nll": run.result.mean_nll,
-                             "seconds": round(run.seconds, 2), "quantization": run.config.quantization,
-                             "kv_cache_dtype": run.config.kv_cache_dtype} for run in runs},
-        "delta_percent": delta_percent(runs),
-    })
+    return json.dumps(
+        {
+            "model": configured.config.model,
+            "text": options.text,
+            "window": options.window,
+            "stride": options.stride,
+            "num_scored_tokens": configured.result.num_scored_tokens,
+            "num_documents": configured.result.num_documents,
+            "runs": {
+                run.label: {
+                    "perplexity": run.result.perplexity,
+                    "mean_nll": run.result.mean_nll,
+                    "seconds": round(run.seconds, 2),
+                    "quantization": run.config.quantization,
+                    "kv_cache_dtype": run.config.kv_cache_dtype,
+                }
+                for run in runs
+            },
+            "delta_percent": delta_percent(runs),
+        }
+    )
 
 
 def render_report(runs: list[PerplexityRun]) -> str:
     configured = runs[-1]
-    lines = [f"model {configured.config.model}: {configured.result.num_scored_tokens} tokens scored in "
-             f"{configured.result.num_documents} document(s), {configured.result.num_windows} window(s)"]
+    lines = [
+        f"model {configured.config.model}: {configured.result.num_scored_tokens} tokens scored in "
+        f"{configured.result.num_documents} document(s), {configured.result.num_windows} window(s)"
+    ]
     for run in runs:
-        lines.append(f"  {run.label:<15} {_describe(run.config):<32} perplexity {run.result.perplexity:.4f}  "
-                     f"({run.seconds:.1f}s)")
+        lines.append(
+            f"  {run.label:<15} {_describe(run.config):<32} perplexity {run.result.perplexity:.4f}  "
+            f"({run.seconds:.1f}s)"
+        )
     delta = delta_percent(runs)
     if delta is not None:
         lines.append(f"  delta vs full precision: {delta:+.2f}%")

@@ -86,8 +86,10 @@ def _dec_hook(kind: type, obj: Any) -> Any:
             numel *= d
         expected = numel * torch.empty(0, dtype=dtype).element_size()
         if expected != len(wire.data):
-            raise ValueError(f"tensor of shape {wire.shape} ({wire.dtype}) needs {expected} bytes, "
-                             f"the message holds {len(wire.data)}")
+            raise ValueError(
+                f"tensor of shape {wire.shape} ({wire.dtype}) needs {expected} bytes, "
+                f"the message holds {len(wire.data)}"
+            )
         if not numel:
             return torch.empty(wire.shape, dtype=dtype)
         return torch.frombuffer(bytearray(wire.data), dtype=torch.uint8).view(dtype).reshape(wire.shape)

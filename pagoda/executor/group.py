@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,19 @@ class Groups:
 
 def host_store(host: str, world_size: int, timeout_s: float) -> Any:
     """Rank 0's TCPStore on a free port (workers connect to it)."""
-    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
-def join(rank: int, world_size: int, device: torch.device, store: Any, expert_parallel: bool = False,
-         stage_ranks: int | None = None) -> Groups:
+def join(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    store: Any,
+    expert_parallel: bool = False,
+    stage_ranks: int | None = None,
+) -> Groups:
     """Build this rank's groups; returns once every rank has joined. `expert_parallel`: the
     model's group places MoE experts whole on ranks (pagoda.model.parallel). `stage_ranks`:
     the ranks are pipeline stages of this many tensor-parallel ranks each (global rank =
@@ -66,14 +74,16 @@ def join(rank: int, world_size: int, device: torch.device, store: Any, expert_pa
     if stage_ranks == 1:
         return Groups(TensorParallelGroup(), control, store)
     stage, local = divmod(rank, stage_ranks)
-    stage_control = dist.ProcessGroupGloo(dist.PrefixStore(f"stage{stage}/control", store), local, stage_ranks,
-                                          OPERATION_TIMEOUT)
+    stage_control = dist.ProcessGroupGloo(
+        dist.PrefixStore(f"stage{stage}/control", store), local, stage_ranks, OPERATION_TIMEOUT
+    )
     model = _model_group(local, stage_ranks, device, store, f"stage{stage}/model", stage_control, expert_parallel)
     return Groups(model, control, store, stage_control)
 
 
-def _model_group(rank: int, world_size: int, device: torch.device, store: Any, prefix: str, gloo: Any,
-                 expert_parallel: bool) -> TensorParallelGroup:
+def _model_group(
+    rank: int, world_size: int, device: torch.device, store: Any, prefix: str, gloo: Any, expert_parallel: bool
+) -> TensorParallelGroup:
     """NCCL on CUDA, else the given gloo group."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
@@ -83,17 +93,26 @@ def _model_group(rank: int, world_size: int, device: torch.device, store: Any, p
     return TensorParallelGroup(rank, world_size, backend, expert_parallel)
 
 
-def connect(rank: int, world_size: int, device: torch.device, endpoint: Endpoint, timeout_s: float,
-            expert_parallel: bool = False, stage_ranks: int | None = None) -> Groups:
+def connect(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    endpoint: Endpoint,
+    timeout_s: float,
+    expert_parallel: bool = False,
+    stage_ranks: int | None = None,
+) -> Groups:
     """A worker's side: connect to rank 0's store, say so (see `wait_for_workers`), then join."""
-    store = dist.TCPStore(endpoint.host, endpoint.port, world_size, False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        endpoint.host, endpoint.port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     store.set(f"connected/{rank}", "1")
     return join(rank, world_size, device, store, expert_parallel, stage_ranks)
 
 
-def wait_for_workers(store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float,
-                     what: str = "tensor parallelism") -> None:
+def wait_for_workers(
+    store: Any, world_size: int, failed: Callable[[], str | None], timeout_s: float, what: str = "tensor parallelism"
+) -> None:
     """Rank 0, before joining: wait until every worker reached the store, giving up at once if
     one died on the way (`failed()` returns why) instead of sitting in the group's rendezvous
     until its timeout."""

@@ -33,15 +33,21 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.executor.group import Outbox, forward_payload, seal_payload, share_payload
 from pagoda.executor.tensor_parallel import TensorParallelError, TensorParallelExecutor
-from pagoda.executor.worker import (BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, StageMessage, StepInputs,
-                                    layout_to)
+from pagoda.executor.worker import BUSY_TAG, HIDDEN_TAG, LOGITS_TAG, STEP_TAG, StageMessage, StepInputs, layout_to
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.pipeline import PipelineStage
 
 
 class PipelineExecutor(TensorParallelExecutor):
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, num_threads: int,
-                 stages: list[PipelineStage], vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_threads: int,
+        stages: list[PipelineStage],
+        vocab_size: int,
+    ) -> None:
         """Start stages 1..P-1 (returns once all have joined); this process is stages[0]."""
         super().__init__(config, device, dtype, num_threads, stages)
         self.stages = stages
@@ -63,8 +69,14 @@ class PipelineExecutor(TensorParallelExecutor):
         """Steps handed on whose logits have not been collected."""
         return len(self._logit_rows)
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
-                       logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None:
+    def broadcast_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layouts: list[BatchLayout],
+        logit_rows: list[int],
+        block_copies: list[tuple[int, int]],
+    ) -> None:
         """Send the step down the chain (called by the runner just before its own forward)."""
         host = torch.device("cpu")
         if self.device.type != "cpu":  # the step travels from the host
@@ -76,8 +88,11 @@ class PipelineExecutor(TensorParallelExecutor):
     def hand_on(self, hidden: torch.Tensor, logit_rows: list[int]) -> None:
         """Send stage 0's hidden states to stage 1; the logits come with `collect_logits`."""
         self._busy_s += time.perf_counter() - self._forward_started
-        self._guard(lambda: self._outbox.send(self.groups.control, hidden.to(torch.device("cpu")).contiguous(),
-                                              self.stage_ranks, HIDDEN_TAG))
+        self._guard(
+            lambda: self._outbox.send(
+                self.groups.control, hidden.to(torch.device("cpu")).contiguous(), self.stage_ranks, HIDDEN_TAG
+            )
+        )
         self._logit_rows.append(len(logit_rows))
 
     def collect_logits(self) -> torch.Tensor | None:

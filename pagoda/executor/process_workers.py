@@ -20,8 +20,9 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from pagoda.executor.channel import MAX_MESSAGE_BYTES, decode, encode
 from pagoda.executor.worker import WorkerSpec
@@ -65,14 +66,16 @@ class ProcessWorkers:
 
     def watch(self, on_exit: OnWorkerExit) -> None:
         """Report the first worker that exits before `stop` (one thread per worker)."""
+
         def wait(rank: int, title: str, process: subprocess.Popen) -> None:
             code = process.wait()
             if not self._stopping.is_set():
                 on_exit(rank, f"{title} (pid {process.pid}) exited with code {code}")
 
         for rank, title, process in zip(self.ranks, self.titles, self.processes):
-            threading.Thread(target=wait, args=(rank, title, process), name=f"pagoda-tp-watch-{rank}",
-                             daemon=True).start()
+            threading.Thread(
+                target=wait, args=(rank, title, process), name=f"pagoda-tp-watch-{rank}", daemon=True
+            ).start()
 
     def stop(self, timeout: float) -> None:
         """Wait for the workers to leave after the stop message; kill the ones that do not."""

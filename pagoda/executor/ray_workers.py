@@ -50,9 +50,14 @@ def ensure_ray(address: str | None) -> None:
     # Actors on this machine import the same pagoda as the driver.
     root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=address, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath,
-                                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}})
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": pythonpath, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        },
+    )
 
 
 def node_address(address: str | None) -> str:
@@ -103,16 +108,21 @@ class RayWorkers:
         if not ready:
             self._remove_group()
             where = "on one node" if strategy == "STRICT_PACK" else "in the cluster"
-            raise RuntimeError(f"Ray could not place {world_size} ranks ({bundle} each) {where} "
-                               f"within {PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()} in the cluster")
+            raise RuntimeError(
+                f"Ray could not place {world_size} ranks ({bundle} each) {where} "
+                f"within {PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()} in the cluster"
+            )
         actor_class = ray.remote(_RankActor)
         self.ranks = [spec.rank for spec in specs]
         self.titles = [spec.title for spec in specs]
         self.actors = [
             actor_class.options(
-                num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0, name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                     placement_group_bundle_index=spec.rank),
+                num_cpus=0 if on_gpu else 1,
+                num_gpus=1 if on_gpu else 0,
+                name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=spec.rank
+                ),
             ).remote()
             for spec in specs
         ]

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,8 +28,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec, new_secret
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
-from pagoda.executor.worker import (KVSetup, RankMessage, StepInputs, WeightsRound, WorkerSpec, agree_staged,
-                                    layout_to)
+from pagoda.executor.worker import KVSetup, RankMessage, StepInputs, WeightsRound, WorkerSpec, agree_staged, layout_to
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
@@ -49,8 +49,14 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 num_threads: int, stages: list[PipelineStage] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_threads: int,
+        stages: list[PipelineStage] | None = None,
+    ) -> None:
         """Start ranks 1..N-1 and join the group as rank 0 (returns once all have joined).
         Each worker resolves the weight format and native kernels from `config` as rank 0 did.
         `num_threads`: each worker computes with as many threads as rank 0 (engine/threads.py).
@@ -73,10 +79,21 @@ class TensorParallelExecutor:
         store = host_store(host, world_size, STARTUP_TIMEOUT_S)
         secret = new_secret()  # this deployment's: signs every control message
         self.codec = ChannelCodec(secret)
-        specs = [WorkerSpec(config, rank, world_size, Endpoint(host, store.port), _worker_device(device, rank),
-                            dtype, num_threads, STARTUP_TIMEOUT_S, secret,
-                            stages[rank // stage_ranks] if stages is not None else None)
-                 for rank in range(1, world_size)]
+        specs = [
+            WorkerSpec(
+                config,
+                rank,
+                world_size,
+                Endpoint(host, store.port),
+                _worker_device(device, rank),
+                dtype,
+                num_threads,
+                STARTUP_TIMEOUT_S,
+                secret,
+                stages[rank // stage_ranks] if stages is not None else None,
+            )
+            for rank in range(1, world_size)
+        ]
         self.workers: RayWorkers | ProcessWorkers
         if ray_backend:
             self.workers = RayWorkers(specs, config.ray_address)
@@ -93,16 +110,22 @@ class TensorParallelExecutor:
         self.workers.watch(lambda rank, why: _call_alive(on_exit, rank, why))
         try:
             wait_for_workers(store, world_size, lambda: self._failure, STARTUP_TIMEOUT_S, what)
-            self.groups: Groups = join(0, world_size, device, store, config.enable_expert_parallel,
-                                       stage_ranks if stages is not None else None)
+            self.groups: Groups = join(
+                0, world_size, device, store, config.enable_expert_parallel, stage_ranks if stages is not None else None
+            )
         except BaseException:
             self._finalizer()
             raise
         self.device = device
-        logger.info("%s: %d %s (%s backend), %d threads each%s", what, world_size // stage_ranks
-                    if stages is not None else world_size, "stages" if stages is not None else "ranks",
-                    config.distributed_executor_backend, num_threads,
-                    ", experts placed whole (expert parallelism)" if config.enable_expert_parallel else "")
+        logger.info(
+            "%s: %d %s (%s backend), %d threads each%s",
+            what,
+            world_size // stage_ranks if stages is not None else world_size,
+            "stages" if stages is not None else "ranks",
+            config.distributed_executor_backend,
+            num_threads,
+            ", experts placed whole (expert parallelism)" if config.enable_expert_parallel else "",
+        )
 
     @property
     def group(self) -> TensorParallelGroup:
@@ -126,8 +149,14 @@ class TensorParallelExecutor:
         """Tell the workers the pool size and its groups, so each allocates its slice of every block."""
         self._broadcast(KVSetup(num_blocks, kv_groups))
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
-                       logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None:
+    def broadcast_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layouts: list[BatchLayout],
+        logit_rows: list[int],
+        block_copies: list[tuple[int, int]],
+    ) -> None:
         """Hand one forward to the workers (called by rank 0's runner just before its own)."""
         host = torch.device("cpu")
         if self.device.type != "cpu":  # the step travels from the host

@@ -26,14 +26,22 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec
-from pagoda.executor.group import (Endpoint, Groups, Outbox, broadcast_object, connect, forward_payload,
-                                   open_payload, recv_payload, share_payload)
+from pagoda.executor.group import (
+    Endpoint,
+    Groups,
+    Outbox,
+    broadcast_object,
+    connect,
+    forward_payload,
+    open_payload,
+    recv_payload,
+    share_payload,
+)
 from pagoda.kernels import resolve_kernels
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.decoder import DecoderModel
 from pagoda.model.loader import checkpoint_items, commit_weights, load_model, load_model_config, stage_weights
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import WeightFormat, make_weight_format
@@ -129,8 +137,11 @@ STEP_TAG = 4  # a sealed StageMessage, passed down the chain
 
 def layout_to(layout: BatchLayout, device: torch.device) -> BatchLayout:
     """The layout with its tensors on `device`."""
-    moved = {f.name: getattr(layout, f.name).to(device) for f in dataclasses.fields(layout)
-             if isinstance(getattr(layout, f.name), torch.Tensor)}
+    moved = {
+        f.name: getattr(layout, f.name).to(device)
+        for f in dataclasses.fields(layout)
+        if isinstance(getattr(layout, f.name), torch.Tensor)
+    }
     return dataclasses.replace(layout, **moved)
 
 
@@ -139,28 +150,48 @@ def run_worker(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
     config = spec.config
-    groups = connect(spec.rank, spec.world_size, device, spec.endpoint, spec.startup_timeout_s,
-                     config.enable_expert_parallel, spec.stage_ranks if spec.stage is not None else None)
+    groups = connect(
+        spec.rank,
+        spec.world_size,
+        device,
+        spec.endpoint,
+        spec.startup_timeout_s,
+        config.enable_expert_parallel,
+        spec.stage_ranks if spec.stage is not None else None,
+    )
     codec = ChannelCodec(spec.channel_secret)
     model_config = load_model_config(config.model, config.score_tokens, config.tokenizer)
     kernels = resolve_kernels(device, config.native_kernels)  # this process's own, for its device
-    weight_format = make_weight_format(config.quantization, config.quantization_group_size,
-                                       config.quantization_zero_point, kernels.native_layout)
-    model = load_model(config.model, model_config, spec.dtype, device, weight_format, groups.model, spec.stage,
-                       kernels)
+    weight_format = make_weight_format(
+        config.quantization, config.quantization_group_size, config.quantization_zero_point, kernels.native_layout
+    )
+    model = load_model(config.model, model_config, spec.dtype, device, weight_format, groups.model, spec.stage, kernels)
     setup: KVSetup = broadcast_object(groups.control, codec, None, spec.rank, KVSetup)
     kv_format = make_kv_cache_format(config.kv_cache_dtype, spec.dtype)
     backend = kernels.attention_backend(config.attention_backend, kv_format)
-    paged = PagedModel(model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format,
-                       setup.kv_groups)
+    paged = PagedModel(
+        model, backend, setup.num_blocks, config.block_size, spec.dtype, device, kv_format, setup.kv_groups
+    )
     if spec.stage is not None:
-        logger.info("%s of %d ready: layers %d-%d, %d threads", spec.title, spec.stage.num_stages,
-                    spec.stage.first_layer, spec.stage.end_layer - 1, spec.num_threads)
-        serve_stage(paged, spec.stage, groups, codec, spec.rank % spec.stage_ranks, spec.stage_ranks, device,
-                    spec.dtype)
+        logger.info(
+            "%s of %d ready: layers %d-%d, %d threads",
+            spec.title,
+            spec.stage.num_stages,
+            spec.stage.first_layer,
+            spec.stage.end_layer - 1,
+            spec.num_threads,
+        )
+        serve_stage(
+            paged, spec.stage, groups, codec, spec.rank % spec.stage_ranks, spec.stage_ranks, device, spec.dtype
+        )
         return
-    logger.info("tensor-parallel rank %d/%d ready: %d KV heads, %d threads", spec.rank, spec.world_size,
-                model.num_kv_heads, spec.num_threads)
+    logger.info(
+        "tensor-parallel rank %d/%d ready: %d KV heads, %d threads",
+        spec.rank,
+        spec.world_size,
+        model.num_kv_heads,
+        spec.num_threads,
+    )
     staged = None  # a weight update's shard, staged until rank 0 says commit or discard
     while True:
         message: RankMessage | None = broadcast_object(groups.control, codec, None, spec.rank, RankMessage | None)
@@ -169,19 +200,35 @@ def run_worker(spec: WorkerSpec) -> None:
         if message.step is not None:
             run_step(paged, message.step, device)
         elif message.weights is not None:
-            staged = weights_round(message.weights, model, staged, groups, model_config, spec.dtype, device,
-                                   weight_format)
+            staged = weights_round(
+                message.weights, model, staged, groups, model_config, spec.dtype, device, weight_format
+            )
 
 
-def weights_round(message: WeightsRound, model: DecoderModel, staged: DecoderModel | None, groups: Groups,
-                  model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  weight_format: WeightFormat) -> DecoderModel | None:
+def weights_round(
+    message: WeightsRound,
+    model: DecoderModel,
+    staged: DecoderModel | None,
+    groups: Groups,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat,
+) -> DecoderModel | None:
     """A worker's part of a weight update: stage its shard (and report the outcome to the
     other ranks), commit it, or drop it; returns what stays staged."""
     if message.action == "stage":
         try:
-            staged = stage_weights(model, checkpoint_items(message.model_path), model_config, dtype, device,
-                                   weight_format, message.model_path, groups.model)
+            staged = stage_weights(
+                model,
+                checkpoint_items(message.model_path),
+                model_config,
+                dtype,
+                device,
+                weight_format,
+                message.model_path,
+                groups.model,
+            )
         except (ValueError, OSError) as error:
             logger.error("rank %d could not stage new weights: %s", groups.model.rank, error)
             staged = None
@@ -199,8 +246,16 @@ def agree_staged(control: Any, staged: bool) -> int:
     return int(failures.item())
 
 
-def serve_stage(paged: PagedModel, stage: PipelineStage, groups: Groups, codec: ChannelCodec, local_rank: int,
-                stage_ranks: int, device: torch.device, dtype: torch.dtype) -> None:
+def serve_stage(
+    paged: PagedModel,
+    stage: PipelineStage,
+    groups: Groups,
+    codec: ChannelCodec,
+    local_rank: int,
+    stage_ranks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
     """A pipeline stage's loop, one StageMessage at a time: a step (its layers between the hidden
     states received from the previous stage and those sent to the next, or the logits sent to
     stage 0), the busy query (answered with its compute seconds so far), or the stop.
@@ -267,8 +322,9 @@ def run_step(paged: PagedModel, step: StepInputs, device: torch.device) -> None:
         paged.model.compute_logits(hidden[step.logit_rows])
 
 
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]],
-                device: torch.device) -> None:
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]], device: torch.device
+) -> None:
     """Copy-on-write block copies (src, dst), as rank 0's runner does them."""
     if not copies:
         return

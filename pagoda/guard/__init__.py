@@ -7,6 +7,18 @@ from pagoda.guard.decision import Decision, RuleHit
 from pagoda.guard.guardrails import Guardrails, InputGuard, OutputFilter
 from pagoda.guard.metrics import GuardMetrics
 
-__all__ = ["Decision", "GuardMetrics", "GuardModel", "GuardModelError", "Guardrails",
-           "GuardrailsConfig", "GuardrailsConfigError", "InputGuard", "OutputFilter", "RuleHit",
-           "Verdict", "load_guardrails", "parse_guardrails"]
+__all__ = [
+    "Decision",
+    "GuardMetrics",
+    "GuardModel",
+    "GuardModelError",
+    "Guardrails",
+    "GuardrailsConfig",
+    "GuardrailsConfigError",
+    "InputGuard",
+    "OutputFilter",
+    "RuleHit",
+    "Verdict",
+    "load_guardrails",
+    "parse_guardrails",
+]

@@ -55,24 +55,21 @@ class GuardModel:
     _llm: Any = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     # Checks waiting for the next batch, and whether a batch is running (event loop only).
-    _queue: list[tuple[str, str, asyncio.Future[Verdict]]] = field(
-        default_factory=list, init=False, repr=False)
+    _queue: list[tuple[str, str, asyncio.Future[Verdict]]] = field(default_factory=list, init=False, repr=False)
     _draining: bool = field(default=False, init=False, repr=False)
 
     def load(self) -> None:
         """Load the weights (raises with the cause when the model cannot be loaded)."""
         from pagoda.engine.llm import LLM
 
-        args = {"num_kv_blocks": 512, "max_num_seqs": self.max_batch, "num_threads": 1,
-                **self.engine_args}
+        args = {"num_kv_blocks": 512, "max_num_seqs": self.max_batch, "num_threads": 1, **self.engine_args}
         self._llm = LLM(model=self.path, **args)
 
     def prompt(self, text: str, role: str) -> str | list[int]:
         body = self.template.format(role=role, text=text)
         tokenizer = self._llm.tokenizer
         if self.use_chat_template and getattr(tokenizer, "has_chat_template", False):
-            return tokenizer.encode_chat([{"role": "user", "content": body}],
-                                         add_generation_prompt=True)
+            return tokenizer.encode_chat([{"role": "user", "content": body}], add_generation_prompt=True)
         return body
 
     def classify_batch(self, items: list[tuple[str, str]]) -> list[Verdict | GuardModelError]:
@@ -84,8 +81,7 @@ class GuardModel:
         params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
         try:
             with self._lock:
-                outputs = self._llm.generate([self.prompt(text, role) for text, role in items],
-                                             params)
+                outputs = self._llm.generate([self.prompt(text, role) for text, role in items], params)
         except Exception as exc:  # the guard must never take the server down
             error = GuardModelError(f"guard model {self.name!r} failed: {exc!r}")
             return [error] * len(items)
@@ -116,14 +112,13 @@ class GuardModel:
     async def _drain(self) -> None:
         try:
             while self._queue:
-                batch = self._queue[:self.max_batch]
-                del self._queue[:self.max_batch]
+                batch = self._queue[: self.max_batch]
+                del self._queue[: self.max_batch]
                 items = [(text, role) for text, role, _ in batch]
                 try:
                     verdicts = await asyncio.to_thread(self.classify_batch, items)
                 except Exception as exc:  # e.g. no thread could be started
-                    verdicts = [GuardModelError(f"guard model {self.name!r} failed: "
-                                                f"{exc!r}")] * len(batch)
+                    verdicts = [GuardModelError(f"guard model {self.name!r} failed: {exc!r}")] * len(batch)
                 for (_, _, future), verdict in zip(batch, verdicts):
                     if future.done():  # its request went away meanwhile
                         continue
@@ -138,10 +133,12 @@ class GuardModel:
         lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]
         first = lines[0].lower() if lines else ""
         # The longer label first, so one that is a prefix of the other cannot shadow it.
-        labels = sorted([(self.unsafe_label, True), (self.safe_label, False)],
-                        key=lambda pair: len(pair[0]), reverse=True)
+        labels = sorted(
+            [(self.unsafe_label, True), (self.safe_label, False)], key=lambda pair: len(pair[0]), reverse=True
+        )
         for label, unsafe in labels:
             if first.startswith(label.lower()):
                 return Verdict(unsafe, lines[1] if unsafe and len(lines) > 1 else None)
-        raise GuardModelError(f"guard model {self.name!r} answered {answer[:40]!r}, neither "
-                              f"{self.safe_label!r} nor {self.unsafe_label!r}")
+        raise GuardModelError(
+            f"guard model {self.name!r} answered {answer[:40]!r}, neither {self.safe_label!r} nor {self.unsafe_label!r}"
+        )

@@ -62,8 +62,7 @@ _KIND_KEYS = {
     "pii": {"types", "replacement"},
     "classifier": {"model"},
 }
-_MODEL_KEYS = {"path", "template", "chat_template", "safe_label", "unsafe_label", "max_tokens",
-               "max_batch", "engine"}
+_MODEL_KEYS = {"path", "template", "chat_template", "safe_label", "unsafe_label", "max_tokens", "max_batch", "engine"}
 
 
 def _positive_int(data: dict[str, Any], key: str, default: int) -> int:
@@ -76,10 +75,8 @@ def _positive_int(data: dict[str, Any], key: str, default: int) -> int:
 def _string_list(where: str, key: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not value or \
-            not all(isinstance(v, str) and v for v in value):
-        raise GuardrailsConfigError(f"{where}: {key} must be a non-empty list of strings, "
-                                    f"got {value!r}")
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise GuardrailsConfigError(f"{where}: {key} must be a non-empty list of strings, got {value!r}")
     return value
 
 
@@ -89,8 +86,9 @@ def _parse_model(name: str, spec: Any) -> GuardModel:
         raise GuardrailsConfigError(f"{where}: must be a mapping with a path")
     unknown = set(spec) - _MODEL_KEYS
     if unknown:
-        raise GuardrailsConfigError(f"{where}: unknown settings {sorted(unknown)}; known: "
-                                    f"{', '.join(sorted(_MODEL_KEYS))}")
+        raise GuardrailsConfigError(
+            f"{where}: unknown settings {sorted(unknown)}; known: {', '.join(sorted(_MODEL_KEYS))}"
+        )
     path = spec.get("path")
     if not isinstance(path, str) or not path:
         raise GuardrailsConfigError(f"{where}: path (a local model directory) is required")
@@ -104,8 +102,9 @@ def _parse_model(name: str, spec: Any) -> GuardModel:
         try:
             template.format(role="User", text="")
         except (KeyError, IndexError, ValueError) as exc:
-            raise GuardrailsConfigError(f"{where}: template has a bad placeholder ({exc}); "
-                                        "use {role} and {text}, and {{ }} for braces") from None
+            raise GuardrailsConfigError(
+                f"{where}: template has a bad placeholder ({exc}); use {{role}} and {{text}}, and {{{{ }}}} for braces"
+            ) from None
         model.template = template
     for key, attr in (("safe_label", "safe_label"), ("unsafe_label", "unsafe_label")):
         if key in spec:
@@ -136,27 +135,24 @@ def _parse_rule(index: int, spec: Any, models: dict[str, GuardModel]) -> Rule:
     where = f"rule {name!r}"
     kind = spec.get("kind")
     if kind not in RULE_KINDS:
-        raise GuardrailsConfigError(f"{where}: unknown kind {kind!r}; use one of "
-                                    f"{', '.join(RULE_KINDS)}")
+        raise GuardrailsConfigError(f"{where}: unknown kind {kind!r}; use one of {', '.join(RULE_KINDS)}")
     unknown = set(spec) - _COMMON_KEYS - _KIND_KEYS[kind]
     if unknown:
-        raise GuardrailsConfigError(f"{where}: unknown settings {sorted(unknown)} for a {kind} "
-                                    f"rule; known: {', '.join(sorted(_COMMON_KEYS | _KIND_KEYS[kind]))}")
+        raise GuardrailsConfigError(
+            f"{where}: unknown settings {sorted(unknown)} for a {kind} "
+            f"rule; known: {', '.join(sorted(_COMMON_KEYS | _KIND_KEYS[kind]))}"
+        )
     action = spec.get("action")
     allowed = ("block", "flag") if kind == "classifier" else ACTIONS
     if action not in allowed:
-        raise GuardrailsConfigError(f"{where}: action must be one of {', '.join(allowed)}, "
-                                    f"got {action!r}")
+        raise GuardrailsConfigError(f"{where}: action must be one of {', '.join(allowed)}, got {action!r}")
     stages = _string_list(where, "stages", spec.get("stages", list(STAGES)))
     bad_stages = set(stages) - set(STAGES)
     if bad_stages:
-        raise GuardrailsConfigError(f"{where}: unknown stages {sorted(bad_stages)}; use input, "
-                                    "output")
+        raise GuardrailsConfigError(f"{where}: unknown stages {sorted(bad_stages)}; use input, output")
     tenants = spec.get("tenants")
-    tenant_set = frozenset(_string_list(where, "tenants", tenants)) if tenants is not None \
-        else None
-    common = dict(name=name, kind=kind, action=action, stages=frozenset(stages),
-                  tenants=tenant_set)
+    tenant_set = frozenset(_string_list(where, "tenants", tenants)) if tenants is not None else None
+    common = dict(name=name, kind=kind, action=action, stages=frozenset(stages), tenants=tenant_set)
     replacement = spec.get("replacement")
     if replacement is not None and not isinstance(replacement, str):
         raise GuardrailsConfigError(f"{where}: replacement must be a string")
@@ -174,19 +170,19 @@ def _parse_rule(index: int, spec: Any, models: dict[str, GuardModel]) -> Rule:
         return PatternRule(**common, pattern=compiled, replacement=replacement)
     if kind == "blocklist":
         words = _string_list(where, "words", spec.get("words"))
-        return PatternRule(**common, pattern=blocklist_pattern(words, case_sensitive),
-                           replacement=replacement)
+        return PatternRule(**common, pattern=blocklist_pattern(words, case_sensitive), replacement=replacement)
     if kind == "pii":
         types = _string_list(where, "types", spec.get("types", list(PII_TYPES)))
         bad_types = set(types) - set(PII_TYPES)
         if bad_types:
-            raise GuardrailsConfigError(f"{where}: unknown pii types {sorted(bad_types)}; use "
-                                        f"{', '.join(PII_TYPES)}")
+            raise GuardrailsConfigError(f"{where}: unknown pii types {sorted(bad_types)}; use {', '.join(PII_TYPES)}")
         return PatternRule(**common, pii_types=tuple(types), replacement=replacement)
     model_name = spec.get("model")
     if model_name not in models:
-        raise GuardrailsConfigError(f"{where}: model {model_name!r} is not defined under "
-                                    f"models (defined: {', '.join(sorted(models)) or 'none'})")
+        raise GuardrailsConfigError(
+            f"{where}: model {model_name!r} is not defined under "
+            f"models (defined: {', '.join(sorted(models)) or 'none'})"
+        )
     return ClassifierRule(**common, model=models[model_name])
 
 
@@ -197,8 +193,7 @@ def parse_guardrails(data: Any, source: str = "<config>") -> GuardrailsConfig:
     known = {"rules", "models", "fail_mode", "output_hold_chars", "classifier_window_chars"}
     unknown = set(data) - known
     if unknown:
-        raise GuardrailsConfigError(f"unknown settings {sorted(unknown)}; known: "
-                                    f"{', '.join(sorted(known))}")
+        raise GuardrailsConfigError(f"unknown settings {sorted(unknown)}; known: {', '.join(sorted(known))}")
     fail_mode = data.get("fail_mode", "closed")
     if fail_mode not in FAIL_MODES:
         raise GuardrailsConfigError(f"fail_mode must be open or closed, got {fail_mode!r}")
@@ -221,17 +216,22 @@ def parse_guardrails(data: Any, source: str = "<config>") -> GuardrailsConfig:
         raise GuardrailsConfigError(f"rule names must be unique; repeated: {duplicates}")
     used = {r.model.name for r in rules if isinstance(r, ClassifierRule) and r.model}
     return GuardrailsConfig(
-        rules=rules, models={n: m for n, m in models.items() if n in used},
+        rules=rules,
+        models={n: m for n, m in models.items() if n in used},
         fail_mode=fail_mode,
         output_hold_chars=_positive_int(data, "output_hold_chars", 64),
         classifier_window_chars=_positive_int(data, "classifier_window_chars", 256),
-        source=source)
+        source=source,
+    )
 
 
 def _for_rules(rules_spec: Any, model_name: str) -> str:
     """'rule 'a', 'b': ' for the rules that use `model_name`, so its errors name them."""
-    names = [str(r.get("name")) for r in (rules_spec if isinstance(rules_spec, list) else [])
-             if isinstance(r, dict) and r.get("model") == model_name]
+    names = [
+        str(r.get("name"))
+        for r in (rules_spec if isinstance(rules_spec, list) else [])
+        if isinstance(r, dict) and r.get("model") == model_name
+    ]
     return f"rule {', '.join(repr(n) for n in names)}: " if names else ""
 
 
@@ -248,5 +248,6 @@ def load_guardrails(path: str | Path) -> GuardrailsConfig:
         except Exception as exc:
             raise GuardrailsConfigError(
                 _for_rules(data.get("rules"), model.name) + f"model {model.name!r} "
-                f"({model.path}) could not be loaded: {exc}") from None
+                f"({model.path}) could not be loaded: {exc}"
+            ) from None
     return config

@@ -39,9 +39,11 @@ def _apply(text: str, found: list[tuple[PatternRule, Span]], stage: str) -> Deci
     for rule, span in found:
         labels = counts.setdefault(rule, {})
         labels[span.label] = labels.get(span.label, 0) + 1
-    hits = [RuleHit(rule.name, rule.kind, rule.action, stage, count,
-                    label if rule.kind == "pii" else None)
-            for rule, labels in counts.items() for label, count in labels.items()]
+    hits = [
+        RuleHit(rule.name, rule.kind, rule.action, stage, count, label if rule.kind == "pii" else None)
+        for rule, labels in counts.items()
+        for label, count in labels.items()
+    ]
     blocking = [rule for rule, _ in found if rule.action == "block"]
     if blocking:
         return Decision("", hits, blocked_by=blocking[0].name)
@@ -49,7 +51,7 @@ def _apply(text: str, found: list[tuple[PatternRule, Span]], stage: str) -> Deci
     for rule, span in found:
         if rule.action != "redact" or span.start < position:  # overlapping: already covered
             continue
-        pieces.append(text[position:span.start])
+        pieces.append(text[position : span.start])
         pieces.append(rule.replacement_for(span))
         position = span.end
     pieces.append(text[position:])
@@ -65,8 +67,7 @@ class _RuleSet:
         return bool(self.patterns or self.classifiers)
 
 
-async def _classify(rules: list[ClassifierRule], text: str, stage: str, fail_mode: str,
-                    context: str = "") -> Decision:
+async def _classify(rules: list[ClassifierRule], text: str, stage: str, fail_mode: str, context: str = "") -> Decision:
     """Every classifier rule's verdict on `context + text`; failures follow `fail_mode`."""
     decision = Decision(text)
     for rule in rules:
@@ -74,18 +75,31 @@ async def _classify(rules: list[ClassifierRule], text: str, stage: str, fail_mod
         try:
             verdict = await rule.model.classify_async(context + text, ROLE_OF_STAGE[stage])
         except GuardModelError as exc:
-            logger.warning("guardrail rule %r could not run (%s); failing %s: the %s is %s",
-                           rule.name, exc, fail_mode, stage,
-                           "blocked" if fail_mode == "closed" else "allowed")
+            logger.warning(
+                "guardrail rule %r could not run (%s); failing %s: the %s is %s",
+                rule.name,
+                exc,
+                fail_mode,
+                stage,
+                "blocked" if fail_mode == "closed" else "allowed",
+            )
             action = "block" if fail_mode == "closed" else "fail_open"
-            decision.merge(Decision(text, [RuleHit(rule.name, rule.kind, action, stage,
-                                                   label="guard_error")],
-                                    blocked_by=rule.name if fail_mode == "closed" else None))
+            decision.merge(
+                Decision(
+                    text,
+                    [RuleHit(rule.name, rule.kind, action, stage, label="guard_error")],
+                    blocked_by=rule.name if fail_mode == "closed" else None,
+                )
+            )
             continue
         if verdict.unsafe:
-            decision.merge(Decision(text, [RuleHit(rule.name, rule.kind, rule.action, stage,
-                                                   label=verdict.categories or "unsafe")],
-                                    blocked_by=rule.name if rule.action == "block" else None))
+            decision.merge(
+                Decision(
+                    text,
+                    [RuleHit(rule.name, rule.kind, rule.action, stage, label=verdict.categories or "unsafe")],
+                    blocked_by=rule.name if rule.action == "block" else None,
+                )
+            )
     return decision
 
 
@@ -100,8 +114,9 @@ class Guardrails:
         key = (tenant, stage)
         if key not in self._cache:
             rules: list[Rule] = [r for r in self.config.rules if r.applies(tenant, stage)]
-            self._cache[key] = _RuleSet([r for r in rules if isinstance(r, PatternRule)],
-                                        [r for r in rules if isinstance(r, ClassifierRule)])
+            self._cache[key] = _RuleSet(
+                [r for r in rules if isinstance(r, PatternRule)], [r for r in rules if isinstance(r, ClassifierRule)]
+            )
         return self._cache[key]
 
     def input_guard(self) -> InputGuard:
@@ -112,8 +127,13 @@ class Guardrails:
         rules = self.rules_for(tenant, "output")
         if not rules:
             return None
-        return OutputFilter(rules.patterns, rules.classifiers, self.config.output_hold_chars,
-                            self.config.classifier_window_chars, self.config.fail_mode)
+        return OutputFilter(
+            rules.patterns,
+            rules.classifiers,
+            self.config.output_hold_chars,
+            self.config.classifier_window_chars,
+            self.config.fail_mode,
+        )
 
 
 class InputGuard:
@@ -129,13 +149,13 @@ class InputGuard:
         decision = _apply(text, _scan(rules.patterns, text), "input")
         if decision.blocked or not rules.classifiers:
             return decision
-        verdicts = await _classify(rules.classifiers, decision.text, "input",
-                                   self._guardrails.config.fail_mode)
+        verdicts = await _classify(rules.classifiers, decision.text, "input", self._guardrails.config.fail_mode)
         decision.merge(verdicts)
         return decision
 
-    async def check_messages(self, tenant: str, messages: list[dict[str, str]]
-                             ) -> tuple[list[dict[str, str]], Decision]:
+    async def check_messages(
+        self, tenant: str, messages: list[dict[str, str]]
+    ) -> tuple[list[dict[str, str]], Decision]:
         """Each message's content through the pattern rules, the whole conversation once
         through the classifiers. Returns the (redacted) messages and the decision."""
         rules = self._guardrails.rules_for(tenant, "input")
@@ -150,8 +170,7 @@ class InputGuard:
             checked.append({**message, "content": one.text})
         if rules.classifiers:
             transcript = "\n\n".join(f"{m['role']}: {m['content']}" for m in checked)
-            decision.merge(await _classify(rules.classifiers, transcript, "input",
-                                           self._guardrails.config.fail_mode))
+            decision.merge(await _classify(rules.classifiers, transcript, "input", self._guardrails.config.fail_mode))
         return checked, decision
 
 
@@ -203,9 +222,8 @@ class OutputFilter:
                 if not final:
                     break
                 end = len(self._pending)
-            window = self._pending[self._classified:end]
-            verdicts = await _classify(self.classifiers, window, "output", self.fail_mode,
-                                       context=self._context)
+            window = self._pending[self._classified : end]
+            verdicts = await _classify(self.classifiers, window, "output", self.fail_mode, context=self._context)
             self._record(Decision("", verdicts.hits, verdicts.blocked_by))
             if verdicts.blocked:
                 return False
@@ -217,8 +235,7 @@ class OutputFilter:
         pending = self._pending
         cut = len(pending)
         if not final:
-            starts = [s for s in (r.unfinished_start(pending) for r in self.patterns)
-                      if s is not None]
+            starts = [s for s in (r.unfinished_start(pending) for r in self.patterns) if s is not None]
             if starts:
                 cut = max(min(starts), len(pending) - self.hold_chars)
         if self.classifiers:

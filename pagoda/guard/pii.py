@@ -23,23 +23,28 @@ class Span:
     label: str  # what was found: "email", "phone", the rule's name for regex, ...
 
 
-_EMAIL = regex.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
-                    r"\.[A-Za-z]{2,24}(?![\w-])")
+_EMAIL = regex.compile(
+    r"(?<![\w.+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
+    r"\.[A-Za-z]{2,24}(?![\w-])"
+)
 # +CC (optional), then groups of digits separated by space, dot, dash or parentheses.
-_PHONE = regex.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}"
-                    r"(?:[\s.-]?\d{2,4}){2,4}(?![\w])")
+_PHONE = regex.compile(
+    r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}"
+    r"(?:[\s.-]?\d{2,4}){2,4}(?![\w])"
+)
 _CARD = regex.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
 _API_KEY = regex.compile(
     r"(?<![\w-])(?:"
-    r"sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}"       # OpenAI / Anthropic style
-    r"|AKIA[0-9A-Z]{16}"                          # AWS access key id
-    r"|gh[pousr]_[A-Za-z0-9]{36,}"                # GitHub tokens
+    r"sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,}"  # OpenAI / Anthropic style
+    r"|AKIA[0-9A-Z]{16}"  # AWS access key id
+    r"|gh[pousr]_[A-Za-z0-9]{36,}"  # GitHub tokens
     r"|github_pat_[A-Za-z0-9_]{40,}"
-    r"|xox[abposr]-[A-Za-z0-9-]{10,}"             # Slack
-    r"|AIza[0-9A-Za-z_-]{35}"                     # Google API key
-    r"|glpat-[A-Za-z0-9_-]{20,}"                  # GitLab
-    r"|hf_[A-Za-z0-9]{30,}"                       # Hugging Face
-    r")(?![\w-])")
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|AIza[0-9A-Za-z_-]{35}"  # Google API key
+    r"|glpat-[A-Za-z0-9_-]{20,}"  # GitLab
+    r"|hf_[A-Za-z0-9]{30,}"  # Hugging Face
+    r")(?![\w-])"
+)
 
 
 def luhn_valid(digits: str) -> bool:
@@ -86,7 +91,10 @@ def _api_keys(text: str) -> Iterator[Span]:
 
 
 DETECTORS: dict[str, Callable[[str], Iterator[Span]]] = {
-    "email": _emails, "phone": _phones, "credit_card": _cards, "api_key": _api_keys,
+    "email": _emails,
+    "phone": _phones,
+    "credit_card": _cards,
+    "api_key": _api_keys,
 }
 
 

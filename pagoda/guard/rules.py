@@ -41,8 +41,7 @@ class PatternRule(Rule):
         if self.kind == "pii":
             return find_pii(text, self.pii_types)
         assert self.pattern is not None  # set for every non-pii kind by the config parser
-        return [Span(m.start(), m.end(), self.name) for m in self.pattern.finditer(text)
-                if m.end() > m.start()]
+        return [Span(m.start(), m.end(), self.name) for m in self.pattern.finditer(text) if m.end() > m.start()]
 
     def unfinished_start(self, text: str) -> int | None:
         """Where a match that the next characters could complete or extend begins."""
@@ -74,7 +73,8 @@ def blocklist_pattern(words: list[str], case_sensitive: bool) -> regex.Pattern[s
     the longer one)."""
     escaped = [regex.escape(w) for w in sorted(words, key=len, reverse=True)]
     # \b only where the word starts/ends with a word character: "c++" still matches.
-    parts = [(r"\b" if w[0].isalnum() or w[0] == "_" else "") + e +
-             (r"\b" if w[-1].isalnum() or w[-1] == "_" else "")
-             for w, e in zip(sorted(words, key=len, reverse=True), escaped)]
+    parts = [
+        (r"\b" if w[0].isalnum() or w[0] == "_" else "") + e + (r"\b" if w[-1].isalnum() or w[-1] == "_" else "")
+        for w, e in zip(sorted(words, key=len, reverse=True), escaped)
+    ]
     return regex.compile("|".join(parts), 0 if case_sensitive else regex.IGNORECASE)

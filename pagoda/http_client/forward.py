@@ -37,13 +37,15 @@ class ForwardedResponse:
             yield chunk
 
 
-async def forward_json(url: str, body: dict[str, Any], *, api_key: str | None = None,
-                       connect_timeout: float, first_byte_timeout: float) -> ForwardedResponse:
+async def forward_json(
+    url: str, body: dict[str, Any], *, api_key: str | None = None, connect_timeout: float, first_byte_timeout: float
+) -> ForwardedResponse:
     """POST `body` as JSON to `url` and wait for the head and first bytes of a 200 answer;
     ForwardFailed otherwise. The connection closes once `rest` is read to its end or closed."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = httpx.Timeout(connect=connect_timeout, read=first_byte_timeout, write=first_byte_timeout,
-                            pool=connect_timeout)
+    timeout = httpx.Timeout(
+        connect=connect_timeout, read=first_byte_timeout, write=first_byte_timeout, pool=connect_timeout
+    )
     client = httpx.AsyncClient(timeout=timeout)
     try:
         response = await client.send(client.build_request("POST", url, json=body, headers=headers), stream=True)
@@ -62,7 +64,9 @@ async def forward_json(url: str, body: dict[str, Any], *, api_key: str | None = 
     chunks = response.aiter_raw()
     try:
         if response.status_code != 200:
-            raise ForwardFailed(f"status_{response.status_code}", (await response.aread())[:200].decode(errors="replace"))
+            raise ForwardFailed(
+                f"status_{response.status_code}", (await response.aread())[:200].decode(errors="replace")
+            )
         first = await anext(chunks, b"")
     except httpx.TimeoutException as exc:
         await response.aclose()
@@ -83,5 +87,6 @@ async def forward_json(url: str, body: dict[str, Any], *, api_key: str | None = 
             await response.aclose()
             await client.aclose()
 
-    return ForwardedResponse(response.status_code, response.headers.get("content-type", "application/json"),
-                             first, rest())
+    return ForwardedResponse(
+        response.status_code, response.headers.get("content-type", "application/json"), first, rest()
+    )

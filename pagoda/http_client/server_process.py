@@ -31,10 +31,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(command: Sequence[str], health_url: str, *, timeout: float,
-                 log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None, start_new_session: bool = False,
-                 name: str = "the server") -> subprocess.Popen:
+def start_server(
+    command: Sequence[str],
+    health_url: str,
+    *,
+    timeout: float,
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    start_new_session: bool = False,
+    name: str = "the server",
+) -> subprocess.Popen:
     """Run `command` and return its process once GET `health_url` answers 200.
 
     stdout and stderr go together to `log_path` (overwritten), or, without one, to a text pipe
@@ -43,13 +50,26 @@ def start_server(command: Sequence[str], health_url: str, *, timeout: float,
     """
     process: subprocess.Popen  # of text (the pipe) or of bytes (the log file)
     if log_path is None:
-        process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=env, cwd=cwd, start_new_session=start_new_session)
+        process = subprocess.Popen(
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=start_new_session,
+        )
     else:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
-            process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       cwd=cwd, start_new_session=start_new_session)
+            process = subprocess.Popen(
+                list(command),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=start_new_session,
+            )
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=1.0, trust_env=False) as client:
         while True:
@@ -79,12 +99,18 @@ def stop_server(process: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def running_server(command: Sequence[str], health_url: str, *, timeout: float,
-                   log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                   cwd: Path | None = None, name: str = "the server") -> Iterator[subprocess.Popen]:
+def running_server(
+    command: Sequence[str],
+    health_url: str,
+    *,
+    timeout: float,
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    name: str = "the server",
+) -> Iterator[subprocess.Popen]:
     """`start_server`, stopped when the block ends."""
-    process = start_server(command, health_url, timeout=timeout, log_path=log_path, env=env,
-                           cwd=cwd, name=name)
+    process = start_server(command, health_url, timeout=timeout, log_path=log_path, env=env, cwd=cwd, name=name)
     try:
         yield process
     finally:

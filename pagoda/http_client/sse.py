@@ -42,7 +42,7 @@ def sse_event(line: str, other_lines: list[str] | None = None) -> SseEvent | Non
     """The event a line carries, None for any other line. A line that is neither data, blank
     nor a comment (an `event:` or `id:` field, or garbage) goes to `other_lines` when given."""
     if line.startswith("data:"):
-        return SseEvent(line, line[len("data:"):].strip())
+        return SseEvent(line, line[len("data:") :].strip())
     if other_lines is not None and line.strip() and not line.startswith(":"):
         other_lines.append(line)
     return None
@@ -55,8 +55,7 @@ def iter_sse_events(lines: Iterable[str], other_lines: list[str] | None = None) 
             yield event
 
 
-async def aiter_sse_events(lines: AsyncIterable[str],
-                           other_lines: list[str] | None = None) -> AsyncIterator[SseEvent]:
+async def aiter_sse_events(lines: AsyncIterable[str], other_lines: list[str] | None = None) -> AsyncIterator[SseEvent]:
     """`iter_sse_events` over an async stream of lines."""
     async for line in lines:
         if (event := sse_event(line, other_lines)) is not None:
@@ -70,7 +69,7 @@ async def aiter_sse_lines(chunks: AsyncIterable[str]) -> AsyncIterator[str]:
         pending += chunk
         # A CR at the end may be the first half of a CR LF: it waits for the next chunk.
         held = "\r" if pending.endswith("\r") else ""
-        *lines, rest = _LINE_END.split(pending[:len(pending) - len(held)])
+        *lines, rest = _LINE_END.split(pending[: len(pending) - len(held)])
         for line in lines:
             yield line
         pending = rest + held

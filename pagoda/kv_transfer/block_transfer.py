@@ -60,8 +60,9 @@ class TransferStats:
 class BlockTransfer:
     """Host-side tensors mirroring the device caches, and the copies between them."""
 
-    def __init__(self, device_caches: Sequence[torch.Tensor], num_host_blocks: int,
-                 disk: DiskStore | None = None) -> None:
+    def __init__(
+        self, device_caches: Sequence[torch.Tensor], num_host_blocks: int, disk: DiskStore | None = None
+    ) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_host_blocks}")
         self.device_caches = list(device_caches)
@@ -69,8 +70,10 @@ class BlockTransfer:
         self.num_host_blocks = num_host_blocks
         on_cuda = self.device.type == "cuda"
         # Pinned host memory lets CUDA copy asynchronously; on CPU it is plain memory.
-        self.host_caches = [torch.zeros((num_host_blocks, *c.shape[1:]), dtype=c.dtype, device="cpu",
-                                        pin_memory=on_cuda) for c in self.device_caches]
+        self.host_caches = [
+            torch.zeros((num_host_blocks, *c.shape[1:]), dtype=c.dtype, device="cpu", pin_memory=on_cuda)
+            for c in self.device_caches
+        ]
         self.bytes_per_block = sum(c[0].numel() * c.element_size() for c in self.device_caches)
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-kv-transfer")
@@ -171,8 +174,9 @@ class BlockTransfer:
         self.stats.blocks_to_host += len(device_ids)
         self.stats.seconds_to_host += time.perf_counter() - started
 
-    def _scatter_to_host(self, staged: list[torch.Tensor], dst: torch.Tensor,
-                         done_event: torch.cuda.Event | None) -> None:
+    def _scatter_to_host(
+        self, staged: list[torch.Tensor], dst: torch.Tensor, done_event: torch.cuda.Event | None
+    ) -> None:
         if done_event is not None:
             done_event.synchronize()
         with torch.inference_mode():

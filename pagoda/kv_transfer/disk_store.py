@@ -116,11 +116,19 @@ class DiskStore:
         if count or error is None:
             return
         if self.full:
-            logger.warning("disk KV tier: no space left in %s (%s); blocks stay off disk until space "
-                           "returns (outputs are unaffected)", self.directory, error.strerror or error)
+            logger.warning(
+                "disk KV tier: no space left in %s (%s); blocks stay off disk until space "
+                "returns (outputs are unaffected)",
+                self.directory,
+                error.strerror or error,
+            )
         else:
-            logger.warning("disk KV tier: writes to %s fail (%s: %s); those blocks stay off disk "
-                           "(outputs are unaffected)", self.directory, kind, error.strerror or error)
+            logger.warning(
+                "disk KV tier: writes to %s fail (%s: %s); those blocks stay off disk (outputs are unaffected)",
+                self.directory,
+                kind,
+                error.strerror or error,
+            )
 
     def _recovered(self) -> None:
         if self.failures:
@@ -135,8 +143,14 @@ class DiskStore:
 
     def write(self, name: str, block_hash: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         payload = [_bytes_of(t.contiguous()) for t in tensors]
-        header = json.dumps({"fingerprint": self.fingerprint.hex(), "block_hash": block_hash.hex(),
-                             "token_ids": list(token_ids), "payload_bytes": sum(p.nbytes for p in payload)}).encode()
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint.hex(),
+                "block_hash": block_hash.hex(),
+                "token_ids": list(token_ids),
+                "payload_bytes": sum(p.nbytes for p in payload),
+            }
+        ).encode()
         path = self.path(name)
         tmp = path.with_name(path.name + ".tmp")
         self.written.discard(name)  # a rewrite: not readable until it is complete again
@@ -153,8 +167,12 @@ class DiskStore:
             if exc.errno in _FULL_ERRNOS:
                 self.full = True
                 self._next_space_check = time.monotonic() + SPACE_RECHECK_S
-            self._lost(errno.errorcode[errno.ENOSPC] if exc.errno in _FULL_ERRNOS
-                       else errno.errorcode.get(exc.errno or 0, type(exc).__name__), exc)
+            self._lost(
+                errno.errorcode[errno.ENOSPC]
+                if exc.errno in _FULL_ERRNOS
+                else errno.errorcode.get(exc.errno or 0, type(exc).__name__),
+                exc,
+            )
             return
         self._recovered()
         self.written.add(name)

@@ -48,8 +48,8 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import struct
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -211,8 +211,13 @@ class KVHandoff:
 
 # ---- framing -----------------------------------------------------------------------------------
 
-def _send_frame(sock: socket.socket, session: FrameSession, parts: Sequence[bytes | memoryview],
-                signed_too: Sequence[bytes | memoryview] = ()) -> None:
+
+def _send_frame(
+    sock: socket.socket,
+    session: FrameSession,
+    parts: Sequence[bytes | memoryview],
+    signed_too: Sequence[bytes | memoryview] = (),
+) -> None:
     """One signed frame of `parts`; `signed_too`: bytes the signature covers that travel
     elsewhere (over shm, the run in the segment)."""
     tag = session.sign([*parts, *signed_too])
@@ -255,8 +260,12 @@ def _recv_frame(sock: socket.socket, session: FrameSession, limit: int = MAX_HEA
     return frame[:size]
 
 
-def _sendall(sock: socket.socket, session: FrameSession, *parts: bytes | memoryview,
-             signed_too: Sequence[bytes | memoryview] = ()) -> None:
+def _sendall(
+    sock: socket.socket,
+    session: FrameSession,
+    *parts: bytes | memoryview,
+    signed_too: Sequence[bytes | memoryview] = (),
+) -> None:
     try:
         _send_frame(sock, session, parts, signed_too)
     except TimeoutError:
@@ -286,6 +295,7 @@ def _exchange_nonces(sock: socket.socket, auth: HandoffAuth, receiving_side: boo
 
 
 # ---- transports --------------------------------------------------------------------------------
+
 
 def check_transport(transport: str) -> None:
     """Raise TransportUnavailable (with the reason) unless `transport` can run on this host."""
@@ -336,6 +346,7 @@ class KVListener:
             self.address = f"{_host_address() if bound_host in ('0.0.0.0', '::') else bound_host}:{bound_port}"
         else:
             import tempfile
+
             self.address = address or os.path.join(tempfile.gettempdir(), f"pagoda-kv-{uuid.uuid4().hex[:12]}.sock")
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._sock.bind(self.address)
@@ -375,8 +386,14 @@ class IncomingHandoff:
     """One handoff being received. The engine reads the header, answers how many leading
     blocks it already holds, then iterates over the rest as they arrive."""
 
-    def __init__(self, conn: socket.socket, transport: str, timeout: float, auth: HandoffAuth,
-                 segment_maps: SegmentMaps | None = None) -> None:
+    def __init__(
+        self,
+        conn: socket.socket,
+        transport: str,
+        timeout: float,
+        auth: HandoffAuth,
+        segment_maps: SegmentMaps | None = None,
+    ) -> None:
         """`segment_maps`: the listener's mappings of shm segments (reused across handoffs).
         Raises TransferError (FrameRejected for a header not signed with `auth`'s secret)."""
         self._conn = conn
@@ -424,26 +441,26 @@ class IncomingHandoff:
             size = _recv_size(self._conn, capacity, self._session)
             if size < _RUN.size:
                 raise TransferError(f"KV block frame of {size} bytes is malformed")
-            frame = _recv_exact(self._conn, size + TAG_BYTES, wire[:size + TAG_BYTES])
+            frame = _recv_exact(self._conn, size + TAG_BYTES, wire[: size + TAG_BYTES])
             tag = bytes(frame[size:])
             if self.transport == "tcp":
                 self._session.verify([frame[:size]], tag)
-            first, count = _RUN.unpack(frame[:_RUN.size])
+            first, count = _RUN.unpack(frame[: _RUN.size])
             if first != expected or not 0 < count <= min(run_blocks, header.num_blocks - first):
                 raise TransferError(f"KV blocks {first}+{count} arrived, expected a run from block {expected}")
             nbytes = count * block_nbytes
             if self.transport == "tcp":
                 if size != _RUN.size + nbytes:
                     raise TransferError(f"KV block frame of {size} bytes, expected {_RUN.size + nbytes}")
-                payload = frame[_RUN.size:size]
+                payload = frame[_RUN.size : size]
             else:
                 if size != _RUN.size:
                     raise TransferError(f"KV block notice of {size} bytes, expected {_RUN.size}")
-                payload = wire[_RUN.size:_RUN.size + nbytes]
+                payload = wire[_RUN.size : _RUN.size + nbytes]
                 # Verified on the copy (the tag was copied out before the run overwrote it): what
                 # the segment holds may change under us, what we checked may not.
-                payload[:] = self._shm.buf[first * block_nbytes:first * block_nbytes + nbytes]
-                self._session.verify([frame[:_RUN.size], payload], tag)
+                payload[:] = self._shm.buf[first * block_nbytes : first * block_nbytes + nbytes]
+                self._session.verify([frame[: _RUN.size], payload], tag)
             self.bytes_received += nbytes
             yield list(range(first, first + count)), _split_run(payload, header.layout, count)
             expected += count
@@ -459,8 +476,14 @@ class IncomingHandoff:
         self._conn.close()
 
 
-def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: float, auth: HandoffAuth,
-                 segments: ShmSegments | None = None) -> int:
+def send_handoff(
+    handoff: KVHandoff,
+    transport: str,
+    address: str,
+    timeout: float,
+    auth: HandoffAuth,
+    segments: ShmSegments | None = None,
+) -> int:
     """Ship `handoff` to the listener at `address`, every frame signed with `auth`'s secret;
     returns the number of blocks sent (the receiver's cache held the others). Raises
     TransferError if the receiver does not take it (FrameRejected: its replies were not signed
@@ -494,7 +517,7 @@ def send_handoff(handoff: KVHandoff, transport: str, address: str, timeout: floa
                 assert buf is not None  # None only once the segment is closed
                 offset = first * block_nbytes
                 for part in parts:
-                    buf[offset:offset + len(part)] = part
+                    buf[offset : offset + len(part)] = part
                     offset += len(part)
                 _sendall(sock, session, notice, signed_too=parts)
             else:
@@ -540,8 +563,11 @@ def _split_run(payload: memoryview, layout: Sequence[tuple[str, Sequence[int]]],
     for dtype_name, shape in layout:
         dtype = _dtype(dtype_name)
         size = dtype.itemsize * _numel(shape) * count
-        raw = torch.frombuffer(payload[offset:offset + size], dtype=torch.uint8) if size \
+        raw = (
+            torch.frombuffer(payload[offset : offset + size], dtype=torch.uint8)
+            if size
             else torch.empty(0, dtype=torch.uint8)
+        )
         tensors.append(raw.view(dtype).reshape(count, *shape))
         offset += size
     return tensors

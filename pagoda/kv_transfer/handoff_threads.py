@@ -83,8 +83,9 @@ class HandoffThreads:
         """Start accepting handoffs; returns the address senders connect to."""
         self._listener = KVListener(transport, self.auth, address)
         self.address = self._listener.address
-        threading.Thread(target=self._accept_loop, args=(self._listener, timeout),
-                         name="pagoda-kv-listener", daemon=True).start()
+        threading.Thread(
+            target=self._accept_loop, args=(self._listener, timeout), name="pagoda-kv-listener", daemon=True
+        ).start()
         return self.address
 
     def _accept_loop(self, listener: KVListener, timeout: float) -> None:

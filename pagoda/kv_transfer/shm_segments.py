@@ -43,8 +43,9 @@ class ShmSegments:
                 return segment
             self.num_created += 1
         size = -(-max(size, 1) // _GRANULE) * _GRANULE
-        return shared_memory.SharedMemory(create=True, size=size,
-                                          name=f"pagoda-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        return shared_memory.SharedMemory(
+            create=True, size=size, name=f"pagoda-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        )
 
     def release(self, segment: shared_memory.SharedMemory) -> None:
         """The receiver acknowledged the handoff: the segment may serve the next one."""

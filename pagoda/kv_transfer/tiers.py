@@ -50,8 +50,10 @@ def model_fingerprint(config: EngineConfig, dtype_name: str) -> bytes:
         for weights in weight_files:
             h.update(f"{weights.name}:{weights.stat().st_size}".encode())
     h.update(f"{dtype_name}|{config.block_size}".encode())
-    h.update(f"|{config.quantization}:{config.quantization_group_size}:{config.quantization_zero_point}"
-             f"|kv {config.kv_cache_dtype}".encode())
+    h.update(
+        f"|{config.quantization}:{config.quantization_group_size}:{config.quantization_zero_point}"
+        f"|kv {config.kv_cache_dtype}".encode()
+    )
     return h.digest()
 
 
@@ -61,8 +63,9 @@ def num_host_blocks(config: CacheConfig, bytes_per_block: int) -> int:
         return 0
     blocks = config.kv_offload_bytes // bytes_per_block
     if blocks < 1:
-        raise ValueError(f"kv_offload_memory {config.kv_offload_memory} holds no KV block "
-                         f"({bytes_per_block} bytes each)")
+        raise ValueError(
+            f"kv_offload_memory {config.kv_offload_memory} holds no KV block ({bytes_per_block} bytes each)"
+        )
     return blocks
 
 
@@ -71,8 +74,9 @@ def num_disk_blocks(config: CacheConfig, bytes_per_block: int) -> int:
         return 0
     blocks = parse_bytes(config.kv_offload_disk_size) // bytes_per_block
     if blocks < 1:
-        raise ValueError(f"kv_offload_disk_size {config.kv_offload_disk_size} holds no KV block "
-                         f"({bytes_per_block} bytes each)")
+        raise ValueError(
+            f"kv_offload_disk_size {config.kv_offload_disk_size} holds no KV block ({bytes_per_block} bytes each)"
+        )
     return blocks
 
 
@@ -89,11 +93,14 @@ class KVTiers:
             existing = self.disk_store.scan() if config.kv_offload_disk_persist else []
             if not config.kv_offload_disk_persist:  # an engine dropped without close() cleans up too
                 self._remove_files = weakref.finalize(self, self.disk_store.remove_all)
-            disk = DiskTier(self._disk_blocks_that_fit(num_disk_blocks(config, bytes_per_block), bytes_per_block,
-                                                       len(existing)),
-                            fingerprint, existing, is_written=self.disk_store.is_written,
-                            can_write=self.disk_store.can_write)
-            for name, _, _ in existing[:max(0, len(existing) - disk.num_blocks)]:
+            disk = DiskTier(
+                self._disk_blocks_that_fit(num_disk_blocks(config, bytes_per_block), bytes_per_block, len(existing)),
+                fingerprint,
+                existing,
+                is_written=self.disk_store.is_written,
+                can_write=self.disk_store.can_write,
+            )
+            for name, _, _ in existing[: max(0, len(existing) - disk.num_blocks)]:
                 self.disk_store.delete(name)  # the oldest beyond this run's capacity
             if existing:
                 logger.info("disk KV tier: reusing %d persisted blocks", len(disk))
@@ -113,17 +120,27 @@ class KVTiers:
         try:
             free = self.disk_store.free_bytes()
         except OSError as exc:
-            raise ValueError(f"kv_offload_disk {self.config.kv_offload_disk}: cannot read its free space ({exc})") \
-                from None
+            raise ValueError(
+                f"kv_offload_disk {self.config.kv_offload_disk}: cannot read its free space ({exc})"
+            ) from None
         fits = (free + num_existing * per_file) // per_file
         if fits >= configured:
             return configured
         if fits < 1:
-            raise ValueError(f"kv_offload_disk {self.config.kv_offload_disk} has {free} bytes free: not one KV "
-                             f"block file ({per_file} bytes) fits; free some space or leave out --kv-offload-disk")
-        logger.warning("disk KV tier: %s has room for %d blocks (%d bytes free), fewer than "
-                       "--kv-offload-disk-size %s (%d blocks): using %d", self.config.kv_offload_disk, fits, free,
-                       self.config.kv_offload_disk_size, configured, fits)
+            raise ValueError(
+                f"kv_offload_disk {self.config.kv_offload_disk} has {free} bytes free: not one KV "
+                f"block file ({per_file} bytes) fits; free some space or leave out --kv-offload-disk"
+            )
+        logger.warning(
+            "disk KV tier: %s has room for %d blocks (%d bytes free), fewer than "
+            "--kv-offload-disk-size %s (%d blocks): using %d",
+            self.config.kv_offload_disk,
+            fits,
+            free,
+            self.config.kv_offload_disk_size,
+            configured,
+            fits,
+        )
         return fits
 
     def attach(self, device_caches: list[torch.Tensor]) -> BlockTransfer:
@@ -140,8 +157,10 @@ class KVTiers:
         self.policy.observe_forward(num_batched_tokens, forward_seconds)
         if self.transfer is not None:
             stats = self.transfer.stats
-            self.policy.observe_copy(stats.blocks_to_device - self._observed_load_blocks,
-                                     stats.seconds_to_device - self._observed_load_seconds)
+            self.policy.observe_copy(
+                stats.blocks_to_device - self._observed_load_blocks,
+                stats.seconds_to_device - self._observed_load_seconds,
+            )
             self._observed_load_blocks = stats.blocks_to_device
             self._observed_load_seconds = stats.seconds_to_device
 
@@ -152,9 +171,15 @@ class KVTiers:
             usage["disk"] = min(1.0, len(self.disk_store.written) / self.disk.num_blocks)
         moved = self.transfer.stats if self.transfer is not None else None
         return KVTierStats(
-            usage=usage, hits=dict(hits), num_swapped=num_swapped, preemptions=dict(preemptions),
-            transfer_bytes={"device_to_host": moved.bytes_to_host if moved else 0,
-                            "host_to_device": moved.bytes_to_device if moved else 0})
+            usage=usage,
+            hits=dict(hits),
+            num_swapped=num_swapped,
+            preemptions=dict(preemptions),
+            transfer_bytes={
+                "device_to_host": moved.bytes_to_host if moved else 0,
+                "host_to_device": moved.bytes_to_device if moved else 0,
+            },
+        )
 
     def close(self) -> None:
         """Finish queued copies; delete the disk tier's files unless they persist."""

@@ -27,7 +27,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target, as PEFT names them.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
 
 
 @dataclass(frozen=True)
@@ -62,19 +63,27 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
-    return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
-            "o_proj": (q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+    return {
+        "q_proj": (hidden, q_size),
+        "k_proj": (hidden, kv_size),
+        "v_proj": (hidden, kv_size),
+        "o_proj": (q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
 
 
-def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: int,
-                      dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_peft_adapter(
+    name: str, path: str | Path, config: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32
+) -> LoRAAdapter:
     """Read and validate a PEFT LoRA directory for the base model `config`."""
     directory = Path(path)
 
     def fail(reason: str) -> InvalidRequest:
-        return InvalidRequest(f"LoRA adapter {name!r} ({directory}): {reason}", param="lora_path",
-                              code="invalid_lora_adapter")
+        return InvalidRequest(
+            f"LoRA adapter {name!r} ({directory}): {reason}", param="lora_path", code="invalid_lora_adapter"
+        )
 
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not directory.is_dir():
@@ -97,12 +106,16 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, *, max_r
     for tensor_name, tensor in tensors.items():
         match = _TENSOR_NAME.match(tensor_name)
         if match is None:
-            raise fail(f"unsupported tensor {tensor_name!r} (only lora_A/lora_B of the decoder projections "
-                       f"{', '.join(TARGET_MODULES)} are supported)")
+            raise fail(
+                f"unsupported tensor {tensor_name!r} (only lora_A/lora_B of the decoder projections "
+                f"{', '.join(TARGET_MODULES)} are supported)"
+            )
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         if module not in TARGET_MODULES:
-            raise fail(f"targets {module!r}, which the base model does not have as an adaptable projection "
-                       f"(supported: {', '.join(TARGET_MODULES)})")
+            raise fail(
+                f"targets {module!r}, which the base model does not have as an adaptable projection "
+                f"(supported: {', '.join(TARGET_MODULES)})"
+            )
         if layer >= config.num_layers:
             raise fail(f"adapts layer {layer} but the base model has {config.num_layers} layers")
         pairs.setdefault((layer, module), {})[which] = tensor
@@ -124,17 +137,25 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, *, max_r
             raise fail(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not form a LoRA pair")
         rank = a.shape[0]
         if a.shape[1] != in_features or b.shape[0] != out_features:
-            raise fail(f"{where} maps {a.shape[1]} -> {b.shape[0]} features but the base model's "
-                       f"{module} maps {in_features} -> {out_features} (adapter for another base model?)")
+            raise fail(
+                f"{where} maps {a.shape[1]} -> {b.shape[0]} features but the base model's "
+                f"{module} maps {in_features} -> {out_features} (adapter for another base model?)"
+            )
         if rank > max_rank:
             raise fail(f"rank {rank} ({where}) exceeds --max-lora-rank {max_rank}")
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        modules[(layer, module)] = ModuleLoRA(a=a.to(torch.float32).to(dtype).contiguous(),
-                                              b=(b.to(torch.float32) * scaling).to(dtype).contiguous())
+        modules[(layer, module)] = ModuleLoRA(
+            a=a.to(torch.float32).to(dtype).contiguous(), b=(b.to(torch.float32) * scaling).to(dtype).contiguous()
+        )
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weights_path.read_bytes())
-    return LoRAAdapter(name=name, path=str(directory), rank=max(m.rank for m in modules.values()),
-                       modules=modules, content_hash=digest.hexdigest())
+    return LoRAAdapter(
+        name=name,
+        path=str(directory),
+        rank=max(m.rank for m in modules.values()),
+        modules=modules,
+        content_hash=digest.hexdigest(),
+    )
 
 
 def _check_peft_config(peft_config: dict, fail) -> None:

@@ -12,8 +12,9 @@ from pagoda.kernels.lora_batch import LoRABatch
 NO_SLOT = -1  # a token of a base-model request: its projections stay exactly the base's
 
 
-def build_lora_batch(token_runs: Sequence[tuple[int, int]], slot_ranks: dict[int, int],
-                     device: torch.device) -> LoRABatch | None:
+def build_lora_batch(
+    token_runs: Sequence[tuple[int, int]], slot_ranks: dict[int, int], device: torch.device
+) -> LoRABatch | None:
     """`token_runs`: (slot or NO_SLOT, number of tokens) per request, in batch order.
     None when no token of the step uses an adapter (the layers then skip LoRA entirely)."""
     rows_by_slot: dict[int, list[int]] = {}
@@ -32,9 +33,13 @@ def build_lora_batch(token_runs: Sequence[tuple[int, int]], slot_ranks: dict[int
         segments.append((slot, len(rows), len(rows) + len(slot_rows)))
         rows.extend(slot_rows)
         slots.extend([slot] * len(slot_rows))
-    return LoRABatch(rows=torch.tensor(rows, dtype=torch.long, device=device),
-                     slots=torch.tensor(slots, dtype=torch.long, device=device),
-                     segments=segments, rank=max(slot_ranks[s] for s in rows_by_slot), num_tokens=offset)
+    return LoRABatch(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        segments=segments,
+        rank=max(slot_ranks[s] for s in rows_by_slot),
+        num_tokens=offset,
+    )
 
 
 class LoRAStepState:

@@ -35,18 +35,30 @@ class LoRALinear(nn.Module):
     lora_a: torch.Tensor
     lora_b_t: torch.Tensor
 
-    def __init__(self, base: Linear, layer_index: int, parts: list[LoRAPart], *, max_loras: int,
-                 max_rank: int, state: LoRAStepState, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        base: Linear,
+        layer_index: int,
+        parts: list[LoRAPart],
+        *,
+        max_loras: int,
+        max_rank: int,
+        state: LoRAStepState,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.layer_index = layer_index
         self.parts = parts
         self.state = state
         width = max_rank * len(parts)
-        self.register_buffer("lora_a", torch.zeros(max_loras, width, base.in_features, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("lora_b_t", torch.zeros(max_loras, width, base.out_features, dtype=dtype,
-                                                     device=device), persistent=False)
+        self.register_buffer(
+            "lora_a", torch.zeros(max_loras, width, base.in_features, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "lora_b_t", torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device), persistent=False
+        )
 
     @property
     def in_features(self) -> int:
@@ -79,6 +91,6 @@ class LoRALinear(nn.Module):
             rank = weights.rank
             rows = slice(index, index + rank * num_parts, num_parts)
             self.lora_a[slot, rows] = weights.a.to(self.lora_a.device, self.lora_a.dtype)
-            self.lora_b_t[slot, rows, part.offset:part.offset + part.size] = \
-                weights.b.T.to(self.lora_b_t.device, self.lora_b_t.dtype)
-
+            self.lora_b_t[slot, rows, part.offset : part.offset + part.size] = weights.b.T.to(
+                self.lora_b_t.device, self.lora_b_t.dtype
+            )

@@ -27,8 +27,15 @@ from pagoda.lora_request import AdapterIdentity, LoRARequest
 from pagoda.model.decoder import DecoderModel
 
 
-def wrap_model(model: DecoderModel, state: LoRAStepState, *, max_loras: int, max_rank: int,
-               dtype: torch.dtype, device: torch.device) -> list[LoRALinear]:
+def wrap_model(
+    model: DecoderModel,
+    state: LoRAStepState,
+    *,
+    max_loras: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[LoRALinear]:
     """Replace every decoder projection by a LoRALinear around it (after loading: the base
     layers keep their parameters and weight formats)."""
     config = model.config
@@ -36,8 +43,11 @@ def wrap_model(model: DecoderModel, state: LoRAStepState, *, max_loras: int, max
     kv_size = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     layout = {
-        ("self_attn", "qkv_proj"): [LoRAPart("q_proj", 0, q_size), LoRAPart("k_proj", q_size, kv_size),
-                                    LoRAPart("v_proj", q_size + kv_size, kv_size)],
+        ("self_attn", "qkv_proj"): [
+            LoRAPart("q_proj", 0, q_size),
+            LoRAPart("k_proj", q_size, kv_size),
+            LoRAPart("v_proj", q_size + kv_size, kv_size),
+        ],
         ("self_attn", "o_proj"): [LoRAPart("o_proj", 0, config.hidden_size)],
         ("mlp", "gate_up_proj"): [LoRAPart("gate_proj", 0, inter), LoRAPart("up_proj", inter, inter)],
         ("mlp", "down_proj"): [LoRAPart("down_proj", 0, config.hidden_size)],
@@ -48,28 +58,39 @@ def wrap_model(model: DecoderModel, state: LoRAStepState, *, max_loras: int, max
     for index, layer in enumerate(layers):
         for (block_name, proj_name), parts in layout.items():
             block = getattr(layer, block_name)
-            lora = LoRALinear(getattr(block, proj_name), index, parts, max_loras=max_loras, max_rank=max_rank,
-                              state=state, dtype=dtype, device=device)
+            lora = LoRALinear(
+                getattr(block, proj_name),
+                index,
+                parts,
+                max_loras=max_loras,
+                max_rank=max_rank,
+                state=state,
+                dtype=dtype,
+                device=device,
+            )
             setattr(block, proj_name, lora)
             wrapped.append(lora)
     return wrapped
 
 
 class LoRAManager:
-    def __init__(self, model: DecoderModel, *, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: DecoderModel, *, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         if max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
         if model.config.moe is not None:  # adapters' MLP deltas would need one slot table per expert
-            raise ValueError(f"LoRA adapters are not supported on mixture-of-experts models yet "
-                             f"({model.config.architecture})")
+            raise ValueError(
+                f"LoRA adapters are not supported on mixture-of-experts models yet ({model.config.architecture})"
+            )
         self.model_config = model.config
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = device
         self.state = LoRAStepState()
-        self.layers = wrap_model(model, self.state, max_loras=max_loras, max_rank=max_lora_rank, dtype=dtype,
-                                 device=device)
+        self.layers = wrap_model(
+            model, self.state, max_loras=max_loras, max_rank=max_lora_rank, dtype=dtype, device=device
+        )
         self.slots = SlotTable(max_loras)
         # The delta's kernels: missing ones are a startup error, never a slow fallback.
         model.kernels.check_lora()
@@ -88,8 +109,9 @@ class LoRAManager:
     def add(self, name: str, path: str | Path) -> AdapterIdentity:
         """Load a PEFT adapter under `name`. Raises InvalidRequest (bad adapter, name taken)."""
         if name in self._by_name:
-            raise InvalidRequest(f"LoRA adapter {name!r} is already loaded", param="lora_name",
-                                 code="lora_adapter_exists")
+            raise InvalidRequest(
+                f"LoRA adapter {name!r} is already loaded", param="lora_name", code="lora_adapter_exists"
+            )
         adapter = load_peft_adapter(name, path, self.model_config, max_rank=self.max_lora_rank, dtype=self.dtype)
         identity = AdapterIdentity(name=name, content_hash=adapter.content_hash, load_id=next(self._load_ids))
         self._by_name[name] = identity
@@ -113,9 +135,12 @@ class LoRAManager:
             return self.add(lora_request.lora_name, lora_request.lora_path)
         loaded_from = self._adapters[identity.load_id].path
         if lora_request.lora_path and Path(lora_request.lora_path) != Path(loaded_from):
-            raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} is loaded from {loaded_from}, not "
-                                 f"{lora_request.lora_path}; unload it first", param="lora_request",
-                                 code="lora_adapter_exists")
+            raise InvalidRequest(
+                f"LoRA adapter {lora_request.lora_name!r} is loaded from {loaded_from}, not "
+                f"{lora_request.lora_path}; unload it first",
+                param="lora_request",
+                code="lora_adapter_exists",
+            )
         return identity
 
     def names(self) -> list[str]:

@@ -61,20 +61,28 @@ class NativeKernels:
         """x [M, K] float32 @ weight [N, K] float32 (rows contiguous)^T (+ bias)."""
         return load_extension().linear_f32(x, weight, bias)
 
-    def linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_int8(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [M, K] float32 @ (qweight [N, K' >= K] int8 * scales [N] float32)^T (+ bias)."""
         return load_extension().linear_int8(x, qweight, scales, bias)
 
-    def grouped_linear_f32(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor:
+    def grouped_linear_f32(
+        self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [R, K] float32, its rows grouped in order (counts [G] int64 per group, on the CPU)
         @ weight [G, N, K] float32 of each row's group^T (+ bias [G, N]): a MoE projection over the
         experts hit."""
         return load_extension().grouped_linear_f32(x, weight, counts, bias)
 
-    def grouped_linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
-                            bias: torch.Tensor | None) -> torch.Tensor:
+    def grouped_linear_int8(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        counts: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The same with int8 weights [G, N, K' >= K] and float32 scales [G, N] per output row."""
         return load_extension().grouped_linear_int8(x, qweight, scales, counts, bias)
 
@@ -82,8 +90,14 @@ class NativeKernels:
         """x [M, K] float32 or bfloat16 @ weight [N, K] bfloat16^T (+ bias), summed in float32, in x's dtype."""
         return load_extension().linear_bf16(x, weight, bias)
 
-    def linear_int4(self, x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_int4(
+        self,
+        x: torch.Tensor,
+        nibbles: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x [M, K] float32 or bfloat16 @ pagoda's group-wise int4 weight^T (+ bias), in x's dtype: codes
         two per byte [N, K / 2] in GGUF Q4_0's nibble order per 32 inputs (`pack_int4_nibbles`), float32
         scales (and zeros) [N, K / group]; w = (code - 8) * scale + zero."""
@@ -106,8 +120,15 @@ class NativeKernels:
         the fused qkv output for per-head norms)."""
         load_extension().rms_norm_(x, weight, eps, unit_offset)
 
-    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      unit_offset: bool, pre_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def add_rms_norm_(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool,
+        pre_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [T, D] (contiguous float32) becomes the new residual stream, x + residual (with pre_weight:
         RMSNorm(x; pre_weight) + residual, Gemma's norm of the attention output); returns its RMSNorm."""
         return load_extension().add_rms_norm_(x, residual, weight, eps, unit_offset, pre_weight)
@@ -117,36 +138,87 @@ class NativeKernels:
         q and k heads of the fused qkv output) with the step's cos and sin_rolled rows [T, D]."""
         load_extension().rotary_(heads, cos, sin_rolled)
 
-    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None,
-                        sinks: torch.Tensor | None, kv_element: str = "", kv_scale_per_token: bool = False,
-                        kv_tensor_scale: float = 1.0, isa: str = "") -> torch.Tensor:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        kv_element: str = "",
+        kv_scale_per_token: bool = False,
+        kv_tensor_scale: float = 1.0,
+        isa: str = "",
+    ) -> torch.Tensor:
         """Attention of query [T, H, D] float32 over the paged caches [blocks, block_size, KVH, entry],
         read in place: request i's query_lens[i] rows from query_starts[i] are its last positions
         of seq_lens[i] (causal), its keys in the blocks block_tables[i] (int32) lists. kv_element
         "" reads float caches as their dtype; "int8" / "fp8_e4m3" / "fp8_e5m2" read uint8 entries,
         each followed by a float32 scale (kv_scale_per_token) or scaled by kv_tensor_scale. Rows
         of no request are left unwritten. isa: "" for the CPU's best, else "avx2" or "scalar"."""
-        return load_extension().paged_attention(query, key_cache, value_cache, block_tables, query_starts, query_lens,
-                                                seq_lens, scale, sliding_window, softcap, sinks, kv_element,
-                                                kv_scale_per_token, kv_tensor_scale, isa)
+        return load_extension().paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_starts,
+            query_lens,
+            seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            sinks,
+            kv_element,
+            kv_scale_per_token,
+            kv_tensor_scale,
+            isa,
+        )
 
-    def fused_moe(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None, gate_up_bias: torch.Tensor | None,
-                  down: torch.Tensor, down_scales: torch.Tensor | None, down_bias: torch.Tensor | None,
-                  first_expert: int, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
+    def fused_moe(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        gate_up: torch.Tensor,
+        gate_up_scales: torch.Tensor | None,
+        gate_up_bias: torch.Tensor | None,
+        down: torch.Tensor,
+        down_scales: torch.Tensor | None,
+        down_bias: torch.Tensor | None,
+        first_expert: int,
+        swiglu_limit: float | None,
+        swiglu_alpha: float,
+    ) -> torch.Tensor:
         """A MoE block's experts in one op: hidden [T, H] float32, each token's top-k experts
         (topk_ids [T, k] int64, numbered in the model) and routing weights [T, k]; the held experts'
         stacked gate_up [E, 2I, H'] (gate rows, then up rows) and down [E, H, I'], float32 or int8
         with float32 scales [E, N], biases [E, N] or None. Experts outside [first_expert,
         first_expert + E) are other ranks'. Activation SiLU, or with `swiglu_limit` gpt-oss's
         clamped SwiGLU. Returns sum_k w_k * expert_k(x) [T, H]."""
-        return load_extension().fused_moe(hidden, topk_ids, topk_weights, gate_up, gate_up_scales, gate_up_bias,
-                                          down, down_scales, down_bias, first_expert, swiglu_limit, swiglu_alpha)
+        return load_extension().fused_moe(
+            hidden,
+            topk_ids,
+            topk_weights,
+            gate_up,
+            gate_up_scales,
+            gate_up_bias,
+            down,
+            down_scales,
+            down_bias,
+            first_expert,
+            swiglu_limit,
+            swiglu_alpha,
+        )
 
-    def route_top_k(self, logits: torch.Tensor, top_k: int, renormalize: bool,
-                    softmax_over_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def route_top_k(
+        self, logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts from router logits [T, E] float32, as pagoda.kernels.moe.top_k_experts
         computes them: (weights [T, k] float32, experts [T, k] int64)."""
         return load_extension().route_top_k(logits, top_k, renormalize, softmax_over_top_k)
@@ -184,8 +256,9 @@ def build_key() -> str:
 def _build() -> OpNamespace | NativeKernelsUnavailable:
     """Build (or reuse the cached build) once per process; the failure is remembered too."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        failure = NativeKernelsUnavailable(f"no native kernels for this CPU ({platform.machine()}); "
-                                           f"using the PyTorch path")
+        failure = NativeKernelsUnavailable(
+            f"no native kernels for this CPU ({platform.machine()}); using the PyTorch path"
+        )
         logger.warning("%s", failure)
         return failure
     try:
@@ -196,14 +269,21 @@ def _build() -> OpNamespace | NativeKernelsUnavailable:
         namespace = f"pagoda_native_{key}"
         directory = cache_dir() / key
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=namespace, sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                           extra_cflags=[*COMPILE_FLAGS, f"-DPAGODA_NATIVE_NAMESPACE={namespace}"],
-                           build_directory=str(directory), is_python_module=False, verbose=False)
+        cpp_extension.load(
+            name=namespace,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=[*COMPILE_FLAGS, f"-DPAGODA_NATIVE_NAMESPACE={namespace}"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
         return getattr(torch.ops, namespace)
     except (Exception, SystemExit) as error:  # a missing compiler or ninja surfaces as several types
         reason = str(error).strip().splitlines()
-        failure = NativeKernelsUnavailable(f"native CPU kernels did not build ({type(error).__name__}: "
-                                           f"{reason[0] if reason else 'no message'}); using the PyTorch path")
+        failure = NativeKernelsUnavailable(
+            f"native CPU kernels did not build ({type(error).__name__}: "
+            f"{reason[0] if reason else 'no message'}); using the PyTorch path"
+        )
         logger.warning("%s", failure)
         return failure
 

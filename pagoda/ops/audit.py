@@ -43,8 +43,10 @@ class AuditOptions:
     def __post_init__(self) -> None:
         unknown = set(self.probes) - set(PROBES)
         if unknown or not self.probes:
-            raise ValueError(f"--probes takes a comma-separated subset of {','.join(PROBES)}, "
-                             f"got {','.join(self.probes) or 'nothing'}")
+            raise ValueError(
+                f"--probes takes a comma-separated subset of {','.join(PROBES)}, "
+                f"got {','.join(self.probes) or 'nothing'}"
+            )
         if self.trials < 4:
             raise ValueError(f"--trials must be >= 4, got {self.trials}")
         if self.budget < 1:
@@ -52,28 +54,39 @@ class AuditOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AuditOptions:
-        return cls(args.key_a, args.key_b, args.model,
-                   tuple(p.strip() for p in args.probes.split(",") if p.strip()), args.trials,
-                   args.budget, not args.no_rerun, args.seed, args.timeout, args.launch_timeout,
-                   not args.no_progress)
+        return cls(
+            args.key_a,
+            args.key_b,
+            args.model,
+            tuple(p.strip() for p in args.probes.split(",") if p.strip()),
+            args.trials,
+            args.budget,
+            not args.no_rerun,
+            args.seed,
+            args.timeout,
+            args.launch_timeout,
+            not args.no_progress,
+        )
 
 
 async def _tenant_check(session: Session) -> list[str]:
     """Whether A and B are really two tenants: an open server ignores keys altogether."""
     notes = []
-    response = await session.client.get(session.target.url("/v1/models"),
-                                        headers=session.target.headers("pagoda-audit-no-such-key"))
+    response = await session.client.get(
+        session.target.url("/v1/models"), headers=session.target.headers("pagoda-audit-no-such-key")
+    )
     session.sent += 1
     if response.status_code == 200:
-        notes.append("the server accepts any API key (open access): A and B are one tenant and "
-                     "share everything, including the prefix cache")
+        notes.append(
+            "the server accepts any API key (open access): A and B are one tenant and "
+            "share everything, including the prefix cache"
+        )
     elif session.keys["a"] == session.keys["b"]:
         notes.append("--key-a and --key-b are the same key: one tenant")
     return notes
 
 
-async def _run_probe(session: Session, name: str, options: AuditOptions,
-                     max_model_len: int | None) -> Finding:
+async def _run_probe(session: Session, name: str, options: AuditOptions, max_model_len: int | None) -> Finding:
     trials = options.trials
     if name == "cache":
         words = options.prompt_words
@@ -88,8 +101,9 @@ async def _run_probe(session: Session, name: str, options: AuditOptions,
     return await stream_probe(session)
 
 
-async def _probe_all(target: Target, options: AuditOptions, names: tuple[str, ...],
-                     keys: dict[str, str | None]) -> tuple[list[Finding], list[str], int]:
+async def _probe_all(
+    target: Target, options: AuditOptions, names: tuple[str, ...], keys: dict[str, str | None]
+) -> tuple[list[Finding], list[str], int]:
     timeout = httpx.Timeout(options.timeout, connect=30.0)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
@@ -105,8 +119,7 @@ async def _probe_all(target: Target, options: AuditOptions, names: tuple[str, ..
             raise TargetError(f"the server refused tenant A's key ({models.status_code})")
         notes = await _tenant_check(session)
         findings = []
-        for name in tqdm(names, desc="audit", unit="probe", leave=False,
-                         disable=not options.progress):
+        for name in tqdm(names, desc="audit", unit="probe", leave=False, disable=not options.progress):
             try:
                 findings.append(await _run_probe(session, name, options, max_model_len))
             except BudgetExceeded as exc:
@@ -126,21 +139,24 @@ def _keys_file_tenants(args: list[str]) -> tuple[dict[str, Any] | None, int | No
             data = yaml.safe_load(Path(args[i + 1]).read_text())
             entries = data["tenants"]
             if isinstance(entries, list):
-                entries = {e["name"]: {k: v for k, v in e.items() if k != "name"}
-                           for e in entries}
+                entries = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in entries}
             return {name: dict(spec or {}) for name, spec in entries.items()}, i
     return None, None
 
 
-def mitigated_launch(args: list[str], probe: str, keys: dict[str, str | None],
-                     workdir: Path) -> tuple[list[str], dict[str, str | None]] | None:
+def mitigated_launch(
+    args: list[str], probe: str, keys: dict[str, str | None], workdir: Path
+) -> tuple[list[str], dict[str, str | None]] | None:
     """pagoda serve ARGS with the probe's mitigation applied, and the keys to use then;
     None when pagoda has no mitigation the audit can apply for this probe."""
     if probe == "stream":
         return None
     if probe == "length":
-        return [a for a in _without_flag(args, "--max-num-batched-tokens")] + \
-            ["--max-num-batched-tokens", "32", "--enable-chunked-prefill"], keys
+        return [a for a in _without_flag(args, "--max-num-batched-tokens")] + [
+            "--max-num-batched-tokens",
+            "32",
+            "--enable-chunked-prefill",
+        ], keys
     tenants, index = _keys_file_tenants(args)
     new_keys = dict(keys)
     if tenants is None:  # open server or one --api-key: give A and B tenants of their own
@@ -148,8 +164,7 @@ def mitigated_launch(args: list[str], probe: str, keys: dict[str, str | None],
         new_keys = {"a": keys["a"] or AUDIT_KEYS["a"], "b": keys["b"] or AUDIT_KEYS["b"]}
         if new_keys["a"] == new_keys["b"]:
             new_keys = dict(AUDIT_KEYS)
-        tenants = {"audit-a": {"api_keys": [new_keys["a"]]},
-                   "audit-b": {"api_keys": [new_keys["b"]]}}
+        tenants = {"audit-a": {"api_keys": [new_keys["a"]]}, "audit-b": {"api_keys": [new_keys["b"]]}}
     else:
         args = _without_flag(args, "--api-keys")
     if probe == "cache":
@@ -203,8 +218,7 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
         target = parsed
     else:
         launch_args = parsed
-        launched = launch_pagoda(parsed, "audit", api_key=options.key_a,
-                                 timeout=options.launch_timeout)
+        launched = launch_pagoda(parsed, "audit", api_key=options.key_a, timeout=options.launch_timeout)
         target = launched.target
     target.model = options.model
     try:
@@ -213,8 +227,9 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
         if launched is not None:
             launched.stop()
     if launched is None:
-        notes.append("mitigations were not re-run: the audit can apply them only to a pagoda "
-                     "it launches itself (pagoda:ARGS)")
+        notes.append(
+            "mitigations were not re-run: the audit can apply them only to a pagoda it launches itself (pagoda:ARGS)"
+        )
     elif options.rerun:
         with tempfile.TemporaryDirectory(prefix="pagoda-audit-") as workdir:
             for finding in findings:
@@ -230,14 +245,14 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
                 server.target.model = options.model
                 try:
                     again, rerun_notes, used = asyncio.run(
-                        _probe_all(server.target, rerun_options, (finding.probe,), new_keys))
+                        _probe_all(server.target, rerun_options, (finding.probe,), new_keys)
+                    )
                 finally:
                     server.stop()
                 sent += used
                 notes += [f"re-run of {finding.probe}: {n}" for n in rerun_notes]
                 if again:
-                    finding.rerun = {"launch": "pagoda serve " + shlex.join(args),
-                                     **again[0].to_json()}
+                    finding.rerun = {"launch": "pagoda serve " + shlex.join(args), **again[0].to_json()}
                     tenants = _keys_file_tenants(args)[0]
                     if tenants is not None:  # the temporary file goes; its content stays
                         finding.rerun["tenants"] = _redacted(tenants, new_keys)
@@ -246,8 +261,8 @@ def run_audit(parsed: Target | list[str], options: AuditOptions) -> dict[str, An
     return {
         "kind": "pagoda-audit-report",
         "version": 1,
-        "target": target.describe() | ({"launched": "pagoda serve " + shlex.join(launch_args)}
-                                       if launched is not None else {}),
+        "target": target.describe()
+        | ({"launched": "pagoda serve " + shlex.join(launch_args)} if launched is not None else {}),
         "requests_sent": sent,
         "duration_s": round(time.monotonic() - start, 2),
         "notes": notes,

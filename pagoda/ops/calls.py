@@ -92,10 +92,10 @@ def tokenize(client: httpx.Client, target: Target, case: SuiteCase) -> Tokenized
     return Tokenized(200, [int(t) for t in tokens], payload.get("token_strs"))
 
 
-def generation_body(target: Target, case: SuiteCase, *, stream: bool = False,
-                    logprobs: bool = True) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": target.model, "max_tokens": case.max_tokens,
-                            "temperature": 0.0, "stream": stream}
+def generation_body(
+    target: Target, case: SuiteCase, *, stream: bool = False, logprobs: bool = True
+) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": target.model, "max_tokens": case.max_tokens, "temperature": 0.0, "stream": stream}
     if case.stop:
         body["stop"] = case.stop
     if stream:
@@ -113,8 +113,7 @@ def generation_body(target: Target, case: SuiteCase, *, stream: bool = False,
 
 def _parse_completion(payload: dict[str, Any], chat: bool) -> Completion:
     choice = (payload.get("choices") or [{}])[0]
-    result = Completion(200, finish_reason=choice.get("finish_reason"),
-                        usage=payload.get("usage"), body=payload)
+    result = Completion(200, finish_reason=choice.get("finish_reason"), usage=payload.get("usage"), body=payload)
     if chat:
         result.text = (choice.get("message") or {}).get("content") or ""
         content = (choice.get("logprobs") or {}).get("content")
@@ -126,13 +125,15 @@ def _parse_completion(payload: dict[str, Any], chat: bool) -> Completion:
         logprobs = choice.get("logprobs") or {}
         if logprobs.get("tokens") is not None:
             result.tokens = [str(t) for t in logprobs["tokens"]]
-            result.logprobs = [float(x) if x is not None else float("nan")
-                               for x in logprobs.get("token_logprobs") or []]
+            result.logprobs = [
+                float(x) if x is not None else float("nan") for x in logprobs.get("token_logprobs") or []
+            ]
     return result
 
 
-def complete(client: httpx.Client, target: Target, case: SuiteCase,
-             extra: dict[str, Any] | None = None, logprobs: bool = True) -> Completion:
+def complete(
+    client: httpx.Client, target: Target, case: SuiteCase, extra: dict[str, Any] | None = None, logprobs: bool = True
+) -> Completion:
     path, body = generation_body(target, case, logprobs=logprobs)
     body.update(extra or {})
     try:
@@ -167,12 +168,12 @@ def provenance(client: httpx.Client, target: Target, provenance_id: str) -> dict
     return record
 
 
-def stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any],
-           api_key: str | None = None) -> Streamed:
+def stream(
+    client: httpx.Client, target: Target, path: str, body: dict[str, Any], api_key: str | None = None
+) -> Streamed:
     sent = time.perf_counter()
     try:
-        with client.stream("POST", target.url(path), json=body,
-                           headers=target.headers(api_key)) as response:
+        with client.stream("POST", target.url(path), json=body, headers=target.headers(api_key)) as response:
             result = Streamed(response.status_code)
             if response.status_code != 200:
                 response.read()

@@ -65,12 +65,21 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         obs = asdict(self.observations)
-        obs["histograms"] = {key: {"count": h.count, "mean": h.mean, "p50": h.quantile(0.5),
-                                   "p95": h.quantile(0.95)}
-                             for key, h in self.observations.histograms.items() if h.count > 0}
-        return {"url": self.url, "window_s": self.window_s, "model": self.model, "health": self.health,
-                "worst_severity": self.worst, "exit_code": self.exit_code,
-                "findings": [asdict(f) for f in self.findings], "observations": obs}
+        obs["histograms"] = {
+            key: {"count": h.count, "mean": h.mean, "p50": h.quantile(0.5), "p95": h.quantile(0.95)}
+            for key, h in self.observations.histograms.items()
+            if h.count > 0
+        }
+        return {
+            "url": self.url,
+            "window_s": self.window_s,
+            "model": self.model,
+            "health": self.health,
+            "worst_severity": self.worst,
+            "exit_code": self.exit_code,
+            "findings": [asdict(f) for f in self.findings],
+            "observations": obs,
+        }
 
 
 def _get(client: httpx.Client, url: str, headers: dict[str, str]) -> httpx.Response:
@@ -83,8 +92,7 @@ def _get(client: httpx.Client, url: str, headers: dict[str, str]) -> httpx.Respo
 def _scrape(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[Any, float]:
     response = _get(client, url + "/metrics", headers)
     if response.status_code != 200:
-        raise DoctorError(f"GET {url}/metrics answered {response.status_code}: the doctor reads "
-                          "Prometheus metrics")
+        raise DoctorError(f"GET {url}/metrics answered {response.status_code}: the doctor reads Prometheus metrics")
     return parse_labeled(response.text)
 
 
@@ -99,10 +107,17 @@ def _models(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str
 def _gate_pointer(url: str, model: str | None) -> Finding:
     """Wrong output is not in the metrics; the release gate compares outputs."""
     model_flag = f" --candidate-model {model}" if model else ""
-    return Finding("output_check", "info", "output correctness is not visible in metrics",
-                   {}, [f"after an upgrade or a config change: `pagoda gate BASELINE_URL {url}{model_flag}` "
-                        "(greedy outputs, tokenization, chat template, API contract, latency)",
-                        f"or launch the old version beside it: `pagoda gate 'pagoda:--model OLD' {url}`"])
+    return Finding(
+        "output_check",
+        "info",
+        "output correctness is not visible in metrics",
+        {},
+        [
+            f"after an upgrade or a config change: `pagoda gate BASELINE_URL {url}{model_flag}` "
+            "(greedy outputs, tokenization, chat template, API contract, latency)",
+            f"or launch the old version beside it: `pagoda gate 'pagoda:--model OLD' {url}`",
+        ],
+    )
 
 
 def run_doctor(options: DoctorOptions, *, sleep: Callable[[float], None] = time.sleep) -> DoctorReport:
@@ -110,9 +125,11 @@ def run_doctor(options: DoctorOptions, *, sleep: Callable[[float], None] = time.
     headers = {"Authorization": f"Bearer {options.api_keys[0]}"} if options.api_keys else {}
     with httpx.Client(timeout=options.timeout_s, trust_env=False) as client:
         response = _get(client, options.url + "/health", headers)
-        health = response.json() if response.headers.get("content-type", "").startswith(
-            "application/json") else {"status": "ok" if response.status_code == 200 else "dead",
-                                      "http_status": response.status_code}
+        health = (
+            response.json()
+            if response.headers.get("content-type", "").startswith("application/json")
+            else {"status": "ok" if response.status_code == 200 else "dead", "http_status": response.status_code}
+        )
         before = _scrape(client, options.url, headers)
         started = time.monotonic()
         sleep(options.window_s)
@@ -123,13 +140,26 @@ def run_doctor(options: DoctorOptions, *, sleep: Callable[[float], None] = time.
     probe = None
     if options.probe and model and health.get("status") != "dead":
         probe = run_probe(options.url, model, options.api_keys, timeout=options.timeout_s)
-    obs = observe(before, after, elapsed, health=health, max_num_seqs=card.get("max_num_seqs"),
-                  max_model_len=card.get("max_model_len"), probe=probe)
+    obs = observe(
+        before,
+        after,
+        elapsed,
+        health=health,
+        max_num_seqs=card.get("max_num_seqs"),
+        max_model_len=card.get("max_model_len"),
+        probe=probe,
+    )
     findings = diagnose(obs, options.targets)
     if probe is not None and probe.errors:
-        findings.insert(0, Finding("probe_failed", "warning", "the doctor's probe requests failed",
-                                   {"errors": probe.errors},
-                                   ["the API key (--key) and model (--model) the probe used",
-                                    "the server log for the probe's requests"]))
+        findings.insert(
+            0,
+            Finding(
+                "probe_failed",
+                "warning",
+                "the doctor's probe requests failed",
+                {"errors": probe.errors},
+                ["the API key (--key) and model (--model) the probe used", "the server log for the probe's requests"],
+            ),
+        )
     findings.append(_gate_pointer(options.url, model))
     return DoctorReport(options.url, round(elapsed, 3), model, health, findings, obs)

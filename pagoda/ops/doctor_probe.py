@@ -14,8 +14,10 @@ from pagoda.diagnosis import ProbeReadings
 from pagoda.http_client.sse import iter_sse_events
 from pagoda.stats import median
 
-PROBE_WORDS = ("the quick brown fox jumps over the lazy dog while a patient engineer reads "
-               "the metrics of a busy inference server and writes down what they say ") * 4
+PROBE_WORDS = (
+    "the quick brown fox jumps over the lazy dog while a patient engineer reads "
+    "the metrics of a busy inference server and writes down what they say "
+) * 4
 PROBE_MAX_TOKENS = 16
 
 
@@ -23,16 +25,17 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _stream(client: httpx.Client, url: str, body: dict[str, Any], api_key: str | None
-            ) -> tuple[dict[str, Any], list[float], float | None]:
+def _stream(
+    client: httpx.Client, url: str, body: dict[str, Any], api_key: str | None
+) -> tuple[dict[str, Any], list[float], float | None]:
     """POST a streamed request: its usage, the gaps between content chunks, and the TTFT."""
     sent = time.perf_counter()
     usage: dict[str, Any] = {}
     gaps: list[float] = []
     last = ttft = None
-    with client.stream("POST", url, json={**body, "stream": True,
-                                          "stream_options": {"include_usage": True}},
-                       headers=_headers(api_key)) as response:
+    with client.stream(
+        "POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}, headers=_headers(api_key)
+    ) as response:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:200]}")
@@ -41,8 +44,7 @@ def _stream(client: httpx.Client, url: str, body: dict[str, Any], api_key: str |
                 break
             chunk = event.json()
             usage = chunk.get("usage") or usage
-            if any((c.get("text") or (c.get("delta") or {}).get("content"))
-                   for c in chunk.get("choices") or []):
+            if any((c.get("text") or (c.get("delta") or {}).get("content")) for c in chunk.get("choices") or []):
                 now = time.perf_counter()
                 if last is None:
                     ttft = now - sent
@@ -62,8 +64,7 @@ def run_probe(base_url: str, model: str, api_keys: list[str], *, timeout: float 
     key = api_keys[0] if api_keys else None
     # A fresh prefix per run, so that an earlier run's cached blocks do not answer for this one.
     text = f"probe {uuid.uuid4().hex}: {PROBE_WORDS}"
-    completion = {"model": model, "prompt": text, "max_tokens": PROBE_MAX_TOKENS, "temperature": 0,
-                  "ignore_eos": True}
+    completion = {"model": model, "prompt": text, "max_tokens": PROBE_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     completions_url, chat_url = base_url + "/v1/completions", base_url + "/v1/chat/completions"
     gaps: list[float] = []
     with httpx.Client(timeout=timeout, trust_env=False) as client:
@@ -76,8 +77,12 @@ def run_probe(base_url: str, model: str, api_keys: list[str], *, timeout: float 
             if len(api_keys) > 1:
                 usage, _, _ = _stream(client, completions_url, completion, api_keys[1])
                 readings.cached_other_tenant = _cached(usage)
-            chat = {"model": model, "max_tokens": 4, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"chat {uuid.uuid4().hex}: {PROBE_WORDS}"}]}
+            chat = {
+                "model": model,
+                "max_tokens": 4,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"chat {uuid.uuid4().hex}: {PROBE_WORDS}"}],
+            }
             _stream(client, chat_url, chat, key)
             usage, _, _ = _stream(client, chat_url, chat, key)
             readings.cached_chat_repeat = _cached(usage)

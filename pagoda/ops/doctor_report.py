@@ -26,8 +26,10 @@ def _evidence(evidence: dict[str, Any]) -> list[tuple[str, str]]:
 def _headline(report: DoctorReport) -> str:
     status = (report.health or {}).get("status", "?")
     worst = report.worst or "none"
-    return (f"pagoda doctor {report.url} (model {report.model or '?'}): health {status}, "
-            f"{report.window_s:g}s window, worst finding: {worst}")
+    return (
+        f"pagoda doctor {report.url} (model {report.model or '?'}): health {status}, "
+        f"{report.window_s:g}s window, worst finding: {worst}"
+    )
 
 
 def render_text(report: DoctorReport) -> str:

@@ -41,18 +41,19 @@ class SideResult:
 
 
 def structured_request(case: SuiteCase) -> dict[str, Any]:
-    return {"response_format": {"type": "json_schema",
-                                "json_schema": {"name": re.sub(r"\W", "_", case.id),
-                                                "schema": case.schema, "strict": True}}}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": re.sub(r"\W", "_", case.id), "schema": case.schema, "strict": True},
+        }
+    }
 
 
-def collect_side(client: httpx.Client, target: Target, suite: Suite, *,
-                 progress: bool = True) -> SideResult:
+def collect_side(client: httpx.Client, target: Target, suite: Suite, *, progress: bool = True) -> SideResult:
     resolve_model(client, target)
     side = SideResult(target)
     steps = len(suite.cases) * 2 + sum(c.schema is not None for c in suite.cases) + 2
-    with tqdm(total=steps, desc=f"gate {target.label}", unit="req", leave=False,
-              disable=not progress) as bar:
+    with tqdm(total=steps, desc=f"gate {target.label}", unit="req", leave=False, disable=not progress) as bar:
         for case in suite.cases:
             if isinstance(case.prompt, list):
                 side.tokenized[case.id] = Tokenized(0, error="token-id prompt")
@@ -65,8 +66,7 @@ def collect_side(client: httpx.Client, target: Target, suite: Suite, *,
             side.greedy[case.id] = complete(client, target, case)
             bar.update(1)
             if case.schema is not None:
-                side.structured[case.id] = complete(client, target, case,
-                                                    structured_request(case), logprobs=False)
+                side.structured[case.id] = complete(client, target, case, structured_request(case), logprobs=False)
                 bar.update(1)
         served = next((c.provenance_id for c in side.greedy.values() if c.provenance_id), None)
         if served is not None:
@@ -74,17 +74,17 @@ def collect_side(client: httpx.Client, target: Target, suite: Suite, *,
         for case in suite.cases:
             tokenized = side.tokenized[case.id]
             side.contract_failures += contract.usage_failures(
-                case, side.greedy[case.id], tokenized if tokenized.status == 200 else None)
-        streamed = [next((c for c in suite.cases if c.is_chat is chat), None)
-                    for chat in (False, True)]
+                case, side.greedy[case.id], tokenized if tokenized.status == 200 else None
+            )
+        streamed = [next((c for c in suite.cases if c.is_chat is chat), None) for chat in (False, True)]
         for stream_case in streamed:
             if stream_case is not None:
                 side.contract_failures += contract.stream_failures(
-                    client, target, stream_case, side.greedy[stream_case.id])
+                    client, target, stream_case, side.greedy[stream_case.id]
+                )
             bar.update(1)
         side.bad_statuses = contract.bad_request_statuses(client, target, suite.bad_requests)
-        side.contract_failures += contract.bad_request_failures(suite.bad_requests,
-                                                                side.bad_statuses)
+        side.contract_failures += contract.bad_request_failures(suite.bad_requests, side.bad_statuses)
     return side
 
 
@@ -92,13 +92,13 @@ def _validity(side: SideResult, suite: Suite) -> tuple[float | None, list[str]]:
     cases = [c for c in suite.cases if c.schema is not None]
     answers = [side.structured[c.id] for c in cases]
     if answers and all(a.status == 400 for a in answers):
-        return None, [f"{side.target.label} rejects response_format json_schema "
-                      f"({answers[0].error})"]
+        return None, [f"{side.target.label} rejects response_format json_schema ({answers[0].error})"]
     problems = []
     valid = 0
     for case, answer in zip(cases, answers):
-        problem = (f"HTTP {answer.status}: {answer.error}" if not answer.ok
-                   else validate_text(answer.text, case.schema or {}))
+        problem = (
+            f"HTTP {answer.status}: {answer.error}" if not answer.ok else validate_text(answer.text, case.schema or {})
+        )
         if problem is None:
             valid += 1
         else:
@@ -117,12 +117,10 @@ def compare_structured(suite: Suite, base: SideResult, cand: SideResult) -> Comp
     result.add("structured.validity_rate_baseline", base_rate, base_problems)
     result.add("structured.validity_rate_candidate", cand_rate, cand_problems)
     if base_rate is None and cand_rate is None:
-        result.notes.append("neither side supports response_format json_schema: structured "
-                            "output skipped")
+        result.notes.append("neither side supports response_format json_schema: structured output skipped")
         result.add("structured.validity_drop", None)
     else:
-        result.add("structured.validity_drop", (base_rate or 0.0) - (cand_rate or 0.0),
-                   cand_problems or base_problems)
+        result.add("structured.validity_drop", (base_rate or 0.0) - (cand_rate or 0.0), cand_problems or base_problems)
     return result
 
 
@@ -135,15 +133,22 @@ def compare_contract(suite: Suite, base: SideResult, cand: SideResult) -> Compar
     result.add("contract.new_failures", len(new), new)
     result.add("contract.candidate_failures", len(cand.contract_failures), cand.contract_failures)
     result.add("contract.baseline_failures", len(base.contract_failures), base.contract_failures)
-    diffs = [f"{case.id}: baseline {base.bad_statuses[case.id]}, candidate "
-             f"{cand.bad_statuses[case.id]}" for case in suite.bad_requests
-             if base.bad_statuses[case.id] != cand.bad_statuses[case.id]]
+    diffs = [
+        f"{case.id}: baseline {base.bad_statuses[case.id]}, candidate {cand.bad_statuses[case.id]}"
+        for case in suite.bad_requests
+        if base.bad_statuses[case.id] != cand.bad_statuses[case.id]
+    ]
     result.add("contract.status_diffs", len(diffs), diffs)
     result.details["candidate_failures"] = cand.contract_failures
     result.details["baseline_failures"] = base.contract_failures
     result.details["bad_requests"] = {
-        case.id: {"expected": case.expect_status, "baseline": base.bad_statuses[case.id],
-                  "candidate": cand.bad_statuses[case.id]} for case in suite.bad_requests}
+        case.id: {
+            "expected": case.expect_status,
+            "baseline": base.bad_statuses[case.id],
+            "candidate": cand.bad_statuses[case.id],
+        }
+        for case in suite.bad_requests
+    }
     return result
 
 
@@ -161,11 +166,16 @@ def compare_latency(summary: dict[str, Any] | None) -> Comparison:
     for metric in latency.METRICS:
         ratio = summary["ratios"][metric]
         sides = summary["sides"]
-        result.add(f"latency.{metric}_ratio", ratio, [
-            f"baseline {_latency_value(metric, sides['baseline'][metric])}, candidate "
-            f"{_latency_value(metric, sides['candidate'][metric])} (medians of "
-            f"{len(sides['baseline']['repeats'])} runs each), noise band "
-            f"±{summary['noise'][metric]:.3f}"])
+        result.add(
+            f"latency.{metric}_ratio",
+            ratio,
+            [
+                f"baseline {_latency_value(metric, sides['baseline'][metric])}, candidate "
+                f"{_latency_value(metric, sides['candidate'][metric])} (medians of "
+                f"{len(sides['baseline']['repeats'])} runs each), noise band "
+                f"±{summary['noise'][metric]:.3f}"
+            ],
+        )
     failed = summary["sides"]["candidate"]["failed_requests"]
     if failed:
         result.notes.append(f"{failed} candidate requests failed under load")
@@ -195,27 +205,38 @@ class GateResult:
             "passed": self.passed,
             "baseline": self.baseline.describe(),
             "candidate": self.candidate.describe(),
-            "suite": {"name": self.suite.name, "cases": len(self.suite.cases),
-                      "bad_requests": len(self.suite.bad_requests)},
+            "suite": {
+                "name": self.suite.name,
+                "cases": len(self.suite.cases),
+                "bad_requests": len(self.suite.bad_requests),
+            },
             "duration_s": round(self.duration_s, 2),
             "rules": [r.to_json() for r in self.rules],
             "provenance": self.provenance,
-            "sections": {name: {"metrics": s.metrics, "evidence": s.evidence, "notes": s.notes,
-                                "details": s.details} for name, s in self.sections.items()},
+            "sections": {
+                name: {"metrics": s.metrics, "evidence": s.evidence, "notes": s.notes, "details": s.details}
+                for name, s in self.sections.items()
+            },
         }
 
 
-def run_gate(baseline: Target, candidate: Target, suite: Suite, rules: list[Rule], *,
-             profile: latency.LoadProfile | None = None, progress: bool = True,
-             timeout: float = 120.0) -> GateResult:
+def run_gate(
+    baseline: Target,
+    candidate: Target,
+    suite: Suite,
+    rules: list[Rule],
+    *,
+    profile: latency.LoadProfile | None = None,
+    progress: bool = True,
+    timeout: float = 120.0,
+) -> GateResult:
     start = time.monotonic()
     with httpx.Client(timeout=timeout, trust_env=False) as client:
         base = collect_side(client, baseline, suite, progress=progress)
         cand = collect_side(client, candidate, suite, progress=progress)
     summary = None
     if profile is not None:
-        summary = latency.summarize(latency.measure(baseline, candidate, suite, profile,
-                                                    progress=progress))
+        summary = latency.summarize(latency.measure(baseline, candidate, suite, profile, progress=progress))
     sections = {
         "tokenization": compare_tokenization(suite, base, cand),
         "outputs": compare_outputs(suite, base, cand),
@@ -225,8 +246,14 @@ def run_gate(baseline: Target, candidate: Target, suite: Suite, rules: list[Rule
     }
     metrics = {k: v for s in sections.values() for k, v in s.metrics.items()}
     evidence = {k: v for s in sections.values() for k, v in s.evidence.items()}
-    noise = ({f"latency.{m}_ratio": summary["noise"][m] for m in latency.METRICS}
-             if summary else {})
+    noise = {f"latency.{m}_ratio": summary["noise"][m] for m in latency.METRICS} if summary else {}
     results = evaluate(rules, metrics, evidence, noise)
-    return GateResult(baseline, candidate, suite, sections, results, time.monotonic() - start,
-                      provenance={"baseline": base.provenance, "candidate": cand.provenance})
+    return GateResult(
+        baseline,
+        candidate,
+        suite,
+        sections,
+        results,
+        time.monotonic() - start,
+        provenance={"baseline": base.provenance, "candidate": cand.provenance},
+    )

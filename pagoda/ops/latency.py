@@ -56,8 +56,11 @@ def requests_for(suite: Suite, profile: LoadProfile) -> list[BenchRequest]:
             messages = [{"role": "user", "content": text}]
         if not text:  # token-id prompts have no text to send in the load profile
             continue
-        requests.append(BenchRequest(index, (case.tags or ["untagged"])[0], text, messages,
-                                     prompt_len=0, output_len=profile.max_tokens))
+        requests.append(
+            BenchRequest(
+                index, (case.tags or ["untagged"])[0], text, messages, prompt_len=0, output_len=profile.max_tokens
+            )
+        )
     return requests
 
 
@@ -66,23 +69,34 @@ def run_stats(result: RunResult) -> RunStats:
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itls]
     tokens = sum(r.output_tokens for r in ok)
-    return RunStats(percentile(ttfts, 50), percentile(ttfts, 99), percentile(itls, 50),
-                    percentile(itls, 99), tokens / result.duration if result.duration else 0.0,
-                    len(result.records) - len(ok), ttfts)
+    return RunStats(
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(itls, 50),
+        percentile(itls, 99),
+        tokens / result.duration if result.duration else 0.0,
+        len(result.records) - len(ok),
+        ttfts,
+    )
 
 
-async def _one_run(target: Target, requests: list[BenchRequest], profile: LoadProfile,
-                   progress: bool) -> RunStats:
-    config = LoadConfig(base_url=target.base_url, model=str(target.model),
-                        concurrency=profile.concurrency, num_requests=len(requests),
-                        ignore_eos=True, api_key=target.api_key, timeout=120.0)
-    result = await run_load_async(config, requests, progress=progress,
-                                  warmup_requests=requests[:1])
+async def _one_run(target: Target, requests: list[BenchRequest], profile: LoadProfile, progress: bool) -> RunStats:
+    config = LoadConfig(
+        base_url=target.base_url,
+        model=str(target.model),
+        concurrency=profile.concurrency,
+        num_requests=len(requests),
+        ignore_eos=True,
+        api_key=target.api_key,
+        timeout=120.0,
+    )
+    result = await run_load_async(config, requests, progress=progress, warmup_requests=requests[:1])
     return run_stats(result)
 
 
-def measure(baseline: Target, candidate: Target, suite: Suite, profile: LoadProfile, *,
-            progress: bool = True) -> dict[str, list[RunStats]]:
+def measure(
+    baseline: Target, candidate: Target, suite: Suite, profile: LoadProfile, *, progress: bool = True
+) -> dict[str, list[RunStats]]:
     requests = requests_for(suite, profile)
     runs: dict[str, list[RunStats]] = {"baseline": [], "candidate": []}
     for _ in range(profile.repeats):
@@ -106,11 +120,10 @@ def summarize(runs: dict[str, list[RunStats]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"sides": {}, "ratios": {}, "noise": {}}
     for side, stats in runs.items():
         summary["sides"][side] = {
-            metric: median([v for s in stats if (v := getattr(s, metric)) is not None])
-            for metric in METRICS}
+            metric: median([v for s in stats if (v := getattr(s, metric)) is not None]) for metric in METRICS
+        }
         summary["sides"][side]["failed_requests"] = sum(s.num_failed for s in stats)
-        summary["sides"][side]["repeats"] = [
-            {metric: getattr(s, metric) for metric in METRICS} for s in stats]
+        summary["sides"][side]["repeats"] = [{metric: getattr(s, metric) for metric in METRICS} for s in stats]
     for metric in METRICS:
         base = summary["sides"]["baseline"][metric]
         cand = summary["sides"]["candidate"][metric]
@@ -118,8 +131,9 @@ def summarize(runs: dict[str, list[RunStats]]) -> dict[str, Any]:
         # The band is the baseline's disagreement with itself: the measurement noise of this
         # machine and load. The candidate's own spread is reported but never widens its
         # tolerance (an erratic candidate must not pass more easily).
-        spreads = {side: _spread([v for s in stats if (v := getattr(s, metric)) is not None])
-                   for side, stats in runs.items()}
+        spreads = {
+            side: _spread([v for s in stats if (v := getattr(s, metric)) is not None]) for side, stats in runs.items()
+        }
         summary["noise"][metric] = spreads["baseline"]
         summary.setdefault("candidate_spread", {})[metric] = spreads["candidate"]
     return summary

@@ -106,13 +106,26 @@ class LabReport:
     points: list[LabPoint]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "model_dir": self.model_dir, "plan_num_kv_blocks": self.num_kv_blocks,
-                "block_size": self.block_size, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "points": [{"prompt_len": p.prompt_len, "output_len": p.output_len,
-                            "planned_fit": p.planned_fit, "planned_boundary": p.planned_boundary,
-                            "measured_boundary": p.measured_boundary, "refused_at": p.refused_at,
-                            "agrees": p.agrees,
-                            "steps": [vars(s) for s in p.steps]} for p in self.points]}
+        return {
+            "url": self.url,
+            "model_dir": self.model_dir,
+            "plan_num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "points": [
+                {
+                    "prompt_len": p.prompt_len,
+                    "output_len": p.output_len,
+                    "planned_fit": p.planned_fit,
+                    "planned_boundary": p.planned_boundary,
+                    "measured_boundary": p.measured_boundary,
+                    "refused_at": p.refused_at,
+                    "agrees": p.agrees,
+                    "steps": [vars(s) for s in p.steps],
+                }
+                for p in self.points
+            ],
+        }
 
 
 def _planned(options: OomLabOptions) -> tuple[int, int, dict[tuple[int, int], int]]:
@@ -121,42 +134,75 @@ def _planned(options: OomLabOptions) -> tuple[int, int, dict[tuple[int, int], in
     kv_dtype = normalize_dtype(options.kv_dtype or shape.config_dtype or "bf16")
     kv_token = kv_bytes_per_token(shape, kv_dtype)
     block_bytes = kv_token * options.block_size
-    kv_memory = (options.num_kv_blocks * block_bytes if options.num_kv_blocks is not None
-                 else parse_bytes(options.kv_cache_memory or "0"))
+    kv_memory = (
+        options.num_kv_blocks * block_bytes
+        if options.num_kv_blocks is not None
+        else parse_bytes(options.kv_cache_memory or "0")
+    )
     weights = weight_bytes(params, kv_dtype if kv_dtype not in ("fp8", "int8") else "bf16")
     points = [(p, o) for p in options.prompt_lens for o in options.output_lens]
     # plan sizes the pool as memory - reserve - weights: give it exactly the server's pool.
-    plan = build_plan(shape, params, model=options.model_dir, memory_bytes=weights + kv_memory,
-                      dtype=kv_dtype if kv_dtype not in ("fp8", "int8") else "bf16", kv_dtype=kv_dtype,
-                      context=max(p + o for p, o in points), block_size=options.block_size,
-                      reserve_bytes=0, classes=[RequestClass(f"{p}/{o}", p, o, p, o) for p, o in points])
+    plan = build_plan(
+        shape,
+        params,
+        model=options.model_dir,
+        memory_bytes=weights + kv_memory,
+        dtype=kv_dtype if kv_dtype not in ("fp8", "int8") else "bf16",
+        kv_dtype=kv_dtype,
+        context=max(p + o for p, o in points),
+        block_size=options.block_size,
+        reserve_bytes=0,
+        classes=[RequestClass(f"{p}/{o}", p, o, p, o) for p, o in points],
+    )
     return plan.num_blocks, kv_token, {(p, o): row.fits_at_p50 for (p, o), row in zip(points, plan.classes)}
 
 
-async def _step(client: httpx.AsyncClient, config: LoadConfig, prompt_len: int, output_len: int,
-                concurrency: int, rng: random.Random) -> LabStep:
-    requests = [BenchRequest(i, "oom-lab", [rng.randrange(10, 5000) for _ in range(prompt_len)], [],
-                             prompt_len, output_len) for i in range(concurrency)]
+async def _step(
+    client: httpx.AsyncClient,
+    config: LoadConfig,
+    prompt_len: int,
+    output_len: int,
+    concurrency: int,
+    rng: random.Random,
+) -> LabStep:
+    requests = [
+        BenchRequest(i, "oom-lab", [rng.randrange(10, 5000) for _ in range(prompt_len)], [], prompt_len, output_len)
+        for i in range(concurrency)
+    ]
     before = await scrape(client, config.metrics_url)
     records = await asyncio.gather(*(send_request(client, config, r, 0.0) for r in requests))
     after = await scrape(client, config.metrics_url)
     delta = metrics_delta(before or {}, after or {})
     failed = [r for r in records if not r.ok]
-    return LabStep(concurrency, (delta.num_preemptions or 0.0) if delta else 0.0, len(failed),
-                   failed[0].error if failed else None, delta.queue_time_p99 if delta else None)
+    return LabStep(
+        concurrency,
+        (delta.num_preemptions or 0.0) if delta else 0.0,
+        len(failed),
+        failed[0].error if failed else None,
+        delta.queue_time_p99 if delta else None,
+    )
 
 
 async def _run(options: OomLabOptions, fits: dict[tuple[int, int], int]) -> list[LabPoint]:
-    config = LoadConfig(base_url=options.url, model=options.model or "", num_requests=1, ignore_eos=True,
-                        timeout=options.timeout_s, api_key=options.api_key)
+    config = LoadConfig(
+        base_url=options.url,
+        model=options.model or "",
+        num_requests=1,
+        ignore_eos=True,
+        timeout=options.timeout_s,
+        api_key=options.api_key,
+    )
     rng = random.Random(0)
     points = []
     limits = httpx.Limits(max_connections=options.max_concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout_s, connect=30.0), limits=limits,
-                                 trust_env=False) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(options.timeout_s, connect=30.0), limits=limits, trust_env=False
+    ) as client:
         if not config.model:
-            response = await client.get(config.base_url + "/v1/models", headers=(
-                {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}))
+            response = await client.get(
+                config.base_url + "/v1/models",
+                headers=({"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}),
+            )
             config.model = response.json()["data"][0]["id"]
         for (prompt_len, output_len), fit in fits.items():
             point = LabPoint(prompt_len, output_len, fit)
@@ -179,13 +225,17 @@ def run_oom_lab(options: OomLabOptions) -> LabReport:
 
 
 def render_lab(report: LabReport) -> str:
-    lines = [f"OOM lab against {report.url}: plan gives {report.num_kv_blocks} KV blocks of "
-             f"{report.block_size} tokens ({report.kv_bytes_per_token} bytes per token)",
-             "prompt  output  plan fits  plan preempts at  measured preempts at  refused at  agree"]
+    lines = [
+        f"OOM lab against {report.url}: plan gives {report.num_kv_blocks} KV blocks of "
+        f"{report.block_size} tokens ({report.kv_bytes_per_token} bytes per token)",
+        "prompt  output  plan fits  plan preempts at  measured preempts at  refused at  agree",
+    ]
     for p in report.points:
         agree = {True: "yes", False: "NO", None: "-"}[p.agrees]
-        lines.append(f"{p.prompt_len:>6}  {p.output_len:>6}  {p.planned_fit:>9}  {p.planned_boundary:>16}  "
-                     f"{p.measured_boundary or '-':>20}  {p.refused_at or '-':>10}  {agree}")
+        lines.append(
+            f"{p.prompt_len:>6}  {p.output_len:>6}  {p.planned_fit:>9}  {p.planned_boundary:>16}  "
+            f"{p.measured_boundary or '-':>20}  {p.refused_at or '-':>10}  {agree}"
+        )
     return "\n".join(lines)
 
 
@@ -197,8 +247,12 @@ def _write(report: LabReport, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "oom_lab.json").write_text(json.dumps(report.to_dict(), indent=2))
     (out / "oom_lab.md").write_text("```\n" + render_lab(report) + "\n```\n")
-    bars = {f"{p.prompt_len}+{p.output_len} tokens: preempts at (concurrency)": {
-        "plan": float(p.planned_boundary), "measured": float(p.measured_boundary or 0)}
-        for p in report.points}
+    bars = {
+        f"{p.prompt_len}+{p.output_len} tokens: preempts at (concurrency)": {
+            "plan": float(p.planned_boundary),
+            "measured": float(p.measured_boundary or 0),
+        }
+        for p in report.points
+    }
     if bars:
         plot_bars(bars, out / "oom_lab.png", "preemption boundary: measured vs pagoda plan")

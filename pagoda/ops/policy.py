@@ -66,26 +66,31 @@ class RuleResult:
     evidence: list[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {"metric": self.rule.metric, "status": self.status, "value": self.value,
-                "threshold": self.threshold, "required": self.rule.required,
-                "evidence": self.evidence}
+        return {
+            "metric": self.rule.metric,
+            "status": self.status,
+            "value": self.value,
+            "threshold": self.threshold,
+            "required": self.rule.required,
+            "evidence": self.evidence,
+        }
 
 
 def parse_policy(data: Any, name: str = "policy") -> list[Rule]:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), dict):
-        raise PolicyError(f"{name}: a policy is a mapping with a `rules` mapping of "
-                          "metric -> {min, max, required}")
+        raise PolicyError(f"{name}: a policy is a mapping with a `rules` mapping of metric -> {{min, max, required}}")
     rules = []
     for metric, spec in data["rules"].items():
-        if not isinstance(spec, dict) or not set(spec) <= {"min", "max", "required"} or \
-                ("min" not in spec and "max" not in spec):
-            raise PolicyError(f"{name}: rule {metric!r} needs min and/or max "
-                              "(and optionally required), got {spec!r}")
+        if (
+            not isinstance(spec, dict)
+            or not set(spec) <= {"min", "max", "required"}
+            or ("min" not in spec and "max" not in spec)
+        ):
+            raise PolicyError(f"{name}: rule {metric!r} needs min and/or max (and optionally required), got {{spec!r}}")
         for bound in ("min", "max"):
             if bound in spec and not isinstance(spec[bound], (int, float)):
                 raise PolicyError(f"{name}: rule {metric!r}: {bound} must be a number")
-        rules.append(Rule(str(metric), spec.get("min"), spec.get("max"),
-                          bool(spec.get("required", False))))
+        rules.append(Rule(str(metric), spec.get("min"), spec.get("max"), bool(spec.get("required", False))))
     return rules
 
 
@@ -103,8 +108,9 @@ def load_policy(path: str | Path | None) -> list[Rule]:
     return parse_policy(data, str(path))
 
 
-def evaluate(rules: list[Rule], metrics: dict[str, float | None],
-             evidence: dict[str, list[str]], noise: dict[str, float]) -> list[RuleResult]:
+def evaluate(
+    rules: list[Rule], metrics: dict[str, float | None], evidence: dict[str, list[str]], noise: dict[str, float]
+) -> list[RuleResult]:
     """Each rule against the run's metrics. `noise` widens ratio rules (metric -> band)."""
     results = []
     for rule in rules:
@@ -116,11 +122,10 @@ def evaluate(rules: list[Rule], metrics: dict[str, float | None],
         threshold = rule.describe() + (f" (± noise {band:.3f})" if band else "")
         if value is None:
             status = "fail" if rule.required else "skipped"
-            results.append(RuleResult(rule, status, None, threshold,
-                                      evidence.get(rule.metric) or ["not measured in this run"]))
+            results.append(
+                RuleResult(rule, status, None, threshold, evidence.get(rule.metric) or ["not measured in this run"])
+            )
             continue
-        ok = (rule.min is None or value >= rule.min - band) and \
-             (rule.max is None or value <= rule.max + band)
-        results.append(RuleResult(rule, "pass" if ok else "fail", value, threshold,
-                                  evidence.get(rule.metric, [])))
+        ok = (rule.min is None or value >= rule.min - band) and (rule.max is None or value <= rule.max + band)
+        results.append(RuleResult(rule, "pass" if ok else "fail", value, threshold, evidence.get(rule.metric, [])))
     return results

@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-STATUS_MARK = {"pass": "✅ pass", "fail": "❌ fail", "skipped": "⚪ skipped",
-               "cleared": "✅ cleared"}
+STATUS_MARK = {"pass": "✅ pass", "fail": "❌ fail", "skipped": "⚪ skipped", "cleared": "✅ cleared"}
 
 
 def _fmt(value: Any) -> str:
@@ -35,14 +34,20 @@ def _side(info: dict[str, Any]) -> str:
 
 def gate_markdown(report: dict[str, Any]) -> str:
     verdict = "PASSED" if report["passed"] else "FAILED"
-    lines = [f"## pagoda gate: {verdict}", "",
-             f"baseline {_side(report['baseline'])} vs candidate {_side(report['candidate'])}, "
-             f"suite `{report['suite']['name']}` ({report['suite']['cases']} cases, "
-             f"{report['suite']['bad_requests']} bad requests), {report['duration_s']} s", "",
-             "| rule | value | threshold | result |", "|---|---|---|---|"]
+    lines = [
+        f"## pagoda gate: {verdict}",
+        "",
+        f"baseline {_side(report['baseline'])} vs candidate {_side(report['candidate'])}, "
+        f"suite `{report['suite']['name']}` ({report['suite']['cases']} cases, "
+        f"{report['suite']['bad_requests']} bad requests), {report['duration_s']} s",
+        "",
+        "| rule | value | threshold | result |",
+        "|---|---|---|---|",
+    ]
     for rule in report["rules"]:
-        lines.append(f"| `{rule['metric']}` | {_fmt(rule['value'])} | {rule['threshold']} | "
-                     f"{STATUS_MARK[rule['status']]} |")
+        lines.append(
+            f"| `{rule['metric']}` | {_fmt(rule['value'])} | {rule['threshold']} | {STATUS_MARK[rule['status']]} |"
+        )
     failing = [r for r in report["rules"] if r["status"] == "fail" and r["evidence"]]
     if failing:
         lines += ["", "### Evidence", ""]
@@ -52,8 +57,10 @@ def gate_markdown(report: dict[str, Any]) -> str:
     provenance = provenance_rows(report)
     if provenance:
         lines += ["", "### Provenance", "", "| | baseline | candidate |", "|---|---|---|"]
-        lines += [f"| {f'**{name}**' if base != cand else name} | {_md_escape(base)} | "
-                  f"{_md_escape(cand)} |" for name, base, cand in provenance]
+        lines += [
+            f"| {f'**{name}**' if base != cand else name} | {_md_escape(base)} | {_md_escape(cand)} |"
+            for name, base, cand in provenance
+        ]
     notes = [n for s in report["sections"].values() for n in s["notes"]]
     if notes:
         lines += ["", "### Notes", ""] + [f"- {_md_escape(n)}" for n in notes]
@@ -79,9 +86,13 @@ def provenance_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(name, base.get(name, "–"), cand.get(name, "–")) for name in names]
 
 
-def _bar_chart(title: str, groups: dict[str, dict[str, float | None]],
-               errors: dict[str, dict[str, tuple[float, float]]] | None = None,
-               unit: str = "ms", scale: float = 1000.0) -> str:
+def _bar_chart(
+    title: str,
+    groups: dict[str, dict[str, float | None]],
+    errors: dict[str, dict[str, tuple[float, float]]] | None = None,
+    unit: str = "ms",
+    scale: float = 1000.0,
+) -> str:
     """Grouped horizontal-free SVG bar chart: one group per metric, a bar per side."""
     colors = {"baseline": "#4c78a8", "candidate": "#f58518"}
     values = [v * scale for g in groups.values() for v in g.values() if v is not None]
@@ -89,9 +100,11 @@ def _bar_chart(title: str, groups: dict[str, dict[str, float | None]],
     width, height, left, bottom = 520, 220, 50, 30
     plot_h = height - bottom - 20
     group_w = (width - left - 10) / max(1, len(groups))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{html.escape(title)}">',
-             f'<text x="{left}" y="14" font-size="12">{html.escape(title)} ({unit})</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'role="img" aria-label="{html.escape(title)}">',
+        f'<text x="{left}" y="14" font-size="12">{html.escape(title)} ({unit})</text>',
+    ]
     for i, (name, sides) in enumerate(groups.items()):
         x0 = left + i * group_w + 8
         for j, (side, value) in enumerate(sides.items()):
@@ -100,25 +113,26 @@ def _bar_chart(title: str, groups: dict[str, dict[str, float | None]],
             bar_h = value * scale / top * plot_h
             x = x0 + j * (group_w - 16) / 2
             y = height - bottom - bar_h
-            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{(group_w - 20) / 2:.1f}" '
-                         f'height="{bar_h:.1f}" fill="{colors.get(side, "#999")}">'
-                         f'<title>{side} {name}: {value * scale:.2f} {unit}</title></rect>')
+            parts.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{(group_w - 20) / 2:.1f}" '
+                f'height="{bar_h:.1f}" fill="{colors.get(side, "#999")}">'
+                f"<title>{side} {name}: {value * scale:.2f} {unit}</title></rect>"
+            )
             if errors and name in errors.get(side, {}):
                 lo, hi = errors[side][name]
                 cx = x + (group_w - 20) / 4
                 y_lo = height - bottom - lo * scale / top * plot_h
                 y_hi = height - bottom - hi * scale / top * plot_h
-                parts.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y_lo:.1f}" '
-                             f'y2="{y_hi:.1f}" stroke="black"/>')
-        parts.append(f'<text x="{x0:.1f}" y="{height - 12}" font-size="11">'
-                     f'{html.escape(name)}</text>')
-    parts.append(f'<line x1="{left}" x2="{width - 10}" y1="{height - bottom}" '
-                 f'y2="{height - bottom}" stroke="#333"/>')
+                parts.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y_lo:.1f}" y2="{y_hi:.1f}" stroke="black"/>')
+        parts.append(f'<text x="{x0:.1f}" y="{height - 12}" font-size="11">{html.escape(name)}</text>')
+    parts.append(f'<line x1="{left}" x2="{width - 10}" y1="{height - bottom}" y2="{height - bottom}" stroke="#333"/>')
     legend_x = width - 170
     for k, (side, color) in enumerate(colors.items()):
-        parts.append(f'<rect x="{legend_x + k * 85}" y="4" width="10" height="10" '
-                     f'fill="{color}"/><text x="{legend_x + k * 85 + 14}" y="13" '
-                     f'font-size="11">{side}</text>')
+        parts.append(
+            f'<rect x="{legend_x + k * 85}" y="4" width="10" height="10" '
+            f'fill="{color}"/><text x="{legend_x + k * 85 + 14}" y="13" '
+            f'font-size="11">{side}</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -138,8 +152,9 @@ def _latency_plots(latency: dict[str, Any]) -> str:
             if runs:
                 errors[side][metric] = (min(runs), max(runs))
     throughput = {"throughput": {s: sides[s]["throughput"] for s in ("baseline", "candidate")}}
-    return (_bar_chart("latency: medians of repeated runs, whiskers min-max", groups, errors)
-            + _bar_chart("output throughput", throughput, unit="tok/s", scale=1.0))
+    return _bar_chart("latency: medians of repeated runs, whiskers min-max", groups, errors) + _bar_chart(
+        "output throughput", throughput, unit="tok/s", scale=1.0
+    )
 
 
 HTML_STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}
@@ -162,39 +177,59 @@ def _evidence_html(lines: list[str]) -> str:
 def gate_html(report: dict[str, Any]) -> str:
     esc = html.escape
     verdict = "PASSED" if report["passed"] else "FAILED"
-    rules = _table(["rule", "value", "threshold", "result", "evidence"], [
-        [f"<code>{esc(r['metric'])}</code>", esc(_fmt(r["value"])), esc(r["threshold"]),
-         f'<span class="{r["status"]}">{r["status"]}</span>', _evidence_html(r["evidence"])]
-        for r in report["rules"]])
-    metrics_rows = [[esc(name), f"<code>{esc(k)}</code>", esc(_fmt(v))]
-                    for name, s in report["sections"].items() for k, v in s["metrics"].items()]
+    rules = _table(
+        ["rule", "value", "threshold", "result", "evidence"],
+        [
+            [
+                f"<code>{esc(r['metric'])}</code>",
+                esc(_fmt(r["value"])),
+                esc(r["threshold"]),
+                f'<span class="{r["status"]}">{r["status"]}</span>',
+                _evidence_html(r["evidence"]),
+            ]
+            for r in report["rules"]
+        ],
+    )
+    metrics_rows = [
+        [esc(name), f"<code>{esc(k)}</code>", esc(_fmt(v))]
+        for name, s in report["sections"].items()
+        for k, v in s["metrics"].items()
+    ]
     cases = report["sections"]["outputs"]["details"].get("cases", [])
-    case_rows = [[esc(c["id"]), esc(", ".join(c["tags"])), "yes" if c["exact"] else "no",
-                  esc(_fmt(c["first_divergence"])), esc(_fmt(c.get("max_drift")))]
-                 for c in cases]
+    case_rows = [
+        [
+            esc(c["id"]),
+            esc(", ".join(c["tags"])),
+            "yes" if c["exact"] else "no",
+            esc(_fmt(c["first_divergence"])),
+            esc(_fmt(c.get("max_drift"))),
+        ]
+        for c in cases
+    ]
     bad = report["sections"]["contract"]["details"].get("bad_requests", {})
-    bad_rows = [[esc(k), str(v["expected"]), str(v["baseline"]), str(v["candidate"])]
-                for k, v in bad.items()]
-    notes = "".join(f"<li>{esc(n)}</li>" for s in report["sections"].values()
-                    for n in s["notes"])
-    provenance = [[f"<b>{esc(name)}</b>" if base != cand else esc(name), esc(base), esc(cand)]
-                  for name, base, cand in provenance_rows(report)]
-    provenance_html = (_table(["", "baseline", "candidate"], provenance) if provenance
-                       else "<p>neither server reports provenance</p>")
+    bad_rows = [[esc(k), str(v["expected"]), str(v["baseline"]), str(v["candidate"])] for k, v in bad.items()]
+    notes = "".join(f"<li>{esc(n)}</li>" for s in report["sections"].values() for n in s["notes"])
+    provenance = [
+        [f"<b>{esc(name)}</b>" if base != cand else esc(name), esc(base), esc(cand)]
+        for name, base, cand in provenance_rows(report)
+    ]
+    provenance_html = (
+        _table(["", "baseline", "candidate"], provenance) if provenance else "<p>neither server reports provenance</p>"
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>pagoda gate: {verdict}</title>
 <style>{HTML_STYLE}</style></head><body>
-<h1>pagoda gate: <span class="{'pass' if report['passed'] else 'fail'}">{verdict}</span></h1>
-<p>baseline <code>{esc(json.dumps(report['baseline']))}</code><br>
-candidate <code>{esc(json.dumps(report['candidate']))}</code><br>
-suite {esc(report['suite']['name'])}: {report['suite']['cases']} cases,
-{report['suite']['bad_requests']} bad requests; {report['duration_s']} s</p>
+<h1>pagoda gate: <span class="{"pass" if report["passed"] else "fail"}">{verdict}</span></h1>
+<p>baseline <code>{esc(json.dumps(report["baseline"]))}</code><br>
+candidate <code>{esc(json.dumps(report["candidate"]))}</code><br>
+suite {esc(report["suite"]["name"])}: {report["suite"]["cases"]} cases,
+{report["suite"]["bad_requests"]} bad requests; {report["duration_s"]} s</p>
 <h2>Rules</h2>{rules}
-<h2>Latency</h2>{_latency_plots(report['sections']['latency']['details'])}
-<h2>Outputs per case</h2>{_table(['case', 'tags', 'exact match', 'first divergence', 'max |Δ logprob|'], case_rows)}
-<h2>Bad requests (HTTP status)</h2>{_table(['case', 'expected', 'baseline', 'candidate'], bad_rows)}
+<h2>Latency</h2>{_latency_plots(report["sections"]["latency"]["details"])}
+<h2>Outputs per case</h2>{_table(["case", "tags", "exact match", "first divergence", "max |Δ logprob|"], case_rows)}
+<h2>Bad requests (HTTP status)</h2>{_table(["case", "expected", "baseline", "candidate"], bad_rows)}
 <h2>Provenance</h2>{provenance_html}
-<h2>All metrics</h2>{_table(['section', 'metric', 'value'], metrics_rows)}
-<h2>Notes</h2><ul>{notes or '<li>none</li>'}</ul>
+<h2>All metrics</h2>{_table(["section", "metric", "value"], metrics_rows)}
+<h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
 </body></html>
 """
 
@@ -203,16 +238,22 @@ suite {esc(report['suite']['name'])}: {report['suite']['cases']} cases,
 
 
 def audit_markdown(report: dict[str, Any]) -> str:
-    lines = [f"## pagoda audit of {_side(report['target'])}", "",
-             f"{report['requests_sent']} requests, {report['duration_s']} s", "",
-             "| probe | severity | statistic | mitigation | with mitigation |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"## pagoda audit of {_side(report['target'])}",
+        "",
+        f"{report['requests_sent']} requests, {report['duration_s']} s",
+        "",
+        "| probe | severity | statistic | mitigation | with mitigation |",
+        "|---|---|---|---|---|",
+    ]
     for finding in report["findings"]:
         rerun = finding.get("rerun")
         after = "–" if not rerun else f"{rerun['severity']}: {_md_escape(rerun['summary'])}"
-        lines.append(f"| {finding['probe']} | {finding['severity']} | "
-                     f"{_md_escape(finding['summary'])} | {_md_escape(finding['mitigation'])} | "
-                     f"{after} |")
+        lines.append(
+            f"| {finding['probe']} | {finding['severity']} | "
+            f"{_md_escape(finding['summary'])} | {_md_escape(finding['mitigation'])} | "
+            f"{after} |"
+        )
     lines += ["", "### Evidence", ""]
     for finding in report["findings"]:
         lines.append(f"- **{finding['probe']}** ({finding['severity']})")
@@ -227,20 +268,29 @@ def audit_html(report: dict[str, Any]) -> str:
     rows = []
     for f in report["findings"]:
         rerun = f.get("rerun")
-        after = "–" if not rerun else (f'<span class="{esc(rerun["severity"])}">'
-                                       f'{esc(rerun["severity"])}</span>: '
-                                       f'{esc(rerun["summary"])}')
-        rows.append([esc(f["probe"]), f'<span class="{esc(f["severity"])}">'
-                     f'{esc(f["severity"])}</span>', esc(f["summary"]),
-                     _evidence_html(f["evidence"]), esc(f["mitigation"]), after])
+        after = (
+            "–"
+            if not rerun
+            else (f'<span class="{esc(rerun["severity"])}">{esc(rerun["severity"])}</span>: {esc(rerun["summary"])}')
+        )
+        rows.append(
+            [
+                esc(f["probe"]),
+                f'<span class="{esc(f["severity"])}">{esc(f["severity"])}</span>',
+                esc(f["summary"]),
+                _evidence_html(f["evidence"]),
+                esc(f["mitigation"]),
+                after,
+            ]
+        )
     notes = "".join(f"<li>{esc(n)}</li>" for n in report["notes"])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>pagoda audit</title>
 <style>{HTML_STYLE}</style></head><body>
 <h1>pagoda audit</h1>
-<p>target <code>{esc(json.dumps(report['target']))}</code>; {report['requests_sent']} requests,
-{report['duration_s']} s</p>
-{_table(['probe', 'severity', 'statistic', 'evidence', 'mitigation', 'with mitigation'], rows)}
-<h2>Notes</h2><ul>{notes or '<li>none</li>'}</ul>
+<p>target <code>{esc(json.dumps(report["target"]))}</code>; {report["requests_sent"]} requests,
+{report["duration_s"]} s</p>
+{_table(["probe", "severity", "statistic", "evidence", "mitigation", "with mitigation"], rows)}
+<h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
 </body></html>
 """
 

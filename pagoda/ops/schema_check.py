@@ -9,8 +9,13 @@ import json
 from typing import Any
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
-    "integer": (int,), "number": (int, float), "null": (type(None),),
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "boolean": (bool,),
+    "integer": (int,),
+    "number": (int, float),
+    "null": (type(None),),
 }
 
 
@@ -64,8 +69,7 @@ def schema_errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[s
     for sub in schema.get("allOf", []):
         errors += schema_errors(value, sub, path)
     for keyword in ("anyOf", "oneOf"):
-        if keyword in schema and not any(not schema_errors(value, s, path)
-                                         for s in schema[keyword]):
+        if keyword in schema and not any(not schema_errors(value, s, path) for s in schema[keyword]):
             errors.append(f"{path}: matches none of {keyword}")
     return errors
 

@@ -19,9 +19,14 @@ def auc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
     return wins / (len(positives) * len(negatives))
 
 
-def bootstrap_auc_interval(positives: Sequence[float], negatives: Sequence[float], *,
-                           num_resamples: int = 1000, level: float = 0.95,
-                           seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_auc_interval(
+    positives: Sequence[float],
+    negatives: Sequence[float],
+    *,
+    num_resamples: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float] | None:
     """Percentile bootstrap confidence interval of the AUC, resampling each class."""
     if not positives or not negatives:
         return None

@@ -73,8 +73,9 @@ class BadRequestCase:
 
     @property
     def path(self) -> str:
-        return {"completions": "/v1/completions", "chat": "/v1/chat/completions",
-                "tokenize": "/tokenize"}.get(self.endpoint, self.endpoint)
+        return {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize"}.get(
+            self.endpoint, self.endpoint
+        )
 
     def to_json(self) -> dict[str, Any]:
         request: dict[str, Any] = {"endpoint": self.endpoint}
@@ -82,8 +83,7 @@ class BadRequestCase:
             request["raw"] = self.raw
         else:
             request["body"] = self.body or {}
-        row: dict[str, Any] = {"id": self.id, "bad_request": request,
-                               "expect_status": self.expect_status}
+        row: dict[str, Any] = {"id": self.id, "bad_request": request, "expect_status": self.expect_status}
         if self.tags:
             row["tags"] = self.tags
         return row
@@ -99,8 +99,7 @@ class Suite:
         """The suite with every case's max_tokens capped (shorter gate runs)."""
         if max_tokens is None:
             return self
-        cases = [SuiteCase(**{**c.__dict__, "max_tokens": min(c.max_tokens, max_tokens)})
-                 for c in self.cases]
+        cases = [SuiteCase(**{**c.__dict__, "max_tokens": min(c.max_tokens, max_tokens)}) for c in self.cases]
         return Suite(self.name, cases, list(self.bad_requests))
 
     def write(self, path: str | Path) -> None:
@@ -129,14 +128,21 @@ def _parse_case(row: dict[str, Any], where: str) -> SuiteCase | BadRequestCase:
     prompt, messages = row.get("prompt"), row.get("messages")
     if (prompt is None) == (messages is None):
         raise SuiteError(f"{where}: give exactly one of prompt or messages")
-    if prompt is not None and not (isinstance(prompt, str) or (
-            isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+    if prompt is not None and not (
+        isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+    ):
         raise SuiteError(f"{where}: prompt must be a string or a list of token ids")
-    if messages is not None and not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages)):
-        raise SuiteError(f"{where}: messages must be a non-empty list of "
-                         "{{role, content}} objects with string content")
+    if messages is not None and not (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise SuiteError(
+            f"{where}: messages must be a non-empty list of {{{{role, content}}}} objects with string content"
+        )
     max_tokens = row.get("max_tokens", DEFAULT_MAX_TOKENS)
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise SuiteError(f"{where}: max_tokens must be a positive integer")
@@ -146,8 +152,7 @@ def _parse_case(row: dict[str, Any], where: str) -> SuiteCase | BadRequestCase:
     stop = row.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    return SuiteCase(case_id, prompt, messages, row.get("expected"), schema, tags, max_tokens,
-                     stop)
+    return SuiteCase(case_id, prompt, messages, row.get("expected"), schema, tags, max_tokens, stop)
 
 
 def parse_suite(lines: Iterable[str], name: str) -> Suite:
@@ -193,8 +198,9 @@ def load_suite(spec: str | Path) -> Suite:
 # ---- recording ---------------------------------------------------------------------------------
 
 
-def suite_from_text(text: str, name: str, *, by: str = "paragraph",
-                    max_tokens: int = DEFAULT_MAX_TOKENS, chat: bool = False) -> Suite:
+def suite_from_text(
+    text: str, name: str, *, by: str = "paragraph", max_tokens: int = DEFAULT_MAX_TOKENS, chat: bool = False
+) -> Suite:
     """One case per paragraph (blank-line separated) or per line of a text file."""
     chunks = re.split(r"\n\s*\n", text) if by == "paragraph" else text.splitlines()
     prompts = [c.strip("\n") for c in chunks if c.strip()]
@@ -229,15 +235,19 @@ def _logged_messages(prompt: str) -> list[dict[str, str]] | None:
         messages = json.loads(prompt)
     except json.JSONDecodeError:
         return None
-    if isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
+    if (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     return None
 
 
-def suite_from_request_log(lines: Iterable[str], name: str, *,
-                           max_tokens: int | None = None) -> tuple[Suite, int]:
+def suite_from_request_log(lines: Iterable[str], name: str, *, max_tokens: int | None = None) -> tuple[Suite, int]:
     """Cases from a pagoda prompt-log file (`pagoda serve --log-prompts` writes them under
     `--prompt-log-dir`; the ordinary request log never holds prompts): every successful request's
     prompts, deduplicated. Returns the suite and how many lines had no prompt."""
@@ -262,17 +272,21 @@ def suite_from_request_log(lines: Iterable[str], name: str, *,
             if key in seen:
                 continue
             seen.add(key)
-            tokens = max_tokens or max(1, min(int(row.get("output_tokens") or 0) or
-                                              DEFAULT_MAX_TOKENS, 256))
-            case = SuiteCase(f"{name}-{len(cases)}", max_tokens=tokens,
-                             tags=["recorded", "chat" if chat else "completions"])
+            tokens = max_tokens or max(1, min(int(row.get("output_tokens") or 0) or DEFAULT_MAX_TOKENS, 256))
+            case = SuiteCase(
+                f"{name}-{len(cases)}", max_tokens=tokens, tags=["recorded", "chat" if chat else "completions"]
+            )
             if messages is not None:
                 case.messages = messages
             else:
                 case.prompt = value
             cases.append(case)
     if not cases:
-        hint = (" (this log has no prompts: give a prompt-log file, prompts-*.jsonl, which "
-                "`pagoda serve --log-prompts` writes under --prompt-log-dir)" if without_prompt else "")
+        hint = (
+            " (this log has no prompts: give a prompt-log file, prompts-*.jsonl, which "
+            "`pagoda serve --log-prompts` writes under --prompt-log-dir)"
+            if without_prompt
+            else ""
+        )
         raise SuiteError(f"{name}: no prompts found in the log{hint}")
     return Suite(name, cases), without_prompt

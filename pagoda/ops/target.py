@@ -63,8 +63,9 @@ def resolve_model(client: httpx.Client, target: Target) -> str:
     except httpx.HTTPError as exc:
         raise TargetError(f"{target.label}: cannot reach {target.base_url} ({exc})") from None
     if response.status_code != 200:
-        raise TargetError(f"{target.label}: GET /v1/models answered {response.status_code}; "
-                          "give the model name explicitly")
+        raise TargetError(
+            f"{target.label}: GET /v1/models answered {response.status_code}; give the model name explicitly"
+        )
     models = response.json().get("data") or []
     if not models:
         raise TargetError(f"{target.label}: the server lists no models")
@@ -84,40 +85,54 @@ class LaunchedServer:
         stop_server(self.process)
 
 
-def launch_pagoda(args: list[str], label: str, *, api_key: str | None = None,
-                  timeout: float = 300.0) -> LaunchedServer:
+def launch_pagoda(args: list[str], label: str, *, api_key: str | None = None, timeout: float = 300.0) -> LaunchedServer:
     """Start `pagoda serve ARGS --host 127.0.0.1 --port FREE` and wait for /health."""
     if any(a in ("--host", "--port") or a.startswith(("--host=", "--port=")) for a in args):
-        raise TargetError(f"{label}: leave --host/--port out of pagoda:ARGS; the tool picks a "
-                          "free loopback port")
+        raise TargetError(f"{label}: leave --host/--port out of pagoda:ARGS; the tool picks a free loopback port")
     port = free_port()
     handle, log_name = tempfile.mkstemp(prefix=f"pagoda-{label}-", suffix=".log")
     os.close(handle)
-    command = [sys.executable, "-m", "pagoda.cli", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        *args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     target = Target(f"http://127.0.0.1:{port}", api_key=api_key, label=label, launch_args=args)
     try:
-        process = start_server(command, target.url("/health"), timeout=timeout,
-                               log_path=Path(log_name), name=f"`pagoda serve {shlex.join(args)}`",
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = start_server(
+            command,
+            target.url("/health"),
+            timeout=timeout,
+            log_path=Path(log_name),
+            name=f"`pagoda serve {shlex.join(args)}`",
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     except ServerStartError as exc:
         raise TargetError(f"{label}: {exc}") from None
     return LaunchedServer(process, target, Path(log_name))
 
 
-def parse_target(spec: str, label: str, *, model: str | None = None,
-                 api_key: str | None = None) -> Target | list[str]:
+def parse_target(spec: str, label: str, *, model: str | None = None, api_key: str | None = None) -> Target | list[str]:
     """A URL -> Target; `pagoda:ARGS` -> the argument list to launch."""
     if spec.startswith(LAUNCH_PREFIX):
-        return shlex.split(spec[len(LAUNCH_PREFIX):])
+        return shlex.split(spec[len(LAUNCH_PREFIX) :])
     if not spec.startswith(("http://", "https://")):
         raise TargetError(f"{label}: {spec!r} is neither an http(s) URL nor pagoda:ARGS")
     return Target(spec, model=model, api_key=api_key, label=label)
 
 
 @contextlib.contextmanager
-def open_target(spec: str, label: str, *, model: str | None, api_key: str | None,
-                launch_timeout: float) -> Iterator[Any]:
+def open_target(
+    spec: str, label: str, *, model: str | None, api_key: str | None, launch_timeout: float
+) -> Iterator[Any]:
     """The Target for a URL, or a launched pagoda's Target (stopped on exit)."""
     parsed = parse_target(spec, label, model=model, api_key=api_key)
     if isinstance(parsed, Target):

@@ -53,8 +53,19 @@ DECODER_LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 # Decoder projections: the tensors whose type picks the weight format.
-_PROJECTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
-                     "ffn_up_shexp", "ffn_down_shexp", *STACKED_EXPERT_TENSORS)
+_PROJECTION_KINDS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    *STACKED_EXPERT_TENSORS,
+)
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -77,8 +88,9 @@ def find_gguf_file(path: str | Path) -> Path | None:
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) > 1:
-        raise ValueError(f"{path}: holds several GGUF files ({', '.join(p.name for p in found)}); "
-                         f"pass one of them as --model")
+        raise ValueError(
+            f"{path}: holds several GGUF files ({', '.join(p.name for p in found)}); pass one of them as --model"
+        )
     return found[0] if found else None
 
 
@@ -113,16 +125,19 @@ class GGUFCheckpoint:
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as error:  # the reader raises ValueError, IndexError, struct/numpy errors on bad bytes
-            raise ValueError(f"{self.path}: not a readable GGUF file, corrupt or truncated "
-                             f"({type(error).__name__}: {error})") from None
+            raise ValueError(
+                f"{self.path}: not a readable GGUF file, corrupt or truncated ({type(error).__name__}: {error})"
+            ) from None
         self.architecture = self._string("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
         dequantizable = _dequantizable_type_names()
         for tensor in self.reader.tensors:
             type_name = tensor.tensor_type.name
             if type_name not in _PLAIN_TYPES and type_name != "Q4_0" and type_name not in dequantizable:
-                raise ValueError(f"{self.path}: tensor {tensor.name!r} has type {type_name}, which pagoda "
-                                 f"cannot read; supported: {', '.join(self.supported_types())}")
+                raise ValueError(
+                    f"{self.path}: tensor {tensor.name!r} has type {type_name}, which pagoda "
+                    f"cannot read; supported: {', '.join(self.supported_types())}"
+                )
 
     # ---- metadata ---------------------------------------------------------------------------
 
@@ -151,8 +166,12 @@ class GGUFCheckpoint:
         every architecture writes; a family adds its own (`architectures` among them).
         experts_may_stand_in: a MoE architecture, whose `feed_forward_length` only dense layers
         (mlp_only_layers) use, and whose experts' size stands in where it is absent."""
-        required = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
-                    "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
+        required = {
+            "block_count": "num_hidden_layers",
+            "embedding_length": "hidden_size",
+            "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+        }
         if experts_may_stand_in and self.arch_value("feed_forward_length") is None:
             required["expert_feed_forward_length"] = required.pop("feed_forward_length")
         config: dict[str, Any] = {}
@@ -161,8 +180,7 @@ class GGUFCheckpoint:
             if value is None:
                 raise ValueError(f"{self.path}: missing metadata {self.architecture}.{key}")
             config[name] = int(value)
-        config["num_key_value_heads"] = int(self.arch_value("attention.head_count_kv",
-                                                             config["num_attention_heads"]))
+        config["num_key_value_heads"] = int(self.arch_value("attention.head_count_kv", config["num_attention_heads"]))
         head_dim = self.arch_value("attention.key_length") or self.arch_value("rope.dimension_count")
         if head_dim is not None:
             config["head_dim"] = int(head_dim)
@@ -170,8 +188,10 @@ class GGUFCheckpoint:
         config["rope_theta"] = float(self.arch_value("rope.freq_base", 10000.0))
         config["rms_norm_eps"] = float(self.arch_value("attention.layer_norm_rms_epsilon", 1e-6))
         if "rope_freqs.weight" in self.tensors or self.arch_value("rope.scaling.type") not in (None, "none"):
-            raise ValueError(f"{self.path}: GGUF rope scaling (rope_freqs / rope.scaling.type) is not "
-                             f"supported yet; pagoda reads unscaled rope from GGUF")
+            raise ValueError(
+                f"{self.path}: GGUF rope scaling (rope_freqs / rope.scaling.type) is not "
+                f"supported yet; pagoda reads unscaled rope from GGUF"
+            )
         embeddings = self.tensors.get("token_embd.weight")
         if embeddings is None:
             raise ValueError(f"{self.path}: missing tensor 'token_embd.weight'")
@@ -189,18 +209,27 @@ class GGUFCheckpoint:
     def supported_types(cls) -> list[str]:
         import gguf
 
-        dequantizable = [t.name for t in gguf.GGMLQuantizationType
-                         if t.name not in _PLAIN_TYPES and t.name in _dequantizable_type_names()]
+        dequantizable = [
+            t.name
+            for t in gguf.GGMLQuantizationType
+            if t.name not in _PLAIN_TYPES and t.name in _dequantizable_type_names()
+        ]
         return list(_PLAIN_TYPES) + sorted(set(dequantizable) | {"Q4_0"})
 
     def linear_types(self) -> set[str]:
         """Tensor types of the decoder's projection weights (what the weight format is chosen from)."""
-        return {t.tensor_type.name for name, t in self.tensors.items()
-                if name.startswith("blk.") and name.endswith(".weight") and t.data.ndim in (2, 3)
-                and name.split(".")[2] in _PROJECTION_KINDS}
+        return {
+            t.tensor_type.name
+            for name, t in self.tensors.items()
+            if name.startswith("blk.")
+            and name.endswith(".weight")
+            and t.data.ndim in (2, 3)
+            and name.split(".")[2] in _PROJECTION_KINDS
+        }
 
-    def iterate(self, config: dict[str, Any], layout: GGUFLayout, keep_q4_0_codes: bool,
-                keep_q8_0_codes: bool = False) -> Iterator[GGUFTensor]:
+    def iterate(
+        self, config: dict[str, Any], layout: GGUFLayout, keep_q4_0_codes: bool, keep_q8_0_codes: bool = False
+    ) -> Iterator[GGUFTensor]:
         """Every tensor under its Hugging Face name (`layout`'s). Q4_0 projection weights come as int4 codes
         when `keep_q4_0_codes`, Q8_0 ones as int8 codes when `keep_q8_0_codes`, other quantized
         types dequantized to float32."""
@@ -210,8 +239,13 @@ class GGUFCheckpoint:
             # None: a stacked experts tensor, read one HF tensor per expert
             hf_name = None if expert_tensor_kind(name) is not None else self._hf_name(name, layout)
             is_projection = hf_name is None or hf_name.endswith("_proj.weight")
-            codes_of = (_q4_0_codes if type_name == "Q4_0" and keep_q4_0_codes and is_projection else
-                        _q8_0_codes if type_name == "Q8_0" and keep_q8_0_codes and is_projection else None)
+            codes_of = (
+                _q4_0_codes
+                if type_name == "Q4_0" and keep_q4_0_codes and is_projection
+                else _q8_0_codes
+                if type_name == "Q8_0" and keep_q8_0_codes and is_projection
+                else None
+            )
             if type_name not in _PLAIN_TYPES and codes_of is None:
                 dequantized[type_name] += 1
             if hf_name is None:
@@ -233,25 +267,32 @@ class GGUFCheckpoint:
                 values = values.unsqueeze(0)  # [H] as some writers store it, the layer's [1, H]
             yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, layout, values))
         for type_name, count in sorted(dequantized.items()):
-            logger.info("%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
-                        self.path.name, count, type_name, type_name)
+            logger.info(
+                "%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
+                self.path.name,
+                count,
+                type_name,
+                type_name,
+            )
 
     def _float_values(self, tensor: Any) -> torch.Tensor:
-        return self._dequantize(np.asarray(tensor.data), tensor.tensor_type,
-                                tuple(int(d) for d in reversed(tensor.shape)))
+        return self._dequantize(
+            np.asarray(tensor.data), tensor.tensor_type, tuple(int(d) for d in reversed(tensor.shape))
+        )
 
     def _dequantize(self, data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> torch.Tensor:
         """`data` (raw blocks or floats) as float32 values of `shape` (HF order)."""
         if tensor_type.name in ("F32", "F16"):
             values = torch.from_numpy(data.astype(np.float32, copy=False).copy())
         else:
-            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(data, tensor_type),
-                                                           dtype=np.float32))
+            values = torch.from_numpy(
+                np.ascontiguousarray(self._gguf.quants.dequantize(data, tensor_type), dtype=np.float32)
+            )
         return values if tuple(values.shape) == shape else values.reshape(shape)
 
-    def _expert_tensors(self, name: str, tensor: Any,
-                        codes_of: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None
-                        ) -> Iterator[GGUFTensor]:
+    def _expert_tensors(
+        self, name: str, tensor: Any, codes_of: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> Iterator[GGUFTensor]:
         """A stacked experts tensor [E, out, in] as one tensor per expert and projection
         (`ffn_gate_up_exps` rows split into gate and up), read one expert at a time; as (codes,
         scales) through `codes_of` when the weight format serves the file's blocks."""
@@ -274,16 +315,22 @@ class GGUFCheckpoint:
                     values = self._dequantize(data[expert], tensor.tensor_type, (rows, columns))
                     parts = [(v, None) for v in values.split(part_rows)]
                 for projection, (part_values, part_codes) in zip(projections, parts):
-                    yield GGUFTensor(f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight", type_name,
-                                     part_values, part_codes)
+                    yield GGUFTensor(
+                        f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
+                        type_name,
+                        part_values,
+                        part_codes,
+                    )
         except ValueError:
             raise
         except Exception as error:
             raise self._unreadable(name, type_name, error) from None
 
     def _unreadable(self, name: str, type_name: str, error: Exception) -> ValueError:
-        return ValueError(f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
-                          f"truncated ({type(error).__name__}: {error})")
+        return ValueError(
+            f"{self.path}: tensor {name!r} ({type_name}) could not be read, corrupt or "
+            f"truncated ({type(error).__name__}: {error})"
+        )
 
     def _hf_name(self, name: str, layout: GGUFLayout) -> str:
         parts = name.split(".")
@@ -358,7 +405,10 @@ def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | Non
     if "Q4_0" in types:
         others = sorted(types - {"Q4_0"})
         if others:
-            logger.info("%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
-                        checkpoint.path.name, ", ".join(others))
+            logger.info(
+                "%s: Q4_0 projections served as int4 group 32; %s projections re-quantized to it",
+                checkpoint.path.name,
+                ", ".join(others),
+            )
         return Int4Weight(group_size=32, zero_point=False, native_layout=native_layout)
     return requested or FullWeight()

@@ -13,9 +13,10 @@ transformers config is, is each family's (pagoda.model.families).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Per-layer MoE tensors that are not stacked over experts, by their HF names (pagoda's).
 MOE_LAYER_TENSORS = {
@@ -54,8 +55,9 @@ class GGUFExperts:
     shared_intermediate_size: int | None  # of the shared expert; None without one
 
 
-def read_experts(path: Path, architecture: str, arch_value: Callable[[str], Any], tensors: dict[str, Any],
-                 num_layers: int) -> GGUFExperts:
+def read_experts(
+    path: Path, architecture: str, arch_value: Callable[[str], Any], tensors: dict[str, Any], num_layers: int
+) -> GGUFExperts:
     """ValueError naming the file for missing metadata or a MoE layer missing a tensor."""
     num_experts = arch_value("expert_count")
     top_k = arch_value("expert_used_count")
@@ -63,18 +65,25 @@ def read_experts(path: Path, architecture: str, arch_value: Callable[[str], Any]
         if not value:
             raise ValueError(f"{path}: missing metadata {architecture}.{key} (a MoE GGUF needs it)")
     num_experts, top_k = int(num_experts), int(top_k)
-    sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors or f"blk.{i}.ffn_gate.weight" not in tensors
-              for i in range(num_layers)]
+    sparse = [
+        f"blk.{i}.ffn_gate_inp.weight" in tensors or f"blk.{i}.ffn_gate.weight" not in tensors
+        for i in range(num_layers)
+    ]
     shared = any(f"blk.{i}.{kind}.weight" in tensors for i in range(num_layers) for kind in _SHARED_EXPERT_KINDS)
     for layer in (i for i in range(num_layers) if sparse[i]):
         _check_layer(path, tensors, layer, num_experts, shared)
     first = sparse.index(True) if any(sparse) else None
-    intermediate_size = None if first is None else int(
-        arch_value("expert_feed_forward_length") or _rows(tensors, f"blk.{first}.ffn_down_exps.weight", -1))
+    intermediate_size = (
+        None
+        if first is None
+        else int(arch_value("expert_feed_forward_length") or _rows(tensors, f"blk.{first}.ffn_down_exps.weight", -1))
+    )
     shared_size = None
     if shared:
-        shared_size = int(arch_value("expert_shared_feed_forward_length")
-                          or _rows(tensors, f"blk.{first or 0}.ffn_down_shexp.weight", -1))
+        shared_size = int(
+            arch_value("expert_shared_feed_forward_length")
+            or _rows(tensors, f"blk.{first or 0}.ffn_down_shexp.weight", -1)
+        )
     return GGUFExperts(num_experts, top_k, sparse, intermediate_size, shared_size)
 
 
@@ -92,8 +101,9 @@ def _check_layer(path: Path, tensors: dict[str, Any], layer: int, num_experts: i
             name = f"{prefix}{kind}.weight"
             stacked = _rows(tensors, name, 0)
             if stacked != num_experts:
-                raise ValueError(f"{path}: tensor {name!r} stacks {stacked} experts, the metadata says "
-                                 f"expert_count {num_experts}")
+                raise ValueError(
+                    f"{path}: tensor {name!r} stacks {stacked} experts, the metadata says expert_count {num_experts}"
+                )
 
 
 def _rows(tensors: dict[str, Any], name: str, dim: int) -> int:

@@ -56,16 +56,20 @@ def check_checkpoint_quantization(model_dir: Path) -> None:
 def gptq_weight_format(quantization: dict[str, Any], source: Path) -> Int4Weight:
     method = quantization.get("quant_method", "(no quant_method)")
     if method not in SUPPORTED_HF_METHODS:
-        raise ValueError(f"{source}: checkpoint quantization {method!r} is not supported (quantized Hugging Face "
-                         f"formats pagoda loads: GPTQ 4-bit); use a full-precision checkpoint with "
-                         f"--quantization int8|int4, or a GGUF file")
+        raise ValueError(
+            f"{source}: checkpoint quantization {method!r} is not supported (quantized Hugging Face "
+            f"formats pagoda loads: GPTQ 4-bit); use a full-precision checkpoint with "
+            f"--quantization int8|int4, or a GGUF file"
+        )
     bits = quantization.get("bits")
     if bits != 4:
         raise ValueError(f"{source}: GPTQ with bits={bits} is not supported; pagoda loads 4-bit GPTQ")
     group_size = quantization.get("group_size")
     if group_size is None or group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"{source}: GPTQ group_size {group_size} is not supported; pagoda loads group sizes "
-                         f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        raise ValueError(
+            f"{source}: GPTQ group_size {group_size} is not supported; pagoda loads group sizes "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+        )
     checkpoint_format = quantization.get("checkpoint_format", "gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"{source}: GPTQ checkpoint_format {checkpoint_format!r} is not supported (gptq, gptq_v2)")
@@ -80,13 +84,16 @@ def resolve_checkpoint_format(model_dir: Path, requested_quantization: str) -> t
     source = model_dir / "config.json"
     weight_format = gptq_weight_format(quantization, source)
     if requested_quantization not in ("none", "int4"):
-        raise ValueError(f"{source}: the checkpoint is already GPTQ 4-bit; --quantization {requested_quantization} "
-                         f"cannot apply (leave it at none)")
+        raise ValueError(
+            f"{source}: the checkpoint is already GPTQ 4-bit; --quantization {requested_quantization} "
+            f"cannot apply (leave it at none)"
+        )
     return weight_format, quantization
 
 
-def gptq_tensors(tensors: Iterator[tuple[str, str, torch.Tensor]], quantization: dict[str, Any]
-                 ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+def gptq_tensors(
+    tensors: Iterator[tuple[str, str, torch.Tensor]], quantization: dict[str, Any]
+) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
     """Pass plain tensors through; turn each linear's GPTQ parts into (name.weight, None,
     (codes [N, K], scales [N, G], zeros [N, G])) in the int4 format's convention."""
     group_size = int(quantization["group_size"])
@@ -121,16 +128,19 @@ def _unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.reshape(packed.shape[0], -1)
 
 
-def _gptq_to_int4(parts: dict[str, torch.Tensor], group_size: int, zero_offset: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gptq_to_int4(
+    parts: dict[str, torch.Tensor], group_size: int, zero_offset: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
     codes = _unpack_int4(qweight, 0)  # [K, N]
     in_features, out_features = codes.shape
     if scales.shape != (in_features // group_size, out_features):
-        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected "
-                         f"{(in_features // group_size, out_features)} for group size {group_size}")
+        raise ValueError(
+            f"scales have shape {tuple(scales.shape)}, expected "
+            f"{(in_features // group_size, out_features)} for group size {group_size}"
+        )
     zeros = _unpack_int4(qzeros, 1)[:, :out_features] + zero_offset  # [G, N]
     if "g_idx" in parts:
         expected = torch.arange(in_features, dtype=torch.int32) // group_size

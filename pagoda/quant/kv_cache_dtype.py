@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.quant.storage_bytes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagoda.quant.storage_bytes import KV_SCALE_BYTES as SCALE_BYTES
+from pagoda.quant.storage_bytes import check_kv_cache_dtype
+
 # Stored element type and the largest magnitude it represents.
 _QUANTIZED = {
     "int8": (torch.int8, 127.0),
@@ -122,4 +123,3 @@ class KVCacheFormat:
 def make_kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
     check_kv_cache_dtype(name)
     return KVCacheFormat(name, model_dtype)
-

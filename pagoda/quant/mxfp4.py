@@ -21,8 +21,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "te
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[-1] != BLOCK_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
-                         f"(expected blocks [..., G, {BLOCK_SIZE // 2}] with scales [..., G])")
+        raise ValueError(
+            f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
+            f"(expected blocks [..., G, {BLOCK_SIZE // 2}] with scales [..., G])"
+        )
     table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1)
     values = values.reshape(*blocks.shape[:-1], BLOCK_SIZE)

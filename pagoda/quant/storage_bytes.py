@@ -32,8 +32,9 @@ SCALE_ELEMENT_BYTES = 2
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; "
-                         f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
 
 
 def kv_entry_bytes(head_dim: int, kv_cache_dtype: str, model_element_bytes: float) -> float:
@@ -46,15 +47,17 @@ def kv_entry_bytes(head_dim: int, kv_cache_dtype: str, model_element_bytes: floa
     return head_dim * QUANTIZED_KV_ELEMENT_BYTES + KV_SCALE_BYTES
 
 
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                             model_element_bytes: float) -> int:
+def kv_cache_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, model_element_bytes: float
+) -> int:
     """KV cache bytes one token takes: a key and a value vector per KV head in every layer, stored
     as `kv_cache_dtype` ("auto": the model dtype, `model_element_bytes` each)."""
     return int(num_layers * 2 * num_kv_heads * kv_entry_bytes(head_dim, kv_cache_dtype, model_element_bytes))
 
 
-def linear_weight_bytes(in_features: int, out_features: int, quantization: str, element_bytes: float,
-                        group_size: int = 128) -> float:
+def linear_weight_bytes(
+    in_features: int, out_features: int, quantization: str, element_bytes: float, group_size: int = 128
+) -> float:
     """Bytes one Linear's weight takes in a weight format (element_bytes: the model dtype's)."""
     if quantization == "none":
         return in_features * out_features * element_bytes

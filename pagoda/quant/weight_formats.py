@@ -55,13 +55,15 @@ class WeightFormat(ABC):
     # on the CPU; else the one PyTorch's ops (CPU) or the Triton kernels (CUDA) read.
     native_layout: bool = False
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
-                       device: torch.device) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Register the full-precision staging weight the loaders write into."""
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
 
-    def for_layer(self, in_features: int) -> "WeightFormat":
+    def for_layer(self, in_features: int) -> WeightFormat:
         """This format as a layer with `in_features` inputs holds it (int4 picks its group size)."""
         return self
 
@@ -118,8 +120,11 @@ class FullWeight(WeightFormat):
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -175,8 +180,7 @@ class Int8Weight(WeightFormat):
         padding = -weight.shape[1] % INT8_K_TILE
         if padding:
             qweight = F.pad(qweight, (0, padding))
-        _replace_staging_weight(layer, qweight=qweight.contiguous(),
-                                scales=scales.to(kernel_dtype(staging.dtype)))
+        _replace_staging_weight(layer, qweight=qweight.contiguous(), scales=scales.to(kernel_dtype(staging.dtype)))
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return linear_weight_bytes(in_features, out_features, "int8", element_size)
@@ -200,7 +204,7 @@ class Int4Weight(WeightFormat):
     native_layout: bool = False
     name = "int4"  # not annotated: a class attribute, no dataclass field
 
-    def for_layer(self, in_features: int) -> "Int4Weight":
+    def for_layer(self, in_features: int) -> Int4Weight:
         if self.group_size is not None:
             return self
         return replace(self, group_size=int4_group_size_for(in_features) or max(INT4_GROUP_SIZES))
@@ -215,22 +219,39 @@ class Int4Weight(WeightFormat):
         group_size = self.for_layer(in_features).layer_group_size
         if in_features % group_size:
             fits = int4_group_size_for(in_features)
-            advice = (f"pass --quantization-group-size {fits} (or leave it out: each layer then takes the "
-                      f"largest that divides it)") if fits else \
-                f"no int4 group size ({', '.join(str(g) for g in INT4_GROUP_SIZES)}) divides it; use int8"
-            raise ValueError(f"{layer_name}: int4 group size {group_size} does not divide its input "
-                             f"dimension {in_features}; {advice}")
+            advice = (
+                (
+                    f"pass --quantization-group-size {fits} (or leave it out: each layer then takes the "
+                    f"largest that divides it)"
+                )
+                if fits
+                else f"no int4 group size ({', '.join(str(g) for g in INT4_GROUP_SIZES)}) divides it; use int8"
+            )
+            raise ValueError(
+                f"{layer_name}: int4 group size {group_size} does not divide its input "
+                f"dimension {in_features}; {advice}"
+            )
         if out_features % 16:
-            raise ValueError(f"{layer_name}: int4 needs an output dimension divisible by 16 "
-                             f"(the packed kernel's tile), got {out_features}")
+            raise ValueError(
+                f"{layer_name}: int4 needs an output dimension divisible by 16 "
+                f"(the packed kernel's tile), got {out_features}"
+            )
 
-    def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor | None = None) -> None:
+    def stage_codes(
+        self,
+        layer: nn.Module,
+        row_offset: int,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+    ) -> None:
         """Load rows that are already int4 in this layout (e.g. GGUF Q4_0) without re-quantizing:
         w = (codes - 8) * scales + zeros, codes int32 [rows, K], scales/zeros [rows, K / group]."""
         if codes.shape[1] != layer.in_features or scales.shape[1] * self.layer_group_size != layer.in_features:
-            raise ValueError(f"int4 codes of shape {tuple(codes.shape)} / scales {tuple(scales.shape)} do not "
-                             f"fit a [{layer.out_features}, {layer.in_features}] layer with group {self.group_size}")
+            raise ValueError(
+                f"int4 codes of shape {tuple(codes.shape)} / scales {tuple(scales.shape)} do not "
+                f"fit a [{layer.out_features}, {layer.in_features}] layer with group {self.group_size}"
+            )
         zeros = torch.zeros_like(scales) if zeros is None else zeros
         _stage_rows(layer, (row_offset, codes, scales, zeros))
 
@@ -244,8 +265,9 @@ class Int4Weight(WeightFormat):
             scales = torch.empty(out_features, in_features // self.layer_group_size)
             zeros = torch.empty_like(scales)
         else:  # some rows came as floats: round them to nearest; staged rows overwrite theirs
-            codes, scales, zeros = quantize_int4_grouped(staging.detach().float().cpu(), self.layer_group_size,
-                                                         self.zero_point)
+            codes, scales, zeros = quantize_int4_grouped(
+                staging.detach().float().cpu(), self.layer_group_size, self.zero_point
+            )
         for row_offset, part_codes, part_scales, part_zeros in staged:
             rows = slice(row_offset, row_offset + part_codes.shape[0])
             codes[rows], scales[rows], zeros[rows] = part_codes, part_scales, part_zeros
@@ -263,9 +285,12 @@ class Int4Weight(WeightFormat):
             # The native product reads the codes two per byte and dequantizes them in registers, at every
             # row count (one arithmetic however a step is batched); no tinygemm copy is kept.
             symmetric = not bool(zeros.any())
-            _replace_staging_weight(layer, native_nibbles=pack_int4_nibbles(codes),
-                                    native_scales=scales.float().contiguous(),
-                                    **({} if symmetric else {"native_zeros": zeros.float().contiguous()}))
+            _replace_staging_weight(
+                layer,
+                native_nibbles=pack_int4_nibbles(codes),
+                native_scales=scales.float().contiguous(),
+                **({} if symmetric else {"native_zeros": zeros.float().contiguous()}),
+            )
             return
         # tinygemm (CPU) and the Triton kernel (CUDA) want [K / group, N, 2] (scale, zero) pairs.
         scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
@@ -273,12 +298,14 @@ class Int4Weight(WeightFormat):
         _replace_staging_weight(layer, qweight=packed, scales_and_zeros=scales_and_zeros.to(device))
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
-        return linear_weight_bytes(in_features, out_features, "int4", element_size,
-                                   self.for_layer(in_features).layer_group_size)
+        return linear_weight_bytes(
+            in_features, out_features, "int4", element_size, self.for_layer(in_features).layer_group_size
+        )
 
 
-def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4_grouped(
+    weight: torch.Tensor, group_size: int, zero_point: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest int4 per group of `group_size` inputs.
 
     Returns (codes int32 [N, K] in 0..15, scales [N, G], zeros [N, G]) with
@@ -298,8 +325,9 @@ def quantize_int4_grouped(weight: torch.Tensor, group_size: int, zero_point: boo
     return codes.reshape(out_features, in_features).to(torch.int32), scales, zeros
 
 
-def dequantize_int4_grouped(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                            group_size: int) -> torch.Tensor:
+def dequantize_int4_grouped(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     out_features, in_features = codes.shape
     groups = codes.reshape(out_features, -1, group_size).float() - 8.0
     return (groups * scales[..., None] + zeros[..., None]).reshape(out_features, in_features)
@@ -321,37 +349,50 @@ class GGUFBlockWeight(WeightFormat):
 
     def __init__(self, block_type: str) -> None:
         if block_type not in GGUF_BLOCK_BYTES:
-            raise ValueError(f"GGUF blocks of type {block_type} have no native kernel; "
-                             f"served natively: {', '.join(GGUF_BLOCK_BYTES)}")
+            raise ValueError(
+                f"GGUF blocks of type {block_type} have no native kernel; "
+                f"served natively: {', '.join(GGUF_BLOCK_BYTES)}"
+            )
         self.block_type = block_type
         self.name = block_type.lower()
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype,
-                       device: torch.device) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Every row comes as codes (`stage_codes`): the staging weight only names the shape, on the meta
         device, so loading never holds a float copy of the projection."""
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device="meta"),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device="meta"), requires_grad=False
+        )
 
-    def stage_codes(self, layer: nn.Module, row_offset: int, codes: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor | None = None) -> None:
+    def stage_codes(
+        self,
+        layer: nn.Module,
+        row_offset: int,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+    ) -> None:
         """Rows of codes [rows, K] (Q8_0: -127..127, Q4_0: 0..15) and their block scales [rows, K / 32]."""
         if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
-            raise ValueError(f"{self.block_type} codes of shape {tuple(codes.shape)} do not fit a "
-                             f"[{layer.out_features}, {layer.in_features}] layer")
+            raise ValueError(
+                f"{self.block_type} codes of shape {tuple(codes.shape)} do not fit a "
+                f"[{layer.out_features}, {layer.in_features}] layer"
+            )
         _stage_rows(layer, (row_offset, codes, scales))
 
     def finalize(self, layer: nn.Module, layer_name: str) -> None:
         staged = getattr(layer, "staged_codes", [])
         out_features, in_features = _staging_weight(layer).shape
         if sum(codes.shape[0] for _, codes, _ in staged) != out_features:
-            raise ValueError(f"{layer_name}: not every row came as {self.block_type} blocks; a GGUF file mixing "
-                             f"tensor types is served with the native kernels off")
+            raise ValueError(
+                f"{layer_name}: not every row came as {self.block_type} blocks; a GGUF file mixing "
+                f"tensor types is served with the native kernels off"
+            )
         blocks = torch.empty(out_features, in_features // 32, GGUF_BLOCK_BYTES[self.block_type], dtype=torch.uint8)
         for row_offset, codes, scales in staged:
             rows = slice(row_offset, row_offset + codes.shape[0])
-            blocks[rows, :, :2] = scales.to(torch.float16).contiguous().view(torch.uint8).reshape(
-                codes.shape[0], -1, 2)
+            blocks[rows, :, :2] = scales.to(torch.float16).contiguous().view(torch.uint8).reshape(codes.shape[0], -1, 2)
             if self.block_type == "Q8_0":
                 blocks[rows, :, 2:] = codes.to(torch.int8).view(torch.uint8).reshape(codes.shape[0], -1, 32)
             else:
@@ -361,8 +402,9 @@ class GGUFBlockWeight(WeightFormat):
 
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
         if in_features % 32:
-            raise ValueError(f"{layer_name}: {self.block_type} blocks of 32 do not divide its input dimension "
-                             f"{in_features}")
+            raise ValueError(
+                f"{layer_name}: {self.block_type} blocks of 32 do not divide its input dimension {in_features}"
+            )
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
         return out_features * in_features / 32 * GGUF_BLOCK_BYTES[self.block_type]
@@ -384,8 +426,9 @@ def _pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
-def make_weight_format(quantization: str, group_size: int | None = None, zero_point: bool = True,
-                       native_layout: bool = False) -> WeightFormat:
+def make_weight_format(
+    quantization: str, group_size: int | None = None, zero_point: bool = True, native_layout: bool = False
+) -> WeightFormat:
     """The format for `--quantization`; ValueError for unknown names or group sizes. int4 without
     `group_size`: each layer's own (Int4Weight.for_layer). `native_layout`: store CPU weights as
     the native kernels read them (pagoda.kernels' `Kernels.native_layout`)."""
@@ -395,8 +438,9 @@ def make_weight_format(quantization: str, group_size: int | None = None, zero_po
         return Int8Weight(native_layout)
     if quantization == "int4":
         if group_size is not None and group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of "
-                             f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}")
+            raise ValueError(
+                f"quantization_group_size must be one of "
+                f"{', '.join(str(g) for g in INT4_GROUP_SIZES)}, got {group_size}"
+            )
         return Int4Weight(group_size=group_size, zero_point=zero_point, native_layout=native_layout)
-    raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
-                     f"{', '.join(QUANTIZATION_CHOICES)}")
+    raise ValueError(f"quantization {quantization!r} is not supported; choose one of {', '.join(QUANTIZATION_CHOICES)}")

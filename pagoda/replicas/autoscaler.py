@@ -16,7 +16,8 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pagoda.replicas.scale_decider import ScaleDecider, ScaleDecision, ScalingRules, SetLoad
 
@@ -33,8 +34,14 @@ EVALUATE_INTERVAL_S = 0.5
 class Autoscaler:
     """Grows and shrinks one ReplicaSet by its ScaleDecider's decisions."""
 
-    def __init__(self, replicas: "ReplicaSet", rules: ScalingRules, *, interval: float = EVALUATE_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        rules: ScalingRules,
+        *,
+        interval: float = EVALUATE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rules = rules
         self._set = replicas
         self._decider = ScaleDecider(rules)
@@ -54,24 +61,33 @@ class Autoscaler:
         """The `autoscale` part of the set's /health body."""
         with self._lock:
             serving = sum(1 for r in self._set.replicas if not r.draining and r.is_alive)
-            return {"replicas": serving, "desired": self.desired,
-                    "min": self.rules.min_replicas, "max": self.rules.max_replicas,
-                    "starting": self._starting, "draining": len(self._draining),
-                    "failed_starts": self.failed_starts,
-                    "scale_events": [{"direction": direction, "reason": reason, "count": count}
-                                     for (direction, reason), count in sorted(self.events.items())]}
+            return {
+                "replicas": serving,
+                "desired": self.desired,
+                "min": self.rules.min_replicas,
+                "max": self.rules.max_replicas,
+                "starting": self._starting,
+                "draining": len(self._draining),
+                "failed_starts": self.failed_starts,
+                "scale_events": [
+                    {"direction": direction, "reason": reason, "count": count}
+                    for (direction, reason), count in sorted(self.events.items())
+                ],
+            }
 
     def load(self) -> SetLoad:
         serving = [r for r in self._set.replicas if not r.draining and r.is_alive]
         stats = [s for s in (r.llm.get_stats() for r in serving) if s is not None]
-        restarting = any(not r.is_alive and r.supervisor.state().status == "restarting"
-                         for r in self._set.replicas)
+        restarting = any(not r.is_alive and r.supervisor.state().status == "restarting" for r in self._set.replicas)
         with self._lock:
             changing = bool(self._starting or self._draining) or restarting
-        return SetLoad(serving=len(serving), changing=changing,
-                       num_waiting=sum(s.num_waiting for s in stats),
-                       num_total_blocks=sum(s.num_total_blocks for s in stats),
-                       num_free_blocks=sum(s.num_free_blocks for s in stats))
+        return SetLoad(
+            serving=len(serving),
+            changing=changing,
+            num_waiting=sum(s.num_waiting for s in stats),
+            num_total_blocks=sum(s.num_total_blocks for s in stats),
+            num_free_blocks=sum(s.num_free_blocks for s in stats),
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -103,8 +119,12 @@ class Autoscaler:
         if replica is None:
             threading.Thread(target=self._grow, name="pagoda-autoscaler-start", daemon=True).start()
         else:
-            logger.info("replicas of %s: draining replica %s (%d requests in flight)",
-                        self._set.config.model, replica.label, replica.num_requests)
+            logger.info(
+                "replicas of %s: draining replica %s (%d requests in flight)",
+                self._set.config.model,
+                replica.label,
+                replica.num_requests,
+            )
 
     def _grow(self) -> None:
         try:
@@ -112,15 +132,23 @@ class Autoscaler:
         except BaseException as exc:
             if self._stop.is_set():
                 return
-            logger.error("replicas of %s: the added replica did not start (%s); %d replicas serve",
-                         self._set.config.model, exc.__cause__ or exc, len(self._set.replicas))
+            logger.error(
+                "replicas of %s: the added replica did not start (%s); %d replicas serve",
+                self._set.config.model,
+                exc.__cause__ or exc,
+                len(self._set.replicas),
+            )
             with self._lock:
                 self.failed_starts += 1
                 self.desired -= 1
         else:
-            logger.info("replicas of %s: replica %s joined (pid %s); %d replicas serve",
-                           self._set.config.model, replica.label, replica.llm.engine_pid,
-                           len(self._set.replicas))
+            logger.info(
+                "replicas of %s: replica %s joined (pid %s); %d replicas serve",
+                self._set.config.model,
+                replica.label,
+                replica.llm.engine_pid,
+                len(self._set.replicas),
+            )
         finally:
             with self._lock:
                 self._starting -= 1
@@ -130,7 +158,11 @@ class Autoscaler:
             draining = list(self._draining)
         for replica in draining:
             if self._set.retire_drained(replica):
-                logger.info("replicas of %s: replica %s drained and stopped; %d replicas serve",
-                               self._set.config.model, replica.label, len(self._set.replicas))
+                logger.info(
+                    "replicas of %s: replica %s drained and stopped; %d replicas serve",
+                    self._set.config.model,
+                    replica.label,
+                    len(self._set.replicas),
+                )
                 with self._lock:
                     self._draining.remove(replica)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence, get_args
+from typing import get_args
 
 from pagoda.config import RouterName
 from pagoda.replicas.prefix_tree import BlockHash, PrefixTree, prefix_block_hashes
@@ -37,8 +38,7 @@ class RouteRequest:
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         hashes = self._hashes.get(block_size)
         if hashes is None:
-            hashes = self._hashes[block_size] = prefix_block_hashes(
-                self.prompt_token_ids, block_size, self.tenant_key)
+            hashes = self._hashes[block_size] = prefix_block_hashes(self.prompt_token_ids, block_size, self.tenant_key)
         return hashes
 
 
@@ -109,9 +109,15 @@ class CacheAware(RouterPolicy):
 
     name = "cache_aware"
 
-    def __init__(self, block_size: int = 16, capacity_blocks: int = 1 << 16, *,
-                 min_match_blocks: int = 1, balance_rel: float = 1.25,
-                 balance_abs_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        capacity_blocks: int = 1 << 16,
+        *,
+        min_match_blocks: int = 1,
+        balance_rel: float = 1.25,
+        balance_abs_tokens: int = 256,
+    ) -> None:
         self.tree = PrefixTree(block_size, capacity_blocks)
         self.min_match_blocks = min_match_blocks
         self.balance_rel = balance_rel
@@ -126,8 +132,7 @@ class CacheAware(RouterPolicy):
         turn = next(self._turn)
         if best_depth >= self.min_match_blocks:
             limit = self.balance_rel * sum(loads.values()) / len(loads) + self.balance_abs_tokens
-            holders = [c for c in candidates if matched[c.index] == best_depth
-                       and c.outstanding_tokens <= limit]
+            holders = [c for c in candidates if matched[c.index] == best_depth and c.outstanding_tokens <= limit]
             if holders:
                 return RouteChoice(least_loaded(holders, turn), best_depth * block_size, "prefix")
         chosen = least_loaded(candidates, turn)
@@ -144,8 +149,7 @@ class CacheAware(RouterPolicy):
 POLICIES: dict[str, type[RouterPolicy]] = {policy.name: policy for policy in (RoundRobin, LeastLoad, CacheAware)}
 
 
-def make_policy(name: str, *, block_size: int = 16,
-                capacity_blocks: int = 1 << 16) -> RouterPolicy:
+def make_policy(name: str, *, block_size: int = 16, capacity_blocks: int = 1 << 16) -> RouterPolicy:
     """A fresh policy by its `--router` name; `block_size` and `capacity_blocks` describe the
     replicas' KV caches (what cache_aware's prefix tree mirrors)."""
     policy = POLICIES.get(name)

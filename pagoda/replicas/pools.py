@@ -38,8 +38,7 @@ def parse_replica_pools(spec: str) -> list[str]:
         name, sep, count = part.strip().partition("=")
         name = name.strip()
         if not sep or not _POOL_NAME.match(name) or not count.strip().isdigit() or int(count) < 1:
-            raise ValueError(f"replica_pools must look like chat=2,long=1 (name=count, count >= 1), "
-                             f"got {spec!r}")
+            raise ValueError(f"replica_pools must look like chat=2,long=1 (name=count, count >= 1), got {spec!r}")
         if name in seen:
             raise ValueError(f"replica_pools names pool {name!r} twice")
         seen.add(name)
@@ -57,10 +56,12 @@ class RouteRule:
 
     def matches(self, request: RouteRequest) -> bool:
         length = len(request.prompt_token_ids)
-        return ((self.min_prompt_tokens is None or length >= self.min_prompt_tokens)
-                and (self.max_prompt_tokens is None or length <= self.max_prompt_tokens)
-                and (self.tenants is None or request.tenant in self.tenants)
-                and (self.models is None or request.model in self.models))
+        return (
+            (self.min_prompt_tokens is None or length >= self.min_prompt_tokens)
+            and (self.max_prompt_tokens is None or length <= self.max_prompt_tokens)
+            and (self.tenants is None or request.tenant in self.tenants)
+            and (self.models is None or request.model in self.models)
+        )
 
 
 _RULE_KEYS = {"pool", "min_prompt_tokens", "max_prompt_tokens", "tenants", "models"}
@@ -83,11 +84,13 @@ class RouteRules:
         named = {rule.pool for rule in self.rules} | ({self.default} if self.default else set())
         unknown = sorted(named - pools)
         if unknown:
-            raise ValueError(f"route rules name pools that no replica is in: {', '.join(unknown)} "
-                             f"(replica pools: {', '.join(sorted(pools)) or 'none'})")
+            raise ValueError(
+                f"route rules name pools that no replica is in: {', '.join(unknown)} "
+                f"(replica pools: {', '.join(sorted(pools)) or 'none'})"
+            )
 
     @classmethod
-    def from_dict(cls, data: Any) -> "RouteRules":
+    def from_dict(cls, data: Any) -> RouteRules:
         if not isinstance(data, dict):
             raise ValueError("a route rules file is a mapping with `rules` (a list) and `default`")
         unknown = set(data) - {"rules", "default"}
@@ -102,7 +105,7 @@ class RouteRules:
         return cls(tuple(_rule(i, entry) for i, entry in enumerate(entries)), default)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "RouteRules":
+    def from_file(cls, path: str | Path) -> RouteRules:
         """Read a YAML or JSON rules file; raises OSError or ValueError (with the reason)."""
         text = Path(path).read_text()
         if str(path).endswith(".json"):
@@ -135,10 +138,13 @@ def _rule(index: int, entry: Any) -> RouteRule:
         value = entry.get(key)
         if isinstance(value, str):
             value = [value]
-        if value is not None and (not isinstance(value, list)
-                                  or not all(isinstance(v, str) for v in value)):
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
             raise ValueError(f"{where}: {key} must be a list of names, got {value!r}")
         names[key] = frozenset(value) if value is not None else None
-    return RouteRule(entry["pool"], min_prompt_tokens=bounds["min_prompt_tokens"],
-                     max_prompt_tokens=bounds["max_prompt_tokens"], tenants=names["tenants"],
-                     models=names["models"])
+    return RouteRule(
+        entry["pool"],
+        min_prompt_tokens=bounds["min_prompt_tokens"],
+        max_prompt_tokens=bounds["max_prompt_tokens"],
+        tenants=names["tenants"],
+        models=names["models"],
+    )

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.config import DisaggregationConfig
 from pagoda.engine.engine_request import EngineRequest
@@ -51,9 +52,20 @@ def is_exportable(params: SamplingParams) -> bool:
 class PrefillLeg:
     """Runs one request's prefill leg as a task on the router's event loop."""
 
-    def __init__(self, config: DisaggregationConfig, choose: Choose, lock: threading.Lock, request: EngineRequest,
-                 attempt: int, route: RouteRequest, decode: Replica, decode_stream: RequestStream,
-                 on_end: Callable[["PrefillLeg"], None], *, prefill_timeout: float) -> None:
+    def __init__(
+        self,
+        config: DisaggregationConfig,
+        choose: Choose,
+        lock: threading.Lock,
+        request: EngineRequest,
+        attempt: int,
+        route: RouteRequest,
+        decode: Replica,
+        decode_stream: RequestStream,
+        on_end: Callable[[PrefillLeg], None],
+        *,
+        prefill_timeout: float,
+    ) -> None:
         """`request`: as submitted to the decode replica (its prompt as token ids). `lock`
         guards the replicas' load counters (the router's lock); `prefill_timeout`: seconds the
         prefill replica has to hand the request off (--kv-prefill-timeout)."""
@@ -78,8 +90,9 @@ class PrefillLeg:
 
     async def _run(self) -> None:
         config = self.config
-        target = HandoffTarget(config.kv_transport, str(self.decode.llm.kv_address), self.request_id,
-                               config.kv_transfer_timeout)
+        target = HandoffTarget(
+            config.kv_transport, str(self.decode.llm.kv_address), self.request_id, config.kv_transfer_timeout
+        )
         excluded: set[int] = set()
         try:
             while True:
@@ -115,8 +128,7 @@ class PrefillLeg:
         finally:
             self._on_end(self)
 
-    async def _prefill_on(self, prefill: Replica, target: HandoffTarget,
-                          timeout: float) -> HandoffOutcome | Any:
+    async def _prefill_on(self, prefill: Replica, target: HandoffTarget, timeout: float) -> HandoffOutcome | Any:
         async def submit_and_wait() -> HandoffOutcome | Any:
             stream = await prefill.llm.add_request(self.leg_request, handoff=target)
             return await stream.handoff_outcome()
@@ -138,6 +150,5 @@ class PrefillLeg:
 
     def _fall_back(self, reason: str) -> None:
         self.outcome = "fallback"
-        logger.warning("request %s is prefilled on decode replica %d: %s", self.request_id,
-                       self.decode.index, reason)
+        logger.warning("request %s is prefilled on decode replica %d: %s", self.request_id, self.decode.index, reason)
         self.decode.llm.prefill_locally([self.request_id])

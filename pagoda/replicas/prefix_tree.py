@@ -16,18 +16,17 @@ kept more), which only costs a worse choice, never a wrong answer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 BlockHash = int
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
-                        tenant_key: Hashable) -> list[BlockHash]:
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, tenant_key: Hashable) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks, seeded by the tenant's key."""
     hashes: list[BlockHash] = []
     parent: Hashable = ("tenant", tenant_key)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
         hashes.append(parent)
     return hashes
 

@@ -30,9 +30,20 @@ from typing import TYPE_CHECKING, Any
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.transport.base import EngineFactory, EngineInfo, EngineTransport, OnDeath, OnEmitted
-from pagoda.engine.transport.encoding import (Batch, Dead, Failed, Ready, decode_config, decode_message, decode_reply,
-                                              encode_config, encode_message, encode_reply, factory_reference,
-                                              resolve_factory)
+from pagoda.engine.transport.encoding import (
+    Batch,
+    Dead,
+    Failed,
+    Ready,
+    decode_config,
+    decode_message,
+    decode_reply,
+    encode_config,
+    encode_message,
+    encode_reply,
+    factory_reference,
+    resolve_factory,
+)
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -54,8 +65,7 @@ class EngineActor:
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # encoded Batch or Dead
         self._ready = threading.Event()
         self._info = b""  # encoded Ready or Failed
-        threading.Thread(target=self._run, args=(config, factory), name="pagoda-engine",
-                         daemon=True).start()
+        threading.Thread(target=self._run, args=(config, factory), name="pagoda-engine", daemon=True).start()
 
     def _run(self, config: bytes, factory: str | None) -> None:
         try:
@@ -67,7 +77,7 @@ class EngineActor:
         self._info = encode_reply(Ready.of(EngineInfo.of(engine)))
         self._ready.set()
 
-        def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
+        def emit(output: EngineStepOutput, stats: EngineStats) -> None:
             self._outbox.put(encode_reply(Batch(output, stats)))
 
         try:
@@ -113,9 +123,16 @@ class RayActorTransport(EngineTransport):
 
     kind = "Ray actor"
 
-    def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
-                 on_death: OnDeath, *, startup_timeout: float | None = None,
-                 num_cpus: int = 1) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        factory: EngineFactory | None,
+        on_emitted: OnEmitted,
+        on_death: OnDeath,
+        *,
+        startup_timeout: float | None = None,
+        num_cpus: int = 1,
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -137,10 +154,13 @@ class RayActorTransport(EngineTransport):
             # Ray builds the handle's `.remote` methods at run time: the handle is typed as Any.
             actor_class: Any = ray.remote(EngineActor)
             self.actor: Any = actor_class.options(
-                num_cpus=num_cpus, num_gpus=bundle.get("GPU", 0), max_concurrency=4,
+                num_cpus=num_cpus,
+                num_gpus=bundle.get("GPU", 0),
+                max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=0)).remote(
-                        encode_config(config), factory_reference(factory))
+                    self.placement_group, placement_group_bundle_index=0
+                ),
+            ).remote(encode_config(config), factory_reference(factory))
             self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
             ready = decode_reply(ray.get(self.actor.ready.remote(), timeout=startup_timeout))
             if not isinstance(ready, Ready):
@@ -230,10 +250,17 @@ def start_ray_replica(index: int, config: EngineConfig) -> AsyncLLM:
     threads = config.num_threads or 1
     replica = dataclasses.replace(config, num_threads=threads)
 
-    def transport(config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
-                  on_death: OnDeath, *, startup_timeout: float | None = None) -> RayActorTransport:
-        return RayActorTransport(config, factory, on_emitted, on_death,
-                                 startup_timeout=startup_timeout, num_cpus=threads)
+    def transport(
+        config: EngineConfig,
+        factory: EngineFactory | None,
+        on_emitted: OnEmitted,
+        on_death: OnDeath,
+        *,
+        startup_timeout: float | None = None,
+    ) -> RayActorTransport:
+        return RayActorTransport(
+            config, factory, on_emitted, on_death, startup_timeout=startup_timeout, num_cpus=threads
+        )
 
     return AsyncLLM(replica, transport=transport)
 
@@ -245,5 +272,4 @@ def connect_ray(address: str | None) -> None:
     except ImportError:
         raise RuntimeError("--distributed-executor-backend ray needs Ray: pip install 'pagoda[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 ignore_reinit_error=True)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)

@@ -43,8 +43,7 @@ class Replica:
 class Flight:
     """The outstanding tokens one request holds on its replica."""
 
-    def __init__(self, replica: "Replica", prompt_tokens: int, output_tokens: int, *,
-                 awaiting_kv: bool = False) -> None:
+    def __init__(self, replica: Replica, prompt_tokens: int, output_tokens: int, *, awaiting_kv: bool = False) -> None:
         """`awaiting_kv`: a decode replica that receives the request's KV from a prefill replica."""
         self.replica = replica
         self.awaiting_kv = awaiting_kv
@@ -55,8 +54,7 @@ class Flight:
         self._open = True
 
     def progress(self, delta: RequestOutputDelta) -> None:
-        paid = self._prompt_tokens + min(self._output_tokens,
-                                         sum(len(s.token_ids) for s in delta.outputs))
+        paid = self._prompt_tokens + min(self._output_tokens, sum(len(s.token_ids) for s in delta.outputs))
         self._output_tokens -= paid - self._prompt_tokens
         self._prompt_tokens = 0
         self.replica.outstanding_tokens -= paid

@@ -35,8 +35,9 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
@@ -44,15 +45,15 @@ from pagoda.engine.client import EngineAsleepError, generate_outputs
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.request_stream import RequestStream
 from pagoda.engine.transport import EngineDeadError
-from pagoda.outputs import RequestOutput
 from pagoda.kv_transfer.handoff import TRANSFER_SECRET_ENV, new_transfer_secret
+from pagoda.lora_request import LoRARequest
+from pagoda.outputs import RequestOutput
 from pagoda.replicas.policies import ReplicaLoad, RouteRequest, RouterPolicy, make_policy
 from pagoda.replicas.pools import RouteRules, parse_replica_pools
 from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, ModelFront, RestartPolicy
-from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,23 +79,32 @@ class ReplicaCountKeeper(Protocol):
 class ReplicaSet(ModelFront):
     """The front of several engine replicas: an EngineClient, as one AsyncLLM is."""
 
-    def __init__(self, supervisors: Sequence[EngineSupervisor], policy: RouterPolicy, *,
-                 pools: Sequence[str | None] | None = None,
-                 rules: RouteRules | None = None,
-                 deployment: DeploymentConfig | None = None,
-                 start_replica: SupervisedStarter | None = None) -> None:
+    def __init__(
+        self,
+        supervisors: Sequence[EngineSupervisor],
+        policy: RouterPolicy,
+        *,
+        pools: Sequence[str | None] | None = None,
+        rules: RouteRules | None = None,
+        deployment: DeploymentConfig | None = None,
+        start_replica: SupervisedStarter | None = None,
+    ) -> None:
         """`supervisors`: each replica's, in index order (they own the engines);
         `start_replica`: how a replica is added (add_replica), None when none can be."""
         if not supervisors:
             raise ValueError("a replica set needs at least one replica")
         if pools is not None and len(pools) != len(supervisors):
             raise ValueError(f"{len(pools)} pool tags for {len(supervisors)} replicas")
-        self.replicas = [Replica(i, supervisor, pools[i] if pools else None, role=supervisor.llm.config.role)
-                         for i, supervisor in enumerate(supervisors)]
+        self.replicas = [
+            Replica(i, supervisor, pools[i] if pools else None, role=supervisor.llm.config.role)
+            for i, supervisor in enumerate(supervisors)
+        ]
         roles = {r.role for r in self.replicas}
         if roles != {"both"} and roles != {"prefill", "decode"}:
-            raise ValueError(f"replica roles {sorted(roles)}: either every replica does both, or there "
-                             f"are prefill and decode replicas")
+            raise ValueError(
+                f"replica roles {sorted(roles)}: either every replica does both, or there "
+                f"are prefill and decode replicas"
+            )
         self.disaggregated = roles != {"both"}
         self._legs: dict[str, PrefillLeg] = {}  # disaggregated: each request's running prefill leg
         self.policy = policy
@@ -111,8 +121,7 @@ class ReplicaSet(ModelFront):
         self.autoscaler: ReplicaCountKeeper | None = None  # one that grows and shrinks the set, if any
 
     @classmethod
-    def start(cls, config: EngineConfig, deployment: DeploymentConfig,
-              starter: ReplicaStarter) -> "ReplicaSet":
+    def start(cls, config: EngineConfig, deployment: DeploymentConfig, starter: ReplicaStarter) -> ReplicaSet:
         """Start `deployment.num_replicas` replicas side by side, each with its engine config
         (DeploymentConfig.replica_config) and its supervisor (restarts within the deployment's
         restart policy), and the router `deployment.router` in front; replicas already up are
@@ -122,9 +131,12 @@ class ReplicaSet(ModelFront):
             config = with_transfer_secret(config)
         pools = parse_replica_pools(deployment.replica_pools) if deployment.replica_pools else None
         rules = RouteRules.from_file(deployment.route_rules) if deployment.route_rules else None
-        keepers = [EngineKeeper(functools.partial(starter, index, deployment.replica_config(config, index)),
-                                f"pagoda-replica-{index}")
-                   for index in range(deployment.num_replicas)]
+        keepers = [
+            EngineKeeper(
+                functools.partial(starter, index, deployment.replica_config(config, index)), f"pagoda-replica-{index}"
+            )
+            for index in range(deployment.num_replicas)
+        ]
         supervisors: list[EngineSupervisor] = []
         try:
             restarts = RestartPolicy.of(deployment)
@@ -133,20 +145,22 @@ class ReplicaSet(ModelFront):
             stats = supervisors[0].llm.get_stats()
             # The prefix tree mirrors about one replica's KV pool.
             capacity = stats.num_total_blocks if stats is not None and stats.num_total_blocks else 1 << 16
-            policy = make_policy(deployment.router, block_size=config.block_size,
-                                 capacity_blocks=capacity)
+            policy = make_policy(deployment.router, block_size=config.block_size, capacity_blocks=capacity)
 
             def start_replica(index: int) -> EngineSupervisor:
-                keeper = EngineKeeper(functools.partial(starter, index, deployment.replica_config(config, index)),
-                                      f"pagoda-replica-{index}")
+                keeper = EngineKeeper(
+                    functools.partial(starter, index, deployment.replica_config(config, index)),
+                    f"pagoda-replica-{index}",
+                )
                 return EngineSupervisor(keeper, functools.partial(starter, index), str(index), restarts)
 
-            return cls(supervisors, policy, pools=pools, rules=rules, deployment=deployment,
-                       start_replica=start_replica)
+            return cls(
+                supervisors, policy, pools=pools, rules=rules, deployment=deployment, start_replica=start_replica
+            )
         except BaseException:
             for supervisor in supervisors:
                 supervisor.stop()
-            for keeper in keepers[len(supervisors):]:
+            for keeper in keepers[len(supervisors) :]:
                 keeper.stop()
             raise
 
@@ -161,8 +175,9 @@ class ReplicaSet(ModelFront):
     def error(self) -> BaseException | None:
         if self.is_alive:
             return None
-        return next((r.llm.error for r in self.replicas if r.llm.error is not None),
-                    EngineDeadError("every replica is stopped"))
+        return next(
+            (r.llm.error for r in self.replicas if r.llm.error is not None), EngineDeadError("every replica is stopped")
+        )
 
     def health(self) -> dict[str, Any]:
         """ok (every replica lives), degraded (some do), restarting (none does, a restart is
@@ -180,23 +195,33 @@ class ReplicaSet(ModelFront):
             status = "asleep"
         else:
             status = "ok" if all(alive) else "degraded"
-        health: dict[str, Any] = {"status": status, "replicas": [
-            {"replica": r.label, "pool": r.pool, "role": r.role, **state.as_dict(),
-             "requests": r.num_requests,
-             "outstanding_tokens": r.outstanding_tokens, "moved_away": r.num_moved_away,
-             **({"draining": True} if r.draining else {})}
-            for r, state in zip(replicas, states)]}
+        health: dict[str, Any] = {
+            "status": status,
+            "replicas": [
+                {
+                    "replica": r.label,
+                    "pool": r.pool,
+                    "role": r.role,
+                    **state.as_dict(),
+                    "requests": r.num_requests,
+                    "outstanding_tokens": r.outstanding_tokens,
+                    "moved_away": r.num_moved_away,
+                    **({"draining": True} if r.draining else {}),
+                }
+                for r, state in zip(replicas, states)
+            ],
+        }
         if status not in ("ok", "degraded", "asleep"):
             health["error"] = repr(self.error)
         if self.autoscaler is not None:
             health["autoscale"] = self.autoscaler.state()
         return health
 
-    def get_stats(self) -> "EngineStats | None":
+    def get_stats(self) -> EngineStats | None:
         """The replicas' stats summed (what one engine of their combined size would report)."""
         return sum_engine_stats([s for s in self.replica_stats().values() if s is not None])
 
-    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+    def replica_stats(self) -> dict[str, EngineStats | None]:
         """Each replica's latest stats, by its label (the metrics' `replica` label)."""
         return {r.label: r.llm.get_stats() for r in self.replicas}
 
@@ -218,8 +243,13 @@ class ReplicaSet(ModelFront):
         # differ), so the router's prefix tree keys them apart as well.
         lora_request = request.lora_request
         route_salt = (request.cache_salt or "") + (f"\x00lora:{lora_request.lora_name}" if lora_request else "")
-        route = RouteRequest(prompt, _max_output_tokens(request.params, len(prompt), self.max_model_len),
-                             route_salt, request.tenant, request.model)
+        route = RouteRequest(
+            prompt,
+            _max_output_tokens(request.params, len(prompt), self.max_model_len),
+            route_salt,
+            request.tenant,
+            request.model,
+        )
         attempts = 0
 
         async def submit(excluded: set[int]) -> tuple[RequestStream, Flight]:
@@ -251,13 +281,13 @@ class ReplicaSet(ModelFront):
         InvalidRequest (the first refusal) if one refuses, after unloading it again from those
         that accepted."""
         live = [r for r in self.replicas if self._check_alive(r)]
-        results = await asyncio.gather(*(r.supervisor.add_lora(lora_request) for r in live),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(r.supervisor.add_lora(lora_request) for r in live), return_exceptions=True)
         refusals = [result for result in results if isinstance(result, BaseException)]
         if refusals:
             loaded = [r for r, result in zip(live, results) if not isinstance(result, BaseException)]
-            await asyncio.gather(*(r.supervisor.remove_lora(lora_request.lora_name) for r in loaded),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(r.supervisor.remove_lora(lora_request.lora_name) for r in loaded), return_exceptions=True
+            )
             raise refusals[0]
 
     async def remove_lora(self, name: str) -> None:
@@ -297,14 +327,13 @@ class ReplicaSet(ModelFront):
         try:
             await self._on_all(live, lambda r: (command, args))
         except BaseException:
-            await asyncio.gather(*(r.llm.engine_command("finish_weight_update", {"abort": True}) for r in live),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(r.llm.engine_command("finish_weight_update", {"abort": True}) for r in live), return_exceptions=True
+            )
             raise
 
-    async def _on_all(self, live: list[Replica],
-                      command_for: Callable[[Replica], tuple[str, dict[str, Any]]]) -> None:
-        results = await asyncio.gather(*(r.llm.engine_command(*command_for(r)) for r in live),
-                                       return_exceptions=True)
+    async def _on_all(self, live: list[Replica], command_for: Callable[[Replica], tuple[str, dict[str, Any]]]) -> None:
+        results = await asyncio.gather(*(r.llm.engine_command(*command_for(r)) for r in live), return_exceptions=True)
         errors = [result for result in results if isinstance(result, BaseException)]
         if errors:
             raise errors[0]
@@ -399,12 +428,22 @@ class ReplicaSet(ModelFront):
 
     # ---- routing -------------------------------------------------------------------------------
 
-    def candidates(self, route: RouteRequest, excluded: set[int] = frozenset(),  # type: ignore[assignment]
-                   role: str = "both") -> list[Replica]:
+    def candidates(
+        self,
+        route: RouteRequest,
+        excluded: set[int] = frozenset(),  # type: ignore[assignment]
+        role: str = "both",
+    ) -> list[Replica]:
         """Live replicas of the request's pool (every live replica when that pool has none),
         of the given role when disaggregated."""
-        live = [r for r in self.replicas if r.index not in excluded and not r.draining
-                and self._check_alive(r) and (r.role == role or not self.disaggregated)]
+        live = [
+            r
+            for r in self.replicas
+            if r.index not in excluded
+            and not r.draining
+            and self._check_alive(r)
+            and (r.role == role or not self.disaggregated)
+        ]
         pool = self.rules.pool_of(route) if self.rules is not None else None
         if pool is not None:
             in_pool = [r for r in live if r.pool == pool]
@@ -429,9 +468,15 @@ class ReplicaSet(ModelFront):
             replica.num_routed += 1
             return replica, choice.expected_cached_tokens
 
-    async def _submit(self, request: EngineRequest, route: RouteRequest, excluded: set[int],
-                      wake: asyncio.Event, role: str = "both",
-                      handoff_above: int | None = None) -> tuple[RequestStream, Flight]:
+    async def _submit(
+        self,
+        request: EngineRequest,
+        route: RouteRequest,
+        excluded: set[int],
+        wake: asyncio.Event,
+        role: str = "both",
+        handoff_above: int | None = None,
+    ) -> tuple[RequestStream, Flight]:
         """Submit `request` (its prompt as token ids) to a replica. `handoff_above` (a decode
         replica, disaggregated): the request awaits its KV from a prefill replica if more than
         that many of its prompt tokens are not cached on the chosen replica, else that replica
@@ -462,22 +507,31 @@ class ReplicaSet(ModelFront):
                 raise
             return stream, flight
 
-    async def _submit_disaggregated(self, request: EngineRequest, attempt: int, route: RouteRequest,
-                                    excluded: set[int], wake: asyncio.Event) -> tuple[RequestStream, Flight]:
+    async def _submit_disaggregated(
+        self, request: EngineRequest, attempt: int, route: RouteRequest, excluded: set[int], wake: asyncio.Event
+    ) -> tuple[RequestStream, Flight]:
         """Submit to a decode replica and, when the request is to be handed off (it can be, and
         more than --max-local-prefill-tokens of its prompt are not cached there), start the
         prefill leg that feeds it; returns the decode replica's stream."""
         request_id = request.request_id
         handoff_above = self.deployment.max_local_prefill_tokens if is_exportable(request.params) else None
-        stream, flight = await self._submit(request, route, excluded, wake, role="decode",
-                                            handoff_above=handoff_above)
+        stream, flight = await self._submit(request, route, excluded, wake, role="decode", handoff_above=handoff_above)
         previous = self._legs.pop(request_id, None)
         if previous is not None:  # the request moved off a dead decode replica
             previous.cancel()
         if flight.awaiting_kv:
-            self._legs[request_id] = PrefillLeg(self.config.disaggregation, self.choose, self.lock, request, attempt,
-                                                route, flight.replica, stream, on_end=self._leg_ended,
-                                                prefill_timeout=self.deployment.kv_prefill_timeout)
+            self._legs[request_id] = PrefillLeg(
+                self.config.disaggregation,
+                self.choose,
+                self.lock,
+                request,
+                attempt,
+                route,
+                flight.replica,
+                stream,
+                on_end=self._leg_ended,
+                prefill_timeout=self.deployment.kv_prefill_timeout,
+            )
         return stream, flight
 
     def _leg_ended(self, leg: PrefillLeg) -> None:
@@ -491,9 +545,13 @@ class ReplicaSet(ModelFront):
         if replica.seen_dead is not llm:  # once per death: a restart brings a new engine
             replica.seen_dead = llm
             self.policy.forget_replica(replica.index)
-            logger.error("replica %d stopped (%s); taken out of rotation, %d of %d replicas left",
-                         replica.index, llm.error,
-                         sum(r.llm.is_alive for r in self.replicas), len(self.replicas))
+            logger.error(
+                "replica %d stopped (%s); taken out of rotation, %d of %d replicas left",
+                replica.index,
+                llm.error,
+                sum(r.llm.is_alive for r in self.replicas),
+                len(self.replicas),
+            )
         return False
 
     def _forget(self, request_id: str) -> None:
@@ -509,12 +567,20 @@ def _max_output_tokens(params: SamplingParams, prompt_len: int, max_model_len: i
     return limit if params.max_tokens is None else min(params.max_tokens, limit)
 
 
-_SUMMED_FIELDS = ("num_running", "num_waiting", "num_total_blocks", "num_free_blocks",
-                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-                  "num_prompt_tokens", "num_generation_tokens")
+_SUMMED_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "num_total_blocks",
+    "num_free_blocks",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+)
 
 
-def sum_engine_stats(stats: Sequence["EngineStats"]) -> "EngineStats | None":
+def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats | None:
     """Counters and sizes summed; the rest (step timings, histograms) from the first replica."""
     if not stats:
         return None

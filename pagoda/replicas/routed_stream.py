@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from pagoda.engine.request_stream import PolledStream, RequestStream, StreamRoute
 from pagoda.engine.transport import EngineDeadError
@@ -28,9 +28,15 @@ Resubmit = Callable[[set[int]], Awaitable[tuple[RequestStream, Flight]]]
 
 
 class RoutedStream(PolledStream):
-    def __init__(self, request_id: str, stream: RequestStream, flight: Flight,
-                 resubmit: Resubmit, wake: asyncio.Event,
-                 on_done: Callable[[str], None] = lambda request_id: None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        stream: RequestStream,
+        flight: Flight,
+        resubmit: Resubmit,
+        wake: asyncio.Event,
+        on_done: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
         """`on_done(request_id)` runs once the request finished or failed for good."""
         self.request_id = request_id
         self.loop = stream.loop
@@ -94,8 +100,9 @@ class RoutedStream(PolledStream):
         self._failed_on.add(dead)
         self.flight.replica.num_moved_away += 1
         self._inner = None
-        logger.warning("replica %d died before request %s started; sending it to another replica",
-                       dead, self.request_id)
+        logger.warning(
+            "replica %d died before request %s started; sending it to another replica", dead, self.request_id
+        )
 
         async def retry() -> None:
             try:
@@ -103,8 +110,11 @@ class RoutedStream(PolledStream):
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # no live replica left, or it refused the request
-                self._error = exc if not isinstance(exc, EngineDeadError) else EngineDeadError(
-                    f"no replica could take the request after replica {dead} died: {exc}")
+                self._error = (
+                    exc
+                    if not isinstance(exc, EngineDeadError)
+                    else EngineDeadError(f"no replica could take the request after replica {dead} died: {exc}")
+                )
                 self._error.__cause__ = cause
             self._ready.set()
 

@@ -35,10 +35,17 @@ class ScalingRules:
     down_window: float = 300.0  # seconds
 
     @classmethod
-    def of(cls, deployment: DeploymentConfig) -> "ScalingRules":
+    def of(cls, deployment: DeploymentConfig) -> ScalingRules:
         low, high = deployment.replica_range
-        return cls(low, high, deployment.scale_up_queue_depth, deployment.scale_up_kv_usage,
-                   deployment.scale_up_window, deployment.scale_down_kv_usage, deployment.scale_down_window)
+        return cls(
+            low,
+            high,
+            deployment.scale_up_queue_depth,
+            deployment.scale_up_kv_usage,
+            deployment.scale_up_window,
+            deployment.scale_down_kv_usage,
+            deployment.scale_down_window,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,25 +101,34 @@ class ScaleDecider:
         elif self._idle_since is None:
             self._idle_since = now
         rules = self.rules
-        if (pressure is not None and self._pressure_since is not None and load.serving < rules.max_replicas
-                and now - self._pressure_since >= rules.up_window):
+        if (
+            pressure is not None
+            and self._pressure_since is not None
+            and load.serving < rules.max_replicas
+            and now - self._pressure_since >= rules.up_window
+        ):
             reason, detail = pressure
             self._pressure_since = None
-            return ScaleDecision("up", reason, load.serving, load.serving + 1,
-                                 f"{detail} for {rules.up_window:g} s")
-        if (self._idle_since is not None and load.serving > rules.min_replicas
-                and now - self._idle_since >= rules.down_window):
+            return ScaleDecision("up", reason, load.serving, load.serving + 1, f"{detail} for {rules.up_window:g} s")
+        if (
+            self._idle_since is not None
+            and load.serving > rules.min_replicas
+            and now - self._idle_since >= rules.down_window
+        ):
             self._idle_since = None
-            return ScaleDecision("down", "idle", load.serving, load.serving - 1,
-                                 f"no request waiting and KV usage {load.kv_usage:.0%} for "
-                                 f"{rules.down_window:g} s")
+            return ScaleDecision(
+                "down",
+                "idle",
+                load.serving,
+                load.serving - 1,
+                f"no request waiting and KV usage {load.kv_usage:.0%} for {rules.down_window:g} s",
+            )
         return None
 
     def _pressure(self, load: SetLoad) -> tuple[Reason, str] | None:
         per_replica = load.num_waiting / load.serving
         if per_replica >= self.rules.up_queue_depth:
-            return "queue_depth", (f"{per_replica:g} requests waiting per replica "
-                                   f"(>= {self.rules.up_queue_depth:g})")
+            return "queue_depth", (f"{per_replica:g} requests waiting per replica (>= {self.rules.up_queue_depth:g})")
         if load.num_total_blocks and load.kv_usage >= self.rules.up_kv_usage:
             return "kv_usage", f"KV usage {load.kv_usage:.0%} (>= {self.rules.up_kv_usage:.0%})"
         return None

@@ -20,9 +20,13 @@ from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, RestartPo
 logger = logging.getLogger(__name__)
 
 
-def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = None, *,
-                  transport: TransportKind = "process",
-                  startup_timeout: float | None = None) -> EngineClient:
+def start_engines(
+    config: EngineConfig,
+    deployment: DeploymentConfig | None = None,
+    *,
+    transport: TransportKind = "process",
+    startup_timeout: float | None = None,
+) -> EngineClient:
     """One engine when there is one replica (no `deployment`: one engine), no pool and no Ray:
     a SupervisedEngine that restarts it when it dies, or with `deployment.restart` off the
     plain AsyncLLM; else a replica set, its replicas on `transport` (each its own engine
@@ -35,14 +39,20 @@ def start_engines(config: EngineConfig, deployment: DeploymentConfig | None = No
     deployment = deployment or DeploymentConfig()
     deployment.validate_with(config)
     if config.role != "both":
-        raise ValueError(f"role {config.role} runs only as a replica beside its partner: serve with "
-                         f"--replica-roles prefill=P,decode=D")
+        raise ValueError(
+            f"role {config.role} runs only as a replica beside its partner: serve with "
+            f"--replica-roles prefill=P,decode=D"
+        )
     ray = config.distributed_executor_backend == "ray"
     if deployment.autoscaling and not ray:
         low, high = deployment.replica_range
-        logger.warning("--min-replicas %d / --max-replicas %d: autoscaling needs "
-                       "--distributed-executor-backend ray; serving a fixed %d replicas",
-                       low, high, deployment.num_replicas)
+        logger.warning(
+            "--min-replicas %d / --max-replicas %d: autoscaling needs "
+            "--distributed-executor-backend ray; serving a fixed %d replicas",
+            low,
+            high,
+            deployment.num_replicas,
+        )
 
     def start_engine(engine: EngineConfig) -> AsyncLLM:
         return AsyncLLM(engine, transport=transport, startup_timeout=startup_timeout)

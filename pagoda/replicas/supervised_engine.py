@@ -9,7 +9,8 @@ EngineDeadError, as on any engine.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 from pagoda.engine.client import EngineStream, generate_outputs
 from pagoda.engine.engine_request import EngineRequest
@@ -45,10 +46,10 @@ class SupervisedEngine(ModelFront):
             body.update(status="asleep", sleep_level=self.sleep_level)
         return body
 
-    def get_stats(self) -> "EngineStats | None":
+    def get_stats(self) -> EngineStats | None:
         return self.supervisor.llm.get_stats()
 
-    def replica_stats(self) -> dict[str, "EngineStats | None"]:
+    def replica_stats(self) -> dict[str, EngineStats | None]:
         """Empty: one engine has no replicas (its metrics carry no replica label)."""
         return {}
 

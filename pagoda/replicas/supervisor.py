@@ -20,8 +20,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
@@ -50,13 +51,17 @@ class RestartPolicy:
     backoff: float = 1.0  # seconds before the first restart; doubled per recent restart
 
     @classmethod
-    def of(cls, deployment: DeploymentConfig) -> "RestartPolicy":
-        return cls(enabled=deployment.restart, max_restarts=deployment.max_replica_restarts,
-                   window=deployment.replica_restart_window, backoff=deployment.replica_restart_backoff)
+    def of(cls, deployment: DeploymentConfig) -> RestartPolicy:
+        return cls(
+            enabled=deployment.restart,
+            max_restarts=deployment.max_replica_restarts,
+            window=deployment.replica_restart_window,
+            backoff=deployment.replica_restart_backoff,
+        )
 
     def delay(self, recent_restarts: int) -> float:
         """Seconds to wait before the next restart, after `recent_restarts` within the window."""
-        return min(self.backoff * 2 ** recent_restarts, max(MAX_BACKOFF_S, self.backoff))
+        return min(self.backoff * 2**recent_restarts, max(MAX_BACKOFF_S, self.backoff))
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,7 @@ class EngineState:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"pid": self.pid, "alive": self.alive, "status": self.status,
-                                 "restarts": self.restarts}
+        state: dict[str, Any] = {"pid": self.pid, "alive": self.alive, "status": self.status, "restarts": self.restarts}
         if self.error is not None:
             state["error"] = self.error
         return state
@@ -121,8 +125,15 @@ class EngineKeeper:
 class EngineSupervisor:
     """Keeps one engine running: restarts it when it dies, within `policy`."""
 
-    def __init__(self, keeper: EngineKeeper, starter: EngineStarter, label: str,
-                 policy: RestartPolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        keeper: EngineKeeper,
+        starter: EngineStarter,
+        label: str,
+        policy: RestartPolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`keeper` holds the first engine (started; raises here if it failed); `starter` builds
         each replacement from the first engine's resolved config."""
         self.label = label
@@ -237,8 +248,10 @@ class EngineSupervisor:
             while self._recent and now - self._recent[0] >= self.policy.window:
                 self._recent.popleft()
             if len(self._recent) >= self.policy.max_restarts:
-                self._failure = (f"gave up after {len(self._recent)} restarts within "
-                                 f"{self.policy.window:g} s (--max-replica-restarts); last error: {cause}")
+                self._failure = (
+                    f"gave up after {len(self._recent)} restarts within "
+                    f"{self.policy.window:g} s (--max-replica-restarts); last error: {cause}"
+                )
                 logger.error("engine %s stays down: %s", self.label, self._failure)
                 return False
             delay = self.policy.delay(len(self._recent))
@@ -276,8 +289,9 @@ class EngineSupervisor:
                 try:
                     await llm.add_lora(adapter)
                 except ValueError as exc:  # InvalidRequest: e.g. its files are gone since
-                    logger.warning("engine %s: adapter %r not loaded on the new engine: %s",
-                                   self.label, adapter.lora_name, exc)
+                    logger.warning(
+                        "engine %s: adapter %r not loaded on the new engine: %s", self.label, adapter.lora_name, exc
+                    )
 
         asyncio.run(load())
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -42,14 +43,28 @@ class WeightUpdateClient:
 
     # ---- the four phases --------------------------------------------------------------------
 
-    def init_weight_update_group(self, master_address: str, master_port: int, world_size: int = 2,
-                                 backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int = 2,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
         """Host the group (this process is rank 0) while the server's engines join it: one engine
         per rank from 1 (a server with several replicas needs world_size = 1 + replicas)."""
         spec = WeightGroupSpec(master_address, master_port, 1, world_size, backend, timeout_s)
-        call = self._post_later("/init_weight_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": 1,
-            "world_size": world_size, "backend": backend, "timeout_s": timeout_s})
+        call = self._post_later(
+            "/init_weight_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": 1,
+                "world_size": world_size,
+                "backend": backend,
+                "timeout_s": timeout_s,
+            },
+        )
         self.group = join(spec, TRAINER_RANK)
         _answer(call.result())
 
@@ -61,9 +76,14 @@ class WeightUpdateClient:
         if self.group is None:
             raise WeightUpdateError("init_weight_update_group first")
         metas = [TensorMeta.of(name, tensor) for name, tensor in named_tensors]
-        call = self._post_later("/update_weights", {"names": [m.name for m in metas],
-                                                    "dtypes": [m.dtype for m in metas],
-                                                    "shapes": [list(m.shape) for m in metas]})
+        call = self._post_later(
+            "/update_weights",
+            {
+                "names": [m.name for m in metas],
+                "dtypes": [m.dtype for m in metas],
+                "shapes": [list(m.shape) for m in metas],
+            },
+        )
         broadcast(self.group, (tensor for _, tensor in named_tensors))
         _answer(call.result())
 
@@ -103,7 +123,7 @@ class WeightUpdateClient:
 
     # ---- HTTP ---------------------------------------------------------------------------------
 
-    def _post_later(self, path: str, body: dict[str, Any]) -> "Future[dict[str, Any]]":
+    def _post_later(self, path: str, body: dict[str, Any]) -> Future[dict[str, Any]]:
         return self._calls.submit(self._post, path, body)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,9 @@ else crosses the group (no pickled objects).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,10 @@ class WeightGroupSpec:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if not 0 < self.rank_offset < self.world_size:
-            raise ValueError(f"rank_offset must be from 1 to world_size - 1, got {self.rank_offset} "
-                             f"with world_size {self.world_size}")
+            raise ValueError(
+                f"rank_offset must be from 1 to world_size - 1, got {self.rank_offset} "
+                f"with world_size {self.world_size}"
+            )
         if not 0 < self.timeout_s <= 3600:
             raise ValueError(f"timeout_s must be above 0 and at most 3600, got {self.timeout_s}")
         if not 0 < self.master_port < 65536:
@@ -68,8 +71,9 @@ def parse_metas(names: list[str], dtypes: list[str], shapes: list[list[int]]) ->
     """SGLang's and vLLM's parallel lists as metas; ValueError when they disagree or name an
     unknown dtype."""
     if not (len(names) == len(dtypes) == len(shapes)):
-        raise ValueError(f"names, dtypes and shapes must be as long as each other, got {len(names)}, "
-                         f"{len(dtypes)} and {len(shapes)}")
+        raise ValueError(
+            f"names, dtypes and shapes must be as long as each other, got {len(names)}, {len(dtypes)} and {len(shapes)}"
+        )
     metas = []
     for name, dtype, shape in zip(names, dtypes, shapes):
         dtype = dtype.removeprefix("torch.")
@@ -94,15 +98,16 @@ def join(spec: WeightGroupSpec, rank: int) -> WeightGroup:
     """This process's view of the group (the trainer, rank 0, hosts the store); returns once
     every rank joined."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, rank == TRAINER_RANK,
-                          timeout=timeout)
+    store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, rank == TRAINER_RANK, timeout=timeout)
     prefix = dist.PrefixStore("pagoda-weights", store)
     if spec.backend == "nccl":
-        group = WeightGroup(dist.ProcessGroupNCCL(prefix, rank, spec.world_size, dist.ProcessGroupNCCL.Options()),
-                            store, torch.device("cuda", torch.cuda.current_device()))
+        group = WeightGroup(
+            dist.ProcessGroupNCCL(prefix, rank, spec.world_size, dist.ProcessGroupNCCL.Options()),
+            store,
+            torch.device("cuda", torch.cuda.current_device()),
+        )
     else:
-        group = WeightGroup(dist.ProcessGroupGloo(prefix, rank, spec.world_size, timeout), store,
-                            torch.device("cpu"))
+        group = WeightGroup(dist.ProcessGroupGloo(prefix, rank, spec.world_size, timeout), store, torch.device("cpu"))
     barrier(group)
     return group
 

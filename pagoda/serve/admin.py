@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,8 +23,12 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.engine.client import EngineClient
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api import engine_control as control
-from pagoda.serve.api.lora import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter,
-                                   unload_lora_adapter)
+from pagoda.serve.api.lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from pagoda.serve.endpoints import AppParts, Endpoint
 from pagoda.serve.errors import APIError, bad_request
 from pagoda.serve.observability.prompt_log import DEFAULT_READ_LIMIT, MAX_READ_LIMIT, PromptLog, PromptLogQuery
@@ -35,39 +40,71 @@ ENGINE_CONTROL_REFUSAL = "Only admin keys may update weights, pause or put the m
 
 def _engine_control(handle: Callable[[EngineClient, Any], Awaitable[Response]]) -> Callable[[AppParts, str], Any]:
     """An admin route of api/engine_control.py on the primary model's engine client."""
+
     def build(parts: AppParts, _: str) -> Any:
         async def run(request: Request, body: Any, tenant: Tenant) -> Response:
             _check_admin(parts, tenant, ENGINE_CONTROL_REFUSAL)
             return await handle(parts.ctx.llm, body)
+
         return run
+
     return build
 
 
 def _command(command: str, done: str = "") -> Callable[[AppParts, str], Any]:
-    return _engine_control(lambda llm, body: control.run_command(llm, command, body.model_dump(exclude={"group_name"}),
-                                                                 done))
+    return _engine_control(
+        lambda llm, body: control.run_command(llm, command, body.model_dump(exclude={"group_name"}), done)
+    )
 
 
 # The admin routes that carry a body, installed and documented as the API's endpoints are.
 ADMIN_ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("/v1/load_lora_adapter", None, LoadLoRAAdapterRequest, None,
-             lambda parts, _: functools.partial(load_lora_adapter, parts.ctx)),
-    Endpoint("/v1/unload_lora_adapter", None, UnloadLoRAAdapterRequest, None,
-             lambda parts, _: functools.partial(unload_lora_adapter, parts.ctx)),
+    Endpoint(
+        "/v1/load_lora_adapter",
+        None,
+        LoadLoRAAdapterRequest,
+        None,
+        lambda parts, _: functools.partial(load_lora_adapter, parts.ctx),
+    ),
+    Endpoint(
+        "/v1/unload_lora_adapter",
+        None,
+        UnloadLoRAAdapterRequest,
+        None,
+        lambda parts, _: functools.partial(unload_lora_adapter, parts.ctx),
+    ),
     # ---- weight updates (api/engine_control.py) ----
-    Endpoint("/update_weights_from_disk", None, control.UpdateWeightsFromDiskRequest, None,
-             _engine_control(control.update_weights_from_disk)),
-    Endpoint("/init_weight_update_group", None, control.InitWeightUpdateGroupRequest, None,
-             _command("init_weight_update_group", "joined the weight update group")),
+    Endpoint(
+        "/update_weights_from_disk",
+        None,
+        control.UpdateWeightsFromDiskRequest,
+        None,
+        _engine_control(control.update_weights_from_disk),
+    ),
+    Endpoint(
+        "/init_weight_update_group",
+        None,
+        control.InitWeightUpdateGroupRequest,
+        None,
+        _command("init_weight_update_group", "joined the weight update group"),
+    ),
     Endpoint("/start_weight_update", None, control.EmptyRequest, None, _command("start_weight_update")),
-    Endpoint("/update_weights", None, control.UpdateWeightsRequest, None,
-             _command("update_weights", "tensors received and staged")),
-    Endpoint("/finish_weight_update", None, control.FinishWeightUpdateRequest, None,
-             _command("finish_weight_update")),
-    Endpoint("/update_weights_from_distributed", None, control.UpdateWeightsRequest, None,
-             _engine_control(control.update_weights_from_distributed)),
-    Endpoint("/destroy_weight_update_group", None, control.EmptyRequest, None,
-             _command("destroy_weight_update_group")),
+    Endpoint(
+        "/update_weights",
+        None,
+        control.UpdateWeightsRequest,
+        None,
+        _command("update_weights", "tensors received and staged"),
+    ),
+    Endpoint("/finish_weight_update", None, control.FinishWeightUpdateRequest, None, _command("finish_weight_update")),
+    Endpoint(
+        "/update_weights_from_distributed",
+        None,
+        control.UpdateWeightsRequest,
+        None,
+        _engine_control(control.update_weights_from_distributed),
+    ),
+    Endpoint("/destroy_weight_update_group", None, control.EmptyRequest, None, _command("destroy_weight_update_group")),
 )
 
 
@@ -79,11 +116,20 @@ def install_admin_routes(app: FastAPI, parts: AppParts) -> None:
     async def provenance(provenance_id: str, request: Request) -> Response:
         # What served a recent request (the id is its x-pagoda-provenance header).
         _require_admin(parts, request, "Only admin keys may read provenance records.")
-        record = next((found for model in parts.registry  # each model keeps its own requests' records
-                       if (found := model.context.provenance.find(provenance_id)) is not None), None)
+        record = next(
+            (
+                found
+                for model in parts.registry  # each model keeps its own requests' records
+                if (found := model.context.provenance.find(provenance_id)) is not None
+            ),
+            None,
+        )
         if record is None:
-            raise APIError(404, f"No recent request has the provenance id {provenance_id!r} (the request "
-                                "log holds every record).", type="not_found_error")
+            raise APIError(
+                404,
+                f"No recent request has the provenance id {provenance_id!r} (the request log holds every record).",
+                type="not_found_error",
+            )
         return JSONResponse(record.as_dict())
 
     @app.get("/admin/canary")
@@ -154,8 +200,7 @@ def _check_admin(parts: AppParts, tenant: Tenant, refusal: str) -> Tenant:
 def _canary(parts: AppParts, request: Request) -> CanaryController:
     _require_admin(parts, request, "Only admin keys may read or steer the canary.")
     if parts.canary is None:
-        raise APIError(404, "This server runs no canary (a `canary` block in the models file).",
-                       type="not_found_error")
+        raise APIError(404, "This server runs no canary (a `canary` block in the models file).", type="not_found_error")
     parts.canary.ensure_running()
     return parts.canary
 
@@ -173,31 +218,28 @@ def _query(params: dict[str, str]) -> PromptLogQuery:
     except ValueError:
         limit = 0
     if not 1 <= limit <= MAX_READ_LIMIT:
-        raise bad_request(f"limit must be an integer from 1 to {MAX_READ_LIMIT}, got {limit_text!r}.",
-                          param="limit")
+        raise bad_request(f"limit must be an integer from 1 to {MAX_READ_LIMIT}, got {limit_text!r}.", param="limit")
     return PromptLogQuery(tenant=params.get("tenant") or None, limit=limit)
 
 
-async def read_prompt_log(ctx: ServeContext, request: Request,
-                          authenticate: Callable[[], Tenant]) -> Response:
+async def read_prompt_log(ctx: ServeContext, request: Request, authenticate: Callable[[], Tenant]) -> Response:
     log: PromptLog | None = ctx.prompt_log
     if log is None:
         authenticate()  # whether the log is on is no one's business without a key
-        raise APIError(404, "The prompt log is off (the server runs without --log-prompts).",
-                       type="not_found_error")
+        raise APIError(404, "The prompt log is off (the server runs without --log-prompts).", type="not_found_error")
     params = dict(request.query_params)
     who = None
     try:
         tenant = authenticate()
         who = tenant.name
         if not tenant.admin:
-            raise APIError(403, "Only admin keys may read the prompt log.", type="permission_error",
-                           code="permission_denied")
+            raise APIError(
+                403, "Only admin keys may read the prompt log.", type="permission_error", code="permission_denied"
+            )
         query = _query(params)
     except APIError as exc:
         log.audit(who, None, exc.status, filters=params)
         raise
     records = await asyncio.to_thread(log.read, query)
     log.audit(who, query, 200, returned=len(records))
-    return JSONResponse({"object": "list", "filter": {"tenant": query.tenant, "limit": query.limit},
-                         "data": records})
+    return JSONResponse({"object": "list", "filter": {"tenant": query.tenant, "limit": query.limit}, "data": records})

@@ -19,10 +19,10 @@ from pagoda.engine.client import EngineClient
 from pagoda.serve.admin import ADMIN_ENDPOINTS, install_admin_routes
 from pagoda.serve.admission.authentication import check_metrics_token
 from pagoda.serve.admission.body_limit import BodySizeLimit
-from pagoda.serve.admission.fast_refusal import FastRefusal
-from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.admission.docs_access import KeyedDocs
+from pagoda.serve.admission.fast_refusal import FastRefusal
 from pagoda.serve.batches.routes import RunnerStart, install_batch_routes
+from pagoda.serve.dashboard import DashboardWindow, install_dashboard
 from pagoda.serve.endpoints import ENDPOINTS, AppParts, document_bodies, install_endpoints, install_reads
 from pagoda.serve.errors import APIError, validation_error
 from pagoda.serve.model_registry import SERVING_STATUSES, ModelRegistry
@@ -38,10 +38,14 @@ logger = logging.getLogger(__name__)
 def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> FastAPI:
     """The HTTP API over `llm`: one engine client (the served model) or a registry of several
     models. The caller owns the engines (starts them before, shuts them down after)."""
-    app = FastAPI(title="pagoda", description="OpenAI-compatible LLM inference server",
-                  docs_url="/docs", redoc_url=None)
-    registry = llm if isinstance(llm, ModelRegistry) else ModelRegistry.single(
-        llm, settings.served_model_name or "", settings.model_path)
+    app = FastAPI(
+        title="pagoda", description="OpenAI-compatible LLM inference server", docs_url="/docs", redoc_url=None
+    )
+    registry = (
+        llm
+        if isinstance(llm, ModelRegistry)
+        else ModelRegistry.single(llm, settings.served_model_name or "", settings.model_path)
+    )
     registry.bind(settings)
     canary = CanaryController(registry.canary, registry) if registry.canary is not None else None
     parts = AppParts.of(registry, settings, ModelDispatcher(registry, RoutingMetrics(), canary=canary), canary)
@@ -52,20 +56,33 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
         ctx.request_log.add_listener(canary.observe)  # the log is every model's
     redact_access_log()  # /dashboard?key=KEY: no key in the access log
     _install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
-                       on_reject=lambda: ctx.metrics.record_rejected("too_large"),
-                       timeout=settings.body_timeout,
-                       on_timeout=lambda: ctx.metrics.record_rejected("body_timeout"))
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_request_bytes,
+        on_reject=lambda: ctx.metrics.record_rejected("too_large"),
+        timeout=settings.body_timeout,
+        on_timeout=lambda: ctx.metrics.record_rejected("body_timeout"),
+    )
     # A full queue: the endpoints that queue work are refused before their body is read.
     app.add_middleware(KeyedDocs, tenants=settings.tenants)  # /docs, /openapi.json: a key when keys are set
     app.add_middleware(FastRefusal, ctx=ctx, endpoints=ENDPOINTS)
     app.add_middleware(RunnerStart, runner=parts.batches.runner)  # the Batch API's runner: no lifespan
     _install_health_and_metrics(app, parts)
     # --- dashboard: GET /dashboard, /dashboard/events ---
-    install_dashboard(app, parts.authenticate, settings.tenants,
-                      DashboardWindow(ctx.metrics.registry, server_info=lambda: {
-                          "health": registry.health(), "max_num_seqs": ctx.llm.config.max_num_seqs,
-                          "max_model_len": ctx.llm.max_model_len}), ctx.request_log)
+    install_dashboard(
+        app,
+        parts.authenticate,
+        settings.tenants,
+        DashboardWindow(
+            ctx.metrics.registry,
+            server_info=lambda: {
+                "health": registry.health(),
+                "max_num_seqs": ctx.llm.config.max_num_seqs,
+                "max_model_len": ctx.llm.max_model_len,
+            },
+        ),
+        ctx.request_log,
+    )
     install_endpoints(app, parts, ENDPOINTS + ADMIN_ENDPOINTS)
     install_reads(app, parts)
     install_batch_routes(app, parts.authenticate, parts.batches)
@@ -76,9 +93,13 @@ def build_app(llm: EngineClient | ModelRegistry, settings: ServerSettings) -> Fa
 
 def _install_health_and_metrics(app: FastAPI, parts: AppParts) -> None:
     registry, settings, canary = parts.registry, parts.settings, parts.canary
-    rendered = merged_registry([*(r for model in registry for r in model.context.metrics.rendered_registries()),
-                                parts.dispatcher.metrics.registry,
-                                *([canary.metrics.registry] if canary is not None else [])])
+    rendered = merged_registry(
+        [
+            *(r for model in registry for r in model.context.metrics.rendered_registries()),
+            parts.dispatcher.metrics.registry,
+            *([canary.metrics.registry] if canary is not None else []),
+        ]
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -102,6 +123,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 def _install_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape; FastAPI's 422 becomes a 400."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
@@ -117,13 +139,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         if status == 404:
             kind = "not_found_error"
         detail = exc.detail if isinstance(exc.detail, str) else "Request failed."
-        return _error_response(APIError(status, detail, type=kind,
-                                        headers=dict(exc.headers or {})))
+        return _error_response(APIError(status, detail, type=kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         # Starlette re-raises after this answer and the server then drops the connection: say so,
         # so a keep-alive client does not find its next request's socket reset.
-        return _error_response(APIError(500, "Internal server error.", type="server_error",
-                                        headers={"Connection": "close"}))
+        return _error_response(
+            APIError(500, "Internal server error.", type="server_error", headers={"Connection": "close"})
+        )

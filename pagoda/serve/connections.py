@@ -43,20 +43,30 @@ RESERVED_FILE_DESCRIPTORS = 256
 RETRY_AFTER_SECONDS = 1
 
 
-def _refusal_bytes(message: str = "The server has too many open connections; retry shortly.",
-                   code: str = "too_many_connections") -> bytes:
+def _refusal_bytes(
+    message: str = "The server has too many open connections; retry shortly.", code: str = "too_many_connections"
+) -> bytes:
     body = json.dumps(error_body(message, type="server_overloaded", code=code)).encode()
-    head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n"
-            b"retry-after: " + str(RETRY_AFTER_SECONDS).encode() + b"\r\nconnection: close\r\n\r\n")
+    head = (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n"
+        b"retry-after: " + str(RETRY_AFTER_SECONDS).encode() + b"\r\nconnection: close\r\n\r\n"
+    )
     return head + body
 
 
 def _head_too_large_bytes(limit: int) -> bytes:
-    body = json.dumps(error_body(f"Request header fields exceed the server's limit of {limit} bytes.",
-                                 type="invalid_request_error", code="request_header_too_large")).encode()
-    head = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
+    body = json.dumps(
+        error_body(
+            f"Request header fields exceed the server's limit of {limit} bytes.",
+            type="invalid_request_error",
+            code="request_header_too_large",
+        )
+    ).encode()
+    head = (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+    )
     return head + body
 
 
@@ -100,8 +110,10 @@ class ConnectionGuard:
             limits.refused += 1
             if not limits.warned_at_cap:
                 limits.warned_at_cap = True
-                logger.warning("%d connections are open (--max-connections): refusing new ones "
-                               "with 503 until some close", limits.max_connections)
+                logger.warning(
+                    "%d connections are open (--max-connections): refusing new ones with 503 until some close",
+                    limits.max_connections,
+                )
             self.transport.write(_refusal_bytes())  # the protocol's own, set by super()
             transport.close()
             return
@@ -109,8 +121,11 @@ class ConnectionGuard:
         address = peer[0] if isinstance(peer, (tuple, list)) and peer else None
         if address is not None and limits.by_client.get(address, 0) >= limits.max_connections_per_client:
             limits.refused += 1  # not logged one by one: the client decides how many there are
-            self.transport.write(_refusal_bytes("This client has too many open connections; close some first.",
-                                           "too_many_client_connections"))
+            self.transport.write(
+                _refusal_bytes(
+                    "This client has too many open connections; close some first.", "too_many_client_connections"
+                )
+            )
             transport.close()
             return
         if address is not None:
@@ -145,7 +160,7 @@ class ConnectionGuard:
         end = seen.find(_HEAD_END)
         counted = len(data) if end < 0 else max(0, end + len(_HEAD_END) - len(self.head_tail))
         self.head_bytes = (self.head_bytes or 0) + counted
-        self.head_tail = seen[-(len(_HEAD_END) - 1):]
+        self.head_tail = seen[-(len(_HEAD_END) - 1) :]
         if self.head_bytes <= self.limits.max_header_bytes:
             return True
         self.limits.heads_too_large += 1
@@ -169,8 +184,7 @@ class ConnectionGuard:
     def _arm_header_deadline(self) -> None:
         self._cancel_header_deadline()
         self.head_bytes, self.head_tail = 0, b""  # the next request's head starts
-        self.header_deadline = self.loop.call_later(self.limits.header_timeout,
-                                                    self._header_timed_out)
+        self.header_deadline = self.loop.call_later(self.limits.header_timeout, self._header_timed_out)
 
     def _cancel_header_deadline(self) -> None:
         if self.header_deadline is not None:
@@ -181,8 +195,9 @@ class ConnectionGuard:
         self.header_deadline = None
         handling = self.cycle is not None and not self.cycle.response_complete
         if not handling and not self.transport.is_closing():
-            logger.debug("closing a connection whose request head did not arrive within %g s",
-                         self.limits.header_timeout)
+            logger.debug(
+                "closing a connection whose request head did not arrive within %g s", self.limits.header_timeout
+            )
             self.transport.close()
 
 
@@ -216,8 +231,7 @@ def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
     """A protocol class for one server, its limits from `settings`, on the parser
     `settings.http_parser` names ("auto": httptools when installed, else h11)."""
     per_client = settings.max_connections_per_client or max(1, settings.max_connections - settings.max_connections // 8)
-    limits = ConnectionLimits(settings.header_timeout, settings.max_connections, per_client,
-                              settings.max_header_bytes)
+    limits = ConnectionLimits(settings.header_timeout, settings.max_connections, per_client, settings.max_header_bytes)
     base = None if settings.http_parser == "h11" else _httptools_protocol()
     base = base or GuardedH11Protocol
     return type(base.__name__, (base,), {"limits": limits})
@@ -226,11 +240,14 @@ def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
 def http_config(app: Any, settings: ServerSettings, **options: Any) -> uvicorn.Config:
     """uvicorn's config for `app` with the connection settings of `settings`; `options` are
     uvicorn.Config's other arguments (host, port, log level...)."""
-    return uvicorn.Config(app, http=guarded_protocol(settings),
-                          timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
-                          # h11's own cap past ours, so an oversized head gets our 431 on either parser
-                          h11_max_incomplete_event_size=settings.max_header_bytes + 4096,
-                          **options)
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(settings),
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
+        # h11's own cap past ours, so an oversized head gets our 431 on either parser
+        h11_max_incomplete_event_size=settings.max_header_bytes + 4096,
+        **options,
+    )
 
 
 def raise_file_limit(max_connections: int) -> None:
@@ -244,6 +261,10 @@ def raise_file_limit(max_connections: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         if soft < needed:
-            logger.warning("the open-files limit (%d) is below --max-connections %d plus %d for "
-                           "the server itself: raise `ulimit -n` or lower --max-connections",
-                           soft, max_connections, RESERVED_FILE_DESCRIPTORS)
+            logger.warning(
+                "the open-files limit (%d) is below --max-connections %d plus %d for "
+                "the server itself: raise `ulimit -n` or lower --max-connections",
+                soft,
+                max_connections,
+                RESERVED_FILE_DESCRIPTORS,
+            )

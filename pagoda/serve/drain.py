@@ -14,8 +14,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 
@@ -48,19 +49,37 @@ class DrainGate:
 
 
 async def _send_shutting_down(send: Callable) -> None:
-    body = json.dumps({"error": {"message": "The server is shutting down; retry on another replica.",
-                                 "type": "server_error", "param": None, "code": "shutting_down"}}).encode()
-    await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(RETRY_AFTER_SECONDS).encode()), (b"connection", b"close")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": "The server is shutting down; retry on another replica.",
+                "type": "server_error",
+                "param": None,
+                "code": "shutting_down",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(RETRY_AFTER_SECONDS).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first signal drains through `gate` and whose second exits now."""
 
-    def __init__(self, config: uvicorn.Config, gate: DrainGate, shutdown_timeout: float,
-                 on_force_exit: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gate: DrainGate, shutdown_timeout: float, on_force_exit: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self.gate = gate
         self.shutdown_timeout = shutdown_timeout
@@ -75,8 +94,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self.gate.draining = True
-        logger.info("draining: %d request(s) in flight, new requests get 503; waiting up to %.1f s "
-                    "(signal again to exit now)", self.gate.in_flight, self.shutdown_timeout)
+        logger.info(
+            "draining: %d request(s) in flight, new requests get 503; waiting up to %.1f s (signal again to exit now)",
+            self.gate.in_flight,
+            self.shutdown_timeout,
+        )
         threading.Thread(target=self._exit_when_drained, name="pagoda-drain", daemon=True).start()
 
     def _exit_when_drained(self) -> None:

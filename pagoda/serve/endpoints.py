@@ -14,8 +14,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import pydantic
 import pydantic.json_schema
@@ -25,24 +26,43 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.serve.admission.authentication import authenticate
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.anthropic_messages import MessagesEndpoint
-from pagoda.serve.api.anthropic_protocol import (CountTokensRequest, CountTokensResponse, MessagesRequest,
-                                                 MessagesResponse)
+from pagoda.serve.api.anthropic_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+)
 from pagoda.serve.api.chat import ChatEndpoint
 from pagoda.serve.api.completions import CompletionsEndpoint
 from pagoda.serve.api.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingsEndpoint
 from pagoda.serve.api.handler import GenerationEndpoint
 from pagoda.serve.api.invocations import InvocationRequest, InvocationTarget, invocations
 from pagoda.serve.api.lora import adapter_cards
-from pagoda.serve.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                       ModelList, TokenizeRequest, TokenizeResponse)
+from pagoda.serve.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pagoda.serve.api.request_fields import Field
 from pagoda.serve.api.responses import ResponsesEndpoint
 from pagoda.serve.api.responses_protocol import ResponseObject, ResponsesRequest
 from pagoda.serve.api.responses_store import ResponsesStore
 from pagoda.serve.api.scoring import ScoringEndpoints
-from pagoda.serve.api.scoring_protocol import (ClassificationRequest, ClassificationResponse, RerankRequest,
-                                               RerankResponse, ScoreRequest, ScoreResponse)
+from pagoda.serve.api.scoring_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pagoda.serve.api.tokenization import TokenizationEndpoints
 from pagoda.serve.batches.files import FilesAPI
 from pagoda.serve.batches.protocol import BatchCreateRequest, BatchObject
@@ -84,14 +104,31 @@ class AppParts:
     started: int = field(default_factory=lambda: int(time.time()))  # the model cards' `created`
 
     @classmethod
-    def of(cls, registry: ModelRegistry, settings: ServerSettings, dispatcher: ModelDispatcher,
-           canary: CanaryController | None) -> AppParts:
-        store = (ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
-                 if settings.responses_store else None)
-        parts = cls(settings, registry, dispatcher, canary, CompletionsEndpoint(), ChatEndpoint(),
-                    MessagesEndpoint(), ResponsesEndpoint(store),
-                    {model.name: EmbeddingsEndpoint(model.context) for model in registry}, ScoringEndpoints(),
-                    {model.name: TokenizationEndpoints(model.context) for model in registry})
+    def of(
+        cls,
+        registry: ModelRegistry,
+        settings: ServerSettings,
+        dispatcher: ModelDispatcher,
+        canary: CanaryController | None,
+    ) -> AppParts:
+        store = (
+            ResponsesStore(settings.responses_store_size, settings.responses_store_ttl)
+            if settings.responses_store
+            else None
+        )
+        parts = cls(
+            settings,
+            registry,
+            dispatcher,
+            canary,
+            CompletionsEndpoint(),
+            ChatEndpoint(),
+            MessagesEndpoint(),
+            ResponsesEndpoint(store),
+            {model.name: EmbeddingsEndpoint(model.context) for model in registry},
+            ScoringEndpoints(),
+            {model.name: TokenizationEndpoints(model.context) for model in registry},
+        )
         parts.batches = _batches(parts)
         return parts
 
@@ -103,34 +140,40 @@ class AppParts:
     def authenticate(self, request: Request) -> Tenant:
         return authenticate(self.ctx.settings.tenants, request)
 
-    def generate(self, endpoint: GenerationEndpoint, path: str,
-                 handle: Callable[..., Awaitable[Response]] | None = None) -> Run:
+    def generate(
+        self, endpoint: GenerationEndpoint, path: str, handle: Callable[..., Awaitable[Response]] | None = None
+    ) -> Run:
         """A generation endpoint's answer, by the model the body names or its fallbacks."""
         return functools.partial(self.dispatcher.generate, endpoint, path, handle=handle)
 
     def by_model(self, handle: Callable[..., Awaitable[Response]]) -> Run:
         """`handle` with the context of the model the body names (a route: by its rules)."""
+
         async def run(request: Request, body: Any, tenant: Tenant) -> Response:
             model_ctx, name = self.dispatcher.context_for(body.model, tenant)
             if name != body.model:
                 body = body.model_copy(update={"model": name})
             return await handle(model_ctx, request, body, tenant)
+
         return run
 
     async def embed(self, request: Request, body: EmbeddingRequest, tenant: Tenant) -> Response:
         model_ctx, name = self.dispatcher.context_for(body.model, tenant)
         return await self.embeddings[model_ctx.model_name or ""].handle(
-            request, body.model_copy(update={"model": name}), tenant)
+            request, body.model_copy(update={"model": name}), tenant
+        )
 
     async def tokenize(self, _: Request, body: TokenizeRequest, tenant: Tenant) -> Response:
         model_ctx, name = self.dispatcher.context_for(body.model, tenant)
         return await self.tokenization[model_ctx.model_name or ""].tokenize(
-            body.model_copy(update={"model": name}), tenant)
+            body.model_copy(update={"model": name}), tenant
+        )
 
     async def detokenize(self, _: Request, body: DetokenizeRequest, tenant: Tenant) -> Response:
         model_ctx, name = self.dispatcher.context_for(body.model, tenant)
         return await self.tokenization[model_ctx.model_name or ""].detokenize(
-            body.model_copy(update={"model": name}), tenant)
+            body.model_copy(update={"model": name}), tenant
+        )
 
 
 @dataclass(frozen=True)
@@ -160,36 +203,80 @@ class Endpoint:
 
 
 COMPLETIONS = Endpoint(
-    "/v1/completions", CompletionsEndpoint.name, CompletionRequest, CompletionResponse,
-    lambda parts, path: parts.generate(parts.completions, path), CompletionsEndpoint.fields, queues_work=True)
+    "/v1/completions",
+    CompletionsEndpoint.name,
+    CompletionRequest,
+    CompletionResponse,
+    lambda parts, path: parts.generate(parts.completions, path),
+    CompletionsEndpoint.fields,
+    queues_work=True,
+)
 CHAT = Endpoint(
-    "/v1/chat/completions", ChatEndpoint.name, ChatCompletionRequest, ChatCompletionResponse,
-    lambda parts, path: parts.generate(parts.chat, path), ChatEndpoint.fields, queues_work=True)
+    "/v1/chat/completions",
+    ChatEndpoint.name,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    lambda parts, path: parts.generate(parts.chat, path),
+    ChatEndpoint.fields,
+    queues_work=True,
+)
 EMBEDDINGS = Endpoint(
-    "/v1/embeddings", EmbeddingsEndpoint.name, EmbeddingRequest, EmbeddingResponse,
-    lambda parts, _: parts.embed, EmbeddingsEndpoint.fields, queues_work=True)
+    "/v1/embeddings",
+    EmbeddingsEndpoint.name,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    lambda parts, _: parts.embed,
+    EmbeddingsEndpoint.fields,
+    queues_work=True,
+)
 
 
 # vLLM's scoring routes (serve/api/scoring.py): /score and /v1/score; rerank under its three
 # paths (Jina's and Cohere's v1, Cohere's v2); /classify.
 SCORE_ROUTES = tuple(
-    Endpoint(path, ScoringEndpoints.score_name, ScoreRequest, ScoreResponse,
-             lambda parts, _: parts.by_model(parts.scoring.score), ScoringEndpoints.score_fields, queues_work=True)
-    for path in ("/score", "/v1/score"))
+    Endpoint(
+        path,
+        ScoringEndpoints.score_name,
+        ScoreRequest,
+        ScoreResponse,
+        lambda parts, _: parts.by_model(parts.scoring.score),
+        ScoringEndpoints.score_fields,
+        queues_work=True,
+    )
+    for path in ("/score", "/v1/score")
+)
 RERANK_ROUTES = tuple(
-    Endpoint(path, ScoringEndpoints.rerank_name, RerankRequest, RerankResponse,
-             lambda parts, _: parts.by_model(parts.scoring.rerank), ScoringEndpoints.rerank_fields, queues_work=True)
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"))
+    Endpoint(
+        path,
+        ScoringEndpoints.rerank_name,
+        RerankRequest,
+        RerankResponse,
+        lambda parts, _: parts.by_model(parts.scoring.rerank),
+        ScoringEndpoints.rerank_fields,
+        queues_work=True,
+    )
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+)
 CLASSIFY = Endpoint(
-    "/classify", ScoringEndpoints.classify_name, ClassificationRequest, ClassificationResponse,
-    lambda parts, _: parts.by_model(parts.scoring.classify), ScoringEndpoints.classify_fields, queues_work=True)
+    "/classify",
+    ScoringEndpoints.classify_name,
+    ClassificationRequest,
+    ClassificationResponse,
+    lambda parts, _: parts.by_model(parts.scoring.classify),
+    ScoringEndpoints.classify_fields,
+    queues_work=True,
+)
 
 
 def _invocations(parts: AppParts, _: str) -> Run:
     """SageMaker's one route: the first of chat, completions, embeddings, score, rerank (vLLM's
     order) whose request model the body validates as."""
-    return invocations([InvocationTarget(endpoint.path, endpoint.request_model, endpoint.run(parts))
-                        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS, SCORE_ROUTES[-1], RERANK_ROUTES[1])])
+    return invocations(
+        [
+            InvocationTarget(endpoint.path, endpoint.request_model, endpoint.run(parts))
+            for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS, SCORE_ROUTES[-1], RERANK_ROUTES[1])
+        ]
+    )
 
 
 def _batches(parts: AppParts) -> Batches:
@@ -197,30 +284,55 @@ def _batches(parts: AppParts) -> Batches:
     by its URL's endpoint of this table, as online."""
     settings = parts.settings
     store = BatchStore.memory() if settings.batch_store in (None, "memory") else BatchStore.open(settings.batch_store)
-    targets = {endpoint.path: BatchTarget(endpoint.request_model, endpoint.run(parts))
-               for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)}
-    runner = BatchRunner(store, targets, settings.tenants,
-                         lambda: [model.context.admission for model in parts.registry], settings.batch_concurrency)
+    targets = {
+        endpoint.path: BatchTarget(endpoint.request_model, endpoint.run(parts))
+        for endpoint in (CHAT, COMPLETIONS, EMBEDDINGS)
+    }
+    runner = BatchRunner(
+        store,
+        targets,
+        settings.tenants,
+        lambda: [model.context.admission for model in parts.registry],
+        settings.batch_concurrency,
+    )
     return Batches(runner, FilesAPI(store, settings.batch_max_file_bytes, settings.batch_max_tenant_bytes))
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     COMPLETIONS,
     CHAT,
-    Endpoint("/v1/messages", MessagesEndpoint.name, MessagesRequest, MessagesResponse,
-             lambda parts, path: parts.generate(parts.messages, path, parts.messages.handle_messages),
-             MessagesEndpoint.fields, queues_work=True, anthropic=True),
+    Endpoint(
+        "/v1/messages",
+        MessagesEndpoint.name,
+        MessagesRequest,
+        MessagesResponse,
+        lambda parts, path: parts.generate(parts.messages, path, parts.messages.handle_messages),
+        MessagesEndpoint.fields,
+        queues_work=True,
+        anthropic=True,
+    ),
     # count_tokens' body is a subset of Messages', checked against the same table.
-    Endpoint("/v1/messages/count_tokens", None, CountTokensRequest, CountTokensResponse,
-             lambda parts, _: parts.by_model(parts.messages.count_tokens), MessagesEndpoint.fields,
-             anthropic=True),
-    Endpoint("/v1/responses", ResponsesEndpoint.name, ResponsesRequest, ResponseObject,
-             lambda parts, path: parts.generate(parts.responses, path, parts.responses.handle_responses),
-             ResponsesEndpoint.fields, queues_work=True),
+    Endpoint(
+        "/v1/messages/count_tokens",
+        None,
+        CountTokensRequest,
+        CountTokensResponse,
+        lambda parts, _: parts.by_model(parts.messages.count_tokens),
+        MessagesEndpoint.fields,
+        anthropic=True,
+    ),
+    Endpoint(
+        "/v1/responses",
+        ResponsesEndpoint.name,
+        ResponsesRequest,
+        ResponseObject,
+        lambda parts, path: parts.generate(parts.responses, path, parts.responses.handle_responses),
+        ResponsesEndpoint.fields,
+        queues_work=True,
+    ),
     # Their refusals are counted and logged too: every error a client causes is in /metrics.
     Endpoint("/tokenize", "tokenize", TokenizeRequest, TokenizeResponse, lambda parts, _: parts.tokenize),
-    Endpoint("/detokenize", "detokenize", DetokenizeRequest, DetokenizeResponse,
-             lambda parts, _: parts.detokenize),
+    Endpoint("/detokenize", "detokenize", DetokenizeRequest, DetokenizeResponse, lambda parts, _: parts.detokenize),
     EMBEDDINGS,
     *SCORE_ROUTES,
     *RERANK_ROUTES,
@@ -248,13 +360,23 @@ def install_reads(app: FastAPI, parts: AppParts) -> None:
         cards: list[ModelCard] = []
         for model in registry:
             names = [name for name in model.names if registry.may_use(tenant, name)]
-            cards += [ModelCard(id=name, created=parts.started, root=model.model_path,
-                                max_model_len=model.llm.max_model_len,
-                                max_num_seqs=model.llm.config.max_num_seqs) for name in names]
+            cards += [
+                ModelCard(
+                    id=name,
+                    created=parts.started,
+                    root=model.model_path,
+                    max_model_len=model.llm.max_model_len,
+                    max_num_seqs=model.llm.config.max_num_seqs,
+                )
+                for name in names
+            ]
             if names:
                 cards += adapter_cards(model.context, tenant, parts.started)
-        cards += [ModelCard(id=route.name, created=parts.started, owned_by="pagoda-route")
-                  for route in registry.routes if registry.may_list_route(tenant, route)]
+        cards += [
+            ModelCard(id=route.name, created=parts.started, owned_by="pagoda-route")
+            for route in registry.routes
+            if registry.may_list_route(tenant, route)
+        ]
         return ModelList(data=cards)
 
     async def stored_response(request: Request, response_id: str) -> Response:
@@ -309,10 +431,17 @@ def _record_refusal(ctx: ServeContext, endpoint: str, tenant: Tenant | None, err
         return
     error.recorded = True
     ctx.metrics.record_rejected(rejection_reason(error))
-    ctx.request_log.log(RequestLogRecord(
-        request_id=new_request_id("rejected"), endpoint=endpoint,
-        tenant=tenant.name if tenant else None, model=ctx.model_name, status=error.status,
-        error=error.message, error_param=error.param))
+    ctx.request_log.log(
+        RequestLogRecord(
+            request_id=new_request_id("rejected"),
+            endpoint=endpoint,
+            tenant=tenant.name if tenant else None,
+            model=ctx.model_name,
+            status=error.status,
+            error=error.message,
+            error_param=error.param,
+        )
+    )
 
 
 def document_bodies(app: FastAPI, endpoints: tuple[Endpoint, ...]) -> None:
@@ -325,19 +454,29 @@ def document_bodies(app: FastAPI, endpoints: tuple[Endpoint, ...]) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = base_openapi()
-        models = {model for endpoint in endpoints
-                  for model in (endpoint.request_model, endpoint.response_model) if model is not None}
+        models = {
+            model
+            for endpoint in endpoints
+            for model in (endpoint.request_model, endpoint.response_model)
+            if model is not None
+        }
         _, definitions = pydantic.json_schema.models_json_schema(
             [(model, "validation") for model in sorted(models, key=lambda m: m.__name__)],
-            ref_template="#/components/schemas/{model}")
+            ref_template="#/components/schemas/{model}",
+        )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
         for endpoint in endpoints:
             operation = schema["paths"][endpoint.path][endpoint.method.lower()]
-            operation["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{endpoint.request_model.__name__}"}}}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{endpoint.request_model.__name__}"}}
+                },
+            }
             if endpoint.response_model is not None:
-                operation["responses"]["200"]["content"] = {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{endpoint.response_model.__name__}"}}}
+                operation["responses"]["200"]["content"] = {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{endpoint.response_model.__name__}"}}
+                }
         app.openapi_schema = schema
         return schema
 

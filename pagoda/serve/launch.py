@@ -11,8 +11,9 @@ import gc
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.threads import prefer_passive_omp_wait
@@ -32,8 +33,7 @@ if TYPE_CHECKING:
 DEATH_WATCH_INTERVAL_S = 0.2
 
 
-def launch_server(config: EngineConfig, settings: ServerSettings,
-                  deployment: DeploymentConfig | None = None) -> int:
+def launch_server(config: EngineConfig, settings: ServerSettings, deployment: DeploymentConfig | None = None) -> int:
     """Serve until interrupted: `deployment` (default: one engine) of engines configured by
     `config`, behind the HTTP side configured by `settings`. User errors (bad key file, an
     engine that cannot start) end the process with a one-line message (SystemExit)."""
@@ -45,8 +45,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
     from pagoda.serve.model_registry import ModelRegistry
 
     deployment = deployment or DeploymentConfig()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # What this process reads itself (config, tokenizer, template) is checked before it is
         # read; the engine checks the weights while it loads them.
@@ -78,8 +77,7 @@ def launch_server(config: EngineConfig, settings: ServerSettings,
         llm = start_engines(config, deployment, transport=settings.engine_transport)  # replicas: pagoda/replicas
     except RuntimeError as exc:
         cause = exc.__cause__ or exc
-        raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: "
-                         f"{cause}") from None
+        raise SystemExit(f"pagoda serve: could not start the engine for {config.model}: {cause}") from None
     except (OSError, ValueError) as exc:  # --replica-pools / --route-rules
         raise SystemExit(f"pagoda serve: {exc}") from None
     aliases = settings.served_model_names[1:]
@@ -104,8 +102,9 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
         models_file = load_models_file(settings.models_file)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"pagoda serve: {exc}") from None
-    settings = dataclasses.replace(settings, prices=_price_table(
-        settings, [entry.name for entry in models_file.models]))
+    settings = dataclasses.replace(
+        settings, prices=_price_table(settings, [entry.name for entry in models_file.models])
+    )
     served: list[ServedModel] = []
     try:
         for entry in models_file.models:
@@ -113,21 +112,29 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
             try:
                 llm = start_engines(engine, entry.deployment_config(deployment), transport=settings.engine_transport)
             except RuntimeError as exc:
-                raise SystemExit(f"pagoda serve: {models_file.path}:{entry.line}: could not start model "
-                                 f"{entry.name!r} ({engine.model}): {exc.__cause__ or exc}") from None
+                raise SystemExit(
+                    f"pagoda serve: {models_file.path}:{entry.line}: could not start model "
+                    f"{entry.name!r} ({engine.model}): {exc.__cause__ or exc}"
+                ) from None
             except (OSError, ValueError) as exc:
-                raise SystemExit(f"pagoda serve: {models_file.path}:{entry.line}: model {entry.name!r}: {exc}") from None
+                raise SystemExit(
+                    f"pagoda serve: {models_file.path}:{entry.line}: model {entry.name!r}: {exc}"
+                ) from None
             served.append(ServedModel(entry.name, llm, engine.model, entry.aliases, entry.fallbacks))
         registry = ModelRegistry(served, models_file.routes, models_file.canary)
     except BaseException:
         for model in served:
             model.llm.shutdown()
         raise
-    return _run(registry, dataclasses.replace(settings, served_model_name=served[0].name),
-                deployment.restart, lambda: models_banner(models_file, registry, settings))
+    return _run(
+        registry,
+        dataclasses.replace(settings, served_model_name=served[0].name),
+        deployment.restart,
+        lambda: models_banner(models_file, registry, settings),
+    )
 
 
-def _run(registry: "ModelRegistry", settings: ServerSettings, restart: bool, banner: Callable[[], str]) -> int:
+def _run(registry: ModelRegistry, settings: ServerSettings, restart: bool, banner: Callable[[], str]) -> int:
     """Serve `registry`'s models until interrupted, then shut their engines down."""
     from pagoda.serve.app import build_app
     from pagoda.serve.connections import http_config, raise_file_limit
@@ -138,10 +145,19 @@ def _run(registry: "ModelRegistry", settings: ServerSettings, restart: bool, ban
         gate = DrainGate(build_app(registry, settings))
         raise_file_limit(settings.max_connections)
         server = DrainingServer(
-            http_config(gate, settings, host=settings.host, port=settings.port,
-                        log_level=settings.log_level, timeout_graceful_shutdown=1,
-                        lifespan="off"),  # the app has no lifespan hooks
-            gate, settings.shutdown_timeout, on_force_exit=lambda: registry.shutdown(timeout=0))
+            http_config(
+                gate,
+                settings,
+                host=settings.host,
+                port=settings.port,
+                log_level=settings.log_level,
+                timeout_graceful_shutdown=1,
+                lifespan="off",
+            ),  # the app has no lifespan hooks
+            gate,
+            settings.shutdown_timeout,
+            on_force_exit=lambda: registry.shutdown(timeout=0),
+        )
         logging.getLogger("pagoda.serve").info("%s", banner())
         if not restart:
             death_watch = EngineDeathWatch(registry, server)
@@ -165,7 +181,7 @@ class EngineDeathWatch:
     503; the failed ones end with their error event) so that it exits non-zero and an outside
     supervisor restarts it."""
 
-    def __init__(self, llm: "EngineClient | ModelRegistry", server: DrainingServer) -> None:
+    def __init__(self, llm: EngineClient | ModelRegistry, server: DrainingServer) -> None:
         self.error: BaseException | None = None  # what stopped the engine, once it did
         self._llm = llm
         self._server = server
@@ -179,7 +195,8 @@ class EngineDeathWatch:
             if not self._llm.is_alive:
                 self.error = self._llm.error or RuntimeError("no engine is left")
                 logging.getLogger("pagoda.serve").error(
-                    "the engine stopped (%s) and --no-restart is set: shutting the server down", self.error)
+                    "the engine stopped (%s) and --no-restart is set: shutting the server down", self.error
+                )
                 self._server.handle_exit(signal.SIGTERM, None)
                 return
 
@@ -223,12 +240,16 @@ def built_settings(settings: ServerSettings, config: EngineConfig) -> BuiltSetti
             raise SystemExit(f"pagoda serve: {settings.guardrails_file}: {exc}") from None
     names = settings.served_model_names
     served_model_name = names[0] if names else settings.served_model_name or Path(config.model).name
-    return {"served_model_name": served_model_name, "model_path": config.model, "tenants": tenants,
-            "guardrails": guardrails,
-            "prices": _price_table(settings, [served_model_name]) if settings.models_file is None else None}
+    return {
+        "served_model_name": served_model_name,
+        "model_path": config.model,
+        "tenants": tenants,
+        "guardrails": guardrails,
+        "prices": _price_table(settings, [served_model_name]) if settings.models_file is None else None,
+    }
 
 
-def _price_table(settings: ServerSettings, served_models: list[str]) -> "PriceTable | None":
+def _price_table(settings: ServerSettings, served_models: list[str]) -> PriceTable | None:
     """--price-table, loaded and checked against the served model names (one line and exit
     when it is malformed)."""
     if not settings.price_table:
@@ -256,18 +277,23 @@ def kv_pool_line(config: EngineConfig, model_config: ModelConfig, blocks: int, m
     groups = kv_cache_groups(windows, release=blocker is None)
     if len(groups) == 1 and groups[0].window is None:
         tokens = blocks * config.block_size
-        line = f"{blocks} blocks x {config.block_size} = {tokens} tokens ({tokens // max(max_model_len, 1)} " \
-               f"sequences at full context)"
+        line = (
+            f"{blocks} blocks x {config.block_size} = {tokens} tokens ({tokens // max(max_model_len, 1)} "
+            f"sequences at full context)"
+        )
         return line + (f"; sliding-window KV kept whole: {blocker}" if blocker else "")
     local = sorted({g.window for g in groups if g.window is not None})
     per_sequence = pages_per_sequence(groups, max_model_len, config.block_size)
-    return (f"{blocks} blocks x {config.block_size} tokens in {len(groups)} layer groups "
-            f"({blocks // per_sequence} sequences at full context; sliding layers keep "
-            f"{', '.join(map(str, local))} tokens)")
+    return (
+        f"{blocks} blocks x {config.block_size} tokens in {len(groups)} layer groups "
+        f"({blocks // per_sequence} sequences at full context; sliding layers keep "
+        f"{', '.join(map(str, local))} tokens)"
+    )
 
 
-def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings: ServerSettings,
-                   llm: EngineClient) -> str:
+def startup_banner(
+    config: EngineConfig, deployment: DeploymentConfig, settings: ServerSettings, llm: EngineClient
+) -> str:
     """One block at start: model, dtype, context, KV pool, features, URL."""
     from pagoda.config import parse_replica_roles
     from pagoda.engine.assembly import resolve_device, resolve_dtype
@@ -281,45 +307,64 @@ def startup_banner(config: EngineConfig, deployment: DeploymentConfig, settings:
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
     native_kernels = describe_native(config.native_kernels, device)
-    features = [name for name, on in (
-        (native_kernels or "", native_kernels is not None),
-        ("prefix caching", config.enable_prefix_caching),
-        ("chunked prefill", config.enable_chunked_prefill),
-        (f"speculative decoding ({config.speculative})", bool(config.speculative)),
-        (f"scheduling {config.scheduling_policy}", config.scheduling_policy != "fcfs"),
-        ("latency targets", settings.latency_targets.enabled),
-        ("vllm: metric names", settings.metrics_compat == "vllm"),
-        ("guardrails", settings.guardrails is not None),
-        ("cost by --price-table", settings.prices is not None),
-        (f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
-         f"{', runtime loading' if settings.allow_runtime_lora else ''}: "
-         f"{', '.join(llm.lora_names) or 'no adapters yet'})", config.enable_lora),
-        (f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
-         config.tensor_parallel_size > 1),
-        (f"pipeline parallel {config.pipeline_parallel_size}"
-         f"{f' (layers {config.pp_layer_partition})' if config.pp_layer_partition else ''}",
-         config.pipeline_parallel_size > 1),
-        ("autoscaling {} to {} replicas".format(*deployment.replica_range),
-         deployment.autoscaling and config.distributed_executor_backend == "ray"),
-    ) if on]
-    return "\n".join([
-        "pagoda serve is ready",
-        f"  model      {settings.served_model_name} ({config.model})",
-        f"  device     {device.type}, {dtype}, engine in a {llm.transport}"
-        + (f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(deployment.replica_roles) or {}).items())}"
-           f" replicas ({deployment.router} router, "
-           f"KV handoff over {config.kv_transport})" if deployment.replica_roles
-           else f", {deployment.num_replicas} replicas ({deployment.router} router)"
-           if deployment.num_replicas > 1 else ""),
-        f"  context    {max_model_len} tokens",
-        f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
-        f"  max seqs   {max_num_seqs_line(llm)}",
-        f"  features   {', '.join(features) or 'none'}",
-        f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)",
-    ])
+    features = [
+        name
+        for name, on in (
+            (native_kernels or "", native_kernels is not None),
+            ("prefix caching", config.enable_prefix_caching),
+            ("chunked prefill", config.enable_chunked_prefill),
+            (f"speculative decoding ({config.speculative})", bool(config.speculative)),
+            (f"scheduling {config.scheduling_policy}", config.scheduling_policy != "fcfs"),
+            ("latency targets", settings.latency_targets.enabled),
+            ("vllm: metric names", settings.metrics_compat == "vllm"),
+            ("guardrails", settings.guardrails is not None),
+            ("cost by --price-table", settings.prices is not None),
+            (
+                f"LoRA (max {config.max_loras} per step, rank <= {config.max_lora_rank}"
+                f"{', runtime loading' if settings.allow_runtime_lora else ''}: "
+                f"{', '.join(llm.lora_names) or 'no adapters yet'})",
+                config.enable_lora,
+            ),
+            (
+                f"tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend})",
+                config.tensor_parallel_size > 1,
+            ),
+            (
+                f"pipeline parallel {config.pipeline_parallel_size}"
+                f"{f' (layers {config.pp_layer_partition})' if config.pp_layer_partition else ''}",
+                config.pipeline_parallel_size > 1,
+            ),
+            (
+                "autoscaling {} to {} replicas".format(*deployment.replica_range),
+                deployment.autoscaling and config.distributed_executor_backend == "ray",
+            ),
+        )
+        if on
+    ]
+    return "\n".join(
+        [
+            "pagoda serve is ready",
+            f"  model      {settings.served_model_name} ({config.model})",
+            f"  device     {device.type}, {dtype}, engine in a {llm.transport}"
+            + (
+                f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(deployment.replica_roles) or {}).items())}"
+                f" replicas ({deployment.router} router, "
+                f"KV handoff over {config.kv_transport})"
+                if deployment.replica_roles
+                else f", {deployment.num_replicas} replicas ({deployment.router} router)"
+                if deployment.num_replicas > 1
+                else ""
+            ),
+            f"  context    {max_model_len} tokens",
+            f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
+            f"  max seqs   {max_num_seqs_line(llm)}",
+            f"  features   {', '.join(features) or 'none'}",
+            f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)",
+        ]
+    )
 
 
-def models_banner(models_file: "ModelsFile", registry: "ModelRegistry", settings: ServerSettings) -> str:
+def models_banner(models_file: ModelsFile, registry: ModelRegistry, settings: ServerSettings) -> str:
     """One block at start for --models: each model, its names, engines and fallbacks; the routes."""
     lines = [f"pagoda serve is ready: {len(registry)} models from {models_file.path}"]
     for model in registry:
@@ -327,11 +372,16 @@ def models_banner(models_file: "ModelsFile", registry: "ModelRegistry", settings
         fallbacks = ", ".join(target.label for target in model.fallbacks) or "none"
         autoscale = model.llm.health().get("autoscale")
         scaling = f", autoscaling {autoscale['min']} to {autoscale['max']} replicas" if autoscale else ""
-        lines.append(f"  {names:<24} {model.model_path}: {model.llm.transport}, context {model.llm.max_model_len}, "
-                     f"max seqs {model.llm.config.max_num_seqs}{scaling}, fallbacks {fallbacks}")
+        lines.append(
+            f"  {names:<24} {model.model_path}: {model.llm.transport}, context {model.llm.max_model_len}, "
+            f"max seqs {model.llm.config.max_num_seqs}{scaling}, fallbacks {fallbacks}"
+        )
     for route in registry.routes:
-        lines.append(f"  route {route.name}: {len(route.rules)} rules -> "
-                     f"{', '.join(dict.fromkeys(rule.model for rule in route.rules))}")
-    lines.append(f"  listening  http://{settings.host}:{settings.port}/v1 "
-                 f"(shutdown drains for {settings.shutdown_timeout:g} s)")
+        lines.append(
+            f"  route {route.name}: {len(route.rules)} rules -> "
+            f"{', '.join(dict.fromkeys(rule.model for rule in route.rules))}"
+        )
+    lines.append(
+        f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)"
+    )
     return "\n".join(lines)

@@ -9,8 +9,9 @@ controller can re-weight traffic between models without touching the endpoints.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from pagoda.engine.client import EngineClient
 from pagoda.serve.admission.tenants import Tenant, TenantLimiter
@@ -46,8 +47,9 @@ class ServedModel:
 class ModelRegistry:
     """Served name / alias / route -> what answers it."""
 
-    def __init__(self, models: Sequence[ServedModel], routes: Sequence[Route] = (),
-                 canary: CanarySpec | None = None) -> None:
+    def __init__(
+        self, models: Sequence[ServedModel], routes: Sequence[Route] = (), canary: CanarySpec | None = None
+    ) -> None:
         if not models:
             raise ValueError("a server needs at least one model")
         self.models: dict[str, ServedModel] = {m.name: m for m in models}
@@ -63,8 +65,7 @@ class ModelRegistry:
             self.set_route(route)
 
     @classmethod
-    def single(cls, llm: EngineClient, name: str, model_path: str,
-               aliases: Sequence[str] = ()) -> "ModelRegistry":
+    def single(cls, llm: EngineClient, name: str, model_path: str, aliases: Sequence[str] = ()) -> ModelRegistry:
         """The registry of a server of one model (`pagoda serve --model`)."""
         return cls([ServedModel(name, llm, model_path, tuple(a for a in aliases if a != name))])
 
@@ -94,8 +95,9 @@ class ModelRegistry:
         logs = ServerLogs.create(settings)
         for model in self:
             model_settings = replace(settings, served_model_name=model.name, model_path=model.model_path)
-            model.ctx = ServeContext.create(model.llm, model_settings, limiter=limiter, logs=logs,
-                                           aliases=model.aliases)
+            model.ctx = ServeContext.create(
+                model.llm, model_settings, limiter=limiter, logs=logs, aliases=model.aliases
+            )
 
     # ---- resolving names -------------------------------------------------------------------
 
@@ -142,8 +144,12 @@ class ModelRegistry:
                 continue  # never this tenant's
             if not self.may_use(tenant, rule.model):
                 return False
-            if rule.tasks is None and rule.classes is None and rule.min_prompt_tokens is None \
-                    and rule.max_prompt_tokens is None:
+            if (
+                rule.tasks is None
+                and rule.classes is None
+                and rule.min_prompt_tokens is None
+                and rule.max_prompt_tokens is None
+            ):
                 return True  # always matches for this tenant: the rules after it never apply
         return True
 

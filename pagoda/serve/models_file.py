@@ -45,9 +45,10 @@ unknown models, a weight outside 0..1 or an unknown rule name) is a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.config import DeploymentConfig, EngineConfig
 
@@ -58,8 +59,21 @@ LOCAL_FALLBACK_KEYS = frozenset({"model"})
 REMOTE_FALLBACK_KEYS = frozenset({"url", "model", "api_key_env", "connect_timeout", "first_byte_timeout"})
 ROUTE_KEYS = frozenset({"name", "rules"})
 RULE_KEYS = frozenset({"model", "tenant", "task", "class", "min_prompt_tokens", "max_prompt_tokens"})
-CANARY_KEYS = frozenset({"stable", "candidate", "weight", "tenants", "routes", "seed", "window_s",
-                         "min_requests", "promote_after_s", "shadow", "rules"})
+CANARY_KEYS = frozenset(
+    {
+        "stable",
+        "candidate",
+        "weight",
+        "tenants",
+        "routes",
+        "seed",
+        "window_s",
+        "min_requests",
+        "promote_after_s",
+        "shadow",
+        "rules",
+    }
+)
 SHADOW_KEYS = frozenset({"sample", "max_tokens"})
 # A canary's rules: what each threshold bounds (candidate against stable over the live windows,
 # or over the shadow replays of the window), and the thresholds used when `rules` is not given.
@@ -74,8 +88,13 @@ CANARY_RULES = {
     "refusal_changes": "shadow replays that refuse on one side only, at most",
     "logprob_drift_max": "largest logprob difference along shared greedy tokens, at most",
 }
-DEFAULT_CANARY_RULES = {"error_rate": 0.05, "ttft_p99_ratio": 2.0, "itl_p99_ratio": 2.0,
-                        "guardrail_block_rate": 0.05, "tokenization_mismatches": 0.0}
+DEFAULT_CANARY_RULES = {
+    "error_rate": 0.05,
+    "ttft_p99_ratio": 2.0,
+    "itl_p99_ratio": 2.0,
+    "guardrail_block_rate": 0.05,
+    "tokenization_mismatches": 0.0,
+}
 TOP_KEYS = frozenset({"models", "routes", "canary"})
 
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
@@ -290,8 +309,9 @@ def parse_models_file(text: str, path: str = "models file") -> ModelsFile:
     models = tuple(_model_entry(reader, node) for node in reader.sequence(root["models"], "models"))
     if not models:
         raise reader.error(root["models"].line, "`models` lists no model")
-    routes = tuple(_route(reader, node) for node in reader.sequence(root["routes"], "routes")) \
-        if "routes" in root else ()
+    routes = (
+        tuple(_route(reader, node) for node in reader.sequence(root["routes"], "routes")) if "routes" in root else ()
+    )
     _check_names(reader, models, routes)
     canary = _canary(reader, root["canary"], models, routes) if "canary" in root else None
     return ModelsFile(path, models, routes, canary)
@@ -308,14 +328,19 @@ def _model_entry(reader: _Reader, node: _Node) -> ModelEntry:
         if required not in fields:
             raise reader.error(node.line, f"a model needs `{required}`")
     name = reader.text(fields["name"], "name")
-    aliases = tuple(reader.text(a, "an alias") for a in reader.sequence(fields["aliases"], "aliases")) \
-        if "aliases" in fields else ()
-    fallbacks = tuple(_fallback(reader, f) for f in reader.sequence(fields["fallbacks"], "fallbacks")) \
-        if "fallbacks" in fields else ()
+    aliases = (
+        tuple(reader.text(a, "an alias") for a in reader.sequence(fields["aliases"], "aliases"))
+        if "aliases" in fields
+        else ()
+    )
+    fallbacks = (
+        tuple(_fallback(reader, f) for f in reader.sequence(fields["fallbacks"], "fallbacks"))
+        if "fallbacks" in fields
+        else ()
+    )
     engine = {k: _plain(v) for k, v in fields.items() if k in ENGINE_KEYS and k != "model"}
     deployment = {k: _plain(v) for k, v in fields.items() if k in DEPLOYMENT_KEYS}
-    entry = ModelEntry(name, reader.text(fields["model"], "model"), node.line, aliases, engine,
-                       deployment, fallbacks)
+    entry = ModelEntry(name, reader.text(fields["model"], "model"), node.line, aliases, engine, deployment, fallbacks)
     # The engine options are checked now, against the defaults, so a bad one names its line.
     for key in (*engine, *deployment):
         try:
@@ -343,13 +368,19 @@ def _fallback(reader: _Reader, node: _Node) -> FallbackTarget:
     url = reader.text(fields["url"], "url").rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise reader.error(fields["url"].line, f"url must start with http:// or https://, got {url!r}")
-    return FallbackTarget(remote=RemoteEndpoint(
-        url, model,
-        api_key_env=reader.text(fields["api_key_env"], "api_key_env") if "api_key_env" in fields else None,
-        connect_timeout=reader.seconds(fields["connect_timeout"], "connect_timeout")
-        if "connect_timeout" in fields else DEFAULT_CONNECT_TIMEOUT_S,
-        first_byte_timeout=reader.seconds(fields["first_byte_timeout"], "first_byte_timeout")
-        if "first_byte_timeout" in fields else DEFAULT_FIRST_BYTE_TIMEOUT_S))
+    return FallbackTarget(
+        remote=RemoteEndpoint(
+            url,
+            model,
+            api_key_env=reader.text(fields["api_key_env"], "api_key_env") if "api_key_env" in fields else None,
+            connect_timeout=reader.seconds(fields["connect_timeout"], "connect_timeout")
+            if "connect_timeout" in fields
+            else DEFAULT_CONNECT_TIMEOUT_S,
+            first_byte_timeout=reader.seconds(fields["first_byte_timeout"], "first_byte_timeout")
+            if "first_byte_timeout" in fields
+            else DEFAULT_FIRST_BYTE_TIMEOUT_S,
+        )
+    )
 
 
 def _route(reader: _Reader, node: _Node) -> Route:
@@ -382,8 +413,7 @@ def _fraction(reader: _Reader, node: _Node, what: str) -> float:
     return float(node.value)
 
 
-def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...],
-            routes: tuple[Route, ...]) -> CanarySpec:
+def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...], routes: tuple[Route, ...]) -> CanarySpec:
     fields = reader.mapping(node, "the canary", CANARY_KEYS)
     owner = {name: entry.name for entry in models for name in (entry.name, *entry.aliases)}
     sides: dict[str, str] = {}
@@ -404,8 +434,9 @@ def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...],
             options[key] = reader.names(fields[key], key)
     for name in options.get("routes", ()):
         if name not in owner and name not in {route.name for route in routes}:
-            raise reader.error(fields["routes"].line, f"the canary's route {name!r} is neither a route nor a "
-                                                      "model of this file")
+            raise reader.error(
+                fields["routes"].line, f"the canary's route {name!r} is neither a route nor a model of this file"
+            )
     if "seed" in fields:
         options["seed"] = reader.count(fields["seed"], "seed")
     if "min_requests" in fields:
@@ -417,7 +448,8 @@ def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...],
         shadow = reader.mapping(fields["shadow"], "the canary's shadow", SHADOW_KEYS)
         options["shadow"] = ShadowSpec(
             sample=_fraction(reader, shadow["sample"], "shadow sample") if "sample" in shadow else 0.0,
-            max_tokens=reader.count(shadow["max_tokens"], "shadow max_tokens") if "max_tokens" in shadow else 16)
+            max_tokens=reader.count(shadow["max_tokens"], "shadow max_tokens") if "max_tokens" in shadow else 16,
+        )
         if options["shadow"].max_tokens < 1:
             raise reader.error(shadow["max_tokens"].line, "shadow max_tokens must be at least 1")
     if "rules" in fields:
@@ -425,8 +457,9 @@ def _canary(reader: _Reader, node: _Node, models: tuple[ModelEntry, ...],
         thresholds = []
         for name, value in rules.items():
             if not isinstance(value.value, (int, float)) or isinstance(value.value, bool) or value.value < 0:
-                raise reader.error(value.line, f"canary rule {name}: the threshold must be a non-negative "
-                                               f"number, got {value.value!r}")
+                raise reader.error(
+                    value.line, f"canary rule {name}: the threshold must be a non-negative number, got {value.value!r}"
+                )
             thresholds.append((name, float(value.value)))
         options["rules"] = tuple(thresholds)
     return CanarySpec(sides["stable"], sides["candidate"], node.line, **options)
@@ -438,8 +471,9 @@ def _check_names(reader: _Reader, models: tuple[ModelEntry, ...], routes: tuple[
     for entry in models:
         for name in (entry.name, *entry.aliases):
             if name in owner:
-                raise reader.error(entry.line, f"the name {name!r} is taken twice (models {owner[name]!r} "
-                                               f"and {entry.name!r})")
+                raise reader.error(
+                    entry.line, f"the name {name!r} is taken twice (models {owner[name]!r} and {entry.name!r})"
+                )
             owner[name] = entry.name
     for route in routes:
         if route.name in owner:
@@ -447,20 +481,23 @@ def _check_names(reader: _Reader, models: tuple[ModelEntry, ...], routes: tuple[
         owner[route.name] = f"route {route.name}"
         for rule in route.rules:
             if rule.model not in owner or owner[rule.model].startswith("route "):
-                raise reader.error(rule.line, f"route {route.name!r} sends requests to {rule.model!r}, "
-                                              "which is not a model of this file")
+                raise reader.error(
+                    rule.line,
+                    f"route {route.name!r} sends requests to {rule.model!r}, which is not a model of this file",
+                )
     canonical = {entry.name: entry for entry in models}
     for entry in models:
         for target in entry.fallbacks:
             if target.model is not None and (target.model not in owner or owner[target.model].startswith("route ")):
-                raise reader.error(entry.line, f"model {entry.name!r} falls back to {target.model!r}, "
-                                               "which is not a model of this file")
+                raise reader.error(
+                    entry.line,
+                    f"model {entry.name!r} falls back to {target.model!r}, which is not a model of this file",
+                )
     for entry in models:
         _check_no_cycle(reader, entry, canonical, owner)
 
 
-def _check_no_cycle(reader: _Reader, start: ModelEntry, models: dict[str, ModelEntry],
-                    owner: dict[str, str]) -> None:
+def _check_no_cycle(reader: _Reader, start: ModelEntry, models: dict[str, ModelEntry], owner: dict[str, str]) -> None:
     path = [start.name]
 
     def visit(entry: ModelEntry) -> None:
@@ -469,7 +506,7 @@ def _check_no_cycle(reader: _Reader, start: ModelEntry, models: dict[str, ModelE
                 continue
             name = owner[target.model]
             if name in path:
-                cycle = " -> ".join([*path[path.index(name):], name])
+                cycle = " -> ".join([*path[path.index(name) :], name])
                 raise reader.error(start.line, f"fallback cycle: {cycle}")
             path.append(name)
             visit(models[name])

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from pagoda.engine.client import EngineAsleepError, EngineClient, EngineDeadError, EngineRequest, EngineStream
 from pagoda.errors import InvalidRequest
@@ -27,19 +27,18 @@ from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission.queue import AdmissionController, QueueSlot
+from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
 from pagoda.serve.admission.work import RequestWork
+from pagoda.serve.api.protocol import PromptTokensDetails, Usage
 from pagoda.serve.errors import APIError, engine_unavailable, invalid_request, model_asleep
-from pagoda.serve.guardrails import (GenerationOutputGuard, ServerGuard, guard_generation_output,
-                                     guard_log_fields)
+from pagoda.serve.guardrails import GenerationOutputGuard, ServerGuard, guard_generation_output, guard_log_fields
 from pagoda.serve.metrics.cost import CostCounter
 from pagoda.serve.metrics.server import ServerMetrics
-from pagoda.serve.api.protocol import PromptTokensDetails, Usage
 from pagoda.serve.observability.prompt_log import PromptLog
 from pagoda.serve.observability.provenance import ModelProvenance, Provenance, ProvenanceBook
 from pagoda.serve.observability.request_log import RequestLogger, RequestLogRecord
-from pagoda.serve.settings import ServerSettings
-from pagoda.serve.admission.tenants import Tenant, TenantLease, TenantLimiter
 from pagoda.serve.observability.tracing import RequestTrace, RequestTracer
+from pagoda.serve.settings import ServerSettings
 
 # HTTP status logged for requests whose client went away (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
@@ -49,18 +48,21 @@ CLIENT_CLOSED_REQUEST = 499
 class ServerLogs:
     """What every model of one server writes to: the request log, the prompt log
     (--log-prompts, a listener of the request log) and the span exporter (--otlp-traces-endpoint)."""
+
     request_log: RequestLogger
     prompt_log: PromptLog | None = None
     tracer: RequestTracer | None = None
 
     @classmethod
-    def create(cls, settings: ServerSettings) -> "ServerLogs":
+    def create(cls, settings: ServerSettings) -> ServerLogs:
         logs = cls(RequestLogger())
         if settings.log_prompts:
             logs.prompt_log = PromptLog.from_settings(
                 str(settings.prompt_log_directory),
                 1.0 if settings.prompt_log_sample is None else settings.prompt_log_sample,
-                settings.prompt_log_retention_s, settings.guardrails)
+                settings.prompt_log_retention_s,
+                settings.guardrails,
+            )
             logs.request_log.add_listener(logs.prompt_log.record)
         if settings.otlp_traces_endpoint is not None:
             logs.tracer = RequestTracer.otlp(settings.otlp_traces_endpoint)
@@ -83,9 +85,15 @@ class ServeContext:
     aliases: tuple[str, ...] = ()  # more names clients may call the model by
 
     @classmethod
-    def create(cls, llm: EngineClient, settings: ServerSettings, *,
-               limiter: TenantLimiter | None = None, logs: ServerLogs | None = None,
-               aliases: tuple[str, ...] = ()) -> "ServeContext":
+    def create(
+        cls,
+        llm: EngineClient,
+        settings: ServerSettings,
+        *,
+        limiter: TenantLimiter | None = None,
+        logs: ServerLogs | None = None,
+        aliases: tuple[str, ...] = (),
+    ) -> ServeContext:
         """One model's context; the models of one server share `limiter` (tenant limits are
         the server's) and `logs`."""
         logs = logs or ServerLogs.create(settings)
@@ -96,17 +104,28 @@ class ServeContext:
             settings=settings,
             aliases=aliases,
             limiter=limiter or TenantLimiter(),
-            admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens,
-                                          settings.latency_targets, max_model_len=llm.max_model_len),
-            metrics=ServerMetrics(name, llm.get_stats,
-                                  compat=settings.metrics_compat, replica_stats=llm.replica_stats,
-                                  tenant_labels=settings.metrics_tenant_labels, health=llm.health),
+            admission=AdmissionController(
+                settings.max_queued_requests,
+                settings.max_queued_tokens,
+                settings.latency_targets,
+                max_model_len=llm.max_model_len,
+            ),
+            metrics=ServerMetrics(
+                name,
+                llm.get_stats,
+                compat=settings.metrics_compat,
+                replica_stats=llm.replica_stats,
+                tenant_labels=settings.metrics_tenant_labels,
+                health=llm.health,
+            ),
             request_log=logs.request_log,
             prompt_log=logs.prompt_log,
             tracer=logs.tracer,
-            provenance=ProvenanceBook(ModelProvenance.of(
-                llm, name, guardrails=settings.guardrails is not None,
-                guardrails_file=settings.guardrails_file)),
+            provenance=ProvenanceBook(
+                ModelProvenance.of(
+                    llm, name, guardrails=settings.guardrails is not None, guardrails_file=settings.guardrails_file
+                )
+            ),
         )
         for name, path in llm.config.lora_module_paths():  # --lora-modules, loaded with the engine
             ctx.provenance.adapter_loaded(name, path)
@@ -130,7 +149,7 @@ class ServeContext:
         if not self.llm.is_alive:
             raise engine_unavailable()
 
-    def admit(self, tenant: Tenant, work: RequestWork) -> "Admission":
+    def admit(self, tenant: Tenant, work: RequestWork) -> Admission:
         """Hold the tenant's and the queue's room for `work`'s sequences, or raise the APIError
         that refuses it. Cheap and lock-free: it runs before the request is tokenized."""
         self.check_engine()
@@ -146,10 +165,14 @@ class ServeContext:
         """Refuse, without tokenizing, a text whose token count provably exceeds the context."""
         at_least = self.llm.tokenizer.min_num_tokens(text)
         if at_least > self.llm.max_model_len:
-            raise invalid_request(InvalidRequest(
-                f"This model's maximum context length is {self.llm.max_model_len} tokens; the "
-                f"{param} ({len(text)} characters) is at least {at_least} tokens.",
-                param=param, code="context_length_exceeded"))
+            raise invalid_request(
+                InvalidRequest(
+                    f"This model's maximum context length is {self.llm.max_model_len} tokens; the "
+                    f"{param} ({len(text)} characters) is at least {at_least} tokens.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            )
 
 
 @dataclass
@@ -183,8 +206,14 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-_REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found",
-                   413: "too_large", 429: "rate_limited", 503: "overloaded"}
+_REJECT_REASONS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "model_not_found",
+    413: "too_large",
+    429: "rate_limited",
+    503: "overloaded",
+}
 
 
 def rejection_reason(error: APIError) -> str:
@@ -240,8 +269,10 @@ class Generation:
     def work(self) -> RequestWork:
         """What this request may cost: its sequences, prompt tokens and output limits."""
         max_model_len = self.ctx.llm.max_model_len
-        max_output = sum(self.params.max_tokens if self.params.max_tokens is not None
-                         else max_model_len - len(p.token_ids) for p in self.prompts)
+        max_output = sum(
+            self.params.max_tokens if self.params.max_tokens is not None else max_model_len - len(p.token_ids)
+            for p in self.prompts
+        )
         return RequestWork(len(self.prompts), self.params.num_sequences, self.num_prompt_tokens, max_output)
 
     async def start(self, param_names: dict[str, str] | None = None) -> None:
@@ -259,18 +290,30 @@ class Generation:
                 except InvalidRequest as exc:
                     raise invalid_request(exc, param_names) from None
             self._output_guard = guard_generation_output(  # guardrails hook
-                ctx.guard, ctx.llm.abort, self.tenant, self.params)
+                ctx.guard, ctx.llm.abort, self.tenant, self.params
+            )
             self.admission.charge_tokens(self.work, [len(p.token_ids) for p in self.prompts])
             priority = self.tenant.limits.priority if self.priority is None else self.priority
-            requests = [EngineRequest(request_id, prompt.token_ids, self.params, arrival_time=self.arrival_time,
-                                      cache_salt=self.tenant.cache_salt, priority=priority,
-                                      lora_request=self.lora_request, tenant=self.tenant.name, model=self.model_name)
-                        for request_id, prompt in zip(self.engine_request_ids, self.prompts)]
+            requests = [
+                EngineRequest(
+                    request_id,
+                    prompt.token_ids,
+                    self.params,
+                    arrival_time=self.arrival_time,
+                    cache_salt=self.tenant.cache_salt,
+                    priority=priority,
+                    lora_request=self.lora_request,
+                    tenant=self.tenant.name,
+                    model=self.model_name,
+                )
+                for request_id, prompt in zip(self.engine_request_ids, self.prompts)
+            ]
             # All prompts are sent at once (in order) and their acceptances awaited together:
             # one engine round trip per batch, not one per prompt (sequential submits of a large
             # batch wait on the busy engine once per prompt).
-            submitted = await asyncio.gather(*(ctx.llm.add_request(request, wake=self._wake) for request in requests),
-                                             return_exceptions=True)
+            submitted = await asyncio.gather(
+                *(ctx.llm.add_request(request, wake=self._wake) for request in requests), return_exceptions=True
+            )
             for stream in submitted:
                 if not isinstance(stream, BaseException):  # accepted: close() aborts it on error
                     self.streams.append(stream)
@@ -293,7 +336,7 @@ class Generation:
         except asyncio.CancelledError:
             # Cancelled inside the gather, prompts already accepted are not in self.streams
             # yet (close() aborts only those): abort every id not recorded there.
-            ctx.llm.abort(self.engine_request_ids[len(self.streams):])
+            ctx.llm.abort(self.engine_request_ids[len(self.streams) :])
             self.close(CLIENT_CLOSED_REQUEST)
             raise
         except BaseException:
@@ -349,8 +392,11 @@ class Generation:
                     self.finals[i] = output
                     reason = _finish_reason(output)
                     metrics.record_finished(
-                        reason, output.metrics, num_prompt_tokens=len(self.prompts[i].token_ids),
-                        num_generation_tokens=sum(len(c.token_ids) for c in output.outputs))
+                        reason,
+                        output.metrics,
+                        num_prompt_tokens=len(self.prompts[i].token_ids),
+                        num_generation_tokens=sum(len(c.token_ids) for c in output.outputs),
+                    )
                 yield i, delta
             if not got_any:
                 await wake.wait()
@@ -360,9 +406,12 @@ class Generation:
         prompt_tokens = self.num_prompt_tokens
         completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outputs)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def close(self, status: int, error: APIError | None = None) -> None:
         if self._closed:
@@ -392,21 +441,32 @@ class Generation:
         return RequestTrace(
             request_id=self.request_id,
             provenance_id=self.provenance.id if self.provenance is not None else self.request_id,
-            endpoint=self.endpoint, model=self.model_name, tenant=self.tenant.name,
-            status=record.status, params=self.params, arrival_time=self.arrival_time,
-            end_time=time.time(), timings=[o.metrics for o in outputs if o.metrics is not None],
-            prompt_tokens=record.prompt_tokens, completion_tokens=record.output_tokens,
+            endpoint=self.endpoint,
+            model=self.model_name,
+            tenant=self.tenant.name,
+            status=record.status,
+            params=self.params,
+            arrival_time=self.arrival_time,
+            end_time=time.time(),
+            timings=[o.metrics for o in outputs if o.metrics is not None],
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.output_tokens,
             cached_tokens=record.cached_tokens,
             num_sequences=sum(len(o.outputs) for o in outputs),
             finish_reasons=record.finish_reason.split(",") if record.finish_reason else [],
-            error_code=record.error_code, headers=self.trace_headers)
+            error_code=record.error_code,
+            headers=self.trace_headers,
+        )
 
-    def _log_record(self, status: int, error: APIError | None,
-                    usage: Usage | None) -> RequestLogRecord:
+    def _log_record(self, status: int, error: APIError | None, usage: Usage | None) -> RequestLogRecord:
         outputs = [o for o in self.latest if o is not None]
         record = RequestLogRecord(
-            request_id=self.request_id, endpoint=self.endpoint, tenant=self.tenant.name,
-            model=self.model_name, status=status, stream=self.stream,
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            tenant=self.tenant.name,
+            model=self.model_name,
+            status=status,
+            stream=self.stream,
             prompt_tokens=self.num_prompt_tokens,
             output_tokens=usage.completion_tokens if usage else 0,
             cached_tokens=usage.prompt_tokens_details.cached_tokens if usage else 0,
@@ -442,8 +502,9 @@ class Generation:
 
     def _record_provenance(self) -> None:
         adapter = self.lora_request.lora_name if self.lora_request is not None else None
-        self.provenance = self.ctx.provenance.record(self.request_id, adapter,
-                                                     [stream.route for stream in self.streams], self.route)
+        self.provenance = self.ctx.provenance.record(
+            self.request_id, adapter, [stream.route for stream in self.streams], self.route
+        )
 
     def _charge(self, usage: Usage | None) -> float | None:
         """The request's cost by --price-table, counted in the cost metric (None without a
@@ -451,8 +512,9 @@ class Generation:
         prices = self.ctx.settings.prices
         if prices is None or usage is None:
             return None
-        cost = prices.cost(self.ctx.model_name, usage.prompt_tokens, usage.completion_tokens,
-                           usage.prompt_tokens_details.cached_tokens)
+        cost = prices.cost(
+            self.ctx.model_name, usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
+        )
         if cost is not None and self.ctx.cost is not None:
             self.ctx.cost.add(self.ctx.model_name, self.tenant.name, cost)
         return cost
@@ -463,8 +525,9 @@ def _finish_reason(output: RequestOutput) -> str:
     return reasons[0] if reasons else "abort"
 
 
-def _record_inter_token(ctx: ServeContext, mark: tuple[float, int] | None,
-                        output: RequestOutput) -> tuple[float, int] | None:
+def _record_inter_token(
+    ctx: ServeContext, mark: tuple[float, int] | None, output: RequestOutput
+) -> tuple[float, int] | None:
     """Observe the gaps between the tokens generated since `mark` (time, tokens so far).
 
     Uses the engine's timestamps, so outputs the consumer never saw separately (collapsed

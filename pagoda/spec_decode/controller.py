@@ -75,7 +75,7 @@ class SpecDecodeController:
             elif self.ngram is not None:
                 drafts = self.ngram.propose(request.all_token_ids, k)
                 if request.structured_output is not None:  # a draft the grammar rejects ends the drafts
-                    drafts = drafts[:request.structured_output.grammar_prefix(drafts)]
+                    drafts = drafts[: request.structured_output.grammar_prefix(drafts)]
                 spec.token_ids = drafts
                 spec.num_wanted = len(drafts)
             else:
@@ -88,8 +88,14 @@ class SpecDecodeController:
             return {}
         return self.drafter.run(scheduler_output, sampler)
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int],
-               draft_probs: torch.Tensor | None) -> Verification:
+    def verify(
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        request: Request,
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,
+    ) -> Verification:
         return verify(sampler, logits, request, drafts, draft_probs)
 
     def record(self, scheduler_output: SchedulerOutput, num_accepted: dict[str, int]) -> None:
@@ -107,5 +113,4 @@ class SpecDecodeController:
     def stats(self) -> SpecDecodeStats:
         """A copy of the counters, safe to hand to another thread."""
         s = self._stats
-        return SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                               list(s.accepted_per_position))
+        return SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position))

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
-from pagoda.request import Request
 from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.request import Request
 from pagoda.worker.model_runner import PagedModel, Segment, build_batch
 from pagoda.worker.sampler import DraftedRow, Sampler
 
@@ -66,8 +66,9 @@ class DraftModelProposer(PagedModel):
 
     def _forward(self, segments: list[Segment], wanted: list[int]) -> torch.Tensor:
         """Run the draft on the segments; logits at the last token of each wanted segment."""
-        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device,
-                                                    long_rope_boundary=self.model.config.long_rope_boundary)
+        input_ids, positions, layouts = build_batch(
+            segments, self.block_size, self.device, long_rope_boundary=self.model.config.long_rope_boundary
+        )
         hidden = self.model(input_ids, positions, self.forward_context(layouts))
         if not wanted:
             return hidden.new_empty(0, self.model.config.vocab_size)
@@ -86,8 +87,13 @@ class DraftModelProposer(PagedModel):
             requests[i].structured_output.fill_mask(bitmask, position)
         apply_bitmask(logits, bitmask, torch.tensor(constrained, device=logits.device))
 
-    def _propose(self, logits: torch.Tensor, requests: list[Request], sampler: Sampler,
-                 distributions: dict[str, list[torch.Tensor]]) -> None:
+    def _propose(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        sampler: Sampler,
+        distributions: dict[str, list[torch.Tensor]],
+    ) -> None:
         rows = [DraftedRow(request, request.spec.token_ids) for request in requests]
         self.mask_to_grammar(logits, requests)
         processed = sampler.process(logits, rows)
@@ -95,7 +101,7 @@ class DraftModelProposer(PagedModel):
             if request.sampling_params.is_greedy:
                 token = int(processed[i].argmax())
             else:
-                probs = sampler.probabilities(processed[i:i + 1], [row])[0]
+                probs = sampler.probabilities(processed[i : i + 1], [row])[0]
                 token = sampler.draw(probs, row)
                 distributions[request.request_id].append(probs)
             request.spec.token_ids.append(token)

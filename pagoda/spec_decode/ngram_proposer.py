@@ -18,7 +18,7 @@ class NgramProposer:
         haystack = array("q", token_ids).tobytes()
         width = array("q").itemsize
         for n in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
-            needle = haystack[(length - n) * width:]
+            needle = haystack[(length - n) * width :]
             # The occurrence must end before the last token so something follows it.
             end = (length - 1) * width
             while True:
@@ -27,6 +27,6 @@ class NgramProposer:
                     break
                 if found % width == 0:
                     start = found // width + n
-                    return token_ids[start:start + num_tokens]
+                    return token_ids[start : start + num_tokens]
                 end = found + len(needle) - 1  # a match straddling token boundaries: look earlier
         return []

@@ -25,8 +25,9 @@ class Verification:
     num_accepted: int
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int],
-           draft_probs: torch.Tensor | None) -> Verification:
+def verify(
+    sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int], draft_probs: torch.Tensor | None
+) -> Verification:
     """logits [K + 1, V]: the target's logits at the last real token and at each draft.
     draft_probs [K, V]: the draft model's (processed) distributions, None for point masses."""
     num_drafts = len(drafts)

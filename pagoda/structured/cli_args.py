@@ -12,21 +12,36 @@ from pagoda.sampling_params import StructuredOutputsParams
 
 def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("structured output (at most one)")
-    group.add_argument("--json-schema", metavar="JSON|FILE", default=None,
-                       help="constrain the output to this JSON schema (inline JSON or a file)")
+    group.add_argument(
+        "--json-schema",
+        metavar="JSON|FILE",
+        default=None,
+        help="constrain the output to this JSON schema (inline JSON or a file)",
+    )
     group.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
     group.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     group.add_argument("--choice", action="append", default=None, help="one allowed output (repeatable)")
-    group.add_argument("--grammar", metavar="GBNF|FILE", default=None,
-                       help="constrain the output to this EBNF/GBNF or Lark grammar (inline or a file)")
+    group.add_argument(
+        "--grammar",
+        metavar="GBNF|FILE",
+        default=None,
+        help="constrain the output to this EBNF/GBNF or Lark grammar (inline or a file)",
+    )
 
 
 def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
     """The constraint the flags ask for, or None. Raises ValueError naming the flag."""
-    given: dict[str, Any] = {name: value for name, value in (
-        ("json", getattr(args, "json_schema", None)), ("json_object", getattr(args, "json_object", False) or None),
-        ("regex", getattr(args, "regex", None)), ("choice", getattr(args, "choice", None)),
-        ("grammar", getattr(args, "grammar", None))) if value is not None}
+    given: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("json", getattr(args, "json_schema", None)),
+            ("json_object", getattr(args, "json_object", False) or None),
+            ("regex", getattr(args, "regex", None)),
+            ("choice", getattr(args, "choice", None)),
+            ("grammar", getattr(args, "grammar", None)),
+        )
+        if value is not None
+    }
     if not given:
         return None
     if len(given) > 1:
@@ -42,7 +57,9 @@ def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsP
     params = StructuredOutputsParams(**given)
     from pagoda.structured.grammar import build_grammar  # llguidance: only when a flag is used
 
-    build_grammar(params, field="--" + {"json": "json-schema", "json_object": "json-object"}.get(params.kind, params.kind))
+    build_grammar(
+        params, field="--" + {"json": "json-schema", "json_object": "json-object"}.get(params.kind, params.kind)
+    )
     return params
 
 

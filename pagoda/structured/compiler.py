@@ -43,16 +43,22 @@ class StructuredOutputStats:
     requests_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
     def observe_compile(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(COMPILE_TIME_BUCKETS) if seconds <= bound),
-                     len(COMPILE_TIME_BUCKETS))
+        index = next((i for i, bound in enumerate(COMPILE_TIME_BUCKETS) if seconds <= bound), len(COMPILE_TIME_BUCKETS))
         self.compile_time_bucket_counts[index] += 1
         self.compile_time_sum += seconds
         self.num_compiles += 1
 
-    def copy(self) -> "StructuredOutputStats":
-        return StructuredOutputStats(list(self.compile_time_bucket_counts), self.compile_time_sum,
-                                     self.num_compiles, self.cache_queries, self.cache_hits, self.num_timeouts,
-                                     self.num_failures, dict(self.requests_by_kind))
+    def copy(self) -> StructuredOutputStats:
+        return StructuredOutputStats(
+            list(self.compile_time_bucket_counts),
+            self.compile_time_sum,
+            self.num_compiles,
+            self.cache_queries,
+            self.cache_hits,
+            self.num_timeouts,
+            self.num_failures,
+            dict(self.requests_by_kind),
+        )
 
 
 def error_summary(error: str, limit: int = 200) -> str:
@@ -78,16 +84,24 @@ def _probe(matcher: llguidance.LLMatcher, kind: str) -> None:
         bits = int(mask[word])
         probe.consume_token(word * 32 + (bits & -bits).bit_length() - 1)
     if probe.is_error():
-        raise GrammarError(f"structured_outputs.{kind}",
-                           f"the grammar cannot be honoured ({error_summary(probe.get_error())})")
+        raise GrammarError(
+            f"structured_outputs.{kind}", f"the grammar cannot be honoured ({error_summary(probe.get_error())})"
+        )
 
 
 class GrammarCompiler:
     """Hands out futures of compiled grammars (template matchers, never advanced themselves:
     each request gets a deep copy). Thread-safe; one or more worker threads."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], *,
-                 max_workers: int = 1, cache_size: int = 512) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        max_workers: int = 1,
+        cache_size: int = 512,
+    ) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.cache_size = cache_size

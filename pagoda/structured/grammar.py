@@ -15,16 +15,14 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from pagoda.errors import InvalidRequest
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.structured.triggered import (check_triggered_spec, is_triggered_spec, special_trigger_ids,
-                                         triggered_lark)
+from pagoda.structured.triggered import check_triggered_spec, is_triggered_spec, special_trigger_ids, triggered_lark
 
 if TYPE_CHECKING:  # a TypedDict of llguidance's stubs only
     from llguidance._lib import JsonCompileOptions
 
 # JSON as OpenAI and vLLM emit it under a schema: compact separators, no free whitespace (a
 # model cannot pad forever), properties in schema order.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
-                                "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(InvalidRequest):
@@ -46,8 +44,9 @@ def grammar_failure(message: str) -> InvalidRequest:
     return InvalidRequest(message, param=field if field.startswith("structured_outputs") else "structured_outputs")
 
 
-def build_grammar(params: StructuredOutputsParams, field: str | None = None,
-                  tokenizer: llguidance.LLTokenizer | None = None) -> str:
+def build_grammar(
+    params: StructuredOutputsParams, field: str | None = None, tokenizer: llguidance.LLTokenizer | None = None
+) -> str:
     """The llguidance grammar for `params`, validated. Raises GrammarError. With `tokenizer`
     (the engine compiling it), a structural tag's triggers that are special tokens of that
     tokenizer are matched as those tokens; without, as text (checking in the API server)."""
@@ -134,10 +133,15 @@ def triggered_spec(spec: dict[str, Any] | str) -> dict[str, Any]:
         schema = structure.get("schema", {})
         if not isinstance(schema, dict):
             raise GrammarError(field, f"structures[{i}].schema must be a JSON schema object")
-        parts = [_lark_string(begin[len(trigger):]), f"%json {json.dumps(schema)}", _lark_string(str(structure.get("end", "")))]
+        parts = [
+            _lark_string(begin[len(trigger) :]),
+            f"%json {json.dumps(schema)}",
+            _lark_string(str(structure.get("end", ""))),
+        ]
         bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p != '""'))
-    segments = [{"trigger": trigger, "body": "(" + " | ".join(alternatives) + ")"}
-                for trigger, alternatives in bodies.items()]
+    segments = [
+        {"trigger": trigger, "body": "(" + " | ".join(alternatives) + ")"} for trigger, alternatives in bodies.items()
+    ]
     return {"placement": "anywhere", "segments": segments}
 
 
@@ -153,5 +157,5 @@ def _short(error: object) -> str:
         return "invalid grammar"
     reason = next((line for line in lines[1:] if line.startswith("error:")), None)
     if lines[0].endswith(":") and reason:  # 'regex parse error:', the pattern, a caret, 'error: ...'
-        return f"{lines[0]} {reason[len('error:'):].strip()}"[:500]
+        return f"{lines[0]} {reason[len('error:') :].strip()}"[:500]
     return lines[0][:500]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.request import Request
 from pagoda.kernels.bitmask import allocate_bitmask, apply_bitmask
+from pagoda.request import Request
 from pagoda.structured.compiler import GrammarCompiler, StructuredOutputStats, error_summary
 from pagoda.structured.grammar import GrammarError
 from pagoda.structured.matcher import RequestMatcher
@@ -33,8 +33,15 @@ class _Pending:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 timeout_s: float, max_workers: int = 1) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        timeout_s: float,
+        max_workers: int = 1,
+    ) -> None:
         self.timeout_s = timeout_s
         self.compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids), max_workers=max_workers)
         self._pending: list[_Pending] = []
@@ -54,8 +61,9 @@ class StructuredOutputManager:
     def wait(self, timeout_s: float) -> None:
         """Block until a pending grammar is done or `timeout_s` passes (an otherwise idle step)."""
         if self._pending:
-            concurrent.futures.wait([p.future for p in self._pending], timeout=timeout_s,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                [p.future for p in self._pending], timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def poll(self) -> tuple[list[tuple[str, list[Request]]], list[tuple[str, str]]]:
         """(request id, samples) whose grammars are ready, matchers attached; and
@@ -77,14 +85,21 @@ class StructuredOutputManager:
                     ready.append((pending.request_id, pending.samples))
                 else:
                     self.compiler.record(failure=True)
-                    message = str(error) if isinstance(error, GrammarError) else \
-                        f"structured_outputs: the grammar could not be compiled: {error}"
+                    message = (
+                        str(error)
+                        if isinstance(error, GrammarError)
+                        else f"structured_outputs: the grammar could not be compiled: {error}"
+                    )
                     failed.append((pending.request_id, message))
             elif now - pending.submitted > self.timeout_s:
                 self.compiler.record(timeout=True)
-                failed.append((pending.request_id,
-                               f"structured_outputs: compiling the grammar took longer than "
-                               f"{self.timeout_s:g} s (--structured-output-timeout)"))
+                failed.append(
+                    (
+                        pending.request_id,
+                        f"structured_outputs: compiling the grammar took longer than "
+                        f"{self.timeout_s:g} s (--structured-output-timeout)",
+                    )
+                )
             else:
                 still.append(pending)
         self._pending = still
@@ -101,7 +116,7 @@ class StructuredOutputManager:
             matcher = request.structured_output
             if matcher is None:
                 continue
-            new_tokens = request.output_token_ids[outputs_before[id(request)]:]
+            new_tokens = request.output_token_ids[outputs_before[id(request)] :]
             extra = len(new_tokens) - matcher.accept(new_tokens)
             if extra:
                 # Tokens the grammar did not take are never emitted: past its end (a speculative
@@ -112,8 +127,11 @@ class StructuredOutputManager:
                 request.stop_reason = None
             if matcher.failed:
                 # The first line only: the rest dumps the grammar and the tokens (request content).
-                logger.warning("request %s: its grammar failed (%s); stopping it", request.request_id,
-                               error_summary(matcher.matcher.get_error() or "a token outside the grammar"))
+                logger.warning(
+                    "request %s: its grammar failed (%s); stopping it",
+                    request.request_id,
+                    error_summary(matcher.matcher.get_error() or "a token outside the grammar"),
+                )
             if not request.is_finished and (matcher.is_terminated or matcher.failed):
                 done.append(request)
         return done
@@ -137,10 +155,15 @@ class GrammarMasks:
     runner applies the grammar bitmask to the logits before its sampler sees them).
     """
 
-    def __init__(self, groups: Sequence[tuple[int, Request, Sequence[int]]], vocab_size: int,
-                 pool: concurrent.futures.Executor | None = None) -> None:
-        self.constrained = [(row, request, list(drafts)) for row, request, drafts in groups
-                            if request.structured_output is not None]
+    def __init__(
+        self,
+        groups: Sequence[tuple[int, Request, Sequence[int]]],
+        vocab_size: int,
+        pool: concurrent.futures.Executor | None = None,
+    ) -> None:
+        self.constrained = [
+            (row, request, list(drafts)) for row, request, drafts in groups if request.structured_output is not None
+        ]
         self.rows = [r for row, _, drafts in self.constrained for r in range(row, row + len(drafts) + 1)]
         self.bitmask = allocate_bitmask(len(self.rows), vocab_size) if self.constrained else None
         self._filled = pool.submit(self._fill) if pool is not None and self.constrained else None
@@ -173,8 +196,12 @@ class GrammarMasks:
             executor = batched[0][0].executor
             assert executor is not None, "only matchers with an executor are batched"
             try:
-                executor.unsafe_compute_mask_ptr([(m.matcher, r) for m, r in batched], bitmask.data_ptr(),
-                                                 bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
+                executor.unsafe_compute_mask_ptr(
+                    [(m.matcher, r) for m, r in batched],
+                    bitmask.data_ptr(),
+                    bitmask.shape[1] * bitmask.element_size(),
+                    bitmask.shape[0],
+                )
             except (RuntimeError, ValueError):  # one matcher's failure: redo row by row to find it
                 for matcher, row in batched:
                     matcher.fill_mask(bitmask, row)

@@ -110,7 +110,7 @@ class RequestMatcher:
         consumed = 0
         self.fill_mask(bitmask, first_row)
         if self.failed:
-            bitmask[first_row:first_row + len(drafts) + 1] = -1
+            bitmask[first_row : first_row + len(drafts) + 1] = -1
             return
         for i, draft in enumerate(drafts):
             row = first_row + i + 1

@@ -48,8 +48,12 @@ def check_triggered_spec(spec: Mapping[str, Any]) -> str | None:
     if not isinstance(segments, list) or not segments:
         return "needs a non-empty list `segments` of {trigger, body}"
     for i, segment in enumerate(segments):
-        if not isinstance(segment, dict) or not isinstance(segment.get("trigger"), str) or not segment["trigger"] \
-                or not isinstance(segment.get("body"), str):
+        if (
+            not isinstance(segment, dict)
+            or not isinstance(segment.get("trigger"), str)
+            or not segment["trigger"]
+            or not isinstance(segment.get("body"), str)
+        ):
             return f"segments[{i}] needs a non-empty string `trigger` and a Lark string `body`"
         tokens = segment.get("tokens", [])
         if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
@@ -124,5 +128,4 @@ def special_trigger_ids(spec: Mapping[str, Any], tokenizer: Any) -> dict[str, in
     return found
 
 
-__all__ = ["PLACEMENTS", "check_triggered_spec", "is_triggered_spec", "special_trigger_ids",
-           "triggered_lark"]
+__all__ = ["PLACEMENTS", "check_triggered_spec", "is_triggered_spec", "special_trigger_ids", "triggered_lark"]

@@ -56,14 +56,17 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
 
     @classmethod
-    def allocate(cls, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> "DecodeInputs":
+    def allocate(cls, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> DecodeInputs:
         def longs(fill: int) -> torch.Tensor:
             return torch.full((max_batch_size,), fill, dtype=torch.long, device=device)
 
         return cls(
-            input_ids=longs(0), positions=longs(0), slot_mapping=longs(-1),
+            input_ids=longs(0),
+            positions=longs(0),
+            slot_mapping=longs(-1),
             query_start_loc=torch.arange(max_batch_size + 1, dtype=torch.long, device=device),
-            context_lens=longs(0), seq_lens=longs(1),
+            context_lens=longs(0),
+            seq_lens=longs(1),
             block_tables=torch.zeros((max_batch_size, max_blocks_per_seq), dtype=torch.int32, device=device),
         )
 
@@ -77,7 +80,7 @@ class DecodeInputs:
         self.slot_mapping[:n].copy_(layout.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(layout.context_lens, non_blocking=True)
         self.seq_lens[:n].copy_(layout.seq_lens, non_blocking=True)
-        self.block_tables[:n, :layout.block_tables.shape[1]].copy_(layout.block_tables, non_blocking=True)
+        self.block_tables[:n, : layout.block_tables.shape[1]].copy_(layout.block_tables, non_blocking=True)
         if batch_size > n:
             self.input_ids[n:batch_size].zero_()
             self.positions[n:batch_size].zero_()
@@ -91,7 +94,7 @@ class DecodeInputs:
         possible contexts: whatever a backend plans from them holds for any real batch."""
         return BatchLayout(
             slot_mapping=self.slot_mapping[:batch_size],
-            query_start_loc=self.query_start_loc[:batch_size + 1],
+            query_start_loc=self.query_start_loc[: batch_size + 1],
             context_lens=self.context_lens[:batch_size],
             seq_lens=self.seq_lens[:batch_size],
             block_tables=self.block_tables[:batch_size],
@@ -105,9 +108,17 @@ class DecodeGraphRunner:
     """Captures `model` per decode bucket; `run` replays. `run_eager` executes the same padded
     forward without a graph (for checking the padding on any device)."""
 
-    def __init__(self, model: DecoderModel, backend: AttentionBackend,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None], sliding_windows: set[int | None],
-                 max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None],
+        sliding_windows: set[int | None],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         if not supports_cuda_graphs(backend):
             raise ValueError(f"attention backend {backend.name!r} cannot be captured in CUDA graphs")
         self.model = model
@@ -123,8 +134,11 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def fits(self, layout: BatchLayout) -> bool:
-        return (max(layout.query_lens_host) == 1 and layout.num_reqs <= self.batch_sizes[-1]
-                and layout.block_tables.shape[1] <= self.max_blocks_per_seq)
+        return (
+            max(layout.query_lens_host) == 1
+            and layout.num_reqs <= self.batch_sizes[-1]
+            and layout.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         layout = self.inputs.layout(batch_size, self.block_size, self.max_model_len)
@@ -154,11 +168,11 @@ class DecodeGraphRunner:
         assert batch_size is not None and batch_size in self.graphs
         self.inputs.load(input_ids, positions, layout, batch_size)
         self.graphs[batch_size].replay()
-        return self.outputs[batch_size][:layout.num_reqs]
+        return self.outputs[batch_size][: layout.num_reqs]
 
     @torch.inference_mode()
     def run_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         batch_size = bucket_for(layout.num_reqs, self.batch_sizes)
         assert batch_size is not None
         self.inputs.load(input_ids, positions, layout, batch_size)
-        return self._forward(batch_size)[:layout.num_reqs]
+        return self._forward(batch_size)[: layout.num_reqs]

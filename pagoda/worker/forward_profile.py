@@ -17,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
@@ -67,6 +66,7 @@ class ForwardProfiler:
             self.seconds[kind] += time.perf_counter() - self._started.pop(id(module))
             if kind == "embedding":
                 self.tokens += args[0].numel()
+
         return hook
 
     def _wrap(self, owner: Any, method: str, kind: str) -> None:
@@ -96,4 +96,3 @@ class ForwardProfiler:
         for restore in self._restore:
             restore()
         self._handles, self._restore = [], []
-

@@ -18,9 +18,9 @@ import torch
 
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.kv_transfer.block_transfer import BlockTransfer
 from pagoda.lora.manager import LoRAManager
-from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.model.decoder import DecoderModel
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
@@ -81,8 +81,14 @@ class SubmittedStep:
 class StepBroadcaster(Protocol):
     """Tensor parallelism (pagoda.executor): hands rank 0's forward to the other ranks."""
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, layouts: list[BatchLayout],
-                       logit_rows: list[int], block_copies: list[tuple[int, int]]) -> None: ...
+    def broadcast_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layouts: list[BatchLayout],
+        logit_rows: list[int],
+        block_copies: list[tuple[int, int]],
+    ) -> None: ...
 
 
 class LaterStages(StepBroadcaster, Protocol):
@@ -112,8 +118,14 @@ class Speculator(Protocol):
     def propose(self, scheduler_output: SchedulerOutput, sampler: Sampler) -> dict[str, torch.Tensor | None]:
         """Fill the drafts of the speculating requests; their draft distributions (None: point masses)."""
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int],
-               draft_probs: torch.Tensor | None) -> Verified:
+    def verify(
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        request: Request,
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,
+    ) -> Verified:
         """Accept a prefix of the drafts from the target's logits [K + 1, V]."""
 
 
@@ -126,8 +138,13 @@ class Segment:
     token_ids: list[int]
 
 
-def build_batch(segments: Sequence[Segment], block_size: int, device: torch.device, num_groups: int = 1,
-                long_rope_boundary: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[BatchLayout]]:
+def build_batch(
+    segments: Sequence[Segment],
+    block_size: int,
+    device: torch.device,
+    num_groups: int = 1,
+    long_rope_boundary: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[BatchLayout]]:
     """Flatten segments into input ids, positions and the attention layout of each KV cache
     group (they differ only in block tables and slots). With LongRoPE, the positions of requests
     on the long factors are shifted by the boundary, to their rows of the rotary tables."""
@@ -155,22 +172,46 @@ def build_batch(segments: Sequence[Segment], block_size: int, device: torch.devi
             span = range(segment.start, segment.start + len(segment.token_ids))
             slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in span)
         max_blocks = max(len(t) for t in block_tables)
-        layouts.append(BatchLayout(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32,
-                                      device=device),
-            query_start_loc=query_start_loc_t, context_lens=context_lens_t, seq_lens=seq_lens_t,
-            block_size=block_size, query_lens_host=query_lens, context_lens_host=context_lens))
-    return (torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device), layouts)
+        layouts.append(
+            BatchLayout(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                block_tables=torch.tensor(
+                    [t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32, device=device
+                ),
+                query_start_loc=query_start_loc_t,
+                context_lens=context_lens_t,
+                seq_lens=seq_lens_t,
+                block_size=block_size,
+                query_lens_host=query_lens,
+                context_lens_host=context_lens,
+            )
+        )
+    return (
+        torch.tensor(input_ids, dtype=torch.long, device=device),
+        torch.tensor(positions, dtype=torch.long, device=device),
+        layouts,
+    )
 
 
 class ModelRunner(PagedModel):
-    def __init__(self, model: DecoderModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, *, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, speculator: Speculator | None = None,
-                 kv_format: KVCacheFormat | None = None, lora: LoRAManager | None = None,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        enforce_eager: bool = False,
+        speculator: Speculator | None = None,
+        kv_format: KVCacheFormat | None = None,
+        lora: LoRAManager | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:
         super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format, groups)
         self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
@@ -186,10 +227,10 @@ class ModelRunner(PagedModel):
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         # Graphs replay one block table per request: a model with several KV cache groups runs eagerly.
-        if (device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend)
-                and len(self.kv_groups) == 1):
-            self.decode_graphs = DecodeGraphRunner(model, backend, self.kv_caches, self.sliding_windows,
-                                                   max_num_seqs, max_model_len, block_size, device)
+        if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend) and len(self.kv_groups) == 1:
+            self.decode_graphs = DecodeGraphRunner(
+                model, backend, self.kv_caches, self.sliding_windows, max_num_seqs, max_model_len, block_size, device
+            )
             self.decode_graphs.capture()
 
     @torch.inference_mode()
@@ -211,10 +252,11 @@ class ModelRunner(PagedModel):
             request = entry.request
             num_real = entry.num_new_tokens - entry.num_spec_tokens
             begin = entry.num_computed_before
-            tokens = request.all_token_ids[begin:begin + num_real] + request.spec.token_ids[:entry.num_spec_tokens]
+            tokens = request.all_token_ids[begin : begin + num_real] + request.spec.token_ids[: entry.num_spec_tokens]
             segments.append(Segment(request, begin, tokens))
-        input_ids, positions, layouts = build_batch(segments, self.block_size, self.device, len(self.kv_groups),
-                                                    self.model.config.long_rope_boundary)
+        input_ids, positions, layouts = build_batch(
+            segments, self.block_size, self.device, len(self.kv_groups), self.model.config.long_rope_boundary
+        )
         logit_rows, row_owners = self._logit_rows(scheduler_output, layouts[0])
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
@@ -236,10 +278,16 @@ class ModelRunner(PagedModel):
         if self.pipeline is not None:
             self.pipeline.hand_on(hidden, logit_rows)
         forwarded = time.perf_counter()
-        return SubmittedStep(scheduler_output, hidden, layouts[0].query_start_loc, logit_rows, row_owners,
-                             grammar_masks, draft_probs,
-                             StepTimings(prepare=prepared - proposed, propose=proposed - start,
-                                         forward=forwarded - prepared))
+        return SubmittedStep(
+            scheduler_output,
+            hidden,
+            layouts[0].query_start_loc,
+            logit_rows,
+            row_owners,
+            grammar_masks,
+            draft_probs,
+            StepTimings(prepare=prepared - proposed, propose=proposed - start, forward=forwarded - prepared),
+        )
 
     @torch.inference_mode()
     def collect(self, step: SubmittedStep) -> ModelRunnerOutput:
@@ -254,8 +302,9 @@ class ModelRunner(PagedModel):
 
         output = ModelRunnerOutput()
         if any(entry.request.sampling_params.pooling for entry in step.scheduler_output.scheduled):
-            output.pooled = pool_prompts(step.scheduler_output.scheduled, step.hidden,
-                                         step.query_start_loc.tolist(), self.model.score)
+            output.pooled = pool_prompts(
+                step.scheduler_output.scheduled, step.hidden, step.query_start_loc.tolist(), self.model.score
+            )
         if logits is not None:
             step.grammar_masks.apply(logits)  # filled while the forward ran
             self._sample(logits, step.row_owners, step.draft_probs, output)
@@ -285,11 +334,16 @@ class ModelRunner(PagedModel):
                 last = min(begin + num_real, request.num_prompt_tokens - 1)
                 if last > begin:
                     rows.extend(range(row0, row0 + last - begin))
-                    owners.append(("prompt", request, request.prompt_token_ids[begin + 1:last + 1]))
+                    owners.append(("prompt", request, request.prompt_token_ids[begin + 1 : last + 1]))
         return rows, owners
 
-    def _sample(self, logits: torch.Tensor, owners: list[tuple], draft_probs: dict[str, torch.Tensor | None],
-                output: ModelRunnerOutput) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        owners: list[tuple],
+        draft_probs: dict[str, torch.Tensor | None],
+        output: ModelRunnerOutput,
+    ) -> None:
         offsets = []
         offset = 0
         for kind, request, extent in owners:
@@ -303,27 +357,30 @@ class ModelRunner(PagedModel):
             if len(plain) == logits.shape[0]:  # every row samples one token: no gather
                 sampled = self.sampler(logits, requests)
             else:
-                sampled = self.sampler(logits[torch.tensor([offsets[i] for i, _ in plain], device=logits.device)],
-                                       requests)
+                sampled = self.sampler(
+                    logits[torch.tensor([offsets[i] for i, _ in plain], device=logits.device)], requests
+                )
             for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
                 output.sampled_token_ids[request.request_id] = [token_id]
                 if logprobs is not None:
                     output.logprobs[request.request_id] = [logprobs]
 
         for index, (kind, request, extent) in enumerate(owners):
-            rows = logits[offsets[index]:offsets[index] + (len(extent) if kind == "prompt" else extent)]
+            rows = logits[offsets[index] : offsets[index] + (len(extent) if kind == "prompt" else extent)]
             if kind == "verify":
-                drafts = request.spec.token_ids[:extent - 1]
+                drafts = request.spec.token_ids[: extent - 1]
                 assert self.speculator is not None  # verify rows exist only for drafted requests
-                result = self.speculator.verify(self.sampler, rows, request, drafts,
-                                                draft_probs.get(request.request_id))
+                result = self.speculator.verify(
+                    self.sampler, rows, request, drafts, draft_probs.get(request.request_id)
+                )
                 output.sampled_token_ids[request.request_id] = result.token_ids
                 output.num_accepted[request.request_id] = result.num_accepted
                 k = request.sampling_params.logprobs
                 if k is not None:
                     emitted = result.token_ids
-                    output.logprobs[request.request_id] = position_logprobs(rows[:len(emitted)], emitted,
-                                                                            [k] * len(emitted))
+                    output.logprobs[request.request_id] = position_logprobs(
+                        rows[: len(emitted)], emitted, [k] * len(emitted)
+                    )
             elif kind == "prompt":
                 k = request.sampling_params.prompt_logprobs or 0
                 output.prompt_logprobs[request.request_id] = position_logprobs(rows, extent, [k] * len(extent))
@@ -344,6 +401,6 @@ def _grammar_groups(owners: list[tuple]) -> list[tuple[int, Request, list[int]]]
     groups, offset = [], 0
     for kind, request, extent in owners:
         if kind != "prompt":
-            groups.append((offset, request, request.spec.token_ids[:extent - 1] if kind == "verify" else []))
+            groups.append((offset, request, request.spec.token_ids[: extent - 1] if kind == "verify" else []))
         offset += len(extent) if kind == "prompt" else extent
     return groups

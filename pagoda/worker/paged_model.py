@@ -20,10 +20,15 @@ from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
-def allocate_kv_caches(model: DecoderModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device, kv_format: KVCacheFormat | None = None,
-                       groups: Sequence[KVCacheGroup] | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+def allocate_kv_caches(
+    model: DecoderModel,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_format: KVCacheFormat | None = None,
+    groups: Sequence[KVCacheGroup] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per layer (key_cache, value_cache); layers at the same place in different groups share them
     (None for the layers of other pipeline stages)."""
     config = model.config
@@ -40,8 +45,10 @@ def allocate_kv_caches(model: DecoderModel, num_blocks: int, block_size: int, dt
         for place, layer in enumerate(group.layers):
             if model.stage.holds_layer(layer):
                 if place not in pairs:
-                    pairs[place] = (torch.zeros(shape, dtype=storage, device=device),
-                                    torch.zeros(shape, dtype=storage, device=device))
+                    pairs[place] = (
+                        torch.zeros(shape, dtype=storage, device=device),
+                        torch.zeros(shape, dtype=storage, device=device),
+                    )
                 caches[layer] = pairs[place]
     return caches
 
@@ -56,9 +63,17 @@ class PagedModel:
     (spec_decode) holds its own, indexed by the same block ids and slots. `kv_format` is how the
     caches store K/V (--kv-cache-dtype; None: the model dtype) and must be the backend's."""
 
-    def __init__(self, model: DecoderModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_format: KVCacheFormat | None = None,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_format: KVCacheFormat | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:
         specs: list[AttentionLayerSpec] = []
         for i in model.stage.layers:
             spec = model.get_submodule(f"model.layers.{i}.self_attn").spec

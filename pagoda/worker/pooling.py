@@ -10,7 +10,7 @@ The vector is ready in the step that computes the prompt's last token.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,8 +19,9 @@ POOLING_METHODS = ("last", "mean", "classify")
 Classifier = Callable[[torch.Tensor], torch.Tensor]  # final-norm hidden states -> float32 logits
 
 
-def pool_prompts(scheduled: Sequence, hidden: torch.Tensor, query_starts: list[int],
-                 classifier: Classifier | None = None) -> dict[str, list[float]]:
+def pool_prompts(
+    scheduled: Sequence, hidden: torch.Tensor, query_starts: list[int], classifier: Classifier | None = None
+) -> dict[str, list[float]]:
     """request id -> pooled vector, for each pooling request whose prompt finished in this step.
     `scheduled`: the step's entries; `hidden` [tokens, hidden]: the forward's final-norm
     states, rows laid out by `query_starts`; `classifier`: the model's head for "classify"
@@ -33,12 +34,11 @@ def pool_prompts(scheduled: Sequence, hidden: torch.Tensor, query_starts: list[i
             continue
         begin = entry.num_computed_before
         num_real = entry.num_new_tokens - entry.num_spec_tokens
-        rows = hidden[query_starts[index]:query_starts[index] + num_real].float()
+        rows = hidden[query_starts[index] : query_starts[index] + num_real].float()
         if method == "mean":
             # A recomputed prompt (after a preemption) starts its sum again.
             partial = rows.sum(dim=0)
-            request.pooled_sum = partial if begin == 0 or request.pooled_sum is None \
-                else request.pooled_sum + partial
+            request.pooled_sum = partial if begin == 0 or request.pooled_sum is None else request.pooled_sum + partial
         if begin + num_real < request.num_prompt_tokens:
             continue
         if method == "mean":

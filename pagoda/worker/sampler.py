@@ -88,8 +88,9 @@ class Sampler:
         logprobs: list[PositionLogprobs | None] = [None] * len(requests)
         if any(k is not None for k in wanted):
             asking = [i for i, k in enumerate(wanted) if k is not None]
-            computed = position_logprobs(raw_logits[asking], [sampled[i] for i in asking],
-                                         [k for k in wanted if k is not None])
+            computed = position_logprobs(
+                raw_logits[asking], [sampled[i] for i in asking], [k for k in wanted if k is not None]
+            )
             for i, entry in zip(asking, computed):
                 logprobs[i] = entry
         return SamplerOutput(sampled, logprobs)
@@ -99,8 +100,12 @@ class Sampler:
     def process(self, logits: torch.Tensor, requests: Sequence[Request | DraftedRow]) -> torch.Tensor:
         """Logit bias, min_tokens masking and penalties (the processing greedy decoding sees too)."""
         needs_copy = any(
-            r.sampling_params.logit_bias or r.sampling_params.needs_penalties or r.sampling_params.bans_tokens
-            or r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
+            r.sampling_params.logit_bias
+            or r.sampling_params.needs_penalties
+            or r.sampling_params.bans_tokens
+            or r.num_output_tokens < r.sampling_params.min_tokens
+            for r in requests
+        )
         if not needs_copy:
             return logits
         logits = logits.clone()
@@ -135,8 +140,7 @@ class Sampler:
                 allowed[0].extend([i] * len(ids))
                 allowed[1].extend(ids)
             if params.bad_words_token_ids:
-                ids = [t for t in _bad_word_endings(params.bad_words_token_ids, request.output_token_ids)
-                       if t < vocab]
+                ids = [t for t in _bad_word_endings(params.bad_words_token_ids, request.output_token_ids) if t < vocab]
                 banned[0].extend([i] * len(ids))
                 banned[1].extend(ids)
         if not restricted and not banned[0]:
@@ -144,11 +148,9 @@ class Sampler:
         mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
         if restricted:
             mask[torch.tensor(restricted, device=logits.device)] = True
-            mask[torch.tensor(allowed[0], device=logits.device),
-                 torch.tensor(allowed[1], device=logits.device)] = False
+            mask[torch.tensor(allowed[0], device=logits.device), torch.tensor(allowed[1], device=logits.device)] = False
         if banned[0]:
-            mask[torch.tensor(banned[0], device=logits.device),
-                 torch.tensor(banned[1], device=logits.device)] = True
+            mask[torch.tensor(banned[0], device=logits.device), torch.tensor(banned[1], device=logits.device)] = True
         logits.masked_fill_(mask, float("-inf"))
 
     def _apply_penalties(self, row: torch.Tensor, request: Request | DraftedRow) -> None:
@@ -157,12 +159,12 @@ class Sampler:
             # Applies to every token seen so far, prompt included (as transformers and vLLM do).
             seen = torch.tensor(request.all_token_ids, device=row.device).unique()
             values = row[seen]
-            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                    values * params.repetition_penalty)
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
         if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
             # OpenAI's definition: only generated tokens count.
-            counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device),
-                                    minlength=self.vocab_size)[: self.vocab_size].to(row.dtype)
+            counts = torch.bincount(
+                torch.tensor(request.output_token_ids, device=row.device), minlength=self.vocab_size
+            )[: self.vocab_size].to(row.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -208,7 +210,7 @@ def _bad_word_endings(words: list[list[int]], output_token_ids: list[int]) -> li
         prefix = word[:-1]
         if len(prefix) > len(output_token_ids):
             continue
-        if not prefix or output_token_ids[-len(prefix):] == prefix:
+        if not prefix or output_token_ids[-len(prefix) :] == prefix:
             endings.append(word[-1])
     return endings
 

@@ -12,8 +12,15 @@ ENGINE_CORE = PACKAGE_DIR / "engine" / "engine_core.py"
 
 # What only the assembly reaches: model loading, executors, weight formats and kernels,
 # verification, the pool plan.
-ASSEMBLY_ONLY = ("pagoda.model.loader", "pagoda.executor", "pagoda.quant.weight_formats", "pagoda.native",
-                 "pagoda.artifacts", "pagoda.core.kv_plan", "pagoda.spec_decode.draft_proposer")
+ASSEMBLY_ONLY = (
+    "pagoda.model.loader",
+    "pagoda.executor",
+    "pagoda.quant.weight_formats",
+    "pagoda.native",
+    "pagoda.artifacts",
+    "pagoda.core.kv_plan",
+    "pagoda.spec_decode.draft_proposer",
+)
 
 
 def engine_core_init() -> ast.FunctionDef:
@@ -29,7 +36,8 @@ def test_engine_core_init_is_short() -> None:
 
 
 def test_engine_core_leaves_building_to_the_assembly() -> None:
-    imported = [node.module or "" for node in ast.walk(ast.parse(ENGINE_CORE.read_text()))
-                if isinstance(node, ast.ImportFrom)]
+    imported = [
+        node.module or "" for node in ast.walk(ast.parse(ENGINE_CORE.read_text())) if isinstance(node, ast.ImportFrom)
+    ]
     wrong = [name for name in imported if name.startswith(ASSEMBLY_ONLY)]
     assert not wrong, f"engine_core imports {wrong}: that belongs in pagoda/engine/assembly.py"

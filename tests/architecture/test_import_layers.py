@@ -18,17 +18,24 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "pagoda"
 # lower layers and itself, nothing else. "pagoda" is the package's front (`from pagoda import
 # LLM, SamplingParams`), for the applications on top.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
-     "rl",  # a trainer's weight-update group and HTTP helper: torch only, engine/ receives with it
-     "dataclass_flags",  # command-line flags generated from the settings dataclasses
-     "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
-     "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table
-     "http_client",  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
-     "gguf_layout"),  # a GGUF header's counts and offsets checked against the file: tokenizer, quant
+    (
+        "errors",  # InvalidRequest: raised by sampling_params, tokenizer and engine alike
+        "rl",  # a trainer's weight-update group and HTTP helper: torch only, engine/ receives with it
+        "dataclass_flags",  # command-line flags generated from the settings dataclasses
+        "stats",  # percentiles of samples and of histograms: bench, ops, serve's dashboard, benchmarks/
+        "data_files",  # YAML/JSON settings files users write: guard's rules, serve's price table
+        "http_client",  # SSE reader, server start and /health wait: bench, ops, tests, benchmarks/
+        "gguf_layout",
+    ),  # a GGUF header's counts and offsets checked against the file: tokenizer, quant
     ("gguf_tokenizer",),  # a GGUF file's vocabulary as a `tokenizers` tokenizer, as llama.cpp splits text
     ("diagnosis",),  # triage rules over metric samples (on stats): ops' doctor and serve's dashboard
-    ("config", "sampling_params", "outputs", "tokenizer",
-     "lora_request"),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
+    (
+        "config",
+        "sampling_params",
+        "outputs",
+        "tokenizer",
+        "lora_request",
+    ),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
     ("request",),
     ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, reached through kernels/
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
@@ -46,8 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replicas",),  # data-parallel replicas and their router: AsyncLLMs behind one front
     ("pagoda",),
     ("guard",),  # guardrails: pattern rules and a classifier model run through the engine
-    ("serve", "bench", "plan", "eval",
-     "batch_offline"),  # pagoda run-batch: OpenAI batch lines through the offline LLM
+    ("serve", "bench", "plan", "eval", "batch_offline"),  # pagoda run-batch: OpenAI batch lines through the offline LLM
     ("ops",),  # gate and audit: HTTP clients that reuse bench's load generator, no engine code
     ("cli",),
 ]
@@ -126,7 +132,7 @@ def test_no_import_cycles() -> None:
         path.append(module)
         for target in graph[module]:
             if state.get(target) == 1:
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, path)
         path.pop()
@@ -147,19 +153,22 @@ def test_the_check_sees_imports() -> None:
 
 
 # What serve/ must not name: the engine clients' classes (it holds an EngineClient).
-ENGINE_CLIENT_CLASSES = ("pagoda.engine.async_llm", "pagoda.replicas.replica_set",
-                         "pagoda.replicas.routed_stream")
+ENGINE_CLIENT_CLASSES = ("pagoda.engine.async_llm", "pagoda.replicas.replica_set", "pagoda.replicas.routed_stream")
 
 
 def test_serve_is_typed_against_the_engine_client() -> None:
-    serve_modules = {module: path for module, path in module_names().items()
-                     if module.startswith("pagoda.serve.") or module == "pagoda.serve"}
+    serve_modules = {
+        module: path
+        for module, path in module_names().items()
+        if module.startswith("pagoda.serve.") or module == "pagoda.serve"
+    }
     wrong = []
     uses_client = []
     for module, path in serve_modules.items():
         for name, line in imported_names(module, path):
-            if any(name == banned or name.startswith(banned + ".") for banned in ENGINE_CLIENT_CLASSES) \
-                    or name.rsplit(".", 1)[-1] in ("AsyncLLM", "ReplicaSet"):
+            if any(name == banned or name.startswith(banned + ".") for banned in ENGINE_CLIENT_CLASSES) or name.rsplit(
+                ".", 1
+            )[-1] in ("AsyncLLM", "ReplicaSet"):
                 wrong.append(f"{module}:{line} imports {name}")
             if name == "pagoda.engine.client.EngineClient":
                 uses_client.append(module)

@@ -20,18 +20,27 @@ LAYER_UNITS = ("model", "lora")
 
 
 def outside_kernels() -> dict[str, Path]:
-    return {module: path for module, path in module_names().items()
-            if module != KERNELS and not module.startswith(KERNELS + ".")
-            and module != "pagoda.native" and not module.startswith("pagoda.native.")}
+    return {
+        module: path
+        for module, path in module_names().items()
+        if module != KERNELS
+        and not module.startswith(KERNELS + ".")
+        and module != "pagoda.native"
+        and not module.startswith("pagoda.native.")
+    }
 
 
 def test_native_and_triton_modules_are_imported_only_by_kernels() -> None:
     wrong = []
     for module, path in outside_kernels().items():
         for name, line in imported_names(module, path):
-            if name == "pagoda.native" or name.startswith("pagoda.native.") \
-                    or name == "pagoda.kernels.triton" or name.startswith("pagoda.kernels.triton.") \
-                    or name.split(".")[0] == "triton":
+            if (
+                name == "pagoda.native"
+                or name.startswith("pagoda.native.")
+                or name == "pagoda.kernels.triton"
+                or name.startswith("pagoda.kernels.triton.")
+                or name.split(".")[0] == "triton"
+            ):
                 wrong.append(f"{module}:{line} imports {name}")
     assert wrong == []
 
@@ -40,9 +49,14 @@ def test_nothing_outside_kernels_asks_for_native_kernels() -> None:
     wrong = []
     for module, path in outside_kernels().items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                    and node.args[1].value == "native":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "native"
+            ):
                 wrong.append(f"{module}:{node.lineno} {node.func.id}(..., 'native')")
             elif isinstance(node, ast.Attribute) and node.attr == "native":
                 wrong.append(f"{module}:{node.lineno} .native")
@@ -56,8 +70,9 @@ def test_layers_do_not_branch_on_the_device() -> None:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and (
-                    node.attr == "is_cuda"
-                    or (node.attr == "type" and isinstance(node.value, ast.Attribute) and node.value.attr == "device")):
+                node.attr == "is_cuda"
+                or (node.attr == "type" and isinstance(node.value, ast.Attribute) and node.value.attr == "device")
+            ):
                 wrong.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert wrong == []
 

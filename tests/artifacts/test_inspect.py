@@ -15,8 +15,8 @@ import pytest
 
 from pagoda.artifacts.digests import ArtifactError, ArtifactFiles
 from pagoda.artifacts.review import render_markdown, render_table, review_artifact, safetensors_header
-from pagoda.model.families.base import gguf_config
 from pagoda.cli import main as cli_main
+from pagoda.model.families.base import gguf_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
 
@@ -24,8 +24,11 @@ from model_factory import build_model  # noqa: E402
 
 
 def hashlib_digests(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def copy_model(source: Path, target: Path) -> Path:
@@ -48,8 +51,11 @@ def test_safetensors_model(llama_dir: Path, tmp_path: Path) -> None:
     assert review.quantization == "none" and review.license == "unknown"
     assert set(review.tokenizer_files) == {"tokenizer.json", "tokenizer_config.json"}
     assert review.tokenizer_files["tokenizer.json"] == hashlib_digests(model)["tokenizer.json"]
-    assert review.generation_config is not None and review.generation_config_sha256 == \
-        hashlib.sha256((model / "generation_config.json").read_bytes()).hexdigest()
+    assert (
+        review.generation_config is not None
+        and review.generation_config_sha256
+        == hashlib.sha256((model / "generation_config.json").read_bytes()).hexdigest()
+    )
     assert review.source == (config.get("_name_or_path") or "unknown")
     assert review.manifest == "none" and review.signature == "none"
 
@@ -119,7 +125,8 @@ def test_license_template_behaviours_and_manifest_origin(llama_dir: Path, tmp_pa
     (model / "README.md").write_text("---\nlicense: other\nlicense_name: acme-research\n---\n# Model\n")
     (model / "chat_template.jinja").write_text(
         "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<think>{{ m.content }}"
-        "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+        "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
     assert cli_main(["inspect", str(model), "--write-manifest", "--source", "acme/m", "--revision", "r1"]) == 0
     review = review_artifact(model)
     assert review.license == "acme-research"
@@ -154,8 +161,9 @@ def test_pickle_files_refused_and_listed(llama_dir: Path, tmp_path: Path) -> Non
     (model / "extra" / "optimizer.pt").write_bytes(b"x")
     with pytest.raises(ArtifactError, match=r"pickle files.*extra/optimizer\.pt, pytorch_model\.bin"):
         review_artifact(model)
-    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "inspect", str(model)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "inspect", str(model)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pytorch_model.bin" in lines[0] and "optimizer.pt" in lines[0]

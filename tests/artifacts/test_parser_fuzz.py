@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 from pagoda.gguf_layout import check_gguf_layout
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
 
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 # Peak Python allocation a parser may make for a file of n bytes: a small multiple, plus the
 # fixed cost of the reader's own objects.
 ALLOWED_PEAK = lambda size: 16 * size + (8 << 20)  # noqa: E731
@@ -71,8 +72,12 @@ def gguf_string(text: bytes, length: int | None = None) -> bytes:
 
 
 def tensor_info(name: bytes, dims: list[int], kind: int = 0, offset: int = 0, n_dims: int | None = None) -> bytes:
-    return (gguf_string(name) + struct.pack("<I", len(dims) if n_dims is None else n_dims)
-            + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset))
+    return (
+        gguf_string(name)
+        + struct.pack("<I", len(dims) if n_dims is None else n_dims)
+        + struct.pack(f"<{len(dims)}Q", *dims)
+        + struct.pack("<IQ", kind, offset)
+    )
 
 
 def kv(key: bytes, kind: int, payload: bytes) -> bytes:
@@ -141,14 +146,16 @@ def _header_length(seed: bytes) -> int:
     return min(len(seed), 1024)  # the metadata and tensor infos of the seed
 
 
-EXTREMES = st.sampled_from([0, 1, 7, 31, 32, 255, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 62, (1 << 63) - 1,
-                            (1 << 64) - 1])
+EXTREMES = st.sampled_from(
+    [0, 1, 7, 31, 32, 255, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 62, (1 << 63) - 1, (1 << 64) - 1]
+)
 
 
 @FUZZ
 @given(data=st.data())
-def test_mutated_gguf_files_are_read_or_refused(seed: bytes, tmp_path_factory: pytest.TempPathFactory,
-                                                data: st.DataObject) -> None:
+def test_mutated_gguf_files_are_read_or_refused(
+    seed: bytes, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     mutated = bytearray(seed)
     span = _header_length(seed)
     for _ in range(data.draw(st.integers(1, 4), label="mutations")):
@@ -170,16 +177,28 @@ def test_mutated_gguf_files_are_read_or_refused(seed: bytes, tmp_path_factory: p
 
 # ---- pagoda inspect / generate on the crafted files ----------------------------------------------
 
-@pytest.mark.parametrize("name", ["tensor count past the file", "string length past the file",
-                                  "tensor data past the file", "dimensions overflowing", "no magic"])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tensor count past the file",
+        "string length past the file",
+        "tensor data past the file",
+        "dimensions overflowing",
+        "no magic",
+    ],
+)
 @pytest.mark.parametrize("command", ["inspect", "generate"])
 def test_the_cli_gives_one_line_and_a_nonzero_exit(name: str, command: str, tmp_path: Path, capsys) -> None:
     from pagoda.cli import main
 
     path = tmp_path / "model.gguf"
     path.write_bytes(CRAFTED[name])
-    argv = ["inspect", str(path)] if command == "inspect" else \
-        ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1"]
+    argv = (
+        ["inspect", str(path)]
+        if command == "inspect"
+        else ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1"]
+    )
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse-style exits carry their message in the exception
@@ -195,6 +214,7 @@ def test_the_cli_gives_one_line_and_a_nonzero_exit(name: str, command: str, tmp_
 
 # ---- safetensors headers ---------------------------------------------------------------------------
 
+
 def safetensors_bytes(header_json: bytes, body: bytes = b"", length: int | None = None) -> bytes:
     return struct.pack("<Q", len(header_json) if length is None else length) + header_json + body
 
@@ -202,12 +222,15 @@ def safetensors_bytes(header_json: bytes, body: bytes = b"", length: int | None 
 SAFETENSORS_CRAFTED = {
     "header length past the file": safetensors_bytes(b"{}", length=1 << 62),
     "header length at the review limit": safetensors_bytes(b"{}", length=100 << 20),
-    "offsets past the file": safetensors_bytes(json.dumps(
-        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}).encode()),
-    "shape overflowing": safetensors_bytes(json.dumps(
-        {"w": {"dtype": "F32", "shape": [1 << 40, 1 << 40], "data_offsets": [0, 16]}}).encode(), b"\0" * 16),
-    "unknown dtype": safetensors_bytes(json.dumps(
-        {"w": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 16]}}).encode(), b"\0" * 16),
+    "offsets past the file": safetensors_bytes(
+        json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}).encode()
+    ),
+    "shape overflowing": safetensors_bytes(
+        json.dumps({"w": {"dtype": "F32", "shape": [1 << 40, 1 << 40], "data_offsets": [0, 16]}}).encode(), b"\0" * 16
+    ),
+    "unknown dtype": safetensors_bytes(
+        json.dumps({"w": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 16]}}).encode(), b"\0" * 16
+    ),
     "not an object": safetensors_bytes(b"[1, 2]"),
     "not json": safetensors_bytes(b"\xff\xfe{"),
     "deep nesting": safetensors_bytes(b"[" * 10000 + b"]" * 10000),
@@ -264,17 +287,21 @@ def test_crafted_safetensors_headers_are_refused(name: str, fuzz_model: Path) ->
 
 
 @settings(FUZZ, max_examples=40)
-@given(header=st.recursive(st.none() | st.booleans() | st.integers(-(1 << 64), 1 << 64) | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                        max_size=4),
-                           max_leaves=12),
-       body=st.binary(max_size=64))
+@given(
+    header=st.recursive(
+        st.none() | st.booleans() | st.integers(-(1 << 64), 1 << 64) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+        max_leaves=12,
+    ),
+    body=st.binary(max_size=64),
+)
 def test_fuzzed_safetensors_headers_are_read_or_refused(fuzz_model: Path, header, body: bytes) -> None:
     text = json.dumps({"w": header} if not isinstance(header, dict) else header).encode()
     safetensors_reads_safely(_model_dir_with(fuzz_model, safetensors_bytes(text, body)))
 
 
 # ---- tokenizer files, PEFT adapter configs, chat templates -------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -286,17 +313,35 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-TOKENIZER_CRAFTED = [b"", b"{", b"[]", b"null", b'{"model": 5}', b'{"model": {"type": "BPE", "vocab": [1]}}',
-                     b"\xff\xfe\x00", b"[" * 5000 + b"]" * 5000,
-                     b'{"version": "1.0", "model": {"type": "WordPiece", "vocab": {}, "unk_token": 7}}']
+TOKENIZER_CRAFTED = [
+    b"",
+    b"{",
+    b"[]",
+    b"null",
+    b'{"model": 5}',
+    b'{"model": {"type": "BPE", "vocab": [1]}}',
+    b"\xff\xfe\x00",
+    b"[" * 5000 + b"]" * 5000,
+    b'{"version": "1.0", "model": {"type": "WordPiece", "vocab": {}, "unk_token": 7}}',
+]
 
 
 @settings(FUZZ, max_examples=40)
-@given(content=st.sampled_from(TOKENIZER_CRAFTED) | st.binary(max_size=200),
-       config=st.sampled_from([b"{}", b"[]", b'{"tokenizer_class": "NoSuchTokenizer"}', b'{"model_max_length": "x"}',
-                               b'{"auto_map": {"AutoTokenizer": ["evil.E", null]}}']))
-def test_fuzzed_tokenizer_files_are_read_or_refused(tokenizer_dir: Path, tmp_path_factory, content: bytes,
-                                                    config: bytes) -> None:
+@given(
+    content=st.sampled_from(TOKENIZER_CRAFTED) | st.binary(max_size=200),
+    config=st.sampled_from(
+        [
+            b"{}",
+            b"[]",
+            b'{"tokenizer_class": "NoSuchTokenizer"}',
+            b'{"model_max_length": "x"}',
+            b'{"auto_map": {"AutoTokenizer": ["evil.E", null]}}',
+        ]
+    ),
+)
+def test_fuzzed_tokenizer_files_are_read_or_refused(
+    tokenizer_dir: Path, tmp_path_factory, content: bytes, config: bytes
+) -> None:
     from pagoda.tokenizer import Tokenizer
 
     directory = tmp_path_factory.mktemp("tokfuzz")
@@ -318,13 +363,35 @@ def adapter_base(tmp_path_factory: pytest.TempPathFactory):
 
 
 @settings(FUZZ, max_examples=60)
-@given(config=st.recursive(st.none() | st.booleans() | st.integers(-(1 << 40), 1 << 40) | st.floats() |
-                           st.text(max_size=12),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                               st.sampled_from(["r", "lora_alpha", "target_modules", "peft_type", "use_dora",
-                                                "fan_in_fan_out", "rank_pattern", "alpha_pattern", "bias",
-                                                "modules_to_save", "layers_to_transform", "use_rslora"]),
-                               inner, max_size=6), max_leaves=16))
+@given(
+    config=st.recursive(
+        st.none() | st.booleans() | st.integers(-(1 << 40), 1 << 40) | st.floats() | st.text(max_size=12),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "r",
+                        "lora_alpha",
+                        "target_modules",
+                        "peft_type",
+                        "use_dora",
+                        "fan_in_fan_out",
+                        "rank_pattern",
+                        "alpha_pattern",
+                        "bias",
+                        "modules_to_save",
+                        "layers_to_transform",
+                        "use_rslora",
+                    ]
+                ),
+                inner,
+                max_size=6,
+            )
+        ),
+        max_leaves=16,
+    )
+)
 def test_fuzzed_adapter_configs_are_read_or_refused(adapter_base, tmp_path_factory, config) -> None:
     from pagoda.lora.adapter import load_peft_adapter
 
@@ -337,11 +404,25 @@ def test_fuzzed_adapter_configs_are_read_or_refused(adapter_base, tmp_path_facto
         pass
 
 
-TEMPLATE_PIECES = ["{{ messages[0].content }}", "{% for m in messages %}{{ m.role }}{% endfor %}", "{{ 1/0 }}",
-                   "{% include 'x' %}", "{% import 'x' as y %}", "{{ range(100001)|list }}", "{{ ''.__class__ }}",
-                   "{{ messages.__class__.__mro__ }}", "{% if %}", "{{", "{% for %}", "{{ raise_exception('x') }}",
-                   "{{ 'a' * 3 }}", "{{ messages|tojson }}", "{% set x = namespace(a=1) %}{{ x.a }}",
-                   "{{ cycler.__init__.__globals__ }}", "{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}"]
+TEMPLATE_PIECES = [
+    "{{ messages[0].content }}",
+    "{% for m in messages %}{{ m.role }}{% endfor %}",
+    "{{ 1/0 }}",
+    "{% include 'x' %}",
+    "{% import 'x' as y %}",
+    "{{ range(100001)|list }}",
+    "{{ ''.__class__ }}",
+    "{{ messages.__class__.__mro__ }}",
+    "{% if %}",
+    "{{",
+    "{% for %}",
+    "{{ raise_exception('x') }}",
+    "{{ 'a' * 3 }}",
+    "{{ messages|tojson }}",
+    "{% set x = namespace(a=1) %}{{ x.a }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}",
+]
 
 
 @settings(FUZZ, max_examples=80)
@@ -376,9 +457,13 @@ def test_serve_refuses_a_crafted_gguf_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(CRAFTED["tensor count past the file"])
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(path), "--port", "0"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    done = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "model.gguf" in lines[0]
@@ -394,15 +479,21 @@ def _cli_one_line(argv: list[str], capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("name", ["header length past the file", "offsets past the file", "shape overflowing",
-                                  "not an object", "deep nesting"])
+@pytest.mark.parametrize(
+    "name",
+    ["header length past the file", "offsets past the file", "shape overflowing", "not an object", "deep nesting"],
+)
 @pytest.mark.parametrize("command", ["inspect", "generate"])
-def test_the_cli_refuses_a_crafted_safetensors_file_in_one_line(name: str, command: str, fuzz_model: Path,
-                                                                 capsys) -> None:
+def test_the_cli_refuses_a_crafted_safetensors_file_in_one_line(
+    name: str, command: str, fuzz_model: Path, capsys
+) -> None:
     model = _model_dir_with(fuzz_model, SAFETENSORS_CRAFTED[name])
     capsys.readouterr()  # the model factory's progress bar
-    argv = ["inspect", str(model)] if command == "inspect" else \
-        ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]
+    argv = (
+        ["inspect", str(model)]
+        if command == "inspect"
+        else ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1"]
+    )
     assert "model.safetensors" in _cli_one_line(argv, capsys)
 
 

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from signing_keys import write_certificate_chain, write_key_pair
-
 from pagoda.artifacts.digests import ArtifactError, ArtifactFiles
 from pagoda.artifacts.manifest import build_manifest, read_manifest
 from pagoda.artifacts.verify import VerificationPolicy, verify_artifact
@@ -25,6 +23,7 @@ from pagoda.engine.llm import LLM
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.model.decoder import DecoderModel
+from signing_keys import write_certificate_chain, write_key_pair
 
 
 def signed_copy(source: Path, target: Path, private_key: Path | None = None, hash: str = "sha256") -> Path:
@@ -82,8 +81,22 @@ def test_certificate_mode(llama_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("OpenSSL", reason="model-signing's certificate mode needs pyOpenSSL")
     key, certificate, ca = write_certificate_chain(tmp_path)
     model = shutil.copytree(llama_dir, tmp_path / "m")
-    assert cli_main(["inspect", str(model), "--sign", str(key), "--signing-certificate", str(certificate),
-                     "--certificate-chain", str(ca), "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "inspect",
+                str(model),
+                "--sign",
+                str(key),
+                "--signing-certificate",
+                str(certificate),
+                "--certificate-chain",
+                str(ca),
+                "--json",
+            ]
+        )
+        == 0
+    )
     policy = VerificationPolicy(verify_key=str(ca))
     assert verify_artifact(model, policy).startswith("sha256:")
     (tmp_path / "other").mkdir()
@@ -113,11 +126,16 @@ def test_manifest_bad_inputs(llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match=r"generation_config\.json: listed in the manifest but missing"):
         verify_artifact(model, policy)
     manifest = model / "pagoda-manifest.json"
-    for text, problem in [("{", "not JSON"), ('{"format": "other"}', "'format'"),
-                          ('{"format": "pagoda-manifest/1", "hash": "md5", "files": {}}', "'hash'"),
-                          ('{"format": "pagoda-manifest/1", "hash": "sha256", "files": {"a": "zz"}}', "files\\['a'\\]"),
-                          ('{"format": "pagoda-manifest/1", "hash": "sha256", "files": {"../x": "' + "0" * 64 + '"}}',
-                           "not a name inside")]:
+    for text, problem in [
+        ("{", "not JSON"),
+        ('{"format": "other"}', "'format'"),
+        ('{"format": "pagoda-manifest/1", "hash": "md5", "files": {}}', "'hash'"),
+        ('{"format": "pagoda-manifest/1", "hash": "sha256", "files": {"a": "zz"}}', "files\\['a'\\]"),
+        (
+            '{"format": "pagoda-manifest/1", "hash": "sha256", "files": {"../x": "' + "0" * 64 + '"}}',
+            "not a name inside",
+        ),
+    ]:
         manifest.write_text(text)
         with pytest.raises(ArtifactError, match=f"pagoda-manifest.json: malformed manifest.*{problem}"):
             verify_artifact(model, policy)
@@ -188,9 +206,26 @@ def test_adapters_verified_at_start_and_at_run_time(llama_dir: Path, tmp_path: P
 def test_generate_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
     model = signed_copy(llama_dir, tmp_path / "m")
     flip_byte(model / "tokenizer.json", 5)
-    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "generate", "--model", str(model),
-                             "--verify-manifest", "--prompt", "hi", "--max-tokens", "2", "--kv-cache-memory", "16MiB"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--verify-manifest",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0 and result.stdout == ""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "tokenizer.json: SHA-256" in lines[0], result.stderr
@@ -199,8 +234,24 @@ def test_generate_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None
 def test_serve_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
     model = signed_copy(llama_dir, tmp_path / "m")
     flip_byte(model / "model.safetensors", -100)  # inside the tensor data: the file still parses
-    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--verify-manifest",
-                             "--port", "0", "--kv-cache-memory", "16MiB"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--verify-manifest",
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip() and " INFO " not in line]
     assert len(lines) == 1 and "model.safetensors: SHA-256" in lines[0], result.stderr
@@ -209,10 +260,10 @@ def test_serve_refuses_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
 def test_runtime_adapter_load_refused_with_4xx(llama_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     import httpx
-    from lora_factory import ATTENTION_MODULES, build_adapter
-    from server_utils import start_server
 
+    from lora_factory import ATTENTION_MODULES, build_adapter
     from pagoda.serve.admission.tenants import TenantRegistry
+    from server_utils import start_server
 
     keys = tmp_path / "keys.yaml"
     keys.write_text("tenants:\n  ops: {api_keys: [key-ops], admin: true}\n")
@@ -220,13 +271,19 @@ def test_runtime_adapter_load_refused_with_4xx(llama_dir: Path, tmp_path: Path) 
     adapter = build_adapter(llama_dir, tmp_path / "adapter", target_modules=ATTENTION_MODULES, rank=4)
     assert cli_main(["inspect", str(adapter), "--write-manifest", "--json"]) == 0
     flip_byte(adapter / "adapter_config.json", 3)
-    server = start_server(model, engine={"enable_lora": True, "max_lora_rank": 8, "verify_manifest": True,
-                                         "num_kv_blocks": 32}, allow_runtime_lora=True,
-                          tenants=TenantRegistry.from_file(keys))
+    server = start_server(
+        model,
+        engine={"enable_lora": True, "max_lora_rank": 8, "verify_manifest": True, "num_kv_blocks": 32},
+        allow_runtime_lora=True,
+        tenants=TenantRegistry.from_file(keys),
+    )
     try:
-        response = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
-                              headers={"Authorization": "Bearer key-ops"},
-                              json={"lora_name": "a", "lora_path": str(adapter)})
+        response = httpx.post(
+            server.url + "/v1/load_lora_adapter",
+            timeout=60,
+            headers={"Authorization": "Bearer key-ops"},
+            json={"lora_name": "a", "lora_path": str(adapter)},
+        )
     finally:
         server.stop()
     assert response.status_code == 400, response.text

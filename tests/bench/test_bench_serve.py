@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from pagoda.cli import bench as bench_cli
 from pagoda.bench.lengths import LengthDist, fixed, lognormal, parse_length
 from pagoda.bench.loadgen import arrival_intervals
 from pagoda.bench.prompts import PromptBuilder
 from pagoda.bench.report import parse_slo
 from pagoda.bench.server_metrics import metrics_delta, parse_prometheus_text
 from pagoda.bench.workloads import RAG_QUESTION_MARK, Workload, WorkloadSpec, load_tokenizer, parse_mix, parse_params
+from pagoda.cli import bench as bench_cli
+
 
 # ---- a streaming OpenAI-compatible stub ------------------------------------------------------
 @dataclass
@@ -42,7 +43,9 @@ class StubState:
             bounds = (0.001, 0.01, 0.1, 1.0)
             buckets = "".join(
                 f'pagoda:request_queue_time_seconds_bucket{{le="{b}",model_name="stub"}} '
-                f"{sum(t <= b for t in self.queue_times)}\n" for b in bounds)
+                f"{sum(t <= b for t in self.queue_times)}\n"
+                for b in bounds
+            )
             return (
                 "# TYPE pagoda:prefix_cache_queries_total counter\n"
                 f'pagoda:prefix_cache_queries_total{{model_name="stub"}} {self.prefix_queries}\n'
@@ -97,8 +100,11 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                 choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
                 self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                 self.wfile.flush()
-            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                     "prompt_tokens_details": {"cached_tokens": 0}}
+            usage = {
+                "prompt_tokens": len(prompt.split()),
+                "completion_tokens": n,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -119,7 +125,7 @@ class StubServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def __enter__(self) -> "StubServer":
+    def __enter__(self) -> StubServer:
         self.thread.start()
         return self
 
@@ -133,17 +139,24 @@ class StubServer:
 
 def train_tiny_tokenizer(out_dir: Path) -> Path:
     """A 1k byte-level BPE trained on a few stdlib modules (well under a second)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(str(p) for p in (stdlib / "json").glob("*.py")) + [str(stdlib / "argparse.py")]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train(files, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "</s>"],
-                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                         show_progress=False))
+    tok.train(
+        files,
+        trainers.BpeTrainer(
+            vocab_size=1000,
+            special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out_dir)
     return out_dir
 
@@ -180,11 +193,16 @@ ALL_CLASSES = "chat=0.3,rag=0.3,summarize=0.1,agent=0.3"
 
 def test_every_class_has_exact_token_counts(builder: PromptBuilder, tmp_path: Path) -> None:
     jsonl = tmp_path / "traffic.jsonl"
-    jsonl.write_text("\n".join(json.dumps(row) for row in [
-        {"prompt": "def main():\n    return 1", "output_len": 7, "class": "code"},
-        {"prompt_len": 40, "output_len": 5},
-        {"messages": [{"role": "user", "content": "hello there"}]},
-    ]))
+    jsonl.write_text(
+        "\n".join(
+            json.dumps(row)
+            for row in [
+                {"prompt": "def main():\n    return 1", "output_len": 7, "class": "code"},
+                {"prompt_len": 40, "output_len": 5},
+                {"messages": [{"role": "user", "content": "hello there"}]},
+            ]
+        )
+    )
     spec = WorkloadSpec(mix=parse_mix(f"{ALL_CLASSES},file:{jsonl}=0.2"), length_scale=0.05, max_model_len=512, seed=3)
     requests = Workload(spec, builder).build(80)
     assert {r.class_name for r in requests} == {"chat", "rag", "summarize", "agent", "code", "traffic"}
@@ -235,12 +253,14 @@ def test_arrivals_and_slo_and_metrics_parsing() -> None:
     with pytest.raises(ValueError, match="bad --slo"):
         parse_slo("latency=1")
     text_before = 'vllm:prefix_cache_queries_total{m="a"} 100\nvllm:prefix_cache_hits_total{m="a"} 10\n'
-    text_after = ('# HELP x\nvllm:prefix_cache_queries_total{m="a"} 300\nvllm:prefix_cache_hits_total{m="a"} 160\n'
-                  'vllm:num_preemptions_total 2\n'
-                  'vllm:request_queue_time_seconds_bucket{le="0.1"} 50\n'
-                  'vllm:request_queue_time_seconds_bucket{le="1.0"} 100\n'
-                  'vllm:request_queue_time_seconds_bucket{le="+Inf"} 100\n'
-                  'vllm:request_queue_time_seconds_count 100\nvllm:request_queue_time_seconds_sum 20\n')
+    text_after = (
+        '# HELP x\nvllm:prefix_cache_queries_total{m="a"} 300\nvllm:prefix_cache_hits_total{m="a"} 160\n'
+        "vllm:num_preemptions_total 2\n"
+        'vllm:request_queue_time_seconds_bucket{le="0.1"} 50\n'
+        'vllm:request_queue_time_seconds_bucket{le="1.0"} 100\n'
+        'vllm:request_queue_time_seconds_bucket{le="+Inf"} 100\n'
+        "vllm:request_queue_time_seconds_count 100\nvllm:request_queue_time_seconds_sum 20\n"
+    )
     delta = metrics_delta(parse_prometheus_text(text_before), parse_prometheus_text(text_after))
     assert delta is not None and delta.source == "vllm:"
     assert delta.prefix_cache_hit_rate == pytest.approx(150 / 200)
@@ -252,12 +272,33 @@ def test_arrivals_and_slo_and_metrics_parsing() -> None:
 # ---- the load generator against the stub ---------------------------------------------------
 
 
-def test_closed_loop_every_class_writes_json_and_plots(stub: StubServer, tokenizer_dir: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_closed_loop_every_class_writes_json_and_plots(
+    stub: StubServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
-    rc = bench(["serve", "--base-url", stub.url + "/v1", "--model", "stub", "--tokenizer", str(tokenizer_dir),
-                "--mix", ALL_CLASSES, "--concurrency", "4", "--num-requests", "24", "--ignore-eos",
-                "--warmup", "1", "--out", str(out), *SMALL])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            stub.url + "/v1",
+            "--model",
+            "stub",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--mix",
+            ALL_CLASSES,
+            "--concurrency",
+            "4",
+            "--num-requests",
+            "24",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            *SMALL,
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0
     assert "TTFT" in printed and "prefix cache hit rate" in printed and "preemptions" in printed
@@ -276,12 +317,38 @@ def test_closed_loop_every_class_writes_json_and_plots(stub: StubServer, tokeniz
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_open_loop_chat_endpoint_with_slo(stub: StubServer, tokenizer_dir: Path, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_open_loop_chat_endpoint_with_slo(
+    stub: StubServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
-    rc = bench(["serve", "--base-url", stub.url, "--model", "stub", "--tokenizer", str(tokenizer_dir),
-                "--endpoint", "chat", "--mix", ALL_CLASSES, "--request-rate", "100", "--burstiness", "0.5",
-                "--num-requests", "20", "--duration", "20", "--slo", "ttft=1,itl=0.5", "--out", str(out), *SMALL])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            stub.url,
+            "--model",
+            "stub",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--endpoint",
+            "chat",
+            "--mix",
+            ALL_CLASSES,
+            "--request-rate",
+            "100",
+            "--burstiness",
+            "0.5",
+            "--num-requests",
+            "20",
+            "--duration",
+            "20",
+            "--slo",
+            "ttft=1,itl=0.5",
+            "--out",
+            str(out),
+            *SMALL,
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0 and "goodput" in printed
     summary = json.loads((out / "results.json").read_text())["summary"]
@@ -291,10 +358,27 @@ def test_open_loop_chat_endpoint_with_slo(stub: StubServer, tokenizer_dir: Path,
     assert agent_turns and all(b["messages"][-2]["role"] == "assistant" for b in agent_turns)
 
 
-def test_duration_only_and_errors_by_status(stub: StubServer, tokenizer_dir: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    rc = bench(["serve", "--base-url", stub.url, "--model", "stub", "--tokenizer", str(tokenizer_dir),
-                "--request-rate", "40", "--duration", "0.5", "--extra-body", '{"fail": true}', *SMALL])
+def test_duration_only_and_errors_by_status(
+    stub: StubServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            stub.url,
+            "--model",
+            "stub",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--request-rate",
+            "40",
+            "--duration",
+            "0.5",
+            "--extra-body",
+            '{"fail": true}',
+            *SMALL,
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 1
     assert "400: asked to fail" in printed
@@ -302,11 +386,30 @@ def test_duration_only_and_errors_by_status(stub: StubServer, tokenizer_dir: Pat
     assert ok == 0 and 5 <= sent <= 60  # ~20 at 40/s for 0.5 s
 
 
-def test_concurrency_sweep_plots(stub: StubServer, tokenizer_dir: Path, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_concurrency_sweep_plots(
+    stub: StubServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "sweep"
-    rc = bench(["serve", "--base-url", stub.url, "--model", "stub", "--tokenizer", str(tokenizer_dir),
-                "--mix", "chat", "--sweep-concurrency", "1,4", "--num-requests", "8", "--out", str(out), *SMALL])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            stub.url,
+            "--model",
+            "stub",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--mix",
+            "chat",
+            "--sweep-concurrency",
+            "1,4",
+            "--num-requests",
+            "8",
+            "--out",
+            str(out),
+            *SMALL,
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "concurrency" in printed and "E2E p99 ms" in printed
@@ -317,11 +420,39 @@ def test_concurrency_sweep_plots(stub: StubServer, tokenizer_dir: Path, tmp_path
 
 
 def test_user_errors(tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
-                  str(tokenizer_dir), "--mix", "chat=1,nope=2"]) == 2
+    assert (
+        bench(
+            [
+                "serve",
+                "--base-url",
+                "http://127.0.0.1:9",
+                "--model",
+                "m",
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--mix",
+                "chat=1,nope=2",
+            ]
+        )
+        == 2
+    )
     assert "unknown request class" in capsys.readouterr().err
-    assert bench(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer",
-                  str(tokenizer_dir), "--slo", "ttft"]) == 2
+    assert (
+        bench(
+            [
+                "serve",
+                "--base-url",
+                "http://127.0.0.1:9",
+                "--model",
+                "m",
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--slo",
+                "ttft",
+            ]
+        )
+        == 2
+    )
     assert "bad --slo" in capsys.readouterr().err
 
 

@@ -28,14 +28,34 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tiny_model), "--port", str(port),
-               "--served-model-name", "tiny", "--num-threads", "1", "--num-kv-blocks", "512",
-               "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--num-threads",
+        "1",
+        "--num-kv-blocks",
+        "512",
+        "--log-level",
+        "warning",
+    ]
     try:
-        process = start_server(command, url + "/health", timeout=90, name="pagoda serve",
-                               log_path=tmp_path_factory.mktemp("server-log") / "serve.log",
-                               env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               cwd=Path(__file__).resolve().parents[2])
+        process = start_server(
+            command,
+            url + "/health",
+            timeout=90,
+            name="pagoda serve",
+            log_path=tmp_path_factory.mktemp("server-log") / "serve.log",
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=Path(__file__).resolve().parents[2],
+        )
     except ServerStartError as exc:
         pytest.fail(str(exc))
     try:
@@ -64,12 +84,32 @@ def check_run(out: Path, num_requests: int) -> dict:
     return result
 
 
-def test_closed_loop_completions_every_class(server: str, tiny_model: Path, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_closed_loop_completions_every_class(
+    server: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "closed"
-    rc = bench(["serve", "--base-url", server, "--model", "tiny", "--tokenizer", str(tiny_model),
-                "--mix", ALL_CLASSES, "--concurrency", "4", "--num-requests", "24", "--warmup", "1",
-                "--out", str(out), *SMALL])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            server,
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(tiny_model),
+            "--mix",
+            ALL_CLASSES,
+            "--concurrency",
+            "4",
+            "--num-requests",
+            "24",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            *SMALL,
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     result = check_run(out, 24)
     # Completions prompts are counted exactly as the server counts them.
@@ -82,24 +122,65 @@ def test_closed_loop_completions_every_class(server: str, tiny_model: Path, tmp_
     assert server_delta["queue_time_count"] == 24
 
 
-def test_open_loop_chat_every_class(server: str, tiny_model: Path, tmp_path: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_open_loop_chat_every_class(
+    server: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "open"
-    rc = bench(["serve", "--base-url", server + "/v1", "--model", "tiny", "--tokenizer", str(tiny_model),
-                "--endpoint", "chat", "--mix", ALL_CLASSES, "--request-rate", "25", "--num-requests", "16",
-                "--slo", "ttft=5,itl=5", "--seed", "1", "--out", str(out), *SMALL])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            server + "/v1",
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(tiny_model),
+            "--endpoint",
+            "chat",
+            "--mix",
+            ALL_CLASSES,
+            "--request-rate",
+            "25",
+            "--num-requests",
+            "16",
+            "--slo",
+            "ttft=5,itl=5",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            *SMALL,
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     result = check_run(out, 16)
     assert result["summary"]["overall"]["num_good"] == 16
     assert {r["class_name"] for r in result["requests"]} >= {"chat", "rag", "agent"}
 
 
-def test_tokenizer_and_context_default_to_the_served_models(server: str, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_tokenizer_and_context_default_to_the_served_models(
+    server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """No --tokenizer, no --max-model-len: both come from the local server's /v1/models."""
     out = tmp_path / "defaults"
-    rc = bench(["serve", "--base-url", server, "--model", "tiny", "--mix", "summarize",
-                "--num-requests", "3", "--concurrency", "3", "--no-progress", "--out", str(out)])
+    rc = bench(
+        [
+            "serve",
+            "--base-url",
+            server,
+            "--model",
+            "tiny",
+            "--mix",
+            "summarize",
+            "--num-requests",
+            "3",
+            "--concurrency",
+            "3",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     printed = captured.out
     assert rc == 0, captured.err

@@ -13,13 +13,23 @@ import pytest
 
 from model_factory import build_tokenizer
 from pagoda.bench.handoff_metrics import handoff_delta
-from pagoda.bench.server_metrics import parse_labeled
 from pagoda.bench.lengths import uniform
 from pagoda.bench.loadgen import LoadConfig
-from pagoda.bench.mixed_load import (ARRIVAL_INDEX_BASE, MixedLoadSpec, MixedWorkload, RequestSlo, meets_request_slo,
-                                     parse_request_slo, request_itl_p99, run_mixed, summarize_mixed, summary_row)
+from pagoda.bench.mixed_load import (
+    ARRIVAL_INDEX_BASE,
+    MixedLoadSpec,
+    MixedWorkload,
+    RequestSlo,
+    meets_request_slo,
+    parse_request_slo,
+    request_itl_p99,
+    run_mixed,
+    summarize_mixed,
+    summary_row,
+)
 from pagoda.bench.prompts import PromptBuilder
 from pagoda.bench.records import RequestRecord
+from pagoda.bench.server_metrics import parse_labeled
 from pagoda.bench.workloads import load_tokenizer
 from test_bench_serve import StubServer
 
@@ -33,8 +43,16 @@ def builder(tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
     return PromptBuilder.from_tokenizer(load_tokenizer(str(directory)))
 
 
-SPEC = MixedLoadSpec(streams=3, stream_prompt=uniform(20, 30), stream_output=8, arrival_rate=2.0,
-                     arrival_prompt=uniform(100, 120), arrival_output=4, duration=5.0, seed=7)
+SPEC = MixedLoadSpec(
+    streams=3,
+    stream_prompt=uniform(20, 30),
+    stream_output=8,
+    arrival_rate=2.0,
+    arrival_prompt=uniform(100, 120),
+    arrival_output=4,
+    duration=5.0,
+    seed=7,
+)
 
 
 def take(workload: MixedWorkload, client: int, n: int) -> list:
@@ -83,8 +101,17 @@ def test_spec_rejects_empty_or_ambiguous_loads() -> None:
 
 
 def record(index: int, name: str, ttft: float, itls: list[float], status: int = 200) -> RequestRecord:
-    r = RequestRecord(index, name, 64, len(itls) + 1, ttft=ttft, itls=itls, status=status,
-                      e2e=ttft + sum(itls), output_tokens=len(itls) + 1)
+    r = RequestRecord(
+        index,
+        name,
+        64,
+        len(itls) + 1,
+        ttft=ttft,
+        itls=itls,
+        status=status,
+        e2e=ttft + sum(itls),
+        output_tokens=len(itls) + 1,
+    )
     if status != 200:
         r.error = "boom"
     return r
@@ -101,8 +128,11 @@ def test_goodput_uses_each_requests_own_itl_p99() -> None:
     assert [meets_request_slo(r, slo) for r in (smooth, stretched, late, failed)] == [True, False, False, False]
 
     rag = [record(10, "rag", 2.0, [0.02] * 3), record(11, "rag", 4.0, [0.02] * 3)]
-    summary = summarize_mixed([smooth, stretched, late, failed, *rag], duration=10.0,
-                              slo={"chat": slo, "rag": RequestSlo(ttft=3.0, itl_p99=0.1)})
+    summary = summarize_mixed(
+        [smooth, stretched, late, failed, *rag],
+        duration=10.0,
+        slo={"chat": slo, "rag": RequestSlo(ttft=3.0, itl_p99=0.1)},
+    )
     chat = summary.per_class["chat"]
     assert (chat.num_requests, chat.num_ok, chat.num_good) == (4, 3, 1)
     assert chat.goodput == pytest.approx(0.1)
@@ -125,19 +155,21 @@ def test_parse_request_slo() -> None:
 
 
 def handoff_metrics(exported: int, bytes_sent: int, transfer_sum: float, transfer_count: int) -> str:
-    lines = [f'pagoda:kv_handoffs_exported_total{{model_name="m",replica="0",role="prefill"}} {exported}',
-             f'pagoda:kv_handoffs_imported_total{{model_name="m",replica="1",role="decode"}} {exported}',
-             f'pagoda:kv_handoff_bytes_sent_total{{model_name="m",replica="0",role="prefill"}} {bytes_sent}',
-             f'pagoda:kv_handoff_blocks_sent_total{{model_name="m",replica="0",role="prefill"}} {exported * 4}',
-             'pagoda:kv_handoff_failures_total{kind="send",model_name="m",replica="0",role="prefill"} 1',
-             f'pagoda:kv_handoff_phase_seconds_bucket{{le="0.01",model_name="m",phase="transfer",replica="1",'
-             f'role="decode"}} {transfer_count}',
-             f'pagoda:kv_handoff_phase_seconds_sum{{model_name="m",phase="transfer",replica="1",role="decode"}} '
-             f'{transfer_sum}',
-             f'pagoda:kv_handoff_phase_seconds_count{{model_name="m",phase="transfer",replica="1",role="decode"}} '
-             f'{transfer_count}',
-             'pagoda:kv_handoff_phase_seconds_sum{model_name="m",phase="prefill",replica="0",role="prefill"} 9',
-             'pagoda:kv_handoff_phase_seconds_count{model_name="m",phase="prefill",replica="0",role="prefill"} 3']
+    lines = [
+        f'pagoda:kv_handoffs_exported_total{{model_name="m",replica="0",role="prefill"}} {exported}',
+        f'pagoda:kv_handoffs_imported_total{{model_name="m",replica="1",role="decode"}} {exported}',
+        f'pagoda:kv_handoff_bytes_sent_total{{model_name="m",replica="0",role="prefill"}} {bytes_sent}',
+        f'pagoda:kv_handoff_blocks_sent_total{{model_name="m",replica="0",role="prefill"}} {exported * 4}',
+        'pagoda:kv_handoff_failures_total{kind="send",model_name="m",replica="0",role="prefill"} 1',
+        f'pagoda:kv_handoff_phase_seconds_bucket{{le="0.01",model_name="m",phase="transfer",replica="1",'
+        f'role="decode"}} {transfer_count}',
+        f'pagoda:kv_handoff_phase_seconds_sum{{model_name="m",phase="transfer",replica="1",role="decode"}} '
+        f"{transfer_sum}",
+        f'pagoda:kv_handoff_phase_seconds_count{{model_name="m",phase="transfer",replica="1",role="decode"}} '
+        f"{transfer_count}",
+        'pagoda:kv_handoff_phase_seconds_sum{model_name="m",phase="prefill",replica="0",role="prefill"} 9',
+        'pagoda:kv_handoff_phase_seconds_count{model_name="m",phase="prefill",replica="0",role="prefill"} 3',
+    ]
     return "# HELP pagoda:kv_handoffs_exported_total x\n" + "\n".join(lines) + "\n"
 
 
@@ -155,12 +187,21 @@ def test_handoff_delta_per_phase_and_per_handoff() -> None:
 
 
 def test_run_against_a_streaming_stub(builder: PromptBuilder) -> None:
-    spec = MixedLoadSpec(streams=2, stream_prompt=uniform(10, 12), stream_output=5, arrival_rate=8.0,
-                         arrival_prompt=uniform(40, 50), arrival_output=3, duration=0.5, seed=3)
+    spec = MixedLoadSpec(
+        streams=2,
+        stream_prompt=uniform(10, 12),
+        stream_output=5,
+        arrival_rate=8.0,
+        arrival_prompt=uniform(40, 50),
+        arrival_output=3,
+        duration=0.5,
+        seed=3,
+    )
     workload = MixedWorkload(spec, builder)
     with StubServer(token_delay=0.005) as stub:
-        result = run_mixed(LoadConfig(base_url=stub.url, model="stub", ignore_eos=True, duration=spec.duration),
-                           workload)
+        result = run_mixed(
+            LoadConfig(base_url=stub.url, model="stub", ignore_eos=True, duration=spec.duration), workload
+        )
     chat = [r for r in result.records if r.class_name == "chat"]
     rag = [r for r in result.records if r.class_name == "rag"]
     assert all(r.ok for r in result.records)
@@ -175,8 +216,13 @@ def test_benchmark_aggregates_rounds_and_compares_medians() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
-    rounds = [{"a": {"chat_itl_p99_s": x, "output_tok_per_s": 100.0, "note": "text"},
-               "b": {"chat_itl_p99_s": x / 4, "output_tok_per_s": 90.0}} for x in (0.3, 0.1, 0.2)]
+    rounds = [
+        {
+            "a": {"chat_itl_p99_s": x, "output_tok_per_s": 100.0, "note": "text"},
+            "b": {"chat_itl_p99_s": x / 4, "output_tok_per_s": 90.0},
+        }
+        for x in (0.3, 0.1, 0.2)
+    ]
     medians = module.aggregate(rounds, ["a", "b"])
     assert medians["a"]["chat_itl_p99_s"] == {"median": 0.2, "min": 0.1, "max": 0.3}
     assert "note" not in medians["a"]

@@ -19,8 +19,7 @@ def by_policy(report: dict, n: int) -> dict[str, dict]:
 
 
 def test_cache_aware_beats_round_robin_on_multi_tenant_chat(tmp_path: Path) -> None:
-    report = route_sim(RouteSimOptions(trace="chat", replicas=[8], requests_per_replica=60,
-                                       out=str(tmp_path)))
+    report = route_sim(RouteSimOptions(trace="chat", replicas=[8], requests_per_replica=60, out=str(tmp_path)))
     results = by_policy(report, 8)
     assert set(results) == {"round_robin", "least_load", "cache_aware"}
     assert results["cache_aware"]["hit_rate"] > 1.4 * results["round_robin"]["hit_rate"]
@@ -53,11 +52,13 @@ def test_traces_scale_with_the_fleet_and_round_trip(tmp_path: Path) -> None:
     assert load_trace(path, rate=1.0) == small
     # The server's request log (--log-prompts): a prefix, then the JSON record.
     log = tmp_path / "requests.log"
-    log.write_text('2026-01-01 INFO pagoda.serve.requests: {"request_id":"x","tenant":"a","status":200,'
-                   '"prompt":"hello","output_tokens":5}\nnoise\n'
-                   '2026-01-01 INFO pagoda.serve.requests: {"request_id":"y","status":429,"output_tokens":0}\n'
-                   '2026-01-01 INFO pagoda.serve.requests: {"request_id":"z","tenant":"b","status":200,'
-                   '"prompt":["[1, 2, 3]"],"output_tokens":2}\n')
+    log.write_text(
+        '2026-01-01 INFO pagoda.serve.requests: {"request_id":"x","tenant":"a","status":200,'
+        '"prompt":"hello","output_tokens":5}\nnoise\n'
+        '2026-01-01 INFO pagoda.serve.requests: {"request_id":"y","status":429,"output_tokens":0}\n'
+        '2026-01-01 INFO pagoda.serve.requests: {"request_id":"z","tenant":"b","status":200,'
+        '"prompt":["[1, 2, 3]"],"output_tokens":2}\n'
+    )
     request, ids = load_trace(log, rate=2.0, tokenize=lambda text: [ord(c) for c in text])
     assert (request.tenant, request.prompt_token_ids, request.output_tokens) == ("a", [104, 101, 108, 108, 111], 5)
     assert (ids.tenant, ids.prompt_token_ids, ids.output_tokens) == ("b", [1, 2, 3], 2)
@@ -67,16 +68,30 @@ def test_traces_scale_with_the_fleet_and_round_trip(tmp_path: Path) -> None:
 
 def test_fit_recovers_a_linear_cost() -> None:
     truth = StepCost(0.002, 5e-5, 3e-4, 1e-7)
-    samples = [(p, d, c, truth.seconds(p, d, c)) for p in (0, 64, 512) for d in (0, 4, 32)
-               for c in (0, d * 100)]
+    samples = [(p, d, c, truth.seconds(p, d, c)) for p in (0, 64, 512) for d in (0, 4, 32) for c in (0, d * 100)]
     got = fit(samples, source="test")
     for name in ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_context_token_s"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12)
 
 
 def test_cli_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "route-sim", "--replicas", "2", "--requests-per-replica", "10",
-                 "--policies", "round_robin,cache_aware", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "route-sim",
+                "--replicas",
+                "2",
+                "--requests-per-replica",
+                "10",
+                "--policies",
+                "round_robin,cache_aware",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "prefix hit" in out and "cache_aware" in out and "least_load" not in out
     assert main(["bench", "route-sim", "--policies", "random"]) == 2

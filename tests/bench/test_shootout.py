@@ -20,10 +20,18 @@ def test_two_local_servers_side_by_side(tmp_path: Path) -> None:
     model_dir = build_tiny_model(tmp_path / "model")
     servers = [start_server(model_dir), start_server(model_dir, engine={"max_num_seqs": 2})]
     try:
-        report = run_shootout(ShootoutOptions(
-            targets=[f"default={servers[0].url}", f"seqs2={servers[1].url}"], rounds=2, requests_per_class=2,
-            concurrency=2, length_scale=0.02, greedy_prompts=3, slo={"ttft": 30.0},
-            out=str(tmp_path / "out")))
+        report = run_shootout(
+            ShootoutOptions(
+                targets=[f"default={servers[0].url}", f"seqs2={servers[1].url}"],
+                rounds=2,
+                requests_per_class=2,
+                concurrency=2,
+                length_scale=0.02,
+                greedy_prompts=3,
+                slo={"ttft": 30.0},
+                out=str(tmp_path / "out"),
+            )
+        )
         assert pagoda_main(["bench", "shootout", servers[0].url, "--classes", "nope"]) == 2
     finally:
         for server in servers:

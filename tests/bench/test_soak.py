@@ -27,9 +27,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_short_soak_holds_every_invariant(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    report = run_soak(SoakOptions(
-        model=str(model), duration=20.0, kill_every=10.0, fill_at=2.0, fill_for=5.0, out=str(out),
-        chat_streams=2, health_p99_ms=2000.0, recovery_s=90.0, drain_s=90.0, startup_timeout_s=300.0))
+    report = run_soak(
+        SoakOptions(
+            model=str(model),
+            duration=20.0,
+            kill_every=10.0,
+            fill_at=2.0,
+            fill_for=5.0,
+            out=str(out),
+            chat_streams=2,
+            health_p99_ms=2000.0,
+            recovery_s=90.0,
+            drain_s=90.0,
+            startup_timeout_s=300.0,
+        )
+    )
     markdown = render_markdown(report)
     failed = [v for v in report["verdicts"] if v["passed"] is False]
     assert not failed, markdown
@@ -38,8 +50,16 @@ def test_a_short_soak_holds_every_invariant(model: Path, tmp_path: Path) -> None
     # The faults happened and the traffic reached every class.
     assert len(report["kills"]) == 1 and report["kills"][0]["new_pid"] != report["kills"][0]["pid"]
     assert report["disk_fills"] and report["disk_fills"][0]["freed_at_s"] is not None
-    assert set(report["traffic"]) >= {"chat_stream", "long_prompt", "n_samples", "structured", "disconnect",
-                                      "oversized", "tokenize", "malformed"}
+    assert set(report["traffic"]) >= {
+        "chat_stream",
+        "long_prompt",
+        "n_samples",
+        "structured",
+        "disconnect",
+        "oversized",
+        "tokenize",
+        "malformed",
+    }
     client = report["client_counts"]
     assert client["too_large"] and client["invalid_request"] and client["unauthorized"] and client["abort"]
     # The report on disk is the one returned.

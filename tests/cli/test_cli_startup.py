@@ -36,9 +36,16 @@ def heavy_modules_after(*argv: str) -> list[str]:
 COMMAND_NAMES = [name.rsplit(".", 1)[1].replace("_", "-") for name in COMMANDS]
 
 
-@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMAND_NAMES],
-                                  ["bench", "serve", "--help"], ["bench", "offline", "--help"],
-                                  ["bench", "compare", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        *[[name, "--help"] for name in COMMAND_NAMES],
+        ["bench", "serve", "--help"],
+        ["bench", "offline", "--help"],
+        ["bench", "compare", "--help"],
+    ],
+)
 def test_help_imports_nothing_heavy(argv: list[str]) -> None:
     assert heavy_modules_after(*argv) == []
 
@@ -46,8 +53,7 @@ def test_help_imports_nothing_heavy(argv: list[str]) -> None:
 def test_help_is_fast() -> None:
     # The bound is generous for a shared CI machine; a quiet one takes ~0.1 s.
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "--help"], capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - start
     assert result.returncode == 0 and "serve" in result.stdout and "plan" in result.stdout
     assert elapsed < 3.0

@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 
-from pagoda.config import (ENGINE_CONFIG_GROUPS, CacheConfig, EngineConfig, SchedulerConfig,
-                           SpeculativeConfig)
+from pagoda.config import ENGINE_CONFIG_GROUPS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 
 def test_every_setting_is_in_exactly_one_group() -> None:

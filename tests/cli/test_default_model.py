@@ -17,8 +17,9 @@ from pagoda.config import DEFAULT_MODEL_DIR, default_chat_model, resolve_model_p
 @pytest.fixture
 def without_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec",
-                        lambda name, *a: None if name == config.SMOLLM2_PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        config.importlib.util, "find_spec", lambda name, *a: None if name == config.SMOLLM2_PACKAGE else real(name, *a)
+    )
 
 
 def test_without_the_wheel_pagoda_coder_is_the_default(without_wheel: None) -> None:
@@ -56,20 +57,40 @@ def test_the_tools_template_renders_smollm2s_own_without_tools() -> None:
 
     tokenizer = Tokenizer.from_pretrained(path)
     ours = SMOLLM2_TOOLS_TEMPLATE.read_text()
-    conversations = ([{"role": "user", "content": "hi"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}])
+    conversations = (
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "bye"},
+        ],
+    )
     for messages in conversations:
         for generation_prompt in (True, False):
-            assert (tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-                    == tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                     chat_template=ours))
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "22 C"}]
+            assert tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt
+            ) == tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, chat_template=ours)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "22 C"},
+    ]
     text = tokenizer.apply_chat_template(messages, chat_template=ours, tools=tools)
     assert '<tools>\n{"type": "function"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text

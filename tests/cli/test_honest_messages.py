@@ -22,9 +22,25 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def serve(model: Path | str, *flags: str) -> subprocess.CompletedProcess:
     """`pagoda serve` expected to refuse at startup (so it never listens)."""
-    return subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", "1",
-                           "--num-threads", "1", *flags], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "1",
+            "--num-threads",
+            "1",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
 
 
 def copy_of_bundled(tmp_path: Path, name: str) -> Path:
@@ -47,8 +63,9 @@ def test_a_pickle_only_checkpoint_is_refused_on_purpose(tmp_path) -> None:
 def test_unknown_architecture_and_corrupt_gguf_are_one_line_each(tmp_path) -> None:
     model = copy_of_bundled(tmp_path, "unknown")
     config = (model / "config.json").read_text()
-    (model / "config.json").write_text(config.replace("LlamaForCausalLM", "FooForCausalLM")
-                                       .replace('"model_type": "llama"', '"model_type": "foo"'))
+    (model / "config.json").write_text(
+        config.replace("LlamaForCausalLM", "FooForCausalLM").replace('"model_type": "llama"', '"model_type": "foo"')
+    )
     unknown = serve(model)
     assert unknown.returncode != 0
     assert unknown.stderr.strip().splitlines() == [unknown.stderr.strip()]  # one line, no warning first
@@ -75,6 +92,7 @@ def test_int4_serves_the_bundled_model_with_a_group_size_each_layer_takes() -> N
 
     plan = plan_from_options(PlanOptions(model=str(DEFAULT_MODEL_DIR), memory="1GiB", dtype="int4"))
     assert plan.quantization_group_size == 64 and not any("group size" in w for w in plan.warnings)
-    explicit = plan_from_options(PlanOptions(model=str(DEFAULT_MODEL_DIR), memory="1GiB", dtype="int4",
-                                             quantization_group_size=128))
+    explicit = plan_from_options(
+        PlanOptions(model=str(DEFAULT_MODEL_DIR), memory="1GiB", dtype="int4", quantization_group_size=128)
+    )
     assert any("does not divide" in w and "704" in w for w in explicit.warnings)

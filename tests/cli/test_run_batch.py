@@ -26,18 +26,43 @@ def test_run_batch_writes_one_response_line_per_request(model: Path, tmp_path: P
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "temperature": 0}
     lines = [
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
-        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "m", "prompt": ["one", "two"], "max_tokens": 3, "temperature": 0}},
+        {
+            "custom_id": "text",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": ["one", "two"], "max_tokens": 3, "temperature": 0},
+        },
         {"custom_id": "vector", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello"}},
-        {"custom_id": "unsupported", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "x", "response_format": {"type": "json_object"}}},
-        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "x", "max_tokens": 10**6}},
+        {
+            "custom_id": "unsupported",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "response_format": {"type": "json_object"}},
+        },
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "max_tokens": 10**6},
+        },
         "not json",
     ]
     source, target = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    status = main(["run-batch", "-i", str(source), "-o", str(target), "--model", str(model),
-                   "--num-threads", "1", "--num-kv-blocks", "64"])
+    status = main(
+        [
+            "run-batch",
+            "-i",
+            str(source),
+            "-o",
+            str(target),
+            "--model",
+            str(model),
+            "--num-threads",
+            "1",
+            "--num-kv-blocks",
+            "64",
+        ]
+    )
     assert status == 1  # some lines failed
     records = [json.loads(text) for text in target.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == ["chat", "text", "vector", "unsupported", "too-long", "line-6"]

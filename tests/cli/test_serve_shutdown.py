@@ -16,9 +16,7 @@ import httpx
 import uvicorn
 
 from pagoda.serve.drain import DrainGate, DrainingServer
-from server_utils import build_tiny_model
-from server_utils import free_port, start_serve_process
-
+from server_utils import build_tiny_model, free_port, start_serve_process
 
 # ---- the drain itself, in process (signals are simulated by calling the handler) -----------
 
@@ -33,8 +31,12 @@ async def slow_app(scope: dict, receive, send) -> None:
 def serve_in_thread(shutdown_timeout: float) -> tuple[DrainingServer, threading.Thread, str, list[bool]]:
     gate = DrainGate(slow_app)
     forced: list[bool] = []
-    server = DrainingServer(uvicorn.Config(gate, host="127.0.0.1", port=0, log_level="warning", lifespan="off"),
-                            gate, shutdown_timeout, on_force_exit=lambda: forced.append(True))
+    server = DrainingServer(
+        uvicorn.Config(gate, host="127.0.0.1", port=0, log_level="warning", lifespan="off"),
+        gate,
+        shutdown_timeout,
+        on_force_exit=lambda: forced.append(True),
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -125,8 +127,14 @@ def test_serve_banner_sigterm_and_ctrl_c_twice(tmp_path: Path) -> None:
     process = start(model, port, "--shutdown-timeout", "60")
     engines = engine_children(process.pid)
     url = f"http://127.0.0.1:{port}"
-    threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=120, json={
-        "prompt": "hello", "max_tokens": 400, "n": 16, "ignore_eos": True}), daemon=True).start()
+    threading.Thread(
+        target=lambda: httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"prompt": "hello", "max_tokens": 400, "n": 16, "ignore_eos": True},
+        ),
+        daemon=True,
+    ).start()
     try:
         time.sleep(0.5)
         os.killpg(process.pid, signal.SIGINT)
@@ -151,9 +159,19 @@ def test_ctrl_c_to_the_process_group_lets_a_running_stream_finish(tmp_path: Path
     process = start(model, port, "--shutdown-timeout", "60", "--max-num-seqs", "4")
     url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
-                "prompt": "hello", "max_tokens": 300, "n": 4, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}) as response:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=120,
+            json={
+                "prompt": "hello",
+                "max_tokens": 300,
+                "n": 4,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert '"text"' in first

@@ -12,8 +12,8 @@ import pytest
 from pagoda.cli import build_parser
 from pagoda.config import DeploymentConfig, EngineConfig, RouterName, ToolCallParserName
 from pagoda.replicas.policies import POLICIES
-from pagoda.serve.settings import ServerSettings
 from pagoda.serve.api.tool_calls import PARSER_CLASSES
+from pagoda.serve.settings import ServerSettings
 
 
 def flag_dests(argv: list[str]) -> set[str]:
@@ -31,10 +31,15 @@ def test_registries_are_keyed_by_the_literal_names() -> None:
     assert tuple(PARSER_CLASSES) == get_args(ToolCallParserName)
 
 
-@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--router", "round_robin"],
-                                  ["chat", "--data-parallel-size", "2"],
-                                  ["eval", "perplexity", "--text", "t", "--replica-roles", "prefill=1,decode=1"],
-                                  ["bench", "offline", "--route-rules", "rules.yaml"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x", "--router", "round_robin"],
+        ["chat", "--data-parallel-size", "2"],
+        ["eval", "perplexity", "--text", "t", "--replica-roles", "prefill=1,decode=1"],
+        ["bench", "offline", "--route-rules", "rules.yaml"],
+    ],
+)
 def test_offline_commands_refuse_deployment_flags(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(argv)
@@ -54,20 +59,36 @@ def test_each_command_has_the_flags_of_what_it_runs() -> None:
 
 
 def test_choices_come_from_the_literal_types(capsys) -> None:
-    args = build_parser().parse_args(["serve", "--router", "least_load", "--tool-call-parser", "mistral",
-                                      "--quantization-group-size", "64", "--no-log-prompts"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--router",
+            "least_load",
+            "--tool-call-parser",
+            "mistral",
+            "--quantization-group-size",
+            "64",
+            "--no-log-prompts",
+        ]
+    )
     assert DeploymentConfig.from_cli_args(args).router == "least_load"
     assert ServerSettings.from_cli_args(args).tool_call_parser == "mistral"
     assert EngineConfig.from_cli_args(args).quantization_group_size == 64
-    for argv in (["--router", "random"], ["--preemption-mode", "never"], ["--attention-backend", "cuda"],
-                 ["--metrics-compat", "sglang"], ["--engine-transport", "ray"]):
+    for argv in (
+        ["--router", "random"],
+        ["--preemption-mode", "never"],
+        ["--attention-backend", "cuda"],
+        ["--metrics-compat", "sglang"],
+        ["--engine-transport", "ray"],
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *argv])
         assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="preemption_mode must be recompute, swap or auto, got 'never'"):
         EngineConfig(preemption_mode="never")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="tool_call_parser must be hermes, llama3_json, mistral, qwen3_coder, "
-                                         "pythonic or deepseek_v3"):
+    with pytest.raises(
+        ValueError, match="tool_call_parser must be hermes, llama3_json, mistral, qwen3_coder, pythonic or deepseek_v3"
+    ):
         ServerSettings(tool_call_parser="xml")  # type: ignore[arg-type]
 
 
@@ -85,7 +106,10 @@ def test_roles_come_from_the_deployment() -> None:
     engine = EngineConfig(seed=5)
     replicas = [deployment.replica_config(engine, index) for index in range(deployment.num_replicas)]
     assert [(r.role, r.seed, r.num_replicas) for r in replicas] == [
-        ("prefill", 5, 3), ("decode", 6, 3), ("decode", 7, 3)]
+        ("prefill", 5, 3),
+        ("decode", 6, 3),
+        ("decode", 7, 3),
+    ]
     with pytest.raises(ValueError, match="draft is not supported with role"):
         deployment.validate_with(EngineConfig(speculative="draft", draft_model=engine.model))
 

@@ -31,13 +31,16 @@ def test_flags_build_the_constraint(tmp_path):
     assert parse().structured_outputs is None
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (("--regex", "[a-"), "--regex"),
-    (("--json-schema", "{not json"), "--json-schema"),
-    (("--json-schema", '{"type": "nope"}'), "--json-schema"),
-    (("--grammar", "root ::= ("), "--grammar"),
-    (("--regex", "a", "--choice", "a"), "exclusive"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (("--regex", "[a-"), "--regex"),
+        (("--json-schema", "{not json"), "--json-schema"),
+        (("--json-schema", '{"type": "nope"}'), "--json-schema"),
+        (("--grammar", "root ::= ("), "--grammar"),
+        (("--regex", "a", "--choice", "a"), "exclusive"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         parse(*argv)

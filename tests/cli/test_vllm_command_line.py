@@ -30,17 +30,46 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_launch_lines_map_onto_pagoda_settings(model: Path) -> None:
     engine, deployment, settings = configs(
-        str(model), "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "my-model",
-        "--max-model-len", "512", "--dtype", "half", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--api-key", "k", "--max-num-seqs", "8", "--disable-log-requests", "--num-gpu-blocks-override", "40",
-        "--uvicorn-log-level", "warning")
+        str(model),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8001",
+        "--served-model-name",
+        "my-model",
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "half",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--api-key",
+        "k",
+        "--max-num-seqs",
+        "8",
+        "--disable-log-requests",
+        "--num-gpu-blocks-override",
+        "40",
+        "--uvicorn-log-level",
+        "warning",
+    )
     assert engine.model == str(model) and engine.max_model_len == 512 and engine.dtype == "float16"
     assert engine.max_num_seqs == 8 and engine.num_kv_blocks == 40
     assert (settings.host, settings.port, settings.served_model_names) == ("0.0.0.0", 8001, ["my-model"])
     assert settings.tool_call_parser == "hermes" and deployment.data_parallel_size == 1
     assert settings.log_level == "warning"
-    engine, _, _ = configs("--model", str(model), "--tensor-parallel-size", "2", "--dtype", "float",
-                           "--enable-prefix-caching", "--max-num-batched-tokens", "1024")
+    engine, _, _ = configs(
+        "--model",
+        str(model),
+        "--tensor-parallel-size",
+        "2",
+        "--dtype",
+        "float",
+        "--enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "1024",
+    )
     assert engine.tensor_parallel_size == 2 and engine.dtype == "float32" and engine.max_num_batched_tokens == 1024
 
 
@@ -54,8 +83,9 @@ def test_gpu_memory_utilization_is_the_budget_on_cpu(model: Path) -> None:
 
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
-def test_flags_without_meaning_are_refused_in_one_line(flag: str, model: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_flags_without_meaning_are_refused_in_one_line(
+    flag: str, model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["serve", str(model), flag, "x"])
     message = str(refused.value.code)
@@ -69,8 +99,11 @@ def test_trust_remote_code_says_no_repository_code_runs() -> None:
 
 
 def test_a_hub_id_says_download_it_first() -> None:
-    with pytest.raises(SystemExit, match=r"pagoda loads local models only: download it first \(e\.g\. "
-                                         r"`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"pagoda loads local models only: download it first \(e\.g\. "
+        r"`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`\)",
+    ):
         configs("--model", "Qwen/Qwen2.5-0.5B-Instruct")
     with pytest.raises(ValueError, match="local models only"):
         resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct")
@@ -83,8 +116,18 @@ def test_model_given_twice_is_refused(model: Path) -> None:
 
 def test_help_names_every_api_and_one_default_per_option() -> None:
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/messages",
-                     "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"):
+    for endpoint in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/messages",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+    ):
         assert endpoint in serve.description
     for action in serve._actions:
         assert (action.help or "").count("default:") <= 1, action.option_strings
@@ -94,18 +137,47 @@ def test_help_names_every_api_and_one_default_per_option() -> None:
 
 def test_a_vllm_launch_line_serves(model: Path) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "pagoda.cli", "serve", str(model), "--port", str(port),
-               "--served-model-name", "vllm-style", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--max-model-len", "256", "--gpu-memory-utilization", "0.9", "--disable-log-requests",
-               "--num-threads", "1", "--num-gpu-blocks-override", "32", "--max-num-seqs", "4"]
-    process = server_process.start_server(command, f"http://127.0.0.1:{port}/health", timeout=180,
-                                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                                          start_new_session=True, name="pagoda serve")
+    command = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "vllm-style",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--max-model-len",
+        "256",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--disable-log-requests",
+        "--num-threads",
+        "1",
+        "--num-gpu-blocks-override",
+        "32",
+        "--max-num-seqs",
+        "4",
+    ]
+    process = server_process.start_server(
+        command,
+        f"http://127.0.0.1:{port}/health",
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        start_new_session=True,
+        name="pagoda serve",
+    )
     try:
         url = f"http://127.0.0.1:{port}/v1"
         assert [m["id"] for m in httpx.get(url + "/models").json()["data"]] == ["vllm-style"]
-        response = httpx.post(url + "/chat/completions", timeout=60, json={
-            "model": "vllm-style", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        response = httpx.post(
+            url + "/chat/completions",
+            timeout=60,
+            json={"model": "vllm-style", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert response.status_code == 200, response.text
     finally:
         process.terminate()

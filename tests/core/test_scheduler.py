@@ -19,16 +19,34 @@ _arrivals = itertools.count(1)
 
 def make_request(request_id: str, num_prompt: int, *, max_tokens: int = 8, priority: int = 0) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Request(request_id=request_id, prompt_token_ids=list(range(1, num_prompt + 1)), sampling_params=params,
-                   eos_token_ids=frozenset(), max_output_tokens=max_tokens, arrival_time=float(next(_arrivals)),
-                   priority=priority)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(1, num_prompt + 1)),
+        sampling_params=params,
+        eos_token_ids=frozenset(),
+        max_output_tokens=max_tokens,
+        arrival_time=float(next(_arrivals)),
+        priority=priority,
+    )
 
 
-def make_scheduler(*, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, chunked: bool = True,
-                   policy: str = "fcfs", caching: bool = False) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE, caching), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=1024, enable_chunked_prefill=chunked,
-                     policy=policy)
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_num_seqs: int = 8,
+    chunked: bool = True,
+    policy: str = "fcfs",
+    caching: bool = False,
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, BLOCK_SIZE, caching),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=1024,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
 
 
 def step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
@@ -200,8 +218,11 @@ def test_preempted_request_resumes_with_its_tokens_recomputed() -> None:
 
 def test_priority_preempts_the_lowest_priority_running_request() -> None:
     scheduler = make_scheduler(num_blocks=3, policy="priority")
-    low, high, mid = make_request("low", 4, priority=5), make_request("high", 4, priority=0), \
-        make_request("mid", 4, priority=1)
+    low, high, mid = (
+        make_request("low", 4, priority=5),
+        make_request("high", 4, priority=0),
+        make_request("mid", 4, priority=1),
+    )
     fill_pool(scheduler, [low, high, mid])
     output = step(scheduler)
     assert output.preempted[0] is low  # not the newest (mid): the largest priority value
@@ -231,8 +252,11 @@ def test_fcfs_arrival_never_preempts() -> None:
 
 def test_equal_priority_falls_back_to_arrival_order() -> None:
     scheduler = make_scheduler(max_num_seqs=1, policy="priority")
-    for request in (make_request("x", 4, priority=2), make_request("y", 4, priority=1),
-                    make_request("z", 4, priority=1)):
+    for request in (
+        make_request("x", 4, priority=2),
+        make_request("y", 4, priority=1),
+        make_request("z", 4, priority=1),
+    ):
         scheduler.add_request(request)
     assert [r.request_id for r in scheduler.waiting] == ["y", "z", "x"]
 

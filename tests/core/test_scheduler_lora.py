@@ -11,9 +11,14 @@ from pagoda.sampling_params import SamplingParams
 
 def _request(request_id: str, adapter: str | None, max_tokens: int = 4) -> Request:
     lora = AdapterIdentity(adapter, adapter, hash(adapter) & 0xFFFF) if adapter else None
-    return Request(request_id=request_id, prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset(),
-                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_output_tokens=max_tokens,
-                   lora=lora)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        eos_token_ids=frozenset(),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_output_tokens=max_tokens,
+        lora=lora,
+    )
 
 
 def _finish_step(scheduler: Scheduler, output) -> None:
@@ -21,8 +26,9 @@ def _finish_step(scheduler: Scheduler, output) -> None:
 
 
 def test_steady_stream_of_one_adapter_does_not_starve_another() -> None:
-    scheduler = Scheduler(KVCacheManager(256, 4, True), max_num_seqs=4, max_num_batched_tokens=64,
-                          max_model_len=64, max_loras=1)
+    scheduler = Scheduler(
+        KVCacheManager(256, 4, True), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, max_loras=1
+    )
     scheduler.add_request(_request("a0", "A", max_tokens=50))
     scheduler.add_request(_request("b0", "B"))
     admitted_b_at = None
@@ -39,8 +45,9 @@ def test_steady_stream_of_one_adapter_does_not_starve_another() -> None:
 
 
 def test_base_requests_are_never_held_back_by_the_adapter_limit() -> None:
-    scheduler = Scheduler(KVCacheManager(256, 4, True), max_num_seqs=8, max_num_batched_tokens=64,
-                          max_model_len=64, max_loras=1)
+    scheduler = Scheduler(
+        KVCacheManager(256, 4, True), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, max_loras=1
+    )
     for request in (_request("a", "A"), _request("b", "B"), _request("base", None)):
         scheduler.add_request(request)
     output = scheduler.schedule()

@@ -7,14 +7,19 @@ from __future__ import annotations
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.request import RequestStatus
-
 from test_scheduler import BLOCK_SIZE, make_request
 
 
-def make_pipelined(*, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8,
-                   num_micro_batches: int = 2) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE, False), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=1024, num_micro_batches=num_micro_batches)
+def make_pipelined(
+    *, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, num_micro_batches: int = 2
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, BLOCK_SIZE, False),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=1024,
+        num_micro_batches=num_micro_batches,
+    )
 
 
 def collect(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 7) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from pagoda.core.kv_cache_groups import (KVCacheGroup, blocks_held, kv_cache_groups, longest_sequence_blocks,
-                                         pages_per_sequence)
+from pagoda.core.kv_cache_groups import (
+    KVCacheGroup,
+    blocks_held,
+    kv_cache_groups,
+    longest_sequence_blocks,
+    pages_per_sequence,
+)
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -13,8 +18,13 @@ WINDOW = 8
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(),
-                   eos_token_ids=frozenset(), max_output_tokens=1000)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(),
+        eos_token_ids=frozenset(),
+        max_output_tokens=1000,
+    )
 
 
 def test_groups_split_layers_by_window_into_equal_pages() -> None:
@@ -94,8 +104,10 @@ def test_a_cached_prefix_counts_for_a_sliding_group_only_where_its_window_blocks
     evicted.block_hash = None
     shorter = manager.find_cached_prefix(make_request("c", list(range(40)) + [77]))
     assert len(shorter) == 8
-    assert shorter.tables[0][6:] == [manager.pool.cached_blocks[shorter.tables[0][6].block_hash],
-                                     manager.pool.cached_blocks[shorter.tables[0][7].block_hash]]
+    assert shorter.tables[0][6:] == [
+        manager.pool.cached_blocks[shorter.tables[0][6].block_hash],
+        manager.pool.cached_blocks[shorter.tables[0][7].block_hash],
+    ]
 
     assert manager.allocate_slots(again, 1, hits)
     assert again.block_tables[0][:8] == [0] * 8

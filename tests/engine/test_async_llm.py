@@ -9,10 +9,10 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.threads import engine_thread_count
 from pagoda.sampling_params import SamplingParams
 from server_utils import build_tiny_model
-from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,7 @@ def test_shutdown(model_dir) -> None:
 
 
 def test_process_transport(model_dir) -> None:
-    engine = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1, num_kv_blocks=64),
-                      transport="process")
+    engine = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1, num_kv_blocks=64), transport="process")
     try:
         assert engine.is_alive and engine.max_model_len == 512
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -99,8 +98,9 @@ def test_process_transport(model_dir) -> None:
             whole = [o async for o in engine.generate(EngineRequest("p1", [5, 6, 7], params))]
             with pytest.raises(ValueError, match="empty"):
                 await engine.add_request(EngineRequest("p2", [], SamplingParams()))
-            async for output in engine.generate(EngineRequest("p3", [5, 6], SamplingParams(max_tokens=400,
-                                                                                           ignore_eos=True))):
+            async for output in engine.generate(
+                EngineRequest("p3", [5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            ):
                 if len(output.outputs[0].token_ids) >= 3:
                     break
             return whole
@@ -110,9 +110,9 @@ def test_process_transport(model_dir) -> None:
         assert final.finished and len(final.outputs[0].token_ids) == 12
         assert len(final.outputs[0].logprobs) == 12 and final.prompt_token_ids == [5, 6, 7]
         # Deltas rebuild the same output the engine thread would have produced.
-        with_thread = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1,
-                                            num_kv_blocks=64))
+        with_thread = AsyncLLM(EngineConfig(model=str(model_dir), num_threads=1, num_kv_blocks=64))
         try:
+
             async def same() -> list:
                 return [o async for o in with_thread.generate(EngineRequest("t1", [5, 6, 7], params))]
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_helpers import assert_idle
+from model_factory import build_model, load_hf_model
 from pagoda import LLM, SamplingParams
 from pagoda.engine.beam_search import BeamSearch, BeamSearchParams, beam_score
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import Logprob
 from pagoda.sampling_params import MAX_BEAM_WIDTH
-from engine_helpers import assert_idle
-from model_factory import build_model, load_hf_model
-from pagoda.engine.engine_request import EngineRequest
 
 # A token these random weights pick often, made the model's end-of-sequence token (beside the
 # tokenizer's, token 0), so beams end at different lengths.
@@ -45,41 +45,57 @@ def prompts_for(vocab_size: int) -> list[list[int]]:
     return [torch.randint(5, vocab_size, (n,), generator=generator).tolist() for n in (7, 20, 33)]
 
 
-def hf_beams(model, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
-             early_stopping) -> tuple[list[list[int]], list[float]]:
+def hf_beams(
+    model, prompt: list[int], width: int, max_tokens: int, length_penalty: float, early_stopping
+) -> tuple[list[list[int]], list[float]]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                             length_penalty=length_penalty, early_stopping=early_stopping,
-                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS_TOKEN_IDS,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    return [s[len(prompt):].tolist() for s in out.sequences], out.sequences_scores.tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            num_beams=width,
+            num_return_sequences=width,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=EOS_TOKEN_IDS,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return [s[len(prompt) :].tolist() for s in out.sequences], out.sequences_scores.tolist()
 
 
-@pytest.mark.parametrize("width, max_tokens, length_penalty, early_stopping", [
-    (2, 10, 1.0, False),
-    (4, 12, 0.5, True),
-    (3, 9, -1.0, "never"),
-    (4, 8, 2.0, "never"),
-])
-def test_beams_and_scores_equal_transformers(llm: LLM, hf_model, width: int, max_tokens: int,
-                                             length_penalty: float, early_stopping) -> None:
+@pytest.mark.parametrize(
+    "width, max_tokens, length_penalty, early_stopping",
+    [
+        (2, 10, 1.0, False),
+        (4, 12, 0.5, True),
+        (3, 9, -1.0, "never"),
+        (4, 8, 2.0, "never"),
+    ],
+)
+def test_beams_and_scores_equal_transformers(
+    llm: LLM, hf_model, width: int, max_tokens: int, length_penalty: float, early_stopping
+) -> None:
     prompts = prompts_for(hf_model.config.vocab_size)
-    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
-                              early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     ended_by_eos = 0
     for prompt, output in zip(prompts, outputs, strict=True):
         sequences, scores = hf_beams(hf_model, prompt, width, max_tokens, length_penalty, early_stopping)
         assert len(output.sequences) == width
         for beam, reference, reference_score in zip(output.sequences, sequences, scores, strict=True):
-            generated = beam.tokens[len(prompt):]
-            assert beam.tokens[:len(prompt)] == prompt
+            generated = beam.tokens[len(prompt) :]
+            assert beam.tokens[: len(prompt)] == prompt
             # transformers pads the shorter beams (with the first EOS token here: the pad id is 0)
-            assert generated == reference[:len(generated)] and set(reference[len(generated):]) <= {FREQUENT_TOKEN}
+            assert generated == reference[: len(generated)] and set(reference[len(generated) :]) <= {FREQUENT_TOKEN}
             assert beam.score == pytest.approx(reference_score, abs=TOLERANCE)
             assert beam.score == pytest.approx(beam_score(beam.cum_logprob, len(generated), length_penalty))
-            assert beam.cum_logprob == pytest.approx(sum(entry[t].logprob for entry, t in
-                                                         zip(beam.logprobs, generated)), abs=1e-4)
+            assert beam.cum_logprob == pytest.approx(
+                sum(entry[t].logprob for entry, t in zip(beam.logprobs, generated)), abs=1e-4
+            )
             if generated[-1] in EOS_TOKEN_IDS:
                 ended_by_eos += 1
                 assert beam.finish_reason == "stop"
@@ -95,8 +111,9 @@ def test_n_best_of_a_wider_search_and_the_prefix_cache_shares_the_beams(llm: LLM
     hits_before = llm.engine.get_stats().prefix_cache_hits
     wide = llm.generate([prompt], SamplingParams(use_beam_search=True, n=4, max_tokens=10))[0]
     assert llm.engine.get_stats().prefix_cache_hits > hits_before  # later steps reuse the earlier blocks
-    best_two = llm.generate([prompt], SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=10,
-                                                     logprobs=2))[0]
+    best_two = llm.generate([prompt], SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=10, logprobs=2))[
+        0
+    ]
     assert [c.token_ids for c in best_two.outputs] == [c.token_ids for c in wide.outputs[:2]]
     for completion in best_two.outputs:
         for entry, token_id in zip(completion.logprobs, completion.token_ids):
@@ -124,9 +141,13 @@ def test_refused_requests(llm: LLM, hf_model) -> None:
     with pytest.raises(InvalidRequest, match="at most") as too_wide:
         SamplingParams(use_beam_search=True, n=MAX_BEAM_WIDTH + 1)
     assert too_wide.value.param == "n"
-    for fields, param in [({"stop": ["x"]}, "stop"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                          ({"best_of": 1, "n": 2}, "best_of"), ({"early_stopping": "sometimes"}, "early_stopping"),
-                          ({"length_penalty": 1e308}, "length_penalty")]:
+    for fields, param in [
+        ({"stop": ["x"]}, "stop"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"length_penalty": 1e308}, "length_penalty"),
+    ]:
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(use_beam_search=True, **fields)
         assert refused.value.param == param
@@ -149,6 +170,7 @@ def test_refused_requests(llm: LLM, hf_model) -> None:
 def test_search_stops_once_the_best_beam_cannot_win() -> None:
     """early_stopping False: stop as soon as the best running beam, at its current length, scores
     below the worst of `width` hypotheses; True: as soon as `width` hypotheses exist."""
+
     def entry(**logprobs: float) -> dict[int, Logprob]:
         ids = {"eos": 0, "a": 1, "b": 2, "c": 3}
         ranked = sorted(logprobs.items(), key=lambda item: -item[1])

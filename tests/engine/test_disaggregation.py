@@ -15,12 +15,12 @@ import torch
 
 from pagoda import LLM
 from pagoda.config import EngineConfig
-from pagoda.errors import InvalidRequest
-from pagoda.lora_request import LoRARequest
-from pagoda.engine.llm_engine import LLMEngine
-from pagoda.kv_transfer.handoff import HandoffAuth, KVHandoff, KVListener, TransferError
-from pagoda.sampling_params import SamplingParams
 from pagoda.engine.engine_request import EngineRequest
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.errors import InvalidRequest
+from pagoda.kv_transfer.handoff import HandoffAuth, KVHandoff, KVListener, TransferError
+from pagoda.lora_request import LoRARequest
+from pagoda.sampling_params import SamplingParams
 
 BLOCK = 16
 SECRET = "k" * 32  # the deployment's KV transfer secret, shared by its prefill and decode engines
@@ -28,9 +28,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def engine(model_dir, role: str, **overrides) -> LLMEngine:
-    config = dict(model=str(model_dir), role=role, num_kv_blocks=48, max_num_seqs=4,
-                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True,
-                  kv_transfer_secret=SECRET)
+    config = dict(
+        model=str(model_dir),
+        role=role,
+        num_kv_blocks=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        kv_transfer_secret=SECRET,
+    )
     return LLMEngine(EngineConfig(**{**config, **overrides}))
 
 
@@ -63,14 +70,18 @@ def prefill_all(llm: LLMEngine, token_lists, salts=None) -> list[KVHandoff]:
     return handoffs
 
 
-def hand_over(prefill: LLMEngine, decode: LLMEngine, handoffs, transport: str, *, timeout: float = 10.0,
-              fallback: bool = True) -> tuple[list[bool], list[bool]]:
+def hand_over(
+    prefill: LLMEngine, decode: LLMEngine, handoffs, transport: str, *, timeout: float = 10.0, fallback: bool = True
+) -> tuple[list[bool], list[bool]]:
     """Send each handoff from a thread; import it on this one. Returns (sent, imported)."""
     sent, imported = [], []
     with KVListener(transport, HandoffAuth(SECRET)) as listener:
         for handoff in handoffs:
             thread = threading.Thread(
-                target=lambda h=handoff: sent.append(prefill.kv_connector.send_handoff(h, transport, listener.address, timeout)))
+                target=lambda h=handoff: sent.append(
+                    prefill.kv_connector.send_handoff(h, transport, listener.address, timeout)
+                )
+            )
             thread.start()
             imported.append(decode.add_prefilled_request(listener.accept(timeout), fallback=fallback))
             thread.join()
@@ -164,6 +175,7 @@ def test_stalled_transfer_times_out_and_decode_engine_prefills(llama_dir, monkey
     prefill, decode = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     handoffs = prefill_all(prefill, token_lists)
     import pagoda.kv_transfer.handoff as wire
+
     real_sendall = wire._sendall
     stall = threading.Event()
 
@@ -205,6 +217,7 @@ def _prefill_and_send(model_dir: str, token_lists, address: str, die_after_heade
     handoffs = prefill_all(llm, token_lists)
     if die_after_header:
         import pagoda.kv_transfer.handoff as wire
+
         original = wire._sendall
 
         def die_on_blocks(sock, session, *parts, **signed):
@@ -225,11 +238,9 @@ def test_shm_across_processes(llama_dir, killed):
     decode = engine(llama_dir, "decode")
     context = multiprocessing.get_context("spawn")
     with KVListener("shm", HandoffAuth(SECRET)) as listener:
-        sender = context.Process(target=_prefill_and_send,
-                                 args=(str(llama_dir), token_lists, listener.address, killed))
+        sender = context.Process(target=_prefill_and_send, args=(str(llama_dir), token_lists, listener.address, killed))
         sender.start()
-        imported = [decode.add_prefilled_request(listener.accept(timeout=60)) for _ in
-                    range(1 if killed else 2)]
+        imported = [decode.add_prefilled_request(listener.accept(timeout=60)) for _ in range(1 if killed else 2)]
         sender.join(30)
     assert sender.exitcode == (3 if killed else 0)
     outputs = run_to_end(decode)
@@ -263,8 +274,10 @@ def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, 
     pytest.importorskip("peft", reason="peft (the test extra) builds the PEFT adapters")
     from lora_factory import ATTENTION_MODULES, build_adapter
 
-    adapters = [build_adapter(llama_dir, tmp_path / f"a{seed}", target_modules=ATTENTION_MODULES, rank=4,
-                              seed=seed) for seed in (1, 2)]
+    adapters = [
+        build_adapter(llama_dir, tmp_path / f"a{seed}", target_modules=ATTENTION_MODULES, rank=4, seed=seed)
+        for seed in (1, 2)
+    ]
     token_lists = prompts(1, 40, seed=17)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -291,7 +304,8 @@ def test_adapter_identity_travels_and_a_different_adapter_is_refused(llama_dir, 
 
 
 def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mid_receive_leaks_nothing(
-        llama_dir, monkeypatch):
+    llama_dir, monkeypatch
+):
     """The router's path: the decode engine awaits the request, its own listener and receive
     threads take the KV, and step() applies the events. A request aborted while its blocks are
     being written keeps them until the write ends, then frees them; one that arrives for an
@@ -321,8 +335,13 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
 
     monkeypatch.setattr(wire, "_sendall", held_blocks)
     sent = []
-    threads = [threading.Thread(target=lambda h=h: sent.append(prefill.kv_connector.send_handoff(h, "tcp", decode.kv_connector.kv_address)),
-                                name=name) for h, name in zip(handoffs, ("free", "held"))]
+    threads = [
+        threading.Thread(
+            target=lambda h=h: sent.append(prefill.kv_connector.send_handoff(h, "tcp", decode.kv_connector.kv_address)),
+            name=name,
+        )
+        for h, name in zip(handoffs, ("free", "held"))
+    ]
     for thread in threads:
         thread.start()
     outputs: dict[str, list[int]] = {}
@@ -352,7 +371,9 @@ def test_listener_imports_awaited_requests_off_the_engine_thread_and_an_abort_mi
     # A handoff for a request this engine does not await is refused (the sender sees it).
     stray = prefill_all(prefill, token_lists[:1])[0]
     refused = []
-    thread = threading.Thread(target=lambda: refused.append(prefill.kv_connector.send_handoff(stray, "tcp", decode.kv_connector.kv_address)))
+    thread = threading.Thread(
+        target=lambda: refused.append(prefill.kv_connector.send_handoff(stray, "tcp", decode.kv_connector.kv_address))
+    )
     thread.start()
     while thread.is_alive():
         woken.wait(0.05)

@@ -6,10 +6,10 @@ import torch
 
 from engine_helpers import assert_idle, prompts_for, run
 from pagoda import LLM, SamplingParams
-from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import OutputAccumulator
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_request import EngineRequest
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import OutputAccumulator
 
 
 def test_prefix_caching_does_not_change_outputs(llama_dir):
@@ -51,8 +51,9 @@ def test_preemption_with_prefix_cache_and_priority_policy(llama_dir):
     prompts = prompts_for(300)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     roomy, _ = run(llama_dir, prompts, params, num_kv_blocks=512)
-    tight, llm = run(llama_dir, prompts, params, num_kv_blocks=16, scheduling_policy="priority",
-                     max_num_batched_tokens=32)
+    tight, llm = run(
+        llama_dir, prompts, params, num_kv_blocks=16, scheduling_policy="priority", max_num_batched_tokens=32
+    )
     assert llm.engine.get_stats().num_preemptions > 0
     assert tight == roomy
     assert_idle(llm)
@@ -141,8 +142,9 @@ def test_idle_after_aborts_in_prefill_and_decode(llama_dir):
 
 def test_idle_after_n_samples_aborted_mid_decode(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
-    engine.add_request(EngineRequest("r", list(range(5, 45)),
-                                     SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest("r", list(range(5, 45)), SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True))
+    )
     for _ in range(6):
         engine.step()
     engine.abort_request(["r"])

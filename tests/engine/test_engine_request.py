@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -17,8 +17,15 @@ from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.transport.encoding import decode_message, encode_message
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
-                                              UpdateLoRA, Wake)
+from pagoda.engine.transport.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCommand,
+    PrefillLocally,
+    Shutdown,
+    UpdateLoRA,
+    Wake,
+)
 from pagoda.lora_request import LoRARequest
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.supervised_engine import SupervisedEngine
@@ -27,21 +34,50 @@ from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 FIELDS = {f.name for f in dataclasses.fields(EngineRequest)}
 
 # Every hop a request takes from the server's handler to the scheduler, in order.
-PATH: list[Callable] = [EngineClient.add_request, EngineClient.generate, generate_outputs,
-                        ReplicaSet.add_request, ReplicaSet.generate, SupervisedEngine.add_request,
-                        SupervisedEngine.generate, AsyncLLM.add_request, AsyncLLM.generate,
-                        LLMEngine.add_request, EngineCore.add_request]
+PATH: list[Callable] = [
+    EngineClient.add_request,
+    EngineClient.generate,
+    generate_outputs,
+    ReplicaSet.add_request,
+    ReplicaSet.generate,
+    SupervisedEngine.add_request,
+    SupervisedEngine.generate,
+    AsyncLLM.add_request,
+    AsyncLLM.generate,
+    LLMEngine.add_request,
+    EngineCore.add_request,
+]
 
 
 def every_field_set() -> EngineRequest:
-    params = SamplingParams(n=2, temperature=0.7, top_k=5, logit_bias={7: 1.5}, stop=["x"], seed=3,
-                            structured_outputs=StructuredOutputsParams(json={"type": "object"}),
-                            bad_words=["no"], max_tokens=9)
-    request = EngineRequest("r1", [5, 6, 7], params, arrival_time=1234.5678901, cache_salt="salt", priority=-2,
-                            lora_request=LoRARequest("sql", 3, "/adapters/sql"), tenant="acme", model="sql")
+    params = SamplingParams(
+        n=2,
+        temperature=0.7,
+        top_k=5,
+        logit_bias={7: 1.5},
+        stop=["x"],
+        seed=3,
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+        bad_words=["no"],
+        max_tokens=9,
+    )
+    request = EngineRequest(
+        "r1",
+        [5, 6, 7],
+        params,
+        arrival_time=1234.5678901,
+        cache_salt="salt",
+        priority=-2,
+        lora_request=LoRARequest("sql", 3, "/adapters/sql"),
+        tenant="acme",
+        model="sql",
+    )
     defaults = EngineRequest("r1", [5, 6, 7], SamplingParams())
-    unset = [name for name in FIELDS if getattr(request, name) == getattr(defaults, name)
-             and name not in ("request_id", "prompt")]
+    unset = [
+        name
+        for name in FIELDS
+        if getattr(request, name) == getattr(defaults, name) and name not in ("request_id", "prompt")
+    ]
     assert not unset, f"set {unset} in this test, so that the encoding is checked for them"
     return request
 
@@ -68,12 +104,20 @@ def test_every_field_survives_the_process_encoding(prompt: str | list[int]) -> N
     assert isinstance(decoded.request.params.structured_outputs, StructuredOutputsParams)
 
 
-@pytest.mark.parametrize("message", [
-    AddRequest(EngineRequest("r", [1], SamplingParams())), AbortRequests(["a", "b"]),
-    UpdateLoRA("lora-update-1", LoRARequest("chat", 0, "/adapters/chat")),
-    UpdateLoRA("lora-update-2", LoRARequest("chat"), unload=True), PrefillLocally(["c"]), Wake(), Shutdown(),
-    EngineCommand("command-1", "update_weights", {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 3]]}),
-    EngineCommand("command-2", "sleep", {"level": 2})])
+@pytest.mark.parametrize(
+    "message",
+    [
+        AddRequest(EngineRequest("r", [1], SamplingParams())),
+        AbortRequests(["a", "b"]),
+        UpdateLoRA("lora-update-1", LoRARequest("chat", 0, "/adapters/chat")),
+        UpdateLoRA("lora-update-2", LoRARequest("chat"), unload=True),
+        PrefillLocally(["c"]),
+        Wake(),
+        Shutdown(),
+        EngineCommand("command-1", "update_weights", {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 3]]}),
+        EngineCommand("command-2", "sleep", {"level": 2}),
+    ],
+)
 def test_every_message_round_trips(message) -> None:
     assert decode_message(encode_message(message)) == message
 

@@ -11,9 +11,8 @@ import torch
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
-
-from test_kv_tiers_engine import assert_tiers_idle, block_bytes, distinct_prompts
 from pagoda.engine.engine_request import EngineRequest
+from test_kv_tiers_engine import assert_tiers_idle, block_bytes, distinct_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -29,9 +28,17 @@ def run(core: EngineCore, prompts) -> tuple[list[list[int]], list[int]]:
 
 def engine(model_dir, disk_dir, persist: bool) -> EngineCore:
     per_block = block_bytes(model_dir)
-    return EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=8, max_num_seqs=1,
-                                   kv_offload_memory=str(4 * per_block), kv_offload_disk=str(disk_dir),
-                                   kv_offload_disk_size=str(64 * per_block), kv_offload_disk_persist=persist))
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            num_kv_blocks=8,
+            max_num_seqs=1,
+            kv_offload_memory=str(4 * per_block),
+            kv_offload_disk=str(disk_dir),
+            kv_offload_disk_size=str(64 * per_block),
+            kv_offload_disk_persist=persist,
+        )
+    )
 
 
 def disk_files(directory) -> set[str]:
@@ -126,15 +133,15 @@ def test_all_tiers_under_pressure_match_the_plain_engine(llama_dir, tmp_path):
     of the same blocks, swaps), and the greedy outputs must not move."""
     generator = torch.Generator().manual_seed(21)
     shared = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (35, 50)]
-    prompts = [shared[i % 2] + torch.randint(5, 300, (5 + 9 * i,), generator=generator).tolist()
-               for i in range(10)]
+    prompts = [shared[i % 2] + torch.randint(5, 300, (5 + 9 * i,), generator=generator).tolist() for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
     def waves(core: EngineCore) -> list[list[int]]:
         outputs = {}
         for wave in (prompts[:4], prompts[4:], prompts[::3]):
-            samples = [core.add_request(EngineRequest(f"w{len(outputs) + i}", p, params))[0]
-                       for i, p in enumerate(wave)]
+            samples = [
+                core.add_request(EngineRequest(f"w{len(outputs) + i}", p, params))[0] for i, p in enumerate(wave)
+            ]
             while core.has_unfinished_requests():
                 core.step()
             for sample in samples:
@@ -144,9 +151,18 @@ def test_all_tiers_under_pressure_match_the_plain_engine(llama_dir, tmp_path):
 
     expected = waves(EngineCore(EngineConfig(model=str(llama_dir))))
     per_block = block_bytes(llama_dir)
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=12, max_num_seqs=12, max_num_batched_tokens=48,
-                                   kv_offload_memory=str(12 * per_block), preemption_mode="swap",
-                                   kv_offload_disk=str(tmp_path / "kv"), kv_offload_disk_size=str(40 * per_block)))
+    core = EngineCore(
+        EngineConfig(
+            model=str(llama_dir),
+            num_kv_blocks=12,
+            max_num_seqs=12,
+            max_num_batched_tokens=48,
+            kv_offload_memory=str(12 * per_block),
+            preemption_mode="swap",
+            kv_offload_disk=str(tmp_path / "kv"),
+            kv_offload_disk_size=str(40 * per_block),
+        )
+    )
     assert waves(core) == expected
     stats = core.stats().kv_tiers
     assert stats.hits["host"] > 0 and stats.hits["disk"] > 0 and stats.preemptions["swap"] > 0

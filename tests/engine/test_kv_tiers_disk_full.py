@@ -13,7 +13,6 @@ from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
 from pagoda.kv_transfer import disk_store
 from pagoda.kv_transfer.disk_store import DiskStore, file_bytes
-
 from test_kv_tiers_disk import engine, run
 from test_kv_tiers_engine import assert_tiers_idle, block_bytes, distinct_prompts
 
@@ -55,8 +54,7 @@ def test_a_burst_of_enospc_warns_once_stops_writing_and_resumes_when_space_retur
     assert len(logged(caplog, logging.WARNING)) == 1
 
 
-def test_engine_on_a_full_disk_serves_the_same_outputs_and_reports_real_usage(llama_dir, tmp_path, monkeypatch,
-                                                                              caplog):
+def test_engine_on_a_full_disk_serves_the_same_outputs_and_reports_real_usage(llama_dir, tmp_path, monkeypatch, caplog):
     prompts = distinct_prompts(5, 40, seed=5)
     expected, _ = run(EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=8, max_num_seqs=1)), prompts)
     monkeypatch.setattr(DiskStore, "_write_file", lambda self, *a: no_space())
@@ -95,8 +93,12 @@ def test_a_small_real_tmpfs(llama_dir, tmp_path, caplog):
     mount.mkdir()
     per_file = file_bytes(block_bytes(llama_dir), 16)
     size_kib = max(64, 6 * -(-per_file // 4096) * 4)  # room for a handful of blocks, far below the configured 64
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here")
     try:
         prompts = distinct_prompts(5, 40, seed=5)

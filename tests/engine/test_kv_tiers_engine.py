@@ -11,8 +11,8 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_core import EngineCore
-from pagoda.request import RequestStatus
 from pagoda.engine.engine_request import EngineRequest
+from pagoda.request import RequestStatus
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -75,8 +75,7 @@ def test_host_offload_serves_evicted_prefixes_without_changing_outputs(llama_dir
 
 def test_host_tier_lru_keeps_the_most_recent_blocks(llama_dir):
     prompts = distinct_prompts(6, 40)
-    llm = LLM(model=str(llama_dir), num_kv_blocks=8, max_num_seqs=1,
-              kv_offload_memory=str(6 * block_bytes(llama_dir)))
+    llm = LLM(model=str(llama_dir), num_kv_blocks=8, max_num_seqs=1, kv_offload_memory=str(6 * block_bytes(llama_dir)))
     greedy(llm, prompts)
     host = llm.engine.core.kv_tiers.host
     assert host.num_used == 6  # full, and its LRU dropped the oldest prefixes
@@ -91,8 +90,12 @@ def test_swap_preemption_matches_recompute(llama_dir, mode):
     # over; swap brings their KV back from the host instead of recomputing it.
     prompts = distinct_prompts(6, 60, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    common = dict(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64,
-                  kv_offload_memory=str(64 * block_bytes(llama_dir)))
+    common = dict(
+        model=str(llama_dir),
+        num_kv_blocks=10,
+        max_num_batched_tokens=64,
+        kv_offload_memory=str(64 * block_bytes(llama_dir)),
+    )
     recompute = LLM(**common, preemption_mode="recompute")
     expected = greedy(recompute, prompts, params)
     assert recompute.engine.core.scheduler.num_preemptions_by_mode["recompute"] > 0
@@ -129,8 +132,14 @@ def test_auto_recomputes_short_contexts_and_full_host_falls_back(llama_dir):
 
 
 def test_aborts_while_swapped_and_during_swap_in_leave_every_tier_idle(llama_dir):
-    config = EngineConfig(model=str(llama_dir), num_kv_blocks=10, max_num_seqs=10, max_num_batched_tokens=64,
-                          kv_offload_memory=str(64 * block_bytes(llama_dir)), preemption_mode="swap")
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_kv_blocks=10,
+        max_num_seqs=10,
+        max_num_batched_tokens=64,
+        kv_offload_memory=str(64 * block_bytes(llama_dir)),
+        preemption_mode="swap",
+    )
     core = EngineCore(config)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(distinct_prompts(6, 60, seed=11)):
@@ -142,8 +151,7 @@ def test_aborts_while_swapped_and_during_swap_in_leave_every_tier_idle(llama_dir
         kv = core.kv_cache
         swapped = {rid for rid, samples in core.requests.items() if kv.is_swapped(samples[0])}
         # Swapped out before this step, running now: its swap-in was this step's first copy.
-        swapped_in = [rid for rid in swapped_before - swapped
-                      if core.requests[rid][0].status == RequestStatus.RUNNING]
+        swapped_in = [rid for rid in swapped_before - swapped if core.requests[rid][0].status == RequestStatus.RUNNING]
         if swapped_in and not aborted_swapping_in:
             core.abort_request(swapped_in[:1])
             aborted_swapping_in = True
@@ -176,9 +184,15 @@ def test_draft_model_kv_moves_with_the_target_kv(llama_dir):
     prompts = distinct_prompts(6, 60, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = greedy(LLM(model=str(llama_dir)), prompts, params)
-    llm = LLM(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64, speculative="draft",
-              draft_model=str(llama_dir), kv_offload_memory=str(128 * block_bytes(llama_dir)),
-              preemption_mode="swap")
+    llm = LLM(
+        model=str(llama_dir),
+        num_kv_blocks=10,
+        max_num_batched_tokens=64,
+        speculative="draft",
+        draft_model=str(llama_dir),
+        kv_offload_memory=str(128 * block_bytes(llama_dir)),
+        preemption_mode="swap",
+    )
     assert greedy(llm, prompts, params) == expected
     assert greedy(llm, prompts[:2], params) == expected[:2]
     stats = llm.engine.get_stats()

@@ -12,8 +12,7 @@ import pytest
 from pagoda.config import EngineConfig
 from pagoda.core.capacity import sequences_that_fit
 from pagoda.engine import max_num_seqs
-from pagoda.engine.max_num_seqs import (CEILING, calibration_cache_path, choose_max_num_seqs,
-                                       resolve_max_num_seqs)
+from pagoda.engine.max_num_seqs import CEILING, calibration_cache_path, choose_max_num_seqs, resolve_max_num_seqs
 from pagoda.plan import build_plan, count_params_from_architecture, model_shape_from_config
 
 
@@ -29,8 +28,13 @@ class LinearStep:
 
 
 def choose(step, *, num_blocks=10_000, block_size=16, budget=50.0, token_budget=2048):
-    return choose_max_num_seqs(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=token_budget,
-                               itl_budget_ms=budget, step_time_ms=step)
+    return choose_max_num_seqs(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=token_budget,
+        itl_budget_ms=budget,
+        step_time_ms=step,
+    )
 
 
 def test_hardware_bound_interpolates_between_the_last_probe_within_budget_and_the_first_over() -> None:
@@ -49,11 +53,30 @@ def test_kv_pool_bounds_it_with_the_formula_plan_uses() -> None:
     assert step.calls == [1, 4, 16, 40]  # no batch the pool cannot hold is measured
     assert "bound by the KV pool" in choice.describe()
     # plan's worksheet counts sequences with the same function
-    shape = model_shape_from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                     "vocab_size": 1000, "max_position_embeddings": 512})
-    plan = build_plan(shape, count_params_from_architecture(shape), model="m", memory_bytes=2**24, dtype="fp32",
-                      kv_dtype="fp32", context=512, block_size=16, reserve_bytes=0, classes=[])
+    shape = model_shape_from_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 1000,
+            "max_position_embeddings": 512,
+        }
+    )
+    plan = build_plan(
+        shape,
+        count_params_from_architecture(shape),
+        model="m",
+        memory_bytes=2**24,
+        dtype="fp32",
+        kv_dtype="fp32",
+        context=512,
+        block_size=16,
+        reserve_bytes=0,
+        classes=[],
+    )
     assert plan.full_context_seqs == sequences_that_fit(plan.num_blocks, 16, 512)
 
 
@@ -90,8 +113,7 @@ def test_engine_chooses_reports_and_leaves_no_trace(llama_dir) -> None:
     from pagoda.engine.llm_engine import LLMEngine
 
     # A budget no step meets makes the choice deterministic on any machine: one at a time.
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                                    max_num_seqs_itl_ms=1e-6))
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=1e-6))
     core = engine.core
     assert core.max_num_seqs_choice.value == core.scheduler.max_num_seqs == 1
     stats = core.stats()
@@ -140,8 +162,7 @@ def test_never_above_what_the_pool_holds_at_full_context(llama_dir, cache_home) 
     from pagoda.engine.llm_engine import LLMEngine
 
     # A budget every step meets: only the pool binds, at full context (not one block each).
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                                    max_num_seqs_itl_ms=1e6))
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=1e6))
     choice = engine.core.max_num_seqs_choice
     full_context = sequences_that_fit(64, 16, engine.core.max_model_len)
     assert choice.value == choice.kv_bound == full_context < 64 and choice.full_context
@@ -151,8 +172,9 @@ def test_never_above_what_the_pool_holds_at_full_context(llama_dir, cache_home) 
 def test_two_starts_give_the_same_value_the_second_from_the_cache(llama_dir, cache_home, monkeypatch) -> None:
     from pagoda.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=4096, max_model_len=64,
-                          max_num_seqs_itl_ms=20.0)
+    config = EngineConfig(
+        model=str(llama_dir), num_threads=1, num_kv_blocks=4096, max_model_len=64, max_num_seqs_itl_ms=20.0
+    )
     first = LLMEngine(config).core.max_num_seqs_choice
     assert not first.cached and calibration_cache_path().is_file()
     assert str(cache_home) in str(calibration_cache_path())
@@ -160,6 +182,7 @@ def test_two_starts_give_the_same_value_the_second_from_the_cache(llama_dir, cac
     def no_calibration(core):
         def step_time_ms(batch: int) -> float:
             raise AssertionError("calibrated although the cache holds this machine and model")
+
         return step_time_ms
 
     monkeypatch.setattr(max_num_seqs, "calibrate_decode_step", no_calibration)
@@ -175,8 +198,9 @@ def test_a_damaged_cache_is_ignored_with_one_log_line(llama_dir, cache_home, cap
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="pagoda.engine.max_num_seqs"):
-        choice = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                                        max_num_seqs_itl_ms=1e6)).core.max_num_seqs_choice
+        choice = LLMEngine(
+            EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=1e6)
+        ).core.max_num_seqs_choice
     warnings = [r for r in caplog.records if r.name == "pagoda.engine.max_num_seqs"]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
     assert choice.value >= 1 and not choice.cached
@@ -192,14 +216,25 @@ def test_the_cache_key_changes_with_what_changes_a_step(llama_dir) -> None:
 
     def key(**fields) -> str:
         config = EngineConfig(model=str(llama_dir), **fields)
-        core = types.SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32,
-                                     num_blocks=64, max_model_len=256)
+        core = types.SimpleNamespace(
+            config=config, device=torch.device("cpu"), dtype=torch.float32, num_blocks=64, max_model_len=256
+        )
         return max_num_seqs.calibration_key(core, 50.0)
 
     base = key()
     assert key() == base
-    assert len({base, key(native_kernels="on"), key(quantization="int8"), key(quantization="int4"),
-                key(quantization="int4", quantization_group_size=32)}) == 5
+    assert (
+        len(
+            {
+                base,
+                key(native_kernels="on"),
+                key(quantization="int8"),
+                key(quantization="int4"),
+                key(quantization="int4", quantization_group_size=32),
+            }
+        )
+        == 5
+    )
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)

@@ -35,14 +35,17 @@ def test_get_tokenizer_is_the_hugging_face_tokenizer(llm: LLM) -> None:
     assert hasattr(tokenizer, "apply_chat_template")
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"text": "hi"}, 'needs a "prompt" or "prompt_token_ids" key'),
-    ({"prompt_token_ids": ["a"]}, "list of integer token ids"),
-    ({"prompt": 5}, '"prompt" must be a string'),
-    ([1.5], "must be a string, a list of token ids"),
-    (3, "must be a string, a list of token ids"),
-    ([], "prompts is empty"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"text": "hi"}, 'needs a "prompt" or "prompt_token_ids" key'),
+        ({"prompt_token_ids": ["a"]}, "list of integer token ids"),
+        ({"prompt": 5}, '"prompt" must be a string'),
+        ([1.5], "must be a string, a list of token ids"),
+        (3, "must be a string, a list of token ids"),
+        ([], "prompts is empty"),
+    ],
+)
 def test_malformed_prompts_say_what_is_accepted(bad: object, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(")):
         normalize_prompts(bad)  # type: ignore[arg-type]

@@ -21,8 +21,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
 
 
-def delta(request_id: str = "r", *samples: CompletionDelta, n: int = 1, finished: bool = False,
-          **fields) -> RequestOutputDelta:
+def delta(
+    request_id: str = "r", *samples: CompletionDelta, n: int = 1, finished: bool = False, **fields
+) -> RequestOutputDelta:
     return RequestOutputDelta(request_id, list(samples), num_samples=n, finished=finished, **fields)
 
 
@@ -37,14 +38,28 @@ def samples_of(tokenizer: Tokenizer, text: str, params: SamplingParams) -> tuple
 
 
 def test_merge_appends_per_sample_and_keeps_the_newest_state() -> None:
-    first = delta("r", CompletionDelta(0, "Hel", [1], logprobs=[{1: Logprob(-0.1, 1)}],
-                                       cumulative_logprob=-0.1),
-                  n=2, prompt="p", prompt_token_ids=[7, 8], num_cached_tokens=0)
+    first = delta(
+        "r",
+        CompletionDelta(0, "Hel", [1], logprobs=[{1: Logprob(-0.1, 1)}], cumulative_logprob=-0.1),
+        n=2,
+        prompt="p",
+        prompt_token_ids=[7, 8],
+        num_cached_tokens=0,
+    )
     second = delta("r", CompletionDelta(1, "A", [5]), n=2, num_cached_tokens=16)
-    third = delta("r", CompletionDelta(0, "lo", [2, 3], logprobs=[{2: Logprob(-0.2, 1)},
-                                                                  {3: Logprob(-0.3, 1)}],
-                                       cumulative_logprob=-0.6, finish_reason="length"),
-                  n=2, num_cached_tokens=16)
+    third = delta(
+        "r",
+        CompletionDelta(
+            0,
+            "lo",
+            [2, 3],
+            logprobs=[{2: Logprob(-0.2, 1)}, {3: Logprob(-0.3, 1)}],
+            cumulative_logprob=-0.6,
+            finish_reason="length",
+        ),
+        n=2,
+        num_cached_tokens=16,
+    )
     merged = first.merge(second).merge(third)
     by_index = {s.index: s for s in merged.outputs}
     assert by_index[0].text == "Hello" and by_index[0].token_ids == [1, 2, 3]
@@ -57,11 +72,13 @@ def test_merge_appends_per_sample_and_keeps_the_newest_state() -> None:
 
 
 def test_whole_output_from_deltas_and_snapshots_do_not_change() -> None:
-    output = RequestOutput.from_delta(delta("r", CompletionDelta(0, "a", [1]), n=2,
-                                            prompt_token_ids=[9]))
+    output = RequestOutput.from_delta(delta("r", CompletionDelta(0, "a", [1]), n=2, prompt_token_ids=[9]))
     snapshot = output.snapshot()
-    output.add(delta("r", CompletionDelta(1, "b", [2]), CompletionDelta(0, "c", [3], finish_reason="stop"),
-                     n=2, finished=False))
+    output.add(
+        delta(
+            "r", CompletionDelta(1, "b", [2]), CompletionDelta(0, "c", [3], finish_reason="stop"), n=2, finished=False
+        )
+    )
     assert [c.text for c in output.outputs] == ["ac", "b"]
     assert [c.token_ids for c in output.outputs] == [[1, 3], [2]]
     assert output.outputs[0].finish_reason == "stop" and not output.finished
@@ -165,8 +182,7 @@ def test_processor_groups_samples_and_abort_finishes_the_rest(tokenizer: Tokeniz
     assert [s.index for s in deltas[0].outputs] == [0]  # only the sample that changed
     assert deltas[0].outputs[0].logprobs[0][tokens[0]].decoded_token is not None
     aborted = processor.finish_aborted("r")
-    assert aborted.finished and {s.index: s.finish_reason for s in aborted.outputs} == \
-        {0: "abort", 1: "abort"}
+    assert aborted.finished and {s.index: s.finish_reason for s in aborted.outputs} == {0: "abort", 1: "abort"}
     assert second.output_token_ids == []
 
 

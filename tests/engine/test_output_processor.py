@@ -51,8 +51,13 @@ class Collected:
 
 def make_samples(tokenizer: Tokenizer, request_id: str = "r", **params: object) -> list[Request]:
     sampling = SamplingParams(max_tokens=64, temperature=0.0, **params)
-    lead = Request(request_id=request_id, prompt_token_ids=tokenizer.encode("# prompt\n"),
-                   sampling_params=sampling, eos_token_ids=frozenset(), max_output_tokens=64)
+    lead = Request(
+        request_id=request_id,
+        prompt_token_ids=tokenizer.encode("# prompt\n"),
+        sampling_params=sampling,
+        eos_token_ids=frozenset(),
+        max_output_tokens=64,
+    )
     lead.pending_forks = [lead.new_sample(i) for i in range(1, sampling.n)]
     return [lead, *lead.pending_forks]
 
@@ -95,12 +100,12 @@ def test_stop_string_split_across_tokens_ends_the_sample(tokenizer: Tokenizer) -
     assert stopped == [sample]  # the engine must now finish it
     completion = outputs[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
-    assert completion.text == TEXT[:TEXT.index(stop)]  # the stop string is not shown
+    assert completion.text == TEXT[: TEXT.index(stop)]  # the stop string is not shown
     assert fed < len(token_ids)
     # More tokens that were already in flight change nothing.
     sample.append_output_token(token_ids[fed])
     outputs, stopped = collected.process([sample])
-    assert stopped == [] and outputs[0].outputs[0].text == TEXT[:TEXT.index(stop)]
+    assert stopped == [] and outputs[0].outputs[0].text == TEXT[: TEXT.index(stop)]
 
 
 def test_include_stop_str_in_output(tokenizer: Tokenizer) -> None:
@@ -113,7 +118,7 @@ def test_include_stop_str_in_output(tokenizer: Tokenizer) -> None:
         outputs, stopped = collected.process([sample])
         if stopped:
             break
-    assert outputs[0].outputs[0].text == TEXT[:TEXT.index("return") + len("return")]
+    assert outputs[0].outputs[0].text == TEXT[: TEXT.index("return") + len("return")]
 
 
 def test_n_samples_merge_into_one_output(tokenizer: Tokenizer) -> None:

@@ -31,8 +31,10 @@ def test_busy_child_exits_when_parent_is_killed(tmp_path: Path) -> None:
     """)
     script = tmp_path / "parent.py"
     script.write_text(parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.Popen([sys.executable, str(script)], env=env)
     child_pid = None
     try:

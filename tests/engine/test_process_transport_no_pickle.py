@@ -20,8 +20,17 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.step_output import EngineStepOutput, HandoffOutcome
-from pagoda.engine.transport.encoding import (Dead, Failed, decode_config, decode_message, decode_reply,
-                                              encode_config, encode_reply, factory_reference, resolve_factory)
+from pagoda.engine.transport.encoding import (
+    Dead,
+    Failed,
+    decode_config,
+    decode_message,
+    decode_reply,
+    encode_config,
+    encode_reply,
+    factory_reference,
+    resolve_factory,
+)
 from pagoda.engine.transport.process import ProcessTransport
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, Logprob, RequestMetrics, RequestOutputDelta
@@ -45,12 +54,24 @@ def crafted(marker: Path) -> bytes:
 
 def step_output() -> EngineStepOutput:
     delta = RequestOutputDelta(
-        "r", [CompletionDelta(0, "hi", [1, 2], [{1: Logprob(-0.5, 1, "a"), 3: Logprob(float("-inf"), 2)}], -0.5,
-                              "stop", "</s>")], 1, finished=True, num_cached_tokens=2,
-        metrics=RequestMetrics(1.0, 2.0, num_preemptions=1), prompt_logprobs=[None, {5: Logprob(-1.0, 1, "x")}],
-        prompt="p", prompt_token_ids=[1, 2])
-    refused = {"x": InvalidRequest("too long", param="prompt", code="context_length_exceeded"),
-               "y": RuntimeError("the engine could not add the request")}
+        "r",
+        [
+            CompletionDelta(
+                0, "hi", [1, 2], [{1: Logprob(-0.5, 1, "a"), 3: Logprob(float("-inf"), 2)}], -0.5, "stop", "</s>"
+            )
+        ],
+        1,
+        finished=True,
+        num_cached_tokens=2,
+        metrics=RequestMetrics(1.0, 2.0, num_preemptions=1),
+        prompt_logprobs=[None, {5: Logprob(-1.0, 1, "x")}],
+        prompt="p",
+        prompt_token_ids=[1, 2],
+    )
+    refused = {
+        "x": InvalidRequest("too long", param="prompt", code="context_length_exceeded"),
+        "y": RuntimeError("the engine could not add the request"),
+    }
     return EngineStepOutput([delta], ["a"], refused, {"z": HandoffOutcome(False, "refused")})
 
 
@@ -62,7 +83,9 @@ def test_what_the_engine_sends_round_trips_typed() -> None:
     assert batch.deltas == sent.deltas and batch.accepted == ["a"] and batch.handoffs == sent.handoffs
     refused = batch.refused
     assert isinstance(refused["x"], InvalidRequest) and (refused["x"].param, refused["x"].code) == (
-        "prompt", "context_length_exceeded")
+        "prompt",
+        "context_length_exceeded",
+    )
     assert type(refused["y"]) is RuntimeError and str(refused["y"]) == "the engine could not add the request"
 
 
@@ -71,8 +94,9 @@ def msgspec_round_trip(output: EngineStepOutput) -> EngineStepOutput:
 
     from pagoda.engine.transport.encoding import _dec_hook, _enc_hook
 
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(output, enc_hook=_enc_hook), type=EngineStepOutput,
-                                  dec_hook=_dec_hook)
+    return msgspec.msgpack.decode(
+        msgspec.msgpack.encode(output, enc_hook=_enc_hook), type=EngineStepOutput, dec_hook=_dec_hook
+    )
 
 
 def test_the_startup_arguments_are_plain() -> None:
@@ -151,7 +175,12 @@ def test_the_engine_process_refuses_a_pickle_and_keeps_serving(model_dir, tmp_pa
 def test_no_module_of_the_package_reads_a_pipe_unpickling() -> None:
     """multiprocessing's Connection.recv() (and a Queue's get) unpickle: every pipe is read with recv_bytes."""
     root = Path(__file__).resolve().parents[2] / "pagoda"
-    hits = [str(path.relative_to(root)) for path in root.rglob("*.py")
-            if any(call in path.read_text(encoding="utf-8")
-                   for call in (".recv()", "multiprocessing.Queue(", "context.Queue(", "context.SimpleQueue("))]
+    hits = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if any(
+            call in path.read_text(encoding="utf-8")
+            for call in (".recv()", "multiprocessing.Queue(", "context.Queue(", "context.SimpleQueue(")
+        )
+    ]
     assert hits == []

@@ -18,8 +18,14 @@ from pagoda.serve.errors import invalid_request
 from pagoda.tokenizer import normalize_messages
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
-LIMITS = EngineLimits(max_model_len=512, vocab_size=1000, num_kv_blocks=64, block_size=16,
-                       max_num_batched_tokens=256, enable_chunked_prefill=True)
+LIMITS = EngineLimits(
+    max_model_len=512,
+    vocab_size=1000,
+    num_kv_blocks=64,
+    block_size=16,
+    max_num_batched_tokens=256,
+    enable_chunked_prefill=True,
+)
 
 
 def raised(call, *args, **kwargs) -> InvalidRequest:
@@ -28,31 +34,52 @@ def raised(call, *args, **kwargs) -> InvalidRequest:
     return info.value
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 99}, "logprobs"),
-    ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_sampling_params_name_the_field(fields: dict, param: str) -> None:
     error = raised(SamplingParams, **fields)
     assert error.param == param and isinstance(error, ValueError)
 
 
-@pytest.mark.parametrize("prompt, fields, limits, param, code", [
-    ([], {}, LIMITS, "prompt", None),
-    ([1, 5000], {}, LIMITS, "prompt", None),
-    ([1, -1], {}, LIMITS, "prompt", None),
-    ([1] * 600, {"max_tokens": 4}, LIMITS, "prompt", "context_length_exceeded"),
-    ([1] * 512, {"max_tokens": None}, LIMITS, "prompt", "context_length_exceeded"),
-    ([1] * 100, {"max_tokens": 500}, LIMITS, "max_tokens", "context_length_exceeded"),
-    ([1] * 10, {"logit_bias": {5000: 1.0}}, LIMITS, "logit_bias", None),
-    ([1] * 10, {"max_tokens": 100},
-     EngineLimits(512, 1000, num_kv_blocks=4, block_size=16, max_num_batched_tokens=256,
-                   enable_chunked_prefill=True), "max_tokens", None),
-    ([1] * 300, {"max_tokens": 4},
-     EngineLimits(512, 1000, num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
-                   enable_chunked_prefill=False), "prompt", None),
-])
+@pytest.mark.parametrize(
+    "prompt, fields, limits, param, code",
+    [
+        ([], {}, LIMITS, "prompt", None),
+        ([1, 5000], {}, LIMITS, "prompt", None),
+        ([1, -1], {}, LIMITS, "prompt", None),
+        ([1] * 600, {"max_tokens": 4}, LIMITS, "prompt", "context_length_exceeded"),
+        ([1] * 512, {"max_tokens": None}, LIMITS, "prompt", "context_length_exceeded"),
+        ([1] * 100, {"max_tokens": 500}, LIMITS, "max_tokens", "context_length_exceeded"),
+        ([1] * 10, {"logit_bias": {5000: 1.0}}, LIMITS, "logit_bias", None),
+        (
+            [1] * 10,
+            {"max_tokens": 100},
+            EngineLimits(
+                512, 1000, num_kv_blocks=4, block_size=16, max_num_batched_tokens=256, enable_chunked_prefill=True
+            ),
+            "max_tokens",
+            None,
+        ),
+        (
+            [1] * 300,
+            {"max_tokens": 4},
+            EngineLimits(
+                512, 1000, num_kv_blocks=64, block_size=16, max_num_batched_tokens=256, enable_chunked_prefill=False
+            ),
+            "prompt",
+            None,
+        ),
+    ],
+)
 def test_engine_checks_name_the_field(prompt, fields, limits, param, code) -> None:
     error = raised(validate_request, prompt, SamplingParams(**fields), limits)
     assert (error.param, error.code) == (param, code)
@@ -69,22 +96,26 @@ def test_error_survives_the_engine_process_pipe() -> None:
 
 
 def test_messages_are_normalized_once() -> None:
-    messages = normalize_messages([
-        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "user", "content": None}])
+    messages = normalize_messages(
+        [
+            {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": None},
+        ]
+    )
     assert messages == [{"role": "system", "content": "a\nb"}, {"role": "user", "content": ""}]
     for bad in ([], [{"role": "user", "content": [{"type": "image_url"}]}], ["x"]):
         assert raised(normalize_messages, bad).param == "messages"
-    assert raised(normalize_messages, [{"role": "wizard", "content": "x"}],
-                  roles=("user",)).param == "messages"
+    assert raised(normalize_messages, [{"role": "wizard", "content": "x"}], roles=("user",)).param == "messages"
 
 
 def test_server_maps_and_renames() -> None:
-    error = invalid_request(InvalidRequest("m", param="prompt", code="context_length_exceeded"),
-                            {"prompt": "messages"})
+    error = invalid_request(InvalidRequest("m", param="prompt", code="context_length_exceeded"), {"prompt": "messages"})
     assert error.status == 400 and error.body()["error"] == {
-        "message": "m", "type": "invalid_request_error", "param": "messages",
-        "code": "context_length_exceeded"}
+        "message": "m",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
     assert invalid_request(InvalidRequest("m", param="top_p")).param == "top_p"
 
 
@@ -112,12 +143,15 @@ def test_prompt_alone_over_the_context_names_the_prompt(server: LiveServer) -> N
         assert completion.status_code == 400 and error["param"] == "prompt"
         assert error["code"] == "context_length_exceeded" and "512" in error["message"]
         words = " ".join(["word"] * 700)
-        chat = http.post("/chat/completions", json={
-            "model": MODEL_NAME, "messages": [{"role": "user", "content": words}], "max_tokens": 2})
+        chat = http.post(
+            "/chat/completions",
+            json={"model": MODEL_NAME, "messages": [{"role": "user", "content": words}], "max_tokens": 2},
+        )
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-        too_many = http.post("/chat/completions", json={
-            "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-            "max_completion_tokens": 600})
+        too_many = http.post(
+            "/chat/completions",
+            json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 600},
+        )
         assert too_many.json()["error"]["param"] == "max_completion_tokens"
         assert too_many.json()["error"]["code"] == "context_length_exceeded"
     assert server.wait_idle().num_running == 0

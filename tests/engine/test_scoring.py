@@ -123,8 +123,11 @@ def test_yes_no_reranker_from_config_keys(reranker_dir: Path, tmp_path: Path) ->
     model_dir = tmp_path / "reranker"
     shutil.copytree(reranker_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(architectures=["Qwen3ForSequenceClassification"], classifier_from_token=["n", "y"],
-                  is_original_qwen3_reranker=True)
+    config.update(
+        architectures=["Qwen3ForSequenceClassification"],
+        classifier_from_token=["n", "y"],
+        is_original_qwen3_reranker=True,
+    )
     (model_dir / "config.json").write_text(json.dumps(config))
     llm = engine(model_dir)
     tokenizer = llm.get_tokenizer()
@@ -137,8 +140,9 @@ def test_yes_no_reranker_from_config_keys(reranker_dir: Path, tmp_path: Path) ->
     config.pop("is_original_qwen3_reranker")
     (model_dir / "config.json").write_text(json.dumps(config))
     (two_labels,) = engine(model_dir).classify([QUERIES[1] + DOCUMENTS[2]])
-    assert two_labels.outputs.probs == pytest.approx(torch.softmax(torch.tensor([0.0, logit]), -1).tolist(),
-                                                     abs=TOLERANCE)
+    assert two_labels.outputs.probs == pytest.approx(
+        torch.softmax(torch.tensor([0.0, logit]), -1).tolist(), abs=TOLERANCE
+    )
 
 
 def test_unknown_score_token_is_refused(reranker_dir: Path, tmp_path: Path) -> None:

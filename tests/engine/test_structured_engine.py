@@ -13,19 +13,25 @@ import pytest
 
 from model_factory import build_model
 from pagoda import LLM, SamplingParams
-from pagoda.engine.llm_engine import LLMEngine
 from pagoda.config import EngineConfig
+from pagoda.engine.engine_request import EngineRequest
+from pagoda.engine.llm_engine import LLMEngine
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.grammar import build_grammar
 from structured_schemas import random_object_schema
-from pagoda.engine.engine_request import EngineRequest
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,12 @@ def llm(llama_dir) -> LLM:
 
 
 def constrained(temperature: float = 0.0, max_tokens: int = 200, **kind) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=7 if temperature else None,
-                          structured_outputs=StructuredOutputsParams(**kind))
+    return SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=7 if temperature else None,
+        structured_outputs=StructuredOutputsParams(**kind),
+    )
 
 
 def test_fifty_random_json_schemas_parse_and_validate(llm):
@@ -54,20 +64,27 @@ def test_fifty_random_json_schemas_parse_and_validate(llm):
 def test_regex_choice_grammar_and_json_object(llm):
     regex = r"[0-9]{3}-[a-z]{2,4}(\.[a-z]+)?"
     choices = ["yes", "no", "maybe so"]
-    outputs = llm.generate(["a b c"] * 5, [
-        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=50,
-                       structured_outputs=StructuredOutputsParams(regex=regex)),
-        SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=50,
-                       structured_outputs=StructuredOutputsParams(choice=choices)),
-        constrained(grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?', max_tokens=60),
-        constrained(json_object=True, max_tokens=300),
-        constrained(json={"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}),
-    ])
+    outputs = llm.generate(
+        ["a b c"] * 5,
+        [
+            SamplingParams(
+                temperature=1.0, seed=3, n=4, max_tokens=50, structured_outputs=StructuredOutputsParams(regex=regex)
+            ),
+            SamplingParams(
+                temperature=1.0, seed=4, n=4, max_tokens=50, structured_outputs=StructuredOutputsParams(choice=choices)
+            ),
+            constrained(grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?', max_tokens=60),
+            constrained(json_object=True, max_tokens=300),
+            constrained(json={"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}),
+        ],
+    )
     assert all(re.fullmatch(regex, c.text) for c in outputs[0].outputs)
     assert all(c.text in choices for c in outputs[1].outputs)
     grammar_text = outputs[2].outputs[0].text
-    assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", grammar_text) or \
-        outputs[2].outputs[0].finish_reason == "length"
+    assert (
+        re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", grammar_text)
+        or outputs[2].outputs[0].finish_reason == "length"
+    )
     assert isinstance(json.loads(outputs[3].outputs[0].text), dict)
     value = json.loads(outputs[4].outputs[0].text)
     assert len(value) == 2 and all(isinstance(v, bool) for v in value)
@@ -80,9 +97,18 @@ def test_masked_sampling_never_emits_a_rejected_token(llm):
     tokenizer = llm.engine.core.structured.compiler.tokenizer
     for _ in range(3):
         schemas = [random_object_schema(rng) for _ in range(6)]
-        params = [SamplingParams(temperature=1.3, top_p=0.9, top_k=50, presence_penalty=1.0, seed=rng.randint(0, 99),
-                                 max_tokens=120, structured_outputs=StructuredOutputsParams(json=s))
-                  for s in schemas]
+        params = [
+            SamplingParams(
+                temperature=1.3,
+                top_p=0.9,
+                top_k=50,
+                presence_penalty=1.0,
+                seed=rng.randint(0, 99),
+                max_tokens=120,
+                structured_outputs=StructuredOutputsParams(json=s),
+            )
+            for s in schemas
+        ]
         for schema, output in zip(schemas, llm.generate(["x = "] * 6, params)):
             tokens = output.outputs[0].token_ids
             matcher = llguidance.LLMatcher(tokenizer, build_grammar(StructuredOutputsParams(json=schema)))
@@ -97,14 +123,19 @@ def test_unconstrained_rows_are_bit_identical_in_a_mixed_batch(llama_dir):
     requests did; no prefix cache), so any difference could only come from the mask."""
     llm = LLM(model=str(llama_dir), enable_prefix_caching=False)
     prompts = ["def main():", "import os", "class A:", "x = [1, 2"]
-    plain = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
-             SamplingParams(temperature=0.9, seed=11, max_tokens=24, logprobs=2, ignore_eos=True)]
-    mixed_params = plain + [constrained(json=SCHEMA, max_tokens=24),
-                            constrained(temperature=1.0, regex="[a-z]{5,30}", max_tokens=24)]
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=24, logprobs=2, ignore_eos=True),
+    ]
+    mixed_params = plain + [
+        constrained(json=SCHEMA, max_tokens=24),
+        constrained(temperature=1.0, regex="[a-z]{5,30}", max_tokens=24),
+    ]
     llm.generate(prompts, mixed_params)  # compiled grammars are cached: next time none waits a step
     mixed = llm.generate(prompts, mixed_params)
-    stand_ins = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids))
-                 for o in mixed[2:]]
+    stand_ins = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids)) for o in mixed[2:]
+    ]
     alone = llm.generate(prompts, plain + stand_ins)
     for a, b in zip(alone[:2], mixed[:2]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -116,7 +147,7 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
     first = output.outputs[0].logprobs[0]
     finite = {t: lp.logprob for t, lp in first.items() if lp.logprob != float("-inf")}
     assert output.outputs[0].token_ids[0] in finite
-    assert abs(sum(2.718281828459045 ** lp for lp in finite.values()) - 1.0) < 1e-3 or len(finite) <= 5
+    assert abs(sum(2.718281828459045**lp for lp in finite.values()) - 1.0) < 1e-3 or len(finite) <= 5
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +159,15 @@ def test_same_constrained_output_with_engine_features(llama_dir, draft_dir):
     """Greedy constrained outputs do not change with prefix caching, chunked prefill,
     preemption, n > 1 or speculative decoding (drafts checked against the matcher)."""
     prompt = "def handler(event, context):\n    return " * 3
-    params = [constrained(json=SCHEMA, max_tokens=80), constrained(regex=r"(ab|cd|[0-9]){4,12}", max_tokens=40),
-              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    params = [
+        constrained(json=SCHEMA, max_tokens=80),
+        constrained(regex=r"(ab|cd|[0-9]){4,12}", max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+    ]
     prompts = [prompt, prompt + "x", "y" + prompt]
-    baseline = [o.outputs[0].token_ids for o in LLM(model=str(llama_dir), enable_prefix_caching=False)
-                .generate(prompts, params)]
+    baseline = [
+        o.outputs[0].token_ids for o in LLM(model=str(llama_dir), enable_prefix_caching=False).generate(prompts, params)
+    ]
     json.loads(LLM(model=str(llama_dir)).engine.tokenizer.decode(baseline[0]))
     runs = {
         "prefix cache": dict(),
@@ -162,8 +197,9 @@ def test_grammar_end_stops_the_request(llm):
 
 
 def test_bad_grammar_and_compile_timeout_fail_only_their_request(llama_dir, monkeypatch):
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), structured_output_timeout=0.2,
-                                  structured_output_compile_threads=2))
+    engine = LLMEngine(
+        EngineConfig(model=str(llama_dir), structured_output_timeout=0.2, structured_output_compile_threads=2)
+    )
     compiler = engine.core.structured.compiler
     original = compiler._compile
 
@@ -204,8 +240,10 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(choice=[])
     params = SamplingParams(structured_outputs={"json": {"type": "object"}})
     assert params.structured_outputs.kind == "json"
-    assert StructuredOutputsParams(json={"b": 1, "a": 2}).cache_key() == \
-        StructuredOutputsParams(json={"a": 2, "b": 1}).cache_key()
+    assert (
+        StructuredOutputsParams(json={"b": 1, "a": 2}).cache_key()
+        == StructuredOutputsParams(json={"a": 2, "b": 1}).cache_key()
+    )
 
 
 def test_abort_while_waiting_for_the_grammar(llama_dir, monkeypatch):
@@ -241,8 +279,13 @@ def test_a_matcher_error_stops_only_its_request(llm):
 
     RequestMatcher.fill_mask = failing
     try:
-        outputs = llm.generate(["q", "r"], [constrained(regex="[a-z]{20}", max_tokens=30),
-                                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)])
+        outputs = llm.generate(
+            ["q", "r"],
+            [
+                constrained(regex="[a-z]{20}", max_tokens=30),
+                SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            ],
+        )
     finally:
         RequestMatcher.fill_mask = original
     failed = outputs[0].outputs[0]  # the token sampled after the error is not emitted
@@ -260,9 +303,11 @@ def test_process_transport_defers_acceptance_until_the_grammar_compiles(llama_di
 
     engine = AsyncLLM(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64), transport="process")
     try:
+
         async def main() -> tuple:
-            outputs = [o async for o in engine.generate(EngineRequest("ok", [5, 6, 7],
-                                                                      constrained(choice=["alpha", "beta"])))]
+            outputs = [
+                o async for o in engine.generate(EngineRequest("ok", [5, 6, 7], constrained(choice=["alpha", "beta"])))
+            ]
             with pytest.raises(ValueError, match="structured_outputs.regex"):
                 await engine.add_request(EngineRequest("bad", [5, 6], constrained(regex="(unclosed")))
             plain = [o async for o in engine.generate(EngineRequest("plain", [5, 6], SamplingParams(max_tokens=3)))]
@@ -284,13 +329,16 @@ def test_a_failure_while_filling_masks_stops_those_requests_not_the_engine(llm, 
         raise RuntimeError("simulated bug")
 
     monkeypatch.setattr(GrammarMasks, "_fill_rows", broken)
-    outputs = llm.generate(["q", "r"], [constrained(regex="[a-z]{20}", max_tokens=30),
-                                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)])
+    outputs = llm.generate(
+        ["q", "r"],
+        [constrained(regex="[a-z]{20}", max_tokens=30), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)],
+    )
     assert outputs[0].outputs[0].finish_reason == "stop" and outputs[0].outputs[0].token_ids == []
     assert len(outputs[1].outputs[0].token_ids) == 5
     monkeypatch.undo()
-    assert re.fullmatch("[a-z]{20}", llm.generate(["q"], constrained(regex="[a-z]{20}", max_tokens=30))[0]
-                        .outputs[0].text)
+    assert re.fullmatch(
+        "[a-z]{20}", llm.generate(["q"], constrained(regex="[a-z]{20}", max_tokens=30))[0].outputs[0].text
+    )
 
 
 def test_llm_chat_with_a_schema_and_tools(llama_dir, tmp_path):
@@ -301,8 +349,10 @@ def test_llm_chat_with_a_schema_and_tools(llama_dir, tmp_path):
     shutil.copytree(llama_dir, model)
     config_path = model / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = ("{% for tool in tools or [] %}{{ tool.function.name }};{% endfor %}"
-                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    config["chat_template"] = (
+        "{% for tool in tools or [] %}{{ tool.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     config_path.write_text(json.dumps(config))
     llm = LLM(model=str(model))
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}

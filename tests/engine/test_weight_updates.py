@@ -66,15 +66,28 @@ def _corrupt(source: Path, target: Path, how: str) -> Path:
     return target
 
 
-@pytest.mark.parametrize("how, reason", [
-    ("missing tensor", "missing tensor"), ("wrong shape", "has shape"), ("wrong dtype", "has dtype torch.int32"),
-    ("unreadable file", "model.safetensors"), ("no directory", "is not a directory"),
-    ("no checkpoint", "no \\*.safetensors weights")])
-def test_a_failed_update_keeps_the_old_weights_serving(checkpoints, references, tmp_path: Path,
-                                                       how: str, reason: str) -> None:
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("missing tensor", "missing tensor"),
+        ("wrong shape", "has shape"),
+        ("wrong dtype", "has dtype torch.int32"),
+        ("unreadable file", "model.safetensors"),
+        ("no directory", "is not a directory"),
+        ("no checkpoint", "no \\*.safetensors weights"),
+    ],
+)
+def test_a_failed_update_keeps_the_old_weights_serving(
+    checkpoints, references, tmp_path: Path, how: str, reason: str
+) -> None:
     llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
-    path = tmp_path / "absent" if how == "no directory" else tmp_path if how == "no checkpoint" else \
-        _corrupt(checkpoints["new"], tmp_path / "bad", how)
+    path = (
+        tmp_path / "absent"
+        if how == "no directory"
+        else tmp_path
+        if how == "no checkpoint"
+        else _corrupt(checkpoints["new"], tmp_path / "bad", how)
+    )
     with pytest.raises(InvalidRequest, match=reason):
         llm.update_weights_from_disk(str(path))
     assert greedy(llm) == references["old"]
@@ -89,8 +102,14 @@ def _rss() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc")
 def test_sleep_releases_the_kv_pool_and_the_weights(tmp_path: Path, capsys) -> None:
     # A pool of 32 MiB and 32 MiB of weights, so their release stands out of the process's noise.
-    wide = build_model(tmp_path / "wide", "llama", hidden_size=512, intermediate_size=2048, num_attention_heads=8,
-                       num_key_value_heads=4)
+    wide = build_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     weights_bytes = (wide / "model.safetensors").stat().st_size
     llm = LLM(model=str(wide), num_kv_blocks=512)
     before = greedy(llm)
@@ -112,10 +131,12 @@ def test_sleep_releases_the_kv_pool_and_the_weights(tmp_path: Path, capsys) -> N
     llm.wake_up()
     assert greedy(llm) == before
     with capsys.disabled():
-        mib = 2 ** 20
-        print(f"\nsleep RSS: awake {awake / mib:.1f} MiB -> level 1 {level_1 / mib:.1f} MiB (KV pool "
-              f"{pool_bytes / mib:.1f} MiB); awake {awake_again / mib:.1f} MiB -> level 2 {level_2 / mib:.1f} MiB "
-              f"(pool + weights {(pool_bytes + weights_bytes) / mib:.1f} MiB)")
+        mib = 2**20
+        print(
+            f"\nsleep RSS: awake {awake / mib:.1f} MiB -> level 1 {level_1 / mib:.1f} MiB (KV pool "
+            f"{pool_bytes / mib:.1f} MiB); awake {awake_again / mib:.1f} MiB -> level 2 {level_2 / mib:.1f} MiB "
+            f"(pool + weights {(pool_bytes + weights_bytes) / mib:.1f} MiB)"
+        )
     assert awake - level_1 > 0.8 * pool_bytes
     assert awake_again - level_2 > 0.8 * pool_bytes + 0.5 * weights_bytes
 
@@ -174,10 +195,13 @@ def test_every_replica_updates_or_none_does(checkpoints, references, tmp_path: P
         async def each() -> list[list[int]]:
             answers = []
             for i, replica in enumerate(replicas.replicas):
-                outputs = [output async for output in
-                           replica.llm.generate(EngineRequest(f"r{i}-{len(answers)}", PROMPT, GREEDY))]
+                outputs = [
+                    output
+                    async for output in replica.llm.generate(EngineRequest(f"r{i}-{len(answers)}", PROMPT, GREEDY))
+                ]
                 answers.append(list(outputs[-1].outputs[0].token_ids))
             return answers
+
         return asyncio.run(each())
 
     try:

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
-from pagoda.executor.channel import (MAX_MESSAGE_BYTES, ChannelCodec, RejectedMessage, decode, encode, new_secret)
-from pagoda.executor.group import (Endpoint, broadcast_object, open_payload, recv_payload, share_payload)
+from pagoda.core.kv_cache_groups import KVCacheGroup
+from pagoda.executor.channel import MAX_MESSAGE_BYTES, ChannelCodec, RejectedMessage, decode, encode, new_secret
+from pagoda.executor.group import Endpoint, broadcast_object, open_payload, recv_payload, share_payload
 from pagoda.executor.process_workers import read_spec, spec_frame, worker_command
 from pagoda.executor.worker import KVSetup, StageMessage, StepInputs, WorkerSpec
 from pagoda.kernels.attention import BatchLayout
-from pagoda.core.kv_cache_groups import KVCacheGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +45,16 @@ def crafted(marker: Path) -> bytes:
 
 
 def step() -> StepInputs:
-    layout = BatchLayout(torch.arange(5), torch.tensor([0, 5]), torch.tensor([0]), torch.tensor([5]),
-                         torch.zeros(1, 3, dtype=torch.int32), 16, [5], [0])
+    layout = BatchLayout(
+        torch.arange(5),
+        torch.tensor([0, 5]),
+        torch.tensor([0]),
+        torch.tensor([5]),
+        torch.zeros(1, 3, dtype=torch.int32),
+        16,
+        [5],
+        [0],
+    )
     return StepInputs(torch.arange(5), torch.arange(5), [layout], [4], [(1, 2)])
 
 
@@ -113,8 +121,11 @@ def _two_ranks(attacker, victim) -> list[BaseException | object]:
     results: list = []
 
     def rank(index: int, body) -> None:
-        client = store if index == 0 else dist.TCPStore("127.0.0.1", store.port, 2, False,
-                                                        timeout=datetime.timedelta(seconds=30))
+        client = (
+            store
+            if index == 0
+            else dist.TCPStore("127.0.0.1", store.port, 2, False, timeout=datetime.timedelta(seconds=30))
+        )
         group = dist.ProcessGroupGloo(dist.PrefixStore("control", client), index, 2, datetime.timedelta(seconds=30))
         try:
             out = body(group)

@@ -24,14 +24,20 @@ from model_factory import build_model
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.threads import engine_thread_count
 from pagoda.errors import InvalidRequest
 from processes import process_alive, process_tree
 from server_utils import free_port, start_serve_process
-from pagoda.engine.engine_request import EngineRequest
 
-FEATURES = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=8,
-                speculative="ngram", num_speculative_tokens=3)
+FEATURES = dict(
+    block_size=4,
+    num_kv_blocks=48,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    speculative="ngram",
+    num_speculative_tokens=3,
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 WORKER_MODULE = "pagoda.executor.process_workers"
 
@@ -172,8 +178,9 @@ def test_uneven_partition_matches_one_stage(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "llama4", "llama", num_hidden_layers=4)
     prompts = prompts_for(300, lengths=(9, 33))
     expected = LLM(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4).generate(prompts, GREEDY)
-    staged = LLM(model=str(model_dir), num_kv_blocks=64, max_num_seqs=4, pipeline_parallel_size=2,
-                 pp_layer_partition="1,3")
+    staged = LLM(
+        model=str(model_dir), num_kv_blocks=64, max_num_seqs=4, pipeline_parallel_size=2, pp_layer_partition="1,3"
+    )
     try:
         assert [stage.layers for stage in staged.engine.core.stages] == [range(0, 1), range(1, 4)]
         assert token_ids(staged.generate(prompts, GREEDY)) == token_ids(expected)
@@ -188,7 +195,9 @@ def test_bad_partitions_name_the_numbers(llama_dir: Path, monkeypatch) -> None:
         LLM(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="1,2")
     with pytest.raises(ValueError, match=r"pp_layer_partition 1,1,1 has 3 stage\(s\), pipeline_parallel_size is 2"):
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="1,1,1")
-    with pytest.raises(ValueError, match=r"pp_layer_partition must be comma-separated layer counts like 3,5, got 'a,b'"):
+    with pytest.raises(
+        ValueError, match=r"pp_layer_partition must be comma-separated layer counts like 3,5, got 'a,b'"
+    ):
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="a,b")
     with pytest.raises(ValueError, match=r"pp_layer_partition 0,2: every stage needs at least one layer"):
         EngineConfig(model=str(llama_dir), pipeline_parallel_size=2, pp_layer_partition="0,2")
@@ -197,8 +206,11 @@ def test_bad_partitions_name_the_numbers(llama_dir: Path, monkeypatch) -> None:
     import pagoda.engine.assembly as assembly
 
     monkeypatch.setattr(assembly, "available_cores", lambda: 1)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 x tensor_parallel_size 1 = 2 ranks, "
-                                         r"but only 1 CPU cores are available"):
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_parallel_size 2 x tensor_parallel_size 1 = 2 ranks, "
+        r"but only 1 CPU cores are available",
+    ):
         LLM(model=str(llama_dir), pipeline_parallel_size=2)
 
 
@@ -226,8 +238,10 @@ def test_idle_stage_death_ends_the_engine(llama_dir: Path) -> None:
         return {pid for pid, command in process_tree(os.getpid()).items() if WORKER_MODULE in command}
 
     before = our_workers()  # the module's shared engine has its own
-    llm = AsyncLLM(EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2),
-                   transport="thread")
+    llm = AsyncLLM(
+        EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2),
+        transport="thread",
+    )
     try:
         workers = sorted(our_workers() - before)
         assert len(workers) == 1 and llm.is_alive
@@ -251,16 +265,29 @@ def test_server_greedy_then_stage_death_is_503_and_leaves_no_process(engines, ll
     base = f"http://127.0.0.1:{port}"
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-        answer = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()
+        answer = httpx.post(
+            f"{base}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        ).json()
         assert answer["choices"][0]["text"] == expected
         tree = process_tree(server.pid)
         workers = [pid for pid, command in tree.items() if WORKER_MODULE in command]
         assert len(workers) == 1
         # The last stage dies while a long request streams: the request fails, /health turns 503.
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
-                "model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as stream:
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             os.kill(workers[0], signal.SIGKILL)
@@ -303,8 +330,9 @@ def test_a_supervised_engine_whose_stage_dies_is_restarted(llama_dir: Path) -> N
 
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=32, max_num_seqs=4, pipeline_parallel_size=2)
     before = our_workers()
-    engine = SupervisedEngine(EngineSupervisor(EngineKeeper(lambda: start(config), "pp-engine"), start, "0",
-                                               RestartPolicy(backoff=0.05)))
+    engine = SupervisedEngine(
+        EngineSupervisor(EngineKeeper(lambda: start(config), "pp-engine"), start, "0", RestartPolicy(backoff=0.05))
+    )
     try:
         first = engine.supervisor.llm
         stage = sorted(our_workers() - before)

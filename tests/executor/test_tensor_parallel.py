@@ -28,8 +28,14 @@ from server_utils import free_port, start_serve_process
 
 # Small blocks and pool, a small token budget and n-gram speculation: prompts are chunked,
 # requests preempted, prefixes shared and drafts verified, all under tensor parallelism.
-FEATURES = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32, max_num_seqs=8,
-                speculative="ngram", num_speculative_tokens=3)
+FEATURES = dict(
+    block_size=4,
+    num_kv_blocks=48,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    speculative="ngram",
+    num_speculative_tokens=3,
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 WORKER_MODULE = "pagoda.executor.process_workers"
 
@@ -77,11 +83,14 @@ def test_sampling_n_logprobs_and_prompt_logprobs(engines) -> None:
 
 def test_structured_output(engines) -> None:
     single, split = engines
-    params = [SamplingParams(temperature=0.0, max_tokens=40,
-                             structured_outputs=StructuredOutputsParams(**kind))
-              for kind in ({"choice": ["yes", "no", "maybe so"]}, {"regex": r"[0-9]{3}-[a-z]{2,4}"},
-                           {"json": {"type": "array", "items": {"type": "boolean"}, "minItems": 2,
-                                     "maxItems": 2}})]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(**kind))
+        for kind in (
+            {"choice": ["yes", "no", "maybe so"]},
+            {"regex": r"[0-9]{3}-[a-z]{2,4}"},
+            {"json": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}},
+        )
+    ]
     prompts = ["a b c", "def f(x):", "["]
     expected = [o.outputs[0].text for o in single.generate(prompts, params)]
     got = [o.outputs[0].text for o in split.generate(prompts, params)]
@@ -91,8 +100,9 @@ def test_structured_output(engines) -> None:
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "mistral", "gqa"])
-def test_every_architecture_matches_tp1(architecture: str, model_dirs: dict[str, Path],
-                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_every_architecture_matches_tp1(
+    architecture: str, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """qwen2: q/k/v bias and tied embeddings; qwen3: per-head q/k norm; mistral: sliding window;
     gqa: one KV head for two ranks (replicated)."""
     if architecture == "gqa":
@@ -167,16 +177,29 @@ def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, l
     base = f"http://127.0.0.1:{port}"
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-        answer = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()
+        answer = httpx.post(
+            f"{base}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        ).json()
         assert answer["choices"][0]["text"] == expected
         tree = process_tree(server.pid)
         workers = [pid for pid, command in tree.items() if WORKER_MODULE in command]
         assert len(workers) == 1
         # A worker dies while a long request streams: the request fails, /health turns 503.
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
-                "model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as stream:
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             os.kill(workers[0], signal.SIGKILL)
@@ -200,10 +223,13 @@ def test_server_greedy_then_worker_death_is_503_and_leaves_no_process(engines, l
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("architecture,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
-                                                          ("mixtral", True), ("gpt_oss", False), ("gpt_oss", True)])
-def test_moe_tensor_and_expert_parallel_match_one_rank(tmp_path: Path, architecture: str,
-                                                       expert_parallel: bool) -> None:
+@pytest.mark.parametrize(
+    "architecture,expert_parallel",
+    [("qwen2_moe", False), ("qwen2_moe", True), ("mixtral", True), ("gpt_oss", False), ("gpt_oss", True)],
+)
+def test_moe_tensor_and_expert_parallel_match_one_rank(
+    tmp_path: Path, architecture: str, expert_parallel: bool
+) -> None:
     """Without expert parallelism every expert is split over the ranks; with it each rank holds
     half the experts whole (the shared expert, attention and dense layers stay tensor-parallel).
     Either way greedy output equals one rank's, with chunking and preemption."""

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs a GPU (or PAGODA_G
 
 def random_bitmask(rows: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     words = (vocab + 31) // 32
-    return torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, words), generator=generator, dtype=torch.int64).to(torch.int32)
+    return torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=generator, dtype=torch.int64).to(torch.int32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -58,8 +58,15 @@ def test_swap_preemption_through_the_host_tier_matches_recompute(llama_dir, kv_c
     # brings their KV back from (pinned) host memory instead of recomputing it.
     prompts = distinct_prompts(6, 60, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    common = dict(model=str(llama_dir), device=DEVICE, dtype="float32", num_kv_blocks=10,
-                  max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype, kv_offload_memory="16MiB")
+    common = dict(
+        model=str(llama_dir),
+        device=DEVICE,
+        dtype="float32",
+        num_kv_blocks=10,
+        max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_offload_memory="16MiB",
+    )
     recompute = LLM(**common, preemption_mode="recompute")
     expected = greedy(recompute, prompts, params)
     assert recompute.engine.core.scheduler.num_preemptions_by_mode["recompute"] > 0
@@ -80,8 +87,14 @@ def test_host_offload_serves_evicted_prefixes_unchanged(llama_dir):
     # evicted from the device long ago and come back from the host tier.
     prompts = distinct_prompts(8, 50, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    common = dict(model=str(llama_dir), device=DEVICE, dtype="float32", num_kv_blocks=12, max_num_seqs=2,
-                  max_num_batched_tokens=64)
+    common = dict(
+        model=str(llama_dir),
+        device=DEVICE,
+        dtype="float32",
+        num_kv_blocks=12,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
     baseline = LLM(**common)
     expected = greedy(baseline, prompts, params) + greedy(baseline, prompts, params)
     del baseline

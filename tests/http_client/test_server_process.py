@@ -36,8 +36,9 @@ SERVER = textwrap.dedent("""
 def test_waits_for_a_200_and_stops_the_server_afterwards(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_server([sys.executable, "-c", SERVER, str(port)], url + "/health", timeout=30,
-                        log_path=tmp_path / "server.log") as process:
+    with running_server(
+        [sys.executable, "-c", SERVER, str(port)], url + "/health", timeout=30, log_path=tmp_path / "server.log"
+    ) as process:
         assert httpx.get(url + "/health", trust_env=False).status_code == 200
     assert process.poll() is not None
     assert "listening" in (tmp_path / "server.log").read_text()
@@ -52,5 +53,4 @@ def test_a_server_that_exits_fails_with_its_output() -> None:
 def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"]
     with pytest.raises(ServerStartError, match=r"(?s)did not answer 200 .* within 1s:.*loading"):
-        start_server(command, f"http://127.0.0.1:{free_port()}/health", timeout=1,
-                     log_path=tmp_path / "server.log")
+        start_server(command, f"http://127.0.0.1:{free_port()}/health", timeout=1, log_path=tmp_path / "server.log")

@@ -62,9 +62,10 @@ def test_lines_split_only_where_sse_splits_them() -> None:
         async def source():
             for chunk in chunks:
                 yield chunk
+
         return [line async for line in aiter_sse_lines(source())]
 
-    cuts = [body[:len(f"data: {event}\r")], body[len(f"data: {event}\r"):]]
+    cuts = [body[: len(f"data: {event}\r")], body[len(f"data: {event}\r") :]]
     for chunks in ([body], cuts, list(body)):
         got = asyncio.run(lines(chunks))
         assert got == [f"data: {event}", "", "data: [DONE]", ""]

@@ -19,16 +19,16 @@ import torch
 
 from pagoda.kernels.attention.backend import AttentionLayerSpec, BatchLayout
 from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
-
-from triton_import import import_triton_module
 from triton_compile import compile_for_gpu
+from triton_import import import_triton_module
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
 
 
-TritonAttentionBackend = import_triton_module("pagoda.kernels.attention.triton_backend",
-                                              interpret=INTERPRET).TritonAttentionBackend
+TritonAttentionBackend = import_triton_module(
+    "pagoda.kernels.attention.triton_backend", interpret=INTERPRET
+).TritonAttentionBackend
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +40,15 @@ def interpreter(monkeypatch):
 BLOCK_SIZE = 16
 
 
-def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.float32, seed: int = 0, pad_rows: int = 0):
+def make_case(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    pad_rows: int = 0,
+):
     """Random Q/K/V for requests given as (cached context, new tokens), their blocks scattered
     over a cache full of random values. `pad_rows` adds decode rows with slot -1 and seq_len 1
     after the real ones, as a CUDA-graph batch has."""
@@ -73,7 +80,10 @@ def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int
         context_lens=torch.tensor(context_lens, dtype=torch.long),
         seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.long),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=BLOCK_SIZE, query_lens_host=query_lens, context_lens_host=context_lens)
+        block_size=BLOCK_SIZE,
+        query_lens_host=query_lens,
+        context_lens_host=context_lens,
+    )
     for name in ("slot_mapping", "query_start_loc", "context_lens", "seq_lens", "block_tables"):
         setattr(layout, name, getattr(layout, name).to(DEVICE))
 
@@ -87,12 +97,25 @@ def make_case(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     return layout, *(t.to(DEVICE) for t in (query, key, value, key_cache, value_cache))
 
 
-def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dtype=torch.float32,
-             backend=None, pad_rows=0, seed=0, softcap=None, sinks=None):
+def run_both(
+    requests,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    window=None,
+    dtype=torch.float32,
+    backend=None,
+    pad_rows=0,
+    seed=0,
+    softcap=None,
+    sinks=None,
+):
     layout, query, key, value, key_cache, value_cache = make_case(
-        requests, num_heads, num_kv_heads, head_dim, dtype, seed, pad_rows)
-    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, softcap,
-                              None if sinks is None else sinks.to(DEVICE))
+        requests, num_heads, num_kv_heads, head_dim, dtype, seed, pad_rows
+    )
+    spec = AttentionLayerSpec(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, window, softcap, None if sinks is None else sinks.to(DEVICE)
+    )
     backend = backend or TritonAttentionBackend()
     caches = (key_cache.clone(), value_cache.clone())
     got = backend.forward(query, key, value, *caches, backend.prepare(layout, {window}), spec)
@@ -103,9 +126,15 @@ def run_both(requests, num_heads=4, num_kv_heads=2, head_dim=32, window=None, dt
     if pad_rows:  # the reference has no notion of skipped slots: give it the real rows only
         layout = make_case(requests, num_heads, num_kv_heads, head_dim, dtype, seed)[0]
     reference = TorchAttentionBackend()
-    want = reference.forward(query[:num_real].float(), key[:num_real].float(), value[:num_real].float(),
-                             ref_caches[0].float(), ref_caches[1].float(),
-                             reference.prepare(layout, {window}), spec)
+    want = reference.forward(
+        query[:num_real].float(),
+        key[:num_real].float(),
+        value[:num_real].float(),
+        ref_caches[0].float(),
+        ref_caches[1].float(),
+        reference.prepare(layout, {window}),
+        spec,
+    )
     tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got[:num_real].float(), want, atol=tolerance, rtol=tolerance)
     # Exactly the new tokens' slots were written, with exactly their K/V.
@@ -216,29 +245,41 @@ def test_sdpa_prefill_path_matches():
 QUANTIZED_KV = ("int8", "fp8_e4m3", "fp8_e5m2", "fp8")
 
 
-def run_quantized(requests, kv_name, num_heads=4, num_kv_heads=2, head_dim=32, window=None,
-                  dtype=torch.float32, backend_options=None, seed=0, magnitudes=1.0):
+def run_quantized(
+    requests,
+    kv_name,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    window=None,
+    dtype=torch.float32,
+    backend_options=None,
+    seed=0,
+    magnitudes=1.0,
+):
     """The Triton backend against the torch backend reading and writing the same quantized cache:
     the new K/V must be encoded to the same bytes, and attention must agree."""
     from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 
     layout, query, key, value, key_cache, value_cache = make_case(
-        requests, num_heads, num_kv_heads, head_dim, dtype, seed)
+        requests, num_heads, num_kv_heads, head_dim, dtype, seed
+    )
     # K/V of the given size; queries scaled the other way, so softmax stays as peaked.
     query, key, value = query / magnitudes, key * magnitudes, value * magnitudes
     kv_format = make_kv_cache_format(kv_name, dtype)
     reference_format = make_kv_cache_format(kv_name, torch.float32)
     # A cache full of other requests' entries, encoded like the engine would encode them.
     caches = tuple(reference_format.encode(cache.float().cpu()).to(DEVICE) for cache in (key_cache, value_cache))
-    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window)
     backend = TritonAttentionBackend(kv_format=kv_format, **(backend_options or {}))
     got_caches = tuple(c.clone() for c in caches)
     got = backend.forward(query, key, value, *got_caches, backend.prepare(layout, {window}), spec)
 
     reference = TorchAttentionBackend(reference_format)
     want_caches = tuple(c.clone() for c in caches)
-    want = reference.forward(query.float(), key.float(), value.float(), *want_caches,
-                             reference.prepare(layout, {window}), spec)
+    want = reference.forward(
+        query.float(), key.float(), value.float(), *want_caches, reference.prepare(layout, {window}), spec
+    )
     for written, expected in zip(got_caches, want_caches):
         assert torch.equal(written, expected)  # bit for bit, scales included
     tolerance = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
@@ -250,8 +291,7 @@ def run_quantized(requests, kv_name, num_heads=4, num_kv_heads=2, head_dim=32, w
 def test_quantized_kv_decode_prefill_and_mixed(kv_name):
     run_quantized([(40, 1), (7, 1), (100, 1), (0, 1)], kv_name)
     run_quantized([(48, 20), (0, 37), (30, 1), (16, 16)], kv_name, num_heads=8, num_kv_heads=2)
-    run_quantized([(150, 1), (5, 1), (64, 1)], kv_name,
-                  backend_options=dict(decode_splits=3, min_partition=16))
+    run_quantized([(150, 1), (5, 1), (64, 1)], kv_name, backend_options=dict(decode_splits=3, min_partition=16))
 
 
 @pytest.mark.parametrize("kv_name", ["int8", "fp8"])
@@ -280,7 +320,7 @@ def test_quantized_kv_skips_sdpa_prefill():
 
 # The interpreter checks what the kernels compute, not that they compile: this lowers every
 # kernel variant the launchers produce to a GPU binary (Triton's bundled ptxas; no GPU needed).
-COMPILE_FOR_GPU = r'''
+COMPILE_FOR_GPU = r"""
 import torch
 from triton_compile import arch_and_dtype, compiling
 from pagoda.kernels.triton import paged_attention as tk
@@ -319,7 +359,7 @@ for (head_dim, heads, kv_heads, window, num_reqs, width), kv_name in variants:
         for splits in (1, 5):
             tk.decode_attention(torch.empty_like(query[:num_reqs]), query[:num_reqs], cache, cache, tables, lens,
                                 0.1, window, splits, 1, kv, softcap=30.0, sinks=sinks)
-'''
+"""
 
 
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1 (about a minute)")
@@ -358,8 +398,12 @@ def test_model_on_triton_matches_the_torch_backend(tmp_path, architecture: str):
         for _ in range(2):  # the second round reads the first one's cached prefix blocks
             for output in llm.generate(prompts, params):
                 completion = output.outputs[0]
-                results.append((completion.token_ids, [completion.logprobs[i][t].logprob
-                                                       for i, t in enumerate(completion.token_ids)]))
+                results.append(
+                    (
+                        completion.token_ids,
+                        [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)],
+                    )
+                )
         return results
 
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(generate("triton"), generate("torch"), strict=True):

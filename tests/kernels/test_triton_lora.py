@@ -11,11 +11,10 @@ import os
 import pytest
 import torch
 
-from pagoda.lora.batch import NO_SLOT, build_lora_batch
 from pagoda.kernels.lora_delta import segmented_delta
-
-from triton_import import import_triton_module
+from pagoda.lora.batch import NO_SLOT, build_lora_batch
 from triton_compile import compile_for_gpu
+from triton_import import import_triton_module
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -48,8 +47,7 @@ def test_kernels_match_the_segmented_delta_and_leave_base_rows_alone(dtype) -> N
 
     reference = base.float().clone()
     rows = batch.rows
-    reference[rows] += segmented_delta(x.float().index_select(0, rows), lora_a.float(), lora_b_t.float(), batch,
-                                       width)
+    reference[rows] += segmented_delta(x.float().index_select(0, rows), lora_a.float(), lora_b_t.float(), batch, width)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(output.float(), reference, **tolerance)
     base_rows = [i for i in range(batch.num_tokens) if i not in set(rows.tolist())]
@@ -60,7 +58,7 @@ def test_kernels_match_the_segmented_delta_and_leave_base_rows_alone(dtype) -> N
 
 # The interpreter checks what the kernels compute, not that they compile: this lowers both
 # kernels, as the launcher calls them, to GPU binaries (Triton's bundled ptxas; no GPU needed).
-COMPILE_FOR_GPU = r'''
+COMPILE_FOR_GPU = r"""
 import torch
 from triton_compile import arch_and_dtype, compiling
 from pagoda.kernels.triton import lora_delta as td
@@ -76,7 +74,7 @@ for in_features, out_features, width in ((4096, 12288, 48), (4096, 4096, 128), (
     td.add_lora_delta_triton(torch.empty(batch.num_tokens, out_features, dtype=dtype), x,
                              torch.empty(2, width, in_features, dtype=dtype),
                              torch.empty(2, width, out_features, dtype=dtype), batch, width)
-'''
+"""
 
 
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1 (about a minute)")

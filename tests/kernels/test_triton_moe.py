@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_import import import_triton_module
 from triton_compile import compile_for_gpu
+from triton_import import import_triton_module
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -33,8 +33,11 @@ from pagoda.quant.weight_formats import Int8Weight, WeightFormat, quantize_int8_
 
 HIDDEN, INTERMEDIATE, EXPERTS = 40, 24, 8
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-2, atol=2e-2),
-             torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-2, atol=2e-2),
+    torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +89,10 @@ def choices(case: str, tokens: int, top_k: int, generator: torch.Generator) -> t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case,tokens,top_k", [("one_expert", 70, 1), ("every_expert", 5, 8),
-                                                ("every_expert", 37, 2), ("ragged", 9, 1), ("ragged", 6, 4)])
+@pytest.mark.parametrize(
+    "case,tokens,top_k",
+    [("one_expert", 70, 1), ("every_expert", 5, 8), ("every_expert", 37, 2), ("ragged", 9, 1), ("ragged", 6, 4)],
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_experts_match_reference(dtype, case, tokens, top_k, bias):
     generator = torch.Generator().manual_seed(tokens * 10 + top_k)
@@ -121,11 +126,13 @@ def test_a_rank_holding_some_experts_computes_theirs_and_zeros_for_the_rest(firs
     gate_up = torch.randn(held, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.2
     down = torch.randn(held, HIDDEN, INTERMEDIATE, generator=generator) * 0.2
     gate_up_bias, down_bias = torch.randn(held, 2 * INTERMEDIATE, generator=generator), torch.randn(held, HIDDEN)
-    expected = reference(hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias,
-                         first_expert)
+    expected = reference(
+        hidden, token_index, route_weights, counts, gate_up, down, gate_up_bias, down_bias, first_expert
+    )
     stacked = kernels.ExpertWeights(*(t.to(DEVICE) for t in (gate_up, down, gate_up_bias, down_bias)))
-    got = kernels.grouped_experts(*(t.to(DEVICE) for t in (hidden, token_index, route_weights, counts)), stacked,
-                                  silu_and_mul, first_expert)
+    got = kernels.grouped_experts(
+        *(t.to(DEVICE) for t in (hidden, token_index, route_weights, counts)), stacked, silu_and_mul, first_expert
+    )
     torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[torch.float32])
 
 
@@ -142,8 +149,14 @@ def test_int8_experts_match_dequantized_reference(dtype):
     counts = torch.tensor([0, 4, 0, 0, 1, 0, 6, 0])
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     blocks = kernels.align_blocks(counts.to(DEVICE), rows, 16)
-    got = kernels.grouped_linear(x.to(DEVICE), qweight.to(DEVICE), blocks, scales=scales.to(DEVICE),
-                                 bias=bias.to(DEVICE), in_features=in_features)
+    got = kernels.grouped_linear(
+        x.to(DEVICE),
+        qweight.to(DEVICE),
+        blocks,
+        scales=scales.to(DEVICE),
+        bias=bias.to(DEVICE),
+        in_features=in_features,
+    )
     expert_of_row = torch.repeat_interleave(torch.arange(EXPERTS), counts)
     dequantized = torch.stack([q.float() for q, _ in quantized]) * scales.float()[..., None]
     expected = torch.einsum("rk,rnk->rn", x.float(), dequantized[expert_of_row]) + bias.float()[expert_of_row]
@@ -170,18 +183,32 @@ def test_align_blocks_pads_each_segment_and_skips_experts_not_hit(monkeypatch):
     assert kernels.pick_block_m(128, 128) == 16  # a decode step of 16 tokens, top-8 of 128 experts
 
 
-def moe_block(architecture: str, top_k: int, dtype: torch.dtype,
-              weight_format: WeightFormat | None = None) -> SparseMoE:
-    config = {"architectures": [architecture], "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 1,
-              "num_attention_heads": 4, "num_experts_per_tok": top_k}
+def moe_block(
+    architecture: str, top_k: int, dtype: torch.dtype, weight_format: WeightFormat | None = None
+) -> SparseMoE:
+    config = {
+        "architectures": [architecture],
+        "vocab_size": 64,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": top_k,
+    }
     if architecture == "GptOssForCausalLM":  # biased experts, clamped SwiGLU, router bias
-        config.update(num_local_experts=EXPERTS, intermediate_size=INTERMEDIATE, swiglu_limit=0.6, head_dim=8,
-                      layer_types=["full_attention"])
+        config.update(
+            num_local_experts=EXPERTS,
+            intermediate_size=INTERMEDIATE,
+            swiglu_limit=0.6,
+            head_dim=8,
+            layer_types=["full_attention"],
+        )
     else:
-        config.update(num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=INTERMEDIATE,
-                      norm_topk_prob=True)
-    block = SparseMoE(ModelConfig.from_dict(config), dtype, DEVICE, weight_format, TensorParallelGroup(),
-                      Kernels(DEVICE))
+        config.update(
+            num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=INTERMEDIATE, norm_topk_prob=True
+        )
+    block = SparseMoE(
+        ModelConfig.from_dict(config), dtype, DEVICE, weight_format, TensorParallelGroup(), Kernels(DEVICE)
+    )
     generator = torch.Generator().manual_seed(top_k)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
@@ -206,8 +233,9 @@ def test_moe_block_on_the_triton_path_matches_the_loop(architecture, top_k, monk
 
 
 @pytest.mark.skipif(INTERPRET, reason="the experts take the Triton path on CUDA devices only")
-@pytest.mark.parametrize("dtype,weight_format", [(torch.float32, None), (torch.bfloat16, None),
-                                                 (torch.bfloat16, Int8Weight())])
+@pytest.mark.parametrize(
+    "dtype,weight_format", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, Int8Weight())]
+)
 def test_moe_block_picks_triton_on_cuda(dtype, weight_format):
     block = moe_block("GptOssForCausalLM", 2, dtype, weight_format)
     hidden = torch.randn(9, HIDDEN, device=DEVICE, dtype=dtype)
@@ -216,9 +244,10 @@ def test_moe_block_picks_triton_on_cuda(dtype, weight_format):
     expected = torch.zeros_like(hidden, dtype=torch.float32)
     for row, (token, weight) in enumerate(zip(routing.token_index.tolist(), routing.weights.tolist())):
         expert = int(torch.repeat_interleave(torch.arange(EXPERTS, device=DEVICE), routing.counts)[row])
-        expected[token] += weight * block.experts.run_expert(expert, hidden[token:token + 1])[0].float()
-    torch.testing.assert_close(block.kernels.moe.run_routed(block.experts, hidden, routing).float(), expected,
-                               **TOLERANCE[dtype])
+        expected[token] += weight * block.experts.run_expert(expert, hidden[token : token + 1])[0].float()
+    torch.testing.assert_close(
+        block.kernels.moe.run_routed(block.experts, hidden, routing).float(), expected, **TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
@@ -239,7 +268,7 @@ def test_moe_block_on_cuda_replays_in_a_cuda_graph():
     torch.testing.assert_close(captured, block(fresh))
 
 
-COMPILE_FOR_GPU = r'''
+COMPILE_FOR_GPU = r"""
 import torch
 from triton_compile import arch_and_dtype, compiling
 from pagoda.kernels.triton import fused_moe as tm
@@ -267,7 +296,7 @@ for tokens, top_k in ((4, 8), (64, 8), (1024, 8)):  # the three row-block sizes
                                 down_scales=torch.empty(experts, hidden_size, dtype=dtype),
                                 hidden_size=hidden_size, intermediate_size=intermediate)
         tm.grouped_experts(hidden, token_index, route_weights, counts, int8, lambda gate, up: gate * up, 3)
-'''
+"""
 
 
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1")

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from triton_import import import_triton_module
 from triton_compile import compile_for_gpu
+from triton_import import import_triton_module
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
@@ -22,8 +22,13 @@ INTERPRET = DEVICE.type == "cpu"
 
 kernels = import_triton_module("pagoda.kernels.triton.weight_matmul", interpret=INTERPRET)
 
-from pagoda.quant.weight_formats import (Int4Weight, Int8Weight, dequantize_int4_grouped,  # noqa: E402
-                                         quantize_int4_grouped, quantize_int8_per_channel)
+from pagoda.quant.weight_formats import (  # noqa: E402
+    Int4Weight,
+    Int8Weight,
+    dequantize_int4_grouped,
+    quantize_int4_grouped,
+    quantize_int8_per_channel,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +65,12 @@ def test_int4_matmul_matches_dequantized_reference(dtype, group_size, zero_point
     x = torch.randn(rows, in_features, generator=generator)
     codes, scales, zeros = quantize_int4_grouped(weight, group_size, zero_point)
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-    got = kernels.int4_matmul(x.to(dtype).to(DEVICE), kernels.pack_int4(codes).to(DEVICE),
-                              scales_and_zeros.to(DEVICE), group_size)
-    dequantized = dequantize_int4_grouped(codes, scales_and_zeros[..., 0].t().float(),
-                                          scales_and_zeros[..., 1].t().float(), group_size)
+    got = kernels.int4_matmul(
+        x.to(dtype).to(DEVICE), kernels.pack_int4(codes).to(DEVICE), scales_and_zeros.to(DEVICE), group_size
+    )
+    dequantized = dequantize_int4_grouped(
+        codes, scales_and_zeros[..., 0].t().float(), scales_and_zeros[..., 1].t().float(), group_size
+    )
     reference = x.to(dtype).float() @ dequantized.t()
     torch.testing.assert_close(got.float().cpu(), reference, atol=2e-2, rtol=1e-2)
     # And close to the unquantized layer (round-to-nearest int4: within a few percent).
@@ -94,11 +101,13 @@ def test_formats_use_triton_kernels_on_cuda(fmt):
     layer.weight.data.copy_(weight)
     layer.finalize("test")
     x = torch.randn(3, 256, dtype=torch.bfloat16, device=DEVICE)
-    relative = (layer(x).float() - x.float() @ weight.to(DEVICE).t()).norm() / (x.float() @ weight.to(DEVICE).t()).norm()
+    relative = (layer(x).float() - x.float() @ weight.to(DEVICE).t()).norm() / (
+        x.float() @ weight.to(DEVICE).t()
+    ).norm()
     assert relative < 0.15
 
 
-COMPILE_FOR_GPU = r'''
+COMPILE_FOR_GPU = r"""
 import torch
 from triton_compile import arch_and_dtype, compiling
 from pagoda.kernels.triton import weight_matmul as tk
@@ -113,7 +122,7 @@ for rows in (1, 32, 300):  # the three row-block sizes
     for group in (32, 64, 128):
         tk.int4_matmul(x, torch.empty(4096, 512, dtype=torch.uint8), torch.empty(1024 // group, 4096, 2, dtype=dtype),
                        group)
-'''
+"""
 
 
 @pytest.mark.skipif(not os.environ.get("PAGODA_TRITON_COMPILE"), reason="set PAGODA_TRITON_COMPILE=1")

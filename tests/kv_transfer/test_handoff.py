@@ -14,8 +14,17 @@ import torch
 
 import pagoda.kv_transfer.handoff as wire
 from pagoda.kv_transfer.block_transfer import gather_blocks, scatter_blocks
-from pagoda.kv_transfer.handoff import (HandoffAuth, HandoffHeader, KVHandoff, KVListener, TransferError,
-                                        TransportUnavailable, check_transport, layout_of, send_handoff)
+from pagoda.kv_transfer.handoff import (
+    HandoffAuth,
+    HandoffHeader,
+    KVHandoff,
+    KVListener,
+    TransferError,
+    TransportUnavailable,
+    check_transport,
+    layout_of,
+    send_handoff,
+)
 
 TRANSPORTS = ("tcp", "shm")
 SECRET = "s" * 32  # the deployment's: both sides sign with it
@@ -33,10 +42,18 @@ def make_caches(dtype: torch.dtype = torch.float32, num_blocks: int = 8) -> list
 
 def make_handoff(caches: list[torch.Tensor], block_ids: list[int]) -> KVHandoff:
     header = HandoffHeader(
-        request_id="r", prompt_token_ids=list(range(4 * len(block_ids))), output_token_ids=[7],
-        sampling_params={}, cache_salt=None, lora_name=None, block_size=4,
-        block_hashes=[f"{i:02x}" for i in range(len(block_ids))], num_blocks=len(block_ids),
-        layout=layout_of(caches), fingerprint="f")
+        request_id="r",
+        prompt_token_ids=list(range(4 * len(block_ids))),
+        output_token_ids=[7],
+        sampling_params={},
+        cache_salt=None,
+        lora_name=None,
+        block_size=4,
+        block_hashes=[f"{i:02x}" for i in range(len(block_ids))],
+        num_blocks=len(block_ids),
+        layout=layout_of(caches),
+        fingerprint="f",
+    )
     return KVHandoff(header, [t.cpu() for t in gather_blocks(caches, block_ids)])
 
 
@@ -58,6 +75,7 @@ def send_in_thread(handoff: KVHandoff, transport: str, address: str, timeout: fl
 def send_signed_header(peer: socket.socket, payload: bytes, auth: HandoffAuth = AUTH) -> threading.Thread:
     """What a sender sends first (its nonce once it has the receiver's, then the header frame,
     signed), from a thread: the receiver speaks first, once accepted."""
+
     def run() -> None:
         session = wire._exchange_nonces(peer, auth, False, "the receiver")
         wire._sendall(peer, session, payload)
@@ -73,8 +91,9 @@ def shm_segments() -> set[str]:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("dtype,runs", [(torch.float32, [[1, 2]]), (torch.bfloat16, [[1], [2]]),
-                                        (torch.int8, [[1], [2]])])
+@pytest.mark.parametrize(
+    "dtype,runs", [(torch.float32, [[1, 2]]), (torch.bfloat16, [[1], [2]]), (torch.int8, [[1], [2]])]
+)
 def test_blocks_arrive_bit_exact_and_cached_ones_stay_home(transport, dtype, runs, monkeypatch):
     before = shm_segments()
     source = make_caches(dtype)
@@ -175,8 +194,11 @@ def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
         for block_ids in ([1, 2, 3], [4, 5], [6]):
             handoff = make_handoff(caches, block_ids)
             outcome: dict = {}
-            thread = threading.Thread(target=lambda h=handoff, outcome=outcome: outcome.update(
-                sent=send_handoff(h, "shm", listener.address, 5.0, AUTH, pool)))
+            thread = threading.Thread(
+                target=lambda h=handoff, outcome=outcome: outcome.update(
+                    sent=send_handoff(h, "shm", listener.address, 5.0, AUTH, pool)
+                )
+            )
             thread.start()
             incoming = listener.accept(5.0)
             target = [torch.zeros_like(c) for c in caches]
@@ -192,8 +214,11 @@ def test_shm_segments_are_reused_across_handoffs_and_dropped_after_a_failure():
         # The receiver drops the connection mid-transfer: that segment is not reused.
         handoff = make_handoff(caches, [1, 2])
         outcome = {}
-        thread = threading.Thread(target=lambda: outcome.update(
-            error=pytest.raises(TransferError, send_handoff, handoff, "shm", listener.address, 5.0, AUTH, pool)))
+        thread = threading.Thread(
+            target=lambda: outcome.update(
+                error=pytest.raises(TransferError, send_handoff, handoff, "shm", listener.address, 5.0, AUTH, pool)
+            )
+        )
         thread.start()
         incoming = listener.accept(5.0)
         incoming.close()

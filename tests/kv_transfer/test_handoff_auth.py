@@ -19,8 +19,17 @@ import torch
 import pagoda.kv_transfer.handoff as wire
 from pagoda.config import EngineConfig
 from pagoda.engine.kv_connector import _listen_address, transfer_secret
-from pagoda.kv_transfer.handoff import (TRANSFER_SECRET_ENV, FrameRejected, HandoffAuth, HandoffHeader, KVHandoff,
-                                        KVListener, TransferError, layout_of, send_handoff)
+from pagoda.kv_transfer.handoff import (
+    TRANSFER_SECRET_ENV,
+    FrameRejected,
+    HandoffAuth,
+    HandoffHeader,
+    KVHandoff,
+    KVListener,
+    TransferError,
+    layout_of,
+    send_handoff,
+)
 from pagoda.kv_transfer.handoff_threads import HandoffThreads
 
 SECRET = "a" * 32
@@ -43,9 +52,19 @@ def crafted(marker: Path) -> bytes:
 
 def handoff() -> KVHandoff:
     caches = [torch.randn(4, 4, 2, 8) for _ in range(2)]
-    header = HandoffHeader(request_id="r", prompt_token_ids=list(range(8)), output_token_ids=[7], sampling_params={},
-                           cache_salt=None, lora_name=None, block_size=4, block_hashes=["00", "01"], num_blocks=2,
-                           layout=layout_of(caches), fingerprint="f")
+    header = HandoffHeader(
+        request_id="r",
+        prompt_token_ids=list(range(8)),
+        output_token_ids=[7],
+        sampling_params={},
+        cache_salt=None,
+        lora_name=None,
+        block_size=4,
+        block_hashes=["00", "01"],
+        num_blocks=2,
+        layout=layout_of(caches),
+        fingerprint="f",
+    )
     return KVHandoff(header, [c[:2].clone() for c in caches])
 
 
@@ -61,6 +80,7 @@ def test_a_pickle_sent_to_the_listener_runs_nothing(tmp_path: Path, framed: bool
     with KVListener("tcp", auth) as listener, connect(listener.address) as attacker:
         payload = crafted(marker)
         if framed:  # as the old JSON frames were sent, speaking the nonce exchange, unsigned
+
             def send() -> None:
                 attacker.recv(wire.NONCE_BYTES)
                 attacker.sendall(b"\0" * wire.NONCE_BYTES)
@@ -69,8 +89,10 @@ def test_a_pickle_sent_to_the_listener_runs_nothing(tmp_path: Path, framed: bool
             threading.Thread(target=send).start()
         else:
             attacker.sendall(payload)
-        with caplog.at_level(logging.ERROR, logger="pagoda.kv_transfer.handoff"), \
-                pytest.raises(FrameRejected, match="bad signature" if framed else "outside"):
+        with (
+            caplog.at_level(logging.ERROR, logger="pagoda.kv_transfer.handoff"),
+            pytest.raises(FrameRejected, match="bad signature" if framed else "outside"),
+        ):
             listener.accept(timeout=5)
     assert auth.rejected == 1 and "refused frame 1" in caplog.text
     assert not marker.exists()
@@ -97,8 +119,11 @@ def test_another_deployments_handoff_is_refused() -> None:
     receiver_auth, sender_auth = HandoffAuth(SECRET), HandoffAuth(OTHER)
     with KVListener("tcp", receiver_auth) as listener:
         outcome: dict = {}
-        thread = threading.Thread(target=lambda: outcome.update(error=pytest.raises(
-            TransferError, send_handoff, handoff(), "tcp", listener.address, 5.0, sender_auth)))
+        thread = threading.Thread(
+            target=lambda: outcome.update(
+                error=pytest.raises(TransferError, send_handoff, handoff(), "tcp", listener.address, 5.0, sender_auth)
+            )
+        )
         thread.start()
         with pytest.raises(FrameRejected, match="bad signature"):
             listener.accept(timeout=5)
@@ -136,8 +161,11 @@ def test_shm_runs_are_signed_with_their_bytes() -> None:
     sent = handoff()
     with KVListener("shm", auth) as listener:
         outcome: dict = {}
-        thread = threading.Thread(target=lambda: outcome.update(error=pytest.raises(
-            TransferError, send_handoff, sent, "shm", listener.address, 5.0, auth)))
+        thread = threading.Thread(
+            target=lambda: outcome.update(
+                error=pytest.raises(TransferError, send_handoff, sent, "shm", listener.address, 5.0, auth)
+            )
+        )
         thread.start()
         incoming = listener.accept(timeout=5)
         maps = incoming._maps

@@ -14,7 +14,13 @@ def lora_dirs(llama_dir, tmp_path_factory):
     from lora_factory import ALL_MODULES, ATTENTION_MODULES, MLP_MODULES, build_adapter
 
     root = tmp_path_factory.mktemp("lora")
-    shapes = {"sql": (ALL_MODULES, 8), "chat": (ATTENTION_MODULES, 4), "code": (MLP_MODULES, 16),
-              "math": (["q_proj", "v_proj", "down_proj"], 8)}
-    return {name: build_adapter(llama_dir, root / name, target_modules=modules, rank=rank, seed=index + 10)
-            for index, (name, (modules, rank)) in enumerate(shapes.items())}
+    shapes = {
+        "sql": (ALL_MODULES, 8),
+        "chat": (ATTENTION_MODULES, 4),
+        "code": (MLP_MODULES, 16),
+        "math": (["q_proj", "v_proj", "down_proj"], 8),
+    }
+    return {
+        name: build_adapter(llama_dir, root / name, target_modules=modules, rank=rank, seed=index + 10)
+        for index, (name, (modules, rank)) in enumerate(shapes.items())
+    }

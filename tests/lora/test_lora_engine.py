@@ -6,18 +6,21 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from engine_helpers import assert_idle
 from safetensors.torch import load_file, save_file
 
+from engine_helpers import assert_idle
 from pagoda import LLM, SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-PROMPTS = [[5, 17, 42, 99, 100, 7, 8, 200, 31, 64, 12, 250, 3, 9, 77, 120, 41, 6, 90, 11],
-           [33, 44, 55, 66, 77, 88], [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111],
-           [7, 7, 9, 12, 250, 300, 41]]
+PROMPTS = [
+    [5, 17, 42, 99, 100, 7, 8, 200, 31, 64, 12, 250, 3, 9, 77, 120, 41, 6, 90, 11],
+    [33, 44, 55, 66, 77, 88],
+    [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111],
+    [7, 7, 9, 12, 250, 300, 41],
+]
 
 
 def lora_llm(llama_dir, **overrides) -> LLM:
@@ -40,8 +43,12 @@ def record_steps(llm: LLM) -> list[set[str]]:
 
 
 def test_mixed_batch_equals_each_request_alone(llama_dir, lora_dirs) -> None:
-    requests = [LoRARequest("sql", 1, str(lora_dirs["sql"])), LoRARequest("chat", 2, str(lora_dirs["chat"])),
-                LoRARequest("code", 3, str(lora_dirs["code"])), None]
+    requests = [
+        LoRARequest("sql", 1, str(lora_dirs["sql"])),
+        LoRARequest("chat", 2, str(lora_dirs["chat"])),
+        LoRARequest("code", 3, str(lora_dirs["code"])),
+        None,
+    ]
     alone = []
     for prompt, lora_request in zip(PROMPTS, requests):
         llm = lora_llm(llama_dir)
@@ -67,8 +74,9 @@ def test_a_step_never_holds_more_than_max_loras_and_none_starves(llama_dir, lora
     names = ["sql", "chat", "code", "math"]
     requests = [LoRARequest(names[i % 4], 0, str(lora_dirs[names[i % 4]])) for i in range(16)] + [None] * 4
     prompts = [PROMPTS[i % 4] for i in range(20)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                           lora_request=requests)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), lora_request=requests
+    )
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     assert max(len(step - {"base"}) for step in steps) == 2
     assert llm.engine.core.lora.slots.num_loads > 2  # adapters were evicted and brought back
@@ -104,8 +112,13 @@ def test_unload_and_reload_mid_run_keeps_running_requests_and_idles(llama_dir, l
     engine = llm.engine
     engine.add_lora(LoRARequest("sql", 1, str(lora_dirs["sql"])))
     engine.add_lora(LoRARequest("chat", 2, str(lora_dirs["chat"])))
-    expected = {name: lora_llm(llama_dir).generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest(
-        name, 1, str(lora_dirs[name])))[0].outputs[0].token_ids for name in ("sql", "chat")}
+    expected = {
+        name: lora_llm(llama_dir)
+        .generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest(name, 1, str(lora_dirs[name])))[0]
+        .outputs[0]
+        .token_ids
+        for name in ("sql", "chat")
+    }
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.add_request(EngineRequest("a", PROMPTS[0], params, lora_request=LoRARequest("sql", 1)))
     engine.add_request(EngineRequest("b", PROMPTS[0], params, lora_request=LoRARequest("chat", 2)))
@@ -162,8 +175,10 @@ def test_bad_adapters_are_refused_with_the_reason(llama_dir, lora_dirs, model_di
     deeper = tmp_path / "deeper"  # an adapter for a base model with more layers
     shutil.copytree(lora_dirs["sql"], deeper)
     tensors = load_file(deeper / "adapter_model.safetensors")
-    save_file({name.replace("layers.1.", "layers.7."): tensor for name, tensor in tensors.items()},
-              deeper / "adapter_model.safetensors")
+    save_file(
+        {name.replace("layers.1.", "layers.7."): tensor for name, tensor in tensors.items()},
+        deeper / "adapter_model.safetensors",
+    )
     assert "adapts layer 7 but the base model has 2 layers" in refused(deeper)
     engine.add_lora(LoRARequest("sql", 1, str(lora_dirs["sql"])))
     assert "already loaded" in refused(lora_dirs["sql"], name="sql")
@@ -178,8 +193,13 @@ def test_bad_adapters_are_refused_with_the_reason(llama_dir, lora_dirs, model_di
 
 def test_startup_errors_name_the_adapter(llama_dir, lora_dirs, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"'big'.*exceeds --max-lora-rank 8"):
-        LLM(model=str(llama_dir), enable_lora=True, max_lora_rank=8, num_kv_blocks=16,
-            lora_modules=[f"big={lora_dirs['code']}"])
+        LLM(
+            model=str(llama_dir),
+            enable_lora=True,
+            max_lora_rank=8,
+            num_kv_blocks=16,
+            lora_modules=[f"big={lora_dirs['code']}"],
+        )
     with pytest.raises(ValueError, match="NAME=PATH"):
         LLM(model=str(llama_dir), enable_lora=True, lora_modules=["no-path"])
     with pytest.raises(ValueError, match="'sql' only once"):
@@ -199,8 +219,14 @@ def test_host_tier_keeps_adapters_apart(llama_dir, lora_dirs) -> None:
     generator = torch.Generator().manual_seed(5)
     prompt = torch.randint(5, 300, (60,), generator=generator).tolist()
     fillers = [torch.randint(5, 300, (60,), generator=generator).tolist() for _ in range(4)]
-    llm = LLM(model=str(llama_dir), enable_lora=True, max_lora_rank=16, num_kv_blocks=12, max_num_seqs=2,
-              kv_offload_memory="4MiB")
+    llm = LLM(
+        model=str(llama_dir),
+        enable_lora=True,
+        max_lora_rank=16,
+        num_kv_blocks=12,
+        max_num_seqs=2,
+        kv_offload_memory="4MiB",
+    )
     sql, chat = LoRARequest("sql", 1, str(lora_dirs["sql"])), LoRARequest("chat", 2, str(lora_dirs["chat"]))
     first = llm.generate([prompt], GREEDY, lora_request=sql)[0]
     llm.generate(fillers, GREEDY)  # pushes the prompt's blocks out of the 12-block device pool

@@ -12,7 +12,6 @@ pytest.importorskip("peft", reason="peft (the test extra) is the reference for L
 
 from lora_factory import ALL_MODULES, ATTENTION_MODULES, MLP_MODULES, build_adapter, load_hf_adapter_model  # noqa: E402
 from model_factory import hf_greedy  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.lora_request import LoRARequest  # noqa: E402
 
@@ -21,29 +20,40 @@ MAX_TOKENS = 16
 EOS = 0  # the tiny models' eos_token_id
 PROMPT = [5, 17, 42, 99, 100, 7, 8, 200, 31, 64, 12, 250]
 
-TARGET_SETS = {"attention": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": ALL_MODULES,
-               "qv": ["q_proj", "v_proj"]}
+TARGET_SETS = {"attention": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": ALL_MODULES, "qv": ["q_proj", "v_proj"]}
 CASES = [(targets, rank, False) for targets in TARGET_SETS for rank in (4, 16)] + [("all", 8, True)]
 
 
 @pytest.fixture(scope="module")
 def llama_adapters(llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("peft_adapters")
-    return {case: build_adapter(llama_dir, root / f"{case[0]}-r{case[1]}-{'rs' if case[2] else 'plain'}",
-                                target_modules=TARGET_SETS[case[0]], rank=case[1], use_rslora=case[2],
-                                alpha=2 * case[1] if not case[2] else 8, seed=index + 1)
-            for index, case in enumerate(CASES)}
+    return {
+        case: build_adapter(
+            llama_dir,
+            root / f"{case[0]}-r{case[1]}-{'rs' if case[2] else 'plain'}",
+            target_modules=TARGET_SETS[case[0]],
+            rank=case[1],
+            use_rslora=case[2],
+            alpha=2 * case[1] if not case[2] else 8,
+            seed=index + 1,
+        )
+        for index, case in enumerate(CASES)
+    }
 
 
 def _compare(base_dir, adapters: dict, llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     names = list(adapters)
-    outputs = llm.generate([PROMPT] * len(names), params,
-                           lora_request=[LoRARequest(str(n), i + 1, str(adapters[n])) for i, n in enumerate(names)])
+    outputs = llm.generate(
+        [PROMPT] * len(names),
+        params,
+        lora_request=[LoRARequest(str(n), i + 1, str(adapters[n])) for i, n in enumerate(names)],
+    )
     base_tokens = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     for name, output in zip(names, outputs):
-        reference_tokens, reference_logprobs = hf_greedy(load_hf_adapter_model(base_dir, adapters[name]), PROMPT,
-                                                         MAX_TOKENS)
+        reference_tokens, reference_logprobs = hf_greedy(
+            load_hf_adapter_model(base_dir, adapters[name]), PROMPT, MAX_TOKENS
+        )
         sample = output.outputs[0]
         # transformers' min_new_tokens bans EOS, ignore_eos does not: compare up to our first EOS.
         length = sample.token_ids.index(EOS) if EOS in sample.token_ids else MAX_TOKENS
@@ -56,17 +66,19 @@ def _compare(base_dir, adapters: dict, llm: LLM) -> None:
 
 def test_llama_target_sets_and_ranks_match_peft(llama_dir, llama_adapters) -> None:
     # All cases in one engine: they also share steps (one batch of mixed adapters).
-    llm = LLM(model=str(llama_dir), enable_lora=True, max_loras=len(llama_adapters), max_lora_rank=16,
-              num_kv_blocks=128)
+    llm = LLM(
+        model=str(llama_dir), enable_lora=True, max_loras=len(llama_adapters), max_lora_rank=16, num_kv_blocks=128
+    )
     _compare(llama_dir, llama_adapters, llm)
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "mistral"])
 def test_other_architectures_match_peft(model_dirs, tmp_path, architecture) -> None:
     base_dir = model_dirs[architecture]
-    adapters = {"all-r8": build_adapter(base_dir, tmp_path / "all", rank=8, seed=3),
-                "qv-r4": build_adapter(base_dir, tmp_path / "qv", target_modules=["q_proj", "v_proj"], rank=4,
-                                       seed=4)}
+    adapters = {
+        "all-r8": build_adapter(base_dir, tmp_path / "all", rank=8, seed=3),
+        "qv-r4": build_adapter(base_dir, tmp_path / "qv", target_modules=["q_proj", "v_proj"], rank=4, seed=4),
+    }
     llm = LLM(model=str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
     _compare(base_dir, adapters, llm)
 

@@ -21,8 +21,15 @@ TARGET_DIR = MODELS_DIR / "pagoda-coder"
 DRAFT_DIR = MODELS_DIR / "pagoda-coder-draft"
 MODEL_DIRS = [TARGET_DIR, DRAFT_DIR]
 REQUIRED_FILES = [
-    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-    "README.md", "heldout_files.txt", "training_metrics.json", "loss_curve.png",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+    "heldout_files.txt",
+    "training_metrics.json",
+    "loss_curve.png",
 ]
 MAX_BUNDLE_BYTES = 30 * 10**6
 TARGET_PARAMS = (5_000_000, 15_000_000)
@@ -77,13 +84,17 @@ def test_bundle_fits_the_size_budget():
 
 def test_models_load_with_expected_sizes(metrics: dict, target_model: LlamaForCausalLM):
     draft_model = LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32)
-    for model, (low, high), name in [(target_model, TARGET_PARAMS, "pagoda-coder"),
-                                     (draft_model, DRAFT_PARAMS, "pagoda-coder-draft")]:
+    for model, (low, high), name in [
+        (target_model, TARGET_PARAMS, "pagoda-coder"),
+        (draft_model, DRAFT_PARAMS, "pagoda-coder-draft"),
+    ]:
         params = sum(p.numel() for p in model.parameters())
         assert low <= params <= high, f"{name} has {params:,} parameters"
         assert params == metrics["models"][name]["parameters"]
         assert model.config.max_position_embeddings >= metrics["training"]["seq_len"]
-    assert draft_model.config.vocab_size == target_model.config.vocab_size == len(AutoTokenizer.from_pretrained(DRAFT_DIR))
+    assert (
+        draft_model.config.vocab_size == target_model.config.vocab_size == len(AutoTokenizer.from_pretrained(DRAFT_DIR))
+    )
 
 
 def test_tokenizer_special_tokens_and_chat_template(tokenizer):
@@ -93,9 +104,11 @@ def test_tokenizer_special_tokens_and_chat_template(tokenizer):
     ids = tokenizer(code).input_ids
     assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]
     assert tokenizer.decode(ids, skip_special_tokens=True) == code
-    messages = [{"role": "user", "content": "Sort a list.\n\nIn place."},
-                {"role": "assistant", "content": "xs.sort()\n"},
-                {"role": "user", "content": "Reverse it."}]
+    messages = [
+        {"role": "user", "content": "Sort a list.\n\nIn place."},
+        {"role": "assistant", "content": "xs.sort()\n"},
+        {"role": "user", "content": "Reverse it."},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<|endoftext|># Sort a list.\n#\n# In place.\n\nxs.sort()\n<|endoftext|># Reverse it.\n\n"
 
@@ -104,7 +117,7 @@ def test_heldout_files_are_recorded(metrics: dict):
     heldout = (TARGET_DIR / "heldout_files.txt").read_text().splitlines()
     assert len(heldout) == metrics["data"]["num_heldout_files"] > 0
     assert heldout == sorted(heldout)
-    assert metrics["test_sample"]["files"] == heldout[:len(metrics["test_sample"]["files"])]
+    assert metrics["test_sample"]["files"] == heldout[: len(metrics["test_sample"]["files"])]
 
 
 def test_heldout_perplexity_within_bound(metrics: dict, tokenizer, target_model: LlamaForCausalLM):
@@ -136,9 +149,14 @@ def test_pagoda_greedy_matches_transformers(tokenizer, target_model: LlamaForCau
     for prompt, output in zip(PROMPTS, outputs):
         prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            generated = target_model.generate(prompt_ids, do_sample=False, max_new_tokens=NEW_TOKENS,
-                                              eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-        expected = generated[0, prompt_ids.shape[1]:].tolist()
+            generated = target_model.generate(
+                prompt_ids,
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        expected = generated[0, prompt_ids.shape[1] :].tolist()
         assert len(expected) == NEW_TOKENS  # EOS must not have stopped transformers early
         assert output.prompt_token_ids == prompt_ids[0].tolist()
         assert output.outputs[0].token_ids == expected, prompt

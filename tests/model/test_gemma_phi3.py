@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_helpers import assert_idle, prompts_for as engine_prompts
+from engine_helpers import assert_idle
+from engine_helpers import prompts_for as engine_prompts
 from model_factory import MORE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
 from pagoda.model.model_config import ModelConfig
@@ -37,7 +38,9 @@ SETTINGS = {
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
-    return engine_prompts(vocab_size, (3, 11, 40, 57), shared_length=12, seed=1)  # 40 and 57 run past the 24-token windows of the Gemma models
+    return engine_prompts(
+        vocab_size, (3, 11, 40, 57), shared_length=12, seed=1
+    )  # 40 and 57 run past the 24-token windows of the Gemma models
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,9 @@ def more_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="module")
-def expected(more_model_dirs: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]]:
+def expected(
+    more_model_dirs: dict[str, Path],
+) -> dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]]:
     """Per architecture: the prompts and transformers' greedy (ids, logprobs) for each."""
     return {arch: hf_references(directory, prompts_for, NEW_TOKENS) for arch, directory in more_model_dirs.items()}
 
@@ -65,8 +70,7 @@ def test_greedy_and_logprobs_match_transformers(more_model_dirs, expected, archi
 
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("architecture", MORE_ARCHITECTURES)
-def test_engine_features_keep_transformers_outputs(more_model_dirs, expected, architecture: str,
-                                                   setting: str) -> None:
+def test_engine_features_keep_transformers_outputs(more_model_dirs, expected, architecture: str, setting: str) -> None:
     prompts, references = expected[architecture]
     llm = LLM(model=str(more_model_dirs[architecture]), **SETTINGS[setting])
     rounds = 2 if SETTINGS[setting].get("enable_prefix_caching") else 1
@@ -106,12 +110,16 @@ def test_tensor_parallel_matches_transformers(more_model_dirs, expected, archite
 def test_server_answers_with_the_offline_completion(more_model_dirs) -> None:
     directory = more_model_dirs["gemma3"]
     prompt = "def fibonacci(n):"
-    offline = LLM(model=str(directory)).generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                           ignore_eos=True))
+    offline = LLM(model=str(directory)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     live = start_server(directory)
     try:
-        response = httpx.post(live.base_url + "/completions", timeout=30, json={
-            "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        response = httpx.post(
+            live.base_url + "/completions",
+            timeout=30,
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["usage"]["completion_tokens"] == 8
@@ -123,27 +131,57 @@ def test_server_answers_with_the_offline_completion(more_model_dirs) -> None:
 def test_checkpoint_configs_in_the_wild_parse() -> None:
     """Gemma 2 / 3 config.json as published: no layer_types, Gemma 3's local rope base and
     rope_scaling at top level; Phi-3's `su` rope type."""
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, sliding_window=32)
-    gemma2 = ModelConfig.from_dict({**common, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-                                    "num_hidden_layers": 4, "query_pre_attn_scalar": 256,
-                                    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-                                    "hidden_activation": "gelu_pytorch_tanh"})
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=32,
+    )
+    gemma2 = ModelConfig.from_dict(
+        {
+            **common,
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "num_hidden_layers": 4,
+            "query_pre_attn_scalar": 256,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    )
     assert gemma2.layer_sliding_windows == [32, None, 32, None]
     assert gemma2.tie_word_embeddings and gemma2.gemma_norms and gemma2.embedding_scale == 8.0
     assert (gemma2.attention_scale, gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (1 / 16, 50.0, 30.0)
-    gemma3 = ModelConfig.from_dict({**common, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-                                    "num_hidden_layers": 6, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
-                                    "rope_local_base_freq": 10000.0,
-                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    gemma3 = ModelConfig.from_dict(
+        {
+            **common,
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 6,
+            "sliding_window_pattern": 6,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        }
+    )
     assert gemma3.layer_sliding_windows == [32] * 5 + [None]
     assert gemma3.qk_norm
     assert gemma3.layer_rope(0) == (10000.0, None)
     assert gemma3.layer_rope(5) == (1000000.0, {"rope_type": "linear", "factor": 8.0})
-    phi3 = ModelConfig.from_dict({**common, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-                                  "num_hidden_layers": 2, "max_position_embeddings": 131072,
-                                  "original_max_position_embeddings": 4096,
-                                  "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    phi3 = ModelConfig.from_dict(
+        {
+            **common,
+            "architectures": ["Phi3ForCausalLM"],
+            "model_type": "phi3",
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+        }
+    )
     assert phi3.max_position_embeddings == 131072 and phi3.rope_scaling["rope_type"] == "longrope"
     assert phi3.long_rope_boundary == 4096
     assert phi3.layer_sliding_windows == [32, 32]

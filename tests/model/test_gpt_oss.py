@@ -30,19 +30,53 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
 
 # openai/gpt-oss-20b's config.json as the Hub serves it (its MXFP4 quantization_config included).
 HUB_CONFIG = {
-    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
-    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
-    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
-    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
-    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
     "rms_norm_eps": 1e-05,
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                     "rope_type": "yarn", "truncate": False},
-    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
 }
 
 
@@ -69,11 +103,14 @@ def test_hub_config_parses(tmp_path: Path) -> None:
     assert config.max_position_embeddings == 131072
 
 
-@pytest.mark.parametrize("parameters", [
-    dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
-    dict(factor=8.0, original_max_position_embeddings=64),  # truncated correction range, default betas
-    dict(factor=4.0, mscale=1.0, mscale_all_dim=0.5, original_max_position_embeddings=512),
-])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+        dict(factor=8.0, original_max_position_embeddings=64),  # truncated correction range, default betas
+        dict(factor=4.0, mscale=1.0, mscale_all_dim=0.5, original_max_position_embeddings=512),
+    ],
+)
 def test_yarn_matches_transformers(parameters: dict) -> None:
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -104,7 +141,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., K] -> (blocks [..., K / 32, 16], scales [..., K / 32]): each group of 32 scaled
     by a power of two that puts its largest magnitude within FP4's 6, codes rounded to nearest."""
     groups = weight.reshape(*weight.shape[:-1], -1, 32).float()
-    amax = groups.abs().amax(-1).clamp_min(2.0 ** -100)
+    amax = groups.abs().amax(-1).clamp_min(2.0**-100)
     exponent = torch.ceil(torch.log2(amax / 6.0))
     table = torch.tensor(FP4_VALUES)
     codes = (groups / torch.exp2(exponent).unsqueeze(-1)).unsqueeze(-1).sub(table).abs().argmin(-1).to(torch.uint8)
@@ -126,8 +163,9 @@ def _mxfp4_checkpoints(source: Path, quantized: Path, reference: Path) -> None:
             dequantized[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
         else:
             hub[name] = dequantized[name] = tensor
-    assert not torch.equal(dequantized["model.layers.0.mlp.experts.down_proj"],
-                           tensors["model.layers.0.mlp.experts.down_proj"])  # quantization changed them
+    assert not torch.equal(
+        dequantized["model.layers.0.mlp.experts.down_proj"], tensors["model.layers.0.mlp.experts.down_proj"]
+    )  # quantization changed them
     save_file(hub, str(quantized / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(reference / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((quantized / "config.json").read_text())
@@ -158,8 +196,11 @@ def test_missing_expert_bias_is_named_as_the_checkpoint_names_it(model_dir: Path
     tensors = load_file(str(directory / "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.gate_up_proj_bias"], tensors["model.layers.0.mlp.router.bias"]
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.0\.mlp\.router\.bias, "
-                                         r"model\.layers\.1\.mlp\.experts\.gate_up_proj_bias$"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing tensor\(s\) model\.layers\.0\.mlp\.router\.bias, "
+        r"model\.layers\.1\.mlp\.experts\.gate_up_proj_bias$",
+    ):
         LLM(model=str(directory))
 
 
@@ -175,8 +216,9 @@ def test_int8_quantizes_the_biased_experts_and_agrees(model_dir: Path) -> None:
     experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
     assert experts["1"].down_proj.qweight.dtype == torch.int8 and experts["1"].down_proj.bias is not None
     outputs = llm.generate(prompts, GREEDY)
-    agree = sum(a == b for output, (tokens, _) in zip(outputs, references)
-                for a, b in zip(output.outputs[0].token_ids, tokens))
+    agree = sum(
+        a == b for output, (tokens, _) in zip(outputs, references) for a, b in zip(output.outputs[0].token_ids, tokens)
+    )
     assert agree >= 0.6 * NEW_TOKENS * len(prompts)
 
 
@@ -186,8 +228,11 @@ def test_server_answers_with_the_offline_completion(model_dir: Path) -> None:
     offline = LLM(model=str(model_dir)).generate([prompt], params)[0].outputs[0].text
     live = start_server(model_dir)
     try:
-        response = httpx.post(live.base_url + "/completions", timeout=30, json={
-            "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        response = httpx.post(
+            live.base_url + "/completions",
+            timeout=30,
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == offline
     finally:

@@ -60,7 +60,8 @@ def test_sharded_checkpoint_gives_same_outputs(tmp_path):
 def test_bfloat16_weights_load_and_generate(tmp_path):
     directory = build_model(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16)
     outputs = LLM(model=str(directory), dtype="bfloat16").generate(
-        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert len(outputs[0].outputs[0].token_ids) == 8
 
 

@@ -17,10 +17,10 @@ from engine_helpers import assert_idle, prompts_for
 from model_factory import assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kv_transfer.handoff import HandoffAuth, KVListener
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.engine.engine_request import EngineRequest
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
@@ -55,9 +55,15 @@ def test_ngram_speculation_keeps_transformers_outputs(moe_dirs, architecture: st
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_structured_output_is_valid_json(moe_dirs, architecture: str) -> None:
-    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                             "b": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a", "b"],
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        },
+    }
     llm = LLM(model=str(moe_dirs[architecture]))
     params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
     outputs = llm.generate(["a b c", "d e"], params, use_tqdm=False)
@@ -85,8 +91,7 @@ def greedy_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_host_kv_tier_serves_evicted_prefixes_without_changing_outputs(moe_dirs, architecture: str) -> None:
     model_dir = moe_dirs[architecture]
     prompts = distinct_prompts(6, 40)
-    common = dict(model=str(model_dir), num_kv_blocks=10, max_num_seqs=2, max_num_batched_tokens=64,
-                  block_size=BLOCK)
+    common = dict(model=str(model_dir), num_kv_blocks=10, max_num_seqs=2, max_num_batched_tokens=64, block_size=BLOCK)
     baseline = LLM(**common)
     expected = [greedy_ids(baseline, prompts), greedy_ids(baseline, prompts)]
     llm = LLM(**common, kv_offload_memory=str(64 * block_bytes(model_dir)))
@@ -99,9 +104,18 @@ def test_host_kv_tier_serves_evicted_prefixes_without_changing_outputs(moe_dirs,
 
 
 def engine(model_dir: Path, role: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), role=role, num_kv_blocks=48, max_num_seqs=4,
-                                  max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True,
-                                  kv_transfer_secret=SECRET))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            role=role,
+            num_kv_blocks=48,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=256,
+            enable_prefix_caching=True,
+            kv_transfer_secret=SECRET,
+        )
+    )
 
 
 def run_to_end(llm: LLMEngine) -> dict[str, list[int]]:
@@ -130,7 +144,8 @@ def test_prefill_decode_pair_matches_one_engine(moe_dirs, architecture: str) -> 
     with KVListener("shm", HandoffAuth(SECRET)) as listener:
         for handoff in prefill.kv_connector.take_handoffs():
             sender = threading.Thread(
-                target=lambda h=handoff: prefill.kv_connector.send_handoff(h, "shm", listener.address, 10.0))
+                target=lambda h=handoff: prefill.kv_connector.send_handoff(h, "shm", listener.address, 10.0)
+            )
             sender.start()
             imported.append(decode.add_prefilled_request(listener.accept(10.0), fallback=True))
             sender.join()

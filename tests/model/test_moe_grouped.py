@@ -22,17 +22,35 @@ ALWAYS_GROUPED = EXPERTS  # any hit expert makes the share
 NEVER_GROUPED = 0
 
 
-def moe_block(architecture: str, seed: int = 0, weight_format: WeightFormat | None = None,
-              kernels: Kernels | None = None) -> SparseMoE:
-    config = {"architectures": [architecture], "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 1,
-              "num_attention_heads": 4, "num_experts_per_tok": TOP_K}
+def moe_block(
+    architecture: str, seed: int = 0, weight_format: WeightFormat | None = None, kernels: Kernels | None = None
+) -> SparseMoE:
+    config = {
+        "architectures": [architecture],
+        "vocab_size": 64,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": TOP_K,
+    }
     if architecture == "GptOssForCausalLM":
-        config.update(num_local_experts=EXPERTS, intermediate_size=16, swiglu_limit=0.6, head_dim=8,
-                      layer_types=["full_attention"])
+        config.update(
+            num_local_experts=EXPERTS,
+            intermediate_size=16,
+            swiglu_limit=0.6,
+            head_dim=8,
+            layer_types=["full_attention"],
+        )
     else:
         config.update(num_experts=EXPERTS, intermediate_size=64, moe_intermediate_size=16, norm_topk_prob=True)
-    block = SparseMoE(ModelConfig.from_dict(config), torch.float32, torch.device("cpu"), weight_format,
-                      TensorParallelGroup(), kernels or Kernels(torch.device("cpu")))
+    block = SparseMoE(
+        ModelConfig.from_dict(config),
+        torch.float32,
+        torch.device("cpu"),
+        weight_format,
+        TensorParallelGroup(),
+        kernels or Kernels(torch.device("cpu")),
+    )
     generator = torch.Generator().manual_seed(seed)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)

@@ -22,7 +22,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from engine_helpers import assert_idle, prompts_for as engine_prompts
+from engine_helpers import assert_idle
+from engine_helpers import prompts_for as engine_prompts
 from model_factory import MOE_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
 from pagoda.model.model_config import ModelConfig
@@ -100,10 +101,21 @@ def test_configs_place_experts_as_transformers_does(moe_dirs) -> None:
     assert qwen2.qkv_bias and qwen2.layer_sliding_windows == [None] * 3  # sliding_window: 0, not used
     qwen3 = ModelConfig.from_dir(moe_dirs["qwen3_moe"])
     assert (qwen3.moe.num_experts, qwen3.moe.top_k, qwen3.moe.renormalize, qwen3.qk_norm) == (8, 3, True, True)
-    stepped = ModelConfig.from_dict({
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 2})
+    stepped = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "decoder_sparse_step": 2,
+        }
+    )
     assert stepped.moe.sparse_layers == (False, True, False, True)
     gpt_oss = ModelConfig.from_dir(moe_dirs["gpt_oss"])
     assert (gpt_oss.moe.num_experts, gpt_oss.moe.top_k, gpt_oss.moe.swiglu_limit) == (4, 2, 0.6)
@@ -121,7 +133,8 @@ def _fuse_experts(source: Path, destination: Path) -> Path:
         count = len({name for name in tensors if name.startswith(prefix + ".experts.") and "gate_proj" in name})
         take = lambda e, p, prefix=prefix: tensors.pop(f"{prefix}.experts.{e}.{p}.weight")  # noqa: E731
         fused[f"{prefix}.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in range(count)])
+            [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in range(count)]
+        )
         fused[f"{prefix}.experts.down_proj"] = torch.stack([take(e, "down_proj") for e in range(count)])
     save_file({**tensors, **fused}, str(destination / "model.safetensors"), metadata={"format": "pt"})
     return destination
@@ -141,8 +154,9 @@ def test_int8_quantizes_the_experts_and_agrees(moe_dirs, expected) -> None:
     assert block.experts["3"].gate_up_proj.qweight.dtype == torch.int8
     assert block.gate.weight_format.name == "full"  # the router stays in full precision
     outputs = llm.generate(prompts, GREEDY)
-    agree = sum(a == b for output, (tokens, _) in zip(outputs, references)
-                for a, b in zip(output.outputs[0].token_ids, tokens))
+    agree = sum(
+        a == b for output, (tokens, _) in zip(outputs, references) for a, b in zip(output.outputs[0].token_ids, tokens)
+    )
     assert agree >= 0.6 * NEW_TOKENS * len(prompts)
 
 
@@ -169,21 +183,30 @@ def test_top_k_beyond_the_experts_is_refused(moe_dirs, tmp_path) -> None:
 def test_server_answers_with_the_offline_completion_and_counts_experts(moe_dirs) -> None:
     directory = moe_dirs["qwen2_moe"]
     prompt = "def fibonacci(n):"
-    offline = LLM(model=str(directory)).generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                           ignore_eos=True))
+    offline = LLM(model=str(directory)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     live = start_server(directory, engine={"moe_metrics": True})
     try:
-        response = httpx.post(live.base_url + "/completions", timeout=30, json={
-            "model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        response = httpx.post(
+            live.base_url + "/completions",
+            timeout=30,
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["usage"]["completion_tokens"] == 8
         assert body["choices"][0]["text"] == offline[0].outputs[0].text
         live.wait_idle()
-        families = {family.name: family.samples for family in
-                    text_string_to_metric_families(httpx.get(live.url + "/metrics", timeout=30).text)}
-        routed = {(s.labels["layer"], s.labels["expert"]): s.value for s in families["pagoda:moe_expert_tokens"]
-                  if s.name.endswith("_total")}
+        families = {
+            family.name: family.samples
+            for family in text_string_to_metric_families(httpx.get(live.url + "/metrics", timeout=30).text)
+        }
+        routed = {
+            (s.labels["layer"], s.labels["expert"]): s.value
+            for s in families["pagoda:moe_expert_tokens"]
+            if s.name.endswith("_total")
+        }
         assert {layer for layer, _ in routed} == {"0", "2"}  # layer 1 is dense
         # Every computed token (the prompt, and each generated one but the last) picked 2 experts.
         tokens = body["usage"]["prompt_tokens"] + 7

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.model.layers import Linear
-from pagoda.model.model_config import ModelConfig
-from pagoda.model.loader import finalize_linears
 from pagoda.kernels import Kernels
 from pagoda.kernels.moe import route
+from pagoda.model.layers import Linear
+from pagoda.model.loader import finalize_linears
+from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import TensorParallelGroup
 
@@ -18,12 +18,24 @@ HIDDEN, EXPERTS, TOP_K = 32, 6, 2
 
 
 def moe_block(shared: bool, renormalize: bool, seed: int = 0) -> SparseMoE:
-    config = ModelConfig.from_dict({
-        "architectures": ["Qwen2MoeForCausalLM" if shared else "Qwen3MoeForCausalLM"], "vocab_size": 64,
-        "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 24 if shared else 0, "norm_topk_prob": renormalize})
-    block = SparseMoE(config, torch.float32, torch.device("cpu"), None, TensorParallelGroup(), Kernels(torch.device("cpu")))
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen2MoeForCausalLM" if shared else "Qwen3MoeForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24 if shared else 0,
+            "norm_topk_prob": renormalize,
+        }
+    )
+    block = SparseMoE(
+        config, torch.float32, torch.device("cpu"), None, TensorParallelGroup(), Kernels(torch.device("cpu"))
+    )
     generator = torch.Generator().manual_seed(seed)
     for parameter in block.parameters():
         parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)

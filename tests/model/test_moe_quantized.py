@@ -45,8 +45,10 @@ def prompts() -> list[list[int]]:
 def continued(llm: LLM) -> tuple[list[list[int]], list[int]]:
     """The prompts followed by `llm`'s greedy continuations, and the prompts' lengths."""
     outputs = llm.generate(prompts(), GREEDY)
-    return ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs],
-            [len(o.prompt_token_ids) for o in outputs])
+    return (
+        [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs],
+        [len(o.prompt_token_ids) for o in outputs],
+    )
 
 
 def teacher_forced(llm: LLM, sequences: list[list[int]], starts: list[int]) -> tuple[float, float]:
@@ -83,8 +85,10 @@ def test_int4_quantizes_the_experts_and_agrees_with_float32(moe_dirs, architectu
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in llm.generate(prompts(), GREEDY))
     agreement, perplexity = teacher_forced(llm, sequences, starts)
     assert_idle(llm)
-    print(f"\n{architecture} int4 experts: teacher-forced agreement with float32 {agreement:.3f}, perplexity "
-          f"{full_perplexity:.3f} -> {perplexity:.3f} (delta {perplexity - full_perplexity:+.3f})")
+    print(
+        f"\n{architecture} int4 experts: teacher-forced agreement with float32 {agreement:.3f}, perplexity "
+        f"{full_perplexity:.3f} -> {perplexity:.3f} (delta {perplexity - full_perplexity:+.3f})"
+    )
     # Random weights give flat distributions (perplexity near the vocabulary's size) whose top
     # tokens are close: int4 flips many of them; chance would be about 1 in 300.
     assert agreement >= 0.4
@@ -141,11 +145,16 @@ def test_gptq_expert_tensors_load_as_they_are(moe_dirs, tmp_path: Path, architec
     expert = block.experts["1"]
     assert expert.down_proj.weight_format.name == "int4"
     effective = expert.down_proj(torch.eye(expert.down_proj.in_features)).t()
-    torch.testing.assert_close(effective, dequantized[f"model.layers.0.{experts}.1.{down}.weight"],
-                               rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(
+        effective, dequantized[f"model.layers.0.{experts}.1.{down}.weight"], rtol=2e-2, atol=2e-3
+    )
     gate_up = expert.gate_up_proj(torch.eye(expert.gate_up_proj.in_features)).t()
-    torch.testing.assert_close(gate_up[expert.intermediate_size:],
-                               dequantized[f"model.layers.0.{experts}.1.{up}.weight"], rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(
+        gate_up[expert.intermediate_size :],
+        dequantized[f"model.layers.0.{experts}.1.{up}.weight"],
+        rtol=2e-2,
+        atol=2e-3,
+    )
     if block.shared_expert is not None:
         assert block.shared_expert.down_proj.weight_format.name == "int4"
 
@@ -187,6 +196,9 @@ def test_gptq_quantized_router_is_refused_naming_it(moe_dirs, tmp_path: Path) ->
 
     gptq_dir = tmp_path / "gptq"
     write_gptq(moe_dirs["qwen2_moe"], gptq_dir, projections=PROJECTIONS + ("gate",))
-    with pytest.raises(ValueError, match=r"model\.safetensors: 'model\.layers\.0\.mlp\.gate' comes quantized "
-                                         r"\(GPTQ .* keeps model\.layers\.0\.mlp\.gate in full precision"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: 'model\.layers\.0\.mlp\.gate' comes quantized "
+        r"\(GPTQ .* keeps model\.layers\.0\.mlp\.gate in full precision",
+    ):
         load_model(gptq_dir, load_model_config(gptq_dir), torch.float32, torch.device("cpu"))

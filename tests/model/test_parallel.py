@@ -28,8 +28,9 @@ def effective(layer: torch.nn.Module) -> torch.Tensor:
 
 
 def load(model_dir: Path, quantization: str = "none", group: TensorParallelGroup | None = None):
-    return load_model(model_dir, load_model_config(model_dir), torch.float32, CPU,
-                      make_weight_format(quantization, 32), group)
+    return load_model(
+        model_dir, load_model_config(model_dir), torch.float32, CPU, make_weight_format(quantization, 32), group
+    )
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
@@ -54,9 +55,8 @@ def test_each_rank_holds_its_slice_of_every_projection(llama_dir: Path, quantiza
         torch.testing.assert_close(effective(attention.qkv_proj), expected_qkv, rtol=0, atol=0)
         half = config.intermediate_size // 2
         rows = slice(rank * half, (rank + 1) * half)
-        expected_gate_up = torch.cat([full_gate_up[rows], full_gate_up[config.intermediate_size:][rows]])
-        torch.testing.assert_close(effective(part.model.layers[0].mlp.gate_up_proj), expected_gate_up,
-                                   rtol=0, atol=0)
+        expected_gate_up = torch.cat([full_gate_up[rows], full_gate_up[config.intermediate_size :][rows]])
+        torch.testing.assert_close(effective(part.model.layers[0].mlp.gate_up_proj), expected_gate_up, rtol=0, atol=0)
         # Row parallel: the rank's input columns; int4 groups fall inside them, so they match
         # exactly; int8 scales are per row of the rank's slice (a little finer than the whole's).
         down = part.model.layers[0].mlp.down_proj
@@ -67,9 +67,12 @@ def test_each_rank_holds_its_slice_of_every_projection(llama_dir: Path, quantiza
         # Vocabulary parallel embedding and LM head.
         vocab = -(-config.vocab_size // 2)
         stop = min((rank + 1) * vocab, config.vocab_size)
-        torch.testing.assert_close(part.model.embed_tokens.weight[:stop - rank * vocab],
-                                   whole.model.embed_tokens.weight[rank * vocab:stop])
-        torch.testing.assert_close(effective(part.lm_head)[:stop - rank * vocab], effective(whole.lm_head)[rank * vocab:stop])
+        torch.testing.assert_close(
+            part.model.embed_tokens.weight[: stop - rank * vocab], whole.model.embed_tokens.weight[rank * vocab : stop]
+        )
+        torch.testing.assert_close(
+            effective(part.lm_head)[: stop - rank * vocab], effective(whole.lm_head)[rank * vocab : stop]
+        )
 
 
 def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path) -> None:
@@ -82,10 +85,11 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path: Path) -> None:
         attention = load(model_dir, group=rank_group(rank, 2)).model.layers[0].self_attn
         assert (attention.num_heads, attention.num_kv_heads) == (2, 1)
         # Every rank keeps the single KV head (rows q_size .. q_size + 2 * head_dim), bias included.
-        torch.testing.assert_close(effective(attention.qkv_proj)[q_size // 2:], effective(full)[q_size:])
-        torch.testing.assert_close(attention.qkv_proj.bias[q_size // 2:], full.bias[q_size:])
-        torch.testing.assert_close(attention.qkv_proj.bias[:q_size // 2],
-                                   full.bias[rank * q_size // 2:(rank + 1) * q_size // 2])
+        torch.testing.assert_close(effective(attention.qkv_proj)[q_size // 2 :], effective(full)[q_size:])
+        torch.testing.assert_close(attention.qkv_proj.bias[q_size // 2 :], full.bias[q_size:])
+        torch.testing.assert_close(
+            attention.qkv_proj.bias[: q_size // 2], full.bias[rank * q_size // 2 : (rank + 1) * q_size // 2]
+        )
         # Row-parallel o_proj keeps its whole bias (added once, after the all-reduce).
         assert attention.o_proj.bias is None or attention.o_proj.bias.shape[0] == whole.config.hidden_size
 
@@ -100,7 +104,7 @@ def test_gptq_int4_codes_are_sliced_by_rows_and_groups(llama_dir: Path, tmp_path
     for rank in range(2):
         model = load_model(target, config, torch.float32, CPU, None, rank_group(rank, 2))
         down = model.model.layers[0].mlp.down_proj
-        expected = dequantized["model.layers.0.mlp.down_proj.weight"][:, rank * half:(rank + 1) * half]
+        expected = dequantized["model.layers.0.mlp.down_proj.weight"][:, rank * half : (rank + 1) * half]
         torch.testing.assert_close(effective(down), expected, rtol=2e-2, atol=2e-3)
 
 
@@ -111,6 +115,9 @@ def test_splits_that_do_not_fit_are_startup_errors(llama_dir: Path) -> None:
     # int4 groups of 64 fit the whole o_proj input (64) but not a rank's half of it.
     int4 = make_weight_format("int4", 64)
     build_empty_model(config, torch.float32, CPU, int4, "tiny")
-    with pytest.raises(ValueError, match="o_proj: int4 group size 64 does not divide its input dimension 32.*"
-                                         "this rank's slice with tensor_parallel_size 2"):
+    with pytest.raises(
+        ValueError,
+        match="o_proj: int4 group size 64 does not divide its input dimension 32.*"
+        "this rank's slice with tensor_parallel_size 2",
+    ):
         build_empty_model(config, torch.float32, CPU, int4, "tiny", rank_group(0, 2))

@@ -26,8 +26,12 @@ CASES = ((9, 12), (26, 16), (40, 16), (32, 4))
 
 @pytest.fixture(scope="module")
 def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("phi3_longrope"), "phi3", max_position_embeddings=MAX_POSITIONS,
-                       original_max_position_embeddings=BOUNDARY)
+    return build_model(
+        tmp_path_factory.mktemp("phi3_longrope"),
+        "phi3",
+        max_position_embeddings=MAX_POSITIONS,
+        original_max_position_embeddings=BOUNDARY,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def test_both_sides_of_the_boundary_in_one_batch_match_transformers(phi3_dir, ca
     llm = LLM(model=str(phi3_dir), block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
     # Short-factor KV of the shared prefix in the cache: the long prompt must not reuse it.
     short_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate([cases[1][0] + cases[2][0][26:BOUNDARY - 1]], short_params)
+    llm.generate([cases[1][0] + cases[2][0][26 : BOUNDARY - 1]], short_params)
     params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0) for _, new, _ in cases]
     for _ in range(2):  # the second round finds the first's blocks, under both sets of factors
         outputs = llm.generate([prompt for prompt, _, _ in cases], params)

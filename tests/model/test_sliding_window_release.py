@@ -34,8 +34,9 @@ def expected(windowed_dirs):
         hf_model = load_hf_model(directory)
         generator = torch.Generator().manual_seed(3)
         shared = torch.randint(5, hf_model.config.vocab_size, (14,), generator=generator).tolist()
-        prompts = [shared + torch.randint(5, hf_model.config.vocab_size, (n,), generator=generator).tolist()
-                   for n in (3, 21)] + [torch.randint(5, hf_model.config.vocab_size, (6,), generator=generator).tolist()]
+        prompts = [
+            shared + torch.randint(5, hf_model.config.vocab_size, (n,), generator=generator).tolist() for n in (3, 21)
+        ] + [torch.randint(5, hf_model.config.vocab_size, (6,), generator=generator).tolist()]
         result[arch] = prompts, [hf_greedy(hf_model, prompt, NEW_TOKENS) for prompt in prompts]
     return result
 
@@ -45,10 +46,12 @@ def assert_matches(outputs, references) -> None:
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma2"])
-@pytest.mark.parametrize("settings", [dict(), dict(max_num_batched_tokens=8), dict(num_kv_blocks=16, max_num_batched_tokens=8)],
-                         ids=["whole-prompts", "chunked", "preemption"])
-def test_outputs_past_the_window_match_transformers(windowed_dirs, expected, architecture: str,
-                                                    settings: dict) -> None:
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(max_num_batched_tokens=8), dict(num_kv_blocks=16, max_num_batched_tokens=8)],
+    ids=["whole-prompts", "chunked", "preemption"],
+)
+def test_outputs_past_the_window_match_transformers(windowed_dirs, expected, architecture: str, settings: dict) -> None:
     prompts, references = expected[architecture]
     llm = LLM(model=str(windowed_dirs[architecture]), block_size=BLOCK, **settings)
     assert len(llm.engine.core.kv_groups) > 1 or llm.engine.core.kv_groups[0].window == WINDOW

@@ -40,9 +40,14 @@ def experts_weights(experts: int, seed: int, int8: bool, biased: bool) -> dict:
     generator = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(experts, 2 * I, H, generator=generator) * 0.3
     down = torch.randn(experts, H, I, generator=generator) * 0.3
-    weights = dict(gate_up=gate_up, down=down, gate_up_scales=None, down_scales=None,
-                   gate_up_bias=torch.randn(experts, 2 * I, generator=generator) if biased else None,
-                   down_bias=torch.randn(experts, H, generator=generator) if biased else None)
+    weights = dict(
+        gate_up=gate_up,
+        down=down,
+        gate_up_scales=None,
+        down_scales=None,
+        gate_up_bias=torch.randn(experts, 2 * I, generator=generator) if biased else None,
+        down_bias=torch.randn(experts, H, generator=generator) if biased else None,
+    )
     if int8:
         for name, padded in (("gate_up", 48), ("down", 32)):  # int8 rows padded past the inputs, as Int8Weight
             pairs = [quantize_int8_per_channel(w) for w in weights[name]]
@@ -57,8 +62,14 @@ def dequantized(weights: dict, name: str, inputs: int) -> torch.Tensor:
     return w if scales is None else w * scales.unsqueeze(-1)
 
 
-def reference_moe(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: dict,
-                  gated: GatedActivation, first_expert: int = 0) -> torch.Tensor:
+def reference_moe(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    weights: dict,
+    gated: GatedActivation,
+    first_expert: int = 0,
+) -> torch.Tensor:
     gate_up, down = dequantized(weights, "gate_up", H), dequantized(weights, "down", I)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -73,11 +84,28 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tenso
     return out
 
 
-def fused(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: dict, gated: GatedActivation,
-          first_expert: int = 0) -> torch.Tensor:
-    return KERNELS.fused_moe(x, ids, route_weights, weights["gate_up"], weights["gate_up_scales"],
-                             weights["gate_up_bias"], weights["down"], weights["down_scales"], weights["down_bias"],
-                             first_expert, gated.swiglu_limit, gated.swiglu_alpha)
+def fused(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    weights: dict,
+    gated: GatedActivation,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    return KERNELS.fused_moe(
+        x,
+        ids,
+        route_weights,
+        weights["gate_up"],
+        weights["gate_up_scales"],
+        weights["gate_up_bias"],
+        weights["down"],
+        weights["down_scales"],
+        weights["down_bias"],
+        first_expert,
+        gated.swiglu_limit,
+        gated.swiglu_alpha,
+    )
 
 
 def random_routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +115,7 @@ def random_routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[to
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * H ** 0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * H**0.5)
 
 
 GATES = {"silu": GatedActivation("silu"), "clamped_swiglu": GatedActivation("silu", 0.6, ALPHA)}
@@ -101,8 +129,9 @@ def test_fused_moe_matches_reference(top_k: int, int8: bool, biased: bool, gate:
     weights = experts_weights(10, seed=top_k, int8=int8, biased=biased)
     x = torch.randn(13, H, generator=torch.Generator().manual_seed(1))
     ids, route_weights = random_routing(13, 10, top_k, seed=top_k + 1)
-    assert_close(fused(x, ids, route_weights, weights, GATES[gate]),
-                 reference_moe(x, ids, route_weights, weights, GATES[gate]))
+    assert_close(
+        fused(x, ids, route_weights, weights, GATES[gate]), reference_moe(x, ids, route_weights, weights, GATES[gate])
+    )
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -111,8 +140,10 @@ def test_every_token_on_one_expert(int8: bool) -> None:
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(2))
     ids = torch.full((16, 1), 4)
     route_weights = torch.ones(16, 1)
-    assert_close(fused(x, ids, route_weights, weights, GATES["silu"]),
-                 reference_moe(x, ids, route_weights, weights, GATES["silu"]))
+    assert_close(
+        fused(x, ids, route_weights, weights, GATES["silu"]),
+        reference_moe(x, ids, route_weights, weights, GATES["silu"]),
+    )
 
 
 def test_every_expert_hit() -> None:
@@ -121,8 +152,10 @@ def test_every_expert_hit() -> None:
     ids = torch.stack([torch.arange(12).roll(-t)[:3] for t in range(12)])
     route_weights = torch.rand(12, 3, generator=torch.Generator().manual_seed(4))
     assert set(ids.reshape(-1).tolist()) == set(range(12))
-    assert_close(fused(x, ids, route_weights, weights, GATES["silu"]),
-                 reference_moe(x, ids, route_weights, weights, GATES["silu"]))
+    assert_close(
+        fused(x, ids, route_weights, weights, GATES["silu"]),
+        reference_moe(x, ids, route_weights, weights, GATES["silu"]),
+    )
 
 
 def test_experts_of_other_ranks_are_skipped() -> None:
@@ -140,23 +173,59 @@ def test_shapes_that_do_not_fit_are_refused() -> None:
     weights = experts_weights(3, seed=6, int8=False, biased=False)
     x = torch.randn(2, H)
     with pytest.raises(RuntimeError, match="topk_weights must be"):
-        KERNELS.fused_moe(x, torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 1), weights["gate_up"], None, None,
-                          weights["down"], None, None, 0, None, ALPHA)
+        KERNELS.fused_moe(
+            x,
+            torch.zeros(2, 2, dtype=torch.long),
+            torch.ones(2, 1),
+            weights["gate_up"],
+            None,
+            None,
+            weights["down"],
+            None,
+            None,
+            0,
+            None,
+            ALPHA,
+        )
     with pytest.raises(RuntimeError, match="down has 41 outputs, hidden has 40"):
-        KERNELS.fused_moe(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), weights["gate_up"], None, None,
-                          torch.randn(3, H + 1, I), None, None, 0, None, ALPHA)
+        KERNELS.fused_moe(
+            x,
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            weights["gate_up"],
+            None,
+            None,
+            torch.randn(3, H + 1, I),
+            None,
+            None,
+            0,
+            None,
+            ALPHA,
+        )
     with pytest.raises(RuntimeError, match="int8 down needs its scales"):
-        KERNELS.fused_moe(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
-                          weights["gate_up"].to(torch.int8), torch.ones(3, 2 * I), None,
-                          weights["down"].to(torch.int8), None, None, 0, None, ALPHA)
+        KERNELS.fused_moe(
+            x,
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            weights["gate_up"].to(torch.int8),
+            torch.ones(3, 2 * I),
+            None,
+            weights["down"].to(torch.int8),
+            None,
+            None,
+            0,
+            None,
+            ALPHA,
+        )
 
 
 @pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("tokens, hit", [(1, None), (16, None), (5, [23, 0])])
 def test_moe_block_fuses_decode_sized_inputs(architecture: str, int8: bool, tokens: int, hit, monkeypatch) -> None:
-    block = moe_block(architecture, seed=7, weight_format=Int8Weight(native_layout=True) if int8 else None,
-                      kernels=NATIVE)
+    block = moe_block(
+        architecture, seed=7, weight_format=Int8Weight(native_layout=True) if int8 else None, kernels=NATIVE
+    )
     if hit is not None:
         route_only_to(block, hit)
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))

@@ -34,9 +34,10 @@ def test_grouped_product_matches_per_group_linear(counts: list[int], biased: boo
     weight = torch.randn(len(counts), n, k, generator=generator)
     bias = torch.randn(len(counts), n, generator=generator) if biased else None
     out = KERNELS.grouped_linear_f32(x, weight, torch.tensor(counts), bias)
-    expected = torch.cat([F.linear(rows, weight[g], None if bias is None else bias[g])
-                          for g, rows in enumerate(x.split(counts))])
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    expected = torch.cat(
+        [F.linear(rows, weight[g], None if bias is None else bias[g]) for g, rows in enumerate(x.split(counts))]
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_counts_that_do_not_cover_the_rows_are_refused() -> None:
@@ -67,9 +68,13 @@ def test_grouped_int8_product_matches_per_group_int8_product(biased: bool) -> No
     scales = torch.stack([s for _, s in pairs])
     bias = torch.randn(len(counts), n, generator=generator) if biased else None
     out = KERNELS.grouped_linear_int8(x, qweight, scales, torch.tensor(counts), bias)
-    expected = torch.cat([KERNELS.linear_int8(rows, qweight[g], scales[g], None if bias is None else bias[g])
-                          for g, rows in enumerate(x.split(counts))])
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    expected = torch.cat(
+        [
+            KERNELS.linear_int8(rows, qweight[g], scales[g], None if bias is None else bias[g])
+            for g, rows in enumerate(x.split(counts))
+        ]
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 @pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])

@@ -36,8 +36,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, scale: float = 1.
 def test_f32_product_matches_torch(m, k, n):
     generator = torch.Generator().manual_seed(m * k + n)
     x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((m, k), (n, k), (n,)))
-    assert_close(KERNELS.linear_f32(x, weight, bias), F.linear(x, weight, bias), scale=k ** 0.5)
-    assert_close(KERNELS.linear_f32(x, weight, None), F.linear(x, weight), scale=k ** 0.5)
+    assert_close(KERNELS.linear_f32(x, weight, bias), F.linear(x, weight, bias), scale=k**0.5)
+    assert_close(KERNELS.linear_f32(x, weight, None), F.linear(x, weight), scale=k**0.5)
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)
@@ -47,7 +47,7 @@ def test_int8_product_matches_dequantized_torch(m, k, n):
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k, generator=generator))
     padded = F.pad(qweight, (0, 11))  # the int8 format pads K; the kernel reads only x's K columns
     expected = F.linear(x, qweight.float() * scales[:, None])
-    assert_close(KERNELS.linear_int8(x, padded, scales, None), expected, scale=k ** 0.5)
+    assert_close(KERNELS.linear_int8(x, padded, scales, None), expected, scale=k**0.5)
 
 
 def test_rejects_mismatched_shapes_and_takes_empty_inputs():
@@ -57,8 +57,9 @@ def test_rejects_mismatched_shapes_and_takes_empty_inputs():
 
 
 def _linear(weight_format, weight: torch.Tensor, bias: bool, kernels: Kernels | None = None) -> Linear:
-    layer = Linear(weight.shape[1], weight.shape[0], bias, torch.float32, torch.device("cpu"), weight_format,
-                   kernels=kernels)
+    layer = Linear(
+        weight.shape[1], weight.shape[0], bias, torch.float32, torch.device("cpu"), weight_format, kernels=kernels
+    )
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias:

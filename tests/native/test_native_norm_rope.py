@@ -54,14 +54,14 @@ def test_rms_norm_in_place_on_heads_of_a_fused_output():
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(3, (4 + 2 + 2) * 32, generator=generator)
     weight = torch.randn(32, generator=generator)
-    k = qkv[:, 4 * 32:6 * 32].view(3, 2, 32)
+    k = qkv[:, 4 * 32 : 6 * 32].view(3, 2, 32)
     expected_k = reference_norm(k, weight, False)
     assert_close(KERNELS.rms_norm(k, weight, EPS, False), expected_k)  # read in place, written contiguous
     untouched = qkv.clone()
     KERNELS.rms_norm_(k, weight, EPS, False)
     assert_close(k, expected_k)
-    torch.testing.assert_close(qkv[:, :4 * 32], untouched[:, :4 * 32], rtol=0, atol=0)
-    torch.testing.assert_close(qkv[:, 6 * 32:], untouched[:, 6 * 32:], rtol=0, atol=0)
+    torch.testing.assert_close(qkv[:, : 4 * 32], untouched[:, : 4 * 32], rtol=0, atol=0)
+    torch.testing.assert_close(qkv[:, 6 * 32 :], untouched[:, 6 * 32 :], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("gemma", [False, True])
@@ -88,9 +88,13 @@ def scaling_of(rope_type: str | None, head_dim: int) -> dict | None:
     if rope_type == "yarn":
         return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     if rope_type == "longrope":
-        return {"rope_type": "longrope", "short_factor": [1.0 + i / half for i in range(half)],
-                "long_factor": [2.0 + 3 * i / half for i in range(half)], "original_max_position_embeddings": 32,
-                "max_position_embeddings": 128}
+        return {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + i / half for i in range(half)],
+            "long_factor": [2.0 + 3 * i / half for i in range(half)],
+            "original_max_position_embeddings": 32,
+            "max_position_embeddings": 128,
+        }
     return None
 
 
@@ -114,8 +118,7 @@ def test_rotary_in_place_on_fused_qkv_is_exact(head_dim, rope_type):
         v = qkv[:, qk_size:].clone()
         rotated = rotary(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), cos, sin_rolled)
         assert rotated.data_ptr() == qkv.data_ptr()  # in place, no copy
-        torch.testing.assert_close(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), expected,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), expected, rtol=0, atol=0)
         torch.testing.assert_close(qkv[:, qk_size:], v, rtol=0, atol=0)
 
 
@@ -155,8 +158,9 @@ PARITY_TOKENS = 24
 def test_greedy_parity_with_transformers_with_the_kernels_on(tmp_path, architecture):
     extra = {"max_position_embeddings": 128, "original_max_position_embeddings": 32} if architecture == "phi3" else {}
     directory = build_model(tmp_path / architecture, architecture, **extra)
-    prompts, references = hf_references(directory, lambda vocab: engine_prompts(vocab, (3, 11, 40, 57), seed=1),
-                                        PARITY_TOKENS)
+    prompts, references = hf_references(
+        directory, lambda vocab: engine_prompts(vocab, (3, 11, 40, 57), seed=1), PARITY_TOKENS
+    )
     llm = LLM(model=str(directory), native_kernels="on", enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=PARITY_TOKENS, ignore_eos=True, logprobs=0)
     assert_matches_reference(llm.generate(prompts, params), references, PARITY_TOLERANCE)

@@ -28,11 +28,19 @@ ATOL = 2e-5
 QUANTIZED_ATOL = 1e-4  # float32 rounding of values an order of magnitude coarser (scale applied in another order)
 # The CPU's own instruction set and every one below it, forced through the kernel's `isa` argument.
 ISA_ORDER = ("avx512", "avx2", "scalar")
-ISAS = list(ISA_ORDER[ISA_ORDER.index(KERNELS.isa):])
+ISAS = list(ISA_ORDER[ISA_ORDER.index(KERNELS.isa) :])
 
 
-def paged_problem(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, kv_format: KVCacheFormat | None, seed: int = 0):
+def paged_problem(
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    kv_format: KVCacheFormat | None,
+    seed: int = 0,
+):
     """Random K/V for each request written into a shuffled paged cache, and the queries."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -67,9 +75,9 @@ def reference(query, starts, query_lens, keys, values, spec: AttentionLayerSpec)
     for start, n, k, v in zip(starts.tolist(), query_lens, keys, values):
         length = k.shape[0]
         mask = visibility_mask(torch.arange(length - n, length), torch.arange(length), spec.sliding_window)
-        q = query[start:start + n].transpose(0, 1).unsqueeze(0)
+        q = query[start : start + n].transpose(0, 1).unsqueeze(0)
         result = attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, spec)
-        out[start:start + n] = result.squeeze(0).transpose(0, 1)
+        out[start : start + n] = result.squeeze(0).transpose(0, 1)
     return out
 
 
@@ -78,18 +86,45 @@ def run_kernel(query, key_cache, value_cache, block_tables, starts, query_lens, 
     if kv_format is not None:
         element = NATIVE_KV_ELEMENTS[kv_format.element_dtype]
         per_token, tensor_scale = kv_format.scale_per_token, kv_format.tensor_scale
-    return KERNELS.paged_attention(query, key_cache, value_cache, block_tables, starts, torch.tensor(query_lens),
-                                   torch.tensor(seq_lens), spec.scale, spec.sliding_window, spec.logit_softcap,
-                                   spec.sinks, element, per_token, tensor_scale, isa)
+    return KERNELS.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        starts,
+        torch.tensor(query_lens),
+        torch.tensor(seq_lens),
+        spec.scale,
+        spec.sliding_window,
+        spec.logit_softcap,
+        spec.sinks,
+        element,
+        per_token,
+        tensor_scale,
+        isa,
+    )
 
 
-def check(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size=16, window=None, softcap=None,
-          sinks=False, kv_dtype="auto", isa="", seed=0):
+def check(
+    seq_lens,
+    query_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size=16,
+    window=None,
+    softcap=None,
+    sinks=False,
+    kv_dtype="auto",
+    isa="",
+    seed=0,
+):
     kv_format = KVCacheFormat(kv_dtype, torch.float32) if kv_dtype != "auto" else None
     query, key_cache, value_cache, tables, starts, keys, values = paged_problem(
-        seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, kv_format, seed)
+        seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, kv_format, seed
+    )
     sink_logits = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed + 7)) if sinks else None
-    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, softcap, sink_logits)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window, softcap, sink_logits)
     expected = reference(query, starts, query_lens, keys, values, spec)
     actual = run_kernel(query, key_cache, value_cache, tables, starts, query_lens, seq_lens, spec, kv_format, isa)
     tolerance = ATOL if kv_format is None else QUANTIZED_ATOL
@@ -112,8 +147,17 @@ def test_decode_matches_torch(num_heads, num_kv_heads, head_dim, isa):
 def test_window_softcap_and_sinks_match_torch(feature, isa):
     window = 24 if feature in ("window", "all") else None
     softcap = 2.0 if feature in ("softcap", "all") else None
-    check(SEQ_LENS, [1] * len(SEQ_LENS), 8, 2, 64, window=window, softcap=softcap,
-          sinks=feature in ("sinks", "all"), isa=isa)
+    check(
+        SEQ_LENS,
+        [1] * len(SEQ_LENS),
+        8,
+        2,
+        64,
+        window=window,
+        softcap=softcap,
+        sinks=feature in ("sinks", "all"),
+        isa=isa,
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -158,14 +202,27 @@ def mixed_layout(context_lens: list[int], query_lens: list[int], block_size: int
         next_block += blocks
     width = max(len(t) for t in tables)
     return BatchLayout(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, *query_lens]).cumsum(0),
-        context_lens=torch.tensor(context_lens), seq_lens=torch.tensor(context_lens) + torch.tensor(query_lens),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, *query_lens]).cumsum(0),
+        context_lens=torch.tensor(context_lens),
+        seq_lens=torch.tensor(context_lens) + torch.tensor(query_lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=block_size, query_lens_host=list(query_lens), context_lens_host=list(context_lens))
+        block_size=block_size,
+        query_lens_host=list(query_lens),
+        context_lens_host=list(context_lens),
+    )
 
 
-@pytest.mark.parametrize("kv_dtype, dtype", [("auto", torch.float32), ("int8", torch.float32), ("fp8", torch.float32),
-                                             ("auto", torch.bfloat16), ("auto", torch.float16)])
+@pytest.mark.parametrize(
+    "kv_dtype, dtype",
+    [
+        ("auto", torch.float32),
+        ("int8", torch.float32),
+        ("fp8", torch.float32),
+        ("auto", torch.bfloat16),
+        ("auto", torch.float16),
+    ],
+)
 def test_backend_with_native_kernels_matches_without(kv_dtype, dtype):
     # Decodes, a verification of 3 tokens, a first chunk of 5 and a prefill chunk of 20 over a context:
     # all but the last through the kernel, the last through SDPA, in one batch.
@@ -178,7 +235,7 @@ def test_backend_with_native_kernels_matches_without(kv_dtype, dtype):
     kv_format = KVCacheFormat(kv_dtype, dtype)
     history = [torch.randn(num_blocks, 16, 2, 32, generator=generator).to(dtype) for _ in range(2)]
     caches = [kv_format.encode(h) for h in history]
-    spec = AttentionLayerSpec(8, 2, 32, 32 ** -0.5, 24, 3.0, torch.randn(8, generator=generator))
+    spec = AttentionLayerSpec(8, 2, 32, 32**-0.5, 24, 3.0, torch.randn(8, generator=generator))
     outputs = []
     for kernels in (None, KERNELS):
         backend = TorchAttentionBackend(kv_format, kernels)
@@ -187,8 +244,9 @@ def test_backend_with_native_kernels_matches_without(kv_dtype, dtype):
         outputs.append(backend.forward(query, key, value, *(c.clone() for c in caches), metadata, spec))
     assert outputs[1].dtype == dtype
     # Half precision: the SDPA path attends the verification and the chunk in it, the kernel in float32.
-    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=0,
-                               atol=ATOL if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(
+        outputs[1].float(), outputs[0].float(), rtol=0, atol=ATOL if dtype == torch.float32 else 2e-2
+    )
 
 
 def test_a_batch_of_prefill_chunks_only_keeps_the_sdpa_path():
@@ -208,10 +266,17 @@ def parity_prompts(vocab_size: int) -> list[list[int]]:
 # Llama (GQA 2), Gemma 2 (soft-capped scores, alternating sliding windows), gpt-oss (sinks, a sliding layer);
 # ngram speculation and prefill chunks of at most 16 tokens (over cached prefixes, in blocks of 4) send several
 # query tokens per sequence through the kernel.
-@pytest.mark.parametrize("architecture, engine_args", [
-    ("llama", {}), ("gemma2", {}), ("gpt_oss", {}), ("gpt_oss", dict(speculative="ngram", num_speculative_tokens=3)),
-    ("gemma2", dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4)),
-], ids=["llama", "gemma2", "gpt_oss", "gpt_oss-ngram", "gemma2-chunks"])
+@pytest.mark.parametrize(
+    "architecture, engine_args",
+    [
+        ("llama", {}),
+        ("gemma2", {}),
+        ("gpt_oss", {}),
+        ("gpt_oss", dict(speculative="ngram", num_speculative_tokens=3)),
+        ("gemma2", dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4)),
+    ],
+    ids=["llama", "gemma2", "gpt_oss", "gpt_oss-ngram", "gemma2-chunks"],
+)
 def test_greedy_matches_transformers_with_native_attention(tmp_path, architecture, engine_args):
     directory = build_model(tmp_path / architecture, architecture)
     prompts, references = hf_references(directory, parity_prompts, NEW_TOKENS)
@@ -223,7 +288,9 @@ def test_greedy_matches_transformers_with_native_attention(tmp_path, architectur
 def test_int8_kv_cache_gives_the_same_greedy_ids_with_and_without_the_kernel(tmp_path):
     directory = build_model(tmp_path / "llama", "llama")
     prompts = parity_prompts(384)
-    outputs = [LLM(model=str(directory), kv_cache_dtype="int8", native_kernels=mode).generate(prompts, GREEDY)
-               for mode in ("off", "on")]
+    outputs = [
+        LLM(model=str(directory), kv_cache_dtype="int8", native_kernels=mode).generate(prompts, GREEDY)
+        for mode in ("off", "on")
+    ]
     for off, on in zip(*outputs, strict=True):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids

@@ -28,14 +28,17 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys"]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, k: int) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def _blocks(scales: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
     """ggml blocks: fp16 scale bytes then the codes' bytes, [N, K / 32 * bytes per block]."""
     n = scales.shape[0]
-    return torch.cat([scales.half().view(torch.uint8).reshape(n, -1, 2), payload.reshape(n, scales.shape[1], -1)],
-                     dim=-1).reshape(n, -1).contiguous()
+    return (
+        torch.cat([scales.half().view(torch.uint8).reshape(n, -1, 2), payload.reshape(n, scales.shape[1], -1)], dim=-1)
+        .reshape(n, -1)
+        .contiguous()
+    )
 
 
 def check_bf16(m: int, bias: bool) -> None:
@@ -47,8 +50,7 @@ def check_bf16(m: int, bias: bool) -> None:
     _close(KERNELS.linear_bf16(x, weight, b), expected, k)
     low = KERNELS.linear_bf16(x.bfloat16(), weight, b)
     assert low.dtype == torch.bfloat16
-    torch.testing.assert_close(low.float(), F.linear(x.bfloat16().float(), weight.float(), b),
-                               rtol=1 / 128, atol=1e-2)
+    torch.testing.assert_close(low.float(), F.linear(x.bfloat16().float(), weight.float(), b), rtol=1 / 128, atol=1e-2)
 
 
 def check_int4(m: int, bias: bool, group: int, zero_point: bool) -> None:
@@ -120,11 +122,14 @@ def test_narrower_instruction_sets_match_too(isa):
     if isa == "avx2" and KERNELS.isa == "scalar":
         pytest.skip("this CPU has no AVX2")
     root = Path(__file__).resolve().parents[2]
-    script = ("import sys; sys.path.insert(0, 'tests/native'); import test_native_quantized as t; "
-              "assert t.KERNELS.isa == sys.argv[1], t.KERNELS.isa; t.check_all()")
+    script = (
+        "import sys; sys.path.insert(0, 'tests/native'); import test_native_quantized as t; "
+        "assert t.KERNELS.isa == sys.argv[1], t.KERNELS.isa; t.check_all()"
+    )
     env = {**os.environ, "PAGODA_NATIVE_ISA": isa, "PYTHONPATH": str(root)}
-    result = subprocess.run([sys.executable, "-c", script, isa], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", script, isa], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -136,6 +141,7 @@ def test_rejects_malformed_blocks():
 
 
 # ---- models: the same greedy tokens with the kernels on as off ----------------------------------
+
 
 def _greedy_ids(model: Path, **engine_args) -> list[list[int]]:
     from pagoda.engine.llm import LLM
@@ -172,8 +178,14 @@ def test_gguf_blocks_stay_quantized_and_generate_alike(gguf_models, block_type):
 
     gguf = pytest.importorskip("gguf")
     path = gguf_models[block_type]
-    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), FullWeight(native_layout=True),
-                       kernels=Kernels(torch.device("cpu"), KERNELS))
+    model = load_model(
+        path,
+        load_model_config(path),
+        torch.float32,
+        torch.device("cpu"),
+        FullWeight(native_layout=True),
+        kernels=Kernels(torch.device("cpu"), KERNELS),
+    )
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight_format.name == block_type.lower() and not hasattr(layer, "weight")
     tensor = GGUFCheckpoint(path).tensors["blk.0.ffn_down.weight"]
@@ -185,8 +197,11 @@ def test_gguf_blocks_stay_quantized_and_generate_alike(gguf_models, block_type):
     assert _agreement(on, off) >= (1.0 if block_type == "Q8_0" else 0.8)
 
 
-@pytest.mark.parametrize("engine_args", [{"quantization": "int4"}, {"dtype": "bfloat16"}, {"quantization": "int8"}],
-                         ids=["int4", "bf16", "int8"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"quantization": "int4"}, {"dtype": "bfloat16"}, {"quantization": "int8"}],
+    ids=["int4", "bf16", "int8"],
+)
 def test_models_generate_alike_with_the_kernels_on(gguf_models, engine_args):
     on = _greedy_ids(gguf_models["llama"], native_kernels="on", **engine_args)
     off = _greedy_ids(gguf_models["llama"], **engine_args)

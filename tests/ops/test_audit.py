@@ -4,8 +4,9 @@ per-tenant salts; mitigations are re-run on a pagoda the audit launches itself."
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -39,8 +40,7 @@ def server(request: pytest.FixtureRequest, model: Path, tmp_path: Path) -> Itera
 
 
 def audit(server: LiveServer, probes: tuple[str, ...], trials: int = 16) -> dict[str, Any]:
-    return run_audit(Target(server.url), AuditOptions("key-a", "key-b", probes=probes,
-                                                      trials=trials, progress=False))
+    return run_audit(Target(server.url), AuditOptions("key-a", "key-b", probes=probes, trials=trials, progress=False))
 
 
 def finding(report: dict[str, Any], probe: str) -> dict[str, Any]:
@@ -87,8 +87,7 @@ def test_interference_probes_report_statistics(server: LiveServer) -> None:
 def test_open_server_is_one_tenant(model: Path) -> None:
     live = start_server(model)
     try:
-        report = run_audit(Target(live.url), AuditOptions(probes=("cache",), trials=4,
-                                                          progress=False))
+        report = run_audit(Target(live.url), AuditOptions(probes=("cache",), trials=4, progress=False))
     finally:
         live.stop()
     assert any("open access" in n for n in report["notes"])
@@ -98,8 +97,9 @@ def test_open_server_is_one_tenant(model: Path) -> None:
 def test_budget_bounds_the_traffic(model: Path) -> None:
     live = start_server(model)
     try:
-        report = run_audit(Target(live.url), AuditOptions(probes=("cache", "stream"), trials=8,
-                                                          budget=10, progress=False))
+        report = run_audit(
+            Target(live.url), AuditOptions(probes=("cache", "stream"), trials=8, budget=10, progress=False)
+        )
     finally:
         live.stop()
     assert report["requests_sent"] <= 10
@@ -109,8 +109,7 @@ def test_budget_bounds_the_traffic(model: Path) -> None:
 def test_mitigated_launch_arguments(tmp_path: Path) -> None:
     keys = {"a": "key-a", "b": "key-b"}
     shared = keys_file(tmp_path, SHARED)
-    args, new_keys = mitigated_launch(["--model", "m", "--api-keys", str(shared)], "cache",
-                                      keys, tmp_path)
+    args, new_keys = mitigated_launch(["--model", "m", "--api-keys", str(shared)], "cache", keys, tmp_path)
     assert args[:2] == ["--model", "m"] and new_keys == keys
     tenants = parse_tenants(json.loads(Path(args[-1]).read_text()))
     assert tenants["key-a"].cache_salt != tenants["key-b"].cache_salt
@@ -133,26 +132,48 @@ def test_auc_statistics() -> None:
 def test_cache_scope_is_validated() -> None:
     with pytest.raises(ValueError, match="cache_scope"):
         parse_tenants({"tenants": {"a": {"api_keys": ["k"], "cache_scope": ""}}})
-    tenants = parse_tenants({"tenants": {"a": {"api_keys": ["k1"], "cache_scope": "org"},
-                                         "b": {"api_keys": ["k2"], "cache_scope": "org"},
-                                         "c": {"api_keys": ["k3"]}}})
+    tenants = parse_tenants(
+        {
+            "tenants": {
+                "a": {"api_keys": ["k1"], "cache_scope": "org"},
+                "b": {"api_keys": ["k2"], "cache_scope": "org"},
+                "c": {"api_keys": ["k3"]},
+            }
+        }
+    )
     assert tenants["k1"].cache_salt == tenants["k2"].cache_salt != tenants["k3"].cache_salt
 
 
 def test_cli_launches_pagoda_and_reruns_the_mitigation(model: Path, tmp_path: Path) -> None:
     shared = keys_file(tmp_path, SHARED)
-    launch = (f"pagoda:--model {model} --api-keys {shared} --engine-transport thread "
-              "--num-threads 1 --num-kv-blocks 256")
+    launch = f"pagoda:--model {model} --api-keys {shared} --engine-transport thread --num-threads 1 --num-kv-blocks 256"
     out = tmp_path / "report"
-    assert pagoda_main(["audit", launch, "--key-a", "key-a", "--key-b", "key-b", "--probes",
-                        "cache", "--trials", "6", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        pagoda_main(
+            [
+                "audit",
+                launch,
+                "--key-a",
+                "key-a",
+                "--key-b",
+                "key-b",
+                "--probes",
+                "cache",
+                "--trials",
+                "6",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "audit.json").read_text())
     cache = finding(report, "cache")
     assert cache["severity"] == "high"
     assert cache["rerun"]["severity"] == "none"
     assert "--api-keys" in cache["rerun"]["launch"]
-    assert cache["rerun"]["tenants"] == {"a": {"api_keys": ["<key-a>"]},
-                                         "b": {"api_keys": ["<key-b>"]}}
+    assert cache["rerun"]["tenants"] == {"a": {"api_keys": ["<key-a>"]}, "b": {"api_keys": ["<key-b>"]}}
     assert "key-a" not in json.dumps(report).replace("<key-a>", "")
     assert "cache" in (out / "audit.md").read_text()
     assert (out / "audit.html").read_text().startswith("<!doctype html>")

@@ -10,8 +10,9 @@ import json
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -44,12 +45,23 @@ def serve(model_dir: Path) -> Iterator[Callable[..., LiveServer]]:
         server.stop()
 
 
-def complete(server: LiveServer, prompt: str, *, max_tokens: int = 16, key: str | None = None,
-             **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url + "/completions", timeout=120, trust_env=False,
-                      headers={"Authorization": f"Bearer {key}"} if key else {},
-                      json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True, **body})
+def complete(
+    server: LiveServer, prompt: str, *, max_tokens: int = 16, key: str | None = None, **body: Any
+) -> httpx.Response:
+    return httpx.post(
+        server.base_url + "/completions",
+        timeout=120,
+        trust_env=False,
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **body,
+        },
+    )
 
 
 def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
@@ -97,8 +109,16 @@ def test_healthy_idle_server_has_nothing_above_info(serve: Callable[..., LiveSer
     (json_code, json_text), (text_code, text) = code_and_output
     assert json_code == text_code == 0
     payload = json.loads(json_text)
-    assert set(payload) >= {"url", "window_s", "model", "health", "worst_severity", "exit_code",
-                            "findings", "observations"}
+    assert set(payload) >= {
+        "url",
+        "window_s",
+        "model",
+        "health",
+        "worst_severity",
+        "exit_code",
+        "findings",
+        "observations",
+    }
     assert payload["model"] == MODEL_NAME and payload["health"]["status"] == "ok"
     assert payload["worst_severity"] == "info" and payload["exit_code"] == 0
     assert {"id", "severity", "title", "evidence", "next_checks"} <= set(payload["findings"][0])
@@ -110,8 +130,10 @@ def test_tiny_kv_pool_shows_preemptions(serve: Callable[..., LiveServer]) -> Non
     snapshot = lambda: httpx.get(server.url + "/dashboard/snapshot", trust_env=False).json()  # noqa: E731
     assert snapshot()["diagnosis"] == []  # one sample: no window yet
     started = time.monotonic()
-    report = doctor(server, lambda: concurrently(
-        [lambda i=i: complete(server, f"{i} " + WORDS * 2, max_tokens=40) for i in range(6)]))
+    report = doctor(
+        server,
+        lambda: concurrently([lambda i=i: complete(server, f"{i} " + WORDS * 2, max_tokens=40) for i in range(6)]),
+    )
     # The dashboard's panel runs the same rules over its own window.
     time.sleep(max(0.0, started + 1.0 - time.monotonic()))
     panel = {finding["id"]: finding for finding in snapshot()["diagnosis"]}
@@ -163,8 +185,12 @@ def test_ngram_speculation_on_random_weights_shows_no_gain(serve: Callable[..., 
     # A prompt of many distinct token ids: sampled tokens often match one of them, so the n-gram
     # proposer drafts its continuation, which a random model's samples then reject.
     prompt = [5 + j * 7 % 3000 for j in range(420)]
-    report = doctor(server, lambda: concurrently(
-        [lambda i=i: complete(server, prompt, max_tokens=64, temperature=1.0, seed=i) for i in range(8)]))
+    report = doctor(
+        server,
+        lambda: concurrently(
+            [lambda i=i: complete(server, prompt, max_tokens=64, temperature=1.0, seed=i) for i in range(8)]
+        ),
+    )
     finding = by_id(report)["speculation_no_gain"]
     assert finding.evidence["acceptance_rate"] < 0.3
     assert finding.evidence["draft_tokens"] >= 32
@@ -172,11 +198,13 @@ def test_ngram_speculation_on_random_weights_shows_no_gain(serve: Callable[..., 
 
 def test_two_tenants_show_prefix_cache_salt(serve: Callable[..., LiveServer], tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
-    keys.write_text(textwrap.dedent("""\
+    keys.write_text(
+        textwrap.dedent("""\
         tenants:
           alice: {api_keys: [key-alice]}
           bob: {api_keys: [key-bob]}
-    """))
+    """)
+    )
     server = serve(tenants=TenantRegistry.from_file(keys))
     shared = "You are a helpful assistant for the ACME company. " * 6
 

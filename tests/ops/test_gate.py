@@ -7,8 +7,9 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import uvicorn
@@ -18,8 +19,7 @@ from pagoda.ops.gate import GateResult, run_gate
 from pagoda.ops.latency import LoadProfile
 from pagoda.ops.policy import PolicyError, load_policy, parse_policy
 from pagoda.ops.report import gate_markdown, write_reports
-from pagoda.ops.suite import (SuiteError, load_suite, parse_suite, suite_from_request_log,
-                              suite_from_text)
+from pagoda.ops.suite import SuiteError, load_suite, parse_suite, suite_from_request_log, suite_from_text
 from pagoda.ops.target import Target
 from server_utils import TOKENIZER_FILES, LiveServer, build_tiny_model, start_server
 
@@ -28,28 +28,42 @@ SUITE_ROWS = [
     {"id": "emoji", "prompt": "s = '😀 e\u0301'\n", "tags": ["adversarial-tokenization"]},
     {"id": "ids", "prompt": [5, 6, 7, 8], "tags": ["token-ids"]},
     {"id": "chat", "messages": [{"role": "user", "content": "reverse a string"}], "tags": ["chat"]},
-    {"id": "chat-2", "messages": [{"role": "system", "content": "be brief"},
-                                  {"role": "user", "content": "sort a list"}], "tags": ["chat"]},
-    {"id": "json", "messages": [{"role": "user", "content": "a point"}],
-     "schema": {"type": "object", "required": ["x"]}, "tags": ["structured"]},
-    {"id": "bad-temp", "bad_request": {"endpoint": "completions",
-                                       "body": {"prompt": "x", "temperature": -1}},
-     "expect_status": 400},
-    {"id": "bad-model", "bad_request": {"endpoint": "chat", "body": {
-        "model": "nope", "messages": [{"role": "user", "content": "x"}]}}, "expect_status": 404},
+    {
+        "id": "chat-2",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}],
+        "tags": ["chat"],
+    },
+    {
+        "id": "json",
+        "messages": [{"role": "user", "content": "a point"}],
+        "schema": {"type": "object", "required": ["x"]},
+        "tags": ["structured"],
+    },
+    {
+        "id": "bad-temp",
+        "bad_request": {"endpoint": "completions", "body": {"prompt": "x", "temperature": -1}},
+        "expect_status": 400,
+    },
+    {
+        "id": "bad-model",
+        "bad_request": {"endpoint": "chat", "body": {"model": "nope", "messages": [{"role": "user", "content": "x"}]}},
+        "expect_status": 404,
+    },
 ]
 # The latency rules are left out: two servers in one test process on a shared 2-core machine
 # are too noisy to gate on; test_latency_section checks the measurements themselves.
-TEST_POLICY = {"rules": {
-    "tokenization.prompt_mismatches": {"max": 0},
-    "tokenization.chat_mismatches": {"max": 0},
-    "outputs.exact_match_rate": {"min": 0.98},
-    "outputs.logprob_drift_max": {"max": 0.05},
-    "outputs.stop_reason_changes": {"max": 0},
-    "structured.validity_drop": {"max": 0},
-    "contract.new_failures": {"max": 0},
-    "contract.status_diffs": {"max": 0},
-}}
+TEST_POLICY = {
+    "rules": {
+        "tokenization.prompt_mismatches": {"max": 0},
+        "tokenization.chat_mismatches": {"max": 0},
+        "outputs.exact_match_rate": {"min": 0.98},
+        "outputs.logprob_drift_max": {"max": 0.05},
+        "outputs.stop_reason_changes": {"max": 0},
+        "structured.validity_drop": {"max": 0},
+        "contract.new_failures": {"max": 0},
+        "contract.status_diffs": {"max": 0},
+    }
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +104,23 @@ def suite_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def gate(baseline: str, candidate: str, suite_file: Path,
-         profile: LoadProfile | None = None) -> GateResult:
+def gate(baseline: str, candidate: str, suite_file: Path, profile: LoadProfile | None = None) -> GateResult:
     suite = load_suite(suite_file).with_max_tokens(6)
-    return run_gate(Target(baseline, label="baseline"), Target(candidate, label="candidate"),
-                    suite, parse_policy(TEST_POLICY), profile=profile, progress=False)
+    return run_gate(
+        Target(baseline, label="baseline"),
+        Target(candidate, label="candidate"),
+        suite,
+        parse_policy(TEST_POLICY),
+        profile=profile,
+        progress=False,
+    )
 
 
 def rule(result: GateResult, metric: str) -> Any:
     return next(r for r in result.rules if r.rule.metric == metric)
 
 
-def test_identical_servers_pass(servers: dict[str, LiveServer], suite_file: Path,
-                                tmp_path: Path) -> None:
+def test_identical_servers_pass(servers: dict[str, LiveServer], suite_file: Path, tmp_path: Path) -> None:
     result = gate(servers["base"].url, servers["twin"].url, suite_file)
     assert result.passed, [r.to_json() for r in result.rules if r.status == "fail"]
     metrics = {k: v for s in result.sections.values() for k, v in s.metrics.items()}
@@ -158,8 +176,7 @@ def test_different_weights_are_caught(servers: dict[str, LiveServer], suite_file
     assert rule(result, "contract.new_failures").status == "pass"
 
 
-def test_kv_cache_dtype_change_shows_as_logprob_drift(servers: dict[str, LiveServer],
-                                                      suite_file: Path) -> None:
+def test_kv_cache_dtype_change_shows_as_logprob_drift(servers: dict[str, LiveServer], suite_file: Path) -> None:
     """fp8 KV keeps tokenization and the API contract but moves the logprobs: the output
     rules carry the evidence (drift over the shared prefix, or the first divergence)."""
     result = gate(servers["base"].url, servers["fp8kv"].url, suite_file)
@@ -172,8 +189,7 @@ def test_kv_cache_dtype_change_shows_as_logprob_drift(servers: dict[str, LiveSer
     assert rule(result, "contract.new_failures").status == "pass"
 
 
-def test_speculative_decoding_keeps_greedy_outputs(servers: dict[str, LiveServer],
-                                                   suite_file: Path) -> None:
+def test_speculative_decoding_keeps_greedy_outputs(servers: dict[str, LiveServer], suite_file: Path) -> None:
     """Speculation on vs off is a release that must not change greedy text: the output rules
     hold, and the logprobs over the shared prefix agree to float32 noise."""
     result = gate(servers["base"].url, servers["spec"].url, suite_file)
@@ -183,8 +199,12 @@ def test_speculative_decoding_keeps_greedy_outputs(servers: dict[str, LiveServer
 
 
 def test_latency_section(servers: dict[str, LiveServer], suite_file: Path) -> None:
-    result = gate(servers["base"].url, servers["twin"].url, suite_file,
-                  profile=LoadProfile(num_requests=4, concurrency=2, max_tokens=4, repeats=2))
+    result = gate(
+        servers["base"].url,
+        servers["twin"].url,
+        suite_file,
+        profile=LoadProfile(num_requests=4, concurrency=2, max_tokens=4, repeats=2),
+    )
     details = result.sections["latency"].details
     for side in ("baseline", "candidate"):
         assert details["sides"][side]["failed_requests"] == 0
@@ -220,13 +240,22 @@ def broken_app() -> Any:
         if body.get("temperature", 1) < 0:
             return JSONResponse({"error": {"message": "bad"}}, status_code=422)
         if body.get("stream"):
+
             def events() -> Iterator[str]:
                 yield 'data: {"id": "a", "object": "text_completion", "choices": [{"text": "hi"}]}\n\n'
-                yield ('data: {"id": "b", "object": "text_completion", '
-                       '"choices": [{"text": "!", "finish_reason": "stop"}]}\n\n')
+                yield (
+                    'data: {"id": "b", "object": "text_completion", '
+                    '"choices": [{"text": "!", "finish_reason": "stop"}]}\n\n'
+                )
+
             return StreamingResponse(events(), media_type="text/event-stream")
-        return {"id": "x", "object": "text_completion", "model": "broken",
-                "choices": [{"index": 0, "text": "hi!", "finish_reason": "stop"}], "usage": usage}
+        return {
+            "id": "x",
+            "object": "text_completion",
+            "model": "broken",
+            "choices": [{"index": 0, "text": "hi!", "finish_reason": "stop"}],
+            "usage": usage,
+        }
 
     @app.post("/v1/chat/completions")
     async def chat() -> Any:
@@ -237,8 +266,7 @@ def broken_app() -> Any:
 
 @pytest.fixture(scope="module")
 def broken_url() -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(broken_app(), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(broken_app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -249,8 +277,9 @@ def broken_url() -> Iterator[str]:
     thread.join(10)
 
 
-def test_broken_candidate_lists_contract_failures(servers: dict[str, LiveServer],
-                                                  suite_file: Path, broken_url: str) -> None:
+def test_broken_candidate_lists_contract_failures(
+    servers: dict[str, LiveServer], suite_file: Path, broken_url: str
+) -> None:
     result = gate(servers["base"].url, broken_url, suite_file)
     assert not result.passed
     failures = rule(result, "contract.new_failures")
@@ -265,8 +294,7 @@ def test_broken_candidate_lists_contract_failures(servers: dict[str, LiveServer]
     assert rule(result, "tokenization.chat_mismatches").status == "skipped"
 
 
-def test_stream_shape_failures(servers: dict[str, LiveServer], suite_file: Path,
-                               broken_url: str) -> None:
+def test_stream_shape_failures(servers: dict[str, LiveServer], suite_file: Path, broken_url: str) -> None:
     result = gate(servers["base"].url, broken_url, suite_file)
     failures = result.sections["contract"].details["candidate_failures"]
     stream = [f for f in failures if "(stream)" in f]
@@ -281,17 +309,19 @@ def test_stream_shape_failures(servers: dict[str, LiveServer], suite_file: Path,
 def test_default_suite_covers_the_categories() -> None:
     suite = load_suite("default")
     tags = {t for c in suite.cases for t in c.tags}
-    assert {"code", "chat", "multilingual", "long-context", "structured",
-            "adversarial-tokenization"} <= tags
+    assert {"code", "chat", "multilingual", "long-context", "structured", "adversarial-tokenization"} <= tags
     assert suite.bad_requests and all(b.expect_status >= 400 for b in suite.bad_requests)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"id": "a"}', "exactly one of prompt or messages"),
-    ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
-    ('{"bad_request": {"endpoint": "chat", "body": {}}, "expect_status": 99}', "expect_status"),
-    ('not json', "not JSON"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"id": "a"}', "exactly one of prompt or messages"),
+        ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ('{"bad_request": {"endpoint": "chat", "body": {}}, "expect_status": 99}', "expect_status"),
+        ("not json", "not JSON"),
+    ],
+)
 def test_suite_errors_name_the_line(line: str, message: str) -> None:
     with pytest.raises(SuiteError, match=message):
         parse_suite(['{"prompt": "ok"}', line], "s.jsonl")
@@ -311,14 +341,19 @@ def test_record_from_text_and_log(tmp_path: Path) -> None:
         '"status":200,"output_tokens":5,"prompt":["hello","world"]}',
         '2026-01-01 INFO pagoda.serve.requests: {"request_id":"2","endpoint":"/v1/chat/completions",'
         '"status":200,"prompt":["[1, 2, 3]"]}',
-        '2026-01-01 INFO pagoda.serve.requests: {"request_id":"3","endpoint":"/v1/completions",'
-        '"status":200}',
-        '2026-01-01 INFO pagoda.serve.requests: ' + json.dumps({
-            "request_id": "5", "endpoint": "/v1/chat/completions", "status": 200,
-            "prompt": [json.dumps([{"role": "user", "content": "hi"}])]}),
+        '2026-01-01 INFO pagoda.serve.requests: {"request_id":"3","endpoint":"/v1/completions","status":200}',
+        "2026-01-01 INFO pagoda.serve.requests: "
+        + json.dumps(
+            {
+                "request_id": "5",
+                "endpoint": "/v1/chat/completions",
+                "status": 200,
+                "prompt": [json.dumps([{"role": "user", "content": "hi"}])],
+            }
+        ),
         '2026-01-01 INFO pagoda.serve.requests: {"request_id":"4","endpoint":"/v1/completions",'
         '"status":400,"prompt":["bad"]}',
-        'INFO: uvicorn noise',
+        "INFO: uvicorn noise",
     ]
     suite, without = suite_from_request_log(log, "log")
     assert [c.prompt for c in suite.cases] == ["hello", "world", [1, 2, 3], None]
@@ -331,25 +366,29 @@ def test_record_from_text_and_log(tmp_path: Path) -> None:
     assert [c.prompt for c in load_suite(path).cases] == ["hello", "world", [1, 2, 3], None]
 
 
-def test_cli(servers: dict[str, LiveServer], suite_file: Path, tmp_path: Path,
-             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli(
+    servers: dict[str, LiveServer], suite_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(json.dumps(TEST_POLICY))
-    common = ["--suite", str(suite_file), "--policy", str(policy), "--no-latency",
-              "--max-tokens", "4", "--no-progress"]
-    assert pagoda_main(["gate", servers["base"].url, servers["twin"].url, *common,
-                        "--out", str(tmp_path / "same")]) == 0
+    common = ["--suite", str(suite_file), "--policy", str(policy), "--no-latency", "--max-tokens", "4", "--no-progress"]
+    assert (
+        pagoda_main(["gate", servers["base"].url, servers["twin"].url, *common, "--out", str(tmp_path / "same")]) == 0
+    )
     assert (tmp_path / "same" / "report.html").exists()
-    assert pagoda_main(["gate", servers["base"].url, servers["template"].url + "/v1", *common,
-                        "--out", str(tmp_path / "diff")]) == 1
+    assert (
+        pagoda_main(
+            ["gate", servers["base"].url, servers["template"].url + "/v1", *common, "--out", str(tmp_path / "diff")]
+        )
+        == 1
+    )
     assert "tokenization.chat_mismatches" in (tmp_path / "diff" / "report.md").read_text()
     assert pagoda_main(["gate", servers["base"].url, *common]) == 2
     assert pagoda_main(["gate", "ftp://x", servers["base"].url, *common]) == 2
     assert "neither an http(s) URL nor pagoda:ARGS" in capsys.readouterr().err
     text = tmp_path / "prompts.txt"
     text.write_text("one\n\ntwo\n")
-    assert pagoda_main(["gate", "record", "--from-text", str(text), "-o",
-                        str(tmp_path / "rec.jsonl")]) == 0
+    assert pagoda_main(["gate", "record", "--from-text", str(text), "-o", str(tmp_path / "rec.jsonl")]) == 0
     assert len(load_suite(tmp_path / "rec.jsonl").cases) == 2
 
 
@@ -359,27 +398,34 @@ def test_structured_validity_is_compared() -> None:
     from pagoda.ops.gate import SideResult, compare_structured
     from pagoda.ops.schema_check import validate_text
 
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
     assert validate_text('{"x": 3}', schema) is None
     assert "missing required 'x'" in validate_text("{}", schema)
     assert "expected integer" in validate_text('{"x": 1.5}', schema)
     assert "unexpected property" in validate_text('{"x": 1, "y": 2}', schema)
     assert "not JSON" in validate_text("x = 3", schema)
-    suite = parse_suite([json.dumps({"id": f"s{i}", "prompt": "p", "schema": schema})
-                         for i in range(2)], "s")
-    base = SideResult(Target("http://b", label="baseline"),
-                      structured={"s0": Completion(200, text='{"x": 1}'),
-                                  "s1": Completion(200, text='{"x": 2}')})
-    cand = SideResult(Target("http://c", label="candidate"),
-                      structured={"s0": Completion(200, text='{"x": 1}'),
-                                  "s1": Completion(200, text='{"x": "two"}')})
+    suite = parse_suite([json.dumps({"id": f"s{i}", "prompt": "p", "schema": schema}) for i in range(2)], "s")
+    base = SideResult(
+        Target("http://b", label="baseline"),
+        structured={"s0": Completion(200, text='{"x": 1}'), "s1": Completion(200, text='{"x": 2}')},
+    )
+    cand = SideResult(
+        Target("http://c", label="candidate"),
+        structured={"s0": Completion(200, text='{"x": 1}'), "s1": Completion(200, text='{"x": "two"}')},
+    )
     result = compare_structured(suite, base, cand)
     assert result.metrics["structured.validity_rate_baseline"] == 1.0
     assert result.metrics["structured.validity_drop"] == 0.5
     assert "candidate s1: $.x: expected integer" in result.evidence["structured.validity_drop"][0]
-    rejecting = SideResult(Target("http://c", label="candidate"), structured={
-        name: Completion(400, error="response_format is not supported") for name in ("s0", "s1")})
+    rejecting = SideResult(
+        Target("http://c", label="candidate"),
+        structured={name: Completion(400, error="response_format is not supported") for name in ("s0", "s1")},
+    )
     result = compare_structured(suite, base, rejecting)
     assert result.metrics["structured.validity_rate_candidate"] is None
     assert result.metrics["structured.validity_drop"] == 1.0
@@ -393,30 +439,45 @@ def test_record_from_a_live_server_log(models: dict[str, Path], tmp_path: Path) 
     live = start_server(models["base"], log_prompts=True, prompt_log_dir=str(tmp_path))
     conversation = [{"role": "user", "content": "reverse a string"}]
     try:
-        httpx.post(live.url + "/v1/completions", json={"prompt": "def f():", "max_tokens": 3},
-                   timeout=30).raise_for_status()
-        httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
-            "messages": conversation, "max_tokens": 2}).raise_for_status()
+        httpx.post(
+            live.url + "/v1/completions", json={"prompt": "def f():", "max_tokens": 3}, timeout=30
+        ).raise_for_status()
+        httpx.post(
+            live.url + "/v1/chat/completions", timeout=30, json={"messages": conversation, "max_tokens": 2}
+        ).raise_for_status()
     finally:
         live.stop()
-    lines = [line for path in sorted(tmp_path.glob("prompts-*.jsonl"))
-             for line in path.read_text().splitlines()]
+    lines = [line for path in sorted(tmp_path.glob("prompts-*.jsonl")) for line in path.read_text().splitlines()]
     suite, without = suite_from_request_log(lines, "live")
     assert without == 0
-    assert [(c.prompt, c.messages) for c in suite.cases] == [("def f():", None),
-                                                              (None, conversation)]
+    assert [(c.prompt, c.messages) for c in suite.cases] == [("def f():", None), (None, conversation)]
     assert [c.max_tokens for c in suite.cases] == [3, 2]
 
 
-def test_cli_launches_a_pagoda_side(servers: dict[str, LiveServer], models: dict[str, Path],
-                                    suite_file: Path, tmp_path: Path) -> None:
+def test_cli_launches_a_pagoda_side(
+    servers: dict[str, LiveServer], models: dict[str, Path], suite_file: Path, tmp_path: Path
+) -> None:
     """`pagoda:ARGS` runs `pagoda serve ARGS` on a free loopback port for the gate, then stops it."""
-    launched = (f"pagoda:--model {models['base']} --engine-transport thread --num-threads 1 "
-                "--num-kv-blocks 256")
+    launched = f"pagoda:--model {models['base']} --engine-transport thread --num-threads 1 --num-kv-blocks 256"
     out = tmp_path / "launched"
-    assert pagoda_main(["gate", servers["base"].url, launched, "--suite", str(suite_file),
-                        "--no-latency", "--max-tokens", "4", "--no-progress", "--out",
-                        str(out)]) == 0  # default policy; skipped rules do not fail
+    assert (
+        pagoda_main(
+            [
+                "gate",
+                servers["base"].url,
+                launched,
+                "--suite",
+                str(suite_file),
+                "--no-latency",
+                "--max-tokens",
+                "4",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )  # default policy; skipped rules do not fail
     report = json.loads((out / "report.json").read_text())
     assert report["candidate"]["launched"].startswith("pagoda serve --model")
     assert report["sections"]["outputs"]["metrics"]["outputs.exact_match_rate"] == 1.0

@@ -22,13 +22,21 @@ def test_measured_boundary_agrees_with_plan(tmp_path: Path) -> None:
     model_dir = build_tiny_model(tmp_path / "model")
     # The pool given in bytes, so plan's bytes-per-block arithmetic is what is checked.
     memory = NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-    server = start_server(model_dir, engine={"num_kv_blocks": None, "kv_cache_memory": str(memory),
-                                             "max_num_seqs": 16})
+    server = start_server(model_dir, engine={"num_kv_blocks": None, "kv_cache_memory": str(memory), "max_num_seqs": 16})
     try:
         assert server.stats().num_total_blocks == NUM_BLOCKS
-        report = run_oom_lab(OomLabOptions(
-            url=server.url, model_dir=str(model_dir), prompt_lens=[16, 400], output_lens=[80],
-            max_concurrency=6, kv_cache_memory=str(memory), block_size=BLOCK_SIZE, out=str(tmp_path / "lab")))
+        report = run_oom_lab(
+            OomLabOptions(
+                url=server.url,
+                model_dir=str(model_dir),
+                prompt_lens=[16, 400],
+                output_lens=[80],
+                max_concurrency=6,
+                kv_cache_memory=str(memory),
+                block_size=BLOCK_SIZE,
+                out=str(tmp_path / "lab"),
+            )
+        )
     finally:
         server.stop()
     assert report.num_kv_blocks == NUM_BLOCKS

@@ -16,29 +16,53 @@ import numpy as np
 from safetensors.numpy import load_file
 
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
-                  "Qwen3MoeForCausalLM": "qwen3moe"}
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
 # One expert's projection in the checkpoint: (layer, expert, projection) -> its stacked GGUF kind.
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_EXPERT_KINDS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
-                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+_EXPERT_KINDS = {
+    "gate_proj": "ffn_gate_exps",
+    "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w2": "ffn_down_exps",
+}
 _F32_KINDS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
 
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py LlamaModel.permute."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def _gguf_name(name: str) -> str:
@@ -59,7 +83,7 @@ def random_k_quant(rows: int, columns: int, type_name: str, seed: int) -> np.nda
     block_bytes, scale_offsets = K_QUANT_LAYOUTS[type_name]
     blocks = np.random.default_rng(seed).integers(0, 256, (rows * columns // 256, block_bytes), dtype=np.uint8)
     for offset in scale_offsets:
-        blocks[:, offset:offset + 2] = np.full((blocks.shape[0], 1), 0.002, np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = np.full((blocks.shape[0], 1), 0.002, np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -88,9 +112,14 @@ def _stack_experts(tensors: dict[str, np.ndarray], fuse_gate_up: bool) -> dict[s
     return out
 
 
-def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32",
-               k_quants: dict[str, str] | None = None, omit: tuple[str, ...] = (),
-               fuse_gate_up: bool = False) -> Path:
+def write_gguf(
+    model_dir: Path,
+    path: Path,
+    tensor_type: str = "F32",
+    k_quants: dict[str, str] | None = None,
+    omit: tuple[str, ...] = (),
+    fuse_gate_up: bool = False,
+) -> Path:
     """`k_quants` maps llama.cpp tensor kinds (e.g. "ffn_down") to a K-quant type filled by
     `random_k_quant` (seeded by the tensor's position) instead of the model's weights. `omit`:
     GGUF tensor names left out (a broken file)."""
@@ -134,8 +163,9 @@ def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32",
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    )
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config.get("pad_token_id") or 0)
@@ -152,8 +182,7 @@ def write_gguf(model_dir: Path, path: Path, tensor_type: str = "F32",
         kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
         if k_quants and kind in k_quants:
             k_type = gguf.GGMLQuantizationType[k_quants[kind]]
-            writer.add_tensor(gguf_name, random_k_quant(*values.shape, k_quants[kind], seed=index),
-                              raw_dtype=k_type)
+            writer.add_tensor(gguf_name, random_k_quant(*values.shape, k_quants[kind], seed=index), raw_dtype=k_type)
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = _permute(values, heads)

@@ -28,8 +28,18 @@ def _copy(model: Path, target: Path) -> Path:
 
 
 def test_group_size_that_does_not_divide(capsys, llama_dir: Path) -> None:
-    line = _run(capsys, "generate", "--model", str(llama_dir), "--prompt", "hi", "--quantization", "int4",
-                "--quantization-group-size", "128")
+    line = _run(
+        capsys,
+        "generate",
+        "--model",
+        str(llama_dir),
+        "--prompt",
+        "hi",
+        "--quantization",
+        "int4",
+        "--quantization-group-size",
+        "128",
+    )
     assert str(llama_dir) in line and "model.layers.0.self_attn.qkv_proj" in line
     assert "int4 group size 128 does not divide its input dimension 64" in line
 

@@ -17,7 +17,7 @@ from pagoda.eval.perplexity import make_windows, perplexity
 def test_windows_score_every_token_once() -> None:
     for length, window, stride in ((10, 4, 2), (10, 4, 3), (3, 8, 4), (100, 16, 8), (17, 16, 15)):
         windows = make_windows(list(range(length)), window, stride)
-        scored = [t for w in windows for t in w.token_ids[w.first_scored:]]
+        scored = [t for w in windows for t in w.token_ids[w.first_scored :]]
         assert scored == list(range(1, length))
         assert all(len(w.token_ids) <= window and w.first_scored >= 1 for w in windows)
 
@@ -42,8 +42,25 @@ def test_cli_prints_delta_against_full_precision(capsys, llama_dir: Path, tmp_pa
     texts.mkdir()
     for i, text in enumerate(CORPUS):
         (texts / f"doc{i}.py").write_text(text * 3)
-    code = main(["eval", "perplexity", "--model", str(llama_dir), "--text", str(texts), "--window", "64",
-                 "--stride", "32", "--kv-cache-dtype", "int8", "--quantization", "int8", "--json"])
+    code = main(
+        [
+            "eval",
+            "perplexity",
+            "--model",
+            str(llama_dir),
+            "--text",
+            str(texts),
+            "--window",
+            "64",
+            "--stride",
+            "32",
+            "--kv-cache-dtype",
+            "int8",
+            "--quantization",
+            "int8",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     full, configured = report["runs"]["full precision"], report["runs"]["configured"]

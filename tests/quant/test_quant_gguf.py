@@ -13,7 +13,6 @@ gguf = pytest.importorskip("gguf", reason="GGUF support needs the `gguf` package
 from engine_helpers import teacher_forced_agreement  # noqa: E402
 from gguf_factory import write_gguf  # noqa: E402
 from model_factory import build_model  # noqa: E402
-
 from pagoda.engine.llm import LLM  # noqa: E402
 from pagoda.sampling_params import SamplingParams  # noqa: E402
 
@@ -23,8 +22,11 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys", 
 @pytest.fixture(scope="module")
 def plain_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # GGUF stores unscaled rope here (llama3 scaling travels as a rope_freqs tensor, not read yet).
-    return build_model(tmp_path_factory.mktemp("gguf") / "llama", "llama",
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return build_model(
+        tmp_path_factory.mktemp("gguf") / "llama",
+        "llama",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +139,16 @@ def test_k_quant_tensors_are_dequantized_and_unpermuted(tmp_path: Path) -> None:
     from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
 
     # K-quant blocks hold 256 values: every input dimension must be a multiple of 256.
-    model_dir = build_model(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    path = write_gguf(model_dir, tmp_path / "kq.gguf", "F32",
-                      k_quants={"attn_q": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"})
+    model_dir = build_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = write_gguf(
+        model_dir, tmp_path / "kq.gguf", "F32", k_quants={"attn_q": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
+    )
     checkpoint = GGUFCheckpoint(path)
 
     def dequantized(name: str) -> torch.Tensor:

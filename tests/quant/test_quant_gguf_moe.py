@@ -15,7 +15,6 @@ from engine_helpers import prompts_for as engine_prompts  # noqa: E402
 from engine_helpers import teacher_forced_agreement  # noqa: E402
 from gguf_factory import write_gguf  # noqa: E402
 from model_factory import assert_matches_reference, build_model, hf_references  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.model.loader import load_model, load_model_config  # noqa: E402
 from pagoda.model.moe import SparseMoE  # noqa: E402
@@ -109,10 +108,13 @@ def test_fused_gate_up_experts_load_like_separate_ones(moe_models, tmp_path: Pat
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in separate]
 
 
-@pytest.mark.parametrize("omitted, message", [
-    ("blk.1.ffn_up_exps.weight", "MoE layer 1 is missing tensor(s) blk.1.ffn_up_exps.weight"),
-    ("blk.0.ffn_gate_inp.weight", "MoE layer 0 is missing tensor(s) blk.0.ffn_gate_inp.weight"),
-])
+@pytest.mark.parametrize(
+    "omitted, message",
+    [
+        ("blk.1.ffn_up_exps.weight", "MoE layer 1 is missing tensor(s) blk.1.ffn_up_exps.weight"),
+        ("blk.0.ffn_gate_inp.weight", "MoE layer 0 is missing tensor(s) blk.0.ffn_gate_inp.weight"),
+    ],
+)
 def test_moe_gguf_missing_an_expert_tensor_names_it(moe_models, tmp_path: Path, omitted: str, message: str) -> None:
     broken = write_gguf(moe_models["mixtral"]["safetensors"], tmp_path / "broken.gguf", "F32", omit=(omitted,))
     with pytest.raises(ValueError, match=f"broken.gguf: {message.replace('(', '[(]').replace(')', '[)]')}"):
@@ -128,14 +130,17 @@ def test_moe_gguf_metadata_errors(moe_models, tmp_path: Path) -> None:
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
         value = 6 if field.name == "qwen3moe.expert_count" else field.contents()
-        writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1
-                             else None)
+        writer.add_key_value(
+            field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
+        )
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="count.gguf: tensor 'blk.0.ffn_down_exps.weight' stacks 8 experts, the "
-                                         "metadata says expert_count 6"):
+    with pytest.raises(
+        ValueError,
+        match="count.gguf: tensor 'blk.0.ffn_down_exps.weight' stacks 8 experts, the metadata says expert_count 6",
+    ):
         load_model_config(tmp_path / "count.gguf")

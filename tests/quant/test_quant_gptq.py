@@ -26,12 +26,12 @@ def test_gptq_codes_load_exactly(llama_dir: Path, tmp_path: Path, checkpoint_for
     attention = model.model.layers[1].self_attn
     assert attention.qkv_proj.weight_format.name == "int4"
     effective = attention.qkv_proj(torch.eye(attention.qkv_proj.in_features)).t()
-    expected = torch.cat([dequantized[f"model.layers.1.self_attn.{p}.weight"] for p in ("q_proj", "k_proj",
-                                                                                           "v_proj")])
+    expected = torch.cat([dequantized[f"model.layers.1.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
     torch.testing.assert_close(effective, expected, rtol=2e-2, atol=2e-3)
     down = model.model.layers[0].mlp.down_proj
-    torch.testing.assert_close(down(torch.eye(down.in_features)).t(),
-                               dequantized["model.layers.0.mlp.down_proj.weight"], rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(
+        down(torch.eye(down.in_features)).t(), dequantized["model.layers.0.mlp.down_proj.weight"], rtol=2e-2, atol=2e-3
+    )
 
 
 def test_gptq_generates_like_its_dequantized_weights(llama_dir: Path, tmp_path: Path) -> None:
@@ -48,7 +48,8 @@ def test_gptq_generates_like_its_dequantized_weights(llama_dir: Path, tmp_path: 
     reference = LLM(model=str(reference_dir), kv_cache_memory="16MiB").generate(prompts, params)
     sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in reference]
     scored = LLM(model=str(gptq_dir), kv_cache_memory="16MiB").generate(
-        sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    )
     hits = total = 0
     for output, sequence, ref in zip(scored, sequences, reference):
         for position in range(len(ref.prompt_token_ids), len(sequence)):

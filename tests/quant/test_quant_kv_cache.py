@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import assert_idle, prompts_for, run
 from pagoda import LLM, SamplingParams
 from pagoda.quant.kv_cache_dtype import KVCacheFormat, make_kv_cache_format
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
-from engine_helpers import assert_idle, prompts_for, run
 
 QUANTIZED = ("int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -36,7 +36,7 @@ def test_fp8_per_tensor_scale_format() -> None:
     assert entries.dtype == torch.uint8 and entries.shape == (37, 4, 64)
     assert torch.equal(fmt.decode(entries), values.to(torch.float8_e4m3fn).float())
     error = (fmt.decode(entries) - values).abs() / values.abs()
-    assert float(error[values.abs() > 2 ** -6].max()) <= 1 / 16  # 3 mantissa bits in the normal range
+    assert float(error[values.abs() > 2**-6].max()) <= 1 / 16  # 3 mantissa bits in the normal range
     # Out of range: clipped to the largest value, never inf or nan.
     assert fmt.decode(fmt.encode(torch.tensor([1e4, -1e4]))).tolist() == [448.0, -448.0]
     assert kv_cache_bytes_per_token(24, 16, 64, "fp8", 4) == 2 * 24 * 16 * 64
@@ -79,8 +79,10 @@ def test_greedy_agreement_with_full_cache_on_bundled_model() -> None:
 
 
 def test_fp8_pool_is_four_times_fp32(llama_dir) -> None:
-    blocks = {dtype: LLM(model=str(llama_dir), kv_cache_dtype=dtype, kv_cache_memory="4MiB").engine.core.num_blocks
-              for dtype in ("auto", "fp8")}
+    blocks = {
+        dtype: LLM(model=str(llama_dir), kv_cache_dtype=dtype, kv_cache_memory="4MiB").engine.core.num_blocks
+        for dtype in ("auto", "fp8")
+    }
     assert blocks["fp8"] == pytest.approx(4 * blocks["auto"], rel=0.01)
 
 
@@ -92,8 +94,10 @@ def test_fp8_greedy_agreement_with_full_cache_on_bundled_model() -> None:
     results = {}
     for dtype in ("auto", "fp8"):
         outputs = LLM(kv_cache_dtype=dtype, kv_cache_memory="32MiB").generate(prompts, params)
-        results[dtype] = ([o.outputs[0].token_ids for o in outputs],
-                          [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outputs])
+        results[dtype] = (
+            [o.outputs[0].token_ids for o in outputs],
+            [next(iter(o.outputs[0].logprobs[0].values())).logprob for o in outputs],
+        )
     total = sum(len(t) for t in results["auto"][0])
     agree = sum(a == b for x, y in zip(results["auto"][0], results["fp8"][0]) for a, b in zip(x, y))
     assert agree >= 0.5 * total, (agree, total)
@@ -104,8 +108,15 @@ def test_fp8_greedy_agreement_with_full_cache_on_bundled_model() -> None:
 def test_output_neutral_features_within_a_quantized_dtype(llama_dir, dtype: str) -> None:
     prompts = prompts_for(300)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    reference, _ = run(llama_dir, prompts, params, kv_cache_dtype=dtype, max_num_batched_tokens=4096,
-                       enable_prefix_caching=False, num_kv_blocks=512)
+    reference, _ = run(
+        llama_dir,
+        prompts,
+        params,
+        kv_cache_dtype=dtype,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        num_kv_blocks=512,
+    )
     # Chunked prefill with prefix caching: the second round is served from cached blocks.
     llm = LLM(model=str(llama_dir), kv_cache_dtype=dtype, max_num_batched_tokens=16, num_kv_blocks=512)
     for _ in range(2):
@@ -114,8 +125,7 @@ def test_output_neutral_features_within_a_quantized_dtype(llama_dir, dtype: str)
     assert llm.engine.get_stats().prefix_cache_hits > 0
     assert_idle(llm)
     # Preemption: 16 blocks force requests out and back in.
-    tight, llm = run(llama_dir, prompts, params, kv_cache_dtype=dtype, num_kv_blocks=16,
-                     enable_prefix_caching=False)
+    tight, llm = run(llama_dir, prompts, params, kv_cache_dtype=dtype, num_kv_blocks=16, enable_prefix_caching=False)
     assert llm.engine.get_stats().num_preemptions > 0
     assert tight == reference
     # Speculative decoding (prompt lookup) keeps greedy outputs.
@@ -143,8 +153,13 @@ def test_quantized_kv_swaps_through_the_host_tier_unchanged(llama_dir) -> None:
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(5, 300, (60 + 7 * i,), generator=generator).tolist() for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    common = dict(model=str(llama_dir), num_kv_blocks=10, max_num_batched_tokens=64, kv_cache_dtype="int8",
-                  kv_offload_memory="1MiB")
+    common = dict(
+        model=str(llama_dir),
+        num_kv_blocks=10,
+        max_num_batched_tokens=64,
+        kv_cache_dtype="int8",
+        kv_offload_memory="1MiB",
+    )
     expected = [o.outputs[0].token_ids for o in LLM(**common, preemption_mode="recompute").generate(prompts, params)]
     llm = LLM(**common, preemption_mode="swap")
     outputs = llm.generate(prompts, params)
@@ -153,6 +168,8 @@ def test_quantized_kv_swaps_through_the_host_tier_unchanged(llama_dir) -> None:
     assert llm.engine.core.kv_tiers.transfer.host_caches[0].dtype == torch.uint8
     assert_idle(llm)
     # Persisted disk blocks of one KV dtype (or weight format) are never read by another.
-    fingerprints = {model_fingerprint(EngineConfig(model=str(llama_dir), **knobs), "float32")
-                    for knobs in ({}, {"kv_cache_dtype": "int8"}, {"quantization": "int8"})}
+    fingerprints = {
+        model_fingerprint(EngineConfig(model=str(llama_dir), **knobs), "float32")
+        for knobs in ({}, {"kv_cache_dtype": "int8"}, {"quantization": "int8"})
+    }
     assert len(fingerprints) == 3

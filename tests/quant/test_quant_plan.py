@@ -25,14 +25,19 @@ def test_plan_kv_bytes_match_the_engines_caches(llama_dir: Path, plan_kv_dtype: 
 
 
 def test_plan_int4_weight_bytes_match_the_packed_layers(llama_dir: Path) -> None:
-    plan = plan_from_options(PlanOptions(model=str(llama_dir), memory="1GiB", dtype="int4", kv_dtype="bf16",
-                                         quantization_group_size=32))
+    plan = plan_from_options(
+        PlanOptions(model=str(llama_dir), memory="1GiB", dtype="int4", kv_dtype="bf16", quantization_group_size=32)
+    )
     bf16 = plan_from_options(PlanOptions(model=str(llama_dir), memory="1GiB", dtype="bf16"))
     llm = LLM(model=str(llama_dir), quantization="int4", quantization_group_size=32, kv_cache_memory="256KiB")
-    packed = sum(m.qweight.nbytes + m.scales_and_zeros.nbytes for m in llm.engine.core.runner.model.modules()
-                 if hasattr(m, "scales_and_zeros"))
-    linear_params = sum(m.in_features * m.out_features for m in llm.engine.core.runner.model.modules()
-                        if hasattr(m, "scales_and_zeros"))
+    packed = sum(
+        m.qweight.nbytes + m.scales_and_zeros.nbytes
+        for m in llm.engine.core.runner.model.modules()
+        if hasattr(m, "scales_and_zeros")
+    )
+    linear_params = sum(
+        m.in_features * m.out_features for m in llm.engine.core.runner.model.modules() if hasattr(m, "scales_and_zeros")
+    )
     assert packed == linear_params * weight_bytes_per_parameter("int4", 2, 32)
     # Decoder linears in int4 (with their scale/zero pairs), everything else as in bf16.
     assert plan.weight_bytes == bf16.weight_bytes - 2 * linear_params + packed

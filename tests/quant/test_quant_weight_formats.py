@@ -14,13 +14,21 @@ import torch
 
 from pagoda.kernels import Kernels
 from pagoda.model.layers import Linear
-from pagoda.quant.weight_formats import (Int4Weight, Int8Weight, dequantize_int4_grouped, make_weight_format,
-                                         quantize_int4_grouped, quantize_int8_per_channel)
+from pagoda.quant.weight_formats import (
+    Int4Weight,
+    Int8Weight,
+    dequantize_int4_grouped,
+    make_weight_format,
+    quantize_int4_grouped,
+    quantize_int8_per_channel,
+)
 
 
-def _layer(fmt, in_features: int, out_features: int, bias: bool, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+def _layer(
+    fmt, in_features: int, out_features: int, bias: bool, seed: int
+) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
     bias_values = torch.randn(out_features, generator=generator) if bias else None
     layer = Linear(in_features, out_features, bias, torch.float32, torch.device("cpu"), fmt)
     layer.weight.data.copy_(weight)
@@ -34,8 +42,9 @@ def _relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize("in_features,out_features,bias", [(64, 96, False), (97, 33, True), (7, 5, True),
-                                                           (256, 1, False)])
+@pytest.mark.parametrize(
+    "in_features,out_features,bias", [(64, 96, False), (97, 33, True), (7, 5, True), (256, 1, False)]
+)
 def test_int8_matches_float_reference(in_features: int, out_features: int, bias: bool) -> None:
     layer, weight, bias_values = _layer(Int8Weight(), in_features, out_features, bias, seed=in_features)
     x = torch.randn(3, 5, in_features)
@@ -50,8 +59,9 @@ def test_int8_matches_float_reference(in_features: int, out_features: int, bias:
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("zero_point", [True, False])
 @pytest.mark.parametrize("in_features,out_features,bias", [(128, 48, True), (384, 16, False), (256, 112, True)])
-def test_int4_matches_float_reference(group_size: int, zero_point: bool, in_features: int, out_features: int,
-                                      bias: bool) -> None:
+def test_int4_matches_float_reference(
+    group_size: int, zero_point: bool, in_features: int, out_features: int, bias: bool
+) -> None:
     fmt = Int4Weight(group_size=group_size, zero_point=zero_point)
     layer, weight, bias_values = _layer(fmt, in_features, out_features, bias, seed=group_size + in_features)
     x = torch.randn(7, in_features)
@@ -92,8 +102,9 @@ def test_unknown_quantization_and_group_size() -> None:
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_kernels_are_available_on_cpu(name: str) -> None:
-    Kernels(torch.device("cpu")).linear.check(make_weight_format(name, group_size=32), torch.device("cpu"),
-                                              torch.float32)
+    Kernels(torch.device("cpu")).linear.check(
+        make_weight_format(name, group_size=32), torch.device("cpu"), torch.float32
+    )
 
 
 def test_quantized_bundled_model_greedy_agreement() -> None:
@@ -119,8 +130,8 @@ def test_quantized_bundled_model_greedy_agreement() -> None:
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_chunking_and_preemption_stay_output_neutral_with_quantized_weights(llama_dir, quantization: str) -> None:
-    from pagoda import SamplingParams
     from engine_helpers import prompts_for, run
+    from pagoda import SamplingParams
 
     prompts = prompts_for(300)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

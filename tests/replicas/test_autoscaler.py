@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.replicas.autoscaler import Autoscaler
 from pagoda.replicas.replica_set import ReplicaSet
@@ -24,7 +25,6 @@ from pagoda.replicas.scale_decider import ScalingRules
 from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.metrics.server import ServerMetrics
-from pagoda.engine.engine_request import EngineRequest
 
 
 class _PacedEngine(LLMEngine):
@@ -68,14 +68,15 @@ async def read(stream) -> tuple[list[int], str | None]:
 
 
 def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_request(
-        llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="pagoda.replicas.autoscaler")
-    deployment = DeploymentConfig(min_replicas=1, max_replicas=2, router="round_robin",
-                                  scale_up_queue_depth=2, scale_up_window=0.05)
+    deployment = DeploymentConfig(
+        min_replicas=1, max_replicas=2, router="round_robin", scale_up_queue_depth=2, scale_up_window=0.05
+    )
     replicas = start(llama_dir, deployment)
     autoscale(replicas, deployment)  # scales down only after the default window (minutes)
-    metrics = ServerMetrics("tiny", replicas.get_stats, replica_stats=replicas.replica_stats,
-                            health=replicas.health)
+    metrics = ServerMetrics("tiny", replicas.get_stats, replica_stats=replicas.replica_stats, health=replicas.health)
     try:
         assert replicas.health()["autoscale"]["desired"] == 1
         long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -128,8 +129,10 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
         assert 'pagoda:replicas_desired{model_name="tiny"} 1.0' in text
         assert 'pagoda:scale_events_total{direction="down",model_name="tiny",reason="idle"} 1.0' in text
         decisions = [r.message.split(": ", 1)[1] for r in caplog.records if "scaling" in r.message]
-        assert [d.split(":")[0] for d in decisions] == ["scaling up from 1 to 2 replicas",
-                                                        "scaling down from 2 to 1 replicas"]
+        assert [d.split(":")[0] for d in decisions] == [
+            "scaling up from 1 to 2 replicas",
+            "scaling down from 2 to 1 replicas",
+        ]
         # The idle invariant: no replica holds a request or a KV block.
         for replica in replicas.replicas:
             stats = replica.llm.get_stats()
@@ -140,16 +143,17 @@ def test_a_held_queue_adds_a_replica_and_idleness_drains_it_without_cutting_its_
         replicas.shutdown()
 
 
-def test_without_ray_the_count_stays_fixed_and_one_line_says_why(llama_dir: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_without_ray_the_count_stays_fixed_and_one_line_says_why(
+    llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64)
     with caplog.at_level(logging.WARNING, logger="pagoda.replicas.start"):
-        llm = start_engines(config, DeploymentConfig(min_replicas=2, max_replicas=3, restart=False),
-                            transport="thread")
+        llm = start_engines(config, DeploymentConfig(min_replicas=2, max_replicas=3, restart=False), transport="thread")
     try:
         assert [r.message for r in caplog.records] == [
             "--min-replicas 2 / --max-replicas 3: autoscaling needs --distributed-executor-backend ray; "
-            "serving a fixed 2 replicas"]
+            "serving a fixed 2 replicas"
+        ]
         assert isinstance(llm, ReplicaSet) and len(llm.replicas) == 2 and llm.autoscaler is None
         assert "autoscale" not in llm.health()
     finally:
@@ -168,11 +172,13 @@ def test_a_replica_that_cannot_start_is_logged_and_the_set_keeps_serving(llama_d
     replicas = ReplicaSet.start(config, deployment, starter)
     autoscale(replicas, deployment)
     try:
+
         async def scenario() -> None:
             long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             streams = [await replicas.add_request(EngineRequest(f"q{i}", [7, 8, 9, 10 + i], long)) for i in range(5)]
-            await asyncio.to_thread(wait_for, lambda: replicas.health()["autoscale"]["failed_starts"] >= 1,
-                                    "the failed start")
+            await asyncio.to_thread(
+                wait_for, lambda: replicas.health()["autoscale"]["failed_starts"] >= 1, "the failed start"
+            )
             assert all(len(tokens) == 40 for tokens, _ in await asyncio.gather(*(read(s) for s in streams)))
 
         asyncio.run(scenario())
@@ -183,7 +189,6 @@ def test_a_replica_that_cannot_start_is_logged_and_the_set_keeps_serving(llama_d
 
 def test_an_added_replica_has_the_runtime_adapters_before_it_joins(llama_dir: Path, tmp_path: Path) -> None:
     from lora_factory import build_adapter
-
     from pagoda.lora_request import LoRARequest
 
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, enable_lora=True)

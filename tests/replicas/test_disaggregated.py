@@ -16,12 +16,12 @@ import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.kv_transfer import handoff as handoff_wire
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.sampling_params import SamplingParams
-from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -29,10 +29,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def start(model: Path, engine_factory=None, **options: object) -> ReplicaSet:
     # Every request through a prefill replica unless a test says otherwise (these prompts are short).
     options = {"max_local_prefill_tokens": 0, **options}
-    deployment = DeploymentConfig(**{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig)
-                                     if f.name in options})
-    config = EngineConfig(model=str(model), num_threads=1, num_kv_blocks=96, block_size=8,
-                          max_num_batched_tokens=32, **options)
+    deployment = DeploymentConfig(
+        **{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig) if f.name in options}
+    )
+    config = EngineConfig(
+        model=str(model), num_threads=1, num_kv_blocks=96, block_size=8, max_num_batched_tokens=32, **options
+    )
 
     def starter(index: int, replica: EngineConfig) -> AsyncLLM:
         factory = engine_factory if engine_factory is not None and replica.role == "prefill" else None
@@ -47,8 +49,9 @@ def prompts(count: int, length: int, seed: int = 0, shared: int = 0) -> list[lis
     return [prefix + [rng.randrange(3, 300) for _ in range(length - shared)] for _ in range(count)]
 
 
-async def generate(replicas, request_id: str, prompt: list[int], params: SamplingParams = GREEDY,
-                   **hints: object) -> list[int]:
+async def generate(
+    replicas, request_id: str, prompt: list[int], params: SamplingParams = GREEDY, **hints: object
+) -> list[int]:
     stream = await replicas.add_request(EngineRequest(request_id, prompt, params, **hints))
     tokens: list[int] = []
     async for delta in stream:
@@ -60,9 +63,14 @@ def run_all(replicas, token_lists, params: SamplingParams = GREEDY, salts=None) 
     run = uuid.uuid4().hex[:6]  # request ids are never reused (as the server's are not)
 
     async def scenario() -> list[list[int]]:
-        return list(await asyncio.gather(*(
-            generate(replicas, f"{run}-{i}", tokens, params, cache_salt=salts[i] if salts else None)
-            for i, tokens in enumerate(token_lists))))
+        return list(
+            await asyncio.gather(
+                *(
+                    generate(replicas, f"{run}-{i}", tokens, params, cache_salt=salts[i] if salts else None)
+                    for i, tokens in enumerate(token_lists)
+                )
+            )
+        )
 
     return asyncio.run(scenario())
 
@@ -71,8 +79,7 @@ def assert_idle(replicas: ReplicaSet, within: float = 5.0) -> None:
     """Every live replica idle with every block free (aborts reach an engine asynchronously:
     wait up to `within` seconds for its stats to say so), and the router's books closed."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline and not all(
-            _idle(r.llm.get_stats()) for r in replicas.replicas if r.is_alive):
+    while time.monotonic() < deadline and not all(_idle(r.llm.get_stats()) for r in replicas.replicas if r.is_alive):
         time.sleep(0.05)
     for replica in replicas.replicas:
         if replica.is_alive:
@@ -150,8 +157,7 @@ class _PrefillThatDies(LLMEngine):
 def test_a_dead_prefill_replica_leaves_the_decode_replica_to_prefill(llama_dir) -> None:
     token_lists = prompts(3, 30, seed=9)
     expected = colocated(llama_dir, token_lists)
-    replicas = start(llama_dir, engine_factory=_PrefillThatDies, replica_roles="prefill=1,decode=1",
-                     restart=False)
+    replicas = start(llama_dir, engine_factory=_PrefillThatDies, replica_roles="prefill=1,decode=1", restart=False)
     try:
         assert run_all(replicas, token_lists) == expected
         assert not replicas.replicas[0].is_alive
@@ -202,8 +208,7 @@ def test_a_stalled_prefill_replica_times_out_to_the_decode_replica(llama_dir) ->
             time.sleep(0.05)
             return EngineStepOutput() if self.core.has_unfinished_requests() else super().step()
 
-    replicas = start(llama_dir, engine_factory=_Stalled, replica_roles="prefill=1,decode=1",
-                     kv_prefill_timeout=0.5)
+    replicas = start(llama_dir, engine_factory=_Stalled, replica_roles="prefill=1,decode=1", kv_prefill_timeout=0.5)
     try:
         assert run_all(replicas, token_lists) == expected
         decode = disagg_stats(replicas)[1]
@@ -247,7 +252,8 @@ def test_replica_roles_are_checked(llama_dir) -> None:
         DeploymentConfig(replica_roles="prefill=1,decode=1", data_parallel_size=3)
     with pytest.raises(ValueError, match="set each replica's role"):
         DeploymentConfig(replica_roles="prefill=1,decode=1").validate_with(
-            EngineConfig(model=str(llama_dir), role="decode"))
+            EngineConfig(model=str(llama_dir), role="decode")
+        )
     assert DeploymentConfig(replica_roles="prefill=1,decode=2").num_replicas == 3
     from pagoda.replicas.start import start_engines
 
@@ -267,15 +273,20 @@ class _DecodeThatDies(LLMEngine):
 def test_a_dead_decode_replica_moves_its_requests_and_the_prefill_side_holds_nothing(llama_dir) -> None:
     token_lists = prompts(3, 30, seed=19)
     expected = colocated(llama_dir, token_lists)
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=96, block_size=8,
-                          max_num_batched_tokens=32,
-                          kv_transfer_timeout=2.0)
-    deployment = DeploymentConfig(replica_roles="prefill=1,decode=2", router="round_robin",
-                                  max_local_prefill_tokens=0, restart=False)
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_threads=1,
+        num_kv_blocks=96,
+        block_size=8,
+        max_num_batched_tokens=32,
+        kv_transfer_timeout=2.0,
+    )
+    deployment = DeploymentConfig(
+        replica_roles="prefill=1,decode=2", router="round_robin", max_local_prefill_tokens=0, restart=False
+    )
 
     def starter(index: int, replica: EngineConfig) -> AsyncLLM:
-        return AsyncLLM(replica, transport="thread",
-                        engine_factory=_DecodeThatDies if index == 1 else None)
+        return AsyncLLM(replica, transport="thread", engine_factory=_DecodeThatDies if index == 1 else None)
 
     replicas = ReplicaSet.start(config, deployment, starter)
     try:

@@ -55,14 +55,17 @@ def test_rules_pick_pools_first_match_wins(tmp_path: Path) -> None:
         rules.check_pools({"chat", "long"})
 
 
-@pytest.mark.parametrize("data, message", [
-    ([], "mapping"),
-    ({"rules": [{"min_prompt_tokens": 3}]}, "rule 1"),
-    ({"rules": [{"pool": "a", "min_prompt_tokens": -1}]}, "non-negative"),
-    ({"rules": [{"pool": "a", "tenant": "x"}]}, "unknown keys"),
-    ({"rules": [{"pool": "a", "tenants": [1]}]}, "list of names"),
-    ({"rules": [], "fallback": "a"}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ([], "mapping"),
+        ({"rules": [{"min_prompt_tokens": 3}]}, "rule 1"),
+        ({"rules": [{"pool": "a", "min_prompt_tokens": -1}]}, "non-negative"),
+        ({"rules": [{"pool": "a", "tenant": "x"}]}, "unknown keys"),
+        ({"rules": [{"pool": "a", "tenants": [1]}]}, "list of names"),
+        ({"rules": [], "fallback": "a"}, "unknown keys"),
+    ],
+)
 def test_bad_rules_are_refused_with_the_reason(data: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RouteRules.from_dict(data)
@@ -80,7 +83,6 @@ def test_config_checks_pools_against_replicas() -> None:
         DeploymentConfig(data_parallel_size=0)
 
 
-
 def test_ray_is_imported_only_where_the_ray_backend_runs() -> None:
     """Ray is optional: no module imports it at load time (only inside the functions that run
     with --distributed-executor-backend ray)."""
@@ -90,7 +92,12 @@ def test_ray_is_imported_only_where_the_ray_backend_runs() -> None:
     eager = []
     for path in package.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:  # module level only
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             eager += [f"{path.relative_to(package)}: {n}" for n in names if n.split(".")[0] == "ray"]
     assert eager == []

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.replicas.start import start_engines
 from pagoda.sampling_params import SamplingParams
-from pagoda.engine.engine_request import EngineRequest
 
 ray = pytest.importorskip("ray", reason="Ray is optional (pip install 'pagoda[ray]')")
 
@@ -53,10 +53,18 @@ async def read(stream) -> tuple[list[int], str | None]:
 
 
 def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local_ray, llama_dir: Path) -> None:
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs=1,
-                          distributed_executor_backend="ray")
-    deployment = DeploymentConfig(min_replicas=1, max_replicas=2, router="round_robin", restart=False,
-                                  scale_up_queue_depth=1, scale_up_window=0.2, scale_down_window=2.0)
+    config = EngineConfig(
+        model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs=1, distributed_executor_backend="ray"
+    )
+    deployment = DeploymentConfig(
+        min_replicas=1,
+        max_replicas=2,
+        router="round_robin",
+        restart=False,
+        scale_up_queue_depth=1,
+        scale_up_window=0.2,
+        scale_down_window=2.0,
+    )
     replicas = start_engines(config, deployment)
     long = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
     try:
@@ -81,8 +89,9 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
             tokens, reason = await read(stream)
             assert len(tokens) == 250 and reason == "length"  # not cut by the drain
             placement_group = added.llm._transport.placement_group
-            await asyncio.to_thread(wait_for, lambda: replicas.health()["autoscale"]["draining"] == 0,
-                                    "the drained replica to stop")
+            await asyncio.to_thread(
+                wait_for, lambda: replicas.health()["autoscale"]["draining"] == 0, "the drained replica to stop"
+            )
             assert added not in replicas.replicas
             assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
             for tokens, reason in await asyncio.gather(*(read(s) for s in queued)):
@@ -92,7 +101,9 @@ def test_ray_replicas_scale_up_under_a_held_queue_and_drain_away_when_idle(local
         autoscale = replicas.health()["autoscale"]
         assert (autoscale["replicas"], autoscale["desired"]) == (1, 1)
         assert {(e["direction"], e["reason"], e["count"]) for e in autoscale["scale_events"]} == {
-            ("up", "queue_depth", 1), ("down", "idle", 1)}
+            ("up", "queue_depth", 1),
+            ("down", "idle", 1),
+        }
         # The idle invariant: nothing running, waiting or holding a KV block.
         for replica in replicas.replicas:
             stats = replica.llm.get_stats()

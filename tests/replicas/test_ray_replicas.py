@@ -16,6 +16,7 @@ from pagoda.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray", reason="Ray is optional (pip install 'pagoda[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
+
 from pagoda.engine.engine_request import EngineRequest
 
 pytestmark = pytest.mark.ray
@@ -38,10 +39,14 @@ def two_node_cluster(monkeypatch: pytest.MonkeyPatch):
 
 def test_one_replica_per_node_both_serve(two_node_cluster, llama_dir: Path) -> None:
     cluster, node_ids = two_node_cluster
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                          distributed_executor_backend="ray", ray_address=cluster.address)
-    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2, router="round_robin",
-                                                      restart=False))
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_threads=1,
+        num_kv_blocks=64,
+        distributed_executor_backend="ray",
+        ray_address=cluster.address,
+    )
+    replicas = start_engines(config, DeploymentConfig(data_parallel_size=2, router="round_robin", restart=False))
     try:
         placed = {r.llm._transport.node_id for r in replicas.replicas}
         assert placed == node_ids  # one per node: each node has one CPU, each replica needs one
@@ -85,10 +90,14 @@ def test_prefill_and_decode_replicas_on_two_nodes_hand_the_kv_over(two_node_clus
     while reference.has_unfinished_requests():
         for delta in reference.step().deltas:
             expected.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
-    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64,
-                          distributed_executor_backend="ray", ray_address=cluster.address)
-    replicas = start_engines(config, DeploymentConfig(replica_roles="prefill=1,decode=1",
-                                                      max_local_prefill_tokens=0))
+    config = EngineConfig(
+        model=str(llama_dir),
+        num_threads=1,
+        num_kv_blocks=64,
+        distributed_executor_backend="ray",
+        ray_address=cluster.address,
+    )
+    replicas = start_engines(config, DeploymentConfig(replica_roles="prefill=1,decode=1", max_local_prefill_tokens=0))
     try:
         assert {r.llm._transport.node_id for r in replicas.replicas} == node_ids
         assert not replicas.replicas[1].llm.kv_address.startswith(("0.0.0.0", "127."))

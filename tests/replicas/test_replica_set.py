@@ -11,11 +11,11 @@ import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.transport import EngineDeadError
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.sampling_params import SamplingParams
-from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -32,11 +32,16 @@ class _EngineThatDies(LLMEngine):
         return super().step()
 
 
-def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # type: ignore[assignment]
-          **options: object) -> ReplicaSet:
+def start(
+    llama_dir: Path,
+    dying: set[int] = frozenset(),
+    dies_at: int = 1,  # type: ignore[assignment]
+    **options: object,
+) -> ReplicaSet:
     """`options`: EngineConfig and DeploymentConfig fields."""
-    deployment = DeploymentConfig(**{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig)
-                                     if f.name in options})
+    deployment = DeploymentConfig(
+        **{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig) if f.name in options}
+    )
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, **options)
 
     def dying_engine(config: EngineConfig) -> LLMEngine:
@@ -45,8 +50,7 @@ def start(llama_dir: Path, dying: set[int] = frozenset(), dies_at: int = 1,  # t
         return engine
 
     def starter(index: int, config: EngineConfig) -> AsyncLLM:
-        return AsyncLLM(config, transport="thread",
-                        engine_factory=dying_engine if index in dying else None)
+        return AsyncLLM(config, transport="thread", engine_factory=dying_engine if index in dying else None)
 
     return ReplicaSet.start(config, deployment, starter)
 
@@ -70,11 +74,14 @@ def assert_idle(replicas: ReplicaSet) -> None:
 
 def test_pools_route_by_rules_and_fall_back_when_a_pool_is_empty(llama_dir: Path, tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
-    rules.write_text("default: chat\nrules:\n  - {pool: long, min_prompt_tokens: 40}\n"
-                     "  - {pool: long, tenants: [batch-jobs]}\n")
-    replicas = start(llama_dir, data_parallel_size=3, replica_pools="chat=2,long=1",
-                     route_rules=str(rules), router="round_robin")
+    rules.write_text(
+        "default: chat\nrules:\n  - {pool: long, min_prompt_tokens: 40}\n  - {pool: long, tenants: [batch-jobs]}\n"
+    )
+    replicas = start(
+        llama_dir, data_parallel_size=3, replica_pools="chat=2,long=1", route_rules=str(rules), router="round_robin"
+    )
     try:
+
         async def scenario() -> None:
             await asyncio.gather(*(generate(replicas, f"short-{i}", [5 + i] * 10) for i in range(4)))
             assert [r.num_routed for r in replicas.replicas] == [2, 2, 0]
@@ -103,12 +110,15 @@ def test_requests_move_off_a_replica_that_dies_before_they_start(llama_dir: Path
     """Dying at its first step, the replica never accepted anything: all 3 requests sent there
     move. Dying at its second step (one request running at a time), the one that had started
     fails and the 2 accepted but waiting move."""
-    replicas = start(llama_dir, dying={1}, dies_at=dies_at, data_parallel_size=2,
-                     router="round_robin", max_num_seqs=1, restart=False)
+    replicas = start(
+        llama_dir, dying={1}, dies_at=dies_at, data_parallel_size=2, router="round_robin", max_num_seqs=1, restart=False
+    )
     try:
+
         async def scenario() -> list[list[int] | BaseException]:
-            return await asyncio.gather(*(generate(replicas, f"r{i}", [11 + i] * 20) for i in range(6)),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(generate(replicas, f"r{i}", [11 + i] * 20) for i in range(6)), return_exceptions=True
+            )
 
         outputs = asyncio.run(scenario())
         failed = [o for o in outputs if isinstance(o, BaseException)]
@@ -130,6 +140,7 @@ def test_requests_move_off_a_replica_that_dies_before_they_start(llama_dir: Path
 def test_aborted_requests_pay_back_their_load(llama_dir: Path) -> None:
     replicas = start(llama_dir, data_parallel_size=2)
     try:
+
         async def scenario() -> None:
             params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             streams = [await replicas.add_request(EngineRequest(f"a{i}", [3 + i] * 30, params)) for i in range(4)]
@@ -151,28 +162,34 @@ def test_aborted_requests_pay_back_their_load(llama_dir: Path) -> None:
 
 def test_adapters_load_on_every_replica_and_route_apart_from_the_base(llama_dir: Path, tmp_path: Path) -> None:
     from lora_factory import build_adapter
-
     from pagoda.engine.llm import LLM
     from pagoda.lora_request import LoRARequest
 
     adapter = LoRARequest("sql", 1, str(build_adapter(llama_dir, tmp_path / "sql", rank=4)))
     prompt = [11, 12, 13, 14] * 4
-    expected = LLM(str(llama_dir), num_threads=1, num_kv_blocks=64, enable_lora=True).generate(
-        [prompt], GREEDY, lora_request=adapter)[0].outputs[0].token_ids
+    expected = (
+        LLM(str(llama_dir), num_threads=1, num_kv_blocks=64, enable_lora=True)
+        .generate([prompt], GREEDY, lora_request=adapter)[0]
+        .outputs[0]
+        .token_ids
+    )
     replicas = start(llama_dir, data_parallel_size=2, router="cache_aware", enable_lora=True)
     try:
+
         async def scenario() -> None:
             await replicas.add_lora(adapter)
             assert all(r.llm.lora_names == ["sql"] for r in replicas.replicas)
             for replica in replicas.replicas:  # every replica serves the adapter alike
-                stream = await replica.llm.add_request(EngineRequest(f"on-{replica.index}", prompt, GREEDY,
-                                                                     lora_request=adapter))
+                stream = await replica.llm.add_request(
+                    EngineRequest(f"on-{replica.index}", prompt, GREEDY, lora_request=adapter)
+                )
                 tokens = [t async for delta in stream for s in delta.outputs for t in s.token_ids]
                 assert tokens == list(expected)
             stream = await replicas.add_request(EngineRequest("routed", prompt, GREEDY, lora_request=adapter))
             assert [t async for delta in stream for s in delta.outputs for t in s.token_ids] == list(expected)
-            generated = [o async for o in replicas.generate(EngineRequest("generated", prompt, GREEDY,
-                                                                          lora_request=adapter))]
+            generated = [
+                o async for o in replicas.generate(EngineRequest("generated", prompt, GREEDY, lora_request=adapter))
+            ]
             assert generated[-1].outputs[0].token_ids == list(expected)
             base = await generate(replicas, "base", prompt)
             assert base != list(expected)  # the adapter changed the output: it was applied

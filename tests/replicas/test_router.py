@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.replicas.policies import (CacheAware, LeastLoad, ReplicaLoad, RoundRobin, RouteRequest,
-                                     make_policy)
+from pagoda.replicas.policies import CacheAware, LeastLoad, ReplicaLoad, RoundRobin, RouteRequest, make_policy
 from pagoda.replicas.prefix_tree import PrefixTree, prefix_block_hashes
 
 BLOCK = 4
@@ -94,7 +93,10 @@ def test_forgotten_replica_loses_its_prefixes() -> None:
 
 
 def test_make_policy_names() -> None:
-    assert [make_policy(n).name for n in ("round_robin", "least_load", "cache_aware")] == \
-        ["round_robin", "least_load", "cache_aware"]
+    assert [make_policy(n).name for n in ("round_robin", "least_load", "cache_aware")] == [
+        "round_robin",
+        "least_load",
+        "cache_aware",
+    ]
     with pytest.raises(ValueError, match="router must be one of"):
         make_policy("random")

@@ -10,12 +10,14 @@ import pytest
 from pagoda.config import DeploymentConfig
 from pagoda.replicas.scale_decider import ScaleDecider, ScalingRules, SetLoad
 
-RULES = ScalingRules(min_replicas=1, max_replicas=3, up_queue_depth=2, up_kv_usage=0.9, up_window=10,
-                     down_kv_usage=0.3, down_window=60)
+RULES = ScalingRules(
+    min_replicas=1, max_replicas=3, up_queue_depth=2, up_kv_usage=0.9, up_window=10, down_kv_usage=0.3, down_window=60
+)
 
 
-def load(serving: int, waiting: int = 0, used_blocks: int = 0, *, changing: bool = False,
-         blocks_per_replica: int = 100) -> SetLoad:
+def load(
+    serving: int, waiting: int = 0, used_blocks: int = 0, *, changing: bool = False, blocks_per_replica: int = 100
+) -> SetLoad:
     total = blocks_per_replica * serving
     return SetLoad(serving, changing, waiting, total, total - used_blocks)
 
@@ -36,7 +38,9 @@ def test_a_queue_held_for_the_window_adds_one_replica_and_the_window_starts_agai
     decider = ScaleDecider(RULES)
     decisions = run(decider, load(1, waiting=2), 0, 25)
     assert [(t, d.direction, d.reason, d.replicas, d.desired) for t, d in decisions] == [
-        (10, "up", "queue_depth", 1, 2), (21, "up", "queue_depth", 1, 2)]
+        (10, "up", "queue_depth", 1, 2),
+        (21, "up", "queue_depth", 1, 2),
+    ]
     assert "2 requests waiting per replica" in decisions[0][1].describe()
 
 

@@ -8,20 +8,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from pagoda.config import DeploymentConfig, EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.transport import EngineDeadError
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.supervised_engine import SupervisedEngine
 from pagoda.replicas.supervisor import MAX_BACKOFF_S, EngineKeeper, EngineSupervisor, RestartPolicy
 from pagoda.sampling_params import SamplingParams
-from pagoda.engine.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FAST = {"replica_restart_backoff": 0.01}
@@ -53,8 +54,11 @@ def engine_config(llama_dir: Path, **options: Any) -> EngineConfig:
 
 def start_set(llama_dir: Path, dying: Callable[[EngineConfig], LLMEngine], **options: Any) -> ReplicaSet:
     """Two replicas on threads, round robin; replica 1's engines come from `dying`."""
-    deployment = DeploymentConfig(**{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig)
-                                     if f.name in options}, data_parallel_size=2, router="round_robin")
+    deployment = DeploymentConfig(
+        **{f.name: options.pop(f.name) for f in dataclasses.fields(DeploymentConfig) if f.name in options},
+        data_parallel_size=2,
+        router="round_robin",
+    )
 
     def starter(index: int, config: EngineConfig) -> AsyncLLM:
         return AsyncLLM(config, transport="thread", engine_factory=dying if index == 1 else None)
@@ -88,11 +92,13 @@ def test_backoff_doubles_per_recent_restart_and_is_capped() -> None:
     assert policy.delay(30) == MAX_BACKOFF_S
     assert RestartPolicy(backoff=2 * MAX_BACKOFF_S).delay(3) == 2 * MAX_BACKOFF_S
     assert RestartPolicy.of(DeploymentConfig(restart=False, max_replica_restarts=2)) == RestartPolicy(
-        enabled=False, max_restarts=2)
+        enabled=False, max_restarts=2
+    )
 
 
-@pytest.mark.parametrize("field, value", [("max_replica_restarts", -1), ("replica_restart_window", 0),
-                                          ("replica_restart_backoff", -0.5)])
+@pytest.mark.parametrize(
+    "field, value", [("max_replica_restarts", -1), ("replica_restart_window", 0), ("replica_restart_backoff", -0.5)]
+)
 def test_restart_settings_are_checked(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         DeploymentConfig(**{field: value})
@@ -106,12 +112,13 @@ def test_a_dead_replica_is_restarted_and_rejoins_the_router(llama_dir: Path) -> 
         outputs = generate_all(replicas, "r", [[5 + i] * 10 for i in range(2)])
         assert all(len(tokens) == GREEDY.max_tokens for tokens in outputs)
         assert replicas.replicas[1].num_moved_away == 1
-        wait_for(lambda: replicas.replicas[1].llm is not first and replicas.replicas[1].is_alive,
-                 "replica 1 restarted")
+        wait_for(lambda: replicas.replicas[1].llm is not first and replicas.replicas[1].is_alive, "replica 1 restarted")
         health = replicas.health()
         assert health["status"] == "ok"
-        assert [(r["replica"], r["status"], r["restarts"]) for r in health["replicas"]] == [("0", "ok", 0),
-                                                                                          ("1", "ok", 1)]
+        assert [(r["replica"], r["status"], r["restarts"]) for r in health["replicas"]] == [
+            ("0", "ok", 0),
+            ("1", "ok", 1),
+        ]
         assert first.error is not None and not first.is_alive
         # Back in rotation: round robin reaches it again.
         routed = replicas.replicas[1].num_routed
@@ -149,7 +156,6 @@ def test_past_the_budget_a_replica_stays_down_with_the_reason(llama_dir: Path) -
 
 def test_runtime_adapters_are_loaded_again_on_a_restarted_replica(llama_dir: Path, tmp_path: Path) -> None:
     from lora_factory import build_adapter
-
     from pagoda.lora_request import LoRARequest
 
     adapter = LoRARequest("sql", 1, str(build_adapter(llama_dir, tmp_path / "sql", rank=4)))
@@ -158,8 +164,7 @@ def test_runtime_adapters_are_loaded_again_on_a_restarted_replica(llama_dir: Pat
         asyncio.run(replicas.add_lora(adapter))
         first = replicas.replicas[1].llm
         generate_all(replicas, "r", [[5 + i] * 10 for i in range(2)])
-        wait_for(lambda: replicas.replicas[1].llm is not first and replicas.replicas[1].is_alive,
-                 "replica 1 restarted")
+        wait_for(lambda: replicas.replicas[1].llm is not first and replicas.replicas[1].is_alive, "replica 1 restarted")
         assert replicas.replicas[1].llm.lora_names == ["sql"]
     finally:
         replicas.shutdown()
@@ -172,8 +177,9 @@ def test_a_single_engine_is_restarted_and_a_deliberate_shutdown_is_not(llama_dir
     def start(config: EngineConfig) -> AsyncLLM:
         return AsyncLLM(config, transport="thread", engine_factory=factory)
 
-    engine = SupervisedEngine(EngineSupervisor(EngineKeeper(lambda: start(config), "test-engine"), start, "0",
-                                               RestartPolicy(backoff=0.2)))
+    engine = SupervisedEngine(
+        EngineSupervisor(EngineKeeper(lambda: start(config), "test-engine"), start, "0", RestartPolicy(backoff=0.2))
+    )
     try:
         first = engine.supervisor.llm
         with pytest.raises(EngineDeadError):
@@ -181,8 +187,12 @@ def test_a_single_engine_is_restarted_and_a_deliberate_shutdown_is_not(llama_dir
         assert not engine.is_alive and engine.health()["status"] in ("restarting", "ok")
         wait_for(lambda: engine.is_alive, "the engine restarted")
         assert engine.supervisor.llm is not first
-        assert engine.health() == {"pid": engine.supervisor.llm.engine_pid, "alive": True, "status": "ok",
-                                   "restarts": 1}
+        assert engine.health() == {
+            "pid": engine.supervisor.llm.engine_pid,
+            "alive": True,
+            "status": "ok",
+            "restarts": 1,
+        }
         assert len(asyncio.run(generate(engine, "served", [5] * 8))) == GREEDY.max_tokens
         engine.supervisor.llm.shutdown()  # on purpose: not a death
         time.sleep(0.3)
@@ -201,8 +211,11 @@ def test_a_restart_that_cannot_start_counts_against_the_budget(llama_dir: Path) 
             raise RuntimeError("the engine failed to start") from OSError("model files gone")
         return AsyncLLM(config, transport="thread", engine_factory=dying_starts(1))
 
-    engine = SupervisedEngine(EngineSupervisor(EngineKeeper(lambda: start(config), "test-engine"), start, "0",
-                                               RestartPolicy(backoff=0.01, max_restarts=2)))
+    engine = SupervisedEngine(
+        EngineSupervisor(
+            EngineKeeper(lambda: start(config), "test-engine"), start, "0", RestartPolicy(backoff=0.01, max_restarts=2)
+        )
+    )
     try:
         with pytest.raises(EngineDeadError):
             asyncio.run(generate(engine, "dies", [5] * 8))

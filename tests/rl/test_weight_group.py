@@ -21,9 +21,16 @@ def test_announcements_parse_or_say_what_is_wrong() -> None:
         TensorMeta.of("ids", torch.zeros(3, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(rank_offset=0), "rank_offset"), (dict(world_size=1), "rank_offset"), (dict(backend="mpi"), "backend"),
-    (dict(master_port=0), "master_port"), (dict(timeout_s=0), "timeout_s")])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(rank_offset=0), "rank_offset"),
+        (dict(world_size=1), "rank_offset"),
+        (dict(backend="mpi"), "backend"),
+        (dict(master_port=0), "master_port"),
+        (dict(timeout_s=0), "timeout_s"),
+    ],
+)
 def test_a_group_spec_is_checked_before_joining(fields: dict, message: str) -> None:
     spec = dict(master_address="127.0.0.1", master_port=29555, rank_offset=1, world_size=2) | fields
     with pytest.raises(ValueError, match=message):

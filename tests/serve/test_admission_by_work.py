@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -31,16 +32,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[LiveServer]:
-    live = start_server(model_dir, engine={"max_num_seqs": 4}, tenants=TenantRegistry(TENANTS),
-                        max_queued_requests=16)
+    live = start_server(model_dir, engine={"max_num_seqs": 4}, tenants=TenantRegistry(TENANTS), max_queued_requests=16)
     yield live
     live.stop()
 
 
 def post(server: LiveServer, key: str, timeout: float = 60, **body: Any) -> httpx.Response:
     payload = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, **body}
-    return httpx.post(server.base_url + "/completions", json=payload, timeout=timeout,
-                      headers={"Authorization": f"Bearer {key}"})
+    return httpx.post(
+        server.base_url + "/completions", json=payload, timeout=timeout, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
@@ -70,8 +71,9 @@ def test_samples_of_n_count_against_max_num_seqs(server: LiveServer) -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        response = post(server, "key-open", prompt=["one", "two two", "three three three"], n=4,
-                        max_tokens=48, ignore_eos=True)
+        response = post(
+            server, "key-open", prompt=["one", "two two", "three three three"], n=4, max_tokens=48, ignore_eos=True
+        )
     finally:
         done.set()
         watcher.join()
@@ -82,10 +84,8 @@ def test_samples_of_n_count_against_max_num_seqs(server: LiveServer) -> None:
     server.wait_idle()
 
 
-def test_seeded_samples_are_the_same_whatever_max_num_seqs(server: LiveServer,
-                                                           model_dir) -> None:
-    body = {"prompt": ["alpha", "beta"], "n": 4, "max_tokens": 8, "seed": 7,
-            "temperature": 1.0, "ignore_eos": True}
+def test_seeded_samples_are_the_same_whatever_max_num_seqs(server: LiveServer, model_dir) -> None:
+    body = {"prompt": ["alpha", "beta"], "n": 4, "max_tokens": 8, "seed": 7, "temperature": 1.0, "ignore_eos": True}
     texts = [c["text"] for c in post(server, "key-open", **body).json()["choices"]]
     roomy = start_server(model_dir, engine={"max_num_seqs": 16})
     try:
@@ -112,8 +112,7 @@ def test_tenant_concurrency_cap_counts_sequences(model_dir) -> None:
 def test_token_quota_is_reserved_at_admission_and_settled_at_the_end(server: LiveServer) -> None:
     key = "key-quota"  # 1000 tokens per minute
     long_body = {"prompt": "hello", "max_tokens": 450, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, timeout=60,
-                      headers={"Authorization": f"Bearer {key}"}) as client:
+    with httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
         with client.stream("POST", "/completions", json={"model": MODEL_NAME, **long_body}) as first:
             assert first.status_code == 200
             lines = first.iter_lines()  # (kept: a dropped iterator closes the stream)
@@ -149,8 +148,7 @@ def test_what_can_never_fit_is_a_400_with_the_allowance(server: LiveServer) -> N
     wait_released(server, "key-small-quota")
 
 
-def test_a_full_queue_refuses_before_tokenizing(server: LiveServer,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_queue_refuses_before_tokenizing(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = server.app.state.ctx
     tokenizer = ctx.llm.tokenizer
     encoded: list[str] = []
@@ -175,5 +173,4 @@ def test_a_full_queue_refuses_before_tokenizing(server: LiveServer,
     assert post(server, "key-open", prompt="admitted").status_code == 200
     assert "admitted" in encoded
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'pagoda:request_refusal_seconds_count{model_name="tiny-llama",reason="overloaded"} 5.0' \
-        in metrics
+    assert 'pagoda:request_refusal_seconds_count{model_name="tiny-llama",reason="overloaded"} 5.0' in metrics

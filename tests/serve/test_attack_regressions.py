@@ -42,18 +42,23 @@ class Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("constraint, field", [
-    ({"regex": "x{1000000}"}, "structured_outputs.regex"),
-    ({"choice": [f"option-{i}" for i in range(50000)]}, "structured_outputs.choice"),
-])
+@pytest.mark.parametrize(
+    "constraint, field",
+    [
+        ({"regex": "x{1000000}"}, "structured_outputs.regex"),
+        ({"choice": [f"option-{i}" for i in range(50000)]}, "structured_outputs.choice"),
+    ],
+)
 def test_a_grammar_that_cannot_be_honoured_is_a_400_naming_its_field_and_stays_out_of_the_log(
-        server: LiveServer, constraint: dict, field: str) -> None:
+    server: LiveServer, constraint: dict, field: str
+) -> None:
     records = Records()
     logging.getLogger().addHandler(records)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            response = post(client, "/v1/completions", {"prompt": "hello", "max_tokens": 8,
-                                                        "structured_outputs": constraint})
+            response = post(
+                client, "/v1/completions", {"prompt": "hello", "max_tokens": 8, "structured_outputs": constraint}
+            )
     finally:
         logging.getLogger().removeHandler(records)
     assert response.status_code == 400, response.text
@@ -65,8 +70,9 @@ def test_a_grammar_that_cannot_be_honoured_is_a_400_naming_its_field_and_stays_o
 @pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
 def test_an_infinite_sampling_value_is_refused(server: LiveServer, name: str) -> None:
     body = ('{"model": "%s", "prompt": "hello", "max_tokens": 1, "%s": 1e400}' % (MODEL_NAME, name)).encode()
-    response = httpx.post(server.url + "/v1/completions", content=body,
-                          headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == name
 
@@ -74,20 +80,27 @@ def test_an_infinite_sampling_value_is_refused(server: LiveServer, name: str) ->
 def test_json_nested_too_deeply_says_so(server: LiveServer) -> None:
     depth = 300
     body = '{"model": "%s", "prompt": "hi", "max_tokens": 1, "user": %s}' % (MODEL_NAME, "[" * depth + "]" * depth)
-    response = httpx.post(server.url + "/v1/completions", content=body.encode(),
-                          headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        server.url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert response.status_code == 400
     assert "nested too deeply" in response.json()["error"]["message"]
 
 
 def test_stop_strings_are_bounded_in_total(server: LiveServer) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        heavy = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
-                                                 "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)]})
+        heavy = post(
+            client,
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 1, "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)]},
+        )
         assert heavy.status_code == 400 and heavy.json()["error"]["param"] == "stop"
         assert "together" in heavy.json()["error"]["message"]
-        light = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
-                                                 "stop": [f"{i:02d}" + "y" * 60 for i in range(64)]})
+        light = post(
+            client,
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 1, "stop": [f"{i:02d}" + "y" * 60 for i in range(64)]},
+        )
         assert light.status_code == 200, light.text
 
 

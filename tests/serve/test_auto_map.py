@@ -25,8 +25,11 @@ class EvilTokenizer(PreTrainedTokenizerFast):
 def plant(model_dir: Path, marker: Path) -> None:
     (model_dir / "evil.py").write_text(CODE.format(marker=str(marker)))
     config = json.loads((model_dir / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel",
-                          "AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}
+    config["auto_map"] = {
+        "AutoConfig": "evil.EvilConfig",
+        "AutoModelForCausalLM": "evil.EvilModel",
+        "AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"],
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     tokenizer_config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}
@@ -39,8 +42,9 @@ def test_auto_map_code_never_runs(tmp_path: Path) -> None:
     plant(model_dir, marker)
     server = start_server(model_dir)
     try:
-        response = httpx.post(server.url + "/v1/completions", timeout=60,
-                              json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
+        response = httpx.post(
+            server.url + "/v1/completions", timeout=60, json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}
+        )
         assert response.status_code == 200, response.text
     finally:
         server.stop()

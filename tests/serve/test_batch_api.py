@@ -15,15 +15,19 @@ import pytest
 from pagoda.serve.admission.tenants import Tenant, TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
-CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-        "temperature": 0}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     tenants = TenantRegistry({"key-a": Tenant("a"), "key-b": Tenant("b")})
-    live = start_server(build_tiny_model(tmp_path_factory.mktemp("model")), tenants=tenants,
-                        batch_concurrency=2, batch_max_file_bytes=64 * 1024, batch_max_tenant_bytes=256 * 1024)
+    live = start_server(
+        build_tiny_model(tmp_path_factory.mktemp("model")),
+        tenants=tenants,
+        batch_concurrency=2,
+        batch_max_file_bytes=64 * 1024,
+        batch_max_tenant_bytes=256 * 1024,
+    )
     yield live
     live.stop()
 
@@ -50,15 +54,20 @@ def wait_done(sdk: openai.OpenAI, batch_id: str, timeout: float = 30) -> object:
 
 
 def test_the_sdk_batch_example_runs_unchanged(server: LiveServer, tmp_path: Path) -> None:
-    requests = [line(f"request-{i}", {**CHAT, "messages": [{"role": "user", "content": f"count {i}"}]})
-                for i in range(3)]
+    requests = [
+        line(f"request-{i}", {**CHAT, "messages": [{"role": "user", "content": f"count {i}"}]}) for i in range(3)
+    ]
     path = tmp_path / "batch.jsonl"
     path.write_bytes(jsonl(requests))
     sdk = client(server)
     batch_input_file = sdk.files.create(file=open(path, "rb"), purpose="batch")
     assert batch_input_file.purpose == "batch" and batch_input_file.bytes == path.stat().st_size
-    batch = sdk.batches.create(input_file_id=batch_input_file.id, endpoint="/v1/chat/completions",
-                               completion_window="24h", metadata={"description": "nightly eval job"})
+    batch = sdk.batches.create(
+        input_file_id=batch_input_file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"description": "nightly eval job"},
+    )
     assert batch.status == "validating" and batch.metadata == {"description": "nightly eval job"}
     batch = wait_done(sdk, batch.id)
     assert batch.status == "completed", batch
@@ -66,8 +75,9 @@ def test_the_sdk_batch_example_runs_unchanged(server: LiveServer, tmp_path: Path
     assert batch.error_file_id is None and batch.completed_at >= batch.in_progress_at >= batch.created_at
     records = [json.loads(text) for text in sdk.files.content(batch.output_file_id).text.splitlines()]
     assert [r["custom_id"] for r in records] == ["request-0", "request-1", "request-2"]
-    online = httpx.post(server.base_url + "/chat/completions", json=requests[1]["body"],
-                        headers={"Authorization": "Bearer key-a"}).json()
+    online = httpx.post(
+        server.base_url + "/chat/completions", json=requests[1]["body"], headers={"Authorization": "Bearer key-a"}
+    ).json()
     record = records[1]
     assert record["id"].startswith("batch_req_") and record["error"] is None
     response = record["response"]
@@ -81,12 +91,17 @@ def test_the_sdk_batch_example_runs_unchanged(server: LiveServer, tmp_path: Path
 
 def test_failed_lines_go_to_the_error_file(server: LiveServer) -> None:
     sdk = client(server)
-    content = jsonl([line("good", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}, "/v1/completions"),
-                     line("bad", {"model": "no-such-model", "prompt": "hi"}, "/v1/completions"),
-                     line("worse", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1}, "/v1/completions")])
+    content = jsonl(
+        [
+            line("good", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}, "/v1/completions"),
+            line("bad", {"model": "no-such-model", "prompt": "hi"}, "/v1/completions"),
+            line("worse", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1}, "/v1/completions"),
+        ]
+    )
     file = sdk.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
-    batch = wait_done(sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                                              completion_window="24h").id)
+    batch = wait_done(
+        sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
+    )
     assert batch.status == "completed"
     assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
     [good] = [json.loads(t) for t in sdk.files.content(batch.output_file_id).text.splitlines()]
@@ -101,8 +116,9 @@ def test_embeddings_batch(server: LiveServer) -> None:
     sdk = client(server)
     content = jsonl([line("e", {"model": MODEL_NAME, "input": "hello"}, "/v1/embeddings")])
     file = sdk.files.create(file=("e.jsonl", io.BytesIO(content)), purpose="batch")
-    batch = wait_done(sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
-                                              completion_window="24h").id)
+    batch = wait_done(
+        sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h").id
+    )
     [record] = [json.loads(t) for t in sdk.files.content(batch.output_file_id).text.splitlines()]
     assert record["response"]["body"]["data"][0]["object"] == "embedding"
 
@@ -111,11 +127,15 @@ def test_a_malformed_input_file_fails_the_batch(server: LiveServer) -> None:
     sdk = client(server)
     content = jsonl([line("a", CHAT), line("a", CHAT), line("b", CHAT, "/v1/completions")]) + b"not json\n"
     file = sdk.files.create(file=("bad.jsonl", io.BytesIO(content)), purpose="batch")
-    batch = wait_done(sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                              completion_window="24h").id)
+    batch = wait_done(
+        sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h").id
+    )
     assert batch.status == "failed" and batch.failed_at is not None
     assert [(e.code, e.line) for e in batch.errors.data] == [
-        ("duplicate_custom_id", 2), ("mismatched_endpoint", 3), ("invalid_json_line", 4)]
+        ("duplicate_custom_id", 2),
+        ("mismatched_endpoint", 3),
+        ("invalid_json_line", 4),
+    ]
 
 
 def test_files_and_batches_are_per_tenant(server: LiveServer) -> None:
@@ -124,11 +144,14 @@ def test_files_and_batches_are_per_tenant(server: LiveServer) -> None:
     batch = a.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert file.id not in [f.id for f in b.files.list()]
     assert batch.id not in [x.id for x in b.batches.list()]
-    for call in (lambda: b.files.retrieve(file.id), lambda: b.files.content(file.id),
-                 lambda: b.files.delete(file.id), lambda: b.batches.retrieve(batch.id),
-                 lambda: b.batches.cancel(batch.id),
-                 lambda: b.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                          completion_window="24h")):
+    for call in (
+        lambda: b.files.retrieve(file.id),
+        lambda: b.files.content(file.id),
+        lambda: b.files.delete(file.id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert a.files.delete(file.id).deleted
@@ -159,8 +182,9 @@ def test_uploads_are_capped(server: LiveServer) -> None:
 def test_cancel_keeps_what_finished(server: LiveServer) -> None:
     sdk = client(server)
     long = {**CHAT, "max_tokens": 64, "ignore_eos": True}
-    file = sdk.files.create(file=("c.jsonl", io.BytesIO(jsonl([line(f"c{i}", long) for i in range(40)]))),
-                            purpose="batch")
+    file = sdk.files.create(
+        file=("c.jsonl", io.BytesIO(jsonl([line(f"c{i}", long) for i in range(40)]))), purpose="batch"
+    )
     batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 30
     while sdk.batches.retrieve(batch.id).request_counts.completed < 1 and time.monotonic() < deadline:
@@ -177,7 +201,8 @@ def test_cancel_keeps_what_finished(server: LiveServer) -> None:
 
 
 def test_batch_lines_wait_for_online_requests_and_run_at_the_lowest_priority(
-        server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pagoda.serve.batches.runner import BATCH_PRIORITY
 
     priorities: list[int] = []
@@ -206,10 +231,12 @@ def test_batch_lines_wait_for_online_requests_and_run_at_the_lowest_priority(
 def test_lines_not_run_within_the_completion_window_expire(server: LiveServer) -> None:
     sdk = client(server)
     long = {**CHAT, "max_tokens": 64, "ignore_eos": True}
-    file = sdk.files.create(file=("x.jsonl", io.BytesIO(jsonl([line(f"x{i}", long) for i in range(60)]))),
-                            purpose="batch")
-    batch = wait_done(sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                              completion_window="1s").id)
+    file = sdk.files.create(
+        file=("x.jsonl", io.BytesIO(jsonl([line(f"x{i}", long) for i in range(60)]))), purpose="batch"
+    )
+    batch = wait_done(
+        sdk, sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="1s").id
+    )
     assert batch.status == "expired" and batch.expired_at is not None
     counts = batch.request_counts
     assert counts.total == 60 and counts.completed + counts.failed == 60 and counts.failed >= 1
@@ -227,8 +254,9 @@ def test_batch_priority_is_the_lowest_rank_the_key_may_ask_for() -> None:
     assert batch_priority(Tenant("t", TenantLimits(priority=2 * BATCH_PRIORITY))) == 2 * BATCH_PRIORITY
 
 
-def test_serve_keeps_batches_under_the_state_directory_by_default(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_serve_keeps_batches_under_the_state_directory_by_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from pagoda.serve.settings import ServerSettings
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))

@@ -32,23 +32,34 @@ def wait_for(condition, timeout: float = 60):  # type: ignore[no-untyped-def]
 
 def stored_results(store: Path) -> dict[str, dict]:
     with sqlite3.connect(store) as db:
-        return {json.loads(record)["custom_id"]: json.loads(record)
-                for (record,) in db.execute("SELECT record FROM results")}
+        return {
+            json.loads(record)["custom_id"]: json.loads(record)
+            for (record,) in db.execute("SELECT record FROM results")
+        }
 
 
 def test_a_killed_server_resumes_its_batch_where_it_stopped(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model")
     store = tmp_path / "state" / "batches.sqlite"
-    flags = ("--batch-store", str(store), "--batch-concurrency", "1", "--engine-transport", "thread",
-             "--num-kv-blocks", "64")
+    flags = (
+        "--batch-store",
+        str(store),
+        "--batch-concurrency",
+        "1",
+        "--engine-transport",
+        "thread",
+        "--num-kv-blocks",
+        "64",
+    )
     port = free_port()
     process = start_serve_process(model, port, *flags)
     try:
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
-        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 32, "ignore_eos": True,
-                "temperature": 0}
-        content = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                                      "body": body}) + "\n" for i in range(LINES)).encode()
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+        content = "".join(
+            json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+            for i in range(LINES)
+        ).encode()
         file = sdk.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
         batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 3)

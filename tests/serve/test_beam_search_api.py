@@ -5,8 +5,9 @@ sequences; what beam search cannot do is a 400 in OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -38,13 +39,16 @@ def offline(model_dir: Path) -> LLM:
 
 
 def post(server: LiveServer, path: str, key: str = "key-open", **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body}, timeout=60,
-                      headers={"Authorization": f"Bearer {key}"})
+    return httpx.post(
+        server.base_url + path,
+        json={"model": MODEL_NAME, **body},
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+    )
 
 
 def beams_body(**fields: Any) -> dict[str, Any]:
-    return {"prompt": PROMPT, "use_beam_search": True, "max_tokens": 8, "return_token_ids": True,
-            **fields}
+    return {"prompt": PROMPT, "use_beam_search": True, "max_tokens": 8, "return_token_ids": True, **fields}
 
 
 def test_completions_answer_the_n_best_beams_ordered_by_score(server: LiveServer, offline: LLM) -> None:
@@ -73,8 +77,13 @@ def test_best_of_is_the_width_and_n_the_beams_returned(server: LiveServer) -> No
 def test_streamed_beams_arrive_once_ranked(server: LiveServer) -> None:
     whole = post(server, "/completions", **beams_body(n=2)).json()["choices"]
     texts = {0: "", 1: ""}
-    with httpx.stream("POST", server.base_url + "/completions", timeout=60, headers={"Authorization": "Bearer key-open"},
-                      json={"model": MODEL_NAME, "stream": True, **beams_body(n=2)}) as response:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/completions",
+        timeout=60,
+        headers={"Authorization": "Bearer key-open"},
+        json={"model": MODEL_NAME, "stream": True, **beams_body(n=2)},
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -84,8 +93,15 @@ def test_streamed_beams_arrive_once_ranked(server: LiveServer) -> None:
 
 
 def test_chat_beams(server: LiveServer) -> None:
-    response = post(server, "/chat/completions", messages=[{"role": "user", "content": "Hi"}],
-                    use_beam_search=True, n=2, max_tokens=6, early_stopping=True)
+    response = post(
+        server,
+        "/chat/completions",
+        messages=[{"role": "user", "content": "Hi"}],
+        use_beam_search=True,
+        n=2,
+        max_tokens=6,
+        early_stopping=True,
+    )
     assert response.status_code == 200, response.text
     assert [c["index"] for c in response.json()["choices"]] == [0, 1]
 
@@ -103,14 +119,17 @@ def test_a_beam_request_over_the_tenant_cap_is_refused(server: LiveServer) -> No
     assert post(server, "/completions", key="key-capped", **beams_body(n=2, best_of=4)).status_code == 200
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"n": 17}, "n"),
-    ({"n": 2, "best_of": 1}, "best_of"),
-    ({"stop": ["\n"]}, "stop"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"response_format": {"type": "json_object"}}, "structured_outputs"),
-    ({"echo": True, "logprobs": 1}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": 17}, "n"),
+        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"stop": ["\n"]}, "stop"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "structured_outputs"),
+        ({"echo": True, "logprobs": 1}, "prompt_logprobs"),
+    ],
+)
 def test_what_beam_search_cannot_do_is_a_400(server: LiveServer, fields: dict[str, Any], param: str) -> None:
     response = post(server, "/completions", **beams_body(**fields))
     assert response.status_code == 400, response.text

@@ -4,7 +4,8 @@ the admin endpoints, and a rollback that leaves both models loaded and stable se
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -26,11 +27,13 @@ canary:
   stable: alpha
   candidate: beta
 """
-TENANTS = {"tenants": {
-    "acme": {"api_keys": ["sk-acme"]},
-    "other": {"api_keys": ["sk-other"]},
-    "ops": {"api_keys": ["sk-ops"], "admin": True},
-}}
+TENANTS = {
+    "tenants": {
+        "acme": {"api_keys": ["sk-acme"]},
+        "other": {"api_keys": ["sk-other"]},
+        "ops": {"api_keys": ["sk-ops"], "admin": True},
+    }
+}
 
 
 def canary_spec(extra: str) -> Any:
@@ -53,14 +56,23 @@ def controller(extra: str, clock: Clock | None = None) -> CanaryController:
 
 
 def record(model: str, status: int = 200, ttft: float = 0.01) -> RequestLogRecord:
-    return RequestLogRecord(request_id="r", endpoint="completions", model=model, status=status,
-                            output_tokens=8, ttft_s=ttft, e2e_s=ttft + 0.07)
+    return RequestLogRecord(
+        request_id="r",
+        endpoint="completions",
+        model=model,
+        status=status,
+        output_tokens=8,
+        ttft_s=ttft,
+        e2e_s=ttft + 0.07,
+    )
 
 
 def test_bad_canary_config_names_the_line() -> None:
-    for extra, message in (("weight: 1.5", ":8: weight must be a number from 0 to 1"),
-                           ("rules: {error_rat: 0.1}", ":8: the canary's rules: unknown key 'error_rat'"),
-                           ("shadow: {sample: 2}", ":8: shadow sample must be a number from 0 to 1")):
+    for extra, message in (
+        ("weight: 1.5", ":8: weight must be a number from 0 to 1"),
+        ("rules: {error_rat: 0.1}", ":8: the canary's rules: unknown key 'error_rat'"),
+        ("shadow: {sample: 2}", ":8: shadow sample must be a number from 0 to 1"),
+    ):
         with pytest.raises(ModelsFileError, match=message):
             canary_spec(extra)
     with pytest.raises(ModelsFileError, match=":7: the canary's candidate 'gamma' is not a model"):
@@ -122,23 +134,32 @@ def test_a_slow_candidate_breaks_the_ttft_rule() -> None:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("models")
     alpha_dir, beta_dir = build_model_dir(root / "alpha", seed=0), build_model_dir(root / "beta", seed=1)
-    spec = canary_spec("weight: 1\ntenants: [acme]\nmin_requests: 100\n"
-                       "shadow: {sample: 1, max_tokens: 8}\nrules: {output_mismatch_rate: 0}")
-    registry = ModelRegistry([ServedModel("alpha", engine(alpha_dir), str(alpha_dir)),
-                              ServedModel("beta", engine(beta_dir), str(beta_dir))], canary=spec)
+    spec = canary_spec(
+        "weight: 1\ntenants: [acme]\nmin_requests: 100\n"
+        "shadow: {sample: 1, max_tokens: 8}\nrules: {output_mismatch_rate: 0}"
+    )
+    registry = ModelRegistry(
+        [ServedModel("alpha", engine(alpha_dir), str(alpha_dir)), ServedModel("beta", engine(beta_dir), str(beta_dir))],
+        canary=spec,
+    )
     live = Served(registry, ServerSettings(tenants=TenantRegistry(parse_tenants(TENANTS))))
     yield live
     live.stop()
 
 
 def complete(url: str, key: str, model: str = "alpha") -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=TIMEOUT_S, headers={"authorization": f"Bearer {key}"},
-                      json={"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0})
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=TIMEOUT_S,
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+    )
 
 
 def admin(url: str, method: str, path: str, key: str = "sk-ops") -> httpx.Response:
-    return httpx.request(method, f"{url}/admin/canary{path}", timeout=TIMEOUT_S,
-                         headers={"authorization": f"Bearer {key}"})
+    return httpx.request(
+        method, f"{url}/admin/canary{path}", timeout=TIMEOUT_S, headers={"authorization": f"Bearer {key}"}
+    )
 
 
 def test_canary_requests_are_marked_in_the_header_body_and_provenance(served: Served) -> None:
@@ -148,8 +169,11 @@ def test_canary_requests_are_marked_in_the_header_body_and_provenance(served: Se
     assert answer.json()["model"] == "beta"
     record = admin(served.url, "GET", "").json()
     assert record["state"] == "running" and record["windows"]["beta"]["requests"] == 1
-    provenance = httpx.get(f"{served.url}/admin/provenance/{answer.headers['x-pagoda-provenance']}",
-                           headers={"authorization": "Bearer sk-ops"}, timeout=TIMEOUT_S).json()
+    provenance = httpx.get(
+        f"{served.url}/admin/provenance/{answer.headers['x-pagoda-provenance']}",
+        headers={"authorization": "Bearer sk-ops"},
+        timeout=TIMEOUT_S,
+    ).json()
     assert provenance["route"]["canary"] == "beta" and provenance["model"] == "beta"
 
 
@@ -179,10 +203,16 @@ def test_shadow_drift_rolls_back_with_both_models_loaded_and_stable_serving(serv
         assert answer.status_code == 200 and answer.headers["x-pagoda-route"] == "model:alpha"
     assert complete(served.url, "sk-acme", model="beta").json()["model"] == "beta"  # still loaded
     samples = metric_samples(served.url)
-    assert samples[("pagoda:canary_rollbacks_total", (("candidate", "beta"), ("rule", "output_mismatch_rate"),
-                                                      ("stable", "alpha")))] == 1
-    assert samples[("pagoda:canary_state", (("candidate", "beta"), ("stable", "alpha"),
-                                            ("state", "rolled_back")))] == 1
+    assert (
+        samples[
+            (
+                "pagoda:canary_rollbacks_total",
+                (("candidate", "beta"), ("rule", "output_mismatch_rate"), ("stable", "alpha")),
+            )
+        ]
+        == 1
+    )
+    assert samples[("pagoda:canary_state", (("candidate", "beta"), ("stable", "alpha"), ("state", "rolled_back")))] == 1
 
 
 def test_an_admin_promotes_and_rolls_back_by_hand(served: Served) -> None:

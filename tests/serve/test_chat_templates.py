@@ -14,12 +14,21 @@ from pagoda.serve.api.chat_template import load_chat_template
 from pagoda.serve.settings import ServerSettings
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
-TEMPLATE = ("{%- if tools %}[tools:{% for t in tools %}{{ t.function.name }}{% endfor %}]{% endif %}"
-            "{%- for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not continue_final_message %}"
-            "</{{ m.role }}>{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-WEATHER = {"name": "get_weather", "description": "the weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city"],
-    "properties": {"city": {"type": "string", "maxLength": 8}}}}
+TEMPLATE = (
+    "{%- if tools %}[tools:{% for t in tools %}{{ t.function.name }}{% endfor %}]{% endif %}"
+    "{%- for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not continue_final_message %}"
+    "</{{ m.role }}>{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER = {
+    "name": "get_weather",
+    "description": "the weather",
+    "parameters": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+    },
+}
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -63,13 +72,16 @@ def test_server_template_renders_and_prompt_endings(http: httpx.Client) -> None:
     assert rendered(http) == "<user>hi</user><assistant>"
     assert rendered(http, add_generation_prompt=False) == "<user>hi</user>"
     prefilled = [*HI, {"role": "assistant", "content": "The answer is"}]
-    assert rendered(http, messages=prefilled, continue_final_message=True) == \
-        "<user>hi</user><assistant>The answer is"
-    response = http.post("/v1/chat/completions", json={
-        "messages": prefilled, "continue_final_message": True, "max_tokens": 2, "temperature": 0})
+    assert rendered(http, messages=prefilled, continue_final_message=True) == "<user>hi</user><assistant>The answer is"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": prefilled, "continue_final_message": True, "max_tokens": 2, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
-    both = http.post("/v1/chat/completions", json={
-        "messages": prefilled, "continue_final_message": True, "add_generation_prompt": True, "max_tokens": 2})
+    both = http.post(
+        "/v1/chat/completions",
+        json={"messages": prefilled, "continue_final_message": True, "add_generation_prompt": True, "max_tokens": 2},
+    )
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
@@ -89,8 +101,13 @@ def test_request_template_needs_a_trusting_server(http: httpx.Client, model_dir:
 
 
 def test_functions_are_tools_answered_as_a_function_call(server: LiveServer, http: httpx.Client) -> None:
-    body = {"messages": HI, "functions": [WEATHER], "function_call": {"name": "get_weather"},
-            "max_tokens": 60, "temperature": 0}
+    body = {
+        "messages": HI,
+        "functions": [WEATHER],
+        "function_call": {"name": "get_weather"},
+        "max_tokens": 60,
+        "temperature": 0,
+    }
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
@@ -111,13 +128,16 @@ def test_functions_are_tools_answered_as_a_function_call(server: LiveServer, htt
     assert (name, json.loads(arguments), finish) == ("get_weather", json.loads(call["arguments"]), "function_call")
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"functions": [WEATHER], "tools": [{"type": "function", "function": WEATHER}]}, "functions"),
-    ({"functions": "get_weather"}, "functions"),
-    ({"functions": [WEATHER], "function_call": {"name": "other"}}, "function_call"),
-    ({"functions": [WEATHER], "function_call": "always"}, "function_call"),
-    ({"function_call": "auto"}, "function_call"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"functions": [WEATHER], "tools": [{"type": "function", "function": WEATHER}]}, "functions"),
+        ({"functions": "get_weather"}, "functions"),
+        ({"functions": [WEATHER], "function_call": {"name": "other"}}, "function_call"),
+        ({"functions": [WEATHER], "function_call": "always"}, "function_call"),
+        ({"function_call": "auto"}, "function_call"),
+    ],
+)
 def test_bad_function_requests(http: httpx.Client, fields: dict, param: str) -> None:
     response = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, **fields})
     assert response.status_code == 400, response.text

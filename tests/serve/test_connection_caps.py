@@ -26,7 +26,7 @@ def read_all(sock: socket.socket, timeout: float = 10) -> bytes:
     while True:
         try:
             chunk = sock.recv(65536)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             break
         if not chunk:
             break
@@ -54,8 +54,7 @@ def test_an_oversized_head_is_a_431_and_others_are_served(model_dir: Path, parse
         # A head just under the cap, and a body far larger than it, are fine.
         ok = httpx.get(live.url + "/health", headers={"X-Fits": "b" * 30000}, timeout=30)
         assert ok.status_code == 200
-        big_body = httpx.post(live.url + "/tokenize", json={"model": "tiny-llama", "prompt": "x " * 40000},
-                              timeout=60)
+        big_body = httpx.post(live.url + "/tokenize", json={"model": "tiny-llama", "prompt": "x " * 40000}, timeout=60)
         assert big_body.json()["error"]["code"] == "context_length_exceeded"  # read whole, then judged
     finally:
         live.stop()

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from pagoda.config import EngineConfig
-from pagoda.serve.observability.cost import ModelPrice, PriceTableError, load_price_table, parse_price_table
+from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.launch import built_settings
+from pagoda.serve.observability.cost import ModelPrice, PriceTableError, load_price_table, parse_price_table
 from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.settings import ServerSettings
-from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 KEYS_FILE = """
@@ -47,19 +47,24 @@ def test_cost_arithmetic_prices_cached_tokens_apart() -> None:
     assert table.cost("other", 2000, 1000) is None
 
 
-@pytest.mark.parametrize("table, named", [
-    ({"models": {MODEL_NAME: {"prompt": -0.1, "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
-    ({"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1, "cached_prompt": -1}}},
-     f"models.{MODEL_NAME}.cached_prompt"),
-    ({"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1, "image": 3}}}, f"models.{MODEL_NAME}.image"),
-    ({"models": {"gpt-9": {"prompt": 0.1, "completion": 1}}}, "models.gpt-9"),
-    ({"models": {MODEL_NAME: {"prompt": "cheap", "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
-    ({"models": {MODEL_NAME: {"prompt": True, "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
-    ({"models": {MODEL_NAME: {"prompt": 0.1}}}, f"models.{MODEL_NAME}.completion"),
-    ({"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1}}, "currency": "EUR"}, "currency"),
-    ({"models": {}}, "models"),
-    ([1, 2], "mapping"),
-])
+@pytest.mark.parametrize(
+    "table, named",
+    [
+        ({"models": {MODEL_NAME: {"prompt": -0.1, "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
+        (
+            {"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1, "cached_prompt": -1}}},
+            f"models.{MODEL_NAME}.cached_prompt",
+        ),
+        ({"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1, "image": 3}}}, f"models.{MODEL_NAME}.image"),
+        ({"models": {"gpt-9": {"prompt": 0.1, "completion": 1}}}, "models.gpt-9"),
+        ({"models": {MODEL_NAME: {"prompt": "cheap", "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
+        ({"models": {MODEL_NAME: {"prompt": True, "completion": 1}}}, f"models.{MODEL_NAME}.prompt"),
+        ({"models": {MODEL_NAME: {"prompt": 0.1}}}, f"models.{MODEL_NAME}.completion"),
+        ({"models": {MODEL_NAME: {"prompt": 0.1, "completion": 1}}, "currency": "EUR"}, "currency"),
+        ({"models": {}}, "models"),
+        ([1, 2], "mapping"),
+    ],
+)
 def test_bad_tables_name_the_field(table: Any, named: str) -> None:
     with pytest.raises(PriceTableError, match=named.replace(".", r"\.")):
         parse_price_table(table, [MODEL_NAME])
@@ -90,9 +95,13 @@ def test_serve_refuses_a_bad_table_in_one_line(tmp_path: Path) -> None:
     bad.write_text("models:\n  some-model: {prompt: 0.1, completion: 1, per_image: 2}\n")
     model = tmp_path / "some-model"
     model.mkdir()
-    done = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", "1",
-                           "--price-table", str(bad)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    done = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(model), "--port", "1", "--price-table", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "models.some-model.per_image: unknown field" in lines[0], done.stderr
@@ -113,7 +122,7 @@ def cost_samples(server: LiveServer) -> dict[tuple[str, str], float]:
     samples = {}
     for line in body.splitlines():
         if line.startswith("pagoda:cost_usd_total{"):
-            labels, value = line[len("pagoda:cost_usd_total{"):].rsplit("} ", 1)
+            labels, value = line[len("pagoda:cost_usd_total{") :].rsplit("} ", 1)
             parsed = dict(part.split("=", 1) for part in labels.split(","))
             samples[(parsed["model"].strip('"'), parsed["tenant"].strip('"'))] = float(value)
     return samples
@@ -128,8 +137,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def priced(model: Path, tmp_path_factory: pytest.TempPathFactory):
     keys = tmp_path_factory.mktemp("cost_keys") / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
-    live = start_server(model, tenants=TenantRegistry.from_file(keys),
-                        prices=parse_price_table(PRICES, [MODEL_NAME]))
+    live = start_server(model, tenants=TenantRegistry.from_file(keys), prices=parse_price_table(PRICES, [MODEL_NAME]))
     records: list[RequestLogRecord] = []
     live.app.state.ctx.request_log.add_listener(records.append)
     yield live, records
@@ -137,9 +145,12 @@ def priced(model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def complete(server: LiveServer, key: str, **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url + "/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
-                      json={"model": MODEL_NAME, "prompt": "the cost of a request " * 4, "max_tokens": 5,
-                            "temperature": 0, **body})
+    return httpx.post(
+        server.base_url + "/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL_NAME, "prompt": "the cost of a request " * 4, "max_tokens": 5, "temperature": 0, **body},
+    )
 
 
 def test_cost_in_the_log_the_metric_and_the_dashboard(priced) -> None:
@@ -152,18 +163,19 @@ def test_cost_in_the_log_the_metric_and_the_dashboard(priced) -> None:
         usage = response.json()["usage"]
         record = wait_for_record(records, response.json()["id"])
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert record.cost_usd == pytest.approx(price.cost(usage["prompt_tokens"], usage["completion_tokens"],
-                                                           cached))
+        assert record.cost_usd == pytest.approx(price.cost(usage["prompt_tokens"], usage["completion_tokens"], cached))
         expected += record.cost_usd
     assert cached > 0  # the second request's cached tokens were priced at the cached price
     # /metrics: the tenant's name is not published (label_policy.py); the sum is.
     assert cost_samples(server) == {(MODEL_NAME, ""): pytest.approx(expected)}
     # The dashboard shows the tenant its cost over the window.
-    snapshot = httpx.get(server.base_url.removesuffix("/v1") + "/dashboard/snapshot",
-                         headers={"Authorization": "Bearer key-acme"}).json()
+    snapshot = httpx.get(
+        server.base_url.removesuffix("/v1") + "/dashboard/snapshot", headers={"Authorization": "Bearer key-acme"}
+    ).json()
     assert snapshot["tenants"]["acme"]["cost_usd"] == pytest.approx(expected)
-    admin = httpx.get(server.base_url.removesuffix("/v1") + "/dashboard/snapshot",
-                      headers={"Authorization": "Bearer key-ops"}).json()
+    admin = httpx.get(
+        server.base_url.removesuffix("/v1") + "/dashboard/snapshot", headers={"Authorization": "Bearer key-ops"}
+    ).json()
     assert admin["tenants"]["acme"]["cost_usd"] == pytest.approx(expected)
 
 

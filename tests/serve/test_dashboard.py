@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.guard import GuardMetrics
 from pagoda.http_client.sse import iter_sse_events
+from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.dashboard import DashboardWindow, Histogram
 from pagoda.serve.metrics.server import ServerMetrics
 from pagoda.serve.observability.request_log import RequestLogRecord
-from pagoda.serve.admission.tenants import TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 KEYS_FILE = """
@@ -61,17 +61,18 @@ def test_window_rates_and_percentiles_over_the_window() -> None:
         metrics.record_inter_token(0.02)
     metrics.record_rejected("rate_limited")
     now[0] += 2.0
-    window.observe_request(RequestLogRecord("r1", "completions", tenant="a", prompt_tokens=6,
-                                            output_tokens=4, queue_time_s=0.1, ttft_s=0.3,
-                                            e2e_s=0.5))
+    window.observe_request(
+        RequestLogRecord(
+            "r1", "completions", tenant="a", prompt_tokens=6, output_tokens=4, queue_time_s=0.1, ttft_s=0.3, e2e_s=0.5
+        )
+    )
     snap = window.snapshot()
     assert snap["now"]["itl_p50"] == pytest.approx(0.0175)  # inside the (0.015, 0.02] bucket
     assert snap["now"]["rejected_s"] == pytest.approx(0.5)
     assert snap["totals"]["requests_rejected"] == 1
     assert len(snap["history"]) == 2
     [timeline] = snap["requests"]
-    assert (timeline["queue_s"], timeline["prefill_s"], timeline["decode_s"]) == \
-        pytest.approx((0.1, 0.2, 0.2))
+    assert (timeline["queue_s"], timeline["prefill_s"], timeline["decode_s"]) == pytest.approx((0.1, 0.2, 0.2))
     assert snap["tenants"]["a"]["requests"] == 1
     assert snap["tenants"]["a"]["tokens_per_s"] == pytest.approx(10 / 2.0)
     # Samples are taken at most once per interval, however many viewers ask.
@@ -86,8 +87,7 @@ def test_window_rates_and_percentiles_over_the_window() -> None:
 def test_admin_is_a_tenant_setting() -> None:
     from pagoda.serve.admission.tenants import parse_tenants
 
-    keys = parse_tenants({"tenants": {"ops": {"api_keys": ["k1"], "admin": True},
-                                      "app": {"api_keys": ["k2"]}}})
+    keys = parse_tenants({"tenants": {"ops": {"api_keys": ["k1"], "admin": True}, "app": {"api_keys": ["k2"]}}})
     assert keys["k1"].admin and not keys["k2"].admin
     with pytest.raises(ValueError, match="tenant 'ops': admin must be true or false"):
         parse_tenants({"tenants": {"ops": {"api_keys": ["k"], "admin": "yes"}}})
@@ -135,10 +135,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
 
 
 def complete(server: LiveServer, key: str, max_tokens: int = 5) -> None:
-    response = httpx.post(server.url + "/v1/completions", timeout=30,
-                          headers={"Authorization": f"Bearer {key}"},
-                          json={"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": max_tokens,
-                                "temperature": 0, "ignore_eos": True})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": MODEL_NAME,
+            "prompt": "def f(x):",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
 
 
@@ -195,8 +203,9 @@ def test_totals_match_metrics_and_events_stream(server: LiveServer) -> None:
     assert snap["totals"]["prompt_tokens"] == totals["pagoda:prompt_tokens"]
     assert snap["now"]["kv_usage"] == totals["pagoda:kv_cache_usage_perc"]
     events: list[dict[str, Any]] = []
-    with httpx.stream("GET", server.url + "/dashboard/events", timeout=10,
-                      headers={"Authorization": "Bearer key-bob"}) as response:
+    with httpx.stream(
+        "GET", server.url + "/dashboard/events", timeout=10, headers={"Authorization": "Bearer key-bob"}
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for event in iter_sse_events(response.iter_lines()):
             events.append(event.json())
@@ -216,10 +225,8 @@ def test_grafana_board_uses_only_metrics_the_server_exports(server: LiveServer) 
     board = json.loads((examples / "grafana" / "pagoda.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
-    used = {re.sub(r"_(bucket|total)$", "", name)
-            for expr in exprs for name in re.findall(r"pagoda:[a-z0-9_]+", expr)}
-    exported = {family.name for family in text_string_to_metric_families(
-        httpx.get(server.url + "/metrics").text)}
+    used = {re.sub(r"_(bucket|total)$", "", name) for expr in exprs for name in re.findall(r"pagoda:[a-z0-9_]+", expr)}
+    exported = {family.name for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
     guard_registry = CollectorRegistry()  # registered only when --guardrails is given
     GuardMetrics(guard_registry, MODEL_NAME)
     exported |= {family.name for family in guard_registry.collect()}
@@ -233,8 +240,12 @@ def test_window_shows_expert_load_only_with_moe_metrics() -> None:
     from pagoda.serve.metrics.moe import moe_families
 
     assert DashboardWindow(ServerMetrics("m", lambda: None).registry).snapshot()["moe"] is None
-    stats = MoEStats(layers=[0, 2], expert_tokens=[[4, 0, 4, 0], [2, 2, 2, 2]], expert_imbalance=[2.0, 1.0],
-                     rank_imbalance=[1.0, 1.0])
+    stats = MoEStats(
+        layers=[0, 2],
+        expert_tokens=[[4, 0, 4, 0], [2, 2, 2, 2]],
+        expert_imbalance=[2.0, 1.0],
+        rank_imbalance=[1.0, 1.0],
+    )
 
     class Collector:
         def collect(self):

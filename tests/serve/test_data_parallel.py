@@ -22,8 +22,9 @@ tenants:
   bob: {api_keys: [key-bob]}
 """
 # Several full KV blocks (16 tokens each) of shared prefix.
-SYSTEM_PROMPT = ("import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n"
-                 "        self.path = path\n") * 3
+SYSTEM_PROMPT = (
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("dp")
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
-    live = start_server(build_tiny_model(root / "model"), transport="process",
-                        engine={"max_num_seqs": 2}, deployment={"data_parallel_size": 2, "restart": False},
-                        tenants=TenantRegistry.from_file(keys))
+    live = start_server(
+        build_tiny_model(root / "model"),
+        transport="process",
+        engine={"max_num_seqs": 2},
+        deployment={"data_parallel_size": 2, "restart": False},
+        tenants=TenantRegistry.from_file(keys),
+    )
     yield live
     live.stop()
 
@@ -48,10 +53,12 @@ def routed_counts(server: LiveServer) -> list[int]:
 
 
 def complete(server: LiveServer, key: str, prompt: str, **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url + "/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {key}"},
-                      json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
-                            "temperature": 0, **body})
+    return httpx.post(
+        server.base_url + "/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, **body},
+    )
 
 
 def landed_on(server: LiveServer, send: Any) -> tuple[int, httpx.Response]:
@@ -69,10 +76,13 @@ def wait_idle_replicas(server: LiveServer) -> None:
     deadline = time.monotonic() + 10
     while True:
         states = [(r.llm.get_stats(), r) for r in replicas(server).replicas if r.is_alive]
-        idle = all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
-                   for s, _ in states)
+        idle = all(
+            s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks for s, _ in states
+        )
         if idle:
-            assert all(r.outstanding_tokens == 0 and r.num_requests == 0 for _, r in states), [(r.outstanding_tokens, r.num_requests) for _, r in states]
+            assert all(r.outstanding_tokens == 0 and r.num_requests == 0 for _, r in states), [
+                (r.outstanding_tokens, r.num_requests) for _, r in states
+            ]
             return
         assert time.monotonic() < deadline, [s for s, _ in states]
         time.sleep(0.02)
@@ -96,8 +106,9 @@ def test_both_replicas_serve(server: LiveServer) -> None:
 def test_one_tenants_prefix_sticks_to_one_replica(server: LiveServer) -> None:
     landed, cached = set(), []
     for i in range(4):
-        replica, response = landed_on(server, lambda i=i: complete(
-            server, "key-alice", SYSTEM_PROMPT + f"question {i}:"))
+        replica, response = landed_on(
+            server, lambda i=i: complete(server, "key-alice", SYSTEM_PROMPT + f"question {i}:")
+        )
         assert response.status_code == 200
         landed.add(replica)
         cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -111,10 +122,19 @@ def test_other_tenants_identical_prompt_not_steered_by_first_tenants_cache(serve
 
     async def scenario() -> list[int]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+
             def send(key: str, max_tokens: int) -> Any:
-                return client.post("/completions", headers={"Authorization": f"Bearer {key}"},
-                                   json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                                         "temperature": 0, "ignore_eos": True})
+                return client.post(
+                    "/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={
+                        "model": MODEL_NAME,
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
 
             # alice's long request keeps her replica the busier one while the others arrive.
             before = routed_counts(server)
@@ -151,10 +171,22 @@ def test_killed_replica_loses_no_request_that_had_not_started(server: LiveServer
 
     async def scenario() -> list[int]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-            requests = [asyncio.ensure_future(client.post(
-                "/completions", json={"model": MODEL_NAME, "prompt": f"request {i} says", "max_tokens": 200,
-                                      "temperature": 0, "ignore_eos": True},
-                headers={"Authorization": "Bearer key-alice"})) for i in range(num_requests)]
+            requests = [
+                asyncio.ensure_future(
+                    client.post(
+                        "/completions",
+                        json={
+                            "model": MODEL_NAME,
+                            "prompt": f"request {i} says",
+                            "max_tokens": 200,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                        headers={"Authorization": "Bearer key-alice"},
+                    )
+                )
+                for i in range(num_requests)
+            ]
             # Killed while it runs its first two and the rest wait in its queue.
             while victim.llm.get_stats().num_waiting < 2:
                 await asyncio.sleep(0.005)

@@ -13,8 +13,11 @@ from pagoda.serve.metrics.server import ServerMetrics
 
 def scrape(stats) -> dict[str, float]:
     body, _ = ServerMetrics("m", lambda: stats).render()
-    return {sample.name + str(sorted(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
+    return {
+        sample.name + str(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
 
 
 def value(samples: dict[str, float], name: str, **labels: str) -> float:
@@ -22,14 +25,25 @@ def value(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 def engine_stats(disaggregation: DisaggStats) -> SimpleNamespace:
-    return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
-                           prefix_cache_hits=0, num_preemptions=0, num_prompt_tokens=0, num_generation_tokens=0,
-                           spec_decode=None, iteration_tokens=None, disaggregation=disaggregation)
+    return SimpleNamespace(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        spec_decode=None,
+        iteration_tokens=None,
+        disaggregation=disaggregation,
+    )
 
 
 def test_decode_engine_handoff_series() -> None:
-    stats = DisaggStats("decode", handoffs_imported=2, blocks_received=5, bytes_received=5120, blocks_cached=3,
-                        fallback_prefills=1)
+    stats = DisaggStats(
+        "decode", handoffs_imported=2, blocks_received=5, bytes_received=5120, blocks_cached=3, fallback_prefills=1
+    )
     stats.failures["receive"] = 1
     stats.observe("transfer", 0.003)
     stats.observe("transfer", 0.3)
@@ -41,10 +55,10 @@ def test_decode_engine_handoff_series() -> None:
     assert value(samples, "pagoda:kv_handoff_failures_total", role="decode", kind="receive") == 1
     assert value(samples, "pagoda:kv_handoff_failures_total", role="decode", kind="send") == 0
     assert value(samples, "pagoda:kv_handoff_phase_seconds_count", role="decode", phase="transfer") == 2
-    assert value(samples, "pagoda:kv_handoff_phase_seconds_bucket", role="decode", phase="transfer",
-                 le="0.005") == 1
-    assert value(samples, "pagoda:kv_handoff_phase_seconds_sum", role="decode", phase="transfer") == \
-        pytest.approx(0.303)
+    assert value(samples, "pagoda:kv_handoff_phase_seconds_bucket", role="decode", phase="transfer", le="0.005") == 1
+    assert value(samples, "pagoda:kv_handoff_phase_seconds_sum", role="decode", phase="transfer") == pytest.approx(
+        0.303
+    )
     assert value(samples, "pagoda:kv_handoff_phase_seconds_count", role="decode", phase="queue") == 0
 
 

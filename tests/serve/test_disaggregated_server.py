@@ -20,8 +20,7 @@ import pytest
 from pagoda.replicas.replica_set import ReplicaSet
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
-PROMPTS = [f"def function_{i}(values):\n    total = 0\n    for value in values:\n" * (1 + i % 3)
-           for i in range(6)]
+PROMPTS = [f"def function_{i}(values):\n    total = 0\n    for value in values:\n" * (1 + i % 3) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +40,22 @@ def expected(model: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(model: Path) -> LiveServer:
-    live = start_server(model, transport="process",
-                        engine={"max_num_batched_tokens": 64},
-                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0,
-                                    "restart": False})
+    live = start_server(
+        model,
+        transport="process",
+        engine={"max_num_batched_tokens": 64},
+        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0, "restart": False},
+    )
     yield live
     live.stop()
 
 
 def completion(server: LiveServer, prompt: str, **body: Any) -> str:
-    response = httpx.post(server.base_url + "/completions", timeout=60,
-                          json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                                "ignore_eos": True, **body})
+    response = httpx.post(
+        server.base_url + "/completions",
+        timeout=60,
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **body},
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
@@ -66,8 +69,7 @@ def wait_idle(server: LiveServer) -> None:
     deadline = time.monotonic() + 10
     while True:
         states = [r.llm.get_stats() for r in replicas(server).replicas if r.is_alive]
-        if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
-               for s in states):
+        if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks for s in states):
             assert all(r.outstanding_tokens == 0 and r.num_requests == 0 for r in replicas(server).replicas)
             return
         assert time.monotonic() < deadline, states
@@ -77,9 +79,21 @@ def wait_idle(server: LiveServer) -> None:
 def test_greedy_output_equals_one_engine_and_the_kv_moves(server: LiveServer, expected: list[str]) -> None:
     async def scenario() -> list[str]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-            responses = await asyncio.gather(*(client.post("/completions", json={
-                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-                for prompt in PROMPTS))
+            responses = await asyncio.gather(
+                *(
+                    client.post(
+                        "/completions",
+                        json={
+                            "model": MODEL_NAME,
+                            "prompt": prompt,
+                            "max_tokens": 12,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
+                    for prompt in PROMPTS
+                )
+            )
         return [r.json()["choices"][0]["text"] for r in responses]
 
     assert asyncio.run(scenario()) == expected
@@ -90,9 +104,15 @@ def test_greedy_output_equals_one_engine_and_the_kv_moves(server: LiveServer, ex
 
 
 def test_streamed_chat_arrives_whole(server: LiveServer) -> None:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "count to five"}],
-            "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "count to five"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -100,8 +120,11 @@ def test_streamed_chat_arrives_whole(server: LiveServer) -> None:
     chunks = [json.loads(line.removeprefix("data: ")) for line in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 10
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    whole = httpx.post(server.base_url + "/chat/completions", timeout=60,
-                       json={k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    whole = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=60,
+        json={k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+    )
     assert whole.json()["choices"][0]["message"]["content"] == text
     wait_idle(server)
 
@@ -123,9 +146,21 @@ def test_a_killed_prefill_replica_loses_no_request(server: LiveServer, expected:
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-            requests = [asyncio.ensure_future(client.post("/completions", json={
-                "model": MODEL_NAME, "prompt": prompt * 4, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True})) for prompt in PROMPTS]
+            requests = [
+                asyncio.ensure_future(
+                    client.post(
+                        "/completions",
+                        json={
+                            "model": MODEL_NAME,
+                            "prompt": prompt * 4,
+                            "max_tokens": 12,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
+                )
+                for prompt in PROMPTS
+            ]
             while prefill.llm.get_stats().num_waiting + prefill.llm.get_stats().num_running == 0:
                 await asyncio.sleep(0.002)
             os.kill(prefill.llm.engine_pid, signal.SIGKILL)
@@ -153,9 +188,18 @@ def test_other_architectures_through_the_server_match_one_engine(model_dirs, arc
     def run(live: LiveServer) -> list[list[tuple[str, float]]]:
         outputs = []
         for prompt in prompts:
-            response = httpx.post(live.base_url + "/completions", timeout=60, json={
-                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "logprobs": 1})
+            response = httpx.post(
+                live.base_url + "/completions",
+                timeout=60,
+                json={
+                    "model": MODEL_NAME,
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 1,
+                },
+            )
             assert response.status_code == 200, response.text
             logprobs = response.json()["choices"][0]["logprobs"]
             # This tokenizer's tokens mostly print alike: their logprobs tell them apart.
@@ -167,8 +211,11 @@ def test_other_architectures_through_the_server_match_one_engine(model_dirs, arc
         expected = run(one)
     finally:
         one.stop()
-    pair = start_server(model, engine={"enable_prefix_caching": True},
-                        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0})
+    pair = start_server(
+        model,
+        engine={"enable_prefix_caching": True},
+        deployment={"replica_roles": "prefill=1,decode=1", "max_local_prefill_tokens": 0},
+    )
     try:
         got = run(pair)
         assert [[token for token, _ in output] for output in got] == [[t for t, _ in o] for o in expected]

@@ -45,8 +45,7 @@ def test_embeddings_equal_transformers(server: LiveServer, expected: list[torch.
     result = client.embeddings.create(model=MODEL_NAME, input=TEXTS, encoding_format="float")
     assert [d.index for d in result.data] == [0, 1, 2]
     for item, want in zip(result.data, expected):
-        assert torch.allclose(torch.tensor(item.embedding), torch.nn.functional.normalize(want, dim=0),
-                              atol=1e-4)
+        assert torch.allclose(torch.tensor(item.embedding), torch.nn.functional.normalize(want, dim=0), atol=1e-4)
     assert result.usage.prompt_tokens == result.usage.total_tokens > 0
     decoded = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0])  # the SDK asks for base64
     assert decoded.data[0].embedding == pytest.approx(result.data[0].embedding, abs=1e-6)
@@ -75,12 +74,19 @@ def test_invocations_dispatch_embeddings(server: LiveServer) -> None:
     assert response.status_code == 200 and response.json()["data"][0]["object"] == "embedding"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [10**7]}, "input"),
-    ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 10**6}, "dimensions"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": 5}, "input"),
-    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [10**7]}, "input"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 10**6}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": 5}, "input"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
 def test_bad_input_is_a_400(server: LiveServer, body: dict, param: str) -> None:
     response = post(server, body)
     assert response.status_code == 400, response.text
@@ -91,8 +97,9 @@ def test_pooling_from_sentence_transformers_config(tmp_path) -> None:
     assert model_pooling(str(tmp_path)) is None
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "modules.json").write_text(
+        json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
     assert model_pooling(str(tmp_path)) == "mean"
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
     assert model_pooling(str(tmp_path)) == "last"

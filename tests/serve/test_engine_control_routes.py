@@ -66,9 +66,18 @@ def server(checkpoints: dict[str, Path]) -> Any:
 
 
 def greedy(server: LiveServer) -> httpx.Response:
-    return httpx.post(server.base_url + "/completions", headers=USER, timeout=60,
-                      json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "return_token_ids": True})
+    return httpx.post(
+        server.base_url + "/completions",
+        headers=USER,
+        timeout=60,
+        json={
+            "model": MODEL_NAME,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
 
 
 def tokens(server: LiveServer) -> list[int]:
@@ -83,8 +92,13 @@ def admin(server: LiveServer, path: str, body: dict[str, Any] | None = None, key
 
 def test_a_trainer_process_streams_new_weights_over_gloo(server: LiveServer, checkpoints, references) -> None:
     assert tokens(server) == references["old"]
-    trainer = subprocess.run([sys.executable, "-c", TRAINER, server.url, str(free_port()), str(checkpoints["new"]),
-                              json.dumps(PROMPT)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    trainer = subprocess.run(
+        [sys.executable, "-c", TRAINER, server.url, str(free_port()), str(checkpoints["new"]), json.dumps(PROMPT)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in trainer.stdout.splitlines())
     assert "checkpoint is missing tensor(s) model.layers.0.mlp.down_proj.weight" in lines["REFUSED"]

@@ -9,16 +9,16 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
 
-from server_utils import LiveServer, build_tiny_model, start_server
-
 import pagoda.serve.api.handler as handler
+from server_utils import LiveServer, build_tiny_model, start_server
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,9 @@ def impatient_server(model_dir: Path, request: pytest.FixtureRequest) -> LiveSer
     """Each HTTP parser the connection guards sit on."""
     if request.param == "httptools":
         pytest.importorskip("httptools", reason="httptools is not installed")
-    live = start_server(model_dir, header_timeout=1.0, keep_alive_timeout=1.0, body_timeout=1.0,
-                        http_parser=request.param)
+    live = start_server(
+        model_dir, header_timeout=1.0, keep_alive_timeout=1.0, body_timeout=1.0, http_parser=request.param
+    )
     yield live
     live.stop()
 
@@ -112,8 +113,7 @@ def test_megabyte_tokenize_leaves_health_answering(long_context_server: LiveServ
     prompt = "lorem ipsum dolor sit amet " * 40_000  # 1 MB
 
     def tokenize() -> dict[str, Any]:
-        response = httpx.post(url + "/tokenize", timeout=120,
-                              json={"prompt": prompt, "return_token_strs": True})
+        response = httpx.post(url + "/tokenize", timeout=120, json={"prompt": prompt, "return_token_strs": True})
         assert response.status_code == 200, response.text[:300]
         return response.json()
 
@@ -142,28 +142,32 @@ def test_megabyte_detokenize_leaves_health_answering(long_context_server: LiveSe
 
 def test_tokenize_refuses_a_prompt_provably_over_the_context_without_tokenizing(server: LiveServer) -> None:
     started = time.monotonic()
-    response = httpx.post(server.url + "/tokenize", timeout=60,
-                          json={"prompt": "word " * 1_500_000, "return_token_strs": True})  # 7.5 MB
+    response = httpx.post(
+        server.url + "/tokenize", timeout=60, json={"prompt": "word " * 1_500_000, "return_token_strs": True}
+    )  # 7.5 MB
     assert response.status_code == 400, response.text[:300]
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
     assert time.monotonic() - started < 5
-    chat = httpx.post(server.url + "/tokenize", timeout=60,
-                      json={"messages": [{"role": "user", "content": "x " * 1_000_000}]})
+    chat = httpx.post(
+        server.url + "/tokenize", timeout=60, json={"messages": [{"role": "user", "content": "x " * 1_000_000}]}
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
 
 
 def test_tokenize_answers_at_most_the_context(server: LiveServer) -> None:
     max_model_len = server.llm.max_model_len
     # Over the context once tokenized, though not provably so by its length alone.
-    over = httpx.post(server.url + "/tokenize", timeout=60,
-                      json={"prompt": "word " * (2 * max_model_len), "return_token_strs": True})
+    over = httpx.post(
+        server.url + "/tokenize", timeout=60, json={"prompt": "word " * (2 * max_model_len), "return_token_strs": True}
+    )
     assert over.status_code == 400, over.text[:300]
     error = over.json()["error"]
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
     assert str(max_model_len) in error["message"]
-    fits = httpx.post(server.url + "/tokenize", timeout=60,
-                      json={"prompt": "word " * (max_model_len // 4), "return_token_strs": True}).json()
+    fits = httpx.post(
+        server.url + "/tokenize", timeout=60, json={"prompt": "word " * (max_model_len // 4), "return_token_strs": True}
+    ).json()
     assert fits["count"] <= max_model_len and len(fits["token_strs"]) == fits["count"]
     too_many = httpx.post(server.url + "/detokenize", timeout=60, json={"tokens": [5] * (max_model_len + 1)})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "tokens"
@@ -172,9 +176,10 @@ def test_tokenize_answers_at_most_the_context(server: LiveServer) -> None:
 def test_tokenization_beyond_its_waiting_room_is_refused_with_503() -> None:
     import asyncio
 
+    from starlette.responses import Response
+
     from pagoda.serve.api.tokenization import TokenizationEndpoints
     from pagoda.serve.errors import APIError
-    from starlette.responses import Response
 
     endpoints = TokenizationEndpoints(ctx=None, max_concurrent=1, max_waiting=1)  # type: ignore[arg-type]
 
@@ -183,8 +188,7 @@ def test_tokenization_beyond_its_waiting_room_is_refused_with_503() -> None:
         return Response(b"{}")
 
     async def three() -> list[Any]:
-        return await asyncio.gather(*(endpoints.on_worker(slow, None) for _ in range(3)),
-                                    return_exceptions=True)
+        return await asyncio.gather(*(endpoints.on_worker(slow, None) for _ in range(3)), return_exceptions=True)
 
     outcomes = asyncio.run(three())
     refused = [o for o in outcomes if isinstance(o, APIError)]
@@ -197,23 +201,36 @@ def test_tokenization_beyond_its_waiting_room_is_refused_with_503() -> None:
 
 def starlette_json(body: Any) -> bytes:
     """What JSONResponse writes for `body` (the path of small answers)."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 def without_ids(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in ("id", "created")}
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "def main():", "n": 32, "logprobs": 20, "max_tokens": 96,
-                         "temperature": 0, "echo": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 32, "logprobs": True,
-                              "top_logprobs": 20, "max_tokens": 96, "temperature": 0}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/v1/completions",
+            {"prompt": "def main():", "n": 32, "logprobs": 20, "max_tokens": 96, "temperature": 0, "echo": True},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "n": 32,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "max_tokens": 96,
+                "temperature": 0,
+            },
+        ),
+    ],
+)
 def test_large_answer_is_written_off_the_loop_as_the_small_path_writes_it(
-        server: LiveServer, monkeypatch: pytest.MonkeyPatch, frozen_gc: None, path: str,
-        body: dict[str, Any]) -> None:
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch, frozen_gc: None, path: str, body: dict[str, Any]
+) -> None:
     url = server.url
     baseline = baseline_health(url)
 
@@ -284,8 +301,10 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(impatient_server: LiveServer)
 
 def test_a_body_sent_a_byte_at_a_time_gets_408(impatient_server: LiveServer) -> None:
     body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     with closing(socket.create_connection(host_port(impatient_server), timeout=10)) as sock:
         sock.sendall(head)
         started = time.monotonic()

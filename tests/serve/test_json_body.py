@@ -10,13 +10,22 @@ from starlette.responses import JSONResponse
 
 import pagoda.serve.api.json_body as json_body
 from pagoda.serve.api.json_body import estimated_nodes, json_text, model_json
-from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
-                                       ChatCompletionResponse, ChatTokenLogprob, CompletionChoice,
-                                       CompletionLogprobs, CompletionResponse, TokenizeResponse,
-                                       TopLogprob, Usage)
+from pagoda.serve.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionResponse,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TokenizeResponse,
+    TopLogprob,
+    Usage,
+)
 
 USAGE = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
-TEXTS = ["plain", "é\u2028\"quoted\"\n\ttab", "\\", "", "日本語", "\x00\x1f", "emoji 🙂"]
+TEXTS = ["plain", 'é\u2028"quoted"\n\ttab', "\\", "", "日本語", "\x00\x1f", "emoji 🙂"]
 
 
 @pytest.fixture(params=[4, 64, json_body.STEP_NODES], ids=["tiny-steps", "small-steps", "default"])
@@ -31,41 +40,65 @@ def completion(rng: random.Random, num_choices: int, num_tokens: int) -> Complet
         logprobs = CompletionLogprobs(
             tokens=[rng.choice(TEXTS) for _ in range(num_tokens)],
             token_logprobs=[None] + [-rng.random() * 10 for _ in range(num_tokens - 1)],
-            top_logprobs=[None] + [{f"{rng.choice(TEXTS)}{k}": -rng.random() * 1e-6 for k in range(5)}
-                                   for _ in range(num_tokens - 1)],
-            text_offset=list(range(num_tokens)))
-        choices.append(CompletionChoice(index=index, text=rng.choice(TEXTS) * 50, logprobs=logprobs,
-                                        finish_reason=rng.choice(["length", "stop", None])))
+            top_logprobs=[None]
+            + [{f"{rng.choice(TEXTS)}{k}": -rng.random() * 1e-6 for k in range(5)} for _ in range(num_tokens - 1)],
+            text_offset=list(range(num_tokens)),
+        )
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=rng.choice(TEXTS) * 50,
+                logprobs=logprobs,
+                finish_reason=rng.choice(["length", "stop", None]),
+            )
+        )
     return CompletionResponse(id="cmpl-1", created=1, model="m", choices=choices, usage=USAGE)
 
 
 def chat(rng: random.Random, num_choices: int, num_tokens: int) -> ChatCompletionResponse:
     def entry() -> ChatTokenLogprob:
         text = rng.choice(TEXTS)
-        return ChatTokenLogprob(token=text, logprob=-0.0 if rng.random() < 0.1 else -rng.random(),
-                                bytes=list(text.encode()),
-                                top_logprobs=[TopLogprob(token=t, logprob=-rng.random(), bytes=None)
-                                              for t in rng.sample(TEXTS, 3)])
-    choices = [ChatChoice(index=index, message=AssistantMessage(
-        content=rng.choice(TEXTS), tool_calls=[{"id": "c", "function": {"arguments": {"x": [1, 2.5]}}}]
-        if index % 2 else None), logprobs=ChatChoiceLogprobs(content=[entry() for _ in range(num_tokens)]),
-                          finish_reason="stop") for index in range(num_choices)]
+        return ChatTokenLogprob(
+            token=text,
+            logprob=-0.0 if rng.random() < 0.1 else -rng.random(),
+            bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=-rng.random(), bytes=None) for t in rng.sample(TEXTS, 3)],
+        )
+
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(
+                content=rng.choice(TEXTS),
+                tool_calls=[{"id": "c", "function": {"arguments": {"x": [1, 2.5]}}}] if index % 2 else None,
+            ),
+            logprobs=ChatChoiceLogprobs(content=[entry() for _ in range(num_tokens)]),
+            finish_reason="stop",
+        )
+        for index in range(num_choices)
+    ]
     return ChatCompletionResponse(id="chat-1", created=1, model="m", choices=choices, usage=USAGE)
 
 
 @pytest.mark.parametrize("build", [completion, chat])
 @pytest.mark.parametrize("num_choices,num_tokens", [(0, 0), (1, 1), (3, 40), (12, 200)])
-def test_models_are_written_as_jsonresponse_writes_them(step_nodes: int, build: Any, num_choices: int,
-                                                        num_tokens: int) -> None:
+def test_models_are_written_as_jsonresponse_writes_them(
+    step_nodes: int, build: Any, num_choices: int, num_tokens: int
+) -> None:
     model = build(random.Random(num_choices * 1000 + num_tokens), num_choices, num_tokens)
     assert model_json(model).encode() == JSONResponse(model.model_dump()).body
 
 
 def test_plain_data_and_ready_members(step_nodes: int) -> None:
     data: dict[str, Any] = {
-        "ints": list(range(500)), "floats": [1e-7, -0.0, 2.5e300, 1 / 3] * 50, "none": None,
-        "map": {f"k{i}": [i, {"deep": TEXTS}] for i in range(300)}, "numeric keys": {1: "a", 2.5: "b"},
-        "tuple": tuple(range(100)), "empty": [[], {}, ""], "long text": "x\u2028" * 100_000,
+        "ints": list(range(500)),
+        "floats": [1e-7, -0.0, 2.5e300, 1 / 3] * 50,
+        "none": None,
+        "map": {f"k{i}": [i, {"deep": TEXTS}] for i in range(300)},
+        "numeric keys": {1: "a", 2.5: "b"},
+        "tuple": tuple(range(100)),
+        "empty": [[], {}, ""],
+        "long text": "x\u2028" * 100_000,
     }
     assert json_text(data).encode() == JSONResponse(data).body
     ready = json_text(data, ready_members={"ints": "[0]", "map": "{}"})

@@ -16,8 +16,9 @@ tenants:
   alice: {api_keys: [key-alice]}
   bob: {api_keys: [key-bob]}
 """
-SHARED_PROMPT = ("import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n"
-                 "        self.path = path\n") * 3
+SHARED_PROMPT = (
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+) * 3
 FILLER = "def handler_{i}(event, context):\n    return process(event['body'], retries={i})\n" * 4
 
 
@@ -27,8 +28,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
     # 8 device blocks: one filler prompt evicts every earlier prefix from the device pool.
-    live = start_server(build_tiny_model(root / "model"), tenants=TenantRegistry.from_file(keys),
-                        engine={"num_kv_blocks": 8, "max_num_seqs": 1, "kv_offload_memory": "4MiB"})
+    live = start_server(
+        build_tiny_model(root / "model"),
+        tenants=TenantRegistry.from_file(keys),
+        engine={"num_kv_blocks": 8, "max_num_seqs": 1, "kv_offload_memory": "4MiB"},
+    )
     yield live
     live.stop()
 

@@ -26,19 +26,31 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
 
 
 BAD_BODIES = {
-    "json_schema": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {SECRET: {"type": f"no-such-type-{SECRET}"}}}}}},
-    "regex": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-              "structured_outputs": {"regex": f"({SECRET}[a-"}},
+    "json_schema": {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "x",
+                "schema": {"type": "object", "properties": {SECRET: {"type": f"no-such-type-{SECRET}"}}},
+            },
+        },
+    },
+    "regex": {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "structured_outputs": {"regex": f"({SECRET}[a-"},
+    },
     "role": {"model": MODEL_NAME, "messages": [{"role": SECRET, "content": "hi"}]},
     "model": {"model": SECRET, "messages": [{"role": "user", "content": "hi"}]},
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BODIES))
-def test_a_refused_body_is_not_echoed_into_the_log(server: LiveServer, caplog: pytest.LogCaptureFixture,
-                                                   case: str) -> None:
+def test_a_refused_body_is_not_echoed_into_the_log(
+    server: LiveServer, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
     with caplog.at_level(logging.DEBUG):
         response = httpx.post(server.url + "/v1/chat/completions", json=BAD_BODIES[case], timeout=60)
     assert 400 <= response.status_code < 500
@@ -54,7 +66,8 @@ def test_the_client_still_reads_the_whole_message(server: LiveServer) -> None:
 
 
 def test_log_prompts_keeps_the_message_and_quotes_are_redacted_otherwise(
-        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     message = f"messages[0].role '{SECRET}' is not supported; the server's limit is 5"
     record = RequestLogRecord(request_id="r", endpoint="chat", status=400, error=message, error_param="messages")
     prompt_log = PromptLog(tmp_path)
@@ -68,4 +81,3 @@ def test_log_prompts_keeps_the_message_and_quotes_are_redacted_otherwise(
     [loud] = prompt_log.read(PromptLogQuery())
     assert loud["error"] == message
     assert redact_message("The model `abc` does not exist.") == "The model `<3 chars>` does not exist."
-

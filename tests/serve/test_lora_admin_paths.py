@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
 from lora_factory import build_adapter  # noqa: E402
-from server_utils import LiveServer, build_tiny_model, start_server  # noqa: E402
 from pagoda.serve.admission.tenants import TenantRegistry  # noqa: E402
+from server_utils import LiveServer, build_tiny_model, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +26,30 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     outside = build_adapter(model, root / "outside", rank=4, seed=2)
     (allowed / "link").symlink_to(outside)
     keys = root / "keys.yaml"
-    keys.write_text(textwrap.dedent("""
+    keys.write_text(
+        textwrap.dedent("""
         tenants:
           ops: {api_keys: [key-ops], admin: true}
-    """))
-    live = start_server(model, engine={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
-                        tenants=TenantRegistry.from_file(keys), allow_runtime_lora=True, lora_root=str(allowed))
+    """)
+    )
+    live = start_server(
+        model,
+        engine={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
+        tenants=TenantRegistry.from_file(keys),
+        allow_runtime_lora=True,
+        lora_root=str(allowed),
+    )
     yield live, root, adapter
     live.stop()
 
 
 def load(server: LiveServer, name: str, path: str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
-                      headers={"Authorization": "Bearer key-ops"}, timeout=60)
+    return httpx.post(
+        server.url + "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": path},
+        headers={"Authorization": "Bearer key-ops"},
+        timeout=60,
+    )
 
 
 def test_names_that_are_path_pieces_are_refused(setup) -> None:
@@ -52,8 +63,15 @@ def test_every_unusable_path_gets_one_answer(setup) -> None:
     server, root, adapter = setup
     (root / "adapters" / "empty").mkdir()
     answers = set()
-    for path in (str(root / "adapters" / "missing"), str(root / "adapters" / "empty"), "/" + "a" * 5000,
-                 str(root / "outside"), str(root / "adapters" / "link"), "/etc", str(root / "adapters" / ".." / "outside")):
+    for path in (
+        str(root / "adapters" / "missing"),
+        str(root / "adapters" / "empty"),
+        "/" + "a" * 5000,
+        str(root / "outside"),
+        str(root / "adapters" / "link"),
+        "/etc",
+        str(root / "adapters" / ".." / "outside"),
+    ):
         response = load(server, "probe", path)
         assert response.status_code == 400, (path[:80], response.text)
         answers.add(response.json()["error"]["message"])
@@ -65,18 +83,27 @@ def test_count_tokens_answers_another_tenants_adapter_like_an_unknown_model(tmp_
     model = build_tiny_model(tmp_path / "model")
     adapter = build_adapter(model, tmp_path / "secret", rank=4, seed=3)
     keys = tmp_path / "keys.yaml"
-    keys.write_text(textwrap.dedent("""
+    keys.write_text(
+        textwrap.dedent("""
         tenants:
           acme: {api_keys: [key-acme], adapters: [secret]}
           beta: {api_keys: [key-beta]}
-    """))
-    live = start_server(model, engine={"enable_lora": True, "max_loras": 1, "max_lora_rank": 8,
-                                       "lora_modules": [f"secret={adapter}"]},
-                        tenants=TenantRegistry.from_file(keys))
+    """)
+    )
+    live = start_server(
+        model,
+        engine={"enable_lora": True, "max_loras": 1, "max_lora_rank": 8, "lora_modules": [f"secret={adapter}"]},
+        tenants=TenantRegistry.from_file(keys),
+    )
     try:
+
         def count(key: str, name: str) -> httpx.Response:
-            return httpx.post(live.url + "/v1/messages/count_tokens", headers={"x-api-key": key}, timeout=60,
-                              json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+            return httpx.post(
+                live.url + "/v1/messages/count_tokens",
+                headers={"x-api-key": key},
+                timeout=60,
+                json={"model": name, "messages": [{"role": "user", "content": "hi"}]},
+            )
 
         assert count("key-acme", "secret").status_code == 200
         hidden, unknown = count("key-beta", "secret"), count("key-beta", "nope")

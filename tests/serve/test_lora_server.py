@@ -13,14 +13,13 @@ import pytest
 pytest.importorskip("peft", reason="peft (the test extra) builds the PEFT adapters")
 
 from lora_factory import ATTENTION_MODULES, build_adapter  # noqa: E402
-from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server  # noqa: E402
-
 from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.config import EngineConfig  # noqa: E402
-from pagoda.serve.launch import launch_server  # noqa: E402
-from pagoda.serve.settings import ServerSettings  # noqa: E402
 from pagoda.lora_request import LoRARequest  # noqa: E402
 from pagoda.serve.admission.tenants import TenantRegistry  # noqa: E402
+from pagoda.serve.launch import launch_server  # noqa: E402
+from pagoda.serve.settings import ServerSettings  # noqa: E402
+from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server  # noqa: E402
 
 KEYS_FILE = """
 tenants:
@@ -36,13 +35,19 @@ PROMPT = [5, 17, 42, 99, 100, 7, 8, 200, 31, 64, 12, 250]
 def setup(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lora_server")
     model = build_tiny_model(root / "model")
-    adapters = {"sql": build_adapter(model, root / "sql", rank=8, seed=1),
-                "chat": build_adapter(model, root / "chat", target_modules=ATTENTION_MODULES, rank=4, seed=2)}
+    adapters = {
+        "sql": build_adapter(model, root / "sql", rank=8, seed=1),
+        "chat": build_adapter(model, root / "chat", target_modules=ATTENTION_MODULES, rank=4, seed=2),
+    }
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
-    live = start_server(model, engine={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-                                       "lora_modules": [f"sql={adapters['sql']}"]},
-                        transport="process", tenants=TenantRegistry.from_file(keys), allow_runtime_lora=True)
+    live = start_server(
+        model,
+        engine={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "lora_modules": [f"sql={adapters['sql']}"]},
+        transport="process",
+        tenants=TenantRegistry.from_file(keys),
+        allow_runtime_lora=True,
+    )
     yield live, model, adapters
     live.stop()
 
@@ -65,9 +70,16 @@ def test_runtime_load_use_unload_then_404(setup) -> None:
     assert listed["sql"]["parent"] == MODEL_NAME and listed[MODEL_NAME]["parent"] is None
     # A request's model picks the adapter; the answer names it.
     offline = LLM(model=str(model), enable_lora=True, max_lora_rank=8, num_kv_blocks=32)
-    expected = {name: offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8),
-                                       lora_request=LoRARequest(name, 1, str(adapters[name])))[0].outputs[0].text
-                for name in adapters}
+    expected = {
+        name: offline.generate(
+            [PROMPT],
+            SamplingParams(temperature=0, max_tokens=8),
+            lora_request=LoRARequest(name, 1, str(adapters[name])),
+        )[0]
+        .outputs[0]
+        .text
+        for name in adapters
+    }
     response = post(server, "key-ops", model="sql")
     assert response.status_code == 200 and response.json()["model"] == "sql"
     assert response.json()["choices"][0]["text"] == expected["sql"]
@@ -88,7 +100,7 @@ def test_runtime_load_use_unload_then_404(setup) -> None:
     tokenized = post(server, "key-ops", "/tokenize", model="chat", prompt="def f():")
     assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'pagoda:lora_requests_info{' in metrics and 'max_lora="2"' in metrics
+    assert "pagoda:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
 
     unloaded = post(server, "key-ops", "/v1/unload_lora_adapter", lora_name="chat")
     assert unloaded.status_code == 200, unloaded.text
@@ -115,8 +127,10 @@ def test_bad_adapters_are_refused_and_the_server_keeps_serving(setup, tmp_path) 
 
 def test_tenants_see_and_use_only_their_adapters(setup) -> None:
     server, _, adapters = setup
-    assert post(server, "key-ops", "/v1/load_lora_adapter", lora_name="open",
-                lora_path=str(adapters["chat"])).status_code == 200
+    assert (
+        post(server, "key-ops", "/v1/load_lora_adapter", lora_name="open", lora_path=str(adapters["chat"])).status_code
+        == 200
+    )
     try:
         assert set(models(server, "key-acme")) == {MODEL_NAME, "sql"}  # its own; "open" is not on its list
         assert set(models(server, "key-globex")) == {MODEL_NAME}
@@ -145,8 +159,9 @@ def test_runtime_loading_is_off_without_the_flag(tmp_path) -> None:
 
 def test_serve_refuses_to_start_with_a_bad_adapter(setup, tmp_path) -> None:
     _, model, _ = setup
-    engine = EngineConfig(model=str(model), enable_lora=True, num_kv_blocks=16,
-                          lora_modules=[f"sql={tmp_path / 'absent'}"])
+    engine = EngineConfig(
+        model=str(model), enable_lora=True, num_kv_blocks=16, lora_modules=[f"sql={tmp_path / 'absent'}"]
+    )
     with pytest.raises(SystemExit) as stopped:
         launch_server(engine, ServerSettings(engine_transport="thread", log_level="warning"))
     message = str(stopped.value)

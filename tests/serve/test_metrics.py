@@ -13,8 +13,11 @@ from pagoda.serve.metrics.server import ServerMetrics
 
 def scrape(metrics: ServerMetrics) -> dict[str, float]:
     body, _ = metrics.render()
-    return {sample.name + str(sorted(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
+    return {
+        sample.name + str(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
 
 
 def value(samples: dict[str, float], name: str, **labels: str) -> float:
@@ -23,8 +26,13 @@ def value(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 def finished_request() -> RequestMetrics:
-    return RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
-                          last_token_time=103.0, finished_time=103.0)
+    return RequestMetrics(
+        arrival_time=100.0,
+        first_scheduled_time=100.5,
+        first_token_time=101.0,
+        last_token_time=103.0,
+        finished_time=103.0,
+    )
 
 
 def test_request_phases_and_token_histograms() -> None:
@@ -44,9 +52,18 @@ def test_request_phases_and_token_histograms() -> None:
 
 def test_iteration_tokens_from_engine_stats() -> None:
     histogram = SimpleNamespace(counts=[0, 3, 0, 0, 2] + [0] * 24, sum=3 * 2 + 2 * 8)
-    stats = SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.25, prefix_cache_queries=0,
-                            prefix_cache_hits=0, num_preemptions=0, num_prompt_tokens=0,
-                            num_generation_tokens=0, spec_decode=None, iteration_tokens=histogram)
+    stats = SimpleNamespace(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        spec_decode=None,
+        iteration_tokens=histogram,
+    )
     samples = scrape(ServerMetrics("m", lambda: stats))
     assert value(samples, "pagoda:iteration_tokens_total_count") == 5
     assert value(samples, "pagoda:iteration_tokens_total_bucket", le="2.0") == 3
@@ -54,21 +71,30 @@ def test_iteration_tokens_from_engine_stats() -> None:
 
 
 def test_vllm_compat_exports_every_series_twice_with_aliases() -> None:
-    stats = SimpleNamespace(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=10,
-                            prefix_cache_hits=4, num_preemptions=0, num_prompt_tokens=10,
-                            num_generation_tokens=3, spec_decode=None)
+    stats = SimpleNamespace(
+        num_running=2,
+        num_waiting=1,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=4,
+        num_preemptions=0,
+        num_prompt_tokens=10,
+        num_generation_tokens=3,
+        spec_decode=None,
+    )
     metrics = ServerMetrics("m", lambda: stats, compat="vllm")
     metrics.record_finished("length", finished_request(), num_prompt_tokens=10, num_generation_tokens=3)
     metrics.record_inter_token(0.02, 2)
     samples = scrape(metrics)
     for pagoda_name, vllm_name in [
-            ("pagoda:num_requests_running", "vllm:num_requests_running"),
-            ("pagoda:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
-            ("pagoda:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-            ("pagoda:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
-            ("pagoda:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"),
-            ("pagoda:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
-            ("pagoda:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count")]:
+        ("pagoda:num_requests_running", "vllm:num_requests_running"),
+        ("pagoda:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+        ("pagoda:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        ("pagoda:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("pagoda:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"),
+        ("pagoda:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
+        ("pagoda:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+    ]:
         assert value(samples, vllm_name) == value(samples, pagoda_name)
     assert value(samples, "vllm:request_success_total", finished_reason="length") == 1
 

@@ -14,10 +14,10 @@ from prometheus_client.registry import Collector
 from pagoda.engine.engine_core import LoRAStats
 from pagoda.guard import GuardMetrics
 from pagoda.guard.decision import RuleHit
-from pagoda.serve.observability.access_log import ACCESS_LOGGER_NAME, redact_url
 from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.metrics.lora import lora_families
 from pagoda.serve.metrics.server import PREFIX, ServerMetrics
+from pagoda.serve.observability.access_log import ACCESS_LOGGER_NAME, redact_url
 from pagoda.serve.settings import ServerSettings
 from server_utils import build_tiny_model, start_server
 
@@ -40,9 +40,18 @@ class Records(logging.Handler):
 
 class Adapters(Collector):
     def collect(self):
-        yield from lora_families(LoRAStats(max_loras=2, running_adapters=["beta-secret"], waiting_adapters=["sql"],
-                                           loaded_adapters=["beta-secret", "sql"], num_slot_loads=3),
-                                 PREFIX, ["model_name"], ["m"])
+        yield from lora_families(
+            LoRAStats(
+                max_loras=2,
+                running_adapters=["beta-secret"],
+                waiting_adapters=["sql"],
+                loaded_adapters=["beta-secret", "sql"],
+                num_slot_loads=3,
+            ),
+            PREFIX,
+            ["model_name"],
+            ["m"],
+        )
 
 
 def metrics_with_tenant_names(tenant_labels: bool) -> ServerMetrics:
@@ -60,9 +69,10 @@ def test_label_values_name_no_tenant_or_adapter_unless_asked() -> None:
         assert name not in quiet
     assert 'running_lora_adapters=""' in quiet and 'max_lora="2"' in quiet
     # one series for every tenant, the sum of theirs
-    assert 'pagoda:guardrail_decisions_total{action="flag",model_name="m",rule="pii",stage="input",tenant=""} 7.0' \
-        in quiet
-    assert 'vllm:guardrail_decisions_total{' in quiet and "beta-secret" not in quiet
+    assert (
+        'pagoda:guardrail_decisions_total{action="flag",model_name="m",rule="pii",stage="input",tenant=""} 7.0' in quiet
+    )
+    assert "vllm:guardrail_decisions_total{" in quiet and "beta-secret" not in quiet
     loud = metrics_with_tenant_names(tenant_labels=True).render()[0].decode()
     assert 'running_lora_adapters="beta-secret"' in loud and 'tenant="acme"' in loud
 

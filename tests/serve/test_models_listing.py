@@ -3,7 +3,6 @@ tenant may not use is left off its list (calling it could answer "does not exist
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
@@ -27,18 +26,24 @@ routes:
       - {tenant: partial, model: alpha}
       - {model: beta}
 """
-TENANTS = {"tenants": {
-    "full": {"api_keys": ["sk-full"]},
-    "partial": {"api_keys": ["sk-partial"], "models": ["alpha", "auto", "cheap"]},
-}}
+TENANTS = {
+    "tenants": {
+        "full": {"api_keys": ["sk-full"]},
+        "partial": {"api_keys": ["sk-partial"], "models": ["alpha", "auto", "cheap"]},
+    }
+}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     directory = build_model_dir(tmp_path_factory.mktemp("listing") / "alpha", seed=0)
-    registry = ModelRegistry([ServedModel("alpha", engine(directory), str(directory)),
-                              ServedModel("beta", engine(directory), str(directory))],
-                             parse_models_file(ROUTES).routes)
+    registry = ModelRegistry(
+        [
+            ServedModel("alpha", engine(directory), str(directory)),
+            ServedModel("beta", engine(directory), str(directory)),
+        ],
+        parse_models_file(ROUTES).routes,
+    )
     live = Served(registry, ServerSettings(tenants=TenantRegistry(parse_tenants(TENANTS))))
     yield live
     live.stop()
@@ -55,6 +60,10 @@ def test_a_route_that_may_pick_a_forbidden_model_is_not_listed(served) -> None:
     # auto may pick beta for a long prompt; cheap's rule for this tenant picks alpha, always.
     assert listed(served, "sk-partial") == {"alpha", "cheap"}
     for name in listed(served, "sk-partial"):
-        response = httpx.post(served.url + "/v1/completions", headers={"authorization": "Bearer sk-partial"},
-                              json={"model": name, "prompt": "a long prompt " * 20, "max_tokens": 1}, timeout=60)
+        response = httpx.post(
+            served.url + "/v1/completions",
+            headers={"authorization": "Bearer sk-partial"},
+            json={"model": name, "prompt": "a long prompt " * 20, "max_tokens": 1},
+            timeout=60,
+        )
         assert response.status_code == 200, (name, response.text)

@@ -7,31 +7,33 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from pagoda.serve.admission.authentication import api_key_of
 from pagoda.serve.admission.queue import QueueSlot
 from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.endpoints import ENDPOINTS, Endpoint
-from pagoda.serve.admission.authentication import api_key_of
 from pagoda.serve.observability.request_log import LOGGER_NAME
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 QUEUE_LIMIT = 16
-TENANTS = {"key-open": Tenant("open"),
-           "key-capped": Tenant("capped", TenantLimits(max_concurrent_requests=1))}
+TENANTS = {"key-open": Tenant("open"), "key-capped": Tenant("capped", TenantLimits(max_concurrent_requests=1))}
 HEADERS = {"Authorization": "Bearer key-open"}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    live = start_server(build_tiny_model(tmp_path_factory.mktemp("model")),
-                        engine={"max_num_seqs": 4}, tenants=TenantRegistry(TENANTS),
-                        max_queued_requests=QUEUE_LIMIT)
+    live = start_server(
+        build_tiny_model(tmp_path_factory.mktemp("model")),
+        engine={"max_num_seqs": 4},
+        tenants=TenantRegistry(TENANTS),
+        max_queued_requests=QUEUE_LIMIT,
+    )
     yield live
     live.stop()
 
@@ -48,16 +50,17 @@ def full_queue(server: LiveServer) -> Iterator[list[QueueSlot]]:
 def metric(server: LiveServer, name: str, reason: str) -> float:
     text = httpx.get(server.url + "/metrics").text
     prefix = f'{name}{{model_name="{MODEL_NAME}",reason="{reason}"}} '
-    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
 
 
 def refusal_counts(server: LiveServer) -> tuple[float, float]:
-    return (metric(server, "pagoda:request_rejected_total", "overloaded"),
-            metric(server, "pagoda:request_refusal_seconds_count", "overloaded"))
+    return (
+        metric(server, "pagoda:request_rejected_total", "overloaded"),
+        metric(server, "pagoda:request_refusal_seconds_count", "overloaded"),
+    )
 
 
-def test_a_full_queue_refuses_without_reading_the_body(server: LiveServer,
-                                                       full_queue: list[QueueSlot]) -> None:
+def test_a_full_queue_refuses_without_reading_the_body(server: LiveServer, full_queue: list[QueueSlot]) -> None:
     rejected, timed = refusal_counts(server)
     # Not JSON at all: the app would answer 400, so only a refusal that never read it gives 503.
     response = httpx.post(server.base_url + "/completions", content=b"{not json", headers=HEADERS)
@@ -97,20 +100,32 @@ QUEUEING = [endpoint for endpoint in ENDPOINTS if endpoint.queues_work]
 
 def test_every_generation_endpoint_queues_work() -> None:
     assert {endpoint.path for endpoint in QUEUEING} == {
-        "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-        "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/invocations"}
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/classify",
+        "/invocations",
+    }
 
 
 @pytest.mark.parametrize("endpoint", QUEUEING, ids=lambda endpoint: endpoint.path)
-def test_each_generation_endpoint_refuses_in_its_own_shape(server: LiveServer, full_queue: list[QueueSlot],
-                                                           endpoint: Endpoint,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_each_generation_endpoint_refuses_in_its_own_shape(
+    server: LiveServer, full_queue: list[QueueSlot], endpoint: Endpoint, caplog: pytest.LogCaptureFixture
+) -> None:
     """Every endpoint of the table that queues work is refused before its body is read: a body
     that is not JSON would be the app's 400."""
     rejected, timed = refusal_counts(server)
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        response = httpx.request(endpoint.method, server.url + endpoint.path, content=b"{not json",
-                                 headers={"x-api-key": "key-open"})
+        response = httpx.request(
+            endpoint.method, server.url + endpoint.path, content=b"{not json", headers={"x-api-key": "key-open"}
+        )
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     if endpoint.anthropic:
         payload = response.json()
@@ -124,14 +139,16 @@ def test_each_generation_endpoint_refuses_in_its_own_shape(server: LiveServer, f
 
 
 @pytest.mark.parametrize("path", [endpoint.path for endpoint in ENDPOINTS if not endpoint.queues_work])
-def test_endpoints_that_queue_nothing_read_their_body(server: LiveServer, full_queue: list[QueueSlot],
-                                                      path: str) -> None:
+def test_endpoints_that_queue_nothing_read_their_body(
+    server: LiveServer, full_queue: list[QueueSlot], path: str
+) -> None:
     response = httpx.post(server.url + path, content=b"{not json", headers=HEADERS)
     assert response.status_code == 400
 
 
-def test_a_refusal_is_logged_as_at_admission(server: LiveServer, full_queue: list[QueueSlot],
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_refusal_is_logged_as_at_admission(
+    server: LiveServer, full_queue: list[QueueSlot], caplog: pytest.LogCaptureFixture
+) -> None:
     access = logging.getLogger("uvicorn.access")
     access.addHandler(caplog.handler)  # uvicorn's access logger does not propagate
     level = access.level
@@ -147,12 +164,13 @@ def test_a_refusal_is_logged_as_at_admission(server: LiveServer, full_queue: lis
     assert line["endpoint"] == "completions" and line["tenant"] == "open"
     assert line["model"] == MODEL_NAME and line["status"] == 503
     assert line["request_id"].startswith("rejected-") and "sequences queued" in line["error"]
-    assert any(r.name == "uvicorn.access" and "POST /v1/completions" in r.getMessage() and "503" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.name == "uvicorn.access" and "POST /v1/completions" in r.getMessage() and "503" in r.getMessage()
+        for r in caplog.records
+    )
 
 
-def test_authentication_and_tenant_limits_keep_their_answers(server: LiveServer,
-                                                             full_queue: list[QueueSlot]) -> None:
+def test_authentication_and_tenant_limits_keep_their_answers(server: LiveServer, full_queue: list[QueueSlot]) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic key-open"}):
         response = httpx.post(server.base_url + "/completions", json=COMPLETION, headers=headers)
         assert response.status_code == 401, headers
@@ -160,8 +178,9 @@ def test_authentication_and_tenant_limits_keep_their_answers(server: LiveServer,
     capped = ctx.settings.tenants.authenticate("key-capped")
     lease = ctx.limiter.acquire(capped, RequestWork(1))
     try:
-        response = httpx.post(server.base_url + "/completions", json=COMPLETION,
-                              headers={"Authorization": "Bearer key-capped"})
+        response = httpx.post(
+            server.base_url + "/completions", json=COMPLETION, headers={"Authorization": "Bearer key-capped"}
+        )
     finally:
         lease.release()
     assert response.status_code == 429 and response.json()["error"]["code"] == "rate_limit_exceeded"

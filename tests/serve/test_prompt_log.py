@@ -17,8 +17,7 @@ import pytest
 
 from pagoda.guard import load_guardrails
 from pagoda.serve.admission.tenants import TenantRegistry
-from pagoda.serve.observability.prompt_log import (AUDIT_FILE, PromptLog, parse_duration,
-                                     redaction_rules)
+from pagoda.serve.observability.prompt_log import AUDIT_FILE, PromptLog, parse_duration, redaction_rules
 from pagoda.serve.observability.request_log import LOGGER_NAME, RequestLogRecord
 from pagoda.serve.settings import ServerSettings
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
@@ -29,13 +28,21 @@ ADMIN_KEY, USER_KEY = "sk-admin-key", "sk-user-key"
 
 
 def record(tenant: str = "acme", prompt: str = "hi", output: str = "ok") -> RequestLogRecord:
-    return RequestLogRecord(request_id=f"r-{random.random()}", endpoint="completions", tenant=tenant,
-                            model=MODEL_NAME, prompt=[prompt], output=[output], output_tokens=1)
+    return RequestLogRecord(
+        request_id=f"r-{random.random()}",
+        endpoint="completions",
+        tenant=tenant,
+        model=MODEL_NAME,
+        prompt=[prompt],
+        output=[output],
+        output_tokens=1,
+    )
 
 
 def lines(directory: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(directory.glob("prompts-*.jsonl"))
-            for line in path.read_text().splitlines()]
+    return [
+        json.loads(line) for path in sorted(directory.glob("prompts-*.jsonl")) for line in path.read_text().splitlines()
+    ]
 
 
 def test_pii_is_redacted_before_writing_and_files_are_owner_only(tmp_path: Path) -> None:
@@ -55,15 +62,27 @@ def test_pii_is_redacted_before_writing_and_files_are_owner_only(tmp_path: Path)
 def test_the_guardrails_rules_redact_too(tmp_path: Path) -> None:
     """The --guardrails file's redacting rules apply to their tenants' records."""
     rules_file = tmp_path / "guardrails.yaml"
-    rules_file.write_text(json.dumps({"rules": [
-        {"name": "codename", "kind": "regex", "pattern": "project-[a-z]+", "action": "redact",
-         "replacement": "[CODENAME]", "tenants": ["acme"]}]}))
+    rules_file.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {
+                        "name": "codename",
+                        "kind": "regex",
+                        "pattern": "project-[a-z]+",
+                        "action": "redact",
+                        "replacement": "[CODENAME]",
+                        "tenants": ["acme"],
+                    }
+                ]
+            }
+        )
+    )
     log = PromptLog(tmp_path / "log", rules=redaction_rules(load_guardrails(rules_file)))
     log.record(record("acme", prompt="about project-falcon"))
     log.record(record("other", prompt="about project-falcon"))
     log.close()
-    assert [e["prompt"] for e in lines(tmp_path / "log")] == [["about [CODENAME]"],
-                                                              ["about project-falcon"]]
+    assert [e["prompt"] for e in lines(tmp_path / "log")] == [["about [CODENAME]"], ["about project-falcon"]]
 
 
 def test_sampling_keeps_about_the_rate(tmp_path: Path) -> None:
@@ -111,24 +130,38 @@ def test_retention_is_enforced_while_running_without_traffic(tmp_path: Path) -> 
         log.close()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--log-prompts", "--prompt-log-sample", "-0.5"], "--prompt-log-sample must be between 0 and 1"),
-    (["--log-prompts", "--prompt-log-sample", "1.5"], "--prompt-log-sample must be between 0 and 1"),
-    (["--log-prompts", "--prompt-log-retention", "soon"], "--prompt-log-retention: 'soon' is not a duration"),
-    (["--log-prompts", "--prompt-log-retention", "0h"], "--prompt-log-retention must be > 0"),
-    (["--prompt-log-retention", "1d"], "--prompt-log-retention needs --log-prompts"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--log-prompts", "--prompt-log-sample", "-0.5"], "--prompt-log-sample must be between 0 and 1"),
+        (["--log-prompts", "--prompt-log-sample", "1.5"], "--prompt-log-sample must be between 0 and 1"),
+        (["--log-prompts", "--prompt-log-retention", "soon"], "--prompt-log-retention: 'soon' is not a duration"),
+        (["--log-prompts", "--prompt-log-retention", "0h"], "--prompt-log-retention must be > 0"),
+        (["--prompt-log-retention", "1d"], "--prompt-log-retention needs --log-prompts"),
+    ],
+)
 def test_bad_values_exit_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tmp_path), *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--model", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"pagoda serve: {message}"), result.stderr
 
 
 def test_durations() -> None:
-    assert [parse_duration(t) for t in ("30d", "12h", "90m", "45s", "500ms", "2", "1w")] == \
-        [30 * 86400, 12 * 3600, 5400, 45, 0.5, 2, 604800]
+    assert [parse_duration(t) for t in ("30d", "12h", "90m", "45s", "500ms", "2", "1w")] == [
+        30 * 86400,
+        12 * 3600,
+        5400,
+        45,
+        0.5,
+        2,
+        604800,
+    ]
     settings = ServerSettings(log_prompts=True, prompt_log_retention="2h", prompt_log_dir="x")
     assert settings.prompt_log_retention_s == 7200 and settings.prompt_log_directory == Path("x")
 
@@ -137,21 +170,30 @@ def test_durations() -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> tuple[LiveServer, Path]:
     root = tmp_path_factory.mktemp("prompt-log")
     keys = root / "keys.json"
-    keys.write_text(json.dumps({"tenants": {"ops": {"api_keys": [ADMIN_KEY], "admin": True},
-                                            "acme": {"api_keys": [USER_KEY]}}}))
-    live = start_server(build_tiny_model(root / "model"), tenants=TenantRegistry.from_file(keys),
-                        log_prompts=True, prompt_log_dir=str(root / "log"))
+    keys.write_text(
+        json.dumps({"tenants": {"ops": {"api_keys": [ADMIN_KEY], "admin": True}, "acme": {"api_keys": [USER_KEY]}}})
+    )
+    live = start_server(
+        build_tiny_model(root / "model"),
+        tenants=TenantRegistry.from_file(keys),
+        log_prompts=True,
+        prompt_log_dir=str(root / "log"),
+    )
     yield live, root / "log"
     live.stop()
 
 
 def test_a_served_request_reaches_the_prompt_log_not_the_request_log(
-        server: tuple[LiveServer, Path], caplog: pytest.LogCaptureFixture) -> None:
+    server: tuple[LiveServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     live, directory = server
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        httpx.post(live.url + "/v1/completions", headers={"Authorization": f"Bearer {USER_KEY}"},
-                   json={"model": MODEL_NAME, "prompt": f"write to {EMAIL}", "max_tokens": 2},
-                   timeout=60).raise_for_status()
+        httpx.post(
+            live.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {USER_KEY}"},
+            json={"model": MODEL_NAME, "prompt": f"write to {EMAIL}", "max_tokens": 2},
+            timeout=60,
+        ).raise_for_status()
     assert all(EMAIL not in r.getMessage() and "write to" not in r.getMessage() for r in caplog.records)
     [entry] = [e for e in lines(directory) if e["prompt"] == ["write to [REDACTED_EMAIL]"]]
     assert entry["tenant"] == "acme" and entry["status"] == 200 and len(entry["output"]) == 1
@@ -160,8 +202,12 @@ def test_a_served_request_reaches_the_prompt_log_not_the_request_log(
 def test_the_admin_endpoint_reads_and_every_access_is_audited(server: tuple[LiveServer, Path]) -> None:
     live, directory = server
     for tenant_key, prompt in ((USER_KEY, "from acme"), (ADMIN_KEY, "from ops")):
-        httpx.post(live.url + "/v1/completions", headers={"Authorization": f"Bearer {tenant_key}"},
-                   json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}, timeout=60).raise_for_status()
+        httpx.post(
+            live.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {tenant_key}"},
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1},
+            timeout=60,
+        ).raise_for_status()
     url = live.url + "/admin/prompt-log"
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     answer = httpx.get(url, params={"tenant": "acme"}, headers=admin, timeout=30)
@@ -172,8 +218,7 @@ def test_the_admin_endpoint_reads_and_every_access_is_audited(server: tuple[Live
     assert ["from acme"] in [e["prompt"] for e in body["data"]]
     everyone = httpx.get(url, params={"limit": "1"}, headers=admin, timeout=30).json()["data"]
     assert [e["prompt"] for e in everyone] == [["from ops"]]  # the newest record
-    refused = httpx.get(url, params={"tenant": "ops"}, headers={"Authorization": f"Bearer {USER_KEY}"},
-                        timeout=30)
+    refused = httpx.get(url, params={"tenant": "ops"}, headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30)
     assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
     assert httpx.get(url, timeout=30).status_code == 401
     bad = httpx.get(url, params={"limit": "-3"}, headers=admin, timeout=30)

@@ -32,8 +32,9 @@ def test_completion_prompt_logprobs_match_transformers(server: LiveServer, model
     from transformers import AutoModelForCausalLM
 
     tokens = post(server, "/tokenize", {"prompt": PROMPT}).json()["tokens"]
-    response = post(server, "/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0,
-                                                "prompt_logprobs": 3})
+    response = post(
+        server, "/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3}
+    )
     assert response.status_code == 200, response.text
     (choice,) = response.json()["choices"]
     entries = choice["prompt_logprobs"]
@@ -67,8 +68,7 @@ def test_prompt_logprobs_equal_echoed_logprobs(server: LiveServer) -> None:
 
 
 def test_batched_prompts_each_score_their_own(server: LiveServer) -> None:
-    response = post(server, "/v1/completions", {"prompt": [PROMPT, "import os"], "max_tokens": 1,
-                                                "prompt_logprobs": 1})
+    response = post(server, "/v1/completions", {"prompt": [PROMPT, "import os"], "max_tokens": 1, "prompt_logprobs": 1})
     choices = sorted(response.json()["choices"], key=lambda c: c["index"])
     lengths = [len(c["prompt_logprobs"]) for c in choices]
     assert lengths[0] != lengths[1]
@@ -76,8 +76,7 @@ def test_batched_prompts_each_score_their_own(server: LiveServer) -> None:
 
 def test_chat_prompt_logprobs(server: LiveServer) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
-    response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
-                                                     "prompt_logprobs": 2})
+    response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "prompt_logprobs": 2})
     assert response.status_code == 200, response.text
     body = response.json()
     entries = body["prompt_logprobs"]
@@ -87,15 +86,21 @@ def test_chat_prompt_logprobs(server: LiveServer) -> None:
     assert plain["prompt_logprobs"] is None
 
 
-@pytest.mark.parametrize("path, base", [
-    ("/v1/completions", {"prompt": PROMPT}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-])
-@pytest.mark.parametrize("extra, param", [
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path, base",
+    [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
 def test_refusals(server: LiveServer, path: str, base: dict, extra: dict, param: str) -> None:
     response = post(server, path, {**base, "max_tokens": 1, **extra})
     assert response.status_code == 400, response.text

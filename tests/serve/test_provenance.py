@@ -14,12 +14,17 @@ from typing import Any
 import httpx
 import pytest
 
-from pagoda.serve.observability.provenance import (HEADER, ProvenanceBook, RouteTaken, engine_config_fingerprint,
-                                     unverified_weights_digest)
-from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.engine.client import StreamRoute
-from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 from pagoda.serve.admission.tenants import TenantRegistry
+from pagoda.serve.observability.provenance import (
+    HEADER,
+    ProvenanceBook,
+    RouteTaken,
+    engine_config_fingerprint,
+    unverified_weights_digest,
+)
+from pagoda.serve.observability.request_log import RequestLogRecord
+from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 KEYS_FILE = """
 tenants:
@@ -34,8 +39,7 @@ def sha256(data: bytes) -> str:
 
 
 def files_digest(root: Path, names: list[str]) -> str:
-    lines = "".join(f"{name}\0{hashlib.sha256((root / name).read_bytes()).hexdigest()}\n"
-                    for name in sorted(names))
+    lines = "".join(f"{name}\0{hashlib.sha256((root / name).read_bytes()).hexdigest()}\n" for name in sorted(names))
     return sha256(lines.encode())
 
 
@@ -54,8 +58,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
         pass
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
-    live = start_server(model, engine=engine, tenants=TenantRegistry.from_file(keys),
-                        allow_runtime_lora=adapter is not None)
+    live = start_server(
+        model, engine=engine, tenants=TenantRegistry.from_file(keys), allow_runtime_lora=adapter is not None
+    )
     records: list[RequestLogRecord] = []
     live.app.state.ctx.request_log.add_listener(records.append)
     yield live, model, adapter, records, root
@@ -63,14 +68,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 
 def post(server: LiveServer, path: str, key: str = "key-acme", **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url.removesuffix("/v1") + path, json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {key}"})
+    return httpx.post(
+        server.base_url.removesuffix("/v1") + path, json=body, timeout=60, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def admin_record(server: LiveServer, provenance_id: str, key: str | None = "key-ops") -> httpx.Response:
     """`key` None: an open server's (no keys configured: every caller is the operator)."""
-    return httpx.get(server.base_url.removesuffix("/v1") + f"/admin/provenance/{provenance_id}",
-                     headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+    return httpx.get(
+        server.base_url.removesuffix("/v1") + f"/admin/provenance/{provenance_id}",
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        timeout=30,
+    )
 
 
 def record_of(records: list[RequestLogRecord], request_id: str) -> RequestLogRecord:
@@ -91,11 +100,9 @@ def expected_model_fields(server: LiveServer, model: Path) -> dict[str, Any]:
     return {
         "model": MODEL_NAME,
         "weights_digest": unverified_weights_digest(model),
-        "tokenizer_digest": files_digest(model, ["tokenizer.json", "tokenizer_config.json",
-                                                 "special_tokens_map.json"]),
+        "tokenizer_digest": files_digest(model, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]),
         "chat_template_digest": sha256(template.encode()) if template else None,
-        "generation_config_digest": sha256(generation_config.read_bytes())
-        if generation_config.is_file() else None,
+        "generation_config_digest": sha256(generation_config.read_bytes()) if generation_config.is_file() else None,
         "guardrail_policy": None,
         "engine_config_fingerprint": engine_config_fingerprint(server.llm.config),
     }
@@ -109,10 +116,13 @@ def test_completion_header_and_log_record(setup) -> None:
     assert provenance_id == response.json()["id"]
     record = record_of(records, provenance_id)
     assert record.provenance is not None
-    assert record.provenance == {"id": provenance_id, **expected_model_fields(server, model),
-                                 "adapter": None, "adapter_hash": None,
-                                 "route": {"model": MODEL_NAME, "pool": None, "replica": None,
-                                           "route": None, "fallback": False, "canary": None}}
+    assert record.provenance == {
+        "id": provenance_id,
+        **expected_model_fields(server, model),
+        "adapter": None,
+        "adapter_hash": None,
+        "route": {"model": MODEL_NAME, "pool": None, "replica": None, "route": None, "fallback": False, "canary": None},
+    }
     assert record.cost_usd is None  # no --price-table
     # An admin key finds the record by the header's id; another tenant's key may not.
     found = admin_record(server, provenance_id)
@@ -143,10 +153,20 @@ def test_weights_digest_follows_the_weight_files(setup, tmp_path: Path) -> None:
 
 def test_streamed_chat_carries_the_header(setup) -> None:
     server, model, _, records, _ = setup
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": "Bearer key-acme"}) as response:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        server.base_url + "/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": "Bearer key-acme"},
+    ) as response:
         assert response.status_code == 200
         provenance_id = response.headers[HEADER]
         lines = [line for line in response.iter_lines() if line.startswith("data: {")]
@@ -161,10 +181,10 @@ def test_streamed_chat_carries_the_header(setup) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_messages_carry_the_header(setup, stream: bool) -> None:
     server, _, _, records, _ = setup
-    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
-            "stream": stream}
-    with httpx.stream("POST", server.base_url + "/messages", json=body, timeout=60,
-                      headers={"x-api-key": "key-acme"}) as response:
+    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    with httpx.stream(
+        "POST", server.base_url + "/messages", json=body, timeout=60, headers={"x-api-key": "key-acme"}
+    ) as response:
         assert response.status_code == 200
         provenance_id = response.headers[HEADER]
         response.read()
@@ -225,9 +245,16 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("provenance_dp")
     rules = root / "rules.yaml"
     rules.write_text("default: chat\nrules:\n  - {pool: long, min_prompt_tokens: 40}\n")
-    live = start_server(build_tiny_model(root / "model"), transport="thread",
-                        deployment={"data_parallel_size": 2, "restart": False,
-                                    "replica_pools": "chat=1,long=1", "route_rules": str(rules)})
+    live = start_server(
+        build_tiny_model(root / "model"),
+        transport="thread",
+        deployment={
+            "data_parallel_size": 2,
+            "restart": False,
+            "replica_pools": "chat=1,long=1",
+            "route_rules": str(rules),
+        },
+    )
     yield live
     live.stop()
 
@@ -236,12 +263,21 @@ def test_replica_request_names_its_pool_and_replica(replicas: LiveServer) -> Non
     records: list[RequestLogRecord] = []
     replicas.app.state.ctx.request_log.add_listener(records.append)
     for prompt, pool, replica in (([7] * 8, "chat", "0"), ([7] * 60, "long", "1"), ([9] * 4, "chat", "0")):
-        response = httpx.post(replicas.base_url + "/completions", timeout=60, json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        response = httpx.post(
+            replicas.base_url + "/completions",
+            timeout=60,
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+        )
         assert response.status_code == 200
         provenance = admin_record(replicas, response.headers[HEADER], key=None).json()
-        assert provenance["route"] == {"model": MODEL_NAME, "pool": pool, "replica": replica,
-                                       "route": None, "fallback": False, "canary": None}
+        assert provenance["route"] == {
+            "model": MODEL_NAME,
+            "pool": pool,
+            "replica": replica,
+            "route": None,
+            "fallback": False,
+            "canary": None,
+        }
         assert record_of(records, response.headers[HEADER]).provenance == provenance
 
 

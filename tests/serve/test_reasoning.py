@@ -18,14 +18,17 @@ from server_utils import MODEL_NAME, LiveServer, start_server
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.mark.parametrize("name, opened, text, expected", [
-    ("qwen3", False, "<think>\nplan</think>\n\nanswer", ("plan", "answer")),
-    ("qwen3", False, "just an answer", (None, "just an answer")),
-    ("qwen3", False, "<think>cut short", ("cut short", "")),
-    ("qwen3", True, "plan</think>answer", ("plan", "answer")),
-    ("deepseek_r1", False, "plan</think>answer", ("plan", "answer")),
-    ("deepseek_r1", False, "never closed", ("never closed", "")),
-])
+@pytest.mark.parametrize(
+    "name, opened, text, expected",
+    [
+        ("qwen3", False, "<think>\nplan</think>\n\nanswer", ("plan", "answer")),
+        ("qwen3", False, "just an answer", (None, "just an answer")),
+        ("qwen3", False, "<think>cut short", ("cut short", "")),
+        ("qwen3", True, "plan</think>answer", ("plan", "answer")),
+        ("deepseek_r1", False, "plan</think>answer", ("plan", "answer")),
+        ("deepseek_r1", False, "never closed", ("never closed", "")),
+    ],
+)
 def test_split_whole_and_streamed_agree(name: str, opened: bool, text: str, expected: tuple) -> None:
     parser = get_reasoning_parser(name)
     opened = opened or parser.opened_by_prompt("")
@@ -70,18 +73,23 @@ def r1(r1_dir: Path) -> LiveServer:
 
 
 def chat(server: LiveServer, **fields) -> dict:
-    response = httpx.post(server.base_url + "/chat/completions", timeout=120,
-                          json={"model": MODEL_NAME, "messages": HELLO, "max_tokens": 8, "temperature": 0,
-                                **fields})
+    response = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=120,
+        json={"model": MODEL_NAME, "messages": HELLO, "max_tokens": 8, "temperature": 0, **fields},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def streamed(server: LiveServer, **fields) -> tuple[str, str]:
     reasoning = content = ""
-    with httpx.stream("POST", server.base_url + "/chat/completions", timeout=120,
-                      json={"model": MODEL_NAME, "messages": HELLO, "max_tokens": 8, "temperature": 0,
-                            "stream": True, **fields}) as response:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/chat/completions",
+        timeout=120,
+        json={"model": MODEL_NAME, "messages": HELLO, "max_tokens": 8, "temperature": 0, "stream": True, **fields},
+    ) as response:
         assert response.status_code == 200
         for event in iter_sse_events(response.iter_lines()):
             if not event.done:
@@ -98,8 +106,11 @@ def test_chat_template_kwargs_reach_the_template(qwen3: LiveServer) -> None:
     message = chat(qwen3, chat_template_kwargs={"enable_thinking": False})["choices"][0]["message"]
     assert message["reasoning_content"] is None  # thinking closed in the prompt: all answer
     for bad in ({"tokenize": True}, {"add_generation_prompt": False}, "x"):
-        response = httpx.post(qwen3.base_url + "/chat/completions", timeout=60, json={
-            "model": MODEL_NAME, "messages": HELLO, "max_tokens": 1, "chat_template_kwargs": bad})
+        response = httpx.post(
+            qwen3.base_url + "/chat/completions",
+            timeout=60,
+            json={"model": MODEL_NAME, "messages": HELLO, "max_tokens": 1, "chat_template_kwargs": bad},
+        )
         assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"
 
 
@@ -113,8 +124,11 @@ def test_structured_output_follows_the_thinking(r1: LiveServer, r1_dir: Path) ->
     """The thinking is free; the answer after </think> follows the schema. The bias starts the
     answer at once; it cannot push anything past the grammar."""
     schema = {"type": "string", "enum": ["alpha", "beta"]}
-    fields = {"max_tokens": 24, "logit_bias": {str(token_id(r1_dir, "</think>")): 100},
-              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    fields = {
+        "max_tokens": 24,
+        "logit_bias": {str(token_id(r1_dir, "</think>")): 100},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
     choice = chat(r1, **fields)["choices"][0]
     assert choice["message"]["reasoning_content"] == ""
     assert json.loads(choice["message"]["content"]) in schema["enum"]

@@ -35,8 +35,9 @@ def tokenize(server: LiveServer, text: str) -> list[int]:
 
 
 def stream_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.url + path, json={"model": MODEL_NAME, "stream": True, **body},
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", server.url + path, json={"model": MODEL_NAME, "stream": True, **body}, timeout=60
+    ) as response:
         assert response.status_code == 200
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     return [json.loads(line) for line in lines if line != "[DONE]"]
@@ -46,16 +47,23 @@ def stream_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:
 
 
 def row(params: SamplingParams, output: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(sampling_params=params, output_token_ids=output, num_output_tokens=len(output),
-                           eos_token_ids=[], all_token_ids=output)
+    return SimpleNamespace(
+        sampling_params=params,
+        output_token_ids=output,
+        num_output_tokens=len(output),
+        eos_token_ids=[],
+        all_token_ids=output,
+    )
 
 
 def test_sampler_masks_allowed_tokens_and_bad_word_endings_in_one_batch() -> None:
     sampler = Sampler(10, torch.device("cpu"), 0)
     logits = torch.zeros(3, 10)
-    rows = [row(SamplingParams(allowed_token_ids=[2, 5]), []),
-            row(SamplingParams(bad_words_token_ids=[[7], [3, 4]]), [1, 3]),
-            row(SamplingParams(bad_words_token_ids=[[3, 4]]), [1, 2])]
+    rows = [
+        row(SamplingParams(allowed_token_ids=[2, 5]), []),
+        row(SamplingParams(bad_words_token_ids=[[7], [3, 4]]), [1, 3]),
+        row(SamplingParams(bad_words_token_ids=[[3, 4]]), [1, 2]),
+    ]
     processed = sampler.process(logits, rows)
     assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == [2, 5]
     assert torch.isinf(processed[1]).nonzero().flatten().tolist() == [4, 7]  # [3, 4] after a 3
@@ -84,9 +92,19 @@ def test_invalid_values_are_refused() -> None:
 
 def test_allowed_token_ids(server: LiveServer) -> None:
     allowed = tokenize(server, " the a")[-2:]
-    body = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-                                            "seed": 1, "ignore_eos": True, "allowed_token_ids": allowed,
-                                            "return_token_ids": True}).json()
+    body = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 1,
+            "ignore_eos": True,
+            "allowed_token_ids": allowed,
+            "return_token_ids": True,
+        },
+    ).json()
     token_ids = body["choices"][0]["token_ids"]
     assert len(token_ids) == 8 and set(token_ids) <= set(allowed)
     response = post(server, "/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [10**7]})
@@ -106,20 +124,44 @@ def test_bad_words_are_never_generated(server: LiveServer) -> None:
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_truncate_prompt_tokens(server: LiveServer, side: str) -> None:
     tokens = tokenize(server, PROMPT)
-    body = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "truncate_prompt_tokens": 4,
-                                            "truncation_side": side, "return_token_ids": True,
-                                            "echo": True}).json()
+    body = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "truncate_prompt_tokens": 4,
+            "truncation_side": side,
+            "return_token_ids": True,
+            "echo": True,
+        },
+    ).json()
     choice = body["choices"][0]
     expected = tokens[-4:] if side == "left" else tokens[:4]
     assert choice["prompt_token_ids"] == expected and body["usage"]["prompt_tokens"] == 4
-    chat = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
-                                                 "truncate_prompt_tokens": 3, "truncation_side": side,
-                                                 "return_token_ids": True}).json()
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "max_tokens": 2,
+            "truncate_prompt_tokens": 3,
+            "truncation_side": side,
+            "return_token_ids": True,
+        },
+    ).json()
     assert chat["usage"]["prompt_tokens"] == 3 and len(chat["prompt_token_ids"]) == 3
 
 
-@pytest.mark.parametrize("extra", [{"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
-                                   {"truncate_prompt_tokens": 10**9}, {"truncation_side": "middle"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"truncate_prompt_tokens": 0},
+        {"truncate_prompt_tokens": -2},
+        {"truncate_prompt_tokens": 10**9},
+        {"truncation_side": "middle"},
+    ],
+)
 def test_bad_truncation_is_a_400(server: LiveServer, extra: dict) -> None:
     for path, base in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
         response = post(server, path, {**base, "max_tokens": 1, **extra})

@@ -16,8 +16,7 @@ BODIES = {
     "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0},
     "responses": {"input": "hi", "max_output_tokens": 2, "temperature": 0, "store": False},
 }
-BASES = {endpoint.name: (endpoint.path, BODIES[endpoint.name]) for endpoint in ENDPOINTS
-         if endpoint.name in BODIES}
+BASES = {endpoint.name: (endpoint.path, BODIES[endpoint.name]) for endpoint in ENDPOINTS if endpoint.name in BODIES}
 TABLES = {endpoint.name: endpoint.fields for endpoint in ENDPOINTS if endpoint.name in BODIES}
 
 
@@ -29,8 +28,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
 
 
 def cases(support: Support) -> list[tuple[str, str]]:
-    return [(endpoint, name) for endpoint, table in TABLES.items()
-            for name, field in table.items() if field.support is support]
+    return [
+        (endpoint, name)
+        for endpoint, table in TABLES.items()
+        for name, field in table.items()
+        if field.support is support
+    ]
 
 
 @pytest.mark.parametrize("endpoint, name", cases(Support.REFUSED))
@@ -48,8 +51,7 @@ def test_refused_fields_are_400s_naming_them(server: LiveServer, endpoint: str, 
 def test_ignored_fields_do_not_change_the_output(server: LiveServer) -> None:
     for endpoint, (path, base) in BASES.items():
         plain = httpx.post(server.url + path, json=base, timeout=30).json()
-        extras = {name: field.example for name, field in TABLES[endpoint].items()
-                  if field.support is Support.IGNORED}
+        extras = {name: field.example for name, field in TABLES[endpoint].items() if field.support is Support.IGNORED}
         assert extras and all(v is not None for v in extras.values())
         response = httpx.post(server.url + path, json={**base, **extras}, timeout=30)
         assert response.status_code == 200, response.text
@@ -62,12 +64,13 @@ def test_ignored_fields_do_not_change_the_output(server: LiveServer) -> None:
 
 def test_inert_values_of_refused_fields_are_accepted(server: LiveServer) -> None:
     path, base = BASES["chat"]
-    inert = {"use_beam_search": False, "functions": [], "function_call": "none", "chat_template": None,
-             "echo": False}
+    inert = {"use_beam_search": False, "functions": [], "function_call": "none", "chat_template": None, "echo": False}
     assert httpx.post(server.url + path, json={**base, **inert}, timeout=30).status_code == 200
     path, base = BASES["completions"]
-    assert httpx.post(server.url + path, json={**base, "suffix": "", "use_beam_search": False},
-                      timeout=30).status_code == 200
+    assert (
+        httpx.post(server.url + path, json={**base, "suffix": "", "use_beam_search": False}, timeout=30).status_code
+        == 200
+    )
 
 
 def test_every_request_model_field_is_in_the_table() -> None:

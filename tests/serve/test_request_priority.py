@@ -27,8 +27,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("priority")
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS_FILE))
-    live = start_server(build_tiny_model(root / "model"), tenants=TenantRegistry.from_file(keys),
-                        engine={"scheduling_policy": "priority", "max_num_seqs": 1})
+    live = start_server(
+        build_tiny_model(root / "model"),
+        tenants=TenantRegistry.from_file(keys),
+        engine={"scheduling_policy": "priority", "max_num_seqs": 1},
+    )
     yield live
     live.stop()
 
@@ -56,10 +59,16 @@ def test_queued_requests_run_in_the_order_of_their_priority(server: LiveServer) 
     started: dict[str, float] = {}
 
     def run(name: str, priority: int | None) -> None:
-        body = completion("key-batch", max_tokens=24, ignore_eos=True, stream=True,
-                          **({"priority": priority} if priority is not None else {}))
-        with httpx.stream("POST", server.base_url + "/completions", json=body, headers=headers("key-batch"),
-                          timeout=120) as response:
+        body = completion(
+            "key-batch",
+            max_tokens=24,
+            ignore_eos=True,
+            stream=True,
+            **({"priority": priority} if priority is not None else {}),
+        )
+        with httpx.stream(
+            "POST", server.base_url + "/completions", json=body, headers=headers("key-batch"), timeout=120
+        ) as response:
             assert response.status_code == 200
             for event in iter_sse_events(response.iter_lines()):
                 if not event.done and event.json()["choices"]:
@@ -68,13 +77,16 @@ def test_queued_requests_run_in_the_order_of_their_priority(server: LiveServer) 
     # As long as the context allows: it is aborted long before it ends.
     blocker_body = completion("key-urgent", max_tokens=server.llm.max_model_len - 8, ignore_eos=True, stream=True)
     with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
-        with http.stream("POST", server.base_url + "/completions", json=blocker_body,
-                         headers=headers("key-urgent")) as blocker:
+        with http.stream(
+            "POST", server.base_url + "/completions", json=blocker_body, headers=headers("key-urgent")
+        ) as blocker:
             assert blocker.status_code == 200
             lines = blocker.iter_lines()
             next(line for line in lines if line.startswith("data:"))  # it holds the slot
-            futures = [pool.submit(run, name, priority)
-                       for name, priority in (("eight", 8), ("zero", 0), ("six", 6), ("default", None))]
+            futures = [
+                pool.submit(run, name, priority)
+                for name, priority in (("eight", 8), ("zero", 0), ("six", 6), ("default", None))
+            ]
             wait_for(lambda: server.stats().num_waiting == 4)
         # Leaving the stream aborts the blocker: the queue runs.
         for future in futures:
@@ -83,24 +95,38 @@ def test_queued_requests_run_in_the_order_of_their_priority(server: LiveServer) 
     assert server.wait_idle().num_waiting == 0
 
 
-@pytest.mark.parametrize("key, priority, status", [
-    ("key-batch", 0, 200), ("key-batch", 10, 200), ("key-batch", -1, 400), ("key-batch", 11, 400),
-    ("key-plain", 3, 200), ("key-plain", 50, 200), ("key-plain", 2, 400), ("key-urgent", -5, 200),
-    ("key-batch", 2**70, 400), ("key-batch", "high", 400),
-])
+@pytest.mark.parametrize(
+    "key, priority, status",
+    [
+        ("key-batch", 0, 200),
+        ("key-batch", 10, 200),
+        ("key-batch", -1, 400),
+        ("key-batch", 11, 400),
+        ("key-plain", 3, 200),
+        ("key-plain", 50, 200),
+        ("key-plain", 2, 400),
+        ("key-urgent", -5, 200),
+        ("key-batch", 2**70, 400),
+        ("key-batch", "high", 400),
+    ],
+)
 def test_a_tenant_cannot_jump_the_queue_past_its_floor(server: LiveServer, key: str, priority, status: int) -> None:
-    response = httpx.post(server.base_url + "/completions", json=completion(key, priority=priority),
-                          headers=headers(key), timeout=60)
+    response = httpx.post(
+        server.base_url + "/completions", json=completion(key, priority=priority), headers=headers(key), timeout=60
+    )
     assert response.status_code == status, response.text
     if status == 400:
         assert response.json()["error"]["param"] == "priority"
 
 
 def test_priority_range_must_hold_the_tenants_priority(tmp_path: Path) -> None:
-    assert parse_tenants({"tenants": {"a": {"api_keys": ["k"], "priority_range": [-2, 4]}}})["k"] \
-        .limits.priority_range == (-2, 4)
-    for spec, message in (({"priority_range": [5, 1]}, "lowest, highest"),
-                          ({"priority_range": [1, 5]}, "outside priority_range"),
-                          ({"priority_range": "0-5"}, "lowest, highest")):
+    assert parse_tenants({"tenants": {"a": {"api_keys": ["k"], "priority_range": [-2, 4]}}})[
+        "k"
+    ].limits.priority_range == (-2, 4)
+    for spec, message in (
+        ({"priority_range": [5, 1]}, "lowest, highest"),
+        ({"priority_range": [1, 5]}, "outside priority_range"),
+        ({"priority_range": "0-5"}, "lowest, highest"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_tenants({"tenants": {"a": {"api_keys": ["k"], **spec}}})

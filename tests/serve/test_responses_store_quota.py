@@ -25,17 +25,25 @@ def test_the_largest_holder_is_evicted_first() -> None:
 
 def test_a_flooding_tenant_cannot_evict_another_tenants_responses(tmp_path) -> None:
     keys = tmp_path / "keys.yaml"
-    keys.write_text(textwrap.dedent("""
+    keys.write_text(
+        textwrap.dedent("""
         tenants:
           alice: {api_keys: [key-alice]}
           mallory: {api_keys: [key-mallory]}
-    """))
-    live = start_server(build_tiny_model(tmp_path / "model"), tenants=TenantRegistry.from_file(keys),
-                        responses_store_size=4)
+    """)
+    )
+    live = start_server(
+        build_tiny_model(tmp_path / "model"), tenants=TenantRegistry.from_file(keys), responses_store_size=4
+    )
     try:
+
         def respond(key: str, **body) -> httpx.Response:
-            return httpx.post(live.url + "/v1/responses", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                              json={"model": MODEL_NAME, "input": "hi", "max_output_tokens": 1, **body})
+            return httpx.post(
+                live.url + "/v1/responses",
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+                json={"model": MODEL_NAME, "input": "hi", "max_output_tokens": 1, **body},
+            )
 
         kept = respond("key-alice")
         assert kept.status_code == 200, kept.text

@@ -31,8 +31,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     root = tmp_path_factory.mktemp("route-keys")
     keys = root / "keys.yaml"
     keys.write_text(textwrap.dedent(KEYS))
-    live = start_server(build_tiny_model(root / "model"), tenants=TenantRegistry.from_file(keys),
-                        allow_runtime_lora=True)
+    live = start_server(
+        build_tiny_model(root / "model"), tenants=TenantRegistry.from_file(keys), allow_runtime_lora=True
+    )
     yield live
     live.stop()
 

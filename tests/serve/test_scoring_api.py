@@ -40,8 +40,10 @@ def cross_encoder(cross_encoder_dir: Path) -> LiveServer:
 @pytest.fixture(scope="module")
 def expected_scores(cross_encoder_dir: Path, cross_encoder: LiveServer) -> list[float]:
     tokenizer = cross_encoder.llm.tokenizer.hf
-    return [torch.sigmoid(hf_logits(cross_encoder_dir, tokenizer(QUERY, text_pair=d)["input_ids"])[0]).item()
-            for d in DOCUMENTS]
+    return [
+        torch.sigmoid(hf_logits(cross_encoder_dir, tokenizer(QUERY, text_pair=d)["input_ids"])[0]).item()
+        for d in DOCUMENTS
+    ]
 
 
 def post(server: LiveServer, path: str, body: dict) -> httpx.Response:
@@ -83,12 +85,15 @@ def test_rerank_sorts_documents_by_score(cross_encoder: LiveServer, expected_sco
     assert len(bare["results"]) == len(DOCUMENTS) and all("document" not in r for r in bare["results"])
 
 
-@pytest.mark.parametrize("body, param, code", [
-    ({"query": QUERY, "documents": []}, "documents", None),
-    ({"query": QUERY, "documents": DOCUMENTS, "top_n": -1}, "top_n", None),
-    ({"query": QUERY, "documents": DOCUMENTS, "rank_fields": ["title"]}, "rank_fields", "unsupported_field"),
-    ({"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
-])
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"query": QUERY, "documents": []}, "documents", None),
+        ({"query": QUERY, "documents": DOCUMENTS, "top_n": -1}, "top_n", None),
+        ({"query": QUERY, "documents": DOCUMENTS, "rank_fields": ["title"]}, "rank_fields", "unsupported_field"),
+        ({"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+    ],
+)
 def test_rerank_refusals_name_the_field(cross_encoder: LiveServer, body: dict, param: str, code: str | None) -> None:
     response = post(cross_encoder, "/v1/rerank", body)
     assert response.status_code == 400, response.text
@@ -96,8 +101,9 @@ def test_rerank_refusals_name_the_field(cross_encoder: LiveServer, body: dict, p
     assert error["param"] == param and (code is None or error["code"] == code)
 
 
-def test_use_activation_false_answers_logits(cross_encoder_dir: Path, cross_encoder: LiveServer,
-                                            expected_scores: list[float]) -> None:
+def test_use_activation_false_answers_logits(
+    cross_encoder_dir: Path, cross_encoder: LiveServer, expected_scores: list[float]
+) -> None:
     raw = post(cross_encoder, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS, "use_activation": False}).json()
     logits = torch.tensor([d["score"] for d in raw["data"]])
     assert torch.sigmoid(logits).tolist() == pytest.approx(expected_scores, abs=TOLERANCE)
@@ -107,8 +113,9 @@ def test_use_activation_false_answers_logits(cross_encoder_dir: Path, cross_enco
 
 
 def test_truncation_cuts_the_pair(cross_encoder: LiveServer) -> None:
-    body = post(cross_encoder, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[0],
-                                             "truncate_prompt_tokens": 4}).json()
+    body = post(
+        cross_encoder, "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS[0], "truncate_prompt_tokens": 4}
+    ).json()
     assert body["usage"]["prompt_tokens"] == 4
 
 
@@ -154,15 +161,18 @@ def test_openapi_documents_the_bodies(cross_encoder: LiveServer) -> None:
         assert "requestBody" in paths[path]["post"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/rerank", {"query": "", "documents": [""]}),
-    ("/v1/score", {"text_1": [], "text_2": "x"}),
-    ("/v1/score", {"text_1": "x", "text_2": []}),
-    ("/v1/score", {"text_1": "x", "text_2": "y", "truncate_prompt_tokens": 10**9}),
-    ("/classify", {"input": []}),
-    ("/classify", {"input": ""}),
-    ("/classify", {"input": [10**9]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/rerank", {"query": "", "documents": [""]}),
+        ("/v1/score", {"text_1": [], "text_2": "x"}),
+        ("/v1/score", {"text_1": "x", "text_2": []}),
+        ("/v1/score", {"text_1": "x", "text_2": "y", "truncate_prompt_tokens": 10**9}),
+        ("/classify", {"input": []}),
+        ("/classify", {"input": ""}),
+        ("/classify", {"input": [10**9]}),
+    ],
+)
 def test_bad_bodies_are_400s(cross_encoder: LiveServer, path: str, body: dict) -> None:
     response = post(cross_encoder, path, body)
     assert response.status_code == 400, response.text

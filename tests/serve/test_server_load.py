@@ -15,9 +15,9 @@ import pytest
 
 from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from pagoda.serve.observability.prompt_log import PromptLog, PromptLogQuery
 from pagoda.serve.observability.request_log import LOGGER_NAME, RequestLogger, RequestLogRecord
-from pagoda.serve.admission.tenants import Tenant, TenantLimits, TenantRegistry
 from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
 
 SECRET_PROMPT = "import os\nclass Config:"
@@ -62,8 +62,13 @@ def cut_streams_at_random(server: LiveServer) -> None:
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         chat = i % 2 == 1
-        body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 400, "ignore_eos": True,
-                                "stream": True, "n": 1 + i % 3}
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+            "n": 1 + i % 3,
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": f"request {i}"}]
         else:
@@ -91,8 +96,7 @@ def cut_streams_at_random(server: LiveServer) -> None:
     async def main() -> None:
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
-            await asyncio.gather(*(cut_early(client, i) if i % 5 == 0 else one(client, i)
-                                   for i in range(50)))
+            await asyncio.gather(*(cut_early(client, i) if i % 5 == 0 else one(client, i) for i in range(50)))
 
     asyncio.run(main())
     assert_idle(server)
@@ -108,18 +112,18 @@ def test_non_streamed_disconnect_aborts(server: LiveServer) -> None:
 
 
 def test_overload_rejects_instead_of_queueing(model_dir) -> None:
-    tenants = TenantRegistry({"key-a": Tenant("a", TenantLimits(max_concurrent_requests=2)),
-                              "key-b": Tenant("b")})
-    live = start_server(model_dir, engine={"max_num_seqs": 4}, tenants=tenants,
-                        max_queued_requests=4)
+    tenants = TenantRegistry({"key-a": Tenant("a", TenantLimits(max_concurrent_requests=2)), "key-b": Tenant("b")})
+    live = start_server(model_dir, engine={"max_num_seqs": 4}, tenants=tenants, max_queued_requests=4)
     try:
+
         async def one(client: httpx.AsyncClient, i: int) -> tuple[int, Any]:
             key = "key-a" if i % 2 else "key-b"
             await asyncio.sleep(i * 0.004)  # a flood, but spread enough for several admissions
             response = await client.post(
-                "/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                json={"model": MODEL_NAME, "prompt": f"load {i}", "max_tokens": 24,
-                      "ignore_eos": True})
+                "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": MODEL_NAME, "prompt": f"load {i}", "max_tokens": 24, "ignore_eos": True},
+            )
             return response.status_code, response
 
         async def main() -> list[tuple[int, Any]]:
@@ -138,9 +142,12 @@ def test_overload_rejects_instead_of_queueing(model_dir) -> None:
                 assert int(response.headers["Retry-After"]) >= 1
                 assert response.json()["error"]["message"]
         assert_idle(live)
-        after = httpx.post(live.base_url + "/completions", timeout=10,
-                           headers={"Authorization": "Bearer key-b"},
-                           json={"model": MODEL_NAME, "prompt": "after", "max_tokens": 2})
+        after = httpx.post(
+            live.base_url + "/completions",
+            timeout=10,
+            headers={"Authorization": "Bearer key-b"},
+            json={"model": MODEL_NAME, "prompt": "after", "max_tokens": 2},
+        )
         assert after.status_code == 200
         metrics = httpx.get(live.url + "/metrics").text
         assert 'reason="overloaded"' in metrics and 'reason="rate_limited"' in metrics
@@ -181,10 +188,13 @@ def test_health_turns_503_when_the_engine_dies(model_dir) -> None:
 
 def test_one_log_line_per_request(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-        ok = httpx.post(server.base_url + "/completions", json={
-            "model": MODEL_NAME, "prompt": SECRET_PROMPT, "max_tokens": 3, "ignore_eos": True})
-        bad = httpx.post(server.base_url + "/completions", json={
-            "model": MODEL_NAME, "prompt": SECRET_PROMPT, "temperature": -1})
+        ok = httpx.post(
+            server.base_url + "/completions",
+            json={"model": MODEL_NAME, "prompt": SECRET_PROMPT, "max_tokens": 3, "ignore_eos": True},
+        )
+        bad = httpx.post(
+            server.base_url + "/completions", json={"model": MODEL_NAME, "prompt": SECRET_PROMPT, "temperature": -1}
+        )
     assert ok.status_code == 200 and bad.status_code == 400
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
     assert [line["status"] for line in lines] == [200, 400]
@@ -200,8 +210,7 @@ def test_one_log_line_per_request(server: LiveServer, caplog: pytest.LogCaptureF
 def test_log_prompts_opt_in(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """Prompts and outputs never reach the request log; --log-prompts writes them to the
     separate prompt log."""
-    record = RequestLogRecord(request_id="r", endpoint="completions", prompt=["secret"],
-                              output=["answer"])
+    record = RequestLogRecord(request_id="r", endpoint="completions", prompt=["secret"], output=["answer"])
     prompt_log = PromptLog(tmp_path)
     logger = RequestLogger()
     logger.add_listener(prompt_log.record)

@@ -29,8 +29,9 @@ tenants:
     priority: -1
 """
 # Long enough for several full KV blocks (16 tokens each) of shared prefix.
-SHARED_PROMPT = ("import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n"
-                 "        self.path = path\n") * 3
+SHARED_PROMPT = (
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     live.stop()
 
 
-def post(server: LiveServer, key: str | None, path: str = "/v1/completions",
-         **body: Any) -> httpx.Response:
+def post(server: LiveServer, key: str | None, path: str = "/v1/completions", **body: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     payload = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, **body}
     return httpx.post(server.url + path, json=payload, headers=headers, timeout=30)
@@ -57,11 +57,9 @@ def test_api_key_required(server: LiveServer) -> None:
         assert response.json()["error"]["code"] == "invalid_api_key"
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         assert httpx.get(server.base_url + "/models", headers=headers).status_code == 401
-        assert httpx.post(server.url + "/tokenize", json={"prompt": "x"},
-                          headers=headers).status_code == 401
+        assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=headers).status_code == 401
     # Broken JSON from an unknown client is still a 401: authentication comes first.
-    response = httpx.post(server.base_url + "/chat/completions", content=b"{",
-                          headers={"Authorization": "Bearer nope"})
+    response = httpx.post(server.base_url + "/chat/completions", content=b"{", headers={"Authorization": "Bearer nope"})
     assert response.status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
@@ -71,8 +69,7 @@ def test_api_key_required(server: LiveServer) -> None:
 def test_prefix_cache_is_scoped_per_tenant(server: LiveServer) -> None:
     def cached(key: str) -> int:
         client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
-        result = client.completions.create(model=MODEL_NAME, prompt=SHARED_PROMPT, max_tokens=1,
-                                           temperature=0)
+        result = client.completions.create(model=MODEL_NAME, prompt=SHARED_PROMPT, max_tokens=1, temperature=0)
         assert result.usage.prompt_tokens > 48
         return result.usage.prompt_tokens_details.cached_tokens
 
@@ -120,8 +117,14 @@ def test_prompt_and_output_caps(server: LiveServer) -> None:
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
     too_many = post(server, "key-narrow", max_tokens=10)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
-    capped = post(server, "key-narrow", path="/v1/chat/completions",
-                  messages=[{"role": "user", "content": "hi"}], max_tokens=None, ignore_eos=True)
+    capped = post(
+        server,
+        "key-narrow",
+        path="/v1/chat/completions",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=None,
+        ignore_eos=True,
+    )
     assert capped.status_code == 200, capped.text
     assert capped.json()["usage"]["completion_tokens"] == 4
 

@@ -21,26 +21,45 @@ HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}"
     "{% else %}You are a helpful assistant.{% endif %}\n\n# Tools\n\n<tools>{% for tool in tools %}\n"
     "{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return a json object within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' and tools %}"
     "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     "{% if message.content %}{{ message.content }}{% endif %}{% for call in message.tool_calls %}<tool_call>\n"
-    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n'
     "</tool_call>{% endfor %}<|im_end|>\n"
     "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
-        "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
-                                       "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -69,14 +88,21 @@ def client(server: LiveServer):
 
 
 def chat(http: httpx.Client, **fields) -> httpx.Response:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "What's the weather in Oslo?"}],
-            "max_tokens": 120, "temperature": 0, **fields}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "What's the weather in Oslo?"}],
+        "max_tokens": 120,
+        "temperature": 0,
+        **fields,
+    }
     return http.post("/v1/chat/completions", json=body)
 
 
 def completion(http: httpx.Client, **fields) -> httpx.Response:
-    return http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x =", "max_tokens": 120,
-                                              "temperature": 0.8, "seed": 1, **fields})
+    return http.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "x =", "max_tokens": 120, "temperature": 0.8, "seed": 1, **fields},
+    )
 
 
 class Pet(BaseModel):
@@ -87,26 +113,45 @@ class Pet(BaseModel):
 
 
 def test_sdk_parse_with_a_pydantic_model(client) -> None:
-    result = client.chat.completions.parse(model=MODEL_NAME, messages=[{"role": "user", "content": "A pet?"}],
-                                           response_format=Pet, max_tokens=150, temperature=0.7, seed=3)
+    result = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "A pet?"}],
+        response_format=Pet,
+        max_tokens=150,
+        temperature=0.7,
+        seed=3,
+    )
     pet = result.choices[0].message.parsed
     assert isinstance(pet, Pet) and pet.kind in ("cat", "dog", "fish")
 
 
 def test_every_request_field_constrains_completions_and_chat(http: httpx.Client) -> None:
-    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
-              "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}
-    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
-                                                                         "strict": True}}}, "schema"),
-             ({"response_format": {"type": "json_object"}}, "object"),
-             ({"structured_outputs": {"json": schema}}, "schema"),
-             ({"guided_json": schema}, "schema"),
-             ({"structured_outputs": {"regex": "[a-c]{2}[0-9]"}}, "regex"),
-             ({"guided_regex": "[a-c]{2}[0-9]"}, "regex"),
-             ({"structured_outputs": {"choice": ["left", "right"]}}, "choice"),
-             ({"guided_choice": ["left", "right"]}, "choice"),
-             ({"guided_grammar": 'root ::= "go " ("north" | "south")'}, "grammar"),
-             ({"response_format": {"type": "text"}, "max_tokens": 3}, "text")]
+    schema = {
+        "type": "object",
+        "required": ["n"],
+        "additionalProperties": False,
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+    }
+    cases = [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": schema, "strict": True},
+                }
+            },
+            "schema",
+        ),
+        ({"response_format": {"type": "json_object"}}, "object"),
+        ({"structured_outputs": {"json": schema}}, "schema"),
+        ({"guided_json": schema}, "schema"),
+        ({"structured_outputs": {"regex": "[a-c]{2}[0-9]"}}, "regex"),
+        ({"guided_regex": "[a-c]{2}[0-9]"}, "regex"),
+        ({"structured_outputs": {"choice": ["left", "right"]}}, "choice"),
+        ({"guided_choice": ["left", "right"]}, "choice"),
+        ({"guided_grammar": 'root ::= "go " ("north" | "south")'}, "grammar"),
+        ({"response_format": {"type": "text"}, "max_tokens": 3}, "text"),
+    ]
     for fields, kind in cases:
         for response in (completion(http, **fields), chat(http, **fields)):
             assert response.status_code == 200, (fields, response.text)
@@ -125,22 +170,32 @@ def test_every_request_field_constrains_completions_and_chat(http: httpx.Client)
                 assert text in ("go north", "go south")
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"guided_regex": "[a-"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}],
-      "tool_choice": "required"}, "tools"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_field(http: httpx.Client, fields: dict, param: str) -> None:
     response = chat(http, **fields)
     assert response.status_code == 400, response.text
@@ -157,8 +212,9 @@ def assert_valid_calls(calls: list[dict]) -> None:
 def test_tool_choice_required_and_named_give_schema_valid_calls(http: httpx.Client) -> None:
     for seed in range(4):
         # One call each: with parallel calls allowed a random model never stops calling.
-        response = chat(http, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
-                        parallel_tool_calls=False)
+        response = chat(
+            http, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, parallel_tool_calls=False
+        )
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
         assert_valid_calls(choice["message"]["tool_calls"])
@@ -173,9 +229,18 @@ def test_streamed_tool_calls_equal_non_streamed(http: httpx.Client) -> None:
     message = chat(http, **fields).json()["choices"][0]["message"]
     calls: dict[int, dict] = {}
     finish = None
-    with http.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL_NAME, "messages": [{"role": "user", "content": "What's the weather in Oslo?"}],
-            "max_tokens": 120, "temperature": 0, "stream": True, **fields}) as response:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "What's the weather in Oslo?"}],
+            "max_tokens": 120,
+            "temperature": 0,
+            "stream": True,
+            **fields,
+        },
+    ) as response:
         for event in iter_sse_events(response.iter_lines()):
             if event.done:
                 continue
@@ -189,20 +254,29 @@ def test_streamed_tool_calls_equal_non_streamed(http: httpx.Client) -> None:
                 entry["arguments"] += delta["function"].get("arguments", "")
     assert finish == "tool_calls"
     assert [calls[i] for i in sorted(calls)] == [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]
+    ]
 
 
 def test_two_turn_tool_loop_with_the_sdk(client) -> None:
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=120, temperature=0)
+    first = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
     messages.append(message.model_dump(exclude_none=True))
     for call in message.tool_calls:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21})})
-    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS,
-                                            tool_choice="none", max_tokens=8, temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
     assert second.choices[0].message.content is not None
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered
 
@@ -221,8 +295,13 @@ def test_metrics_report_compiles_cache_hits_and_kinds(http: httpx.Client) -> Non
     for _ in range(2):
         assert completion(http, guided_choice=["a", "b"]).status_code == 200
     text = http.get("/metrics").text
-    values = {line.split("{")[0] + ("{" + line.split("{")[1].split("}")[0] + "}" if "kind=" in line else ""):
-              float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pagoda:structured")}
+    values = {
+        line.split("{")[0] + ("{" + line.split("{")[1].split("}")[0] + "}" if "kind=" in line else ""): float(
+            line.rsplit(" ", 1)[1]
+        )
+        for line in text.splitlines()
+        if line.startswith("pagoda:structured")
+    }
     assert values["pagoda:structured_output_compile_time_seconds_count"] >= 1
     assert values["pagoda:structured_output_cache_hits_total"] >= 1
     assert values["pagoda:structured_output_cache_queries_total"] > values["pagoda:structured_output_cache_hits_total"]
@@ -248,8 +327,11 @@ def test_compile_timeout_is_a_400_and_others_are_served(tmp_path_factory: pytest
         compiler._compile = compile_slowly
         return engine
 
-    live = start_server(build_tiny_model(tmp_path_factory.mktemp("slow")), engine_factory=slow_engine,
-                        engine={"structured_output_timeout": 0.3, "structured_output_compile_threads": 2})
+    live = start_server(
+        build_tiny_model(tmp_path_factory.mktemp("slow")),
+        engine_factory=slow_engine,
+        engine={"structured_output_timeout": 0.3, "structured_output_compile_threads": 2},
+    )
     try:
         with httpx.Client(base_url=live.url, timeout=60) as http:
             started = time.monotonic()
@@ -257,8 +339,9 @@ def test_compile_timeout_is_a_400_and_others_are_served(tmp_path_factory: pytest
             assert slow.status_code == 400 and "--structured-output-timeout" in slow.json()["error"]["message"]
             assert slow.json()["error"]["param"] == "structured_outputs"
             assert time.monotonic() - started < 1.8  # answered at the timeout, not when compiling ended
-            assert completion(http, guided_regex="[ab]{3}").json()["choices"][0]["text"] in \
-                {a + b + c for a in "ab" for b in "ab" for c in "ab"}
+            assert completion(http, guided_regex="[ab]{3}").json()["choices"][0]["text"] in {
+                a + b + c for a in "ab" for b in "ab" for c in "ab"
+            }
             assert http.get("/health").status_code == 200
     finally:
         live.stop()

@@ -34,9 +34,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path) -> LiveServer:
-    live = start_server(model, transport="process", engine={"max_num_seqs": 4},
-                        deployment={"data_parallel_size": 2, "router": "round_robin",
-                                    "replica_restart_backoff": 0.2, "max_replica_restarts": 1})
+    live = start_server(
+        model,
+        transport="process",
+        engine={"max_num_seqs": 4},
+        deployment={
+            "data_parallel_size": 2,
+            "router": "round_robin",
+            "replica_restart_backoff": 0.2,
+            "max_replica_restarts": 1,
+        },
+    )
     yield live
     live.stop()
 
@@ -67,17 +75,27 @@ def reaped(pid: int) -> bool:
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def wait_idle(server: LiveServer) -> None:
     """Every live replica idle with every KV block free, and the router's accounts at zero."""
+
     def idle() -> bool:
         live = [r for r in replica_set(server).replicas if r.is_alive]
-        return all(s.num_running == s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
-                   and r.outstanding_tokens == 0 and r.num_requests == 0
-                   for r in live for s in [r.llm.get_stats()])
+        return all(
+            s.num_running == s.num_waiting == 0
+            and s.num_free_blocks == s.num_total_blocks
+            and r.outstanding_tokens == 0
+            and r.num_requests == 0
+            for r in live
+            for s in [r.llm.get_stats()]
+        )
+
     wait_for(idle, "idle replicas with every KV block free", timeout=15)
 
 
@@ -88,9 +106,18 @@ async def stream_until_killed(server: LiveServer, victim_pid: int, num_streams: 
 
     async def one(client: httpx.AsyncClient, i: int) -> list[dict]:
         events: list[dict] = []
-        async with client.stream("POST", "/completions", json={
-                "model": MODEL_NAME, "prompt": f"stream {i} says", "max_tokens": 400,
-                "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+        async with client.stream(
+            "POST",
+            "/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": f"stream {i} says",
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as response:
             assert response.status_code == 200
             async for event in aiter_sse_events(response.aiter_lines()):
                 if event.done:
@@ -106,8 +133,7 @@ async def stream_until_killed(server: LiveServer, victim_pid: int, num_streams: 
         return await asyncio.gather(*tasks)
 
 
-def test_a_killed_replica_is_reaped_restarted_and_rejoins(server: LiveServer,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_killed_replica_is_reaped_restarted_and_rejoins(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     replicas = replica_set(server)
     victim = replicas.replicas[1]
@@ -119,8 +145,7 @@ def test_a_killed_replica_is_reaped_restarted_and_rejoins(server: LiveServer,
     # Round robin put two streams on each replica; the two on the killed one end mid-stream.
     assert len(failed) == 2, [events[-1] for events in streams]
     assert all(events[-1]["error"]["code"] == "engine_dead" for events in failed)
-    assert all(events[-1]["choices"][0]["finish_reason"] == "length"
-               for events in streams if events not in failed)
+    assert all(events[-1]["choices"][0]["finish_reason"] == "length" for events in streams if events not in failed)
 
     # Reaped (no zombie), and the exit is known.
     wait_for(lambda: reaped(old_pid), f"engine {old_pid} reaped", timeout=15)
@@ -147,8 +172,11 @@ def test_a_killed_replica_is_reaped_restarted_and_rejoins(server: LiveServer,
     assert entry["pid"] == victim.llm.engine_pid and "error" not in entry
     routed_before = victim.num_routed
     for i in range(2):
-        response = httpx.post(server.base_url + "/completions", timeout=TIMEOUT_S, json={
-            "model": MODEL_NAME, "prompt": f"after the restart {i}", "max_tokens": 4})
+        response = httpx.post(
+            server.base_url + "/completions",
+            timeout=TIMEOUT_S,
+            json={"model": MODEL_NAME, "prompt": f"after the restart {i}", "max_tokens": 4},
+        )
         assert response.status_code == 200
     assert victim.num_routed == routed_before + 1  # round robin reached the restarted replica
     wait_idle(server)
@@ -178,8 +206,11 @@ def test_past_its_restart_budget_a_replica_stays_down_and_says_why(server: LiveS
     wait_for(lambda: reaped(pid), f"engine {pid} reaped", timeout=15)
     assert health(server.url).status_code == 200
     # Still serving on the replica left.
-    response = httpx.post(server.base_url + "/completions", timeout=TIMEOUT_S, json={
-        "model": MODEL_NAME, "prompt": "one replica left", "max_tokens": 4})
+    response = httpx.post(
+        server.base_url + "/completions",
+        timeout=TIMEOUT_S,
+        json={"model": MODEL_NAME, "prompt": "one replica left", "max_tokens": 4},
+    )
     assert response.status_code == 200
     assert metric_samples(server.url)[("pagoda:replica_up", (("replica", "1"),))] == 0
     wait_idle(server)
@@ -214,8 +245,9 @@ def test_a_single_engine_is_restarted(model: Path) -> None:
         # Down while it restarted: 503, saying so.
         assert (503, "restarting") in seen, seen
         assert not Path(f"/proc/{old_pid}").exists()  # reaped by the server
-        response = httpx.post(url + "/v1/completions", timeout=TIMEOUT_S,
-                              json={"prompt": "back again", "max_tokens": 4})
+        response = httpx.post(
+            url + "/v1/completions", timeout=TIMEOUT_S, json={"prompt": "back again", "max_tokens": 4}
+        )
         assert response.status_code == 200
         assert 'pagoda:replica_restarts_total{model_name="model"} 1.0' in httpx.get(url + "/metrics").text
     finally:
@@ -229,8 +261,12 @@ def test_without_restarts_a_dead_engine_ends_the_server_non_zero(model: Path) ->
     process = start_serve_process(model, port, "--num-kv-blocks", "64", "--no-restart")
     events = []
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=TIMEOUT_S, json={
-                "prompt": "in flight", "max_tokens": 400, "ignore_eos": True, "stream": True}) as response:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=TIMEOUT_S,
+            json={"prompt": "in flight", "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as response:
             for event in iter_sse_events(response.iter_lines()):
                 if event.done:
                     break

@@ -24,22 +24,53 @@ from server_utils import MODEL_NAME, TOKENIZER_FILES, LiveServer, start_server
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
-TEMPLATE = ("{%- if tools %}Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}\n{% endif %}"
-            "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}assistant:")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
-        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}}}}
+TEMPLATE = (
+    "{%- if tools %}Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}\n{% endif %}"
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}assistant:"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 # (parser, the trigger forced at the start of the output): llama3_json has two call forms
-CASES = [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"),
-         ("llama3_json", "{"), ("qwen3_coder", "<tool_call>"), ("pythonic", "["),
-         ("deepseek_v3", "<｜tool▁calls▁begin｜>")]
-DEEPSEEK_MARKERS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                    "<｜tool▁sep｜>"]
+CASES = [
+    ("hermes", "<tool_call>"),
+    ("mistral", "[TOOL_CALLS]"),
+    ("llama3_json", "<|python_tag|>"),
+    ("llama3_json", "{"),
+    ("qwen3_coder", "<tool_call>"),
+    ("pythonic", "["),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>"),
+]
+DEEPSEEK_MARKERS = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+]
 
 
 def build_model_with_markers(directory: Path) -> Path:
@@ -47,10 +78,18 @@ def build_model_with_markers(directory: Path) -> Path:
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken("<tool_call>", special=False, normalized=False),
-                          AddedToken("</tool_call>", special=False, normalized=False)])
-    tokenizer.add_special_tokens([AddedToken(marker, special=True, normalized=False)
-                                  for marker in ("[TOOL_CALLS]", "<|python_tag|>", *DEEPSEEK_MARKERS)])
+    tokenizer.add_tokens(
+        [
+            AddedToken("<tool_call>", special=False, normalized=False),
+            AddedToken("</tool_call>", special=False, normalized=False),
+        ]
+    )
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(marker, special=True, normalized=False)
+            for marker in ("[TOOL_CALLS]", "<|python_tag|>", *DEEPSEEK_MARKERS)
+        ]
+    )
     build_model(directory, "llama", vocab_size=tokenizer.get_vocab_size())
     for name in TOKENIZER_FILES:
         (directory / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
@@ -84,9 +123,16 @@ def trigger_id(model_dir: Path, trigger: str) -> int:
 
 
 def body(trigger_token: int, **fields) -> dict:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Weather in Oslo, and the time?"}],
-            "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False, "max_tokens": 160,
-            "logit_bias": {str(trigger_token): 100}, **fields}
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Weather in Oslo, and the time?"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "max_tokens": 160,
+        "logit_bias": {str(trigger_token): 100},
+        **fields,
+    }
 
 
 def streamed(http: httpx.Client, request: dict) -> tuple[list[dict], str | None, str]:
@@ -109,8 +155,9 @@ def streamed(http: httpx.Client, request: dict) -> tuple[list[dict], str | None,
 
 
 @pytest.mark.parametrize("server, trigger", CASES, indirect=["server"])
-def test_auto_call_once_started_is_schema_valid_streamed_or_not(server: LiveServer, model_dir: Path,
-                                                                trigger: str) -> None:
+def test_auto_call_once_started_is_schema_valid_streamed_or_not(
+    server: LiveServer, model_dir: Path, trigger: str
+) -> None:
     token = trigger_id(model_dir, trigger)
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for seed, temperature in ((0, 0.0), (1, 1.0), (2, 1.0)):
@@ -126,8 +173,9 @@ def test_auto_call_once_started_is_schema_valid_streamed_or_not(server: LiveServ
                 jsonschema.validate(arguments, PARAMETERS[call["function"]["name"]])
             streamed_calls, finish, content = streamed(http, request)
             assert finish == "tool_calls" and not content.strip()
-            assert streamed_calls == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                                      for c in calls]
+            assert streamed_calls == [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+            ]
     stats = server.wait_idle()
     assert stats.num_free_blocks == stats.num_total_blocks
 

@@ -9,18 +9,29 @@ import json
 import httpx
 import pytest
 
+from pagoda.serve.api.tool_parsers.hermes import HermesParser
 from server_utils import MODEL_NAME, LiveServer, start_server
 from test_tool_calls_auto import build_model_with_markers
-from pagoda.serve.api.tool_parsers.hermes import HermesParser
 
-PING = {"type": "function", "function": {"name": "ping", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["n"],
-    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+PING = {
+    "type": "function",
+    "function": {
+        "name": "ping",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["n"],
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        },
+    },
+}
 
 
 def test_the_parser_keeps_complete_calls_of_a_cut_output() -> None:
-    text = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "b", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n{"name": "c", "argu')
+    text = (
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n{"name": "c", "argu'
+    )
     parsed = HermesParser().parse_cut(text)
     assert [c.name for c in parsed.tool_calls] == ["a", "b"]
     assert parsed.content == '<tool_call>\n{"name": "c", "argu'
@@ -37,10 +48,19 @@ def test_a_cut_parallel_answer_returns_its_complete_calls(server: LiveServer) ->
     seen_cut_with_calls = False
     with httpx.Client(base_url=server.url, timeout=120) as client:
         for max_tokens in range(8, 80, 4):
-            response = client.post("/v1/chat/completions", json={
-                "model": MODEL_NAME, "messages": [{"role": "user", "content": "ping"}], "tools": [PING],
-                "tool_choice": "required", "max_tokens": max_tokens, "min_tokens": max_tokens, "parallel_tool_calls": True,
-                "temperature": 0})  # min_tokens: no EOS, so the grammar goes on to further calls
+            response = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "messages": [{"role": "user", "content": "ping"}],
+                    "tools": [PING],
+                    "tool_choice": "required",
+                    "max_tokens": max_tokens,
+                    "min_tokens": max_tokens,
+                    "parallel_tool_calls": True,
+                    "temperature": 0,
+                },
+            )  # min_tokens: no EOS, so the grammar goes on to further calls
             assert response.status_code == 200, response.text
             choice = response.json()["choices"][0]
             calls = choice["message"].get("tool_calls") or []

@@ -18,14 +18,22 @@ from pagoda.structured.matcher import RequestMatcher
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the test extra")
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "kind", "tags"], "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
-    "kind": {"enum": ["alpha", "beta", "gamma"]},
-    "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 4}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "kind", "tags"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 4},
+    },
+}
 # Prompts that repeat JSON fragments, so n-gram lookup finds (partly wrong) continuations.
-PROMPTS = ['{"id": 12, "kind": "beta", "tags": ["x"]} {"id": 7, "kind": "alpha", "tags": []} ' * 2,
-           '{"kind": "gamma", "id": 3} {"tags": ["y", "x"], "kind": "beta"} ' * 2,
-           "{ id kind tags alpha beta gamma } " * 3]
+PROMPTS = [
+    '{"id": 12, "kind": "beta", "tags": ["x"]} {"id": 7, "kind": "alpha", "tags": []} ' * 2,
+    '{"kind": "gamma", "id": 3} {"tags": ["y", "x"], "kind": "beta"} ' * 2,
+    "{ id kind tags alpha beta gamma } " * 3,
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +42,14 @@ def draft_dir(tmp_path_factory, llama_dir):
 
 
 def params() -> list[SamplingParams]:
-    json_params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    regex = SamplingParams(temperature=0.0, max_tokens=30,
-                           structured_outputs=StructuredOutputsParams(regex=r"(alpha|beta|gamma)( [0-9]{1,3}){2,5}"))
+    json_params = SamplingParams(
+        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    regex = SamplingParams(
+        temperature=0.0,
+        max_tokens=30,
+        structured_outputs=StructuredOutputsParams(regex=r"(alpha|beta|gamma)( [0-9]{1,3}){2,5}"),
+    )
     return [json_params] * len(PROMPTS) + [regex]
 
 
@@ -56,8 +69,9 @@ def unchecked_drafts(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_grammar_checked_drafts_keep_outputs_and_never_lower_acceptance(llama_dir, draft_dir, method,
-                                                                         monkeypatch) -> None:
+def test_grammar_checked_drafts_keep_outputs_and_never_lower_acceptance(
+    llama_dir, draft_dir, method, monkeypatch
+) -> None:
     engine_args = {"speculative": method, "num_speculative_tokens": 4}
     if method == "draft":
         engine_args["draft_model"] = str(draft_dir)
@@ -69,15 +83,22 @@ def test_grammar_checked_drafts_keep_outputs_and_never_lower_acceptance(llama_di
 
     for completions in (checked, unchecked):
         assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
-    for completion in checked[:len(PROMPTS)]:
+    for completion in checked[: len(PROMPTS)]:
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMA)
     assert checked_stats.num_drafts > 0 and unchecked_stats.num_drafts > 0
     assert checked_stats.acceptance_rate >= unchecked_stats.acceptance_rate
     assert checked_stats.mean_accepted_length >= unchecked_stats.mean_accepted_length
-    print(method, "acceptance checked", round(checked_stats.acceptance_rate, 3), "unchecked",
-          round(unchecked_stats.acceptance_rate, 3), "mean accepted length", round(checked_stats.mean_accepted_length, 2),
-          round(unchecked_stats.mean_accepted_length, 2))
+    print(
+        method,
+        "acceptance checked",
+        round(checked_stats.acceptance_rate, 3),
+        "unchecked",
+        round(unchecked_stats.acceptance_rate, 3),
+        "mean accepted length",
+        round(checked_stats.mean_accepted_length, 2),
+        round(unchecked_stats.mean_accepted_length, 2),
+    )
 
 
 def test_grammar_prefix_and_tentative_drafts_roll_back(llama_dir) -> None:

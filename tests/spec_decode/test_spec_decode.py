@@ -8,13 +8,13 @@ from scipy.stats import chisquare
 
 from model_factory import build_model
 from pagoda import LLM, SamplingParams
-from pagoda.engine.llm_engine import LLMEngine
 from pagoda.config import EngineConfig
+from pagoda.engine.engine_request import EngineRequest
+from pagoda.engine.llm_engine import LLMEngine
 from pagoda.request import Request
 from pagoda.spec_decode import rejection_sampler
 from pagoda.spec_decode.ngram_proposer import NgramProposer
 from pagoda.worker.sampler import Sampler
-from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,9 @@ def test_greedy_output_is_identical_with_speculation(llama_dir, draft_dir):
     runs = {
         "ngram": dict(speculative="ngram"),
         "draft": dict(speculative="draft", draft_model=str(draft_dir)),
-        "draft, preempted": dict(speculative="draft", draft_model=str(draft_dir), num_kv_blocks=12,
-                                 num_speculative_tokens=3),
+        "draft, preempted": dict(
+            speculative="draft", draft_model=str(draft_dir), num_kv_blocks=12, num_speculative_tokens=3
+        ),
         "ngram, preempted, chunked": dict(speculative="ngram", num_kv_blocks=12, max_num_batched_tokens=24),
     }
     for name, engine_args in runs.items():
@@ -74,8 +75,7 @@ def test_draft_identical_to_target_accepts_everything(llama_dir):
 
 
 def test_sampled_speculation_is_reproducible_and_leaves_no_blocks(llama_dir, draft_dir):
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True,
-                            repetition_penalty=1.1)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True, repetition_penalty=1.1)
     prompts = mixed_prompts()
     runs = []
     for _ in range(2):
@@ -124,8 +124,9 @@ TRIALS = 6000
 def emitted_frequencies(draft_probs: torch.Tensor | None, drafts_from_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Emit tokens from fixed target logits at 2 positions, drafts drawn from q; returns counts
     of the first and second emitted tokens and the target distributions."""
-    target = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 1.5, 0.4, 0.0, 1.0],
-                           [0.0, 0.0, 0.0, 3.0, 0.0, 0.0]])
+    target = torch.tensor(
+        [[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 1.5, 0.4, 0.0, 1.0], [0.0, 0.0, 0.0, 3.0, 0.0, 0.0]]
+    )
     sampler = Sampler(VOCAB, torch.device("cpu"), seed=1)
     params = SamplingParams(temperature=1.0)
     request = Request("r", [1], params, frozenset(), 100)

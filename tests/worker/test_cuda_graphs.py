@@ -33,10 +33,15 @@ def decode_layout(seq_lens: list[int], block_tables: list[list[int]], block_size
     width = max(len(t) for t in block_tables)
     slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for n, t in zip(seq_lens, block_tables)]
     return BatchLayout(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(len(seq_lens) + 1),
-        context_lens=torch.tensor([n - 1 for n in seq_lens]), seq_lens=torch.tensor(seq_lens),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        context_lens=torch.tensor([n - 1 for n in seq_lens]),
+        seq_lens=torch.tensor(seq_lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
-        block_size=block_size, query_lens_host=[1] * len(seq_lens), context_lens_host=[n - 1 for n in seq_lens])
+        block_size=block_size,
+        query_lens_host=[1] * len(seq_lens),
+        context_lens_host=[n - 1 for n in seq_lens],
+    )
 
 
 def test_inputs_load_pads_rows():
@@ -75,17 +80,28 @@ def tiny_model(device: torch.device):
     from pagoda.model.decoder import DecoderModel
     from pagoda.model.model_config import ModelConfig
 
-    config = ModelConfig.from_dict({
-        "architectures": ["MistralForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 128, "sliding_window": 24})
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["MistralForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            "sliding_window": 24,
+        }
+    )
     torch.manual_seed(0)
     model = DecoderModel(config, torch.float32, device)
     for param in model.parameters():
         param.data.normal_(0.0, 0.2)
     cache_shape = (12, 16, config.num_kv_heads, config.head_dim)
-    caches = [(torch.randn(cache_shape, device=device), torch.randn(cache_shape, device=device))
-              for _ in range(config.num_layers)]
+    caches = [
+        (torch.randn(cache_shape, device=device), torch.randn(cache_shape, device=device))
+        for _ in range(config.num_layers)
+    ]
     return model, caches, set(config.layer_sliding_windows)
 
 
@@ -94,7 +110,9 @@ def reference_forward(model, caches, windows, input_ids, positions, layout):
 
     reference = TorchAttentionBackend()
     with torch.inference_mode():
-        return model(input_ids, positions, ForwardContext(reference, [reference.prepare(layout, windows)] * len(caches), caches))
+        return model(
+            input_ids, positions, ForwardContext(reference, [reference.prepare(layout, windows)] * len(caches), caches)
+        )
 
 
 def to_device(layout: BatchLayout, device: torch.device) -> BatchLayout:
@@ -118,11 +136,14 @@ def test_padded_forward_matches_unpadded(monkeypatch):
         # an earlier import in this process (llguidance.torch imports triton for its GPU bitmask
         # kernel) fixes the compiled mode for good.
         if "triton" in sys.modules and not _triton_interpreted():
-            pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process "
-                        "(make test-triton runs this file on its own)")
+            pytest.skip(
+                "triton was imported without TRITON_INTERPRET=1 in this process "
+                "(make test-triton runs this file on its own)"
+            )
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     from pagoda.kernels.triton import paged_attention as triton_kernels
+
     if (device.type == "cpu") != type(triton_kernels._write_kv_kernel).__name__.startswith("Interpreted"):
         pytest.skip("Triton kernels were imported in the other mode (interpreted or compiled) in this process")
     from pagoda.kernels.attention.triton_backend import TritonAttentionBackend
@@ -131,8 +152,16 @@ def test_padded_forward_matches_unpadded(monkeypatch):
     reference_caches = [(k.clone(), v.clone()) for k, v in caches]
     layout = to_device(decode_layout([20, 3, 40], [[5, 6], [2], [9, 1, 3]]), device)
     input_ids, positions = torch.tensor([11, 12, 13], device=device), torch.tensor([19, 2, 39], device=device)
-    runner = DecodeGraphRunner(model, TritonAttentionBackend(decode_splits=3, min_partition=16), caches, windows,
-                               max_num_seqs=8, max_model_len=128, block_size=16, device=device)
+    runner = DecodeGraphRunner(
+        model,
+        TritonAttentionBackend(decode_splits=3, min_partition=16),
+        caches,
+        windows,
+        max_num_seqs=8,
+        max_model_len=128,
+        block_size=16,
+        device=device,
+    )
     got = runner.run_eager(input_ids, positions, layout)  # bucket 4: one padded row
     want = reference_forward(model, reference_caches, windows, input_ids, positions, layout)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -151,13 +180,23 @@ def test_graph_replay_matches_eager():
     device = torch.device("cuda")
     model, caches, windows = tiny_model(device)
     reference_caches = [(k.clone(), v.clone()) for k, v in caches]
-    runner = DecodeGraphRunner(model, TritonAttentionBackend(), caches, windows, max_num_seqs=8,
-                               max_model_len=128, block_size=16, device=device)
+    runner = DecodeGraphRunner(
+        model,
+        TritonAttentionBackend(),
+        caches,
+        windows,
+        max_num_seqs=8,
+        max_model_len=128,
+        block_size=16,
+        device=device,
+    )
     runner.capture()
     assert sorted(runner.graphs) == [1, 2, 4, 8]
-    batches = [([20, 3, 40], [[5, 6], [2], [9, 1, 3]]),
-               ([41], [[9, 1, 3]]),
-               ([21, 4, 100, 7, 60], [[5, 6], [2], [10, 11, 4, 7, 8, 0, 3], [1], [9, 1, 3, 8]])]
+    batches = [
+        ([20, 3, 40], [[5, 6], [2], [9, 1, 3]]),
+        ([41], [[9, 1, 3]]),
+        ([21, 4, 100, 7, 60], [[5, 6], [2], [10, 11, 4, 7, 8, 0, 3], [1], [9, 1, 3, 8]]),
+    ]
     for step, (seq_lens, tables) in enumerate(batches):
         layout = to_device(decode_layout(seq_lens, tables), device)
         input_ids = torch.arange(len(seq_lens), device=device) + step

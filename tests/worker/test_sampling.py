@@ -9,9 +9,9 @@ import torch
 
 from model_factory import load_hf_model
 from pagoda import LLM, SamplingParams
+from pagoda.engine.engine_request import EngineRequest
 from pagoda.request import Request
 from pagoda.worker.sampler import Sampler
-from pagoda.engine.engine_request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,27 @@ def llm(llama_dir) -> LLM:
     return LLM(model=str(llama_dir))
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", 21), ("prompt_logprobs", -1),
-    ("stop", [""]), ("stop_token_ids", [-1]), ("logit_bias", {5: 200.0}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("n", 0),
+        ("logprobs", 21),
+        ("prompt_logprobs", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {5: 200.0}),
+    ],
+)
 def test_invalid_values_name_the_parameter(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -75,12 +90,12 @@ def test_stop_token_ids_and_min_tokens(llm):
     stop_at = free[5]
     first = free.index(stop_at)
     stopped = greedy_tokens(llm, prompt, stop_token_ids=[stop_at])
-    assert stopped.token_ids == free[:first + 1]
+    assert stopped.token_ids == free[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
     # min_tokens masks the stop token until enough tokens were produced.
     late = greedy_tokens(llm, prompt, stop_token_ids=[stop_at], min_tokens=first + 2)
     assert len(late.token_ids) >= first + 2
-    assert stop_at not in late.token_ids[:first + 2]
+    assert stop_at not in late.token_ids[: first + 2]
 
 
 def test_eos_ends_a_request_unless_ignored(llm):
@@ -96,7 +111,7 @@ def test_eos_ends_a_request_unless_ignored(llm):
         ignored = greedy_tokens(llm, prompt, ignore_eos=True)
     finally:
         llm.engine.eos_token_ids = original
-    assert ended.token_ids == free[:free.index(eos) + 1] and ended.finish_reason == "stop"
+    assert ended.token_ids == free[: free.index(eos) + 1] and ended.finish_reason == "stop"
     assert ended.stop_reason is None
     assert ignored.token_ids == free
 
@@ -107,7 +122,7 @@ def test_stop_strings_trim_text(llm):
     text = full.text
     assert len(text) > 12
     stop = text[6:9]
-    expected = text[:text.index(stop)]
+    expected = text[: text.index(stop)]
     trimmed = greedy_tokens(llm, prompt, stop=[stop])
     assert trimmed.text == expected and trimmed.finish_reason == "stop" and trimmed.stop_reason == stop
     kept = greedy_tokens(llm, prompt, stop=[stop], include_stop_str_in_output=True)
@@ -120,10 +135,16 @@ def test_repetition_penalty_matches_transformers(llama_dir, llm):
     hf_model = load_hf_model(llama_dir)
     prompt = [5, 6, 7, 8, 5, 6]
     with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                                     min_new_tokens=20, repetition_penalty=1.8, pad_token_id=0)
+        expected = hf_model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            repetition_penalty=1.8,
+            pad_token_id=0,
+        )
     got = greedy_tokens(llm, prompt, max_tokens=20, repetition_penalty=1.8).token_ids
-    assert got == expected[0, len(prompt):].tolist()
+    assert got == expected[0, len(prompt) :].tolist()
 
 
 def make_request(params: SamplingParams, output_ids=(), prompt=(1, 2)) -> Request:
@@ -136,8 +157,9 @@ def make_request(params: SamplingParams, output_ids=(), prompt=(1, 2)) -> Reques
 def test_presence_and_frequency_penalties_follow_openai_definition():
     sampler = Sampler(vocab_size=6, device=torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.9, 0.5]])
-    request = make_request(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3),
-                           output_ids=[3, 3, 4])
+    request = make_request(
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3), output_ids=[3, 3, 4]
+    )
     processed = sampler.process(logits, [request])
     expected = logits.clone()
     expected[0, 3] -= 0.5 + 2 * 0.3
@@ -185,8 +207,9 @@ def test_prompt_logprobs_match_transformers(llama_dir, llm):
 
 
 def test_chat_renders_template_and_generates(llm):
-    output = llm.chat([{"role": "user", "content": "hello"}],
-                      SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    output = llm.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )[0]
     expected = llm.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     assert output.prompt_token_ids == expected
     assert len(output.outputs[0].token_ids) == 5

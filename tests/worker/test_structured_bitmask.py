@@ -22,8 +22,7 @@ def test_apply_matches_a_token_by_token_reference():
     logits = torch.randn(5, vocab, generator=generator)
     logits[1, 3] = float("-inf")
     rows = [0, 1, 3]
-    allowed = [set(torch.randint(0, vocab, (30,), generator=generator).tolist()) | {3, 31, 32, 99}
-               for _ in rows]
+    allowed = [set(torch.randint(0, vocab, (30,), generator=generator).tolist()) | {3, 31, 32, 99} for _ in rows]
     bitmask = allocate_bitmask(len(rows), vocab)
     bitmask.zero_()
     for mask_row, tokens in enumerate(allowed):
@@ -55,11 +54,10 @@ def test_parallel_fill_and_background_fill_match_row_by_row():
 
     from pagoda.config import DEFAULT_MODEL_DIR
     from pagoda.request import Request
-    from pagoda.sampling_params import SamplingParams
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
     from pagoda.structured.grammar import build_grammar
     from pagoda.structured.manager import GrammarMasks
     from pagoda.structured.matcher import RequestMatcher
-    from pagoda.sampling_params import StructuredOutputsParams
 
     hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     tokenizer = llguidance.hf.from_tokenizer(hf)
@@ -72,7 +70,9 @@ def test_parallel_fill_and_background_fill_match_row_by_row():
         for i, prefix in enumerate(prefixes):
             request = Request(f"r{i}", [1], SamplingParams(), frozenset(), 8)
             request.structured_output = RequestMatcher(template.deep_copy(), "json", executor)
-            assert request.structured_output.accept(tokenizer.tokenize_str(prefix)) == len(tokenizer.tokenize_str(prefix))
+            assert request.structured_output.accept(tokenizer.tokenize_str(prefix)) == len(
+                tokenizer.tokenize_str(prefix)
+            )
             result.append(request)
         return result
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from pagoda.config import EngineConfig, TransportKind
+from pagoda.config import EngineConfig
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.transport.messages import ToEngine
 from pagoda.engine.validation import EngineLimits
 from pagoda.model.classifier_config import ClassifierConfig
 
 if TYPE_CHECKING:
-    from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
     from pagoda.engine.llm_engine import EngineStats, LLMEngine
+    from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
     from pagoda.tokenizer import Tokenizer
 
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
@@ -37,18 +38,23 @@ class EngineInfo:
     engine_limits: EngineLimits
     generation_defaults: dict[str, Any]
     classifier: ClassifierConfig | None  # the model's classifier head, for scoring
-    stats: "EngineStats"
-    max_num_seqs_choice: "MaxNumSeqsChoice"  # the value in use and why
+    stats: EngineStats
+    max_num_seqs_choice: MaxNumSeqsChoice  # the value in use and why
     kv_address: str | None  # role decode: where prefill engines send KV handoffs
     weights_digest: str | None  # the verified manifest's digest (--verify-manifest), else None
 
     @classmethod
-    def of(cls, engine: "LLMEngine") -> "EngineInfo":
-        return cls(max_model_len=engine.max_model_len, engine_limits=engine.engine_limits,
-                   generation_defaults=engine.generation_defaults, classifier=engine.classifier,
-                   stats=engine.get_stats(),
-                   max_num_seqs_choice=engine.core.max_num_seqs_choice,
-                   kv_address=engine.kv_connector.kv_address, weights_digest=engine.core.weights_digest)
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(
+            max_model_len=engine.max_model_len,
+            engine_limits=engine.engine_limits,
+            generation_defaults=engine.generation_defaults,
+            classifier=engine.classifier,
+            stats=engine.get_stats(),
+            max_num_seqs_choice=engine.core.max_num_seqs_choice,
+            kv_address=engine.kv_connector.kv_address,
+            weights_digest=engine.core.weights_digest,
+        )
 
 
 class EngineTransport(ABC):
@@ -60,7 +66,7 @@ class EngineTransport(ABC):
     """
 
     info: EngineInfo
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     kind: str  # "thread", "process", ...: where the engine runs, in words
 
     def __init__(self, config: EngineConfig, on_emitted: OnEmitted, on_death: OnDeath) -> None:

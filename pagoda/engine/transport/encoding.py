@@ -34,28 +34,46 @@ from pagoda.engine.max_num_seqs import MaxNumSeqsChoice
 from pagoda.engine.roles import HandoffTarget
 from pagoda.engine.step_output import EngineStepOutput
 from pagoda.engine.transport.base import EngineFactory, EngineInfo
+from pagoda.engine.transport.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCommand,
+    PrefillLocally,
+    Shutdown,
+    ToEngine,
+    UpdateLoRA,
+    Wake,
+)
 from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
-from pagoda.model.classifier_config import ClassifierConfig
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
-                                              ToEngine, UpdateLoRA, Wake)
 from pagoda.lora_request import LoRARequest
+from pagoda.model.classifier_config import ClassifierConfig
 
-_KINDS: dict[str, type] = {"add": AddRequest, "abort": AbortRequests, "update_lora": UpdateLoRA,
-                           "prefill_locally": PrefillLocally, "wake": Wake, "shutdown": Shutdown,
-                           # engine commands: their arguments are JSON values already (the plain-field branch)
-                           "command": EngineCommand}
+_KINDS: dict[str, type] = {
+    "add": AddRequest,
+    "abort": AbortRequests,
+    "update_lora": UpdateLoRA,
+    "prefill_locally": PrefillLocally,
+    "wake": Wake,
+    "shutdown": Shutdown,
+    # engine commands: their arguments are JSON values already (the plain-field branch)
+    "command": EngineCommand,
+}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 
 def encode_message(message: ToEngine) -> bytes:
     data: dict[str, Any] = {"kind": _KIND_OF[type(message)]}
     if isinstance(message, AddRequest):
-        data.update(request=message.request.to_dict(), awaiting_kv=message.awaiting_kv,
-                    handoff=dataclasses.asdict(message.handoff) if message.handoff is not None else None)
+        data.update(
+            request=message.request.to_dict(),
+            awaiting_kv=message.awaiting_kv,
+            handoff=dataclasses.asdict(message.handoff) if message.handoff is not None else None,
+        )
     elif isinstance(message, UpdateLoRA):
-        data.update(control_id=message.control_id, lora_request=dataclasses.asdict(message.lora_request),
-                    unload=message.unload)
+        data.update(
+            control_id=message.control_id, lora_request=dataclasses.asdict(message.lora_request), unload=message.unload
+        )
     else:  # fields of plain values
         data.update(dataclasses.asdict(message))
     return json.dumps(data).encode()
@@ -74,14 +92,18 @@ def _decode_message(payload: bytes) -> ToEngine:
     cls = _KINDS[data.pop("kind")]
     if cls is AddRequest:
         handoff = data["handoff"]
-        return AddRequest(EngineRequest.from_dict(data["request"]),
-                          HandoffTarget(**handoff) if handoff is not None else None, data["awaiting_kv"])
+        return AddRequest(
+            EngineRequest.from_dict(data["request"]),
+            HandoffTarget(**handoff) if handoff is not None else None,
+            data["awaiting_kv"],
+        )
     if cls is UpdateLoRA:
         return UpdateLoRA(data["control_id"], LoRARequest(**data["lora_request"]), data["unload"])
     return cls(**data)
 
 
 # ---- what the engine sends back ------------------------------------------------------------------
+
 
 class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
     """The engine is built: EngineInfo's fields."""
@@ -172,6 +194,7 @@ def decode_reply(payload: bytes) -> FromEngine:
 
 # ---- what the engine process is started with ---------------------------------------------------
 
+
 def encode_config(config: EngineConfig) -> bytes:
     return msgspec.msgpack.encode(config)
 
@@ -190,8 +213,9 @@ def factory_reference(factory: EngineFactory | None) -> str | None:
         return None
     module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
     if not module or not name or "<" in name or resolve_factory(f"{module}:{name}") is not factory:
-        raise ValueError(f"an engine factory for the process transport must be a module-level function or "
-                         f"class, got {factory!r}")
+        raise ValueError(
+            f"an engine factory for the process transport must be a module-level function or class, got {factory!r}"
+        )
     return f"{module}:{name}"
 
 

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
 from pagoda.engine.threads import set_engine_threads
 from pagoda.engine.transport.base import EngineFactory, OnEmitted
-from pagoda.engine.transport.messages import (AbortRequests, AddRequest, EngineCommand, PrefillLocally, Shutdown,
-                                              ToEngine, UpdateLoRA, Wake)
+from pagoda.engine.transport.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCommand,
+    PrefillLocally,
+    Shutdown,
+    ToEngine,
+    UpdateLoRA,
+    Wake,
+)
 from pagoda.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -40,7 +49,7 @@ class EngineInbox:
                 return messages
 
 
-def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEngine":
+def build_engine(config: EngineConfig, factory: EngineFactory | None) -> LLMEngine:
     # Torch's thread count is per calling thread: this runs on the thread that will step.
     set_engine_threads(config, serving=True)
     if factory is not None:
@@ -50,13 +59,13 @@ def build_engine(config: EngineConfig, factory: EngineFactory | None) -> "LLMEng
     return LLMEngine(config)
 
 
-def report_worker_failures(engine: "LLMEngine", report: Callable[[str], None]) -> None:
+def report_worker_failures(engine: LLMEngine, report: Callable[[str], None]) -> None:
     """Tensor parallelism: a worker that dies while the engine idles (so no step fails) must
     still end the engine; `report(reason)` is called from a watcher thread."""
     engine.on_worker_failure(report)
 
 
-def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
+def run_engine_loop(engine: LLMEngine, inbox: EngineInbox, emit: OnEmitted) -> None:
     """Apply messages, step, emit every step's output; return on Shutdown.
 
     An exception from the engine ends the loop (the engine's state is unknown after it).
@@ -74,7 +83,7 @@ def run_engine_loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) ->
         raise
 
 
-def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
+def _loop(engine: LLMEngine, inbox: EngineInbox, emit: OnEmitted) -> None:
     while True:
         for message in inbox.take(not engine.has_unfinished_requests()):
             if isinstance(message, Shutdown):
@@ -92,7 +101,7 @@ def _loop(engine: "LLMEngine", inbox: EngineInbox, emit: OnEmitted) -> None:
         emit(engine.step(), engine.get_stats())
 
 
-def _apply_request(engine: "LLMEngine", message: AddRequest | UpdateLoRA) -> None:
+def _apply_request(engine: LLMEngine, message: AddRequest | UpdateLoRA) -> None:
     """An add or a LoRA update; the engine answers it in its next step output (accepted, or
     refused with the reason), so a refusal raised here needs nothing more."""
     try:

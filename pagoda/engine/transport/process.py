@@ -21,11 +21,22 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import EngineConfig
 from pagoda.engine.parent_watch import exit_when_parent_dies
-from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
-                                          OnEmitted)
-from pagoda.engine.transport.encoding import (Batch, Dead, Failed, FromEngine, Ready, decode_config, decode_message,
-                                              decode_reply, encode_config, encode_message, encode_reply,
-                                              factory_reference, resolve_factory)
+from pagoda.engine.transport.base import EngineFactory, EngineInfo, EngineTransport, OnDeath, OnEmitted
+from pagoda.engine.transport.encoding import (
+    Batch,
+    Dead,
+    Failed,
+    FromEngine,
+    Ready,
+    decode_config,
+    decode_message,
+    decode_reply,
+    encode_config,
+    encode_message,
+    encode_reply,
+    factory_reference,
+    resolve_factory,
+)
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -44,16 +55,26 @@ REAP_TIMEOUT_S = 5.0
 class ProcessTransport(EngineTransport):
     kind = "process"
 
-    def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
-                 on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        factory: EngineFactory | None,
+        on_emitted: OnEmitted,
+        on_death: OnDeath,
+        *,
+        startup_timeout: float | None = None,
+    ) -> None:
         """`factory` must be a module-level function or class: the engine process imports it."""
         super().__init__(config, on_emitted, on_death)
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         # Only bytes and plain values cross to the child (encoding.py), never a pickled object.
-        process = context.Process(target=_engine_process_main, name="pagoda-engine",
-                                  args=(child_conn, encode_config(config), factory_reference(factory), os.getpid()),
-                                  daemon=True)
+        process = context.Process(
+            target=_engine_process_main,
+            name="pagoda-engine",
+            args=(child_conn, encode_config(config), factory_reference(factory), os.getpid()),
+            daemon=True,
+        )
         process.start()
         child_conn.close()
         from pagoda.tokenizer import Tokenizer  # loaded here while the child loads the model
@@ -85,8 +106,7 @@ class ProcessTransport(EngineTransport):
         # the engine is busy stepping).
         # Messages are encoded by send(), so that one that cannot be is the caller's error.
         self._outbox: queue.SimpleQueue[tuple[bytes, bool]] = queue.SimpleQueue()  # (message, is it the last)
-        for target, name in ((self._read, "pagoda-engine-reader"),
-                             (self._write, "pagoda-engine-writer")):
+        for target, name in ((self._read, "pagoda-engine-reader"), (self._write, "pagoda-engine-writer")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def send(self, message: ToEngine) -> None:
@@ -155,8 +175,7 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _engine_process_main(conn: "Connection", config_bytes: bytes, factory_name: str | None,
-                         parent_pid: int) -> None:
+def _engine_process_main(conn: Connection, config_bytes: bytes, factory_name: str | None, parent_pid: int) -> None:
     """Entry point of the engine process.
 
     Its lifetime is the server's: Ctrl-C in a terminal (SIGINT to the whole process group) or a
@@ -204,7 +223,7 @@ def _engine_process_main(conn: "Connection", config_bytes: bytes, factory_name: 
 
     threading.Thread(target=forward, name="pagoda-engine-inbox", daemon=True).start()
 
-    def emit(output: "EngineStepOutput", stats: "EngineStats") -> None:
+    def emit(output: EngineStepOutput, stats: EngineStats) -> None:
         with sending:
             conn.send_bytes(encode_reply(Batch(output, stats)))
 

@@ -13,8 +13,7 @@ import os
 import threading
 
 from pagoda.config import EngineConfig
-from pagoda.engine.transport.base import (EngineFactory, EngineInfo, EngineTransport, OnDeath,
-                                          OnEmitted)
+from pagoda.engine.transport.base import EngineFactory, EngineInfo, EngineTransport, OnDeath, OnEmitted
 from pagoda.engine.transport.engine_loop import EngineInbox, build_engine, report_worker_failures, run_engine_loop
 from pagoda.engine.transport.messages import Shutdown, ToEngine
 
@@ -24,8 +23,15 @@ logger = logging.getLogger(__name__)
 class ThreadTransport(EngineTransport):
     kind = "thread"
 
-    def __init__(self, config: EngineConfig, factory: EngineFactory | None, on_emitted: OnEmitted,
-                 on_death: OnDeath, *, startup_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        factory: EngineFactory | None,
+        on_emitted: OnEmitted,
+        on_death: OnDeath,
+        *,
+        startup_timeout: float | None = None,
+    ) -> None:
         super().__init__(config, on_emitted, on_death)
         self._inbox = EngineInbox()
         ready = threading.Event()

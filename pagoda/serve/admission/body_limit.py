@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,9 +20,14 @@ from pagoda.serve.errors import bad_request, body_timed_out, request_too_large
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int,
-                 on_reject: Callable[[], None] | None = None, timeout: float | None = None,
-                 on_timeout: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_reject: Callable[[], None] | None = None,
+        timeout: float | None = None,
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
@@ -89,8 +94,15 @@ class BodySizeLimit:
 
 async def _send_error(send: Send, status: int, body: dict) -> None:
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagoda.serve.admission.authentication import api_key_of
 from pagoda.serve.admission.tenants import TenantRegistry
 from pagoda.serve.errors import unauthorized
-from pagoda.serve.admission.authentication import api_key_of
 
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json"})
 
@@ -34,7 +34,15 @@ class KeyedDocs:
             return
         error = unauthorized("Missing API key." if not key else "Invalid API key.")
         body = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *((k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

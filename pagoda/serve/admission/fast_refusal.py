@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from pagoda.serve.admission.authentication import api_key_of
 from pagoda.serve.admission.queue import end_arrival
@@ -35,8 +36,7 @@ from pagoda.serve.errors import APIError, anthropic_error_body
 from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.serve.serving import ServeContext, new_request_id, rejection_reason
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
-                   Awaitable[None]]
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 ONE_SEQUENCE = RequestWork(num_prompts=1, n=1)
 
@@ -50,8 +50,7 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
 
 def json_bytes(content: Any) -> bytes:
     """`content` serialized byte for byte as Starlette's JSONResponse does."""
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 class FastRefusal:
@@ -62,11 +61,11 @@ class FastRefusal:
     def __init__(self, app: ASGIApp, ctx: ServeContext, endpoints: Iterable[Endpoint]) -> None:
         self.app = app
         self.ctx = ctx
-        self.routes = {(endpoint.method, endpoint.path): endpoint for endpoint in endpoints
-                       if endpoint.queues_work}
+        self.routes = {(endpoint.method, endpoint.path): endpoint for endpoint in endpoints if endpoint.queues_work}
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] == "http":
             route = self.routes.get((scope["method"], scope["path"]))
             if route is not None:
@@ -98,8 +97,9 @@ class FastRefusal:
             tenant = tenants.authenticate(None)
         else:
             headers = scope["headers"]
-            tenant = tenants.authenticate(api_key_of(_header(headers, b"authorization"),
-                                                     _header(headers, b"x-api-key")))
+            tenant = tenants.authenticate(
+                api_key_of(_header(headers, b"authorization"), _header(headers, b"x-api-key"))
+            )
         if tenant is None or not ctx.llm.is_alive:
             return None
         try:
@@ -109,13 +109,10 @@ class FastRefusal:
         lease.release()
         return tenant, queue_full
 
-    async def _answer(self, send: Callable[[dict], Awaitable[None]], route: Endpoint,
-                      error: APIError) -> None:
+    async def _answer(self, send: Callable[[dict], Awaitable[None]], route: Endpoint, error: APIError) -> None:
         body = json_bytes(anthropic_error_body(error) if route.anthropic else error.body())
-        headers = [(name.lower().encode("latin-1"), value.encode("latin-1"))
-                   for name, value in error.headers.items()]
-        headers += [(b"content-length", str(len(body)).encode()),
-                    (b"content-type", b"application/json")]
+        headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
+        headers += [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -126,6 +123,14 @@ class FastRefusal:
         reason = rejection_reason(error)
         ctx.metrics.record_rejected(reason)
         ctx.metrics.record_refusal_time(reason, time.perf_counter() - started)
-        ctx.request_log.log(RequestLogRecord(
-            request_id=new_request_id("rejected"), endpoint=route.name, tenant=tenant.name,
-            model=ctx.model_name, status=error.status, error=error.message, error_param=error.param))
+        ctx.request_log.log(
+            RequestLogRecord(
+                request_id=new_request_id("rejected"),
+                endpoint=route.name,
+                tenant=tenant.name,
+                model=ctx.model_name,
+                status=error.status,
+                error=error.message,
+                error_param=error.param,
+            )
+        )

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 DEFAULT_WINDOW_S = 5.0
 MIN_SAMPLES = 4  # fewer observations than this in the window never refuse
@@ -107,13 +107,18 @@ class LatencyGuard:
 
     def check(self) -> Refusal | None:
         """None to admit, or why not and when to retry."""
-        for name, window, target in (("time to first token", self.ttft, self.targets.ttft_s),
-                                     ("inter-token latency", self.itl, self.targets.itl_s)):
+        for name, window, target in (
+            ("time to first token", self.ttft, self.targets.ttft_s),
+            ("inter-token latency", self.itl, self.targets.itl_s),
+        ):
             if target is None or window.count() < MIN_SAMPLES:
                 continue
             p90 = window.percentile(0.9)
             if p90 is not None and p90 > target:
                 retry = max(1.0, math.ceil(self.targets.window_s - window.oldest_age()))
-                return Refusal(f"Server at its latency target: recent p90 {name} {p90 * 1000:.0f} ms exceeds "
-                               f"the {target * 1000:.0f} ms target. Retry later.", retry)
+                return Refusal(
+                    f"Server at its latency target: recent p90 {name} {p90 * 1000:.0f} ms exceeds "
+                    f"the {target * 1000:.0f} ms target. Retry later.",
+                    retry,
+                )
         return None

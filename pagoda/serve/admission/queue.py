@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.serve.admission.latency_targets import LatencyGuard, LatencyTargets
 from pagoda.serve.admission.work import RequestWork, never_fits
@@ -35,7 +35,7 @@ class QueueSlot:
     """One prompt's place in the queue (its `n` sequences); `leave` when it starts or ends
     (idempotent)."""
 
-    controller: "AdmissionController"
+    controller: AdmissionController
     num_sequences: int
     num_tokens: int = 0
     left: bool = False
@@ -72,12 +72,17 @@ class AdmissionController:
     """Counts queued sequences and tokens, and the requests still arriving (past the fast
     refusal, their bodies being read: one sequence each). Used from the event loop thread only."""
 
-    def __init__(self, max_queued_requests: int | None, max_queued_tokens: int | None,
-                 latency_targets: LatencyTargets | None = None, *, max_model_len: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_queued_requests: int | None,
+        max_queued_tokens: int | None,
+        latency_targets: LatencyTargets | None = None,
+        *,
+        max_model_len: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = (max(max_queued_tokens, max_model_len)
-                                  if max_queued_tokens is not None else None)
+        self.max_queued_tokens = max(max_queued_tokens, max_model_len) if max_queued_tokens is not None else None
         self.queued_sequences = 0
         self.queued_tokens = 0
         self.arriving = 0  # counted arrivals: started within ARRIVAL_WINDOW_S, not yet admitted
@@ -103,8 +108,11 @@ class AdmissionController:
         limit = self.max_queued_requests
         self._age_arrivals()
         if limit is not None and self.queued_sequences + self.arriving >= limit:
-            return overloaded(f"Server overloaded: {self.queued_sequences} sequences queued and "
-                              f"{self.arriving} arriving (limit {limit}). Retry later.", RETRY_AFTER_SECONDS)
+            return overloaded(
+                f"Server overloaded: {self.queued_sequences} sequences queued and "
+                f"{self.arriving} arriving (limit {limit}). Retry later.",
+                RETRY_AFTER_SECONDS,
+            )
         if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
             return self._tokens_full()
         return None
@@ -139,11 +147,14 @@ class AdmissionController:
                 raise never_fits(
                     f"This request runs {work.describe_sequences()}; the server queues at most "
                     f"{limit} sequences (--max-queued-requests). Send fewer prompts or a smaller n.",
-                    param="n" if work.n > 1 else "prompt")
+                    param="n" if work.n > 1 else "prompt",
+                )
             if self.queued_sequences + work.num_sequences > limit:
                 raise overloaded(
                     f"Server overloaded: {self.queued_sequences} sequences queued (limit {limit}); "
-                    f"this request needs {work.num_sequences}. Retry later.", RETRY_AFTER_SECONDS)
+                    f"this request needs {work.num_sequences}. Retry later.",
+                    RETRY_AFTER_SECONDS,
+                )
         if self.max_queued_tokens is not None and self.queued_tokens >= self.max_queued_tokens:
             raise self._tokens_full()
         slots = [QueueSlot(self, work.n) for _ in range(work.num_prompts)]
@@ -160,7 +171,8 @@ class AdmissionController:
                 raise never_fits(
                     f"This request's prompts hold {num_tokens} tokens; the server queues at most "
                     f"{limit} prompt tokens (--max-queued-tokens). Send fewer or shorter prompts.",
-                    param="prompt")
+                    param="prompt",
+                )
             if self.queued_tokens + num_tokens > limit:
                 raise self._tokens_full()
         for slot, count in zip(slots, prompt_token_counts, strict=True):
@@ -168,8 +180,11 @@ class AdmissionController:
         self.queued_tokens += num_tokens
 
     def _tokens_full(self) -> APIError:
-        return overloaded(f"Server overloaded: {self.queued_tokens} prompt tokens queued "
-                          f"(limit {self.max_queued_tokens}). Retry later.", RETRY_AFTER_SECONDS)
+        return overloaded(
+            f"Server overloaded: {self.queued_tokens} prompt tokens queued "
+            f"(limit {self.max_queued_tokens}). Retry later.",
+            RETRY_AFTER_SECONDS,
+        )
 
     def _leave(self, slot: QueueSlot) -> None:
         self.queued_sequences -= slot.num_sequences

@@ -8,8 +8,9 @@ allow, so no well-formed client request is refused, and each refusal is a 400 na
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from pagoda.serve.errors import bad_request
 
@@ -18,9 +19,9 @@ INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_n: int = 128                  # OpenAI's bound for n / best_of
-    max_logprobs: int = 20            # OpenAI's top_logprobs bound, vLLM's default max_logprobs
-    max_stop_strings: int = 64        # OpenAI allows 4; vLLM sets none
+    max_n: int = 128  # OpenAI's bound for n / best_of
+    max_logprobs: int = 20  # OpenAI's top_logprobs bound, vLLM's default max_logprobs
+    max_stop_strings: int = 64  # OpenAI allows 4; vLLM sets none
     max_stop_string_chars: int = 1024
     # All stop strings together: each step matches every one of them against the text's tail and
     # withholds any tail that may grow into one, work (and a table of every prefix) that grows
@@ -28,10 +29,10 @@ class RequestLimits:
     # streaming ITL p99 fivefold.
     max_stop_chars_total: int = 4096
     max_stop_token_ids: int = 1024
-    max_logit_bias: int = 2048        # entries
-    max_prompts: int = 2048           # prompts in one completions batch (OpenAI's array bound)
+    max_logit_bias: int = 2048  # entries
+    max_prompts: int = 2048  # prompts in one completions batch (OpenAI's array bound)
     max_messages: int = 8192
-    max_content_parts: int = 1024     # per message
+    max_content_parts: int = 1024  # per message
 
     def check(self, body: Any, *, max_num_seqs: int) -> None:
         """Raises a 400 APIError naming the first field over its bound. `body` is a parsed
@@ -40,8 +41,11 @@ class RequestLimits:
         for name in ("n", "best_of"):
             value = getattr(body, name, None)
             if value is not None and value > max_samples:
-                _refuse(name, f"{name} must be at most {max_samples} on this server "
-                              f"({'--max-num-seqs' if max_num_seqs < self.max_n else 'the API limit'}), got {value}.")
+                _refuse(
+                    name,
+                    f"{name} must be at most {max_samples} on this server "
+                    f"({'--max-num-seqs' if max_num_seqs < self.max_n else 'the API limit'}), got {value}.",
+                )
         # Chat's top_logprobs is bounded by SamplingParams (it is the engine's logprobs).
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(body, name, None)
@@ -71,12 +75,16 @@ class RequestLimits:
         _check_count(strings, self.max_stop_strings, "stop")
         longest = max((len(s) for s in strings), default=0)
         if longest > self.max_stop_string_chars:
-            _refuse("stop", f"each stop string must be at most {self.max_stop_string_chars} characters, "
-                            f"got one of {longest}.")
+            _refuse(
+                "stop",
+                f"each stop string must be at most {self.max_stop_string_chars} characters, got one of {longest}.",
+            )
         total = sum(len(s) for s in strings if isinstance(s, str))
         if total > self.max_stop_chars_total:
-            _refuse("stop", f"the stop strings may hold at most {self.max_stop_chars_total} characters together, "
-                            f"got {total}.")
+            _refuse(
+                "stop",
+                f"the stop strings may hold at most {self.max_stop_chars_total} characters together, got {total}.",
+            )
 
 
 def _check_count(items: Sequence[Any] | dict | None, limit: int, param: str) -> None:

@@ -49,9 +49,10 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.serve.admission.work import RequestWork, never_fits
 from pagoda.serve.errors import bad_request, rate_limited
@@ -79,14 +80,17 @@ class TenantLimits:
             elif f.name == "priority_range":
                 if value is None:
                     continue
-                if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(map(_is_priority, value)) \
-                        or value[0] > value[1]:
+                if (
+                    not isinstance(value, (list, tuple))
+                    or len(value) != 2
+                    or not all(map(_is_priority, value))
+                    or value[0] > value[1]
+                ):
                     raise ValueError(f"priority_range must be [lowest, highest] integers, got {value!r}")
                 object.__setattr__(self, "priority_range", (value[0], value[1]))
                 if not value[0] <= self.priority <= value[1]:
                     raise ValueError(f"priority {self.priority} is outside priority_range {list(value)}")
-            elif value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                        or value < 1):
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
 
@@ -113,8 +117,10 @@ class Tenant:
         limit = self.limits.max_prompt_tokens
         if limit is not None and num_prompt_tokens > limit:
             raise bad_request(
-                f"The prompt has {num_prompt_tokens} tokens, over this key's limit of {limit} "
-                "prompt tokens.", param="prompt", code="prompt_too_long")
+                f"The prompt has {num_prompt_tokens} tokens, over this key's limit of {limit} prompt tokens.",
+                param="prompt",
+                code="prompt_too_long",
+            )
 
     def resolve_priority(self, requested: Any) -> int:
         """The scheduling priority of a request that asked for `requested` (None: the tenant's
@@ -126,8 +132,9 @@ class Tenant:
         low, high = self.limits.priority_range or (self.limits.priority, None)
         if requested < low or (high is not None and requested > high):
             allowed = f"[{low}, {high}]" if high is not None else f"{low} or more (lower runs first)"
-            raise bad_request(f"priority {requested} is outside this key's allowed priorities: {allowed}.",
-                              param="priority")
+            raise bad_request(
+                f"priority {requested} is outside this key's allowed priorities: {allowed}.", param="priority"
+            )
         return requested
 
     def resolve_max_tokens(self, requested: int | None, param: str = "max_tokens") -> int | None:
@@ -138,8 +145,7 @@ class Tenant:
         if requested is None:
             return limit
         if requested > limit:
-            raise bad_request(f"{param} ({requested}) is over this key's limit of {limit} output "
-                              "tokens.", param=param)
+            raise bad_request(f"{param} ({requested}) is over this key's limit of {limit} output tokens.", param=param)
         return requested
 
 
@@ -158,22 +164,21 @@ def _key_digest(key: str) -> bytes:
 class TenantRegistry:
     """API key -> tenant. `open_access` when no key is configured at all."""
 
-    def __init__(self, keys: dict[str, Tenant] | None = None,
-                 open_tenant: Tenant | None = None) -> None:
+    def __init__(self, keys: dict[str, Tenant] | None = None, open_tenant: Tenant | None = None) -> None:
         # Only digests are kept, so a dict lookup reveals nothing about the keys' bytes.
         self._by_digest = {_key_digest(k): t for k, t in (keys or {}).items()}
         self._open_tenant = open_tenant
 
     @classmethod
-    def open(cls) -> "TenantRegistry":
+    def open(cls) -> TenantRegistry:
         return cls(open_tenant=Tenant(DEFAULT_TENANT))
 
     @classmethod
-    def single_key(cls, key: str) -> "TenantRegistry":
+    def single_key(cls, key: str) -> TenantRegistry:
         return cls({key: Tenant(DEFAULT_TENANT, admin=True)})
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "TenantRegistry":
+    def from_file(cls, path: str | Path) -> TenantRegistry:
         return cls(parse_tenants(load_keys_file(path)))
 
     @property
@@ -246,26 +251,33 @@ def parse_tenants(data: Any) -> dict[str, Tenant]:
         if cache_scope is not None and (not isinstance(cache_scope, str) or not cache_scope):
             raise ValueError(f"tenant {name!r}: cache_scope must be a non-empty string")
         adapters = spec.pop("adapters", None)
-        if adapters is not None and (not isinstance(adapters, list)
-                                     or not all(isinstance(a, str) and a for a in adapters)):
+        if adapters is not None and (
+            not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters)
+        ):
             raise ValueError(f"tenant {name!r}: adapters must be a list of LoRA adapter names")
         models = spec.pop("models", None)
-        if models is not None and (not isinstance(models, list)
-                                   or not all(isinstance(m, str) and m for m in models)):
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
             raise ValueError(f"tenant {name!r}: models must be a list of model names")
         allow_fallback = spec.pop("allow_fallback", True)
         if not isinstance(allow_fallback, bool):
             raise ValueError(f"tenant {name!r}: allow_fallback must be true or false, got {allow_fallback!r}")
         unknown = set(spec) - _LIMIT_FIELDS
         if unknown:
-            raise ValueError(f"tenant {name!r}: unknown settings {sorted(unknown)}; "
-                             f"known: adapters, admin, allow_fallback, api_keys, cache_scope, models, "
-                             f"{', '.join(sorted(_LIMIT_FIELDS))}")
+            raise ValueError(
+                f"tenant {name!r}: unknown settings {sorted(unknown)}; "
+                f"known: adapters, admin, allow_fallback, api_keys, cache_scope, models, "
+                f"{', '.join(sorted(_LIMIT_FIELDS))}"
+            )
         try:
-            tenant = Tenant(name, TenantLimits(**spec), cache_scope=cache_scope, admin=admin,
-                            adapters=frozenset(adapters) if adapters is not None else None,
-                            models=frozenset(models) if models is not None else None,
-                            allow_fallback=allow_fallback)
+            tenant = Tenant(
+                name,
+                TenantLimits(**spec),
+                cache_scope=cache_scope,
+                admin=admin,
+                adapters=frozenset(adapters) if adapters is not None else None,
+                models=frozenset(models) if models is not None else None,
+                allow_fallback=allow_fallback,
+            )
         except ValueError as exc:
             raise ValueError(f"tenant {name!r}: {exc}") from None
         if not api_keys:
@@ -314,7 +326,7 @@ class TenantLease:
     """A tenant's hold on one admitted HTTP request: its sequences and, once the prompts are
     tokenized, its reserved tokens. `release` exactly once when it ends."""
 
-    limiter: "TenantLimiter"
+    limiter: TenantLimiter
     tenant: Tenant
     num_sequences: int
     reserved_tokens: int = 0
@@ -350,10 +362,16 @@ class TenantLimiter:
         if usage is None:
             limits = tenant.limits
             usage = _TenantUsage(
-                requests=(TokenBucket(limits.requests_per_minute, limits.requests_per_minute, now)
-                          if limits.requests_per_minute else None),
-                tokens=(TokenBucket(limits.tokens_per_minute, limits.tokens_per_minute, now)
-                        if limits.tokens_per_minute else None),
+                requests=(
+                    TokenBucket(limits.requests_per_minute, limits.requests_per_minute, now)
+                    if limits.requests_per_minute
+                    else None
+                ),
+                tokens=(
+                    TokenBucket(limits.tokens_per_minute, limits.tokens_per_minute, now)
+                    if limits.tokens_per_minute
+                    else None
+                ),
             )
             self._usage[tenant.name] = usage
         return usage
@@ -369,25 +387,30 @@ class TenantLimiter:
                 raise never_fits(
                     f"This request runs {work.describe_sequences()}, over this key's limit of "
                     f"{cap} concurrent sequences (max_concurrent_requests counts prompts x n).",
-                    param="n" if work.n > 1 else "prompt")
+                    param="n" if work.n > 1 else "prompt",
+                )
             if usage.in_flight + work.num_sequences > cap:
                 raise rate_limited(
                     f"Too many concurrent sequences for this key: {usage.in_flight} running, this "
                     f"request needs {work.num_sequences} (limit {cap}, max_concurrent_requests "
-                    f"counts prompts x n).", retry_after=1)
+                    f"counts prompts x n).",
+                    retry_after=1,
+                )
         if usage.requests is not None:
             usage.requests.refill(now)
             if usage.requests.level < 1:
                 raise rate_limited(
                     f"Rate limit of {limits.requests_per_minute} requests per minute reached.",
-                    retry_after=usage.requests.seconds_until(1))
+                    retry_after=usage.requests.seconds_until(1),
+                )
             usage.requests.level -= 1
         if usage.tokens is not None:
             usage.tokens.refill(now)
             if usage.tokens.level < 1:  # not even a one-token request could start
                 raise rate_limited(
                     f"Token quota of {limits.tokens_per_minute} tokens per minute reached.",
-                    retry_after=usage.tokens.seconds_until(1))
+                    retry_after=usage.tokens.seconds_until(1),
+                )
         usage.in_flight += work.num_sequences
         return TenantLease(self, tenant, work.num_sequences)
 
@@ -401,13 +424,16 @@ class TenantLimiter:
             raise never_fits(
                 f"This request may use {work.describe_tokens()}, over this key's quota of "
                 f"{limits.tokens_per_minute} tokens per minute. Lower max_tokens or n.",
-                param="max_tokens")
+                param="max_tokens",
+            )
         usage.tokens.refill(self._clock())
         if usage.tokens.level < amount:
             raise rate_limited(
                 f"Token quota of {limits.tokens_per_minute} tokens per minute: "
                 f"{max(0, int(usage.tokens.level))} left now, this request may use "
-                f"{work.describe_tokens()}.", retry_after=usage.tokens.seconds_until(amount))
+                f"{work.describe_tokens()}.",
+                retry_after=usage.tokens.seconds_until(amount),
+            )
         usage.tokens.level -= amount
         lease.reserved_tokens = amount
 
@@ -416,8 +442,7 @@ class TenantLimiter:
         usage.in_flight -= lease.num_sequences
         if usage.tokens is not None and lease.reserved_tokens:
             usage.tokens.refill(self._clock())
-            usage.tokens.level = min(usage.tokens.capacity,
-                                     usage.tokens.level + lease.reserved_tokens - used_tokens)
+            usage.tokens.level = min(usage.tokens.capacity, usage.tokens.level + lease.reserved_tokens - used_tokens)
 
     def in_flight(self, tenant: Tenant) -> int:
         """Sequences the tenant's admitted requests hold."""

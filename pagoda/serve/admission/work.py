@@ -36,10 +36,12 @@ class RequestWork:
         return f"{self.num_sequences} sequences ({prompts} x n={self.n})"
 
     def describe_tokens(self) -> str:
-        return (f"up to {self.estimated_tokens} tokens ({self.prompt_tokens} prompt + n={self.n} x "
-                f"{self.max_output_tokens} output)")
+        return (
+            f"up to {self.estimated_tokens} tokens ({self.prompt_tokens} prompt + n={self.n} x "
+            f"{self.max_output_tokens} output)"
+        )
 
-    def with_tokens(self, prompt_tokens: int, max_output_tokens: int) -> "RequestWork":
+    def with_tokens(self, prompt_tokens: int, max_output_tokens: int) -> RequestWork:
         return replace(self, prompt_tokens=prompt_tokens, max_output_tokens=max_output_tokens)
 
 

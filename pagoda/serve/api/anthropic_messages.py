@@ -13,17 +13,23 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Sequence
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.serve.admission.tenants import Tenant
-from pagoda.serve.api.anthropic_protocol import (AnthropicMessage, ContentBlock, CountTokensRequest,
-                                                 CountTokensResponse, MessagesRequest,
-                                                 MessagesResponse, MessagesUsage)
+from pagoda.serve.api.anthropic_protocol import (
+    AnthropicMessage,
+    ContentBlock,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    MessagesUsage,
+)
 from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import WholeAnswer, respond
 from pagoda.serve.api.lora import resolve_model
@@ -49,8 +55,11 @@ def _text_of(blocks: str | Sequence[ContentBlock | dict[str, Any]] | None, where
     for i, item in enumerate(blocks):
         block = item if isinstance(item, dict) else item.model_dump()
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"{where}[{i}] has type {block.get('type')!r}; only text blocks are "
-                              "supported here (text only, no images or documents).", param=where)
+            raise bad_request(
+                f"{where}[{i}] has type {block.get('type')!r}; only text blocks are "
+                "supported here (text only, no images or documents).",
+                param=where,
+            )
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -80,8 +89,13 @@ def _chat_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise bad_request(f"{at}: a tool_use block needs id and name.", param="messages")
-            tool_calls.append({"id": block.id, "type": "function", "function": {
-                "name": block.name, "arguments": json.dumps(block.input or {}, ensure_ascii=False)}})
+            tool_calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": json.dumps(block.input or {}, ensure_ascii=False)},
+                }
+            )
         elif block.type == "tool_result" and message.role == "user":
             if not block.tool_use_id:
                 raise bad_request(f"{at}: a tool_result block needs tool_use_id.", param="messages")
@@ -92,9 +106,12 @@ def _chat_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
         elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
             continue  # earlier turns' thinking is not shown to the model again (as Qwen3/R1 templates do)
         else:
-            raise bad_request(f"{at} has type {block.type!r}, which a {message.role} message cannot "
-                              "hold here (text, tool_use and tool_result blocks only; no images or "
-                              "documents).", param="messages")
+            raise bad_request(
+                f"{at} has type {block.type!r}, which a {message.role} message cannot "
+                "hold here (text, tool_use and tool_result blocks only; no images or "
+                "documents).",
+                param="messages",
+            )
     converted: list[dict[str, Any]] = list(results)
     if texts or tool_calls or not results:
         entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
@@ -110,8 +127,11 @@ def _chat_tools(request: CountTokensRequest) -> dict[str, Any]:
         tools = []
         for i, tool in enumerate(request.tools):
             if tool.type not in (None, "custom") or tool.input_schema is None:
-                raise bad_request(f"tools[{i}] ({tool.type or tool.name!r}) is not supported: only "
-                                  "client tools with name and input_schema.", param="tools")
+                raise bad_request(
+                    f"tools[{i}] ({tool.type or tool.name!r}) is not supported: only "
+                    "client tools with name and input_schema.",
+                    param="tools",
+                )
             function = {"name": tool.name, "parameters": tool.input_schema}
             if tool.description:
                 function["description"] = tool.description
@@ -132,14 +152,23 @@ def _chat_tools(request: CountTokensRequest) -> dict[str, Any]:
 
 def to_chat_request(request: CountTokensRequest, max_tokens: int = 1) -> ChatCompletionRequest:
     """The chat completion request a Messages body means; raises a 400 APIError."""
-    fields: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request),
-                              "max_tokens": max_tokens, **_chat_tools(request)}
+    fields: dict[str, Any] = {
+        "model": request.model,
+        "messages": _chat_messages(request),
+        "max_tokens": max_tokens,
+        **_chat_tools(request),
+    }
     if request.thinking is not None:  # Qwen3-style templates switch thinking with this variable
         fields["chat_template_kwargs"] = {"enable_thinking": request.thinking.type != "disabled"}
     if isinstance(request, MessagesRequest):
-        fields.update(max_tokens=request.max_tokens, stream=request.stream,
-                      stop=request.stop_sequences, temperature=request.temperature,
-                      top_p=request.top_p, top_k=request.top_k)
+        fields.update(
+            max_tokens=request.max_tokens,
+            stream=request.stream,
+            stop=request.stop_sequences,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+        )
     try:
         return ChatCompletionRequest.model_validate(fields)
     except pydantic.ValidationError as exc:
@@ -149,8 +178,9 @@ def to_chat_request(request: CountTokensRequest, max_tokens: int = 1) -> ChatCom
 def _usage(generation: Generation) -> MessagesUsage:
     usage = generation.usage()
     cached = usage.prompt_tokens_details.cached_tokens
-    return MessagesUsage(input_tokens=usage.prompt_tokens - cached, cache_read_input_tokens=cached,
-                         output_tokens=usage.completion_tokens)
+    return MessagesUsage(
+        input_tokens=usage.prompt_tokens - cached, cache_read_input_tokens=cached, output_tokens=usage.completion_tokens
+    )
 
 
 def _stop(finish_reason: str | None, stop_reason: Any, called: bool) -> tuple[str, str | None]:
@@ -181,26 +211,34 @@ class MessagesEndpoint(ChatEndpoint):
     fields = MESSAGES
     id_prefix = "msg"
 
-    async def handle_messages(self, ctx: ServeContext, raw: Request, request: MessagesRequest,
-                              tenant: Tenant, *, route: str | None = None,
-                              await_first_token: bool = False) -> Response:
+    async def handle_messages(
+        self,
+        ctx: ServeContext,
+        raw: Request,
+        request: MessagesRequest,
+        tenant: Tenant,
+        *,
+        route: str | None = None,
+        await_first_token: bool = False,
+    ) -> Response:
         """As `GenerationEndpoint.handle`, in Anthropic's shapes."""
         check_fields(request, self.fields)
         if request.max_tokens < 1:
             raise bad_request("max_tokens: must be at least 1.", param="max_tokens")
         chat_request = to_chat_request(request)
-        generation = await self.begin(ctx, raw, chat_request, tenant, route=route,
-                                      await_first_token=await_first_token)
+        generation = await self.begin(ctx, raw, chat_request, tenant, route=route, await_first_token=await_first_token)
         if isinstance(generation, Response):
             return generation
         tools = tool_plan(ctx, chat_request)
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         stream_body = _stream(generation, tools, reasoning) if request.stream else None
-        return await respond(raw, generation, stream_body,
-                             WholeAnswer(body=lambda _: _response(generation, tools, reasoning)))
+        return await respond(
+            raw, generation, stream_body, WholeAnswer(body=lambda _: _response(generation, tools, reasoning))
+        )
 
-    async def count_tokens(self, ctx: ServeContext, _: Request, request: CountTokensRequest,
-                           tenant: Tenant) -> Response:
+    async def count_tokens(
+        self, ctx: ServeContext, _: Request, request: CountTokensRequest, tenant: Tenant
+    ) -> Response:
         # An adapter the tenant may not use is a 404 like an unknown model, as on /v1/messages:
         # counting must not tell another tenant's adapter names from names that do not exist.
         resolve_model(ctx, request.model, tenant)
@@ -212,8 +250,7 @@ class MessagesEndpoint(ChatEndpoint):
         return JSONResponse(CountTokensResponse(input_tokens=count).model_dump())
 
 
-def _response(generation: Generation, tools: ToolPlan | None,
-              reasoning: ChatReasoning | None) -> MessagesResponse:
+def _response(generation: Generation, tools: ToolPlan | None, reasoning: ChatReasoning | None) -> MessagesResponse:
     final = generation.finals[0]
     assert final is not None
     sample = final.outputs[0]
@@ -230,9 +267,14 @@ def _response(generation: Generation, tools: ToolPlan | None,
         content.append({"type": "text", "text": text})
     content.extend(_tool_use(call.name, call.arguments) for call in calls)
     stop_reason, stop_sequence = _stop(sample.finish_reason, sample.stop_reason, bool(calls))
-    return MessagesResponse(id=generation.request_id, model=generation.model_name, content=content,
-                            stop_reason=stop_reason, stop_sequence=stop_sequence,
-                            usage=_usage(generation))
+    return MessagesResponse(
+        id=generation.request_id,
+        model=generation.model_name,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=_usage(generation),
+    )
 
 
 class _Blocks:
@@ -251,8 +293,12 @@ class _Blocks:
     def delta(self, kind: str, delta: dict[str, Any]) -> str:
         events = ""
         if self.open != kind:
-            events = self.start({"text": {"type": "text", "text": ""},
-                                 "thinking": {"type": "thinking", "thinking": "", "signature": ""}}[kind])
+            events = self.start(
+                {
+                    "text": {"type": "text", "text": ""},
+                    "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+                }[kind]
+            )
         return events + anthropic_event("content_block_delta", {"index": self.index, "delta": delta})
 
     def stop(self) -> str:
@@ -262,13 +308,25 @@ class _Blocks:
         return anthropic_event("content_block_stop", {"index": self.index})
 
 
-async def _stream(generation: Generation, tools: ToolPlan | None,
-                  reasoning: ChatReasoning | None) -> AsyncIterator[str]:
+async def _stream(
+    generation: Generation, tools: ToolPlan | None, reasoning: ChatReasoning | None
+) -> AsyncIterator[str]:
     usage = _usage(generation)
-    yield anthropic_event("message_start", {"message": {
-        "id": generation.request_id, "type": "message", "role": "assistant",
-        "model": generation.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {**usage.model_dump(), "output_tokens": 0}}})
+    yield anthropic_event(
+        "message_start",
+        {
+            "message": {
+                "id": generation.request_id,
+                "type": "message",
+                "role": "assistant",
+                "model": generation.model_name,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {**usage.model_dump(), "output_tokens": 0},
+            }
+        },
+    )
     blocks = _Blocks()
     tool_stream = ToolCallStream(tools.parser, tools.forced) if tools is not None and tools.parse else None
     reasoning_stream = reasoning.stream() if reasoning is not None else None
@@ -292,18 +350,24 @@ async def _stream(generation: Generation, tools: ToolPlan | None,
                     yield blocks.delta("text", {"type": "text_delta", "text": text})
                 for call in calls:
                     if "id" in call:
-                        yield blocks.start({"type": "tool_use", "id": _tool_use_id(),
-                                            "name": call["function"]["name"], "input": {}})
+                        yield blocks.start(
+                            {"type": "tool_use", "id": _tool_use_id(), "name": call["function"]["name"], "input": {}}
+                        )
                     fragment = call["function"].get("arguments")
                     if fragment:
                         yield blocks.delta("tool_use", {"type": "input_json_delta", "partial_json": fragment})
                 if finished:
-                    stop = _stop(sample.finish_reason, sample.stop_reason,
-                                 tool_stream is not None and tool_stream.has_calls)
+                    stop = _stop(
+                        sample.finish_reason, sample.stop_reason, tool_stream is not None and tool_stream.has_calls
+                    )
         yield blocks.stop()
-        yield anthropic_event("message_delta", {
-            "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-            "usage": {"output_tokens": generation.usage().completion_tokens}})
+        yield anthropic_event(
+            "message_delta",
+            {
+                "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                "usage": {"output_tokens": generation.usage().completion_tokens},
+            },
+        )
         yield anthropic_event("message_stop", {})
     except APIError as exc:
         yield f"event: error\ndata: {to_json(anthropic_error_body(exc))}\n\n"

@@ -11,35 +11,45 @@ handler.py's skeleton.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pagoda.errors import InvalidRequest
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
-from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.chat_template import ChatTemplateChoice, choose_chat_template
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
 from pagoda.serve.api.logprobs import chat_logprobs, prompt_logprobs
 from pagoda.serve.api.messages import message_texts, template_messages
-from pagoda.serve.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs,
-                                   ChatCompletionRequest, ChatCompletionResponse)
-from pagoda.serve.api.reasoning import (ReasoningParser, ReasoningStream, after_reasoning,
-                                        check_template_kwargs, get_reasoning_parser)
+from pagoda.serve.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from pagoda.serve.api.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    after_reasoning,
+    check_template_kwargs,
+    get_reasoning_parser,
+)
 from pagoda.serve.api.request_fields import CHAT
 from pagoda.serve.api.sampling import build_sampling_params
-from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 from pagoda.serve.api.sse import ChoiceChunks, to_json
 from pagoda.serve.api.structured_request import with_structured_outputs
-from pagoda.serve.api.truncation import truncate_prompt, truncation_length
-from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, with_tool_constraint
+from pagoda.serve.api.truncation import truncate_prompt, truncation_length
+from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.serve.serving import EnginePrompt, Generation, ServeContext
 
 
 def reject_unsupported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("prompt_logprobs are not available when stream is true.",
-                          param="prompt_logprobs")
+        raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
 
 
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
@@ -48,8 +58,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def prepare(self, ctx: ServeContext, request: ChatCompletionRequest,
-                tenant: Tenant) -> PreparedRequest:
+    def prepare(self, ctx: ServeContext, request: ChatCompletionRequest, tenant: Tenant) -> PreparedRequest:
         reject_unsupported(request)
         keep = truncation_length(request.truncate_prompt_tokens, ctx.llm.max_model_len)
         if keep is None:  # a truncated prompt fits whatever its length
@@ -63,8 +72,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:
             try:
-                token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs,
-                                                  **template_tools)
+                token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs, **template_tools)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
             if keep is not None and len(token_ids) > keep:
@@ -76,32 +84,45 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
         prompt = render(messages)
-        max_param = "max_completion_tokens" if request.max_completion_tokens is not None \
-            else "max_tokens"
-        requested = request.max_completion_tokens if request.max_completion_tokens is not None \
-            else request.max_tokens
+        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = tenant.resolve_max_tokens(requested, max_param)
-        params = build_sampling_params(request, ctx.llm.generation_defaults, max_tokens=max_tokens,
-                                       logprobs=(request.top_logprobs or 0) if request.logprobs
-                                       else None, prompt_logprobs=request.prompt_logprobs)
+        params = build_sampling_params(
+            request,
+            ctx.llm.generation_defaults,
+            max_tokens=max_tokens,
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
+        )
         # Structured output and tool calling (at most one grammar, checked here: prepare runs
         # off the event loop).
         params = with_tool_constraint(with_structured_outputs(params, request), tools)
         reasoning = ChatReasoning.of(ctx, prompt.token_ids)
         if reasoning is not None:  # the constraint applies to the answer after the thinking
             params = after_reasoning(params, reasoning.parser, reasoning.prompt_tail)
-        return PreparedRequest([prompt], params,
-                               param_names={"prompt": "messages", "max_tokens": max_param},
-                               messages=messages, render_messages=render)
+        return PreparedRequest(
+            [prompt],
+            params,
+            param_names={"prompt": "messages", "max_tokens": max_param},
+            messages=messages,
+            render_messages=render,
+        )
 
-    def formatter(self, ctx: ServeContext, generation: Generation,
-                  request: ChatCompletionRequest, chunks: ChoiceChunks) -> ChunkFormatter:
-        return _ChatChunks(request, ctx.llm.tokenizer, chunks, tool_plan(ctx, request),
-                           ChatReasoning.of(ctx, generation.prompts[0].token_ids),
-                           prompt_token_ids=generation.prompts[0].token_ids)
+    def formatter(
+        self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest, chunks: ChoiceChunks
+    ) -> ChunkFormatter:
+        return _ChatChunks(
+            request,
+            ctx.llm.tokenizer,
+            chunks,
+            tool_plan(ctx, request),
+            ChatReasoning.of(ctx, generation.prompts[0].token_ids),
+            prompt_token_ids=generation.prompts[0].token_ids,
+        )
 
-    def choices(self, ctx: ServeContext, generation: Generation,
-                request: ChatCompletionRequest) -> Iterator[ChatChoice]:
+    def choices(
+        self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest
+    ) -> Iterator[ChatChoice]:
         final = generation.finals[0]
         assert final is not None
         tools = tool_plan(ctx, request)
@@ -109,36 +130,52 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         for sample in final.outputs:
             logprobs = None
             if request.logprobs:
-                logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                    sample.token_ids, list(sample.logprobs or []), request.top_logprobs or 0,
-                    ctx.llm.tokenizer))
+                logprobs = ChatChoiceLogprobs(
+                    content=chat_logprobs(
+                        sample.token_ids, list(sample.logprobs or []), request.top_logprobs or 0, ctx.llm.tokenizer
+                    )
+                )
             thinking, answer = reasoning.split(sample.text) if reasoning else (None, sample.text)
             message, finish_reason = AssistantMessage(content=answer), sample.finish_reason
             if tools is not None:  # tool calling: the calls parsed out of the final answer
                 message, finish_reason = tools.message(answer, finish_reason)
             message.reasoning_content = thinking
-            yield ChatChoice(index=sample.index, message=message, logprobs=logprobs,
-                             finish_reason=finish_reason,
-                             token_ids=sample.token_ids if request.return_token_ids else None)
+            yield ChatChoice(
+                index=sample.index,
+                message=message,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                token_ids=sample.token_ids if request.return_token_ids else None,
+            )
 
-    def response(self, ctx: ServeContext, generation: Generation, request: ChatCompletionRequest,
-                 created: int, choices: list[ChatChoice]) -> ChatCompletionResponse:
+    def response(
+        self,
+        ctx: ServeContext,
+        generation: Generation,
+        request: ChatCompletionRequest,
+        created: int,
+        choices: list[ChatChoice],
+    ) -> ChatCompletionResponse:
         scored_prompt = None
         if request.prompt_logprobs is not None:
             final = generation.finals[0]
             assert final is not None
-            scored_prompt = prompt_logprobs(generation.prompts[0].token_ids, final.prompt_logprobs,
-                                            ctx.llm.tokenizer)
-        return ChatCompletionResponse(id=generation.request_id, created=created,
-                                      model=generation.model_name, choices=choices,
-                                      usage=generation.usage(), prompt_logprobs=scored_prompt,
-                                      prompt_token_ids=generation.prompts[0].token_ids
-                                      if request.return_token_ids else None)
+            scored_prompt = prompt_logprobs(generation.prompts[0].token_ids, final.prompt_logprobs, ctx.llm.tokenizer)
+        return ChatCompletionResponse(
+            id=generation.request_id,
+            created=created,
+            model=generation.model_name,
+            choices=choices,
+            usage=generation.usage(),
+            prompt_logprobs=scored_prompt,
+            prompt_token_ids=generation.prompts[0].token_ids if request.return_token_ids else None,
+        )
 
 
 def template_choice(ctx: ServeContext, request: Any) -> ChatTemplateChoice:
-    return choose_chat_template(request, ctx.settings.chat_template,
-                                ctx.settings.trust_request_chat_template, ctx.llm.tokenizer)
+    return choose_chat_template(
+        request, ctx.settings.chat_template, ctx.settings.trust_request_chat_template, ctx.llm.tokenizer
+    )
 
 
 def tool_plan(ctx: ServeContext, request: ChatCompletionRequest) -> ToolPlan | None:
@@ -160,11 +197,11 @@ class ChatReasoning:
         self.opened = parser.opened_by_prompt(prompt_tail)
 
     @classmethod
-    def of(cls, ctx: ServeContext, prompt_token_ids: list[int]) -> "ChatReasoning | None":
+    def of(cls, ctx: ServeContext, prompt_token_ids: list[int]) -> ChatReasoning | None:
         parser = get_reasoning_parser(ctx.settings.reasoning_parser)
         if parser is None:
             return None
-        tail = ctx.llm.tokenizer.decode(prompt_token_ids[-cls.TAIL_TOKENS:], skip_special_tokens=False)
+        tail = ctx.llm.tokenizer.decode(prompt_token_ids[-cls.TAIL_TOKENS :], skip_special_tokens=False)
         return cls(parser, tail)
 
     def split(self, text: str) -> tuple[str | None, str]:
@@ -180,37 +217,46 @@ class _ChatChunks(ChunkFormatter):
     a reasoning parser, each choice keeps a ReasoningStream: the thinking goes out as
     `reasoning_content` deltas, and only the answer reaches the content and the tool parser."""
 
-    def __init__(self, request: ChatCompletionRequest, tokenizer: Any,
-                 chunks: ChoiceChunks, tools: ToolPlan | None = None,
-                 reasoning: ChatReasoning | None = None,
-                 prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        tokenizer: Any,
+        chunks: ChoiceChunks,
+        tools: ToolPlan | None = None,
+        reasoning: ChatReasoning | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.request = request
         self.prompt_token_ids = prompt_token_ids
         self.tokenizer = tokenizer
         self.chunks = chunks
         self.tools = tools
-        self.tool_streams = {index: ToolCallStream(tools.parser, tools.forced)
-                             for index in range(request.n)} if tools and tools.parse else {}
-        self.reasoning_streams = {index: reasoning.stream()
-                                  for index in range(request.n)} if reasoning else {}
+        self.tool_streams = (
+            {index: ToolCallStream(tools.parser, tools.forced) for index in range(request.n)}
+            if tools and tools.parse
+            else {}
+        )
+        self.reasoning_streams = {index: reasoning.stream() for index in range(request.n)} if reasoning else {}
         self.texts: dict[int, str] = {}  # choice index -> its text so far (the parsers read it whole)
         self.answers: dict[int, str] = {}  # choice index -> the answer after its thinking, so far
 
     def opening(self) -> list[str]:
-        events = [self._event(index, '{"role":"assistant","content":""}', None, None)
-                  for index in range(self.request.n)]
+        events = [
+            self._event(index, '{"role":"assistant","content":""}', None, None) for index in range(self.request.n)
+        ]
         if self.request.return_token_ids and self.prompt_token_ids is not None:
             # vLLM sends the prompt's token ids as a member of the first chunk itself.
-            events[0] = events[0].replace(',"choices":[',
-                                          f',"prompt_token_ids":{to_json(self.prompt_token_ids)},"choices":[', 1)
+            events[0] = events[0].replace(
+                ',"choices":[', f',"prompt_token_ids":{to_json(self.prompt_token_ids)},"choices":[', 1
+            )
         return events
 
-    def chunk(self, prompt_index: int, sample: CompletionDelta,
-              delta: RequestOutputDelta) -> str | None:
+    def chunk(self, prompt_index: int, sample: CompletionDelta, delta: RequestOutputDelta) -> str | None:
         logprobs = None
         if self.request.logprobs:
-            entries = chat_logprobs(sample.token_ids, list(sample.logprobs or []),
-                                    self.request.top_logprobs or 0, self.tokenizer)
+            entries = chat_logprobs(
+                sample.token_ids, list(sample.logprobs or []), self.request.top_logprobs or 0, self.tokenizer
+            )
             if entries:
                 logprobs = {"content": [e.model_dump() for e in entries], "refusal": None}
         text, finish_reason = sample.text, sample.finish_reason
@@ -222,8 +268,7 @@ class _ChatChunks(ChunkFormatter):
             thinking, text = reasoning_stream.step(so_far, finish_reason is not None)
             self.answers[sample.index] = self.answers.get(sample.index, "") + text
             if thinking:
-                events += self._event(sample.index, '{"reasoning_content":' + to_json(thinking) + "}",
-                                      None, None)
+                events += self._event(sample.index, '{"reasoning_content":' + to_json(thinking) + "}", None, None)
         if tool_stream is not None:  # content up to a tool call, then the calls
             if reasoning_stream is not None:
                 so_far = self.answers[sample.index]
@@ -245,10 +290,13 @@ class _ChatChunks(ChunkFormatter):
         delta_json = '{"content":' + to_json(text) + "}" if text else "{}"
         return events + self._event(sample.index, delta_json, logprobs, finish_reason, token_ids)
 
-    def _event(self, index: int, delta_json: str, logprobs: Any, finish_reason: str | None,
-               token_ids: list[int] | None = None) -> str:
+    def _event(
+        self, index: int, delta_json: str, logprobs: Any, finish_reason: str | None, token_ids: list[int] | None = None
+    ) -> str:
         logprobs_json = to_json(logprobs) if logprobs is not None else "null"
         finish_json = to_json(finish_reason) if finish_reason is not None else "null"
         token_ids_json = f',"token_ids":{to_json(token_ids)}' if token_ids is not None else ""
-        return self.chunks.event(f'"index":{index},"delta":{delta_json},"logprobs":{logprobs_json},'
-                                 f'"finish_reason":{finish_json}{token_ids_json}')
+        return self.chunks.event(
+            f'"index":{index},"delta":{delta_json},"logprobs":{logprobs_json},'
+            f'"finish_reason":{finish_json}{token_ids_json}'
+        )

@@ -45,20 +45,26 @@ class ChatTemplateChoice:
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        return {"chat_template": self.template, "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return {
+            "chat_template": self.template,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
-def choose_chat_template(request: Any, server_template: str | None, trust_request_template: bool,
-                         tokenizer: Any) -> ChatTemplateChoice:
+def choose_chat_template(
+    request: Any, server_template: str | None, trust_request_template: bool, tokenizer: Any
+) -> ChatTemplateChoice:
     """The request's template choice; a 400 naming the field for a request template the server
     does not accept or for both prompt endings at once."""
     requested = getattr(request, "chat_template", None)
     if requested is not None:
         if not trust_request_template:
-            raise bad_request("chat_template is not accepted by this server (start it with "
-                              "--trust-request-chat-template to allow templates in requests).",
-                              param="chat_template")
+            raise bad_request(
+                "chat_template is not accepted by this server (start it with "
+                "--trust-request-chat-template to allow templates in requests).",
+                param="chat_template",
+            )
         if not requested.strip():
             raise bad_request("chat_template must be a non-empty Jinja template.", param="chat_template")
         template = requested
@@ -69,7 +75,9 @@ def choose_chat_template(request: Any, server_template: str | None, trust_reques
     if continue_final and "add_generation_prompt" not in getattr(request, "model_fields_set", ()):
         add_generation_prompt = False  # its default gives way; only an explicit true conflicts
     if continue_final and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
-                          "set add_generation_prompt to false to continue the final message.",
-                          param="continue_final_message")
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the final message.",
+            param="continue_final_message",
+        )
     return ChatTemplateChoice(template, add_generation_prompt, continue_final)

@@ -73,8 +73,9 @@ def model_pooling(model_dir: str) -> str | None:
     configs = []
     try:
         modules = json.loads((root / "modules.json").read_text())
-        configs = [root / m.get("path", "") / "config.json" for m in modules
-                   if str(m.get("type", "")).endswith("Pooling")]
+        configs = [
+            root / m.get("path", "") / "config.json" for m in modules if str(m.get("type", "")).endswith("Pooling")
+        ]
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     configs.append(root / "sentence_bert_config.json")
@@ -120,8 +121,11 @@ class EmbeddingsEndpoint:
         if request.dimensions is not None and request.dimensions < 1:
             raise bad_request(f"dimensions must be >= 1, got {request.dimensions}.", param="dimensions")
         keep = truncation_length(request.truncate_prompt_tokens, ctx.llm.max_model_len)
-        num_inputs = 1 if isinstance(request.input, str) or (
-            request.input and isinstance(request.input[0], int)) else max(len(request.input), 1)
+        num_inputs = (
+            1
+            if isinstance(request.input, str) or (request.input and isinstance(request.input[0], int))
+            else max(len(request.input), 1)
+        )
         # No await between the two: the full-queue refusal never sees this request counted
         # both as arriving and as queued.
         end_arrival(raw.scope)
@@ -133,17 +137,29 @@ class EmbeddingsEndpoint:
             raise
         # The prefill's one token is computed and dropped: nothing is decoded after it.
         params = SamplingParams(temperature=0.0, max_tokens=1, pooling=self.pooling)
-        generation = Generation(ctx, new_request_id("embd"), self.name, tenant, prompts, params,
-                                stream=False, admission=admission, lora_request=lora_request)
+        generation = Generation(
+            ctx,
+            new_request_id("embd"),
+            self.name,
+            tenant,
+            prompts,
+            params,
+            stream=False,
+            admission=admission,
+            lora_request=lora_request,
+        )
         await generation.start({"prompt": "input"})
         created = int(time.time())
-        return await respond(raw, generation, None, WholeAnswer(
-            body=lambda _: self.response(generation, request, created)))
+        return await respond(
+            raw, generation, None, WholeAnswer(body=lambda _: self.response(generation, request, created))
+        )
 
     def _prompts(self, request: EmbeddingRequest, keep: int | None) -> list[EnginePrompt]:
         try:
-            return [truncate_prompt(prompt, keep, request.truncation_side)
-                    for prompt in completion_prompts(request.input, self.ctx.llm.tokenizer)]
+            return [
+                truncate_prompt(prompt, keep, request.truncation_side)
+                for prompt in completion_prompts(request.input, self.ctx.llm.tokenizer)
+            ]
         except APIError as exc:  # completions' checks, named for this endpoint
             raise bad_request(exc.message.replace("prompt", "input"), param="input") from None
 
@@ -152,12 +168,19 @@ class EmbeddingsEndpoint:
         for index, final in enumerate(generation.finals):
             assert final is not None and final.embedding is not None
             if request.dimensions is not None and request.dimensions > len(final.embedding):
-                raise bad_request(f"dimensions ({request.dimensions}) is more than the model's "
-                                  f"{len(final.embedding)}.", param="dimensions")
+                raise bad_request(
+                    f"dimensions ({request.dimensions}) is more than the model's {len(final.embedding)}.",
+                    param="dimensions",
+                )
             vector: Any = finish_embedding(final.embedding, request.dimensions, request.normalize)
             if request.encoding_format == "base64":
                 vector = encode_base64(vector)
             data.append(Embedding(index=index, embedding=vector))
         tokens = generation.num_prompt_tokens
-        return EmbeddingResponse(id=generation.request_id, created=created, model=generation.model_name,
-                                 data=data, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return EmbeddingResponse(
+            id=generation.request_id,
+            created=created,
+            model=generation.model_name,
+            data=data,
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )

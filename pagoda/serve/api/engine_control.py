@@ -54,8 +54,9 @@ class EmptyRequest(BaseModel):
 PAUSE_MODES = ("wait", "keep", "abort")
 
 
-async def run_command(llm: EngineClient, command: str, args: dict[str, Any] | None = None,
-                      done: str = "") -> JSONResponse:
+async def run_command(
+    llm: EngineClient, command: str, args: dict[str, Any] | None = None, done: str = ""
+) -> JSONResponse:
     """The command's answer in SGLang's shape."""
     started = time.perf_counter()
     try:
@@ -64,25 +65,36 @@ async def run_command(llm: EngineClient, command: str, args: dict[str, Any] | No
         return JSONResponse({"success": False, "message": str(error)}, status_code=400)
     except EngineDeadError as error:
         return JSONResponse({"success": False, "message": f"the engine is not running: {error}"}, status_code=503)
-    return JSONResponse({"success": True, "message": done or f"{command} done",
-                         "seconds": round(time.perf_counter() - started, 3)})
+    return JSONResponse(
+        {"success": True, "message": done or f"{command} done", "seconds": round(time.perf_counter() - started, 3)}
+    )
 
 
 async def update_weights_from_disk(llm: EngineClient, body: UpdateWeightsFromDiskRequest) -> JSONResponse:
     if body.load_format not in (None, "auto", "safetensors"):
-        return JSONResponse({"success": False, "message": f"load_format {body.load_format!r}: pagoda updates "
-                                                          "weights from safetensors directories"}, status_code=400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": f"load_format {body.load_format!r}: pagoda updates weights from safetensors directories",
+            },
+            status_code=400,
+        )
     if body.abort_all_requests:
         response = await run_command(llm, "pause", {"mode": "abort"})
         if response.status_code != 200:
             return response
         try:
-            return await run_command(llm, "update_weights_from_disk", {"model_path": body.model_path},
-                                     f"weights updated from {body.model_path}")
+            return await run_command(
+                llm,
+                "update_weights_from_disk",
+                {"model_path": body.model_path},
+                f"weights updated from {body.model_path}",
+            )
         finally:
             await run_command(llm, "resume")
-    return await run_command(llm, "update_weights_from_disk", {"model_path": body.model_path},
-                             f"weights updated from {body.model_path}")
+    return await run_command(
+        llm, "update_weights_from_disk", {"model_path": body.model_path}, f"weights updated from {body.model_path}"
+    )
 
 
 async def update_weights_from_distributed(llm: EngineClient, body: UpdateWeightsRequest) -> JSONResponse:

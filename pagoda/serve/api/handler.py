@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pydantic
 from fastapi import Request
@@ -30,21 +31,34 @@ from fastapi.responses import JSONResponse, Response
 
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.errors import APIError, bad_request
-from pagoda.serve.guardrails import guard_input
+from pagoda.serve.admission.queue import end_arrival
+from pagoda.serve.admission.tenants import Tenant
+from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.api.json_body import json_text, model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.protocol import SamplingFields
 from pagoda.serve.api.request_fields import Field, check_fields
+from pagoda.serve.api.sse import (
+    SSE_DONE,
+    ChoiceChunks,
+    ClientDisconnected,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse_error,
+    sse_event,
+)
+from pagoda.serve.errors import APIError, bad_request
+from pagoda.serve.guardrails import guard_input
 from pagoda.serve.observability.provenance import HEADER as PROVENANCE_HEADER
-from pagoda.serve.serving import (CLIENT_CLOSED_REQUEST, EnginePrompt, Generation, ServeContext,
-                                  new_request_id, rejection_reason)
-from pagoda.serve.api.sse import (SSE_DONE, ChoiceChunks, ClientDisconnected, EventStreamResponse,
-                              cancel_on_disconnect, sse_error, sse_event)
-from pagoda.serve.admission.queue import end_arrival
-from pagoda.serve.admission.tenants import Tenant
-from pagoda.serve.admission.work import RequestWork
 from pagoda.serve.observability.tracing import trace_headers
+from pagoda.serve.serving import (
+    CLIENT_CLOSED_REQUEST,
+    EnginePrompt,
+    Generation,
+    ServeContext,
+    new_request_id,
+    rejection_reason,
+)
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -75,8 +89,7 @@ class ChunkFormatter(ABC):
         return ()
 
     @abstractmethod
-    def chunk(self, prompt_index: int, sample: CompletionDelta,
-              delta: RequestOutputDelta) -> str | None:
+    def chunk(self, prompt_index: int, sample: CompletionDelta, delta: RequestOutputDelta) -> str | None:
         """The event for what one sample gained, or None when there is nothing to send."""
 
 
@@ -95,23 +108,32 @@ class GenerationEndpoint(ABC, Generic[Body]):
         """Check the body and build prompts and params; raises APIError."""
 
     @abstractmethod
-    def formatter(self, ctx: ServeContext, generation: Generation, request: Body,
-                  chunks: ChoiceChunks) -> ChunkFormatter:
+    def formatter(
+        self, ctx: ServeContext, generation: Generation, request: Body, chunks: ChoiceChunks
+    ) -> ChunkFormatter:
         """The formatter of this request's stream."""
 
     @abstractmethod
-    def choices(self, ctx: ServeContext, generation: Generation,
-                request: Body) -> Iterator[pydantic.BaseModel]:
+    def choices(self, ctx: ServeContext, generation: Generation, request: Body) -> Iterator[pydantic.BaseModel]:
         """The non-streamed body's choices in order, one at a time, once every prompt is
         finished (`generation.finals`)."""
 
     @abstractmethod
-    def response(self, ctx: ServeContext, generation: Generation, request: Body, created: int,
-                 choices: list[Any]) -> pydantic.BaseModel:
+    def response(
+        self, ctx: ServeContext, generation: Generation, request: Body, created: int, choices: list[Any]
+    ) -> pydantic.BaseModel:
         """The non-streamed body around `choices`."""
 
-    async def begin(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
-                    route: str | None = None, await_first_token: bool = False) -> Generation | Response:
+    async def begin(
+        self,
+        ctx: ServeContext,
+        raw: Request,
+        request: Body,
+        tenant: Tenant,
+        *,
+        route: str | None = None,
+        await_first_token: bool = False,
+    ) -> Generation | Response:
         """Admit and submit `request` (its refusal timed and raised); the 499 to return when the
         client left meanwhile. `route`: how it got there (logged). `await_first_token`: wait for
         the first token too, so that a failure before it raises its APIError (the request may go
@@ -135,8 +157,16 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
         return generation
 
-    async def handle(self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, *,
-                     route: str | None = None, await_first_token: bool = False) -> Response:
+    async def handle(
+        self,
+        ctx: ServeContext,
+        raw: Request,
+        request: Body,
+        tenant: Tenant,
+        *,
+        route: str | None = None,
+        await_first_token: bool = False,
+    ) -> Response:
         """Answer `request` with `ctx`'s model (`route`, `await_first_token`: as `begin`)."""
         generation = await self.begin(ctx, raw, request, tenant, route=route, await_first_token=await_first_token)
         if isinstance(generation, Response):
@@ -145,17 +175,27 @@ class GenerationEndpoint(ABC, Generic[Body]):
         stream_body = None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            base = {"id": generation.request_id, "object": self.chunk_object, "created": created,
-                    "model": generation.model_name}
+            base = {
+                "id": generation.request_id,
+                "object": self.chunk_object,
+                "created": created,
+                "model": generation.model_name,
+            }
             chunks = ChoiceChunks(base, include_usage)
-            stream_body = _events(generation, self.formatter(ctx, generation, request, chunks),
-                                  chunks)
-        return await respond(raw, generation, stream_body, WholeAnswer(
-            choices=lambda: self.choices(ctx, generation, request),
-            body=lambda choices: self.response(ctx, generation, request, created, choices)))
+            stream_body = _events(generation, self.formatter(ctx, generation, request, chunks), chunks)
+        return await respond(
+            raw,
+            generation,
+            stream_body,
+            WholeAnswer(
+                choices=lambda: self.choices(ctx, generation, request),
+                body=lambda choices: self.response(ctx, generation, request, created, choices),
+            ),
+        )
 
-    async def _start(self, ctx: ServeContext, raw: Request, request: Body,
-                     tenant: Tenant, route: str | None = None) -> Generation:
+    async def _start(
+        self, ctx: ServeContext, raw: Request, request: Body, tenant: Tenant, route: str | None = None
+    ) -> Generation:
         """Check, admit, prepare and submit the request; raises the APIError refusing it."""
         lora_request = resolve_model(ctx, request.model, tenant)
         check_fields(request, self.fields)
@@ -176,24 +216,33 @@ class GenerationEndpoint(ABC, Generic[Body]):
             # thread keeps the event loop (every other request, /health) answering meanwhile.
             prepared = await asyncio.to_thread(self.prepare, ctx, request, tenant)
             prepared, input_decision = await guard_input(  # guardrails hook
-                ctx.guard, ctx.llm.tokenizer, tenant, prepared)
+                ctx.guard, ctx.llm.tokenizer, tenant, prepared
+            )
         except BaseException:
             admission.release()
             raise
-        generation = Generation(ctx, new_request_id(self.id_prefix), self.name, tenant,
-                                prepared.prompts, prepared.params, stream=request.stream,
-                                admission=admission,
-                                input_decision=input_decision,  # guardrails hook
-                                lora_request=lora_request, route=route, priority=priority,
-                                trace_headers=trace_headers(raw.headers))
+        generation = Generation(
+            ctx,
+            new_request_id(self.id_prefix),
+            self.name,
+            tenant,
+            prepared.prompts,
+            prepared.params,
+            stream=request.stream,
+            admission=admission,
+            input_decision=input_decision,  # guardrails hook
+            lora_request=lora_request,
+            route=route,
+            priority=priority,
+            trace_headers=trace_headers(raw.headers),
+        )
         # Submitting a batch of prompts takes engine round trips: a client that leaves
         # meanwhile must not leave its prompts running (start closes and aborts on cancel).
         await cancel_on_disconnect(raw, generation.start(prepared.param_names))
         return generation
 
 
-async def _events(generation: Generation, formatter: ChunkFormatter,
-                  chunks: ChoiceChunks) -> AsyncIterator[str]:
+async def _events(generation: Generation, formatter: ChunkFormatter, chunks: ChoiceChunks) -> AsyncIterator[str]:
     try:
         for event in formatter.opening():
             yield event
@@ -203,8 +252,7 @@ async def _events(generation: Generation, formatter: ChunkFormatter,
                 if chunk is not None:
                     yield chunk
         if chunks.include_usage:
-            yield sse_event({**chunks.base, "choices": [],
-                             "usage": generation.usage().model_dump()})
+            yield sse_event({**chunks.base, "choices": [], "usage": generation.usage().model_dump()})
     except APIError as exc:
         # Closed here with the error's status and reason: the stream itself still ends as a 200.
         generation.close(exc.status, exc)
@@ -240,23 +288,32 @@ def answer_cells(generation: Generation) -> int:
     and writing the answer costs."""
     params = generation.params
     per_token = 1 if params.logprobs is None else 2 + params.logprobs
-    cells = per_token * sum(len(sample.token_ids) for final in generation.finals if final is not None
-                            for sample in final.outputs)
+    cells = per_token * sum(
+        len(sample.token_ids) for final in generation.finals if final is not None for sample in final.outputs
+    )
     if params.prompt_logprobs is not None:  # echoed into every sample of its prompt
         cells += (2 + params.prompt_logprobs) * params.n * generation.num_prompt_tokens
     return cells
 
 
-async def respond(raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None,
-                  answer: WholeAnswer) -> Response:
+async def respond(
+    raw: Request, generation: Generation, stream_body: AsyncIterator[str] | None, answer: WholeAnswer
+) -> Response:
     """Send a started generation: as server-sent events when `stream_body` is given, else wait
     for it to finish (aborting it if the client leaves) and send `answer` as JSON: a large
     answer is built and written on a worker thread, so the event loop keeps answering.
     The generation is closed with the status the client saw. Either answer carries the
     provenance id (serve/observability/provenance.py) in its headers."""
     if stream_body is not None:
-        return _with_provenance(generation, EventStreamResponse(stream_body, on_close=lambda: generation.close(
-            200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST)))
+        return _with_provenance(
+            generation,
+            EventStreamResponse(
+                stream_body,
+                on_close=lambda: generation.close(
+                    200 if generation.finals and all(generation.finals) else CLIENT_CLOSED_REQUEST
+                ),
+            ),
+        )
     try:
         await cancel_on_disconnect(raw, _drain(generation))
         if answer_cells(generation) > LARGE_ANSWER_CELLS:

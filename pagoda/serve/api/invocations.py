@@ -5,8 +5,9 @@ answers: chat completions (`messages`), then completions (`prompt`), then embedd
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import pydantic
 from fastapi import Request
@@ -28,9 +29,11 @@ class InvocationTarget:
     run: Callable[[Request, Any, Tenant], Awaitable[Response]]
 
 
-def invocations(targets: Sequence[InvocationTarget]
-                ) -> Callable[[Request, InvocationRequest, Tenant], Awaitable[Response]]:
+def invocations(
+    targets: Sequence[InvocationTarget],
+) -> Callable[[Request, InvocationRequest, Tenant], Awaitable[Response]]:
     """The /invocations handler over `targets`, tried in order."""
+
     async def run(raw: Request, body: InvocationRequest, tenant: Tenant) -> Response:
         members = dict(body.model_extra or {})
         for target in targets:
@@ -39,6 +42,10 @@ def invocations(targets: Sequence[InvocationTarget]
             except pydantic.ValidationError:
                 continue
             return await target.run(raw, parsed, tenant)
-        raise bad_request("Cannot find a suitable handler for the request: the body must be one of "
-                          + ", ".join(f"{t.body_model.__name__} ({t.name})" for t in targets) + ".")
+        raise bad_request(
+            "Cannot find a suitable handler for the request: the body must be one of "
+            + ", ".join(f"{t.body_model.__name__} ({t.name})" for t in targets)
+            + "."
+        )
+
     return run

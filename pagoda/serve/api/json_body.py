@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -25,8 +26,7 @@ RECORD_KEYS = 64
 STRING_CHARS_PER_NODE = 64
 
 # Starlette's JSONResponse.render, so both paths send the same text.
-_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, indent=None,
-                           separators=(",", ":"))
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
 def model_json(model: BaseModel) -> str:
@@ -41,8 +41,7 @@ def estimated_nodes(value: Any) -> int:
     if isinstance(value, dict):
         if len(value) <= RECORD_KEYS:
             return 1 + sum(estimated_nodes(v) for v in value.values())
-        return 1 + len(value) * max(estimated_nodes(v)
-                                    for v in itertools.islice(value.values(), SAMPLES))
+        return 1 + len(value) * max(estimated_nodes(v) for v in itertools.islice(value.values(), SAMPLES))
     if isinstance(value, (list, tuple)):
         return 1 + len(value) * _item_nodes(value)
     if isinstance(value, str):
@@ -116,7 +115,7 @@ def _encode(value: Any, out: list[str]) -> None:
             if step == 1:
                 _encode(value[start], out)
             else:  # a slice at a time: "[a,b,c]" without its brackets
-                out.append(_dumps(value[start:start + step])[1:-1])
+                out.append(_dumps(value[start : start + step])[1:-1])
         out.append("]")
     else:  # a long string, or a dict with keys json converts
         out.append(_dumps(value))

@@ -26,11 +26,10 @@ from pydantic import BaseModel
 from pagoda.engine.client import EngineDeadError
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.serve.errors import APIError, bad_request, engine_unavailable, invalid_request, model_not_found
-from pagoda.serve.api.protocol import ModelCard
-from pagoda.serve.serving import ServeContext
 from pagoda.serve.admission.tenants import Tenant
-
+from pagoda.serve.api.protocol import ModelCard
+from pagoda.serve.errors import APIError, bad_request, engine_unavailable, invalid_request, model_not_found
+from pagoda.serve.serving import ServeContext
 
 # What an adapter name may be: it is a model name in requests and /v1/models, never a path.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -57,33 +56,42 @@ def resolve_model(ctx: ServeContext, model: str | None, tenant: Tenant) -> LoRAR
 
 
 def adapter_cards(ctx: ServeContext, tenant: Tenant, created: int) -> list[ModelCard]:
-    return [ModelCard(id=name, created=created, root=name, parent=ctx.model_name,
-                      max_model_len=ctx.llm.max_model_len)
-            for name in sorted(ctx.llm.lora_names) if ctx.settings.tenants.may_use_adapter(tenant, name)]
+    return [
+        ModelCard(id=name, created=created, root=name, parent=ctx.model_name, max_model_len=ctx.llm.max_model_len)
+        for name in sorted(ctx.llm.lora_names)
+        if ctx.settings.tenants.may_use_adapter(tenant, name)
+    ]
 
 
 def _check_allowed(ctx: ServeContext, tenant: Tenant) -> None:
     if not ctx.settings.allow_runtime_lora:
-        raise APIError(404, "Loading and unloading LoRA adapters at run time is off; start the server with "
-                            "--allow-runtime-lora.", type="not_found_error", code="runtime_lora_disabled")
+        raise APIError(
+            404,
+            "Loading and unloading LoRA adapters at run time is off; start the server with --allow-runtime-lora.",
+            type="not_found_error",
+            code="runtime_lora_disabled",
+        )
     if not tenant.admin:
-        raise APIError(403, "Only admin keys may load or unload LoRA adapters.", type="permission_error",
-                       code="admin_required")
+        raise APIError(
+            403, "Only admin keys may load or unload LoRA adapters.", type="permission_error", code="admin_required"
+        )
 
 
-async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapterRequest,
-                            tenant: Tenant) -> Response:
+async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapterRequest, tenant: Tenant) -> Response:
     _check_allowed(ctx, tenant)
     name = body.lora_name.strip()
     if not name or not body.lora_path.strip():
         raise bad_request("Both lora_name and lora_path must be non-empty.", param="lora_name")
     if not ADAPTER_NAME.fullmatch(name) or ".." in name:
-        raise bad_request("lora_name must be 1 to 128 letters, digits and ._:- (starting with a letter or "
-                          "digit, no '..').", param="lora_name")
+        raise bad_request(
+            "lora_name must be 1 to 128 letters, digits and ._:- (starting with a letter or digit, no '..').",
+            param="lora_name",
+        )
     path = await asyncio.to_thread(usable_adapter_dir, name, body.lora_path, ctx.settings.lora_root)
     if name == ctx.model_name:
-        raise bad_request(f"The LoRA adapter name {name!r} is the served model's name.", param="lora_name",
-                          code="lora_adapter_exists")
+        raise bad_request(
+            f"The LoRA adapter name {name!r} is the served model's name.", param="lora_name", code="lora_adapter_exists"
+        )
     try:
         await ctx.llm.add_lora(LoRARequest(name, 0, path))
     except InvalidRequest as error:
@@ -98,9 +106,12 @@ async def load_lora_adapter(ctx: ServeContext, _: Request, body: LoadLoRAAdapter
 def usable_adapter_dir(name: str, lora_path: str, lora_root: str | None) -> str:
     """`lora_path` resolved, when it is a directory holding adapter_config.json (under
     `lora_root` when given); else the one 400 every unusable path gets."""
-    unusable = bad_request(f"lora_path for {name!r} is not a usable LoRA adapter: a readable directory holding "
-                           f"adapter_config.json{' under the server' + chr(39) + 's --lora-root' if lora_root else ''}.",
-                           param="lora_path", code="lora_path_unusable")
+    unusable = bad_request(
+        f"lora_path for {name!r} is not a usable LoRA adapter: a readable directory holding "
+        f"adapter_config.json{' under the server' + chr(39) + 's --lora-root' if lora_root else ''}.",
+        param="lora_path",
+        code="lora_path_unusable",
+    )
     if len(lora_path) > MAX_PATH_CHARS or "\0" in lora_path:
         raise unusable
     try:
@@ -109,16 +120,20 @@ def usable_adapter_dir(name: str, lora_path: str, lora_root: str | None) -> str:
             root = Path(lora_root).resolve(strict=True)
             if resolved != root and root not in resolved.parents:
                 raise unusable
-        if not (resolved.is_dir() and (resolved / "adapter_config.json").is_file()
-                and os.access(resolved / "adapter_config.json", os.R_OK)):
+        if not (
+            resolved.is_dir()
+            and (resolved / "adapter_config.json").is_file()
+            and os.access(resolved / "adapter_config.json", os.R_OK)
+        ):
             raise unusable
     except (OSError, RuntimeError, ValueError):  # too long, a loop of links, unreadable
         raise unusable from None
     return str(resolved)
 
 
-async def unload_lora_adapter(ctx: ServeContext, _: Request, body: UnloadLoRAAdapterRequest,
-                              tenant: Tenant) -> Response:
+async def unload_lora_adapter(
+    ctx: ServeContext, _: Request, body: UnloadLoRAAdapterRequest, tenant: Tenant
+) -> Response:
     _check_allowed(ctx, tenant)
     try:
         await ctx.llm.remove_lora(body.lora_name)

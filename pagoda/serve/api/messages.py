@@ -29,8 +29,9 @@ def template_messages(messages: list[ChatMessage], tokenizer: Any = None) -> lis
         extra = {k: v for k, v in (message.model_extra or {}).items() if k in ("tool_calls", "tool_call_id")}
         plain.append({"role": message.role, "content": parts, **extra})
     custom = {message.role for message in messages if message.role not in ROLES}
-    roles = ROLES + tuple(sorted(role for role in custom if tokenizer is not None
-                                 and template_renders_role(tokenizer, role)))
+    roles = ROLES + tuple(
+        sorted(role for role in custom if tokenizer is not None and template_renders_role(tokenizer, role))
+    )
     return [template_message(m) for m in normalize_messages(plain, roles=roles)]
 
 
@@ -41,8 +42,7 @@ def template_renders_role(tokenizer: Any, role: str) -> bool:
 
     def render(as_role: str) -> str | None:
         try:
-            return tokenizer.apply_chat_template([{"role": as_role, "content": "x"}],
-                                                 add_generation_prompt=False)
+            return tokenizer.apply_chat_template([{"role": as_role, "content": "x"}], add_generation_prompt=False)
         except Exception:  # a template that refuses the role (or the probe) does not take it
             return None
 

@@ -63,6 +63,7 @@ class SamplingFields(OpenAIRequest):
     def sequences_per_prompt(self) -> int:
         """What each prompt runs at once, as admission charges it: n."""
         return max(self.n, 1)
+
     priority: int | None = None  # --scheduling-policy priority: checked against the key's tenant
 
 

@@ -33,10 +33,25 @@ PARSERS = get_args(ReasoningParserName)
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (they are the
 # request's other fields, or would make the template return something other than text).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def check_template_kwargs(value: Any) -> dict[str, Any]:
@@ -45,12 +60,13 @@ def check_template_kwargs(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad_request("chat_template_kwargs must be an object of template variables.",
-                          param="chat_template_kwargs")
+        raise bad_request("chat_template_kwargs must be an object of template variables.", param="chat_template_kwargs")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
     if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}; use the "
-                          "request's own fields.", param="chat_template_kwargs")
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}; use the request's own fields.",
+            param="chat_template_kwargs",
+        )
     return dict(value)
 
 
@@ -76,7 +92,7 @@ class ReasoningParser:
         """(reasoning or None, answer) of an output; `opened`: the prompt left thinking open."""
         stripped = text.lstrip()
         if stripped.startswith(self.start):
-            body = stripped[len(self.start):]
+            body = stripped[len(self.start) :]
         elif opened:
             body = text
         else:
@@ -84,7 +100,7 @@ class ReasoningParser:
         end = body.find(self.end)
         if end < 0:
             return body.lstrip(), ""
-        return body[:end].lstrip(), body[end + len(self.end):].lstrip()
+        return body[:end].lstrip(), body[end + len(self.end) :].lstrip()
 
 
 def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
@@ -111,11 +127,11 @@ class ReasoningStream:
             stripped = text.lstrip()
             if not self.opened and self.parser.start.startswith(stripped):
                 return "", ""  # may still open with the start marker
-            text = text[:len(text) - _partial_suffix(text, self.parser.end)]
+            text = text[: len(text) - _partial_suffix(text, self.parser.end)]
         reasoning, answer = self.parser.split(text, self.opened)
         reasoning = reasoning or ""
-        new_reasoning = reasoning[self.sent_reasoning:]
-        new_answer = answer[self.sent_answer:]
+        new_reasoning = reasoning[self.sent_reasoning :]
+        new_answer = answer[self.sent_answer :]
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
         self.sent_answer = max(self.sent_answer, len(answer))
         return new_reasoning, new_answer
@@ -125,8 +141,7 @@ class ReasoningStream:
         return self.parser.split(text, self.opened)[1]
 
 
-def after_reasoning(params: SamplingParams, parser: ReasoningParser | None,
-                    prompt_text: str) -> SamplingParams:
+def after_reasoning(params: SamplingParams, parser: ReasoningParser | None, prompt_text: str) -> SamplingParams:
     """`params` whose constraint applies to the answer only: free thinking up to `</think>`,
     then the constraint. Unchanged without a parser, when the prompt already closed the
     thinking, or for a triggered grammar that waits for its trigger in free text anyway
@@ -147,22 +162,21 @@ def _answer_lark(constraint: StructuredOutputsParams) -> str | None:
     # The blank lines models write after `</think>`, bounded (a model could pad forever).
     gap = "/\\n{0,2}/ "
     if kind in ("json", "json_object"):
-        schema = {"type": "object"} if kind == "json_object" else \
-            json.loads(spec) if isinstance(spec, str) else spec
+        schema = {"type": "object"} if kind == "json_object" else json.loads(spec) if isinstance(spec, str) else spec
         return gap + f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
     if kind == "regex":
         return gap + "/" + spec.replace("/", "\\/") + "/"
     if kind == "choice":
         return gap + "(" + " | ".join(json.dumps(c) for c in spec) + ")"
-    if kind == "structural_tag" and isinstance(spec, dict) and is_triggered_spec(spec) \
-            and spec["placement"] == "only":
+    if kind == "structural_tag" and isinstance(spec, dict) and is_triggered_spec(spec) and spec["placement"] == "only":
         # tool_choice required / named: one of the calls, right after the thinking
-        return gap + "(" + " | ".join(f'{json.dumps(s["trigger"])} {s["body"]}'
-                                            for s in spec["segments"]) + ")"
+        return gap + "(" + " | ".join(f"{json.dumps(s['trigger'])} {s['body']}" for s in spec["segments"]) + ")"
     if kind == "grammar":
-        raise bad_request("A grammar cannot be combined with a reasoning parser (the answer "
-                          "follows the thinking); use a JSON schema, regex or choice.",
-                          param="structured_outputs")
+        raise bad_request(
+            "A grammar cannot be combined with a reasoning parser (the answer "
+            "follows the thinking); use a JSON schema, regex or choice.",
+            param="structured_outputs",
+        )
     return None
 
 

@@ -19,7 +19,8 @@ import math
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pydantic
 from fastapi import Request
@@ -30,9 +31,17 @@ from pagoda.serve.api.chat import ChatEndpoint, ChatReasoning, tool_plan
 from pagoda.serve.api.handler import PreparedRequest, WholeAnswer, respond
 from pagoda.serve.api.protocol import ChatCompletionRequest
 from pagoda.serve.api.request_fields import RESPONSES, check_fields
-from pagoda.serve.api.responses_protocol import (DeletedResponse, InputItem, InputTokensDetails,
-                                                 OutputTokensDetails, ResponseObject,
-                                                 ResponsesRequest, ResponseStatus, ResponseUsage, TextConfig)
+from pagoda.serve.api.responses_protocol import (
+    DeletedResponse,
+    InputItem,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+    TextConfig,
+)
 from pagoda.serve.api.responses_store import ResponsesStore, response_not_found
 from pagoda.serve.api.sse import to_json
 from pagoda.serve.api.tool_calls import ToolCallStream, ToolPlan
@@ -42,9 +51,12 @@ from pagoda.serve.serving import Generation, ServeContext
 # finish_reason -> incomplete_details.reason; any other finish completes the response.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # The chat request's names in errors -> this API's (the first match of a param wins).
-_RENAMED_PARAMS = (("response_format.json_schema.schema", "text.format.schema"),
-                   ("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
-                   ("messages", "input"))
+_RENAMED_PARAMS = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("max_tokens", "max_output_tokens"),
+    ("messages", "input"),
+)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 
@@ -65,11 +77,16 @@ def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
         kind = part.get("type")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
         if kind not in (*_TEXT_PARTS, "refusal"):
-            raise bad_request(f"{where}[{j}] has type {kind!r}; only text is supported (input_text, "
-                              "output_text; no images, files or audio).", param=f"{where}[{j}]")
+            raise bad_request(
+                f"{where}[{j}] has type {kind!r}; only text is supported (input_text, "
+                "output_text; no images, files or audio).",
+                param=f"{where}[{j}]",
+            )
         if not isinstance(text, str):
-            raise bad_request(f"{where}[{j}] ({kind}) needs a string "
-                              f"{'refusal' if kind == 'refusal' else 'text'}.", param=f"{where}[{j}]")
+            raise bad_request(
+                f"{where}[{j}] ({kind}) needs a string {'refusal' if kind == 'refusal' else 'text'}.",
+                param=f"{where}[{j}]",
+            )
         texts.append(text)
     return "\n".join(texts)
 
@@ -84,8 +101,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
         kind = item.type or ("message" if item.role is not None else None)
         if kind == "message":
             if item.role not in _MESSAGE_ROLES:
-                raise bad_request(f"{at}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {item.role!r}.",
-                                  param=f"{at}.role")
+                raise bad_request(
+                    f"{at}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {item.role!r}.", param=f"{at}.role"
+                )
             messages.append({"role": item.role, "content": _text_of(item.content, f"{at}.content")})
         elif kind == "function_call":
             if not item.call_id or not item.name or item.arguments is None:
@@ -93,10 +111,14 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             try:
                 json.loads(item.arguments or "{}")
             except (json.JSONDecodeError, RecursionError):
-                raise bad_request(f"{at}.arguments is not valid JSON (or is nested too deeply).",
-                                  param=f"{at}.arguments") from None
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                raise bad_request(
+                    f"{at}.arguments is not valid JSON (or is nested too deeply).", param=f"{at}.arguments"
+                ) from None
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if messages and messages[-1]["role"] == "assistant":  # the calls of one turn, together
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -104,13 +126,17 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not item.call_id or item.output is None:
                 raise bad_request(f"{at}: a function_call_output item needs call_id and output.", param=at)
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": _text_of(item.output, f"{at}.output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output, f"{at}.output")}
+            )
         elif kind == "reasoning":
             continue  # earlier turns' thinking is not shown to the model again (as Qwen3/R1 templates do)
         else:
-            raise bad_request(f"{at} has type {kind!r}; supported input items are message, function_call, "
-                              "function_call_output and reasoning.", param=f"{at}.type")
+            raise bad_request(
+                f"{at} has type {kind!r}; supported input items are message, function_call, "
+                "function_call_output and reasoning.",
+                param=f"{at}.type",
+            )
     if not messages:
         raise bad_request("input must hold at least one message.", param="input")
     return messages
@@ -122,17 +148,19 @@ def _chat_tools(request: ResponsesRequest) -> dict[str, Any]:
         tools = []
         for i, tool in enumerate(request.tools):
             if tool.get("type") != "function":
-                raise bad_request(f"tools[{i}] has type {tool.get('type')!r}; only function tools are "
-                                  "supported (no built-in tools such as web_search or file_search).",
-                                  param=f"tools[{i}].type")
+                raise bad_request(
+                    f"tools[{i}] has type {tool.get('type')!r}; only function tools are "
+                    "supported (no built-in tools such as web_search or file_search).",
+                    param=f"tools[{i}].type",
+                )
             name, parameters = tool.get("name"), tool.get("parameters")
             if not isinstance(name, str) or not name:
                 raise bad_request(f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}].name")
             if parameters is not None and not isinstance(parameters, dict):
-                raise bad_request(f"tools[{i}].parameters must be a JSON schema object.",
-                                  param=f"tools[{i}].parameters")
-            function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object",
-                                                                                    "properties": {}}}
+                raise bad_request(
+                    f"tools[{i}].parameters must be a JSON schema object.", param=f"tools[{i}].parameters"
+                )
+            function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
             if isinstance(tool.get("description"), str):
                 function["description"] = tool["description"]
             tools.append({"type": "function", "function": function})
@@ -143,8 +171,10 @@ def _chat_tools(request: ResponsesRequest) -> dict[str, Any]:
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif choice is not None:
-        raise bad_request("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
-                          "\"name\": ...}.", param="tool_choice")
+        raise bad_request(
+            "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}.",
+            param="tool_choice",
+        )
     if request.parallel_tool_calls is False:
         fields["parallel_tool_calls"] = False
     return fields
@@ -159,12 +189,15 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if form.type == "json_schema":
         if form.schema_ is None:
-            raise bad_request("text.format.schema is required with type 'json_schema'.",
-                              param="text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": form.name or "response",
-                                                       "schema": form.schema_, "strict": form.strict}}
-    raise bad_request(f"text.format type {form.type!r} is not supported; use 'text', 'json_object' or "
-                      "'json_schema'.", param="text.format.type")
+            raise bad_request("text.format.schema is required with type 'json_schema'.", param="text.format.schema")
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": form.name or "response", "schema": form.schema_, "strict": form.strict},
+        }
+    raise bad_request(
+        f"text.format type {form.type!r} is not supported; use 'text', 'json_object' or 'json_schema'.",
+        param="text.format.type",
+    )
 
 
 def to_chat_request(request: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -172,11 +205,16 @@ def to_chat_request(request: ResponsesRequest, conversation: list[dict[str, Any]
     history and this input); raises a 400 APIError."""
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise bad_request("max_output_tokens must be at least 1.", param="max_output_tokens")
-    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) \
-        + conversation
-    fields: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream,
-                              "max_tokens": request.max_output_tokens, "temperature": request.temperature,
-                              "top_p": request.top_p, **_chat_tools(request)}
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
+    fields: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "stream": request.stream,
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        **_chat_tools(request),
+    }
     response_format = _response_format(request.text)
     if response_format is not None:
         fields["response_format"] = response_format
@@ -191,7 +229,7 @@ def _in_responses_terms(error: APIError) -> APIError:
     metrics and log bookkeeping stay with it."""
     for old, new in _RENAMED_PARAMS:
         if error.param is not None and (error.param == old or error.param.startswith((old + ".", old + "["))):
-            error.param = new + error.param[len(old):]
+            error.param = new + error.param[len(old) :]
             break
     for old, new in _RENAMED_PARAMS:
         error.message = re.sub(rf"\b{re.escape(old)}\b", new, error.message)
@@ -217,8 +255,14 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def _echoed(value: Any) -> Any:
@@ -242,9 +286,11 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     """The answer as the chat message the next turn's template renders (thinking left out)."""
     text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in items if item["type"] == "function_call"]
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in items
+        if item["type"] == "function_call"
+    ]
     if calls:
         message["tool_calls"] = calls
     return message
@@ -253,8 +299,15 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 class _Answer:
     """One response's body around its output items, and its storing once finished."""
 
-    def __init__(self, ctx: ServeContext, generation: Generation, request: ResponsesRequest,
-                 tenant: Tenant, conversation: list[dict[str, Any]], store: ResponsesStore | None) -> None:
+    def __init__(
+        self,
+        ctx: ServeContext,
+        generation: Generation,
+        request: ResponsesRequest,
+        tenant: Tenant,
+        conversation: list[dict[str, Any]],
+        store: ResponsesStore | None,
+    ) -> None:
         self.ctx = ctx
         self.generation = generation
         self.request = request
@@ -263,21 +316,36 @@ class _Answer:
         self.store = store if request.store is not False else None
         self.created_at = int(time.time())
 
-    def body(self, status: ResponseStatus, output: list[dict[str, Any]], usage: ResponseUsage | None = None,
-             incomplete_details: dict[str, Any] | None = None) -> ResponseObject:
+    def body(
+        self,
+        status: ResponseStatus,
+        output: list[dict[str, Any]],
+        usage: ResponseUsage | None = None,
+        incomplete_details: dict[str, Any] | None = None,
+    ) -> ResponseObject:
         request = self.request
         text = request.text.model_dump(by_alias=True, exclude_none=True) if request.text else None
         return ResponseObject(
-            id=self.generation.request_id, created_at=self.created_at, status=status,
-            incomplete_details=incomplete_details, model=self.generation.model_name,
-            instructions=request.instructions, output=output,
+            id=self.generation.request_id,
+            created_at=self.created_at,
+            status=status,
+            incomplete_details=incomplete_details,
+            model=self.generation.model_name,
+            instructions=request.instructions,
+            output=output,
             parallel_tool_calls=request.parallel_tool_calls is not False,
-            tool_choice=_echoed(request.tool_choice or "auto"), tools=_echoed(request.tools or []),
-            temperature=_echoed(request.temperature), top_p=_echoed(request.top_p),
+            tool_choice=_echoed(request.tool_choice or "auto"),
+            tools=_echoed(request.tools or []),
+            temperature=_echoed(request.temperature),
+            top_p=_echoed(request.top_p),
             max_output_tokens=request.max_output_tokens,
-            previous_response_id=request.previous_response_id, store=self.store is not None,
+            previous_response_id=request.previous_response_id,
+            store=self.store is not None,
             **({"text": _echoed(text)} if text and "format" in text else {}),
-            metadata=request.metadata or {}, user=request.user, usage=usage)
+            metadata=request.metadata or {},
+            user=request.user,
+            usage=usage,
+        )
 
     def finished(self, output: list[dict[str, Any]], finish_reason: str | None) -> ResponseObject:
         """The final body (stored when the request asked for it)."""
@@ -286,23 +354,22 @@ class _Answer:
             output[-1]["status"] = "incomplete"
         body = self.body(status, output, self._usage(output), details)
         if self.store is not None:
-            self.store.put(body.id, self.tenant.name, [*self.conversation, _assistant_message(output)],
-                           body.model_dump())
+            self.store.put(
+                body.id, self.tenant.name, [*self.conversation, _assistant_message(output)], body.model_dump()
+            )
         return body
 
     def _usage(self, output: list[dict[str, Any]]) -> ResponseUsage:
         usage = self.generation.usage()
-        thinking = "".join(part["text"] for item in output if item["type"] == "reasoning"
-                           for part in item["content"])
-        reasoning_tokens = len(self.ctx.llm.tokenizer.encode(thinking, add_special_tokens=False)) \
-            if thinking else 0
+        thinking = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+        reasoning_tokens = len(self.ctx.llm.tokenizer.encode(thinking, add_special_tokens=False)) if thinking else 0
         return ResponseUsage(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
             output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(
-                reasoning_tokens=min(reasoning_tokens, usage.completion_tokens)),
-            total_tokens=usage.total_tokens)
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=min(reasoning_tokens, usage.completion_tokens)),
+            total_tokens=usage.total_tokens,
+        )
 
     def whole(self, tools: ToolPlan | None, reasoning: ChatReasoning | None) -> ResponseObject:
         final = self.generation.finals[0]
@@ -319,8 +386,7 @@ class _Answer:
                 text, calls = parsed.content or "", parsed.tool_calls
         if text or not (calls or output):
             output.append(_message_item(_item_id("msg"), text, "completed"))
-        output.extend(_call_item(_item_id("fc"), call.id, call.name, call.arguments, "completed")
-                      for call in calls)
+        output.extend(_call_item(_item_id("fc"), call.id, call.name, call.arguments, "completed") for call in calls)
         return self.finished(output, sample.finish_reason)
 
 
@@ -357,21 +423,29 @@ class _StreamedOutput:
         return events
 
     def text(self, delta: str) -> str:
-        events = "" if self.open and self.open["type"] == "message" else \
-            self._start(_message_item(_item_id("msg"), "", "in_progress"))
+        events = (
+            ""
+            if self.open and self.open["type"] == "message"
+            else self._start(_message_item(_item_id("msg"), "", "in_progress"))
+        )
         self.filled += delta
-        return events + self.event("response.output_text.delta", {**self._where(), "content_index": 0,
-                                                                  "delta": delta, "logprobs": []})
+        return events + self.event(
+            "response.output_text.delta", {**self._where(), "content_index": 0, "delta": delta, "logprobs": []}
+        )
 
     def empty_message(self) -> str:
         return self._start(_message_item(_item_id("msg"), "", "in_progress"))
 
     def reasoning(self, delta: str) -> str:
-        events = "" if self.open and self.open["type"] == "reasoning" else \
-            self._start(_reasoning_item(_item_id("rs"), "", "in_progress"))
+        events = (
+            ""
+            if self.open and self.open["type"] == "reasoning"
+            else self._start(_reasoning_item(_item_id("rs"), "", "in_progress"))
+        )
         self.filled += delta
-        return events + self.event("response.reasoning_text.delta", {**self._where(), "content_index": 0,
-                                                                     "delta": delta})
+        return events + self.event(
+            "response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": delta}
+        )
 
     def call(self, call_id: str, name: str) -> str:
         return self._start(_call_item(_item_id("fc"), call_id, name, "", "in_progress"))
@@ -389,27 +463,30 @@ class _StreamedOutput:
         events = ""
         if item["type"] == "message":
             done = _message_item(item["id"], filled, status)
-            events += self.event("response.output_text.done", {**where, "content_index": 0, "text": filled,
-                                                               "logprobs": []})
-            events += self.event("response.content_part.done", {**where, "content_index": 0,
-                                                                "part": done["content"][0]})
+            events += self.event(
+                "response.output_text.done", {**where, "content_index": 0, "text": filled, "logprobs": []}
+            )
+            events += self.event(
+                "response.content_part.done", {**where, "content_index": 0, "part": done["content"][0]}
+            )
         elif item["type"] == "reasoning":
             done = _reasoning_item(item["id"], filled, status)
             events += self.event("response.reasoning_text.done", {**where, "content_index": 0, "text": filled})
-            events += self.event("response.content_part.done", {**where, "content_index": 0,
-                                                                "part": done["content"][0]})
+            events += self.event(
+                "response.content_part.done", {**where, "content_index": 0, "part": done["content"][0]}
+            )
         else:
             done = _call_item(item["id"], item["call_id"], item["name"], filled, status)
-            events += self.event("response.function_call_arguments.done", {**where, "name": item["name"],
-                                                                           "arguments": filled})
+            events += self.event(
+                "response.function_call_arguments.done", {**where, "name": item["name"], "arguments": filled}
+            )
         events += self.event("response.output_item.done", {"output_index": len(self.items), "item": done})
         self.items.append(done)
         self.open = None
         return events
 
 
-async def _stream(answer: _Answer, tools: ToolPlan | None,
-                  reasoning: ChatReasoning | None) -> AsyncIterator[str]:
+async def _stream(answer: _Answer, tools: ToolPlan | None, reasoning: ChatReasoning | None) -> AsyncIterator[str]:
     generation = answer.generation
     out = _StreamedOutput()
     opening = answer.body("in_progress", []).model_dump()
@@ -468,16 +545,24 @@ class ResponsesEndpoint(ChatEndpoint):
     def __init__(self, store: ResponsesStore | None) -> None:
         self.store = store
 
-    async def handle_responses(self, ctx: ServeContext, raw: Request, request: ResponsesRequest,
-                               tenant: Tenant, *, route: str | None = None,
-                               await_first_token: bool = False) -> Response:
+    async def handle_responses(
+        self,
+        ctx: ServeContext,
+        raw: Request,
+        request: ResponsesRequest,
+        tenant: Tenant,
+        *,
+        route: str | None = None,
+        await_first_token: bool = False,
+    ) -> Response:
         """As `GenerationEndpoint.handle`, in the Responses API's shapes."""
         try:
             check_fields(request, self.fields)
             conversation = [*self._history(request, tenant), *input_messages(request.input)]
             chat_request = to_chat_request(request, conversation)
-            generation = await self.begin(ctx, raw, chat_request, tenant, route=route,
-                                          await_first_token=await_first_token)
+            generation = await self.begin(
+                ctx, raw, chat_request, tenant, route=route, await_first_token=await_first_token
+            )
         except APIError as exc:
             raise _in_responses_terms(exc)
         if isinstance(generation, Response):
@@ -486,8 +571,7 @@ class ResponsesEndpoint(ChatEndpoint):
         reasoning = ChatReasoning.of(ctx, generation.prompts[0].token_ids)
         answer = _Answer(ctx, generation, request, tenant, conversation, self.store)
         stream_body = _stream(answer, tools, reasoning) if request.stream else None
-        return await respond(raw, generation, stream_body,
-                             WholeAnswer(body=lambda _: answer.whole(tools, reasoning)))
+        return await respond(raw, generation, stream_body, WholeAnswer(body=lambda _: answer.whole(tools, reasoning)))
 
     def prepare(self, ctx: ServeContext, request: ChatCompletionRequest, tenant: Tenant) -> PreparedRequest:
         prepared = super().prepare(ctx, request, tenant)
@@ -499,9 +583,11 @@ class ResponsesEndpoint(ChatEndpoint):
         if request.previous_response_id is None:
             return []
         if self.store is None:
-            raise bad_request("previous_response_id needs stored responses, and this server keeps none "
-                              "(--no-responses-store): send the whole conversation as input.",
-                              param="previous_response_id")
+            raise bad_request(
+                "previous_response_id needs stored responses, and this server keeps none "
+                "(--no-responses-store): send the whole conversation as input.",
+                param="previous_response_id",
+            )
         return list(self.store.get(tenant.name, request.previous_response_id, "previous_response_id").conversation)
 
     def retrieve(self, tenant: Tenant, response_id: str) -> Response:

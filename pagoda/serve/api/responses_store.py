@@ -15,8 +15,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.serve.errors import APIError
 
@@ -30,17 +31,20 @@ class StoredResponse:
 
 
 def response_not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"No response with id {response_id!r} is stored (unknown, expired, deleted "
-                         "or not this API key's).", type="not_found_error", param=param,
-                    code="response_not_found")
+    return APIError(
+        404,
+        f"No response with id {response_id!r} is stored (unknown, expired, deleted or not this API key's).",
+        type="not_found_error",
+        param=param,
+        code="response_not_found",
+    )
 
 
 class ResponsesStore:
     """Response id -> StoredResponse, at most `max_entries` of them, each for `ttl_s` seconds.
     Thread-safe: endpoints read it on the event loop and from their preparing threads."""
 
-    def __init__(self, max_entries: int, ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if max_entries < 1:
             raise ValueError(f"responses store size must be >= 1, got {max_entries}")
         if not ttl_s > 0:
@@ -57,8 +61,7 @@ class ResponsesStore:
             self._expire()
             return len(self._entries)
 
-    def put(self, response_id: str, tenant: str, conversation: list[dict[str, Any]],
-            body: dict[str, Any]) -> None:
+    def put(self, response_id: str, tenant: str, conversation: list[dict[str, Any]], body: dict[str, Any]) -> None:
         with self._lock:
             if response_id in self._entries:
                 self._forget(response_id)

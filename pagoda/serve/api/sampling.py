@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagoda.sampling_params import SamplingParams
 from pagoda.errors import InvalidRequest
-from pagoda.serve.errors import bad_request, invalid_request
+from pagoda.sampling_params import SamplingParams
 from pagoda.serve.api.protocol import SamplingFields
+from pagoda.serve.errors import bad_request, invalid_request
 
 # Knobs for which the model's generation_config.json supplies a default when the client
 # leaves them out.
-DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-               "presence_penalty", "frequency_penalty")
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -25,15 +24,19 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
         try:
             token_id = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.",
-                              param="logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
         parsed[token_id] = value
     return parsed
 
 
-def build_sampling_params(request: SamplingFields, defaults: dict[str, Any], *,
-                          max_tokens: int | None, logprobs: int | None = None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
+def build_sampling_params(
+    request: SamplingFields,
+    defaults: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """Raises a 400 APIError naming the parameter when a value is invalid."""
     values: dict[str, Any] = {}
     if request.use_beam_search:  # it ranks raw log-probabilities: no sampling defaults apply

@@ -62,15 +62,26 @@ class ScoringEndpoints:
             pairs = score_pairs(request.text_1, request.text_2)
         except ValueError as exc:
             raise bad_request(f"{exc}.", param="text_2") from None
-        generation = await _start(ctx, raw, tenant, self.score_name, "score", lora_request, len(pairs),
-                                  lambda: [EnginePrompt(pair_prompt(ctx.llm.tokenizer, classifier, a, b, keep))
-                                           for a, b in pairs], "text_1")
+        generation = await _start(
+            ctx,
+            raw,
+            tenant,
+            self.score_name,
+            "score",
+            lora_request,
+            len(pairs),
+            lambda: [EnginePrompt(pair_prompt(ctx.llm.tokenizer, classifier, a, b, keep)) for a, b in pairs],
+            "text_1",
+        )
 
         def body(_: list[Any]) -> ScoreResponse:
-            data = [ScoreData(index=i, score=pair_score(_logits(final), classifier, request.use_activation))
-                    for i, final in enumerate(generation.finals)]
-            return ScoreResponse(id=generation.request_id, model=generation.model_name, data=data,
-                                 usage=_usage(generation))
+            data = [
+                ScoreData(index=i, score=pair_score(_logits(final), classifier, request.use_activation))
+                for i, final in enumerate(generation.finals)
+            ]
+            return ScoreResponse(
+                id=generation.request_id, model=generation.model_name, data=data, usage=_usage(generation)
+            )
 
         return await respond(raw, generation, None, WholeAnswer(body=body))
 
@@ -84,25 +95,45 @@ class ScoringEndpoints:
             raise bad_request("documents must not be empty.", param="documents")
         if request.top_n is not None and request.top_n < 0:
             raise bad_request(f"top_n must be >= 0 (0: every document), got {request.top_n}.", param="top_n")
-        generation = await _start(ctx, raw, tenant, self.rerank_name, "rerank", lora_request, len(documents),
-                                  lambda: [EnginePrompt(pair_prompt(ctx.llm.tokenizer, classifier, request.query,
-                                                                    document, keep)) for document in documents],
-                                  "documents")
+        generation = await _start(
+            ctx,
+            raw,
+            tenant,
+            self.rerank_name,
+            "rerank",
+            lora_request,
+            len(documents),
+            lambda: [
+                EnginePrompt(pair_prompt(ctx.llm.tokenizer, classifier, request.query, document, keep))
+                for document in documents
+            ],
+            "documents",
+        )
 
         def body(_: list[Any]) -> RerankResponse:
             scores = [pair_score(_logits(final), classifier, request.use_activation) for final in generation.finals]
-            order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n or None]
-            results = [RerankResult(index=i, relevance_score=scores[i],
-                                    document=RerankDocument(text=documents[i]) if request.return_documents else None)
-                       for i in order]
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n or None]
+            results = [
+                RerankResult(
+                    index=i,
+                    relevance_score=scores[i],
+                    document=RerankDocument(text=documents[i]) if request.return_documents else None,
+                )
+                for i in order
+            ]
             tokens = generation.num_prompt_tokens
-            return RerankResponse(id=generation.request_id, model=generation.model_name, results=results,
-                                  usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens))
+            return RerankResponse(
+                id=generation.request_id,
+                model=generation.model_name,
+                results=results,
+                usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
+            )
 
         return await respond(raw, generation, None, WholeAnswer(body=body))
 
-    async def classify(self, ctx: ServeContext, raw: Request, request: ClassificationRequest,
-                       tenant: Tenant) -> Response:
+    async def classify(
+        self, ctx: ServeContext, raw: Request, request: ClassificationRequest, tenant: Tenant
+    ) -> Response:
         classifier = _classifier(ctx)
         lora_request = resolve_model(ctx, request.model, tenant)
         check_fields(request, CLASSIFY)
@@ -110,32 +141,48 @@ class ScoringEndpoints:
 
         def prompts() -> list[EnginePrompt]:
             try:
-                return [truncate_prompt(prompt, keep, "left")
-                        for prompt in completion_prompts(request.input, ctx.llm.tokenizer)]
+                return [
+                    truncate_prompt(prompt, keep, "left")
+                    for prompt in completion_prompts(request.input, ctx.llm.tokenizer)
+                ]
             except APIError as exc:  # completions' checks, named for this endpoint
                 raise bad_request(exc.message.replace("prompt", "input"), param="input") from None
 
-        num_inputs = 1 if isinstance(request.input, str) or (
-            request.input and isinstance(request.input[0], int)) else max(len(request.input), 1)
-        generation = await _start(ctx, raw, tenant, self.classify_name, "classify", lora_request, num_inputs,
-                                  prompts, "input")
+        num_inputs = (
+            1
+            if isinstance(request.input, str) or (request.input and isinstance(request.input[0], int))
+            else max(len(request.input), 1)
+        )
+        generation = await _start(
+            ctx, raw, tenant, self.classify_name, "classify", lora_request, num_inputs, prompts, "input"
+        )
 
         def body(_: list[Any]) -> ClassificationResponse:
             data = []
             for index, final in enumerate(generation.finals):
                 probs = class_probs(_logits(final), request.use_activation is not False)
                 best = max(range(len(probs)), key=probs.__getitem__)
-                data.append(ClassificationData(index=index, label=classifier.labels[best], probs=probs,
-                                               num_classes=len(probs)))
-            return ClassificationResponse(id=generation.request_id, model=generation.model_name, data=data,
-                                          usage=_usage(generation))
+                data.append(
+                    ClassificationData(index=index, label=classifier.labels[best], probs=probs, num_classes=len(probs))
+                )
+            return ClassificationResponse(
+                id=generation.request_id, model=generation.model_name, data=data, usage=_usage(generation)
+            )
 
         return await respond(raw, generation, None, WholeAnswer(body=body))
 
 
-async def _start(ctx: ServeContext, raw: Request, tenant: Tenant, endpoint: str, id_prefix: str,
-                 lora_request: Any, num_prompts: int, prompts: Callable[[], list[EnginePrompt]],
-                 param: str) -> Generation:
+async def _start(
+    ctx: ServeContext,
+    raw: Request,
+    tenant: Tenant,
+    endpoint: str,
+    id_prefix: str,
+    lora_request: Any,
+    num_prompts: int,
+    prompts: Callable[[], list[EnginePrompt]],
+    param: str,
+) -> Generation:
     """Admit the request's `num_prompts` prompts, tokenize them (`prompts`) off the event loop,
     and submit them; engine errors about "prompt" name `param`."""
     end_arrival(raw.scope)  # no await before admit: never counted both arriving and queued
@@ -145,8 +192,17 @@ async def _start(ctx: ServeContext, raw: Request, tenant: Tenant, endpoint: str,
     except BaseException:
         admission.release()
         raise
-    generation = Generation(ctx, new_request_id(id_prefix), endpoint, tenant, engine_prompts, classify_params(),
-                            stream=False, admission=admission, lora_request=lora_request)
+    generation = Generation(
+        ctx,
+        new_request_id(id_prefix),
+        endpoint,
+        tenant,
+        engine_prompts,
+        classify_params(),
+        stream=False,
+        admission=admission,
+        lora_request=lora_request,
+    )
     await generation.start({"prompt": param})
     return generation
 
@@ -154,16 +210,21 @@ async def _start(ctx: ServeContext, raw: Request, tenant: Tenant, endpoint: str,
 def _classifier(ctx: ServeContext) -> ClassifierConfig:
     classifier = ctx.llm.classifier
     if classifier is None:
-        raise bad_request("this model has no classifier head: scoring and classification need a "
-                          "*ForSequenceClassification checkpoint or --score-tokens (e.g. no,yes).", param="model")
+        raise bad_request(
+            "this model has no classifier head: scoring and classification need a "
+            "*ForSequenceClassification checkpoint or --score-tokens (e.g. no,yes).",
+            param="model",
+        )
     return classifier
 
 
 def _scoring_classifier(ctx: ServeContext) -> ClassifierConfig:
     classifier = _classifier(ctx)
     if classifier.num_labels != 1:
-        raise bad_request(f"scoring needs a one-label classifier; this model has {classifier.num_labels} labels "
-                          f"(use /classify).", param="model")
+        raise bad_request(
+            f"scoring needs a one-label classifier; this model has {classifier.num_labels} labels (use /classify).",
+            param="model",
+        )
     return classifier
 
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.sampling_params import SamplingParams
 from pagoda.errors import InvalidRequest
+from pagoda.sampling_params import KINDS, SamplingParams, StructuredOutputsParams
 from pagoda.serve.errors import bad_request, invalid_request
 from pagoda.structured.grammar import GrammarError, build_grammar
-from pagoda.sampling_params import KINDS, StructuredOutputsParams
 
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def with_structured_outputs(params: SamplingParams, request: Any) -> SamplingParams:
@@ -73,8 +71,10 @@ def requested_structured_outputs(request: Any) -> StructuredOutputsParams | None
         return None
     if len(sources) > 1:
         names = ", ".join(name for name, _ in sources)
-        raise bad_request(f"Only one of response_format, structured_outputs and guided_* may "
-                          f"constrain the output; got {names}.", param=sources[1][0])
+        raise bad_request(
+            f"Only one of response_format, structured_outputs and guided_* may constrain the output; got {names}.",
+            param=sources[1][0],
+        )
     field, params = sources[0]
     param_name = field if field != "structured_outputs" else f"structured_outputs.{params.kind}"
     if field == "response_format":
@@ -92,17 +92,22 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
-            raise bad_request("response_format.json_schema is required with type 'json_schema'.",
-                              param="response_format.json_schema")
+            raise bad_request(
+                "response_format.json_schema is required with type 'json_schema'.", param="response_format.json_schema"
+            )
         schema = spec.get("schema", spec.get("json_schema"))
         if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
-                              param="response_format.json_schema.schema")
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object.",
+                param="response_format.json_schema.schema",
+            )
         return _make("response_format.json_schema.schema", json=schema)
     if kind == "structural_tag":  # vLLM's extension of response_format
         return _make("response_format", structural_tag=response_format)
-    raise bad_request(f"response_format type {kind!r} is not supported; use 'text', 'json_object' "
-                      "or 'json_schema'.", param="response_format")
+    raise bad_request(
+        f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'.",
+        param="response_format",
+    )
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
@@ -110,12 +115,22 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
         raise bad_request("structured_outputs must be an object.", param="structured_outputs")
     # vLLM also accepts options beside the constraint; those that change nothing here are dropped.
     constraint = {k: v for k, v in value.items() if k in KINDS and v is not None and v is not False}
-    unknown = sorted(set(value) - set(KINDS) - {"disable_any_whitespace", "disable_fallback",
-                                                  "disable_additional_properties", "whitespace_pattern",
-                                                  "backend"})
+    unknown = sorted(
+        set(value)
+        - set(KINDS)
+        - {
+            "disable_any_whitespace",
+            "disable_fallback",
+            "disable_additional_properties",
+            "whitespace_pattern",
+            "backend",
+        }
+    )
     if unknown:
-        raise bad_request(f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(KINDS)}.",
-                          param=f"structured_outputs.{unknown[0]}")
+        raise bad_request(
+            f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(KINDS)}.",
+            param=f"structured_outputs.{unknown[0]}",
+        )
     return _make("structured_outputs", **constraint)
 
 

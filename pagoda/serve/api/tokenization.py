@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import pydantic
 from fastapi.responses import JSONResponse, Response
@@ -22,8 +23,7 @@ from pagoda.serve.api.chat_template import choose_chat_template
 from pagoda.serve.api.json_body import model_json
 from pagoda.serve.api.lora import resolve_model
 from pagoda.serve.api.messages import message_texts, template_messages
-from pagoda.serve.api.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                       TokenizeResponse)
+from pagoda.serve.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from pagoda.serve.errors import bad_request, invalid_request, overloaded
 from pagoda.serve.serving import ServeContext
 
@@ -41,8 +41,7 @@ def default_max_concurrent() -> int:
 class TokenizationEndpoints:
     """The two endpoints of one app, sharing their bound on worker threads."""
 
-    def __init__(self, ctx: ServeContext, max_concurrent: int | None = None,
-                 max_waiting: int = MAX_WAITING) -> None:
+    def __init__(self, ctx: ServeContext, max_concurrent: int | None = None, max_waiting: int = MAX_WAITING) -> None:
         self.ctx = ctx
         self.max_concurrent = max_concurrent or default_max_concurrent()
         self.max_waiting = max_waiting
@@ -59,15 +58,20 @@ class TokenizationEndpoints:
         resolve_model(self.ctx, request.model, tenant)
         max_model_len = self.ctx.llm.max_model_len
         if len(request.tokens) > max_model_len:
-            raise bad_request(f"tokens holds {len(request.tokens)} token ids, more than this model's "
-                              f"maximum context length of {max_model_len} tokens.", param="tokens",
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"tokens holds {len(request.tokens)} token ids, more than this model's "
+                f"maximum context length of {max_model_len} tokens.",
+                param="tokens",
+                code="context_length_exceeded",
+            )
         return await self.on_worker(self._detokenize, request)
 
     async def on_worker(self, work: Callable[[T], Response], request: T) -> Response:
         if self._turns.locked() and self._waiting >= self.max_waiting:
-            raise overloaded(f"{self.max_concurrent} tokenization requests are running and "
-                             f"{self._waiting} waiting; retry shortly.", RETRY_AFTER_SECONDS)
+            raise overloaded(
+                f"{self.max_concurrent} tokenization requests are running and {self._waiting} waiting; retry shortly.",
+                RETRY_AFTER_SECONDS,
+            )
         self._waiting += 1
         try:
             await self._turns.acquire()
@@ -85,8 +89,9 @@ class TokenizationEndpoints:
             param = "messages"
             ctx.check_text_fits("".join(message_texts(request.messages)), param)
             try:
-                template = choose_chat_template(request, ctx.settings.chat_template,
-                                                ctx.settings.trust_request_chat_template, tokenizer)
+                template = choose_chat_template(
+                    request, ctx.settings.chat_template, ctx.settings.trust_request_chat_template, tokenizer
+                )
                 tokens = tokenizer.encode_chat(template_messages(request.messages, tokenizer), **template.kwargs)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
@@ -97,20 +102,24 @@ class TokenizationEndpoints:
             tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         max_model_len = ctx.llm.max_model_len
         if len(tokens) > max_model_len:
-            raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the "
-                              f"{param} is {len(tokens)} tokens.", param=param,
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the {param} is {len(tokens)} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
         token_strs = [tokenizer.decode_token(t) for t in tokens] if request.return_token_strs else None
-        return _json(TokenizeResponse(count=len(tokens), max_model_len=max_model_len,
-                                      tokens=list(tokens), token_strs=token_strs))
+        return _json(
+            TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=list(tokens), token_strs=token_strs)
+        )
 
     def _detokenize(self, request: DetokenizeRequest) -> Response:
         tokenizer = self.ctx.llm.tokenizer
         vocab_size = tokenizer.vocab_size
         for token_id in request.tokens:
             if not 0 <= token_id < vocab_size:
-                raise bad_request(f"tokens contains {token_id}, outside the vocabulary "
-                                  f"[0, {vocab_size}).", param="tokens")
+                raise bad_request(
+                    f"tokens contains {token_id}, outside the vocabulary [0, {vocab_size}).", param="tokens"
+                )
         return _json(DetokenizeResponse(prompt=tokenizer.decode(request.tokens)))
 
 

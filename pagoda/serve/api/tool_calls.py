@@ -33,8 +33,16 @@ from pagoda.serve.api.structured_request import check_grammar
 from pagoda.serve.api.tool_parsers import PARSER_CLASSES, PARSERS, ToolCallParser, ToolSchemas, get_parser
 from pagoda.serve.errors import bad_request
 
-__all__ = ["PARSERS", "PARSER_CLASSES", "ToolCallStream", "ToolPlan", "get_parser", "plan_tools",
-           "template_message", "with_tool_constraint"]
+__all__ = [
+    "PARSERS",
+    "PARSER_CLASSES",
+    "ToolCallStream",
+    "ToolPlan",
+    "get_parser",
+    "plan_tools",
+    "template_message",
+    "with_tool_constraint",
+]
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -65,8 +73,9 @@ class ToolPlan:
             return AssistantMessage(content=text), finish_reason
         if self.legacy_functions:
             call = parsed.tool_calls[0]
-            message = AssistantMessage(content=parsed.content,
-                                       function_call={"name": call.name, "arguments": call.arguments})
+            message = AssistantMessage(
+                content=parsed.content, function_call={"name": call.name, "arguments": call.arguments}
+            )
         else:
             message = AssistantMessage(content=parsed.content, tool_calls=[c.to_dict() for c in parsed.tool_calls])
         return message, self.call_finish_reason if finish_reason == "stop" else finish_reason
@@ -91,8 +100,11 @@ def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> Sampl
         return params
     if params.structured_outputs is not None:
         if plan.forced:
-            raise bad_request("tool_choice 'required' or a named function cannot be combined with "
-                              "response_format or structured_outputs.", param="tool_choice")
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or structured_outputs.",
+                param="tool_choice",
+            )
         return params  # auto: the requested format wins over the tools' trigger
     check_grammar(plan.structured_outputs, "tools")
     return params.clone(structured_outputs=plan.structured_outputs)
@@ -120,10 +132,16 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
     functions = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
-                              "\"parameters\"}}}.", param="tools")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name", "parameters"}}}}}}.', param="tools"
+            )
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object.", param="tools")
@@ -134,35 +152,45 @@ def plan_tools(request: Any, parser_name: str, chat_template: str | None) -> Too
         mode, names = "none", []
     elif choice == "required":
         mode, names = "required", list(functions)
-    elif isinstance(choice, dict) and choice.get("type") == "function" and \
-            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
         name = choice["function"]["name"]
         if name not in functions:
             field_names = ("function_call", "functions") if legacy else ("tool_choice", "tools")
-            raise bad_request(f"{field_names[0]} names function {name!r}, which is not in {field_names[1]}.",
-                              param=field_names[0])
+            raise bad_request(
+                f"{field_names[0]} names function {name!r}, which is not in {field_names[1]}.", param=field_names[0]
+            )
         mode, names = "named", [name]
     else:
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}.", param="tool_choice")
+        raise bad_request(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}.',
+            param="tool_choice",
+        )
     if not chat_template or "tools" not in chat_template:
         raise bad_request("This model's chat template does not support tools.", param="tools")
     parser = get_parser(parser_name, ToolSchemas(functions))
     if mode == "none":
-        return ToolPlan(tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False,
-                        legacy_functions=legacy)
+        return ToolPlan(
+            tools=tools, parser=parser, structured_outputs=None, forced=False, parse=False, legacy_functions=legacy
+        )
     # The functions API answers with one call at most.
     parallel = extra.get("parallel_tool_calls", True) is not False and mode != "named" and not legacy
-    structured = parser.constraint(ToolSchemas({name: functions[name] for name in names}), parallel,
-                                   forced=mode != "auto")
-    return ToolPlan(tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto",
-                    legacy_functions=legacy)
+    structured = parser.constraint(
+        ToolSchemas({name: functions[name] for name in names}), parallel, forced=mode != "auto"
+    )
+    return ToolPlan(
+        tools=tools, parser=parser, structured_outputs=structured, forced=mode != "auto", legacy_functions=legacy
+    )
 
 
 def legacy_tools(functions: Any, function_call: Any) -> tuple[list[dict[str, Any]], Any]:
     """The deprecated `functions` / `function_call` as `tools` / `tool_choice`."""
     if not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions):
-        raise bad_request("functions must be a list of {\"name\", \"parameters\"} objects.", param="functions")
+        raise bad_request('functions must be a list of {"name", "parameters"} objects.', param="functions")
     tools = [{"type": "function", "function": function} for function in functions]
     if function_call is None or function_call in ("auto", "none"):
         return tools, function_call
@@ -185,8 +213,9 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
             try:
                 function["arguments"] = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
-                raise InvalidRequest("an assistant message's tool_calls[].function.arguments is not valid JSON.",
-                                     param="messages") from None
+                raise InvalidRequest(
+                    "an assistant message's tool_calls[].function.arguments is not valid JSON.", param="messages"
+                ) from None
         rendered.append({**call, "function": function})
     return {**message, "tool_calls": rendered}
 
@@ -228,9 +257,15 @@ class ToolCallStream:
         deltas = []
         if index == len(self.sent_arguments):
             self.sent_arguments.append(0)
-            deltas.append({"index": index, "id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
-                           "function": {"name": name, "arguments": ""}})
-        fragment = arguments[self.sent_arguments[index]:]
+            deltas.append(
+                {
+                    "index": index,
+                    "id": call_id or "call_" + uuid.uuid4().hex[:24],
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            )
+        fragment = arguments[self.sent_arguments[index] :]
         if fragment:
             self.sent_arguments[index] = len(arguments)
             deltas.append({"index": index, "function": {"arguments": fragment}})
@@ -241,14 +276,13 @@ class ToolCallStream:
         if self.holding:
             return ""
         markers = self.parser.start_markers
-        starts = [found for marker in markers
-                  if (found := text.find(marker, max(self.sent - len(marker), 0))) >= 0]
+        starts = [found for marker in markers if (found := text.find(marker, max(self.sent - len(marker), 0))) >= 0]
         if starts:
             self.holding = True
             limit = min(starts)
         else:
             limit = len(text) - max(_partial_suffix(text, marker) for marker in markers)
-        delta = text[self.sent:limit] if limit > self.sent else ""
+        delta = text[self.sent : limit] if limit > self.sent else ""
         self.sent = max(self.sent, limit)
         return delta
 
@@ -256,10 +290,10 @@ class ToolCallStream:
         """(remaining content, remaining tool_call deltas) once the output is complete."""
         parsed = self.parser.parse(text)
         if not parsed.tool_calls:
-            rest = text[self.sent:] if not self.has_calls else ""
+            rest = text[self.sent :] if not self.has_calls else ""
             self.sent = len(text)
             return rest, []
-        content = (parsed.content or "")[self.sent:] if not self.forced else ""
+        content = (parsed.content or "")[self.sent :] if not self.forced else ""
         deltas = []
         for index, call in enumerate(parsed.tool_calls):
             deltas.extend(self._call_deltas(index, call.name, call.arguments, call.id))

@@ -19,12 +19,16 @@ def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) ->
     if truncate_prompt_tokens == -1:
         return max_model_len
     if truncate_prompt_tokens < 1:
-        raise bad_request(f"truncate_prompt_tokens must be -1 (the context length) or >= 1, got "
-                          f"{truncate_prompt_tokens}.", param="truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the context length) or >= 1, got {truncate_prompt_tokens}.",
+            param="truncate_prompt_tokens",
+        )
     if truncate_prompt_tokens > max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than the "
-                          f"model's maximum context length ({max_model_len}).",
-                          param="truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than the "
+            f"model's maximum context length ({max_model_len}).",
+            param="truncate_prompt_tokens",
+        )
     return truncate_prompt_tokens
 
 

@@ -25,8 +25,9 @@ MAX_LIST_LIMIT = 10_000
 
 
 def file_not_found(file_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"No such file: {file_id!r}.", type="invalid_request_error", param=param,
-                    code="file_not_found")
+    return APIError(
+        404, f"No such file: {file_id!r}.", type="invalid_request_error", param=param, code="file_not_found"
+    )
 
 
 def multipart_fields(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
@@ -50,7 +51,7 @@ def page(items: list, after: str | None, limit: int) -> tuple[list, bool]:
     """The items after the one with id `after` (newest first), at most `limit`; whether more follow."""
     if after is not None:
         ids = [item.id for item in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
+        items = items[ids.index(after) + 1 :] if after in ids else []
     return items[:limit], len(items) > limit
 
 
@@ -80,15 +81,30 @@ class FilesAPI:
         if content is None or filename is None:
             raise bad_request("The upload has no `file` field.", param="file")
         if len(content) > self.max_file_bytes:
-            raise APIError(413, f"The file holds {len(content)} bytes, over the limit of {self.max_file_bytes} "
-                                "bytes (--batch-max-file-bytes).", param="file", code="file_too_large")
+            raise APIError(
+                413,
+                f"The file holds {len(content)} bytes, over the limit of {self.max_file_bytes} "
+                "bytes (--batch-max-file-bytes).",
+                param="file",
+                code="file_too_large",
+            )
         held = self.store.tenant_bytes(tenant.name)
         if held + len(content) > self.max_tenant_bytes:
-            raise APIError(413, f"This key's files hold {held} bytes; this one would pass its limit of "
-                                f"{self.max_tenant_bytes} bytes (--batch-max-tenant-bytes). Delete files "
-                                "first.", param="file", code="storage_limit_exceeded")
-        file = FileObject(id=new_id("file"), bytes=len(content), created_at=int(time.time()),
-                          filename=filename or "upload.jsonl", purpose=purpose)
+            raise APIError(
+                413,
+                f"This key's files hold {held} bytes; this one would pass its limit of "
+                f"{self.max_tenant_bytes} bytes (--batch-max-tenant-bytes). Delete files "
+                "first.",
+                param="file",
+                code="storage_limit_exceeded",
+            )
+        file = FileObject(
+            id=new_id("file"),
+            bytes=len(content),
+            created_at=int(time.time()),
+            filename=filename or "upload.jsonl",
+            purpose=purpose,
+        )
         await asyncio.to_thread(self.store.add_file, tenant.name, file, content)
         return JSONResponse(file.model_dump())
 
@@ -100,10 +116,12 @@ class FilesAPI:
         files = self.store.files(tenant.name, purpose)
         if params.get("order") == "asc":
             files.reverse()
-        data, more = page(files, params.get("after"), list_limit(params.get("limit"), MAX_LIST_LIMIT,
-                                                                 MAX_LIST_LIMIT))
-        return JSONResponse(FileList(data=data, has_more=more, first_id=data[0].id if data else None,
-                                     last_id=data[-1].id if data else None).model_dump())
+        data, more = page(files, params.get("after"), list_limit(params.get("limit"), MAX_LIST_LIMIT, MAX_LIST_LIMIT))
+        return JSONResponse(
+            FileList(
+                data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+            ).model_dump()
+        )
 
     def get(self, tenant: Tenant, file_id: str) -> FileObject:
         file = self.store.file(tenant.name, file_id)

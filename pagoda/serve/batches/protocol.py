@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 FILE_PURPOSES = ("batch", "batch_output")  # uploads are "batch"; outputs are written as "batch_output"
 
-BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
-                      "cancelling", "cancelled"]
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
 # Statuses the runner still has work in; the others are final.
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 

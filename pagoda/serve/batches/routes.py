@@ -42,22 +42,35 @@ class Batches:
     async def create(self, _: Request, body: BatchCreateRequest, tenant: Tenant) -> Response:
         """A batch in `validating`: the runner checks its file and runs it (nothing runs here)."""
         if body.endpoint not in BATCH_ENDPOINTS:
-            raise bad_request(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {body.endpoint!r}.",
-                              param="endpoint")
+            raise bad_request(
+                f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {body.endpoint!r}.", param="endpoint"
+            )
         window = completion_window_seconds(body.completion_window)
         if window is None:
-            raise bad_request(f"completion_window must be a duration such as 24h, got {body.completion_window!r}.",
-                              param="completion_window")
+            raise bad_request(
+                f"completion_window must be a duration such as 24h, got {body.completion_window!r}.",
+                param="completion_window",
+            )
         file = self.store.file(tenant.name, body.input_file_id)
         if file is None:
             raise file_not_found(body.input_file_id, param="input_file_id")
         if file.purpose != "batch":
-            raise bad_request(f"File {file.id} has purpose {file.purpose!r}; a batch's input has purpose 'batch'.",
-                              param="input_file_id")
+            raise bad_request(
+                f"File {file.id} has purpose {file.purpose!r}; a batch's input has purpose 'batch'.",
+                param="input_file_id",
+            )
         now = int(time.time())
-        batch = BatchObject(id=new_id("batch"), endpoint=body.endpoint, input_file_id=file.id,
-                            completion_window=body.completion_window, status="validating", created_at=now,
-                            expires_at=now + window, request_counts=BatchRequestCounts(), metadata=body.metadata)
+        batch = BatchObject(
+            id=new_id("batch"),
+            endpoint=body.endpoint,
+            input_file_id=file.id,
+            completion_window=body.completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + window,
+            request_counts=BatchRequestCounts(),
+            metadata=body.metadata,
+        )
         self.store.put_batch(tenant.name, batch)
         self.runner.wake()
         return JSONResponse(batch.model_dump())
@@ -70,10 +83,16 @@ class Batches:
 
     def list(self, request: Request, tenant: Tenant) -> Response:
         params = request.query_params
-        data, more = page(self.store.batches(tenant.name), params.get("after"),
-                          list_limit(params.get("limit"), 20, MAX_BATCH_LIST_LIMIT))
-        return JSONResponse(BatchList(data=data, has_more=more, first_id=data[0].id if data else None,
-                                      last_id=data[-1].id if data else None).model_dump())
+        data, more = page(
+            self.store.batches(tenant.name),
+            params.get("after"),
+            list_limit(params.get("limit"), 20, MAX_BATCH_LIST_LIMIT),
+        )
+        return JSONResponse(
+            BatchList(
+                data=data, has_more=more, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+            ).model_dump()
+        )
 
     def cancel(self, tenant: Tenant, batch_id: str) -> Response:
         """`cancelling` until the lines in flight are stopped, then `cancelled` with what finished."""
@@ -83,8 +102,11 @@ class Batches:
             self.store.put_batch(tenant.name, batch)
             self.runner.wake()
         elif batch.status != "cancelling":
-            raise APIError(409, f"Batch {batch_id} is {batch.status}: only a validating or in-progress batch "
-                                "can be cancelled.", code="batch_not_cancellable")
+            raise APIError(
+                409,
+                f"Batch {batch_id} is {batch.status}: only a validating or in-progress batch can be cancelled.",
+                code="batch_not_cancellable",
+            )
         return JSONResponse(batch.model_dump())
 
 
@@ -136,8 +158,9 @@ class RunnerStart:
         self.app = app
         self.runner = runner
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[Any]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[Any]]
+    ) -> None:
         if scope["type"] == "http":
             self.runner.ensure_running()
         await self.app(scope, receive, send)

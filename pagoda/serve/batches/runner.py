@@ -99,8 +99,7 @@ def parse_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Ba
             errors.append(BatchError(code="invalid_json_line", message="This line is not JSON.", line=number))
             continue
         if not isinstance(entry, dict):
-            errors.append(BatchError(code="invalid_json_line", message="This line is not a JSON object.",
-                                     line=number))
+            errors.append(BatchError(code="invalid_json_line", message="This line is not a JSON object.", line=number))
             continue
         custom_id, body = entry.get("custom_id"), entry.get("body")
         problem = None
@@ -111,8 +110,11 @@ def parse_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Ba
         elif entry.get("method") != "POST":
             problem = ("invalid_method", "method", "method must be POST.")
         elif entry.get("url") != endpoint:
-            problem = ("mismatched_endpoint", "url",
-                       f"url {entry.get('url')!r} is not the batch's endpoint {endpoint!r}.")
+            problem = (
+                "mismatched_endpoint",
+                "url",
+                f"url {entry.get('url')!r} is not the batch's endpoint {endpoint!r}.",
+            )
         elif not isinstance(body, dict):
             problem = ("missing_required_parameter", "body", "body must be a JSON object.")
         if problem is not None:
@@ -124,8 +126,11 @@ def parse_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Ba
     if not lines and not errors:
         errors.append(BatchError(code="empty_file", message="The input file holds no requests."))
     if len(lines) > MAX_LINES:
-        errors.append(BatchError(code="too_many_requests",
-                                 message=f"The input file holds {len(lines)} requests; at most {MAX_LINES}."))
+        errors.append(
+            BatchError(
+                code="too_many_requests", message=f"The input file holds {len(lines)} requests; at most {MAX_LINES}."
+            )
+        )
     return lines, errors[:100]
 
 
@@ -136,15 +141,34 @@ async def _never_disconnects() -> dict[str, Any]:
 
 def _line_request(url: str) -> Request:
     """The request object a line is answered under: no client that could leave, no headers."""
-    return Request({"type": "http", "method": "POST", "path": url, "raw_path": url.encode(), "headers": [],
-                    "query_string": b"", "scheme": "http", "server": None, "client": None,
-                    "root_path": "", "http_version": "1.1"}, _never_disconnects)
+    return Request(
+        {
+            "type": "http",
+            "method": "POST",
+            "path": url,
+            "raw_path": url.encode(),
+            "headers": [],
+            "query_string": b"",
+            "scheme": "http",
+            "server": None,
+            "client": None,
+            "root_path": "",
+            "http_version": "1.1",
+        },
+        _never_disconnects,
+    )
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, targets: Mapping[str, BatchTarget], tenants: TenantRegistry,
-                 admissions: Callable[[], list[AdmissionController]], concurrency: int,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        targets: Mapping[str, BatchTarget],
+        tenants: TenantRegistry,
+        admissions: Callable[[], list[AdmissionController]],
+        concurrency: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"batch concurrency must be >= 1, got {concurrency}")
         self.store = store
@@ -216,8 +240,16 @@ class BatchRunner:
         try:
             content = await asyncio.to_thread(path.read_bytes)
         except OSError:
-            lines, errors = [], [BatchError(code="file_not_found", param="input_file_id",
-                                            message=f"The input file {batch.input_file_id} was deleted.")]
+            lines, errors = (
+                [],
+                [
+                    BatchError(
+                        code="file_not_found",
+                        param="input_file_id",
+                        message=f"The input file {batch.input_file_id} was deleted.",
+                    )
+                ],
+            )
         else:
             lines, errors = await asyncio.to_thread(parse_lines, content, batch.endpoint)
         current = self.store.batch(tenant_name, batch.id)
@@ -247,8 +279,15 @@ class BatchRunner:
         try:
             lines = await self._batch_lines(batch)
         except OSError:
-            batch.errors = BatchErrors(data=[BatchError(code="file_not_found", param="input_file_id",
-                                                        message=f"The input file {batch.input_file_id} was deleted.")])
+            batch.errors = BatchErrors(
+                data=[
+                    BatchError(
+                        code="file_not_found",
+                        param="input_file_id",
+                        message=f"The input file {batch.input_file_id} was deleted.",
+                    )
+                ]
+            )
             await self._finalize(tenant_name, batch, "failed")
             return
         tenant = self.tenants.by_name(tenant_name)
@@ -266,8 +305,9 @@ class BatchRunner:
             return
         while position < len(lines) and self.lines_in_flight < self.concurrency and not self._online_waiting():
             line = lines[position]
-            task = asyncio.get_running_loop().create_task(self._run_line(tenant, batch, line),
-                                                          name=f"{batch.id}-{line.index}")
+            task = asyncio.get_running_loop().create_task(
+                self._run_line(tenant, batch, line), name=f"{batch.id}-{line.index}"
+            )
             in_flight[line.index] = task
             task.add_done_callback(functools.partial(self._line_ended, batch.id, line.index))
             position += 1
@@ -302,10 +342,22 @@ class BatchRunner:
         done = self.store.done_lines(batch.id)
         for line in lines:
             if line.index not in done:
-                self.store.add_result(batch.id, LineResult(line.index, True, {
-                    "id": new_id("batch_req"), "custom_id": line.custom_id, "response": None,
-                    "error": {"code": "batch_expired", "message": "This request could not be executed "
-                                                                  "before the completion window expired."}}))
+                self.store.add_result(
+                    batch.id,
+                    LineResult(
+                        line.index,
+                        True,
+                        {
+                            "id": new_id("batch_req"),
+                            "custom_id": line.custom_id,
+                            "response": None,
+                            "error": {
+                                "code": "batch_expired",
+                                "message": "This request could not be executed before the completion window expired.",
+                            },
+                        },
+                    ),
+                )
         await self._finalize(tenant_name, batch, "expired")
 
     async def _finalize(self, tenant_name: str, batch: BatchObject, status: str) -> None:
@@ -322,8 +374,13 @@ class BatchRunner:
             if not records:
                 continue
             content = ("\n".join(records) + "\n").encode("utf-8")
-            file = FileObject(id=new_id("file"), bytes=len(content), created_at=now,
-                              filename=f"{batch.id}_{kind}.jsonl", purpose="batch_output")
+            file = FileObject(
+                id=new_id("file"),
+                bytes=len(content),
+                created_at=now,
+                filename=f"{batch.id}_{kind}.jsonl",
+                purpose="batch_output",
+            )
             await asyncio.to_thread(self.store.add_file, tenant_name, file, content)
             if kind == "output":
                 batch.output_file_id = file.id
@@ -354,12 +411,23 @@ class BatchRunner:
                 continue
             break
         request_id = answer.get("id") if isinstance(answer.get("id"), str) else new_id("req")
-        self.store.add_result(batch.id, LineResult(line.index, status >= 400, {
-            "id": new_id("batch_req"), "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": answer}, "error": None}))
+        self.store.add_result(
+            batch.id,
+            LineResult(
+                line.index,
+                status >= 400,
+                {
+                    "id": new_id("batch_req"),
+                    "custom_id": line.custom_id,
+                    "response": {"status_code": status, "request_id": request_id, "body": answer},
+                    "error": None,
+                },
+            ),
+        )
 
-    async def _answer(self, target: BatchTarget, url: str, body: dict[str, Any],
-                      tenant: Tenant) -> tuple[int, dict[str, Any], float | None]:
+    async def _answer(
+        self, target: BatchTarget, url: str, body: dict[str, Any], tenant: Tenant
+    ) -> tuple[int, dict[str, Any], float | None]:
         """(status, JSON body, Retry-After seconds) of the endpoint's answer to `body`."""
         try:
             try:

@@ -52,8 +52,9 @@ def new_id(prefix: str) -> str:
 
 
 class BatchStore:
-    def __init__(self, database: str, files_dir: Path,
-                 temporary: tempfile.TemporaryDirectory[str] | None = None) -> None:
+    def __init__(
+        self, database: str, files_dir: Path, temporary: tempfile.TemporaryDirectory[str] | None = None
+    ) -> None:
         self.files_dir = files_dir
         self._temporary = temporary  # memory(): removed with the store
         files_dir.mkdir(parents=True, exist_ok=True)
@@ -98,15 +99,13 @@ class BatchStore:
 
     def file(self, tenant: str, file_id: str) -> FileObject | None:
         with self._lock:
-            row = self._db.execute("SELECT body FROM files WHERE id = ? AND tenant = ?",
-                                   (file_id, tenant)).fetchone()
+            row = self._db.execute("SELECT body FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
         return FileObject.model_validate_json(row[0]) if row else None
 
     def files(self, tenant: str, purpose: str | None = None) -> list[FileObject]:
         """The tenant's files, newest first."""
         with self._lock:
-            rows = self._db.execute("SELECT body FROM files WHERE tenant = ? ORDER BY rowid DESC",
-                                    (tenant,)).fetchall()
+            rows = self._db.execute("SELECT body FROM files WHERE tenant = ? ORDER BY rowid DESC", (tenant,)).fetchall()
         found = [FileObject.model_validate_json(row[0]) for row in rows]
         return [f for f in found if purpose is None or f.purpose == purpose]
 
@@ -115,8 +114,7 @@ class BatchStore:
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with self._lock:
-            deleted = self._db.execute("DELETE FROM files WHERE id = ? AND tenant = ?",
-                                       (file_id, tenant)).rowcount
+            deleted = self._db.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).rowcount
         if deleted:
             self.file_path(file_id).unlink(missing_ok=True)
         return bool(deleted)
@@ -127,29 +125,34 @@ class BatchStore:
         """Insert or update the batch (its completed and failed counts are the results')."""
         body = batch.model_dump_json()
         with self._lock:
-            self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
-                             "status = excluded.status, body = excluded.body",
-                             (batch.id, tenant, batch.status, body))
+            self._db.execute(
+                "INSERT INTO batches VALUES (?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                "status = excluded.status, body = excluded.body",
+                (batch.id, tenant, batch.status, body),
+            )
 
     def batch(self, tenant: str, batch_id: str) -> BatchObject | None:
         with self._lock:
-            row = self._db.execute("SELECT body FROM batches WHERE id = ? AND tenant = ?",
-                                   (batch_id, tenant)).fetchone()
+            row = self._db.execute(
+                "SELECT body FROM batches WHERE id = ? AND tenant = ?", (batch_id, tenant)
+            ).fetchone()
         return self._with_counts(row[0]) if row else None
 
     def batches(self, tenant: str) -> list[BatchObject]:
         """The tenant's batches, newest first."""
         with self._lock:
-            rows = self._db.execute("SELECT body FROM batches WHERE tenant = ? ORDER BY rowid DESC",
-                                    (tenant,)).fetchall()
+            rows = self._db.execute(
+                "SELECT body FROM batches WHERE tenant = ? ORDER BY rowid DESC", (tenant,)
+            ).fetchall()
         return [self._with_counts(row[0]) for row in rows]
 
     def active_batches(self) -> list[tuple[str, BatchObject]]:
         """(tenant, batch) of every batch the runner has work in, oldest first."""
         marks = ",".join("?" * len(ACTIVE_STATUSES))
         with self._lock:
-            rows = self._db.execute(f"SELECT tenant, body FROM batches WHERE status IN ({marks}) "
-                                    "ORDER BY rowid", ACTIVE_STATUSES).fetchall()
+            rows = self._db.execute(
+                f"SELECT tenant, body FROM batches WHERE status IN ({marks}) ORDER BY rowid", ACTIVE_STATUSES
+            ).fetchall()
         return [(tenant, self._with_counts(body)) for tenant, body in rows]
 
     def _with_counts(self, body: str) -> BatchObject:
@@ -157,8 +160,9 @@ class BatchStore:
         total = batch.request_counts.total
         with self._lock:
             completed, failed = self._db.execute(
-                "SELECT COUNT(*) - COALESCE(SUM(failed), 0), COALESCE(SUM(failed), 0) FROM results "
-                "WHERE batch_id = ?", (batch.id,)).fetchone()
+                "SELECT COUNT(*) - COALESCE(SUM(failed), 0), COALESCE(SUM(failed), 0) FROM results WHERE batch_id = ?",
+                (batch.id,),
+            ).fetchone()
         batch.request_counts = BatchRequestCounts(total=total, completed=completed, failed=failed)
         return batch
 
@@ -166,8 +170,10 @@ class BatchStore:
 
     def add_result(self, batch_id: str, result: LineResult) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?)",
-                             (batch_id, result.line, int(result.failed), json.dumps(result.record)))
+            self._db.execute(
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?)",
+                (batch_id, result.line, int(result.failed), json.dumps(result.record)),
+            )
 
     def done_lines(self, batch_id: str) -> set[int]:
         with self._lock:
@@ -177,8 +183,8 @@ class BatchStore:
     def results(self, batch_id: str) -> Iterator[LineResult]:
         """The batch's results in line order."""
         with self._lock:
-            rows = self._db.execute("SELECT line, failed, record FROM results WHERE batch_id = ? ORDER BY line",
-                                    (batch_id,)).fetchall()
+            rows = self._db.execute(
+                "SELECT line, failed, record FROM results WHERE batch_id = ? ORDER BY line", (batch_id,)
+            ).fetchall()
         for line, failed, record in rows:
             yield LineResult(line, bool(failed), json.loads(record))
-

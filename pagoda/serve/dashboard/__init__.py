@@ -3,5 +3,4 @@
 from pagoda.serve.dashboard.routes import install_dashboard, visible_tenants
 from pagoda.serve.dashboard.window import DashboardWindow, Histogram, read_registry
 
-__all__ = ["DashboardWindow", "Histogram", "install_dashboard", "read_registry",
-           "visible_tenants"]
+__all__ = ["DashboardWindow", "Histogram", "install_dashboard", "read_registry", "visible_tenants"]

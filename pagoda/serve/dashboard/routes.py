@@ -10,20 +10,19 @@ its own tenant's rates and requests; an admin key (or an open server) sees every
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
-from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pagoda.serve.admission.tenants import Tenant, TenantRegistry
+from pagoda.serve.api.sse import EventStreamResponse, sse_event, to_json
 from pagoda.serve.dashboard.window import DashboardWindow
 from pagoda.serve.errors import APIError
 from pagoda.serve.observability.request_log import RequestLogger
-from pagoda.serve.api.sse import EventStreamResponse, sse_event, to_json
-from pagoda.serve.admission.tenants import Tenant, TenantRegistry
 
-_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css",
-           "index.html": "text/html"}
+_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "index.html": "text/html"}
 
 
 def _asset(name: str) -> bytes:
@@ -37,17 +36,21 @@ def visible_tenants(tenant: Tenant, registry: TenantRegistry) -> list[str] | Non
     return [tenant.name]
 
 
-def install_dashboard(app: FastAPI, authenticate: Callable[[Request], Tenant],
-                      tenants: TenantRegistry, window: DashboardWindow,
-                      request_log: RequestLogger, interval_s: float = 1.0) -> None:
+def install_dashboard(
+    app: FastAPI,
+    authenticate: Callable[[Request], Tenant],
+    tenants: TenantRegistry,
+    window: DashboardWindow,
+    request_log: RequestLogger,
+    interval_s: float = 1.0,
+) -> None:
     """Add the dashboard's routes to `app`; `window` starts receiving the request records."""
     request_log.add_listener(window.observe_request)
     app.state.dashboard = window
 
     @app.get("/dashboard")
     async def dashboard_page() -> Response:
-        return Response(_asset("index.html"), media_type="text/html",
-                        headers={"Cache-Control": "no-cache"})
+        return Response(_asset("index.html"), media_type="text/html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/dashboard/static/{name}")
     async def dashboard_asset(name: str) -> Response:

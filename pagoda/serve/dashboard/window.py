@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -70,11 +71,12 @@ class Histogram:
     def count(self) -> float:
         return self.cumulative[-1] if self.cumulative else 0.0
 
-    def minus(self, older: "Histogram | None") -> "Histogram":
+    def minus(self, older: Histogram | None) -> Histogram:
         if older is None or older.bounds != self.bounds:
             return self
-        return Histogram(self.bounds, [a - b for a, b in zip(self.cumulative, older.cumulative)],
-                         self.total - older.total)
+        return Histogram(
+            self.bounds, [a - b for a, b in zip(self.cumulative, older.cumulative)], self.total - older.total
+        )
 
     def quantile(self, q: float) -> float | None:
         return histogram_quantile(q, list(zip(self.bounds, self.cumulative)))
@@ -107,8 +109,9 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
             labeled[(s.name, frozenset(s.labels.items()))] = s.value
         for key, (name, label, value) in _LABELLED.items():
             if family.name == PREFIX + name:
-                scalars[key] = sum(s.value for s in family.samples if s.name.endswith("_total")
-                                   and s.labels.get(label) == value)
+                scalars[key] = sum(
+                    s.value for s in family.samples if s.name.endswith("_total") and s.labels.get(label) == value
+                )
         if family.name in scalar_keys:
             key = scalar_keys[family.name]
             values = [s.value for s in family.samples if s.name in (family.name, family.name + "_total")]
@@ -123,8 +126,7 @@ def read_registry(registry: CollectorRegistry, now: float) -> Sample:
                 elif s.name.endswith("_sum"):
                     total += s.value
             bounds = sorted(buckets)
-            histograms[histogram_keys[family.name]] = Histogram(
-                bounds, [buckets[b] for b in bounds], total)
+            histograms[histogram_keys[family.name]] = Histogram(bounds, [buckets[b] for b in bounds], total)
     return Sample(now, scalars, histograms, labeled)
 
 
@@ -162,12 +164,21 @@ def moe_load(sample: Sample, start: Sample | None) -> list[dict[str, Any]] | Non
     for layer in sorted(totals):
         experts = range(max(totals[layer]) + 1)
         counts = [totals[layer].get(expert, 0.0) for expert in experts]
-        window = None if before is None else [
-            max(0.0, count - before.get(layer, {}).get(expert, 0.0)) for expert, count in zip(experts, counts)]
+        window = (
+            None
+            if before is None
+            else [max(0.0, count - before.get(layer, {}).get(expert, 0.0)) for expert, count in zip(experts, counts)]
+        )
         routed = sum(window) if window is not None else 0.0
-        layers.append({"layer": layer, "expert_tokens": counts, "window_tokens": window,
-                       "window_imbalance": max(window) * len(window) / routed if window and routed else None,
-                       **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE}})
+        layers.append(
+            {
+                "layer": layer,
+                "expert_tokens": counts,
+                "window_tokens": window,
+                "window_imbalance": max(window) * len(window) / routed if window and routed else None,
+                **{key: gauges.get((key, layer)) for key in _MOE_IMBALANCE},
+            }
+        )
     return layers
 
 
@@ -208,8 +219,11 @@ class DashboardWindow:
         self._records.append((self.clock(), record))
         # Kept for the window and at least the last `max_timelines` requests.
         horizon = self.clock() - self.window_s
-        while len(self._records) > self.max_timelines and self._records[0][0] < horizon \
-                or len(self._records) > self.max_records:
+        while (
+            len(self._records) > self.max_timelines
+            and self._records[0][0] < horizon
+            or len(self._records) > self.max_records
+        ):
             self._records.popleft()
 
     def sample(self) -> Sample:
@@ -246,7 +260,8 @@ class DashboardWindow:
         start = self._window_start()
         point: dict[str, Any] = {
             "t": round(sample.time, 3),
-            "running": s["running"], "waiting": s["waiting"],
+            "running": s["running"],
+            "waiting": s["waiting"],
             "kv_usage": s["kv_usage"],
             "output_tok_s": rate("generation_tokens"),
             "prompt_tok_s": rate("prompt_tokens"),
@@ -299,11 +314,17 @@ class DashboardWindow:
                 tenant.cost_usd = (tenant.cost_usd or 0.0) + record.cost_usd
         # Rates over the window, or over the server's life while that is shorter.
         span = max(1.0, min(self.window_s, now - self._started))
-        return {name: {"requests_per_s": r.requests / span,
-                       "tokens_per_s": (r.prompt_tokens + r.output_tokens) / span,
-                       "output_tokens_per_s": r.output_tokens / span,
-                       "requests": r.requests, "rejected": r.rejected, "cost_usd": r.cost_usd}
-                for name, r in sorted(rates.items())}
+        return {
+            name: {
+                "requests_per_s": r.requests / span,
+                "tokens_per_s": (r.prompt_tokens + r.output_tokens) / span,
+                "output_tokens_per_s": r.output_tokens / span,
+                "requests": r.requests,
+                "rejected": r.rejected,
+                "cost_usd": r.cost_usd,
+            }
+            for name, r in sorted(rates.items())
+        }
 
     def _timelines(self, visible: Callable[[str | None], bool]) -> list[dict[str, Any]]:
         """The last requests as queue -> prefill -> decode durations (seconds)."""
@@ -316,13 +337,21 @@ class DashboardWindow:
             e2e = record.e2e_s or 0.0
             queue = record.queue_time_s or 0.0
             ttft = record.ttft_s if record.ttft_s is not None else e2e
-            timelines.append({
-                "id": record.request_id, "tenant": record.tenant, "endpoint": record.endpoint,
-                "status": record.status, "finish_reason": record.finish_reason,
-                "ended": round(ended, 3), "queue_s": queue,
-                "prefill_s": max(0.0, ttft - queue), "decode_s": max(0.0, e2e - ttft),
-                "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
-            })
+            timelines.append(
+                {
+                    "id": record.request_id,
+                    "tenant": record.tenant,
+                    "endpoint": record.endpoint,
+                    "status": record.status,
+                    "finish_reason": record.finish_reason,
+                    "ended": round(ended, 3),
+                    "queue_s": queue,
+                    "prefill_s": max(0.0, ttft - queue),
+                    "decode_s": max(0.0, e2e - ttft),
+                    "prompt_tokens": record.prompt_tokens,
+                    "output_tokens": record.output_tokens,
+                }
+            )
         return timelines
 
     def _diagnosis(self, sample: Sample) -> list[dict[str, Any]]:
@@ -331,9 +360,14 @@ class DashboardWindow:
         if start is None:
             return []
         info = self.server_info()
-        observations = observe(start.labeled, sample.labeled, max(sample.time - start.time, 1e-3),
-                               health=info.get("health"), max_num_seqs=info.get("max_num_seqs"),
-                               max_model_len=info.get("max_model_len"))
+        observations = observe(
+            start.labeled,
+            sample.labeled,
+            max(sample.time - start.time, 1e-3),
+            health=info.get("health"),
+            max_num_seqs=info.get("max_num_seqs"),
+            max_model_len=info.get("max_model_len"),
+        )
         return [asdict(finding) for finding in diagnose(observations)]
 
     def snapshot(self, visible_tenants: Iterable[str] | None = None) -> dict[str, Any]:
@@ -347,7 +381,8 @@ class DashboardWindow:
             return allowed is None or tenant in allowed
 
         return {
-            "time": sample.time, "window_s": self.window_s,
+            "time": sample.time,
+            "window_s": self.window_s,
             "scope": "all" if allowed is None else sorted(allowed),
             "now": self._history[-1] if self._history else {},
             "totals": self._totals(sample),

@@ -14,8 +14,12 @@ COST_METRIC = "pagoda:cost_usd"
 
 class CostCounter:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._counter = Counter(COST_METRIC, "Cost of the requests served, in USD, by the price table.",
-                                ["model", "tenant"], registry=registry)
+        self._counter = Counter(
+            COST_METRIC,
+            "Cost of the requests served, in USD, by the price table.",
+            ["model", "tenant"],
+            registry=registry,
+        )
 
     def add(self, model: str, tenant: str | None, usd: float) -> None:
         self._counter.labels(model, tenant or "").inc(usd)

@@ -9,7 +9,8 @@ held, and failures by kind. Every family carries the engine's `role`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -26,14 +27,16 @@ _COUNTERS = (
     ("kv_handoff_bytes_sent", "KV bytes sent to decode engines.", "bytes_sent"),
     ("kv_handoff_blocks_received", "KV blocks received from prefill engines.", "blocks_received"),
     ("kv_handoff_bytes_received", "KV bytes received from prefill engines.", "bytes_received"),
-    ("kv_handoff_blocks_cached", "KV blocks of handoffs found in this engine's prefix cache (not sent).",
-     "blocks_cached"),
-    ("kv_handoff_fallback_prefills", "Failed handoffs prefilled by this (decode) engine instead.",
-     "fallback_prefills"),
+    (
+        "kv_handoff_blocks_cached",
+        "KV blocks of handoffs found in this engine's prefix cache (not sent).",
+        "blocks_cached",
+    ),
+    ("kv_handoff_fallback_prefills", "Failed handoffs prefilled by this (decode) engine instead.", "fallback_prefills"),
 )
 
 
-def disagg_families(stats: "DisaggStats | None", prefix: str, labels: list[str], values: list[str]) -> Iterator[Any]:
+def disagg_families(stats: DisaggStats | None, prefix: str, labels: list[str], values: list[str]) -> Iterator[Any]:
     if stats is None:
         return
     labels, values = labels + ["role"], values + [stats.role]
@@ -41,15 +44,19 @@ def disagg_families(stats: "DisaggStats | None", prefix: str, labels: list[str],
         family = CounterMetricFamily(prefix + name, doc, labels=labels)
         family.add_metric(values, getattr(stats, field))
         yield family
-    failures = CounterMetricFamily(prefix + "kv_handoff_failures",
-                                   "KV handoffs that did not complete, by kind (send, receive, refused).",
-                                   labels=labels + ["kind"])
+    failures = CounterMetricFamily(
+        prefix + "kv_handoff_failures",
+        "KV handoffs that did not complete, by kind (send, receive, refused).",
+        labels=labels + ["kind"],
+    )
     for kind, count in stats.failures.items():
         failures.add_metric(values + [kind], count)
     yield failures
-    phases = HistogramMetricFamily(prefix + "kv_handoff_phase_seconds",
-                                   "Time to first token of handed-off requests, by phase "
-                                   "(queue, prefill, transfer, first_decode).", labels=labels + ["phase"])
+    phases = HistogramMetricFamily(
+        prefix + "kv_handoff_phase_seconds",
+        "Time to first token of handed-off requests, by phase (queue, prefill, transfer, first_decode).",
+        labels=labels + ["phase"],
+    )
     for phase, histogram in stats.phases.items():
         cumulative, buckets = 0, []
         for bound, count in zip([*map(floatToGoString, PHASE_BUCKETS), "+Inf"], histogram.counts):

@@ -11,13 +11,15 @@ per-tenant view.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.registry import Collector, CollectorRegistry
 
 # Labels whose values name a tenant or something a tenant owns.
-TENANT_SCOPED_LABELS = frozenset({"tenant", "running_lora_adapters", "waiting_lora_adapters", "lora_name",
-                                  "lora_adapter"})
+TENANT_SCOPED_LABELS = frozenset(
+    {"tenant", "running_lora_adapters", "waiting_lora_adapters", "lora_name", "lora_adapter"}
+)
 
 
 class TenantLabelsRemoved(Collector):

@@ -8,7 +8,8 @@ then merged by name, every sample gaining `replica="<index>"`. Prometheus querie
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -27,9 +28,12 @@ class ReplicaLabelledCollector(Collector):
     """Each replica's families under a `replica` label; with no replicas (one engine), the
     families of `stats` as they are."""
 
-    def __init__(self, stats: Callable[[], "EngineStats | None"],
-                 replica_stats: Callable[[], dict[str, "EngineStats | None"]],
-                 collector_of: CollectorOf) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        replica_stats: Callable[[], dict[str, EngineStats | None]],
+        collector_of: CollectorOf,
+    ) -> None:
         self._engine = collector_of(stats)
         self._replica_stats = replica_stats
         self._collector_of = collector_of
@@ -44,10 +48,10 @@ class ReplicaLabelledCollector(Collector):
             for family in self._collector_of(_reading(stats)).collect():
                 into = merged.get(family.name)
                 if into is None:
-                    into = merged[family.name] = Metric(family.name, family.documentation,
-                                                        family.type, family.unit)
-                into.samples.extend(sample._replace(labels={**sample.labels, REPLICA_LABEL: label})
-                                    for sample in family.samples)
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                into.samples.extend(
+                    sample._replace(labels={**sample.labels, REPLICA_LABEL: label}) for sample in family.samples
+                )
         yield from merged.values()
 
 
@@ -69,14 +73,17 @@ class SupervisionCollector(Collector):
     def collect(self) -> Iterator[Any]:
         body = self._health()
         replicas = body.get("replicas")
-        engines = ([({REPLICA_LABEL: str(r["replica"])}, r) for r in replicas] if replicas is not None
-                   else [({}, body)])
-        up = GaugeMetricFamily(self._prefix + "replica_up",
-                               "1 while the engine serves, 0 while it is down (restarting, failed or dead).",
-                               labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"])
-        restarts = CounterMetricFamily(self._prefix + "replica_restarts",
-                                       "Restarts of the engine after it died.",
-                                       labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"])
+        engines = [({REPLICA_LABEL: str(r["replica"])}, r) for r in replicas] if replicas is not None else [({}, body)]
+        up = GaugeMetricFamily(
+            self._prefix + "replica_up",
+            "1 while the engine serves, 0 while it is down (restarting, failed or dead).",
+            labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"],
+        )
+        restarts = CounterMetricFamily(
+            self._prefix + "replica_restarts",
+            "Restarts of the engine after it died.",
+            labels=["model_name", REPLICA_LABEL] if replicas is not None else ["model_name"],
+        )
         for labels, engine in engines:
             values = [self._model_name, *labels.values()]
             up.add_metric(values, 1.0 if engine.get("status") == "ok" else 0.0)
@@ -99,14 +106,17 @@ class AutoscaleCollector(Collector):
         autoscale = self._health().get("autoscale")
         if autoscale is None:
             return
-        desired = GaugeMetricFamily(self._prefix + "replicas_desired",
-                                    "Replicas the autoscaler wants (its last decision's target).",
-                                    labels=["model_name"])
+        desired = GaugeMetricFamily(
+            self._prefix + "replicas_desired",
+            "Replicas the autoscaler wants (its last decision's target).",
+            labels=["model_name"],
+        )
         desired.add_metric([self._model_name], float(autoscale["desired"]))
-        events = CounterMetricFamily(self._prefix + "scale_events",
-                                     "Autoscaling decisions, by direction (up, down) and reason "
-                                     "(queue_depth, kv_usage, idle).",
-                                     labels=["model_name", "direction", "reason"])
+        events = CounterMetricFamily(
+            self._prefix + "scale_events",
+            "Autoscaling decisions, by direction (up, down) and reason (queue_depth, kv_usage, idle).",
+            labels=["model_name", "direction", "reason"],
+        )
         for event in autoscale["scale_events"]:
             events.add_metric([self._model_name, event["direction"], event["reason"]], float(event["count"]))
         yield desired

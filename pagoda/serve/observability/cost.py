@@ -17,9 +17,10 @@ carry token counts only.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pagoda.data_files import DataFileError, read_data_file
 
@@ -43,8 +44,9 @@ class ModelPrice:
         """USD for one request; `cached_tokens` are part of `prompt_tokens`."""
         cached = min(max(cached_tokens, 0), prompt_tokens)
         cached_price = self.prompt if self.cached_prompt is None else self.cached_prompt
-        return ((prompt_tokens - cached) * self.prompt + cached * cached_price
-                + completion_tokens * self.completion) / PER_TOKENS
+        return (
+            (prompt_tokens - cached) * self.prompt + cached * cached_price + completion_tokens * self.completion
+        ) / PER_TOKENS
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,7 @@ class PriceTable:
     def price_of(self, model: str) -> ModelPrice | None:
         return self.prices.get(model)
 
-    def cost(self, model: str, prompt_tokens: int, completion_tokens: int,
-             cached_tokens: int = 0) -> float | None:
+    def cost(self, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float | None:
         """USD for one request of `model`, or None when the table does not price it."""
         price = self.prices.get(model)
         return None if price is None else price.cost(prompt_tokens, completion_tokens, cached_tokens)
@@ -89,8 +90,7 @@ def parse_price_table(data: Any, served_models: Iterable[str]) -> PriceTable:
             raise PriceTableError(f"{where} must be a mapping of {', '.join(_PRICE_FIELDS)}")
         for field_name in entry:
             if field_name not in _PRICE_FIELDS:
-                raise PriceTableError(f"{where}.{field_name}: unknown field "
-                                      f"(known: {', '.join(_PRICE_FIELDS)})")
+                raise PriceTableError(f"{where}.{field_name}: unknown field (known: {', '.join(_PRICE_FIELDS)})")
         for required in ("prompt", "completion"):
             if required not in entry:
                 raise PriceTableError(f"{where}.{required} is missing")
@@ -98,7 +98,9 @@ def parse_price_table(data: Any, served_models: Iterable[str]) -> PriceTable:
             prompt=_price(f"{where}.prompt", entry["prompt"]),
             completion=_price(f"{where}.completion", entry["completion"]),
             cached_prompt=_price(f"{where}.cached_prompt", entry["cached_prompt"])
-            if "cached_prompt" in entry else None)
+            if "cached_prompt" in entry
+            else None,
+        )
     return PriceTable(prices)
 
 

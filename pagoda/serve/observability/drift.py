@@ -16,8 +16,11 @@ from typing import Any
 
 MAX_EVIDENCE = 8  # lines of evidence kept per metric; counts are always complete
 # Phrases of the usual refusal / guardrail answers (English; the decision change is what counts).
-REFUSAL = re.compile(r"\b(I can(?:'|no)t|I cannot|I'm sorry|I am sorry|I won't|as an AI|"
-                     r"I'm not able to|I am unable)\b", re.IGNORECASE)
+REFUSAL = re.compile(
+    r"\b(I can(?:'|no)t|I cannot|I'm sorry|I am sorry|I won't|as an AI|"
+    r"I'm not able to|I am unable)\b",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -56,8 +59,9 @@ def compare_tokenization(suite: Any, base: Any, cand: Any) -> Comparison:
     result = Comparison()
     for side in (base, cand):
         if not side.has_tokenize:
-            result.notes.append(f"{side.target.label} has no /tokenize: tokenization and "
-                                "chat-template comparison skipped")
+            result.notes.append(
+                f"{side.target.label} has no /tokenize: tokenization and chat-template comparison skipped"
+            )
     if not (base.has_tokenize and cand.has_tokenize):
         result.add("tokenization.prompt_mismatches", None)
         result.add("tokenization.chat_mismatches", None)
@@ -68,8 +72,7 @@ def compare_tokenization(suite: Any, base: Any, cand: Any) -> Comparison:
         b, c = base.tokenized[case.id], cand.tokenized[case.id]
         if b.status != 200 or c.status != 200:
             if b.status != c.status and 0 not in (b.status, c.status):
-                mismatches[case.is_chat].append(f"{case.id}: /tokenize answered {b.status} vs "
-                                                f"{c.status}")
+                mismatches[case.is_chat].append(f"{case.id}: /tokenize answered {b.status} vs {c.status}")
             continue
         compared += 1
         index = first_difference(b.tokens, c.tokens)
@@ -77,7 +80,8 @@ def compare_tokenization(suite: Any, base: Any, cand: Any) -> Comparison:
             mismatches[case.is_chat].append(
                 f"{case.id}: {len(b.tokens)} vs {len(c.tokens)} tokens, first difference at "
                 f"position {index}: baseline {_token_label(b, index)} vs candidate "
-                f"{_token_label(c, index)}")
+                f"{_token_label(c, index)}"
+            )
     result.add("tokenization.prompt_mismatches", len(mismatches[False]), mismatches[False])
     result.add("tokenization.chat_mismatches", len(mismatches[True]), mismatches[True])
     result.details["compared"] = compared
@@ -103,43 +107,44 @@ def compare_outputs(suite: Any, base: Any, cand: Any) -> Comparison:
         if b.tokens is not None and c.tokens is not None:
             index = first_difference(b.tokens, c.tokens)
             shared = len(b.tokens) if index is None else index
-            pairs = [(x, y) for x, y in zip((b.logprobs or [])[:shared], (c.logprobs or [])[:shared])
-                     if not (math.isnan(x) or math.isnan(y))]
+            pairs = [
+                (x, y)
+                for x, y in zip((b.logprobs or [])[:shared], (c.logprobs or [])[:shared])
+                if not (math.isnan(x) or math.isnan(y))
+            ]
             deltas = [abs(x - y) for x, y in pairs]
             drifts += deltas
             row["max_drift"] = max(deltas) if deltas else 0.0
-            where = (f"token {index}: baseline {b.tokens[index] if index < len(b.tokens) else '<end>'!r}"
-                     f" vs candidate {c.tokens[index] if index < len(c.tokens) else '<end>'!r}"
-                     if index is not None else "")
+            where = (
+                f"token {index}: baseline {b.tokens[index] if index < len(b.tokens) else '<end>'!r}"
+                f" vs candidate {c.tokens[index] if index < len(c.tokens) else '<end>'!r}"
+                if index is not None
+                else ""
+            )
         else:
             index = first_difference(list(b.text), list(c.text))
             where = f"character {index}" if index is not None else ""
         row["first_divergence"] = index
         if b.text != c.text:
-            diverged.append(f"{case.id}: diverges at {where or 'the text'} "
-                            f"(baseline {b.text[:60]!r}, candidate {c.text[:60]!r})")
+            diverged.append(
+                f"{case.id}: diverges at {where or 'the text'} (baseline {b.text[:60]!r}, candidate {c.text[:60]!r})"
+            )
         if b.finish_reason != c.finish_reason:
-            stop_changes.append(f"{case.id}: finish_reason {b.finish_reason!r} -> "
-                                f"{c.finish_reason!r}")
+            stop_changes.append(f"{case.id}: finish_reason {b.finish_reason!r} -> {c.finish_reason!r}")
         if is_refusal(b) != is_refusal(c):
-            refusal_changes.append(f"{case.id}: refusal {is_refusal(b)} -> {is_refusal(c)} "
-                                   f"({c.text[:60]!r})")
+            refusal_changes.append(f"{case.id}: refusal {is_refusal(b)} -> {is_refusal(c)} ({c.text[:60]!r})")
         if case.expected is not None:
             num_expected += 1
             expected_hits["baseline"] += b.text == case.expected
             expected_hits["candidate"] += c.text == case.expected
         per_case.append(row)
-    result.add("outputs.exact_match_rate",
-               (compared - len(diverged)) / compared if compared else None, diverged)
+    result.add("outputs.exact_match_rate", (compared - len(diverged)) / compared if compared else None, diverged)
     result.add("outputs.logprob_drift_mean", sum(drifts) / len(drifts) if drifts else None)
     result.add("outputs.logprob_drift_max", max(drifts) if drifts else None)
-    result.add("outputs.stop_reason_changes", len(stop_changes) if compared else None,
-               stop_changes)
-    result.add("outputs.refusal_changes", len(refusal_changes) if compared else None,
-               refusal_changes)
+    result.add("outputs.stop_reason_changes", len(stop_changes) if compared else None, stop_changes)
+    result.add("outputs.refusal_changes", len(refusal_changes) if compared else None, refusal_changes)
     for side in ("baseline", "candidate"):
-        result.add(f"outputs.expected_match_rate_{side}",
-                   expected_hits[side] / num_expected if num_expected else None)
+        result.add(f"outputs.expected_match_rate_{side}", expected_hits[side] / num_expected if num_expected else None)
     if not drifts and compared:
         result.notes.append("no logprobs from at least one side: logprob drift not measured")
     result.details.update(compared=compared, cases=per_case)

@@ -25,10 +25,11 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig
@@ -52,14 +53,14 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?\s*")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
-
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as 30d, 12h, 90m, 45s, 500ms or a bare number of seconds;
     ValueError (naming the flag) for anything else or for a duration that is not positive."""
     match = _DURATION.fullmatch(text)
     if match is None:
-        raise ValueError(f"--prompt-log-retention: {text!r} is not a duration (a number with "
-                         "ms, s, m, h, d or w, e.g. 30d)")
+        raise ValueError(
+            f"--prompt-log-retention: {text!r} is not a duration (a number with ms, s, m, h, d or w, e.g. 30d)"
+        )
     seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
     if seconds <= 0:
         raise ValueError(f"--prompt-log-retention must be > 0, got {text!r}")
@@ -77,8 +78,14 @@ def builtin_pii_rule() -> PatternRule:
     from pagoda.guard.pii import PII_TYPES
     from pagoda.guard.rules import PatternRule
 
-    return PatternRule(name="prompt-log-pii", kind="pii", action="redact",
-                       stages=frozenset({"input", "output"}), tenants=None, pii_types=PII_TYPES)
+    return PatternRule(
+        name="prompt-log-pii",
+        kind="pii",
+        action="redact",
+        stages=frozenset({"input", "output"}),
+        tenants=None,
+        pii_types=PII_TYPES,
+    )
 
 
 def redaction_rules(guardrails: GuardrailsConfig | None) -> list[PatternRule]:
@@ -96,13 +103,15 @@ def redaction_rules(guardrails: GuardrailsConfig | None) -> list[PatternRule]:
 def redact(text: str, rules: list[PatternRule], tenant: str | None) -> str:
     """`text` with every span a rule for `tenant` finds replaced (the earliest, longest wins)."""
     applicable = [r for r in rules if r.tenants is None or (tenant is not None and tenant in r.tenants)]
-    found = sorted(((rule, span) for rule in applicable for span in rule.find(text)),
-                   key=lambda pair: (pair[1].start, -pair[1].end))
+    found = sorted(
+        ((rule, span) for rule in applicable for span in rule.find(text)),
+        key=lambda pair: (pair[1].start, -pair[1].end),
+    )
     pieces, position = [], 0
     for rule, span in found:
         if span.start < position:  # overlaps a span already replaced
             continue
-        pieces.append(text[position:span.start])
+        pieces.append(text[position : span.start])
         pieces.append(rule.replacement_for(span))
         position = span.end
     pieces.append(text[position:])
@@ -145,17 +154,23 @@ class PromptLog:
     """The prompt log's files in `directory`: redacted, sampled, rotated and deleted past the
     retention while the server runs. `close` stops the retention thread."""
 
-    def __init__(self, directory: str | Path, *, sample_rate: float = 1.0,
-                 retention_s: float | None = None, rules: list[PatternRule] | None = None,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        sample_rate: float = 1.0,
+        retention_s: float | None = None,
+        rules: list[PatternRule] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         check_sample_rate(sample_rate)
         if retention_s is not None and not retention_s > 0:
             raise ValueError(f"--prompt-log-retention must be > 0, got {retention_s}")
         self.directory = Path(directory)
         self.sample_rate = sample_rate
         self.retention_s = retention_s
-        self.rotation_s = (min(retention_s / 10, MAX_ROTATION_S) if retention_s is not None
-                           else DEFAULT_ROTATION_S)
+        self.rotation_s = min(retention_s / 10, MAX_ROTATION_S) if retention_s is not None else DEFAULT_ROTATION_S
         self.rules = rules if rules is not None else [builtin_pii_rule()]
         self._rng = rng or random.Random()
         self._clock = clock
@@ -170,15 +185,14 @@ class PromptLog:
         self._thread: threading.Thread | None = None
         if retention_s is not None:
             self.enforce_retention()
-            self._thread = threading.Thread(target=self._keep_retention, name="prompt-log-retention",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._keep_retention, name="prompt-log-retention", daemon=True)
             self._thread.start()
 
     @classmethod
-    def from_settings(cls, directory: str, sample_rate: float, retention_s: float | None,
-                      guardrails: GuardrailsConfig | None) -> "PromptLog":
-        return cls(directory, sample_rate=sample_rate, retention_s=retention_s,
-                   rules=redaction_rules(guardrails))
+    def from_settings(
+        cls, directory: str, sample_rate: float, retention_s: float | None, guardrails: GuardrailsConfig | None
+    ) -> PromptLog:
+        return cls(directory, sample_rate=sample_rate, retention_s=retention_s, rules=redaction_rules(guardrails))
 
     # ---- writing ----
 
@@ -198,8 +212,9 @@ class PromptLog:
         fields = dataclasses.asdict(record)
         fields.update(fields.pop("extra"))
         prompt = record.prompt
-        fields["prompt"] = (clean(prompt) if isinstance(prompt, str)
-                            else [clean(p) for p in prompt] if prompt is not None else None)
+        fields["prompt"] = (
+            clean(prompt) if isinstance(prompt, str) else [clean(p) for p in prompt] if prompt is not None else None
+        )
         fields["output"] = [clean(o) for o in record.output] if record.output is not None else None
         fields["error"] = clean(record.error) if record.error is not None else None
         return {"time": _iso(self._clock()), **{k: v for k, v in fields.items() if v is not None}}
@@ -272,14 +287,23 @@ class PromptLog:
                         return found[::-1]
         return found[::-1]
 
-    def audit(self, who: str | None, query: PromptLogQuery | None, status: int,
-              returned: int = 0, filters: dict[str, str] | None = None) -> None:
+    def audit(
+        self,
+        who: str | None,
+        query: PromptLogQuery | None,
+        status: int,
+        returned: int = 0,
+        filters: dict[str, str] | None = None,
+    ) -> None:
         """Append one access to the audit file: who (the key's tenant; None: no valid key),
         when, the filter asked for, the answer's status and how many records it returned."""
-        entry: dict[str, Any] = {"time": _iso(self._clock()), "who": who, "status": status,
-                                 "filter": (dataclasses.asdict(query) if query is not None
-                                            else filters or {}),
-                                 "returned": returned}
+        entry: dict[str, Any] = {
+            "time": _iso(self._clock()),
+            "who": who,
+            "status": status,
+            "filter": (dataclasses.asdict(query) if query is not None else filters or {}),
+            "returned": returned,
+        }
         line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         with self._lock:
             os.write(self._audit_fd, line)

@@ -23,9 +23,10 @@ import hashlib
 import json
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -38,12 +39,31 @@ HEADER = "x-pagoda-provenance"
 RECENT_RECORDS = 10_000
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 # EngineConfig fields that say where things are, not how tokens are computed: left out of the
 # fingerprint so the same deployment on another host (or replica role) fingerprints the same.
-_PLACE_FIELDS = frozenset({"model", "tokenizer", "draft_model", "lora_modules", "kv_offload_disk",
-                           "kv_listen", "ray_address", "role", "kv_transfer_secret"})
+_PLACE_FIELDS = frozenset(
+    {
+        "model",
+        "tokenizer",
+        "draft_model",
+        "lora_modules",
+        "kv_offload_disk",
+        "kv_listen",
+        "ray_address",
+        "role",
+        "kv_transfer_secret",
+    }
+)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -110,7 +130,7 @@ def file_digest(path: str | Path | None) -> str | None:
     return sha256_bytes(Path(path).read_bytes())
 
 
-def engine_config_fingerprint(config: "EngineConfig") -> str:
+def engine_config_fingerprint(config: EngineConfig) -> str:
     """A digest of the engine settings that decide how tokens are computed."""
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PLACE_FIELDS}
     return sha256_bytes(json.dumps(fields, sort_keys=True, default=str).encode())
@@ -136,8 +156,9 @@ class ModelProvenance:
     engine_config_fingerprint: str
 
     @classmethod
-    def of(cls, llm: "EngineClient", model_name: str, *, guardrails: bool = False,
-           guardrails_file: str | None = None) -> "ModelProvenance":
+    def of(
+        cls, llm: EngineClient, model_name: str, *, guardrails: bool = False, guardrails_file: str | None = None
+    ) -> ModelProvenance:
         config = llm.config
         model_dir = Path(config.model)
         # A loader that verified a manifest reports the manifest's digest of the weights.
@@ -149,10 +170,10 @@ class ModelProvenance:
             weights_digest=verified or unverified_weights_digest(model_dir),
             tokenizer_digest=tokenizer_digest(tokenizer_dir),
             chat_template_digest=chat_template_digest(template),
-            generation_config_digest=file_digest(model_dir / "generation_config.json")
-            if model_dir.is_dir() else None,
+            generation_config_digest=file_digest(model_dir / "generation_config.json") if model_dir.is_dir() else None,
             guardrail_policy=(file_digest(guardrails_file) or "unversioned") if guardrails else None,
-            engine_config_fingerprint=engine_config_fingerprint(config))
+            engine_config_fingerprint=engine_config_fingerprint(config),
+        )
 
 
 @dataclass(frozen=True)
@@ -169,8 +190,7 @@ class RouteTaken:
     canary: str | None = None
 
     @classmethod
-    def of(cls, model: str, routes: Iterable["StreamRoute | None"],
-           label: str | None = None) -> "RouteTaken":
+    def of(cls, model: str, routes: Iterable[StreamRoute | None], label: str | None = None) -> RouteTaken:
         """The route of a request whose prompts went where `routes` say (a batch's prompts may
         go to several replicas: their labels are joined); `label` is its x-pagoda-route
         (`model:NAME`, `route:ROUTE:NAME`, `fallback:NAME` or `canary:NAME`)."""
@@ -179,8 +199,14 @@ class RouteTaken:
         taken = [r for r in routes if r is not None]
         pools = sorted({r.pool for r in taken if r.pool is not None})
         replicas = sorted({r.replica for r in taken}, key=lambda name: (len(name), name))
-        return cls(model, ",".join(pools) or None, ",".join(replicas) or None, route, kind == "fallback",
-                   rest if kind == "canary" else None)
+        return cls(
+            model,
+            ",".join(pools) or None,
+            ",".join(replicas) or None,
+            route,
+            kind == "fallback",
+            rest if kind == "canary" else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -196,8 +222,13 @@ class Provenance:
     def as_dict(self) -> dict[str, Any]:
         """The record as the log line, the admin endpoint and the gate show it (flat, with the
         route nested)."""
-        return {"id": self.id, **dataclasses.asdict(self.model), "adapter": self.adapter,
-                "adapter_hash": self.adapter_hash, "route": dataclasses.asdict(self.route)}
+        return {
+            "id": self.id,
+            **dataclasses.asdict(self.model),
+            "adapter": self.adapter,
+            "adapter_hash": self.adapter_hash,
+            "route": dataclasses.asdict(self.route),
+        }
 
 
 class ProvenanceBook:
@@ -230,12 +261,18 @@ class ProvenanceBook:
     def adapter_hash(self, name: str) -> str | None:
         return self._adapters.get(name)
 
-    def record(self, request_id: str, adapter: str | None,
-               routes: Iterable["StreamRoute | None"], label: str | None = None) -> Provenance:
+    def record(
+        self, request_id: str, adapter: str | None, routes: Iterable[StreamRoute | None], label: str | None = None
+    ) -> Provenance:
         """The provenance of a request just routed (`label`: its x-pagoda-route), kept to be
         found by its id."""
-        provenance = Provenance(request_id, self.model, RouteTaken.of(self.model.model, routes, label),
-                                adapter, self.adapter_hash(adapter) if adapter is not None else None)
+        provenance = Provenance(
+            request_id,
+            self.model,
+            RouteTaken.of(self.model.model, routes, label),
+            adapter,
+            self.adapter_hash(adapter) if adapter is not None else None,
+        )
         with self._lock:
             self._records[request_id] = provenance
             while len(self._records) > self._max_records:

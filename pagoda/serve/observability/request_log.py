@@ -14,16 +14,25 @@ import dataclasses
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 LOGGER_NAME = "pagoda.serve.requests"
 
 # A span between matching quotes that are not part of a word ("the server's" is no quote).
 _QUOTED = re.compile(r"""(?<!\w)(['"`])(.*?)\1(?!\w)""", re.DOTALL)
 # Fields whose errors quote the field's own text (schemas, grammars, tool definitions).
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_", "json_schema", "regex", "grammar",
-                      "tools", "tool_choice", "functions")
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_",
+    "json_schema",
+    "regex",
+    "grammar",
+    "tools",
+    "tool_choice",
+    "functions",
+)
 
 
 def redact_message(message: str, param: str | None = None) -> str:
@@ -87,6 +96,5 @@ class RequestLogger:
                 fields[key] = round(fields[key], 6)
         if fields["cost_usd"] is not None:  # a short request costs millionths of a dollar
             fields["cost_usd"] = round(fields["cost_usd"], 12)
-        line = json.dumps({k: v for k, v in fields.items() if v is not None},
-                          ensure_ascii=False, separators=(",", ":"))
+        line = json.dumps({k: v for k, v in fields.items() if v is not None}, ensure_ascii=False, separators=(",", ":"))
         self.logger.info(line)

@@ -14,8 +14,9 @@ the span starts a trace of its own.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pagoda.outputs import RequestMetrics
@@ -68,8 +69,10 @@ def otel_missing() -> str | None:
         except ModuleNotFoundError:
             found = False
         if not found:
-            return (f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter "
-                    f"({module} is not installed): pip install 'pagoda[otel]'")
+            return (
+                f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter "
+                f"({module} is not installed): pip install 'pagoda[otel]'"
+            )
     return None
 
 
@@ -77,9 +80,11 @@ def check_traces_endpoint(url: str) -> None:
     """ValueError (one line) for an endpoint that is not an http(s) URL, or without the SDK."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--otlp-traces-endpoint must be an http:// or https:// URL (the "
-                         f"collector's OTLP/HTTP traces endpoint, e.g. "
-                         f"http://localhost:4318/v1/traces), got {url!r}")
+        raise ValueError(
+            f"--otlp-traces-endpoint must be an http:// or https:// URL (the "
+            f"collector's OTLP/HTTP traces endpoint, e.g. "
+            f"http://localhost:4318/v1/traces), got {url!r}"
+        )
     missing = otel_missing()
     if missing is not None:
         raise ValueError(missing)
@@ -179,9 +184,11 @@ def span_attributes(trace: RequestTrace) -> dict[str, Any]:
     if trace.error_code is not None:
         attributes[a.PAGODA_ERROR_CODE] = trace.error_code
     phases = {p.name: p.end - p.start for p in request_phases(trace)}
-    for name, key in (("queue", a.GEN_AI_LATENCY_TIME_IN_QUEUE),
-                      ("prefill", a.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL),
-                      ("decode", a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE)):
+    for name, key in (
+        ("queue", a.GEN_AI_LATENCY_TIME_IN_QUEUE),
+        ("prefill", a.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL),
+        ("decode", a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE),
+    ):
         if name in phases:
             attributes[key] = phases[name]
     if "prefill" in phases:
@@ -200,8 +207,7 @@ class RequestTracer:
     """Turns ended requests into spans and hands them to `exporter` (batched, off the event
     loop; `batch=False` exports each span at once, for tests). Needs the `otel` extra."""
 
-    def __init__(self, exporter: SpanExporter, *, batch: bool = True,
-                 export_delay_ms: int = EXPORT_DELAY_MS) -> None:
+    def __init__(self, exporter: SpanExporter, *, batch: bool = True, export_delay_ms: int = EXPORT_DELAY_MS) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -209,13 +215,15 @@ class RequestTracer:
 
         self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
         self._provider.add_span_processor(
-            BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms) if batch
-            else SimpleSpanProcessor(exporter))
+            BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
+            if batch
+            else SimpleSpanProcessor(exporter)
+        )
         self._tracer = self._provider.get_tracer("pagoda.serve")
         self._propagator = TraceContextTextMapPropagator()
 
     @classmethod
-    def otlp(cls, endpoint: str) -> "RequestTracer":
+    def otlp(cls, endpoint: str) -> RequestTracer:
         """Spans sent as OTLP/HTTP protobuf to `endpoint` (a collector's /v1/traces)."""
         check_traces_endpoint(endpoint)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -226,9 +234,13 @@ class RequestTracer:
         from opentelemetry import trace as otel_trace
 
         parent = self._propagator.extract(carrier=trace.headers)
-        span = self._tracer.start_span(SPAN_NAME, context=parent, kind=otel_trace.SpanKind.SERVER,
-                                       attributes=span_attributes(trace),
-                                       start_time=_ns(trace.arrival_time))
+        span = self._tracer.start_span(
+            SPAN_NAME,
+            context=parent,
+            kind=otel_trace.SpanKind.SERVER,
+            attributes=span_attributes(trace),
+            start_time=_ns(trace.arrival_time),
+        )
         if trace.status >= 500:
             span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR))
         inside = otel_trace.set_span_in_context(span)

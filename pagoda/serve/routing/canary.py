@@ -25,17 +25,18 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagoda.engine.client import generate_outputs
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.observability.drift import compare_outputs, compare_tokenization
 from pagoda.serve.model_registry import ModelRegistry, ServedModel
 from pagoda.serve.models_file import CanarySpec
+from pagoda.serve.observability.drift import compare_outputs, compare_tokenization
 from pagoda.serve.observability.request_log import RequestLogRecord
 from pagoda.stats import percentile
 
@@ -61,12 +62,15 @@ class Outcome:
     itl_s: float | None
 
     @classmethod
-    def of(cls, record: RequestLogRecord, at: float) -> "Outcome":
+    def of(cls, record: RequestLogRecord, at: float) -> Outcome:
         itl = None
         if record.ttft_s is not None and record.e2e_s is not None and record.output_tokens > 1:
             itl = max(record.e2e_s - record.ttft_s, 0.0) / (record.output_tokens - 1)
-        blocked = (record.error_code == "content_filter" or "blocked_by" in record.extra
-                   or "content_filter" in (record.finish_reason or "").split(","))
+        blocked = (
+            record.error_code == "content_filter"
+            or "blocked_by" in record.extra
+            or "content_filter" in (record.finish_reason or "").split(",")
+        )
         return cls(at, record.status >= 500, blocked, record.ttft_s, itl)
 
 
@@ -79,8 +83,13 @@ class WindowStats:
     itl_p99: float | None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "error_rate": self.error_rate, "guardrail_block_rate": self.block_rate,
-                "ttft_p99_s": self.ttft_p99, "itl_p99_s": self.itl_p99}
+        return {
+            "requests": self.requests,
+            "error_rate": self.error_rate,
+            "guardrail_block_rate": self.block_rate,
+            "ttft_p99_s": self.ttft_p99,
+            "itl_p99_s": self.itl_p99,
+        }
 
 
 class LiveWindow:
@@ -99,9 +108,12 @@ class LiveWindow:
         outcomes = list(self._outcomes)
         n = len(outcomes)
         return WindowStats(
-            n, sum(o.error for o in outcomes) / n if n else None, sum(o.blocked for o in outcomes) / n if n else None,
+            n,
+            sum(o.error for o in outcomes) / n if n else None,
+            sum(o.blocked for o in outcomes) / n if n else None,
             percentile([o.ttft_s for o in outcomes if o.ttft_s is not None], 99),
-            percentile([o.itl_s for o in outcomes if o.itl_s is not None], 99))
+            percentile([o.itl_s for o in outcomes if o.itl_s is not None], 99),
+        )
 
 
 @dataclass(frozen=True)
@@ -168,17 +180,36 @@ class CanaryMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = {"stable": spec.stable, "candidate": spec.candidate}
         self._labels = labels
-        self._state = Gauge(PREFIX + "canary_state", "1 for the canary's current state (running, rolled_back, "
-                            "promoted).", [*labels, "state"], registry=self.registry)
-        self._requests = Counter(PREFIX + "canary_requests", "Requests the canary sent to its candidate.",
-                                 list(labels), registry=self.registry)
-        self._rollbacks = Counter(PREFIX + "canary_rollbacks", "Canary rollbacks, by the rule that broke "
-                                  "(manual: an admin's).", [*labels, "rule"], registry=self.registry)
-        self._promotions = Counter(PREFIX + "canary_promotions", "Canary promotions (by: clean_period or "
-                                   "manual).", [*labels, "by"], registry=self.registry)
-        self._shadows = Counter(PREFIX + "canary_shadow_replays", "Stable requests replayed to both models, "
-                                "by result (same, drift, failed, dropped).", [*labels, "result"],
-                                registry=self.registry)
+        self._state = Gauge(
+            PREFIX + "canary_state",
+            "1 for the canary's current state (running, rolled_back, promoted).",
+            [*labels, "state"],
+            registry=self.registry,
+        )
+        self._requests = Counter(
+            PREFIX + "canary_requests",
+            "Requests the canary sent to its candidate.",
+            list(labels),
+            registry=self.registry,
+        )
+        self._rollbacks = Counter(
+            PREFIX + "canary_rollbacks",
+            "Canary rollbacks, by the rule that broke (manual: an admin's).",
+            [*labels, "rule"],
+            registry=self.registry,
+        )
+        self._promotions = Counter(
+            PREFIX + "canary_promotions",
+            "Canary promotions (by: clean_period or manual).",
+            [*labels, "by"],
+            registry=self.registry,
+        )
+        self._shadows = Counter(
+            PREFIX + "canary_shadow_replays",
+            "Stable requests replayed to both models, by result (same, drift, failed, dropped).",
+            [*labels, "result"],
+            registry=self.registry,
+        )
 
     def state(self, state: str) -> None:
         for name in STATES:
@@ -217,8 +248,7 @@ class _Verdict:
 class CanaryController:
     """The canary's state, its choice per request, and the task that judges it."""
 
-    def __init__(self, spec: CanarySpec, registry: ModelRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, spec: CanarySpec, registry: ModelRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.stable = _model(registry, spec.stable)
         self.candidate = _model(registry, spec.candidate)
@@ -304,10 +334,14 @@ class CanaryController:
                 value = _shadow_value(rule, shadows)
             verdict.judged[rule] = value
             if value is not None and value > threshold:
-                evidence = "; ".join(e for s in shadows for e in s.evidence)[:500] if rule not in (
-                    "error_rate", "guardrail_block_rate", "ttft_p99_ratio", "itl_p99_ratio") else ""
-                verdict.broken.append((rule, f"{rule} = {value:.4g} > {threshold:g}"
-                                             + (f" ({evidence})" if evidence else "")))
+                evidence = (
+                    "; ".join(e for s in shadows for e in s.evidence)[:500]
+                    if rule not in ("error_rate", "guardrail_block_rate", "ttft_p99_ratio", "itl_p99_ratio")
+                    else ""
+                )
+                verdict.broken.append(
+                    (rule, f"{rule} = {value:.4g} > {threshold:g}" + (f" ({evidence})" if evidence else ""))
+                )
         return verdict
 
     def evaluate(self) -> None:
@@ -321,8 +355,11 @@ class CanaryController:
             return
         period = self.spec.promote_after_s
         now = self._clock()
-        if period is not None and now - self.started >= period and \
-                self._windows[self.candidate.name].stats(now).requests >= self.spec.min_requests:
+        if (
+            period is not None
+            and now - self.started >= period
+            and self._windows[self.candidate.name].stats(now).requests >= self.spec.min_requests
+        ):
             self.promote("clean_period", f"no rule broken for {period:g} s")
 
     def rollback(self, by: str, detail: str = "") -> None:
@@ -342,23 +379,40 @@ class CanaryController:
     def _event(self, action: str, by: str, detail: str) -> None:
         event = CanaryEvent(time.time(), action, by, detail)
         self.events.append(event)
-        logger.warning("canary %s", json.dumps({"event": f"canary_{action}", "stable": self.stable.name,
-                                                "candidate": self.candidate.name, "by": by, "detail": detail}))
+        logger.warning(
+            "canary %s",
+            json.dumps(
+                {
+                    "event": f"canary_{action}",
+                    "stable": self.stable.name,
+                    "candidate": self.candidate.name,
+                    "by": by,
+                    "detail": detail,
+                }
+            ),
+        )
 
     def status(self) -> dict[str, Any]:
         now = self._clock()
         verdict = self.verdict()
         spec = self.spec
         return {
-            "stable": self.stable.name, "candidate": self.candidate.name, "state": self.state,
-            "weight": spec.weight, "tenants": sorted(spec.tenants) if spec.tenants is not None else None,
+            "stable": self.stable.name,
+            "candidate": self.candidate.name,
+            "state": self.state,
+            "weight": spec.weight,
+            "tenants": sorted(spec.tenants) if spec.tenants is not None else None,
             "routes": sorted(spec.routes) if spec.routes is not None else None,
-            "running_s": now - self.started, "window_s": spec.window_s, "min_requests": spec.min_requests,
+            "running_s": now - self.started,
+            "window_s": spec.window_s,
+            "min_requests": spec.min_requests,
             "promote_after_s": spec.promote_after_s,
             "windows": {name: window.stats(now).as_dict() for name, window in self._windows.items()},
             "shadow": {"sample": spec.shadow.sample, "replayed": self._replays, "in_window": len(self._shadows)},
-            "rules": [{"rule": rule, "threshold": threshold, "value": verdict.judged.get(rule)}
-                      for rule, threshold in spec.rules],
+            "rules": [
+                {"rule": rule, "threshold": threshold, "value": verdict.judged.get(rule)}
+                for rule, threshold in spec.rules
+            ],
             "loaded": {model.name: model.llm.is_alive for model in (self.stable, self.candidate)},
             "events": [event.as_dict() for event in self.events],
         }
@@ -425,10 +479,13 @@ class CanaryController:
             final = output
         assert final is not None and final.outputs
         sample = final.outputs[0]
-        logprobs = [position[token].logprob if token in position else float("nan")
-                    for token, position in zip(sample.token_ids, sample.logprobs or [])]
-        greedy = _Greedy(sample.text, [tokenizer.decode_token(t) for t in sample.token_ids], logprobs,
-                         sample.finish_reason)
+        logprobs = [
+            position[token].logprob if token in position else float("nan")
+            for token, position in zip(sample.token_ids, sample.logprobs or [])
+        ]
+        greedy = _Greedy(
+            sample.text, [tokenizer.decode_token(t) for t in sample.token_ids], logprobs, sample.finish_reason
+        )
         return _Side(_Label(model.name), {case_id: tokens}, {case_id: greedy})
 
 
@@ -441,6 +498,7 @@ def _model(registry: ModelRegistry, name: str) -> ServedModel:
 
 def _shadow_value(rule: str, shadows: list[ShadowResult]) -> float | None:
     """A shadow rule's value over the window's replays."""
+
     def values(metric: str) -> list[float]:
         return [v for s in shadows if (v := s.metrics.get(metric)) is not None]
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -50,8 +51,13 @@ class Resolved:
 
 
 class ModelDispatcher:
-    def __init__(self, registry: ModelRegistry, metrics: RoutingMetrics,
-                 environ: Mapping[str, str] = os.environ, canary: CanaryController | None = None) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        metrics: RoutingMetrics,
+        environ: Mapping[str, str] = os.environ,
+        canary: CanaryController | None = None,
+    ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.canary = canary
@@ -63,9 +69,16 @@ class ModelDispatcher:
         resolved = self._resolve(name, tenant, RequestFacts(tenant.name))
         return resolved.model.context, name if resolved.keeps_name else resolved.model.name
 
-    async def generate(self, endpoint: GenerationEndpoint, path: str, raw: Request,
-                       body: SamplingFields, tenant: Tenant, *,
-                       handle: Callable[..., Awaitable[Response]] | None = None) -> Response:
+    async def generate(
+        self,
+        endpoint: GenerationEndpoint,
+        path: str,
+        raw: Request,
+        body: SamplingFields,
+        tenant: Tenant,
+        *,
+        handle: Callable[..., Awaitable[Response]] | None = None,
+    ) -> Response:
         """Answer a generation request (completions, chat, Messages, Responses), by its model or
         a fallback. `handle`: the endpoint's answer (default `endpoint.handle`), called as
         `handle(ctx, raw, body, tenant, route=..., await_first_token=...)`."""
@@ -74,12 +87,15 @@ class ModelDispatcher:
         facts = None
         if route is not None:
             facts = RequestFacts.of(tenant.name, body.model_dump(mode="json"), raw.headers)
-        resolved = await asyncio.to_thread(self._resolve, body.model, tenant, facts) \
-            if facts is not None and facts.prompt_text else self._resolve(body.model, tenant, facts)
-        chain: list[ServedModel | RemoteEndpoint] = [resolved.model,
-                                                     *self.registry.fallbacks(resolved.model, tenant)]
-        if self.canary is not None and (route is not None or not resolved.keeps_name
-                                        or body.model is None or body.model in resolved.model.names):
+        resolved = (
+            await asyncio.to_thread(self._resolve, body.model, tenant, facts)
+            if facts is not None and facts.prompt_text
+            else self._resolve(body.model, tenant, facts)
+        )
+        chain: list[ServedModel | RemoteEndpoint] = [resolved.model, *self.registry.fallbacks(resolved.model, tenant)]
+        if self.canary is not None and (
+            route is not None or not resolved.keeps_name or body.model is None or body.model in resolved.model.names
+        ):
             canary = self.canary
             canary.ensure_running()
             if canary.chooses_candidate(resolved.model, body.model, tenant.name):
@@ -103,8 +119,9 @@ class ModelDispatcher:
             label = resolved.label if position == 0 else f"fallback:{target.name}"
             request = body if position == 0 and resolved.keeps_name else body.model_copy(update={"model": target.name})
             try:
-                response = await handle(target.context, raw, request, tenant, route=label,
-                                        await_first_token=not is_last)
+                response = await handle(
+                    target.context, raw, request, tenant, route=label, await_first_token=not is_last
+                )
             except APIError as error:
                 if error.status != 503 or is_last:
                     if first_error is not None and error.status == 503:
@@ -129,8 +146,9 @@ class ModelDispatcher:
         if route is not None:
             match = first_match(route, facts or RequestFacts(tenant.name), self._count_tokens)
             if match is None:
-                raise bad_request(f"No rule of the route {name!r} matches this request.", param="model",
-                                  code="no_route_matched")
+                raise bad_request(
+                    f"No rule of the route {name!r} matches this request.", param="model", code="no_route_matched"
+                )
             model = registry.model(match.model)
             assert model is not None  # the registry checks every route's models
             if not registry.may_use(tenant, model.name):
@@ -150,19 +168,36 @@ class ModelDispatcher:
         assert served is not None
         return len(served.llm.tokenizer.encode(text, add_special_tokens=False))
 
-    async def _forward(self, remote: RemoteEndpoint, endpoint: str, path: str, body: SamplingFields,
-                       tenant: Tenant, label: str) -> Response:
+    async def _forward(
+        self, remote: RemoteEndpoint, endpoint: str, path: str, body: SamplingFields, tenant: Tenant, label: str
+    ) -> Response:
         """The remote's answer, relayed as it comes (ForwardFailed if it cannot give one)."""
         started = time.time()
-        payload: dict[str, Any] = {**body.model_dump(mode="json", by_alias=True, exclude_unset=True), "model": remote.model}
+        payload: dict[str, Any] = {
+            **body.model_dump(mode="json", by_alias=True, exclude_unset=True),
+            "model": remote.model,
+        }
         api_key = self._environ.get(remote.api_key_env) if remote.api_key_env else None
-        answer = await forward_json(remote.url + path.removeprefix("/v1"), payload, api_key=api_key,
-                                    connect_timeout=remote.connect_timeout,
-                                    first_byte_timeout=remote.first_byte_timeout)
+        answer = await forward_json(
+            remote.url + path.removeprefix("/v1"),
+            payload,
+            api_key=api_key,
+            connect_timeout=remote.connect_timeout,
+            first_byte_timeout=remote.first_byte_timeout,
+        )
         log = self.registry.primary.context.request_log
-        log.log(RequestLogRecord(request_id=new_request_id("remote"), endpoint=endpoint, tenant=tenant.name,
-                                 model=remote.model, status=answer.status, stream=bool(body.stream),
-                                 e2e_s=time.time() - started, extra={"route": label}))
+        log.log(
+            RequestLogRecord(
+                request_id=new_request_id("remote"),
+                endpoint=endpoint,
+                tenant=tenant.name,
+                model=remote.model,
+                status=answer.status,
+                stream=bool(body.stream),
+                e2e_s=time.time() - started,
+                extra={"route": label},
+            )
+        )
         headers = {ROUTE_HEADER: label}
         if body.stream:
             return StreamingResponse(answer.body(), media_type=answer.content_type, headers=headers)

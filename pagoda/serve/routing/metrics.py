@@ -3,7 +3,8 @@ Rendered with every model's own metrics by `merged_registry`, one family per nam
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
@@ -14,17 +15,28 @@ PREFIX = "pagoda:"
 class RoutingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self._decisions = Counter(PREFIX + "model_route_decisions", "Requests a route sent to a model, "
-                                  "by the rule that matched (its index in the route).",
-                                  ["route", "model_name", "rule"], registry=self.registry)
-        self._fallbacks = Counter(PREFIX + "model_fallbacks", "Requests answered by a fallback instead "
-                                  "of the model they were for, by why (no_live_replica, overloaded, "
-                                  "failed_before_first_token).", ["model_name", "fallback", "reason"],
-                                  registry=self.registry)
-        self._remote_skips = Counter(PREFIX + "remote_fallback_skipped", "Remote fallbacks that could not "
-                                     "answer and were skipped, by why (connect_timeout, connect_error, "
-                                     "first_byte_timeout, read_error, status_NNN).", ["endpoint", "reason"],
-                                     registry=self.registry)
+        self._decisions = Counter(
+            PREFIX + "model_route_decisions",
+            "Requests a route sent to a model, by the rule that matched (its index in the route).",
+            ["route", "model_name", "rule"],
+            registry=self.registry,
+        )
+        self._fallbacks = Counter(
+            PREFIX + "model_fallbacks",
+            "Requests answered by a fallback instead "
+            "of the model they were for, by why (no_live_replica, overloaded, "
+            "failed_before_first_token).",
+            ["model_name", "fallback", "reason"],
+            registry=self.registry,
+        )
+        self._remote_skips = Counter(
+            PREFIX + "remote_fallback_skipped",
+            "Remote fallbacks that could not "
+            "answer and were skipped, by why (connect_timeout, connect_error, "
+            "first_byte_timeout, read_error, status_NNN).",
+            ["endpoint", "reason"],
+            registry=self.registry,
+        )
 
     def record_decision(self, route: str, model: str, rule_index: int) -> None:
         self._decisions.labels(route, model, str(rule_index)).inc()

@@ -8,8 +8,9 @@ tokens (counted with the tokenizer of the model the rule sends to).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagoda.serve.models_file import Route, RouteRule
 
@@ -28,7 +29,7 @@ class RequestFacts:
     prompt_token_ids: int = 0  # tokens the client sent as ids
 
     @classmethod
-    def of(cls, tenant: str, body: dict[str, Any], headers: Any) -> "RequestFacts":
+    def of(cls, tenant: str, body: dict[str, Any], headers: Any) -> RequestFacts:
         metadata = body.get("metadata")
         if not isinstance(metadata, dict):
             metadata = {}
@@ -47,12 +48,16 @@ class RequestFacts:
             if isinstance(content, str):
                 texts.append(content)
             elif isinstance(content, list):
-                texts.extend(part["text"] for part in content
-                             if isinstance(part, dict) and isinstance(part.get("text"), str))
-        return cls(tenant=tenant,
-                   task=_text(metadata.get("task")) or _text(headers.get(TASK_HEADER)),
-                   request_class=_text(metadata.get("class")) or _text(headers.get(CLASS_HEADER)),
-                   prompt_text="\n".join(texts), prompt_token_ids=ids)
+                texts.extend(
+                    part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+                )
+        return cls(
+            tenant=tenant,
+            task=_text(metadata.get("task")) or _text(headers.get(TASK_HEADER)),
+            request_class=_text(metadata.get("class")) or _text(headers.get(CLASS_HEADER)),
+            prompt_text="\n".join(texts),
+            prompt_token_ids=ids,
+        )
 
 
 def _text(value: Any) -> str | None:
@@ -69,8 +74,7 @@ class RouteMatch:
     rule_line: int
 
 
-def first_match(route: Route, facts: RequestFacts,
-                count_tokens: Callable[[str, str], int]) -> RouteMatch | None:
+def first_match(route: Route, facts: RequestFacts, count_tokens: Callable[[str, str], int]) -> RouteMatch | None:
     """The first rule of `route` that `facts` satisfy; `count_tokens(model, text)` counts a
     prompt's tokens as `model` would (asked only by rules on length)."""
     for index, rule in enumerate(route.rules):

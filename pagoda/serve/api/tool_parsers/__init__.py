@@ -17,8 +17,13 @@ PARSERS = get_args(ToolCallParserName)  # --tool-call-parser
 
 # Each --tool-call-parser name's parser (tests/serve/test_tool_calls.py: the names are PARSERS).
 PARSER_CLASSES: dict[str, type[ToolCallParser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-    "qwen3_coder": Qwen3CoderParser, "pythonic": PythonicParser, "deepseek_v3": DeepSeekV3Parser}
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "pythonic": PythonicParser,
+    "deepseek_v3": DeepSeekV3Parser,
+}
 
 
 def get_parser(name: str, tools: ToolSchemas | None = None) -> ToolCallParser:
@@ -29,5 +34,4 @@ def get_parser(name: str, tools: ToolSchemas | None = None) -> ToolCallParser:
     return PARSER_CLASSES[name](tools)
 
 
-__all__ = ["PARSERS", "PARSER_CLASSES", "ParsedOutput", "ToolCall", "ToolCallParser", "ToolSchemas",
-           "get_parser"]
+__all__ = ["PARSERS", "PARSER_CLASSES", "ParsedOutput", "ToolCall", "ToolCallParser", "ToolSchemas", "get_parser"]

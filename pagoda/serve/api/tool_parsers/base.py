@@ -45,7 +45,7 @@ class ToolCallParser:
         """Every text that may begin a call (streaming holds content back from the first)."""
         return (self.start_marker,)
 
-    def __init__(self, tools: "ToolSchemas | None" = None) -> None:
+    def __init__(self, tools: ToolSchemas | None = None) -> None:
         self.tools = tools  # the request's functions, for formats whose values need the schema
 
     def parse(self, text: str) -> ParsedOutput:
@@ -93,7 +93,6 @@ class ToolCallParser:
         return StructuredOutputsParams(structural_tag=spec)
 
 
-
 @dataclass(frozen=True)
 class ToolSchemas:
     """The callable functions' parameter schemas, by name, and the JSON of a call to them."""
@@ -105,9 +104,15 @@ class ToolSchemas:
         return list(self.parameters)
 
     def call_schema(self, arguments_key: str) -> dict[str, Any]:
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-                  "properties": {"name": {"const": name}, arguments_key: schema}}
-                 for name, schema in self.parameters.items()]
+        calls = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", arguments_key],
+                "properties": {"name": {"const": name}, arguments_key: schema},
+            }
+            for name, schema in self.parameters.items()
+        ]
         return dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
 
     def call_json(self, arguments_key: str) -> str:
@@ -120,7 +125,6 @@ class ToolSchemas:
 
 def lark_string(text: str) -> str:
     return json.dumps(text)  # JSON string escapes are Lark string escapes
-
 
 
 def split_json_sequence(text: str, separator: str) -> list[str]:

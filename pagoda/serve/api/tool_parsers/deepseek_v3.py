@@ -23,8 +23,11 @@ class DeepSeekV3Parser(ToolCallParser):
     name = "deepseek_v3"
     start_marker = CALLS_BEGIN
     keeps_special_tokens = True
-    _call = re.compile(re.escape(CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(SEPARATOR) + r"(?P<name>.*?)\n```json\n"
-                       r"(?P<arguments>.*?)\n```" + re.escape(CALL_END), re.DOTALL)
+    _call = re.compile(
+        re.escape(CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(SEPARATOR) + r"(?P<name>.*?)\n```json\n"
+        r"(?P<arguments>.*?)\n```" + re.escape(CALL_END),
+        re.DOTALL,
+    )
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(CALLS_BEGIN)
@@ -36,10 +39,18 @@ class DeepSeekV3Parser(ToolCallParser):
         return ParsedOutput(text[:start].strip() or None, calls)
 
     def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str | list[str]]]:
-        functions = " | ".join(f'{lark_string(name + chr(10) + "```json" + chr(10))} {tools.arguments_json(name)}'
-                               for name in tools.names)
-        call = f'{lark_string(CALL_BEGIN)} "function" {lark_string(SEPARATOR)} ({functions}) ' \
-               f'{lark_string(chr(10) + "```")} {lark_string(CALL_END)}'
+        functions = " | ".join(
+            f"{lark_string(name + chr(10) + '```json' + chr(10))} {tools.arguments_json(name)}" for name in tools.names
+        )
+        call = (
+            f'{lark_string(CALL_BEGIN)} "function" {lark_string(SEPARATOR)} ({functions}) '
+            f"{lark_string(chr(10) + '```')} {lark_string(CALL_END)}"
+        )
         more = f' ("\\n" {call})*' if parallel else ""
-        return [{"trigger": CALLS_BEGIN, "body": f"{call}{more} {lark_string(CALLS_END)}",
-                 "tokens": [CALL_BEGIN, SEPARATOR, CALL_END, CALLS_END]}]
+        return [
+            {
+                "trigger": CALLS_BEGIN,
+                "body": f"{call}{more} {lark_string(CALLS_END)}",
+                "tokens": [CALL_BEGIN, SEPARATOR, CALL_END, CALLS_END],
+            }
+        ]

@@ -50,7 +50,7 @@ class HermesParser(ToolCallParser):
             end = text.find(self.end_marker, position)
             if end < 0:
                 break
-            parsed = self.parse(text[position:end + len(self.end_marker)])
+            parsed = self.parse(text[position : end + len(self.end_marker)])
             if len(parsed.tool_calls) != 1 or parsed.content:
                 break
             calls.extend(parsed.tool_calls)
@@ -79,7 +79,7 @@ class HermesParser(ToolCallParser):
             if complete is None:  # still generating: everything after the head so far
                 head = self._head.match(segment)
                 assert head is not None, "_raw_call found a call, so its head matched"
-                complete = segment[head.end():]
+                complete = segment[head.end() :]
             calls.append((name, complete))
         return calls
 
@@ -101,7 +101,7 @@ class HermesParser(ToolCallParser):
         except json.JSONDecodeError:  # the arguments are still being generated
             return name, None, False
         closes = segment[end:].strip() == "}"
-        return name, segment[head.end():end], closes
+        return name, segment[head.end() : end], closes
 
     def auto_placement(self, parallel: bool) -> str:
         return "anywhere" if parallel else "final"

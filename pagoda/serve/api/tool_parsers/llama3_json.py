@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
-from pagoda.serve.api.tool_parsers.base import (ParsedOutput, ToolCallParser, ToolSchemas, lark_string,
-                                                split_json_sequence)
+from pagoda.serve.api.tool_parsers.base import (
+    ParsedOutput,
+    ToolCallParser,
+    ToolSchemas,
+    lark_string,
+    split_json_sequence,
+)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -19,7 +24,7 @@ class Llama3JsonParser(ToolCallParser):
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
         if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):]
+            body = body[len("<|python_tag|>") :]
         if not body.startswith("{"):
             return ParsedOutput(text, [])
         objects = []
@@ -38,7 +43,12 @@ class Llama3JsonParser(ToolCallParser):
         call = tools.call_json(self.arguments_key)
         more = f' ("; " {call})*' if parallel else ""
         # After a bare `{` (already written when the trigger fires): the rest of the first call.
-        rest = " | ".join(f'{lark_string(json.dumps(name) + ", " + json.dumps(self.arguments_key) + ": ")} '
-                          f'{tools.arguments_json(name)}' for name in tools.names)
-        return [{"trigger": "<|python_tag|>", "body": call + more},
-                {"trigger": "{", "body": f'{lark_string(json.dumps("name") + ": ")} ({rest}) "}}"{more}'}]
+        rest = " | ".join(
+            f"{lark_string(json.dumps(name) + ', ' + json.dumps(self.arguments_key) + ': ')} "
+            f"{tools.arguments_json(name)}"
+            for name in tools.names
+        )
+        return [
+            {"trigger": "<|python_tag|>", "body": call + more},
+            {"trigger": "{", "body": f'{lark_string(json.dumps("name") + ": ")} ({rest}) "}}"{more}'},
+        ]

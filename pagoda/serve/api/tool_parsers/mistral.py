@@ -18,7 +18,7 @@ class MistralParser(ToolCallParser):
         if start < 0:
             return ParsedOutput(text, [])
         try:
-            objects = json.loads(text[start + len(self.start_marker):].strip())
+            objects = json.loads(text[start + len(self.start_marker) :].strip())
         except json.JSONDecodeError:
             return ParsedOutput(text, [])
         calls = self._calls(objects if isinstance(objects, list) else [objects])
@@ -27,8 +27,12 @@ class MistralParser(ToolCallParser):
         return ParsedOutput(text[:start].strip() or None, calls)
 
     def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        array = {"type": "array", "items": tools.call_schema(self.arguments_key), "minItems": 1,
-                 "x-guidance": JSON_OPTIONS}
+        array = {
+            "type": "array",
+            "items": tools.call_schema(self.arguments_key),
+            "minItems": 1,
+            "x-guidance": JSON_OPTIONS,
+        }
         if not parallel:
             array["maxItems"] = 1
         return [{"trigger": self.start_marker, "body": f"%json {json.dumps(array)}"}]

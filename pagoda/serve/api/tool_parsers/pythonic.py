@@ -27,7 +27,7 @@ class PythonicParser(ToolCallParser):
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
         if body.startswith(_OPEN):
-            body = body[len(_OPEN):].removesuffix(_CLOSE).strip()
+            body = body[len(_OPEN) :].removesuffix(_CLOSE).strip()
         if not (body.startswith("[") and body.endswith("]")):
             return ParsedOutput(text, [])
         try:
@@ -52,8 +52,13 @@ class PythonicParser(ToolCallParser):
         return "start"  # as vLLM's parser: the list is the whole output
 
     def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        call = "(" + " | ".join(f'{lark_string(name + "(")} {_arguments_lark(schema)} ")"'
-                                for name, schema in tools.parameters.items()) + ")"
+        call = (
+            "("
+            + " | ".join(
+                f'{lark_string(name + "(")} {_arguments_lark(schema)} ")"' for name, schema in tools.parameters.items()
+            )
+            + ")"
+        )
         more = f' (", " {call})*' if parallel else ""
         return [{"trigger": "[", "body": f'{call}{more} "]"'}]
 
@@ -70,8 +75,12 @@ def _literal(node: ast.expr) -> Any:
         if not all(isinstance(key, str) for key in keys):
             raise ValueError("dict keys must be strings")
         return dict(zip(keys, (_literal(value) for value in node.values)))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
-            and isinstance(node.operand.value, (int, float)):
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and isinstance(node.operand.value, (int, float))
+    ):
         return -node.operand.value
     raise ValueError("not a literal")
 
@@ -83,12 +92,11 @@ def _arguments_lark(schema: dict[str, Any]) -> str:
     if not isinstance(properties, dict) or not properties:
         return '""'
     required = set(schema.get("required") or ())
-    items = [(f'{lark_string(key + "=")} {_value_lark(value)}', key in required)
-             for key, value in properties.items()]
+    items = [(f"{lark_string(key + '=')} {_value_lark(value)}", key in required) for key, value in properties.items()]
     tail = lambda rest: " ".join(f'(", " {item})' + ("" if needed else "?") for item, needed in rest)  # noqa: E731
     choices = []
     for first, (item, needed) in enumerate(items):
-        choices.append(f"{item} {tail(items[first + 1:])}".strip())
+        choices.append(f"{item} {tail(items[first + 1 :])}".strip())
         if needed:
             break
     else:

@@ -101,12 +101,13 @@ class Qwen3CoderParser(ToolCallParser):
         return "anywhere" if parallel else "final"
 
     def segments(self, tools: ToolSchemas, parallel: bool, repeat: bool) -> list[dict[str, str]]:
-        functions = " | ".join(f'{lark_string(f"<function={name}>" + chr(10))} {_parameters_lark(schema)}'
-                               for name, schema in tools.parameters.items())
+        functions = " | ".join(
+            f"{lark_string(f'<function={name}>' + chr(10))} {_parameters_lark(schema)}"
+            for name, schema in tools.parameters.items()
+        )
         call = f'"\\n" ({functions}) "</function>\\n</tool_call>"'
         more = f' ("\\n<tool_call>" {call})*' if parallel and repeat else ""
         return [{"trigger": self.start_marker, "body": call + more}]
-
 
 
 def _type_name(schema: Any) -> str:
@@ -126,7 +127,7 @@ def _parameters_lark(schema: dict[str, Any]) -> str:
     required = set(schema.get("required") or ())
     items = []
     for key, value_schema in properties.items():
-        item = f'{lark_string(f"<parameter={key}>" + chr(10))} {_value_lark(value_schema)}'
+        item = f"{lark_string(f'<parameter={key}>' + chr(10))} {_value_lark(value_schema)}"
         items.append(f"({item})" if key in required else f"({item})?")
     return " ".join(items)
 
