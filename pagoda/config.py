@@ -139,7 +139,8 @@ class ModelLoadConfig:
     dtype: DType = field(
         default="auto",
         metadata={
-            "help": "weight and activation dtype; auto = float32 on CPU, the config's dtype (bfloat16 if float32) on GPU"
+            "help": "weight and activation dtype; auto = float32 on CPU, the config's dtype "
+            "(bfloat16 if float32) on GPU"
         },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})

@@ -767,7 +767,10 @@ def fmt_count(n: int) -> str:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -798,7 +801,8 @@ def render_plan(plan: Plan) -> str:
         f"parameters       {plan.params:,} ({fmt_count(plan.params)}, from {plan.params_source})",
         *(
             [
-                f"active per token {plan.active_params:,} ({fmt_count(plan.active_params)}: {s['experts_per_token']} of "
+                f"active per token {plan.active_params:,} ({fmt_count(plan.active_params)}: "
+                f"{s['experts_per_token']} of "
                 f"{s['num_experts']} experts in {s['num_moe_layers']} MoE layers; the weights hold them all)"
             ]
             if s.get("num_experts")

@@ -5,7 +5,8 @@ the command's flags and sets `func` to the function that runs it. Adding a comma
 module plus one line in `COMMANDS`.
 
 Only argument parsing lives here: a command turns its flags into the dataclass its domain
-module takes (EngineConfig, DeploymentConfig, ServerSettings, the bench options, PlanOptions, PerplexityOptions, RunBatchOptions) and calls it. Command
+module takes (EngineConfig, DeploymentConfig, ServerSettings, the bench options, PlanOptions, PerplexityOptions,
+RunBatchOptions) and calls it. Command
 modules import heavy packages (torch, fastapi, transformers) inside their run functions so that
 `pagoda --help` and `pagoda COMMAND --help` stay fast (tests/cli/test_cli_startup.py).
 """

@@ -2,7 +2,8 @@
 
 There are no prefill or decode steps: each step hands each request some of the tokens it is
 behind on. `max_num_seqs` counts sequences, not requests: a request's samples still to be forked
-(`n > 1`) hold their slots from the moment it is admitted, so forking never overshoots it. A long prompt is cut into chunks (chunked prefill); when KV blocks run out, the
+(`n > 1`) hold their slots from the moment it is admitted, so forking never overshoots it. A long prompt is cut into
+chunks (chunked prefill); when KV blocks run out, the
 lowest-ranked running request is preempted: its blocks freed and recomputed later, or, with a
 host tier and --preemption-mode swap/auto, copied out and back (kv_cache.swap_out/swap_in).
 

@@ -24,7 +24,8 @@ promise.
 The measured steps are cached in a small JSON file (`calibration_cache_path()`:
 $XDG_CACHE_HOME/pagoda/max_num_seqs.json, else ~/.cache/pagoda/...), keyed by the machine (CPU
 model, cores, torch version, accelerator, torch threads), the model's fingerprint (dtype and
-quantization included), the native kernels and the settings that change a step; the next start with the same key reuses them, so two starts give the same value. Deleting
+quantization included), the native kernels and the settings that change a step; the next start with the same key
+reuses them, so two starts give the same value. Deleting
 the file recalibrates; a damaged file is ignored (one log line) and rewritten. The result never
 exceeds 256. An explicit --max-num-seqs always wins and skips calibration and cache.
 """

@@ -7,9 +7,9 @@ list may mix all four shapes. Anything else is refused with a message listing th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
-PromptInput = Union[str, list[int], Mapping[str, Any]]
+PromptInput = str | list[int] | Mapping[str, Any]
 
 ACCEPTED_SHAPES = 'a string, a list of token ids, {"prompt": str}, {"prompt_token_ids": [int, ...]}, or a list of these'
 

@@ -5,7 +5,8 @@ The engine core's process is stage 0 (the embedding and the first layers), like 
 parallelism's rank 0. With tensor parallelism inside the stages (P x T ranks, rank = stage x T +
 rank in the stage), each stage's rank 0 leads it: the chain runs between the leads, a lead
 shares what it receives with its stage's ranks, and they run the layers as one tensor-parallel
-group (stage 0's other ranks get the step from the engine core). For each step its model runner sends the flattened batch to stage 1 just
+group (stage 0's other ranks get the step from the engine core). For each step its model runner sends the flattened
+batch to stage 1 just
 before its own forward (every stage needs the positions and the attention layout), runs its
 layers and sends its hidden states after it (`hand_on`). Each stage receives both from the
 stage before, passes the batch on, runs its layers and sends its hidden states on; the last
@@ -117,7 +118,7 @@ class PipelineExecutor(TensorParallelExecutor):
         for stage in self.stages[1:]:
             reply = torch.zeros(1, dtype=torch.float64)
             lead = stage.index * self.stage_ranks
-            self._guard(lambda: self.groups.control.recv([reply], lead, BUSY_TAG).wait())
+            self._guard(lambda reply=reply, lead=lead: self.groups.control.recv([reply], lead, BUSY_TAG).wait())
             busy.append(float(reply.item()))
         return busy
 

@@ -1,7 +1,8 @@
 """The `mp` backend: tensor-parallel ranks 1..N-1 as local child processes.
 
 Started with subprocess (a fresh interpreter running this module, the WorkerSpec on its stdin
-as one length-prefixed msgpack message, pagoda.executor.channel: never a pickle) rather than multiprocessing: the engine core often runs in a daemonic process
+as one length-prefixed msgpack message, pagoda.executor.channel: never a pickle) rather than multiprocessing: the
+engine core often runs in a daemonic process
 (pagoda serve's engine process), and multiprocessing forbids daemonic processes children.
 
 A worker ignores SIGINT/SIGTERM like the engine process (a terminal's Ctrl-C reaches the whole

@@ -347,8 +347,9 @@ def startup_banner(
             f"  model      {settings.served_model_name} ({config.model})",
             f"  device     {device.type}, {dtype}, engine in a {llm.transport}"
             + (
-                f", {' + '.join(f'{n} {role}' for role, n in (parse_replica_roles(deployment.replica_roles) or {}).items())}"
-                f" replicas ({deployment.router} router, "
+                ", "
+                + " + ".join(f"{n} {role}" for role, n in (parse_replica_roles(deployment.replica_roles) or {}).items())
+                + f" replicas ({deployment.router} router, "
                 f"KV handoff over {config.kv_transport})"
                 if deployment.replica_roles
                 else f", {deployment.num_replicas} replicas ({deployment.router} router)"
@@ -359,7 +360,8 @@ def startup_banner(
             f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
             f"  max seqs   {max_num_seqs_line(llm)}",
             f"  features   {', '.join(features) or 'none'}",
-            f"  listening  http://{settings.host}:{settings.port}/v1 (shutdown drains for {settings.shutdown_timeout:g} s)",
+            f"  listening  http://{settings.host}:{settings.port}/v1 "
+            f"(shutdown drains for {settings.shutdown_timeout:g} s)",
         ]
     )
 

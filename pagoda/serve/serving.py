@@ -373,7 +373,7 @@ class Generation:
                 try:
                     delta = stream.poll()
                 except EngineDeadError:
-                    raise engine_unavailable("The engine stopped while serving the request.")
+                    raise engine_unavailable("The engine stopped while serving the request.") from None
                 if delta is None:
                     continue
                 got_any = True

@@ -15,12 +15,12 @@ from pagoda.dataclass_flags import add_flags, check_choices, from_flags
 from pagoda.serve.admission.latency_targets import LatencyTargets
 from pagoda.serve.admission.request_limits import RequestLimits
 from pagoda.serve.admission.tenants import TenantRegistry
+from pagoda.serve.api.chat_template import load_chat_template
 from pagoda.serve.observability.prompt_log import check_sample_rate, parse_duration
 from pagoda.serve.observability.tracing import check_traces_endpoint
 
 # uvicorn's two HTTP/1.1 protocol implementations, or whichever is installed (httptools first).
 HttpParser = Literal["auto", "httptools", "h11"]
-from pagoda.serve.api.chat_template import load_chat_template
 
 if TYPE_CHECKING:
     from pagoda.guard import GuardrailsConfig

@@ -346,7 +346,7 @@ class ModelRunner(PagedModel):
     ) -> None:
         offsets = []
         offset = 0
-        for kind, request, extent in owners:
+        for kind, _request, extent in owners:
             count = len(extent) if kind == "prompt" else extent
             offsets.append(offset)
             offset += count

@@ -124,4 +124,4 @@ def test_every_message_round_trips(message) -> None:
 
 def test_the_core_takes_token_ids_only() -> None:
     with pytest.raises(ValueError, match="tokenize the prompt first"):
-        EngineRequest("r", "text", SamplingParams()).prompt_token_ids
+        _ = EngineRequest("r", "text", SamplingParams()).prompt_token_ids

@@ -1,7 +1,8 @@
 """The KV handoff channel is authenticated and never unpickles: a crafted pickle (whose
 __reduce__ would create a marker file) sent to a decode engine's listener runs nothing and is
 refused, counted and logged; so is a handoff signed with another deployment's secret, in either
-direction (a reply signed for another connection); the listener binds to loopback unless a multi-node setting asks otherwise."""
+direction (a reply signed for another connection); the listener binds to loopback unless a multi-node setting asks
+otherwise."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pagoda.sampling_params import SamplingParams
 ray = pytest.importorskip("ray", reason="Ray is optional (pip install 'pagoda[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from pagoda.engine.engine_request import EngineRequest
+from pagoda.engine.engine_request import EngineRequest  # noqa: E402
 
 pytestmark = pytest.mark.ray
 REPO_ROOT = Path(__file__).resolve().parents[2]

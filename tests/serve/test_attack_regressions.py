@@ -69,7 +69,8 @@ def test_a_grammar_that_cannot_be_honoured_is_a_400_naming_its_field_and_stays_o
 
 @pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
 def test_an_infinite_sampling_value_is_refused(server: LiveServer, name: str) -> None:
-    body = ('{"model": "%s", "prompt": "hello", "max_tokens": 1, "%s": 1e400}' % (MODEL_NAME, name)).encode()
+    # Raw text: json.dumps cannot write 1e400 (Python reads it as infinity).
+    body = f'{{"model": "{MODEL_NAME}", "prompt": "hello", "max_tokens": 1, "{name}": 1e400}}'.encode()
     response = httpx.post(
         server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
     )
@@ -79,7 +80,8 @@ def test_an_infinite_sampling_value_is_refused(server: LiveServer, name: str) ->
 
 def test_json_nested_too_deeply_says_so(server: LiveServer) -> None:
     depth = 300
-    body = '{"model": "%s", "prompt": "hi", "max_tokens": 1, "user": %s}' % (MODEL_NAME, "[" * depth + "]" * depth)
+    nested = "[" * depth + "]" * depth
+    body = f'{{"model": "{MODEL_NAME}", "prompt": "hi", "max_tokens": 1, "user": {nested}}}'
     response = httpx.post(
         server.url + "/v1/completions", content=body.encode(), headers={"content-type": "application/json"}, timeout=60
     )

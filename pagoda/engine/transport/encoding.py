@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -144,7 +144,7 @@ class Dead(msgspec.Struct, tag="dead", forbid_unknown_fields=True):
     reason: str
 
 
-FromEngine = Union[Ready, Failed, Batch, Dead]
+FromEngine = Ready | Failed | Batch | Dead
 # Errors in EngineStepOutput.refused travel as their kind and fields; these are the kinds.
 _ERRORS: dict[str, type[BaseException]] = {"InvalidRequest": InvalidRequest, "RuntimeError": RuntimeError}
 

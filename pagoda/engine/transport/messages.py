@@ -5,7 +5,7 @@ lets Ray serialize them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.roles import HandoffTarget
@@ -67,4 +67,4 @@ class EngineCommand:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-ToEngine = Union[AddRequest, AbortRequests, UpdateLoRA, PrefillLocally, Wake, Shutdown, EngineCommand]
+ToEngine = AddRequest | AbortRequests | UpdateLoRA | PrefillLocally | Wake | Shutdown | EngineCommand

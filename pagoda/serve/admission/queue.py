@@ -8,7 +8,8 @@ even into an empty queue gets a 400 naming the limit and what it allows. The tok
 never below the context length, so one prompt of any valid length always fits.
 
 Admission is two steps so that refusals come before the costly work (and while the queue is
-full, `refusal_of_any` lets the server refuse before it even reads the body: fast_refusal.py): `reserve` decides from the
+full, `refusal_of_any` lets the server refuse before it even reads the body: fast_refusal.py): `reserve` decides from
+the
 body alone (sequence count, latency targets, a queue already full of tokens) before anything is
 tokenized; `charge_tokens` adds the prompt tokens once they are known. With latency targets
 (latency_targets.py), requests are also refused while the admitted ones miss them, whatever
@@ -102,7 +103,8 @@ class AdmissionController:
     def refusal_of_any(self) -> APIError | None:
         """The 503 `reserve` answers now to any request, whatever its size (the queue holds its
         limit of sequences or of tokens, counting the requests still arriving as one sequence
-        each for at most ARRIVAL_WINDOW_S), or None when that depends on the request. Reads counters and changes nothing: the
+        each for at most ARRIVAL_WINDOW_S), or None when that depends on the request. Reads counters and changes
+        nothing: the
         server asks it before a request's body is read. Counting the arriving matters in a burst:
         every request of it passes this check before the first one reaches `reserve`."""
         limit = self.max_queued_requests

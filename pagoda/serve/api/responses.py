@@ -564,7 +564,7 @@ class ResponsesEndpoint(ChatEndpoint):
                 ctx, raw, chat_request, tenant, route=route, await_first_token=await_first_token
             )
         except APIError as exc:
-            raise _in_responses_terms(exc)
+            raise _in_responses_terms(exc) from None
         if isinstance(generation, Response):
             return generation
         tools = tool_plan(ctx, chat_request)

@@ -5,7 +5,8 @@ chat messages the template renders: earlier instructions are not carried over, a
 does) and the response body. The store is bounded twice: by count and by age (an entry older
 than the TTL is gone whatever the count). When the count is reached, the tenant holding the most
 entries loses its oldest: one tenant's flood of requests evicts its own responses, never those of
-a tenant holding fewer (each tenant's share is at least the store's size over the tenants using it). It lives in the front's memory,
+a tenant holding fewer (each tenant's share is at least the store's size over the tenants using it). It lives in the
+front's memory,
 so a restart forgets it. A response of another tenant is answered exactly as an unknown one (a
 404), so ids reveal nothing across tenants.
 """

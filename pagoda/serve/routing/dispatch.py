@@ -125,7 +125,7 @@ class ModelDispatcher:
             except APIError as error:
                 if error.status != 503 or is_last:
                     if first_error is not None and error.status == 503:
-                        raise first_error
+                        raise first_error from None
                     raise
                 first_error = first_error or error
                 continue
