@@ -119,7 +119,7 @@ class Experts(nn.ModuleDict):
             return self[str(expert)](x)
         local = expert - self.placement.experts.start
         module = self[str(expert)]
-        # Stacked together at `finalize`, where the experts have biases.
+        # Stacked beside the weights where the experts have biases.
         gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[local]
         down_bias = None if self.down_bias is None else self.down_bias[local]
         gate_up = F.linear(x, self.gate_up_weight[local], gate_up_bias)
