@@ -22,17 +22,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
 from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import (INT4_GROUP_SIZES, FullWeight, GGUFBlockWeight, Int4Weight, Int8Weight,
                                          WeightFormat, kernel_dtype, pack_int4_nibbles)
 
-Product = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+class LinearLayer(Protocol):
+    """What a product reads of its layer (pagoda.model.layers.Linear) by name; the storage its
+    weight format registered (`weight`, `qweight`, `scales`, ...) it reads with `_read`."""
+
+    weight_format: WeightFormat
+    out_features: int
+
+
+Product = Callable[[LinearLayer, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class TorchLinear:
@@ -44,15 +53,15 @@ class TorchLinear:
         self.products: dict[type[WeightFormat], Product] = {
             FullWeight: self.full, Int8Weight: self.int8, Int4Weight: self.int4}
 
-    def __call__(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] through `layer.weight_format`'s product."""
         return self.products[type(layer.weight_format)](layer, x, bias)
 
-    def full(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def full(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)
         if packed is None:
-            return F.linear(x, layer.weight, bias)
-        flat = x.reshape(-1, x.shape[-1]).to(layer.weight_dtype).contiguous()
+            return F.linear(x, _read(layer, "weight", torch.Tensor), bias)
+        flat = x.reshape(-1, x.shape[-1]).to(_read(layer, "weight_dtype", torch.dtype)).contiguous()
         single_row = getattr(layer, "single_row_weight", None)
         if single_row is not None and flat.shape[0] == 1:
             out = F.linear(flat, single_row, bias)
@@ -62,10 +71,11 @@ class TorchLinear:
             out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def int8(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def int8(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(layer.scales.dtype)
-        out = self.int8_matmul(flat, layer.qweight, layer.scales)
+        scales = _read(layer, "scales", torch.Tensor)
+        flat = x.reshape(-1, shape[-1]).to(scales.dtype)
+        out = self.int8_matmul(flat, _read(layer, "qweight", torch.Tensor), scales)
         out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -74,10 +84,15 @@ class TorchLinear:
             flat = F.pad(flat, (0, qweight.shape[1] - flat.shape[1]))
         return torch.ops.aten._weight_int8pack_mm(flat, qweight, scales)
 
-    def int4(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def int4(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(layer.scales_and_zeros.dtype)
-        out = self.int4_matmul(flat, layer.qweight, layer.scales_and_zeros, layer.weight_format.group_size)
+        scales_and_zeros = _read(layer, "scales_and_zeros", torch.Tensor)
+        weight_format = layer.weight_format
+        assert isinstance(weight_format, Int4Weight) and weight_format.group_size is not None, \
+            "an int4 layer's format holds its group size (`Int4Weight.for_layer`)"
+        flat = x.reshape(-1, shape[-1]).to(scales_and_zeros.dtype)
+        out = self.int4_matmul(flat, _read(layer, "qweight", torch.Tensor), scales_and_zeros,
+                               weight_format.group_size)
         out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -127,7 +142,7 @@ class NativeLinear(TorchLinear):
         self.native = native
         self.products[GGUFBlockWeight] = self.gguf_blocks
 
-    def full(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def full(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = getattr(layer, "native_weight", None)
         if weight is None:
             return super().full(layer, x, bias)
@@ -138,25 +153,27 @@ class NativeLinear(TorchLinear):
         out = product(flat, weight, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def int8(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def int8(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scales = getattr(layer, "native_scales", None)
         if scales is None or x.dtype != torch.float32:
             return super().int8(layer, x, bias)
-        out = self.native.linear_int8(x.reshape(-1, x.shape[-1]), layer.qweight, scales, bias)
+        out = self.native.linear_int8(x.reshape(-1, x.shape[-1]), _read(layer, "qweight", torch.Tensor), scales,
+                                      bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def int4(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def int4(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         nibbles = getattr(layer, "native_nibbles", None)
         if nibbles is None:
             return super().int4(layer, x, bias)
-        out = self.native.linear_int4(x.reshape(-1, x.shape[-1]), nibbles, layer.native_scales,
+        out = self.native.linear_int4(x.reshape(-1, x.shape[-1]), nibbles, _read(layer, "native_scales", torch.Tensor),
                                       getattr(layer, "native_zeros", None), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def gguf_blocks(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        block_type = layer.weight_format.block_type
-        product = self.native.linear_q8_0 if block_type == "Q8_0" else self.native.linear_q4_0
-        out = product(x.reshape(-1, x.shape[-1]), layer.blocks, bias)
+    def gguf_blocks(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight_format = layer.weight_format
+        assert isinstance(weight_format, GGUFBlockWeight), "the product of GGUF blocks"
+        product = self.native.linear_q8_0 if weight_format.block_type == "Q8_0" else self.native.linear_q4_0
+        out = product(x.reshape(-1, x.shape[-1]), _read(layer, "blocks", torch.Tensor), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def check(self, weight_format: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:
@@ -190,6 +207,16 @@ class TritonLinear(TorchLinear):
 
     def pack_int4(self, codes: torch.Tensor, device: torch.device) -> torch.Tensor:
         return pack_int4_nibbles(codes)
+
+
+Stored = TypeVar("Stored")
+
+
+def _read(layer: LinearLayer, name: str, kind: type[Stored]) -> Stored:
+    """The attribute `name` its weight format registered on `layer`, as a `kind`."""
+    value = getattr(layer, name)
+    assert isinstance(value, kind), f"a linear layer's {name} is a {kind.__name__}"
+    return value
 
 
 def _probe(format_name: str, kernel: str, device: torch.device, probe: Callable[[], None]) -> None:

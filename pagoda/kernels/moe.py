@@ -102,6 +102,7 @@ class MoEKernels:
         """(this rank's share of sum_k weight_k * expert_k(x) for every token, tokens routed to
         each expert [E]) from router logits [T, E]."""
         if self.fuses(experts, hidden):
+            assert self.native is not None, "only the native kernels fuse"
             weights, chosen = self.native.route_top_k(router_logits, top_k, renormalize, softmax_over_top_k)
             counts = torch.bincount(chosen.reshape(-1), minlength=experts.num_experts)
             return self.run_fused(experts, hidden, weights, chosen), counts
@@ -139,6 +140,7 @@ class MoEKernels:
                   ) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) in one native op, from each token's
         top-k routing weights and experts [T, k] (no sort or gather here: the op groups the pairs)."""
+        assert self.native is not None, "the fused op is the native kernels'"
         quantized = experts.gate_up_qweight is not None
         return self.native.fused_moe(
             hidden, chosen, weights,
@@ -183,12 +185,14 @@ class MoEKernels:
         (one op each over all experts): the native kernel's, or torch._grouped_mm's."""
         gated = experts.gated
         if experts.gate_up_qweight is not None:
+            assert self.native is not None, "`path` groups int8 experts only on the native kernels"
             gate_up = self.native.grouped_linear_int8(sorted_hidden, experts.gate_up_qweight, experts.gate_up_scales,
                                                       counts, experts.gate_up_bias)
             gate, up = gate_up.split(experts.gate_up_qweight.shape[1] // 2, dim=-1)
             return self.native.grouped_linear_int8(gated(gate, up), experts.down_qweight, experts.down_scales, counts,
                                                    experts.down_bias)
         if native:
+            assert self.native is not None, "the native path is chosen only with the native kernels"
             gate_up = self.native.grouped_linear_f32(sorted_hidden, experts.gate_up_weight, counts,
                                                      experts.gate_up_bias)
             gate, up = gate_up.split(experts.gate_up_weight.shape[1] // 2, dim=-1)
@@ -215,6 +219,7 @@ class MoEKernels:
         (each token's experts in expert order, no atomics); experts this rank does not hold add
         nothing."""
         kernels = self.triton
+        assert kernels is not None, "run only where `runs_triton` holds"
         if experts.gate_up_qweight is not None:
             first = next(iter(experts.values()))
             weights = kernels.ExpertWeights(experts.gate_up_qweight, experts.down_qweight, experts.gate_up_bias,

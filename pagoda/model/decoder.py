@@ -14,7 +14,9 @@ these blocks gives its own classes in its module and reuses the rest.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +86,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
             qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -114,6 +116,7 @@ class DecoderLayer(nn.Module):
         if config.gemma_norms:
             self.pre_feedforward_layernorm = RMSNorm(*norm_args)
             self.post_feedforward_layernorm = RMSNorm(*norm_args)
+        self.mlp: SparseMoE | MLP
         if config.moe is not None and config.moe.sparse_layers[layer_index]:
             self.mlp = SparseMoE(config, dtype, device, weight_format, tp, kernels)
         else:
@@ -139,6 +142,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class DecoderStack(nn.Module):
+    """The checkpoints' `model.` prefix: embedding, decoder layers and final norm, the embedding
+    and norm None where another pipeline stage holds them (filled in by DecoderModel)."""
+
+    embed_tokens: VocabParallelEmbedding | None
+    layers: nn.ModuleList  # DecoderLayer, or OtherStageLayer for another stage's
+    norm: RMSNorm | None
+
+
 class DecoderModel(nn.Module):
     """Decoder stack + LM head. Parameter names match the checkpoints' (after q/k/v and
     gate/up fusion), e.g. `model.layers.0.self_attn.qkv_proj.weight`.
@@ -155,6 +167,8 @@ class DecoderModel(nn.Module):
     `kernels`: the ops' implementations for the device (pagoda.kernels; None: PyTorch's), which
     every layer calls."""
 
+    embedding_scale: torch.Tensor | None  # a buffer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None,
                  stage: PipelineStage | None = None, kernels: Kernels | None = None) -> None:
@@ -164,7 +178,7 @@ class DecoderModel(nn.Module):
         self.config = config
         self.tp = tp or TensorParallelGroup()
         self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
-        self.model = nn.Module()
+        self.model = DecoderStack()
         # The last stage's head is the embedding matrix when they are tied.
         holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
         self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device,
@@ -172,7 +186,9 @@ class DecoderModel(nn.Module):
         self.model.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels) if self.stage.holds_layer(i)
             else OtherStageLayer() for i in range(config.num_layers))
-        self.num_kv_heads = self.model.layers[self.stage.first_layer].self_attn.num_kv_heads
+        first_layer = self.model.layers[self.stage.first_layer]
+        assert isinstance(first_layer, DecoderLayer), "a stage holds its first layer"
+        self.num_kv_heads = first_layer.self_attn.num_kv_heads
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
                                   kernels) if self.stage.is_last else None
         self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
@@ -205,20 +221,26 @@ class DecoderModel(nn.Module):
         previous stage's `hidden`; a stage before the last returns its layers' output without
         the norm."""
         if self.stage.is_first:
+            assert self.model.embed_tokens is not None, "the first stage holds the embedding"
             hidden = self.model.embed_tokens(input_ids)
             if self.embedding_scale is not None:
                 hidden = hidden * self.embedding_scale
-        ropes = [rotary.tables(positions) for rotary in self.rotaries]  # once per step, shared by the layers
+        elif hidden is None:
+            raise ValueError("a later pipeline stage starts from the previous stage's hidden states")
+        rotaries = cast("Iterable[RotaryEmbedding]", self.rotaries)
+        ropes = [rotary.tables(positions) for rotary in rotaries]  # once per step, shared by the layers
         residual = None
         for index in self.stage.layers:
             rotary = self.layer_rotary[index]
             hidden, residual = self.model.layers[index](hidden, residual, ropes[rotary], self.rotaries[rotary], context)
-        if residual is None:
-            return self.model.norm(hidden) if self.stage.is_last else hidden
-        return self.model.norm(hidden, residual)[0] if self.stage.is_last else residual + hidden
+        if not self.stage.is_last:
+            return hidden if residual is None else residual + hidden
+        assert self.model.norm is not None, "the last stage holds the final norm"
+        return self.model.norm(hidden) if residual is None else self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the head
+            assert self.model.embed_tokens is not None, "the last stage holds a tied head's embedding"
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)

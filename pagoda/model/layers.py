@@ -34,6 +34,9 @@ class Linear(nn.Module):
       only `in_features`/`out_features`, never the base weight's storage.
     """
 
+    # The staging weight the format registers (`create_weights`); most formats replace it at `finalize`.
+    weight: torch.Tensor
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device, weight_format: WeightFormat | None = None,
                  shard: LinearShard | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -109,6 +112,9 @@ class RotaryEmbedding(nn.Module):
     rope type in such a model repeats its rows the same way.
 
     The rotation itself is the kernels' rotary (pagoda.kernels.rotary)."""
+
+    cos: torch.Tensor  # buffers [positions, head_dim]
+    sin_rolled: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device,

@@ -263,21 +263,28 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
         # of each fused part and its input columns, the whole tensor without parallelism.
         shard = getattr(layer, "shard", None)
         expected = tuple(param.shape) if shard is None else shard.full_shape(part, param_name)
-        shape = tuple(tensor.shape) if tensor is not None else tuple(int4_codes[0].shape)
+        if tensor is not None:
+            shape = tuple(tensor.shape)
+        else:
+            assert int4_codes is not None, "a checkpoint item holds values or int4 codes"
+            shape = tuple(int4_codes[0].shape)
         if shape != expected:
             raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
                              f"expected {expected} from the model's config")
         if int4_codes is not None:
-            if not hasattr(layer.weight_format, "stage_codes"):  # a MoE router or gate: always full precision
+            weight_format = getattr(layer, "weight_format", None)
+            if not isinstance(weight_format, (Int4Weight, GGUFBlockWeight)):  # a MoE router or gate: full precision
                 shown = family.checkpoint_names([name])[0][:-len(".weight")]
                 raise ValueError(f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
                                  f"pagoda keeps {module_name} in full precision; use a checkpoint that leaves it "
                                  f"unquantized")
+            assert shard is not None and weight_format.group_size is not None, "a Linear's shard, its format's group"
             codes, scales, *zeros = int4_codes
             offset, pieces = shard.take_int4(codes, scales, zeros[0] if zeros else None, part,
-                                             layer.weight_format.group_size, module_name)
-            layer.weight_format.stage_codes(layer, offset, *pieces)
+                                             weight_format.group_size, module_name)
+            weight_format.stage_codes(layer, offset, *pieces)
         else:
+            assert tensor is not None, "an item without int4 codes holds values"
             offset, piece = (0, tensor) if shard is None else shard.take(tensor, part, param_name)
             param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
         loaded.add(name)
@@ -387,7 +394,7 @@ def _locate(name: str) -> tuple[str, int | None]:
 
 def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], loaded: set[str]) -> list[str]:
     """A fused parameter comes either whole (Phi-3's qkv_proj, gate_up_proj) or in its parts."""
-    names = []
+    names: list[str] = []
     fused_back = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for name in params:
         parts = name.split(".")

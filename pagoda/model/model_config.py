@@ -112,7 +112,7 @@ class ModelConfig:
         architectures = config.get("architectures") or []
         architecture = next((a for a in architectures if families.is_supported(a)), None)
         supported = architecture is not None
-        if not supported:
+        if architecture is None:
             if require_supported:
                 raise ValueError(f"{source}: unsupported architecture {architectures or '(none)'}; "
                                  f"pagoda supports {', '.join(families.architectures())}")

@@ -16,6 +16,8 @@ outputs meet in one all-reduce.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,7 +63,7 @@ class Experts(nn.ModuleDict):
         """After loading. Full-precision experts are stacked into two tensors, the operands of
         the grouped products (and sliced for the loop's F.linear); quantized ones keep their
         Linears, int8 ones in the native layout or on CUDA also stacked (`stack_int8`)."""
-        experts = list(self.values())
+        experts = self.held()
         if self.placement.weight_group.rank != 0:
             # Each rank's output is a partial sum of split experts: one rank adds the down bias.
             for expert in experts:
@@ -77,12 +79,17 @@ class Experts(nn.ModuleDict):
         self.gate_up_weight = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
         self.down_weight = torch.stack([e.down_proj.weight.detach() for e in experts])
         if experts[0].down_proj.bias is not None:
-            self.gate_up_bias = torch.stack([e.gate_up_proj.bias.detach() for e in experts])
-            self.down_bias = torch.stack([e.down_proj.bias.detach() for e in experts])
+            self.gate_up_bias = torch.stack([_bias(e.gate_up_proj) for e in experts])
+            self.down_bias = torch.stack([_bias(e.down_proj) for e in experts])
         for expert in experts:
             del expert.gate_up_proj.weight, expert.down_proj.weight
             if expert.down_proj.bias is not None:
                 del expert.gate_up_proj.bias, expert.down_proj.bias
+
+    def held(self) -> list[MLP]:
+        """The experts this rank holds, in index order (ModuleDict types its values as Module;
+        `__init__` puts only MLPs in)."""
+        return cast("list[MLP]", list(self.values()))
 
     def stack_int8(self, experts: list[MLP]) -> None:
         """int8 experts: their rows and scales stacked once for the grouped and fused products (the
@@ -108,14 +115,16 @@ class Experts(nn.ModuleDict):
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert (its index in the model) on the rows x."""
-        if self.gate_up_weight is None:
+        if self.gate_up_weight is None or self.down_weight is None:  # stacked together at `finalize`
             return self[str(expert)](x)
         local = expert - self.placement.experts.start
         module = self[str(expert)]
-        biased = self.down_bias is not None
-        gate_up = F.linear(x, self.gate_up_weight[local], self.gate_up_bias[local] if biased else None)
+        # Stacked beside the weights where the experts have biases.
+        gate_up_bias = None if self.gate_up_bias is None else self.gate_up_bias[local]
+        down_bias = None if self.down_bias is None else self.down_bias[local]
+        gate_up = F.linear(x, self.gate_up_weight[local], gate_up_bias)
         gate, up = gate_up.split(module.intermediate_size, dim=-1)
-        return F.linear(self.gated(gate, up), self.down_weight[local], self.down_bias[local] if biased else None)
+        return F.linear(self.gated(gate, up), self.down_weight[local], down_bias)
 
 
 class SparseMoE(nn.Module):
@@ -128,6 +137,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.kernels = kernels
         moe = config.moe
+        assert moe is not None, "a SparseMoE is built only for a model with experts (ModelConfig.moe)"
         hidden = config.hidden_size
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
@@ -139,8 +149,8 @@ class SparseMoE(nn.Module):
         gated = GatedActivation(config.hidden_activation, moe.swiglu_limit, moe.swiglu_alpha)
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
                                device, weight_format, tp, kernels, bias=moe.expert_bias, gated=gated)
-        self.shared_expert = None
-        self.shared_expert_gate = None
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, False, config.hidden_activation,
                                      dtype, device, weight_format, tp, kernels, reduce=False)
@@ -165,6 +175,11 @@ class SparseMoE(nn.Module):
                                        self.softmax_over_top_k)
         if self.expert_counts is not None:
             self.expert_counts += counts.to(self.expert_counts.device)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:  # built together
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
+
+
+def _bias(layer: Linear) -> torch.Tensor:
+    assert layer.bias is not None, "an expert's projections all have biases or none does"
+    return layer.bias.detach()

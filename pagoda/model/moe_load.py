@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
+from pagoda.model.decoder import DecoderModel
 from pagoda.model.moe import SparseMoE
 
 
@@ -25,11 +24,11 @@ class MoEStats:
 
 
 class ExpertLoadMeter:
-    def __init__(self, model: nn.Module, expert_parallel_ranks: int | None) -> None:
+    def __init__(self, model: DecoderModel, expert_parallel_ranks: int | None) -> None:
         """expert_parallel_ranks: the ranks experts are placed on (None: no expert parallelism)."""
         # getattr: a pipeline stage's placeholders for other stages' layers have no MLP.
-        self.blocks = [(index, layer.mlp) for index, layer in enumerate(model.model.layers)
-                       if isinstance(getattr(layer, "mlp", None), SparseMoE)]
+        self.blocks = [(index, mlp) for index, layer in enumerate(model.model.layers)
+                       if isinstance(mlp := getattr(layer, "mlp", None), SparseMoE)]
         for _, block in self.blocks:
             block.count_experts(True)
         self.ranks = expert_parallel_ranks

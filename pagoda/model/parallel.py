@@ -92,15 +92,17 @@ class LinearShard:
         return offset, piece
 
     def take_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, part: int | None,
-                  group_size: int, layer_name: str) -> tuple[int, tuple[torch.Tensor | None, ...]]:
+                  group_size: int, layer_name: str
+                  ) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """The rank's piece of int4 codes [rows, K] with scales/zeros [rows, K / group]."""
         if self.columns.start % group_size or self.columns.size % group_size:
             raise ValueError(f"{layer_name}: its int4 groups of {group_size} do not divide this rank's input "
                              f"slice of {self.columns.size} columns; use a smaller tensor_parallel_size")
         offset, codes = self.take(codes, part, "weight")
         groups = slice(self.columns.start // group_size, (self.columns.start + self.columns.size) // group_size)
-        grouped = tuple(None if t is None else self._take_rows(t, part)[1][:, groups] for t in (scales, zeros))
-        return offset, (codes, *grouped)
+        scales = self._take_rows(scales, part)[1][:, groups]
+        zeros = None if zeros is None else self._take_rows(zeros, part)[1][:, groups]
+        return offset, (codes, scales, zeros)
 
     def _take_rows(self, tensor: torch.Tensor, part: int | None) -> tuple[int, torch.Tensor]:
         if part is not None:

@@ -24,11 +24,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, *
     long_factors: LongRoPE's long ones (other rope types have one set)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = None if scaling is None else scaling["rope_type"]
-    if rope_type == "longrope":
+    if scaling is not None and rope_type == "longrope":
         ext_factors = torch.tensor(scaling["long_factor" if long_factors else "short_factor"], dtype=torch.float32)
         return 1.0 / (ext_factors * theta ** exponents)
     inv_freq = 1.0 / (theta ** exponents)
-    if rope_type is None:
+    if scaling is None or rope_type is None:
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])

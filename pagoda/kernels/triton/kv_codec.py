@@ -67,10 +67,12 @@ def _fp8_bits(y, KV_TYPE: tl.constexpr):
         MIN_NORMAL: tl.constexpr = 0.015625  # 2^-6
         SUBNORMAL_STEPS: tl.constexpr = 512.0  # 1 / 2^-9
     else:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        MIN_NORMAL: tl.constexpr = 0.00006103515625  # 2^-14
-        SUBNORMAL_STEPS: tl.constexpr = 65536.0  # 1 / 2^-16
+        # Triton compiles only the branch KV_TYPE selects, and a constexpr must be declared with
+        # its annotation: each branch declares its own (a redefinition to Python, not to Triton).
+        MANT: tl.constexpr = 2  # type: ignore[no-redef]
+        BIAS: tl.constexpr = 15  # type: ignore[no-redef]
+        MIN_NORMAL: tl.constexpr = 0.00006103515625  # type: ignore[no-redef]  # 2^-14
+        SUBNORMAL_STEPS: tl.constexpr = 65536.0  # type: ignore[no-redef]  # 1 / 2^-16
     DROP: tl.constexpr = 23 - MANT
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1

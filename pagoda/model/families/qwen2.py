@@ -4,7 +4,7 @@ otherwise; Qwen2-MoE names it so) and none on the output projection; layers from
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from pagoda.model.families.base import GGUFReading, ModelFamily
 from pagoda.model.hf_config import HFConfig
@@ -12,7 +12,12 @@ from pagoda.model.model_config import ModelConfig
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, GGUFLayout
 
 
-def attention_biases(hf: HFConfig) -> dict[str, bool]:
+class AttentionBiases(TypedDict):
+    qkv_bias: bool
+    o_bias: bool
+
+
+def attention_biases(hf: HFConfig) -> AttentionBiases:
     """Qwen2's q/k/v and output biases, as `HFConfig.decoder` takes them."""
     return {"qkv_bias": bool(hf.get("qkv_bias", True)), "o_bias": False}
 
