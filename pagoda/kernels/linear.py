@@ -29,8 +29,16 @@ import torch.nn.functional as F
 
 from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
 from pagoda.native import NativeKernels
-from pagoda.quant.weight_formats import (INT4_GROUP_SIZES, FullWeight, GGUFBlockWeight, Int4Weight, Int8Weight,
-                                         WeightFormat, kernel_dtype, pack_int4_nibbles)
+from pagoda.quant.weight_formats import (
+    INT4_GROUP_SIZES,
+    FullWeight,
+    GGUFBlockWeight,
+    Int4Weight,
+    Int8Weight,
+    WeightFormat,
+    kernel_dtype,
+    pack_int4_nibbles,
+)
 
 
 class LinearLayer(Protocol):
@@ -51,7 +59,10 @@ class TorchLinear:
 
     def __init__(self) -> None:
         self.products: dict[type[WeightFormat], Product] = {
-            FullWeight: self.full, Int8Weight: self.int8, Int4Weight: self.int4}
+            FullWeight: self.full,
+            Int8Weight: self.int8,
+            Int4Weight: self.int4,
+        }
 
     def __call__(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] through `layer.weight_format`'s product."""
@@ -88,29 +99,34 @@ class TorchLinear:
         shape = x.shape
         scales_and_zeros = _read(layer, "scales_and_zeros", torch.Tensor)
         weight_format = layer.weight_format
-        assert isinstance(weight_format, Int4Weight) and weight_format.group_size is not None, \
+        assert isinstance(weight_format, Int4Weight) and weight_format.group_size is not None, (
             "an int4 layer's format holds its group size (`Int4Weight.for_layer`)"
+        )
         flat = x.reshape(-1, shape[-1]).to(scales_and_zeros.dtype)
-        out = self.int4_matmul(flat, _read(layer, "qweight", torch.Tensor), scales_and_zeros,
-                               weight_format.group_size)
+        out = self.int4_matmul(flat, _read(layer, "qweight", torch.Tensor), scales_and_zeros, weight_format.group_size)
         out = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
-    def int4_matmul(self, flat: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+    def int4_matmul(
+        self, flat: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_and_zeros)
 
     def check(self, weight_format: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError when `weight_format`'s product does not run on `device`: a tiny product
         is run once at startup."""
         if isinstance(weight_format, GGUFBlockWeight):
-            raise ValueError(f"GGUF {weight_format.block_type} blocks are served by the native CPU kernels; the "
-                             f"engine is on {device}")
+            raise ValueError(
+                f"GGUF {weight_format.block_type} blocks are served by the native CPU kernels; the "
+                f"engine is on {device}"
+            )
         if isinstance(weight_format, Int8Weight):
+
             def probe_int8() -> None:
                 x = torch.ones(1, 16, dtype=kernel_dtype(dtype), device=device)
-                self.int8_matmul(x, torch.ones(16, 16, dtype=torch.int8, device=device),
-                                 torch.ones(16, dtype=x.dtype, device=device))
+                self.int8_matmul(
+                    x, torch.ones(16, 16, dtype=torch.int8, device=device), torch.ones(16, dtype=x.dtype, device=device)
+                )
 
             _probe("int8", self.int8_kernel_name, device, probe_int8)
         elif isinstance(weight_format, Int4Weight):
@@ -157,16 +173,20 @@ class NativeLinear(TorchLinear):
         scales = getattr(layer, "native_scales", None)
         if scales is None or x.dtype != torch.float32:
             return super().int8(layer, x, bias)
-        out = self.native.linear_int8(x.reshape(-1, x.shape[-1]), _read(layer, "qweight", torch.Tensor), scales,
-                                      bias)
+        out = self.native.linear_int8(x.reshape(-1, x.shape[-1]), _read(layer, "qweight", torch.Tensor), scales, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def int4(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         nibbles = getattr(layer, "native_nibbles", None)
         if nibbles is None:
             return super().int4(layer, x, bias)
-        out = self.native.linear_int4(x.reshape(-1, x.shape[-1]), nibbles, _read(layer, "native_scales", torch.Tensor),
-                                      getattr(layer, "native_zeros", None), bias)
+        out = self.native.linear_int4(
+            x.reshape(-1, x.shape[-1]),
+            nibbles,
+            _read(layer, "native_scales", torch.Tensor),
+            getattr(layer, "native_zeros", None),
+            bias,
+        )
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def gguf_blocks(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -201,8 +221,9 @@ class TritonLinear(TorchLinear):
     def int8_matmul(self, flat: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return self._kernels().int8_matmul(flat, qweight, scales, flat.shape[1])
 
-    def int4_matmul(self, flat: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+    def int4_matmul(
+        self, flat: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return self._kernels().int4_matmul(flat, qweight, scales_and_zeros, group_size)
 
     def pack_int4(self, codes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -224,5 +245,7 @@ def _probe(format_name: str, kernel: str, device: torch.device, probe: Callable[
         probe()
     except (RuntimeError, NotImplementedError, AttributeError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"quantization {format_name}: its kernel {kernel} does not run on {device} "
-                         f"with torch {torch.__version__} ({first_line})") from None
+        raise ValueError(
+            f"quantization {format_name}: its kernel {kernel} does not run on {device} "
+            f"with torch {torch.__version__} ({first_line})"
+        ) from None

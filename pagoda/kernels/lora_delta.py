@@ -26,8 +26,9 @@ import torch
 from pagoda.kernels.lora_batch import LoRABatch
 
 
-def add_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor,
-                   batch: LoRABatch, width: int) -> torch.Tensor:
+def add_lora_delta(
+    output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch, width: int
+) -> torch.Tensor:
     """Add the delta of each adapter token to `output` [T, out] in place; returns `output`.
     On CUDA the Triton kernels (kernels/triton/lora_delta.py) do it in two launches instead."""
     if batch.covers_all_tokens and len(batch.segments) == 1:
@@ -38,8 +39,9 @@ def add_lora_delta(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
     return output.index_add_(0, batch.rows, delta)
 
 
-def segmented_delta(x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch,
-                    width: int) -> torch.Tensor:
+def segmented_delta(
+    x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch, width: int
+) -> torch.Tensor:
     """Deltas of the adapter rows (ordered as `batch.rows`): two GEMMs per adapter segment."""
     delta = x_rows.new_empty(x_rows.shape[0], lora_b_t.shape[-1])
     for slot, start, end in batch.segments:
@@ -47,8 +49,9 @@ def segmented_delta(x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.
     return delta
 
 
-def gathered_delta(x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch,
-                   width: int) -> torch.Tensor:
+def gathered_delta(
+    x_rows: torch.Tensor, lora_a: torch.Tensor, lora_b_t: torch.Tensor, batch: LoRABatch, width: int
+) -> torch.Tensor:
     """Deltas of the adapter rows with per-token gathered weights and one bmm per side."""
     shrunk = torch.bmm(lora_a[batch.slots, :width], x_rows.unsqueeze(-1))  # [n, width, 1]
     return torch.bmm(shrunk.transpose(1, 2), lora_b_t[batch.slots, :width]).squeeze(1)

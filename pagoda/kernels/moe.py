@@ -51,7 +51,6 @@ GROUPED_MIN_ACTIVE_SHARE = 6
 FUSED_MAX_TOKENS = 128
 
 
-
 @dataclass(frozen=True)
 class Routing:
     """A step's (token, expert) pairs sorted by expert."""
@@ -61,8 +60,9 @@ class Routing:
     counts: torch.Tensor  # [E] pairs per expert: the segment lengths, in expert order
 
 
-def top_k_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                  softmax_over_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's routing weights [T, k] (float32) and experts [T, k] from router logits [T, E]
     (softmax in float32 as transformers)."""
     if softmax_over_top_k:
@@ -91,14 +91,22 @@ class MoEKernels:
     `finalize` stacked them (full precision: gate_up_weight / down_weight; int8:
     gate_up_qweight / gate_up_scales ...), biases, `gated` activation and `run_expert`."""
 
-    def __init__(self, device: torch.device, native: NativeKernels | None = None,
-                 triton: ModuleType | None = None) -> None:
+    def __init__(
+        self, device: torch.device, native: NativeKernels | None = None, triton: ModuleType | None = None
+    ) -> None:
         self.grouped = device.type == "cpu"  # the grouped products (native, torch._grouped_mm) run on the CPU
         self.native = native
         self.triton = triton
 
-    def __call__(self, experts: Any, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                 renormalize: bool, softmax_over_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        experts: Any,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        softmax_over_top_k: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of sum_k weight_k * expert_k(x) for every token, tokens routed to
         each expert [E]) from router logits [T, E]."""
         if self.fuses(experts, hidden):
@@ -129,24 +137,38 @@ class MoEKernels:
         (one arithmetic however a step is batched, as their other products), float32 ones while
         the input is decode-sized."""
         gated = experts.gated
-        if (self.native is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32
-                or (gated.swiglu_limit is None and gated.activation != "silu")):
+        if (
+            self.native is None
+            or hidden.device.type != "cpu"
+            or hidden.dtype != torch.float32
+            or (gated.swiglu_limit is None and gated.activation != "silu")
+        ):
             return False
         if experts.gate_up_qweight is not None:
             return True
         return experts.gate_up_weight is not None and hidden.shape[0] <= FUSED_MAX_TOKENS
 
-    def run_fused(self, experts: Any, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
-                  ) -> torch.Tensor:
+    def run_fused(
+        self, experts: Any, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) in one native op, from each token's
         top-k routing weights and experts [T, k] (no sort or gather here: the op groups the pairs)."""
         assert self.native is not None, "the fused op is the native kernels'"
         quantized = experts.gate_up_qweight is not None
         return self.native.fused_moe(
-            hidden, chosen, weights,
-            experts.gate_up_qweight if quantized else experts.gate_up_weight, experts.gate_up_scales,
-            experts.gate_up_bias, experts.down_qweight if quantized else experts.down_weight, experts.down_scales,
-            experts.down_bias, experts.placement.experts.start, experts.gated.swiglu_limit, experts.gated.swiglu_alpha)
+            hidden,
+            chosen,
+            weights,
+            experts.gate_up_qweight if quantized else experts.gate_up_weight,
+            experts.gate_up_scales,
+            experts.gate_up_bias,
+            experts.down_qweight if quantized else experts.down_weight,
+            experts.down_scales,
+            experts.down_bias,
+            experts.placement.experts.start,
+            experts.gated.swiglu_limit,
+            experts.gated.swiglu_alpha,
+        )
 
     def run_routed(self, experts: Any, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every token (zeros for tokens
@@ -156,8 +178,8 @@ class MoEKernels:
         out = torch.zeros_like(hidden)
         held = experts.placement.experts
         counts = routing.counts.tolist()  # the step's one host sync: segment offsets
-        start = sum(counts[:held.start])
-        held_counts = counts[held.start:held.start + held.size]
+        start = sum(counts[: held.start])
+        held_counts = counts[held.start : held.start + held.size]
         stop = start + sum(held_counts)
         if stop == start:
             return out
@@ -167,42 +189,52 @@ class MoEKernels:
         active = sum(1 for count in held_counts if count)
         path = self.path(experts, hidden, stop - start, active)
         if path != "loop":
-            rows = self.run_grouped(experts, sorted_hidden, routing.counts[held.start:held.start + held.size],
-                                    stop - start, path == "native")
+            rows = self.run_grouped(
+                experts,
+                sorted_hidden,
+                routing.counts[held.start : held.start + held.size],
+                stop - start,
+                path == "native",
+            )
         else:
             pieces = []
             offset = 0
             for expert, count in enumerate(held_counts, start=held.start):
                 if count:
-                    pieces.append(experts.run_expert(expert, sorted_hidden[offset:offset + count]))
+                    pieces.append(experts.run_expert(expert, sorted_hidden[offset : offset + count]))
                     offset += count
             rows = torch.cat(pieces)
         return out.index_add_(0, token_index, rows * weights)
 
-    def run_grouped(self, experts: Any, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int,
-                    native: bool) -> torch.Tensor:
+    def run_grouped(
+        self, experts: Any, sorted_hidden: torch.Tensor, counts: torch.Tensor, rows: int, native: bool
+    ) -> torch.Tensor:
         """Every held expert on its segment of the expert-sorted rows, in two grouped products
         (one op each over all experts): the native kernel's, or torch._grouped_mm's."""
         gated = experts.gated
         if experts.gate_up_qweight is not None:
             assert self.native is not None, "`path` groups int8 experts only on the native kernels"
-            gate_up = self.native.grouped_linear_int8(sorted_hidden, experts.gate_up_qweight, experts.gate_up_scales,
-                                                      counts, experts.gate_up_bias)
+            gate_up = self.native.grouped_linear_int8(
+                sorted_hidden, experts.gate_up_qweight, experts.gate_up_scales, counts, experts.gate_up_bias
+            )
             gate, up = gate_up.split(experts.gate_up_qweight.shape[1] // 2, dim=-1)
-            return self.native.grouped_linear_int8(gated(gate, up), experts.down_qweight, experts.down_scales, counts,
-                                                   experts.down_bias)
+            return self.native.grouped_linear_int8(
+                gated(gate, up), experts.down_qweight, experts.down_scales, counts, experts.down_bias
+            )
         if native:
             assert self.native is not None, "the native path is chosen only with the native kernels"
-            gate_up = self.native.grouped_linear_f32(sorted_hidden, experts.gate_up_weight, counts,
-                                                     experts.gate_up_bias)
+            gate_up = self.native.grouped_linear_f32(
+                sorted_hidden, experts.gate_up_weight, counts, experts.gate_up_bias
+            )
             gate, up = gate_up.split(experts.gate_up_weight.shape[1] // 2, dim=-1)
             return self.native.grouped_linear_f32(gated(gate, up), experts.down_weight, counts, experts.down_bias)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate_up = torch._grouped_mm(sorted_hidden, experts.gate_up_weight.transpose(1, 2), offs=offsets)
         expert_of_row = None
         if experts.gate_up_bias is not None:
-            expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
-                                                    output_size=rows)
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(counts.shape[0], device=counts.device), counts, output_size=rows
+            )
             gate_up = gate_up + experts.gate_up_bias[expert_of_row]
         gate, up = gate_up.split(experts.gate_up_weight.shape[1] // 2, dim=-1)
         down = torch._grouped_mm(gated(gate, up), experts.down_weight.transpose(1, 2), offs=offsets)
@@ -222,11 +254,26 @@ class MoEKernels:
         assert kernels is not None, "run only where `runs_triton` holds"
         if experts.gate_up_qweight is not None:
             first = next(iter(experts.values()))
-            weights = kernels.ExpertWeights(experts.gate_up_qweight, experts.down_qweight, experts.gate_up_bias,
-                                            experts.down_bias, experts.gate_up_scales, experts.down_scales,
-                                            first.gate_up_proj.in_features, first.down_proj.in_features)
+            weights = kernels.ExpertWeights(
+                experts.gate_up_qweight,
+                experts.down_qweight,
+                experts.gate_up_bias,
+                experts.down_bias,
+                experts.gate_up_scales,
+                experts.down_scales,
+                first.gate_up_proj.in_features,
+                first.down_proj.in_features,
+            )
         else:
-            weights = kernels.ExpertWeights(experts.gate_up_weight, experts.down_weight, experts.gate_up_bias,
-                                            experts.down_bias)
-        return kernels.grouped_experts(hidden, routing.token_index, routing.weights, routing.counts, weights,
-                                       experts.gated, experts.placement.experts.start)
+            weights = kernels.ExpertWeights(
+                experts.gate_up_weight, experts.down_weight, experts.gate_up_bias, experts.down_bias
+            )
+        return kernels.grouped_experts(
+            hidden,
+            routing.token_index,
+            routing.weights,
+            routing.counts,
+            weights,
+            experts.gated,
+            experts.placement.experts.start,
+        )

@@ -32,8 +32,15 @@ class TorchNorm:
         x = x * torch.rsqrt(variance + eps)
         return weight * x.to(input_dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     unit_offset: bool, pre_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool,
+        pre_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s), s) for the new residual stream s = residual + x, or residual + norm(x;
         pre_weight) (Gemma's norm of a block's output before the add, with the same eps and
         offset). x is consumed: an implementation may write s into it."""
@@ -52,11 +59,23 @@ class NativeNorm(TorchNorm):
             return self.native.rms_norm(x, weight, eps, unit_offset)
         return super().rms_norm(x, weight, eps, unit_offset)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     unit_offset: bool, pre_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
-                and residual.shape == x.shape and residual.dtype == torch.float32
-                and (pre_weight is None or pre_weight.dtype == torch.float32)):
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool,
+        pre_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and x.dim() == 2
+            and residual.shape == x.shape
+            and residual.dtype == torch.float32
+            and (pre_weight is None or pre_weight.dtype == torch.float32)
+        ):
             x = x.contiguous()  # the new residual stream is written into the block output's buffer
             out = self.native.add_rms_norm_(x, residual, weight, eps, unit_offset, pre_weight)
             return out, x

@@ -28,8 +28,9 @@ class ClassifierHead(nn.Module):
     def __init__(self, config: ClassifierConfig, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_labels, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(config.num_labels, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.weight.float())

@@ -58,8 +58,7 @@ def token_classifier(tokens: Any, source: str, two_way: bool = True) -> Classifi
     if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) and t for t in tokens):
         raise ValueError(f"{source}: give the tokens as a list (e.g. no,yes), got {tokens!r}")
     if two_way and len(tokens) != 2:
-        raise ValueError(f"{source}: a yes/no reranker takes two tokens, false then true (e.g. no,yes), "
-                         f"got {tokens!r}")
+        raise ValueError(f"{source}: a yes/no reranker takes two tokens, false then true (e.g. no,yes), got {tokens!r}")
     if two_way:
         return ClassifierConfig(1, ("score",), from_tokens=tuple(tokens), two_way=True)
     return ClassifierConfig(len(tokens), tuple(tokens), from_tokens=tuple(tokens))

@@ -47,8 +47,16 @@ class ForwardContext:
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         heads = tp.attention_heads(config.num_heads, config.num_kv_heads, config.head_dim)
@@ -58,29 +66,53 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         full_q = config.num_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, full_q + 2 * config.num_kv_heads * config.head_dim,
-                               config.qkv_bias, dtype, device, weight_format,
-                               tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads),
-                               kernels=kernels)
-        self.o_proj = Linear(full_q, config.hidden_size, config.o_bias, dtype, device, weight_format,
-                             tp.row(full_q, config.hidden_size, "the attention output"), tp.all_reduce,
-                             kernels=kernels)
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            full_q + 2 * config.num_kv_heads * config.head_dim,
+            config.qkv_bias,
+            dtype,
+            device,
+            weight_format,
+            tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads),
+            kernels=kernels,
+        )
+        self.o_proj = Linear(
+            full_q,
+            config.hidden_size,
+            config.o_bias,
+            dtype,
+            device,
+            weight_format,
+            tp.row(full_q, config.hidden_size, "the attention output"),
+            tp.all_reduce,
+            kernels=kernels,
+        )
         norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
-        scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
+        scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.sinks = None
         if config.attention_sinks:  # this rank's heads' sinks; the loader takes them via `shard`
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
             first_head = heads.q_rows.start // config.head_dim
             self.shard = LinearShard((config.num_heads,), (Slice(first_head, self.num_heads),), 1, Slice(0, 1))
         self.spec = AttentionLayerSpec(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            scale=scale, sliding_window=config.layer_sliding_windows[layer_index],
-            logit_softcap=config.attn_logit_softcap, sinks=self.sinks)
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=scale,
+            sliding_window=config.layer_sliding_windows[layer_index],
+            logit_softcap=config.attn_logit_softcap,
+            sinks=self.sinks,
+        )
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding,
-                context: ForwardContext) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryEmbedding,
+        context: ForwardContext,
+    ) -> torch.Tensor:
         """rope: this step's (cos, sin_rolled) rows from `rotary.tables`, gathered once per step."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -89,22 +121,29 @@ class Attention(nn.Module):
         if self.q_norm is None or self.k_norm is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
             qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
-            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rotary(q, *rope), rotary(k, *rope)
         caches = context.kv_caches[self.layer_index]
         assert caches is not None, "a stage allocates the caches of every layer it runs"
         key_cache, value_cache = caches
-        out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index],
-                                     self.spec)
+        out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index], self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
@@ -120,11 +159,26 @@ class DecoderLayer(nn.Module):
         if config.moe is not None and config.moe.sparse_layers[layer_index]:
             self.mlp = SparseMoE(config, dtype, device, weight_format, tp, kernels)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_activation,
-                           dtype, device, weight_format, tp, kernels)
+            self.mlp = MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.mlp_bias,
+                config.hidden_activation,
+                dtype,
+                device,
+                weight_format,
+                tp,
+                kernels,
+            )
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                rotary: RotaryEmbedding, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryEmbedding,
+        context: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried apart from each block's output, and the norms fold the
         adds in (RMSNorm with a residual): hidden is the previous layer's output still to be added
         to `residual`, or, with residual None, the stream itself. Returns this layer's (output,
@@ -169,9 +223,16 @@ class DecoderModel(nn.Module):
 
     embedding_scale: torch.Tensor | None  # a buffer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None = None, tp: TensorParallelGroup | None = None,
-                 stage: PipelineStage | None = None, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None = None,
+        tp: TensorParallelGroup | None = None,
+        stage: PipelineStage | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
         super().__init__()
         kernels = kernels or Kernels(device)
         self.kernels = kernels
@@ -181,25 +242,52 @@ class DecoderModel(nn.Module):
         self.model = DecoderStack()
         # The last stage's head is the embedding matrix when they are tied.
         holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device,
-                                                         self.tp) if holds_embedding else None
+        self.model.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, self.tp)
+            if holds_embedding
+            else None
+        )
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels) if self.stage.holds_layer(i)
-            else OtherStageLayer() for i in range(config.num_layers))
+            DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels)
+            if self.stage.holds_layer(i)
+            else OtherStageLayer()
+            for i in range(config.num_layers)
+        )
         first_layer = self.model.layers[self.stage.first_layer]
         assert isinstance(first_layer, DecoderLayer), "a stage holds its first layer"
         self.num_kv_heads = first_layer.self_attn.num_kv_heads
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms,
-                                  kernels) if self.stage.is_last else None
-        self.lm_head = None if config.tie_word_embeddings or not self.stage.is_last else Linear(
-            config.hidden_size, config.vocab_size, False, dtype, device,
-            shard=self.tp.vocab(config.vocab_size, config.hidden_size), kernels=kernels)
+        self.model.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+            if self.stage.is_last
+            else None
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings or not self.stage.is_last
+            else Linear(
+                config.hidden_size,
+                config.vocab_size,
+                False,
+                dtype,
+                device,
+                shard=self.tp.vocab(config.vocab_size, config.hidden_size),
+                kernels=kernels,
+            )
+        )
         # A classifier's head (scoring, pagoda/worker/pooling.py), on the last stage.
-        self.score = ClassifierHead(config.classifier, config.hidden_size, dtype, device) \
-            if config.classifier is not None and self.stage.is_last else None
+        self.score = (
+            ClassifierHead(config.classifier, config.hidden_size, dtype, device)
+            if config.classifier is not None and self.stage.is_last
+            else None
+        )
         # In the model dtype, as transformers multiplies by it.
-        self.register_buffer("embedding_scale", None if config.embedding_scale is None else torch.tensor(
-            config.embedding_scale, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "embedding_scale",
+            None
+            if config.embedding_scale is None
+            else torch.tensor(config.embedding_scale, dtype=dtype, device=device),
+            persistent=False,
+        )
         # One table per distinct (theta, scaling) (Gemma 3: local and global layers); each layer
         # reads its own.
         layer_ropes = [config.layer_rope(i) for i in range(config.num_layers)]
@@ -208,13 +296,27 @@ class DecoderModel(nn.Module):
             if rope not in distinct:
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
-            RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling, dtype, device,
-                            config.long_rope_boundary, kernels)
-            for theta, scaling in distinct)
+            RotaryEmbedding(
+                config.head_dim,
+                config.max_position_embeddings,
+                theta,
+                scaling,
+                dtype,
+                device,
+                config.long_rope_boundary,
+                kernels,
+            )
+            for theta, scaling in distinct
+        )
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. positions: each token's
         position, plus config.long_rope_boundary for sequences on LongRoPE's long factors (its
         row of the rotary tables, see RotaryEmbedding). A later pipeline stage starts from the

@@ -23,7 +23,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 SlidingWindows = Callable[["HFConfig", int, int], list[int | None]]  # (config, window, num_layers)
 
 
-def windows_from_max_window_layers(hf: "HFConfig", window: int, num_layers: int) -> list[int | None]:
+def windows_from_max_window_layers(hf: HFConfig, window: int, num_layers: int) -> list[int | None]:
     """transformers' `use_sliding_window`: layers from `max_window_layers` on use the window."""
     if not hf.get("use_sliding_window"):
         return [None] * num_layers
@@ -31,7 +31,7 @@ def windows_from_max_window_layers(hf: "HFConfig", window: int, num_layers: int)
     return [window if i >= first else None for i in range(num_layers)]
 
 
-def window_on_every_layer(hf: "HFConfig", window: int, num_layers: int) -> list[int | None]:
+def window_on_every_layer(hf: HFConfig, window: int, num_layers: int) -> list[int | None]:
     return [window] * num_layers
 
 
@@ -59,12 +59,21 @@ class HFConfig:
         except KeyError:
             raise ValueError(f"{self.source}: missing required key {key!r}") from None
 
-    def decoder(self, *, qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: bool = False,
-                sliding_windows: SlidingWindows = windows_from_max_window_layers, gemma_norms: bool = False,
-                tie_word_embeddings: bool = False, scale_embeddings: bool = False,
-                default_rope_theta: float = 10000.0, default_sliding_rope_theta: float | None = None,
-                moe: Callable[["HFConfig", int], MoEConfig | None] | None = None,
-                attention_sinks: bool = False) -> ModelConfig:
+    def decoder(
+        self,
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+        sliding_windows: SlidingWindows = windows_from_max_window_layers,
+        gemma_norms: bool = False,
+        tie_word_embeddings: bool = False,
+        scale_embeddings: bool = False,
+        default_rope_theta: float = 10000.0,
+        default_sliding_rope_theta: float | None = None,
+        moe: Callable[[HFConfig, int], MoEConfig | None] | None = None,
+        attention_sinks: bool = False,
+    ) -> ModelConfig:
         """The ModelConfig of a decoder with these family traits. qkv_bias / o_bias None: the
         config's `attention_bias`; tie_word_embeddings: the default when the config names none;
         scale_embeddings: embeddings multiplied by sqrt(hidden_size); default_rope_theta: where
@@ -80,8 +89,9 @@ class HFConfig:
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
         head_dim = int(config.get("head_dim") or hidden_size // num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
-                             f"num_key_value_heads ({num_kv_heads})")
+            raise ValueError(
+                f"{source}: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
+            )
 
         rope, sliding_rope_theta, sliding_rope_scaling = self._layer_type_ropes(default_sliding_rope_theta)
         rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or default_rope_theta)
@@ -89,12 +99,13 @@ class HFConfig:
         if self.require_supported and config.get("use_bidirectional_attention"):
             raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
         if self.require_supported and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
-                             "(rope over the whole head only)")
+            raise ValueError(
+                f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                "(rope over the whole head only)"
+            )
         hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
         if hidden_activation not in ACTIVATIONS and self.require_supported:
-            raise ValueError(f"{source}: activation {hidden_activation!r} is not supported "
-                             f"({', '.join(ACTIVATIONS)})")
+            raise ValueError(f"{source}: activation {hidden_activation!r} is not supported ({', '.join(ACTIVATIONS)})")
         query_pre_attn_scalar = config.get("query_pre_attn_scalar")
         attention_bias = bool(config.get("attention_bias") or False)
         return ModelConfig(
@@ -120,7 +131,7 @@ class HFConfig:
             model_type=self.model_type,
             eos_token_ids=as_id_list(config.get("eos_token_id")),
             gemma_norms=gemma_norms,
-            embedding_scale=hidden_size ** 0.5 if scale_embeddings else None,
+            embedding_scale=hidden_size**0.5 if scale_embeddings else None,
             hidden_activation=hidden_activation,
             attention_scale=float(query_pre_attn_scalar) ** -0.5 if query_pre_attn_scalar else None,
             attn_logit_softcap=_optional_float(config.get("attn_logit_softcapping")),
@@ -131,16 +142,20 @@ class HFConfig:
             attention_sinks=attention_sinks,
         )
 
-    def _layer_type_ropes(self, default_sliding_theta: float | None
-                          ) -> tuple[dict[str, Any], float | None, dict[str, Any] | None]:
+    def _layer_type_ropes(
+        self, default_sliding_theta: float | None
+    ) -> tuple[dict[str, Any], float | None, dict[str, Any] | None]:
         """(the global rope's parameters, the sliding layers' theta and scaling): one rope per
         layer type where transformers 5 writes them so, else `rope_parameters` (or the older
         `rope_scaling`) for all and the family's default for the sliding layers."""
         rope_parameters = self.get("rope_parameters") or self.get("rope_scaling") or {}
         if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
             local = rope_parameters.get("sliding_attention") or {}
-            return (dict(rope_parameters.get("full_attention") or {}), float(local.get("rope_theta") or 10000.0),
-                    self._rope_scaling(local))
+            return (
+                dict(rope_parameters.get("full_attention") or {}),
+                float(local.get("rope_theta") or 10000.0),
+                self._rope_scaling(local),
+            )
         return dict(rope_parameters), default_sliding_theta, None
 
     def _layer_sliding_windows(self, num_layers: int, sliding_windows: SlidingWindows) -> list[int | None]:
@@ -158,8 +173,10 @@ class HFConfig:
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             if require_supported:
-                raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                                 f"({', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'su')})")
+                raise ValueError(
+                    f"{source}: rope type {rope_type!r} is not supported "
+                    f"({', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'su')})"
+                )
             return None
         if rope_type == "default":
             return None
@@ -169,16 +186,24 @@ class HFConfig:
                 if require_supported:
                     raise ValueError(f"{source}: longrope needs original_max_position_embeddings and short_factor")
                 return None
-            return {**rope, "rope_type": "longrope", "original_max_position_embeddings": int(original),
-                    "max_position_embeddings": int(config.get("max_position_embeddings", 2048))}
+            return {
+                **rope,
+                "rope_type": "longrope",
+                "original_max_position_embeddings": int(original),
+                "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+            }
         if rope_type == "yarn":
             original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
             if original is None:
                 if require_supported:
                     raise ValueError(f"{source}: yarn rope needs original_max_position_embeddings")
                 return None
-            return {**rope, "rope_type": "yarn", "original_max_position_embeddings": int(original),
-                    "max_position_embeddings": int(config.get("max_position_embeddings", 2048))}
+            return {
+                **rope,
+                "rope_type": "yarn",
+                "original_max_position_embeddings": int(original),
+                "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+            }
         return {**rope, "rope_type": rope_type}
 
 

@@ -6,7 +6,8 @@ Parameters are allocated uninitialised: the loader fills every one of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,10 +38,18 @@ class Linear(nn.Module):
     # The staging weight the format registers (`create_weights`); most formats replace it at `finalize`.
     weight: torch.Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, weight_format: WeightFormat | None = None,
-                 shard: LinearShard | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 kernels: Kernels | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None = None,
+        shard: LinearShard | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
         """in/out features are the whole layer's; with a shard the layer holds the rank's slice
         and `reduce` (the group's all-reduce) sums a row-parallel layer's partial outputs.
         kernels: the model's (None: PyTorch's for `device`)."""
@@ -55,8 +64,9 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight_format = (weight_format or FullWeight()).for_layer(in_features)
         self.weight_format.create_weights(self, in_features, out_features, dtype, device)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                 requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     def finalize(self, name: str) -> None:
         """After loading: let the weight format convert the staged weight (quantize, pack)."""
@@ -77,16 +87,24 @@ class RMSNorm(nn.Module):
     (pagoda.kernels.norm) may write the sum into the block output's buffer, which the caller
     hands over."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
-                 unit_offset: bool = False, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        unit_offset: bool = False,
+        kernels: Kernels | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
         self.kernels = kernels or Kernels(device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pre_norm: RMSNorm | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, pre_norm: RMSNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With it: (norm(s), s) for the new residual stream
         s = residual + x, or residual + pre_norm(x) (Gemma's norm of a block's output before the
         add); x is consumed (an implementation may overwrite it with s)."""
@@ -94,8 +112,9 @@ class RMSNorm(nn.Module):
         if residual is None:
             return norm.rms_norm(x, self.weight, self.eps, self.unit_offset)
         # pre_norm's own forward is not called: its time is this call's (forward hooks, profiles)
-        return norm.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset,
-                                 None if pre_norm is None else pre_norm.weight)
+        return norm.add_rms_norm(
+            x, residual, self.weight, self.eps, self.unit_offset, None if pre_norm is None else pre_norm.weight
+        )
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,15 +135,25 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers [positions, head_dim]
     sin_rolled: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, dtype: torch.dtype, device: torch.device,
-                 long_rope_boundary: int | None = None, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        long_rope_boundary: int | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
         super().__init__()
         self.kernels = kernels or Kernels(device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:
-            long_freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                                     rope_inv_freq(head_dim, theta, scaling, long_factors=True))
+            long_freqs = torch.outer(
+                torch.arange(max_positions, dtype=torch.float32),
+                rope_inv_freq(head_dim, theta, scaling, long_factors=True),
+            )
             freqs = torch.cat((freqs[:long_rope_boundary], long_freqs))
         emb = torch.cat((freqs, freqs), dim=-1)
         attention_factor = rope_attention_factor(scaling)
@@ -133,8 +162,11 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * attention_factor, sin * attention_factor
         half = head_dim // 2
         self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin_rolled", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
-            dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "sin_rolled",
+            torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device),
+            persistent=False,
+        )
 
     def tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin_rolled rows [T] (positions, shifted on LongRoPE's long factors), shaped

@@ -63,10 +63,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             raise ValueError(
                 f"{model_dir}: only pickle weights ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}); "
                 f"pagoda refuses pickle checkpoints on purpose (loading one can run any code it holds). Convert "
-                f"it once to safetensors where you trust it: python -c \"from transformers import "
+                f'it once to safetensors where you trust it: python -c "from transformers import '
                 f"AutoModelForCausalLM as M, AutoTokenizer as T; M.from_pretrained('{model_dir}')"
                 f".save_pretrained('OUT', safe_serialization=True); T.from_pretrained('{model_dir}')"
-                f".save_pretrained('OUT')\" and serve OUT")
+                f".save_pretrained('OUT')\" and serve OUT"
+            )
         raise ValueError(f"{model_dir}: no *.safetensors weights found")
     return shards
 
@@ -84,8 +85,9 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
             raise ValueError(f"{path}: unreadable safetensors file, corrupt or truncated ({where}: {error})") from None
 
 
-def load_model_config(model: str | Path, score_tokens: str | None = None,
-                      tokenizer: str | Path | None = None) -> ModelConfig:
+def load_model_config(
+    model: str | Path, score_tokens: str | None = None, tokenizer: str | Path | None = None
+) -> ModelConfig:
     """The config of a Hugging Face directory or of a GGUF file (or a directory holding one).
     `score_tokens` ("no,yes"): read the LM as a reranker by those tokens' logits (--score-tokens);
     a classifier read from tokens has their ids looked up in the tokenizer (`tokenizer`, else
@@ -113,10 +115,16 @@ def load_model_config(model: str | Path, score_tokens: str | None = None,
     return replace(model_config, classifier=classifier.with_token_ids(tuple(ids)))
 
 
-def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, weight_format: WeightFormat | None = None,
-               tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
-               kernels: Kernels | None = None) -> DecoderModel:
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat | None = None,
+    tp: TensorParallelGroup | None = None,
+    stage: PipelineStage | None = None,
+    kernels: Kernels | None = None,
+) -> DecoderModel:
     """The model with its weights; with `tp`, this rank's shards of them only; with `stage`,
     that pipeline stage's layers only; its layers call `kernels` (None: PyTorch's for `device`)."""
     kernels = kernels or Kernels(device)
@@ -150,10 +158,18 @@ def checkpoint_items(model_dir: str | Path) -> Iterator[tuple[str, str, torch.Te
     return ((path.name, name, tensor, None) for path, name, tensor in iterate_tensors(files))
 
 
-def stage_weights(model: DecoderModel, tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]],
-                  config: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: WeightFormat,
-                  source: str, tp: TensorParallelGroup | None = None,
-                  stage: PipelineStage | None = None, check_layout: bool = True) -> DecoderModel:
+def stage_weights(
+    model: DecoderModel,
+    tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat,
+    source: str,
+    tp: TensorParallelGroup | None = None,
+    stage: PipelineStage | None = None,
+    check_layout: bool = True,
+) -> DecoderModel:
     """New weights for the live `model` (every tensor of a checkpoint) in a fresh model of the
     same shape, which `commit_weights` copies in: a missing tensor, a wrong shape or dtype or an
     unreadable file raises ValueError here with the live model untouched. Costs one model's
@@ -161,10 +177,13 @@ def stage_weights(model: DecoderModel, tensors: Iterable[tuple[str, str, torch.T
     fresh = build_empty_model(config, dtype, device, weight_format, source, tp, stage, model.kernels)
     _fill(fresh, _floating(tensors), config, dtype, source)
     live, new = _tensors(model), _tensors(fresh)
-    if check_layout and (set(live) != set(new) or any(live[k].shape != new[k].shape or live[k].dtype != new[k].dtype
-                                                      for k in new)):
-        raise ValueError(f"{source}: the loaded weights do not lay out as the served model's (a weight format "
-                         f"that packs weights differently per load cannot be updated in place)")
+    if check_layout and (
+        set(live) != set(new) or any(live[k].shape != new[k].shape or live[k].dtype != new[k].dtype for k in new)
+    ):
+        raise ValueError(
+            f"{source}: the loaded weights do not lay out as the served model's (a weight format "
+            f"that packs weights differently per load cannot be updated in place)"
+        )
     return fresh
 
 
@@ -184,8 +203,10 @@ def drop_weights(model: DecoderModel) -> None:
     for module in model.modules():  # the tensors themselves are swapped, so their tables are written
         for name, param in module._parameters.items():  # noqa: SLF001
             if param is not None:
-                module._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=param.dtype),  # noqa: SLF001
-                                                              requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(0, dtype=param.dtype),  # noqa: SLF001
+                    requires_grad=False,
+                )
         for name, buffer in module._buffers.items():  # noqa: SLF001
             if buffer is not None:
                 module._buffers[name] = torch.empty(0, dtype=buffer.dtype)  # noqa: SLF001
@@ -203,8 +224,9 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
 
 
-def _floating(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]]
-              ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+def _floating(
+    tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]],
+) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
     """A plain checkpoint's tensors, refusing integer or boolean ones: cast silently into a float
     parameter they would serve garbage."""
     for file_name, name, tensor, codes in tensors:
@@ -213,9 +235,16 @@ def _floating(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | Non
         yield file_name, name, tensor, codes
 
 
-def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               weight_format: WeightFormat | None, tp: TensorParallelGroup | None,
-               stage: PipelineStage | None, kernels: Kernels) -> DecoderModel:
+def _load_gguf(
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat | None,
+    tp: TensorParallelGroup | None,
+    stage: PipelineStage | None,
+    kernels: Kernels,
+) -> DecoderModel:
     checkpoint = GGUFCheckpoint(path)
     reading = gguf_reading(checkpoint)
     weight_format = gguf_weight_format(checkpoint, weight_format)
@@ -223,15 +252,23 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage, kernels)
     blocks = isinstance(weight_format, GGUFBlockWeight)
     keep_codes = blocks or (isinstance(weight_format, Int4Weight) and weight_format.group_size == 32)
-    tensors = ((path.name, t.hf_name, t.tensor, t.int4_codes)
-               for t in checkpoint.iterate(reading.config(checkpoint), reading.layout, keep_q4_0_codes=keep_codes,
-                                           keep_q8_0_codes=blocks))
+    tensors = (
+        (path.name, t.hf_name, t.tensor, t.int4_codes)
+        for t in checkpoint.iterate(
+            reading.config(checkpoint), reading.layout, keep_q4_0_codes=keep_codes, keep_q8_0_codes=blocks
+        )
+    )
     _fill(model, tensors, config, dtype, str(path))
     return model.eval()
 
 
-def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
-          config: ModelConfig, dtype: torch.dtype, source: str) -> None:
+def _fill(
+    model: DecoderModel,
+    tensors: Iterator[tuple[str, str, torch.Tensor | None, tuple | None]],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    source: str,
+) -> None:
     """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
     let the weight formats finalize."""
     family = family_of(config)
@@ -244,8 +281,10 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
             continue
         if name == head_source:
             if tensor is None:
-                raise ValueError(f"{file_name}: {name!r} comes quantized; a classifier read from its tokens "
-                                 f"needs it in full precision")
+                raise ValueError(
+                    f"{file_name}: {name!r} comes quantized; a classifier read from its tokens "
+                    f"needs it in full precision"
+                )
             assert model.score is not None  # a head source is only named for a model with a head
             model.score.fill_from_head(tensor)
             loaded.add("score.weight")
@@ -269,19 +308,23 @@ def _fill(model: DecoderModel, tensors: Iterator[tuple[str, str, torch.Tensor | 
             assert int4_codes is not None, "a checkpoint item holds values or int4 codes"
             shape = tuple(int4_codes[0].shape)
         if shape != expected:
-            raise ValueError(f"{file_name}: tensor {name!r} has shape {shape}, "
-                             f"expected {expected} from the model's config")
+            raise ValueError(
+                f"{file_name}: tensor {name!r} has shape {shape}, expected {expected} from the model's config"
+            )
         if int4_codes is not None:
             weight_format = getattr(layer, "weight_format", None)
             if not isinstance(weight_format, (Int4Weight, GGUFBlockWeight)):  # a MoE router or gate: full precision
-                shown = family.checkpoint_names([name])[0][:-len(".weight")]
-                raise ValueError(f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
-                                 f"pagoda keeps {module_name} in full precision; use a checkpoint that leaves it "
-                                 f"unquantized")
+                shown = family.checkpoint_names([name])[0][: -len(".weight")]
+                raise ValueError(
+                    f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
+                    f"pagoda keeps {module_name} in full precision; use a checkpoint that leaves it "
+                    f"unquantized"
+                )
             assert shard is not None and weight_format.group_size is not None, "a Linear's shard, its format's group"
             codes, scales, *zeros = int4_codes
-            offset, pieces = shard.take_int4(codes, scales, zeros[0] if zeros else None, part,
-                                             weight_format.group_size, module_name)
+            offset, pieces = shard.take_int4(
+                codes, scales, zeros[0] if zeros else None, part, weight_format.group_size, module_name
+            )
             weight_format.stage_codes(layer, offset, *pieces)
         else:
             assert tensor is not None, "an item without int4 codes holds values"
@@ -306,10 +349,16 @@ def _classifier_head_source(model: DecoderModel, config: ModelConfig) -> str | N
     return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
-def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      weight_format: WeightFormat | None, source: str = "model",
-                      tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None,
-                      kernels: Kernels | None = None) -> DecoderModel:
+def build_empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_format: WeightFormat | None,
+    source: str = "model",
+    tp: TensorParallelGroup | None = None,
+    stage: PipelineStage | None = None,
+    kernels: Kernels | None = None,
+) -> DecoderModel:
     """The model with unfilled parameters; fails before any loading if a layer's shape does
     not fit the weight format (or, with tensor parallelism, does not split over the ranks)."""
     try:
@@ -322,8 +371,11 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
             try:
                 module.weight_format.check_shape(name, module.in_features, module.out_features)
             except ValueError as error:
-                where = f" (this rank's slice with tensor_parallel_size {tp.world_size})" \
-                    if tp is not None and module.shard.is_split else ""
+                where = (
+                    f" (this rank's slice with tensor_parallel_size {tp.world_size})"
+                    if tp is not None and module.shard.is_split
+                    else ""
+                )
                 raise ValueError(f"{source}: {error}{where}") from None
     return model
 
@@ -342,8 +394,9 @@ def finalize_linears(model: torch.nn.Module) -> None:
             module.finalize(name)
 
 
-def _per_expert(tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]]
-                ) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
+def _per_expert(
+    tensors: Iterable[tuple[str, str, torch.Tensor | None, tuple | None]],
+) -> Iterator[tuple[str, str, torch.Tensor | None, tuple | None]]:
     """Checkpoint items with a layer's fused expert tensors (one [E, ...] tensor, transformers 5's
     layout) cut into one tensor per expert."""
     for file_name, name, tensor, int4_codes in tensors:

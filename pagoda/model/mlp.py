@@ -41,20 +41,40 @@ class GatedActivation:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str, dtype: torch.dtype,
-                 device: torch.device, weight_format: WeightFormat | None, tp: TensorParallelGroup,
-                 kernels: Kernels, reduce: bool = True, gated: GatedActivation | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        activation: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+        reduce: bool = True,
+        gated: GatedActivation | None = None,
+    ) -> None:
         """tp: the group the weights are split over (a one-rank group: whole). reduce=False leaves
         a split layer's output a partial sum for the caller to reduce (a MoE block reduces its
         experts' sum once). gated: how gate and up combine (default act(gate) * up)."""
         super().__init__()
         gate_up = tp.column(hidden_size, intermediate_size, intermediate_size, what="intermediate_size")
         self.intermediate_size = gate_up.rows[0].size  # this rank's
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device, weight_format, gate_up,
-                                   kernels=kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device, weight_format,
-                                tp.row(intermediate_size, hidden_size, "intermediate_size"),
-                                tp.all_reduce if reduce else None, kernels=kernels)
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, bias, dtype, device, weight_format, gate_up, kernels=kernels
+        )
+        self.down_proj = Linear(
+            intermediate_size,
+            hidden_size,
+            bias,
+            dtype,
+            device,
+            weight_format,
+            tp.row(intermediate_size, hidden_size, "intermediate_size"),
+            tp.all_reduce if reduce else None,
+            kernels=kernels,
+        )
         self.gated = gated or GatedActivation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

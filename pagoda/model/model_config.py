@@ -75,8 +75,9 @@ class ModelConfig:
             return None
         return int(self.rope_scaling["original_max_position_embeddings"])
 
-    def kv_bytes_per_token(self, bytes_per_element: float, num_kv_heads: int | None = None, *,
-                           kv_cache_dtype: str = "auto") -> int:
+    def kv_bytes_per_token(
+        self, bytes_per_element: float, num_kv_heads: int | None = None, *, kv_cache_dtype: str = "auto"
+    ) -> int:
         """KV cache bytes per token: the model dtype's `bytes_per_element` each ("auto"), or a
         quantized `kv_cache_dtype` with its per-vector scales; num_kv_heads: a what-if other than
         the model's. The one formula behind the engine's pool sizing and `pagoda plan`."""
@@ -84,7 +85,7 @@ class ModelConfig:
         return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
@@ -97,8 +98,9 @@ class ModelConfig:
         return model_config
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], source: str = "config.json", *,
-                  require_supported: bool = True) -> "ModelConfig":
+    def from_dict(
+        cls, config: dict[str, Any], source: str = "config.json", *, require_supported: bool = True
+    ) -> ModelConfig:
         """require_supported=False reads the shape of any Llama-like decoder (for `pagoda plan`):
         other architectures and rope types are accepted, not only those pagoda can run; an
         architecture pagoda does not know is read by the family its `model_type` names, else as
@@ -114,8 +116,10 @@ class ModelConfig:
         supported = architecture is not None
         if architecture is None:
             if require_supported:
-                raise ValueError(f"{source}: unsupported architecture {architectures or '(none)'}; "
-                                 f"pagoda supports {', '.join(families.architectures())}")
+                raise ValueError(
+                    f"{source}: unsupported architecture {architectures or '(none)'}; "
+                    f"pagoda supports {', '.join(families.architectures())}"
+                )
             architecture = architectures[0] if architectures else model_type
         family = families.family_name(architecture, model_type)
         model_config = families.family(family).FAMILY.read(config, source, architecture, require_supported)
@@ -125,8 +129,7 @@ class ModelConfig:
             # in for it where a step computes the prefill's (dropped) token.
             model_config = replace(model_config, tie_word_embeddings=True)
         # An architecture pagoda does not run is read as a dense decoder: its experts' keys are its own.
-        return replace(model_config, family=family, moe=model_config.moe if supported else None,
-                       classifier=classifier)
+        return replace(model_config, family=family, moe=model_config.moe if supported else None, classifier=classifier)
 
     def _apply_generation_config(self, generation: dict[str, Any]) -> None:
         for token_id in as_id_list(generation.get("eos_token_id")):
@@ -137,7 +140,6 @@ class ModelConfig:
                 self.generation_defaults[key] = generation[key]
         if generation.get("do_sample") is False:
             self.generation_defaults["temperature"] = 0.0
-
 
 
 def as_id_list(value: Any) -> list[int]:

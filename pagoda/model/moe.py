@@ -34,14 +34,39 @@ class Experts(nn.ModuleDict):
     """The experts this rank holds, keyed by their index in the model ("0", "1", ...), so
     parameters are named like checkpoints' `experts.{i}.gate_up_proj.weight`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
-                 dtype: torch.dtype, device: torch.device, weight_format: WeightFormat | None,
-                 tp: TensorParallelGroup, kernels: Kernels, bias: bool = False,
-                 gated: GatedActivation | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+        bias: bool = False,
+        gated: GatedActivation | None = None,
+    ) -> None:
         placement = tp.experts(num_experts)
-        super().__init__({str(e): MLP(hidden_size, intermediate_size, bias, activation, dtype, device, weight_format,
-                                      placement.weight_group, kernels, reduce=False, gated=gated)
-                          for e in range(placement.experts.start, placement.experts.start + placement.experts.size)})
+        super().__init__(
+            {
+                str(e): MLP(
+                    hidden_size,
+                    intermediate_size,
+                    bias,
+                    activation,
+                    dtype,
+                    device,
+                    weight_format,
+                    placement.weight_group,
+                    kernels,
+                    reduce=False,
+                    gated=gated,
+                )
+                for e in range(placement.experts.start, placement.experts.start + placement.experts.size)
+            }
+        )
         self.placement = placement
         self.num_experts = num_experts
         self.gated = gated or GatedActivation(activation)
@@ -69,8 +94,9 @@ class Experts(nn.ModuleDict):
             for expert in experts:
                 if expert.down_proj.bias is not None:
                     expert.down_proj.bias.data.zero_()
-        if any(e.gate_up_proj.weight_format.name != "full" or e.down_proj.weight_format.name != "full"
-               for e in experts):
+        if any(
+            e.gate_up_proj.weight_format.name != "full" or e.down_proj.weight_format.name != "full" for e in experts
+        ):
             for index, expert in zip(self.keys(), experts):
                 expert.gate_up_proj.finalize(f"{name}.{index}.gate_up_proj")
                 expert.down_proj.finalize(f"{name}.{index}.down_proj")
@@ -132,8 +158,15 @@ class SparseMoE(nn.Module):
     precision and whole on every rank), `experts`, and optionally `shared_expert` scaled by
     sigmoid(`shared_expert_gate`(x)); routing and experts run as `kernels.moe`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weight_format: WeightFormat | None, tp: TensorParallelGroup, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.kernels = kernels
         moe = config.moe
@@ -144,16 +177,44 @@ class SparseMoE(nn.Module):
         self.softmax_over_top_k = moe.softmax_over_top_k
         self.tp = tp
         # The router stays full precision, in the layout the model's weights take (native too).
-        self.gate = Linear(hidden, moe.num_experts, moe.router_bias, dtype, device,
-                           FullWeight(weight_format is not None and weight_format.native_layout), kernels=kernels)
+        self.gate = Linear(
+            hidden,
+            moe.num_experts,
+            moe.router_bias,
+            dtype,
+            device,
+            FullWeight(weight_format is not None and weight_format.native_layout),
+            kernels=kernels,
+        )
         gated = GatedActivation(config.hidden_activation, moe.swiglu_limit, moe.swiglu_alpha)
-        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, config.hidden_activation, dtype,
-                               device, weight_format, tp, kernels, bias=moe.expert_bias, gated=gated)
+        self.experts = Experts(
+            moe.num_experts,
+            hidden,
+            moe.intermediate_size,
+            config.hidden_activation,
+            dtype,
+            device,
+            weight_format,
+            tp,
+            kernels,
+            bias=moe.expert_bias,
+            gated=gated,
+        )
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden, moe.shared_expert_intermediate_size, False, config.hidden_activation,
-                                     dtype, device, weight_format, tp, kernels, reduce=False)
+            self.shared_expert = MLP(
+                hidden,
+                moe.shared_expert_intermediate_size,
+                False,
+                config.hidden_activation,
+                dtype,
+                device,
+                weight_format,
+                tp,
+                kernels,
+                reduce=False,
+            )
             self.shared_expert_gate = Linear(hidden, 1, False, dtype, device, kernels=kernels)
         # Tokens routed to each expert since the last `take_expert_counts` (None: not counted).
         self.expert_counts: torch.Tensor | None = None
@@ -171,8 +232,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)
-        out, counts = self.kernels.moe(self.experts, hidden, router_logits, self.top_k, self.renormalize,
-                                       self.softmax_over_top_k)
+        out, counts = self.kernels.moe(
+            self.experts, hidden, router_logits, self.top_k, self.renormalize, self.softmax_over_top_k
+        )
         if self.expert_counts is not None:
             self.expert_counts += counts.to(self.expert_counts.device)
         if self.shared_expert is not None and self.shared_expert_gate is not None:  # built together

@@ -41,6 +41,7 @@ def expert_routing(config: dict[str, Any], source: str) -> tuple[int, int] | Non
         return None
     top_k = int(config.get("num_experts_per_tok") or 0)
     if not 1 <= top_k <= num_experts:
-        raise ValueError(f"{source}: num_experts_per_tok ({top_k}) must be between 1 and the number of "
-                         f"experts ({num_experts})")
+        raise ValueError(
+            f"{source}: num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})"
+        )
     return num_experts, top_k

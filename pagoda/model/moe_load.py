@@ -27,8 +27,11 @@ class ExpertLoadMeter:
     def __init__(self, model: DecoderModel, expert_parallel_ranks: int | None) -> None:
         """expert_parallel_ranks: the ranks experts are placed on (None: no expert parallelism)."""
         # getattr: a pipeline stage's placeholders for other stages' layers have no MLP.
-        self.blocks = [(index, mlp) for index, layer in enumerate(model.model.layers)
-                       if isinstance(mlp := getattr(layer, "mlp", None), SparseMoE)]
+        self.blocks = [
+            (index, mlp)
+            for index, layer in enumerate(model.model.layers)
+            if isinstance(mlp := getattr(layer, "mlp", None), SparseMoE)
+        ]
         for _, block in self.blocks:
             block.count_experts(True)
         self.ranks = expert_parallel_ranks
@@ -45,12 +48,17 @@ class ExpertLoadMeter:
             self.expert_imbalance[i] = imbalance(counts)
             if self.ranks is not None:
                 per_rank = len(counts) // self.ranks
-                self.rank_imbalance[i] = imbalance([sum(counts[r * per_rank:(r + 1) * per_rank])
-                                                    for r in range(self.ranks)])
+                self.rank_imbalance[i] = imbalance(
+                    [sum(counts[r * per_rank : (r + 1) * per_rank]) for r in range(self.ranks)]
+                )
 
     def stats(self) -> MoEStats:
-        return MoEStats([index for index, _ in self.blocks], [list(t) for t in self.totals],
-                        list(self.expert_imbalance), list(self.rank_imbalance) if self.ranks is not None else None)
+        return MoEStats(
+            [index for index, _ in self.blocks],
+            [list(t) for t in self.totals],
+            list(self.expert_imbalance),
+            list(self.rank_imbalance) if self.ranks is not None else None,
+        )
 
 
 def imbalance(counts: list[int]) -> float:

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Parameters with one value per output row (no input columns to split).
 VECTOR_PARAMS = ("bias", "sinks")
 
@@ -61,7 +60,7 @@ class LinearShard:
     reduce: bool = False
 
     @classmethod
-    def whole(cls, in_features: int, out_features: int) -> "LinearShard":
+    def whole(cls, in_features: int, out_features: int) -> LinearShard:
         """No parallelism: every row and column."""
         return cls((out_features,), (Slice(0, out_features),), in_features, Slice(0, in_features))
 
@@ -88,16 +87,24 @@ class LinearShard:
         `param` ("weight" or "bias") for one fused part, None: the whole parameter)."""
         offset, piece = self._take_rows(tensor, part)
         if param not in VECTOR_PARAMS:
-            piece = piece[:, self.columns.start:self.columns.start + self.columns.size]
+            piece = piece[:, self.columns.start : self.columns.start + self.columns.size]
         return offset, piece
 
-    def take_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, part: int | None,
-                  group_size: int, layer_name: str
-                  ) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def take_int4(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        part: int | None,
+        group_size: int,
+        layer_name: str,
+    ) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """The rank's piece of int4 codes [rows, K] with scales/zeros [rows, K / group]."""
         if self.columns.start % group_size or self.columns.size % group_size:
-            raise ValueError(f"{layer_name}: its int4 groups of {group_size} do not divide this rank's input "
-                             f"slice of {self.columns.size} columns; use a smaller tensor_parallel_size")
+            raise ValueError(
+                f"{layer_name}: its int4 groups of {group_size} do not divide this rank's input "
+                f"slice of {self.columns.size} columns; use a smaller tensor_parallel_size"
+            )
         offset, codes = self.take(codes, part, "weight")
         groups = slice(self.columns.start // group_size, (self.columns.start + self.columns.size) // group_size)
         scales = self._take_rows(scales, part)[1][:, groups]
@@ -108,11 +115,11 @@ class LinearShard:
         if part is not None:
             row = self.rows[part]
             stop = min(row.start + row.size, self.parts[part])
-            return sum(s.size for s in self.rows[:part]), tensor[row.start:stop]
+            return sum(s.size for s in self.rows[:part]), tensor[row.start : stop]
         pieces, base = [], 0
         for full, row in zip(self.parts, self.rows):
             stop = min(row.start + row.size, full)
-            pieces.append(tensor[base + row.start:base + stop])
+            pieces.append(tensor[base + row.start : base + stop])
             base += full
         return 0, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -134,7 +141,7 @@ class ExpertPlacement:
     (a one-rank group: each expert whole)."""
 
     experts: Slice
-    weight_group: "TensorParallelGroup"
+    weight_group: TensorParallelGroup
 
     def holds(self, expert: int) -> bool:
         return self.experts.start <= expert < self.experts.start + self.experts.size
@@ -184,8 +191,13 @@ class TensorParallelGroup:
 
     def row(self, in_features: int, out_features: int, what: str = "input features") -> LinearShard:
         """Input columns split evenly; the partial outputs are all-reduced."""
-        return LinearShard((out_features,), (Slice(0, out_features),), in_features,
-                           self.split(in_features, what), reduce=self.world_size > 1)
+        return LinearShard(
+            (out_features,),
+            (Slice(0, out_features),),
+            in_features,
+            self.split(in_features, what),
+            reduce=self.world_size > 1,
+        )
 
     def attention_heads(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionHeads:
         heads = self.split(num_heads, "num_attention_heads")
@@ -193,16 +205,24 @@ class TensorParallelGroup:
             kv = self.split(num_kv_heads, "num_key_value_heads")
         else:  # fewer KV heads than ranks: each rank keeps the one its query heads use
             if self.world_size % num_kv_heads:
-                raise ValueError(f"tensor_parallel_size ({self.world_size}) must be a multiple of "
-                                 f"num_key_value_heads ({num_kv_heads}) when it is larger")
+                raise ValueError(
+                    f"tensor_parallel_size ({self.world_size}) must be a multiple of "
+                    f"num_key_value_heads ({num_kv_heads}) when it is larger"
+                )
             kv = Slice(self.rank * num_kv_heads // self.world_size, 1)
-        return AttentionHeads(heads.size, kv.size, head_dim, Slice(heads.start * head_dim, heads.size * head_dim),
-                              Slice(kv.start * head_dim, kv.size * head_dim))
+        return AttentionHeads(
+            heads.size,
+            kv.size,
+            head_dim,
+            Slice(heads.start * head_dim, heads.size * head_dim),
+            Slice(kv.start * head_dim, kv.size * head_dim),
+        )
 
     def qkv(self, in_features: int, heads: AttentionHeads, num_heads: int, num_kv_heads: int) -> LinearShard:
         q, kv = num_heads * heads.head_dim, num_kv_heads * heads.head_dim
-        return LinearShard((q, kv, kv), (heads.q_rows, heads.kv_rows, heads.kv_rows), in_features,
-                           Slice(0, in_features))
+        return LinearShard(
+            (q, kv, kv), (heads.q_rows, heads.kv_rows, heads.kv_rows), in_features, Slice(0, in_features)
+        )
 
     def vocab(self, vocab_size: int, hidden_size: int) -> LinearShard:
         """The rank's rows of the vocabulary, padded up to a multiple of the world size."""
@@ -213,8 +233,10 @@ class TensorParallelGroup:
         if not self.expert_parallel or self.world_size == 1:
             return ExpertPlacement(Slice(0, num_experts), self)
         if num_experts % self.world_size:
-            raise ValueError(f"expert parallelism: the number of experts ({num_experts}) is not divisible by "
-                             f"tensor_parallel_size ({self.world_size})")
+            raise ValueError(
+                f"expert parallelism: the number of experts ({num_experts}) is not divisible by "
+                f"tensor_parallel_size ({self.world_size})"
+            )
         return ExpertPlacement(self.split(num_experts, "the number of experts"), TensorParallelGroup())
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -226,14 +248,16 @@ class VocabParallelEmbedding(nn.Module):
     """nn.Embedding over the rank's slice of the vocabulary; ids of other ranks embed to zero and
     the all-reduce fills them in. Parameter `weight` [local vocab, hidden] like nn.Embedding's."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 group: TensorParallelGroup) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.group = group
         self.shard = group.vocab(vocab_size, hidden_size)
         # Zeros: the padding rows past the vocabulary are never loaded.
-        self.weight = nn.Parameter(torch.zeros(self.shard.local_out, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard.local_out, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:

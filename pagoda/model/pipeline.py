@@ -44,19 +44,25 @@ def pipeline_stages(num_layers: int, num_stages: int, partition: list[int] | Non
     """Contiguous slices of the layers, one per stage: `partition` (layers per stage), or an
     even split (the first stages take one more layer when it does not divide)."""
     if num_stages > num_layers:
-        raise ValueError(f"pipeline_parallel_size {num_stages} is larger than the model's {num_layers} layers: "
-                         f"every stage needs at least one layer")
+        raise ValueError(
+            f"pipeline_parallel_size {num_stages} is larger than the model's {num_layers} layers: "
+            f"every stage needs at least one layer"
+        )
     if partition is None:
         size, extra = divmod(num_layers, num_stages)
         partition = [size + (1 if stage < extra else 0) for stage in range(num_stages)]
     elif len(partition) != num_stages:
-        raise ValueError(f"pp_layer_partition has {len(partition)} stage(s) ({','.join(map(str, partition))}), "
-                         f"pipeline_parallel_size is {num_stages}")
+        raise ValueError(
+            f"pp_layer_partition has {len(partition)} stage(s) ({','.join(map(str, partition))}), "
+            f"pipeline_parallel_size is {num_stages}"
+        )
     elif any(count < 1 for count in partition):
         raise ValueError(f"pp_layer_partition {','.join(map(str, partition))}: every stage needs at least one layer")
     elif sum(partition) != num_layers:
-        raise ValueError(f"pp_layer_partition {','.join(map(str, partition))} sums to {sum(partition)} layers, "
-                         f"the model has {num_layers}")
+        raise ValueError(
+            f"pp_layer_partition {','.join(map(str, partition))} sums to {sum(partition)} layers, "
+            f"the model has {num_layers}"
+        )
     stages, first = [], 0
     for index, count in enumerate(partition):
         stages.append(PipelineStage(index, num_stages, first, first + count))

@@ -18,16 +18,17 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, *,
-                  long_factors: bool = False) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, *, long_factors: bool = False
+) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], computed as transformers does (same float ops);
     long_factors: LongRoPE's long ones (other rope types have one set)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = None if scaling is None else scaling["rope_type"]
     if scaling is not None and rope_type == "longrope":
         ext_factors = torch.tensor(scaling["long_factor" if long_factors else "short_factor"], dtype=torch.float32)
-        return 1.0 / (ext_factors * theta ** exponents)
-    inv_freq = 1.0 / (theta ** exponents)
+        return 1.0 / (ext_factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None or rope_type is None:
         return inv_freq
     if rope_type == "linear":

@@ -11,8 +11,9 @@ from pagoda.quant.kv_cache_dtype import KVCacheFormat
 __all__ = ["AttentionBackend", "AttentionLayerSpec", "BatchLayout", "select_backend"]
 
 
-def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | None = None,
-                   native: NativeKernels | None = None) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, kv_format: KVCacheFormat | None = None, native: NativeKernels | None = None
+) -> AttentionBackend:
     """`auto` means Triton on CUDA when it is installed, the torch reference otherwise. Both
     read every KV cache dtype (`kv_format`; None: the model dtype). With `native` (the CPU
     kernels), the torch backend attends decode-sized requests through the native kernel."""
@@ -21,8 +22,9 @@ def select_backend(name: str, device: torch.device, kv_format: KVCacheFormat | N
             from pagoda.kernels.attention.triton_backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
-                raise ValueError("attention_backend=triton needs the `triton` package "
-                                 "(pip install 'pagoda[gpu]')") from None
+                raise ValueError(
+                    "attention_backend=triton needs the `triton` package (pip install 'pagoda[gpu]')"
+                ) from None
         else:
             return TritonAttentionBackend(kv_format=kv_format)
     if name == "triton" and device.type != "cuda":

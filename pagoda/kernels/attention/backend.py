@@ -58,8 +58,15 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers (index tensors, masks, ...)."""
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
-                spec: AttentionLayerSpec) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: object,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D].
         Writes key/value at the layout's slots, returns the attention output [T, H, D]."""

@@ -3,7 +3,8 @@
 Requests with one new token (decodes) are sorted by context length and attended in padded
 SDPA calls of up to DECODE_GROUP_SIZE requests, a longer context starting a new group where it
 would pad the group by more than DECODE_GROUP_MAX_PADDING, so short contexts are not padded to
-the longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time. Each request's
+the longest one in the batch; requests with several (prefill chunks, with or without a cached prefix) one at a time.
+Each request's
 context is gathered whole blocks at a time (`index_select` on the block dimension copies
 block-sized rows, cheaper on CPU than gathering token by token), and the gather
 indices and masks are built once per step and shared by every layer.
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
-
 
 DECODE_GROUP_SIZE = 16
 # A decode group is padded to its longest context: a row that would add more than this many
@@ -85,8 +85,7 @@ class TorchAttentionMetadata:
     native: NativeRequests | None = None
 
 
-def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
-                    window: int | None) -> torch.Tensor:
+def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """Causal (and sliding-window) visibility: query at p sees key at j if j <= p and,
     with a window w, j > p - w (the convention transformers uses)."""
     q = query_positions.unsqueeze(-1)
@@ -117,16 +116,22 @@ class TorchAttentionBackend(AttentionBackend):
         if not rows:
             return metadata
         if len(rows) == layout.num_reqs:  # the whole batch, as laid out
-            metadata.native = NativeRequests(layout.query_start_loc[:-1], torch.tensor(query_lens),
-                                             layout.seq_lens, layout.block_tables)
+            metadata.native = NativeRequests(
+                layout.query_start_loc[:-1], torch.tensor(query_lens), layout.seq_lens, layout.block_tables
+            )
         else:
             index = torch.tensor(rows)
-            metadata.native = NativeRequests(layout.query_start_loc[index], torch.tensor([query_lens[i] for i in rows]),
-                                             layout.seq_lens[index], layout.block_tables[index])
+            metadata.native = NativeRequests(
+                layout.query_start_loc[index],
+                torch.tensor([query_lens[i] for i in rows]),
+                layout.seq_lens[index],
+                layout.block_tables[index],
+            )
         return metadata
 
-    def _prepare_gathers(self, layout: BatchLayout, sliding_windows: set[int | None],
-                         requests: range | list[int]) -> TorchAttentionMetadata:
+    def _prepare_gathers(
+        self, layout: BatchLayout, sliding_windows: set[int | None], requests: range | list[int]
+    ) -> TorchAttentionMetadata:
         """The gathers, masks and decode groups of the requests attended through SDPA."""
         device = layout.slot_mapping.device
         query_lens = layout.query_lens_host
@@ -134,8 +139,9 @@ class TorchAttentionBackend(AttentionBackend):
         starts = layout.query_start_loc.tolist()
 
         decode_rows = sorted((i for i in requests if query_lens[i] == 1), key=lambda i: context_lens[i])
-        decodes = [self._decode_group(layout, rows, sliding_windows)
-                   for rows in decode_groups(decode_rows, context_lens)]
+        decodes = [
+            self._decode_group(layout, rows, sliding_windows) for rows in decode_groups(decode_rows, context_lens)
+        ]
         prefills = []
         for i in requests:
             n = query_lens[i]
@@ -151,12 +157,15 @@ class TorchAttentionBackend(AttentionBackend):
                 else:
                     masks[window] = visibility_mask(query_positions, key_positions, window)
             num_blocks = -(-total // layout.block_size)
-            prefills.append(PrefillRequest(
-                start=starts[i], end=starts[i] + n,
-                block_index=layout.block_tables[i, :num_blocks].long(),
-                length=total,
-                masks=masks,
-            ))
+            prefills.append(
+                PrefillRequest(
+                    start=starts[i],
+                    end=starts[i] + n,
+                    block_index=layout.block_tables[i, :num_blocks].long(),
+                    length=total,
+                    masks=masks,
+                )
+            )
         whole_batch = not prefills and decode_rows == list(range(len(query_lens)))
         return TorchAttentionMetadata(layout.slot_mapping, decodes, prefills, whole_batch and len(decodes) == 1)
 
@@ -181,9 +190,16 @@ class TorchAttentionBackend(AttentionBackend):
             masks=masks,
         )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
-                spec: AttentionLayerSpec) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: object,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         num_kv_heads = spec.num_kv_heads
         entry = key_cache.shape[-1]  # head_dim, or more for a quantized format's entries
@@ -196,23 +212,33 @@ class TorchAttentionBackend(AttentionBackend):
 
         if metadata.whole_batch_decode:
             return self._decode(query.unsqueeze(2), metadata.decodes[0], key_cache, value_cache, spec).squeeze(2)
-        output = self._native(query, key_cache, value_cache, metadata.native, spec) \
-            if metadata.native is not None else torch.empty_like(query)
+        output = (
+            self._native(query, key_cache, value_cache, metadata.native, spec)
+            if metadata.native is not None
+            else torch.empty_like(query)
+        )
         for decode in metadata.decodes:
-            output[decode.token_index] = self._decode(query[decode.token_index].unsqueeze(2), decode,
-                                                      key_cache, value_cache, spec).squeeze(2)
+            output[decode.token_index] = self._decode(
+                query[decode.token_index].unsqueeze(2), decode, key_cache, value_cache, spec
+            ).squeeze(2)
         for prefill in metadata.prefills:
-            q = query[prefill.start:prefill.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            k = load(key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
-            v = load(value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[:prefill.length])
+            q = query[prefill.start : prefill.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            k = load(key_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[: prefill.length])
+            v = load(value_cache.index_select(0, prefill.block_index).view(-1, num_kv_heads, entry)[: prefill.length])
             k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             v = v.transpose(0, 1).unsqueeze(0)
             out = attend(q, k, v, prefill.masks[spec.sliding_window], spec)
-            output[prefill.start:prefill.end] = out.squeeze(0).transpose(0, 1)
+            output[prefill.start : prefill.end] = out.squeeze(0).transpose(0, 1)
         return output
 
-    def _native(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                requests: NativeRequests, spec: AttentionLayerSpec) -> torch.Tensor:
+    def _native(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        requests: NativeRequests,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
         """The native kernel's output for its requests' rows (in float32, cast back to the model
         dtype); the other rows are left for the SDPA path to fill."""
         assert self.native is not None
@@ -222,13 +248,31 @@ class TorchAttentionBackend(AttentionBackend):
             element = NATIVE_KV_ELEMENTS[kv_format.element_dtype]
             per_token, tensor_scale = kv_format.scale_per_token, kv_format.tensor_scale
         out = self.native.paged_attention(
-            query.float(), key_cache, value_cache, requests.block_tables, requests.query_starts, requests.query_lens,
-            requests.seq_lens, spec.scale, spec.sliding_window, spec.logit_softcap, spec.sinks, element, per_token,
-            tensor_scale)
+            query.float(),
+            key_cache,
+            value_cache,
+            requests.block_tables,
+            requests.query_starts,
+            requests.query_lens,
+            requests.seq_lens,
+            spec.scale,
+            spec.sliding_window,
+            spec.logit_softcap,
+            spec.sinks,
+            element,
+            per_token,
+            tensor_scale,
+        )
         return out.to(query.dtype)
 
-    def _decode(self, q: torch.Tensor, decode: DecodeGroup, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                spec: AttentionLayerSpec) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        decode: DecodeGroup,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
         """q [B, H, 1, D] of one decode group -> its attention output [B, H, 1, D]."""
         load = self.kv_format.decode if self.kv_format is not None else (lambda entries: entries)
         shape = (q.shape[0], decode.length, spec.num_kv_heads, key_cache.shape[-1])
@@ -237,20 +281,23 @@ class TorchAttentionBackend(AttentionBackend):
         upcast = self.upcast_half_decode and q.device.type == "cpu" and q.dtype in HALF_DTYPES
         if upcast:
             k, v = k.float(), v.float()
-        out = attend(q.float() if upcast else q, k.transpose(1, 2), v.transpose(1, 2),
-                     decode.masks[spec.sliding_window], spec)
+        out = attend(
+            q.float() if upcast else q, k.transpose(1, 2), v.transpose(1, 2), decode.masks[spec.sliding_window], spec
+        )
         return out.to(q.dtype) if upcast else out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           spec: AttentionLayerSpec) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, spec: AttentionLayerSpec
+) -> torch.Tensor:
     """q [B, H, q, D] over k/v [B, KVH, L, D]; mask: bool, broadcast to [B, H, q, L], or None for
     causal attention over keys starting at the first query's position."""
     gqa = spec.num_heads != spec.num_kv_heads
     cap = spec.logit_softcap
     if cap is None and spec.sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=spec.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=gqa
+        )
     # SDPA has neither soft-caps nor sinks: scores, cap, mask and softmax in transformers' order.
     if gqa:
         k = k.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
@@ -272,18 +319,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs.to(q.dtype), v)
 
 
-def decode_groups(rows: list[int], context_lens: list[int],
-                  max_size: int = DECODE_GROUP_SIZE, max_padding: int = DECODE_GROUP_MAX_PADDING) -> list[list[int]]:
+def decode_groups(
+    rows: list[int],
+    context_lens: list[int],
+    max_size: int = DECODE_GROUP_SIZE,
+    max_padding: int = DECODE_GROUP_MAX_PADDING,
+) -> list[list[int]]:
     """Split decode rows, sorted by context length, into groups of at most `max_size`, starting
     a new group where the next (longer) row would pad the group's rows by more than
     `max_padding` (row, token) pairs in all."""
     groups: list[list[int]] = []
     for row in rows:
         group = groups[-1] if groups else None
-        if (group is None or len(group) >= max_size
-                or len(group) * (context_lens[row] - context_lens[group[-1]]) > max_padding):
+        if (
+            group is None
+            or len(group) >= max_size
+            or len(group) * (context_lens[row] - context_lens[group[-1]]) > max_padding
+        ):
             groups.append([row])
         else:
             group.append(row)
     return groups
-

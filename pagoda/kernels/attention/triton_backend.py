@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
-from pagoda.kernels.triton.paged_attention import BLOCK_N, decode_attention, prefill_attention, write_kv_cache
 from pagoda.kernels.triton.kv_codec import MODEL_DTYPE, KVCacheEncoding
+from pagoda.kernels.triton.paged_attention import BLOCK_N, decode_attention, prefill_attention, write_kv_cache
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
 
@@ -54,8 +54,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # metadata holds the layout's tensors and batch-size-only host values
 
-    def __init__(self, decode_splits: int | None = None, max_decode_splits: int = 16, min_partition: int = 256,
-                 sdpa_min_tokens: int | None = 512, kv_format: KVCacheFormat | None = None) -> None:
+    def __init__(
+        self,
+        decode_splits: int | None = None,
+        max_decode_splits: int = 16,
+        min_partition: int = 256,
+        sdpa_min_tokens: int | None = 512,
+        kv_format: KVCacheFormat | None = None,
+    ) -> None:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits must be >= 1, got {decode_splits}")
         if min_partition < 1:
@@ -71,8 +77,12 @@ class TritonAttentionBackend(AttentionBackend):
         query_lens = layout.query_lens_host
         context_lens = layout.context_lens_host
         max_query_len = max(query_lens)
-        sdpa_prefill = (self.sdpa_min_tokens is not None and layout.num_reqs == 1 and context_lens[0] == 0
-                        and query_lens[0] >= self.sdpa_min_tokens)
+        sdpa_prefill = (
+            self.sdpa_min_tokens is not None
+            and layout.num_reqs == 1
+            and context_lens[0] == 0
+            and query_lens[0] >= self.sdpa_min_tokens
+        )
         return TritonAttentionMetadata(
             slot_mapping=layout.slot_mapping,
             query_start_loc=layout.query_start_loc,
@@ -85,29 +95,65 @@ class TritonAttentionBackend(AttentionBackend):
             sdpa_prefill=sdpa_prefill,
         )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: object,
-                spec: AttentionLayerSpec) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: object,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.kv)
-        if (metadata.sdpa_prefill and spec.sliding_window is None and spec.logit_softcap is None
-                and spec.sinks is None and query.dtype != torch.float32):
+        if (
+            metadata.sdpa_prefill
+            and spec.sliding_window is None
+            and spec.logit_softcap is None
+            and spec.sinks is None
+            and query.dtype != torch.float32
+        ):
             return self._sdpa_prefill(query, key, value, spec)
         output = torch.empty_like(query)
         if metadata.decode_only:
-            decode_attention(output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                             spec.scale, spec.sliding_window,
-                             self._num_splits(metadata, spec, query.device), self.min_partition, self.kv,
-                             softcap=spec.logit_softcap, sinks=spec.sinks)
+            decode_attention(
+                output,
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                spec.scale,
+                spec.sliding_window,
+                self._num_splits(metadata, spec, query.device),
+                self.min_partition,
+                self.kv,
+                softcap=spec.logit_softcap,
+                sinks=spec.sinks,
+            )
         else:
-            prefill_attention(output, query, key_cache, value_cache, metadata.block_tables,
-                              metadata.query_start_loc, metadata.seq_lens, spec.scale, spec.sliding_window,
-                              metadata.max_query_len, self.kv, softcap=spec.logit_softcap, sinks=spec.sinks)
+            prefill_attention(
+                output,
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                spec.scale,
+                spec.sliding_window,
+                metadata.max_query_len,
+                self.kv,
+                softcap=spec.logit_softcap,
+                sinks=spec.sinks,
+            )
         return output
 
     @staticmethod
-    def _sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      spec: AttentionLayerSpec) -> torch.Tensor:
+    def _sdpa_prefill(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec: AttentionLayerSpec
+    ) -> torch.Tensor:
         # A whole prompt with nothing cached needs no paging: the new K/V are the full context,
         # and FlashAttention-2 behind SDPA (causal, GQA, 16-bit only) is a kernel tuned for
         # exactly that, with a split of the diagonal tiles ours lacks. fp32 would fall back to
@@ -115,12 +161,12 @@ class TritonAttentionBackend(AttentionBackend):
         q = query.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         k = key.transpose(0, 1).unsqueeze(0)
         v = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale,
-                                             enable_gqa=spec.num_heads != spec.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=spec.scale, enable_gqa=spec.num_heads != spec.num_kv_heads
+        )
         return out.squeeze(0).transpose(0, 1).contiguous()
 
-    def _num_splits(self, metadata: TritonAttentionMetadata, spec: AttentionLayerSpec,
-                    device: torch.device) -> int:
+    def _num_splits(self, metadata: TritonAttentionMetadata, spec: AttentionLayerSpec, device: torch.device) -> int:
         """Enough programs to fill the GPU about twice, never a partition shorter than
         min_partition tokens of the longest context; a power of two, since each count is a
         separately compiled kernel."""

@@ -30,8 +30,8 @@ tests/kernels/test_triton_moe.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
@@ -85,13 +85,36 @@ def align_blocks(counts: torch.Tensor, num_pairs: int, block_m: int) -> BlockAli
 
 @triton.jit
 def _grouped_expert_kernel(
-    a_ptr, a_row_ptr, w_ptr, scales_ptr, bias_ptr, route_weight_ptr, out_ptr, out_row_ptr, block_rows_ptr,
+    a_ptr,
+    a_row_ptr,
+    w_ptr,
+    scales_ptr,
+    bias_ptr,
+    route_weight_ptr,
+    out_ptr,
+    out_row_ptr,
+    block_rows_ptr,
     block_expert_ptr,
-    num_pairs, N, K, first_expert, held_experts,
-    stride_am, stride_we, stride_wn, stride_se, stride_be, stride_om,
-    GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    num_pairs,
+    N,
+    K,
+    first_expert,
+    held_experts,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_be,
+    stride_om,
+    GATHER_A: tl.constexpr,
+    SCATTER_OUT: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     MUL_ROUTE_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,15 +156,26 @@ def _grouped_expert_kernel(
         out_rows = tl.load(out_row_ptr + pairs, mask=pair_valid, other=0)
     else:
         out_rows = pairs
-    tl.store(out_ptr + out_rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=pair_valid[:, None] & col_valid[None, :])
+    tl.store(
+        out_ptr + out_rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=pair_valid[:, None] & col_valid[None, :],
+    )
 
 
-def grouped_linear(a: torch.Tensor, weight: torch.Tensor, blocks: BlockAlignment, *,
-                   a_rows: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
-                   scales: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None, route_weights: torch.Tensor | None = None,
-                   in_features: int | None = None, first_expert: int = 0) -> torch.Tensor:
+def grouped_linear(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: BlockAlignment,
+    *,
+    a_rows: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    route_weights: torch.Tensor | None = None,
+    in_features: int | None = None,
+    first_expert: int = 0,
+) -> torch.Tensor:
     """out [num_pairs, N] in a's dtype: row out_rows[p] (or p) = A[a_rows[p] (or p)] @
     W[expert of p]^T (* scales[expert]) (+ bias[expert]) (* route_weights[p]); zero for a pair
     whose expert is not among the held ones, first_expert .. first_expert + E - 1.
@@ -157,18 +191,39 @@ def grouped_linear(a: torch.Tensor, weight: torch.Tensor, blocks: BlockAlignment
     # Unused pointers get a tensor of the right kind: the kernel never reads them (constexpr off).
     grid = (blocks.block_expert.shape[0], triton.cdiv(num_out, BLOCK_N))
     _grouped_expert_kernel[grid](
-        a, a_rows if a_rows is not None else blocks.block_rows, weight,
-        scales if scales is not None else weight, bias if bias is not None else weight,
-        route_weights if route_weights is not None else weight, out,
-        out_rows if out_rows is not None else blocks.block_rows, blocks.block_rows, blocks.block_expert,
-        blocks.num_pairs, num_out, in_features, first_expert, held_experts,
-        a.stride(0), weight.stride(0), weight.stride(1),
-        scales.stride(0) if scales is not None else 0, bias.stride(0) if bias is not None else 0, out.stride(0),
-        GATHER_A=a_rows is not None, SCATTER_OUT=out_rows is not None, HAS_SCALES=scales is not None,
-        HAS_BIAS=bias is not None, MUL_ROUTE_WEIGHT=route_weights is not None,
-        BLOCK_M=blocks.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a,
+        a_rows if a_rows is not None else blocks.block_rows,
+        weight,
+        scales if scales is not None else weight,
+        bias if bias is not None else weight,
+        route_weights if route_weights is not None else weight,
+        out,
+        out_rows if out_rows is not None else blocks.block_rows,
+        blocks.block_rows,
+        blocks.block_expert,
+        blocks.num_pairs,
+        num_out,
+        in_features,
+        first_expert,
+        held_experts,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        scales.stride(0) if scales is not None else 0,
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        GATHER_A=a_rows is not None,
+        SCATTER_OUT=out_rows is not None,
+        HAS_SCALES=scales is not None,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTE_WEIGHT=route_weights is not None,
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,  # fp32 models: no tf32 rounding
-        num_warps=4, num_stages=3)
+        num_warps=4,
+        num_stages=3,
+    )
     return out
 
 
@@ -187,23 +242,45 @@ class ExpertWeights:
     intermediate_size: int | None = None
 
 
-def grouped_experts(hidden: torch.Tensor, token_index: torch.Tensor, route_weights: torch.Tensor,
-                    counts: torch.Tensor, weights: ExpertWeights,
-                    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], first_expert: int = 0) -> torch.Tensor:
+def grouped_experts(
+    hidden: torch.Tensor,
+    token_index: torch.Tensor,
+    route_weights: torch.Tensor,
+    counts: torch.Tensor,
+    weights: ExpertWeights,
+    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    first_expert: int = 0,
+) -> torch.Tensor:
     """sum_k route_weight * expert(token) for every token, [T, H]: pair p is token token_index[p]
     (each token has the same number k of pairs) through expert e (the segment of `counts` [E]
     it falls in); zero terms where e is not among the held experts (`weights` holds
     first_expert onwards)."""
     num_pairs, num_tokens = token_index.shape[0], hidden.shape[0]
     blocks = align_blocks(counts, num_pairs, pick_block_m(num_pairs, counts.shape[0]))
-    gate_up = grouped_linear(hidden, weights.gate_up, blocks, a_rows=token_index, scales=weights.gate_up_scales,
-                             bias=weights.gate_up_bias, in_features=weights.hidden_size, first_expert=first_expert)
+    gate_up = grouped_linear(
+        hidden,
+        weights.gate_up,
+        blocks,
+        a_rows=token_index,
+        scales=weights.gate_up_scales,
+        bias=weights.gate_up_bias,
+        in_features=weights.hidden_size,
+        first_expert=first_expert,
+    )
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
     # The down product writes each token's k rows next to each other (in expert order, as the
     # pairs are sorted) and one sum combines them: the same order every run, no atomics.
     by_token = torch.argsort(token_index, stable=True)
     slot = torch.empty_like(by_token).scatter_(0, by_token, torch.arange(num_pairs, device=by_token.device))
-    down = grouped_linear(gated(gate, up), weights.down, blocks, out_rows=slot, scales=weights.down_scales,
-                          bias=weights.down_bias, route_weights=route_weights, in_features=weights.intermediate_size,
-                          first_expert=first_expert)
+    down = grouped_linear(
+        gated(gate, up),
+        weights.down,
+        blocks,
+        out_rows=slot,
+        scales=weights.down_scales,
+        bias=weights.down_bias,
+        route_weights=route_weights,
+        in_features=weights.intermediate_size,
+        first_expert=first_expert,
+    )
     return down.view(num_tokens, num_pairs // max(num_tokens, 1), down.shape[1]).sum(dim=1)

@@ -45,8 +45,9 @@ class KVCacheEncoding:
         if kv_format is None or not kv_format.quantized:
             return KVCacheEncoding()
         mode = PER_TOKEN_SCALE if kv_format.scale_per_token else PER_TENSOR_SCALE
-        return KVCacheEncoding(mode, _ELEMENT_TYPES[kv_format.name], kv_format.largest,
-                               kv_format.tensor_scale, kv_format.tensor_scale)
+        return KVCacheEncoding(
+            mode, _ELEMENT_TYPES[kv_format.name], kv_format.largest, kv_format.tensor_scale, kv_format.tensor_scale
+        )
 
 
 @triton.jit

@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.triton.kv_codec import (MODEL_DTYPE, PER_TOKEN_SCALE, KVCacheEncoding, decode_bytes,
-                                                    encode_vectors)
+from pagoda.kernels.triton.kv_codec import MODEL_DTYPE, PER_TOKEN_SCALE, KVCacheEncoding, decode_bytes, encode_vectors
 
 LOG2E = 1.4426950408889634
 
@@ -52,14 +51,31 @@ MIN_BLOCK_M = 16
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head,
-    key_scale, value_scale,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, LARGEST: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    key_scale,
+    value_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_TYPE: tl.constexpr,
+    LARGEST: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -73,19 +89,30 @@ def _write_kv_kernel(
 
     key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     key_dst = key_cache_ptr + block * stride_kc_block + row * stride_kc_slot + heads * stride_kc_head
-    _store_vectors(key_dst, key, key_scale, heads < NUM_KV_HEADS, dims, mask,
-                   HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST)
+    _store_vectors(key_dst, key, key_scale, heads < NUM_KV_HEADS, dims, mask, HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST)
 
-    value = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
-                    mask=mask)
+    value = tl.load(
+        value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask
+    )
     value_dst = value_cache_ptr + block * stride_vc_block + row * stride_vc_slot + heads * stride_vc_head
-    _store_vectors(value_dst, value, value_scale, heads < NUM_KV_HEADS, dims, mask,
-                   HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST)
+    _store_vectors(
+        value_dst, value, value_scale, heads < NUM_KV_HEADS, dims, mask, HEAD_DIM, KV_QUANT, KV_TYPE, LARGEST
+    )
 
 
 @triton.jit
-def _store_vectors(dst, x, tensor_scale, head_valid, dims, mask,
-                   HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, LARGEST: tl.constexpr):
+def _store_vectors(
+    dst,
+    x,
+    tensor_scale,
+    head_valid,
+    dims,
+    mask,
+    HEAD_DIM: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_TYPE: tl.constexpr,
+    LARGEST: tl.constexpr,
+):
     """x [heads, dims] -> the cache entries starting at dst [heads], encoded as KV_QUANT says.
     Divisions are IEEE-rounded (div_rn) to write what KVCacheFormat.encode writes."""
     if KV_QUANT == 0:
@@ -104,12 +131,36 @@ def _store_vectors(dst, x, tensor_scale, head_valid, dims, mask,
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, key_start, kv_end, query_pos,
-    key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, dims, dim_valid, qk_scale,
-    stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, key_scale, value_scale,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, SOFTCAP: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    key_start,
+    kv_end,
+    query_pos,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    dims,
+    dim_valid,
+    qk_scale,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    key_scale,
+    value_scale,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_TYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [key_start, key_start + BLOCK_N) (masked to < kv_end
     and to each row's causal / sliding-window range). Scores are in base-2 units."""
@@ -119,16 +170,27 @@ def _attend_tile(
     rows = keys % BLOCK_SIZE
     k_offsets = blocks * stride_kc_block + rows * stride_kc_slot + kv_head * stride_kc_head
     if KV_QUANT == 0:
-        k = tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
-                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # [D, N]
+        k = tl.load(
+            key_cache_ptr + k_offsets[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None], other=0.0
+        )  # [D, N]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, N] fp32
     else:
-        k = decode_bytes(tl.load(key_cache_ptr + k_offsets[None, :] + dims[:, None],
-                                 mask=key_valid[None, :] & dim_valid[:, None], other=0), KV_TYPE).to(q.dtype)
+        k = decode_bytes(
+            tl.load(
+                key_cache_ptr + k_offsets[None, :] + dims[:, None],
+                mask=key_valid[None, :] & dim_valid[:, None],
+                other=0,
+            ),
+            KV_TYPE,
+        ).to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if KV_QUANT == 1:
-            scores = scores * tl.load((key_cache_ptr + k_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)),
-                                      mask=key_valid, other=0.0)[None, :]
+            scores = (
+                scores
+                * tl.load(
+                    (key_cache_ptr + k_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=key_valid, other=0.0
+                )[None, :]
+            )
         else:
             scores = scores * key_scale
 
@@ -151,14 +213,24 @@ def _attend_tile(
 
     v_offsets = blocks * stride_vc_block + rows * stride_vc_slot + kv_head * stride_vc_head
     if KV_QUANT == 0:
-        v = tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [N, D]
+        v = tl.load(
+            value_cache_ptr + v_offsets[:, None] + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [N, D]
     else:
-        v = decode_bytes(tl.load(value_cache_ptr + v_offsets[:, None] + dims[None, :],
-                                 mask=key_valid[:, None] & dim_valid[None, :], other=0), KV_TYPE).to(tl.float32)
+        v = decode_bytes(
+            tl.load(
+                value_cache_ptr + v_offsets[:, None] + dims[None, :],
+                mask=key_valid[:, None] & dim_valid[None, :],
+                other=0,
+            ),
+            KV_TYPE,
+        ).to(tl.float32)
         if KV_QUANT == 1:
-            v_scales = tl.load((value_cache_ptr + v_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)),
-                               mask=key_valid, other=0.0)
+            v_scales = tl.load(
+                (value_cache_ptr + v_offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=key_valid, other=0.0
+            )
             v = (v * v_scales[:, None]).to(q.dtype)
         else:
             v = (v * value_scale).to(q.dtype)
@@ -197,16 +269,42 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def _prefill_attention_kernel(
-    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    sinks_ptr, qk_scale, num_reqs,
-    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_bt, key_scale, value_scale,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    qk_scale,
+    num_reqs,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_bt,
+    key_scale,
+    value_scale,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_TYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -227,8 +325,11 @@ def _prefill_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     token = q_start + q_index
-    q = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     query_pos = context_len + q_index
 
     # Keys this block can see: up to its last query (causal); from its first query's window.
@@ -244,30 +345,87 @@ def _prefill_attention_kernel(
     block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
     for key_start in range(kv_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, key_start, kv_end, query_pos,
-            key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
-            stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE,
-            SOFTCAP)
+            q,
+            m_i,
+            l_i,
+            acc,
+            key_start,
+            kv_end,
+            query_pos,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table,
+            kv_head,
+            dims,
+            dim_valid,
+            qk_scale,
+            stride_kc_block,
+            stride_kc_slot,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_slot,
+            stride_vc_head,
+            key_scale,
+            value_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            SLIDING_WINDOW,
+            DOT_PRECISION,
+            HEAD_DIM,
+            KV_QUANT,
+            KV_TYPE,
+            SOFTCAP,
+        )
 
     out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_valid, HAS_SINKS)
-    tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    tl.store(
+        out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
 
 
 @triton.jit
 def _decode_attention_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
-    qk_scale, min_partition,
-    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_bt, key_scale, value_scale,
-    NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr, KV_TYPE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    qk_scale,
+    min_partition,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_bt,
+    key_scale,
+    value_scale,
+    NUM_HEADS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_TYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -279,8 +437,11 @@ def _decode_attention_kernel(
     row_valid = offs_m < QUERIES_PER_KV
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q = tl.load(query_ptr + req * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + req * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     query_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + seq_len - 1
 
     # The visible range [lo, seq_len) is cut into partitions of a whole number of tiles computed
@@ -301,31 +462,72 @@ def _decode_attention_kernel(
     block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
     for key_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, key_start, end, query_pos,
-            key_cache_ptr, value_cache_ptr, block_table, kv_head, dims, dim_valid, qk_scale,
-            stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-            key_scale, value_scale, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, DOT_PRECISION, HEAD_DIM, KV_QUANT, KV_TYPE,
-            SOFTCAP)
+            q,
+            m_i,
+            l_i,
+            acc,
+            key_start,
+            end,
+            query_pos,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table,
+            kv_head,
+            dims,
+            dim_valid,
+            qk_scale,
+            stride_kc_block,
+            stride_kc_slot,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_slot,
+            stride_vc_head,
+            key_scale,
+            value_scale,
+            BLOCK_SIZE,
+            BLOCK_N,
+            SLIDING_WINDOW,
+            DOT_PRECISION,
+            HEAD_DIM,
+            KV_QUANT,
+            KV_TYPE,
+            SOFTCAP,
+        )
 
     if NUM_SPLITS == 1:
         out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_valid, HAS_SINKS)
-        tl.store(out_ptr + req * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(
+            out_ptr + req * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
     else:
         # Partials are laid out [req, head, split] (+ [head_dim] for the accumulator).
         part = (req * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
-        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(
+            partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr,
-    stride_o_token, stride_o_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    sinks_ptr,
+    stride_o_token,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -346,11 +548,15 @@ def _reduce_splits_kernel(
     total = tl.sum(weight * s, 0)
     if HAS_SINKS:
         total += tl.exp2(sink - m_safe)
-    acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    acc = tl.load(
+        partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + req * stride_o_token + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dim_valid)
+    tl.store(
+        out_ptr + req * stride_o_token + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid
+    )
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -370,8 +576,14 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv: KVCacheEncoding = KVCacheEncoding()) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv: KVCacheEncoding = KVCacheEncoding(),
+) -> None:
     """key/value [T, KVH, D] -> the caches at `slot_mapping` [T] (entries < 0 are skipped),
     encoded as `kv` says."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -380,14 +592,31 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     _check_cache(key_cache, value_cache, head_dim, kv)
     key, value = _rows_contiguous(key), _rows_contiguous(value)
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        kv.key_scale, kv.value_scale,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1], KV_QUANT=kv.mode, KV_TYPE=kv.element, LARGEST=kv.largest,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        kv.key_scale,
+        kv.value_scale,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+        KV_QUANT=kv.mode,
+        KV_TYPE=kv.element,
+        LARGEST=kv.largest,
     )
 
 
@@ -412,11 +641,22 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(triton.next_power_of_2(head_dim), 16)
 
 
-def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, sliding_window: int | None, max_query_len: int,
-                      kv: KVCacheEncoding = KVCacheEncoding(), *, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> None:
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    kv: KVCacheEncoding = KVCacheEncoding(),
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
     """Causal attention of every query token over its request's cached context (which already
     holds this step's K/V). query/out [T, H, D]; requests delimited by query_start_loc.
     softcap: scores (after `scale`) become softcap * tanh(score / softcap); sinks [H]: a logit
@@ -433,24 +673,63 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     _check_cache(key_cache, value_cache, head_dim, kv)
     query = _rows_contiguous(query)
     _prefill_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, _sinks_arg(sinks, out),
-        scale * LOG2E, num_reqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), kv.key_scale, kv.value_scale,
-        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        SLIDING_WINDOW=sliding_window or 0, DOT_PRECISION=_dot_precision(query.dtype),
-        KV_QUANT=kv.mode, KV_TYPE=kv.element, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
-        num_warps=8 if head_dim > 128 else 4, num_stages=_num_stages(query.dtype),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        _sinks_arg(sinks, out),
+        scale * LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        kv.key_scale,
+        kv.value_scale,
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_head_dim_pad(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N,
+        SLIDING_WINDOW=sliding_window or 0,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        KV_QUANT=kv.mode,
+        KV_TYPE=kv.element,
+        SOFTCAP=float(softcap or 0.0),
+        HAS_SINKS=sinks is not None,
+        num_warps=8 if head_dim > 128 else 4,
+        num_stages=_num_stages(query.dtype),
     )
 
 
-def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                     num_splits: int, min_partition: int, kv: KVCacheEncoding = KVCacheEncoding(), *,
-                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+def decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int,
+    min_partition: int,
+    kv: KVCacheEncoding = KVCacheEncoding(),
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
     """One query token per request (token i belongs to request i). query/out [R, H, D].
     With num_splits > 1 each request's context is split across that many programs per KV head
     and merged by a second kernel; partitions are at least `min_partition` tokens long.
@@ -461,32 +740,69 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     _check_cache(key_cache, value_cache, head_dim, kv)
     query = _rows_contiguous(query)
     if num_splits > 1:
-        partial_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                                  device=query.device)
+        partial_out = torch.empty((num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
         partial_max = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
         partial_sum = torch.empty_like(partial_max)
     else:
         partial_out = partial_max = partial_sum = out  # unused
     head_dim_pad = _head_dim_pad(head_dim)
     _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, partial_out, partial_max, partial_sum,
-        query, key_cache, value_cache, block_tables, seq_lens, _sinks_arg(sinks, out),
-        scale * LOG2E, min_partition,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), kv.key_scale, kv.value_scale,
-        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_N=BLOCK_N, SLIDING_WINDOW=sliding_window or 0, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(query.dtype), KV_QUANT=kv.mode, KV_TYPE=kv.element,
-        SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
-        num_warps=4, num_stages=_num_stages(query.dtype),
+        out,
+        partial_out,
+        partial_max,
+        partial_sum,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        _sinks_arg(sinks, out),
+        scale * LOG2E,
+        min_partition,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        kv.key_scale,
+        kv.value_scale,
+        NUM_HEADS=num_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_N=BLOCK_N,
+        SLIDING_WINDOW=sliding_window or 0,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        KV_QUANT=kv.mode,
+        KV_TYPE=kv.element,
+        SOFTCAP=float(softcap or 0.0),
+        HAS_SINKS=sinks is not None,
+        num_warps=4,
+        num_stages=_num_stages(query.dtype),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_reqs, num_heads)](
-            out, partial_out, partial_max, partial_sum, _sinks_arg(sinks, out), out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            _sinks_arg(sinks, out),
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )

@@ -29,9 +29,19 @@ HALF_K = PACK_K // 2
 
 @triton.jit
 def _int8_matmul_kernel(
-    x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -44,22 +54,42 @@ def _int8_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_valid = k < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None],
-                    mask=col_valid[None, :] & k_valid[:, None], other=0)  # [BLOCK_K, BLOCK_N]
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+            mask=row_valid[:, None] & k_valid[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None],
+            mask=col_valid[None, :] & k_valid[:, None],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(x, w.to(x.dtype))
     scales = tl.load(scales_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)
     out = acc * scales[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & col_valid[None, :])
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & col_valid[None, :],
+    )
 
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    sz_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -70,8 +100,9 @@ def _int4_matmul_kernel(
     col_valid = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, 2 * HALF_K):  # one packed chunk of 2 * HALF_K inputs per step
-        packed = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 // 2 + half)[:, None],
-                         mask=col_valid[None, :], other=0)  # [HALF_K, BLOCK_N] uint8
+        packed = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 // 2 + half)[:, None], mask=col_valid[None, :], other=0
+        )  # [HALF_K, BLOCK_N] uint8
         group = k0 // GROUP_SIZE
         scale = tl.load(sz_ptr + (group * N + cols) * 2, mask=col_valid, other=0.0).to(tl.float32)
         zero = tl.load(sz_ptr + (group * N + cols) * 2 + 1, mask=col_valid, other=0.0).to(tl.float32)
@@ -82,8 +113,11 @@ def _int4_matmul_kernel(
         w_high = ((packed >> 4).to(tl.float32) - 8.0) * scale[None, :] + zero[None, :]
         acc += tl.dot(x_low, w_low.to(x_low.dtype))
         acc += tl.dot(x_high, w_high.to(x_high.dtype))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & col_valid[None, :])
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & col_valid[None, :],
+    )
 
 
 def _block_m(rows: int) -> int:
@@ -98,14 +132,29 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in
     out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
     block_m, block_n = _block_m(num_rows), 64
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_out, block_n))
-    _int8_matmul_kernel[grid](x, qweight, scales, out, num_rows, num_out, in_features,
-                              x.stride(0), qweight.stride(0), out.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=3)
+    _int8_matmul_kernel[grid](
+        x,
+        qweight,
+        scales,
+        out,
+        num_rows,
+        num_out,
+        in_features,
+        x.stride(0),
+        qweight.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=64,
+        num_warps=4,
+        num_stages=3,
+    )
     return out
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """x [M, K] (16-bit) @ dequantized int4 weight^T -> [M, N]; qweight from `pack_int4`."""
     num_rows, in_features = x.shape
     num_out = qweight.shape[0]
@@ -113,10 +162,24 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
     out = torch.empty(num_rows, num_out, dtype=x.dtype, device=x.device)
     block_m, block_n = _block_m(num_rows), 64
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_out, block_n))
-    _int4_matmul_kernel[grid](x, qweight, scales_and_zeros, out, num_rows, num_out, in_features,
-                              x.stride(0), qweight.stride(0), out.stride(0),
-                              GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, HALF_K=HALF_K,
-                              num_warps=4, num_stages=3)
+    _int4_matmul_kernel[grid](
+        x,
+        qweight,
+        scales_and_zeros,
+        out,
+        num_rows,
+        num_out,
+        in_features,
+        x.stride(0),
+        qweight.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HALF_K=HALF_K,
+        num_warps=4,
+        num_stages=3,
+    )
     return out
 
 

@@ -4,7 +4,8 @@ A family module (`pagoda.model.families.<module>`) defines `FAMILY`, a ModelFami
 (pagoda.model.families.base): its config reader, checkpoint and GGUF names, and model class.
 This registry names each family's module with what selects it: the transformers architectures
 of config.json (a family's `*ForSequenceClassification` runs its decoder under a classifier
-head), the GGUF files' `general.architecture`, and the `model_type`s that name the family (transformers picks a model's class by its model_type: a config's model_type, where a
+head), the GGUF files' `general.architecture`, and the `model_type`s that name the family (transformers picks a
+model's class by its model_type: a config's model_type, where a
 family claims it, picks the family before its architecture does; it also reads, for `pagoda
 plan`, configs of architectures pagoda does not run). Modules are imported on first use, so
 reading one family's config imports none of the others.

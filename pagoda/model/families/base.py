@@ -65,8 +65,10 @@ def gguf_reading(checkpoint: GGUFCheckpoint) -> GGUFReading:
     """How to read this GGUF file; ValueError naming it for an architecture no family reads."""
     module = families.gguf_family(checkpoint.architecture)
     if module is None or module.FAMILY.gguf is None:
-        raise ValueError(f"{checkpoint.path}: GGUF architecture {checkpoint.architecture!r} is not supported; "
-                         f"pagoda serves {', '.join(sorted(families.gguf_architectures()))}")
+        raise ValueError(
+            f"{checkpoint.path}: GGUF architecture {checkpoint.architecture!r} is not supported; "
+            f"pagoda serves {', '.join(sorted(families.gguf_architectures()))}"
+        )
     return module.FAMILY.gguf
 
 

@@ -30,11 +30,14 @@ def read_config(hf: HFConfig) -> ModelConfig:
     return hf.decoder(
         qk_norm=gemma3,
         sliding_windows=_every_nth_layer_global if known else windows_from_max_window_layers,
-        gemma_norms=True, tie_word_embeddings=True, scale_embeddings=True,
+        gemma_norms=True,
+        tie_word_embeddings=True,
+        scale_embeddings=True,
         # transformers' defaults where a config names no base; Gemma 3's checkpoints name the
         # local layers' base `rope_local_base_freq`
         default_rope_theta=1e6 if gemma3 else 10000.0,
-        default_sliding_rope_theta=_optional_float(hf.get("rope_local_base_freq")) or (10000.0 if gemma3 else None))
+        default_sliding_rope_theta=_optional_float(hf.get("rope_local_base_freq")) or (10000.0 if gemma3 else None),
+    )
 
 
 def _optional_float(value: Any) -> float | None:

@@ -57,7 +57,7 @@ def gpt_oss_tensors(items: Iterable[Item]) -> Iterator[Item]:
         else:  # transformers' input-major weight
             yield from _per_expert(file_name, prefix, projection, "weight", tensor.transpose(-1, -2))
     for name, halves in pending.items():
-        (file_name, _), = halves.values()
+        ((file_name, _),) = halves.values()
         missing = "_scales" if "_blocks" in halves else "_blocks"
         raise ValueError(f"{file_name}: MXFP4 tensor {name}{missing} is missing (its other half is there)")
 
@@ -91,15 +91,25 @@ def _experts(hf: HFConfig, num_layers: int) -> MoEConfig | None:
     if routing is None:
         return None
     num_experts, top_k = routing
-    return MoEConfig(num_experts, top_k, hf.required_int("intermediate_size"), True, 0, (True,) * num_layers,
-                     router_bias=True, softmax_over_top_k=True, expert_bias=True,
-                     swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
-                     swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702))
+    return MoEConfig(
+        num_experts,
+        top_k,
+        hf.required_int("intermediate_size"),
+        True,
+        0,
+        (True,) * num_layers,
+        router_bias=True,
+        softmax_over_top_k=True,
+        expert_bias=True,
+        swiglu_limit=float(hf.get("swiglu_limit") or 7.0),
+        swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702),
+    )
 
 
 def read_config(hf: HFConfig) -> ModelConfig:
     return hf.decoder(default_rope_theta=150000.0, attention_sinks=True, moe=_experts)
 
 
-FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=gpt_oss_tensors,
-                     checkpoint_names=gpt_oss_checkpoint_names)
+FAMILY = ModelFamily(
+    read_config=read_config, checkpoint_tensors=gpt_oss_tensors, checkpoint_names=gpt_oss_checkpoint_names
+)

@@ -38,13 +38,21 @@ def read_config(hf: HFConfig) -> ModelConfig:
 
 def with_gguf_experts(checkpoint: GGUFCheckpoint, config: dict[str, Any]) -> dict[str, Any]:
     """A `llama` GGUF's config with its experts: a Mixtral's."""
-    experts = read_experts(checkpoint.path, checkpoint.architecture, checkpoint.arch_value, checkpoint.tensors,
-                           config["num_hidden_layers"])
+    experts = read_experts(
+        checkpoint.path, checkpoint.architecture, checkpoint.arch_value, checkpoint.tensors, config["num_hidden_layers"]
+    )
     if not all(experts.sparse_layers):
-        raise ValueError(f"{checkpoint.path}: layer {experts.sparse_layers.index(False)} has no router "
-                         f"(blk.N.ffn_gate_inp); Mixtral GGUFs have experts in every layer")
-    return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "num_local_experts": experts.num_experts, "num_experts_per_tok": experts.top_k}
+        raise ValueError(
+            f"{checkpoint.path}: layer {experts.sparse_layers.index(False)} has no router "
+            f"(blk.N.ffn_gate_inp); Mixtral GGUFs have experts in every layer"
+        )
+    return {
+        **config,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": experts.num_experts,
+        "num_experts_per_tok": experts.top_k,
+    }
 
 
 def checkpoint_tensors(items: Iterable[CheckpointItem]) -> Iterator[CheckpointItem]:
@@ -71,5 +79,4 @@ def checkpoint_names(names: list[str]) -> list[str]:
     return spelled
 
 
-FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=checkpoint_tensors,
-                     checkpoint_names=checkpoint_names)
+FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=checkpoint_tensors, checkpoint_names=checkpoint_names)

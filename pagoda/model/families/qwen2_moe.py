@@ -25,6 +25,7 @@ GGUF_LAYOUT = GGUFLayout({**DECODER_LAYER_TENSORS, **MOE_LAYER_TENSORS})
 
 def qwen_experts(shared_expert: bool) -> Callable[[HFConfig, int], MoEConfig | None]:
     """The MoE reader of a Qwen-MoE config; shared_expert: the family has one."""
+
     def read(hf: HFConfig, num_layers: int) -> MoEConfig | None:
         routing = expert_routing(hf.values, hf.source)
         if routing is None:
@@ -36,6 +37,7 @@ def qwen_experts(shared_expert: bool) -> Callable[[HFConfig, int], MoEConfig | N
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
         shared = int(hf.get("shared_expert_intermediate_size") or 0) if shared_expert else 0
         return MoEConfig(num_experts, top_k, intermediate_size, bool(hf.get("norm_topk_prob", False)), shared, sparse)
+
     return read
 
 
@@ -43,25 +45,31 @@ def read_config(hf: HFConfig) -> ModelConfig:
     return hf.decoder(**qwen2.attention_biases(hf), moe=qwen_experts(shared_expert=True))
 
 
-def qwen_gguf_config(checkpoint: GGUFCheckpoint, architecture: str, model_type: str, renormalize: bool,
-                     shared_expert: bool) -> dict[str, Any]:
+def qwen_gguf_config(
+    checkpoint: GGUFCheckpoint, architecture: str, model_type: str, renormalize: bool, shared_expert: bool
+) -> dict[str, Any]:
     """The config of a Qwen-MoE GGUF: the decoder's keys and its experts'."""
     config = checkpoint.decoder_config(experts_may_stand_in=True)
-    experts = read_experts(checkpoint.path, checkpoint.architecture, checkpoint.arch_value, checkpoint.tensors,
-                           config["num_hidden_layers"])
-    config.update({
-        "architectures": [architecture],
-        "model_type": model_type,
-        "num_experts": experts.num_experts,
-        "num_experts_per_tok": experts.top_k,
-        "moe_intermediate_size": experts.intermediate_size,
-        "norm_topk_prob": renormalize,
-        "mlp_only_layers": [i for i, sparse in enumerate(experts.sparse_layers) if not sparse],
-    })
+    experts = read_experts(
+        checkpoint.path, checkpoint.architecture, checkpoint.arch_value, checkpoint.tensors, config["num_hidden_layers"]
+    )
+    config.update(
+        {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "num_experts": experts.num_experts,
+            "num_experts_per_tok": experts.top_k,
+            "moe_intermediate_size": experts.intermediate_size,
+            "norm_topk_prob": renormalize,
+            "mlp_only_layers": [i for i, sparse in enumerate(experts.sparse_layers) if not sparse],
+        }
+    )
     if experts.shared_intermediate_size is not None:
         if not shared_expert:
-            raise ValueError(f"{checkpoint.path}: shared-expert tensors (ffn_*_shexp) in a {checkpoint.architecture} "
-                             f"GGUF; only qwen2moe has a shared expert")
+            raise ValueError(
+                f"{checkpoint.path}: shared-expert tensors (ffn_*_shexp) in a {checkpoint.architecture} "
+                f"GGUF; only qwen2moe has a shared expert"
+            )
         config["shared_expert_intermediate_size"] = experts.shared_intermediate_size
     return config
 
