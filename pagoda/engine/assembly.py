@@ -18,9 +18,12 @@ import torch
 from pagoda.artifacts.digests import ArtifactError
 from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
 from pagoda.config import EngineConfig, LoRAConfig
-from pagoda.core.kv_cache_groups import release_blocker
+from pagoda.core.kv_cache_groups import longest_sequence_blocks, release_blocker
+from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
+from pagoda.core.scheduler import Scheduler
 from pagoda.engine.threads import available_cores
+from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
 from pagoda.executor.tensor_parallel import TensorParallelExecutor
@@ -311,3 +314,59 @@ def build_runner(
         else:
             runner.tensor_parallel = stack.executor
     return runner, speculation
+
+
+def build_scheduler(
+    config: EngineConfig, stack: ModelStack, plan: KVPoolPlan, kv_tiers: KVTiers | None
+) -> tuple[KVCacheManager, Scheduler]:
+    """The KV cache manager over the planned pool (its tiers beneath) and the scheduler over it."""
+    kv_cache = KVCacheManager(
+        plan.num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        host_tier=kv_tiers.host if kv_tiers else None,
+        preemption=kv_tiers.policy if kv_tiers else None,
+        groups=plan.groups,
+    )
+    scheduler = Scheduler(
+        kv_cache,
+        max_num_seqs=config.max_num_seqs_bound,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=stack.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        policy=config.scheduling_policy,
+        draft_shares_blocks=stack.draft_model is not None,
+        max_loras=config.max_loras if stack.lora is not None else None,
+        long_rope_boundary=stack.model_config.long_rope_boundary,
+        num_micro_batches=stack.num_micro_batches,
+    )
+    return kv_cache, scheduler
+
+
+def engine_limits(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan, kv_cache: KVCacheManager) -> EngineLimits:
+    """What a request may ask of this engine (pagoda.engine.validation)."""
+    num_kv_blocks = (
+        plan.num_blocks
+        if kv_cache.single_table
+        else longest_sequence_blocks(
+            plan.groups, plan.num_blocks, config.block_size, stack.max_model_len, config.max_num_batched_tokens
+        )
+    )
+    return EngineLimits(
+        max_model_len=stack.max_model_len,
+        vocab_size=stack.model_config.vocab_size,
+        num_kv_blocks=num_kv_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+    )
+
+
+def attach_kv_tiers(kv_tiers: KVTiers | None, runner: ModelRunner, speculation: SpecDecodeController) -> None:
+    """The tiers copy the same caches the runner's block copies do: the target's, then the draft
+    model's, so a block's KV travels between tiers for both models at once."""
+    if kv_tiers is None:
+        return
+    caches = [t for pair in runner.distinct_kv_caches for t in pair]
+    caches += [t for pair in speculation.kv_caches for t in pair]
+    runner.kv_transfer = kv_tiers.attach(caches)

@@ -10,16 +10,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from pagoda.config import EngineConfig
-from pagoda.core.kv_cache_groups import longest_sequence_blocks
-from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import Scheduler
-from pagoda.engine.assembly import build_kv_tiers, build_model_stack, build_runner, plan_engine_kv_pool, verify_adapter
+from pagoda.engine.assembly import (
+    attach_kv_tiers,
+    build_kv_tiers,
+    build_model_stack,
+    build_runner,
+    build_scheduler,
+    engine_limits,
+    plan_engine_kv_pool,
+    verify_adapter,
+)
 from pagoda.engine.disaggregation import DisaggStats
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.max_num_seqs import resolve_max_num_seqs
 from pagoda.engine.token_histogram import TokenHistogram
 from pagoda.engine.validation import (
-    EngineLimits,
     check_classifier_use,
     check_lora_enabled,
     check_lora_updatable,
@@ -110,47 +115,12 @@ class EngineCore:
         plan = plan_engine_kv_pool(config, stack)
         self.kv_groups, self.release_blocker, self.num_blocks = plan.groups, plan.release_blocker, plan.num_blocks
         self.kv_tiers = build_kv_tiers(config, plan, self.dtype)
-        self.kv_cache = KVCacheManager(
-            self.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            host_tier=self.kv_tiers.host if self.kv_tiers else None,
-            preemption=self.kv_tiers.policy if self.kv_tiers else None,
-            groups=self.kv_groups,
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            max_num_seqs=config.max_num_seqs_bound,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            draft_shares_blocks=stack.draft_model is not None,
-            max_loras=config.max_loras if self.lora is not None else None,
-            long_rope_boundary=self.model_config.long_rope_boundary,
-            num_micro_batches=self.num_micro_batches,
-        )
+        self.kv_cache, self.scheduler = build_scheduler(config, stack, plan, self.kv_tiers)
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).
         self.in_flight: deque[InFlightStep] = deque()
         self.runner, self.speculation = build_runner(config, stack, plan, self.kv_format)
-        self.engine_limits = EngineLimits(
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-            num_kv_blocks=self.num_blocks
-            if self.kv_cache.single_table
-            else longest_sequence_blocks(
-                self.kv_groups, self.num_blocks, config.block_size, self.max_model_len, config.max_num_batched_tokens
-            ),
-            block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
-        if self.kv_tiers is not None:
-            # The same caches _copy_blocks copies: the target's, then the draft model's, so a
-            # block's KV travels between tiers for both models at once.
-            caches = [t for pair in self.runner.distinct_kv_caches for t in pair]
-            caches += [t for pair in self.speculation.kv_caches for t in pair]
-            self.runner.kv_transfer = self.kv_tiers.attach(caches)
+        self.engine_limits = engine_limits(config, stack, plan, self.kv_cache)
+        attach_kv_tiers(self.kv_tiers, self.runner, self.speculation)
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
@@ -162,15 +132,18 @@ class EngineCore:
         )
         self._reset_step_stats()
         self._resolve_max_num_seqs()
+        self._log_ready(stack.model.model.layers[0].self_attn.o_proj.weight_format.name)
+
+    def _log_ready(self, weights: str) -> None:
         logger.info(
             "engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
             self.model_config.architecture,
             self.dtype,
             self.device,
-            stack.model.model.layers[0].self_attn.o_proj.weight_format.name,
+            weights,
             self.num_blocks,
-            config.block_size,
-            config.kv_cache_dtype,
+            self.config.block_size,
+            self.config.kv_cache_dtype,
             self.runner.backend.name,
         )
 
