@@ -76,7 +76,8 @@ def test_a_full_queue_refuses_without_reading_the_body(server: LiveServer, full_
 
 def test_fast_and_admission_refusals_look_alike(server: LiveServer) -> None:
     """The admission path's 503 (one free slot, a request of two sequences) and the fast path's
-    (no free slot) differ only in the message's numbers."""
+    (no free slot) differ only in the message's numbers and in the fast path closing the
+    connection whose body it did not read."""
     ctx = server.app.state.ctx
     slots = ctx.admission.reserve(RequestWork(1, QUEUE_LIMIT - 1))
     try:
@@ -88,7 +89,8 @@ def test_fast_and_admission_refusals_look_alike(server: LiveServer) -> None:
             slot.leave()
     assert slow.status_code == fast.status_code == 503
     assert "needs 2" in slow.json()["error"]["message"] and "needs" not in fast.json()["error"]["message"]
-    assert sorted(slow.headers.keys()) == sorted(fast.headers.keys())
+    assert sorted(slow.headers.keys()) == sorted(set(fast.headers.keys()) - {"connection"})
+    assert fast.headers["connection"] == "close"
     for name in ("retry-after", "content-type"):
         assert slow.headers[name] == fast.headers[name]
     without_message = [{**r.json()["error"], "message": None} for r in (slow, fast)]
@@ -188,7 +190,8 @@ def test_authentication_and_tenant_limits_keep_their_answers(server: LiveServer,
 
 
 def test_a_refused_connection_serves_the_next_request(server: LiveServer) -> None:
-    """The refusal leaves the unread body to the server: a kept-alive connection goes on."""
+    """A refusal answered before its body was read closes its connection (the body's unread
+    bytes are never taken for the next request's head); the client's next request is served."""
     ctx = server.app.state.ctx
     with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as client:
         slots = ctx.admission.reserve(RequestWork(1, QUEUE_LIMIT))
@@ -198,7 +201,7 @@ def test_a_refused_connection_serves_the_next_request(server: LiveServer) -> Non
             for slot in slots:
                 slot.leave()
         admitted = client.post("/completions", json=COMPLETION)
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.headers["connection"] == "close"
     assert admitted.status_code == 200 and admitted.json()["usage"]["completion_tokens"] == 2
 
 

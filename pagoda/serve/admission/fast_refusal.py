@@ -53,6 +53,11 @@ def json_bytes(content: Any) -> bytes:
     return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
+def _has_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    length = _header(headers, b"content-length")
+    return _header(headers, b"transfer-encoding") is not None or (length is not None and length.strip() != "0")
+
+
 class FastRefusal:
     """ASGI middleware: while the queue is full, refuse the requests of every endpoint of
     `endpoints` that queues work (serve/endpoints.py) with the endpoint's own 503 before the app
@@ -78,7 +83,7 @@ class FastRefusal:
                         # Accounted before the answer leaves, as the app does: a client that
                         # has its 503 finds it in /metrics and the log.
                         self._account(route, tenant, error, started)
-                        await self._answer(send, route, error)
+                        await self._answer(send, route, error, _has_body(scope["headers"]))
                         return
                 self.ctx.admission.arrival_started(scope)
                 try:
@@ -109,10 +114,18 @@ class FastRefusal:
         lease.release()
         return tenant, queue_full
 
-    async def _answer(self, send: Callable[[dict], Awaitable[None]], route: Endpoint, error: APIError) -> None:
+    async def _answer(
+        self, send: Callable[[dict], Awaitable[None]], route: Endpoint, error: APIError, body_unread: bool
+    ) -> None:
         body = json_bytes(anthropic_error_body(error) if route.anthropic else error.body())
         headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
         headers += [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
+        if body_unread:
+            # The answer leaves before the request's body was read (RFC 9112 9.6: close after
+            # answering a request whose body was not read). Kept alive, the server would have
+            # to skip the rest of the body exactly; where part of it was still in flight, its
+            # bytes were read as the next request's head (a 431 to the client's next request).
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
