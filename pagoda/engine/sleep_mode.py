@@ -107,6 +107,11 @@ class SleepMode:
             # at startup (attention's padding positions read unwritten slots).
             cache.zero_()
         self._weights, self._kv, self._kv_tensors = [], [], []
+        graphs = self.core.runner.decode_graphs
+        if graphs is not None:
+            # A resized storage is a new allocation: graphs captured before the sleep would
+            # replay into the old addresses.
+            graphs.capture()
         self.level = 0
         logger.info("engine awake")
 

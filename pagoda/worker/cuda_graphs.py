@@ -149,7 +149,11 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool.
-        The buffers hold padding rows only (slot -1), so capturing writes nothing to the cache."""
+        The buffers hold padding rows only (slot -1), so capturing writes nothing to the cache.
+        Called again after the KV caches' or weights' storage was reallocated (a wake from
+        sleep): a graph replays the addresses it was captured with."""
+        self.graphs.clear()
+        self.outputs.clear()
         pool = None
         for batch_size in reversed(self.batch_sizes):
             self._forward(batch_size)  # compile the kernels and settle the allocator outside the graph

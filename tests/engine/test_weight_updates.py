@@ -141,6 +141,25 @@ def test_sleep_releases_the_kv_pool_and_the_weights(tmp_path: Path, capsys) -> N
     assert awake_again - level_2 > 0.8 * pool_bytes + 0.5 * weights_bytes
 
 
+def test_a_wake_recaptures_the_decode_graphs(checkpoints, references) -> None:
+    """Waking reallocates the KV pool's storage: CUDA graphs captured before the sleep would
+    replay into freed memory, so the wake captures them again (a stand-in records it on the CPU)."""
+
+    class CaptureLog:
+        captures = 0
+
+        def capture(self) -> None:
+            self.captures += 1
+
+    llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
+    runner = llm.engine.core.runner
+    llm.sleep(1)
+    runner.decode_graphs = log = CaptureLog()
+    llm.wake_up()
+    runner.decode_graphs = None
+    assert log.captures == 1 and greedy(llm) == references["old"]
+
+
 def test_sleep_refuses_while_requests_are_in_flight(checkpoints) -> None:
     llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
     llm.engine.add_request(EngineRequest("r", PROMPT, GREEDY))
