@@ -6,20 +6,30 @@ serving), then committed (copied in place) and the prefix cache invalidated, so 
 with the old weights serves a new request. A replica set stages on every replica before it
 commits on any (replicas/replica_set.py).
 
-With tensor parallelism an update from disk runs in rounds over the ranks' control group
-(executor/tensor_parallel.py): every rank stages its shard, their outcomes are summed, and rank 0
-commits or drops on all of them. Streamed updates and pipeline parallelism are refused for now.
+With tensor parallelism an update runs in rounds over the ranks' control group
+(executor/tensor_parallel.py): every rank stages its shard (of the directory, or of each
+tensor rank 0 received from the trainer and relays to them), their outcomes are summed, and
+rank 0 commits or drops on all of them. Pipeline parallelism is refused for now.
+
+Streamed tensors may also be saved as a safetensors snapshot (`snapshot`, a directory the
+caller names): a replica restarted later loads the weights from it (replicas/supervisor.py).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from safetensors.torch import save_file
+
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
+from pagoda.executor.worker import WeightsRound
 from pagoda.model.loader import adopt_weights, checkpoint_items, commit_weights, stage_weights
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.rl.weight_group import TensorMeta, WeightGroup, WeightGroupSpec, join, receive
@@ -38,17 +48,12 @@ class WeightUpdates:
         self.group: WeightGroup | None = None
         self._staged: Any = None  # a filled model awaiting commit
         self._staged_source: str | None = None
+        self._staged_snapshot: Path | None = None  # a snapshot written for the staged update
         self._workers_staged = False  # tensor parallelism: the workers hold a staged shard too
 
-    def _check_updatable(self, streamed: bool = False) -> None:
-        executor = self.core.executor
-        if isinstance(executor, PipelineExecutor):
+    def _check_updatable(self) -> None:
+        if isinstance(self.core.executor, PipelineExecutor):
             raise InvalidRequest("weight updates are not supported with pipeline parallelism yet")
-        if streamed and executor is not None:
-            raise InvalidRequest(
-                "weights streamed from a trainer are not supported with tensor parallelism yet "
-                "(update from disk: every rank stages its shard)"
-            )
 
     def stage_from_disk(self, model_path: str) -> None:
         """Stage a safetensors directory; with tensor parallelism every rank stages its shard and
@@ -57,15 +62,71 @@ class WeightUpdates:
         path = Path(model_path)
         if not path.is_dir():
             raise InvalidRequest(f"model_path {model_path!r} is not a directory")
-        executor = self.core.executor
-        if executor is None:
-            self._stage(_checkpoint(path), str(path))
-            return
+        self.discard()
+        self._staged = self._stage_everywhere(
+            WeightsRound("stage", str(path)), lambda: checkpoint_items(path), str(path)
+        )
+        self._staged_source = str(path)
+
+    def join_group(self, spec: WeightGroupSpec, rank: int) -> None:
+        self._check_updatable()
+        if self.group is not None:
+            raise InvalidRequest("a weight update group is already joined; destroy it first")
+        self.group = join(spec, rank)
+
+    def start(self) -> None:
+        """The start phase: what can be checked before the trainer broadcasts."""
+        self._check_updatable()
+        if self.group is None:
+            raise InvalidRequest("no weight update group: call /init_weight_update_group first")
         self.discard()
 
+    def stage_received(self, metas: list[TensorMeta], snapshot: str | None = None) -> None:
+        """Receive the announced tensors (always all of them: the trainer is broadcasting), save
+        them to `snapshot` if given, then stage them (on every rank)."""
+        if self.group is None:
+            raise InvalidRequest("no weight update group: call /init_weight_update_group first")
+        tensors = receive(self.group, metas)
+        self.discard()
+        source = None
+        if snapshot is not None:
+            self._staged_snapshot = _save_snapshot(tensors, Path(snapshot))
+            source = snapshot
+        message = WeightsRound(
+            "stage_streamed", "", [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas]
+        )
+        try:
+            self._staged = self._stage_everywhere(
+                message,
+                lambda: (("trainer", name, tensor, None) for name, tensor in tensors.items()),
+                source,
+                list(tensors.values()),
+            )
+        except InvalidRequest:
+            self.discard()
+            raise
+        self._staged_source = source
+
+    def _stage_everywhere(
+        self,
+        message: WeightsRound,
+        items: Callable[[], Any],
+        source: str | None,
+        tensors: list[torch.Tensor] | None = None,
+        check_layout: bool = True,
+    ) -> Any:
+        """A model filled with `items()` on this rank, and with tensor parallelism the workers'
+        shards of what `message` names staged too (their refusal raises, after they dropped
+        what they staged)."""
+        executor = self.core.executor
+        if executor is None:
+            return self._stage(items, source, None, check_layout)
+        staged = None
+
         def stage_here() -> str | None:  # raises nothing: every rank must reach the round's all-reduce
+            nonlocal staged
             try:
-                self._stage(_checkpoint(path), str(path), executor.group)
+                staged = self._stage(items, source, executor.group, check_layout)
             except InvalidRequest as error:
                 return str(error)
             except Exception as error:  # a bug; still a refusal, so the other ranks drop theirs
@@ -73,52 +134,34 @@ class WeightUpdates:
                 return f"weights not updated: {error!r}"
             return None
 
-        error = executor.stage_weights(str(path), stage_here)
+        error = executor.stage_weights(message, stage_here, tensors)
         self._workers_staged = True  # (not before: a refusal on rank 0 discards its own shard only)
         if error is not None:
             self.discard()
             raise InvalidRequest(error if error.startswith("weights not updated") else f"weights not updated: {error}")
+        return staged
 
-    def join_group(self, spec: WeightGroupSpec, rank: int) -> None:
-        self._check_updatable(streamed=True)
-        if self.group is not None:
-            raise InvalidRequest("a weight update group is already joined; destroy it first")
-        self.group = join(spec, rank)
-
-    def start(self) -> None:
-        """The start phase: what can be checked before the trainer broadcasts."""
-        self._check_updatable(streamed=True)
-        if self.group is None:
-            raise InvalidRequest("no weight update group: call /init_weight_update_group first")
-        self.discard()
-
-    def stage_received(self, metas: list[TensorMeta]) -> None:
-        """Receive the announced tensors (always all of them: the trainer is broadcasting), then
-        stage them."""
-        if self.group is None:
-            raise InvalidRequest("no weight update group: call /init_weight_update_group first")
-        tensors = receive(self.group, metas)
-        self._stage(((("trainer", name, tensor, None)) for name, tensor in tensors.items()), None)
-
-    def _stage(self, items: Any, source: str | None, tp: TensorParallelGroup | None = None) -> None:
+    def _stage(
+        self, items: Callable[[], Any], source: str | None, tp: TensorParallelGroup | None, check_layout: bool
+    ) -> Any:
         core = self.core
         started = time.perf_counter()
         try:
-            self._staged = stage_weights(
+            staged = stage_weights(
                 core.runner.model,
-                items,
+                items(),
                 core.model_config,
                 core.dtype,
                 core.device,
                 core.weight_format,
                 source or "trainer",
                 tp,
+                check_layout=check_layout,
             )
         except (ValueError, OSError) as error:
-            self.discard()
             raise InvalidRequest(f"weights not updated: {error}") from None
-        self._staged_source = source
         logger.info("weights staged from %s in %.2fs", source or "the trainer", time.perf_counter() - started)
+        return staged
 
     @property
     def staged(self) -> bool:
@@ -133,30 +176,32 @@ class WeightUpdates:
             self.core.executor.finish_weights(commit=True)
             self._workers_staged = False
         self.source, self._staged, self._staged_source = self._staged_source, None, None
+        self._staged_snapshot = None  # serving now: the caller owns it
         self.version += 1
         self.core.kv_cache.invalidate_prefix_cache()
         logger.info("weights updated (version %d)", self.version)
 
     def reload_dropped(self, model_path: str) -> None:
-        """Sleep level 2 on the CPU dropped the weights: load them again from their checkpoint."""
-        core = self.core
+        """Sleep level 2 on the CPU dropped the weights (on every rank): load them again from
+        their checkpoint, on every rank or none."""
+        items = lambda: checkpoint_items(model_path)  # noqa: E731
         try:
-            staged = stage_weights(
-                core.runner.model,
-                checkpoint_items(model_path),
-                core.model_config,
-                core.dtype,
-                core.device,
-                core.weight_format,
-                model_path,
-                check_layout=False,
-            )
-        except (ValueError, OSError) as error:
-            raise InvalidRequest(f"the weights could not be loaded again: {error}") from None
-        adopt_weights(core.runner.model, staged)
+            staged = self._stage_everywhere(WeightsRound("reload", model_path), items, model_path, check_layout=False)
+        except InvalidRequest as error:
+            raise InvalidRequest(
+                f"the weights could not be loaded again: {str(error).removeprefix('weights not updated: ')}"
+            ) from None
+        adopt_weights(self.core.runner.model, staged)
+        if self._workers_staged:
+            assert self.core.executor is not None
+            self.core.executor.finish_weights(commit=True)
+            self._workers_staged = False
 
     def discard(self) -> None:
         self._staged, self._staged_source = None, None
+        if self._staged_snapshot is not None:
+            shutil.rmtree(self._staged_snapshot, ignore_errors=True)
+            self._staged_snapshot = None
         if self._workers_staged:
             assert self.core.executor is not None
             self.core.executor.finish_weights(commit=False)
@@ -166,9 +211,18 @@ class WeightUpdates:
         self.group = None
 
 
-def _checkpoint(path: Path) -> Any:
-    """The directory's tensors for staging; InvalidRequest when it holds no safetensors checkpoint."""
+def _save_snapshot(tensors: dict[str, torch.Tensor], directory: Path) -> Path:
+    """Write the streamed tensors as a safetensors checkpoint at `directory` (a new one: written
+    beside it, then renamed, so a directory there is always whole); InvalidRequest if it cannot."""
+    if directory.exists():
+        raise InvalidRequest(f"weights not updated: the snapshot directory {str(directory)!r} already exists")
+    partial = directory.with_name(directory.name + ".partial")
     try:
-        return checkpoint_items(path)
-    except (ValueError, OSError) as error:
-        raise InvalidRequest(f"weights not updated: {error}") from None
+        partial.mkdir(parents=True, exist_ok=True)
+        host = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
+        save_file(host, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        partial.rename(directory)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise InvalidRequest(f"weights not updated: the snapshot could not be written: {error}") from None
+    return directory
