@@ -30,9 +30,16 @@ from safetensors.torch import save_file
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
 from pagoda.executor.worker import WeightsRound
-from pagoda.model.loader import adopt_weights, checkpoint_items, commit_weights, stage_weights
+from pagoda.model.loader import (
+    adopt_weights,
+    build_empty_model,
+    checkpoint_items,
+    commit_weights,
+    receive_targets,
+    stage_weights,
+)
 from pagoda.model.parallel import TensorParallelGroup
-from pagoda.rl.weight_group import TensorMeta, WeightGroup, WeightGroupSpec, join, receive
+from pagoda.rl.weight_group import DTYPES, TensorMeta, Transfer, WeightGroup, WeightGroupSpec, join, receive
 
 if TYPE_CHECKING:
     from pagoda.engine.engine_core import EngineCore
@@ -86,8 +93,11 @@ class WeightUpdates:
         them to `snapshot` if given, then stage them (on every rank)."""
         if self.group is None:
             raise InvalidRequest("no weight update group: call /init_weight_update_group first")
-        tensors = receive(self.group, metas)
         self.discard()
+        if self.core.executor is None:
+            self._stage_as_received(metas, snapshot)
+            return
+        tensors = receive(self.group, metas)
         source = None
         if snapshot is not None:
             self._staged_snapshot = _save_snapshot(tensors, Path(snapshot))
@@ -106,6 +116,26 @@ class WeightUpdates:
             self.discard()
             raise
         self._staged_source = source
+
+    def _stage_as_received(self, metas: list[TensorMeta], snapshot: str | None) -> None:
+        """One rank: fill (and pack) each tensor into the staged model as it arrives, while the
+        next ones are received; then save the snapshot, if asked for."""
+        assert self.group is not None, "checked by the caller"
+        core = self.core
+        fresh = build_empty_model(
+            core.model_config, core.dtype, core.device, core.weight_format, "trainer", kernels=core.runner.model.kernels
+        )
+        announced = [(m.name, DTYPES[m.dtype], m.shape) for m in metas]
+        into = receive_targets(fresh, core.model_config, announced)
+        transfer = Transfer(self.group, metas, into, keep=snapshot is not None)
+        try:
+            items = lambda: (("trainer", name, tensor, None) for name, tensor in transfer)  # noqa: E731
+            staged = self._stage(items, None, None, True, fresh)
+        finally:
+            transfer.drain()
+        if snapshot is not None:
+            self._staged_snapshot = _save_snapshot(transfer.tensors, Path(snapshot))
+        self._staged, self._staged_source = staged, snapshot
 
     def _stage_everywhere(
         self,
@@ -142,7 +172,12 @@ class WeightUpdates:
         return staged
 
     def _stage(
-        self, items: Callable[[], Any], source: str | None, tp: TensorParallelGroup | None, check_layout: bool
+        self,
+        items: Callable[[], Any],
+        source: str | None,
+        tp: TensorParallelGroup | None,
+        check_layout: bool,
+        fresh: Any = None,
     ) -> Any:
         core = self.core
         started = time.perf_counter()
@@ -157,6 +192,7 @@ class WeightUpdates:
                 source or "trainer",
                 tp,
                 check_layout=check_layout,
+                fresh=fresh,
             )
         except (ValueError, OSError) as error:
             raise InvalidRequest(f"weights not updated: {error}") from None

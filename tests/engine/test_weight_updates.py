@@ -287,6 +287,32 @@ class Trainer:
         run_command(self.engine, "finish_weight_update", {})
 
 
+def test_streamed_tensors_are_received_in_place_and_checked(checkpoints, references, tmp_path: Path) -> None:
+    from pagoda.model.loader import build_empty_model, receive_targets
+
+    llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
+    core = llm.engine.core
+    new = load_file(checkpoints["new"] / "model.safetensors")
+    fresh = build_empty_model(core.model_config, core.dtype, core.device, core.weight_format)
+    targets = receive_targets(fresh, core.model_config, [(n, t.dtype, tuple(t.shape)) for n, t in new.items()])
+    assert all(target is not None for target in targets)  # q/k/v and gate/up land in their fused rows
+    trainer = Trainer(llm.engine)
+    with pytest.raises(InvalidRequest, match="has shape"):
+        trainer.update(new | {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})
+    assert greedy(llm) == references["old"]
+    # Another dtype than the model's arrives in a buffer of its own and is cast as it is filled.
+    trainer.update({name: t.to(torch.bfloat16) if "mlp" in name else t for name, t in new.items()}, None)
+    assert llm.engine.weight_updates.version == 1
+    snapshot = tmp_path / "snapshot"
+    trainer.update(new, str(snapshot))
+    assert greedy(llm) == references["new"]
+    saved = load_file(snapshot / "model.safetensors")
+    assert saved.keys() == new.keys() and all(torch.equal(saved[n], new[n]) for n in new)
+    assert llm.engine.weight_updates.source == str(snapshot)
+    with pytest.raises(InvalidRequest, match="already exists"):
+        trainer.update(new, str(snapshot))
+
+
 def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, tmp_path: Path, monkeypatch) -> None:
     llm = LLM(model=str(checkpoints["old"]), tensor_parallel_size=2, num_kv_blocks=64)
     try:
