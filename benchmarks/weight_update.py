@@ -26,7 +26,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.engine_request import EngineRequest
-from pagoda.rl.weight_group import TensorMeta, WeightGroupSpec, broadcast, join
+from pagoda.rl.weight_group import TensorMeta, WeightGroupSpec, broadcast, join, receive
 
 SHAPE = dict(
     hidden_size=896,
@@ -78,6 +78,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--compare-sequential",
+        action="store_true",
+        help="alternate rounds with the reference path: receive every tensor, then stage them",
+    )
     parser.add_argument("--label", default="", help="names the results file (weight_update-LABEL.json)")
     parser.add_argument(
         "--snapshot-dir", default=None, help="also save each update as a snapshot here (as a server does)"
@@ -123,20 +128,29 @@ def main() -> None:
         load_before = os.getloadavg()[0]
         baseline = first_token(f"before-{round_index}")
         sender = threading.Thread(target=broadcast, args=(trainer["group"], [t for _, t in tensors]))
+        # --compare-sequential: every other round receives everything first, then stages it
+        # (the path before the transfer overlapped staging), side by side under the same load.
+        sequential = args.compare_sequential and round_index % 2 == 1
         started = time.perf_counter()
         engine.run_command("start", "start_weight_update", {})
         sender.start()
         snapshot = {"snapshot": f"{args.snapshot_dir}/round-{round_index}"} if args.snapshot_dir else {}
-        engine.run_command(
-            "update",
-            "update_weights",
-            {
-                "names": [m.name for m in metas],
-                "dtypes": [m.dtype for m in metas],
-                "shapes": [list(m.shape) for m in metas],
-            }
-            | snapshot,
-        )
+        if sequential:
+            updates = engine.weight_updates
+            items = [("trainer", n, t, None) for n, t in receive(updates.group, metas).items()]
+            updates._staged = updates._stage(lambda: iter(items), None, None, True)  # noqa: B023 (called here)
+            del items
+        else:
+            engine.run_command(
+                "update",
+                "update_weights",
+                {
+                    "names": [m.name for m in metas],
+                    "dtypes": [m.dtype for m in metas],
+                    "shapes": [list(m.shape) for m in metas],
+                }
+                | snapshot,
+            )
         sender.join()
         received = time.perf_counter()
         engine.run_command("finish", "finish_weight_update", {})
@@ -146,6 +160,7 @@ def main() -> None:
         after = first_token(f"after-{round_index}")
         results.append(
             {
+                "path": "sequential" if sequential else "engine",
                 "receive_and_stage_s": received - started,
                 "commit_s": committed - received,
                 "update_s": committed - started,
@@ -159,6 +174,16 @@ def main() -> None:
         )
         print(json.dumps(results[-1]))
     steady = results[1:] or results  # the first round also pays the staging memory's first faults
+    by_path = {
+        path: {
+            "update_s_median": statistics.median(r["update_s"] for r in rounds),
+            "resume_overhead_s_median": statistics.median(r["resume_overhead_s"] for r in rounds),
+            "rounds": len(rounds),
+        }
+        for path in ("engine", "sequential")
+        for rounds in [[r for r in steady if r["path"] == path]]
+        if rounds
+    }
     summary = {
         "label": args.label,
         "model": "Qwen2.5-0.5B-shaped (random)",
@@ -169,6 +194,7 @@ def main() -> None:
         "rounds": results,
         "update_s_median_after_first": statistics.median(r["update_s"] for r in steady),
         "resume_overhead_s_median_after_first": statistics.median(r["resume_overhead_s"] for r in steady),
+        "by_path_after_first": by_path,
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
