@@ -12,20 +12,24 @@ tensor rank 0 received from the trainer and relays to them), their outcomes are 
 rank 0 commits or drops on all of them. Pipeline parallelism is refused for now.
 
 Streamed tensors may also be saved as a safetensors snapshot (`snapshot`, a directory the
-caller names): a replica restarted later loads the weights from it (replicas/supervisor.py).
+caller names): a replica restarted later loads the weights from it (replicas/supervisor.py). It
+is written on a thread of its own once the update is committed (written beside, then renamed:
+the directory appears whole), so generation resumes at once; a newer commit abandons it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from pagoda.errors import InvalidRequest
 from pagoda.executor.pipeline import PipelineExecutor
@@ -55,7 +59,10 @@ class WeightUpdates:
         self.group: WeightGroup | None = None
         self._staged: Any = None  # a filled model awaiting commit
         self._staged_source: str | None = None
-        self._staged_snapshot: Path | None = None  # a snapshot written for the staged update
+        # The staged update's snapshot: where, and its tensors (held until written).
+        self._staged_snapshot: tuple[Path, dict[str, torch.Tensor]] | None = None
+        # The last commit's snapshot being written, and the event that abandons it.
+        self._snapshot_writer: tuple[threading.Thread, threading.Event] | None = None
         self._workers_staged = False  # tensor parallelism: the workers hold a staged shard too
 
     def _check_updatable(self) -> None:
@@ -89,8 +96,9 @@ class WeightUpdates:
         self.discard()
 
     def stage_received(self, metas: list[TensorMeta], snapshot: str | None = None) -> None:
-        """Receive the announced tensors (always all of them: the trainer is broadcasting), save
-        them to `snapshot` if given, then stage them (on every rank)."""
+        """Receive the announced tensors (always all of them: the trainer is broadcasting) and
+        stage them (on every rank); with `snapshot` (a directory that does not exist yet), save
+        them there once committed."""
         if self.group is None:
             raise InvalidRequest("no weight update group: call /init_weight_update_group first")
         self.discard()
@@ -98,10 +106,8 @@ class WeightUpdates:
             self._stage_as_received(metas, snapshot)
             return
         tensors = receive(self.group, metas)
-        source = None
-        if snapshot is not None:
-            self._staged_snapshot = _save_snapshot(tensors, Path(snapshot))
-            source = snapshot
+        _check_new(snapshot)  # (only now: the trainer's broadcasts are always received)
+        source = snapshot
         message = WeightsRound(
             "stage_streamed", "", [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas]
         )
@@ -116,10 +122,12 @@ class WeightUpdates:
             self.discard()
             raise
         self._staged_source = source
+        if snapshot is not None:
+            self._staged_snapshot = (Path(snapshot), tensors)
 
     def _stage_as_received(self, metas: list[TensorMeta], snapshot: str | None) -> None:
         """One rank: fill (and pack) each tensor into the staged model as it arrives, while the
-        next ones are received; then save the snapshot, if asked for."""
+        next ones are received (kept for the snapshot, if asked for)."""
         assert self.group is not None, "checked by the caller"
         core = self.core
         fresh = build_empty_model(
@@ -133,9 +141,10 @@ class WeightUpdates:
             staged = self._stage(items, None, None, True, fresh)
         finally:
             transfer.drain()
-        if snapshot is not None:
-            self._staged_snapshot = _save_snapshot(transfer.tensors, Path(snapshot))
+        _check_new(snapshot)
         self._staged, self._staged_source = staged, snapshot
+        if snapshot is not None:
+            self._staged_snapshot = (Path(snapshot), transfer.tensors)
 
     def _stage_everywhere(
         self,
@@ -212,9 +221,20 @@ class WeightUpdates:
             self.core.executor.finish_weights(commit=True)
             self._workers_staged = False
         self.source, self._staged, self._staged_source = self._staged_source, None, None
-        self._staged_snapshot = None  # serving now: the caller owns it
         self.version += 1
         self.core.kv_cache.invalidate_prefix_cache()
+        if self._staged_snapshot is not None:
+            # One snapshot in flight (each holds a model's tensors): the previous update's is
+            # out of date now, so it is abandoned rather than waited for.
+            self.wait_snapshot(abandon=True)
+            directory, tensors = self._staged_snapshot
+            self._staged_snapshot = None
+            abandoned = threading.Event()
+            writer = threading.Thread(
+                target=_save_snapshot, args=(tensors, directory, abandoned), name="pagoda-weights-snapshot", daemon=True
+            )
+            writer.start()
+            self._snapshot_writer = (writer, abandoned)
         logger.info("weights updated (version %d)", self.version)
 
     def reload_dropped(self, model_path: str) -> None:
@@ -235,9 +255,7 @@ class WeightUpdates:
 
     def discard(self) -> None:
         self._staged, self._staged_source = None, None
-        if self._staged_snapshot is not None:
-            shutil.rmtree(self._staged_snapshot, ignore_errors=True)
-            self._staged_snapshot = None
+        self._staged_snapshot = None
         if self._workers_staged:
             assert self.core.executor is not None
             self.core.executor.finish_weights(commit=False)
@@ -246,19 +264,74 @@ class WeightUpdates:
     def destroy_group(self) -> None:
         self.group = None
 
+    def wait_snapshot(self, abandon: bool = False) -> None:
+        """Until the last committed update's snapshot is written (or failed: logged), or with
+        `abandon` stopped at its next tensor and removed."""
+        if self._snapshot_writer is not None:
+            writer, abandoned = self._snapshot_writer
+            if abandon:
+                abandoned.set()
+            writer.join()
+            self._snapshot_writer = None
 
-def _save_snapshot(tensors: dict[str, torch.Tensor], directory: Path) -> Path:
-    """Write the streamed tensors as a safetensors checkpoint at `directory` (a new one: written
-    beside it, then renamed, so a directory there is always whole); InvalidRequest if it cannot."""
-    if directory.exists():
-        raise InvalidRequest(f"weights not updated: the snapshot directory {str(directory)!r} already exists")
-    partial = directory.with_name(directory.name + ".partial")
+
+def _save_snapshot(tensors: dict[str, torch.Tensor], directory: Path, abandoned: threading.Event) -> None:
+    """Write the streamed tensors as a safetensors checkpoint at `directory`: beside it first,
+    then renamed, so a directory there is always whole. A failure is logged (a restarted replica
+    then cannot load the weights, and says so); once `abandoned` is set it stops and removes it."""
+    partial = _partial(directory)
+    started = time.perf_counter()
     try:
-        partial.mkdir(parents=True, exist_ok=True)
-        host = {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()}
-        save_file(host, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        partial.mkdir(parents=True)
+        if not _write_safetensors(tensors, partial / "model.safetensors", abandoned):
+            shutil.rmtree(partial, ignore_errors=True)
+            logger.info("the weights' snapshot %s was abandoned for a newer update's", directory)
+            return
         partial.rename(directory)
-    except OSError as error:
+    except OSError:
+        logger.exception("the weights' snapshot %s could not be written", directory)
         shutil.rmtree(partial, ignore_errors=True)
-        raise InvalidRequest(f"weights not updated: the snapshot could not be written: {error}") from None
-    return directory
+        return
+    logger.info("weights' snapshot written to %s in %.2fs", directory, time.perf_counter() - started)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, abandoned: threading.Event) -> bool:
+    """The safetensors format written straight from the tensors' memory (a little-endian header
+    length, the JSON header, then each tensor's bytes): `safetensors.torch.save_file` first copies
+    every tensor into a Python bytes object, holding the GIL the engine's thread needs. False
+    when `abandoned` was set before the last tensor."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    hosted, offset = [], 0
+    for name, tensor in tensors.items():
+        host = tensor.detach().to("cpu").contiguous()
+        size = host.numel() * host.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[host.dtype],
+            "shape": list(host.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        hosted.append(host)
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for host in hosted:
+            if abandoned.is_set():
+                return False
+            if host.numel():
+                file.write(host.view(-1).view(torch.uint8).numpy().data)
+    return True
+
+
+def _check_new(snapshot: str | None) -> None:
+    if snapshot is not None and (Path(snapshot).exists() or _partial(Path(snapshot)).exists()):
+        raise InvalidRequest(f"weights not updated: the snapshot directory {snapshot!r} already exists")
+
+
+def _partial(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".partial")

@@ -38,6 +38,8 @@ EngineStarter = Callable[[EngineConfig], AsyncLLM]
 
 # How often a supervisor looks at its engine; a death is also seen at once by the requests it fails.
 WATCH_INTERVAL_S = 0.1
+# How long a restarted engine waits for the latest streamed update's snapshot to be written.
+SNAPSHOT_WAIT_S = 300.0
 # The longest wait between restarts, however many were made.
 MAX_BACKOFF_S = 60.0
 
@@ -285,7 +287,9 @@ class EngineSupervisor:
         """Have the restarted or added engine (`llm`, else the current one) load the weights the
         others serve, if an update changed them since the checkpoint it started from; raises (so
         the restart is tried again) when it cannot: it must not serve the old weights."""
-        source = self.weights.current if self.weights is not None else None
+        if self.weights is None:
+            return
+        source = self.weights.written(SNAPSHOT_WAIT_S, self._stop.is_set)
         if source is None:
             return
         engine = llm or self.llm

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,20 @@ class WeightsSource:
         previous, self.current = self.current, new
         if previous is not None and previous != new and self._owns(previous):
             shutil.rmtree(previous, ignore_errors=True)
+
+    def written(self, timeout_s: float, stopped: Callable[[], bool] = lambda: False) -> str | None:
+        """The current source, once it is on disk: a streamed update's snapshot is written by its
+        engine after the commit (it appears whole, renamed into place). RuntimeError when it is
+        not there within `timeout_s` (its engine died before it finished, or its disk failed)."""
+        current = self.current
+        if current is None or not self._owns(current):
+            return current
+        deadline = time.monotonic() + timeout_s
+        while not Path(current).is_dir():
+            if time.monotonic() > deadline or stopped():
+                raise RuntimeError(f"the latest weights' snapshot {current} was not written (see the engine's log)")
+            time.sleep(0.05)
+        return current
 
     def dropped(self) -> None:
         """The staged update was dropped (the engine that saved its snapshot removed it)."""

@@ -305,7 +305,8 @@ def test_streamed_tensors_are_received_in_place_and_checked(checkpoints, referen
     assert llm.engine.weight_updates.version == 1
     snapshot = tmp_path / "snapshot"
     trainer.update(new, str(snapshot))
-    assert greedy(llm) == references["new"]
+    assert greedy(llm) == references["new"]  # served at once: the snapshot is written meanwhile
+    llm.engine.weight_updates.wait_snapshot()
     saved = load_file(snapshot / "model.safetensors")
     assert saved.keys() == new.keys() and all(torch.equal(saved[n], new[n]) for n in new)
     assert llm.engine.weight_updates.source == str(snapshot)
@@ -406,9 +407,26 @@ def test_a_restarted_replica_loads_the_current_weights(checkpoints, references, 
         sender.join()
         asyncio.run(replicas.engine_command("finish_weight_update"))
         snapshot = replicas.weights.current
-        assert snapshot is not None and (Path(snapshot) / "model.safetensors").is_file()
-        assert asyncio.run(answer(replicas.replicas[0].llm, "streamed")) == expected_third
+        assert snapshot is not None
+        # Killed at once: the restart waits for the first replica to finish writing the snapshot.
         assert kill_and_ask(replicas.replicas[1], "after-stream") == expected_third
+        assert (Path(snapshot) / "model.safetensors").is_file()
+        assert asyncio.run(answer(replicas.replicas[0].llm, "streamed")) == expected_third
     finally:
         replicas.shutdown()
     assert not Path(snapshot).exists()  # the front's snapshots go with it
+
+
+def test_a_snapshot_is_whole_or_absent(tmp_path: Path) -> None:
+    """Written beside and renamed into place: readable by safetensors when there; an abandoned
+    write (a newer update committed) leaves nothing behind."""
+    from pagoda.engine.weight_updates import _save_snapshot
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.tensor(2.5), "c": torch.randn(4, 6)[:, :3]}
+    _save_snapshot(tensors, tmp_path / "kept", threading.Event())
+    saved = load_file(tmp_path / "kept" / "model.safetensors")
+    assert all(torch.equal(saved[name], tensor) for name, tensor in tensors.items())
+    abandoned = threading.Event()
+    abandoned.set()
+    _save_snapshot(tensors, tmp_path / "abandoned", abandoned)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
