@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -74,6 +75,7 @@ def _online(url: str, model_dir: Path, args: argparse.Namespace, run_dir: Path, 
         "itl_p99_s": overall["itl"]["p99"],
         "output_tok_per_s": overall["output_throughput"],
         "ok": overall["num_ok"],
+        "load_average_after": list(os.getloadavg()),  # the machine is shared: how busy it was
     }
 
 

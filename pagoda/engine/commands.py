@@ -6,7 +6,8 @@ name with JSON-able arguments, applied between steps on the engine's thread
     stage_weights_from_disk {model_path}      stage only (a replica set, before committing on all)
     init_weight_update_group {master_address, master_port, rank_offset, world_size, backend, timeout_s, rank}
     start_weight_update {}                    vLLM's phases: start, update, finish
-    update_weights {names, dtypes, shapes}    receive the trainer's broadcasts and stage them
+    update_weights {names, dtypes, shapes, snapshot?}  receive the trainer's broadcasts and stage
+                                              them (saved as a safetensors directory at snapshot)
     finish_weight_update {abort}              commit what is staged (or drop it)
     destroy_weight_update_group {}
     pause {mode} / resume {}                  keep, wait or abort what is in flight
@@ -74,7 +75,8 @@ def _update(engine: LLMEngine, args: dict[str, Any]) -> bool:
         metas = parse_metas(list(args["names"]), list(args["dtypes"]), [list(s) for s in args["shapes"]])
     except (KeyError, TypeError, ValueError) as error:
         raise InvalidRequest(f"update_weights: {error}") from None
-    engine.weight_updates.stage_received(metas)
+    snapshot = args.get("snapshot")
+    engine.weight_updates.stage_received(metas, _text(args, "snapshot") if snapshot is not None else None)
     return True
 
 

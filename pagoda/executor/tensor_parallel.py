@@ -28,7 +28,16 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.executor.channel import ChannelCodec, new_secret
 from pagoda.executor.group import Endpoint, Groups, broadcast_object, host_store, join, wait_for_workers
-from pagoda.executor.worker import KVSetup, RankMessage, StepInputs, WeightsRound, WorkerSpec, agree_staged, layout_to
+from pagoda.executor.worker import (
+    KVSetup,
+    RankMessage,
+    SleepRound,
+    StepInputs,
+    WeightsRound,
+    WorkerSpec,
+    agree_staged,
+    layout_to,
+)
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallelGroup
@@ -164,11 +173,20 @@ class TensorParallelExecutor:
             layouts = [layout_to(layout, host) for layout in layouts]
         self._broadcast(RankMessage(step=StepInputs(input_ids, positions, layouts, logit_rows, list(block_copies))))
 
-    def stage_weights(self, model_path: str, stage_here: Callable[[], str | None]) -> str | None:
-        """A weight update's first round: every worker stages its shard of `model_path` while
-        `stage_here` stages rank 0's (returning its refusal, or None); the refusal, or None when
-        every rank staged. Then `finish_weights` commits or drops them everywhere."""
-        self._broadcast(RankMessage(weights=WeightsRound("stage", model_path)))
+    def stage_weights(
+        self, message: WeightsRound, stage_here: Callable[[], str | None], tensors: list[torch.Tensor] | None = None
+    ) -> str | None:
+        """A weight update's first round: every worker stages its shard of what `message` names
+        (a checkpoint directory, or `tensors`, streamed from a trainer to rank 0 and relayed here
+        in the order `message` announces them) while `stage_here` stages rank 0's (returning its
+        refusal, or None); the refusal, or None when every rank staged. Then `finish_weights`
+        commits or drops them everywhere."""
+        self._broadcast(RankMessage(weights=message))
+        for tensor in tensors or []:
+            try:
+                self.groups.control.broadcast(tensor.to("cpu").contiguous(), 0).wait()
+            except RuntimeError as broken:
+                raise TensorParallelError(self._failure or f"the workers' group failed: {broken}") from None
         error = stage_here()
         failures = agree_staged(self.groups.control, error is None)
         if error is None and failures:
@@ -177,6 +195,10 @@ class TensorParallelExecutor:
 
     def finish_weights(self, commit: bool) -> None:
         self._broadcast(RankMessage(weights=WeightsRound("commit" if commit else "discard")))
+
+    def sleep_round(self, message: SleepRound) -> None:
+        """Sleep or wake every worker (engine/sleep_mode.py)."""
+        self._broadcast(RankMessage(sleep=message))
 
     def shutdown(self) -> None:
         """Stop the workers (the stop message, then a kill for any that lingers)."""

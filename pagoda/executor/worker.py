@@ -40,12 +40,21 @@ from pagoda.executor.group import (
 from pagoda.kernels import resolve_kernels
 from pagoda.kernels.attention import BatchLayout
 from pagoda.model.decoder import DecoderModel
-from pagoda.model.loader import checkpoint_items, commit_weights, load_model, load_model_config, stage_weights
+from pagoda.model.loader import (
+    adopt_weights,
+    checkpoint_items,
+    commit_weights,
+    load_model,
+    load_model_config,
+    stage_weights,
+)
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.kv_cache_dtype import make_kv_cache_format
 from pagoda.quant.weight_formats import WeightFormat, make_weight_format
+from pagoda.rl.weight_group import DTYPES
 from pagoda.worker.paged_model import PagedModel
+from pagoda.worker.released_memory import ReleasedMemory, empty_cache
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +113,37 @@ class StepInputs:
 @dataclass
 class WeightsRound:
     """A weight update's round (engine/weight_updates.py): "stage" `model_path` (each rank its
-    shard, then every rank's outcome summed in `agree_staged`), "commit" or "discard"."""
+    shard, then every rank's outcome summed in `agree_staged`), "stage_streamed" (the tensors
+    `names`, `dtypes` and `shapes` announce follow as broadcasts from rank 0, which received them
+    from the trainer; each rank stages its shard of each), "reload" `model_path` (weights that
+    sleep dropped, adopted whole on commit), "commit" or "discard"."""
 
     action: str
     model_path: str = ""
+    names: list[str] = dataclasses.field(default_factory=list)
+    dtypes: list[str] = dataclasses.field(default_factory=list)
+    shapes: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class SleepRound:
+    """Sleep mode on every rank (engine/sleep_mode.py): "sleep" releases the KV pool and at
+    `level` 2 the weights (dropped on the CPU with `drop_weights`, reloaded by a "reload" weights
+    round before the wake); "wake" gives the memory back."""
+
+    action: str
+    level: int = 1
+    drop_weights: bool = False
 
 
 @dataclass
 class RankMessage:
-    """What rank 0 broadcasts to tensor-parallel workers after setup: a step or a weights round
-    (the stop is None)."""
+    """What rank 0 broadcasts to tensor-parallel workers after setup: a step, a weights round or
+    a sleep round (the stop is None)."""
 
     step: StepInputs | None = None
     weights: WeightsRound | None = None
+    sleep: SleepRound | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +219,8 @@ def run_worker(spec: WorkerSpec) -> None:
         model.num_kv_heads,
         spec.num_threads,
     )
-    staged = None  # a weight update's shard, staged until rank 0 says commit or discard
+    staged: tuple[DecoderModel, bool] | None = None  # a weight update's shard (and whether it is adopted whole)
+    released = ReleasedMemory()  # what sleep mode released
     while True:
         message: RankMessage | None = broadcast_object(groups.control, codec, None, spec.rank, RankMessage | None)
         if message is None:
@@ -203,40 +231,77 @@ def run_worker(spec: WorkerSpec) -> None:
             staged = weights_round(
                 message.weights, model, staged, groups, model_config, spec.dtype, device, weight_format
             )
+        elif message.sleep is not None:
+            sleep_round(message.sleep, paged, released, device)
 
 
 def weights_round(
     message: WeightsRound,
     model: DecoderModel,
-    staged: DecoderModel | None,
+    staged: tuple[DecoderModel, bool] | None,
     groups: Groups,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     weight_format: WeightFormat,
-) -> DecoderModel | None:
+) -> tuple[DecoderModel, bool] | None:
     """A worker's part of a weight update: stage its shard (and report the outcome to the
     other ranks), commit it, or drop it; returns what stays staged."""
-    if message.action == "stage":
+    if message.action in ("stage", "stage_streamed", "reload"):
+        # Streamed tensors are received whatever happens next: rank 0 broadcasts every one.
+        received = receive_streamed(groups.control, message) if message.action == "stage_streamed" else None
         try:
-            staged = stage_weights(
+            items = (
+                checkpoint_items(message.model_path)
+                if received is None
+                else (("trainer", name, tensor, None) for name, tensor in received.items())
+            )
+            fresh = stage_weights(
                 model,
-                checkpoint_items(message.model_path),
+                items,
                 model_config,
                 dtype,
                 device,
                 weight_format,
-                message.model_path,
+                message.model_path or "trainer",
                 groups.model,
+                check_layout=message.action != "reload",
             )
+            staged = (fresh, message.action == "reload")
         except (ValueError, OSError) as error:
             logger.error("rank %d could not stage new weights: %s", groups.model.rank, error)
             staged = None
         agree_staged(groups.control, staged is not None)
         return staged
     if message.action == "commit" and staged is not None:
-        commit_weights(model, staged)
+        fresh, adopt = staged
+        if adopt:
+            adopt_weights(model, fresh)
+        else:
+            commit_weights(model, fresh)
     return None
+
+
+def receive_streamed(control: Any, message: WeightsRound) -> dict[str, torch.Tensor]:
+    """The tensors rank 0 relays from the trainer, as the round announced them (each allocated
+    from its announcement: nothing else crosses)."""
+    received = {}
+    for name, dtype, shape in zip(message.names, message.dtypes, message.shapes):
+        tensor = torch.empty(shape, dtype=DTYPES[dtype])
+        control.broadcast(tensor, 0).wait()
+        received[name] = tensor
+    return received
+
+
+def sleep_round(message: SleepRound, paged: PagedModel, released: ReleasedMemory, device: torch.device) -> None:
+    """A worker's part of sleep mode: release its KV slice (and weights at level 2), or restore."""
+    if message.action == "sleep":
+        released.release_kv([t for pair in paged.distinct_kv_caches for t in pair])
+        if message.level == 2:
+            released.release_weights(paged.model, device, message.drop_weights)
+        empty_cache(device)
+    elif message.action == "wake":
+        released.restore()
 
 
 def agree_staged(control: Any, staged: bool) -> int:

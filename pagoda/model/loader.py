@@ -15,7 +15,7 @@ from pagoda.artifacts.digests import PICKLE_PATTERNS
 from pagoda.kernels import Kernels
 from pagoda.model.classifier_config import token_classifier
 from pagoda.model.decoder import DecoderModel
-from pagoda.model.families.base import family_of, gguf_config, gguf_reading
+from pagoda.model.families.base import ModelFamily, family_of, gguf_config, gguf_reading
 from pagoda.model.layers import Linear
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
@@ -169,12 +169,15 @@ def stage_weights(
     tp: TensorParallelGroup | None = None,
     stage: PipelineStage | None = None,
     check_layout: bool = True,
+    fresh: DecoderModel | None = None,
 ) -> DecoderModel:
     """New weights for the live `model` (every tensor of a checkpoint) in a fresh model of the
-    same shape, which `commit_weights` copies in: a missing tensor, a wrong shape or dtype or an
-    unreadable file raises ValueError here with the live model untouched. Costs one model's
+    same shape (`fresh`: one built already, some of whose tensors may have been received in place:
+    `receive_targets`), which `commit_weights` copies in: a missing tensor, a wrong shape or dtype
+    or an unreadable file raises ValueError here with the live model untouched. Costs one model's
     memory until committed or dropped."""
-    fresh = build_empty_model(config, dtype, device, weight_format, source, tp, stage, model.kernels)
+    if fresh is None:
+        fresh = build_empty_model(config, dtype, device, weight_format, source, tp, stage, model.kernels)
     _fill(fresh, _floating(tensors), config, dtype, source)
     live, new = _tensors(model), _tensors(fresh)
     if check_layout and (
@@ -185,6 +188,40 @@ def stage_weights(
             f"that packs weights differently per load cannot be updated in place)"
         )
     return fresh
+
+
+def receive_targets(
+    fresh: DecoderModel, config: ModelConfig, announced: list[tuple[str, torch.dtype, tuple[int, ...]]]
+) -> list[torch.Tensor | None]:
+    """For each announced checkpoint tensor (name, dtype, shape), the piece of `fresh`'s
+    parameter it can be received into directly — the whole parameter or one fused part's rows,
+    of its dtype and exact shape, nothing transformed in between — or None: that one arrives in a
+    buffer of its own and `_fill` copies it (or refuses it) as for any checkpoint. `_fill` then
+    finds the pieces already in place."""
+    targets: list[torch.Tensor | None] = [None] * len(announced)
+    if family_of(config).checkpoint_tensors is not ModelFamily.checkpoint_tensors:
+        return targets  # the family renames or reshapes its checkpoints' tensors
+    params = dict(fresh.named_parameters())
+    skipped = {_classifier_head_source(fresh, config)} | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for index, (name, dtype, shape) in enumerate(announced):
+        if name in skipped or name.endswith(_IGNORED_SUFFIXES) or _FUSED_EXPERTS.match(name):
+            continue
+        target, part = _locate(name)
+        param = params.get(target)
+        if param is None or param.dtype != dtype:
+            continue
+        module_name, param_name = target.rsplit(".", 1)
+        shard = getattr(fresh.get_submodule(module_name), "shard", None)
+        if shard is not None and (shard.is_split or tuple(shape) != shard.full_shape(part, param_name)):
+            continue
+        announced_tensor = torch.empty(shape, dtype=dtype, device="meta")  # shapes only: nothing is read
+        offset, piece = (0, announced_tensor) if shard is None else shard.take(announced_tensor, part, param_name)
+        if not piece.shape or piece.shape[0] > param.shape[0]:
+            continue
+        view = param.data.narrow(0, offset, piece.shape[0])
+        if tuple(view.shape) == tuple(shape) and view.is_contiguous():
+            targets[index] = view
+    return targets
 
 
 def commit_weights(model: DecoderModel, staged: DecoderModel) -> None:
@@ -274,6 +311,7 @@ def _fill(
     family = family_of(config)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    ready = _ReadyLinears(model)
     # A reranker read from tokens: its head comes from rows of the LM head (or tied embedding).
     head_source = _classifier_head_source(model, config)
     for file_name, name, tensor, int4_codes in _per_expert(family.checkpoint_tensors(tensors)):
@@ -329,14 +367,61 @@ def _fill(
         else:
             assert tensor is not None, "an item without int4 codes holds values"
             offset, piece = (0, tensor) if shard is None else shard.take(tensor, part, param_name)
-            param.data.narrow(0, offset, piece.shape[0]).copy_(piece.to(dtype))
+            destination = param.data.narrow(0, offset, piece.shape[0])
+            if piece.data_ptr() != destination.data_ptr() or piece.shape != destination.shape:
+                destination.copy_(piece.to(dtype))  # (else received in place: receive_targets)
         loaded.add(name)
+        ready.filled(target, part, name)
     missing = [name for name in _expected_checkpoint_names(params, loaded) if name not in loaded]
     if missing:
         missing = family.checkpoint_names(missing)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{source}: checkpoint is missing tensor(s) {shown}")
-    finalize_linears(model)
+    finalize_linears(model, ready.finalized)
+
+
+class _ReadyLinears:
+    """Full-precision Linears finalized (pre-packed) as soon as every tensor of theirs is
+    filled, while the rest still arrives: a weight update streamed from a trainer packs each
+    layer while the next ones are received (pagoda.rl.weight_group.Transfer). A Linear whose
+    tensors never all arrive (a tied LM head) is finalized with the rest at the end."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.finalized: set[str] = set()
+        self._needs: dict[str, set[tuple[str, int | None]]] = {}  # Linear: (parameter, part) still unfilled
+        experts = [name + "." for name, module in model.named_modules() if isinstance(module, Experts)]
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear) or module.weight_format.name != "full":
+                continue
+            if any(name.startswith(prefix) for prefix in experts):
+                continue  # a MoE block's experts finalize together
+            parts: list[int | None] = list(range(len(module.shard.parts))) if len(module.shard.parts) > 1 else [None]
+            self._needs[name] = {
+                (f"{name}.{param}", part)
+                for param, value in module.named_parameters(recurse=False)
+                if value is not None
+                for part in parts
+            }
+
+    def filled(self, target: str, part: int | None, name: str) -> None:
+        """`target` (a parameter; `part` of it, None: whole) was filled from checkpoint tensor `name`."""
+        module_name = target.rsplit(".", 1)[0]
+        if module_name in self.finalized:
+            raise ValueError(f"tensor {name!r} comes twice")
+        needs = self._needs.get(module_name)
+        if needs is None:
+            return
+        if part is None:
+            needs.difference_update({need for need in needs if need[0] == target})
+        else:
+            needs.discard((target, part))
+        if not needs:
+            module = self.model.get_submodule(module_name)
+            assert isinstance(module, Linear), "only Linears are tracked"
+            module.finalize(module_name)
+            self.finalized.add(module_name)
+            del self._needs[module_name]
 
 
 def _classifier_head_source(model: DecoderModel, config: ModelConfig) -> str | None:
@@ -380,9 +465,9 @@ def build_empty_model(
     return model
 
 
-def finalize_linears(model: torch.nn.Module) -> None:
+def finalize_linears(model: torch.nn.Module, done: set[str] | frozenset[str] = frozenset()) -> None:
     """Let each Linear's weight format quantize/pack what the loader staged (a MoE block's
-    experts finalize theirs together: pagoda.model.moe.Experts)."""
+    experts finalize theirs together: pagoda.model.moe.Experts), but those in `done`."""
     experts = ""
     for name, module in model.named_modules():
         if experts and name.startswith(experts):
@@ -390,7 +475,7 @@ def finalize_linears(model: torch.nn.Module) -> None:
         if isinstance(module, Experts):
             module.finalize(name)
             experts = name + "."
-        elif isinstance(module, Linear):
+        elif isinstance(module, Linear) and name not in done:
             module.finalize(name)
 
 

@@ -254,10 +254,12 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.shard = group.vocab(vocab_size, hidden_size)
-        # Zeros: the padding rows past the vocabulary are never loaded.
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard.local_out, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        weight = torch.empty(self.shard.local_out, hidden_size, dtype=dtype, device=device)
+        # The padding rows past the vocabulary are never loaded: zeros (the rest is, so it is not
+        # written twice: a weight update stages a fresh model each time).
+        rows = self.shard.rows[0]
+        weight[max(0, min(rows.size, vocab_size - rows.start)) :].zero_()
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:

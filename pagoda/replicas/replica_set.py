@@ -54,6 +54,7 @@ from pagoda.replicas.prefill_leg import PrefillLeg, is_exportable
 from pagoda.replicas.replica import Flight, Replica
 from pagoda.replicas.routed_stream import RoutedStream
 from pagoda.replicas.supervisor import EngineKeeper, EngineSupervisor, ModelFront, RestartPolicy
+from pagoda.replicas.weights_source import WeightsSource
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +119,9 @@ class ReplicaSet(ModelFront):
         self._stopped = False
         self._start_replica = start_replica
         self._next_index = len(self.replicas)
+        self.weights = WeightsSource()  # what restarted and added replicas load (the latest update's)
+        for supervisor in supervisors:
+            supervisor.weights = self.weights
         self.autoscaler: ReplicaCountKeeper | None = None  # one that grows and shrinks the set, if any
 
     @classmethod
@@ -316,16 +320,26 @@ class ReplicaSet(ModelFront):
             await self._on_all_or_none(live, "stage_weights_from_disk", args)
             await self._on_all(live, lambda r: ("finish_weight_update", {}))
         elif command == "update_weights":
-            await self._on_all_or_none(live, "update_weights", args)
+            # The first replica also saves the tensors: restarted and added replicas load them.
+            snapshot = {"snapshot": self.weights.next_snapshot()}
+            await self._on_all_or_none_each(
+                live, lambda r: ("update_weights", args | (snapshot if r is live[0] else {}))
+            )
         elif command == "init_weight_update_group":
             offset = int(args.get("rank_offset", 1))
             await self._on_all(live, lambda r: (command, args | {"rank": offset + live.index(r)}))
         else:
             await self._on_all(live, lambda r: (command, args))
+        self.weights.record(command, args)
 
     async def _on_all_or_none(self, live: list[Replica], command: str, args: dict[str, Any]) -> None:
+        await self._on_all_or_none_each(live, lambda r: (command, args))
+
+    async def _on_all_or_none_each(
+        self, live: list[Replica], command_for: Callable[[Replica], tuple[str, dict[str, Any]]]
+    ) -> None:
         try:
-            await self._on_all(live, lambda r: (command, args))
+            await self._on_all(live, command_for)
         except BaseException:
             await asyncio.gather(
                 *(r.llm.engine_command("finish_weight_update", {"abort": True}) for r in live), return_exceptions=True
@@ -363,6 +377,7 @@ class ReplicaSet(ModelFront):
             self.autoscaler.stop()
         with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
             list(pool.map(lambda r: r.supervisor.stop(timeout), replicas))
+        self.weights.close()
 
     # ---- growing and shrinking (the Autoscaler's) ------------------------------------------------
 
@@ -376,7 +391,9 @@ class ReplicaSet(ModelFront):
             index = self._next_index
             self._next_index += 1
         supervisor = self._start_replica(index)
+        supervisor.weights = self.weights
         try:
+            supervisor.load_weights()
             while True:
                 adapters = self._runtime_adapters()
                 supervisor.match_adapters(adapters)

@@ -3,7 +3,8 @@
 It answers through whichever AsyncLLM its supervisor (supervisor.py) holds now, so the server
 keeps one client across restarts. While the engine is down requests are refused as by a dead
 engine (there is no other replica to move them to); those it was serving fail with
-EngineDeadError, as on any engine.
+EngineDeadError, as on any engine. A restarted engine loads the weights the latest update
+brought (weights_source.py) before it serves.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagoda.engine.engine_request import EngineRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.replicas.supervisor import EngineSupervisor, ModelFront
+from pagoda.replicas.weights_source import WeightsSource
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ class SupervisedEngine(ModelFront):
     def __init__(self, supervisor: EngineSupervisor) -> None:
         super().__init__(supervisor.llm)
         self.supervisor = supervisor
+        self.weights = WeightsSource()
+        supervisor.weights = self.weights
 
     @property
     def is_alive(self) -> bool:
@@ -64,7 +68,12 @@ class SupervisedEngine(ModelFront):
         return self.supervisor.llm.sleep_level
 
     async def engine_command(self, command: str, args: dict[str, Any] | None = None) -> None:
+        """Run the command; a streamed weight update is also saved where a restart loads it from."""
+        args = dict(args or {})
+        if command == "update_weights" and self.supervisor.policy.enabled:
+            args["snapshot"] = self.weights.next_snapshot()
         await self.supervisor.llm.engine_command(command, args)
+        self.weights.record(command, args)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         return generate_outputs(self, request)
@@ -84,3 +93,4 @@ class SupervisedEngine(ModelFront):
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         self.supervisor.stop(timeout)
+        self.weights.close()

@@ -29,6 +29,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.kv_transfer.disk_store import remove_files_written_since
 from pagoda.lora_request import LoRARequest
 from pagoda.model.classifier_config import ClassifierConfig
+from pagoda.replicas.weights_source import WeightsSource
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ EngineStarter = Callable[[EngineConfig], AsyncLLM]
 
 # How often a supervisor looks at its engine; a death is also seen at once by the requests it fails.
 WATCH_INTERVAL_S = 0.1
+# How long a restarted engine waits for the latest streamed update's snapshot to be written.
+SNAPSHOT_WAIT_S = 300.0
 # The longest wait between restarts, however many were made.
 MAX_BACKOFF_S = 60.0
 
@@ -154,6 +157,8 @@ class EngineSupervisor:
         self._recent: collections.deque[float] = collections.deque()  # when, within the window
         self._failure: str | None = None  # why it stays down (restart budget spent)
         self._adapters: dict[str, LoRARequest] = {}  # loaded at runtime: loaded again after a restart
+        # The front's record of the serving weights (set by it): a restart loads them first.
+        self.weights: WeightsSource | None = None
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"pagoda-supervise-{label}", daemon=True)
         self._watcher.start()
@@ -264,6 +269,7 @@ class EngineSupervisor:
             keeper = EngineKeeper(lambda: self._starter(self._config), f"pagoda-engine-{self.label}")
             try:
                 llm = keeper.result()
+                self.load_weights(llm)
                 self._load_adapters(llm)
             except BaseException as exc:
                 keeper.stop(timeout=5)
@@ -276,6 +282,19 @@ class EngineSupervisor:
             logger.warning("engine %s restarted (restart %d), pid %s", self.label, self.restarts, llm.engine_pid)
             return True
         return False
+
+    def load_weights(self, llm: AsyncLLM | None = None) -> None:
+        """Have the restarted or added engine (`llm`, else the current one) load the weights the
+        others serve, if an update changed them since the checkpoint it started from; raises (so
+        the restart is tried again) when it cannot: it must not serve the old weights."""
+        if self.weights is None:
+            return
+        source = self.weights.written(SNAPSHOT_WAIT_S, self._stop.is_set)
+        if source is None:
+            return
+        engine = llm or self.llm
+        asyncio.run(engine.engine_command("update_weights_from_disk", {"model_path": source}))
+        logger.info("engine %s: loaded the current weights from %s", self.label, source)
 
     def _load_adapters(self, llm: AsyncLLM, adapters: list[LoRARequest] | None = None) -> None:
         """Load the adapters loaded at runtime (or `adapters` of them) before the restarted or

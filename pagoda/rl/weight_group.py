@@ -10,8 +10,9 @@ else crosses the group (no pickled objects).
 
 from __future__ import annotations
 
+import collections
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,9 +126,53 @@ def broadcast(group: WeightGroup, tensors: Iterable[torch.Tensor]) -> None:
 
 def receive(group: WeightGroup, metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
     """An engine's side: the tensors `metas` announced, by name."""
-    received = {}
-    for meta in metas:
-        tensor = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=group.device)
-        group.backend.broadcast(tensor, TRAINER_RANK).wait()
-        received[meta.name] = tensor
-    return received
+    transfer = Transfer(group, metas)
+    try:
+        return dict(transfer)
+    finally:
+        transfer.drain()
+
+
+class Transfer:
+    """An engine's side of a transfer in flight: every broadcast is posted at once (the backend
+    receives them in order on its own threads), and iterating yields (name, tensor) as each
+    arrives, so the caller fills and packs one tensor while the next ones are received. `drain`
+    (always, once done: also after the caller stopped early) waits for what is still arriving,
+    so the group stays in step with the trainer and no buffer is freed under a receive."""
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        metas: list[TensorMeta],
+        into: list[torch.Tensor | None] | None = None,
+        keep: bool = True,
+    ) -> None:
+        """`into`: for each announced tensor, where to receive it (a contiguous tensor of its
+        dtype and shape on the group's device), or None: a buffer of its own. `keep`: hold on to
+        every tensor received, in `tensors`."""
+        self._pending: collections.deque[tuple[str, torch.Tensor, Any]] = collections.deque()
+        for meta, target in zip(metas, into or [None] * len(metas)):
+            tensor = target
+            if tensor is None or tensor.device != group.device:
+                tensor = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=group.device)
+            self._pending.append((meta.name, tensor, group.backend.broadcast(tensor, TRAINER_RANK)))
+        self.keep = keep
+        self.tensors: dict[str, torch.Tensor] = {}  # what arrived, by name (with `keep`)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._pending:
+            name, tensor, work = self._pending[0]
+            work.wait()
+            self._pending.popleft()
+            if self.keep:
+                self.tensors[name] = tensor
+            yield name, tensor
+
+    def drain(self) -> None:
+        """Wait for every broadcast still in flight (their errors too: the transfer failed)."""
+        pending, self._pending = self._pending, collections.deque()
+        for _, _, work in pending:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # the group broke: the caller's own wait raised already

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from model_factory import build_model, hf_greedy, load_hf_model
 from pagoda import LLM, SamplingParams
+from pagoda.engine.commands import run_command
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.errors import InvalidRequest
 
@@ -264,7 +268,72 @@ def test_a_wake_that_cannot_reload_the_weights_stays_asleep(checkpoints, referen
     assert greedy(llm) == references["old"]
 
 
-def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, tmp_path: Path) -> None:
+class Trainer:
+    """A trainer in this process: rank 0 of a gloo weight group the engine joins as rank 1,
+    streaming through the engine's commands as the admin routes run them."""
+
+    def __init__(self, engine) -> None:
+        from pagoda.rl.weight_group import WeightGroupSpec, join
+        from server_utils import free_port
+
+        self.engine = engine
+        spec = WeightGroupSpec("127.0.0.1", free_port(), 1, 2, timeout_s=60)
+        joined: dict[str, object] = {}
+        thread = threading.Thread(target=lambda: joined.update(group=join(spec, 0)))
+        thread.start()
+        args = {"master_address": spec.master_address, "master_port": spec.master_port, "rank_offset": 1}
+        run_command(engine, "init_weight_update_group", args | {"world_size": 2, "timeout_s": 60})
+        thread.join()
+        self.group = joined["group"]
+
+    def update(self, tensors: dict[str, torch.Tensor], snapshot: str | None = None) -> None:
+        """start, update, finish; InvalidRequest (after an abort) when the engine refuses."""
+        from pagoda.rl.weight_group import TensorMeta, broadcast
+
+        metas = [TensorMeta.of(name, tensor) for name, tensor in tensors.items()]
+        run_command(self.engine, "start_weight_update", {})
+        sender = threading.Thread(target=broadcast, args=(self.group, list(tensors.values())))
+        sender.start()
+        args = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas]}
+        args["shapes"] = [list(m.shape) for m in metas]
+        try:
+            run_command(self.engine, "update_weights", args | ({"snapshot": snapshot} if snapshot else {}))
+        except InvalidRequest:
+            run_command(self.engine, "finish_weight_update", {"abort": True})
+            raise
+        finally:
+            sender.join()
+        run_command(self.engine, "finish_weight_update", {})
+
+
+def test_streamed_tensors_are_received_in_place_and_checked(checkpoints, references, tmp_path: Path) -> None:
+    from pagoda.model.loader import build_empty_model, receive_targets
+
+    llm = LLM(model=str(checkpoints["old"]), num_kv_blocks=64)
+    core = llm.engine.core
+    new = load_file(checkpoints["new"] / "model.safetensors")
+    fresh = build_empty_model(core.model_config, core.dtype, core.device, core.weight_format)
+    targets = receive_targets(fresh, core.model_config, [(n, t.dtype, tuple(t.shape)) for n, t in new.items()])
+    assert all(target is not None for target in targets)  # q/k/v and gate/up land in their fused rows
+    trainer = Trainer(llm.engine)
+    with pytest.raises(InvalidRequest, match="has shape"):
+        trainer.update(new | {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})
+    assert greedy(llm) == references["old"]
+    # Another dtype than the model's arrives in a buffer of its own and is cast as it is filled.
+    trainer.update({name: t.to(torch.bfloat16) if "mlp" in name else t for name, t in new.items()}, None)
+    assert llm.engine.weight_updates.version == 1
+    snapshot = tmp_path / "snapshot"
+    trainer.update(new, str(snapshot))
+    assert greedy(llm) == references["new"]  # served at once: the snapshot is written meanwhile
+    llm.engine.weight_updates.wait_snapshot()
+    saved = load_file(snapshot / "model.safetensors")
+    assert saved.keys() == new.keys() and all(torch.equal(saved[n], new[n]) for n in new)
+    assert llm.engine.weight_updates.source == str(snapshot)
+    with pytest.raises(InvalidRequest, match="already exists"):
+        trainer.update(new, str(snapshot))
+
+
+def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, tmp_path: Path, monkeypatch) -> None:
     llm = LLM(model=str(checkpoints["old"]), tensor_parallel_size=2, num_kv_blocks=64)
     try:
         with pytest.raises(InvalidRequest, match="has shape"):
@@ -274,7 +343,109 @@ def test_tensor_parallel_ranks_each_stage_their_shard(checkpoints, references, t
         assert greedy(llm) == references["old"]
         llm.update_weights_from_disk(str(checkpoints["new"]))
         assert greedy(llm) == references["new"]
-        with pytest.raises(InvalidRequest, match="not supported with tensor"):
-            llm.sleep(1)
+
+        # Streamed from a trainer: rank 0 relays each tensor and every rank stages its shard.
+        trainer = Trainer(llm.engine)
+        old = load_file(checkpoints["old"] / "model.safetensors")
+        partial = {name: t for name, t in old.items() if not name.endswith("down_proj.weight")}
+        with pytest.raises(InvalidRequest, match="missing tensor"):
+            trainer.update(partial)
+        assert greedy(llm) == references["new"]
+        # Rank 0 refuses what the worker staged: the worker drops it too.
+        import pagoda.engine.weight_updates as weight_updates
+
+        def refuse(*args, **kwargs):
+            raise ValueError("rank 0 ran out of memory")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(weight_updates, "stage_weights", refuse)
+            with pytest.raises(InvalidRequest, match="out of memory"):
+                trainer.update(old)
+        assert greedy(llm) == references["new"]
+        trainer.update(old)
+        assert greedy(llm) == references["old"]
+
+        # Sleep on every rank; level 2 drops the weights everywhere and reloads each rank's shard.
+        llm.update_weights_from_disk(str(checkpoints["new"]))
+        for level in (1, 2):
+            llm.sleep(level)
+            assert llm.is_sleeping
+            llm.wake_up()
+            assert greedy(llm) == references["new"]
     finally:
         llm.engine.close()
+
+
+def test_a_restarted_replica_loads_the_current_weights(checkpoints, references, tmp_path: Path) -> None:
+    """A replica killed after an update comes back with the updated weights: from the directory
+    of an update from disk, and from the snapshot the first replica saved of a streamed one."""
+    from pagoda.config import DeploymentConfig, EngineConfig
+    from pagoda.replicas.start import start_engines
+    from pagoda.rl.weight_group import TensorMeta, WeightGroupSpec, broadcast, join
+    from server_utils import free_port
+
+    third = build_model(tmp_path / "third", "llama", seed=2)
+    expected_third = hf_greedy(load_hf_model(third), PROMPT, GREEDY.max_tokens)[0]
+    assert expected_third not in (references["old"], references["new"])
+    config = EngineConfig(model=str(checkpoints["old"]), num_threads=1, num_kv_blocks=64, max_num_seqs=4)
+    deployment = DeploymentConfig(data_parallel_size=2, replica_restart_backoff=0.1, max_replica_restarts=4)
+    replicas = start_engines(config, deployment, transport="process")
+
+    async def answer(llm, request_id: str) -> list[int]:
+        outputs = [output async for output in llm.generate(EngineRequest(request_id, PROMPT, GREEDY))]
+        return list(outputs[-1].outputs[0].token_ids)
+
+    def kill_and_ask(replica, request_id: str) -> list[int]:
+        old = replica.llm
+        os.kill(old.engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while replica.llm is old or not replica.llm.is_alive:
+            assert time.monotonic() < deadline, "the replica was not restarted"
+            time.sleep(0.05)
+        return asyncio.run(answer(replica.llm, request_id))
+
+    try:
+        asyncio.run(replicas.engine_command("update_weights_from_disk", {"model_path": str(checkpoints["new"])}))
+        assert kill_and_ask(replicas.replicas[1], "after-disk") == references["new"]
+
+        # Streamed to both replicas (ranks 1 and 2 of the trainer's group), then a kill.
+        spec = WeightGroupSpec("127.0.0.1", free_port(), 1, 3, timeout_s=60)
+        trainer: dict[str, object] = {}
+        joined = threading.Thread(target=lambda: trainer.update(group=join(spec, 0)))
+        joined.start()
+        group_args = {"master_address": "127.0.0.1", "master_port": spec.master_port, "rank_offset": 1}
+        asyncio.run(replicas.engine_command("init_weight_update_group", group_args | {"world_size": 3}))
+        joined.join()
+        tensors = load_file(third / "model.safetensors")
+        metas = [TensorMeta.of(name, tensor) for name, tensor in tensors.items()]
+        sender = threading.Thread(target=broadcast, args=(trainer["group"], list(tensors.values())))
+        asyncio.run(replicas.engine_command("start_weight_update"))
+        sender.start()
+        args = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas]}
+        asyncio.run(replicas.engine_command("update_weights", args | {"shapes": [list(m.shape) for m in metas]}))
+        sender.join()
+        asyncio.run(replicas.engine_command("finish_weight_update"))
+        snapshot = replicas.weights.current
+        assert snapshot is not None
+        # Killed at once: the restart waits for the first replica to finish writing the snapshot.
+        assert kill_and_ask(replicas.replicas[1], "after-stream") == expected_third
+        assert (Path(snapshot) / "model.safetensors").is_file()
+        assert asyncio.run(answer(replicas.replicas[0].llm, "streamed")) == expected_third
+    finally:
+        replicas.shutdown()
+    assert not Path(snapshot).exists()  # the front's snapshots go with it
+
+
+def test_a_snapshot_is_whole_or_absent(tmp_path: Path) -> None:
+    """Written beside and renamed into place: readable by safetensors when there; an abandoned
+    write (a newer update committed) leaves nothing behind."""
+    from pagoda.engine.weight_updates import _save_snapshot
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.tensor(2.5), "c": torch.randn(4, 6)[:, :3]}
+    _save_snapshot(tensors, tmp_path / "kept", threading.Event())
+    saved = load_file(tmp_path / "kept" / "model.safetensors")
+    assert all(torch.equal(saved[name], tensor) for name, tensor in tensors.items())
+    abandoned = threading.Event()
+    abandoned.set()
+    _save_snapshot(tensors, tmp_path / "abandoned", abandoned)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

@@ -204,3 +204,23 @@ def test_an_added_replica_has_the_runtime_adapters_before_it_joins(llama_dir: Pa
         assert replicas.drain_replica() is None  # the last one stays
     finally:
         replicas.shutdown()
+
+
+def test_an_added_replica_serves_the_latest_weights(llama_dir: Path, tmp_path: Path) -> None:
+    from model_factory import build_model, hf_greedy, load_hf_model
+
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64)
+    replicas = ReplicaSet.start(config, DeploymentConfig(), lambda index, config: AsyncLLM(config, transport="thread"))
+    try:
+        updated = build_model(tmp_path / "updated", "llama", seed=7)
+        asyncio.run(replicas.engine_command("update_weights_from_disk", {"model_path": str(updated)}))
+        added = replicas.add_replica()
+        prompt, greedy = list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6)
+
+        async def answer() -> list[int]:
+            outputs = [output async for output in added.llm.generate(EngineRequest("on-added", prompt, greedy))]
+            return list(outputs[-1].outputs[0].token_ids)
+
+        assert asyncio.run(answer()) == hf_greedy(load_hf_model(updated), prompt, 6)[0]
+    finally:
+        replicas.shutdown()
