@@ -168,14 +168,17 @@ class ModelLoadConfig:
         default=True,
         metadata={"help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"},
     )
-    # Off by default: their sums run in another order than PyTorch's (outputs would depend on
-    # whether a compiler was present), and no benchmark has shown them faster yet.
+    # auto by default: the decode step's products, attention and norms run faster on them
+    # (benchmarks/native_kernels.py, native_attention.py); their sums run in another order than
+    # PyTorch's, so `off` stays the mode whose outputs match transformers' bit for bit.
     native_kernels: NativeKernelsMode = field(
-        default="off",
+        default="auto",
         metadata={
-            "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
-            "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
-            "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"
+            "help": "pagoda's C++ CPU kernels (decode products, paged attention, norms, MoE), built on "
+            "first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them where they build, else "
+            "log one line and use PyTorch's), on (fail at startup when they cannot build), off "
+            "(PyTorch's ops only: the transformers-exact mode, greedy tokens and logprobs as "
+            "transformers computes them)"
         },
     )
     score_tokens: str | None = field(
