@@ -357,7 +357,7 @@ def startup_banner(
                 else ""
             ),
             f"  context    {max_model_len} tokens",
-            f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
+            f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}, {llm.kv_pool_memory}",
             f"  max seqs   {max_num_seqs_line(llm)}",
             f"  features   {', '.join(features) or 'none'}",
             f"  listening  http://{settings.host}:{settings.port}/v1 "
