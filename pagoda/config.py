@@ -348,18 +348,20 @@ class SchedulerConfig:
     max_num_seqs: int | None = field(
         default=None,
         metadata={
-            "help": "most sequences running at once (default: what the KV pool holds at full context and what "
-            "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
-            "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
-            "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"
+            "help": "most sequences running at once (default: at least the batch beyond which a decode step's "
+            "throughput stops rising, beyond it what one core decodes within --max-num-seqs-itl-ms, at "
+            "most what the KV pool holds at a block each (preemption when they grow), calibrated once "
+            "per machine, model and settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json "
+            "(else ~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"
         },
     )
     max_num_seqs_itl_ms: float | None = field(
         default=50.0,
         metadata={
             "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
-            "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
-            "latency to protect and skips this bound unless given"
+            "reach at short contexts beyond the batch that raises throughput: a latency target, never a cap "
+            "below that batch (pagoda/engine/max_num_seqs.py); the offline LLM has no latency to protect "
+            "and skips this bound unless given"
         },
     )
     scheduling_policy: SchedulingPolicy = field(
