@@ -136,7 +136,7 @@ def models_fit(
     models_file = load_models_file(path)
     needs = []
     for entry in models_file.models:
-        engine = entry.engine_config(config)
+        engine = entry.engine_config(config, len(models_file.models))
         try:
             replicas = entry.deployment_config(deployment)
             needs.append(model_need(entry.name, entry.line, engine, engines=replicas.num_replicas))

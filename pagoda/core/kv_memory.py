@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ def free_memory_bytes(device: torch.device) -> int:
     """Memory free on `device` now: the GPU's free bytes, or the host's available RAM within the
     process's cgroup limit."""
     if device.type == "cuda":
+        import torch  # only here: `pagoda plan` on a CPU never loads it for this
+
         return int(torch.cuda.mem_get_info(device)[0])
     available = _meminfo_available()
     room = _cgroup_room()

@@ -108,7 +108,7 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
     served: list[ServedModel] = []
     try:
         for entry in models_file.models:
-            engine = entry.engine_config(config)
+            engine = entry.engine_config(config, len(models_file.models))
             try:
                 llm = start_engines(engine, entry.deployment_config(deployment), transport=settings.engine_transport)
             except RuntimeError as exc:
