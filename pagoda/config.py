@@ -428,8 +428,8 @@ class ParallelConfig:
     num_threads: int | None = field(
         default=None,
         metadata={
-            "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
-            "but one when serving, that one left for the HTTP event loop)"
+            "help": "torch intra-op threads on CPU (default: every core available to the process, its "
+            "affinity and cgroup quota, split between the data-parallel replicas; offline: torch's)"
         },
     )
     # ---- tensor parallelism (pagoda/executor) ----
