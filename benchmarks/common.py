@@ -117,9 +117,10 @@ def pagoda_server(model_dir: Path, engine_flags: list[str], log_path: Path) -> I
 
 @contextlib.contextmanager
 def pagoda_server_process(
-    model_dir: Path, engine_flags: list[str], log_path: Path
+    model_dir: Path, engine_flags: list[str], log_path: Path, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`pagoda serve` as a subprocess on a free loopback port; yields its base URL and process."""
+    """`pagoda serve` as a subprocess on a free loopback port; yields its base URL and process.
+    `env`: variables set for the server over this process's (default: OMP_WAIT_POLICY=PASSIVE)."""
     from pagoda.http_client.server_process import free_port, running_server
 
     port = free_port()
@@ -145,7 +146,7 @@ def pagoda_server_process(
         timeout=120,
         log_path=log_path,
         cwd=REPO,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        env={**os.environ, **(env if env is not None else {"OMP_WAIT_POLICY": "PASSIVE"})},
         name="pagoda serve",
     ) as proc:
         yield url, proc

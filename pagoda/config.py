@@ -96,6 +96,9 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 # The largest --max-num-seqs default (vLLM's); larger batches are an explicit choice.
 MAX_NUM_SEQS_CEILING = 256
+# --kv-cache-memory-share's default: half of what is free once the weights are loaded. On a CPU the
+# RAM is shared with the OS, the HTTP side and other processes (vLLM's 0.9 is of a GPU of its own).
+KV_CACHE_MEMORY_SHARE = 0.5
 
 
 def parse_bytes(text: str | int) -> int:
@@ -168,14 +171,17 @@ class ModelLoadConfig:
         default=True,
         metadata={"help": "int4 with a zero point per group (asymmetric); --no-quantization-zero-point: symmetric"},
     )
-    # Off by default: their sums run in another order than PyTorch's (outputs would depend on
-    # whether a compiler was present), and no benchmark has shown them faster yet.
+    # auto by default: the decode step's products, attention and norms run faster on them
+    # (benchmarks/native_kernels.py, native_attention.py); their sums run in another order than
+    # PyTorch's, so `off` stays the mode whose outputs match transformers' bit for bit.
     native_kernels: NativeKernelsMode = field(
-        default="off",
+        default="auto",
         metadata={
-            "help": "pagoda's C++ CPU kernels for decode-sized products (float32 and int8 weights), built "
-            "on first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them when they build, "
-            "else log one line and use PyTorch's), on (fail at startup when they cannot build), off"
+            "help": "pagoda's C++ CPU kernels (decode products, paged attention, norms, MoE), built on "
+            "first use into $XDG_CACHE_HOME/pagoda/kernels: auto (use them where they build, else "
+            "log one line and use PyTorch's), on (fail at startup when they cannot build), off "
+            "(PyTorch's ops only: the transformers-exact mode, greedy tokens and logprobs as "
+            "transformers computes them)"
         },
     )
     score_tokens: str | None = field(
@@ -239,7 +245,22 @@ class CacheConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "KV pool size in blocks (overrides --kv-cache-memory)"}
     )
-    kv_cache_memory: str = field(default="1GiB", metadata={"help": "KV pool size in bytes, e.g. 2GiB"})
+    kv_cache_memory: str = field(
+        default="auto",
+        metadata={
+            "help": "KV pool size in bytes, e.g. 2GiB; auto: --kv-cache-memory-share of the memory free once "
+            "the weights are loaded (pagoda/core/kv_memory.py)"
+        },
+    )
+    kv_cache_memory_share: float = field(
+        default=KV_CACHE_MEMORY_SHARE,
+        metadata={
+            "help": "with --kv-cache-memory auto: the share of the memory free after the weights (on CPU the "
+            "host's available RAM within the process's cgroup limit, on a GPU the device's) that the KV "
+            "pool takes, split between the data-parallel replicas and the CPU ranks of one host, as "
+            "vLLM's --gpu-memory-utilization; pages the pool never writes take no RAM"
+        },
+    )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     kv_cache_dtype: KVCacheDType = field(
         default="auto",
@@ -278,8 +299,9 @@ class CacheConfig:
     )
 
     @property
-    def kv_cache_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
+    def kv_cache_bytes(self) -> int | None:
+        """--kv-cache-memory in bytes; None under auto (the engine sizes the pool from the free memory)."""
+        return None if self.kv_cache_memory == "auto" else parse_bytes(self.kv_cache_memory)
 
     @property
     def kv_offload_bytes(self) -> int:
@@ -294,8 +316,14 @@ class CacheConfig:
             _fail("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             _fail("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes <= 0:
-            _fail("kv_cache_memory", f"must be positive, got {self.kv_cache_memory}")
+        try:
+            size = self.kv_cache_bytes
+        except ValueError:
+            size = 0
+        if size is not None and size <= 0:
+            _fail("kv_cache_memory", f"must be auto or a positive size like 2GiB, got {self.kv_cache_memory!r}")
+        if not 0 < self.kv_cache_memory_share <= 1:
+            _fail("kv_cache_memory_share", f"must be in (0, 1], got {self.kv_cache_memory_share}")
         for name in ("kv_offload_memory", "kv_offload_disk_size"):
             value = getattr(self, name)
             try:
@@ -320,18 +348,20 @@ class SchedulerConfig:
     max_num_seqs: int | None = field(
         default=None,
         metadata={
-            "help": "most sequences running at once (default: what the KV pool holds at full context and what "
-            "one core decodes within --max-num-seqs-itl-ms, calibrated once per machine, model and "
-            "settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json (else "
-            "~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"
+            "help": "most sequences running at once (default: at least the batch beyond which a decode step's "
+            "throughput stops rising, beyond it what one core decodes within --max-num-seqs-itl-ms, at "
+            "most what the KV pool holds at a block each (preemption when they grow), calibrated once "
+            "per machine, model and settings and cached in $XDG_CACHE_HOME/pagoda/max_num_seqs.json "
+            "(else ~/.cache/pagoda/...; delete it to recalibrate); at most 256; offline: the KV pool alone)"
         },
     )
     max_num_seqs_itl_ms: float | None = field(
         default=50.0,
         metadata={
             "help": "without --max-num-seqs: the decode-step time (inter-token latency) the default may "
-            "reach at short contexts (pagoda/engine/max_num_seqs.py); the offline LLM has no "
-            "latency to protect and skips this bound unless given"
+            "reach at short contexts beyond the batch that raises throughput: a latency target, never a cap "
+            "below that batch (pagoda/engine/max_num_seqs.py); the offline LLM has no latency to protect "
+            "and skips this bound unless given"
         },
     )
     scheduling_policy: SchedulingPolicy = field(
@@ -398,8 +428,8 @@ class ParallelConfig:
     num_threads: int | None = field(
         default=None,
         metadata={
-            "help": "torch intra-op threads on CPU (default: torch's, every core, offline; every core "
-            "but one when serving, that one left for the HTTP event loop)"
+            "help": "torch intra-op threads on CPU (default: every core available to the process, its "
+            "affinity and cgroup quota, split between the data-parallel replicas; offline: torch's)"
         },
     )
     # ---- tensor parallelism (pagoda/executor) ----

@@ -18,6 +18,7 @@ from pagoda.artifacts.review import safetensors_header
 from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
+from pagoda.core.kv_memory import KVMemory, free_memory_bytes, kv_pool_memory
 from pagoda.model.model_config import ModelConfig
 from pagoda.quant.storage_bytes import (
     INT4_GROUP_SIZES,
@@ -391,6 +392,7 @@ class Plan:
     stages: list[StageMemory] = field(default_factory=list)
     stage_pool_blocks: int = 0
     stage_full_context_seqs: int = 0
+    kv_pool_source: str = ""  # without --memory: the bytes serve's KV pool takes here, and why
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -520,6 +522,7 @@ def build_plan(
     group_size: int | None = None,
     pipeline_parallel_size: int = 1,
     pp_layer_partition: list[int] | None = None,
+    kv_pool_source: str = "",
 ) -> Plan:
     _check_knobs(context, block_size, kv_dtype, group_size)
     warnings = []
@@ -601,6 +604,7 @@ def build_plan(
         stages=stages,
         stage_pool_blocks=stage_pool_blocks,
         stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
+        kv_pool_source=kv_pool_source,
     )
 
 
@@ -814,6 +818,7 @@ def render_plan(plan: Plan) -> str:
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
+        *([f"KV pool          {plan.kv_pool_source}"] if plan.kv_pool_source else []),
         f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers']} layers x 2 x "
         f"{s['num_kv_heads']} KV heads x {_kv_vector(plan.kv_dtype, s['head_dim'])})",
         f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
@@ -921,6 +926,7 @@ class PlanOptions:
     # (--kv-cache-memory), with the dtype it runs here
     memory: str | None = None
     kv_cache_memory: str | None = None  # with memory None: serve's --kv-cache-memory (default: serve's)
+    kv_cache_memory_share: float | None = None  # with memory None: serve's --kv-cache-memory-share
     dtype: str | None = None  # weight dtype (default: the config's, else bf16)
     kv_dtype: str | None = None  # default: the weight dtype, or bf16 if that is quantized
     context: int | None = None  # default: the model's max_position_embeddings
@@ -982,14 +988,19 @@ def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -
     }
     if options.kv_cache_memory:
         flags["kv_cache_memory"] = options.kv_cache_memory
+    if options.kv_cache_memory_share is not None:
+        flags["kv_cache_memory_share"] = options.kv_cache_memory_share
     engine = EngineConfig(model=options.model, **flags)
     dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
     kv_dtype = normalize_dtype(options.kv_dtype) if options.kv_dtype else serving_kv_dtype("auto", dtype)
     context = options.context or shape.max_position_embeddings
     group_size, _ = int4_group_size(shape, options.quantization_group_size)
     kv_token = kv_bytes_per_token(shape, kv_dtype)
-    pool = serving_pool_blocks(engine, kv_token, context) * kv_token * options.block_size
-    memory = _configured_weight_bytes(params, dtype, group_size) + pool
+    weights = _configured_weight_bytes(params, dtype, group_size)
+    kv_memory = serving_kv_memory(engine, weights)
+    blocks = serving_pool_blocks(engine, kv_token, context, kv_memory.bytes)
+    pool = blocks * kv_token * options.block_size
+    memory = weights + pool
     classes = (
         [parse_request_class(spec) for spec in options.classes]
         if options.classes
@@ -1007,6 +1018,8 @@ def _serving_plan(options: PlanOptions, shape: ModelShape, params: ParamCount) -
         reserve_bytes=0,
         classes=classes,
         group_size=options.quantization_group_size,
+        kv_pool_source=f"{fmt_bytes(kv_memory.bytes)}: {kv_memory.describe()}"
+        + (f", of which {blocks:,} blocks are of use (--max-num-seqs x the context)" if pool < kv_memory.bytes else ""),
     )
 
 
@@ -1063,13 +1076,24 @@ def serving_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
     return normalize_dtype(kv_cache_dtype)
 
 
-def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int) -> int:
-    """The KV blocks the engine allocates for these settings (EngineCore._num_kv_blocks):
-    --num-kv-blocks, else --kv-cache-memory's worth, at most what --max-num-seqs sequences of the
-    full context can use."""
+def serving_kv_memory(engine: EngineConfig, weight_bytes: int) -> KVMemory:
+    """The bytes serve's KV pool may take on this machine now (pagoda.core.kv_memory):
+    --kv-cache-memory, or the share of what is free less the weights, which are not loaded yet."""
+    from pagoda.engine.assembly import resolve_device
+
+    if engine.kv_cache_bytes is not None or engine.num_kv_blocks is not None:
+        return kv_pool_memory(engine.cache, None)
+    free = free_memory_bytes(resolve_device(engine.device)) - weight_bytes * engine.tensor_parallel_size
+    return kv_pool_memory(engine.cache, free, parts=engine.num_replicas)
+
+
+def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int, pool_bytes: int) -> int:
+    """The KV blocks the engine allocates for these settings (pagoda.core.kv_plan.num_kv_blocks):
+    --num-kv-blocks, else `pool_bytes`' worth (serving_kv_memory), at most what --max-num-seqs
+    sequences of the full context can use."""
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
-    blocks = engine.kv_cache_bytes // (kv_token * engine.block_size)
+    blocks = pool_bytes // (kv_token * engine.block_size)
     one_group = kv_cache_groups([None], release=False)  # every layer's blocks together, as plan counts them
     return min(
         blocks,
@@ -1078,17 +1102,23 @@ def serving_pool_blocks(engine: EngineConfig, kv_token: int, context: int) -> in
     )
 
 
-def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
-    """One model of a models file, with the engine settings serve would give it."""
+def serving_weight_bytes(engine: EngineConfig) -> int:
+    """The bytes of the weights serve loads with these settings, in the dtype it runs here."""
     shape, params = load_model(engine.model)
     weight_dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
-    quant = engine.quantization if engine.quantization in ("int8", "int4") else None
+    return weight_bytes(params, weight_dtype, engine.quantization if engine.quantization in ("int8", "int4") else None)
+
+
+def model_need(name: str, line: int, engine: EngineConfig, *, engines: int) -> ModelNeed:
+    """One model of a models file, with the engine settings serve would give it."""
+    shape, _ = load_model(engine.model)
+    weight_dtype = serving_dtype(engine.dtype, shape.config_dtype, engine.device)
     context = engine.max_model_len or shape.max_position_embeddings or 2048
     kv_token = kv_bytes_per_token(shape, serving_kv_dtype(engine.kv_cache_dtype, weight_dtype))
-    kv_bytes = serving_pool_blocks(engine, kv_token, context) * engine.block_size * kv_token
-    return ModelNeed(
-        name, line, engine.model, weight_dtype, context, engines, weight_bytes(params, weight_dtype, quant), kv_bytes
-    )
+    weights = serving_weight_bytes(engine)
+    pool_bytes = serving_kv_memory(engine, weights).bytes
+    kv_bytes = serving_pool_blocks(engine, kv_token, context, pool_bytes) * engine.block_size * kv_token
+    return ModelNeed(name, line, engine.model, weight_dtype, context, engines, weights, kv_bytes)
 
 
 @dataclass(frozen=True)

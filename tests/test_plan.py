@@ -389,6 +389,7 @@ def test_plan_and_serve_agree_on_dtype_and_kv_pool(tmp_path) -> None:
     from pagoda.engine.engine_core import EngineCore
 
     for flags in (
+        {},  # auto: both capped at what --max-num-seqs full-context sequences use (this model is small)
         {"kv_cache_memory": "8MiB"},
         {"num_kv_blocks": 40},
         {"kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"},
@@ -427,7 +428,7 @@ def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
         model=str(DEFAULT_MODEL_DIR),
         device="cpu",
         num_threads=1,
-        kv_cache_memory=flags.get("kv_cache_memory", "1GiB"),
+        kv_cache_memory=flags.get("kv_cache_memory", "auto"),
         max_model_len=flags.get("context"),
     )
     core = EngineCore(engine)

@@ -47,13 +47,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="accelerator memory, e.g. 80GiB, 24GB (default: with --model,\n"
         "what `pagoda serve` runs on this machine: its dtype, KV dtype and the KV pool of\n"
-        "--kv-cache-memory, as its banner shows; with --models, this machine's memory)",
+        "--kv-cache-memory (a share of the memory free after the weights), as its banner\n"
+        "shows; with --models, this machine's memory)",
     )
     parser.add_argument(
         "--kv-cache-memory",
         default=None,
         metavar="SIZE",
-        help="without --memory: serve's --kv-cache-memory (default: serve's, 1GiB)",
+        help="without --memory: serve's --kv-cache-memory (default: serve's, auto: a share of the memory\n"
+        "free after the weights)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-share",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="without --memory, with --kv-cache-memory auto: serve's --kv-cache-memory-share (default: serve's, 0.5)",
     )
     parser.add_argument(
         "--dtype", default=None, help="weight dtype: bf16, fp16, fp32, int8, int4 (default: the config's, else bf16)"
@@ -127,7 +136,7 @@ def models_fit(
     models_file = load_models_file(path)
     needs = []
     for entry in models_file.models:
-        engine = entry.engine_config(config)
+        engine = entry.engine_config(config, len(models_file.models))
         try:
             replicas = entry.deployment_config(deployment)
             needs.append(model_need(entry.name, entry.line, engine, engines=replicas.num_replicas))

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from typing import Any, NoReturn
 
-from pagoda.config import EngineConfig, parse_bytes
+from pagoda.config import EngineConfig
 
 # vLLM's --dtype spellings that pagoda's --dtype names otherwise.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -113,31 +113,33 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 def apply_gpu_memory_utilization(
     engine: EngineConfig, fraction: float | None, kv_cache_memory_given: bool
 ) -> EngineConfig:
-    """The engine config with --gpu-memory-utilization applied: on a GPU the KV pool is the share
-    of the device's memory the weights leave; on CPU the weights and the KV pool must fit in the
-    share of the host's memory (SystemExit with the numbers when they do not)."""
+    """The engine config with --gpu-memory-utilization applied, as vLLM's: the KV pool is the share
+    of the device's memory (on CPU, the host's) the weights leave. On CPU an explicit
+    --kv-cache-memory keeps its size, and the weights and the pool must fit in the share
+    (SystemExit with the numbers when they do not)."""
     if fraction is None:
         return engine
     if not 0 < fraction <= 1:
         raise SystemExit(f"pagoda serve: --gpu-memory-utilization must be in (0, 1], got {fraction}")
     import torch
 
-    from pagoda.plan import fmt_bytes, machine_memory_bytes, model_need
+    from pagoda.plan import fmt_bytes, machine_memory_bytes, model_need, serving_weight_bytes
 
     on_gpu = engine.device != "cpu" and torch.cuda.is_available()
     budget = int(fraction * machine_memory_bytes("cuda" if on_gpu else "cpu"))
-    need = model_need("model", 0, engine, engines=1)
-    if on_gpu:
+    if on_gpu or not kv_cache_memory_given:
         if kv_cache_memory_given:
             raise SystemExit("pagoda serve: give --gpu-memory-utilization or --kv-cache-memory, not both")
-        kv_bytes = budget - need.weight_bytes
+        weights = serving_weight_bytes(engine)
+        kv_bytes = budget - weights
         if kv_bytes <= 0:
             raise SystemExit(
                 f"pagoda serve: --gpu-memory-utilization {fraction} gives {fmt_bytes(budget)}, "
-                f"less than the weights ({fmt_bytes(need.weight_bytes)}): raise it"
+                f"less than the weights ({fmt_bytes(weights)}): raise it"
             )
         return dataclasses.replace(engine, kv_cache_memory=str(kv_bytes))
-    used = need.weight_bytes + parse_bytes(engine.kv_cache_memory)
+    need = model_need("model", 0, engine, engines=1)
+    used = need.weight_bytes + need.kv_bytes
     if used > budget:
         raise SystemExit(
             f"pagoda serve: on CPU --gpu-memory-utilization {fraction} is a budget of "

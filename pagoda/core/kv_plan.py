@@ -2,7 +2,8 @@
 the bytes one pool block takes on a rank, and how many blocks the pool holds.
 
 The same formula as `pagoda plan` (ModelConfig.kv_bytes_per_token, pagoda.quant.storage_bytes);
-the pool itself is allocated by the model runner (pagoda.worker.paged_model), the host and disk
+its bytes come from pagoda.core.kv_memory (--kv-cache-memory, or a share of the free memory); the
+pool itself is allocated by the model runner (pagoda.worker.paged_model), the host and disk
 tiers below it by pagoda.kv_transfer.tiers.
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_page, pages_per_sequence
+from pagoda.core.kv_memory import KVMemory
 
 if TYPE_CHECKING:
     from pagoda.model.model_config import ModelConfig
@@ -30,12 +32,22 @@ class KVPoolPlan:
     release_blocker: str | None  # why sliding-window blocks are kept whole (None: released or no windows)
     bytes_per_block: int  # on one rank (or the largest pipeline stage), the draft model's included
     num_blocks: int
+    memory: KVMemory  # the bytes the pool may take on one rank, and why (the pool may use fewer)
+
+    def describe_memory(self) -> str:
+        """The pool's bytes on one rank and where they come from, for the banner."""
+        used = self.num_blocks * self.bytes_per_block
+        capped = used + self.bytes_per_block <= self.memory.bytes  # every running sequence at full context fits
+        return (
+            f"{_gib(used)} ({self.memory.describe()}{', all that --max-num-seqs sequences can use' if capped else ''})"
+        )
 
 
 def plan_kv_pool(
     cache: CacheConfig,
     scheduler: SchedulerConfig,
     model_config: ModelConfig,
+    memory: KVMemory,
     *,
     num_kv_heads: int,
     element_bytes: int,
@@ -45,7 +57,7 @@ def plan_kv_pool(
     draft_config: ModelConfig | None = None,
 ) -> KVPoolPlan:
     """The pool of a model whose ranks each hold `num_kv_heads` KV heads, stored at
-    `element_bytes` per element (before --kv-cache-dtype). `release_blocker`: why these settings
+    `element_bytes` per element (before --kv-cache-dtype), in `memory`'s bytes. `release_blocker`: why these settings
     keep sliding-window blocks whole (pagoda.core.kv_cache_groups.release_blocker), if they do."""
     # Sliding-window layers release the blocks behind their windows, in KV cache groups of
     # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
@@ -68,8 +80,10 @@ def plan_kv_pool(
         bytes_per_block += (
             draft_config.kv_bytes_per_token(element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
         )
-    num_blocks = num_kv_blocks(cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len)
-    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks)
+    num_blocks = num_kv_blocks(
+        cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len, memory.bytes
+    )
+    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks, memory)
 
 
 def num_kv_blocks(
@@ -79,20 +93,28 @@ def num_kv_blocks(
     num_layers: int,
     bytes_per_block: int,
     max_model_len: int,
+    pool_bytes: int,
 ) -> int:
-    """--num-kv-blocks, else what --kv-cache-memory holds, at most what the running sequences
-    could ever use."""
+    """--num-kv-blocks, else what `pool_bytes` (pagoda.core.kv_memory) hold, at most what the running
+    sequences could ever use."""
     if cache.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
         return cache.num_kv_blocks * num_layers // layers_per_page(groups)
-    num_blocks = cache.kv_cache_bytes // bytes_per_block
+    num_blocks = pool_bytes // bytes_per_block
     # More than every running sequence at full length could ever use is wasted memory.
     useful = scheduler.max_num_seqs_bound * pages_per_sequence(
         groups, max_model_len, cache.block_size, scheduler.max_num_batched_tokens
     )
     num_blocks = min(num_blocks, useful)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block ({bytes_per_block} bytes each)")
+        raise ValueError(
+            f"kv_cache_memory {cache.kv_cache_memory} ({pool_bytes} bytes) holds no KV block "
+            f"({bytes_per_block} bytes each)"
+        )
     return num_blocks
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def stage_layers_per_page(groups: list[KVCacheGroup], stage: PipelineStage) -> int:

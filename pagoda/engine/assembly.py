@@ -20,6 +20,7 @@ from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_ar
 from pagoda.config import EngineConfig, LoRAConfig
 from pagoda.core.kv_cache_groups import longest_sequence_blocks, release_blocker
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_memory import KVMemory, free_after_weights, free_memory_bytes, kv_pool_memory
 from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.threads import available_cores
@@ -80,6 +81,7 @@ class ModelStack:
     draft_model: Any | None  # --speculative draft
     lora: LoRAManager | None  # --enable-lora
     moe_meter: ExpertLoadMeter | None  # --moe-metrics on a MoE model
+    free_before_load: int | None = None  # memory free on the device before the weights loaded (kv auto)
 
     @property
     def num_micro_batches(self) -> int:
@@ -117,6 +119,9 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
         config.quantization, config.quantization_group_size, config.quantization_zero_point, kernels.native_layout
     )
     kernels.linear.check(weight_format, device, dtype)
+    # --kv-cache-memory auto shares what the weights leave free (pagoda.core.kv_memory).
+    auto_kv = config.kv_cache_bytes is None and config.num_kv_blocks is None
+    free_before_load = free_memory_bytes(device) if auto_kv else None
     # Tensor parallelism: ranks 1..N-1 load their shards beside this one (rank 0), with as
     # many threads as the driver gave this thread (engine/threads.py). Pipeline parallelism:
     # stages 1..P-1 load their layers, this process is the first stage.
@@ -176,6 +181,7 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
         draft_model,
         lora,
         moe_meter,
+        free_before_load,
     )
 
 
@@ -262,6 +268,7 @@ def plan_engine_kv_pool(config: EngineConfig, stack: ModelStack) -> KVPoolPlan:
         config.cache,
         config.scheduler,
         stack.model.config,
+        engine_kv_memory(config, stack),
         num_kv_heads=stack.model.num_kv_heads,
         element_bytes=torch.tensor([], dtype=stack.dtype).element_size(),
         max_model_len=stack.max_model_len,
@@ -269,6 +276,29 @@ def plan_engine_kv_pool(config: EngineConfig, stack: ModelStack) -> KVPoolPlan:
         stages=stack.stages,
         draft_config=stack.draft_model.config if stack.draft_model is not None else None,
     )
+
+
+def engine_kv_memory(config: EngineConfig, stack: ModelStack) -> KVMemory:
+    """The bytes the pool may take on each rank: --kv-cache-memory, or the share of the memory the
+    weights leave free (pagoda.core.kv_memory), split between this host's data-parallel replicas
+    and, on the CPU, between the ranks (each holds its part of the weights and of the pool)."""
+    if stack.free_before_load is None:  # --kv-cache-memory or --num-kv-blocks
+        return kv_pool_memory(config.cache, None)
+    cpu_ranks = config.tensor_parallel_size * config.pipeline_parallel_size if stack.device.type == "cpu" else 1
+    models = [stack.model] + ([stack.draft_model] if stack.draft_model is not None else [])
+    weights = sum(dict(_storage_bytes(t) for m in models for t in (*m.parameters(), *m.buffers())).values())
+    free = free_after_weights(stack.free_before_load, free_memory_bytes(stack.device), weights * cpu_ranks)
+    return kv_pool_memory(config.cache, free, parts=config.num_replicas * cpu_ranks)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(an identity of the memory `tensor` views, its bytes): tied weights share one storage.
+    Opaque tensors (oneDNN's packed weights) have no storage to name: their own bytes."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (NotImplementedError, RuntimeError):
+        return id(tensor), tensor.numel() * tensor.element_size()
 
 
 def build_kv_tiers(config: EngineConfig, plan: KVPoolPlan, dtype: torch.dtype) -> KVTiers | None:

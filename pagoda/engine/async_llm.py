@@ -86,6 +86,7 @@ class AsyncLLM:
         self.engine_limits: EngineLimits = info.engine_limits
         # --max-num-seqs as the engine resolved it (its default is measured at startup).
         self.max_num_seqs_choice = info.max_num_seqs_choice
+        self.kv_pool_memory: str = info.kv_pool_memory  # the KV pool's bytes and why
         self.kv_address: str | None = info.kv_address  # role decode: its KV listener
         self.weights_digest: str | None = info.weights_digest  # verified at load, else None
         if config.max_num_seqs is None:

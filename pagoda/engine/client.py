@@ -78,6 +78,7 @@ class EngineClient(Protocol):
     generation_defaults: dict  # sampling defaults from the model's generation_config.json
     classifier: ClassifierConfig | None  # the model's classifier head (scoring), None for a plain LM
     transport: str  # where the engine runs: "thread", "process", ...
+    kv_pool_memory: str  # the KV pool's bytes and where they come from (pagoda.core.kv_memory)
 
     # Read-only in the protocol, so a client that always resolves it may hold the narrower type.
     @property

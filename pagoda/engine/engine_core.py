@@ -114,6 +114,7 @@ class EngineCore:
         self.kv_format = make_kv_cache_format(config.kv_cache_dtype, self.dtype)
         plan = plan_engine_kv_pool(config, stack)
         self.kv_groups, self.release_blocker, self.num_blocks = plan.groups, plan.release_blocker, plan.num_blocks
+        self.kv_pool_memory = plan.describe_memory()  # the pool's bytes and why, for the banner
         self.kv_tiers = build_kv_tiers(config, plan, self.dtype)
         self.kv_cache, self.scheduler = build_scheduler(config, stack, plan, self.kv_tiers)
         # Steps submitted and not yet collected: up to one per pipeline stage (pagoda.executor.pipeline).

@@ -1,25 +1,33 @@
 """The default of --max-num-seqs: what the KV pool and this hardware sustain.
 
 A fixed default (vLLM's 256) lets an overloaded server admit so many sequences that every
-admitted stream crawls. When --max-num-seqs is not given, the engine picks the largest count
-that both
+admitted stream crawls; a default bound by latency alone serves a slow model one request at a
+time although a batch of them costs barely more per step. When --max-num-seqs is not given, the
+engine picks the largest count that the KV pool holds and, within that,
 
-- the KV pool holds: with a latency to protect (serving), every running sequence must be able
-  to reach the full context without preempting another (the banner's "N sequences at full
-  context"); offline, where only throughput counts, a running sequence holds at least one block
-  (pagoda.core.capacity, the formula `pagoda plan` uses), so more running sequences than blocks
-  can only thrash; and
-- this hardware decodes within the inter-token-latency budget (--max-num-seqs-itl-ms): one
-  decode step of that many sequences takes at most the budget.
+- at least the throughput knee: the batch beyond which a decode step's throughput (sequences /
+  step time) stops rising by THROUGHPUT_RISE or more. Below it a larger batch serves every
+  waiting request sooner at almost no cost to each: the inter-token-latency budget never cuts
+  concurrency below the knee;
+- beyond the knee, as many sequences as one decode step serves within the ITL budget
+  (--max-num-seqs-itl-ms): there more sequences only slow every stream, and the budget is the
+  latency the default may reach.
 
-A configuration must not change with the load of the moment, so the hardware bound is measured
-in quantities that do not drift: decode steps of short dummy sequences at growing batch sizes
+The KV pool bound counts what running sequences actually hold: at least one block each
+(pagoda.core.capacity, the formula `pagoda plan` uses), so more running sequences than blocks
+can only thrash. The scheduler admits a request when its blocks fit beside what the running ones
+hold, and preempts the lowest-ranked one when a growing sequence finds none free
+(pagoda.core.scheduler): preemption, not a reservation of every sequence's full context, is the
+valve.
+
+A configuration must not change with the load of the moment, so the hardware is measured in
+quantities that do not drift: decode steps of short dummy sequences at growing batch sizes
 (1, 4, 16, 64, 256) timed as the CPU time of one thread on one core (on CPU the calibration runs
 single-threaded; on an accelerator, wall time), the median of several steps per size, stopping
-at the first size over the budget and interpolating linearly between the last size within it and
-that one (decode time grows about linearly with the batch). More threads only make real steps
-faster; longer contexts and prefill chunks make them slower: the budget is a ceiling, not a
-promise.
+once a size is both over the budget and past the knee, and interpolating linearly between the
+last size within the budget and the first over it (decode time grows about linearly with the
+batch). More threads only make real steps faster; longer contexts and prefill chunks make them
+slower: the budget is a target, not a promise.
 
 The measured steps are cached in a small JSON file (`calibration_cache_path()`:
 $XDG_CACHE_HOME/pagoda/max_num_seqs.json, else ~/.cache/pagoda/...), keyed by the machine (CPU
@@ -71,27 +79,30 @@ class MaxNumSeqsChoice:
 
     value: int
     explicit: bool  # --max-num-seqs was given
-    kv_bound: int | None = None  # sequences the KV pool holds (at full context when full_context)
+    kv_bound: int | None = None  # sequences the KV pool holds, one block each
     hardware_bound: int | None = None  # sequences one decode step serves within the budget (None: no
     # measured batch exceeded it)
     itl_budget_ms: float | None = None
     step_ms: tuple[tuple[int, float], ...] = ()  # (batch size, measured decode step ms)
     calibration_s: float = 0.0
-    full_context: bool = False  # kv_bound counts sequences at the full context (else one block each)
     cached: bool = False  # every step time came from the calibration cache
+    throughput_knee: int | None = None  # the batch beyond which throughput stops rising (None: not measured)
 
     def describe(self) -> str:
         """One line for the startup banner."""
         if self.explicit:
             return f"{self.value} (--max-num-seqs)"
         measured = ", ".join(f"{batch}: {ms:.1f} ms" for batch, ms in self.step_ms)
-        if self.hardware_bound is not None and self.hardware_bound == self.value:
+        knee_binds = self.throughput_knee == self.value and self.hardware_bound is not None
+        if knee_binds and self.hardware_bound is not None and self.hardware_bound < self.value:
+            binding = "throughput knee"
+        elif self.hardware_bound is not None and self.hardware_bound == self.value:
             binding = "ITL budget"
         elif self.kv_bound is not None and self.kv_bound == self.value:
             binding = "KV pool"
         else:
             binding = f"ceiling of {CEILING}"
-        holds = f"KV pool holds {self.kv_bound}{' at full context' if self.full_context else ''}"
+        holds = f"KV pool holds {self.kv_bound} (a block each; preemption when they grow)"
         if self.itl_budget_ms is None:
             return f"{self.value} (auto, bound by the {binding}: {holds}; no ITL budget)"
         fit = (
@@ -101,11 +112,27 @@ class MaxNumSeqsChoice:
             if self.step_ms
             else "-"
         )
+        knee = f"throughput rises up to {self.throughput_knee}, " if self.throughput_knee is not None else ""
         source = "from the calibration cache" if self.cached else f"calibrated in {self.calibration_s:.2f} s"
         return (
-            f"{self.value} (auto, bound by the {binding}: {holds}, decode steps "
+            f"{self.value} (auto, bound by the {binding}: {holds}, {knee}decode steps "
             f"within {self.itl_budget_ms:g} ms fit {fit} [{measured}], {source})"
         )
+
+
+# A larger batch counts as raising throughput when its sequences per second are at least this much
+# higher (below it, step-time noise and the rising cost per sequence make it a wash).
+THROUGHPUT_RISE = 0.10
+
+
+def throughput_knee(measured: list[tuple[int, float]]) -> int | None:
+    """The batch beyond which throughput (batch / step time) stops rising by THROUGHPUT_RISE: the
+    first measured size the next one does not beat by that much; the last size when each beats the
+    one before (throughput still rising where the measurements end); None when nothing was measured."""
+    for (batch, ms), (next_batch, next_ms) in zip(measured, measured[1:]):
+        if next_batch / max(next_ms, 1e-9) < batch / max(ms, 1e-9) * (1 + THROUGHPUT_RISE):
+            return batch
+    return measured[-1][0] if measured else None
 
 
 def choose_max_num_seqs(
@@ -116,15 +143,13 @@ def choose_max_num_seqs(
     itl_budget_ms: float | None,
     step_time_ms: Callable[[int], float] | None,
     ceiling: int = CEILING,
-    max_model_len: int | None = None,
 ) -> MaxNumSeqsChoice:
     """The default for a pool of `num_blocks` and a hardware whose decode step of `batch`
-    sequences takes `step_time_ms(batch)` ms (called for growing batches, stopping early).
-    With `max_model_len`, the pool bound counts sequences at that full context; without, one
-    block each. No step decodes more sequences than the step's token budget, so larger batches
-    are never measured: within budget up to there means within budget for every step that can occur."""
+    sequences takes `step_time_ms(batch)` ms (called for growing batches, stopping once one is
+    over the budget and past the throughput knee). No step decodes more sequences than the
+    step's token budget, so larger batches are never measured."""
     started = time.perf_counter()
-    kv_bound = sequences_that_fit(num_blocks, block_size, max_model_len or 1)
+    kv_bound = sequences_that_fit(num_blocks, block_size, 1)
     cap = max(1, min(ceiling, kv_bound))
     largest_step = min(cap, max_num_batched_tokens)
     sizes = sorted({b for b in PROBE_BATCH_SIZES if b < largest_step} | {largest_step})
@@ -134,27 +159,30 @@ def choose_max_num_seqs(
     for batch in probes:
         assert itl_budget_ms is not None and step_time_ms is not None  # probes is empty otherwise
         ms = step_time_ms(batch)
-        if ms > itl_budget_ms:  # confirm: a moment of other work on the machine must not decide it
+        if ms > itl_budget_ms and hardware is None:  # confirm: a moment of other work must not decide it
             ms = min(ms, step_time_ms(batch))
         measured.append((batch, ms))
-        if ms > itl_budget_ms:
+        if ms > itl_budget_ms and hardware is None:
             if len(measured) == 1:
-                hardware = 1  # one sequence alone is over budget: still serve one at a time
+                hardware = 1  # one sequence alone is over budget
             else:
                 (good, good_ms), (bad, bad_ms) = measured[-2], measured[-1]
                 slope = (bad_ms - good_ms) / (bad - good)
                 extra = int((itl_budget_ms - good_ms) / slope) if slope > 0 else 0
                 hardware = max(good, min(bad - 1, good + extra))
-            break
+        if hardware is not None and throughput_knee(measured) != batch:
+            break  # over the budget and throughput has stopped rising: larger batches cannot count
+    knee = throughput_knee(measured)
+    value = min(cap, max(hardware or cap, knee or 1))
     return MaxNumSeqsChoice(
-        value=min(cap, hardware or cap),
+        value=value,
         explicit=False,
         kv_bound=kv_bound,
         hardware_bound=hardware,
         itl_budget_ms=itl_budget_ms,
         step_ms=tuple(measured),
         calibration_s=time.perf_counter() - started,
-        full_context=max_model_len is not None,
+        throughput_knee=knee,
     )
 
 
@@ -314,9 +342,9 @@ def resolve_max_num_seqs(
     core: CalibratedEngine, explicit: int | None, itl_budget_ms: float | None, cache_path: Path | None = None
 ) -> MaxNumSeqsChoice:
     """The value to use: `explicit` (--max-num-seqs) when given, else the default: bound by the
-    KV pool at full context and calibrated against `itl_budget_ms` (the step times read from the
-    cache at `cache_path`, default calibration_cache_path(), when this machine and model were
-    calibrated before), or bound by the KV pool alone when there is no budget (offline)."""
+    KV pool and calibrated against `itl_budget_ms` and the throughput knee (the step times read
+    from the cache at `cache_path`, default calibration_cache_path(), when this machine and model
+    were calibrated before), or bound by the KV pool alone when there is no budget (offline)."""
     if explicit is not None:
         return MaxNumSeqsChoice(value=explicit, explicit=True)
     common = dict(
@@ -342,9 +370,7 @@ def resolve_max_num_seqs(
             measured_any = True
         return cached[batch]
 
-    choice = choose_max_num_seqs(
-        **common, itl_budget_ms=itl_budget_ms, step_time_ms=step_time_ms, max_model_len=core.max_model_len
-    )
+    choice = choose_max_num_seqs(**common, itl_budget_ms=itl_budget_ms, step_time_ms=step_time_ms)
     if measured_any:
         entries[key] = {
             "step_ms": sorted(cached.items()),

@@ -323,6 +323,7 @@ class ModelFront:
         self.config: EngineConfig = first.config
         self.transport = first.transport
         self.max_num_seqs_choice = first.max_num_seqs_choice
+        self.kv_pool_memory: str = first.kv_pool_memory
         self.tokenizer = first.tokenizer
         self.max_model_len: int = first.max_model_len
         self.weights_digest: str | None = first.weights_digest

@@ -108,7 +108,7 @@ def _serve_models(config: EngineConfig, settings: ServerSettings, deployment: De
     served: list[ServedModel] = []
     try:
         for entry in models_file.models:
-            engine = entry.engine_config(config)
+            engine = entry.engine_config(config, len(models_file.models))
             try:
                 llm = start_engines(engine, entry.deployment_config(deployment), transport=settings.engine_transport)
             except RuntimeError as exc:
@@ -357,7 +357,7 @@ def startup_banner(
                 else ""
             ),
             f"  context    {max_model_len} tokens",
-            f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
+            f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}, {llm.kv_pool_memory}",
             f"  max seqs   {max_num_seqs_line(llm)}",
             f"  features   {', '.join(features) or 'none'}",
             f"  listening  http://{settings.host}:{settings.port}/v1 "

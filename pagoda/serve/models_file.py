@@ -145,8 +145,13 @@ class ModelEntry:
     deployment: dict[str, Any] = field(default_factory=dict)  # DeploymentConfig fields it sets
     fallbacks: tuple[FallbackTarget, ...] = ()
 
-    def engine_config(self, defaults: EngineConfig) -> EngineConfig:
-        return dataclasses.replace(defaults, model=self.model, **self.engine)
+    def engine_config(self, defaults: EngineConfig, models: int = 1) -> EngineConfig:
+        """This model's engine settings over `defaults`. Under --kv-cache-memory auto the `models`
+        of one file share the free memory: each takes its part of the share, unless it sets its own."""
+        config = dataclasses.replace(defaults, model=self.model, **self.engine)
+        if models > 1 and config.kv_cache_memory == "auto" and "kv_cache_memory_share" not in self.engine:
+            config = dataclasses.replace(config, kv_cache_memory_share=config.kv_cache_memory_share / models)
+        return config
 
     def deployment_config(self, defaults: DeploymentConfig) -> DeploymentConfig:
         return dataclasses.replace(defaults, **self.deployment)

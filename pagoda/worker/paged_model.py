@@ -10,6 +10,10 @@ without sliding-window release (one group) each layer has its own.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +22,8 @@ from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec, BatchLayout
 from pagoda.model.decoder import DecoderModel, ForwardContext
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
+
+_MADV_DONTNEED = 4  # Linux: the pages read as zeros again and take no RAM until written
 
 
 def allocate_kv_caches(
@@ -45,12 +51,52 @@ def allocate_kv_caches(
         for place, layer in enumerate(group.layers):
             if model.stage.holds_layer(layer):
                 if place not in pairs:
-                    pairs[place] = (
-                        torch.zeros(shape, dtype=storage, device=device),
-                        torch.zeros(shape, dtype=storage, device=device),
-                    )
+                    pairs[place] = (zeroed_cache(shape, storage, device), zeroed_cache(shape, storage, device))
                 caches[layer] = pairs[place]
     return caches
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. On Linux CPUs its whole pages are handed back to the kernel
+    (madvise MADV_DONTNEED), which maps them as zero pages again on first write: a pool sized from
+    the free memory (--kv-cache-memory auto, pagoda.core.kv_memory) takes RAM as its blocks are
+    used, not all at start. The storage stays torch's own (sleep mode resizes it)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type != "cpu" or not _release_pages(tensor):
+        tensor.zero_()
+    return tensor
+
+
+def _release_pages(tensor: torch.Tensor) -> bool:
+    """Zero `tensor` by releasing the pages wholly inside it and clearing the bytes of the pages it
+    shares at either end; False where madvise is not available (the caller zeroes it)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + nbytes) // page * page
+    if last > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+        return False
+    raw = tensor.view(-1).view(torch.uint8)
+    if last > first:
+        raw[: first - start].zero_()
+        raw[last - start :].zero_()
+    else:
+        raw.zero_()
+    return True
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def single_group(model: DecoderModel) -> list[KVCacheGroup]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        # A user's environment after `make install`: the native kernels built in the cache (this run's).
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"]},
     )
 
 

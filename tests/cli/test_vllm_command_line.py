@@ -74,8 +74,15 @@ def test_launch_lines_map_onto_pagoda_settings(model: Path) -> None:
 
 
 def test_gpu_memory_utilization_is_the_budget_on_cpu(model: Path) -> None:
+    from pagoda import plan
+
+    # As on a GPU: the KV pool is the share of the host's memory the weights leave.
     engine, _, _ = configs(str(model), "--device", "cpu", "--gpu-memory-utilization", "0.9")
-    assert engine.kv_cache_memory == "1GiB"  # the pool keeps its size on CPU: the fraction is a budget
+    weights = plan.serving_weight_bytes(engine)
+    assert int(engine.kv_cache_memory) == int(0.9 * plan.machine_memory_bytes("cpu")) - weights
+    # An explicit pool keeps its size: the fraction is a budget it must fit in.
+    sized, _, _ = configs(str(model), "--device", "cpu", "--gpu-memory-utilization", "0.9", "--kv-cache-memory", "1GiB")
+    assert sized.kv_cache_memory == "1GiB"
     with pytest.raises(SystemExit, match="budget of .* lower --kv-cache-memory"):
         configs(str(model), "--device", "cpu", "--gpu-memory-utilization", "0.001", "--kv-cache-memory", "8GiB")
     with pytest.raises(SystemExit, match=r"must be in \(0, 1\]"):
@@ -197,7 +204,7 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_on_a_gpu(model: Path, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(plan, "machine_memory_bytes", lambda device: 10 * 2**30 if device == "cuda" else 0)
     engine, _, _ = configs(str(model), "--gpu-memory-utilization", "0.5")
-    weights = plan.model_need("m", 0, engine, engines=1).weight_bytes
+    weights = plan.serving_weight_bytes(engine)
     assert plan.model_need("m", 0, engine, engines=1).dtype == "bf16"
     assert int(engine.kv_cache_memory) == 5 * 2**30 - weights
     with pytest.raises(SystemExit, match="not both"):

@@ -37,18 +37,53 @@ def choose(step, *, num_blocks=10_000, block_size=16, budget=50.0, token_budget=
     )
 
 
+class TableStep:
+    """Decode steps timed as the table says (ms by batch size); records the calls."""
+
+    def __init__(self, table: dict[int, float]) -> None:
+        self.table, self.calls = table, []
+
+    def __call__(self, batch: int) -> float:
+        self.calls.append(batch)
+        return self.table[batch]
+
+
 def test_hardware_bound_interpolates_between_the_last_probe_within_budget_and_the_first_over() -> None:
-    step = LinearStep(base=10.0, per_seq=0.5)  # 50 ms at 80 sequences
+    step = LinearStep(base=1.0, per_seq=0.6)  # 50 ms at 81 sequences; throughput flat from 16 on
     choice = choose(step)
-    assert choice.value == choice.hardware_bound == 80 and not choice.explicit
-    assert step.calls == [1, 4, 16, 64, 256, 256]  # stops at the first probe over budget, confirmed once
-    assert choice.step_ms[-1] == (256, 138.0)
-    assert "ITL budget" in choice.describe() and "80" in choice.describe()
+    assert choice.value == choice.hardware_bound == 81 and not choice.explicit and choice.throughput_knee == 16
+    assert step.calls == [1, 4, 16, 64, 256, 256]  # the first probe over budget is confirmed once
+    assert choice.step_ms[-1] == (256, 154.6)
+    assert "bound by the ITL budget" in choice.describe() and "81" in choice.describe()
+
+
+def test_the_budget_never_cuts_concurrency_below_the_throughput_knee() -> None:
+    """A model whose single step is over budget (the issue's 62.7 ms) but whose batch of 16 costs
+    little more is served 16 at a time: throughput rises up to 16 and stops rising beyond."""
+    step = TableStep({1: 62.7, 4: 65.0, 16: 80.0, 64: 300.0, 256: 1200.0})
+    choice = choose(step)
+    assert choice.hardware_bound == 1 and choice.throughput_knee == 16 and choice.value == 16
+    assert step.calls == [1, 1, 4, 16, 64]  # over budget and past the knee at 64: 256 is never measured
+    assert "bound by the throughput knee" in choice.describe() and "throughput rises up to 16" in choice.describe()
+
+
+def test_throughput_still_rising_where_the_measurements_end_admits_the_largest_batch() -> None:
+    slow = LinearStep(base=80.0, per_seq=1.0)  # 81 ms alone; 256 sequences per 336 ms step still gain
+    choice = choose(slow)
+    assert choice.hardware_bound == 1 and choice.throughput_knee == 256 and choice.value == CEILING
+
+
+def test_throughput_knee_counts_a_rise_of_ten_percent_or_more() -> None:
+    assert max_num_seqs.throughput_knee([]) is None
+    assert max_num_seqs.throughput_knee([(1, 10.0)]) == 1
+    assert max_num_seqs.throughput_knee([(1, 10.0), (4, 36.0)]) == 4  # 4 / 36 = 1.11 x 1 / 10
+    assert max_num_seqs.throughput_knee([(1, 10.0), (4, 37.0)]) == 1  # 1.08 x: a wash
+    assert max_num_seqs.throughput_knee([(1, 10.0), (4, 20.0), (16, 78.0), (64, 100.0)]) == 4
 
 
 def test_kv_pool_bounds_it_with_the_formula_plan_uses() -> None:
     step = LinearStep(base=1.0, per_seq=0.01)  # fast hardware: the pool binds
-    choice = choose(step, num_blocks=40)
+    choice = choose(step, num_blocks=40)  # 40 blocks: 40 running sequences hold one each
     assert choice.value == choice.kv_bound == sequences_that_fit(40, 16, 1) == 40 and choice.hardware_bound is None
     assert step.calls == [1, 4, 16, 40]  # no batch the pool cannot hold is measured
     assert "bound by the KV pool" in choice.describe()
@@ -86,9 +121,9 @@ def test_ceiling_token_budget_and_a_budget_nothing_meets() -> None:
     small_steps = LinearStep(base=0.1, per_seq=0.001)
     # no step decodes more sequences than its token budget: larger batches are never measured
     assert choose(small_steps, token_budget=32).value == CEILING and max(small_steps.calls) == 32
-    slow = LinearStep(base=80.0, per_seq=1.0)
-    choice = choose(slow)
-    assert choice.value == 1 and slow.calls == [1, 1]  # one sequence is over budget: serve one at a time
+    flat = LinearStep(base=0.0, per_seq=100.0)  # every sequence costs its own 100 ms: no batch gains
+    choice = choose(flat)
+    assert choice.value == 1 and flat.calls == [1, 1, 4]  # over budget alone, and 4 at once gain nothing
 
 
 def test_a_noisy_probe_is_measured_again() -> None:
@@ -109,37 +144,51 @@ def test_an_explicit_value_wins_without_calibrating() -> None:
     assert choice.value == 7 and choice.explicit and choice.describe() == "7 (--max-num-seqs)"
 
 
-def test_engine_chooses_reports_and_leaves_no_trace(llama_dir) -> None:
+@pytest.fixture
+def flat_throughput(monkeypatch):
+    """Calibration runs the engine's real steps, then these times count: every sequence costs its
+    own 100 ms (no batch gains throughput, each is over any small budget), so the choice is one."""
+    real = max_num_seqs.calibrate_decode_step
+
+    def calibrate(core):
+        measure = real(core)
+
+        def step_time_ms(batch: int) -> float:
+            measure(batch)  # the real steps still run: the engine must be left as it was
+            return 100.0 * batch
+
+        return step_time_ms
+
+    monkeypatch.setattr(max_num_seqs, "calibrate_decode_step", calibrate)
+
+
+def test_engine_chooses_reports_and_leaves_no_trace(llama_dir, flat_throughput) -> None:
     from pagoda.engine.llm_engine import LLMEngine
 
-    # A budget no step meets makes the choice deterministic on any machine: one at a time.
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=1e-6))
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=50.0))
     core = engine.core
     assert core.max_num_seqs_choice.value == core.scheduler.max_num_seqs == 1
     stats = core.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and not core.requests
     assert stats.num_prompt_tokens == stats.num_generation_tokens == 0 and core.scheduler.prefix_cache_queries == 0
-    # 12 blocks of 16 hold no 512-token context: one sequence at a time, whatever the hardware.
-    small = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=12))
-    assert small.core.max_num_seqs_choice.value == 1 and small.core.max_num_seqs_choice.kv_bound == 0
 
 
-def test_offline_llm_is_bound_by_the_kv_pool_without_calibrating(llama_dir) -> None:
+def test_offline_llm_is_bound_by_the_kv_pool_without_calibrating(llama_dir, flat_throughput) -> None:
     from pagoda.engine.llm import LLM
 
     llm = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12)
     choice = llm.engine.core.max_num_seqs_choice
     assert choice.value == choice.kv_bound == 12 and choice.step_ms == () and choice.itl_budget_ms is None
     assert "no ITL budget" in choice.describe()
-    calibrated = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12, max_num_seqs_itl_ms=1e-6)
+    calibrated = LLM(str(llama_dir), num_threads=1, num_kv_blocks=12, max_num_seqs_itl_ms=50.0)
     assert calibrated.engine.core.max_num_seqs_choice.value == 1
 
 
-def test_server_reports_the_chosen_value_in_models_banner_and_limits(tmp_path) -> None:
+def test_server_reports_the_chosen_value_in_models_banner_and_limits(tmp_path, flat_throughput) -> None:
     from pagoda.serve.launch import max_num_seqs_line
     from server_utils import MODEL_NAME, build_tiny_model, start_server
 
-    live = start_server(build_tiny_model(tmp_path), engine={"max_num_seqs": None, "max_num_seqs_itl_ms": 1e-6})
+    live = start_server(build_tiny_model(tmp_path), engine={"max_num_seqs": None, "max_num_seqs_itl_ms": 50.0})
     try:
         assert live.llm.config.max_num_seqs == 1
         line = max_num_seqs_line(live.llm)
@@ -158,15 +207,16 @@ def cache_home(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_never_above_what_the_pool_holds_at_full_context(llama_dir, cache_home) -> None:
+def test_never_above_what_the_pool_holds_one_block_each(llama_dir, cache_home) -> None:
     from pagoda.engine.llm_engine import LLMEngine
 
-    # A budget every step meets: only the pool binds, at full context (not one block each).
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=64, max_num_seqs_itl_ms=1e6))
+    # A budget every step meets: only the pool binds, at one block per running sequence (the
+    # scheduler preempts when they grow), not at full context.
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=24, max_num_seqs_itl_ms=1e6))
     choice = engine.core.max_num_seqs_choice
-    full_context = sequences_that_fit(64, 16, engine.core.max_model_len)
-    assert choice.value == choice.kv_bound == full_context < 64 and choice.full_context
-    assert "at full context" in choice.describe()
+    assert sequences_that_fit(24, 16, engine.core.max_model_len) < 24
+    assert choice.value == choice.kv_bound == 24
+    assert "bound by the KV pool" in choice.describe() and "a block each" in choice.describe()
 
 
 def test_two_starts_give_the_same_value_the_second_from_the_cache(llama_dir, cache_home, monkeypatch) -> None:

@@ -61,10 +61,15 @@ def assert_matches(outputs, references) -> None:
     assert_matches_reference(outputs, references, LOGPROB_TOLERANCE)
 
 
+# Both ways: "off" is the transformers-exact mode, "auto" the default (the native kernels where they
+# build: Gemma's (1 + w) norms, soft-caps and sliding windows in the native attention).
+@pytest.mark.parametrize("native_kernels", ["off", "auto"])
 @pytest.mark.parametrize("architecture", MORE_ARCHITECTURES)
-def test_greedy_and_logprobs_match_transformers(more_model_dirs, expected, architecture: str) -> None:
+def test_greedy_and_logprobs_match_transformers(
+    more_model_dirs, expected, architecture: str, native_kernels: str
+) -> None:
     prompts, references = expected[architecture]
-    llm = LLM(model=str(more_model_dirs[architecture]))
+    llm = LLM(model=str(more_model_dirs[architecture]), native_kernels=native_kernels)
     assert_matches(llm.generate(prompts, GREEDY), references)
 
 

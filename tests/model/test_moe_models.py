@@ -60,10 +60,13 @@ def assert_matches(outputs, references, tolerance: float = LOGPROB_TOLERANCE) ->
     assert_matches_reference(outputs, references, tolerance)
 
 
+# Both ways: "off" is the transformers-exact mode, "auto" the default (the native fused MoE and
+# routing kernels where they build): greedy ids equal and logprobs within LOGPROB_TOLERANCE either way.
+@pytest.mark.parametrize("native_kernels", ["off", "auto"])
 @pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
-def test_greedy_and_logprobs_match_transformers(moe_dirs, expected, architecture: str) -> None:
+def test_greedy_and_logprobs_match_transformers(moe_dirs, expected, architecture: str, native_kernels: str) -> None:
     prompts, references = expected[architecture]
-    llm = LLM(model=str(moe_dirs[architecture]))
+    llm = LLM(model=str(moe_dirs[architecture]), native_kernels=native_kernels)
     assert_matches(llm.generate(prompts, GREEDY), references)
     parallel = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=2)
     assert_matches(llm.generate(prompts, parallel), references)

@@ -40,6 +40,7 @@ class EngineInfo:
     classifier: ClassifierConfig | None  # the model's classifier head, for scoring
     stats: EngineStats
     max_num_seqs_choice: MaxNumSeqsChoice  # the value in use and why
+    kv_pool_memory: str  # the KV pool's bytes and where they come from (pagoda.core.kv_memory)
     kv_address: str | None  # role decode: where prefill engines send KV handoffs
     weights_digest: str | None  # the verified manifest's digest (--verify-manifest), else None
 
@@ -52,6 +53,7 @@ class EngineInfo:
             classifier=engine.classifier,
             stats=engine.get_stats(),
             max_num_seqs_choice=engine.core.max_num_seqs_choice,
+            kv_pool_memory=engine.core.kv_pool_memory,
             kv_address=engine.kv_connector.kv_address,
             weights_digest=engine.core.weights_digest,
         )

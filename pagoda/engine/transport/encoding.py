@@ -114,6 +114,7 @@ class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
     classifier: ClassifierConfig | None
     stats: EngineStats
     max_num_seqs_choice: MaxNumSeqsChoice
+    kv_pool_memory: str
     kv_address: str | None
     weights_digest: str | None
 
