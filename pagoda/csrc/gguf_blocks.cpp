@@ -65,15 +65,19 @@ TypeInfo type_info(int64_t type) {
   return {0, 0, false, false};
 }
 
+#define PAGODA_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kGroup = 16;  // values per (ds, dm) group
 constexpr int64_t kLane = 4;    // values per int32 lane of a dot product (and per lane scale)
 constexpr int64_t kTileRows = 4;  // weight rows decoded together
 constexpr int64_t kXRows = 4;     // rows of x per pass over a decoded tile
 
-inline float fp16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+// GCC's _Float16: one vcvtph2ps where the caller's target has F16C (the AVX2 and AVX-512 decoders), a libgcc
+// call elsewhere.
+PAGODA_INLINE float fp16(const uint8_t* p) {
+  _Float16 half;
+  std::memcpy(&half, p, 2);
+  return static_cast<float>(half);
 }
 
 inline uint32_t u32(const uint8_t* p) {
@@ -84,14 +88,29 @@ inline uint32_t u32(const uint8_t* p) {
 
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-#define PAGODA_INLINE inline __attribute__((always_inline))
-
 // ---- block decoders: u[values], ds[values / 16], dm[values / 16] --------------------------------------------------
 
-PAGODA_INLINE void nibbles(const uint8_t* q, uint8_t* u) {
-  for (int j = 0; j < 16; ++j) {
-    u[j] = q[j] & 0x0F;
-    u[j + 16] = q[j] >> 4;
+// SSE2 (every x86-64 CPU has it): compilers leave these byte loops scalar.
+PAGODA_INLINE void nibbles_at(const uint8_t* q, uint8_t* __restrict__ low, uint8_t* __restrict__ high) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+}
+
+PAGODA_INLINE void nibbles(const uint8_t* q, uint8_t* __restrict__ u) { nibbles_at(q, u, u + 16); }
+
+// 0x10 in byte j where bit j of `bits` is set, for j < 32 (Q5's fifth bit).
+PAGODA_INLINE void fifth_bits(uint32_t bits, uint8_t* __restrict__ u) {
+  __m128i v = _mm_cvtsi32_si128(static_cast<int>(bits));
+  v = _mm_unpacklo_epi8(v, v);
+  v = _mm_unpacklo_epi16(v, v);  // byte b of bits four times, b = 0..3
+  const __m128i select = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+  const __m128i sixteen = _mm_set1_epi8(0x10);
+  const __m128i halves[2] = {_mm_unpacklo_epi32(v, v), _mm_unpackhi_epi32(v, v)};  // bytes 0, 1 / 2, 3 eight times
+  for (int h = 0; h < 2; ++h) {
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(halves[h], select), select);
+    __m128i* out = reinterpret_cast<__m128i*>(u + 16 * h);
+    _mm_storeu_si128(out, _mm_or_si128(_mm_loadu_si128(out), _mm_and_si128(set, sixteen)));
   }
 }
 
@@ -111,11 +130,9 @@ PAGODA_INLINE void decode_q4_1(const uint8_t* b, uint8_t* u, float* ds, float* d
   set2(ds, dm, fp16(b), fp16(b + 2));
 }
 
-PAGODA_INLINE void fives(const uint8_t* q, uint32_t qh, uint8_t* u) {
-  for (int j = 0; j < 16; ++j) {
-    u[j] = static_cast<uint8_t>((q[j] & 0x0F) | (((qh >> j) & 1u) << 4));
-    u[j + 16] = static_cast<uint8_t>((q[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
-  }
+PAGODA_INLINE void fives(const uint8_t* q, uint32_t qh, uint8_t* __restrict__ u) {
+  nibbles(q, u);
+  fifth_bits(qh, u);
 }
 
 PAGODA_INLINE void decode_q5_0(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
@@ -131,7 +148,10 @@ PAGODA_INLINE void decode_q5_1(const uint8_t* b, uint8_t* u, float* ds, float* d
 
 PAGODA_INLINE void decode_q8_0(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
   const float d = fp16(b);
-  for (int j = 0; j < 32; ++j) u[j] = b[2 + j] ^ 0x80;
+  const __m128i flip = _mm_set1_epi8(-128);
+  for (int h = 0; h < 2; ++h)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 16 * h),
+                     _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h)), flip));
   set2(ds, dm, d, -128.f * d);
 }
 
@@ -148,7 +168,7 @@ PAGODA_INLINE void decode_iq4_nl(const uint8_t* b, uint8_t* u, float* ds, float*
   set2(ds, dm, d, -128.f * d);
 }
 
-PAGODA_INLINE void decode_q2_k(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
+PAGODA_INLINE void decode_q2_k(const uint8_t* b, uint8_t* __restrict__ u, float* ds, float* dm) {
   const uint8_t* scales = b;
   const uint8_t* q = b + 16;
   const float d = fp16(b + 80), dmin = fp16(b + 82);
@@ -165,7 +185,7 @@ PAGODA_INLINE void decode_q2_k(const uint8_t* b, uint8_t* u, float* ds, float* d
   }
 }
 
-PAGODA_INLINE void decode_q3_k(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
+PAGODA_INLINE void decode_q3_k(const uint8_t* b, uint8_t* __restrict__ u, float* ds, float* dm) {
   const uint8_t* hm = b;
   const uint8_t* q = b + 32;
   const float d = fp16(b + 108);
@@ -215,17 +235,14 @@ PAGODA_INLINE void k4_scales(const uint8_t* b, float* ds, float* dm) {
   }
 }
 
-PAGODA_INLINE void decode_q4_k(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
+PAGODA_INLINE void decode_q4_k(const uint8_t* b, uint8_t* __restrict__ u, float* ds, float* dm) {
   k4_scales(b, ds, dm);
   const uint8_t* q = b + 16;
   for (int g = 0; g < 4; ++g, q += 32)
-    for (int l = 0; l < 32; ++l) {
-      u[64 * g + l] = q[l] & 0x0F;
-      u[64 * g + 32 + l] = q[l] >> 4;
-    }
+    for (int h = 0; h < 2; ++h) nibbles_at(q + 16 * h, u + 64 * g + 16 * h, u + 64 * g + 32 + 16 * h);
 }
 
-PAGODA_INLINE void decode_q5_k(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
+PAGODA_INLINE void decode_q5_k(const uint8_t* b, uint8_t* __restrict__ u, float* ds, float* dm) {
   k4_scales(b, ds, dm);
   const uint8_t* qh = b + 16;
   const uint8_t* q = b + 48;
@@ -238,7 +255,7 @@ PAGODA_INLINE void decode_q5_k(const uint8_t* b, uint8_t* u, float* ds, float* d
   }
 }
 
-PAGODA_INLINE void decode_q6_k(const uint8_t* b, uint8_t* u, float* ds, float* dm) {
+PAGODA_INLINE void decode_q6_k(const uint8_t* b, uint8_t* __restrict__ u, float* ds, float* dm) {
   const float d = fp16(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   for (int g = 0; g < 16; ++g) {
@@ -280,7 +297,8 @@ struct Scratch {
 };
 
 template <void (*Decode)(const uint8_t*, uint8_t*, float*, float*), int64_t QK, int64_t Bytes>
-PAGODA_INLINE void decode_row_body(const uint8_t* row, int64_t k, uint8_t* u, float* wl, float* dm) {
+PAGODA_INLINE void decode_row_body(const uint8_t* __restrict__ row, int64_t k, uint8_t* __restrict__ u,
+                                   float* __restrict__ wl, float* __restrict__ dm) {
   float ds[QK / kGroup];
   for (int64_t b = 0; b < k / QK; ++b) {
     Decode(row + b * Bytes, u + b * QK, ds, dm + b * (QK / kGroup));
