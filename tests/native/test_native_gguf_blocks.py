@@ -216,3 +216,35 @@ def _greedy_ids(model: Path, **engine_args) -> list[list[int]]:
     prompts = [[5, 17, 42, 7], [99, 3, 250, 11, 64, 8, 31], [2, 300]]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_a_type_without_a_native_product_is_dequantized_and_named_once(mixed_gguf, tmp_path, caplog):
+    from pagoda.kernels import Kernels
+    from pagoda.model.loader import load_model, load_model_config
+    from pagoda.quant.gguf_checkpoint import GGUFCheckpoint
+    from pagoda.quant.weight_formats import FullWeight
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+    from gguf_factory import write_gguf
+
+    path = write_gguf(
+        mixed_gguf.parent / "llama", tmp_path / "iq2.gguf", "F16", k_quants={"ffn_down": "IQ2_XXS"}, k_quant_scale=2e-5
+    )
+    with caplog.at_level("INFO", logger="pagoda.quant.gguf_checkpoint"):
+        model = load_model(
+            path,
+            load_model_config(path),
+            torch.float32,
+            torch.device("cpu"),
+            FullWeight(native_layout=True),
+            kernels=_kernels(Kernels),
+        )
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert len(lines) == 1 and "blk.0.ffn_down.weight (IQ2_XXS)" in lines[0] and "2 IQ2_XXS" in lines[0]
+    down, qkv = model.model.layers[0].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj
+    assert down.gguf_parts == ((0, down.out_features, "F32"),) and qkv.gguf_parts[0][2] == "F32"  # F16 rows as floats
+    assert model.model.embed_tokens.gguf_blocks is None  # an F16 embedding stays a float weight
+    tensor = GGUFCheckpoint(path).tensors["blk.0.ffn_down.weight"]
+    weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    x = torch.randn(3, down.in_features)
+    torch.testing.assert_close(down(x), x @ weight.T, rtol=1e-5, atol=1e-5)

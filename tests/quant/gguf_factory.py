@@ -82,6 +82,7 @@ K_QUANT_LAYOUTS = {
     "Q5_K": (176, (0, 2)),
     "Q6_K": (210, (208,)),
     "IQ4_XS": (136, (0,)),
+    "IQ2_XXS": (66, (0,)),  # a type without a native product
 }
 
 
