@@ -1,15 +1,12 @@
-// Small-M products with block-quantized weights, dequantized in registers (no float copy of the weight is ever
-// made): out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in blocks of 32 values along K:
-// - GGUF Q8_0 and Q4_0 rows exactly as ggml stores them (per block an fp16 scale d, then 32 int8 codes, or 16 bytes
-//   whose low nibbles are codes 0..15 and high nibbles codes 16..31; w = d * q, resp. d * (q - 8));
-// - pagoda's group-wise int4: codes two per byte in Q4_0's nibble order, [N, K / 2], with float32 scales (and zero
-//   points) per group of 32/64/128 inputs, w = (q - 8) * scale + zero.
+// Products with pagoda's group-wise int4 weights, dequantized in registers (no float copy of the weight is ever
+// made): out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W codes two per byte in GGUF Q4_0's nibble order, [N, K / 2], with
+// float32 scales (and zero points) per group of 32/64/128 inputs, w = (q - 8) * scale + zero. (GGUF files' own
+// blocks: gguf_blocks.cpp.)
 // x is float32 or bfloat16 (computed in float32, the output in x's dtype); any M, in blocks of 16 rows. Parallel over
 // output rows with at::parallel_for; each ISA body carries its own target attribute, picked at run time.
 #include <ATen/core/Tensor.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <optional>
@@ -25,46 +22,6 @@ using namespace pagoda_native;
 constexpr int64_t kBlock = 32;        // values per quantization block
 constexpr int64_t kRowsPerTile = 4;   // output rows sharing one pass over x
 constexpr int64_t kMaxRows = 16;      // rows of x per block of x
-
-inline uint16_t read_u16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
-
-inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-
-// Q8_0 blocks: 2 bytes fp16 scale, 32 int8 codes.
-struct Q8_0Rows {
-  static constexpr int64_t kBytes = 34;
-  const uint8_t* w;
-  int64_t ldw;  // bytes per row
-
-  const uint8_t* at(int64_t row, int64_t block) const { return w + row * ldw + block * kBytes; }
-
-  __attribute__((target("avx512f,f16c"))) void decode512(int64_t row, int64_t block, __m512& lo, __m512& hi) const {
-    const uint8_t* p = at(row, block);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(p + 2)))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(p + 18)))));
-  }
-
-  __attribute__((target("avx2,fma,f16c"))) void decode256(int64_t row, int64_t block, __m256 (&v)[4]) const {
-    const uint8_t* p = at(row, block);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(p)));
-    for (int q = 0; q < 4; ++q)
-      v[q] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(p + 2 + 8 * q)))));
-  }
-
-  void decode_scalar(int64_t row, int64_t block, float* v) const {
-    const uint8_t* p = at(row, block);
-    const float d = half_to_float(read_u16(p));
-    for (int j = 0; j < kBlock; ++j) v[j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
-  }
-};
 
 // The 16 values a block's codes stand for, code - 8 for code 0..15 (times its scale, plus its zero): one
 // permute per 16 weights then dequantizes them, instead of a convert, a subtract and a multiply.
@@ -97,35 +54,6 @@ inline void nibbles_scalar(const uint8_t* p, float* v) {
     v[j + 16] = static_cast<float>(p[j] >> 4) - 8.f;
   }
 }
-
-// Q4_0 blocks: 2 bytes fp16 scale, 16 bytes of nibbles.
-struct Q4_0Rows {
-  static constexpr int64_t kBytes = 18;
-  const uint8_t* w;
-  int64_t ldw;
-
-  const uint8_t* at(int64_t row, int64_t block) const { return w + row * ldw + block * kBytes; }
-
-  __attribute__((target("avx512f,f16c"))) void decode512(int64_t row, int64_t block, __m512& lo, __m512& hi) const {
-    const uint8_t* p = at(row, block);
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-    nibbles512(p + 2, _mm512_mul_ps(centered_codes512(), d), lo, hi);
-  }
-
-  __attribute__((target("avx2,fma,f16c"))) void decode256(int64_t row, int64_t block, __m256 (&v)[4]) const {
-    const uint8_t* p = at(row, block);
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(p)));
-    nibbles256(p + 2, v);
-    for (int q = 0; q < 4; ++q) v[q] = _mm256_mul_ps(v[q], d);
-  }
-
-  void decode_scalar(int64_t row, int64_t block, float* v) const {
-    const uint8_t* p = at(row, block);
-    const float d = half_to_float(read_u16(p));
-    nibbles_scalar(p + 2, v);
-    for (int j = 0; j < kBlock; ++j) v[j] *= d;
-  }
-};
 
 // pagoda's int4: nibbles [N, K / 2], float32 scales and zeros [N, groups], `blocks_per_group` blocks per group.
 struct Int4Rows {
@@ -300,20 +228,6 @@ void check_blocks(const char* op, const at::Tensor& blocks, int64_t bytes_per_bl
               " bytes is not whole blocks of ", bytes_per_block);
 }
 
-// GGUF Q8_0 rows as stored: [N, K / 32 * 34] bytes.
-at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
-  check_blocks("linear_q8_0", blocks, Q8_0Rows::kBytes);
-  const Q8_0Rows rows{blocks.data_ptr<uint8_t>(), blocks.size(1)};
-  return block_linear("linear_q8_0", rows, x, blocks.size(0), blocks.size(1) / Q8_0Rows::kBytes * kBlock, bias);
-}
-
-// GGUF Q4_0 rows as stored: [N, K / 32 * 18] bytes.
-at::Tensor linear_q4_0(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& bias) {
-  check_blocks("linear_q4_0", blocks, Q4_0Rows::kBytes);
-  const Q4_0Rows rows{blocks.data_ptr<uint8_t>(), blocks.size(1)};
-  return block_linear("linear_q4_0", rows, x, blocks.size(0), blocks.size(1) / Q4_0Rows::kBytes * kBlock, bias);
-}
-
 // pagoda's group-wise int4: nibbles [N, K / 2], scales (and zeros) float32 [N, K / group], group a multiple of 32.
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                        const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias) {
@@ -336,13 +250,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at:
   return block_linear("linear_int4", rows, x, n, k, bias);
 }
 
-std::string family_quantized() { return "int4 and GGUF Q4_0/Q8_0 products"; }
+std::string family_quantized() { return "int4 products"; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGODA_NATIVE_NAMESPACE, m) {
   m.def("family_quantized() -> str", &family_quantized);
-  m.def("linear_q8_0(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &linear_q8_0);
-  m.def("linear_q4_0(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &linear_q4_0);
   m.def("linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor? zeros, Tensor? bias) -> Tensor", &linear_int4);
 }

@@ -11,7 +11,9 @@ chosen here, once per device, as one of three implementations:
 - `NativeLinear` (CPU, pagoda's native kernels): weights stored in the native layout
   (`native_layout`) go through the native products: dense float32/bfloat16 for inputs of up to
   native.MAX_ROWS rows (decode steps; prefill stays with F.linear), int8 and int4 for float32
-  inputs at every row count (one arithmetic however a step is batched), GGUF Q8_0/Q4_0 blocks.
+  inputs at every row count (one arithmetic however a step is batched), and GGUF blocks of every
+  type with a native product as llama.cpp multiplies them (the layer input quantized once to
+  8-bit blocks per activation block size, shared by a fused layer's parts; integer dot products).
 - `TritonLinear` (CUDA): the Triton w8a16 / w4a16 kernels (kernels/triton/weight_matmul.py).
 
 A format whose product is missing on the device fails at startup (`check`), never falls back
@@ -30,8 +32,10 @@ import torch.nn.functional as F
 from pagoda.native import MAX_ROWS as NATIVE_MAX_ROWS
 from pagoda.native import NativeKernels
 from pagoda.quant.weight_formats import (
+    GGUF_FLOAT,
     INT4_GROUP_SIZES,
     FullWeight,
+    GGUFBlocks,
     GGUFBlockWeight,
     Int4Weight,
     Int8Weight,
@@ -112,14 +116,19 @@ class TorchLinear:
     ) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_and_zeros)
 
+    def gguf_rows(self, blocks: GGUFBlocks, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a GGUF tensor kept as blocks (an embedding's lookup), as float32."""
+        raise ValueError("GGUF blocks are served by the native CPU kernels")
+
+    def gguf_product(self, blocks: GGUFBlocks, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T for a GGUF tensor kept as blocks (a tied LM head), float32."""
+        raise ValueError("GGUF blocks are served by the native CPU kernels")
+
     def check(self, weight_format: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError when `weight_format`'s product does not run on `device`: a tiny product
         is run once at startup."""
         if isinstance(weight_format, GGUFBlockWeight):
-            raise ValueError(
-                f"GGUF {weight_format.block_type} blocks are served by the native CPU kernels; the "
-                f"engine is on {device}"
-            )
+            raise ValueError(f"GGUF blocks are served by the native CPU kernels; the engine is on {device}")
         if isinstance(weight_format, Int8Weight):
 
             def probe_int8() -> None:
@@ -190,10 +199,43 @@ class NativeLinear(TorchLinear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def gguf_blocks(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight_format = layer.weight_format
-        assert isinstance(weight_format, GGUFBlockWeight), "the product of GGUF blocks"
-        product = self.native.linear_q8_0 if weight_format.block_type == "Q8_0" else self.native.linear_q4_0
-        out = product(x.reshape(-1, x.shape[-1]), _read(layer, "blocks", torch.Tensor), bias)
+        """Each part of the layer (GGUFBlockWeight's `gguf_parts`) in its own type; the input
+        quantized once per activation block size and shared by the parts (fused q/k/v, gate/up)."""
+        flat = x.reshape(-1, x.shape[-1]).float()
+        parts = _read(layer, "gguf_parts", tuple)
+        activations: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if len(parts) == 1:
+            out = self._gguf_part(GGUFBlocks(parts[0][2], _read(layer, "gguf_part_0", torch.Tensor)), flat, activations)
+        else:
+            out = flat.new_empty(flat.shape[0], layer.out_features)
+            for index, (offset, rows, type_name) in enumerate(parts):
+                blocks = GGUFBlocks(type_name, _read(layer, f"gguf_part_{index}", torch.Tensor))
+                out[:, offset : offset + rows] = self._gguf_part(blocks, flat, activations)
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    def _gguf_part(
+        self,
+        blocks: GGUFBlocks,
+        flat: torch.Tensor,
+        activations: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        if blocks.type_name == GGUF_FLOAT:
+            return F.linear(flat, blocks.data)
+        activation = activations.get(blocks.k_blocks)
+        if activation is None:
+            activation = activations[blocks.k_blocks] = self.native.gguf_quantize_activation(flat, blocks.k_blocks)
+        return self.native.gguf_linear(activation, blocks.data, blocks.type_id, None)
+
+    def gguf_rows(self, blocks: GGUFBlocks, ids: torch.Tensor) -> torch.Tensor:
+        if blocks.type_name == GGUF_FLOAT:
+            return F.embedding(ids, blocks.data)
+        return self.native.gguf_dequantize_rows(blocks.data, blocks.type_id, ids)
+
+    def gguf_product(self, blocks: GGUFBlocks, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        out = self._gguf_part(blocks, flat, {})
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def check(self, weight_format: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import Kernels
@@ -243,7 +242,7 @@ class DecoderModel(nn.Module):
         # The last stage's head is the embedding matrix when they are tied.
         holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
         self.model.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, self.tp)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, self.tp, kernels)
             if holds_embedding
             else None
         )
@@ -270,6 +269,7 @@ class DecoderModel(nn.Module):
                 False,
                 dtype,
                 device,
+                weight_format=weight_format if weight_format is not None and weight_format.holds_head else None,
                 shard=self.tp.vocab(config.vocab_size, config.hidden_size),
                 kernels=kernels,
             )
@@ -343,7 +343,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the head
             assert self.model.embed_tokens is not None, "the last stage holds a tied head's embedding"
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            logits = self.model.embed_tokens.as_head(hidden)
         else:
             logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
         logits = self.tp.gather_logits(logits, self.config.vocab_size)

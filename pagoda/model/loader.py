@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,11 +21,11 @@ from pagoda.model.families.base import ModelFamily, family_of, gguf_config, gguf
 from pagoda.model.layers import Linear
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import Experts
-from pagoda.model.parallel import TensorParallelGroup
+from pagoda.model.parallel import TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import PipelineStage
 from pagoda.quant.gguf_checkpoint import GGUFCheckpoint, find_gguf_file, gguf_weight_format
 from pagoda.quant.hf_quantized import check_checkpoint_quantization, gptq_tensors, resolve_checkpoint_format
-from pagoda.quant.weight_formats import GGUFBlockWeight, Int4Weight, WeightFormat
+from pagoda.quant.weight_formats import GGUFBlocks, GGUFBlockWeight, Int4Weight, WeightFormat
 
 # Checkpoint tensors that are fused into one parameter: (fused name, part, part index). A
 # checkpoint's already fused tensor (Phi-3) maps to the whole parameter, its shard taking each
@@ -284,19 +286,31 @@ def _load_gguf(
 ) -> DecoderModel:
     checkpoint = GGUFCheckpoint(path)
     reading = gguf_reading(checkpoint)
-    weight_format = gguf_weight_format(checkpoint, weight_format)
+    weight_format = gguf_weight_format(checkpoint, weight_format, whole_layers=tp is None or tp.world_size == 1)
     kernels.linear.check(weight_format, device, dtype)
     model = build_empty_model(config, dtype, device, weight_format, str(path), tp, stage, kernels)
     blocks = isinstance(weight_format, GGUFBlockWeight)
-    keep_codes = blocks or (isinstance(weight_format, Int4Weight) and weight_format.group_size == 32)
-    tensors = (
-        (path.name, t.hf_name, t.tensor, t.int4_codes)
+    keep_codes = isinstance(weight_format, Int4Weight) and weight_format.group_size == 32
+    # The fourth item: GGUF blocks, int4 codes, or None (`_fill` tells them apart).
+    tensors: Iterator[tuple[str, str, torch.Tensor | None, Any]] = (
+        (path.name, t.hf_name, t.tensor, t.blocks if t.blocks is not None else t.int4_codes)
         for t in checkpoint.iterate(
-            reading.config(checkpoint), reading.layout, keep_q4_0_codes=keep_codes, keep_q8_0_codes=blocks
+            reading.config(checkpoint), reading.layout, keep_q4_0_codes=keep_codes, keep_blocks=blocks
         )
     )
     _fill(model, tensors, config, dtype, str(path))
+    _return_freed_heap()
     return model.eval()
+
+
+def _return_freed_heap() -> None:
+    """Hand glibc's freed heap back to the system: reading a GGUF file copies each tensor once and
+    some twice (unpermuted q/k rows, fused parts concatenated), and the freed chunks would otherwise
+    stay in the process's RSS beside the blocks kept."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _fill(
@@ -306,8 +320,8 @@ def _fill(
     dtype: torch.dtype,
     source: str,
 ) -> None:
-    """Copy (file, name, float tensor or None, int4 codes or None) items into the model, then
-    let the weight formats finalize."""
+    """Copy (file, name, float tensor or None, int4 codes or GGUF blocks or None) items into the
+    model, then let the weight formats finalize."""
     family = family_of(config)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -340,7 +354,9 @@ def _fill(
         # of each fused part and its input columns, the whole tensor without parallelism.
         shard = getattr(layer, "shard", None)
         expected = tuple(param.shape) if shard is None else shard.full_shape(part, param_name)
-        if tensor is not None:
+        if isinstance(int4_codes, GGUFBlocks):
+            shape = int4_codes.shape
+        elif tensor is not None:
             shape = tuple(tensor.shape)
         else:
             assert int4_codes is not None, "a checkpoint item holds values or int4 codes"
@@ -349,9 +365,11 @@ def _fill(
             raise ValueError(
                 f"{file_name}: tensor {name!r} has shape {shape}, expected {expected} from the model's config"
             )
-        if int4_codes is not None:
+        if isinstance(int4_codes, GGUFBlocks):
+            _stage_gguf_blocks(layer, int4_codes, part, file_name, name)
+        elif int4_codes is not None:
             weight_format = getattr(layer, "weight_format", None)
-            if not isinstance(weight_format, (Int4Weight, GGUFBlockWeight)):  # a MoE router or gate: full precision
+            if not isinstance(weight_format, Int4Weight):  # a MoE router or gate: full precision
                 shown = family.checkpoint_names([name])[0][: -len(".weight")]
                 raise ValueError(
                     f"{file_name}: {shown!r} comes quantized (GPTQ qweight or GGUF Q4_0 codes), but "
@@ -422,6 +440,18 @@ class _ReadyLinears:
             module.finalize(module_name)
             self.finalized.add(module_name)
             del self._needs[module_name]
+
+
+def _stage_gguf_blocks(layer: torch.nn.Module, blocks: GGUFBlocks, part: int | None, file_name: str, name: str) -> None:
+    """A GGUF tensor kept as stored: an embedding holds it for its lookups (and a tied head), a
+    Linear of the GGUF block format stages it as its rows of `part`."""
+    if isinstance(layer, VocabParallelEmbedding):
+        layer.hold_blocks(blocks)
+        return
+    weight_format = getattr(layer, "weight_format", None)
+    if not isinstance(weight_format, GGUFBlockWeight) or not isinstance(layer, Linear):
+        raise ValueError(f"{file_name}: {name!r} comes as GGUF blocks, which its layer does not hold")
+    weight_format.stage_blocks(layer, layer.shard.row_offset(part), blocks)
 
 
 def _classifier_head_source(model: DecoderModel, config: ModelConfig) -> str | None:

@@ -26,11 +26,16 @@ ProcessGroupNCCL on CUDA) built by pagoda.executor, so no process-global default
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.quant.weight_formats import GGUFBlocks
+
+if TYPE_CHECKING:
+    from pagoda.kernels import Kernels
 
 # Parameters with one value per output row (no input columns to split).
 VECTOR_PARAMS = ("bias", "sinks")
@@ -75,6 +80,10 @@ class LinearShard:
     @property
     def is_split(self) -> bool:
         return self.local_out != sum(self.parts) or self.local_in != self.in_features
+
+    def row_offset(self, part: int | None) -> int:
+        """Where fused part `part` (None: the whole parameter) starts in the local rows."""
+        return 0 if part is None else sum(s.size for s in self.rows[:part])
 
     def full_shape(self, part: int | None, param: str) -> tuple[int, ...]:
         """Shape the checkpoint tensor of `param` ("weight", or a vector: "bias", attention
@@ -246,13 +255,24 @@ class TensorParallelGroup:
 
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding over the rank's slice of the vocabulary; ids of other ranks embed to zero and
-    the all-reduce fills them in. Parameter `weight` [local vocab, hidden] like nn.Embedding's."""
+    the all-reduce fills them in. Parameter `weight` [local vocab, hidden] like nn.Embedding's.
+
+    A GGUF file's quantized embedding is held as the file stores it (`hold_blocks`, one rank):
+    rows are dequantized on lookup and a tied LM head multiplies its blocks (`as_head`), both
+    through `kernels.linear`; `weight` is then a meta tensor naming the shape."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, group: TensorParallelGroup
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: TensorParallelGroup,
+        kernels: Kernels | None = None,
     ) -> None:
         super().__init__()
         self.group = group
+        self.kernels = kernels
         self.shard = group.vocab(vocab_size, hidden_size)
         weight = torch.empty(self.shard.local_out, hidden_size, dtype=dtype, device=device)
         # The padding rows past the vocabulary are never loaded: zeros (the rest is, so it is not
@@ -260,8 +280,22 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.shard.rows[0]
         weight[max(0, min(rows.size, vocab_size - rows.start)) :].zero_()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.gguf_blocks: GGUFBlocks | None = None
+
+    def hold_blocks(self, blocks: GGUFBlocks) -> None:
+        """Keep the embedding as GGUF blocks (the whole vocabulary, one rank) instead of `weight`."""
+        if self.group.world_size != 1 or self.kernels is None or blocks.shape != tuple(self.weight.shape):
+            raise ValueError(f"a GGUF embedding of shape {blocks.shape} is held whole, by one rank with kernels")
+        self.gguf_blocks = blocks
+        self.register_buffer("gguf_embedding", blocks.data, persistent=False)
+        dtype = self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(blocks.shape, dtype=dtype, device="meta"), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_blocks is not None:
+            assert self.kernels is not None, "hold_blocks takes the kernels"
+            values = self.kernels.linear.gguf_rows(self.gguf_blocks, input_ids.reshape(-1))
+            return values.to(self.weight.dtype).reshape(*input_ids.shape, values.shape[-1])
         if self.group.world_size == 1:
             return F.embedding(input_ids, self.weight)
         rows = self.shard.rows[0]
@@ -270,3 +304,10 @@ class VocabParallelEmbedding(nn.Module):
         embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
         embedded.masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(embedded)
+
+    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden @ embedding^T: the logits of a tied LM head (this rank's vocabulary slice)."""
+        if self.gguf_blocks is not None:
+            assert self.kernels is not None, "hold_blocks takes the kernels"
+            return self.kernels.linear.gguf_product(self.gguf_blocks, hidden).to(hidden.dtype)
+        return F.linear(hidden, self.weight)

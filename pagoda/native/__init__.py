@@ -103,13 +103,36 @@ class NativeKernels:
         scales (and zeros) [N, K / group]; w = (code - 8) * scale + zero."""
         return load_extension().linear_int4(x, nibbles, scales, zeros, bias)
 
-    def linear_q8_0(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 or bfloat16 @ GGUF Q8_0 rows (uint8 [N, K / 32 * 34], ggml's blocks)^T (+ bias)."""
-        return load_extension().linear_q8_0(x, blocks, bias)
+    def gguf_quantize_activation(
+        self, x: torch.Tensor, k_blocks: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 quantized as llama.cpp quantizes a layer's input: 8-bit blocks of 256 (Q8_K,
+        `k_blocks`, for K-quants and IQ4_XS) or 32 (Q8_0, its scale a float16). Returns (codes int8
+        [M, K], the block scale per lane of 4 values float32 [M, K / 4], the block scale times each
+        16 codes' sum float32 [M, K / 16]): what `gguf_linear` reads."""
+        codes, lane_scales, group_sums = load_extension().gguf_quantize_activation(x, k_blocks)
+        return codes, lane_scales, group_sums
 
-    def linear_q4_0(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 or bfloat16 @ GGUF Q4_0 rows (uint8 [N, K / 32 * 18], ggml's blocks)^T (+ bias)."""
-        return load_extension().linear_q4_0(x, blocks, bias)
+    def gguf_linear(
+        self,
+        activation: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        blocks: torch.Tensor,
+        type_id: int,
+        bias: torch.Tensor | None,
+        isa: str = "",
+    ) -> torch.Tensor:
+        """float32 [M, N] = x @ W^T (+ bias): x as `gguf_quantize_activation` gave it (of the block size
+        W's type reads), W GGUF rows as stored (uint8 [N, bytes], ggml type `type_id`); integer dot
+        products with the block scales applied per block. isa: "" for the CPU's best, "avx2", "scalar"."""
+        return load_extension().gguf_linear(*activation, blocks, type_id, bias, isa)
+
+    def gguf_dequantize_rows(self, blocks: torch.Tensor, type_id: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of GGUF blocks (uint8 [N, bytes], ggml type `type_id`) as float32 [len(ids), K]."""
+        return load_extension().gguf_dequantize_rows(blocks, type_id, ids)
+
+    def gguf_product_path(self, isa: str = "") -> str:
+        """Which integer path gguf_linear takes for `isa`: avx512-vnni, avx2 or scalar."""
+        return str(load_extension().gguf_product_path(isa))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
         """RMSNorm of x [..., D] float32 as a new tensor; unit_offset: Gemma's (1 + weight)."""

@@ -4,10 +4,15 @@ What every decoder's GGUF shares is read here: the metadata of its shape and the
 names a family's GGUFLayout gives them; each family (pagoda.model.families) adds what is its own
 (biases, experts, which transformers architecture the file is).
 
-Read with the `gguf` package. Tensor types: F32/F16/BF16 as they are; Q4_0 maps exactly onto
-pagoda's int4 format (group 32, w = d * (q - 8): codes q, scale d, zero 0); every other type
-the package can dequantize (Q8_0, Q4_1, Q5_0/1, K-quants Q2_K..Q6_K, ...) is dequantized to the
-model dtype at load and logged (re-quantize with `--quantization int8|int4` if wanted).
+Read with the `gguf` package. Where the engine runs the native kernels, a file with quantized
+projections is served from its own bytes (`GGUFBlockWeight`): each projection, the LM head and the
+token embedding keep their ggml blocks as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K,
+IQ4_XS; `GGUF_BLOCK_TYPES`), each tensor in its own type, and the native products multiply them
+as llama.cpp does; tensors of any other type are dequantized to float32 at load, named in one
+log line. Without the native kernels: F32/F16/BF16 as they are; Q4_0 maps exactly onto pagoda's
+int4 format (group 32, w = d * (q - 8): codes q, scale d, zero 0); every other type the package
+can dequantize is dequantized to the model dtype at load and logged (re-quantize with
+`--quantization int8|int4` if wanted).
 
 llama.cpp permutes the rows of Llama's q/k projections (its rope pairs adjacent dimensions,
 transformers' rotates halves; convert_hf_to_gguf.py `LlamaModel.permute`): undone here for the
@@ -33,7 +38,15 @@ import torch
 
 from pagoda.gguf_layout import check_gguf_layout
 from pagoda.quant.gguf_moe import STACKED_EXPERT_TENSORS, expert_tensor_kind
-from pagoda.quant.weight_formats import GGUF_BLOCK_BYTES, FullWeight, GGUFBlockWeight, Int4Weight, WeightFormat
+from pagoda.quant.weight_formats import (
+    GGUF_BLOCK_TYPES,
+    GGUF_FLOAT,
+    FullWeight,
+    GGUFBlocks,
+    GGUFBlockWeight,
+    Int4Weight,
+    WeightFormat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +116,10 @@ def _has_gguf_magic(path: Path) -> bool:
 class GGUFTensor:
     hf_name: str
     type_name: str
-    tensor: torch.Tensor | None  # float values (None for Q4_0 kept as codes)
-    # Q4_0 (codes [N, K] 0..15, scales [N, K/32]), or Q8_0 (int8 codes [N, K], scales [N, K/32]) kept as codes
+    tensor: torch.Tensor | None  # float values (None for Q4_0 kept as codes, or for blocks)
+    # Q4_0 kept as int4 codes (codes [N, K] 0..15, scales [N, K/32])
     int4_codes: tuple[torch.Tensor, torch.Tensor] | None = None
+    blocks: GGUFBlocks | None = None  # the tensor as the file stores it (GGUFBlockWeight)
 
 
 class GGUFCheckpoint:
@@ -227,31 +241,41 @@ class GGUFCheckpoint:
             and name.split(".")[2] in _PROJECTION_KINDS
         }
 
+    def has_quantized_projections(self) -> bool:
+        """Whether some decoder projection is stored in a quantized type (not F32/F16/BF16)."""
+        return bool(self.linear_types() - set(_PLAIN_TYPES))
+
     def iterate(
-        self, config: dict[str, Any], layout: GGUFLayout, keep_q4_0_codes: bool, keep_q8_0_codes: bool = False
+        self, config: dict[str, Any], layout: GGUFLayout, keep_q4_0_codes: bool, keep_blocks: bool = False
     ) -> Iterator[GGUFTensor]:
-        """Every tensor under its Hugging Face name (`layout`'s). Q4_0 projection weights come as int4 codes
-        when `keep_q4_0_codes`, Q8_0 ones as int8 codes when `keep_q8_0_codes`, other quantized
-        types dequantized to float32."""
-        dequantized: Counter[str] = Counter()
+        """Every tensor under its Hugging Face name (`layout`'s). With `keep_blocks` (GGUFBlockWeight),
+        projection weights and the LM head come as `GGUFBlocks` (a type without a native product, or
+        F16/F32, as float32 rows), the token embedding too where its type has one; else Q4_0 projection
+        weights come as int4 codes when `keep_q4_0_codes`, other quantized types dequantized to float32."""
+        dequantized: list[tuple[str, str, int]] = []  # (name, type, bytes as stored)
         for name, tensor in self.tensors.items():
             type_name = tensor.tensor_type.name
             # None: a stacked experts tensor, read one HF tensor per expert
             hf_name = None if expert_tensor_kind(name) is not None else self._hf_name(name, layout)
             is_projection = hf_name is None or hf_name.endswith("_proj.weight")
-            codes_of = (
-                _q4_0_codes
-                if type_name == "Q4_0" and keep_q4_0_codes and is_projection
-                else _q8_0_codes
-                if type_name == "Q8_0" and keep_q8_0_codes and is_projection
-                else None
+            native_type = type_name in GGUF_BLOCK_TYPES
+            # As blocks: every projection and the head (float rows where no product exists), the
+            # embedding where its type has one (else as the float weight it is).
+            in_blocks = keep_blocks and (
+                is_projection or hf_name == "lm_head.weight" or (hf_name == "model.embed_tokens.weight" and native_type)
             )
-            if type_name not in _PLAIN_TYPES and codes_of is None:
-                dequantized[type_name] += 1
+            codes_of = _q4_0_codes if type_name == "Q4_0" and keep_q4_0_codes and is_projection else None
+            if type_name not in _PLAIN_TYPES and codes_of is None and not (in_blocks and native_type):
+                dequantized.append((name, type_name, int(tensor.n_bytes)))
             if hf_name is None:
-                yield from self._expert_tensors(name, tensor, codes_of)
+                yield from self._expert_tensors(name, tensor, codes_of, in_blocks)
                 continue
             try:
+                if in_blocks:
+                    yield GGUFTensor(
+                        hf_name, type_name, None, blocks=self._blocks(name, config, layout, tensor, native_type)
+                    )
+                    continue
                 if codes_of is not None:
                     codes, scales = codes_of(np.asarray(tensor.data))
                     codes = self._unpermute(name, config, layout, codes)
@@ -266,14 +290,29 @@ class GGUFCheckpoint:
             if hf_name.endswith("shared_expert_gate.weight") and values.dim() == 1:
                 values = values.unsqueeze(0)  # [H] as some writers store it, the layer's [1, H]
             yield GGUFTensor(hf_name, type_name, self._unpermute(name, config, layout, values))
-        for type_name, count in sorted(dequantized.items()):
+        if dequantized:
+            counts = Counter(type_name for _, type_name, _ in dequantized)
+            shown = ", ".join(f"{name} ({type_name})" for name, type_name, _ in dequantized[:6])
+            more = f" and {len(dequantized) - 6} more" if len(dequantized) > 6 else ""
             logger.info(
-                "%s: dequantized %d %s tensor(s) to float (pagoda has no exact %s kernel)",
+                "%s: dequantized to float at load (no native product for their type%s): %s%s; %s; %.1f MB as stored",
                 self.path.name,
-                count,
-                type_name,
-                type_name,
+                "" if keep_blocks else " with these kernels",
+                shown,
+                more,
+                ", ".join(f"{count} {type_name}" for type_name, count in sorted(counts.items())),
+                sum(size for _, _, size in dequantized) / 1e6,
             )
+
+    def _blocks(
+        self, name: str, config: dict[str, Any], layout: GGUFLayout, tensor: Any, native_type: bool
+    ) -> GGUFBlocks:
+        """A 2-D tensor's rows as stored (copied once out of the file's mapping), or as float32 rows."""
+        if native_type:
+            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+            return GGUFBlocks(tensor.tensor_type.name, self._unpermute(name, config, layout, data))
+        values = self._float_values(tensor).float()
+        return GGUFBlocks(GGUF_FLOAT, self._unpermute(name, config, layout, values))
 
     def _float_values(self, tensor: Any) -> torch.Tensor:
         return self._dequantize(
@@ -291,11 +330,15 @@ class GGUFCheckpoint:
         return values if tuple(values.shape) == shape else values.reshape(shape)
 
     def _expert_tensors(
-        self, name: str, tensor: Any, codes_of: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None
+        self,
+        name: str,
+        tensor: Any,
+        codes_of: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None,
+        in_blocks: bool = False,
     ) -> Iterator[GGUFTensor]:
         """A stacked experts tensor [E, out, in] as one tensor per expert and projection
         (`ffn_gate_up_exps` rows split into gate and up), read one expert at a time; as (codes,
-        scales) through `codes_of` when the weight format serves the file's blocks."""
+        scales) through `codes_of` (Q4_0 as int4), or as GGUFBlocks with `in_blocks`."""
         layer = name.split(".")[1]
         projections = STACKED_EXPERT_TENSORS[name.split(".")[2]]
         type_name = tensor.tensor_type.name
@@ -308,6 +351,21 @@ class GGUFCheckpoint:
             for expert in range(num_experts):
                 # (float values, None) or (None, (codes, scales)) per projection, as GGUFTensor holds them
                 parts: list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]]
+                if in_blocks:
+                    if type_name in GGUF_BLOCK_TYPES:
+                        whole = GGUFBlocks(type_name, torch.from_numpy(np.array(data[expert], dtype=np.uint8)))
+                    else:
+                        whole = GGUFBlocks(
+                            GGUF_FLOAT, self._dequantize(data[expert], tensor.tensor_type, (rows, columns)).float()
+                        )
+                    for projection, piece in zip(projections, whole.data.split(part_rows)):
+                        yield GGUFTensor(
+                            f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
+                            type_name,
+                            None,
+                            blocks=GGUFBlocks(whole.type_name, piece.contiguous()),
+                        )
+                    continue
                 if codes_of is not None:
                     codes, scales = codes_of(data[expert])
                     parts = [(None, (c, s)) for c, s in zip(codes.split(part_rows), scales.split(part_rows))]
@@ -379,29 +437,21 @@ def _q4_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
 
 
-def _q8_0_codes(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw Q8_0 rows [N, K/32 * 34 bytes] -> (codes int8 [N, K], scales float32 [N, K/32]): a block
-    is a float16 scale d and 32 int8 codes q, value d * q."""
-    rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, 34)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].copy().view(np.int8)
-    return torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scales)
-
-
-def gguf_weight_format(checkpoint: GGUFCheckpoint, requested: WeightFormat | None) -> WeightFormat:
+def gguf_weight_format(
+    checkpoint: GGUFCheckpoint, requested: WeightFormat | None, whole_layers: bool = True
+) -> WeightFormat:
     """The decoder projections' format for a GGUF file: a requested int8/int4 format wins
     (tensors dequantized and re-quantized, except Q4_0 into int4 group 32, which is exact);
-    in the native layout (the engine runs the native kernels), projections all Q8_0 or all Q4_0
-    are served as their blocks
-    (GGUFBlockWeight); otherwise Q4_0 projections are served as int4 group 32 and everything else
+    in the native layout (the engine runs the native kernels), a file with quantized projections
+    is served from its blocks (GGUFBlockWeight; `whole_layers`: no tensor parallelism splits a
+    layer's blocks); otherwise Q4_0 projections are served as int4 group 32 and everything else
     as floats."""
     if requested is not None and not isinstance(requested, FullWeight):
         return requested
     types = checkpoint.linear_types()
     native_layout = requested is not None and requested.native_layout
-    if native_layout and len(types) == 1 and next(iter(types)) in GGUF_BLOCK_BYTES:
-        return GGUFBlockWeight(next(iter(types)))
+    if native_layout and whole_layers and checkpoint.has_quantized_projections():
+        return GGUFBlockWeight()
     if "Q4_0" in types:
         others = sorted(types - {"Q4_0"})
         if others:

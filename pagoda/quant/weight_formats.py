@@ -54,6 +54,8 @@ class WeightFormat(ABC):
     # Store the layout pagoda's native CPU kernels read (the engine runs them) where the weight is
     # on the CPU; else the one PyTorch's ops (CPU) or the Triton kernels (CUDA) read.
     native_layout: bool = False
+    # Whether the LM head takes this format too (GGUF blocks); else it stays in full precision.
+    holds_head: bool = False
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
@@ -333,81 +335,114 @@ def dequantize_int4_grouped(
     return (groups * scales[..., None] + zeros[..., None]).reshape(out_features, in_features)
 
 
-GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # bytes per block of 32 values: an fp16 scale, then the codes
+# The GGUF tensor types pagoda/csrc/gguf_blocks.cpp multiplies from their own bytes: name -> (ggml's type
+# id, values per block, bytes per block). Their activations go in 8-bit blocks of 32 (legacy types) or 256
+# (K-quants, IQ4_XS).
+GGUF_BLOCK_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "IQ4_NL": (20, 32, 18),
+    "Q2_K": (10, 256, 84),
+    "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+    "IQ4_XS": (23, 256, 136),
+}
+# A part held as float32 rows (an F16/F32 tensor, or a type without a native product, dequantized at load).
+GGUF_FLOAT = "F32"
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One GGUF tensor's rows as the file stores them: `data` uint8 [rows, row bytes] of ggml blocks of
+    `type_name` (a GGUF_BLOCK_TYPES key), or float32 [rows, K] values (`type_name` GGUF_FLOAT)."""
+
+    type_name: str
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, K): the float tensor the blocks stand for."""
+        rows, width = self.data.shape
+        if self.type_name == GGUF_FLOAT:
+            return rows, width
+        _, values, size = GGUF_BLOCK_TYPES[self.type_name]
+        return rows, width // size * values
+
+    @property
+    def type_id(self) -> int:
+        return GGUF_BLOCK_TYPES[self.type_name][0]
+
+    @property
+    def k_blocks(self) -> bool:
+        """Whether its activation goes in blocks of 256 (K-quants, IQ4_XS) rather than 32."""
+        return GGUF_BLOCK_TYPES[self.type_name][1] == 256
 
 
 class GGUFBlockWeight(WeightFormat):
-    """GGUF Q8_0 or Q4_0 projections served as the file stores them, by the native kernels: each
-    row a run of ggml blocks of 32 values (fp16 scale d, then 32 int8 codes q with w = d * q, or 16
-    bytes of nibbles with w = d * (q - 8)), dequantized in registers at every row count. The loader
-    stages codes and scales (`stage_codes`, the rows of fused and sharded projections by offset);
-    `finalize` writes them back into ggml's blocks, so the weight in memory is the file's bytes."""
+    """GGUF projections served from the file's bytes by the native kernels, each tensor in its own type
+    (a Q4_K_M file mixes Q4_K and Q6_K, often within one layer): the loader stages each part's rows
+    as `GGUFBlocks` (`stage_blocks`, fused q/k/v and gate/up parts by row offset), and `finalize`
+    keeps them as buffers `gguf_part_<i>` with `gguf_parts` = ((row offset, rows, type), ...),
+    parts of one type next to each other concatenated into one. Nothing is expanded: memory holds
+    the file's blocks (types without a native product, and F16 rows, as float32 rows). The LM
+    head takes this format too (`holds_head`)."""
 
+    name = "gguf"
     group_size = 32
-
     native_layout = True  # only the native kernels read ggml's blocks
-
-    def __init__(self, block_type: str) -> None:
-        if block_type not in GGUF_BLOCK_BYTES:
-            raise ValueError(
-                f"GGUF blocks of type {block_type} have no native kernel; "
-                f"served natively: {', '.join(GGUF_BLOCK_BYTES)}"
-            )
-        self.block_type = block_type
-        self.name = block_type.lower()
+    holds_head = True
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Every row comes as codes (`stage_codes`): the staging weight only names the shape, on the meta
+        """Every row comes as blocks (`stage_blocks`): the staging weight only names the shape, on the meta
         device, so loading never holds a float copy of the projection."""
         layer.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype, device="meta"), requires_grad=False
         )
 
-    def stage_codes(
-        self,
-        layer: nn.Module,
-        row_offset: int,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor | None = None,
-    ) -> None:
-        """Rows of codes [rows, K] (Q8_0: -127..127, Q4_0: 0..15) and their block scales [rows, K / 32]."""
-        if codes.shape[1] != layer.in_features or scales.shape[1] * self.group_size != layer.in_features:
-            raise ValueError(
-                f"{self.block_type} codes of shape {tuple(codes.shape)} do not fit a "
-                f"[{layer.out_features}, {layer.in_features}] layer"
-            )
-        _stage_rows(layer, (row_offset, codes, scales))
-
-    def finalize(self, layer: nn.Module, layer_name: str) -> None:
-        staged = getattr(layer, "staged_codes", [])
-        out_features, in_features = _staging_weight(layer).shape
-        if sum(codes.shape[0] for _, codes, _ in staged) != out_features:
-            raise ValueError(
-                f"{layer_name}: not every row came as {self.block_type} blocks; a GGUF file mixing "
-                f"tensor types is served with the native kernels off"
-            )
-        blocks = torch.empty(out_features, in_features // 32, GGUF_BLOCK_BYTES[self.block_type], dtype=torch.uint8)
-        for row_offset, codes, scales in staged:
-            rows = slice(row_offset, row_offset + codes.shape[0])
-            blocks[rows, :, :2] = scales.to(torch.float16).contiguous().view(torch.uint8).reshape(codes.shape[0], -1, 2)
-            if self.block_type == "Q8_0":
-                blocks[rows, :, 2:] = codes.to(torch.int8).view(torch.uint8).reshape(codes.shape[0], -1, 32)
-            else:
-                blocks[rows, :, 2:] = pack_int4_nibbles(codes).reshape(codes.shape[0], -1, 16)
-        del layer.staged_codes
-        _replace_staging_weight(layer, blocks=blocks.reshape(out_features, -1))
-
     def check_shape(self, layer_name: str, in_features: int, out_features: int) -> None:
         if in_features % 32:
+            raise ValueError(f"{layer_name}: GGUF blocks of 32 do not divide its input dimension {in_features}")
+
+    def stage_blocks(self, layer: nn.Module, row_offset: int, blocks: GGUFBlocks) -> None:
+        """Rows [row_offset, row_offset + rows) of the layer, as the file stores them."""
+        rows, columns = blocks.shape
+        if columns != layer.in_features:
             raise ValueError(
-                f"{layer_name}: {self.block_type} blocks of 32 do not divide its input dimension {in_features}"
+                f"{blocks.type_name} rows of {columns} values do not fit a "
+                f"[{layer.out_features}, {layer.in_features}] layer"
             )
+        _stage_rows(layer, (row_offset, blocks))
+
+    def finalize(self, layer: nn.Module, layer_name: str) -> None:
+        staged = sorted(getattr(layer, "staged_codes", []), key=lambda item: item[0])
+        out_features = _staging_weight(layer).shape[0]
+        if sum(blocks.shape[0] for _, blocks in staged) != out_features:
+            raise ValueError(f"{layer_name}: not every row of the layer came from the GGUF file")
+        merged: list[tuple[int, GGUFBlocks]] = []
+        for offset, blocks in staged:
+            if merged and merged[-1][1].type_name == blocks.type_name:
+                first, previous = merged[-1]
+                merged[-1] = (first, GGUFBlocks(blocks.type_name, torch.cat([previous.data, blocks.data])))
+            else:
+                merged.append((offset, blocks))
+        if staged:
+            del layer.staged_codes
+        _replace_staging_weight(
+            layer, **{f"gguf_part_{i}": blocks.data.contiguous() for i, (_, blocks) in enumerate(merged)}
+        )
+        _set_plain_attribute(
+            layer, "gguf_parts", tuple((offset, blocks.shape[0], blocks.type_name) for offset, blocks in merged)
+        )
 
     def weight_bytes(self, in_features: int, out_features: int, element_size: int) -> float:
-        return out_features * in_features / 32 * GGUF_BLOCK_BYTES[self.block_type]
+        return out_features * in_features * 4.5 / 8  # what the file holds; ~4.5 bits per weight for Q4_K_M
 
 
 def pack_int4_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,6 @@ def test_native_kernels_run_on_the_cpu_only() -> None:
 def test_a_format_without_a_product_on_the_device_fails_its_check() -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="served by the native CPU kernels"):
-        resolve_kernels(cpu, "off").linear.check(GGUFBlockWeight("Q8_0"), cpu, torch.float32)
-    Kernels(cpu, NativeKernels(isa="scalar")).linear.check(GGUFBlockWeight("Q8_0"), cpu, torch.float32)
+        resolve_kernels(cpu, "off").linear.check(GGUFBlockWeight(), cpu, torch.float32)
+    Kernels(cpu, NativeKernels(isa="scalar")).linear.check(GGUFBlockWeight(), cpu, torch.float32)
     resolve_kernels(cpu, "off").linear.check(make_weight_format("int8"), cpu, torch.float32)

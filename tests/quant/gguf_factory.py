@@ -75,15 +75,23 @@ def _gguf_name(name: str) -> str:
 
 # Bytes per 256-value block and the offsets of its float16 scales, for K-quants the gguf package
 # cannot quantize: tests fill such tensors with random codes and known scales.
-K_QUANT_LAYOUTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_LAYOUTS = {
+    "Q2_K": (84, (80, 82)),
+    "Q3_K": (110, (108,)),
+    "Q4_K": (144, (0, 2)),
+    "Q5_K": (176, (0, 2)),
+    "Q6_K": (210, (208,)),
+    "IQ4_XS": (136, (0,)),
+    "IQ2_XXS": (66, (0,)),  # a type without a native product
+}
 
 
-def random_k_quant(rows: int, columns: int, type_name: str, seed: int) -> np.ndarray:
-    """Valid `type_name` data [rows, bytes] with random codes and small float16 scales."""
+def random_k_quant(rows: int, columns: int, type_name: str, seed: int, scale: float = 0.002) -> np.ndarray:
+    """Valid `type_name` data [rows, bytes] with random codes and float16 scales `scale`."""
     block_bytes, scale_offsets = K_QUANT_LAYOUTS[type_name]
     blocks = np.random.default_rng(seed).integers(0, 256, (rows * columns // 256, block_bytes), dtype=np.uint8)
     for offset in scale_offsets:
-        blocks[:, offset : offset + 2] = np.full((blocks.shape[0], 1), 0.002, np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = np.full((blocks.shape[0], 1), scale, np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -119,9 +127,11 @@ def write_gguf(
     k_quants: dict[str, str] | None = None,
     omit: tuple[str, ...] = (),
     fuse_gate_up: bool = False,
+    k_quant_scale: float = 0.002,
 ) -> Path:
     """`k_quants` maps llama.cpp tensor kinds (e.g. "ffn_down") to a K-quant type filled by
-    `random_k_quant` (seeded by the tensor's position) instead of the model's weights. `omit`:
+    `random_k_quant` (seeded by the tensor's position, its float16 scales `k_quant_scale`) instead
+    of the model's weights. `omit`:
     GGUF tensor names left out (a broken file)."""
     import gguf
 
@@ -182,7 +192,11 @@ def write_gguf(
         kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
         if k_quants and kind in k_quants:
             k_type = gguf.GGMLQuantizationType[k_quants[kind]]
-            writer.add_tensor(gguf_name, random_k_quant(*values.shape, k_quants[kind], seed=index), raw_dtype=k_type)
+            writer.add_tensor(
+                gguf_name,
+                random_k_quant(*values.shape, k_quants[kind], seed=index, scale=k_quant_scale),
+                raw_dtype=k_type,
+            )
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = _permute(values, heads)
