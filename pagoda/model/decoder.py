@@ -26,6 +26,7 @@ from pagoda.kernels import Kernels
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.classifier import ClassifierHead
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.mla import LatentAttention
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
@@ -41,7 +42,8 @@ class ForwardContext:
 
     backend: AttentionBackend
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (key_cache, value_cache); None: other stages
+    # per layer (key_cache, value_cache), a latent attention layer's (latents, rope keys); None: other stages
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class Attention(nn.Module):
@@ -147,7 +149,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        attention = Attention if config.mla is None else LatentAttention  # latent: pagoda.model.mla
+        self.self_attn = attention(config, layer_index, dtype, device, weight_format, tp, kernels)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
