@@ -36,7 +36,7 @@ class TinyModel:
     config_class: str
     model_class: str  # the architecture
     # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES), "moe" (MOE_ARCHITECTURES), "mla"
-    # (MLA_ARCHITECTURES) or "classifier"
+    # (MLA_ARCHITECTURES), "sigmoid_moe" (SIGMOID_MOE_ARCHITECTURES) or "classifier"
     group: str
     overrides: dict[str, Any] | Callable[[int], dict[str, Any]] = field(default_factory=dict)
 
@@ -201,6 +201,28 @@ TINY_MODELS: dict[str, TinyModel] = {
             },
         ),
     ),
+    # GLM-4.5 MoE (tests/model/test_glm4_moe.py): half-head partial rotary, q/k norms, a dense
+    # first layer, then DeepSeek's router over top-2 of 8 experts in the best 2 of 4 groups, and
+    # a shared expert.
+    "glm4_moe": TinyModel(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        "sigmoid_moe",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.8,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),
@@ -225,6 +247,8 @@ MORE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.
 MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "moe")
 # Multi-head latent attention: their fixtures in tests/model/test_deepseek_v3.py.
 MLA_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "mla")
+# DeepSeek's router under the shared attention (GLM-4.5): tests/model/test_glm4_moe.py.
+SIGMOID_MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "sigmoid_moe")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:

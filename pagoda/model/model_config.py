@@ -64,6 +64,8 @@ class ModelConfig:
     # Multi-head latent attention (pagoda.model.mla): each token caches one latent and one rope
     # key per layer, shared by every head; head_dim is then the rope dims (transformers' choice).
     mla: MLAConfig | None = None
+    # The share of each head's dims the rope rotates, the first ones (GLM-4.5: 0.5); 1: all.
+    partial_rotary_factor: float = 1.0
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -91,6 +93,11 @@ class ModelConfig:
             return latent_kv_bytes_per_token(self.num_layers, latent_dim, rope_dim, kv_cache_dtype, bytes_per_element)
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head the rope rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_cache_dims(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ are skipped as layers no stage holds, as transformers skips them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from pagoda.model.families.base import CheckpointItem, ModelFamily
@@ -22,11 +22,13 @@ from pagoda.model.mla_config import MLAConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe_config import MoEConfig, expert_routing
 
-_RENAMES = (
-    (".self_attn.q_proj.", ".self_attn.query_proj."),
+# (checkpoint's, pagoda's): the MoE block's names DeepSeek's and GLM-4.5's checkpoints share,
+# then the latent attention's query.
+MOE_RENAMES = (
     (".mlp.shared_experts.", ".mlp.shared_expert."),
     (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
 )
+_RENAMES = (*MOE_RENAMES, (".self_attn.q_proj.", ".self_attn.query_proj."))
 
 
 def read_mla(hf: HFConfig) -> MLAConfig:
@@ -87,20 +89,27 @@ def read_config(hf: HFConfig) -> ModelConfig:
     return replace(config, head_dim=mla.qk_rope_head_dim, num_kv_heads=config.num_heads, mla=mla)
 
 
-def checkpoint_tensors(items: Iterable[CheckpointItem]) -> Iterator[CheckpointItem]:
-    for file_name, name, tensor, int4_codes in items:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        yield file_name, name, tensor, int4_codes
+def renaming(
+    renames: tuple[tuple[str, str], ...],
+) -> tuple[Callable[[Iterable[CheckpointItem]], Iterator[CheckpointItem]], Callable[[list[str]], list[str]]]:
+    """A family's checkpoint_tensors and checkpoint_names for these (checkpoint's, pagoda's) parts."""
+
+    def checkpoint_tensors(items: Iterable[CheckpointItem]) -> Iterator[CheckpointItem]:
+        for file_name, name, tensor, int4_codes in items:
+            for theirs, ours in renames:
+                name = name.replace(theirs, ours)
+            yield file_name, name, tensor, int4_codes
+
+    def checkpoint_names(names: list[str]) -> list[str]:
+        spelled = []
+        for name in names:
+            for theirs, ours in renames:
+                name = name.replace(ours, theirs)
+            spelled.append(name)
+        return spelled
+
+    return checkpoint_tensors, checkpoint_names
 
 
-def checkpoint_names(names: list[str]) -> list[str]:
-    spelled = []
-    for name in names:
-        for theirs, ours in _RENAMES:
-            name = name.replace(ours, theirs)
-        spelled.append(name)
-    return spelled
-
-
-FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=checkpoint_tensors, checkpoint_names=checkpoint_names)
+_tensors, _names = renaming(_RENAMES)
+FAMILY = ModelFamily(read_config=read_config, checkpoint_tensors=_tensors, checkpoint_names=_names)
