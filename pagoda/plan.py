@@ -25,6 +25,7 @@ from pagoda.quant.storage_bytes import (
     KV_SCALE_BYTES,
     int4_group_size_for,
     kv_cache_bytes_per_token,
+    latent_kv_bytes_per_token,
     weight_bytes_per_parameter,
 )
 
@@ -133,6 +134,9 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_moe_layers: int = 0
+    # Multi-head latent attention: per layer, each token caches (latent, rope key) of these sizes
+    # for all heads, instead of K and V per KV head. None: K and V.
+    kv_latent_dims: tuple[int, int] | None = None
 
     @property
     def is_mha(self) -> bool:
@@ -159,6 +163,7 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
+            kv_latent_dims=None if config.mla is None else config.mla.cache_dims,
             **(
                 {}
                 if config.moe is None
@@ -401,6 +406,11 @@ class Plan:
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | None = None) -> int:
     """The engine's formula (the one ModelConfig.kv_bytes_per_token sizes the pool with) for a
     worksheet KV dtype."""
+    if shape.kv_latent_dims is not None:
+        latent_dim, rope_dim = shape.kv_latent_dims
+        return latent_kv_bytes_per_token(
+            shape.num_layers, latent_dim, rope_dim, KV_CACHE_DTYPE_OF[kv_dtype], DTYPE_BYTES[kv_dtype]
+        )
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     return kv_cache_bytes_per_token(
         shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype], DTYPE_BYTES[kv_dtype]
@@ -719,7 +729,7 @@ def _what_if_scenarios(
     for divisor in (2, 4):
         if context // divisor >= block_size:
             scenarios.append(scenario(f"context {context // divisor}", ctx=context // divisor))
-    if shape.is_mha:
+    if shape.is_mha and shape.kv_latent_dims is None:
         for group in (4, 8):
             kv_heads = shape.num_attention_heads // group
             if kv_heads >= 1 and shape.num_attention_heads % group == 0:
@@ -785,6 +795,18 @@ def _kv_vector(kv_dtype: str, head_dim: int) -> str:
     return f"({head_dim} x 1 B + {KV_SCALE_BYTES} B scale) {kv_dtype}"
 
 
+def _kv_per_token(kv_dtype: str, shape: dict[str, Any]) -> str:
+    """What one token's KV bytes are made of."""
+    latent = shape.get("kv_latent_dims")
+    if latent:
+        return (
+            f"{shape['num_layers']} layers x latent {_kv_vector(kv_dtype, latent[0])} + rope key "
+            f"{_kv_vector(kv_dtype, latent[1])}, shared by the {shape['num_attention_heads']} heads"
+        )
+    vector = _kv_vector(kv_dtype, shape["head_dim"])
+    return f"{shape['num_layers']} layers x 2 x {shape['num_kv_heads']} KV heads x {vector}"
+
+
 def _sliding_window_lines(shape: dict[str, Any]) -> list[str]:
     windows = [w for w in shape.get("layer_sliding_windows") or () if w is not None]
     if not windows:
@@ -819,8 +841,7 @@ def render_plan(plan: Plan) -> str:
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
         *([f"KV pool          {plan.kv_pool_source}"] if plan.kv_pool_source else []),
-        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers']} layers x 2 x "
-        f"{s['num_kv_heads']} KV heads x {_kv_vector(plan.kv_dtype, s['head_dim'])})",
+        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({_kv_per_token(plan.kv_dtype, s)})",
         f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
         f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "
         f"({plan.blocks_per_sequence} blocks)",

@@ -35,7 +35,8 @@ class TinyModel:
 
     config_class: str
     model_class: str  # the architecture
-    # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES), "moe" (MOE_ARCHITECTURES) or "classifier"
+    # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES), "moe" (MOE_ARCHITECTURES), "mla"
+    # (MLA_ARCHITECTURES), "sigmoid_moe" (SIGMOID_MOE_ARCHITECTURES) or "classifier"
     group: str
     overrides: dict[str, Any] | Callable[[int], dict[str, Any]] = field(default_factory=dict)
 
@@ -164,6 +165,64 @@ TINY_MODELS: dict[str, TinyModel] = {
             },
         ),
     ),
+    # Multi-head latent attention (tests/model/test_deepseek_v3.py): a dense first layer, then
+    # top-2 of 8 experts in the best 2 of 4 groups under the sigmoid router with its correction
+    # bias, routed scaling and a shared expert; q through q_lora_rank; YaRN rope with mscale.
+    "deepseek_v3": TinyModel(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        "mla",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+    ),
+    # GLM-4.5 MoE (tests/model/test_glm4_moe.py): half-head partial rotary, q/k norms, a dense
+    # first layer, then DeepSeek's router over top-2 of 8 experts in the best 2 of 4 groups, and
+    # a shared expert.
+    "glm4_moe": TinyModel(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        "sigmoid_moe",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.8,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),
@@ -186,6 +245,10 @@ ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group
 MORE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "more")
 # Mixture of experts: built by `build_model`, their fixtures in tests/model/test_moe_models.py.
 MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "moe")
+# Multi-head latent attention: their fixtures in tests/model/test_deepseek_v3.py.
+MLA_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "mla")
+# DeepSeek's router under the shared attention (GLM-4.5): tests/model/test_glm4_moe.py.
+SIGMOID_MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "sigmoid_moe")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
@@ -263,6 +326,9 @@ def build_model(
             elif architecture == "gpt_oss" and not name.endswith("layernorm.weight") and name != "model.norm.weight":
                 # biases and attention sinks large enough to matter (transformers starts them at 0)
                 param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: make it steer the choice
+                buffer.normal_(0.0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory

@@ -290,6 +290,10 @@ def _kv_bytes(review: ArtifactReview, config: dict[str, Any], dtype: str) -> Non
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     review.kv_dtype = dtype if dtype in _DTYPE_BYTES else "bfloat16"
+    if config.get("kv_lora_rank"):  # multi-head latent attention: a latent and a rope key per layer
+        latent = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
+        review.kv_bytes_per_token = int(layers) * latent * _DTYPE_BYTES[review.kv_dtype]
+        return
     review.kv_bytes_per_token = 2 * int(layers) * int(kv_heads) * int(head_dim) * _DTYPE_BYTES[review.kv_dtype]
 
 

@@ -4,7 +4,9 @@ The block (pagoda.model.moe.SparseMoE) holds the router and the experts' storage
 them:
 
 1. router logits [T, E] -> softmax -> top-k experts per token (weights renormalized over the
-   chosen ones where the model says so; gpt-oss: top-k logits, then a softmax over those);
+   chosen ones where the model says so; gpt-oss: top-k logits, then a softmax over those;
+   DeepSeek-V3 and GLM-4.5: `SigmoidRouting`, sigmoid scores chosen with a correction bias
+   within the best groups of experts, then scaled);
 2. the T * k (token, expert) pairs sorted by expert with one stable argsort, giving each expert a
    contiguous segment (its offsets from one scatter-add), and the tokens gathered in that order once;
 3. one gate/up and one down product per expert over its segment: on CPU, with full-precision
@@ -75,13 +77,55 @@ def top_k_experts(
     return weights, experts
 
 
+@dataclass(frozen=True)
+class SigmoidRouting:
+    """DeepSeek-V3's router (GLM-4.5's too): each expert scored by sigmoid(logit); the experts
+    are chosen by score + `correction_bias` (the bias steers the choice only, never the weights),
+    within the `top_k_groups` best of `num_groups` equal groups of experts (a group's score is
+    the sum of its two best biased scores); the chosen experts' scores (renormalized where the
+    model says so) are multiplied by `scaling_factor`."""
+
+    correction_bias: torch.Tensor  # [E] float32
+    num_groups: int = 1
+    top_k_groups: int = 1
+    scaling_factor: float = 1.0
+
+
+def sigmoid_top_k(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, routing: SigmoidRouting
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's routing weights [T, k] (float32) and experts [T, k] under `routing`, in
+    transformers' order of operations (float32 throughout)."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + routing.correction_bias.float()
+    if routing.num_groups > 1:
+        tokens, num_experts = choice.shape
+        grouped = choice.view(tokens, routing.num_groups, num_experts // routing.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = torch.topk(group_scores, k=routing.top_k_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scaling_factor, experts
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_over_top_k: bool = False) -> Routing:
     """Top-k experts per token from router logits [T, E], the pairs sorted by expert."""
     weights, experts = top_k_experts(router_logits, top_k, renormalize, softmax_over_top_k)
+    return sort_pairs(weights, experts, router_logits.shape[-1])
+
+
+def sort_pairs(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Routing:
+    """Each token's routing weights and experts [T, k] as (token, expert) pairs sorted by expert."""
+    top_k = experts.shape[-1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # Not bincount, which sizes its output from the largest id: a host sync on CUDA.
-    counts = torch.zeros(router_logits.shape[-1], dtype=torch.long, device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     return Routing(order // top_k, weights.reshape(-1)[order], counts.scatter_add_(0, flat, torch.ones_like(flat)))
 
 
@@ -106,9 +150,18 @@ class MoEKernels:
         top_k: int,
         renormalize: bool,
         softmax_over_top_k: bool,
+        sigmoid: SigmoidRouting | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of sum_k weight_k * expert_k(x) for every token, tokens routed to
-        each expert [E]) from router logits [T, E]."""
+        each expert [E]) from router logits [T, E]; `sigmoid`: DeepSeek's router instead of the
+        softmax (its choice is torch's on every device; the experts run as for any router)."""
+        if sigmoid is not None:
+            weights, chosen = sigmoid_top_k(router_logits, top_k, renormalize, sigmoid)
+            if self.fuses(experts, hidden):
+                counts = torch.bincount(chosen.reshape(-1), minlength=experts.num_experts)
+                return self.run_fused(experts, hidden, weights, chosen), counts
+            routing = sort_pairs(weights, chosen, experts.num_experts)
+            return self.run_routed(experts, hidden, routing), routing.counts
         if self.fuses(experts, hidden):
             assert self.native is not None, "only the native kernels fuse"
             weights, chosen = self.native.route_top_k(router_logits, top_k, renormalize, softmax_over_top_k)

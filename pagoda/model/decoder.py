@@ -5,7 +5,7 @@ What differs between families is a parameter of the shared blocks, read from Mod
 q/k/v (and o) bias, per-head q/k RMSNorm, per-layer sliding windows, rope scaling and per-layer
 rope bases, tied embeddings, Gemma-style norms ((1 + w) RMSNorms, a norm after attention and two
 around the MLP), an embedding scale, the gate's activation, the attention scale, soft-capped
-attention scores and logits, attention sinks (one learned logit per head, a parameter of the
+attention scores and logits, partial rotary, attention sinks (one learned logit per head, a parameter of the
 attention backend), and which layers have a `SparseMoE` block (pagoda.model.moe) in place of
 the dense MLP. q/k/v and gate/up are fused into single matmuls; the loader splits checkpoints'
 tensors into them (or takes already fused ones as they are). A family whose layers differ from
@@ -25,6 +25,7 @@ from pagoda.kernels import Kernels
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.classifier import ClassifierHead
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.mla import LatentAttention
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
@@ -40,7 +41,8 @@ class ForwardContext:
 
     backend: AttentionBackend
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (key_cache, value_cache); None: other stages
+    # per layer (key_cache, value_cache), a latent attention layer's (latents, rope keys); None: other stages
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class Attention(nn.Module):
@@ -62,6 +64,7 @@ class Attention(nn.Module):
         self.num_heads = heads.num_heads
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim  # partial rotary (GLM-4.5): the first dims of each head
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         full_q = config.num_heads * config.head_dim
@@ -119,17 +122,28 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         if self.q_norm is None or self.k_norm is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
-            qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            qk = self.rotate(
+                qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), rope, rotary
+            )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = rotary(q, *rope), rotary(k, *rope)
+            q, k = self.rotate(q, rope, rotary), self.rotate(k, rope, rotary)
         caches = context.kv_caches[self.layer_index]
         assert caches is not None, "a stage allocates the caches of every layer it runs"
         key_cache, value_cache = caches
         out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index], self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rotate(
+        self, heads: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        """heads [T, N, D] rotated, all dims or the first `rotary_dim` (the rest passed through)."""
+        if self.rotary_dim == self.head_dim:
+            return rotary(heads, *rope)
+        rotated = rotary(heads[..., : self.rotary_dim].contiguous(), *rope)
+        return torch.cat([rotated, heads[..., self.rotary_dim :]], dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -146,7 +160,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        attention = Attention if config.mla is None else LatentAttention  # latent: pagoda.model.mla
+        self.self_attn = attention(config, layer_index, dtype, device, weight_format, tp, kernels)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
@@ -297,7 +312,7 @@ class DecoderModel(nn.Module):
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(
-                config.head_dim,
+                config.rotary_dim,
                 config.max_position_embeddings,
                 theta,
                 scaling,

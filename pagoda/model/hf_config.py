@@ -73,6 +73,7 @@ class HFConfig:
         default_sliding_rope_theta: float | None = None,
         moe: Callable[[HFConfig, int], MoEConfig | None] | None = None,
         attention_sinks: bool = False,
+        partial_rotary: bool = False,
     ) -> ModelConfig:
         """The ModelConfig of a decoder with these family traits. qkv_bias / o_bias None: the
         config's `attention_bias`; tie_word_embeddings: the default when the config names none;
@@ -98,9 +99,10 @@ class HFConfig:
         rope_scaling = self._rope_scaling(rope)
         if self.require_supported and config.get("use_bidirectional_attention"):
             raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
-        if self.require_supported and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        partial_rotary_factor = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
+        if self.require_supported and partial_rotary_factor != 1.0 and not partial_rotary:
             raise ValueError(
-                f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                f"{source}: partial_rotary_factor {partial_rotary_factor} is not supported "
                 "(rope over the whole head only)"
             )
         hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
@@ -140,6 +142,7 @@ class HFConfig:
             sliding_rope_scaling=sliding_rope_scaling,
             moe=None if moe is None else moe(self, num_layers),
             attention_sinks=attention_sinks,
+            partial_rotary_factor=partial_rotary_factor if partial_rotary else 1.0,
         )
 
     def _layer_type_ropes(

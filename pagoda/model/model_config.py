@@ -12,8 +12,9 @@ from typing import Any
 
 from pagoda.model import families
 from pagoda.model.classifier_config import ClassifierConfig, read_classifier
+from pagoda.model.mla_config import MLAConfig
 from pagoda.model.moe_config import MoEConfig
-from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
+from pagoda.quant.storage_bytes import kv_cache_bytes_per_token, latent_kv_bytes_per_token
 
 
 @dataclass
@@ -60,6 +61,11 @@ class ModelConfig:
     # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
+    # Multi-head latent attention (pagoda.model.mla): each token caches one latent and one rope
+    # key per layer, shared by every head; head_dim is then the rope dims (transformers' choice).
+    mla: MLAConfig | None = None
+    # The share of each head's dims the rope rotates, the first ones (GLM-4.5: 0.5); 1: all.
+    partial_rotary_factor: float = 1.0
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -80,9 +86,24 @@ class ModelConfig:
     ) -> int:
         """KV cache bytes per token: the model dtype's `bytes_per_element` each ("auto"), or a
         quantized `kv_cache_dtype` with its per-vector scales; num_kv_heads: a what-if other than
-        the model's. The one formula behind the engine's pool sizing and `pagoda plan`."""
+        the model's. The one formula behind the engine's pool sizing and `pagoda plan`. A latent
+        attention model's is its latents' and rope keys' size, whatever the heads."""
+        if self.mla is not None:
+            latent_dim, rope_dim = self.mla.cache_dims
+            return latent_kv_bytes_per_token(self.num_layers, latent_dim, rope_dim, kv_cache_dtype, bytes_per_element)
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head the rope rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        """The last dimension of a layer's two cache tensors per cached head: (key, value), or a
+        latent attention model's (latent, rope key) of its one cached "head"."""
+        return (self.head_dim, self.head_dim) if self.mla is None else self.mla.cache_dims
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""A mixture-of-experts block: router, experts, and (Qwen2-MoE) a shared expert.
+"""A mixture-of-experts block: router, experts, and (Qwen2-MoE, DeepSeek-V3) a shared expert.
 
 Experts are a layer like `Linear`: each expert is a gated MLP whose projections are `Linear`s,
 so they are stored and multiplied in whatever weight format the model's other projections use
@@ -9,7 +9,9 @@ kernels' `moe` (pagoda.kernels.moe), which picks its implementation per device.
 
 Compute therefore scales with the active experts' parameters, not all of them. gpt-oss's
 experts add biases and gate with a clamped SwiGLU (pagoda.model.mlp.GatedActivation); its
-router has a bias. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
+router has a bias. DeepSeek-V3's router scores with a sigmoid and steers its choice with a learned
+correction bias within groups of experts (pagoda.kernels.moe.SigmoidRouting), and its shared
+expert is added ungated. Parallelism (see pagoda.model.parallel.ExpertPlacement): a rank computes the
 experts it holds (each whole, or its shard of every expert) for all tokens and the partial
 outputs meet in one all-reduce.
 """
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import Kernels
+from pagoda.kernels.moe import SigmoidRouting
 from pagoda.model.layers import Linear
 from pagoda.model.mlp import MLP, GatedActivation
 from pagoda.model.model_config import ModelConfig
@@ -175,7 +178,14 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.softmax_over_top_k = moe.softmax_over_top_k
+        self.moe_config = moe
         self.tp = tp
+        # DeepSeek's router: the bias that steers the choice (float32, as transformers keeps it).
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.sigmoid_routing:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(moe.num_experts, dtype=torch.float32, device=device), requires_grad=False
+            )
         # The router stays full precision, in the layout the model's weights take (native too).
         self.gate = Linear(
             hidden,
@@ -215,7 +225,8 @@ class SparseMoE(nn.Module):
                 kernels,
                 reduce=False,
             )
-            self.shared_expert_gate = Linear(hidden, 1, False, dtype, device, kernels=kernels)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden, 1, False, dtype, device, kernels=kernels)
         # Tokens routed to each expert since the last `take_expert_counts` (None: not counted).
         self.expert_counts: torch.Tensor | None = None
 
@@ -233,13 +244,29 @@ class SparseMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)
         out, counts = self.kernels.moe(
-            self.experts, hidden, router_logits, self.top_k, self.renormalize, self.softmax_over_top_k
+            self.experts,
+            hidden,
+            router_logits,
+            self.top_k,
+            self.renormalize,
+            self.softmax_over_top_k,
+            self.sigmoid_routing(),
         )
         if self.expert_counts is not None:
             self.expert_counts += counts.to(self.expert_counts.device)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:  # built together
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
+
+    def sigmoid_routing(self) -> SigmoidRouting | None:
+        """DeepSeek's router over this block's correction bias (None: the softmax router)."""
+        if self.e_score_correction_bias is None:
+            return None
+        moe = self.moe_config
+        return SigmoidRouting(self.e_score_correction_bias, moe.num_groups, moe.top_k_groups, moe.routed_scaling_factor)
 
 
 def _bias(layer: Linear) -> torch.Tensor:

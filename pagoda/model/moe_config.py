@@ -26,6 +26,16 @@ class MoEConfig:
     # with g = gate clamped above at `swiglu_limit` (None: the model's plain gated activation).
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # DeepSeek-V3 / GLM-4.5 (pagoda.kernels.moe.SigmoidRouting): sigmoid scores, the choice
+    # steered by a learned correction bias (`e_score_correction_bias`) within the `top_k_groups`
+    # best of `num_groups` groups of experts, the chosen weights multiplied by `routed_scaling_factor`.
+    sigmoid_routing: bool = False
+    num_groups: int = 1
+    top_k_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # The shared expert's output scaled by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE); False:
+    # added as it is (DeepSeek's shared experts).
+    shared_expert_gated: bool = True
 
     @property
     def num_sparse_layers(self) -> int:

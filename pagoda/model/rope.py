@@ -51,6 +51,15 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
+def yarn_attention_mscale(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's softmax scale factor under a scaled rope: mscale(factor, mscale_all_dim), which
+    multiplies the softmax scale twice (transformers' yarn_apply_mscale); 1 without it."""
+    if scaling is None or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
     factor = float(scaling["factor"])

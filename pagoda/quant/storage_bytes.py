@@ -55,6 +55,18 @@ def kv_cache_bytes_per_token(
     return int(num_layers * 2 * num_kv_heads * kv_entry_bytes(head_dim, kv_cache_dtype, model_element_bytes))
 
 
+def latent_kv_bytes_per_token(
+    num_layers: int, latent_dim: int, rope_dim: int, kv_cache_dtype: str, model_element_bytes: float
+) -> int:
+    """KV cache bytes one token takes with multi-head latent attention: per layer one latent and
+    one rope key, each a vector of its own (a quantized format scales each apart), shared by
+    every head."""
+    per_layer = kv_entry_bytes(latent_dim, kv_cache_dtype, model_element_bytes) + kv_entry_bytes(
+        rope_dim, kv_cache_dtype, model_element_bytes
+    )
+    return int(num_layers * per_layer)
+
+
 def linear_weight_bytes(
     in_features: int, out_features: int, quantization: str, element_bytes: float, group_size: int = 128
 ) -> float:

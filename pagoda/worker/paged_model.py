@@ -5,7 +5,9 @@ runner and a draft model (spec_decode) hold. Its own module so that a tensor-par
 KV tensors: one key and one value tensor per layer of a KV cache group, [num_blocks,
 block_size, num_kv_heads, head_dim], num_kv_heads being the rank's share with tensor
 parallelism; layer i of every group uses the i-th pair (pagoda.core.kv_cache_groups), so
-without sliding-window release (one group) each layer has its own.
+without sliding-window release (one group) each layer has its own. A latent attention model
+(pagoda.model.mla) holds per layer its latents [num_blocks, block_size, 1, kv_lora_rank] and
+rope keys [..., 1, qk_rope_head_dim] as the pair (ModelConfig.kv_cache_dims).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def allocate_kv_caches(
     kv_format = kv_format or KVCacheFormat("auto", dtype)
     num_kv_heads = model.num_kv_heads  # the rank's heads
     assert isinstance(num_kv_heads, int), "read from the model's attention layers"
-    shape = (num_blocks, block_size, num_kv_heads, kv_format.entry_size(config.head_dim))
+    key_dim, value_dim = config.kv_cache_dims
+    key_shape = (num_blocks, block_size, num_kv_heads, kv_format.entry_size(key_dim))
+    value_shape = (num_blocks, block_size, num_kv_heads, kv_format.entry_size(value_dim))
     storage = kv_format.storage_dtype
     # A pipeline stage allocates only the places its own layers use; other stages' layers get None.
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -51,7 +55,10 @@ def allocate_kv_caches(
         for place, layer in enumerate(group.layers):
             if model.stage.holds_layer(layer):
                 if place not in pairs:
-                    pairs[place] = (zeroed_cache(shape, storage, device), zeroed_cache(shape, storage, device))
+                    pairs[place] = (
+                        zeroed_cache(key_shape, storage, device),
+                        zeroed_cache(value_shape, storage, device),
+                    )
                 caches[layer] = pairs[place]
     return caches
 

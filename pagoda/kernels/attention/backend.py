@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels.attention.latent import LatentProjection
+
 
 @dataclass
 class BatchLayout:
@@ -44,14 +46,41 @@ class AttentionLayerSpec:
     # [num_heads] float32: a logit per query head that joins each softmax's denominator and
     # attends to nothing (attention sinks, as gpt-oss learns them), or None.
     sinks: torch.Tensor | None = None
+    # Multi-head latent attention (pagoda.model.mla): the layer calls `forward_latent`, its caches
+    # hold latents and rope keys (one cached "head" for all `num_heads`).
+    latent: bool = False
 
 
 class AttentionBackend(ABC):
     name: str
+    supports_latent = False  # `forward_latent`: multi-head latent attention over cached latents
 
     def check_layers(self, specs: list[AttentionLayerSpec], model_name: str) -> None:
         """At startup: raise ValueError naming the model if a layer needs what this backend
         cannot compute."""
+        if not self.supports_latent and any(spec.latent for spec in specs):
+            raise ValueError(
+                f"{model_name}: multi-head latent attention runs on the torch attention backend "
+                f"(--attention-backend torch), not {self.name}"
+            )
+
+    def forward_latent(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        metadata: object,
+        spec: AttentionLayerSpec,
+        projection: LatentProjection,
+    ) -> torch.Tensor:
+        """Multi-head latent attention (pagoda.kernels.attention.latent): q_nope [T, H, nope] and
+        q_rope [T, H, rope] (rotated), the new tokens' latents [T, C] and rope keys [T, rope]
+        written at the layout's slots of caches [num_blocks, block_size, 1, C | rope]. Returns
+        [T, H, v]."""
+        raise NotImplementedError(f"the {self.name} attention backend has no latent attention")
 
     @abstractmethod
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> object:

@@ -24,6 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.attention.backend import AttentionBackend, AttentionLayerSpec, BatchLayout
+from pagoda.kernels.attention.latent import (
+    LatentProjection,
+    absorbed_attention,
+    expanded_attention,
+    expanded_decode,
+)
 from pagoda.native import NativeKernels
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
@@ -98,6 +104,7 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_latent = True
 
     def __init__(self, kv_format: KVCacheFormat | None = None, native: NativeKernels | None = None) -> None:
         # None: caches hold the model dtype. A quantized format stores encoded entries
@@ -105,6 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
         self.upcast_half_decode = True  # float32 decode attention for half-precision models on CPU
         self.native = native  # the native CPU kernels: decode-sized requests attend in place
+        # Latent attention decodes with the absorbed projections (False: K/V expanded per step,
+        # the slower form kept as the reference: tests, benchmarks/mla_decode.py).
+        self.absorb_latent_decode = True
+
+    def check_layers(self, specs: list[AttentionLayerSpec], model_name: str) -> None:
+        super().check_layers(specs, model_name)
+        if any(spec.latent for spec in specs):
+            self.native = None  # the native paged kernel reads K/V heads, not latents: SDPA paths only
 
     def prepare(self, layout: BatchLayout, sliding_windows: set[int | None]) -> TorchAttentionMetadata:
         if self.native is None or layout.slot_mapping.device.type != "cpu":
@@ -229,6 +244,53 @@ class TorchAttentionBackend(AttentionBackend):
             v = v.transpose(0, 1).unsqueeze(0)
             out = attend(q, k, v, prefill.masks[spec.sliding_window], spec)
             output[prefill.start : prefill.end] = out.squeeze(0).transpose(0, 1)
+        return output
+
+    def forward_latent(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        metadata: object,
+        spec: AttentionLayerSpec,
+        projection: LatentProjection,
+    ) -> torch.Tensor:
+        """Decodes absorbed (one batched computation per decode group), prefill chunks expanded
+        over their whole context's latents (pagoda.kernels.attention.latent)."""
+        assert isinstance(metadata, TorchAttentionMetadata) and metadata.native is None
+        kv_format = self.kv_format
+        load = kv_format.decode if kv_format is not None else (lambda entries: entries)
+        latent_entry, rope_entry = latent_cache.shape[-1], rope_cache.shape[-1]
+        flat_latents, flat_rope = latent_cache.view(-1, latent_entry), rope_cache.view(-1, rope_entry)
+        flat_latents.index_copy_(0, metadata.slot_mapping, latent if kv_format is None else kv_format.encode(latent))
+        flat_rope.index_copy_(0, metadata.slot_mapping, rope_key if kv_format is None else kv_format.encode(rope_key))
+        output = q_nope.new_empty(q_nope.shape[0], projection.num_heads, projection.v_dim)
+        decode_attention = absorbed_attention if self.absorb_latent_decode else expanded_decode
+        for decode in metadata.decodes:
+            rows = decode.token_index
+            batch = rows.shape[0]
+            latents = load(latent_cache.index_select(0, decode.block_index).view(batch, decode.length, latent_entry))
+            rope_keys = load(rope_cache.index_select(0, decode.block_index).view(batch, decode.length, rope_entry))
+            mask = decode.masks[spec.sliding_window].view(batch, decode.length)
+            output[rows] = decode_attention(
+                q_nope[rows], q_rope[rows], latents, rope_keys, projection, spec.scale, mask
+            )
+        for prefill in metadata.prefills:
+            span = slice(prefill.start, prefill.end)
+            latents = load(latent_cache.index_select(0, prefill.block_index).view(-1, latent_entry)[: prefill.length])
+            rope_keys = load(rope_cache.index_select(0, prefill.block_index).view(-1, rope_entry)[: prefill.length])
+            output[span] = expanded_attention(
+                q_nope[span],
+                q_rope[span],
+                latents,
+                rope_keys,
+                projection,
+                spec.scale,
+                prefill.masks[spec.sliding_window],
+            )
         return output
 
     def _native(

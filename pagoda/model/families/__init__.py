@@ -28,6 +28,8 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
+    "deepseek_v3": (("DeepseekV3ForCausalLM",), (), ("deepseek_v3", "kimi_k2")),
+    "glm4_moe": (("Glm4MoeForCausalLM",), (), ("glm4_moe",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
