@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagoda.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from pagoda.core.kv_cache_groups import KVCacheGroup, first_needed_block
 from pagoda.core.kv_tiers import HostTier, PreemptionPolicy, TierEntry, TransferOp, TransferPlan
+from pagoda.core.state_slots import StateSlots
 from pagoda.request import Request
 
 # What a request's block table entry in the cache names: None once released behind a window.
@@ -52,8 +53,11 @@ class KVCacheManager:
         host_tier: HostTier | None = None,
         preemption: PreemptionPolicy | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.block_size = block_size
+        # A hybrid model's state cache: a slot per sequence, taken and returned with its blocks.
+        self.state_slots = state_slots
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.preemption = preemption or PreemptionPolicy("recompute")
@@ -167,6 +171,8 @@ class KVCacheManager:
         Returns False, changing nothing else, if the pool has too few free blocks; the
         scheduler then preempts someone or leaves the request waiting.
         """
+        if self.state_slots is not None and request.state_slot is None and not self.state_slots.num_free:
+            return False
         state = self._requests.get(request.request_id)
         if state is None:
             state = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
@@ -207,6 +213,8 @@ class KVCacheManager:
             if needed[g]:
                 table.extend(self.pool.allocate(needed[g]))
         request.block_tables = state.block_ids()
+        if self.state_slots is not None and request.state_slot is None:
+            request.state_slot = self.state_slots.allocate()
         return True
 
     def _release_behind_windows(self, request: Request, state: RequestBlocks) -> None:
@@ -260,6 +268,8 @@ class KVCacheManager:
         self.pool.touch(b for table in state.tables for b in table if b is not None)
         self._requests[child.request_id] = state
         child.block_tables = state.block_ids()
+        if self.state_slots is not None and parent.state_slot is not None:
+            child.state_slot = self.state_slots.fork(parent.state_slot)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -292,6 +302,9 @@ class KVCacheManager:
             for table in state.tables:
                 self.pool.free(b for b in reversed(table) if b is not None)
         request.block_tables = []
+        if self.state_slots is not None and request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (KV written for rejected speculative tokens)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_page, pages_per_sequence
+from pagoda.core.state_slots import plan_state_slots
 
 if TYPE_CHECKING:
     from pagoda.model.model_config import ModelConfig
@@ -30,6 +31,9 @@ class KVPoolPlan:
     release_blocker: str | None  # why sliding-window blocks are kept whole (None: released or no windows)
     bytes_per_block: int  # on one rank (or the largest pipeline stage), the draft model's included
     num_blocks: int
+    # A hybrid model's state cache (pagoda.core.state_slots): a slot per sequence, in the same budget.
+    num_state_slots: int = 0
+    bytes_per_state_slot: int = 0
 
 
 def plan_kv_pool(
@@ -51,7 +55,7 @@ def plan_kv_pool(
     # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
     windows = model_config.layer_sliding_windows
     blocker = release_blocker if any(w is not None for w in windows) else None
-    groups = kv_cache_groups(windows, release=blocker is None)
+    groups = kv_cache_groups(windows, release=blocker is None, kv_layers=model_config.kv_layers)
     if blocker is not None:
         logger.info("sliding-window KV blocks are kept whole: %s", blocker)
     # Per rank: each holds its KV heads' slice of every block.
@@ -59,7 +63,8 @@ def plan_kv_pool(
         model_config.kv_bytes_per_token(element_bytes, num_kv_heads, kv_cache_dtype=cache.kv_cache_dtype)
         * cache.block_size
     )
-    bytes_per_block = bytes_per_block * layers_per_page(groups) // model_config.num_layers
+    num_kv_layers = len(model_config.kv_layers)
+    bytes_per_block = bytes_per_block * layers_per_page(groups) // num_kv_layers
     if stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
         bytes_per_block = (
             bytes_per_block * max(stage_layers_per_page(groups, stage) for stage in stages) // layers_per_page(groups)
@@ -68,8 +73,13 @@ def plan_kv_pool(
         bytes_per_block += (
             draft_config.kv_bytes_per_token(element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
         )
-    num_blocks = num_kv_blocks(cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len)
-    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks)
+    num_slots, bytes_per_slot = plan_state_slots(cache, scheduler, model_config, element_bytes)
+    if num_slots:
+        logger.info("state cache: %d sequences fit, %d bytes of linear-attention state each", num_slots, bytes_per_slot)
+    num_blocks = num_kv_blocks(
+        cache, scheduler, groups, num_kv_layers, bytes_per_block, max_model_len, num_slots * bytes_per_slot
+    )
+    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks, num_slots, bytes_per_slot)
 
 
 def num_kv_blocks(
@@ -79,12 +89,13 @@ def num_kv_blocks(
     num_layers: int,
     bytes_per_block: int,
     max_model_len: int,
+    state_bytes: int = 0,
 ) -> int:
-    """--num-kv-blocks, else what --kv-cache-memory holds, at most what the running sequences
-    could ever use."""
+    """--num-kv-blocks, else what --kv-cache-memory holds beside `state_bytes` (a hybrid model's
+    state cache), at most what the running sequences could ever use."""
     if cache.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
         return cache.num_kv_blocks * num_layers // layers_per_page(groups)
-    num_blocks = cache.kv_cache_bytes // bytes_per_block
+    num_blocks = (cache.kv_cache_bytes - state_bytes) // bytes_per_block
     # More than every running sequence at full length could ever use is wasted memory.
     useful = scheduler.max_num_seqs_bound * pages_per_sequence(
         groups, max_model_len, cache.block_size, scheduler.max_num_batched_tokens

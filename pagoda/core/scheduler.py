@@ -50,6 +50,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
     kv_transfers: list = field(default_factory=list)  # KV tier copies (TransferOp), before block_copies
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # a hybrid's forked state slots (src, dst)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -264,6 +265,8 @@ class Scheduler:
         if self.num_micro_batches > 1:
             self._in_flight.update(id(entry.request) for entry in output.scheduled)
         output.block_copies = self.kv_cache.take_pending_copies()
+        if self.kv_cache.state_slots is not None:
+            output.state_copies = self.kv_cache.state_slots.take_pending_copies()
         output.kv_transfers = self.kv_cache.take_transfers()
         now = time.time()
         for entry in output.scheduled:

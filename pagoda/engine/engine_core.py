@@ -132,7 +132,7 @@ class EngineCore:
         )
         self._reset_step_stats()
         self._resolve_max_num_seqs()
-        self._log_ready(stack.model.model.layers[0].self_attn.o_proj.weight_format.name)
+        self._log_ready(stack.model.first_attention.o_proj.weight_format.name)
 
     def _log_ready(self, weights: str) -> None:
         logger.info(

@@ -25,7 +25,9 @@ from torch import nn
 from pagoda.kernels import Kernels
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.classifier import ClassifierHead
+from pagoda.model.gated_delta_net import GatedDeltaNet
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.linear_state import LinearStateBatch
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
@@ -42,6 +44,8 @@ class ForwardContext:
     backend: AttentionBackend
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
     kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (key_cache, value_cache); None: other stages
+    # A hybrid model's linear-attention layers: the step's slots of the state cache.
+    linear_states: LinearStateBatch | None = None
 
 
 class Attention(nn.Module):
@@ -66,14 +70,16 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         full_q = config.num_heads * config.head_dim
+        # Qwen3-Next's output gate: q_proj gives each head its query, then its gate.
+        self.q_width = 2 if config.attention_output_gate else 1
         self.qkv_proj = Linear(
             config.hidden_size,
-            full_q + 2 * config.num_kv_heads * config.head_dim,
+            self.q_width * full_q + 2 * config.num_kv_heads * config.head_dim,
             config.qkv_bias,
             dtype,
             device,
             weight_format,
-            tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads),
+            tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads, self.q_width),
             kernels=kernels,
         )
         self.o_proj = Linear(
@@ -87,7 +93,7 @@ class Attention(nn.Module):
             tp.all_reduce,
             kernels=kernels,
         )
-        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
@@ -116,21 +122,30 @@ class Attention(nn.Module):
         """rope: this step's (cos, sin_rolled) rows from `rotary.tables`, gathered once per step."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        qk_size = self.q_size + self.kv_size
+        q_end = self.q_width * self.q_size
+        qk_size = q_end + self.kv_size
         v = qkv[:, qk_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        if self.q_norm is None or self.k_norm is None:  # both or neither (config.qk_norm)
+        gate = None
+        if self.q_width == 2:  # each head's query, then its gate
+            gated = qkv[:, :q_end].view(num_tokens, self.num_heads, 2, self.head_dim)
+            q, gate = gated[:, :, 0].contiguous(), gated[:, :, 1].reshape(num_tokens, self.q_size)
+        else:
+            q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
+        if (self.q_norm is None or self.k_norm is None) and gate is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
             qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            k = qkv[:, q_end:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(q, *rope), rotary(k, *rope)
         caches = context.kv_caches[self.layer_index]
         assert caches is not None, "a stage allocates the caches of every layer it runs"
         key_cache, value_cache = caches
         out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index], self.spec)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class DecoderLayer(nn.Module):
@@ -145,9 +160,17 @@ class DecoderLayer(nn.Module):
         kernels: Kernels,
     ) -> None:
         super().__init__()
-        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        # A hybrid model's linear-attention layers mix tokens with Gated DeltaNet instead of attention.
+        linear = config.linear_attention
+        self.linear_attn = None
+        if linear is not None and linear.layers[layer_index]:
+            self.linear_attn = GatedDeltaNet(
+                linear, config.hidden_size, config.rms_norm_eps, layer_index, dtype, device, weight_format, tp, kernels
+            )
+        else:
+            self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
@@ -188,7 +211,10 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, rotary, context)
+        if self.linear_attn is not None:
+            hidden = self.linear_attn(hidden, context.linear_states)
+        else:
+            hidden = self.self_attn(hidden, rope, rotary, context)
         if self.gemma_norms:
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual, self.post_attention_layernorm)
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
@@ -253,11 +279,10 @@ class DecoderModel(nn.Module):
             else OtherStageLayer()
             for i in range(config.num_layers)
         )
-        first_layer = self.model.layers[self.stage.first_layer]
-        assert isinstance(first_layer, DecoderLayer), "a stage holds its first layer"
-        self.num_kv_heads = first_layer.self_attn.num_kv_heads
+        attention = self.first_attention
+        self.num_kv_heads = attention.num_kv_heads
         self.model.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
             if self.stage.is_last
             else None
         )
@@ -297,7 +322,7 @@ class DecoderModel(nn.Module):
                 distinct.append(rope)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(
-                config.head_dim,
+                config.rotary_dim,
                 config.max_position_embeddings,
                 theta,
                 scaling,
@@ -309,6 +334,16 @@ class DecoderModel(nn.Module):
             for theta, scaling in distinct
         )
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
+
+    @property
+    def first_attention(self) -> Attention:
+        """This stage's first attention layer (a hybrid model's first layers may be linear ones)."""
+        for index in self.stage.layers:
+            layer = self.model.layers[index]
+            assert isinstance(layer, DecoderLayer), "a stage holds its layers"
+            if layer.linear_attn is None:
+                return layer.self_attn
+        raise ValueError("a pipeline stage of only linear-attention layers is not supported")
 
     def forward(
         self,

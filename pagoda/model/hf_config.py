@@ -73,13 +73,15 @@ class HFConfig:
         default_sliding_rope_theta: float | None = None,
         moe: Callable[[HFConfig, int], MoEConfig | None] | None = None,
         attention_sinks: bool = False,
+        partial_rotary: bool = False,
     ) -> ModelConfig:
         """The ModelConfig of a decoder with these family traits. qkv_bias / o_bias None: the
         config's `attention_bias`; tie_word_embeddings: the default when the config names none;
         scale_embeddings: embeddings multiplied by sqrt(hidden_size); default_rope_theta: where
         the config names no base; default_sliding_rope_theta: the sliding layers' own base where
         the config gives no rope per layer type (None: they use the global rope); moe: reads the
-        experts (None: dense)."""
+        experts (None: dense); partial_rotary: the family rotates part of each head
+        (`partial_rotary_factor`)."""
         config, source = self.values, self.source
         hidden_size = self.required_int("hidden_size")
         num_heads = self.required_int("num_attention_heads")
@@ -98,9 +100,10 @@ class HFConfig:
         rope_scaling = self._rope_scaling(rope)
         if self.require_supported and config.get("use_bidirectional_attention"):
             raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
-        if self.require_supported and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        partial_rotary_factor = float(rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)
+        if self.require_supported and not partial_rotary and partial_rotary_factor != 1.0:
             raise ValueError(
-                f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                f"{source}: partial_rotary_factor {partial_rotary_factor} is not supported "
                 "(rope over the whole head only)"
             )
         hidden_activation = str(config.get("hidden_activation") or config.get("hidden_act") or "silu")
@@ -140,6 +143,7 @@ class HFConfig:
             sliding_rope_scaling=sliding_rope_scaling,
             moe=None if moe is None else moe(self, num_layers),
             attention_sinks=attention_sinks,
+            partial_rotary_factor=partial_rotary_factor if partial_rotary else 1.0,
         )
 
     def _layer_type_ropes(

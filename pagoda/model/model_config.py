@@ -12,6 +12,7 @@ from typing import Any
 
 from pagoda.model import families
 from pagoda.model.classifier_config import ClassifierConfig, read_classifier
+from pagoda.model.linear_attention_config import LinearAttentionConfig
 from pagoda.model.moe_config import MoEConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
@@ -60,6 +61,32 @@ class ModelConfig:
     # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
+    # --- hybrid models (Qwen3-Next, Qwen3.5) ---
+    # Linear-attention layers (pagoda.model.gated_delta_net) in place of attention in some
+    # layers; None: every layer attends and keeps KV.
+    linear_attention: LinearAttentionConfig | None = None
+    # q_proj also yields a gate per head: the attention output is multiplied by its sigmoid.
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0  # the rotation covers the first head_dim * factor features
+    # RMSNorm scales by (1 + w) (Gemma's form) without Gemma's extra norms.
+    zero_centered_norms: bool = False
+    # --- end hybrid models ---
+
+    @property
+    def unit_offset_norms(self) -> bool:
+        """RMSNorms scale by (1 + w): Gemma's and the zero-centered ones."""
+        return self.gemma_norms or self.zero_centered_norms
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head the rotary embedding rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV: all but linear-attention ones."""
+        linear = self.linear_attention
+        return tuple(i for i in range(self.num_layers) if linear is None or not linear.layers[i])
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -82,7 +109,7 @@ class ModelConfig:
         quantized `kv_cache_dtype` with its per-vector scales; num_kv_heads: a what-if other than
         the model's. The one formula behind the engine's pool sizing and `pagoda plan`."""
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
+        return kv_cache_bytes_per_token(len(self.kv_layers), heads, self.head_dim, kv_cache_dtype, bytes_per_element)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

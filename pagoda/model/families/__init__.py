@@ -28,6 +28,9 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
+    "qwen3_next": (("Qwen3NextForCausalLM",), (), ("qwen3_next",)),
+    "qwen3_5": (("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
+    "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.

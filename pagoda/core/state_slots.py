@@ -1,0 +1,83 @@
+"""StateSlots: the slots of a hybrid model's state cache, one per running sequence.
+
+A linear-attention layer's state does not grow with the sequence: each sequence holds one slot
+(its convolution windows and recurrent states in every linear layer, allocated by
+pagoda.worker.state_cache) from admission to its end. The KV cache manager takes a slot when it
+first gives a request blocks and returns it with them (finish, abort, preemption: a preempted
+sequence recomputes from its first token, its state from zeros). A forked sample gets a slot of
+its own holding a copy of its lead's state, copied before the next forward like copy-on-write
+blocks. The engine runs at most as many sequences as there are slots (pagoda.core.kv_plan).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagoda.config import CacheConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from pagoda.model.model_config import ModelConfig
+
+
+class StateSlots:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("a hybrid model's state cache needs at least one slot")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest first
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free state slot: the engine admits no more sequences than slots")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def fork(self, slot: int) -> int:
+        """A new slot for a forked sample, to hold a copy of `slot`'s state."""
+        child = self.allocate()
+        self._pending_copies.append((slot, child))
+        return child
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source slot, destination slot) copies to run before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+
+def plan_state_slots(
+    cache: CacheConfig, scheduler: SchedulerConfig, model_config: ModelConfig, element_bytes: int
+) -> tuple[int, int]:
+    """(slots, bytes per slot) of a hybrid model's state cache, inside the KV budget
+    (--kv-cache-memory): one slot per sequence --max-num-seqs allows, in at most half the budget
+    (the rest holds the attention layers' KV blocks); unset, as many sequences as that half
+    holds, up to its ceiling. (0, 0) for a model without linear-attention layers."""
+    linear = model_config.linear_attention
+    if linear is None:
+        return 0, 0
+    per_slot = linear.state_bytes(element_bytes)
+    if cache.num_kv_blocks is not None:  # a pool given in blocks: the state is counted apart
+        return scheduler.max_num_seqs_bound, per_slot
+    fit = cache.kv_cache_bytes // 2 // per_slot
+    if scheduler.max_num_seqs is not None and scheduler.max_num_seqs > fit:
+        raise ValueError(
+            f"the recurrent state of {scheduler.max_num_seqs} sequences (--max-num-seqs) takes "
+            f"{scheduler.max_num_seqs * per_slot:,} bytes ({per_slot:,} each), more than half of "
+            f"kv_cache_memory {cache.kv_cache_memory}: lower --max-num-seqs or raise --kv-cache-memory"
+        )
+    if fit < 1:
+        raise ValueError(
+            f"kv_cache_memory {cache.kv_cache_memory} cannot hold one sequence's recurrent state "
+            f"({per_slot:,} bytes) in half of it"
+        )
+    return min(scheduler.max_num_seqs_bound, fit), per_slot

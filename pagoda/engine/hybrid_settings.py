@@ -1,0 +1,43 @@
+"""What a hybrid model (linear-attention layers beside attention, pagoda.model.gated_delta_net)
+runs with today, checked before its weights load: each setting that would need its recurrent
+state somewhere it is not yet carried is refused with one line saying so, and prefix caching,
+which would restore the attention layers' KV without the state, is turned off with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagoda.config import EngineConfig
+from pagoda.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> None:
+    """ValueError naming the first setting a hybrid model cannot run with yet."""
+    if model_config.linear_attention is None:
+        return
+    name = model_config.architecture
+    refused = [
+        (bool(config.speculative), "speculative decoding (its state is not rolled back for rejected drafts yet)"),
+        (config.tensor_parallel_size > 1, "tensor parallelism (its linear-attention layers are not sharded yet)"),
+        (config.pipeline_parallel_size > 1, "pipeline parallelism"),
+        (config.kv_offload_memory is not None, "a host KV tier (--kv-offload-memory: the state is not offloaded)"),
+        (config.role != "both", f"a {config.role} engine (the state is not handed off with the KV)"),
+        (config.enable_lora, "LoRA adapters"),
+    ]
+    for applies, what in refused:
+        if applies:
+            raise ValueError(f"{name} is a hybrid (linear-attention) model: {what} is not supported for it yet")
+
+
+def prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the engine caches prefixes: never for a hybrid model yet (a cached prefix would
+    restore the attention layers' KV without the linear layers' state)."""
+    if model_config.linear_attention is None or not config.enable_prefix_caching:
+        return config.enable_prefix_caching
+    logger.info(
+        "prefix caching is off for %s: its linear-attention state is not snapshotted yet", model_config.architecture
+    )
+    return False

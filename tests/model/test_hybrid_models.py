@@ -1,0 +1,136 @@
+"""Hybrid models, linear attention beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text)
+against transformers running the same weights (float32): greedy ids equal and logprobs within
+LOGPROB_TOLERANCE, batched at different lengths, through chunked prefill, under preemption (the
+recomputed sequence's state starts from zeros) and with n > 1 (each sample a copy of its lead's
+state), the state cache empty when the engine is idle; and the settings refused or turned off for
+them.
+
+The tiny checkpoints (tests/model_factory.py): Gated DeltaNet in layers 0-2, two key heads
+serving four value heads; gated attention with q/k norms and a half-head rotary in layer 3;
+Qwen3-Next with top-2 of 4 experts and a shared expert (layer 1 dense), Qwen3.5-MoE with them
+in every layer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_helpers import assert_idle
+from engine_helpers import prompts_for as engine_prompts
+from model_factory import HYBRID_ARCHITECTURES, assert_matches_reference, build_model, hf_references
+from pagoda import LLM, SamplingParams
+from pagoda.model.model_config import ModelConfig
+from server_utils import start_server
+
+NEW_TOKENS = 12
+# float32 rounding only (the outputs agree to about 5e-6 here).
+LOGPROB_TOLERANCE = 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+SETTINGS = {
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(block_size=4, num_kv_blocks=30, max_num_batched_tokens=32),
+}
+
+
+def prompts_for(vocab_size: int) -> list[list[int]]:
+    # 70 tokens: past one 64-token chunk of the delta rule
+    return engine_prompts(vocab_size, (3, 11, 40, 70), shared_length=12, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid_models")
+    return {arch: build_model(root / arch, arch) for arch in HYBRID_ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def expected(hybrid_dirs: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]]:
+    return {arch: hf_references(directory, prompts_for, NEW_TOKENS) for arch, directory in hybrid_dirs.items()}
+
+
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_greedy_and_logprobs_match_transformers(hybrid_dirs, expected, architecture: str) -> None:
+    prompts, references = expected[architecture]
+    llm = LLM(model=str(hybrid_dirs[architecture]))
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    parallel = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=3)
+    assert_matches_reference(llm.generate(prompts, parallel), references, LOGPROB_TOLERANCE)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_engine_features_keep_transformers_outputs(hybrid_dirs, expected, architecture: str, setting: str) -> None:
+    prompts, references = expected[architecture]
+    llm = LLM(model=str(hybrid_dirs[architecture]), **SETTINGS[setting])
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    if setting == "preemption":
+        assert llm.engine.get_stats().num_preemptions > 0
+    assert_idle(llm)
+
+
+def test_configs_place_linear_and_attention_layers(hybrid_dirs) -> None:
+    config = ModelConfig.from_dir(hybrid_dirs["qwen3_next"])
+    linear = config.linear_attention
+    assert linear is not None and linear.layers == (True, True, True, False)
+    assert (linear.num_key_heads, linear.num_value_heads, linear.conv_dim) == (2, 4, 2 * 32 + 32)
+    assert config.kv_layers == (3,) and config.rotary_dim == 8
+    assert config.attention_output_gate and config.zero_centered_norms and not config.gemma_norms
+    assert config.moe is not None and config.moe.sparse_layers == (True, False, True, True)
+    moe = ModelConfig.from_dir(hybrid_dirs["qwen3_5_moe"])
+    assert moe.moe is not None and moe.moe.renormalize and all(moe.moe.sparse_layers)
+    assert moe.linear_attention is not None and moe.linear_attention.projection == "separate"
+
+
+def test_prefix_caching_is_turned_off_with_one_line(hybrid_dirs, expected, caplog) -> None:
+    prompts, references = expected["qwen3_5"]
+    with caplog.at_level(logging.INFO):
+        llm = LLM(model=str(hybrid_dirs["qwen3_5"]), enable_prefix_caching=True)
+    assert "prefix caching is off for Qwen3_5ForCausalLM" in caplog.text
+    for _ in range(2):
+        assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    assert llm.engine.get_stats().prefix_cache_hits == 0
+
+
+def test_the_state_cache_bounds_the_sequences(hybrid_dirs) -> None:
+    llm = LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB")
+    slots = llm.engine.core.kv_cache.state_slots
+    # 3 layers x (96 channels x 3 window floats + 4 x 16 x 8 state floats) = 9600 bytes a sequence
+    assert slots is not None and slots.num_slots == (1 << 20) // 2 // 9600
+    assert llm.engine.core.scheduler.max_num_seqs <= slots.num_slots
+    with pytest.raises(ValueError, match=r"recurrent state of 200 sequences \(--max-num-seqs\)"):
+        LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", max_num_seqs=200)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (dict(speculative="ngram"), "speculative decoding"),
+        (dict(tensor_parallel_size=2), "tensor parallelism"),
+    ],
+)
+def test_unsupported_settings_are_refused_with_one_line(hybrid_dirs, setting, message: str) -> None:
+    with pytest.raises(ValueError, match=f"Qwen3NextForCausalLM is a hybrid .*: {message}"):
+        LLM(model=str(hybrid_dirs["qwen3_next"]), **setting)
+
+
+def test_server_answers_with_the_offline_completion(hybrid_dirs) -> None:
+    directory = hybrid_dirs["qwen3_next"]
+    prompt = "def fibonacci(n):"
+    offline = LLM(model=str(directory)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    live = start_server(directory)
+    try:
+        response = httpx.post(
+            live.base_url + "/completions",
+            timeout=30,
+            json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == offline[0].outputs[0].text
+    finally:
+        live.stop()
