@@ -132,6 +132,10 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_moe_layers: int = 0
+    # Hybrid models: layers of linear attention (no KV, a fixed state per sequence), and that
+    # state's elements per sequence: (convolution windows in the model dtype, recurrent states in float32).
+    num_linear_layers: int = 0
+    linear_state_elements: tuple[int, int] = (0, 0)
 
     @property
     def is_mha(self) -> bool:
@@ -158,6 +162,7 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
+            **_linear_state(config),
             **(
                 {}
                 if config.moe is None
@@ -181,6 +186,19 @@ class ModelShape:
             * self.hidden_size
             * self.moe_intermediate_size
         )
+
+
+def _linear_state(config: ModelConfig) -> dict[str, Any]:
+    """A hybrid model's ModelShape fields (none for a model that attends in every layer)."""
+    linear = config.linear_attention
+    if linear is None:
+        return {}
+    n = linear.num_linear_layers
+    recurrent = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+    return dict(
+        num_linear_layers=n,
+        linear_state_elements=(n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent),
+    )
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -391,6 +409,8 @@ class Plan:
     stages: list[StageMemory] = field(default_factory=list)
     stage_pool_blocks: int = 0
     stage_full_context_seqs: int = 0
+    # A hybrid model's linear-attention state, per sequence, held in the KV memory beside its blocks.
+    state_bytes_per_sequence: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -401,7 +421,11 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | Non
     worksheet KV dtype."""
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     return kv_cache_bytes_per_token(
-        shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype], DTYPE_BYTES[kv_dtype]
+        shape.num_layers - shape.num_linear_layers,
+        heads,
+        shape.head_dim,
+        KV_CACHE_DTYPE_OF[kv_dtype],
+        DTYPE_BYTES[kv_dtype],
     )
 
 
@@ -559,6 +583,13 @@ def build_plan(
     needs_p50 = [row.memory_needed_p50 for row in class_rows if row.memory_needed_p50 is not None]
     needs_p95 = [row.memory_needed_p95 for row in class_rows if row.memory_needed_p95 is not None]
     blocks_per_seq = blocks_for(context, block_size)
+    windows_elements, recurrent_elements = shape.linear_state_elements
+    state_bytes = int(
+        windows_elements * (2 if dtype in ("int8", "int4") else DTYPE_BYTES[dtype]) + recurrent_elements * 4
+    )
+    full_context_seqs = base.full_context_seqs
+    if state_bytes:  # each sequence also holds its state, whatever its length
+        full_context_seqs = min(full_context_seqs, base.kv_memory_bytes // (blocks_per_seq * block_bytes + state_bytes))
     return Plan(
         model=model,
         params=params.total,
@@ -577,7 +608,7 @@ def build_plan(
         kv_bytes_per_sequence=blocks_per_seq * block_bytes,
         blocks_per_sequence=blocks_per_seq,
         num_blocks=base.num_blocks,
-        full_context_seqs=base.full_context_seqs,
+        full_context_seqs=full_context_seqs,
         classes=class_rows,
         classes_total_memory_p50=sum(needs_p50) if needs_p50 else None,
         classes_total_memory_p95=sum(needs_p95) if needs_p95 else None,
@@ -601,6 +632,7 @@ def build_plan(
         stages=stages,
         stage_pool_blocks=stage_pool_blocks,
         stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
+        state_bytes_per_sequence=state_bytes,
     )
 
 
@@ -814,13 +846,22 @@ def render_plan(plan: Plan) -> str:
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
-        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers']} layers x 2 x "
+        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers'] - s['num_linear_layers']} layers x 2 x "
         f"{s['num_kv_heads']} KV heads x {_kv_vector(plan.kv_dtype, s['head_dim'])})",
         f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
         f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "
         f"({plan.blocks_per_sequence} blocks)",
         f"KV blocks        {plan.num_blocks:,} ({plan.num_blocks * plan.block_size:,} tokens)",
         *_sliding_window_lines(s),
+        *(
+            [
+                f"state per seq    {fmt_bytes(plan.state_bytes_per_sequence)} ({s['num_linear_layers']} "
+                f"linear-attention layers keep no KV: a convolution window and a recurrent state each, "
+                f"whatever the length; counted below)"
+            ]
+            if plan.state_bytes_per_sequence
+            else []
+        ),
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
         "",
     ]

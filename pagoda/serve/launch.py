@@ -291,6 +291,21 @@ def kv_pool_line(config: EngineConfig, model_config: ModelConfig, blocks: int, m
     )
 
 
+def state_cache_line(config: EngineConfig, model_config: ModelConfig, element_bytes: int) -> str | None:
+    """A hybrid model's state cache (pagoda.core.state_slots): how many sequences fit; None for others."""
+    from pagoda.core.state_slots import plan_state_slots
+
+    slots, per_slot = plan_state_slots(config.cache, config.scheduler, model_config, element_bytes)
+    if not slots:
+        return None
+    linear = model_config.linear_attention
+    assert linear is not None  # slots are planned for linear-attention layers only
+    return (
+        f"{slots} sequences fit ({per_slot:,} bytes each: {linear.num_linear_layers} linear-attention layers' "
+        f"state, in the KV budget); prefix caching off"
+    )
+
+
 def startup_banner(
     config: EngineConfig, deployment: DeploymentConfig, settings: ServerSettings, llm: EngineClient
 ) -> str:
@@ -302,7 +317,9 @@ def startup_banner(
 
     model_config = load_model_config(config.model)  # a directory or a GGUF file
     device = resolve_device(config.device)
-    dtype = str(resolve_dtype(config.dtype, model_config.config_dtype, device)).removeprefix("torch.")
+    torch_dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
+    dtype = str(torch_dtype).removeprefix("torch.")
+    state_line = state_cache_line(config, model_config, torch_dtype.itemsize)
     stats = llm.get_stats()
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0
@@ -311,7 +328,7 @@ def startup_banner(
         name
         for name, on in (
             (native_kernels or "", native_kernels is not None),
-            ("prefix caching", config.enable_prefix_caching),
+            ("prefix caching", config.enable_prefix_caching and model_config.linear_attention is None),
             ("chunked prefill", config.enable_chunked_prefill),
             (f"speculative decoding ({config.speculative})", bool(config.speculative)),
             (f"scheduling {config.scheduling_policy}", config.scheduling_policy != "fcfs"),
@@ -358,6 +375,7 @@ def startup_banner(
             ),
             f"  context    {max_model_len} tokens",
             f"  KV pool    {kv_pool_line(config, model_config, blocks, max_model_len)}",
+            *([f"  state      {state_line}"] if state_line else []),
             f"  max seqs   {max_num_seqs_line(llm)}",
             f"  features   {', '.join(features) or 'none'}",
             f"  listening  http://{settings.host}:{settings.port}/v1 "

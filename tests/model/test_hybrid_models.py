@@ -134,3 +134,17 @@ def test_server_answers_with_the_offline_completion(hybrid_dirs) -> None:
         assert response.json()["choices"][0]["text"] == offline[0].outputs[0].text
     finally:
         live.stop()
+
+
+def test_plan_and_banner_count_the_state(hybrid_dirs) -> None:
+    from pagoda.config import EngineConfig
+    from pagoda.plan import ModelShape, kv_bytes_per_token
+    from pagoda.serve.launch import state_cache_line
+
+    config = ModelConfig.from_dir(hybrid_dirs["qwen3_5"])
+    shape = ModelShape.from_model_config(config)
+    # one attention layer keeps KV: 2 (K and V) x 2 heads x 16 x 4 bytes
+    assert kv_bytes_per_token(shape, "fp32") == 256 == config.kv_bytes_per_token(4)
+    assert shape.num_linear_layers == 3 and shape.linear_state_elements == (3 * 96 * 3, 3 * 4 * 16 * 8)
+    line = state_cache_line(EngineConfig(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB"), config, 4)
+    assert line is not None and line.startswith(f"{(1 << 20) // 2 // 9600} sequences fit (9,600 bytes each")
