@@ -162,7 +162,8 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
-            **_linear_state(config),
+            num_linear_layers=config.linear_attention.num_linear_layers if config.linear_attention else 0,
+            linear_state_elements=_linear_state_elements(config),
             **(
                 {}
                 if config.moe is None
@@ -188,17 +189,15 @@ class ModelShape:
         )
 
 
-def _linear_state(config: ModelConfig) -> dict[str, Any]:
-    """A hybrid model's ModelShape fields (none for a model that attends in every layer)."""
+def _linear_state_elements(config: ModelConfig) -> tuple[int, int]:
+    """A hybrid model's state per sequence: (window elements, recurrent elements) over its
+    linear-attention layers; (0, 0) for a model that attends in every layer."""
     linear = config.linear_attention
     if linear is None:
-        return {}
+        return 0, 0
     n = linear.num_linear_layers
     recurrent = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
-    return dict(
-        num_linear_layers=n,
-        linear_state_elements=(n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent),
-    )
+    return n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
