@@ -196,7 +196,9 @@ def _linear_state_elements(config: ModelConfig) -> tuple[int, int]:
     if linear is None:
         return 0, 0
     n = linear.num_linear_layers
-    recurrent = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+    recurrent = 1
+    for size in linear.recurrent_shape:
+        recurrent *= size
     return n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent
 
 
@@ -855,7 +857,7 @@ def render_plan(plan: Plan) -> str:
         *(
             [
                 f"state per seq    {fmt_bytes(plan.state_bytes_per_sequence)} ({s['num_linear_layers']} "
-                f"linear-attention layers keep no KV: a convolution window and a recurrent state each, "
+                f"recurrent layers keep no KV: a convolution window and a recurrent state each, "
                 f"whatever the length; counted below)"
             ]
             if plan.state_bytes_per_sequence

@@ -202,6 +202,32 @@ TINY_MODELS: dict[str, TinyModel] = {
             _HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
         ),
     ),
+    # Mamba2 in layers 0, 1 and 3 (4 heads of 32 channels, 2 groups, a 16-token state), attention
+    # without rotary in layer 2; Granite's multipliers; top-2 of 4 experts and the shared MLP.
+    "granitemoehybrid": TinyModel(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        "hybrid",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["mamba", "mamba", "attention", "mamba"],
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+            position_embedding_type="nope",
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),

@@ -75,7 +75,7 @@ def plan_kv_pool(
         )
     num_slots, bytes_per_slot = plan_state_slots(cache, scheduler, model_config, element_bytes)
     if num_slots:
-        logger.info("state cache: %d sequences fit, %d bytes of linear-attention state each", num_slots, bytes_per_slot)
+        logger.info("state cache: %d sequences fit, %d bytes of recurrent-layer state each", num_slots, bytes_per_slot)
     num_blocks = num_kv_blocks(
         cache, scheduler, groups, num_kv_layers, bytes_per_block, max_model_len, num_slots * bytes_per_slot
     )

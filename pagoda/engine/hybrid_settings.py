@@ -1,7 +1,8 @@
-"""What a hybrid model (linear-attention layers beside attention, pagoda.model.gated_delta_net)
-runs with today, checked before its weights load: each setting that would need its recurrent
-state somewhere it is not yet carried is refused with one line saying so, and prefix caching,
-which would restore the attention layers' KV without the state, is turned off with one log line.
+"""What a hybrid model (recurrent layers beside attention: pagoda.model.gated_delta_net,
+pagoda.model.mamba2) runs with today, checked before its weights load: each setting that would
+need its recurrent state somewhere it is not yet carried is refused with one line saying so, and
+prefix caching, which would restore the attention layers' KV without the state, is turned off
+with one log line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> No
     name = model_config.architecture
     refused = [
         (bool(config.speculative), "speculative decoding (its state is not rolled back for rejected drafts yet)"),
-        (config.tensor_parallel_size > 1, "tensor parallelism (its linear-attention layers are not sharded yet)"),
+        (config.tensor_parallel_size > 1, "tensor parallelism (its recurrent layers are not sharded yet)"),
         (config.pipeline_parallel_size > 1, "pipeline parallelism"),
         (config.kv_offload_memory is not None, "a host KV tier (--kv-offload-memory: the state is not offloaded)"),
         (config.role != "both", f"a {config.role} engine (the state is not handed off with the KV)"),
@@ -29,7 +30,9 @@ def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> No
     ]
     for applies, what in refused:
         if applies:
-            raise ValueError(f"{name} is a hybrid (linear-attention) model: {what} is not supported for it yet")
+            raise ValueError(
+                f"{name} is a hybrid model (recurrent layers beside attention): {what} is not supported for it yet"
+            )
 
 
 def prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
@@ -38,6 +41,6 @@ def prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
     if model_config.linear_attention is None or not config.enable_prefix_caching:
         return config.enable_prefix_caching
     logger.info(
-        "prefix caching is off for %s: its linear-attention state is not snapshotted yet", model_config.architecture
+        "prefix caching is off for %s: its recurrent layers' state is not snapshotted yet", model_config.architecture
     )
     return False

@@ -26,6 +26,7 @@ from pagoda.kernels.lora_delta import add_lora_delta
 from pagoda.kernels.moe import MoEKernels
 from pagoda.kernels.norm import NativeNorm, TorchNorm
 from pagoda.kernels.rotary import NativeRotary, TorchRotary
+from pagoda.kernels.ssd import TorchSSD
 from pagoda.native import NativeKernels, resolve_native_kernels, version_line
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
@@ -50,9 +51,11 @@ class Kernels:
             self.linear = TritonLinear(_triton_module("weight_matmul")) if on_cuda else TorchLinear()
             self.norm = TorchNorm()
             self.rotary = TorchRotary()
-        # Linear-attention layers (Gated DeltaNet): the chunked and single-step gated delta rule
-        # and the short causal convolution, PyTorch's on every device so far.
+        # Linear-attention and state-space layers (Gated DeltaNet, Mamba2): the chunked and
+        # single-step gated delta rule and SSD scan, and the short causal convolution, PyTorch's
+        # on every device so far.
         self.delta_rule = TorchDeltaRule()
+        self.ssd = TorchSSD()
         self.causal_conv = TorchCausalConv()
         self.moe = MoEKernels(self.device, native, _triton_module("fused_moe") if on_cuda else None)
         lora = _triton_module("lora_delta") if on_cuda else None

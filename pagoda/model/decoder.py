@@ -27,7 +27,9 @@ from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.classifier import ClassifierHead
 from pagoda.model.gated_delta_net import GatedDeltaNet
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.linear_attention_config import LinearAttentionConfig, Mamba2Config
 from pagoda.model.linear_state import LinearStateBatch
+from pagoda.model.mamba2 import Mamba2Mixer
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
@@ -97,6 +99,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.rotates = not config.no_rope  # Granite 4.0-H's attention has no positional rotation
         self.sinks = None
         if config.attention_sinks:  # this rank's heads' sinks; the loader takes them via `shard`
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
@@ -133,13 +136,16 @@ class Attention(nn.Module):
             q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         if (self.q_norm is None or self.k_norm is None) and gate is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
-            qk = rotary(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.rotates:
+                qk = rotary(qk, *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
             k = qkv[:, q_end:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotary(q, *rope), rotary(k, *rope)
+            if self.rotates:
+                q, k = rotary(q, *rope), rotary(k, *rope)
         caches = context.kv_caches[self.layer_index]
         assert caches is not None, "a stage allocates the caches of every layer it runs"
         key_cache, value_cache = caches
@@ -162,15 +168,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        # A hybrid model's linear-attention layers mix tokens with Gated DeltaNet instead of attention.
-        linear = config.linear_attention
-        self.linear_attn = None
-        if linear is not None and linear.layers[layer_index]:
-            self.linear_attn = GatedDeltaNet(
-                linear, config.hidden_size, config.rms_norm_eps, layer_index, dtype, device, weight_format, tp, kernels
-            )
+        # A hybrid model's recurrent layers mix tokens with Gated DeltaNet or Mamba2 instead of attention.
+        recurrent = config.linear_attention
+        self.linear_attn: GatedDeltaNet | None = None
+        self.mamba: Mamba2Mixer | None = None
+        mixer_args = (config.hidden_size, config.rms_norm_eps, layer_index, dtype, device, weight_format, tp, kernels)
+        if isinstance(recurrent, LinearAttentionConfig) and recurrent.layers[layer_index]:
+            self.linear_attn = GatedDeltaNet(recurrent, *mixer_args)
+        elif isinstance(recurrent, Mamba2Config) and recurrent.layers[layer_index]:
+            self.mamba = Mamba2Mixer(recurrent, *mixer_args)
         else:
             self.self_attn = Attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        self.residual_multiplier = config.residual_multiplier
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
@@ -213,13 +222,19 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         if self.linear_attn is not None:
             hidden = self.linear_attn(hidden, context.linear_states)
+        elif self.mamba is not None:
+            hidden = self.mamba(hidden, context.linear_states)
         else:
             hidden = self.self_attn(hidden, rope, rotary, context)
+        scale = self.residual_multiplier
+        if scale is not None:  # Granite: each block's output scaled before the residual add
+            hidden = hidden * scale
         if self.gemma_norms:
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual, self.post_attention_layernorm)
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        out = self.mlp(hidden)
+        return (out if scale is None else out * scale), residual
 
 
 class DecoderStack(nn.Module):
@@ -341,7 +356,7 @@ class DecoderModel(nn.Module):
         for index in self.stage.layers:
             layer = self.model.layers[index]
             assert isinstance(layer, DecoderLayer), "a stage holds its layers"
-            if layer.linear_attn is None:
+            if layer.linear_attn is None and layer.mamba is None:
                 return layer.self_attn
         raise ValueError("a pipeline stage of only linear-attention layers is not supported")
 
@@ -382,6 +397,8 @@ class DecoderModel(nn.Module):
         else:
             logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
         logits = self.tp.gather_logits(logits, self.config.vocab_size)
+        if self.config.logits_divisor is not None:  # Granite's logits_scaling
+            logits = logits / self.config.logits_divisor
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

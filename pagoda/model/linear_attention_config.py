@@ -1,7 +1,7 @@
-"""LinearAttentionConfig: the shape of a hybrid model's linear-attention layers (Gated DeltaNet,
-pagoda.model.gated_delta_net), which of its layers they are, and the state one sequence keeps
-in each: a short convolution's window and the delta rule's recurrent state, fixed in size
-whatever the sequence's length (pagoda.core.state_slots holds them)."""
+"""The shape of a hybrid model's recurrent layers, which of its layers they are, and the state one
+sequence keeps in each: a short convolution's window and a recurrent state, fixed in size
+whatever the sequence's length (pagoda.core.state_slots holds them). `LinearAttentionConfig`:
+Gated DeltaNet (pagoda.model.gated_delta_net); `Mamba2Config`: Mamba2 (pagoda.model.mamba2)."""
 
 from __future__ import annotations
 
@@ -40,19 +40,68 @@ class LinearAttentionConfig:
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        """One sequence's delta-rule state in one layer: [Hv, Dk, Dv]."""
+        return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+    @property
     def num_linear_layers(self) -> int:
         return sum(self.layers)
 
-    def state_bytes_per_layer(self, element_bytes: int) -> int:
-        """One sequence's state in one layer: the convolution window (model dtype) and the
-        recurrent state (float32)."""
-        window = self.conv_dim * (self.conv_kernel_size - 1) * element_bytes
-        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * RECURRENT_STATE_BYTES
-        return window + recurrent
-
     def state_bytes(self, element_bytes: int) -> int:
         """One sequence's state over every linear-attention layer."""
-        return self.num_linear_layers * self.state_bytes_per_layer(element_bytes)
+        return state_bytes(self, element_bytes)
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 layers (Granite 4.0-H): `intermediate_size` = num_heads * head_dim channels, the
+    SSM state of `state_size` per head, B and C shared by the heads of each of `num_groups`."""
+
+    layers: tuple[bool, ...]  # per layer: Mamba2 (True) or attention (False)
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel_size: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: x, B and C side by side."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        """One sequence's SSM state in one layer: [H, P, N]."""
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.layers)
+
+    def state_bytes(self, element_bytes: int) -> int:
+        return state_bytes(self, element_bytes)
+
+
+RecurrentLayers = LinearAttentionConfig | Mamba2Config
+
+
+def state_bytes(config: RecurrentLayers, element_bytes: int) -> int:
+    """One sequence's state over every recurrent layer: the convolution windows (model dtype)
+    and the recurrent states (float32)."""
+    window = config.conv_dim * (config.conv_kernel_size - 1) * element_bytes
+    recurrent = RECURRENT_STATE_BYTES
+    for size in config.recurrent_shape:
+        recurrent *= size
+    return config.num_linear_layers * (window + recurrent)
 
 
 def read_linear_attention(values: dict[str, Any], source: str, projection: str) -> LinearAttentionConfig | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.model import families
 from pagoda.model.classifier_config import ClassifierConfig, read_classifier
-from pagoda.model.linear_attention_config import LinearAttentionConfig
+from pagoda.model.linear_attention_config import RecurrentLayers
 from pagoda.model.moe_config import MoEConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
@@ -62,14 +62,20 @@ class ModelConfig:
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
     # --- hybrid models (Qwen3-Next, Qwen3.5) ---
-    # Linear-attention layers (pagoda.model.gated_delta_net) in place of attention in some
-    # layers; None: every layer attends and keeps KV.
-    linear_attention: LinearAttentionConfig | None = None
+    # Recurrent layers in place of attention in some layers: Gated DeltaNet linear attention
+    # (pagoda.model.gated_delta_net) or Mamba2 (pagoda.model.mamba2); None: every layer attends
+    # and keeps KV.
+    linear_attention: RecurrentLayers | None = None
     # q_proj also yields a gate per head: the attention output is multiplied by its sigmoid.
     attention_output_gate: bool = False
     partial_rotary_factor: float = 1.0  # the rotation covers the first head_dim * factor features
     # RMSNorm scales by (1 + w) (Gemma's form) without Gemma's extra norms.
     zero_centered_norms: bool = False
+    # Granite: each block's output scaled before the residual add, attention without rotary
+    # (its position comes from the recurrent layers), logits divided by a constant.
+    residual_multiplier: float | None = None
+    no_rope: bool = False
+    logits_divisor: float | None = None
     # --- end hybrid models ---
 
     @property

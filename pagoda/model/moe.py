@@ -215,7 +215,8 @@ class SparseMoE(nn.Module):
                 kernels,
                 reduce=False,
             )
-            self.shared_expert_gate = Linear(hidden, 1, False, dtype, device, kernels=kernels)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden, 1, False, dtype, device, kernels=kernels)
         # Tokens routed to each expert since the last `take_expert_counts` (None: not counted).
         self.expert_counts: torch.Tensor | None = None
 
@@ -237,8 +238,10 @@ class SparseMoE(nn.Module):
         )
         if self.expert_counts is not None:
             self.expert_counts += counts.to(self.expert_counts.device)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:  # built together
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden)
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(hidden)) * shared)
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
 
 

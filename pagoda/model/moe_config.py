@@ -26,6 +26,9 @@ class MoEConfig:
     # with g = gate clamped above at `swiglu_limit` (None: the model's plain gated activation).
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # The shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (Qwen), or added as
+    # it is (Granite's shared MLP).
+    shared_expert_gated: bool = True
 
     @property
     def num_sparse_layers(self) -> int:

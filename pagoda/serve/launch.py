@@ -301,7 +301,7 @@ def state_cache_line(config: EngineConfig, model_config: ModelConfig, element_by
     linear = model_config.linear_attention
     assert linear is not None  # slots are planned for linear-attention layers only
     return (
-        f"{slots} sequences fit ({per_slot:,} bytes each: {linear.num_linear_layers} linear-attention layers' "
+        f"{slots} sequences fit ({per_slot:,} bytes each: {linear.num_linear_layers} recurrent layers' "
         f"state, in the KV budget); prefix caching off"
     )
 

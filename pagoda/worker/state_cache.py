@@ -1,8 +1,8 @@
 """StateCache: the tensors of a hybrid model's state cache, beside its paged KV cache.
 
-Per linear-attention layer the model holds (pagoda.model.gated_delta_net): a short
-convolution's window per slot [num_slots, conv_dim, K - 1] in the model dtype, and the gated
-delta rule's recurrent state per slot [num_slots, Hv, Dk, Dv] in float32. A sequence's slot is
+Per recurrent layer the model holds (pagoda.model.gated_delta_net, pagoda.model.mamba2): a short
+convolution's window per slot [num_slots, conv_dim, K - 1] in the model dtype, and the recurrent
+state per slot in float32 (the delta rule's [Hv, Dk, Dv], Mamba2's SSM state [H, P, N]). A sequence's slot is
 assigned by the scheduler's side (pagoda.core.state_slots, `request.state_slot`); each step the
 runner hands the model its requests' slots (pagoda.model.linear_state.LinearStateBatch).
 """
@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 
 from pagoda.model.decoder import DecoderModel
-from pagoda.model.linear_attention_config import LinearAttentionConfig
 from pagoda.model.linear_state import LinearStateBatch
 from pagoda.request import Request
 
@@ -29,7 +28,7 @@ class StateSegment(Protocol):
 class StateCache:
     def __init__(self, model: DecoderModel, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         linear = model.config.linear_attention
-        assert isinstance(linear, LinearAttentionConfig), "a hybrid model's config names its linear layers"
+        assert linear is not None, "a hybrid model's config names its recurrent layers"
         width = linear.conv_kernel_size - 1
         self.conv_windows: list[torch.Tensor | None] = []
         self.recurrent: list[torch.Tensor | None] = []
@@ -39,16 +38,7 @@ class StateCache:
                 torch.zeros(num_slots, linear.conv_dim, width, dtype=dtype, device=device) if held else None
             )
             self.recurrent.append(
-                torch.zeros(
-                    num_slots,
-                    linear.num_value_heads,
-                    linear.key_head_dim,
-                    linear.value_head_dim,
-                    dtype=torch.float32,
-                    device=device,
-                )
-                if held
-                else None
+                torch.zeros(num_slots, *linear.recurrent_shape, dtype=torch.float32, device=device) if held else None
             )
 
     def batch(self, segments: Sequence[StateSegment]) -> LinearStateBatch:

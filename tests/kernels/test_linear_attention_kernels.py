@@ -86,3 +86,42 @@ def test_causal_conv_in_chunks_and_steps_matches_the_per_token_loop() -> None:
     torch.testing.assert_close(windows[0], want_window)
     no_bias, _ = conv.prefill(x, None, weight, None)
     torch.testing.assert_close(no_bias, naive_causal_conv(x, None, weight, None)[0], atol=1e-6, rtol=1e-6)
+
+
+def ssd_inputs(length: int, seed: int = 0, batch: int | None = None):
+    from pagoda.kernels.ssd import discretize
+
+    generator = torch.Generator().manual_seed(seed)
+    lead = (length,) if batch is None else (batch,)
+    x = torch.randn(*lead, 4, 3, generator=generator)
+    dt = discretize(torch.randn(*lead, 4, generator=generator), torch.ones(4), (0.0, float("inf")))
+    A = -torch.arange(1, 5, dtype=torch.float32)
+    B = torch.randn(*lead, 2, 5, generator=generator)  # two groups of two heads
+    C = torch.randn(*lead, 2, 5, generator=generator)
+    D = torch.rand(4, generator=generator)
+    return x, dt, A, B, C, D
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 37])
+@pytest.mark.parametrize("carried", [False, True])
+def test_chunked_ssd_matches_the_per_token_loop(length: int, carried: bool) -> None:
+    from pagoda.kernels.ssd import TorchSSD, naive_ssd
+
+    x, dt, A, B, C, D = ssd_inputs(length)
+    state = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(9)) if carried else None
+    out, final = TorchSSD().chunked(x, dt, A, B, C, D, state, chunk_size=16)
+    want, want_final = naive_ssd(x, dt, A, B, C, D, state)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_step_matches_the_per_token_loop_for_each_sequence() -> None:
+    from pagoda.kernels.ssd import TorchSSD, naive_ssd
+
+    x, dt, A, B, C, D = ssd_inputs(1, seed=3, batch=3)
+    states = torch.randn(3, 4, 3, 5, generator=torch.Generator().manual_seed(10))
+    out, new = TorchSSD().step(x, dt, A, B, C, D, states)
+    for b in range(3):
+        want, want_state = naive_ssd(x[b : b + 1], dt[b : b + 1], A, B[b : b + 1], C[b : b + 1], D, states[b])
+        torch.testing.assert_close(out[b], want[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(new[b], want_state, atol=1e-6, rtol=1e-5)

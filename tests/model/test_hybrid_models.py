@@ -1,18 +1,20 @@
-"""Hybrid models, linear attention beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text)
-against transformers running the same weights (float32): greedy ids equal and logprobs within
-LOGPROB_TOLERANCE, batched at different lengths, through chunked prefill, under preemption (the
-recomputed sequence's state starts from zeros) and with n > 1 (each sample a copy of its lead's
-state), the state cache empty when the engine is idle; and the settings refused or turned off for
-them.
+"""Hybrid models, recurrent layers beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text),
+with Gated DeltaNet, and Granite 4.0-H, with Mamba2, against transformers running the same
+weights (float32): greedy ids equal and logprobs within LOGPROB_TOLERANCE, batched at different
+lengths, through chunked prefill, under preemption (the recomputed sequence's state starts from
+zeros) and with n > 1 (each sample a copy of its lead's state), the state cache empty when the
+engine is idle; and the settings refused or turned off for them.
 
 The tiny checkpoints (tests/model_factory.py): Gated DeltaNet in layers 0-2, two key heads
 serving four value heads; gated attention with q/k norms and a half-head rotary in layer 3;
 Qwen3-Next with top-2 of 4 experts and a shared expert (layer 1 dense), Qwen3.5-MoE with them
-in every layer."""
+in every layer; Granite with Mamba2 in layers 0, 1 and 3 (two groups, chunks of 16 tokens),
+attention without rotary in layer 2, its multipliers, and experts beside its shared MLP."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ from engine_helpers import assert_idle
 from engine_helpers import prompts_for as engine_prompts
 from model_factory import HYBRID_ARCHITECTURES, assert_matches_reference, build_model, hf_references
 from pagoda import LLM, SamplingParams
+from pagoda.model.linear_attention_config import LinearAttentionConfig, Mamba2Config
 from pagoda.model.model_config import ModelConfig
 from server_utils import start_server
 
@@ -82,7 +85,15 @@ def test_configs_place_linear_and_attention_layers(hybrid_dirs) -> None:
     assert config.moe is not None and config.moe.sparse_layers == (True, False, True, True)
     moe = ModelConfig.from_dir(hybrid_dirs["qwen3_5_moe"])
     assert moe.moe is not None and moe.moe.renormalize and all(moe.moe.sparse_layers)
-    assert moe.linear_attention is not None and moe.linear_attention.projection == "separate"
+    assert isinstance(moe.linear_attention, LinearAttentionConfig) and moe.linear_attention.projection == "separate"
+    granite = ModelConfig.from_dir(hybrid_dirs["granitemoehybrid"])
+    mamba = granite.linear_attention
+    assert isinstance(mamba, Mamba2Config) and mamba.layers == (True, True, False, True)
+    assert (mamba.intermediate_size, mamba.conv_dim, mamba.time_step_limit) == (128, 128 + 2 * 2 * 16, (0.0, math.inf))
+    assert granite.kv_layers == (2,) and granite.no_rope
+    assert (granite.embedding_scale, granite.residual_multiplier, granite.attention_scale) == (2.0, 0.5, 0.2)
+    assert granite.logits_divisor == 2.0
+    assert granite.moe is not None and granite.moe.softmax_over_top_k and not granite.moe.shared_expert_gated
 
 
 def test_prefix_caching_is_turned_off_with_one_line(hybrid_dirs, expected, caplog) -> None:

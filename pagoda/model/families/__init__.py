@@ -31,6 +31,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen3_next": (("Qwen3NextForCausalLM",), (), ("qwen3_next",)),
     "qwen3_5": (("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
     "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
+    "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
