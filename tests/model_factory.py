@@ -228,6 +228,22 @@ TINY_MODELS: dict[str, TinyModel] = {
             position_embedding_type="nope",
         ),
     ),
+    # Nemotron-H's single-mixer blocks: Mamba2, the squared-ReLU MLP, attention without rotary, MLP.
+    "nemotron_h": TinyModel(
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        "hybrid",
+        dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            head_dim=16,
+            intermediate_size=96,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=16,
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),

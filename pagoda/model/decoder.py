@@ -289,7 +289,7 @@ class DecoderModel(nn.Module):
             else None
         )
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels)
+            self.build_layer(config, i, dtype, device, weight_format, self.tp, kernels)
             if self.stage.holds_layer(i)
             else OtherStageLayer()
             for i in range(config.num_layers)
@@ -350,15 +350,27 @@ class DecoderModel(nn.Module):
         )
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
+    def build_layer(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+    ) -> nn.Module:
+        """One decoder layer: the shared one; a family whose layers differ overrides this."""
+        return DecoderLayer(config, layer_index, dtype, device, weight_format, tp, kernels)
+
     @property
     def first_attention(self) -> Attention:
-        """This stage's first attention layer (a hybrid model's first layers may be linear ones)."""
+        """This stage's first attention layer (a hybrid model's first layers may be recurrent ones)."""
         for index in self.stage.layers:
-            layer = self.model.layers[index]
-            assert isinstance(layer, DecoderLayer), "a stage holds its layers"
-            if layer.linear_attn is None and layer.mamba is None:
-                return layer.self_attn
-        raise ValueError("a pipeline stage of only linear-attention layers is not supported")
+            attention = getattr(self.model.layers[index], "self_attn", None)
+            if isinstance(attention, Attention):
+                return attention
+        raise ValueError("a pipeline stage without an attention layer is not supported")
 
     def forward(
         self,

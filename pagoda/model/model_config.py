@@ -76,6 +76,8 @@ class ModelConfig:
     residual_multiplier: float | None = None
     no_rope: bool = False
     logits_divisor: float | None = None
+    # Nemotron-H: layers of an MLP alone (neither attention nor a recurrent mixer, so no KV).
+    mlp_only_layers: tuple[int, ...] = ()
     # --- end hybrid models ---
 
     @property
@@ -90,9 +92,13 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep KV: all but linear-attention ones."""
+        """The layers that keep KV: all but recurrent and MLP-only ones."""
         linear = self.linear_attention
-        return tuple(i for i in range(self.num_layers) if linear is None or not linear.layers[i])
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if (linear is None or not linear.layers[i]) and i not in self.mlp_only_layers
+        )
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""

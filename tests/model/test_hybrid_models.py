@@ -1,5 +1,5 @@
 """Hybrid models, recurrent layers beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text),
-with Gated DeltaNet, and Granite 4.0-H, with Mamba2, against transformers running the same
+with Gated DeltaNet, and Granite 4.0-H and Nemotron-H, with Mamba2, against transformers running the same
 weights (float32): greedy ids equal and logprobs within LOGPROB_TOLERANCE, batched at different
 lengths, through chunked prefill, under preemption (the recomputed sequence's state starts from
 zeros) and with n > 1 (each sample a copy of its lead's state), the state cache empty when the
@@ -9,10 +9,12 @@ The tiny checkpoints (tests/model_factory.py): Gated DeltaNet in layers 0-2, two
 serving four value heads; gated attention with q/k norms and a half-head rotary in layer 3;
 Qwen3-Next with top-2 of 4 experts and a shared expert (layer 1 dense), Qwen3.5-MoE with them
 in every layer; Granite with Mamba2 in layers 0, 1 and 3 (two groups, chunks of 16 tokens),
-attention without rotary in layer 2, its multipliers, and experts beside its shared MLP."""
+attention without rotary in layer 2, its multipliers, and experts beside its shared MLP;
+Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -94,6 +96,18 @@ def test_configs_place_linear_and_attention_layers(hybrid_dirs) -> None:
     assert (granite.embedding_scale, granite.residual_multiplier, granite.attention_scale) == (2.0, 0.5, 0.2)
     assert granite.logits_divisor == 2.0
     assert granite.moe is not None and granite.moe.softmax_over_top_k and not granite.moe.shared_expert_gated
+    nemotron = ModelConfig.from_dir(hybrid_dirs["nemotron_h"])
+    assert isinstance(nemotron.linear_attention, Mamba2Config)
+    assert nemotron.linear_attention.layers == (True, False, False, False)
+    assert nemotron.mlp_only_layers == (1, 3) and nemotron.kv_layers == (2,) and nemotron.no_rope
+
+
+def test_nemotron_h_moe_blocks_are_refused(hybrid_dirs, tmp_path) -> None:
+    config = json.loads((hybrid_dirs["nemotron_h"] / "config.json").read_text())
+    config["layers_block_type"] = ["linear_attention", "moe", "full_attention", "mlp"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Nemotron-H blocks of type moe are not supported yet"):
+        ModelConfig.from_dir(tmp_path)
 
 
 def test_prefix_caching_is_turned_off_with_one_line(hybrid_dirs, expected, caplog) -> None:
