@@ -17,6 +17,7 @@ from pagoda.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from pagoda.core.kv_cache_groups import KVCacheGroup, first_needed_block
 from pagoda.core.kv_tiers import HostTier, PreemptionPolicy, TierEntry, TransferOp, TransferPlan
 from pagoda.core.state_slots import StateSlots
+from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.request import Request
 
 # What a request's block table entry in the cache names: None once released behind a window.
@@ -54,10 +55,15 @@ class KVCacheManager:
         preemption: PreemptionPolicy | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
         state_slots: StateSlots | None = None,
+        state_snapshots: StateSnapshots | None = None,
     ) -> None:
         self.block_size = block_size
-        # A hybrid model's state cache: a slot per sequence, taken and returned with its blocks.
+        # A hybrid model's state cache: a slot per sequence, taken and returned with its blocks,
+        # and (with prefix caching) snapshots of the state at block boundaries.
         self.state_slots = state_slots
+        self.state_snapshots = state_snapshots if enable_caching else None
+        # This step's snapshots to save: (request id, tokens into its chunk, snapshot slot).
+        self._snapshots_to_save: list[tuple[str, int, int]] = []
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.preemption = preemption or PreemptionPolicy("recompute")
@@ -109,7 +115,14 @@ class KVCacheManager:
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.single_table:
-            return CachedPrefix([self._cached_chain(request, max_blocks)])
+            chain = self._cached_chain(request, max_blocks)
+            snapshots = self.state_snapshots
+            if snapshots is not None:  # a hybrid's prefix ends where its recurrent state was saved
+                while chain and snapshots.lookup(request.block_hashes[len(chain) - 1]) is None:
+                    chain.pop()
+            return CachedPrefix([chain])
+        if self.state_slots is not None:  # no snapshots across several block tables yet
+            return CachedPrefix([])
         length = max_blocks
         for g, group in enumerate(self.groups):
             if group.window is None:
@@ -215,7 +228,30 @@ class KVCacheManager:
         request.block_tables = state.block_ids()
         if self.state_slots is not None and request.state_slot is None:
             request.state_slot = self.state_slots.allocate()
+        if self.state_slots is not None and self.state_snapshots is not None:
+            self._restore_and_snapshot(request, num_cached, write_pos, num_new_tokens)
         return True
+
+    def _restore_and_snapshot(self, request: Request, num_cached: int, write_pos: int, num_new_tokens: int) -> None:
+        """A hybrid's state: restored from the snapshot its cached prefix ends at, and saved at
+        the last block boundary within the prompt that this chunk reaches."""
+        snapshots, slots = self.state_snapshots, self.state_slots
+        assert snapshots is not None and slots is not None and request.state_slot is not None
+        if num_cached:
+            source = snapshots.lookup(request.block_hashes[num_cached - 1])
+            assert source is not None, "find_cached_prefix ends a hybrid's prefix at a snapshot"
+            slots.copy(source, request.state_slot)
+        end = min(write_pos + num_new_tokens, request.num_prompt_tokens)
+        boundary = end // self.block_size * self.block_size
+        if boundary > write_pos:
+            slot = snapshots.reserve(request.request_id, boundary // self.block_size - 1)
+            if slot is not None:
+                self._snapshots_to_save.append((request.request_id, boundary - write_pos, slot))
+
+    def take_state_snapshots(self) -> list[tuple[str, int, int]]:
+        """This step's snapshots to save: (request id, tokens into its chunk, snapshot slot)."""
+        snapshots, self._snapshots_to_save = self._snapshots_to_save, []
+        return snapshots
 
     def _release_behind_windows(self, request: Request, state: RequestBlocks) -> None:
         """Return the blocks no query from the next computed position on sees (oldest first, so
@@ -291,6 +327,8 @@ class KVCacheManager:
                 if block is not None:
                     self.pool.cache(block, _group_hash(request.block_hashes[i], g), tokens)
         state.num_cached = num_full
+        if self.state_snapshots is not None:
+            self.state_snapshots.register(request.request_id, request.block_hashes, num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail goes first in eviction order."""
@@ -305,6 +343,8 @@ class KVCacheManager:
         if self.state_slots is not None and request.state_slot is not None:
             self.state_slots.free(request.state_slot)
             request.state_slot = None
+        if self.state_snapshots is not None:
+            self.state_snapshots.drop(request.request_id)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (KV written for rejected speculative tokens)."""
@@ -343,6 +383,8 @@ class KVCacheManager:
         and disk tiers' entries (hashed under the old version) can no longer match."""
         self.weights_version += 1
         self.pool.forget_cached()
+        if self.state_snapshots is not None:
+            self.state_snapshots.clear()
 
     # ---- host tier -----------------------------------------------------------------------------
 

@@ -31,8 +31,10 @@ class KVPoolPlan:
     release_blocker: str | None  # why sliding-window blocks are kept whole (None: released or no windows)
     bytes_per_block: int  # on one rank (or the largest pipeline stage), the draft model's included
     num_blocks: int
-    # A hybrid model's state cache (pagoda.core.state_slots): a slot per sequence, in the same budget.
+    # A hybrid model's state cache (pagoda.core.state_slots): a slot per sequence, and its
+    # snapshots with prefix caching, in the same budget.
     num_state_slots: int = 0
+    num_state_snapshots: int = 0
     bytes_per_state_slot: int = 0
 
 
@@ -73,13 +75,20 @@ def plan_kv_pool(
         bytes_per_block += (
             draft_config.kv_bytes_per_token(element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
         )
-    num_slots, bytes_per_slot = plan_state_slots(cache, scheduler, model_config, element_bytes)
-    if num_slots:
-        logger.info("state cache: %d sequences fit, %d bytes of recurrent-layer state each", num_slots, bytes_per_slot)
+    state = plan_state_slots(cache, scheduler, model_config, element_bytes)
+    if state.num_slots:
+        logger.info(
+            "state cache: %d sequences fit, %d bytes of recurrent-layer state each, %d prefix-cache snapshots",
+            state.num_slots,
+            state.bytes_per_slot,
+            state.num_snapshots,
+        )
     num_blocks = num_kv_blocks(
-        cache, scheduler, groups, num_kv_layers, bytes_per_block, max_model_len, num_slots * bytes_per_slot
+        cache, scheduler, groups, num_kv_layers, bytes_per_block, max_model_len, state.total_bytes
     )
-    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks, num_slots, bytes_per_slot)
+    return KVPoolPlan(
+        groups, blocker, bytes_per_block, num_blocks, state.num_slots, state.num_snapshots, state.bytes_per_slot
+    )
 
 
 def num_kv_blocks(

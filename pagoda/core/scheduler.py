@@ -51,6 +51,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     kv_transfers: list = field(default_factory=list)  # KV tier copies (TransferOp), before block_copies
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # a hybrid's forked state slots (src, dst)
+    # A hybrid's state snapshots to save this step: (request id, tokens into its chunk, snapshot slot).
+    state_snapshots: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -267,6 +269,7 @@ class Scheduler:
         output.block_copies = self.kv_cache.take_pending_copies()
         if self.kv_cache.state_slots is not None:
             output.state_copies = self.kv_cache.state_slots.take_pending_copies()
+            output.state_snapshots = self.kv_cache.take_state_snapshots()
         output.kv_transfers = self.kv_cache.take_transfers()
         now = time.time()
         for entry in output.scheduled:

@@ -11,6 +11,7 @@ blocks. The engine runs at most as many sequences as there are slots (pagoda.cor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, SchedulerConfig
@@ -49,35 +50,57 @@ class StateSlots:
         self._pending_copies.append((slot, child))
         return child
 
+    def copy(self, source: int, destination: int) -> None:
+        """Copy a slot's state (a snapshot restored into a sequence's slot) before the next forward."""
+        self._pending_copies.append((source, destination))
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source slot, destination slot) copies to run before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
 
+@dataclass(frozen=True)
+class StatePlan:
+    """A hybrid model's state cache: a slot per sequence, and as many snapshot slots with prefix
+    caching (pagoda.core.state_snapshots), each of `bytes_per_slot`."""
+
+    num_slots: int = 0
+    num_snapshots: int = 0
+    bytes_per_slot: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_slots + self.num_snapshots) * self.bytes_per_slot
+
+
 def plan_state_slots(
     cache: CacheConfig, scheduler: SchedulerConfig, model_config: ModelConfig, element_bytes: int
-) -> tuple[int, int]:
-    """(slots, bytes per slot) of a hybrid model's state cache, inside the KV budget
-    (--kv-cache-memory): one slot per sequence --max-num-seqs allows, in at most half the budget
-    (the rest holds the attention layers' KV blocks); unset, as many sequences as that half
-    holds, up to its ceiling. (0, 0) for a model without linear-attention layers."""
+) -> StatePlan:
+    """A hybrid model's state cache inside the KV budget (--kv-cache-memory): one slot per
+    sequence --max-num-seqs allows (and one snapshot slot each with prefix caching), in at most
+    half the budget (the rest holds the attention layers' KV blocks); unset, as many sequences as
+    that half holds, up to its ceiling. Empty for a model without recurrent layers."""
     linear = model_config.linear_attention
     if linear is None:
-        return 0, 0
+        return StatePlan()
     per_slot = linear.state_bytes(element_bytes)
+    copies = 2 if cache.enable_prefix_caching else 1
     if cache.num_kv_blocks is not None:  # a pool given in blocks: the state is counted apart
-        return scheduler.max_num_seqs_bound, per_slot
-    fit = cache.kv_cache_bytes // 2 // per_slot
+        slots = scheduler.max_num_seqs_bound
+        return StatePlan(slots, slots * (copies - 1), per_slot)
+    fit = cache.kv_cache_bytes // 2 // (per_slot * copies)
+    what = " and its prefix-cache snapshot" if copies == 2 else ""
     if scheduler.max_num_seqs is not None and scheduler.max_num_seqs > fit:
         raise ValueError(
-            f"the recurrent state of {scheduler.max_num_seqs} sequences (--max-num-seqs) takes "
-            f"{scheduler.max_num_seqs * per_slot:,} bytes ({per_slot:,} each), more than half of "
+            f"the recurrent state{what} of {scheduler.max_num_seqs} sequences (--max-num-seqs) takes "
+            f"{scheduler.max_num_seqs * per_slot * copies:,} bytes ({per_slot:,} each), more than half of "
             f"kv_cache_memory {cache.kv_cache_memory}: lower --max-num-seqs or raise --kv-cache-memory"
         )
     if fit < 1:
         raise ValueError(
-            f"kv_cache_memory {cache.kv_cache_memory} cannot hold one sequence's recurrent state "
-            f"({per_slot:,} bytes) in half of it"
+            f"kv_cache_memory {cache.kv_cache_memory} cannot hold one sequence's recurrent state{what} "
+            f"({per_slot * copies:,} bytes) in half of it"
         )
-    return min(scheduler.max_num_seqs_bound, fit), per_slot
+    slots = min(scheduler.max_num_seqs_bound, fit)
+    return StatePlan(slots, slots * (copies - 1), per_slot)

@@ -23,7 +23,8 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.state_slots import StateSlots
-from pagoda.engine.hybrid_settings import check_hybrid_settings, prefix_caching
+from pagoda.core.state_snapshots import StateSnapshots
+from pagoda.engine.hybrid_settings import check_hybrid_settings
 from pagoda.engine.threads import available_cores
 from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
@@ -309,7 +310,7 @@ def build_runner(
         kv_format=kv_format,
         lora=stack.lora,
         groups=plan.groups,
-        num_state_slots=plan.num_state_slots,
+        num_state_slots=plan.num_state_slots + plan.num_state_snapshots,
     )
     if stack.executor is not None:
         stack.executor.start_serving(plan.num_blocks, plan.groups)
@@ -327,11 +328,15 @@ def build_scheduler(
     kv_cache = KVCacheManager(
         plan.num_blocks,
         config.block_size,
-        prefix_caching(config, stack.model_config),
+        config.enable_prefix_caching,
         host_tier=kv_tiers.host if kv_tiers else None,
         preemption=kv_tiers.policy if kv_tiers else None,
         groups=plan.groups,
         state_slots=StateSlots(plan.num_state_slots) if plan.num_state_slots else None,
+        # snapshot slots follow the sequences' own in the state cache
+        state_snapshots=StateSnapshots(plan.num_state_slots, plan.num_state_snapshots)
+        if plan.num_state_snapshots
+        else None,
     )
     scheduler = Scheduler(
         kv_cache,

@@ -1,18 +1,12 @@
 """What a hybrid model (recurrent layers beside attention: pagoda.model.gated_delta_net,
 pagoda.model.mamba2) runs with today, checked before its weights load: each setting that would
-need its recurrent state somewhere it is not yet carried is refused with one line saying so, and
-prefix caching, which would restore the attention layers' KV without the state, is turned off
-with one log line.
+need its recurrent state somewhere it is not yet carried is refused with one line saying so.
 """
 
 from __future__ import annotations
 
-import logging
-
 from pagoda.config import EngineConfig
 from pagoda.model.model_config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 
 def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -33,14 +27,3 @@ def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> No
             raise ValueError(
                 f"{name} is a hybrid model (recurrent layers beside attention): {what} is not supported for it yet"
             )
-
-
-def prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
-    """Whether the engine caches prefixes: never for a hybrid model yet (a cached prefix would
-    restore the attention layers' KV without the linear layers' state)."""
-    if model_config.linear_attention is None or not config.enable_prefix_caching:
-        return config.enable_prefix_caching
-    logger.info(
-        "prefix caching is off for %s: its recurrent layers' state is not snapshotted yet", model_config.architecture
-    )
-    return False

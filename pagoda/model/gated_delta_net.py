@@ -113,8 +113,12 @@ class GatedDeltaNet(nn.Module):
         if decoding:
             conv[rows], windows[slots] = self.conv1d.step(mixed[rows], windows[slots])
         for i in others:
-            slot, span = states.slots[i], slice(loc[i], loc[i + 1])
-            conv[span], windows[slot] = self.conv1d.prefill(mixed[span], None if states.fresh[i] else windows[slot])
+            slot, fresh = states.slots[i], states.fresh[i]
+            for span, snapshot in states.pieces(i):
+                conv[span], windows[slot] = self.conv1d.prefill(mixed[span], None if fresh else windows[slot])
+                if snapshot is not None:
+                    windows[snapshot] = windows[slot]
+                fresh = False
 
         q, k, v = torch.split(conv, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
@@ -129,9 +133,13 @@ class GatedDeltaNet(nn.Module):
         if decoding:
             core[rows], recurrent[slots] = rule.step(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent[slots])
         for i in others:
-            slot, span = states.slots[i], slice(loc[i], loc[i + 1])
-            state = None if states.fresh[i] else recurrent[slot]
-            core[span], recurrent[slot] = rule.chunked(q[span], k[span], v[span], g[span], beta[span], state)
+            slot, fresh = states.slots[i], states.fresh[i]
+            for span, snapshot in states.pieces(i):
+                state = None if fresh else recurrent[slot]
+                core[span], recurrent[slot] = rule.chunked(q[span], k[span], v[span], g[span], beta[span], state)
+                if snapshot is not None:
+                    recurrent[snapshot] = recurrent[slot]
+                fresh = False
 
         # The gated RMSNorm: norm per head in the model's dtype, then times silu(z) in float32.
         normed = self.norm(core.to(hidden.dtype).reshape(-1, c.value_head_dim))

@@ -8,7 +8,7 @@ slots of the step's requests, computes its tokens, and writes the slots back in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,13 +22,36 @@ class LinearStateBatch:
     # Per request: its first token is at position 0, so its state starts from zeros (a new or
     # recomputed sequence reuses a slot without clearing it).
     fresh: list[bool]
+    # Per request: (tokens into its rows, snapshot slot): the state after those tokens is also
+    # saved into the snapshot slot (prefix caching, pagoda.core.state_snapshots); None: no snapshot.
+    snapshots: list[tuple[int, int] | None] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
         return len(self.slots)
 
     def decoding(self) -> list[int]:
-        """The requests computing one token after earlier ones: the single-step update serves them
-        together; the others run the chunked form one by one."""
+        """The requests computing one token after earlier ones, saving no snapshot: the
+        single-step update serves them together; the others run the chunked form one by one."""
         loc = self.query_start_loc
-        return [i for i in range(self.num_reqs) if loc[i + 1] - loc[i] == 1 and not self.fresh[i]]
+        return [
+            i
+            for i in range(self.num_reqs)
+            if loc[i + 1] - loc[i] == 1 and not self.fresh[i] and self.snapshot(i) is None
+        ]
+
+    def snapshot(self, i: int) -> tuple[int, int] | None:
+        return self.snapshots[i] if self.snapshots else None
+
+    def pieces(self, i: int) -> list[tuple[slice, int | None]]:
+        """Request i's rows, cut where a snapshot is saved: (rows, snapshot slot to copy the state
+        into after them, or None)."""
+        start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
+        snapshot = self.snapshot(i)
+        if snapshot is None:
+            return [(slice(start, end), None)]
+        offset, slot = snapshot
+        pieces: list[tuple[slice, int | None]] = [(slice(start, start + offset), slot)]
+        if start + offset < end:
+            pieces.append((slice(start + offset, end), None))
+        return pieces

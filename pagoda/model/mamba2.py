@@ -72,8 +72,12 @@ class Mamba2Mixer(nn.Module):
         if decoding:
             conv[rows], windows[slots] = self.conv1d.step(xbc[rows], windows[slots])
         for i in others:
-            slot, span = states.slots[i], slice(loc[i], loc[i + 1])
-            conv[span], windows[slot] = self.conv1d.prefill(xbc[span], None if states.fresh[i] else windows[slot])
+            slot, fresh = states.slots[i], states.fresh[i]
+            for span, snapshot in states.pieces(i):
+                conv[span], windows[slot] = self.conv1d.prefill(xbc[span], None if fresh else windows[slot])
+                if snapshot is not None:
+                    windows[snapshot] = windows[slot]
+                fresh = False
 
         groups = c.num_groups * c.state_size
         x, B, C = torch.split(conv, [c.intermediate_size, groups, groups], dim=-1)
@@ -88,9 +92,13 @@ class Mamba2Mixer(nn.Module):
         if decoding:
             y[rows], ssm[slots] = scan.step(x[rows], dt[rows], A, B[rows], C[rows], self.D, ssm[slots])
         for i in others:
-            slot, span = states.slots[i], slice(loc[i], loc[i + 1])
-            state = None if states.fresh[i] else ssm[slot]
-            y[span], ssm[slot] = scan.chunked(x[span], dt[span], A, B[span], C[span], self.D, state, c.chunk_size)
+            slot, fresh = states.slots[i], states.fresh[i]
+            for span, snapshot in states.pieces(i):
+                state = None if fresh else ssm[slot]
+                y[span], ssm[slot] = scan.chunked(x[span], dt[span], A, B[span], C[span], self.D, state, c.chunk_size)
+                if snapshot is not None:
+                    ssm[snapshot] = ssm[slot]
+                fresh = False
 
         # The gated RMSNorm: times silu(z) first, then normalized per group, in float32.
         gated = y.reshape(num_tokens, -1) * F.silu(gate.float())

@@ -295,14 +295,15 @@ def state_cache_line(config: EngineConfig, model_config: ModelConfig, element_by
     """A hybrid model's state cache (pagoda.core.state_slots): how many sequences fit; None for others."""
     from pagoda.core.state_slots import plan_state_slots
 
-    slots, per_slot = plan_state_slots(config.cache, config.scheduler, model_config, element_bytes)
-    if not slots:
+    state = plan_state_slots(config.cache, config.scheduler, model_config, element_bytes)
+    if not state.num_slots:
         return None
     linear = model_config.linear_attention
-    assert linear is not None  # slots are planned for linear-attention layers only
+    assert linear is not None  # slots are planned for recurrent layers only
     return (
-        f"{slots} sequences fit ({per_slot:,} bytes each: {linear.num_linear_layers} recurrent layers' "
-        f"state, in the KV budget); prefix caching off"
+        f"{state.num_slots} sequences fit ({state.bytes_per_slot:,} bytes each: {linear.num_linear_layers} "
+        f"recurrent layers' state, in the KV budget)"
+        + (f"; {state.num_snapshots} prefix-cache snapshots at block boundaries" if state.num_snapshots else "")
     )
 
 
@@ -328,7 +329,7 @@ def startup_banner(
         name
         for name, on in (
             (native_kernels or "", native_kernels is not None),
-            ("prefix caching", config.enable_prefix_caching and model_config.linear_attention is None),
+            ("prefix caching", config.enable_prefix_caching),
             ("chunked prefill", config.enable_chunked_prefill),
             (f"speculative decoding ({config.speculative})", bool(config.speculative)),
             (f"scheduling {config.scheduling_policy}", config.scheduling_policy != "fcfs"),

@@ -287,7 +287,7 @@ class ModelRunner(PagedModel):
         else:
             context = self.forward_context(layouts)
             if self.state_cache is not None:
-                context.linear_states = self.state_cache.batch(segments)
+                context.linear_states = self.state_cache.batch(segments, scheduler_output.state_snapshots)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
         if self.lora is not None:

@@ -41,15 +41,20 @@ class StateCache:
                 torch.zeros(num_slots, *linear.recurrent_shape, dtype=torch.float32, device=device) if held else None
             )
 
-    def batch(self, segments: Sequence[StateSegment]) -> LinearStateBatch:
-        """The step's view: each request's slot and token rows, and whether it starts afresh."""
+    def batch(
+        self, segments: Sequence[StateSegment], snapshots: Sequence[tuple[str, int, int]] = ()
+    ) -> LinearStateBatch:
+        """The step's view: each request's slot and token rows, whether it starts afresh, and
+        where its state is saved into a snapshot slot ((request id, tokens in, slot), prefix caching)."""
         slots, loc, fresh = [], [0], []
         for segment in segments:
             assert segment.request.state_slot is not None, "a running sequence of a hybrid model holds a slot"
             slots.append(segment.request.state_slot)
             loc.append(loc[-1] + len(segment.token_ids))
             fresh.append(segment.start == 0)
-        return LinearStateBatch(self.conv_windows, self.recurrent, slots, loc, fresh)
+        saved = {request_id: (offset, slot) for request_id, offset, slot in snapshots}
+        per_request = [saved.get(segment.request.request_id) for segment in segments]
+        return LinearStateBatch(self.conv_windows, self.recurrent, slots, loc, fresh, per_request)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copy slots' states (source, destination): forked samples start from their lead's."""

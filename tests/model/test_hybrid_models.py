@@ -3,7 +3,8 @@ with Gated DeltaNet, and Granite 4.0-H and Nemotron-H, with Mamba2, against tran
 weights (float32): greedy ids equal and logprobs within LOGPROB_TOLERANCE, batched at different
 lengths, through chunked prefill, under preemption (the recomputed sequence's state starts from
 zeros) and with n > 1 (each sample a copy of its lead's state), the state cache empty when the
-engine is idle; and the settings refused or turned off for them.
+engine is idle, and with prefix caching (the recurrent state restored from snapshots at block
+boundaries); and the settings refused for them.
 
 The tiny checkpoints (tests/model_factory.py): Gated DeltaNet in layers 0-2, two key heads
 serving four value heads; gated attention with q/k norms and a half-head rotary in layer 3;
@@ -15,7 +16,6 @@ Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 
@@ -35,7 +35,8 @@ NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 SETTINGS = {
-    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+    "chunked-prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4),
     "preemption": dict(block_size=4, num_kv_blocks=30, max_num_batched_tokens=32),
 }
 
@@ -70,10 +71,15 @@ def test_greedy_and_logprobs_match_transformers(hybrid_dirs, expected, architect
 @pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
 def test_engine_features_keep_transformers_outputs(hybrid_dirs, expected, architecture: str, setting: str) -> None:
     prompts, references = expected[architecture]
-    llm = LLM(model=str(hybrid_dirs[architecture]), **SETTINGS[setting])
-    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    settings = SETTINGS[setting]
+    llm = LLM(model=str(hybrid_dirs[architecture]), **settings)
+    rounds = 2 if settings.get("enable_prefix_caching", True) else 1
+    for _ in range(rounds):  # the second round restores cached prefixes: KV and recurrent state
+        assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    stats = llm.engine.get_stats()
     if setting == "preemption":
-        assert llm.engine.get_stats().num_preemptions > 0
+        assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_hits > 0) == (rounds == 2)
     assert_idle(llm)
 
 
@@ -110,24 +116,35 @@ def test_nemotron_h_moe_blocks_are_refused(hybrid_dirs, tmp_path) -> None:
         ModelConfig.from_dir(tmp_path)
 
 
-def test_prefix_caching_is_turned_off_with_one_line(hybrid_dirs, expected, caplog) -> None:
-    prompts, references = expected["qwen3_5"]
-    with caplog.at_level(logging.INFO):
-        llm = LLM(model=str(hybrid_dirs["qwen3_5"]), enable_prefix_caching=True)
-    assert "prefix caching is off for Qwen3_5ForCausalLM" in caplog.text
-    for _ in range(2):
-        assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
-    assert llm.engine.get_stats().prefix_cache_hits == 0
+def test_a_cached_prefix_ends_at_a_state_snapshot(hybrid_dirs, expected) -> None:
+    prompts, _ = expected["qwen3_5"]
+    llm = LLM(model=str(hybrid_dirs["qwen3_5"]), block_size=4, max_num_batched_tokens=16)
+    llm.generate(prompts[-1:], GREEDY)
+    core = llm.engine.core
+    # 82 prompt tokens in chunks of 16: a snapshot after each chunk's last full block (16 ... 80)
+    assert core.kv_cache.state_snapshots is not None and core.kv_cache.state_snapshots.num_cached == 5
+    longer = [prompts[-1] + [7, 8, 9, 10, 11, 12]]
+    hits = core.scheduler.prefix_cache_hits
+    cached = llm.generate(longer, GREEDY)[0].outputs[0]
+    assert core.scheduler.prefix_cache_hits - hits == 80  # the KV and the state after 80 tokens
+    plain = LLM(model=str(hybrid_dirs["qwen3_5"]), enable_prefix_caching=False).generate(longer, GREEDY)[0].outputs[0]
+    assert cached.token_ids == plain.token_ids
+    for position, token in enumerate(cached.token_ids):
+        assert abs(cached.logprobs[position][token].logprob - plain.logprobs[position][token].logprob) < 1e-4
+    assert_idle(llm)
 
 
 def test_the_state_cache_bounds_the_sequences(hybrid_dirs) -> None:
-    llm = LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB")
-    slots = llm.engine.core.kv_cache.state_slots
-    # 3 layers x (96 channels x 3 window floats + 4 x 16 x 8 state floats) = 9600 bytes a sequence
-    assert slots is not None and slots.num_slots == (1 << 20) // 2 // 9600
-    assert llm.engine.core.scheduler.max_num_seqs <= slots.num_slots
+    # 3 layers x (96 channels x 3 window floats + 4 x 16 x 8 state floats) = 9600 bytes a sequence,
+    # twice that with prefix caching (a snapshot slot per sequence slot), in half the budget
+    for caching, copies in ((True, 2), (False, 1)):
+        llm = LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", enable_prefix_caching=caching)
+        slots = llm.engine.core.kv_cache.state_slots
+        assert slots is not None and slots.num_slots == (1 << 20) // 2 // (9600 * copies)
+        assert llm.engine.core.scheduler.max_num_seqs <= slots.num_slots
+        assert llm.engine.core.runner.state_cache.recurrent[0].shape[0] == slots.num_slots * copies
     with pytest.raises(ValueError, match=r"recurrent state of 200 sequences \(--max-num-seqs\)"):
-        LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", max_num_seqs=200)
+        LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", max_num_seqs=200, enable_prefix_caching=False)
 
 
 @pytest.mark.parametrize(
@@ -172,4 +189,6 @@ def test_plan_and_banner_count_the_state(hybrid_dirs) -> None:
     assert kv_bytes_per_token(shape, "fp32") == 256 == config.kv_bytes_per_token(4)
     assert shape.num_linear_layers == 3 and shape.linear_state_elements == (3 * 96 * 3, 3 * 4 * 16 * 8)
     line = state_cache_line(EngineConfig(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB"), config, 4)
-    assert line is not None and line.startswith(f"{(1 << 20) // 2 // 9600} sequences fit (9,600 bytes each")
+    slots = (1 << 20) // 2 // (2 * 9600)
+    assert line is not None and line.startswith(f"{slots} sequences fit (9,600 bytes each")
+    assert line.endswith(f"; {slots} prefix-cache snapshots at block boundaries")
