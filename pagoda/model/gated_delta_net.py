@@ -102,11 +102,8 @@ class GatedDeltaNet(nn.Module):
         windows, recurrent = states.conv_windows[self.layer_index], states.recurrent[self.layer_index]
         assert windows is not None and recurrent is not None, "every linear layer has its state"
         mixed, z, b, a = self._split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        loc = states.query_start_loc
-        decoding = states.decoding()
-        others = [i for i in range(states.num_reqs) if i not in set(decoding)]
-        rows = torch.tensor([loc[i] for i in decoding], dtype=torch.long, device=hidden.device)
-        slots = torch.tensor([states.slots[i] for i in decoding], dtype=torch.long, device=hidden.device)
+        decoding, others = states.decoding, states.chunked
+        rows, slots = states.decoding_index(hidden.device)
 
         # The short convolution, carried over each sequence's window.
         conv = torch.empty_like(mixed)

@@ -9,6 +9,7 @@ slots of the step's requests, computes its tokens, and writes the slots back in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -25,11 +26,13 @@ class LinearStateBatch:
     # Per request: (tokens into its rows, snapshot slot): the state after those tokens is also
     # saved into the snapshot slot (prefix caching, pagoda.core.state_snapshots); None: no snapshot.
     snapshots: list[tuple[int, int] | None] = field(default_factory=list)
+    _decoding_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.slots)
 
+    @cached_property
     def decoding(self) -> list[int]:
         """The requests computing one token after earlier ones, saving no snapshot: the
         single-step update serves them together; the others run the chunked form one by one."""
@@ -39,6 +42,21 @@ class LinearStateBatch:
             for i in range(self.num_reqs)
             if loc[i + 1] - loc[i] == 1 and not self.fresh[i] and self.snapshot(i) is None
         ]
+
+    @cached_property
+    def chunked(self) -> list[int]:
+        """The other requests, each run by the chunked form."""
+        decoding = set(self.decoding)
+        return [i for i in range(self.num_reqs) if i not in decoding]
+
+    def decoding_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(their rows, their slots) as index tensors, built once per step and device."""
+        cached = self._decoding_index.get(device)
+        if cached is None:
+            rows = torch.tensor([self.query_start_loc[i] for i in self.decoding], dtype=torch.long, device=device)
+            slots = torch.tensor([self.slots[i] for i in self.decoding], dtype=torch.long, device=device)
+            cached = self._decoding_index[device] = (rows, slots)
+        return cached
 
     def snapshot(self, i: int) -> tuple[int, int] | None:
         return self.snapshots[i] if self.snapshots else None

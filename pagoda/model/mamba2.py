@@ -62,11 +62,8 @@ class Mamba2Mixer(nn.Module):
         windows, ssm = states.conv_windows[self.layer_index], states.recurrent[self.layer_index]
         assert windows is not None and ssm is not None, "every Mamba2 layer has its state"
         gate, xbc, dt = torch.split(self.in_proj(hidden), [c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
-        loc = states.query_start_loc
-        decoding = states.decoding()
-        others = [i for i in range(states.num_reqs) if i not in set(decoding)]
-        rows = torch.tensor([loc[i] for i in decoding], dtype=torch.long, device=hidden.device)
-        slots = torch.tensor([states.slots[i] for i in decoding], dtype=torch.long, device=hidden.device)
+        decoding, others = states.decoding, states.chunked
+        rows, slots = states.decoding_index(hidden.device)
 
         conv = torch.empty_like(xbc)
         if decoding:
