@@ -64,6 +64,10 @@ class KVCacheManager:
         self.state_snapshots = state_snapshots if enable_caching else None
         # This step's snapshots to save: (request id, tokens into its chunk, snapshot slot).
         self._snapshots_to_save: list[tuple[str, int, int]] = []
+        # Requests whose prompt's KV is cached further than a snapshot reaches: the block where
+        # the cached chain ends, where they save a snapshot as they pass it (the next request
+        # sharing that prefix then finds one there).
+        self._snapshot_wanted: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.preemption = preemption or PreemptionPolicy("recompute")
@@ -118,8 +122,11 @@ class KVCacheManager:
             chain = self._cached_chain(request, max_blocks)
             snapshots = self.state_snapshots
             if snapshots is not None:  # a hybrid's prefix ends where its recurrent state was saved
+                cached_kv = len(chain)
                 while chain and snapshots.lookup(request.block_hashes[len(chain) - 1]) is None:
                     chain.pop()
+                if len(chain) < cached_kv:
+                    self._snapshot_wanted[request.request_id] = cached_kv
             return CachedPrefix([chain])
         if self.state_slots is not None:  # no snapshots across several block tables yet
             return CachedPrefix([])
@@ -242,8 +249,12 @@ class KVCacheManager:
             assert source is not None, "find_cached_prefix ends a hybrid's prefix at a snapshot"
             slots.copy(source, request.state_slot)
         end = min(write_pos + num_new_tokens, request.num_prompt_tokens)
-        boundary = end // self.block_size * self.block_size
-        if boundary > write_pos:
+        boundaries = {end // self.block_size * self.block_size}  # the chunk's last
+        wanted = self._snapshot_wanted.get(request.request_id)
+        if wanted is not None and wanted * self.block_size <= end:
+            boundaries.add(wanted * self.block_size)  # where a cached prefix's KV ends
+            del self._snapshot_wanted[request.request_id]
+        for boundary in sorted(b for b in boundaries if b > write_pos):
             slot = snapshots.reserve(request.request_id, boundary // self.block_size - 1)
             if slot is not None:
                 self._snapshots_to_save.append((request.request_id, boundary - write_pos, slot))
@@ -345,6 +356,7 @@ class KVCacheManager:
             request.state_slot = None
         if self.state_snapshots is not None:
             self.state_snapshots.drop(request.request_id)
+            self._snapshot_wanted.pop(request.request_id, None)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (KV written for rejected speculative tokens)."""

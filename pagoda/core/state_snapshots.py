@@ -5,9 +5,10 @@ A cached prefix restores the attention layers' KV from its blocks, but the recur
 state after the prefix is not in any block: it is kept apart, a snapshot per block boundary in
 slots of the state cache past the sequences' own (pagoda.worker.state_cache allocates them, the
 plan counts them). When a chunk of a request's prompt reaches or crosses a block boundary, the
-state there is saved into a reserved snapshot slot during the forward (at most one per chunk: its
-last boundary); once the step is done and the block's chained hash is known, the snapshot is
-found under that hash. A lookup serves the longest cached chain of KV blocks that ends at a
+state there is saved into a reserved snapshot slot during the forward (the chunk's last boundary,
+and where the request's cached KV ended without a snapshot: the KV cache manager picks them);
+once the step is done and the block's chained hash is known, the snapshot is found under that
+hash. A lookup serves the longest cached chain of KV blocks that ends at a
 boundary with a snapshot; the request's slot then starts as a copy of it (a state copy before
 the next forward). Snapshots are evicted least recently used first; one whose blocks have left
 the KV cache is never matched again and goes with the next evictions.

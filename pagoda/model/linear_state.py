@@ -23,9 +23,9 @@ class LinearStateBatch:
     # Per request: its first token is at position 0, so its state starts from zeros (a new or
     # recomputed sequence reuses a slot without clearing it).
     fresh: list[bool]
-    # Per request: (tokens into its rows, snapshot slot): the state after those tokens is also
-    # saved into the snapshot slot (prefix caching, pagoda.core.state_snapshots); None: no snapshot.
-    snapshots: list[tuple[int, int] | None] = field(default_factory=list)
+    # Per request: (tokens into its rows, snapshot slot) in order: the state after those tokens is
+    # also saved into the snapshot slot (prefix caching, pagoda.core.state_snapshots).
+    snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
     _decoding_index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
@@ -37,11 +37,7 @@ class LinearStateBatch:
         """The requests computing one token after earlier ones, saving no snapshot: the
         single-step update serves them together; the others run the chunked form one by one."""
         loc = self.query_start_loc
-        return [
-            i
-            for i in range(self.num_reqs)
-            if loc[i + 1] - loc[i] == 1 and not self.fresh[i] and self.snapshot(i) is None
-        ]
+        return [i for i in range(self.num_reqs) if loc[i + 1] - loc[i] == 1 and not self.fresh[i] and not self.saved(i)]
 
     @cached_property
     def chunked(self) -> list[int]:
@@ -58,18 +54,18 @@ class LinearStateBatch:
             cached = self._decoding_index[device] = (rows, slots)
         return cached
 
-    def snapshot(self, i: int) -> tuple[int, int] | None:
-        return self.snapshots[i] if self.snapshots else None
+    def saved(self, i: int) -> list[tuple[int, int]]:
+        """Request i's snapshots to save this step."""
+        return self.snapshots[i] if self.snapshots else []
 
     def pieces(self, i: int) -> list[tuple[slice, int | None]]:
         """Request i's rows, cut where a snapshot is saved: (rows, snapshot slot to copy the state
         into after them, or None)."""
         start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
-        snapshot = self.snapshot(i)
-        if snapshot is None:
-            return [(slice(start, end), None)]
-        offset, slot = snapshot
-        pieces: list[tuple[slice, int | None]] = [(slice(start, start + offset), slot)]
-        if start + offset < end:
-            pieces.append((slice(start + offset, end), None))
+        pieces: list[tuple[slice, int | None]] = []
+        for offset, slot in self.saved(i):
+            pieces.append((slice(start, self.query_start_loc[i] + offset), slot))
+            start = self.query_start_loc[i] + offset
+        if start < end:
+            pieces.append((slice(start, end), None))
         return pieces

@@ -52,8 +52,10 @@ class StateCache:
             slots.append(segment.request.state_slot)
             loc.append(loc[-1] + len(segment.token_ids))
             fresh.append(segment.start == 0)
-        saved = {request_id: (offset, slot) for request_id, offset, slot in snapshots}
-        per_request = [saved.get(segment.request.request_id) for segment in segments]
+        saved: dict[str, list[tuple[int, int]]] = {}
+        for request_id, offset, slot in snapshots:
+            saved.setdefault(request_id, []).append((offset, slot))
+        per_request = [sorted(saved.get(segment.request.request_id, [])) for segment in segments]
         return LinearStateBatch(self.conv_windows, self.recurrent, slots, loc, fresh, per_request)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:

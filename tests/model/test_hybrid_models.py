@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from engine_helpers import assert_idle
 from engine_helpers import prompts_for as engine_prompts
@@ -131,6 +132,30 @@ def test_a_cached_prefix_ends_at_a_state_snapshot(hybrid_dirs, expected) -> None
     assert cached.token_ids == plain.token_ids
     for position, token in enumerate(cached.token_ids):
         assert abs(cached.logprobs[position][token].logprob - plain.logprobs[position][token].logprob) < 1e-4
+    assert_idle(llm)
+
+
+def test_a_shared_prefix_is_snapshotted_where_its_cached_kv_ends(hybrid_dirs) -> None:
+    # A document and different questions (the rag workload's shape): the first prompt saves its
+    # state only at its last block boundary (inside its question); the second finds the
+    # document's KV cached but no state there, so it saves one as it passes the document's end;
+    # the third restores the document from it.
+    generator = torch.Generator().manual_seed(3)
+    document = torch.randint(5, 300, (40,), generator=generator).tolist()
+    questions = [torch.randint(5, 300, (6,), generator=generator).tolist() for _ in range(3)]
+    llm = LLM(model=str(hybrid_dirs["granitemoehybrid"]), block_size=4)
+    scheduler = llm.engine.core.scheduler
+    hits = []
+    outputs = []
+    for question in questions:
+        before = scheduler.prefix_cache_hits
+        outputs.append(llm.generate([document + question], GREEDY)[0].outputs[0])
+        hits.append(scheduler.prefix_cache_hits - before)
+    assert hits == [0, 0, 40]
+    plain = LLM(model=str(hybrid_dirs["granitemoehybrid"]), enable_prefix_caching=False)
+    expected = plain.generate([document + q for q in questions], GREEDY)
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.outputs[0].token_ids
     assert_idle(llm)
 
 
