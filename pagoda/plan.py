@@ -137,6 +137,10 @@ class ModelShape:
     # Multi-head latent attention: per layer, each token caches (latent, rope key) of these sizes
     # for all heads, instead of K and V per KV head. None: K and V.
     kv_latent_dims: tuple[int, int] | None = None
+    # Hybrid models: layers of linear attention (no KV, a fixed state per sequence), and that
+    # state's elements per sequence: (convolution windows in the model dtype, recurrent states in float32).
+    num_linear_layers: int = 0
+    linear_state_elements: tuple[int, int] = (0, 0)
 
     @property
     def is_mha(self) -> bool:
@@ -164,6 +168,8 @@ class ModelShape:
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
             kv_latent_dims=None if config.mla is None else config.mla.cache_dims,
+            num_linear_layers=config.linear_attention.num_linear_layers if config.linear_attention else 0,
+            linear_state_elements=_linear_state_elements(config),
             **(
                 {}
                 if config.moe is None
@@ -187,6 +193,19 @@ class ModelShape:
             * self.hidden_size
             * self.moe_intermediate_size
         )
+
+
+def _linear_state_elements(config: ModelConfig) -> tuple[int, int]:
+    """A hybrid model's state per sequence: (window elements, recurrent elements) over its
+    linear-attention layers; (0, 0) for a model that attends in every layer."""
+    linear = config.linear_attention
+    if linear is None:
+        return 0, 0
+    n = linear.num_linear_layers
+    recurrent = 1
+    for size in linear.recurrent_shape:
+        recurrent *= size
+    return n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -398,6 +417,8 @@ class Plan:
     stage_pool_blocks: int = 0
     stage_full_context_seqs: int = 0
     kv_pool_source: str = ""  # without --memory: the bytes serve's KV pool takes here, and why
+    # A hybrid model's linear-attention state, per sequence, held in the KV memory beside its blocks.
+    state_bytes_per_sequence: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -413,7 +434,11 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | Non
         )
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     return kv_cache_bytes_per_token(
-        shape.num_layers, heads, shape.head_dim, KV_CACHE_DTYPE_OF[kv_dtype], DTYPE_BYTES[kv_dtype]
+        shape.num_layers - shape.num_linear_layers,
+        heads,
+        shape.head_dim,
+        KV_CACHE_DTYPE_OF[kv_dtype],
+        DTYPE_BYTES[kv_dtype],
     )
 
 
@@ -572,6 +597,13 @@ def build_plan(
     needs_p50 = [row.memory_needed_p50 for row in class_rows if row.memory_needed_p50 is not None]
     needs_p95 = [row.memory_needed_p95 for row in class_rows if row.memory_needed_p95 is not None]
     blocks_per_seq = blocks_for(context, block_size)
+    windows_elements, recurrent_elements = shape.linear_state_elements
+    state_bytes = int(
+        windows_elements * (2 if dtype in ("int8", "int4") else DTYPE_BYTES[dtype]) + recurrent_elements * 4
+    )
+    full_context_seqs = base.full_context_seqs
+    if state_bytes:  # each sequence also holds its state, whatever its length
+        full_context_seqs = min(full_context_seqs, base.kv_memory_bytes // (blocks_per_seq * block_bytes + state_bytes))
     return Plan(
         model=model,
         params=params.total,
@@ -590,7 +622,7 @@ def build_plan(
         kv_bytes_per_sequence=blocks_per_seq * block_bytes,
         blocks_per_sequence=blocks_per_seq,
         num_blocks=base.num_blocks,
-        full_context_seqs=base.full_context_seqs,
+        full_context_seqs=full_context_seqs,
         classes=class_rows,
         classes_total_memory_p50=sum(needs_p50) if needs_p50 else None,
         classes_total_memory_p95=sum(needs_p95) if needs_p95 else None,
@@ -615,6 +647,7 @@ def build_plan(
         stage_pool_blocks=stage_pool_blocks,
         stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
         kv_pool_source=kv_pool_source,
+        state_bytes_per_sequence=state_bytes,
     )
 
 
@@ -804,7 +837,8 @@ def _kv_per_token(kv_dtype: str, shape: dict[str, Any]) -> str:
             f"{_kv_vector(kv_dtype, latent[1])}, shared by the {shape['num_attention_heads']} heads"
         )
     vector = _kv_vector(kv_dtype, shape["head_dim"])
-    return f"{shape['num_layers']} layers x 2 x {shape['num_kv_heads']} KV heads x {vector}"
+    kv_layers = shape["num_layers"] - shape.get("num_linear_layers", 0)  # a hybrid's recurrent layers keep none
+    return f"{kv_layers} layers x 2 x {shape['num_kv_heads']} KV heads x {vector}"
 
 
 def _sliding_window_lines(shape: dict[str, Any]) -> list[str]:
@@ -847,6 +881,15 @@ def render_plan(plan: Plan) -> str:
         f"({plan.blocks_per_sequence} blocks)",
         f"KV blocks        {plan.num_blocks:,} ({plan.num_blocks * plan.block_size:,} tokens)",
         *_sliding_window_lines(s),
+        *(
+            [
+                f"state per seq    {fmt_bytes(plan.state_bytes_per_sequence)} ({s['num_linear_layers']} "
+                f"recurrent layers keep no KV: a convolution window and a recurrent state each, "
+                f"whatever the length; counted below; prefix caching adds one snapshot of it per sequence)"
+            ]
+            if plan.state_bytes_per_sequence
+            else []
+        ),
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
         "",
     ]

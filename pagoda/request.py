@@ -88,6 +88,8 @@ class Request:
     # One block table per KV cache group (pagoda.core.kv_cache_groups); block 0 stands in for
     # blocks released behind a sliding window.
     block_tables: list[list[int]] = field(default_factory=list)
+    # A hybrid model's slot of the state cache (pagoda.core.state_slots), None while it holds none.
+    state_slot: int | None = None
     # Chained hashes of this request's full blocks, computed incrementally (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then

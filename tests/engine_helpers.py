@@ -33,6 +33,8 @@ def assert_idle(llm: LLM) -> None:
     assert core.kv_cache.num_held_blocks() == 0
     assert all(block.ref_cnt == 0 for block in core.kv_cache.pool.blocks)
     assert core.requests == {}
+    slots = core.kv_cache.state_slots  # a hybrid model's state cache
+    assert slots is None or slots.num_held == 0
 
 
 def teacher_forced_agreement(model, sequences: list[list[int]], prompt_lens: list[int]) -> float:

@@ -36,7 +36,8 @@ class TinyModel:
     config_class: str
     model_class: str  # the architecture
     # "dense" (ARCHITECTURES), "more" (MORE_ARCHITECTURES), "moe" (MOE_ARCHITECTURES), "mla"
-    # (MLA_ARCHITECTURES), "sigmoid_moe" (SIGMOID_MOE_ARCHITECTURES) or "classifier"
+    # (MLA_ARCHITECTURES), "sigmoid_moe" (SIGMOID_MOE_ARCHITECTURES), "hybrid" (HYBRID_ARCHITECTURES)
+    # or "classifier"
     group: str
     overrides: dict[str, Any] | Callable[[int], dict[str, Any]] = field(default_factory=dict)
 
@@ -55,6 +56,19 @@ def _phi3(seed: int) -> dict[str, Any]:
             "long_factor": (4 + 8 * torch.rand(head_dim // 2, generator=generator)).tolist(),
         },
     )
+
+
+_HYBRID = dict(
+    head_dim=16,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
 
 
 # Every family's test parameters: a new family adds its entry here, and the parity tests of its
@@ -223,6 +237,72 @@ TINY_MODELS: dict[str, TinyModel] = {
             attention_bias=True,
         ),
     ),
+    # Hybrids (tests/model/test_hybrid_models.py): Gated DeltaNet in layers 0-2 (2 key heads
+    # serving 4 value heads), gated attention with q/k norms and a half-head rotary in layer 3.
+    "qwen3_next": TinyModel(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        "hybrid",
+        dict(
+            _HYBRID,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_5": TinyModel("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "hybrid", dict(_HYBRID)),
+    "qwen3_5_moe": TinyModel(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        "hybrid",
+        dict(
+            _HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        ),
+    ),
+    # Mamba2 in layers 0, 1 and 3 (4 heads of 32 channels, 2 groups, a 16-token state), attention
+    # without rotary in layer 2; Granite's multipliers; top-2 of 4 experts and the shared MLP.
+    "granitemoehybrid": TinyModel(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        "hybrid",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["mamba", "mamba", "attention", "mamba"],
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+            position_embedding_type="nope",
+        ),
+    ),
+    # Nemotron-H's single-mixer blocks: Mamba2, the squared-ReLU MLP, attention without rotary, MLP.
+    "nemotron_h": TinyModel(
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        "hybrid",
+        dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            head_dim=16,
+            intermediate_size=96,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=16,
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),
@@ -249,6 +329,8 @@ MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.g
 MLA_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "mla")
 # DeepSeek's router under the shared attention (GLM-4.5): tests/model/test_glm4_moe.py.
 SIGMOID_MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "sigmoid_moe")
+# Linear attention beside attention: built by `build_model`, their fixtures in tests/model/test_hybrid_models.py.
+HYBRID_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "hybrid")
 
 
 def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:

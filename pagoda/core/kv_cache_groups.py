@@ -27,15 +27,19 @@ class KVCacheGroup:
     window: int | None = None
 
 
-def kv_cache_groups(layer_windows: Sequence[int | None], release: bool) -> list[KVCacheGroup]:
+def kv_cache_groups(
+    layer_windows: Sequence[int | None], release: bool, kv_layers: Sequence[int] | None = None
+) -> list[KVCacheGroup]:
     """Groups of equal size (the last of a window type may be smaller) in layer order of their
-    first layer. Without release (or without windows), one group of every layer, window None."""
-    num_layers = len(layer_windows)
-    if not release or all(w is None for w in layer_windows):
-        return [KVCacheGroup(tuple(range(num_layers)))]
+    first layer. Without release (or without windows), one group of every layer, window None.
+    kv_layers: the layers that keep KV (a hybrid model's linear-attention layers keep none);
+    None: all of them."""
+    layers_with_kv = list(range(len(layer_windows))) if kv_layers is None else list(kv_layers)
+    if not release or all(layer_windows[layer] is None for layer in layers_with_kv):
+        return [KVCacheGroup(tuple(layers_with_kv))]
     by_window: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        by_window.setdefault(window, []).append(layer)
+    for layer in layers_with_kv:
+        by_window.setdefault(layer_windows[layer], []).append(layer)
     counts = [len(layers) for layers in by_window.values()]
     # vLLM's rule: the smallest type sets the page, unless padding the small ones to the largest
     # wastes little.

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pagoda.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from pagoda.core.kv_cache_groups import KVCacheGroup, first_needed_block
 from pagoda.core.kv_tiers import HostTier, PreemptionPolicy, TierEntry, TransferOp, TransferPlan
+from pagoda.core.state_slots import StateSlots
+from pagoda.core.state_snapshots import StateSnapshots
 from pagoda.request import Request
 
 # What a request's block table entry in the cache names: None once released behind a window.
@@ -52,8 +54,20 @@ class KVCacheManager:
         host_tier: HostTier | None = None,
         preemption: PreemptionPolicy | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
+        state_slots: StateSlots | None = None,
+        state_snapshots: StateSnapshots | None = None,
     ) -> None:
         self.block_size = block_size
+        # A hybrid model's state cache: a slot per sequence, taken and returned with its blocks,
+        # and (with prefix caching) snapshots of the state at block boundaries.
+        self.state_slots = state_slots
+        self.state_snapshots = state_snapshots if enable_caching else None
+        # This step's snapshots to save: (request id, tokens into its chunk, snapshot slot).
+        self._snapshots_to_save: list[tuple[str, int, int]] = []
+        # Requests whose prompt's KV is cached further than a snapshot reaches: the block where
+        # the cached chain ends, where they save a snapshot as they pass it (the next request
+        # sharing that prefix then finds one there).
+        self._snapshot_wanted: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.preemption = preemption or PreemptionPolicy("recompute")
@@ -105,7 +119,17 @@ class KVCacheManager:
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.single_table:
-            return CachedPrefix([self._cached_chain(request, max_blocks)])
+            chain = self._cached_chain(request, max_blocks)
+            snapshots = self.state_snapshots
+            if snapshots is not None:  # a hybrid's prefix ends where its recurrent state was saved
+                cached_kv = len(chain)
+                while chain and snapshots.lookup(request.block_hashes[len(chain) - 1]) is None:
+                    chain.pop()
+                if len(chain) < cached_kv:
+                    self._snapshot_wanted[request.request_id] = cached_kv
+            return CachedPrefix([chain])
+        if self.state_slots is not None:  # no snapshots across several block tables yet
+            return CachedPrefix([])
         length = max_blocks
         for g, group in enumerate(self.groups):
             if group.window is None:
@@ -167,6 +191,8 @@ class KVCacheManager:
         Returns False, changing nothing else, if the pool has too few free blocks; the
         scheduler then preempts someone or leaves the request waiting.
         """
+        if self.state_slots is not None and request.state_slot is None and not self.state_slots.num_free:
+            return False
         state = self._requests.get(request.request_id)
         if state is None:
             state = RequestBlocks([[] for _ in self.groups], num_released=[0] * len(self.groups))
@@ -207,7 +233,36 @@ class KVCacheManager:
             if needed[g]:
                 table.extend(self.pool.allocate(needed[g]))
         request.block_tables = state.block_ids()
+        if self.state_slots is not None and request.state_slot is None:
+            request.state_slot = self.state_slots.allocate()
+        if self.state_slots is not None and self.state_snapshots is not None:
+            self._restore_and_snapshot(request, num_cached, write_pos, num_new_tokens)
         return True
+
+    def _restore_and_snapshot(self, request: Request, num_cached: int, write_pos: int, num_new_tokens: int) -> None:
+        """A hybrid's state: restored from the snapshot its cached prefix ends at, and saved at
+        the last block boundary within the prompt that this chunk reaches."""
+        snapshots, slots = self.state_snapshots, self.state_slots
+        assert snapshots is not None and slots is not None and request.state_slot is not None
+        if num_cached:
+            source = snapshots.lookup(request.block_hashes[num_cached - 1])
+            assert source is not None, "find_cached_prefix ends a hybrid's prefix at a snapshot"
+            slots.copy(source, request.state_slot)
+        end = min(write_pos + num_new_tokens, request.num_prompt_tokens)
+        boundaries = {end // self.block_size * self.block_size}  # the chunk's last
+        wanted = self._snapshot_wanted.get(request.request_id)
+        if wanted is not None and wanted * self.block_size <= end:
+            boundaries.add(wanted * self.block_size)  # where a cached prefix's KV ends
+            del self._snapshot_wanted[request.request_id]
+        for boundary in sorted(b for b in boundaries if b > write_pos):
+            slot = snapshots.reserve(request.request_id, boundary // self.block_size - 1)
+            if slot is not None:
+                self._snapshots_to_save.append((request.request_id, boundary - write_pos, slot))
+
+    def take_state_snapshots(self) -> list[tuple[str, int, int]]:
+        """This step's snapshots to save: (request id, tokens into its chunk, snapshot slot)."""
+        snapshots, self._snapshots_to_save = self._snapshots_to_save, []
+        return snapshots
 
     def _release_behind_windows(self, request: Request, state: RequestBlocks) -> None:
         """Return the blocks no query from the next computed position on sees (oldest first, so
@@ -260,6 +315,8 @@ class KVCacheManager:
         self.pool.touch(b for table in state.tables for b in table if b is not None)
         self._requests[child.request_id] = state
         child.block_tables = state.block_ids()
+        if self.state_slots is not None and parent.state_slot is not None:
+            child.state_slot = self.state_slots.fork(parent.state_slot)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -281,6 +338,8 @@ class KVCacheManager:
                 if block is not None:
                     self.pool.cache(block, _group_hash(request.block_hashes[i], g), tokens)
         state.num_cached = num_full
+        if self.state_snapshots is not None:
+            self.state_snapshots.register(request.request_id, request.block_hashes, num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail goes first in eviction order."""
@@ -292,6 +351,12 @@ class KVCacheManager:
             for table in state.tables:
                 self.pool.free(b for b in reversed(table) if b is not None)
         request.block_tables = []
+        if self.state_slots is not None and request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
+        if self.state_snapshots is not None:
+            self.state_snapshots.drop(request.request_id)
+            self._snapshot_wanted.pop(request.request_id, None)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (KV written for rejected speculative tokens)."""
@@ -330,6 +395,8 @@ class KVCacheManager:
         and disk tiers' entries (hashed under the old version) can no longer match."""
         self.weights_version += 1
         self.pool.forget_cached()
+        if self.state_snapshots is not None:
+            self.state_snapshots.clear()
 
     # ---- host tier -----------------------------------------------------------------------------
 

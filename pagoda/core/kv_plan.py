@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.core.kv_cache_groups import KVCacheGroup, kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.core.kv_memory import KVMemory
+from pagoda.core.state_slots import plan_state_slots
 
 if TYPE_CHECKING:
     from pagoda.model.model_config import ModelConfig
@@ -33,13 +34,32 @@ class KVPoolPlan:
     bytes_per_block: int  # on one rank (or the largest pipeline stage), the draft model's included
     num_blocks: int
     memory: KVMemory  # the bytes the pool may take on one rank, and why (the pool may use fewer)
+    # A hybrid model's state cache (pagoda.core.state_slots): a slot per sequence, and its
+    # snapshots with prefix caching, in the same budget.
+    num_state_slots: int = 0
+    num_state_snapshots: int = 0
+    bytes_per_state_slot: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """The state cache's bytes: its slots and snapshots."""
+        return (self.num_state_slots + self.num_state_snapshots) * self.bytes_per_state_slot
 
     def describe_memory(self) -> str:
         """The pool's bytes on one rank and where they come from, for the banner."""
-        used = self.num_blocks * self.bytes_per_block
+        used = self.num_blocks * self.bytes_per_block + self.state_bytes
         capped = used + self.bytes_per_block <= self.memory.bytes  # every running sequence at full context fits
         return (
             f"{_gib(used)} ({self.memory.describe()}{', all that --max-num-seqs sequences can use' if capped else ''})"
+            + (f"; {self.describe_state()}" if self.num_state_slots else "")
+        )
+
+    def describe_state(self) -> str:
+        """A hybrid model's state cache (pagoda.core.state_slots): how many sequences fit."""
+        return f"state cache: {self.num_state_slots} sequences fit ({self.bytes_per_state_slot:,} bytes each)" + (
+            f", {self.num_state_snapshots} prefix-cache snapshots at block boundaries"
+            if self.num_state_snapshots
+            else ""
         )
 
 
@@ -63,7 +83,7 @@ def plan_kv_pool(
     # their own (pagoda.core.kv_cache_groups); a pool block holds one layer of each group member.
     windows = model_config.layer_sliding_windows
     blocker = release_blocker if any(w is not None for w in windows) else None
-    groups = kv_cache_groups(windows, release=blocker is None)
+    groups = kv_cache_groups(windows, release=blocker is None, kv_layers=model_config.kv_layers)
     if blocker is not None:
         logger.info("sliding-window KV blocks are kept whole: %s", blocker)
     # Per rank: each holds its KV heads' slice of every block.
@@ -71,7 +91,8 @@ def plan_kv_pool(
         model_config.kv_bytes_per_token(element_bytes, num_kv_heads, kv_cache_dtype=cache.kv_cache_dtype)
         * cache.block_size
     )
-    bytes_per_block = bytes_per_block * layers_per_page(groups) // model_config.num_layers
+    num_kv_layers = len(model_config.kv_layers)
+    bytes_per_block = bytes_per_block * layers_per_page(groups) // num_kv_layers
     if stages is not None:  # each stage holds its layers' share of a block: the largest bounds the pool
         bytes_per_block = (
             bytes_per_block * max(stage_layers_per_page(groups, stage) for stage in stages) // layers_per_page(groups)
@@ -80,10 +101,27 @@ def plan_kv_pool(
         bytes_per_block += (
             draft_config.kv_bytes_per_token(element_bytes, kv_cache_dtype=cache.kv_cache_dtype) * cache.block_size
         )
+    state = plan_state_slots(cache, scheduler, model_config, element_bytes, memory.bytes)
+    if state.num_slots:
+        logger.info(
+            "state cache: %d sequences fit, %d bytes of recurrent-layer state each, %d prefix-cache snapshots",
+            state.num_slots,
+            state.bytes_per_slot,
+            state.num_snapshots,
+        )
     num_blocks = num_kv_blocks(
-        cache, scheduler, groups, model_config.num_layers, bytes_per_block, max_model_len, memory.bytes
+        cache, scheduler, groups, num_kv_layers, bytes_per_block, max_model_len, memory.bytes - state.total_bytes
     )
-    return KVPoolPlan(groups, blocker, bytes_per_block, num_blocks, memory)
+    return KVPoolPlan(
+        groups,
+        blocker,
+        bytes_per_block,
+        num_blocks,
+        memory,
+        state.num_slots,
+        state.num_snapshots,
+        state.bytes_per_slot,
+    )
 
 
 def num_kv_blocks(
@@ -95,8 +133,8 @@ def num_kv_blocks(
     max_model_len: int,
     pool_bytes: int,
 ) -> int:
-    """--num-kv-blocks, else what `pool_bytes` (pagoda.core.kv_memory) hold, at most what the running
-    sequences could ever use."""
+    """--num-kv-blocks, else what `pool_bytes` (pagoda.core.kv_memory, less a hybrid model's state
+    cache) hold, at most what the running sequences could ever use."""
     if cache.num_kv_blocks is not None:  # blocks of every layer: the same memory in pages
         return cache.num_kv_blocks * num_layers // layers_per_page(groups)
     num_blocks = pool_bytes // bytes_per_block

@@ -50,6 +50,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
     kv_transfers: list = field(default_factory=list)  # KV tier copies (TransferOp), before block_copies
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # a hybrid's forked state slots (src, dst)
+    # A hybrid's state snapshots to save this step: (request id, tokens into its chunk, snapshot slot).
+    state_snapshots: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -264,6 +267,9 @@ class Scheduler:
         if self.num_micro_batches > 1:
             self._in_flight.update(id(entry.request) for entry in output.scheduled)
         output.block_copies = self.kv_cache.take_pending_copies()
+        if self.kv_cache.state_slots is not None:
+            output.state_copies = self.kv_cache.state_slots.take_pending_copies()
+            output.state_snapshots = self.kv_cache.take_state_snapshots()
         output.kv_transfers = self.kv_cache.take_transfers()
         now = time.time()
         for entry in output.scheduled:

@@ -23,6 +23,9 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_memory import KVMemory, free_after_weights, free_memory_bytes, kv_pool_memory
 from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.state_slots import StateSlots
+from pagoda.core.state_snapshots import StateSnapshots
+from pagoda.engine.hybrid_settings import check_hybrid_settings
 from pagoda.engine.threads import available_cores
 from pagoda.engine.validation import EngineLimits
 from pagoda.errors import InvalidRequest
@@ -102,6 +105,7 @@ def build_model_stack(config: EngineConfig) -> ModelStack:
         if config.tokenizer not in (None, config.model):
             verify_artifact(config.tokenizer, verification)
     model_config = load_model_config(config.model, config.score_tokens, config.tokenizer)
+    check_hybrid_settings(config, model_config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -336,6 +340,7 @@ def build_runner(
         kv_format=kv_format,
         lora=stack.lora,
         groups=plan.groups,
+        num_state_slots=plan.num_state_slots + plan.num_state_snapshots,
     )
     if stack.executor is not None:
         stack.executor.start_serving(plan.num_blocks, plan.groups)
@@ -357,10 +362,16 @@ def build_scheduler(
         host_tier=kv_tiers.host if kv_tiers else None,
         preemption=kv_tiers.policy if kv_tiers else None,
         groups=plan.groups,
+        state_slots=StateSlots(plan.num_state_slots) if plan.num_state_slots else None,
+        # snapshot slots follow the sequences' own in the state cache
+        state_snapshots=StateSnapshots(plan.num_state_slots, plan.num_state_snapshots)
+        if plan.num_state_snapshots
+        else None,
     )
     scheduler = Scheduler(
         kv_cache,
-        max_num_seqs=config.max_num_seqs_bound,
+        # a hybrid model runs no more sequences than its state cache has slots
+        max_num_seqs=min(config.max_num_seqs_bound, plan.num_state_slots or config.max_num_seqs_bound),
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=stack.max_model_len,
         enable_chunked_prefill=config.enable_chunked_prefill,

@@ -133,11 +133,12 @@ class EngineCore:
         )
         self._reset_step_stats()
         self._resolve_max_num_seqs()
-        self._log_ready(stack.model.model.layers[0].self_attn.o_proj.weight_format.name)
+        self._log_ready(stack.model.first_attention.o_proj.weight_format.name)
 
     def _log_ready(self, weights: str) -> None:
+        slots = self.kv_cache.state_slots  # a hybrid model's state cache
         logger.info(
-            "engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s",
+            "engine ready: %s, %s on %s, weights=%s, %d KV blocks of %d tokens (kv %s), attention=%s%s",
             self.model_config.architecture,
             self.dtype,
             self.device,
@@ -146,6 +147,7 @@ class EngineCore:
             self.config.block_size,
             self.config.kv_cache_dtype,
             self.runner.backend.name,
+            "" if slots is None else f", state cache of {slots.num_slots} sequences",
         )
 
     def _reset_step_stats(self) -> None:

@@ -197,6 +197,7 @@ class CalibratedEngine(Protocol):
     device: torch.device
     dtype: torch.dtype
     executor: Any
+    kv_cache: Any  # a hybrid model's state slots bound the sequences (pagoda.core.state_slots)
 
     def add_request(self, request: EngineRequest) -> Any: ...
     def step(self) -> Any: ...
@@ -347,10 +348,12 @@ def resolve_max_num_seqs(
     were calibrated before), or bound by the KV pool alone when there is no budget (offline)."""
     if explicit is not None:
         return MaxNumSeqsChoice(value=explicit, explicit=True)
+    slots = core.kv_cache.state_slots
     common = dict(
         num_blocks=core.num_blocks,
         block_size=core.config.block_size,
         max_num_batched_tokens=core.config.max_num_batched_tokens,
+        ceiling=CEILING if slots is None else min(CEILING, slots.num_slots),
     )
     if itl_budget_ms is None:
         choice = choose_max_num_seqs(**common, itl_budget_ms=None, step_time_ms=None)

@@ -63,7 +63,7 @@ class SleepMode:
         """Weights read from a safetensors directory into the full-precision format (not a
         trainer's, a GGUF file's or a GPTQ checkpoint's), which wake_up can read again."""
         source = self.weights.source
-        layer: Any = self.core.runner.model.get_submodule("model.layers.0.self_attn.o_proj")
+        layer: Any = self.core.runner.model.first_attention.o_proj
         return (
             source is not None
             and Path(source).is_dir()

@@ -2,7 +2,8 @@
 "Kernels"). vLLM's CustomOp picks a forward per platform; here `resolve_kernels` builds one
 `Kernels` for the engine's device and `--native-kernels` setting, model construction takes it,
 and layers call `kernels.linear(layer, x, bias)`, `kernels.norm.rms_norm(...)`,
-`kernels.rotary(...)`, `kernels.moe(...)` without asking which implementation runs.
+`kernels.rotary(...)`, `kernels.moe(...)`, `kernels.delta_rule.chunked(...)`,
+`kernels.causal_conv.step(...)` without asking which implementation runs.
 
 Implementations: pagoda's native CPU kernels (pagoda.native, C++ in pagoda/csrc), PyTorch's
 ops (the reference every other implementation is tested against, and the one for devices
@@ -18,11 +19,14 @@ from types import ModuleType
 import torch
 
 from pagoda.kernels.attention import AttentionBackend, select_backend
+from pagoda.kernels.causal_conv import TorchCausalConv
+from pagoda.kernels.delta_rule import TorchDeltaRule
 from pagoda.kernels.linear import NativeLinear, TorchLinear, TritonLinear
 from pagoda.kernels.lora_delta import add_lora_delta
 from pagoda.kernels.moe import MoEKernels
 from pagoda.kernels.norm import NativeNorm, TorchNorm
 from pagoda.kernels.rotary import NativeRotary, TorchRotary
+from pagoda.kernels.ssd import TorchSSD
 from pagoda.native import NativeKernels, resolve_native_kernels, version_line
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 
@@ -47,6 +51,12 @@ class Kernels:
             self.linear = TritonLinear(_triton_module("weight_matmul")) if on_cuda else TorchLinear()
             self.norm = TorchNorm()
             self.rotary = TorchRotary()
+        # Linear-attention and state-space layers (Gated DeltaNet, Mamba2): the chunked and
+        # single-step gated delta rule and SSD scan, and the short causal convolution, PyTorch's
+        # on every device so far.
+        self.delta_rule = TorchDeltaRule()
+        self.ssd = TorchSSD()
+        self.causal_conv = TorchCausalConv()
         self.moe = MoEKernels(self.device, native, _triton_module("fused_moe") if on_cuda else None)
         lora = _triton_module("lora_delta") if on_cuda else None
         # The batched LoRA delta added to a projection's output in place (pagoda.kernels.lora_delta):

@@ -24,7 +24,11 @@ from torch import nn
 from pagoda.kernels import Kernels
 from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.model.classifier import ClassifierHead
+from pagoda.model.gated_delta_net import GatedDeltaNet
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagoda.model.linear_attention_config import LinearAttentionConfig, Mamba2Config
+from pagoda.model.linear_state import LinearStateBatch
+from pagoda.model.mamba2 import Mamba2Mixer
 from pagoda.model.mla import LatentAttention
 from pagoda.model.mlp import MLP
 from pagoda.model.model_config import ModelConfig
@@ -43,6 +47,8 @@ class ForwardContext:
     metadata: list[object]  # per layer: the backend's metadata of the layer's KV cache group
     # per layer (key_cache, value_cache), a latent attention layer's (latents, rope keys); None: other stages
     kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None]
+    # A hybrid model's linear-attention layers: the step's slots of the state cache.
+    linear_states: LinearStateBatch | None = None
 
 
 class Attention(nn.Module):
@@ -64,18 +70,19 @@ class Attention(nn.Module):
         self.num_heads = heads.num_heads
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
-        self.rotary_dim = config.rotary_dim  # partial rotary (GLM-4.5): the first dims of each head
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         full_q = config.num_heads * config.head_dim
+        # Qwen3-Next's output gate: q_proj gives each head its query, then its gate.
+        self.q_width = 2 if config.attention_output_gate else 1
         self.qkv_proj = Linear(
             config.hidden_size,
-            full_q + 2 * config.num_kv_heads * config.head_dim,
+            self.q_width * full_q + 2 * config.num_kv_heads * config.head_dim,
             config.qkv_bias,
             dtype,
             device,
             weight_format,
-            tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads),
+            tp.qkv(config.hidden_size, heads, config.num_heads, config.num_kv_heads, self.q_width),
             kernels=kernels,
         )
         self.o_proj = Linear(
@@ -89,10 +96,11 @@ class Attention(nn.Module):
             tp.all_reduce,
             kernels=kernels,
         )
-        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+        norm_args = (self.head_dim, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
         self.q_norm = RMSNorm(*norm_args) if config.qk_norm else None
         self.k_norm = RMSNorm(*norm_args) if config.qk_norm else None
         scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.rotates = not config.no_rope  # Granite 4.0-H's attention has no positional rotation
         self.sinks = None
         if config.attention_sinks:  # this rank's heads' sinks; the loader takes them via `shard`
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
@@ -118,32 +126,33 @@ class Attention(nn.Module):
         """rope: this step's (cos, sin_rolled) rows from `rotary.tables`, gathered once per step."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        qk_size = self.q_size + self.kv_size
+        q_end = self.q_width * self.q_size
+        qk_size = q_end + self.kv_size
         v = qkv[:, qk_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        if self.q_norm is None or self.k_norm is None:  # both or neither (config.qk_norm)
+        gate = None
+        if self.q_width == 2:  # each head's query, then its gate
+            gated = qkv[:, :q_end].view(num_tokens, self.num_heads, 2, self.head_dim)
+            q, gate = gated[:, :, 0].contiguous(), gated[:, :, 1].reshape(num_tokens, self.q_size)
+        else:
+            q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
+        if (self.q_norm is None or self.k_norm is None) and gate is None:  # both or neither (config.qk_norm)
             # q and k heads side by side in the fused output: one rotation for both
-            qk = self.rotate(
-                qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), rope, rotary
-            )
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.rotates:
+                qk = rotary(qk, *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:  # Qwen3, Gemma 3: per-head norms (separate weights) come before the rotation
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = self.rotate(q, rope, rotary), self.rotate(k, rope, rotary)
+            k = qkv[:, q_end:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotates:
+                q, k = rotary(q, *rope), rotary(k, *rope)
         caches = context.kv_caches[self.layer_index]
         assert caches is not None, "a stage allocates the caches of every layer it runs"
         key_cache, value_cache = caches
         out = context.backend.forward(q, k, v, key_cache, value_cache, context.metadata[self.layer_index], self.spec)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def rotate(
-        self, heads: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        """heads [T, N, D] rotated, all dims or the first `rotary_dim` (the rest passed through)."""
-        if self.rotary_dim == self.head_dim:
-            return rotary(heads, *rope)
-        rotated = rotary(heads[..., : self.rotary_dim].contiguous(), *rope)
-        return torch.cat([rotated, heads[..., self.rotary_dim :]], dim=-1)
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class DecoderLayer(nn.Module):
@@ -158,10 +167,21 @@ class DecoderLayer(nn.Module):
         kernels: Kernels,
     ) -> None:
         super().__init__()
-        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+        norm_args = (config.hidden_size, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
         self.input_layernorm = RMSNorm(*norm_args)
-        attention = Attention if config.mla is None else LatentAttention  # latent: pagoda.model.mla
-        self.self_attn = attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        # A hybrid model's recurrent layers mix tokens with Gated DeltaNet or Mamba2 instead of attention.
+        recurrent = config.linear_attention
+        self.linear_attn: GatedDeltaNet | None = None
+        self.mamba: Mamba2Mixer | None = None
+        mixer_args = (config.hidden_size, config.rms_norm_eps, layer_index, dtype, device, weight_format, tp, kernels)
+        if isinstance(recurrent, LinearAttentionConfig) and recurrent.layers[layer_index]:
+            self.linear_attn = GatedDeltaNet(recurrent, *mixer_args)
+        elif isinstance(recurrent, Mamba2Config) and recurrent.layers[layer_index]:
+            self.mamba = Mamba2Mixer(recurrent, *mixer_args)
+        else:
+            attention = Attention if config.mla is None else LatentAttention  # latent: pagoda.model.mla
+            self.self_attn = attention(config, layer_index, dtype, device, weight_format, tp, kernels)
+        self.residual_multiplier = config.residual_multiplier
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two more
         # around the MLP.
         self.post_attention_layernorm = RMSNorm(*norm_args)
@@ -202,12 +222,21 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, rotary, context)
+        if self.linear_attn is not None:
+            hidden = self.linear_attn(hidden, context.linear_states)
+        elif self.mamba is not None:
+            hidden = self.mamba(hidden, context.linear_states)
+        else:
+            hidden = self.self_attn(hidden, rope, rotary, context)
+        scale = self.residual_multiplier
+        if scale is not None:  # Granite: each block's output scaled before the residual add
+            hidden = hidden * scale
         if self.gemma_norms:
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual, self.post_attention_layernorm)
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        out = self.mlp(hidden)
+        return (out if scale is None else out * scale), residual
 
 
 class DecoderStack(nn.Module):
@@ -262,16 +291,15 @@ class DecoderModel(nn.Module):
             else None
         )
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, weight_format, self.tp, kernels)
+            self.build_layer(config, i, dtype, device, weight_format, self.tp, kernels)
             if self.stage.holds_layer(i)
             else OtherStageLayer()
             for i in range(config.num_layers)
         )
-        first_layer = self.model.layers[self.stage.first_layer]
-        assert isinstance(first_layer, DecoderLayer), "a stage holds its first layer"
-        self.num_kv_heads = first_layer.self_attn.num_kv_heads
+        attention = self.first_attention
+        self.num_kv_heads = attention.num_kv_heads
         self.model.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.gemma_norms, kernels)
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, config.unit_offset_norms, kernels)
             if self.stage.is_last
             else None
         )
@@ -325,6 +353,28 @@ class DecoderModel(nn.Module):
         )
         self.layer_rotary = [distinct.index(rope) for rope in layer_ropes]
 
+    def build_layer(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: WeightFormat | None,
+        tp: TensorParallelGroup,
+        kernels: Kernels,
+    ) -> nn.Module:
+        """One decoder layer: the shared one; a family whose layers differ overrides this."""
+        return DecoderLayer(config, layer_index, dtype, device, weight_format, tp, kernels)
+
+    @property
+    def first_attention(self) -> Attention:
+        """This stage's first attention layer (a hybrid model's first layers may be recurrent ones)."""
+        for index in self.stage.layers:
+            attention = getattr(self.model.layers[index], "self_attn", None)
+            if isinstance(attention, Attention):
+                return attention
+        raise ValueError("a pipeline stage without an attention layer is not supported")
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -362,6 +412,8 @@ class DecoderModel(nn.Module):
         else:
             logits = self.lm_head(hidden)  # through its weight format (pre-packed on CPU)
         logits = self.tp.gather_logits(logits, self.config.vocab_size)
+        if self.config.logits_divisor is not None:  # Granite's logits_scaling
+            logits = logits / self.config.logits_divisor
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -80,7 +80,8 @@ class HFConfig:
         scale_embeddings: embeddings multiplied by sqrt(hidden_size); default_rope_theta: where
         the config names no base; default_sliding_rope_theta: the sliding layers' own base where
         the config gives no rope per layer type (None: they use the global rope); moe: reads the
-        experts (None: dense)."""
+        experts (None: dense); partial_rotary: the family rotates part of each head
+        (`partial_rotary_factor`)."""
         config, source = self.values, self.source
         hidden_size = self.required_int("hidden_size")
         num_heads = self.required_int("num_attention_heads")

@@ -175,5 +175,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
         """heads [T, N, D] (q heads, k heads, or both side by side) with this step's tables; the
-        heads are consumed (an implementation may rotate them in place)."""
-        return self.kernels.rotary(heads, cos, sin_rolled)
+        heads are consumed (an implementation may rotate them in place). Tables narrower than
+        the heads (partial rotary): the first features rotate, the others pass through."""
+        rotary_dim = cos.shape[-1]
+        if heads.shape[-1] == rotary_dim:
+            return self.kernels.rotary(heads, cos, sin_rolled)
+        rotated = self.kernels.rotary(heads[..., :rotary_dim].contiguous(), cos, sin_rolled)
+        return torch.cat((rotated, heads[..., rotary_dim:]), dim=-1)

@@ -36,6 +36,11 @@ _FUSED_PARTS = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    # Qwen3.5's Gated DeltaNet projections (pagoda.model.gated_delta_net)
+    "in_proj_qkv": ("in_proj_qkvz", 0),
+    "in_proj_z": ("in_proj_qkvz", 1),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -563,7 +568,12 @@ def _locate(name: str) -> tuple[str, int | None]:
 def _expected_checkpoint_names(params: dict[str, torch.nn.Parameter], loaded: set[str]) -> list[str]:
     """A fused parameter comes either whole (Phi-3's qkv_proj, gate_up_proj) or in its parts."""
     names: list[str] = []
-    fused_back = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    fused_back = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+        "in_proj_ba": ("in_proj_b", "in_proj_a"),
+    }
     for name in params:
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in fused_back and name not in loaded:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagoda.model import families
 from pagoda.model.classifier_config import ClassifierConfig, read_classifier
+from pagoda.model.linear_attention_config import RecurrentLayers
 from pagoda.model.mla_config import MLAConfig
 from pagoda.model.moe_config import MoEConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token, latent_kv_bytes_per_token
@@ -64,8 +65,45 @@ class ModelConfig:
     # Multi-head latent attention (pagoda.model.mla): each token caches one latent and one rope
     # key per layer, shared by every head; head_dim is then the rope dims (transformers' choice).
     mla: MLAConfig | None = None
-    # The share of each head's dims the rope rotates, the first ones (GLM-4.5: 0.5); 1: all.
+    # --- hybrid models (Qwen3-Next, Qwen3.5) ---
+    # Recurrent layers in place of attention in some layers: Gated DeltaNet linear attention
+    # (pagoda.model.gated_delta_net) or Mamba2 (pagoda.model.mamba2); None: every layer attends
+    # and keeps KV.
+    linear_attention: RecurrentLayers | None = None
+    # q_proj also yields a gate per head: the attention output is multiplied by its sigmoid.
+    attention_output_gate: bool = False
+    # The share of each head's dims the rope rotates, the first ones (GLM-4.5, Qwen3-Next: 0.5); 1: all.
     partial_rotary_factor: float = 1.0
+    # RMSNorm scales by (1 + w) (Gemma's form) without Gemma's extra norms.
+    zero_centered_norms: bool = False
+    # Granite: each block's output scaled before the residual add, attention without rotary
+    # (its position comes from the recurrent layers), logits divided by a constant.
+    residual_multiplier: float | None = None
+    no_rope: bool = False
+    logits_divisor: float | None = None
+    # Nemotron-H: layers of an MLP alone (neither attention nor a recurrent mixer, so no KV).
+    mlp_only_layers: tuple[int, ...] = ()
+    # --- end hybrid models ---
+
+    @property
+    def unit_offset_norms(self) -> bool:
+        """RMSNorms scale by (1 + w): Gemma's and the zero-centered ones."""
+        return self.gemma_norms or self.zero_centered_norms
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head the rotary embedding rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV: all but recurrent and MLP-only ones."""
+        linear = self.linear_attention
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if (linear is None or not linear.layers[i]) and i not in self.mlp_only_layers
+        )
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""
@@ -92,12 +130,7 @@ class ModelConfig:
             latent_dim, rope_dim = self.mla.cache_dims
             return latent_kv_bytes_per_token(self.num_layers, latent_dim, rope_dim, kv_cache_dtype, bytes_per_element)
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return kv_cache_bytes_per_token(self.num_layers, heads, self.head_dim, kv_cache_dtype, bytes_per_element)
-
-    @property
-    def rotary_dim(self) -> int:
-        """The dims of each head the rope rotates (the first ones)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        return kv_cache_bytes_per_token(len(self.kv_layers), heads, self.head_dim, kv_cache_dtype, bytes_per_element)
 
     @property
     def kv_cache_dims(self) -> tuple[int, int]:

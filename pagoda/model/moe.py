@@ -256,9 +256,8 @@ class SparseMoE(nn.Module):
             self.expert_counts += counts.to(self.expert_counts.device)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-            out = out + shared
+            gate = self.shared_expert_gate
+            out = out + (shared if gate is None else torch.sigmoid(gate(hidden)) * shared)
         return self.tp.all_reduce(out)  # the experts' (and shared expert's) partial sums
 
     def sigmoid_routing(self) -> SigmoidRouting | None:

@@ -34,7 +34,7 @@ class MoEConfig:
     top_k_groups: int = 1
     routed_scaling_factor: float = 1.0
     # The shared expert's output scaled by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE); False:
-    # added as it is (DeepSeek's shared experts).
+    # added as it is (DeepSeek's shared experts, Granite's shared MLP).
     shared_expert_gated: bool = True
 
     @property

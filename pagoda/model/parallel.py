@@ -227,11 +227,14 @@ class TensorParallelGroup:
             Slice(kv.start * head_dim, kv.size * head_dim),
         )
 
-    def qkv(self, in_features: int, heads: AttentionHeads, num_heads: int, num_kv_heads: int) -> LinearShard:
-        q, kv = num_heads * heads.head_dim, num_kv_heads * heads.head_dim
-        return LinearShard(
-            (q, kv, kv), (heads.q_rows, heads.kv_rows, heads.kv_rows), in_features, Slice(0, in_features)
-        )
+    def qkv(
+        self, in_features: int, heads: AttentionHeads, num_heads: int, num_kv_heads: int, q_width: int = 1
+    ) -> LinearShard:
+        """q_width 2: q_proj gives each head its query then its gate (an output gate), rows
+        that split by head like the queries alone."""
+        q, kv = q_width * num_heads * heads.head_dim, num_kv_heads * heads.head_dim
+        q_rows = Slice(q_width * heads.q_rows.start, q_width * heads.q_rows.size)
+        return LinearShard((q, kv, kv), (q_rows, heads.kv_rows, heads.kv_rows), in_features, Slice(0, in_features))
 
     def vocab(self, vocab_size: int, hidden_size: int) -> LinearShard:
         """The rank's rows of the vocabulary, padded up to a multiple of the world size."""

@@ -302,7 +302,8 @@ def startup_banner(
 
     model_config = load_model_config(config.model)  # a directory or a GGUF file
     device = resolve_device(config.device)
-    dtype = str(resolve_dtype(config.dtype, model_config.config_dtype, device)).removeprefix("torch.")
+    torch_dtype = resolve_dtype(config.dtype, model_config.config_dtype, device)
+    dtype = str(torch_dtype).removeprefix("torch.")
     stats = llm.get_stats()
     max_model_len = llm.max_model_len
     blocks = stats.num_total_blocks if stats is not None else 0

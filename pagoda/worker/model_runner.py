@@ -30,6 +30,7 @@ from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
 from pagoda.worker.paged_model import PagedModel
 from pagoda.worker.pooling import pool_prompts
 from pagoda.worker.sampler import Sampler, position_logprobs
+from pagoda.worker.state_cache import StateCache
 
 
 @dataclass
@@ -211,8 +212,13 @@ class ModelRunner(PagedModel):
         kv_format: KVCacheFormat | None = None,
         lora: LoRAManager | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         super().__init__(model, backend, num_blocks, block_size, dtype, device, kv_format, groups)
+        # A hybrid model's linear-attention state, a slot per running sequence (pagoda.core.state_slots).
+        self.state_cache = (
+            StateCache(model, num_state_slots, dtype, device) if model.config.linear_attention is not None else None
+        )
         self.lora = lora  # LoRA adapters (pagoda.lora): the step's token -> slot mapping is set here
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
@@ -227,7 +233,14 @@ class ModelRunner(PagedModel):
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         # Graphs replay one block table per request: a model with several KV cache groups runs eagerly.
-        if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend) and len(self.kv_groups) == 1:
+        # A hybrid model's step reads and writes state slots the graphs do not capture: it runs eagerly.
+        if (
+            device.type == "cuda"
+            and not enforce_eager
+            and supports_cuda_graphs(backend)
+            and len(self.kv_groups) == 1
+            and self.state_cache is None
+        ):
             self.decode_graphs = DecodeGraphRunner(
                 model, backend, self.kv_caches, self.sliding_windows, max_num_seqs, max_model_len, block_size, device
             )
@@ -242,6 +255,8 @@ class ModelRunner(PagedModel):
             assert self.kv_transfer is not None, "the scheduler plans tier copies only with KV tiers"
             self.kv_transfer.run(scheduler_output.kv_transfers)
         self._copy_blocks(scheduler_output.block_copies)
+        if self.state_cache is not None:
+            self.state_cache.copy(scheduler_output.state_copies)
         draft_probs: dict[str, torch.Tensor | None] = {}
         if self.speculator is not None:
             draft_probs = self.speculator.propose(scheduler_output, self.sampler)
@@ -271,6 +286,8 @@ class ModelRunner(PagedModel):
             hidden = graphs.run(input_ids, positions, layouts[0])  # the graph's buffer: used before next step
         else:
             context = self.forward_context(layouts)
+            if self.state_cache is not None:
+                context.linear_states = self.state_cache.batch(segments, scheduler_output.state_snapshots)
             prepared = time.perf_counter()
             hidden = self.model(input_ids, positions, context)
         if self.lora is not None:

@@ -107,8 +107,8 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def single_group(model: DecoderModel) -> list[KVCacheGroup]:
-    """Every layer in one group whose blocks are kept."""
-    return [KVCacheGroup(tuple(range(model.config.num_layers)))]
+    """Every layer that keeps KV in one group whose blocks are kept."""
+    return [KVCacheGroup(model.config.kv_layers)]
 
 
 class PagedModel:
@@ -128,7 +128,8 @@ class PagedModel:
         groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
         specs: list[AttentionLayerSpec] = []
-        for i in model.stage.layers:
+        kv_layers = set(model.config.kv_layers)  # a hybrid model's linear-attention layers keep no KV
+        for i in (i for i in model.stage.layers if i in kv_layers):
             spec = model.get_submodule(f"model.layers.{i}.self_attn").spec
             assert isinstance(spec, AttentionLayerSpec), "every attention layer describes itself"
             specs.append(spec)

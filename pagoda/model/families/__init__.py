@@ -30,6 +30,11 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
     "deepseek_v3": (("DeepseekV3ForCausalLM",), (), ("deepseek_v3", "kimi_k2")),
     "glm4_moe": (("Glm4MoeForCausalLM",), (), ("glm4_moe",)),
+    "qwen3_next": (("Qwen3NextForCausalLM",), (), ("qwen3_next",)),
+    "qwen3_5": (("Qwen3_5ForCausalLM",), (), ("qwen3_5_text",)),
+    "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
+    "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
+    "nemotron_h": (("NemotronHForCausalLM",), (), ("nemotron_h",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
