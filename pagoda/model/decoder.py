@@ -367,11 +367,11 @@ class DecoderModel(nn.Module):
         return DecoderLayer(config, layer_index, dtype, device, weight_format, tp, kernels)
 
     @property
-    def first_attention(self) -> Attention:
+    def first_attention(self) -> Attention | LatentAttention:
         """This stage's first attention layer (a hybrid model's first layers may be recurrent ones)."""
         for index in self.stage.layers:
             attention = getattr(self.model.layers[index], "self_attn", None)
-            if isinstance(attention, Attention):
+            if isinstance(attention, (Attention, LatentAttention)):
                 return attention
         raise ValueError("a pipeline stage without an attention layer is not supported")
 
