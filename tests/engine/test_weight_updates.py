@@ -449,3 +449,46 @@ def test_a_snapshot_is_whole_or_absent(tmp_path: Path) -> None:
     abandoned.set()
     _save_snapshot(tensors, tmp_path / "abandoned", abandoned)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_a_single_supervised_engine_keeps_a_loadable_snapshot_of_a_streamed_update(checkpoints, references) -> None:
+    """`pagoda serve`'s one engine (restarted when it dies): the streamed update's snapshot is the
+    source a restart loads, and it loads (here into the running engine)."""
+    from pagoda.config import DeploymentConfig, EngineConfig
+    from pagoda.replicas.start import start_engines
+    from pagoda.replicas.supervised_engine import SupervisedEngine
+    from pagoda.rl.weight_group import TensorMeta, WeightGroupSpec, broadcast, join
+    from server_utils import free_port
+
+    config = EngineConfig(model=str(checkpoints["old"]), num_threads=1, num_kv_blocks=64, max_num_seqs=4)
+    front = start_engines(config, DeploymentConfig(), transport="thread")
+    assert isinstance(front, SupervisedEngine)
+    try:
+        spec = WeightGroupSpec("127.0.0.1", free_port(), 1, 2, timeout_s=60)
+        trainer: dict[str, object] = {}
+        joined = threading.Thread(target=lambda: trainer.update(group=join(spec, 0)))
+        joined.start()
+        group_args = {"master_address": "127.0.0.1", "master_port": spec.master_port, "rank_offset": 1}
+        asyncio.run(front.engine_command("init_weight_update_group", group_args | {"world_size": 2}))
+        joined.join()
+        tensors = load_file(checkpoints["new"] / "model.safetensors")
+        metas = [TensorMeta.of(name, tensor) for name, tensor in tensors.items()]
+        sender = threading.Thread(target=broadcast, args=(trainer["group"], list(tensors.values())))
+        asyncio.run(front.engine_command("start_weight_update"))
+        sender.start()
+        args = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas]}
+        asyncio.run(front.engine_command("update_weights", args | {"shapes": [list(m.shape) for m in metas]}))
+        sender.join()
+        asyncio.run(front.engine_command("finish_weight_update"))
+        snapshot = front.weights.written(60)
+        assert snapshot is not None and load_file(Path(snapshot) / "model.safetensors").keys() == tensors.keys()
+        front.supervisor.load_weights()  # what a restarted engine runs before it serves
+        outputs = asyncio.run(_collect(front.generate(EngineRequest("after", PROMPT, GREEDY))))
+        assert list(outputs[-1].outputs[0].token_ids) == references["new"]
+    finally:
+        front.shutdown()
+    assert not Path(snapshot).exists()
+
+
+async def _collect(stream) -> list:
+    return [output async for output in stream]
