@@ -158,3 +158,15 @@ def test_serve_refuses_min_replicas_above_max_replicas_naming_the_model(tmp_path
         result.stderr.strip().splitlines()[-1]
         == f"pagoda serve: {path}:2: model 'a': min_replicas (3) is more than max_replicas (2)"
     )
+
+
+def test_the_models_of_a_file_share_the_free_memory_for_their_kv_pools() -> None:
+    from pagoda.config import EngineConfig
+
+    text = GOOD.replace("  - name: large\n", "  - name: large\n    kv_cache_memory_share: 0.3\n")
+    small, large = parse_models_file(text, "models.yaml").models
+    defaults = EngineConfig()
+    assert small.engine_config(defaults, 2).kv_cache_memory_share == defaults.kv_cache_memory_share / 2
+    assert large.engine_config(defaults, 2).kv_cache_memory_share == 0.3  # its own share, as it set it
+    sized = EngineConfig(kv_cache_memory="1GiB")
+    assert small.engine_config(sized, 2).kv_cache_memory_share == sized.kv_cache_memory_share  # no share in use
