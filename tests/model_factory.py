@@ -180,6 +180,26 @@ TINY_MODELS: dict[str, TinyModel] = {
     "qwen3_classifier": TinyModel(
         "Qwen3Config", "Qwen3ForSequenceClassification", "classifier", dict(head_dim=32, num_labels=1)
     ),
+    # Vision-language models (`build_vision_model`): a tiny CLIP tower (32x32 images, 8x8 patches:
+    # 16 image tokens) under a Llama decoder; their tests are tests/model/test_vision_models.py.
+    "llava": TinyModel(
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                projection_dim=32,
+            ),
+            text_config=dict(model_type="llama"),
+            vision_feature_layer=-2,
+        ),
+    ),
 }
 ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
@@ -188,8 +208,9 @@ MORE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.
 MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "moe")
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
-    """Train a byte-level BPE on a tiny corpus; returns its vocabulary size."""
+def build_tokenizer(directory: Path, vocab_size: int = 384, extra_special: tuple[str, ...] = ()) -> int:
+    """Train a byte-level BPE on a tiny corpus; returns its vocabulary size. `extra_special`:
+    more special tokens (a vision model's image placeholder), after the usual ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -197,7 +218,7 @@ def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -232,6 +253,8 @@ def build_model(
     import transformers
 
     directory = Path(directory)
+    if TINY_MODELS.get(architecture, TINY_MODELS["llama"]).group == "vision":
+        return build_vision_model(directory, architecture, seed=seed, dtype=dtype, **overrides)
     vocab_size = build_tokenizer(directory)
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -249,6 +272,8 @@ def build_model(
     if architecture not in TINY_MODELS:
         raise ValueError(f"unknown architecture {architecture}")
     tiny = TINY_MODELS[architecture]
+    if tiny.group == "vision":
+        return build_vision_model(directory, architecture, seed=seed, dtype=dtype, **overrides)
     config_class, model_class = getattr(transformers, tiny.config_class), getattr(transformers, tiny.model_class)
     common.update(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
     common.update(overrides)
@@ -265,6 +290,56 @@ def build_model(
                 param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+# The placeholder text of each vision family's images, a special token of its tokenizer.
+IMAGE_PLACEHOLDERS = {"llava": "<image>"}
+
+
+def build_vision_model(
+    directory: Path, architecture: str = "llava", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
+    """Save a random-weight vision-language model, its tokenizer (the image placeholder a special
+    token) and its image processor's config into `directory`."""
+    import transformers
+
+    directory = Path(directory)
+    placeholder = IMAGE_PLACEHOLDERS[architecture]
+    vocab_size = build_tokenizer(directory, extra_special=(placeholder,))
+    image_token_id = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"][placeholder]
+    tiny = TINY_MODELS[architecture]
+    settings = dict(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
+    settings.update(overrides)
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    text.update(settings.pop("text_config", {}))
+    config = getattr(transformers, tiny.config_class)(
+        text_config=text, image_token_id=image_token_id, tie_word_embeddings=False, **settings
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, tiny.model_class)(config).to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(directory, safe_serialization=True)
+    size = config.vision_config.image_size
+    processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    processor.save_pretrained(directory)
     return directory
 
 

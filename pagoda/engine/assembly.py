@@ -18,6 +18,7 @@ import torch
 from pagoda.artifacts.digests import ArtifactError
 from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
 from pagoda.config import EngineConfig, LoRAConfig
+from pagoda.core.encoder_cache import EncoderCache
 from pagoda.core.kv_cache_groups import longest_sequence_blocks, release_blocker
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_plan import KVPoolPlan, plan_kv_pool
@@ -340,6 +341,11 @@ def build_scheduler(
         long_rope_boundary=stack.model_config.long_rope_boundary,
         num_micro_batches=stack.num_micro_batches,
     )
+    if stack.model_config.vision is not None:  # images: the encoder step's budget and cache
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            raise ValueError(f"{config.model}: vision-language models run without tensor or pipeline parallelism")
+        scheduler.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+        scheduler.max_num_encoder_tokens = config.max_num_encoder_tokens
     return kv_cache, scheduler
 
 
@@ -359,6 +365,7 @@ def engine_limits(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan, kv_
         block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        image_token_id=stack.model_config.vision.image_token_id if stack.model_config.vision is not None else None,
     )
 
 

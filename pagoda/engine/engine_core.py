@@ -28,6 +28,7 @@ from pagoda.engine.validation import (
     check_classifier_use,
     check_lora_enabled,
     check_lora_updatable,
+    check_media,
     check_request_id_free,
     validate_request,
 )
@@ -121,6 +122,7 @@ class EngineCore:
         self.runner, self.speculation = build_runner(config, stack, plan, self.kv_format)
         self.engine_limits = engine_limits(config, stack, plan, self.kv_cache)
         attach_kv_tiers(self.kv_tiers, self.runner, self.speculation)
+        self.runner.encoder_cache = self.scheduler.encoder_cache
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
@@ -185,6 +187,7 @@ class EngineCore:
                 param="input",
             )
         check_classifier_use(params, self.model_config.classifier)
+        check_media(prompt_token_ids, request.media, self.engine_limits)
         adapter = None
         if request.lora_request is not None:
             check_lora_enabled(request.lora_request.lora_name, self.lora is not None)
@@ -202,6 +205,7 @@ class EngineCore:
             parent_id=request_id,
             lora=adapter,
             long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)),
+            media=request.media,
         )
         if adapter is not None:
             assert self.lora is not None  # an adapter was resolved by it

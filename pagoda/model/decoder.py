@@ -31,7 +31,17 @@ from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
+from pagoda.model.vision_encoder import VisionEncoder
 from pagoda.quant.weight_formats import WeightFormat
+
+
+@dataclass
+class InputEmbeds:
+    """Rows of a step's input whose embeddings are given instead of looked up: an image's
+    features in place of its placeholder tokens (pagoda.model.vision_encoder)."""
+
+    rows: torch.Tensor  # [n] long, rows of the flattened batch
+    values: torch.Tensor  # [n, hidden]
 
 
 @dataclass
@@ -222,6 +232,7 @@ class DecoderModel(nn.Module):
     every layer calls."""
 
     embedding_scale: torch.Tensor | None  # a buffer
+    vision: VisionEncoder | None
 
     def __init__(
         self,
@@ -240,6 +251,8 @@ class DecoderModel(nn.Module):
         self.tp = tp or TensorParallelGroup()
         self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
         self.model = DecoderStack()
+        # A vision-language family's image encoder (its model class sets it); None: text only.
+        self.vision = None
         # The last stage's head is the embedding matrix when they are tied.
         holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
         self.model.embed_tokens = (
@@ -316,17 +329,21 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         context: ForwardContext,
         hidden: torch.Tensor | None = None,
+        embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. positions: each token's
         position, plus config.long_rope_boundary for sequences on LongRoPE's long factors (its
         row of the rotary tables, see RotaryEmbedding). A later pipeline stage starts from the
         previous stage's `hidden`; a stage before the last returns its layers' output without
-        the norm."""
+        the norm. `embeds`: rows whose input is given (image features), written over the
+        looked-up (and scaled) embeddings, as transformers' vision-language models scatter them."""
         if self.stage.is_first:
             assert self.model.embed_tokens is not None, "the first stage holds the embedding"
             hidden = self.model.embed_tokens(input_ids)
             if self.embedding_scale is not None:
                 hidden = hidden * self.embedding_scale
+            if embeds is not None:
+                hidden = hidden.index_put((embeds.rows,), embeds.values.to(hidden.dtype))
         elif hidden is None:
             raise ValueError("a later pipeline stage starts from the previous stage's hidden states")
         rotaries = cast("Iterable[RotaryEmbedding]", self.rotaries)

@@ -13,6 +13,7 @@ from typing import Any
 from pagoda.model import families
 from pagoda.model.classifier_config import ClassifierConfig, read_classifier
 from pagoda.model.moe_config import MoEConfig
+from pagoda.model.vision_config import VisionConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token
 
 
@@ -60,6 +61,8 @@ class ModelConfig:
     # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
+    # A vision-language model's image path (pagoda.model.vision_encoder); None: text only.
+    vision: VisionConfig | None = None
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from pagoda.core.encoder_cache import EncoderCache
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.kernels.attention import AttentionBackend, BatchLayout
@@ -27,6 +28,7 @@ from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
+from pagoda.worker.encoder_step import image_embeds
 from pagoda.worker.paged_model import PagedModel
 from pagoda.worker.pooling import pool_prompts
 from pagoda.worker.sampler import Sampler, position_logprobs
@@ -217,6 +219,8 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer: BlockTransfer | None = None  # the KV tiers' copies (pagoda.kv_transfer), if any
+        # A vision-language model's encoder outputs (the scheduler's, which plans what to encode).
+        self.encoder_cache: EncoderCache | None = None
         # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
         # the other ranks just before this one runs it.
         self.tensor_parallel: StepBroadcaster | None = None
@@ -264,15 +268,20 @@ class ModelRunner(PagedModel):
         workers = self.tensor_parallel or self.pipeline
         if workers is not None:
             workers.broadcast_step(input_ids, positions, layouts, logit_rows, scheduler_output.block_copies)
-        # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
-        graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
+        embeds = None
+        if self.encoder_cache is not None:
+            embeds = image_embeds(self.model, self.encoder_cache, scheduler_output.encoder_work, segments, self.device)
+        # Graphs were captured without adapters or image rows: such a step runs eagerly.
+        graphs = self.decode_graphs if (self.lora is None or self.lora.state.batch is None) and embeds is None else None
         if graphs is not None and graphs.fits(layouts[0]):
             prepared = time.perf_counter()
             hidden = graphs.run(input_ids, positions, layouts[0])  # the graph's buffer: used before next step
         else:
             context = self.forward_context(layouts)
             prepared = time.perf_counter()
-            hidden = self.model(input_ids, positions, context)
+            hidden = self.model(input_ids, positions, context, embeds=embeds)
+        if self.encoder_cache is not None:
+            self.encoder_cache.end_step()
         if self.lora is not None:
             self.lora.end_step()
         if self.pipeline is not None:

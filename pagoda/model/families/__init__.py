@@ -28,6 +28,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
+    "llava": (("LlavaForConditionalGeneration",), (), ("llava",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.

@@ -1,0 +1,173 @@
+"""Vision-language models against transformers on the same weights (float32): greedy ids equal and
+logprobs within LOGPROB_TOLERANCE, for prompts with one and several images of several sizes and
+aspect ratios (generated PNG and JPEG files, decoded by pagoda.media.decode), batched with
+text-only prompts; with chunked prefill cutting through image tokens, under preemption, with a
+small encoder budget; the prefix cache never shares KV between two different images; the
+encoder cache skips a repeated image (salted per tenant).
+
+The reference is transformers' model fed the image processor's pixels (PIL backend) and the
+prompt with its placeholders expanded as pagoda expands them (the processors do the same).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import assert_idle
+from model_factory import build_vision_model
+from pagoda import LLM, SamplingParams
+from pagoda.media.decode import ImageLimits, decode_image
+
+PIL = pytest.importorskip("PIL.Image")
+
+NEW_TOKENS = 12
+LOGPROB_TOLERANCE = 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+SETTINGS = {
+    "default": dict(),
+    # 16-token images cut across 6-token chunks, each chunk taking its slice of the features
+    "chunked": dict(max_num_batched_tokens=6, block_size=4),
+    # one image per step: a prompt's second image waits for the next step's budget
+    "encoder-budget": dict(max_num_encoder_tokens=16, block_size=4),
+    "preemption": dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False),
+}
+
+
+def image_file(width: int, height: int, fmt: str, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    # smooth gradients plus noise: JPEG keeps them recognisable, resizing has something to average
+    x = np.linspace(0, 1, width)[None, :, None]
+    y = np.linspace(0, 1, height)[:, None, None]
+    base = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2)
+    pixels = np.clip(base * 200 + rng.normal(0, 30, (height, width, 3)), 0, 255).astype("uint8")
+    out = io.BytesIO()
+    PIL.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Decoded the way every API decodes them: wide PNG, tall JPEG, tiny square PNG, large JPEG."""
+    files = [(60, 40, "PNG", 1), (30, 64, "JPEG", 2), (17, 17, "PNG", 3), (97, 51, "JPEG", 4)]
+    return [decode_image(image_file(w, h, fmt, seed), ImageLimits()) for w, h, fmt, seed in files]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vision_model(tmp_path_factory.mktemp("vision") / "llava", "llava")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    return model, transformers.AutoImageProcessor.from_pretrained(model_dir)
+
+
+def hf_greedy(hf, prompt_ids: list[int], images: list) -> tuple[list[int], list[float]]:
+    model, processor = hf
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt_ids]),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kwargs,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return tokens, [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+
+
+def vision_prompts(images) -> list:
+    return [
+        {"prompt": "<|user|>Describe <image> please", "multi_modal_data": {"image": images[0]}},
+        {"prompt": "<|user|>Compare <image> with <image>, then", "multi_modal_data": {"image": [images[1], images[2]]}},
+        "<|user|>The quick brown fox jumps over the lazy dog",
+        {"prompt": "<image>def fibonacci(n):", "multi_modal_data": {"image": [images[3]]}},
+    ]
+
+
+def prompt_images(prompt) -> list:
+    if isinstance(prompt, str):
+        return []
+    value = prompt["multi_modal_data"]["image"]
+    return value if isinstance(value, list) else [value]
+
+
+def assert_matches(outputs, prompts, hf) -> None:
+    for output, prompt in zip(outputs, prompts, strict=True):
+        tokens, logprobs = hf_greedy(hf, output.prompt_token_ids, prompt_images(prompt))
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_transformers(model_dir, images, hf, setting):
+    prompts = vision_prompts(images)
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", **SETTINGS[setting])
+    outputs = llm.generate(prompts, GREEDY)
+    image_token = llm.engine.core.model_config.vision.image_token_id
+    assert outputs[0].prompt_token_ids.count(image_token) == 16  # one per patch of the 32x32 tower input
+    assert outputs[1].prompt_token_ids.count(image_token) == 32
+    assert_matches(outputs, prompts, hf)
+    if setting != "preemption":  # a second round: prefix-cache hits (and encoder-cache hits) change nothing
+        assert_matches(llm.generate(prompts, GREEDY), prompts, hf)
+    assert_idle(llm)
+    assert not llm.engine.core.scheduler.encoder_cache.in_use
+
+
+def test_two_images_never_share_kv(model_dir, images, hf):
+    """The same text around two different images: the second request's prefix-cache hit stops
+    before the image, and each answer is its own image's."""
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", block_size=4)
+    text = "<|user|>Describe this picture: <image> in detail"
+    first = {"prompt": text, "multi_modal_data": {"image": images[0]}}
+    second = {"prompt": text, "multi_modal_data": {"image": images[3]}}
+    out_first = llm.generate([first], GREEDY)
+    out_second = llm.generate([second], GREEDY)
+    image_offset = out_second[0].prompt_token_ids.index(llm.engine.core.model_config.vision.image_token_id)
+    assert out_second[0].num_cached_tokens <= image_offset
+    assert_matches(out_first + out_second, [first, second], hf)
+    again = llm.generate([first], GREEDY)  # its own image hits its own blocks
+    assert again[0].num_cached_tokens > image_offset
+    assert_matches(again, [first], hf)
+
+
+def test_encoder_cache_skips_a_repeated_image(model_dir, images, hf):
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", enable_prefix_caching=False)
+    stats = llm.engine.core.scheduler.encoder_cache.stats
+    prompt = {"prompt": "<|user|><image> what is it", "multi_modal_data": {"image": images[1]}}
+    llm.generate([prompt], GREEDY)
+    assert (stats.images_encoded, stats.hits) == (1, 0)
+    # the same image again (a later turn), and twice in one batch: encoded once in all
+    outputs = llm.generate([prompt, prompt], GREEDY)
+    assert (stats.images_encoded, stats.hits) == (1, 2)
+    assert_matches(outputs, [prompt, prompt], hf)
+    # another tenant's salt: its own entry
+    llm.generate([prompt], GREEDY, cache_salt="tenant-b")
+    assert stats.images_encoded == 2
+    assert_idle(llm)
+
+
+def test_image_requests_refused_when_malformed(model_dir, images):
+    from pagoda.errors import InvalidRequest
+
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        llm.generate([{"prompt": "no placeholder here", "multi_modal_data": {"image": images[0]}}], GREEDY)
+    with pytest.raises(InvalidRequest, match="without their image"):
+        llm.generate(["<image> a placeholder without its image"], GREEDY)
+    assert_idle(llm)
