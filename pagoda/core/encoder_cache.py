@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,10 +39,14 @@ def encoder_key(item: MediaItem, cache_salt: str | None) -> str:
 
 @dataclass
 class EncoderCacheStats:
+    """Counters since start, and the cache's size when the snapshot was taken."""
+
     images_encoded: int = 0
     image_tokens_encoded: int = 0
     hits: int = 0  # images a step needed that the cache held
     encoder_seconds: float = 0.0
+    cached_tokens: int = 0  # rows held now
+    capacity_tokens: int = 0
 
 
 class EncoderCache:
@@ -52,6 +56,9 @@ class EncoderCache:
         self.num_tokens = 0
         self._step_keys: set[str] = set()  # read by the step being run: never evicted during it
         self.stats = EncoderCacheStats()
+
+    def snapshot(self) -> EncoderCacheStats:
+        return replace(self.stats, cached_tokens=self.num_tokens, capacity_tokens=self.capacity_tokens)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

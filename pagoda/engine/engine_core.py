@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from pagoda.config import EngineConfig
+from pagoda.core.encoder_cache import EncoderCacheStats
 from pagoda.engine.assembly import (
     attach_kv_tiers,
     build_kv_tiers,
@@ -69,6 +70,7 @@ class EngineStats:
     lora: LoRAStats | None = None  # None without --enable-lora
     disaggregation: DisaggStats | None = None  # KV handoffs (the engine's KVConnector)
     moe: MoEStats | None = None  # expert load, with --moe-metrics on a MoE model
+    encoder: EncoderCacheStats | None = None  # images encoded and encoder-cache hits (vision-language models)
 
 
 @dataclass
@@ -387,6 +389,7 @@ class EngineCore:
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
             moe=self.moe_meter.stats() if self.moe_meter is not None else None,
+            encoder=self.scheduler.encoder_cache.snapshot() if self.scheduler.encoder_cache is not None else None,
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -12,6 +12,7 @@ prompt with its placeholders expanded as pagoda expands them (the processors do 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +172,26 @@ def test_image_requests_refused_when_malformed(model_dir, images):
     with pytest.raises(InvalidRequest, match="without their image"):
         llm.generate(["<image> a placeholder without its image"], GREEDY)
     assert_idle(llm)
+
+
+def test_generate_command_takes_an_image(model_dir, images, hf, tmp_path, capsys):
+    from pagoda.cli import main
+
+    path = tmp_path / "picture.jpg"
+    images[1].save(path, format="JPEG")
+    argv = ["generate", "--model", str(model_dir), "--prompt", "Describe", "--image", str(path), "--json"]
+    argv += ["--max-tokens", str(NEW_TOKENS), "--temperature", "0", "--ignore-eos", "--kv-cache-memory", "16MiB"]
+    assert main(argv) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[-1])
+    # the same prompt offline: the placeholder before the text
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
+    prompt = {
+        "prompt": "<image>Describe",
+        "multi_modal_data": {"image": decode_image(path.read_bytes(), ImageLimits())},
+    }
+    assert line["completions"][0]["text"] == llm.generate([prompt], GREEDY)[0].outputs[0].text
+    bad = tmp_path / "not-an-image.png"
+    bad.write_bytes(b"no image here")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--image", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "format" in err, err

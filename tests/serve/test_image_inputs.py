@@ -1,0 +1,204 @@
+"""Images through every API of a served vision-language model: chat `image_url` parts (data URLs),
+Responses `input_image` and Anthropic base64 `image` blocks give the answer the offline engine
+gives for the same rendered prompt and image; a repeated image in a later turn skips the
+encoder; every refusal (bad data, not an image, too large, too many, a URL without
+--allowed-media-domains, an image to a text-only model) is a 400 in the endpoint's own error
+shape, and the server stays healthy."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from model_factory import build_vision_model
+from pagoda import LLM, SamplingParams
+from server_utils import MODEL_NAME, LiveServer, build_tiny_model, start_server
+
+PIL = pytest.importorskip("PIL.Image")
+NEW_TOKENS = 8
+
+
+def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    PIL.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+PNG = image_bytes(40, 30, "PNG", 1)
+JPEG = image_bytes(23, 57, "JPEG", 2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vision_model(tmp_path_factory.mktemp("vision_server") / "llava", "llava")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> LiveServer:
+    live = start_server(
+        model_dir,
+        engine={"enable_prefix_caching": False, "num_kv_blocks": 128},
+        max_image_pixels=200_000,
+        max_images_per_request=3,
+    )
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> dict[str, str]:
+    """The offline engine's greedy text for "Describe\\n<image>" with each image."""
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Describe\n<image>"}], tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    answers = {}
+    for name, data in (("png", PNG), ("jpeg", JPEG)):
+        image = PIL.open(io.BytesIO(data)).convert("RGB")
+        answers[name] = (
+            llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}], params)[0].outputs[0].text
+        )
+    return answers
+
+
+def chat(server: LiveServer, content, **extra) -> httpx.Response:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS}
+    body.update(temperature=0.0, ignore_eos=True, **extra)
+    return httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_chat_image_url_matches_offline(server, expected):
+    for name, data, media_type in (("png", PNG, "image/png"), ("jpeg", JPEG, "image/jpeg")):
+        response = chat(server, [{"type": "text", "text": "Describe"}, image_part(data_url(data, media_type))])
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == expected[name]
+    assert server.wait_idle().num_running == 0
+
+
+def test_responses_input_image(server, expected):
+    body = {
+        "model": MODEL_NAME,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Describe"},
+                    {"type": "input_image", "image_url": data_url(PNG)},
+                ],
+            }
+        ],
+        "max_output_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    response = httpx.post(f"{server.base_url}/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    message = next(item for item in response.json()["output"] if item["type"] == "message")
+    assert message["content"][0]["text"] == expected["png"]
+
+
+def test_anthropic_base64_image(server, expected):
+    source = {"type": "base64", "media_type": "image/jpeg", "data": base64.b64encode(JPEG).decode()}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image", "source": source}]}
+        ],
+    }
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["content"][0]["text"] == expected["jpeg"]
+
+
+def test_a_repeated_image_skips_the_encoder(server):
+    """A later turn sending the same image again: the encoder cache answers it (and /metrics says so)."""
+    content = [{"type": "text", "text": "Again"}, image_part(data_url(image_bytes(31, 31, "PNG", 9)))]
+    first = chat(server, content)
+    before = server.stats().encoder
+    second = chat(server, content)
+    after = server.stats().encoder
+    assert first.status_code == second.status_code == 200
+    assert first.json()["choices"][0]["message"]["content"] == second.json()["choices"][0]["message"]["content"]
+    assert after.images_encoded == before.images_encoded and after.hits == before.hits + 1
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'pagoda:encoder_cache_hits_total{{model_name="{MODEL_NAME}"}} {float(after.hits)}' in metrics
+    assert "pagoda:images_encoded_total" in metrics
+
+
+def openai_error(response: httpx.Response, code: str | None = None) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if code is not None:
+        assert error["code"] == code
+    return error["message"]
+
+
+@pytest.mark.parametrize(
+    "url, code",
+    [
+        ("data:image/png;base64,!!!notbase64", "invalid_image_url"),
+        (data_url(b"GIF89a but not really an image"), "invalid_image"),
+        (data_url(b"plain text, no image at all"), "invalid_image"),
+        (data_url(image_bytes(600, 400)), "image_too_large"),  # 240,000 pixels over the 200,000 cap
+        ("data:text/plain;base64,aGVsbG8=", "invalid_image"),
+        ("http://169.254.169.254/latest/meta-data", "image_url_not_allowed"),
+        ("https://example.com/cat.png", "image_url_not_allowed"),  # no --allowed-media-domains
+        ("file:///etc/passwd", "image_url_not_allowed"),
+    ],
+)
+def test_chat_refusals_are_400s(server, url, code):
+    message = openai_error(chat(server, [{"type": "text", "text": "x"}, image_part(url)]), code)
+    assert "base64" not in message or code == "invalid_image_url"
+
+
+def test_too_many_images_and_mismatched_placeholders(server):
+    parts = [image_part(data_url(PNG))] * 4
+    openai_error(chat(server, parts), "too_many_images")
+    # a placeholder typed as text is one more placeholder than images
+    openai_error(chat(server, [{"type": "text", "text": "<image> and"}, image_part(data_url(PNG))]))
+
+
+def test_anthropic_and_responses_refusals_keep_their_shapes(server):
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@@"}}],
+            }
+        ],
+    }
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["type"] == "error" and response.json()["error"]["type"] == "invalid_request_error"
+    body = {"model": MODEL_NAME, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}
+    response = httpx.post(f"{server.base_url}/responses", json=body, timeout=60)
+    assert response.status_code == 400 and "error" in response.json()
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_text_model_refuses_images(tmp_path):
+    live = start_server(build_tiny_model(tmp_path / "text"))
+    try:
+        openai_error(chat(live, [image_part(data_url(PNG))]), "images_not_supported")
+    finally:
+        live.stop()
