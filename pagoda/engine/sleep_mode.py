@@ -48,6 +48,8 @@ class SleepMode:
         if self.core.has_unfinished_requests():
             raise InvalidRequest("requests are in flight: pause (mode abort or wait) before sleeping")
         self.core.kv_cache.invalidate_prefix_cache()
+        if self.core.scheduler.encoder_cache is not None:  # image features of the old weights (or asleep: freed)
+            self.core.scheduler.encoder_cache.clear()
         caches = [t for pair in self.core.runner.distinct_kv_caches for t in pair]
         caches += [t for pair in self.core.speculation.kv_caches for t in pair]
         self._kv, self._kv_tensors = _release(caches), caches

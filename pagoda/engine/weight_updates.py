@@ -135,6 +135,8 @@ class WeightUpdates:
         self.source, self._staged, self._staged_source = self._staged_source, None, None
         self.version += 1
         self.core.kv_cache.invalidate_prefix_cache()
+        if self.core.scheduler.encoder_cache is not None:  # image features of the old weights (or asleep: freed)
+            self.core.scheduler.encoder_cache.clear()
         logger.info("weights updated (version %d)", self.version)
 
     def reload_dropped(self, model_path: str) -> None:

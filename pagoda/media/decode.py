@@ -53,9 +53,7 @@ def decode_image(data: bytes, limits: ImageLimits, param: str = "messages") -> I
                     param=param,
                     code="image_too_large",
                 )
-            if getattr(image, "n_frames", 1) > 1:
-                image.seek(0)  # an animation's first frame
-            image.load()
+            image.load()  # an animation's first frame: where open() leaves it, no other frame is read
             return image.convert("RGB")
     except InvalidRequest:
         raise
@@ -67,8 +65,7 @@ def decode_image(data: bytes, limits: ImageLimits, param: str = "messages") -> I
         raise InvalidRequest(
             f"an image is not in an accepted format ({', '.join(FORMATS)})", param=param, code="invalid_image"
         ) from None
-    except (OSError, ValueError, SyntaxError, EOFError, MemoryError, IndexError, TypeError, ZeroDivisionError):
-        # truncated or corrupt data: Pillow's decoders raise all of these
+    except Exception:  # noqa: BLE001 -- truncated or corrupt data: Pillow's decoders raise many types
         raise InvalidRequest(
             "an image could not be decoded (corrupt or truncated)", param=param, code="invalid_image"
         ) from None
