@@ -200,6 +200,31 @@ TINY_MODELS: dict[str, TinyModel] = {
             vision_feature_layer=-2,
         ),
     ),
+    # 4-pixel patches merged 2x2, windows of 16 pixels (2x2 merged groups) on block 0, full
+    # attention on block 1; M-RoPE sections of 2/3/3 frequencies over a 16-wide head.
+    "qwen2_5_vl": TinyModel(
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=16,
+                fullatt_block_indexes=[1],
+            ),
+            text_config=dict(
+                model_type="qwen2_5_vl_text",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            ),
+        ),
+    ),
 }
 ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
@@ -293,8 +318,16 @@ def build_model(
     return directory
 
 
-# The placeholder text of each vision family's images, a special token of its tokenizer.
-IMAGE_PLACEHOLDERS = {"llava": "<image>"}
+# Each vision family's config keys naming special tokens (added to its tokenizer).
+VISION_TOKENS = {
+    "llava": {"image_token_id": "<image>"},
+    "qwen2_5_vl": {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    },
+}
 
 
 def build_vision_model(
@@ -305,9 +338,10 @@ def build_vision_model(
     import transformers
 
     directory = Path(directory)
-    placeholder = IMAGE_PLACEHOLDERS[architecture]
-    vocab_size = build_tokenizer(directory, extra_special=(placeholder,))
-    image_token_id = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"][placeholder]
+    tokens = VISION_TOKENS[architecture]
+    vocab_size = build_tokenizer(directory, extra_special=tuple(tokens.values()))
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    token_ids = {key: vocab[token] for key, token in tokens.items()}
     tiny = TINY_MODELS[architecture]
     settings = dict(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
     settings.update(overrides)
@@ -326,7 +360,7 @@ def build_vision_model(
     )
     text.update(settings.pop("text_config", {}))
     config = getattr(transformers, tiny.config_class)(
-        text_config=text, image_token_id=image_token_id, tie_word_embeddings=False, **settings
+        text_config=text, tie_word_embeddings=False, **token_ids, **settings
     )
     torch.manual_seed(seed)
     model = getattr(transformers, tiny.model_class)(config).to(dtype)
@@ -335,10 +369,20 @@ def build_vision_model(
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(directory, safe_serialization=True)
-    size = config.vision_config.image_size
-    processor = transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-    )
+    if architecture == "llava":
+        size = config.vision_config.image_size
+        processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        )
+    else:  # images resized to 16..4096 pixels in whole merged patches (8x8 pixels)
+        vision = config.vision_config
+        processor = transformers.Qwen2VLImageProcessorPil(
+            min_pixels=16 * 16,
+            max_pixels=64 * 64,
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+        )
     processor.save_pretrained(directory)
     return directory
 

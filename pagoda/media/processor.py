@@ -21,7 +21,7 @@ from PIL import Image
 from pagoda.errors import InvalidRequest
 from pagoda.media_item import MediaItem
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import llava_tokens_per_image
+from pagoda.model.vision_encoder import llava_tokens_per_image, qwen_vl_tokens_per_image
 
 
 class MediaProcessor:
@@ -73,6 +73,11 @@ class MediaProcessor:
         if self.vision.kind == "llava":
             pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
             return pixels.to(torch.float32).contiguous(), (), llava_tokens_per_image(self.vision)
+        if self.vision.kind == "qwen2_5_vl":  # patches flattened, with their (t, h, w) grid
+            out = self.image_processor(images=[image], return_tensors="pt")
+            grid = tuple(int(n) for n in out["image_grid_thw"][0].tolist())
+            pixels = out["pixel_values"].to(torch.float32).contiguous()
+            return pixels, grid, qwen_vl_tokens_per_image(grid, self.vision)
         raise ValueError(f"no preprocessing for vision kind {self.vision.kind!r}")
 
 

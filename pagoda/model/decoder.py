@@ -318,6 +318,7 @@ class DecoderModel(nn.Module):
                 device,
                 config.long_rope_boundary,
                 kernels,
+                config.mrope_section,
             )
             for theta, scaling in distinct
         )

@@ -145,9 +145,16 @@ class RotaryEmbedding(nn.Module):
         device: torch.device,
         long_rope_boundary: int | None = None,
         kernels: Kernels | None = None,
+        mrope_section: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels or Kernels(device)
+        # M-RoPE (Qwen2.5-VL): each frequency rotates by one of three positions (temporal,
+        # height, width), in sections of the frequencies; `tables` then takes [3, T] positions.
+        self.mrope_columns = None
+        if mrope_section is not None:
+            components = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            self.mrope_columns = torch.cat((components, components)).to(device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:
             long_freqs = torch.outer(
@@ -171,6 +178,12 @@ class RotaryEmbedding(nn.Module):
     def tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin_rolled rows [T] (positions, shifted on LongRoPE's long factors), shaped
         [T, 1, D] to broadcast over heads."""
+        if rows.dim() == 2:  # M-RoPE: [3, T] positions, each column from its component's row
+            assert self.mrope_columns is not None, "3-D positions need an M-RoPE model"
+            columns = self.mrope_columns.expand(rows.shape[1], -1).unsqueeze(0)
+            cos = self.cos[rows].gather(0, columns).squeeze(0)
+            sin_rolled = self.sin_rolled[rows].gather(0, columns).squeeze(0)
+            return cos.unsqueeze(1), sin_rolled.unsqueeze(1)
         return self.cos[rows].unsqueeze(1), self.sin_rolled[rows].unsqueeze(1)
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:

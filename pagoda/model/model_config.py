@@ -63,6 +63,9 @@ class ModelConfig:
     classifier: ClassifierConfig | None = None
     # A vision-language model's image path (pagoda.model.vision_encoder); None: text only.
     vision: VisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): rope frequencies in sections rotated by the temporal, height and width
+    # positions; None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""

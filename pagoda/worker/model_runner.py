@@ -23,6 +23,7 @@ from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.kv_transfer.block_transfer import BlockTransfer
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.decoder import DecoderModel
+from pagoda.model.mrope import batch_positions
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
@@ -231,7 +232,14 @@ class ModelRunner(PagedModel):
         # Decode-only steps replay captured CUDA graphs (the caches are never reallocated after this).
         self.decode_graphs = None
         # Graphs replay one block table per request: a model with several KV cache groups runs eagerly.
-        if device.type == "cuda" and not enforce_eager and supports_cuda_graphs(backend) and len(self.kv_groups) == 1:
+        # (M-RoPE models' 3-D positions are not what the graphs were captured with.)
+        if (
+            device.type == "cuda"
+            and not enforce_eager
+            and supports_cuda_graphs(backend)
+            and len(self.kv_groups) == 1
+            and model.config.mrope_section is None
+        ):
             self.decode_graphs = DecodeGraphRunner(
                 model, backend, self.kv_caches, self.sliding_windows, max_num_seqs, max_model_len, block_size, device
             )
@@ -261,6 +269,10 @@ class ModelRunner(PagedModel):
         input_ids, positions, layouts = build_batch(
             segments, self.block_size, self.device, len(self.kv_groups), self.model.config.long_rope_boundary
         )
+        vision = self.model.config.vision
+        if self.model.config.mrope_section is not None and vision is not None:  # three positions per token
+            chunks = [(s.start, s.start + len(s.token_ids), s.request.media) for s in segments]
+            positions = batch_positions(chunks, int(vision.options["spatial_merge_size"])).to(self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layouts[0])
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping

@@ -1,5 +1,6 @@
-"""Vision-language models against transformers on the same weights (float32): greedy ids equal and
-logprobs within LOGPROB_TOLERANCE, for prompts with one and several images of several sizes and
+"""Vision-language models (LLaVA; Qwen2.5-VL with its M-RoPE positions and window attention)
+against transformers on the same weights (float32): greedy ids equal and logprobs within
+LOGPROB_TOLERANCE, for prompts with one and several images of several sizes and
 aspect ratios (generated PNG and JPEG files, decoded by pagoda.media.decode), batched with
 text-only prompts; with chunked prefill cutting through image tokens, under preemption, with a
 small encoder budget; the prefix cache never shares KV between two different images; the
@@ -35,8 +36,12 @@ SETTINGS = {
     "chunked": dict(max_num_batched_tokens=6, block_size=4),
     # one image per step: a prompt's second image waits for the next step's budget
     "encoder-budget": dict(max_num_encoder_tokens=16, block_size=4),
-    "preemption": dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False),
+    "preemption": dict(block_size=4, num_kv_blocks=32, enable_prefix_caching=False),
 }
+ARCHITECTURES = ("llava", "qwen2_5_vl")
+# One image in a prompt's text, before expansion.
+PLACEHOLDERS = {"llava": "<image>", "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+HF_CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def image_file(width: int, height: int, fmt: str, seed: int) -> bytes:
@@ -58,23 +63,34 @@ def images():
     return [decode_image(image_file(w, h, fmt, seed), ImageLimits()) for w, h, fmt, seed in files]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_vision_model(tmp_path_factory.mktemp("vision") / "llava", "llava")
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir: Path):
+def model_dir(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    return build_vision_model(tmp_path_factory.mktemp("vision") / arch, arch)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path, arch: str):
     transformers = pytest.importorskip("transformers")
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = getattr(transformers, HF_CLASSES[arch]).from_pretrained(model_dir).eval()
     return model, transformers.AutoImageProcessor.from_pretrained(model_dir)
 
 
 def hf_greedy(hf, prompt_ids: list[int], images: list) -> tuple[list[int], list[float]]:
+    """transformers' model fed its image processor's pixels (Qwen2.5-VL: and the grids and
+    token types its processor would give)."""
     model, processor = hf
     kwargs = {}
     if images:
-        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+        inputs = processor(images=images, return_tensors="pt")
+        kwargs["pixel_values"] = inputs["pixel_values"]
+        if "image_grid_thw" in inputs:
+            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+            kwargs["mm_token_type_ids"] = (torch.tensor([prompt_ids]) == model.config.image_token_id).int()
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor([prompt_ids]),
@@ -90,12 +106,16 @@ def hf_greedy(hf, prompt_ids: list[int], images: list) -> tuple[list[int], list[
     return tokens, [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
 
 
-def vision_prompts(images) -> list:
+def vision_prompts(images, arch: str) -> list:
+    image = PLACEHOLDERS[arch]
     return [
-        {"prompt": "<|user|>Describe <image> please", "multi_modal_data": {"image": images[0]}},
-        {"prompt": "<|user|>Compare <image> with <image>, then", "multi_modal_data": {"image": [images[1], images[2]]}},
+        {"prompt": f"<|user|>Describe {image} please", "multi_modal_data": {"image": images[0]}},
+        {
+            "prompt": f"<|user|>Compare {image} with {image}, then",
+            "multi_modal_data": {"image": [images[1], images[2]]},
+        },
         "<|user|>The quick brown fox jumps over the lazy dog",
-        {"prompt": "<image>def fibonacci(n):", "multi_modal_data": {"image": [images[3]]}},
+        {"prompt": f"{image}def fibonacci(n):", "multi_modal_data": {"image": [images[3]]}},
     ]
 
 
@@ -116,13 +136,14 @@ def assert_matches(outputs, prompts, hf) -> None:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_greedy_matches_transformers(model_dir, images, hf, setting):
-    prompts = vision_prompts(images)
+def test_greedy_matches_transformers(arch, model_dir, images, hf, setting):
+    prompts = vision_prompts(images, arch)
     llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", **SETTINGS[setting])
     outputs = llm.generate(prompts, GREEDY)
-    image_token = llm.engine.core.model_config.vision.image_token_id
-    assert outputs[0].prompt_token_ids.count(image_token) == 16  # one per patch of the 32x32 tower input
-    assert outputs[1].prompt_token_ids.count(image_token) == 32
+    if arch == "llava":
+        image_token = llm.engine.core.model_config.vision.image_token_id
+        assert outputs[0].prompt_token_ids.count(image_token) == 16  # one per patch of the 32x32 tower input
+        assert outputs[1].prompt_token_ids.count(image_token) == 32
     assert_matches(outputs, prompts, hf)
     if setting != "preemption":  # a second round: prefix-cache hits (and encoder-cache hits) change nothing
         assert_matches(llm.generate(prompts, GREEDY), prompts, hf)
@@ -130,11 +151,11 @@ def test_greedy_matches_transformers(model_dir, images, hf, setting):
     assert not llm.engine.core.scheduler.encoder_cache.in_use
 
 
-def test_two_images_never_share_kv(model_dir, images, hf):
+def test_two_images_never_share_kv(arch, model_dir, images, hf):
     """The same text around two different images: the second request's prefix-cache hit stops
     before the image, and each answer is its own image's."""
     llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", block_size=4)
-    text = "<|user|>Describe this picture: <image> in detail"
+    text = f"<|user|>Describe this picture: {PLACEHOLDERS[arch]} in detail"
     first = {"prompt": text, "multi_modal_data": {"image": images[0]}}
     second = {"prompt": text, "multi_modal_data": {"image": images[3]}}
     out_first = llm.generate([first], GREEDY)
@@ -147,10 +168,10 @@ def test_two_images_never_share_kv(model_dir, images, hf):
     assert_matches(again, [first], hf)
 
 
-def test_encoder_cache_skips_a_repeated_image(model_dir, images, hf):
+def test_encoder_cache_skips_a_repeated_image(arch, model_dir, images, hf):
     llm = LLM(model=str(model_dir), kv_cache_memory="16MiB", enable_prefix_caching=False)
     stats = llm.engine.core.scheduler.encoder_cache.stats
-    prompt = {"prompt": "<|user|><image> what is it", "multi_modal_data": {"image": images[1]}}
+    prompt = {"prompt": f"<|user|>{PLACEHOLDERS[arch]} what is it", "multi_modal_data": {"image": images[1]}}
     llm.generate([prompt], GREEDY)
     assert (stats.images_encoded, stats.hits) == (1, 0)
     # the same image again (a later turn), and twice in one batch: encoded once in all
@@ -163,18 +184,18 @@ def test_encoder_cache_skips_a_repeated_image(model_dir, images, hf):
     assert_idle(llm)
 
 
-def test_image_requests_refused_when_malformed(model_dir, images):
+def test_image_requests_refused_when_malformed(arch, model_dir, images):
     from pagoda.errors import InvalidRequest
 
     llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
     with pytest.raises(InvalidRequest, match="placeholders"):
         llm.generate([{"prompt": "no placeholder here", "multi_modal_data": {"image": images[0]}}], GREEDY)
     with pytest.raises(InvalidRequest, match="without their image"):
-        llm.generate(["<image> a placeholder without its image"], GREEDY)
+        llm.generate([f"{PLACEHOLDERS[arch]} a placeholder without its image"], GREEDY)
     assert_idle(llm)
 
 
-def test_generate_command_takes_an_image(model_dir, images, hf, tmp_path, capsys):
+def test_generate_command_takes_an_image(arch, model_dir, images, hf, tmp_path, capsys):
     from pagoda.cli import main
 
     path = tmp_path / "picture.jpg"
@@ -186,7 +207,7 @@ def test_generate_command_takes_an_image(model_dir, images, hf, tmp_path, capsys
     # the same prompt offline: the placeholder before the text
     llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
     prompt = {
-        "prompt": "<image>Describe",
+        "prompt": f"{PLACEHOLDERS[arch]}Describe",
         "multi_modal_data": {"image": decode_image(path.read_bytes(), ImageLimits())},
     }
     assert line["completions"][0]["text"] == llm.generate([prompt], GREEDY)[0].outputs[0].text
