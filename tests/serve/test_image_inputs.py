@@ -202,3 +202,16 @@ def test_a_text_model_refuses_images(tmp_path):
         openai_error(chat(live, [image_part(data_url(PNG))]), "images_not_supported")
     finally:
         live.stop()
+
+
+def test_images_cross_the_process_transport(model_dir, expected):
+    """The engine in its own process (pagoda serve's default): the request's pixels travel with it."""
+    live = start_server(model_dir, transport="process", engine={"num_kv_blocks": 64})
+    try:
+        content = [{"type": "text", "text": "Describe"}, image_part(data_url(PNG))]
+        response = chat(live, content)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == expected["png"]
+        assert live.stats().encoder.images_encoded == 1
+    finally:
+        live.stop()
