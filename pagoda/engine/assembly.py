@@ -342,8 +342,12 @@ def build_scheduler(
         num_micro_batches=stack.num_micro_batches,
     )
     if stack.model_config.vision is not None:  # images: the encoder step's budget and cache
-        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-            raise ValueError(f"{config.model}: vision-language models run without tensor or pipeline parallelism")
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1 or config.role != "both":
+            # (a handoff's header carries no images: the decode engine could not key its blocks)
+            raise ValueError(
+                f"{config.model}: vision-language models run without tensor or pipeline parallelism "
+                f"and without prefill/decode disaggregation"
+            )
         scheduler.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         scheduler.max_num_encoder_tokens = config.max_num_encoder_tokens
     return kv_cache, scheduler

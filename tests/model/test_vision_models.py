@@ -216,3 +216,11 @@ def test_generate_command_takes_an_image(arch, model_dir, images, hf, tmp_path, 
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--image", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "format" in err, err
+
+
+def test_disaggregation_is_refused_at_start(model_dir):
+    from pagoda.config import EngineConfig
+    from pagoda.engine.engine_core import EngineCore
+
+    with pytest.raises(ValueError, match="disaggregation"):
+        EngineCore(EngineConfig(model=str(model_dir), role="prefill", kv_cache_memory="16MiB", max_num_seqs=4))
