@@ -215,3 +215,22 @@ def test_images_cross_the_process_transport(model_dir, expected):
         assert live.stats().encoder.images_encoded == 1
     finally:
         live.stop()
+
+
+def test_no_image_bytes_in_the_logs(model_dir, tmp_path, caplog):
+    """The prompt log holds the rendered messages (the placeholder where the image was); neither it
+    nor any log line carries the image's bytes, even for a refused image."""
+    import logging
+
+    live = start_server(model_dir, log_prompts=True, prompt_log_dir=str(tmp_path / "log"))
+    encoded = base64.b64encode(PNG).decode()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            assert chat(live, [image_part(data_url(PNG))]).status_code == 200
+            bad = "data:image/png;base64," + base64.b64encode(b"\x89PNG broken" * 40).decode()
+            assert chat(live, [image_part(bad)]).status_code == 400
+    finally:
+        live.stop()
+    written = "".join(path.read_text() for path in (tmp_path / "log").rglob("*") if path.is_file())
+    assert "<image>" in written and encoded[:64] not in written and bad[30:90] not in written
+    assert all(encoded[:64] not in r.getMessage() and bad[30:90] not in r.getMessage() for r in caplog.records)
