@@ -19,6 +19,7 @@ from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.vision_encoder import llava_tokens_per_image
 from pagoda.quant.storage_bytes import (
     INT4_GROUP_SIZES,
     KV_SCALE_BYTES,
@@ -132,6 +133,10 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     num_moe_layers: int = 0
+    # A vision-language model: its image placeholder tokens per image (0: they vary with the
+    # image's size, Qwen2.5-VL's), whose encoder outputs the engine caches (hidden_size each).
+    vision: bool = False
+    image_tokens_per_image: int = 0
 
     @property
     def is_mha(self) -> bool:
@@ -158,6 +163,12 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
+            vision=config.vision is not None,
+            image_tokens_per_image=(
+                llava_tokens_per_image(config.vision)
+                if config.vision is not None and config.vision.kind == "llava"
+                else 0
+            ),
             **(
                 {}
                 if config.moe is None
@@ -391,6 +402,10 @@ class Plan:
     stages: list[StageMemory] = field(default_factory=list)
     stage_pool_blocks: int = 0
     stage_full_context_seqs: int = 0
+    # A vision-language model's encoder cache (--encoder-cache-tokens image tokens of hidden_size
+    # activations), held beside the KV pool, not inside its budget; 0 for a text model.
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -601,7 +616,20 @@ def build_plan(
         stages=stages,
         stage_pool_blocks=stage_pool_blocks,
         stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
+        encoder_cache_tokens=ENCODER_CACHE_TOKENS if shape.vision else 0,
+        encoder_cache_bytes=encoder_cache_bytes(shape, dtype) if shape.vision else 0,
     )
+
+
+# The engine's --encoder-cache-tokens default.
+ENCODER_CACHE_TOKENS: int = EngineConfig.encoder_cache_tokens
+
+
+def encoder_cache_bytes(shape: ModelShape, dtype: str, tokens: int = ENCODER_CACHE_TOKENS) -> int:
+    """A full encoder cache: one hidden-size row per image token, in the activations' dtype
+    (bf16 beside int8/int4 weights)."""
+    element = DTYPE_BYTES[dtype] if dtype in ("fp32", "bf16", "fp16") else 2.0
+    return int(tokens * shape.hidden_size * element)
 
 
 def int4_group_size(shape: ModelShape, group_size: int | None) -> tuple[int, str | None]:
@@ -822,6 +850,20 @@ def render_plan(plan: Plan) -> str:
         f"KV blocks        {plan.num_blocks:,} ({plan.num_blocks * plan.block_size:,} tokens)",
         *_sliding_window_lines(s),
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
+        *(
+            [
+                "images           "
+                + (
+                    f"{s['image_tokens_per_image']} image tokens per image"
+                    if s["image_tokens_per_image"]
+                    else "image tokens per image vary with its size"
+                )
+                + f"; encoder cache up to {fmt_bytes(plan.encoder_cache_bytes)} "
+                f"({plan.encoder_cache_tokens:,} image tokens x hidden {s['hidden_size']}), beside the KV pool"
+            ]
+            if s.get("vision")
+            else []
+        ),
         "",
     ]
     if plan.stages:
