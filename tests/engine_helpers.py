@@ -33,6 +33,9 @@ def assert_idle(llm: LLM) -> None:
     assert core.kv_cache.num_held_blocks() == 0
     assert all(block.ref_cnt == 0 for block in core.kv_cache.pool.blocks)
     assert core.requests == {}
+    # A vision-language model's encoder cache: nothing pinned by a step, within its bound.
+    cache = core.scheduler.encoder_cache
+    assert cache is None or (not cache.in_use and cache.num_tokens <= cache.capacity_tokens)
 
 
 def teacher_forced_agreement(model, sequences: list[list[int]], prompt_lens: list[int]) -> float:

@@ -37,6 +37,8 @@ SETTINGS = {
     # one image per step: a prompt's second image waits for the next step's budget
     "encoder-budget": dict(max_num_encoder_tokens=16, block_size=4),
     "preemption": dict(block_size=4, num_kv_blocks=32, enable_prefix_caching=False),
+    # an encoder cache too small to keep an image between steps: each chunk encodes it again
+    "evicting-encoder-cache": dict(encoder_cache_tokens=1, max_num_batched_tokens=6, block_size=4),
 }
 ARCHITECTURES = ("llava", "qwen2_5_vl")
 # One image in a prompt's text, before expansion.
@@ -148,7 +150,6 @@ def test_greedy_matches_transformers(arch, model_dir, images, hf, setting):
     if setting != "preemption":  # a second round: prefix-cache hits (and encoder-cache hits) change nothing
         assert_matches(llm.generate(prompts, GREEDY), prompts, hf)
     assert_idle(llm)
-    assert not llm.engine.core.scheduler.encoder_cache.in_use
 
 
 def test_two_images_never_share_kv(arch, model_dir, images, hf):
