@@ -234,3 +234,46 @@ def test_no_image_bytes_in_the_logs(model_dir, tmp_path, caplog):
     written = "".join(path.read_text() for path in (tmp_path / "log").rglob("*") if path.is_file())
     assert "<image>" in written and encoded[:64] not in written and bad[30:90] not in written
     assert all(encoded[:64] not in r.getMessage() and bad[30:90] not in r.getMessage() for r in caplog.records)
+
+
+def test_a_stored_conversation_carries_its_image(server):
+    """Responses' previous_response_id replays the earlier turn, image included: the second turn
+    sees it again (and the encoder cache answers it)."""
+    first = {
+        "model": MODEL_NAME,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Look"},
+                    {"type": "input_image", "image_url": data_url(JPEG)},
+                ],
+            }
+        ],
+        "max_output_tokens": 4,
+        "temperature": 0.0,
+    }
+    response = httpx.post(f"{server.base_url}/responses", json=first, timeout=60)
+    assert response.status_code == 200, response.text
+    before = server.stats().encoder
+    second = {
+        "model": MODEL_NAME,
+        "previous_response_id": response.json()["id"],
+        "input": "And now?",
+        "max_output_tokens": 4,
+        "temperature": 0.0,
+    }
+    response = httpx.post(f"{server.base_url}/responses", json=second, timeout=60)
+    assert response.status_code == 200, response.text
+    after = server.stats().encoder
+    assert response.json()["usage"]["input_tokens"] > 16  # the image's tokens are in the prompt again
+    assert after.images_encoded == before.images_encoded  # from the prefix or the encoder cache
+
+
+def test_anthropic_count_tokens_counts_image_tokens(server):
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(PNG).decode()}
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe"}]}]}
+    text_only = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, timeout=60).json()["input_tokens"]
+    body["messages"][0]["content"].append({"type": "image", "source": source})
+    with_image = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, timeout=60).json()["input_tokens"]
+    assert with_image - text_only >= 16  # one token per patch, and the placeholder's neighbours
