@@ -164,11 +164,7 @@ class ModelShape:
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
             vision=config.vision is not None,
-            image_tokens_per_image=(
-                llava_tokens_per_image(config.vision)
-                if config.vision is not None and config.vision.kind == "llava"
-                else 0
-            ),
+            image_tokens_per_image=_image_tokens_per_image(config),
             **(
                 {}
                 if config.moe is None
@@ -192,6 +188,15 @@ class ModelShape:
             * self.hidden_size
             * self.moe_intermediate_size
         )
+
+
+def _image_tokens_per_image(config: ModelConfig) -> int:
+    """LLaVA's and Gemma 3's fixed count; 0 where it varies with the image (Qwen2.5-VL)."""
+    if config.vision is None:
+        return 0
+    if config.vision.kind == "llava":
+        return llava_tokens_per_image(config.vision)
+    return int(config.vision.options.get("mm_tokens_per_image", 0))
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:

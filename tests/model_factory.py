@@ -202,6 +202,34 @@ TINY_MODELS: dict[str, TinyModel] = {
     ),
     # 4-pixel patches merged 2x2, windows of 16 pixels (2x2 merged groups) on block 0, full
     # attention on block 1; M-RoPE sections of 2/3/3 frequencies over a 16-wide head.
+    # Gemma 3 with its SigLIP tower: 32x32 images in 4-pixel patches pooled to 4 image tokens,
+    # which attend to each other both ways; local layers sliding over 24 tokens.
+    "gemma3_vl": TinyModel(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=4,
+                vision_use_head=False,
+            ),
+            text_config=dict(
+                model_type="gemma3_text",
+                head_dim=16,
+                sliding_window=24,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=16,
+                tie_word_embeddings=True,
+            ),
+            mm_tokens_per_image=4,
+            tie_word_embeddings=True,  # the wrapper's, as Gemma 3's checkpoints tie them
+        ),
+    ),
     "qwen2_5_vl": TinyModel(
         "Qwen2_5_VLConfig",
         "Qwen2_5_VLForConditionalGeneration",
@@ -321,6 +349,11 @@ def build_model(
 # Each vision family's config keys naming special tokens (added to its tokenizer).
 VISION_TOKENS = {
     "llava": {"image_token_id": "<image>"},
+    "gemma3_vl": {
+        "image_token_index": "<image_soft_token>",
+        "boi_token_index": "<start_of_image>",
+        "eoi_token_index": "<end_of_image>",
+    },
     "qwen2_5_vl": {
         "image_token_id": "<|image_pad|>",
         "video_token_id": "<|video_pad|>",
@@ -360,7 +393,7 @@ def build_vision_model(
     )
     text.update(settings.pop("text_config", {}))
     config = getattr(transformers, tiny.config_class)(
-        text_config=text, tie_word_embeddings=False, **token_ids, **settings
+        text_config=text, **{"tie_word_embeddings": False, **token_ids, **settings}
     )
     torch.manual_seed(seed)
     model = getattr(transformers, tiny.model_class)(config).to(dtype)
@@ -374,6 +407,9 @@ def build_vision_model(
         processor = transformers.CLIPImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
+    elif architecture == "gemma3_vl":
+        size = config.vision_config.image_size
+        processor = transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size})
     else:  # images resized to 16..4096 pixels in whole merged patches (8x8 pixels)
         vision = config.vision_config
         processor = transformers.Qwen2VLImageProcessorPil(

@@ -109,6 +109,7 @@ class EncoderStep:
 
     cache: EncoderCache
     budget_tokens: int
+    whole_images: bool = False  # Gemma 3: a chunk that would end inside an image stops before it
     work: list[tuple[str, MediaItem]] = field(default_factory=list)
     _planned: set[str] = field(default_factory=set)
 
@@ -118,6 +119,8 @@ class EncoderStep:
         for item in request.media:
             if not item.overlaps(start, start + num_new):
                 continue
+            if self.whole_images and start + num_new < item.end:  # its tokens must be computed together
+                return max(item.offset - start, 0)
             key = encoder_key(item, request.cache_salt)
             if key in self._planned or key in self.cache:
                 if start <= item.offset:  # counted once, at the chunk that starts the image

@@ -152,6 +152,7 @@ class Scheduler:
         self.encoder_cache: EncoderCache | None = None
         self.max_num_encoder_tokens = max_num_batched_tokens
         self._encoder_step: EncoderStep | None = None  # the plan of the step being scheduled
+        self.whole_images = False  # a chunk never ends inside an image (its tokens attend both ways)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -229,7 +230,9 @@ class Scheduler:
         scheduled_now: dict[int, ScheduledRequest] = {}
         limit = self._micro_batch_limit()
         cache = self.encoder_cache
-        self._encoder_step = EncoderStep(cache, self.max_num_encoder_tokens) if cache is not None else None
+        self._encoder_step = (
+            EncoderStep(cache, self.max_num_encoder_tokens, self.whole_images) if cache is not None else None
+        )
 
         index = 0
         while index < len(self.running) and budget > 0 and (limit is None or len(scheduled_now) < limit):

@@ -286,6 +286,9 @@ def build_runner(
     """The model runner over the pool, with speculation, and the executor's ranks serving the
     same block ids."""
     backend = stack.kernels.attention_backend(config.attention_backend, kv_format)
+    vision = stack.model_config.vision
+    if vision is not None and vision.bidirectional and backend.name != "torch":  # its masks are the torch backend's
+        raise ValueError(f"{config.model}: images attending both ways need --attention-backend torch")
     drafter = None
     if stack.draft_model is not None:
         drafter = DraftModelProposer(
@@ -350,6 +353,13 @@ def build_scheduler(
             )
         scheduler.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         scheduler.max_num_encoder_tokens = config.max_num_encoder_tokens
+        scheduler.whole_images = stack.model_config.vision.bidirectional
+        per_image = int(stack.model_config.vision.options.get("mm_tokens_per_image", 0))
+        if scheduler.whole_images and config.max_num_batched_tokens < per_image:
+            raise ValueError(
+                f"{config.model}: an image's {per_image} tokens are computed in one step: "
+                f"--max-num-batched-tokens must be at least that (got {config.max_num_batched_tokens})"
+            )
     return kv_cache, scheduler
 
 

@@ -48,7 +48,9 @@ class MediaProcessor:
     ) -> tuple[list[int], tuple[MediaItem, ...]]:
         """The prompt with each image's placeholder token expanded to its feature rows, and the
         images as MediaItems, in prompt order. The prompt holds one placeholder per image."""
-        token = self.vision.image_token_id
+        image_token = self.vision.image_token_id
+        token = self.vision.placeholder_token_id if self.vision.placeholder_token_id is not None else image_token
+        before, after = self.vision.wrap
         ids = list(prompt_token_ids)
         found = ids.count(token)
         if found != len(images):
@@ -64,8 +66,10 @@ class MediaProcessor:
                 out.append(token_id)
                 continue
             pixels, grid, length = self._preprocess(next(pending))
+            out.extend(before)
             items.append(MediaItem(_content_hash(pixels, grid), len(out), length, pixels, grid))
-            out.extend([token] * length)
+            out.extend([image_token] * length)
+            out.extend(after)
         return out, tuple(items)
 
     def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, ...], int]:
@@ -78,6 +82,9 @@ class MediaProcessor:
             grid = tuple(int(n) for n in out["image_grid_thw"][0].tolist())
             pixels = out["pixel_values"].to(torch.float32).contiguous()
             return pixels, grid, qwen_vl_tokens_per_image(grid, self.vision)
+        if self.vision.kind == "gemma3":  # one square image, pooled to mm_tokens_per_image rows
+            pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+            return pixels.to(torch.float32).contiguous(), (), int(self.vision.options["mm_tokens_per_image"])
         raise ValueError(f"no preprocessing for vision kind {self.vision.kind!r}")
 
 

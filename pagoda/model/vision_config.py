@@ -20,6 +20,14 @@ class VisionConfig:
     image_placeholder: str  # one image in a chat prompt's text, before expansion (Llava: "<image>")
     tower: dict[str, Any]  # the checkpoint's `vision_config`
     options: dict[str, Any] = field(default_factory=dict)  # the family's own: feature layer, projector...
+    # The token a rendered prompt holds for one image, if not the image token itself (Gemma 3:
+    # <start_of_image>), and the tokens around the image's expansion (Gemma 3: itself, then
+    # <end_of_image>).
+    placeholder_token_id: int | None = None
+    wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # Gemma 3: an image's tokens attend to each other both ways, so a prefill chunk never ends
+    # inside an image.
+    bidirectional: bool = False
 
     def tower_int(self, key: str, default: int | None = None) -> int:
         value = self.tower.get(key, default)

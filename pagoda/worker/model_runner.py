@@ -270,6 +270,17 @@ class ModelRunner(PagedModel):
             segments, self.block_size, self.device, len(self.kv_groups), self.model.config.long_rope_boundary
         )
         vision = self.model.config.vision
+        if vision is not None and vision.bidirectional:  # each chunk's image ranges, seen both ways
+            spans = [
+                [
+                    (item.offset, item.end)
+                    for item in s.request.media
+                    if item.overlaps(s.start, s.start + len(s.token_ids))
+                ]
+                for s in segments
+            ]
+            for layout in layouts:
+                layout.bidirectional = spans
         if self.model.config.mrope_section is not None and vision is not None:  # three positions per token
             chunks = [(s.start, s.start + len(s.token_ids), s.request.media) for s in segments]
             positions = batch_positions(chunks, int(vision.options["spatial_merge_size"])).to(self.device)

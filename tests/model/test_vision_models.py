@@ -1,4 +1,5 @@
-"""Vision-language models (LLaVA; Qwen2.5-VL with its M-RoPE positions and window attention)
+"""Vision-language models (LLaVA; Qwen2.5-VL with its M-RoPE positions and window attention;
+Gemma 3 with its SigLIP tower, whose image tokens attend to each other both ways)
 against transformers on the same weights (float32): greedy ids equal and logprobs within
 LOGPROB_TOLERANCE, for prompts with one and several images of several sizes and
 aspect ratios (generated PNG and JPEG files, decoded by pagoda.media.decode), batched with
@@ -40,10 +41,20 @@ SETTINGS = {
     # an encoder cache too small to keep an image between steps: each chunk encodes it again
     "evicting-encoder-cache": dict(encoder_cache_tokens=1, max_num_batched_tokens=6, block_size=4),
 }
-ARCHITECTURES = ("llava", "qwen2_5_vl")
+ARCHITECTURES = ("llava", "qwen2_5_vl", "gemma3_vl")
 # One image in a prompt's text, before expansion.
-PLACEHOLDERS = {"llava": "<image>", "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
-HF_CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+PLACEHOLDERS = {
+    "llava": "<image>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3_vl": "<start_of_image>",
+}
+# The token each image row stands on (what an expanded prompt holds).
+IMAGE_TOKENS = {"llava": "<image>", "qwen2_5_vl": "<|image_pad|>", "gemma3_vl": "<image_soft_token>"}
+HF_CLASSES = {
+    "llava": "LlavaForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "gemma3_vl": "Gemma3ForConditionalGeneration",
+}
 
 
 def image_file(width: int, height: int, fmt: str, seed: int) -> bytes:
@@ -93,6 +104,8 @@ def hf_greedy(hf, prompt_ids: list[int], images: list) -> tuple[list[int], list[
         if "image_grid_thw" in inputs:
             kwargs["image_grid_thw"] = inputs["image_grid_thw"]
             kwargs["mm_token_type_ids"] = (torch.tensor([prompt_ids]) == model.config.image_token_id).int()
+        if getattr(model.config, "boi_token_index", None) is not None:  # Gemma 3: images attend both ways
+            kwargs["token_type_ids"] = (torch.tensor([prompt_ids]) == model.config.image_token_index).long()
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor([prompt_ids]),
@@ -192,7 +205,7 @@ def test_image_requests_refused_when_malformed(arch, model_dir, images):
     with pytest.raises(InvalidRequest, match="placeholders"):
         llm.generate([{"prompt": "no placeholder here", "multi_modal_data": {"image": images[0]}}], GREEDY)
     with pytest.raises(InvalidRequest, match="without their image"):
-        llm.generate([f"{PLACEHOLDERS[arch]} a placeholder without its image"], GREEDY)
+        llm.generate([f"{IMAGE_TOKENS[arch]} an image token without its image"], GREEDY)
     assert_idle(llm)
 
 

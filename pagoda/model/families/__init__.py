@@ -22,7 +22,11 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen2": (("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), ("qwen2",)),
     "qwen3": (("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), ("qwen3",)),
     "mistral": (("MistralForCausalLM",), (), ()),
-    "gemma": (("Gemma2ForCausalLM", "Gemma3ForCausalLM"), (), ("gemma", "gemma2", "gemma3", "gemma3_text")),
+    "gemma": (
+        ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        (),
+        ("gemma", "gemma2", "gemma3", "gemma3_text"),
+    ),
     "phi3": (("Phi3ForCausalLM",), (), ()),
     "mixtral": (("MixtralForCausalLM",), (), ()),
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
