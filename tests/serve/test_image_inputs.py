@@ -277,3 +277,25 @@ def test_anthropic_count_tokens_counts_image_tokens(server):
     body["messages"][0]["content"].append({"type": "image", "source": source})
     with_image = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, timeout=60).json()["input_tokens"]
     assert with_image - text_only >= 16  # one token per patch, and the placeholder's neighbours
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "gemma3_vl"])
+def test_chat_images_for_every_family(tmp_path, architecture):
+    """The chat path's placeholder (Qwen2.5-VL's vision_start/pad/end, Gemma 3's start_of_image)
+    rendered, expanded and answered as the offline engine answers the same prompt."""
+    model_dir = build_vision_model(tmp_path / architecture, architecture)
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
+    placeholder = llm.engine.core.model_config.vision.image_placeholder
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": f"Describe\n{placeholder}"}], tokenize=False, add_generation_prompt=True
+    )
+    image = PIL.open(io.BytesIO(JPEG)).convert("RGB")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    offline = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}], params)[0].outputs[0].text
+    live = start_server(model_dir, engine={"num_kv_blocks": 64})
+    try:
+        response = chat(live, [{"type": "text", "text": "Describe"}, image_part(data_url(JPEG, "image/jpeg"))])
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == offline
+    finally:
+        live.stop()
