@@ -230,6 +230,38 @@ TINY_MODELS: dict[str, TinyModel] = {
             tie_word_embeddings=True,  # the wrapper's, as Gemma 3's checkpoints tie them
         ),
     ),
+    # Qwen3-VL: 4-pixel patches merged 2x2, a 4x4 learned position table resampled per image,
+    # DeepStack rows from vision blocks 0 and 1 into decoder layers 0 and 1; interleaved M-RoPE.
+    "qwen3_vl": TinyModel(
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                depth=3,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 1],
+            ),
+            text_config=dict(
+                model_type="qwen3_vl_text",
+                head_dim=16,
+                num_hidden_layers=3,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+    ),
     "qwen2_5_vl": TinyModel(
         "Qwen2_5_VLConfig",
         "Qwen2_5_VLForConditionalGeneration",
@@ -353,6 +385,12 @@ VISION_TOKENS = {
         "image_token_index": "<image_soft_token>",
         "boi_token_index": "<start_of_image>",
         "eoi_token_index": "<end_of_image>",
+    },
+    "qwen3_vl": {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
     },
     "qwen2_5_vl": {
         "image_token_id": "<|image_pad|>",

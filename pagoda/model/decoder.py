@@ -42,6 +42,8 @@ class InputEmbeds:
 
     rows: torch.Tensor  # [n] long, rows of the flattened batch
     values: torch.Tensor  # [n, hidden]
+    # Qwen3-VL's DeepStack: rows added to the same positions' hidden states after layer i.
+    layer_additions: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -319,6 +321,7 @@ class DecoderModel(nn.Module):
                 config.long_rope_boundary,
                 kernels,
                 config.mrope_section,
+                config.mrope_interleaved,
             )
             for theta, scaling in distinct
         )
@@ -353,6 +356,8 @@ class DecoderModel(nn.Module):
         for index in self.stage.layers:
             rotary = self.layer_rotary[index]
             hidden, residual = self.model.layers[index](hidden, residual, ropes[rotary], self.rotaries[rotary], context)
+            if embeds is not None and index < len(embeds.layer_additions):  # the stream is residual + hidden
+                hidden = hidden.index_add(0, embeds.rows, embeds.layer_additions[index].to(hidden.dtype))
         if not self.stage.is_last:
             return hidden if residual is None else residual + hidden
         assert self.model.norm is not None, "the last stage holds the final norm"

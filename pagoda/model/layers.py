@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels import Kernels
+from pagoda.model.mrope import mrope_components
 from pagoda.model.parallel import LinearShard
 from pagoda.model.rope import rope_attention_factor, rope_inv_freq
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
@@ -146,6 +147,7 @@ class RotaryEmbedding(nn.Module):
         long_rope_boundary: int | None = None,
         kernels: Kernels | None = None,
         mrope_section: tuple[int, ...] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.kernels = kernels or Kernels(device)
@@ -153,7 +155,7 @@ class RotaryEmbedding(nn.Module):
         # height, width), in sections of the frequencies; `tables` then takes [3, T] positions.
         self.mrope_columns = None
         if mrope_section is not None:
-            components = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            components = torch.tensor(mrope_components(mrope_section, mrope_interleaved))
             self.mrope_columns = torch.cat((components, components)).to(device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:

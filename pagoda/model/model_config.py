@@ -66,6 +66,7 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): rope frequencies in sections rotated by the temporal, height and width
     # positions; None: one position per token.
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies interleaved t, h, w, ...
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of one layer's rotary embedding."""

@@ -18,6 +18,19 @@ import torch
 from pagoda.media_item import MediaItem
 
 
+def mrope_components(section: tuple[int, ...], interleaved: bool = False) -> list[int]:
+    """Which position (0 temporal, 1 height, 2 width) rotates each rope frequency: in sections,
+    one after another (Qwen2.5-VL), or interleaved t, h, w, t, h, w, ... within the first
+    3 x section[1] and 3 x section[2] frequencies (Qwen3-VL)."""
+    if not interleaved:
+        return [i % 3 for i, n in enumerate(section) for _ in range(n)]
+    components = [0] * sum(section)
+    for dim in (1, 2):  # (a slice past the frequencies stops at them, as transformers slices)
+        for frequency in range(dim, min(section[dim] * 3, len(components)), 3):
+            components[frequency] = dim
+    return components
+
+
 def image_span(item: MediaItem, merge: int) -> int:
     """How far the positions advance over an image: the larger side of its merged grid."""
     _, h, w = item.grid

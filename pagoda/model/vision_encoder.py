@@ -448,3 +448,114 @@ class Gemma3Encoder(VisionEncoder):
         return self.multi_modal_projector(self.vision_tower(pixels)).reshape(
             -1, self.multi_modal_projector.mm_input_projection_weight.shape[1]
         )
+
+
+# ---- Qwen3-VL --------------------------------------------------------------------------------
+
+
+class _Qwen3VisionMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, act: str, dtype, device, kernels: Kernels):
+        super().__init__()
+        self.linear_fc1 = Linear(hidden, inner, True, dtype, device, kernels=kernels)
+        self.act = activation(act)
+        self.linear_fc2 = Linear(inner, hidden, True, dtype, device, kernels=kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class _Qwen3VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig, dtype, device, kernels: Kernels):
+        super().__init__()
+        hidden = config.tower_int("hidden_size")
+        self.norm1 = nn.LayerNorm(hidden, 1e-6, dtype=dtype, device=device)
+        self.norm2 = nn.LayerNorm(hidden, 1e-6, dtype=dtype, device=device)
+        self.attn = _QwenVisionAttention(hidden, config.tower_int("num_heads"), dtype, device, kernels)
+        act = str(config.tower.get("hidden_act", "gelu_pytorch_tanh"))
+        self.mlp = _Qwen3VisionMLP(hidden, config.tower_int("intermediate_size"), act, dtype, device, kernels)
+
+    def forward(self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Qwen3PatchMerger(nn.Module):
+    """spatial_merge_size^2 patches into one row; the norm before (main merger) or after the
+    shuffle (deepstack mergers)."""
+
+    def __init__(self, config: VisionConfig, after_shuffle: bool, dtype, device, kernels: Kernels):
+        super().__init__()
+        hidden, merge = config.tower_int("hidden_size"), config.tower_int("spatial_merge_size")
+        self.merged, self.after_shuffle = hidden * merge * merge, after_shuffle
+        self.norm = nn.LayerNorm(self.merged if after_shuffle else hidden, 1e-6, dtype=dtype, device=device)
+        self.linear_fc1 = Linear(self.merged, self.merged, True, dtype, device, kernels=kernels)
+        self.act = nn.GELU()
+        self.linear_fc2 = Linear(self.merged, config.tower_int("out_hidden_size"), True, dtype, device, kernels=kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.merged)) if self.after_shuffle else self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Qwen3VLEncoder(VisionEncoder):
+    """Qwen3-VL's vision transformer (checkpoint names `visual.*`): 3-D patch embedding with a
+    bias, a learned position table resampled (bilinear, corners aligned) to each image's grid,
+    2-D rope, full attention per image, the patch merger, and the DeepStack mergers whose rows
+    the decoder adds to its hidden states after its first layers. `encode` returns the main
+    rows and the DeepStack rows side by side ([n, (1 + k) x hidden])."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels):
+        super().__init__()
+        tower = config.tower
+        self.channels = config.tower_int("in_channels", 3)
+        self.temporal_patch, self.patch = config.tower_int("temporal_patch_size"), config.tower_int("patch_size")
+        self.merge = config.tower_int("spatial_merge_size")
+        hidden = config.tower_int("hidden_size")
+        self.hidden = hidden
+        kernel = (self.temporal_patch, self.patch, self.patch)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(self.channels, hidden, kernel, kernel, bias=True, dtype=dtype, device=device)
+        positions = config.tower_int("num_position_embeddings")
+        self.pos_embed = nn.Embedding(positions, hidden, dtype=dtype, device=device)
+        self.side = int(positions**0.5)
+        self.blocks = nn.ModuleList(
+            _Qwen3VisionBlock(config, dtype, device, kernels) for _ in range(config.tower_int("depth"))
+        )
+        self.merger = _Qwen3PatchMerger(config, False, dtype, device, kernels)
+        self.deepstack_indexes = [int(i) for i in tower.get("deepstack_visual_indexes") or []]
+        self.deepstack_merger_list = nn.ModuleList(
+            _Qwen3PatchMerger(config, True, dtype, device, kernels) for _ in self.deepstack_indexes
+        )
+        head_dim = hidden // config.tower_int("num_heads")
+        theta = float((tower.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        spatial = head_dim // 2
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+        t, h, w = grid
+        proj = self.patch_embed.proj
+        assert isinstance(proj, nn.Conv3d)
+        patches = pixel_values.reshape(-1, self.channels, self.temporal_patch, self.patch, self.patch)
+        x = proj(patches.to(proj.weight.dtype)).reshape(-1, self.hidden)
+        x = x + self._positions(t, h, w).to(x.dtype)
+        rows, cols = torch.meshgrid(torch.arange(h, device=x.device), torch.arange(w, device=x.device), indexing="ij")
+        shape = (h // self.merge, self.merge, w // self.merge, self.merge)
+        rows = rows.reshape(shape).transpose(1, 2).flatten().repeat(t)
+        cols = cols.reshape(shape).transpose(1, 2).flatten().repeat(t)
+        angles = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        frames = [h * w] * t
+        deepstack = []
+        for index, block in enumerate(self.blocks):
+            x = block(x, frames, cos, sin)
+            if index in self.deepstack_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(index)](x))
+        return torch.cat([self.merger(x), *deepstack], dim=-1)
+
+    def _positions(self, t: int, h: int, w: int) -> torch.Tensor:
+        """The learned table resampled to the image's grid, in merge-block order, per frame."""
+        table = self.pos_embed.weight.reshape(1, self.side, self.side, self.hidden).permute(0, 3, 1, 2)
+        resized = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)[0]
+        grid = resized.permute(1, 2, 0).reshape(h // self.merge, self.merge, w // self.merge, self.merge, -1)
+        return grid.permute(0, 2, 1, 3, 4).reshape(h * w, -1).repeat(t, 1)

@@ -69,4 +69,7 @@ def image_embeds(
     for batch_row, key, item, first, last in needed:
         rows.append(torch.arange(batch_row, batch_row + last - first))
         values.append(cache.get(key)[first - item.offset : last - item.offset])
-    return InputEmbeds(torch.cat(rows).to(device), torch.cat(values))
+    features = torch.cat(values)
+    # Qwen3-VL: the embedding rows, then each DeepStack layer's, side by side.
+    parts = features.split(model.config.hidden_size, dim=-1)
+    return InputEmbeds(torch.cat(rows).to(device), parts[0], tuple(parts[1:]))

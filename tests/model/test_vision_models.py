@@ -1,4 +1,5 @@
 """Vision-language models (LLaVA; Qwen2.5-VL with its M-RoPE positions and window attention;
+Qwen3-VL with interleaved M-RoPE and DeepStack;
 Gemma 3 with its SigLIP tower, whose image tokens attend to each other both ways)
 against transformers on the same weights (float32): greedy ids equal and logprobs within
 LOGPROB_TOLERANCE, for prompts with one and several images of several sizes and
@@ -41,18 +42,25 @@ SETTINGS = {
     # an encoder cache too small to keep an image between steps: each chunk encodes it again
     "evicting-encoder-cache": dict(encoder_cache_tokens=1, max_num_batched_tokens=6, block_size=4),
 }
-ARCHITECTURES = ("llava", "qwen2_5_vl", "gemma3_vl")
+ARCHITECTURES = ("llava", "qwen2_5_vl", "qwen3_vl", "gemma3_vl")
 # One image in a prompt's text, before expansion.
 PLACEHOLDERS = {
     "llava": "<image>",
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3_vl": "<start_of_image>",
 }
 # The token each image row stands on (what an expanded prompt holds).
-IMAGE_TOKENS = {"llava": "<image>", "qwen2_5_vl": "<|image_pad|>", "gemma3_vl": "<image_soft_token>"}
+IMAGE_TOKENS = {
+    "llava": "<image>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "qwen3_vl": "<|image_pad|>",
+    "gemma3_vl": "<image_soft_token>",
+}
 HF_CLASSES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "gemma3_vl": "Gemma3ForConditionalGeneration",
 }
 

@@ -279,7 +279,7 @@ def test_anthropic_count_tokens_counts_image_tokens(server):
     assert with_image - text_only >= 16  # one token per patch, and the placeholder's neighbours
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "gemma3_vl"])
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl", "gemma3_vl"])
 def test_chat_images_for_every_family(tmp_path, architecture):
     """The chat path's placeholder (Qwen2.5-VL's vision_start/pad/end, Gemma 3's start_of_image)
     rendered, expanded and answered as the offline engine answers the same prompt."""

@@ -34,6 +34,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "gpt_oss": (("GptOssForCausalLM",), (), ("gpt_oss",)),
     "llava": (("LlavaForConditionalGeneration",), (), ("llava",)),
     "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), (), ("qwen2_5_vl", "qwen2_5_vl_text")),
+    "qwen3_vl": (("Qwen3VLForConditionalGeneration",), (), ("qwen3_vl", "qwen3_vl_text")),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
