@@ -19,7 +19,7 @@ from pagoda.config import EngineConfig, parse_bytes
 from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.vision_encoder import llava_tokens_per_image
+from pagoda.model.vision.clip import llava_tokens_per_image
 from pagoda.quant.storage_bytes import (
     INT4_GROUP_SIZES,
     KV_SCALE_BYTES,

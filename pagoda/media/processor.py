@@ -20,8 +20,9 @@ from PIL import Image
 
 from pagoda.errors import InvalidRequest
 from pagoda.media_item import MediaItem
+from pagoda.model.vision.clip import llava_tokens_per_image
+from pagoda.model.vision.qwen import qwen_vl_tokens_per_image
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import llava_tokens_per_image, qwen_vl_tokens_per_image
 
 
 class MediaProcessor:

@@ -31,14 +31,14 @@ from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
-from pagoda.model.vision_encoder import VisionEncoder
+from pagoda.model.vision.encoder import VisionEncoder
 from pagoda.quant.weight_formats import WeightFormat
 
 
 @dataclass
 class InputEmbeds:
     """Rows of a step's input whose embeddings are given instead of looked up: an image's
-    features in place of its placeholder tokens (pagoda.model.vision_encoder)."""
+    features in place of its placeholder tokens (pagoda.model.vision)."""
 
     rows: torch.Tensor  # [n] long, rows of the flattened batch
     values: torch.Tensor  # [n, hidden]

@@ -61,7 +61,7 @@ class ModelConfig:
     # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
-    # A vision-language model's image path (pagoda.model.vision_encoder); None: text only.
+    # A vision-language model's image path (pagoda.model.vision); None: text only.
     vision: VisionConfig | None = None
     # M-RoPE (Qwen2.5-VL): rope frequencies in sections rotated by the temporal, height and width
     # positions; None: one position per token.

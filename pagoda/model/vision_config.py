@@ -15,7 +15,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class VisionConfig:
-    kind: str  # the encoder pagoda.model.vision_encoder builds: "llava"
+    kind: str  # its preprocessing and positions: "llava", "qwen2_5_vl" (Qwen3-VL too), "gemma3"
     image_token_id: int  # the placeholder token whose embeddings the image's features replace
     image_placeholder: str  # one image in a chat prompt's text, before expansion (Llava: "<image>")
     tower: dict[str, Any]  # the checkpoint's `vision_config`

@@ -19,8 +19,8 @@ from pagoda.model.hf_config import HFConfig, windows_from_max_window_layers
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
+from pagoda.model.vision.siglip import Gemma3Encoder
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import Gemma3Encoder
 from pagoda.quant.weight_formats import WeightFormat
 
 _GEMMA2, _GEMMA3, _GEMMA3_VL = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"

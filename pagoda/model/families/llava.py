@@ -1,6 +1,6 @@
 """LLaVA (`LlavaForConditionalGeneration`): a Llama-style decoder whose prompt carries an image
 as `<image>` placeholder tokens, one per patch of a CLIP vision tower, their embeddings replaced
-by the tower's features through an MLP projector (pagoda.model.vision_encoder.LlavaEncoder).
+by the tower's features through an MLP projector (pagoda.model.vision.clip.LlavaEncoder).
 
 The decoder is the shared one with ordinary positions. Checkpoints spell the decoder
 `language_model.model.*` (saved files) or `model.language_model.*` (transformers 5 in memory),
@@ -22,8 +22,8 @@ from pagoda.model.hf_config import HFConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
+from pagoda.model.vision.clip import LlavaEncoder
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import LlavaEncoder
 from pagoda.quant.weight_formats import WeightFormat
 
 # (checkpoint prefix, pagoda prefix), the longest first

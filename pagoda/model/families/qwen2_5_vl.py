@@ -1,7 +1,7 @@
 """Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): Qwen2's decoder with M-RoPE (each rope
 frequency section rotated by the temporal, height or width position: pagoda.model.mrope) and
 a vision transformer with window attention whose merged patches replace the `<|image_pad|>`
-tokens, one per merged patch (pagoda.model.vision_encoder.Qwen25VLEncoder).
+tokens, one per merged patch (pagoda.model.vision.qwen.Qwen25VLEncoder).
 
 Checkpoints spell the decoder `model.*` (or `model.language_model.*`) and the tower `visual.*`
 (or `model.visual.*`); the tower is read under `vision.`.
@@ -22,8 +22,8 @@ from pagoda.model.hf_config import HFConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
+from pagoda.model.vision.qwen import Qwen25VLEncoder
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import Qwen25VLEncoder
 from pagoda.quant.weight_formats import WeightFormat
 
 _RENAMES = (

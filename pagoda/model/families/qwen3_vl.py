@@ -1,7 +1,7 @@
 """Qwen3-VL (`Qwen3VLForConditionalGeneration`): Qwen3's decoder (q/k norms) with interleaved
 M-RoPE and DeepStack (the vision tower's intermediate rows added to the image tokens' hidden
 states after the decoder's first layers), and a vision transformer with a learned, resampled
-position table and full attention per image (pagoda.model.vision_encoder.Qwen3VLEncoder).
+position table and full attention per image (pagoda.model.vision.qwen.Qwen3VLEncoder).
 Positions and `<|image_pad|>` expansion are Qwen2.5-VL's, and so are its checkpoints' names.
 """
 
@@ -19,8 +19,8 @@ from pagoda.model.hf_config import HFConfig
 from pagoda.model.model_config import ModelConfig
 from pagoda.model.parallel import TensorParallelGroup
 from pagoda.model.pipeline import PipelineStage
+from pagoda.model.vision.qwen import Qwen3VLEncoder
 from pagoda.model.vision_config import VisionConfig
-from pagoda.model.vision_encoder import Qwen3VLEncoder
 from pagoda.quant.weight_formats import WeightFormat
 
 
