@@ -368,6 +368,20 @@ class SchedulerConfig:
         default="fcfs", metadata={"help": "fcfs, or priority (lower value first; preempts the lowest priority)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator for unseeded requests"})
+    max_num_encoder_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "vision-language models: image tokens the encoder step may produce per engine step (the "
+            "first image of a step always runs); a chunk reaching an image beyond it waits a step"
+        },
+    )
+    encoder_cache_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "vision-language models: encoder outputs kept by image hash (salted per tenant), in image "
+            "tokens, least recently used first out; a repeated image within it is not encoded again"
+        },
+    )
 
     @property
     def max_num_seqs_bound(self) -> int:
@@ -383,6 +397,10 @@ class SchedulerConfig:
             _fail("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             _fail("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_encoder_tokens < 1:
+            _fail("max_num_encoder_tokens", f"must be >= 1, got {self.max_num_encoder_tokens}")
+        if self.encoder_cache_tokens < 0:
+            _fail("encoder_cache_tokens", f"must be >= 0, got {self.encoder_cache_tokens}")
 
 
 @dataclass(frozen=True)

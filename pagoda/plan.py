@@ -20,6 +20,7 @@ from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.core.kv_memory import KVMemory, free_memory_bytes, kv_pool_memory
 from pagoda.model.model_config import ModelConfig
+from pagoda.model.vision.clip import llava_tokens_per_image
 from pagoda.quant.storage_bytes import (
     INT4_GROUP_SIZES,
     KV_SCALE_BYTES,
@@ -141,6 +142,10 @@ class ModelShape:
     # state's elements per sequence: (convolution windows in the model dtype, recurrent states in float32).
     num_linear_layers: int = 0
     linear_state_elements: tuple[int, int] = (0, 0)
+    # A vision-language model: its image placeholder tokens per image (0: they vary with the
+    # image's size, Qwen2.5-VL's), whose encoder outputs the engine caches (hidden_size each).
+    vision: bool = False
+    image_tokens_per_image: int = 0
 
     @property
     def is_mha(self) -> bool:
@@ -170,6 +175,8 @@ class ModelShape:
             kv_latent_dims=None if config.mla is None else config.mla.cache_dims,
             num_linear_layers=config.linear_attention.num_linear_layers if config.linear_attention else 0,
             linear_state_elements=_linear_state_elements(config),
+            vision=config.vision is not None,
+            image_tokens_per_image=_image_tokens_per_image(config),
             **(
                 {}
                 if config.moe is None
@@ -206,6 +213,15 @@ def _linear_state_elements(config: ModelConfig) -> tuple[int, int]:
     for size in linear.recurrent_shape:
         recurrent *= size
     return n * linear.conv_dim * (linear.conv_kernel_size - 1), n * recurrent
+
+
+def _image_tokens_per_image(config: ModelConfig) -> int:
+    """LLaVA's and Gemma 3's fixed count; 0 where it varies with the image (Qwen2.5-VL)."""
+    if config.vision is None:
+        return 0
+    if config.vision.kind == "llava":
+        return llava_tokens_per_image(config.vision)
+    return int(config.vision.options.get("mm_tokens_per_image", 0))
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -419,6 +435,10 @@ class Plan:
     kv_pool_source: str = ""  # without --memory: the bytes serve's KV pool takes here, and why
     # A hybrid model's linear-attention state, per sequence, held in the KV memory beside its blocks.
     state_bytes_per_sequence: int = 0
+    # A vision-language model's encoder cache (--encoder-cache-tokens image tokens of hidden_size
+    # activations), held beside the KV pool, not inside its budget; 0 for a text model.
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -648,7 +668,20 @@ def build_plan(
         stage_full_context_seqs=sequences_in_pool(windows, stage_pool_blocks, block_size, context) if stages else 0,
         kv_pool_source=kv_pool_source,
         state_bytes_per_sequence=state_bytes,
+        encoder_cache_tokens=ENCODER_CACHE_TOKENS if shape.vision else 0,
+        encoder_cache_bytes=encoder_cache_bytes(shape, dtype) if shape.vision else 0,
     )
+
+
+# The engine's --encoder-cache-tokens default.
+ENCODER_CACHE_TOKENS: int = EngineConfig.encoder_cache_tokens
+
+
+def encoder_cache_bytes(shape: ModelShape, dtype: str, tokens: int = ENCODER_CACHE_TOKENS) -> int:
+    """A full encoder cache: one hidden-size row per image token, in the activations' dtype
+    (bf16 beside int8/int4 weights)."""
+    element = DTYPE_BYTES[dtype] if dtype in ("fp32", "bf16", "fp16") else 2.0
+    return int(tokens * shape.hidden_size * element)
 
 
 def int4_group_size(shape: ModelShape, group_size: int | None) -> tuple[int, str | None]:
@@ -891,6 +924,20 @@ def render_plan(plan: Plan) -> str:
             else []
         ),
         f"full-context sequences that fit at once: {plan.full_context_seqs:,}",
+        *(
+            [
+                "images           "
+                + (
+                    f"{s['image_tokens_per_image']} image tokens per image"
+                    if s["image_tokens_per_image"]
+                    else "image tokens per image vary with its size"
+                )
+                + f"; encoder cache up to {fmt_bytes(plan.encoder_cache_bytes)} "
+                f"({plan.encoder_cache_tokens:,} image tokens x hidden {s['hidden_size']}), beside the KV pool"
+            ]
+            if s.get("vision")
+            else []
+        ),
         "",
     ]
     if plan.stages:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagoda.lora_request import AdapterIdentity
+from pagoda.media_item import MediaItem
 from pagoda.outputs import PositionLogprobs, RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
@@ -80,6 +81,8 @@ class Request:
     # Its KV is computed with LongRoPE's long factors (pagoda.model.rope): it is longer than the
     # model's boundary. Set at creation; the scheduler switches it when decoding crosses.
     long_rope: bool = False
+    # Its images: placeholder ranges in the prompt, encoded before the prefill reaches them.
+    media: tuple[MediaItem, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -172,6 +175,7 @@ class Request:
             sample_index=sample_index,
             lora=self.lora,
             long_rope=self.long_rope,
+            media=self.media,
         )
         return child
 

@@ -35,6 +35,9 @@ def assert_idle(llm: LLM) -> None:
     assert core.requests == {}
     slots = core.kv_cache.state_slots  # a hybrid model's state cache
     assert slots is None or slots.num_held == 0
+    # A vision-language model's encoder cache: nothing pinned by a step, within its bound.
+    cache = core.scheduler.encoder_cache
+    assert cache is None or (not cache.in_use and cache.num_tokens <= cache.capacity_tokens)
 
 
 def teacher_forced_agreement(model, sequences: list[list[int]], prompt_lens: list[int]) -> float:

@@ -319,6 +319,111 @@ TINY_MODELS: dict[str, TinyModel] = {
     "qwen3_classifier": TinyModel(
         "Qwen3Config", "Qwen3ForSequenceClassification", "classifier", dict(head_dim=32, num_labels=1)
     ),
+    # Vision-language models (`build_vision_model`): a tiny CLIP tower (32x32 images, 8x8 patches:
+    # 16 image tokens) under a Llama decoder; their tests are tests/model/test_vision_models.py.
+    "llava": TinyModel(
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                projection_dim=32,
+            ),
+            text_config=dict(model_type="llama"),
+            vision_feature_layer=-2,
+        ),
+    ),
+    # 4-pixel patches merged 2x2, windows of 16 pixels (2x2 merged groups) on block 0, full
+    # attention on block 1; M-RoPE sections of 2/3/3 frequencies over a 16-wide head.
+    # Gemma 3 with its SigLIP tower: 32x32 images in 4-pixel patches pooled to 4 image tokens,
+    # which attend to each other both ways; local layers sliding over 24 tokens.
+    "gemma3_vl": TinyModel(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=4,
+                vision_use_head=False,
+            ),
+            text_config=dict(
+                model_type="gemma3_text",
+                head_dim=16,
+                sliding_window=24,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=16,
+                tie_word_embeddings=True,
+            ),
+            mm_tokens_per_image=4,
+            tie_word_embeddings=True,  # the wrapper's, as Gemma 3's checkpoints tie them
+        ),
+    ),
+    # Qwen3-VL: 4-pixel patches merged 2x2, a 4x4 learned position table resampled per image,
+    # DeepStack rows from vision blocks 0 and 1 into decoder layers 0 and 1; interleaved M-RoPE.
+    "qwen3_vl": TinyModel(
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                depth=3,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 1],
+            ),
+            text_config=dict(
+                model_type="qwen3_vl_text",
+                head_dim=16,
+                num_hidden_layers=3,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+    ),
+    "qwen2_5_vl": TinyModel(
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        "vision",
+        dict(
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=16,
+                fullatt_block_indexes=[1],
+            ),
+            text_config=dict(
+                model_type="qwen2_5_vl_text",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            ),
+        ),
+    ),
 }
 ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "dense")
 # Gemma 2, Gemma 3 (text) and Phi-3: built by `build_model` too, their fixtures in tests/model.
@@ -333,8 +438,9 @@ SIGMOID_MOE_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if
 HYBRID_ARCHITECTURES = tuple(name for name, model in TINY_MODELS.items() if model.group == "hybrid")
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
-    """Train a byte-level BPE on a tiny corpus; returns its vocabulary size."""
+def build_tokenizer(directory: Path, vocab_size: int = 384, extra_special: tuple[str, ...] = ()) -> int:
+    """Train a byte-level BPE on a tiny corpus; returns its vocabulary size. `extra_special`:
+    more special tokens (a vision model's image placeholder), after the usual ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -342,7 +448,7 @@ def build_tokenizer(directory: Path, vocab_size: int = 384) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -377,6 +483,8 @@ def build_model(
     import transformers
 
     directory = Path(directory)
+    if TINY_MODELS.get(architecture, TINY_MODELS["llama"]).group == "vision":
+        return build_vision_model(directory, architecture, seed=seed, dtype=dtype, **overrides)
     vocab_size = build_tokenizer(directory)
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -394,6 +502,8 @@ def build_model(
     if architecture not in TINY_MODELS:
         raise ValueError(f"unknown architecture {architecture}")
     tiny = TINY_MODELS[architecture]
+    if tiny.group == "vision":
+        return build_vision_model(directory, architecture, seed=seed, dtype=dtype, **overrides)
     config_class, model_class = getattr(transformers, tiny.config_class), getattr(transformers, tiny.model_class)
     common.update(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
     common.update(overrides)
@@ -413,6 +523,89 @@ def build_model(
                 buffer.normal_(0.0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+# Each vision family's config keys naming special tokens (added to its tokenizer).
+VISION_TOKENS = {
+    "llava": {"image_token_id": "<image>"},
+    "gemma3_vl": {
+        "image_token_index": "<image_soft_token>",
+        "boi_token_index": "<start_of_image>",
+        "eoi_token_index": "<end_of_image>",
+    },
+    "qwen3_vl": {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    },
+    "qwen2_5_vl": {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    },
+}
+
+
+def build_vision_model(
+    directory: Path, architecture: str = "llava", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
+    """Save a random-weight vision-language model, its tokenizer (the image placeholder a special
+    token) and its image processor's config into `directory`."""
+    import transformers
+
+    directory = Path(directory)
+    tokens = VISION_TOKENS[architecture]
+    vocab_size = build_tokenizer(directory, extra_special=tuple(tokens.values()))
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    token_ids = {key: vocab[token] for key, token in tokens.items()}
+    tiny = TINY_MODELS[architecture]
+    settings = dict(tiny.overrides(seed) if callable(tiny.overrides) else tiny.overrides)
+    settings.update(overrides)
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    text.update(settings.pop("text_config", {}))
+    config = getattr(transformers, tiny.config_class)(
+        text_config=text, **{"tie_word_embeddings": False, **token_ids, **settings}
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, tiny.model_class)(config).to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(directory, safe_serialization=True)
+    if architecture == "llava":
+        size = config.vision_config.image_size
+        processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        )
+    elif architecture == "gemma3_vl":
+        size = config.vision_config.image_size
+        processor = transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    else:  # images resized to 16..4096 pixels in whole merged patches (8x8 pixels)
+        vision = config.vision_config
+        processor = transformers.Qwen2VLImageProcessorPil(
+            min_pixels=16 * 16,
+            max_pixels=64 * 64,
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+        )
+    processor.save_pretrained(directory)
     return directory
 
 

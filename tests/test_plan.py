@@ -440,3 +440,28 @@ def test_plan_without_memory_is_what_serve_runs_here(flags) -> None:
         f"{plan.num_blocks} blocks x {plan.block_size} = {plan.num_blocks * plan.block_size} tokens "
         f"({plan.full_context_seqs} sequences at full context)"
     )
+
+
+def test_a_vision_language_model_counts_its_image_tokens_and_encoder_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LLaVA-1.5-7B's shape: CLIP ViT-L at 336 px in 14 px patches, 576 image tokens; the
+    encoder cache's 8192 default image tokens of 4096 bf16 values are 64 MiB."""
+    text = {k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")}
+    config = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": 32000,
+        "vision_feature_layer": -2,
+        "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14, "hidden_size": 1024},
+        "text_config": {**text, "model_type": "llama"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, out, _ = run_cli(["--model", str(tmp_path), "--memory", "80GiB", "--json"], capsys)
+    plan = json.loads(out)
+    assert rc == 0 and plan["shape"]["image_tokens_per_image"] == 576
+    assert plan["encoder_cache_tokens"] == 8192 and plan["encoder_cache_bytes"] == 8192 * 4096 * 2 == 64 * 2**20
+    rc, out, _ = run_cli(["--model", str(tmp_path), "--memory", "80GiB"], capsys)
+    assert "576 image tokens per image; encoder cache up to 64.00 MiB" in out
+    text_plan = json.loads(run_cli(["--model", str(tmp_path / "config.json"), "--json"], capsys)[1])
+    assert text_plan["encoder_cache_bytes"] == 8192 * 4096 * P.DTYPE_BYTES[text_plan["dtype"]]

@@ -387,8 +387,14 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         for i in range(len(hashes), num_full):
-            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, extra_keys))
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            tokens = request.all_token_ids[start:end]
+            keys = extra_keys
+            # Placeholder tokens are the same for every image: the images' hashes tell them apart.
+            images = tuple(item.content_hash for item in request.media if item.overlaps(start, end))
+            if images:
+                keys += (("images", images),)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, keys))
 
     def invalidate_prefix_cache(self) -> None:
         """The model's weights changed: the device pool forgets its cached blocks, and the host

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.core.adapter_limit import AdapterLimit
+from pagoda.core.encoder_cache import EncoderCache, EncoderStep
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 
@@ -53,6 +54,8 @@ class SchedulerOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # a hybrid's forked state slots (src, dst)
     # A hybrid's state snapshots to save this step: (request id, tokens into its chunk, snapshot slot).
     state_snapshots: list[tuple[str, int, int]] = field(default_factory=list)
+    # Images to encode before the forward (pagoda.core.encoder_cache): (cache key, item).
+    encoder_work: list = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -148,6 +151,11 @@ class Scheduler:
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        # A vision-language model's encoder outputs and per-step encoder budget (None: text only).
+        self.encoder_cache: EncoderCache | None = None
+        self.max_num_encoder_tokens = max_num_batched_tokens
+        self._encoder_step: EncoderStep | None = None  # the plan of the step being scheduled
+        self.whole_images = False  # a chunk never ends inside an image (its tokens attend both ways)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -224,6 +232,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_now: dict[int, ScheduledRequest] = {}
         limit = self._micro_batch_limit()
+        cache = self.encoder_cache
+        self._encoder_step = (
+            EncoderStep(cache, self.max_num_encoder_tokens, self.whole_images) if cache is not None else None
+        )
 
         index = 0
         while index < len(self.running) and budget > 0 and (limit is None or len(scheduled_now) < limit):
@@ -234,7 +246,7 @@ class Scheduler:
             if not request.long_rope and self.needs_long_rope(request.num_tokens):
                 self._recompute_on_long_rope(request)  # the next one shifted into `index`
                 continue
-            num_new = min(request.prefill_limit - request.num_computed_tokens, budget)
+            num_new = self._encodable(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -271,6 +283,8 @@ class Scheduler:
             output.state_copies = self.kv_cache.state_slots.take_pending_copies()
             output.state_snapshots = self.kv_cache.take_state_snapshots()
         output.kv_transfers = self.kv_cache.take_transfers()
+        if self._encoder_step is not None:
+            output.encoder_work = self._encoder_step.work
         now = time.time()
         for entry in output.scheduled:
             if entry.request.metrics.first_scheduled_time is None:
@@ -326,7 +340,9 @@ class Scheduler:
             num_new = request.prefill_limit - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._encodable(request, num_cached, budget)
+            if num_new <= 0 < request.prefill_limit - num_cached:
+                break  # its next image waits for the next step's encoder budget
             admitted = self.num_running_seqs + request.num_sequences <= self.max_num_seqs and (
                 self.kv_cache.swap_in(request, num_new)
                 if swapped
@@ -360,6 +376,14 @@ class Scheduler:
             else:  # the cache served everything up to the fork point
                 self._fork_pending(request)
         return budget
+
+    def _encodable(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start` within the budget, cut before an image this step's
+        encoder budget cannot encode."""
+        num_new = min(request.prefill_limit - start, budget)
+        if self._encoder_step is None or not request.media or num_new <= 0:
+            return num_new
+        return self._encoder_step.limit(request, start, num_new)
 
     def _num_spec_tokens(self, request: Request, budget: int) -> int:
         """Drafted tokens to verify after a decoding request's real token, within the budget,

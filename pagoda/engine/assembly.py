@@ -18,6 +18,7 @@ import torch
 from pagoda.artifacts.digests import ArtifactError
 from pagoda.artifacts.verify import ArtifactCheck, VerificationPolicy, verify_artifact
 from pagoda.config import EngineConfig, LoRAConfig
+from pagoda.core.encoder_cache import EncoderCache
 from pagoda.core.kv_cache_groups import longest_sequence_blocks, release_blocker
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_memory import KVMemory, free_after_weights, free_memory_bytes, kv_pool_memory
@@ -319,6 +320,9 @@ def build_runner(
     """The model runner over the pool, with speculation, and the executor's ranks serving the
     same block ids."""
     backend = stack.kernels.attention_backend(config.attention_backend, kv_format)
+    vision = stack.model_config.vision
+    if vision is not None and vision.bidirectional and backend.name != "torch":  # its masks are the torch backend's
+        raise ValueError(f"{config.model}: images attending both ways need --attention-backend torch")
     drafter = None
     if stack.draft_model is not None:
         drafter = DraftModelProposer(
@@ -381,6 +385,22 @@ def build_scheduler(
         long_rope_boundary=stack.model_config.long_rope_boundary,
         num_micro_batches=stack.num_micro_batches,
     )
+    if stack.model_config.vision is not None:  # images: the encoder step's budget and cache
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1 or config.role != "both":
+            # (a handoff's header carries no images: the decode engine could not key its blocks)
+            raise ValueError(
+                f"{config.model}: vision-language models run without tensor or pipeline parallelism "
+                f"and without prefill/decode disaggregation"
+            )
+        scheduler.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+        scheduler.max_num_encoder_tokens = config.max_num_encoder_tokens
+        scheduler.whole_images = stack.model_config.vision.bidirectional
+        per_image = int(stack.model_config.vision.options.get("mm_tokens_per_image", 0))
+        if scheduler.whole_images and config.max_num_batched_tokens < per_image:
+            raise ValueError(
+                f"{config.model}: an image's {per_image} tokens are computed in one step: "
+                f"--max-num-batched-tokens must be at least that (got {config.max_num_batched_tokens})"
+            )
     return kv_cache, scheduler
 
 
@@ -400,6 +420,7 @@ def engine_limits(config: EngineConfig, stack: ModelStack, plan: KVPoolPlan, kv_
         block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        image_token_id=stack.model_config.vision.image_token_id if stack.model_config.vision is not None else None,
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from pagoda.config import EngineConfig
+from pagoda.core.encoder_cache import EncoderCacheStats
 from pagoda.engine.assembly import (
     attach_kv_tiers,
     build_kv_tiers,
@@ -28,6 +29,7 @@ from pagoda.engine.validation import (
     check_classifier_use,
     check_lora_enabled,
     check_lora_updatable,
+    check_media,
     check_request_id_free,
     validate_request,
 )
@@ -68,6 +70,7 @@ class EngineStats:
     lora: LoRAStats | None = None  # None without --enable-lora
     disaggregation: DisaggStats | None = None  # KV handoffs (the engine's KVConnector)
     moe: MoEStats | None = None  # expert load, with --moe-metrics on a MoE model
+    encoder: EncoderCacheStats | None = None  # images encoded and encoder-cache hits (vision-language models)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class EngineCore:
         self.runner, self.speculation = build_runner(config, stack, plan, self.kv_format)
         self.engine_limits = engine_limits(config, stack, plan, self.kv_cache)
         attach_kv_tiers(self.kv_tiers, self.runner, self.speculation)
+        self.runner.encoder_cache = self.scheduler.encoder_cache
         self.requests: dict[str, list[Request]] = {}  # user request id -> its samples
         # Grammars compile beside the loop; its tokenizer index starts building now.
         self.structured = StructuredOutputManager(
@@ -188,6 +192,7 @@ class EngineCore:
                 param="input",
             )
         check_classifier_use(params, self.model_config.classifier)
+        check_media(prompt_token_ids, request.media, self.engine_limits)
         adapter = None
         if request.lora_request is not None:
             check_lora_enabled(request.lora_request.lora_name, self.lora is not None)
@@ -205,6 +210,7 @@ class EngineCore:
             parent_id=request_id,
             lora=adapter,
             long_rope=self.scheduler.needs_long_rope(len(prompt_token_ids)),
+            media=request.media,
         )
         if adapter is not None:
             assert self.lora is not None  # an adapter was resolved by it
@@ -386,6 +392,7 @@ class EngineCore:
             structured_output=self.structured.stats(),
             lora=self._lora_stats(),
             moe=self.moe_meter.stats() if self.moe_meter is not None else None,
+            encoder=self.scheduler.encoder_cache.snapshot() if self.scheduler.encoder_cache is not None else None,
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
+from pagoda.media_item import MediaItem
 from pagoda.sampling_params import SamplingParams
 
 
@@ -31,6 +32,9 @@ class EngineRequest:
     # Route hints: what a replica router's pool rules match on; one engine ignores them.
     tenant: str | None = None
     model: str | None = None  # the model name the client asked for (the served one or an adapter)
+    # Its images, preprocessed at the edge (pagoda.media): each one's pixels, content hash and
+    # placeholder range in the prompt ids (which must then be token ids).
+    media: tuple[MediaItem, ...] = ()
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -45,6 +49,7 @@ class EngineRequest:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["params"] = dataclasses.asdict(self.params)
         data["lora_request"] = dataclasses.asdict(self.lora_request) if self.lora_request is not None else None
+        data["media"] = [item.to_dict() for item in self.media]
         return data
 
     @classmethod
@@ -54,4 +59,5 @@ class EngineRequest:
         data["params"] = SamplingParams(**data["params"])
         if data["lora_request"] is not None:
             data["lora_request"] = LoRARequest(**data["lora_request"])
+        data["media"] = tuple(MediaItem.from_dict(item) for item in data.get("media") or ())
         return cls(**data)

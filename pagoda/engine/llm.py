@@ -12,12 +12,14 @@ from pagoda.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSe
 from pagoda.engine.commands import run_command
 from pagoda.engine.engine_request import EngineRequest
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts
+from pagoda.engine.prompt_inputs import PromptInput, normalize_prompts, prompt_images
 from pagoda.engine.roles import require_both_role
 from pagoda.engine.scoring import class_probs, classify_params, pair_prompt, pair_score, score_pairs
 from pagoda.engine.threads import set_engine_threads
 from pagoda.errors import InvalidRequest
 from pagoda.lora_request import LoRARequest
+from pagoda.media.processor import MediaProcessor
+from pagoda.media_item import MediaItem
 from pagoda.model.classifier_config import ClassifierConfig
 from pagoda.outputs import (
     ClassificationOutput,
@@ -53,6 +55,7 @@ class LLM:
         set_engine_threads(config, serving=False)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._media_processor: MediaProcessor | None = None  # built with the first image
 
     @property
     def tokenizer(self):
@@ -78,7 +81,9 @@ class LLM:
         """Generate for each prompt; outputs come back in prompt order. A prompt is text, token ids,
         `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt).
         `lora_request`: one adapter for all prompts or one per prompt (None: the base model); an
-        adapter not loaded yet is loaded from its path (needs enable_lora=True)."""
+        adapter not loaded yet is loaded from its path (needs enable_lora=True). A dict prompt's
+        `multi_modal_data` ({"image": PIL image or list}) goes to a vision-language model."""
+        images = prompt_images(prompts)
         prompts = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -93,6 +98,9 @@ class LLM:
         request_ids = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             request_id = str(next(self._ids))
+            media: tuple[MediaItem, ...] = ()
+            if images[i]:
+                prompt, media = self._with_images(prompt, images[i])
             self.engine.add_request(
                 EngineRequest(
                     request_id,
@@ -101,10 +109,21 @@ class LLM:
                     cache_salt=cache_salt,
                     priority=priority[i] if priority else 0,
                     lora_request=lora_request[i],
+                    media=media,
                 )
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def _with_images(self, prompt: Prompt, images: list[Any]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """The prompt's ids with each image's placeholder expanded, and its images as items."""
+        vision = self.engine.core.model_config.vision
+        if vision is None:
+            raise InvalidRequest("this model takes no images (it is not a vision-language model)", param="prompt")
+        if self._media_processor is None:
+            self._media_processor = MediaProcessor.from_pretrained(self.engine.config.model, vision)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return self._media_processor.expand(ids, [image.convert("RGB") for image in images])
 
     def beam_search(
         self,

@@ -226,8 +226,11 @@ def calibrate_decode_step(core: CalibratedEngine) -> Callable[[int], float]:
         threads = torch.get_num_threads()
         if one_core:
             torch.set_num_threads(1)
+        vision = getattr(core.model_config, "vision", None)  # a placeholder without its image is refused
+        image_token = vision.image_token_id if vision is not None else None
         for i, request_id in enumerate(ids):
             prompt = [(7 * i + 13 * j + 1) % vocab for j in range(prompt_tokens)]
+            prompt = [(t + 1) % vocab if t == image_token else t for t in prompt]
             core.add_request(EngineRequest(request_id, prompt, params))
         try:
             while any(not s.num_output_tokens for r in ids for s in core.requests[r]):

@@ -1,7 +1,9 @@
 """The prompt shapes the offline API accepts, as vLLM's: text, token ids, or dicts of either.
 
 `{"prompt": "..."}` is vLLM's TextPrompt and `{"prompt_token_ids": [...]}` its TokensPrompt; a
-list may mix all four shapes. Anything else is refused with a message listing the shapes.
+list may mix all four shapes. Anything else is refused with a message listing the shapes. A dict
+may carry `"multi_modal_data": {"image": image or [images]}` (PIL images) for a vision-language
+model, its prompt holding one image placeholder per image (`prompt_images`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,26 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[str 
     if not prompts:
         raise ValueError("prompts is empty")
     return [_normalize_one(prompt, i) for i, prompt in enumerate(prompts)]
+
+
+def prompt_images(prompts: PromptInput | Sequence[PromptInput]) -> list[list[Any]]:
+    """Each prompt's images (`multi_modal_data["image"]`), in the order normalize_prompts gives
+    the prompts; an empty list for a prompt without."""
+    listed: Sequence[object] = [prompts] if _is_single(prompts) else prompts  # type: ignore[assignment]
+    images: list[list[Any]] = []
+    for index, prompt in enumerate(listed):
+        data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if data is None:
+            images.append([])
+            continue
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            raise TypeError(f'prompt {index}: multi_modal_data takes "image" only (an image or a list of images)')
+        value = data.get("image")
+        items = list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
+        if any(not hasattr(item, "convert") for item in items):
+            raise TypeError(f"prompt {index}: multi_modal_data images must be PIL images")
+        images.append(items)
+    return images
 
 
 def _is_single(prompts: object) -> bool:

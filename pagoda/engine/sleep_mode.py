@@ -46,6 +46,8 @@ class SleepMode:
         if self.core.has_unfinished_requests():
             raise InvalidRequest("requests are in flight: pause (mode abort or wait) before sleeping")
         self.core.kv_cache.invalidate_prefix_cache()
+        if self.core.scheduler.encoder_cache is not None:  # image features of the old weights (or asleep: freed)
+            self.core.scheduler.encoder_cache.clear()
         drop = level == 2 and self.core.device.type == "cpu" and self._reloadable()
         if executor is not None:
             executor.sleep_round(SleepRound("sleep", level, drop))

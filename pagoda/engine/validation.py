@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagoda.errors import InvalidRequest
+from pagoda.media_item import MediaItem
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class EngineLimits:
     block_size: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    image_token_id: int | None = None  # a vision-language model's image placeholder; None: text only
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -174,3 +176,26 @@ def invalid_handoff(request_id: str, error: Exception) -> InvalidRequest:
     """Why a decode engine cannot continue a handed-off request (its header holds sampling
     params or limits this engine refuses)."""
     return InvalidRequest(f"handed-off request {request_id!r}: {error}")
+
+
+def check_media(prompt_token_ids: list[int], media: tuple[MediaItem, ...], limits: EngineLimits) -> None:
+    """A request's images fit its prompt: a vision-language model, each item's placeholder range
+    inside the prompt, in order and apart, made of the image token only, and no image token
+    left without its image."""
+    image_token = limits.image_token_id
+    if image_token is None:
+        if media:
+            raise InvalidRequest("this model takes no images (it is not a vision-language model)", param="messages")
+        return
+    end = 0
+    for item in media:
+        if item.offset < end or item.length < 1 or item.end > len(prompt_token_ids):
+            raise InvalidRequest("an image's placeholder range does not fit the prompt", param="messages")
+        if any(t != image_token for t in prompt_token_ids[item.offset : item.end]):
+            raise InvalidRequest("an image's placeholder range holds other tokens", param="messages")
+        end = item.end
+    if prompt_token_ids.count(image_token) != sum(item.length for item in media):
+        raise InvalidRequest(
+            "the prompt holds image placeholder tokens without their image (or an image without its placeholders)",
+            param="messages",
+        )

@@ -223,6 +223,8 @@ class WeightUpdates:
         self.source, self._staged, self._staged_source = self._staged_source, None, None
         self.version += 1
         self.core.kv_cache.invalidate_prefix_cache()
+        if self.core.scheduler.encoder_cache is not None:  # image features of the old weights (or asleep: freed)
+            self.core.scheduler.encoder_cache.clear()
         if self._staged_snapshot is not None:
             # One snapshot in flight (each holds a model's tensors): the previous update's is
             # out of date now, so it is abandoned rather than waited for.

@@ -35,7 +35,19 @@ from pagoda.model.model_config import ModelConfig
 from pagoda.model.moe import SparseMoE
 from pagoda.model.parallel import LinearShard, Slice, TensorParallelGroup, VocabParallelEmbedding
 from pagoda.model.pipeline import OtherStageLayer, PipelineStage
+from pagoda.model.vision.encoder import VisionEncoder
 from pagoda.quant.weight_formats import WeightFormat
+
+
+@dataclass
+class InputEmbeds:
+    """Rows of a step's input whose embeddings are given instead of looked up: an image's
+    features in place of its placeholder tokens (pagoda.model.vision)."""
+
+    rows: torch.Tensor  # [n] long, rows of the flattened batch
+    values: torch.Tensor  # [n, hidden]
+    # Qwen3-VL's DeepStack: rows added to the same positions' hidden states after layer i.
+    layer_additions: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -265,6 +277,7 @@ class DecoderModel(nn.Module):
     every layer calls."""
 
     embedding_scale: torch.Tensor | None  # a buffer
+    vision: VisionEncoder | None
 
     def __init__(
         self,
@@ -283,6 +296,8 @@ class DecoderModel(nn.Module):
         self.tp = tp or TensorParallelGroup()
         self.stage = stage or PipelineStage(0, 1, 0, config.num_layers)
         self.model = DecoderStack()
+        # A vision-language family's image encoder (its model class sets it); None: text only.
+        self.vision = None
         # The last stage's head is the embedding matrix when they are tied.
         holds_embedding = self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings)
         self.model.embed_tokens = (
@@ -348,6 +363,8 @@ class DecoderModel(nn.Module):
                 device,
                 config.long_rope_boundary,
                 kernels,
+                config.mrope_section,
+                config.mrope_interleaved,
             )
             for theta, scaling in distinct
         )
@@ -381,17 +398,21 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         context: ForwardContext,
         hidden: torch.Tensor | None = None,
+        embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. positions: each token's
         position, plus config.long_rope_boundary for sequences on LongRoPE's long factors (its
         row of the rotary tables, see RotaryEmbedding). A later pipeline stage starts from the
         previous stage's `hidden`; a stage before the last returns its layers' output without
-        the norm."""
+        the norm. `embeds`: rows whose input is given (image features), written over the
+        looked-up (and scaled) embeddings, as transformers' vision-language models scatter them."""
         if self.stage.is_first:
             assert self.model.embed_tokens is not None, "the first stage holds the embedding"
             hidden = self.model.embed_tokens(input_ids)
             if self.embedding_scale is not None:
                 hidden = hidden * self.embedding_scale
+            if embeds is not None:
+                hidden = hidden.index_put((embeds.rows,), embeds.values.to(hidden.dtype))
         elif hidden is None:
             raise ValueError("a later pipeline stage starts from the previous stage's hidden states")
         rotaries = cast("Iterable[RotaryEmbedding]", self.rotaries)
@@ -400,6 +421,8 @@ class DecoderModel(nn.Module):
         for index in self.stage.layers:
             rotary = self.layer_rotary[index]
             hidden, residual = self.model.layers[index](hidden, residual, ropes[rotary], self.rotaries[rotary], context)
+            if embeds is not None and index < len(embeds.layer_additions):  # the stream is residual + hidden
+                hidden = hidden.index_add(0, embeds.rows, embeds.layer_additions[index].to(hidden.dtype))
         if not self.stage.is_last:
             return hidden if residual is None else residual + hidden
         assert self.model.norm is not None, "the last stage holds the final norm"

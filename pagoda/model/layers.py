@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels import Kernels
+from pagoda.model.mrope import mrope_components
 from pagoda.model.parallel import LinearShard
 from pagoda.model.rope import rope_attention_factor, rope_inv_freq
 from pagoda.quant.weight_formats import FullWeight, WeightFormat
@@ -145,9 +146,17 @@ class RotaryEmbedding(nn.Module):
         device: torch.device,
         long_rope_boundary: int | None = None,
         kernels: Kernels | None = None,
+        mrope_section: tuple[int, ...] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.kernels = kernels or Kernels(device)
+        # M-RoPE (Qwen2.5-VL): each frequency rotates by one of three positions (temporal,
+        # height, width), in sections of the frequencies; `tables` then takes [3, T] positions.
+        self.mrope_columns = None
+        if mrope_section is not None:
+            components = torch.tensor(mrope_components(mrope_section, mrope_interleaved))
+            self.mrope_columns = torch.cat((components, components)).to(device)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         if long_rope_boundary is not None:
             long_freqs = torch.outer(
@@ -171,6 +180,12 @@ class RotaryEmbedding(nn.Module):
     def tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin_rolled rows [T] (positions, shifted on LongRoPE's long factors), shaped
         [T, 1, D] to broadcast over heads."""
+        if rows.dim() == 2:  # M-RoPE: [3, T] positions, each column from its component's row
+            assert self.mrope_columns is not None, "3-D positions need an M-RoPE model"
+            columns = self.mrope_columns.expand(rows.shape[1], -1).unsqueeze(0)
+            cos = self.cos[rows].gather(0, columns).squeeze(0)
+            sin_rolled = self.sin_rolled[rows].gather(0, columns).squeeze(0)
+            return cos.unsqueeze(1), sin_rolled.unsqueeze(1)
         return self.cos[rows].unsqueeze(1), self.sin_rolled[rows].unsqueeze(1)
 
     def forward(self, heads: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:

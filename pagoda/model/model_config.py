@@ -15,6 +15,7 @@ from pagoda.model.classifier_config import ClassifierConfig, read_classifier
 from pagoda.model.linear_attention_config import RecurrentLayers
 from pagoda.model.mla_config import MLAConfig
 from pagoda.model.moe_config import MoEConfig
+from pagoda.model.vision_config import VisionConfig
 from pagoda.quant.storage_bytes import kv_cache_bytes_per_token, latent_kv_bytes_per_token
 
 
@@ -62,6 +63,12 @@ class ModelConfig:
     # A sequence classifier over the last token (pagoda.model.classifier): the checkpoint's
     # `score` head, or LM-head rows of a reranker's tokens; None: a plain LM.
     classifier: ClassifierConfig | None = None
+    # A vision-language model's image path (pagoda.model.vision); None: text only.
+    vision: VisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): rope frequencies in sections rotated by the temporal, height and width
+    # positions; None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies interleaved t, h, w, ...
     # Multi-head latent attention (pagoda.model.mla): each token caches one latent and one rope
     # key per layer, shared by every head; head_dim is then the rope dims (transformers' choice).
     mla: MLAConfig | None = None

@@ -24,6 +24,10 @@ from pagoda.engine.client import EngineAsleepError, EngineClient, EngineDeadErro
 from pagoda.errors import InvalidRequest
 from pagoda.guard import Decision
 from pagoda.lora_request import LoRARequest
+from pagoda.media.decode import ImageLimits
+from pagoda.media.inputs import MediaInputs
+from pagoda.media.sources import FetchPolicy
+from pagoda.media_item import MediaItem
 from pagoda.outputs import RequestOutput, RequestOutputDelta
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.admission.queue import AdmissionController, QueueSlot
@@ -83,6 +87,7 @@ class ServeContext:
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     cost: CostCounter | None = None  # --price-table
     aliases: tuple[str, ...] = ()  # more names clients may call the model by
+    media: MediaInputs = field(default_factory=lambda: MediaInputs(None))  # image parts (pagoda.media)
 
     @classmethod
     def create(
@@ -127,6 +132,7 @@ class ServeContext:
                 )
             ),
         )
+        ctx.media = media_inputs(llm, settings)
         for name, path in llm.config.lora_module_paths():  # --lora-modules, loaded with the engine
             ctx.provenance.adapter_loaded(name, path)
         if settings.prices is not None:
@@ -200,6 +206,15 @@ class Admission:
 class EnginePrompt:
     token_ids: list[int]
     text: str | None = None  # as the client sent it, when it was text
+    media: tuple[MediaItem, ...] = ()  # its images, placeholders expanded in token_ids (pagoda.media)
+
+
+def media_inputs(llm: EngineClient, settings: ServerSettings) -> MediaInputs:
+    """How this model's requests take images: its image processor when it is a vision-language
+    model, the server's image caps and fetch policy."""
+    limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.max_images_per_request)
+    fetch = FetchPolicy(tuple(settings.allowed_media_domains), settings.max_image_bytes, settings.media_fetch_timeout)
+    return MediaInputs.for_model(llm.config.model, limits, fetch)
 
 
 def new_request_id(prefix: str) -> str:
@@ -305,6 +320,7 @@ class Generation:
                     lora_request=self.lora_request,
                     tenant=self.tenant.name,
                     model=self.model_name,
+                    media=prompt.media,
                 )
                 for request_id, prompt in zip(self.engine_request_ids, self.prompts)
             ]

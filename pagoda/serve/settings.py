@@ -134,6 +134,26 @@ class ServerSettings:
             "tenant (default: off)",
         },
     )
+    allowed_media_domains: list[str] = field(
+        default_factory=list,
+        metadata={
+            "metavar": "DOMAIN",
+            "help": "vision-language models: hosts (and their subdomains) whose http(s) image URLs the server "
+            "fetches, each resolved address checked to be public, on every redirect too (default: none, "
+            "data: URLs only)",
+        },
+    )
+    max_image_bytes: int = field(
+        default=20 * 1024 * 1024,
+        metadata={"parse": parse_bytes, "help": "largest image a request may carry or the server fetch (encoded)"},
+    )
+    max_image_pixels: int = field(
+        default=40_000_000, metadata={"help": "largest image, width x height, decoded (the decompression-bomb cap)"}
+    )
+    max_images_per_request: int = field(default=16, metadata={"help": "most images in one request"})
+    media_fetch_timeout: float = field(
+        default=10.0, metadata={"help": "seconds one image URL may take, redirects included"}
+    )
     allow_runtime_lora: bool = field(
         default=False,
         metadata={

@@ -16,17 +16,20 @@ from typing import Protocol
 
 import torch
 
+from pagoda.core.encoder_cache import EncoderCache
 from pagoda.core.kv_cache_groups import KVCacheGroup
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.kernels.attention import AttentionBackend, BatchLayout
 from pagoda.kv_transfer.block_transfer import BlockTransfer
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.decoder import DecoderModel
+from pagoda.model.mrope import batch_positions
 from pagoda.outputs import PositionLogprobs
 from pagoda.quant.kv_cache_dtype import KVCacheFormat
 from pagoda.request import Request
 from pagoda.structured.manager import GrammarMasks
 from pagoda.worker.cuda_graphs import DecodeGraphRunner, supports_cuda_graphs
+from pagoda.worker.encoder_step import image_embeds
 from pagoda.worker.paged_model import PagedModel
 from pagoda.worker.pooling import pool_prompts
 from pagoda.worker.sampler import Sampler, position_logprobs
@@ -223,6 +226,8 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler(model.config.vocab_size, device, seed)
         self.speculator = speculator
         self.kv_transfer: BlockTransfer | None = None  # the KV tiers' copies (pagoda.kv_transfer), if any
+        # A vision-language model's encoder outputs (the scheduler's, which plans what to encode).
+        self.encoder_cache: EncoderCache | None = None
         # Tensor parallelism: rank 0's executor (pagoda.executor), which hands each forward to
         # the other ranks just before this one runs it.
         self.tensor_parallel: StepBroadcaster | None = None
@@ -234,12 +239,14 @@ class ModelRunner(PagedModel):
         self.decode_graphs = None
         # Graphs replay one block table per request: a model with several KV cache groups runs eagerly.
         # A hybrid model's step reads and writes state slots the graphs do not capture: it runs eagerly.
+        # (M-RoPE models' 3-D positions are not what the graphs were captured with.)
         if (
             device.type == "cuda"
             and not enforce_eager
             and supports_cuda_graphs(backend)
             and len(self.kv_groups) == 1
             and self.state_cache is None
+            and model.config.mrope_section is None
         ):
             self.decode_graphs = DecodeGraphRunner(
                 model, backend, self.kv_caches, self.sliding_windows, max_num_seqs, max_model_len, block_size, device
@@ -272,6 +279,21 @@ class ModelRunner(PagedModel):
         input_ids, positions, layouts = build_batch(
             segments, self.block_size, self.device, len(self.kv_groups), self.model.config.long_rope_boundary
         )
+        vision = self.model.config.vision
+        if vision is not None and vision.bidirectional:  # each chunk's image ranges, seen both ways
+            spans = [
+                [
+                    (item.offset, item.end)
+                    for item in s.request.media
+                    if item.overlaps(s.start, s.start + len(s.token_ids))
+                ]
+                for s in segments
+            ]
+            for layout in layouts:
+                layout.bidirectional = spans
+        if self.model.config.mrope_section is not None and vision is not None:  # three positions per token
+            chunks = [(s.start, s.start + len(s.token_ids), s.request.media) for s in segments]
+            positions = batch_positions(chunks, int(vision.options["spatial_merge_size"])).to(self.device)
         logit_rows, row_owners = self._logit_rows(scheduler_output, layouts[0])
         grammar_masks = GrammarMasks(_grammar_groups(row_owners), self.model.config.vocab_size, self.mask_filler)
         if self.lora is not None:  # every step sets (or clears) the token -> adapter slot mapping
@@ -279,8 +301,11 @@ class ModelRunner(PagedModel):
         workers = self.tensor_parallel or self.pipeline
         if workers is not None:
             workers.broadcast_step(input_ids, positions, layouts, logit_rows, scheduler_output.block_copies)
-        # Graphs were captured without adapters: a step with adapter tokens runs eagerly.
-        graphs = self.decode_graphs if self.lora is None or self.lora.state.batch is None else None
+        embeds = None
+        if self.encoder_cache is not None:
+            embeds = image_embeds(self.model, self.encoder_cache, scheduler_output.encoder_work, segments, self.device)
+        # Graphs were captured without adapters or image rows: such a step runs eagerly.
+        graphs = self.decode_graphs if (self.lora is None or self.lora.state.batch is None) and embeds is None else None
         if graphs is not None and graphs.fits(layouts[0]):
             prepared = time.perf_counter()
             hidden = graphs.run(input_ids, positions, layouts[0])  # the graph's buffer: used before next step
@@ -289,7 +314,9 @@ class ModelRunner(PagedModel):
             if self.state_cache is not None:
                 context.linear_states = self.state_cache.batch(segments, scheduler_output.state_snapshots)
             prepared = time.perf_counter()
-            hidden = self.model(input_ids, positions, context)
+            hidden = self.model(input_ids, positions, context, embeds=embeds)
+        if self.encoder_cache is not None:
+            self.encoder_cache.end_step()
         if self.lora is not None:
             self.lora.end_step()
         if self.pipeline is not None:

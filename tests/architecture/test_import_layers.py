@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
         "outputs",
         "tokenizer",
         "lora_request",
-    ),  # LoRARequest / AdapterIdentity: what requests carry; the weights are in lora/
+        "media_item",
+    ),  # LoRARequest / AdapterIdentity, MediaItem (an image's pixels, hash, placeholders): what requests carry
     ("request",),
     ("native",),  # the C++ CPU kernels (pagoda/csrc) built on first use: torch only, reached through kernels/
     ("quant",),  # weight formats and KV cache dtypes: torch only, used by model/ and plan
@@ -43,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("structured",),  # grammar-constrained decoding on llguidance (its bitmask op in kernels/): worker, engine, serve
     ("artifacts",),  # file digests, manifests, signatures (model-signing), inspect's review: model/, engine, cli
     ("model",),
+    ("media",),  # images in: safe decoding, URLs, the image processor and placeholder expansion (engine's LLM, serve)
     ("lora",),  # LoRA adapters: PEFT loading, registry, device slots, the LoRALinear around model/'s Linear
     ("core",),
     ("kv_transfer",),

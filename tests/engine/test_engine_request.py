@@ -9,6 +9,7 @@ import inspect
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.client import EngineClient, generate_outputs
@@ -27,6 +28,7 @@ from pagoda.engine.transport.messages import (
     Wake,
 )
 from pagoda.lora_request import LoRARequest
+from pagoda.media_item import MediaItem
 from pagoda.replicas.replica_set import ReplicaSet
 from pagoda.replicas.supervised_engine import SupervisedEngine
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -71,6 +73,7 @@ def every_field_set() -> EngineRequest:
         lora_request=LoRARequest("sql", 3, "/adapters/sql"),
         tenant="acme",
         model="sql",
+        media=(MediaItem("ab12", 1, 2, torch.arange(12, dtype=torch.float32).reshape(3, 2, 2) / 7, (1, 2, 2)),),
     )
     defaults = EngineRequest("r1", [5, 6, 7], SamplingParams())
     unset = [

@@ -29,6 +29,10 @@ class BatchLayout:
     # Host copies, so backends can plan without device syncs.
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # Per request, position ranges whose tokens attend to each other both ways (Gemma 3's images),
+    # on top of causal (and windowed) visibility; None: causal only. Only the torch backend
+    # computes them.
+    bidirectional: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -91,12 +91,21 @@ class TorchAttentionMetadata:
     native: NativeRequests | None = None
 
 
-def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+def visibility_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None,
+    spans: list[tuple[int, int]] | None = None,
+) -> torch.Tensor:
     """Causal (and sliding-window) visibility: query at p sees key at j if j <= p and,
-    with a window w, j > p - w (the convention transformers uses)."""
+    with a window w, j > p - w (the convention transformers uses). `spans`: position ranges
+    whose tokens also see each other's later tokens (Gemma 3's images; the window still applies,
+    as transformers composes them)."""
     q = query_positions.unsqueeze(-1)
     k = key_positions.unsqueeze(-2)
     visible = k <= q
+    for start, end in spans or ():
+        visible |= (q >= start) & (q < end) & (k >= start) & (k < end)
     if window is not None:
         visible &= k > q - window
     return visible
@@ -125,8 +134,9 @@ class TorchAttentionBackend(AttentionBackend):
         if self.native is None or layout.slot_mapping.device.type != "cpu":
             return self._prepare_gathers(layout, sliding_windows, range(layout.num_reqs))
         query_lens = layout.query_lens_host
-        rows = [i for i, n in enumerate(query_lens) if 0 < n <= NATIVE_MAX_QUERY_TOKENS]
-        longer = [i for i, n in enumerate(query_lens) if n > NATIVE_MAX_QUERY_TOKENS]
+        spans = layout.bidirectional or [[]] * layout.num_reqs  # requests with spans go through SDPA
+        rows = [i for i, n in enumerate(query_lens) if 0 < n <= NATIVE_MAX_QUERY_TOKENS and not spans[i]]
+        longer = [i for i, n in enumerate(query_lens) if n > NATIVE_MAX_QUERY_TOKENS or (n > 0 and spans[i])]
         metadata = self._prepare_gathers(layout, sliding_windows, longer)
         if not rows:
             return metadata
@@ -153,24 +163,27 @@ class TorchAttentionBackend(AttentionBackend):
         context_lens = layout.context_lens_host
         starts = layout.query_start_loc.tolist()
 
-        decode_rows = sorted((i for i in requests if query_lens[i] == 1), key=lambda i: context_lens[i])
+        spans = layout.bidirectional or [[]] * layout.num_reqs
+        decode_rows = sorted(
+            (i for i in requests if query_lens[i] == 1 and not spans[i]), key=lambda i: context_lens[i]
+        )
         decodes = [
             self._decode_group(layout, rows, sliding_windows) for rows in decode_groups(decode_rows, context_lens)
         ]
         prefills = []
         for i in requests:
             n = query_lens[i]
-            if n <= 1:
+            if n < 1 or (n == 1 and not spans[i]):
                 continue
             total = context_lens[i] + n
             query_positions = torch.arange(context_lens[i], total, device=device)
             key_positions = torch.arange(total, device=device)
             masks: dict[int | None, torch.Tensor | None] = {}
             for window in sliding_windows:
-                if window is None and context_lens[i] == 0:
+                if window is None and context_lens[i] == 0 and not spans[i]:
                     masks[window] = None
                 else:
-                    masks[window] = visibility_mask(query_positions, key_positions, window)
+                    masks[window] = visibility_mask(query_positions, key_positions, window, spans[i])
             num_blocks = -(-total // layout.block_size)
             prefills.append(
                 PrefillRequest(

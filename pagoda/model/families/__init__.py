@@ -22,7 +22,11 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen2": (("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), ("qwen2",)),
     "qwen3": (("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), ("qwen3",)),
     "mistral": (("MistralForCausalLM",), (), ()),
-    "gemma": (("Gemma2ForCausalLM", "Gemma3ForCausalLM"), (), ("gemma", "gemma2", "gemma3", "gemma3_text")),
+    "gemma": (
+        ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        (),
+        ("gemma", "gemma2", "gemma3", "gemma3_text"),
+    ),
     "phi3": (("Phi3ForCausalLM",), (), ()),
     "mixtral": (("MixtralForCausalLM",), (), ()),
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
@@ -35,6 +39,9 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
     "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
     "nemotron_h": (("NemotronHForCausalLM",), (), ("nemotron_h",)),
+    "llava": (("LlavaForConditionalGeneration",), (), ("llava",)),
+    "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), (), ("qwen2_5_vl", "qwen2_5_vl_text")),
+    "qwen3_vl": (("Qwen3VLForConditionalGeneration",), (), ("qwen3_vl", "qwen3_vl_text")),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.

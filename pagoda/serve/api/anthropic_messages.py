@@ -80,12 +80,16 @@ def _chat_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, when the message has an image
     tool_calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for b, block in enumerate(message.content):
         at = f"{where}[{b}]"
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image" and message.role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise bad_request(f"{at}: a tool_use block needs id and name.", param="messages")
@@ -113,12 +117,34 @@ def _chat_message(message: AnthropicMessage, where: str) -> list[dict[str, Any]]
                 param="messages",
             )
     converted: list[dict[str, Any]] = list(results)
-    if texts or tool_calls or not results:
+    if len(parts) > len(texts):  # images: chat's parts, decoded by the chat endpoint
+        converted.append({"role": message.role, "content": parts})
+    elif texts or tool_calls or not results:
         entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
         if tool_calls:
             entry["tool_calls"] = tool_calls
         converted.append(entry)
     return converted
+
+
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_url(block: ContentBlock, at: str) -> str:
+    """An image block's source as chat's image URL: base64 data as a data URL, or its URL."""
+    source = (block.model_extra or {}).get("source")
+    if not isinstance(source, dict):
+        raise bad_request(f"{at}: an image block needs a source.", param="messages")
+    if source.get("type") == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in _IMAGE_TYPES or not isinstance(data, str):
+            raise bad_request(
+                f"{at}.source: base64 data with media_type one of {', '.join(_IMAGE_TYPES)}.", param="messages"
+            )
+        return f"data:{media_type};base64,{data}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f"{at}.source: type base64 or url.", param="messages")
 
 
 def _chat_tools(request: CountTokensRequest) -> dict[str, Any]:

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from pagoda.errors import InvalidRequest
+from pagoda.media_item import MediaItem
 from pagoda.outputs import CompletionDelta, RequestOutputDelta
 from pagoda.serve.admission.tenants import Tenant
 from pagoda.serve.api.chat_template import ChatTemplateChoice, choose_chat_template
 from pagoda.serve.api.handler import ChunkFormatter, GenerationEndpoint, PreparedRequest
+from pagoda.serve.api.images import take_images
 from pagoda.serve.api.logprobs import chat_logprobs, prompt_logprobs
 from pagoda.serve.api.messages import message_texts, template_messages
 from pagoda.serve.api.protocol import (
@@ -70,17 +72,27 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         template_tools: dict[str, Any] = {"tools": tools.tools} if tools else {}
         template_kwargs = check_template_kwargs(request.chat_template_kwargs)
 
+        try:  # image parts: decoded here, the placeholder left in their place
+            chat_messages, images = take_images(request.messages, ctx.media)
+        except InvalidRequest as exc:
+            raise invalid_request(exc) from None
+        if images and keep is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images.", param="truncate_prompt_tokens")
+
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:
             try:
                 token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs, **template_tools)
+                media: tuple[MediaItem, ...] = ()
+                if images:  # each placeholder expanded to the image's feature rows
+                    token_ids, media = ctx.media.expand(token_ids, images)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
             if keep is not None and len(token_ids) > keep:
                 return truncate_prompt(EnginePrompt(token_ids), keep, request.truncation_side)
-            return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False))
+            return EnginePrompt(token_ids, json.dumps(messages, ensure_ascii=False), media)
 
         try:
-            messages = template_messages(request.messages, tokenizer)
+            messages = template_messages(chat_messages, tokenizer)
         except InvalidRequest as exc:
             raise invalid_request(exc) from None
         prompt = render(messages)

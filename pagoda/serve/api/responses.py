@@ -91,6 +91,28 @@ def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return "\n".join(texts)
 
 
+def _message_content(content: str | list[dict[str, Any]] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat's: its text, or, with `input_image` parts, chat's text and
+    `image_url` parts in their order (a data URL or an http(s) URL, which chat decodes or
+    fetches under the server's policy); an image by `file_id` is a 400."""
+    if not isinstance(content, list) or not any(part.get("type") == "input_image" for part in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.get("type") != "input_image":
+            parts.append({"type": "text", "text": _text_of([part], where)})
+            continue
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise bad_request(
+                f"{where}[{j}] (input_image) needs an image_url (a data URL or an allowed http(s) URL); "
+                "file_id images are not supported.",
+                param=f"{where}[{j}]",
+            )
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     """A request's `input` as chat messages; raises a 400 APIError naming the item."""
     if isinstance(items, str):
@@ -104,7 +126,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 raise bad_request(
                     f"{at}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {item.role!r}.", param=f"{at}.role"
                 )
-            messages.append({"role": item.role, "content": _text_of(item.content, f"{at}.content")})
+            messages.append({"role": item.role, "content": _message_content(item.content, f"{at}.content")})
         elif kind == "function_call":
             if not item.call_id or not item.name or item.arguments is None:
                 raise bad_request(f"{at}: a function_call item needs call_id, name and arguments.", param=at)

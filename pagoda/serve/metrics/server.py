@@ -28,6 +28,7 @@ from pagoda.engine.token_histogram import TOKEN_BUCKETS
 from pagoda.serve.metrics.disaggregation import disagg_families
 from pagoda.serve.metrics.label_policy import public_registry
 from pagoda.serve.metrics.lora import lora_families
+from pagoda.serve.metrics.media import encoder_families
 from pagoda.serve.metrics.moe import moe_families
 from pagoda.serve.metrics.replicas import AutoscaleCollector, ReplicaLabelledCollector, SupervisionCollector
 from pagoda.serve.metrics.structured import structured_output_families
@@ -160,6 +161,7 @@ class _EngineStatsCollector(Collector):
         yield from lora_families(getattr(stats, "lora", None), PREFIX, labels, values)
         yield from disagg_families(getattr(stats, "disaggregation", None), PREFIX, labels, values)
         yield from moe_families(getattr(stats, "moe", None), PREFIX, labels, values)
+        yield from encoder_families(getattr(stats, "encoder", None), PREFIX, labels, values)
 
     @staticmethod
     def _iteration_tokens(stats: EngineStats | None, labels: list[str], values: list[str]) -> Any:
