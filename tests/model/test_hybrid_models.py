@@ -77,6 +77,9 @@ def test_engine_features_keep_transformers_outputs(hybrid_dirs, expected, archit
     rounds = 2 if settings.get("enable_prefix_caching", True) else 1
     for _ in range(rounds):  # the second round restores cached prefixes: KV and recurrent state
         assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    if rounds == 2:  # samples forked from a lead whose whole prompt but the last token was cached
+        parallel = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=2)
+        assert_matches_reference(llm.generate(prompts, parallel), references, LOGPROB_TOLERANCE)
     stats = llm.engine.get_stats()
     if setting == "preemption":
         assert stats.num_preemptions > 0
@@ -156,6 +159,20 @@ def test_a_shared_prefix_is_snapshotted_where_its_cached_kv_ends(hybrid_dirs) ->
     expected = plain.generate([document + q for q in questions], GREEDY)
     for got, want in zip(outputs, expected):
         assert got.token_ids == want.outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_samples_fork_from_a_state_restored_in_a_step_without_work(hybrid_dirs) -> None:
+    # 13 tokens in blocks of 4: the second time, the lead's prompt but its last token is cached
+    # (12 tokens and the state after them): it forks at admission, in a step that computes
+    # nothing; the restore and the forks' copies wait for the next step, and run in order.
+    prompt = [[(7 * j + 3) % 300 + 5 for j in range(13)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model=str(hybrid_dirs["qwen3_next"]), enable_prefix_caching=False).generate(prompt, greedy)
+    llm = LLM(model=str(hybrid_dirs["qwen3_next"]), block_size=4)
+    llm.generate(prompt, greedy)
+    samples = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2))
+    assert [c.token_ids for c in samples[0].outputs] == [plain[0].outputs[0].token_ids] * 2
     assert_idle(llm)
 
 
