@@ -136,6 +136,7 @@ class ModelShape:
     # state's elements per sequence: (convolution windows in the model dtype, recurrent states in float32).
     num_linear_layers: int = 0
     linear_state_elements: tuple[int, int] = (0, 0)
+    num_kv_layers: int = 0  # layers that keep KV (0: every layer; not recurrent or MLP-only ones)
 
     @property
     def is_mha(self) -> bool:
@@ -164,6 +165,7 @@ class ModelShape:
             layer_sliding_windows=tuple(config.layer_sliding_windows),
             num_linear_layers=config.linear_attention.num_linear_layers if config.linear_attention else 0,
             linear_state_elements=_linear_state_elements(config),
+            num_kv_layers=len(config.kv_layers),
             **(
                 {}
                 if config.moe is None
@@ -422,7 +424,7 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | Non
     worksheet KV dtype."""
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     return kv_cache_bytes_per_token(
-        shape.num_layers - shape.num_linear_layers,
+        shape.num_kv_layers or shape.num_layers,
         heads,
         shape.head_dim,
         KV_CACHE_DTYPE_OF[kv_dtype],
@@ -847,7 +849,7 @@ def render_plan(plan: Plan) -> str:
         + (" (decoder linears; the rest bf16)" if plan.dtype in ("int8", "int4") else ""),
         f"memory           {fmt_bytes(plan.memory_bytes)}, minus {fmt_bytes(plan.reserve_bytes)} reserved for "
         f"activations/overhead, minus weights = {fmt_bytes(plan.kv_memory_bytes)} for the KV cache",
-        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_layers'] - s['num_linear_layers']} layers x 2 x "
+        f"KV per token     {plan.kv_bytes_per_token:,} bytes ({s['num_kv_layers'] or s['num_layers']} layers x 2 x "
         f"{s['num_kv_heads']} KV heads x {_kv_vector(plan.kv_dtype, s['head_dim'])})",
         f"KV per block     {fmt_bytes(plan.kv_bytes_per_block)} ({plan.block_size} tokens)",
         f"KV per sequence  {fmt_bytes(plan.kv_bytes_per_sequence)} at context {plan.context} "

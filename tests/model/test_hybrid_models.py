@@ -230,6 +230,8 @@ def test_plan_and_banner_count_the_state(hybrid_dirs) -> None:
     # one attention layer keeps KV: 2 (K and V) x 2 heads x 16 x 4 bytes
     assert kv_bytes_per_token(shape, "fp32") == 256 == config.kv_bytes_per_token(4)
     assert shape.num_linear_layers == 3 and shape.linear_state_elements == (3 * 96 * 3, 3 * 4 * 16 * 8)
+    nemotron = ModelShape.from_model_config(ModelConfig.from_dir(hybrid_dirs["nemotron_h"]))
+    assert nemotron.num_kv_layers == 1 and kv_bytes_per_token(nemotron, "fp32") == 256  # its MLP blocks keep no KV
     line = state_cache_line(EngineConfig(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB"), config, 4)
     slots = (1 << 20) // 2 // (2 * 9600)
     assert line is not None and line.startswith(f"{slots} sequences fit (9,600 bytes each")
