@@ -1,5 +1,5 @@
 """Hybrid models, recurrent layers beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text),
-with Gated DeltaNet, and Granite 4.0-H and Nemotron-H, with Mamba2, against transformers running the same
+with Gated DeltaNet, and Granite 4.0-H, Nemotron-H and Falcon-H1, with Mamba2, against transformers running the same
 weights (float32): greedy ids equal and logprobs within LOGPROB_TOLERANCE, batched at different
 lengths, through chunked prefill, under preemption (the recomputed sequence's state starts from
 zeros) and with n > 1 (each sample a copy of its lead's state), the state cache empty when the
@@ -11,7 +11,8 @@ serving four value heads; gated attention with q/k norms and a half-head rotary 
 Qwen3-Next with top-2 of 4 experts and a shared expert (layer 1 dense), Qwen3.5-MoE with them
 in every layer; Granite with Mamba2 in layers 0, 1 and 3 (two groups, chunks of 16 tokens),
 attention without rotary in layer 2, its multipliers, and experts beside its shared MLP;
-Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP."""
+Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP; Falcon-H1's
+Mamba2 and attention side by side in both layers, every muP multiplier away from 1."""
 
 from __future__ import annotations
 
@@ -110,6 +111,11 @@ def test_configs_place_linear_and_attention_layers(hybrid_dirs) -> None:
     assert isinstance(nemotron.linear_attention, Mamba2Config)
     assert nemotron.linear_attention.layers == (True, False, False, False)
     assert nemotron.mlp_only_layers == (1, 3) and nemotron.kv_layers == (2,) and nemotron.no_rope
+    falcon = ModelConfig.from_dir(hybrid_dirs["falcon_h1"])
+    assert isinstance(falcon.linear_attention, Mamba2Config) and falcon.linear_attention.layers == (True, True)
+    assert falcon.kv_layers == (0, 1) and falcon.linear_attention.gated_norm == "before_gate"
+    assert falcon.linear_attention.projection_multipliers == (1.1, 0.9, 1.2, 0.8, 1.3)
+    assert falcon.logits_divisor == 2.0 and falcon.layer_multipliers["mlp"] == (0.8, 1.2)
 
 
 def test_nemotron_h_moe_blocks_are_refused(hybrid_dirs, tmp_path) -> None:

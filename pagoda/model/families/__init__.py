@@ -33,6 +33,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
     "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
     "nemotron_h": (("NemotronHForCausalLM",), (), ("nemotron_h",)),
+    "falcon_h1": (("FalconH1ForCausalLM",), (), ("falcon_h1",)),
 }
 _SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 # What a config without `model_type`, or of an unknown one, is read as.
