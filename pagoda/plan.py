@@ -859,7 +859,7 @@ def render_plan(plan: Plan) -> str:
         *(
             [
                 f"state per seq    {fmt_bytes(plan.state_bytes_per_sequence)} ({s['num_linear_layers']} "
-                f"recurrent layers keep no KV: a convolution window and a recurrent state each, "
+                f"recurrent layers: a convolution window and a recurrent state each, "
                 f"whatever the length; counted below; prefix caching adds one snapshot of it per sequence)"
             ]
             if plan.state_bytes_per_sequence
