@@ -142,6 +142,7 @@ class ModelShape:
     # state's elements per sequence: (convolution windows in the model dtype, recurrent states in float32).
     num_linear_layers: int = 0
     linear_state_elements: tuple[int, int] = (0, 0)
+    num_kv_layers: int = 0  # layers that keep KV (0: every layer; not recurrent or MLP-only ones)
     # A vision-language model: its image placeholder tokens per image (0: they vary with the
     # image's size, Qwen2.5-VL's), whose encoder outputs the engine caches (hidden_size each).
     vision: bool = False
@@ -175,6 +176,7 @@ class ModelShape:
             kv_latent_dims=None if config.mla is None else config.mla.cache_dims,
             num_linear_layers=config.linear_attention.num_linear_layers if config.linear_attention else 0,
             linear_state_elements=_linear_state_elements(config),
+            num_kv_layers=len(config.kv_layers),
             vision=config.vision is not None,
             image_tokens_per_image=_image_tokens_per_image(config),
             **(
@@ -454,7 +456,7 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, num_kv_heads: int | Non
         )
     heads = shape.num_kv_heads if num_kv_heads is None else num_kv_heads
     return kv_cache_bytes_per_token(
-        shape.num_layers - shape.num_linear_layers,
+        shape.num_kv_layers or shape.num_layers,
         heads,
         shape.head_dim,
         KV_CACHE_DTYPE_OF[kv_dtype],
@@ -870,7 +872,7 @@ def _kv_per_token(kv_dtype: str, shape: dict[str, Any]) -> str:
             f"{_kv_vector(kv_dtype, latent[1])}, shared by the {shape['num_attention_heads']} heads"
         )
     vector = _kv_vector(kv_dtype, shape["head_dim"])
-    kv_layers = shape["num_layers"] - shape.get("num_linear_layers", 0)  # a hybrid's recurrent layers keep none
+    kv_layers = shape.get("num_kv_layers") or shape["num_layers"]  # a hybrid's recurrent and MLP-only layers keep none
     return f"{kv_layers} layers x 2 x {shape['num_kv_heads']} KV heads x {vector}"
 
 
@@ -917,7 +919,7 @@ def render_plan(plan: Plan) -> str:
         *(
             [
                 f"state per seq    {fmt_bytes(plan.state_bytes_per_sequence)} ({s['num_linear_layers']} "
-                f"recurrent layers keep no KV: a convolution window and a recurrent state each, "
+                f"recurrent layers: a convolution window and a recurrent state each, "
                 f"whatever the length; counted below; prefix caching adds one snapshot of it per sequence)"
             ]
             if plan.state_bytes_per_sequence

@@ -303,6 +303,32 @@ TINY_MODELS: dict[str, TinyModel] = {
             chunk_size=16,
         ),
     ),
+    # Mamba2 and attention side by side in both layers (Mamba2 of 4 heads of 16, 2 groups, the norm
+    # before the gate), every muP multiplier away from 1.
+    "falcon_h1": TinyModel(
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        "hybrid",
+        dict(
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            embedding_multiplier=1.5,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.8, 1.2],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.1,
+            attention_out_multiplier=0.9,
+            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+            ssm_in_multiplier=0.95,
+            ssm_out_multiplier=1.05,
+        ),
+    ),
     # Sequence classifiers: the decoder under a `score` head (pagoda/model/classifier.py); their
     # tests are tests/engine/test_scoring.py and tests/serve/test_scoring_api.py.
     "llama_classifier": TinyModel("LlamaConfig", "LlamaForSequenceClassification", "classifier", dict(num_labels=1)),

@@ -279,7 +279,8 @@ class Scheduler:
         if self.num_micro_batches > 1:
             self._in_flight.update(id(entry.request) for entry in output.scheduled)
         output.block_copies = self.kv_cache.take_pending_copies()
-        if self.kv_cache.state_slots is not None:
+        if self.kv_cache.state_slots is not None and output.scheduled:
+            # a step without work never reaches the runner: its state copies wait for the next one
             output.state_copies = self.kv_cache.state_slots.take_pending_copies()
             output.state_snapshots = self.kv_cache.take_state_snapshots()
         output.kv_transfers = self.kv_cache.take_transfers()

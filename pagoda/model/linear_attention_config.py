@@ -68,6 +68,13 @@ class Mamba2Config:
     conv_bias: bool
     proj_bias: bool
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # The gated norm of the scan's output y with the gate z: "after_gate" norm(y * silu(z))
+    # (Granite, Nemotron-H), "before_gate" norm(y) * silu(z), "none" y * silu(z) (Falcon-H1's choices).
+    gated_norm: str = "after_gate"
+    # Falcon-H1's muP: the input scaled before in_proj, and its output's z, x, B, C and dt parts each
+    # by their own multiplier (None: not scaled).
+    in_multiplier: float | None = None
+    projection_multipliers: tuple[float, float, float, float, float] | None = None
 
     @property
     def intermediate_size(self) -> int:

@@ -25,6 +25,8 @@ from pagoda.quant.weight_formats import WeightFormat
 
 
 class Mamba2Mixer(nn.Module):
+    projection_scale: torch.Tensor | None  # a buffer (Falcon-H1's muP multipliers of in_proj's parts)
+
     def __init__(
         self,
         mamba: Mamba2Config,
@@ -52,7 +54,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads, dtype=dtype, device=device), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(heads, dtype=dtype, device=device), requires_grad=False)
         self.D = nn.Parameter(torch.empty(heads, dtype=dtype, device=device), requires_grad=False)
-        self.norm = _GroupNormWeight(inner, dtype, device)
+        self.norm = _GroupNormWeight(inner, dtype, device) if mamba.gated_norm != "none" else None
+        scale = None
+        if mamba.projection_multipliers is not None:  # per channel: z, x, B, C, dt
+            z, x, b, c, dt = mamba.projection_multipliers
+            groups = mamba.num_groups * mamba.state_size
+            sizes = ((inner, z), (inner, x), (groups, b), (groups, c), (heads, dt))
+            scale = torch.cat([torch.full((size,), value) for size, value in sizes]).to(dtype=dtype, device=device)
+        self.register_buffer("projection_scale", scale, persistent=False)
         self.out_proj = Linear(inner, hidden_size, mamba.proj_bias, dtype, device, weight_format, kernels=kernels)
 
     def forward(self, hidden: torch.Tensor, states: LinearStateBatch | None) -> torch.Tensor:
@@ -61,7 +70,12 @@ class Mamba2Mixer(nn.Module):
         num_tokens = hidden.shape[0]
         windows, ssm = states.conv_windows[self.layer_index], states.recurrent[self.layer_index]
         assert windows is not None and ssm is not None, "every Mamba2 layer has its state"
-        gate, xbc, dt = torch.split(self.in_proj(hidden), [c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
+        if c.in_multiplier is not None:
+            hidden = hidden * c.in_multiplier
+        projected = self.in_proj(hidden)
+        if self.projection_scale is not None:
+            projected = projected * self.projection_scale
+        gate, xbc, dt = torch.split(projected, [c.intermediate_size, c.conv_dim, c.num_heads], dim=-1)
         decoding, others = states.decoding, states.chunked
         rows, slots = states.decoding_index(hidden.device)
 
@@ -97,11 +111,18 @@ class Mamba2Mixer(nn.Module):
                     ssm[snapshot] = ssm[slot]
                 fresh = False
 
-        # The gated RMSNorm: times silu(z) first, then normalized per group, in float32.
-        gated = y.reshape(num_tokens, -1) * F.silu(gate.float())
-        grouped = gated.view(num_tokens, c.num_groups, -1)
+        # The gated RMSNorm, per group in float32: of y * silu(z), or of y then times silu(z), or none.
+        y = y.reshape(num_tokens, -1)
+        silu_z = F.silu(gate.float())
+        if self.norm is None:
+            return self.out_proj((y * silu_z).to(hidden.dtype))
+        if c.gated_norm == "after_gate":
+            y = y * silu_z
+        grouped = y.view(num_tokens, c.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.norm.weight * grouped.view(num_tokens, -1)
+        if c.gated_norm == "before_gate":
+            normed = normed * silu_z
         return self.out_proj(normed.to(hidden.dtype))
 
 

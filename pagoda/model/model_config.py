@@ -90,6 +90,10 @@ class ModelConfig:
     logits_divisor: float | None = None
     # Nemotron-H: layers of an MLP alone (neither attention nor a recurrent mixer, so no KV).
     mlp_only_layers: tuple[int, ...] = ()
+    # Falcon-H1: attention and the recurrent mixer side by side in every layer (each keeps KV).
+    attention_beside_recurrent: bool = False
+    # Constants a family's own layer class reads (Falcon-H1's muP multipliers); empty for the shared decoder.
+    layer_multipliers: dict[str, Any] = field(default_factory=dict)
     # --- end hybrid models ---
 
     @property
@@ -109,7 +113,8 @@ class ModelConfig:
         return tuple(
             i
             for i in range(self.num_layers)
-            if (linear is None or not linear.layers[i]) and i not in self.mlp_only_layers
+            if (linear is None or not linear.layers[i] or self.attention_beside_recurrent)
+            and i not in self.mlp_only_layers
         )
 
     def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:

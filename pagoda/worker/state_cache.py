@@ -60,11 +60,9 @@ class StateCache:
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copy slots' states (source, destination): forked samples start from their lead's."""
-        if not copies:
-            return
-        device = next(t for t in self.recurrent if t is not None).device
-        src = torch.tensor([c[0] for c in copies], device=device)
-        dst = torch.tensor([c[1] for c in copies], device=device)
-        for tensor in (*self.conv_windows, *self.recurrent):
-            if tensor is not None:
-                tensor[dst] = tensor[src]
+        # In order, one by one: a restored snapshot is copied into a lead's slot before the lead's
+        # state is copied into its forked samples' slots.
+        for source, destination in copies:
+            for tensor in (*self.conv_windows, *self.recurrent):
+                if tensor is not None:
+                    tensor[destination] = tensor[source]

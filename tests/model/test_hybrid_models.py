@@ -1,5 +1,5 @@
 """Hybrid models, recurrent layers beside attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text),
-with Gated DeltaNet, and Granite 4.0-H and Nemotron-H, with Mamba2, against transformers running the same
+with Gated DeltaNet, and Granite 4.0-H, Nemotron-H and Falcon-H1, with Mamba2, against transformers running the same
 weights (float32): greedy ids equal and logprobs within LOGPROB_TOLERANCE, batched at different
 lengths, through chunked prefill, under preemption (the recomputed sequence's state starts from
 zeros) and with n > 1 (each sample a copy of its lead's state), the state cache empty when the
@@ -11,7 +11,8 @@ serving four value heads; gated attention with q/k norms and a half-head rotary 
 Qwen3-Next with top-2 of 4 experts and a shared expert (layer 1 dense), Qwen3.5-MoE with them
 in every layer; Granite with Mamba2 in layers 0, 1 and 3 (two groups, chunks of 16 tokens),
 attention without rotary in layer 2, its multipliers, and experts beside its shared MLP;
-Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP."""
+Nemotron-H's single-mixer blocks: Mamba2, a squared-ReLU MLP, attention, an MLP; Falcon-H1's
+Mamba2 and attention side by side in both layers, every muP multiplier away from 1."""
 
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def test_engine_features_keep_transformers_outputs(hybrid_dirs, expected, archit
     rounds = 2 if settings.get("enable_prefix_caching", True) else 1
     for _ in range(rounds):  # the second round restores cached prefixes: KV and recurrent state
         assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
+    if rounds == 2:  # samples forked from a lead whose whole prompt but the last token was cached
+        parallel = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, n=2)
+        assert_matches_reference(llm.generate(prompts, parallel), references, LOGPROB_TOLERANCE)
     stats = llm.engine.get_stats()
     if setting == "preemption":
         assert stats.num_preemptions > 0
@@ -107,6 +111,11 @@ def test_configs_place_linear_and_attention_layers(hybrid_dirs) -> None:
     assert isinstance(nemotron.linear_attention, Mamba2Config)
     assert nemotron.linear_attention.layers == (True, False, False, False)
     assert nemotron.mlp_only_layers == (1, 3) and nemotron.kv_layers == (2,) and nemotron.no_rope
+    falcon = ModelConfig.from_dir(hybrid_dirs["falcon_h1"])
+    assert isinstance(falcon.linear_attention, Mamba2Config) and falcon.linear_attention.layers == (True, True)
+    assert falcon.kv_layers == (0, 1) and falcon.linear_attention.gated_norm == "before_gate"
+    assert falcon.linear_attention.projection_multipliers == (1.1, 0.9, 1.2, 0.8, 1.3)
+    assert falcon.logits_divisor == 2.0 and falcon.layer_multipliers["mlp"] == (0.8, 1.2)
 
 
 def test_nemotron_h_moe_blocks_are_refused(hybrid_dirs, tmp_path) -> None:
@@ -156,6 +165,20 @@ def test_a_shared_prefix_is_snapshotted_where_its_cached_kv_ends(hybrid_dirs) ->
     expected = plain.generate([document + q for q in questions], GREEDY)
     for got, want in zip(outputs, expected):
         assert got.token_ids == want.outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_samples_fork_from_a_state_restored_in_a_step_without_work(hybrid_dirs) -> None:
+    # 13 tokens in blocks of 4: the second time, the lead's prompt but its last token is cached
+    # (12 tokens and the state after them): it forks at admission, in a step that computes
+    # nothing; the restore and the forks' copies wait for the next step, and run in order.
+    prompt = [[(7 * j + 3) % 300 + 5 for j in range(13)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model=str(hybrid_dirs["qwen3_next"]), enable_prefix_caching=False).generate(prompt, greedy)
+    llm = LLM(model=str(hybrid_dirs["qwen3_next"]), block_size=4)
+    llm.generate(prompt, greedy)
+    samples = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2))
+    assert [c.token_ids for c in samples[0].outputs] == [plain[0].outputs[0].token_ids] * 2
     assert_idle(llm)
 
 
@@ -214,6 +237,8 @@ def test_plan_and_banner_count_the_state(hybrid_dirs) -> None:
     # one attention layer keeps KV: 2 (K and V) x 2 heads x 16 x 4 bytes
     assert kv_bytes_per_token(shape, "fp32") == 256 == config.kv_bytes_per_token(4)
     assert shape.num_linear_layers == 3 and shape.linear_state_elements == (3 * 96 * 3, 3 * 4 * 16 * 8)
+    nemotron = ModelShape.from_model_config(ModelConfig.from_dir(hybrid_dirs["nemotron_h"]))
+    assert nemotron.num_kv_layers == 1 and kv_bytes_per_token(nemotron, "fp32") == 256  # its MLP blocks keep no KV
     engine = EngineConfig(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB")
     memory = KVMemory(1 << 20, "--kv-cache-memory")
     plan = plan_kv_pool(

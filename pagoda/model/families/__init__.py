@@ -39,6 +39,7 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] =
     "qwen3_5_moe": (("Qwen3_5MoeForCausalLM",), (), ("qwen3_5_moe_text",)),
     "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), (), ("granitemoehybrid",)),
     "nemotron_h": (("NemotronHForCausalLM",), (), ("nemotron_h",)),
+    "falcon_h1": (("FalconH1ForCausalLM",), (), ("falcon_h1",)),
     "llava": (("LlavaForConditionalGeneration",), (), ("llava",)),
     "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), (), ("qwen2_5_vl", "qwen2_5_vl_text")),
     "qwen3_vl": (("Qwen3VLForConditionalGeneration",), (), ("qwen3_vl", "qwen3_vl_text")),
