@@ -45,6 +45,10 @@ VARIANTS = {
 SETTINGS = {
     "chunked-prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4),
     "preemption": dict(block_size=4, num_kv_blocks=24, enable_prefix_caching=False),
+    # verification chunks attend expanded over cached latents
+    "ngram-speculation": dict(speculative="ngram"),
+    # latent blocks offloaded to the host tier and read back
+    "host-tier": dict(kv_offload_memory="4MiB", block_size=4, num_kv_blocks=30, enable_prefix_caching=True),
 }
 
 
@@ -86,6 +90,10 @@ def test_engine_features_keep_transformers_outputs(model_dirs, expected, setting
     stats = llm.engine.get_stats()
     if setting == "preemption":
         assert stats.num_preemptions > 0
+    elif setting == "ngram-speculation":
+        assert stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
+    elif setting == "host-tier":
+        assert stats.kv_tiers is not None and stats.kv_tiers.hits["host"] > 0
     else:  # the second round reads its prompts' latents from cached blocks
         assert stats.prefix_cache_hits > 0
     assert_idle(llm)
@@ -120,6 +128,19 @@ def test_quantized_latents_stay_close(model_dirs, expected, kv_cache_dtype: str)
     for output, (tokens, logprobs) in zip(outputs, references):
         completion = output.outputs[0]
         assert abs(completion.logprobs[0][tokens[0]].logprob - logprobs[0]) < 0.05
+
+
+def test_int8_weights_quantize_the_latent_attention_and_agree(model_dirs, expected) -> None:
+    prompts, references = expected["q-lora"]
+    llm = LLM(model=str(model_dirs["q-lora"]), quantization="int8")
+    attention = llm.engine.core.runner.model.model.layers[1].self_attn
+    assert attention.q_b_proj.weight_format.name == "int8"
+    assert attention.kv_b_proj.weight.dtype == torch.float32  # the absorbed projections stay whole
+    outputs = llm.generate(prompts, GREEDY)
+    agree = sum(
+        a == b for output, (tokens, _) in zip(outputs, references) for a, b in zip(output.outputs[0].token_ids, tokens)
+    )
+    assert agree >= 0.5 * NEW_TOKENS * len(prompts)
 
 
 def test_absorbed_decode_agrees_with_expanded_on_the_same_cache(model_dirs, expected) -> None:
