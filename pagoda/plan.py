@@ -136,6 +136,9 @@ class ModelShape:
     # Multi-head latent attention: per layer, each token caches (latent, rope key) of these sizes
     # for all heads, instead of K and V per KV head. None: K and V.
     kv_latent_dims: tuple[int, int] | None = None
+    # Its attention projections' parameters per layer (q, kv down and up, o), which the heads and
+    # head_dim above do not give. None: q, k, v and o of the heads.
+    latent_attention_params: int | None = None
 
     @property
     def is_mha(self) -> bool:
@@ -163,6 +166,7 @@ class ModelShape:
             norms_per_layer=4 if config.gemma_norms else 2,
             layer_sliding_windows=tuple(config.layer_sliding_windows),
             kv_latent_dims=None if config.mla is None else config.mla.cache_dims,
+            latent_attention_params=None if config.mla is None else _latent_attention_params(config),
             **(
                 {}
                 if config.moe is None
@@ -186,6 +190,18 @@ class ModelShape:
             * self.hidden_size
             * self.moe_intermediate_size
         )
+
+
+def _latent_attention_params(config: ModelConfig) -> int:
+    """Weights of one multi-head latent attention layer (pagoda.model.mla)."""
+    mla = config.mla
+    assert mla is not None
+    hidden, heads = config.hidden_size, config.num_heads
+    q_out = heads * mla.qk_head_dim
+    query = hidden * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (hidden + q_out)
+    kv_down = hidden * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv_up = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return query + kv_down + kv_up + heads * mla.v_head_dim * hidden
 
 
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -213,6 +229,8 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     h, d = shape.hidden_size, shape.head_dim
     q_out, kv_out = shape.num_attention_heads * d, shape.num_kv_heads * d
     attn_linear = h * q_out + 2 * h * kv_out + q_out * h
+    if shape.latent_attention_params is not None:
+        attn_linear = shape.latent_attention_params
     mlp_linear = 3 * h * shape.intermediate_size
     # A MoE layer's block instead: the router, the experts, a shared expert and its gate.
     shared = shape.shared_expert_intermediate_size

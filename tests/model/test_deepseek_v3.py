@@ -23,8 +23,9 @@ from pagoda import LLM, SamplingParams
 from pagoda.kernels.attention.latent import LatentProjection, absorbed_attention, expanded_decode
 from pagoda.kernels.moe import SigmoidRouting, sigmoid_top_k
 from pagoda.model.model_config import ModelConfig
-from pagoda.plan import ModelShape
+from pagoda.plan import ModelShape, count_params_from_architecture
 from pagoda.plan import kv_bytes_per_token as plan_kv_bytes_per_token
+from pagoda.plan import load_model as load_plan_model
 
 NEW_TOKENS = 16
 LOGPROB_TOLERANCE = 1e-3  # float32; they agree to about 1e-6
@@ -109,6 +110,10 @@ def test_kv_cache_holds_one_latent_and_rope_key_per_token_and_layer(model_dirs) 
     assert config.kv_bytes_per_token(4, kv_cache_dtype="int8") == config.num_layers * (32 + 4 + 8 + 4)
     shape = ModelShape.from_model_config(config)  # `pagoda plan`'s worksheet, the same formula
     assert shape.kv_latent_dims == (32, 8) and plan_kv_bytes_per_token(shape, "fp32") == latent_bytes
+    # A config alone counts the latent attention's weights as the checkpoint holds them.
+    from_config = count_params_from_architecture(shape)
+    from_weights = load_plan_model(str(model_dirs["q-lora"]))[1]
+    assert from_config.linear + from_config.other == pytest.approx(from_weights.linear + from_weights.other, rel=0.02)
     llm = LLM(model=str(model_dirs["q-lora"]), block_size=4)
     caches = llm.engine.core.runner.distinct_kv_caches
     assert len(caches) == config.num_layers
