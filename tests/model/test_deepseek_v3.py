@@ -225,3 +225,19 @@ def test_sigmoid_router_matches_transformers() -> None:
     order, expected_order = experts.argsort(dim=-1), expected_experts.argsort(dim=-1)
     assert torch.equal(experts.gather(1, order), expected_experts.gather(1, expected_order))
     torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+
+
+def test_a_backend_without_latent_attention_refuses_the_model() -> None:
+    from pagoda.kernels.attention import AttentionLayerSpec
+    from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
+
+    class NoLatent(TorchAttentionBackend):
+        name = "no-latent"
+        supports_latent = False
+
+    spec = AttentionLayerSpec(num_heads=4, num_kv_heads=1, head_dim=24, scale=0.2, sliding_window=None, latent=True)
+    with pytest.raises(ValueError, match="latent attention runs on the torch attention backend"):
+        NoLatent().check_layers([spec], "DeepseekV3ForCausalLM")
+    backend = TorchAttentionBackend(native=object())  # type: ignore[arg-type]
+    backend.check_layers([spec], "DeepseekV3ForCausalLM")
+    assert backend.native is None  # the native paged kernel reads K/V heads, not latents
