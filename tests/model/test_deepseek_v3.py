@@ -241,3 +241,16 @@ def test_a_backend_without_latent_attention_refuses_the_model() -> None:
     backend = TorchAttentionBackend(native=object())  # type: ignore[arg-type]
     backend.check_layers([spec], "DeepseekV3ForCausalLM")
     assert backend.native is None  # the native paged kernel reads K/V heads, not latents
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_splits_the_heads_and_keeps_transformers_outputs(
+    model_dirs, expected, expert_parallel: bool
+) -> None:
+    """Two ranks: each holds half the heads (q, kv_b_proj's rows, o_proj's inputs) and the whole
+    latent; experts split, or placed whole per rank."""
+    prompts, references = expected["q-lora"]
+    llm = LLM(model=str(model_dirs["q-lora"]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    attention = llm.engine.core.runner.model.model.layers[0].self_attn
+    assert attention.num_heads == 2 and attention.kv_b_proj.weight.shape == (2 * (16 + 16), 32)
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
