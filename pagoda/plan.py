@@ -147,6 +147,9 @@ class ModelShape:
     # image's size, Qwen2.5-VL's), whose encoder outputs the engine caches (hidden_size each).
     vision: bool = False
     image_tokens_per_image: int = 0
+    # Its attention projections' parameters per layer (q, kv down and up, o), which the heads and
+    # head_dim above do not give. None: q, k, v and o of the heads.
+    latent_attention_params: int | None = None
 
     @property
     def is_mha(self) -> bool:
@@ -179,6 +182,7 @@ class ModelShape:
             num_kv_layers=len(config.kv_layers),
             vision=config.vision is not None,
             image_tokens_per_image=_image_tokens_per_image(config),
+            latent_attention_params=None if config.mla is None else _latent_attention_params(config),
             **(
                 {}
                 if config.moe is None
@@ -226,6 +230,18 @@ def _image_tokens_per_image(config: ModelConfig) -> int:
     return int(config.vision.options.get("mm_tokens_per_image", 0))
 
 
+def _latent_attention_params(config: ModelConfig) -> int:
+    """Weights of one multi-head latent attention layer (pagoda.model.mla)."""
+    mla = config.mla
+    assert mla is not None
+    hidden, heads = config.hidden_size, config.num_heads
+    q_out = heads * mla.qk_head_dim
+    query = hidden * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (hidden + q_out)
+    kv_down = hidden * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv_up = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return query + kv_down + kv_up + heads * mla.v_head_dim * hidden
+
+
 def model_shape_from_config(config: dict[str, Any], source: str = "config.json") -> ModelShape:
     """Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 / Phi-3 family; other decoder-only configs
     with the same keys work too."""
@@ -251,6 +267,8 @@ def count_params_from_architecture(shape: ModelShape) -> ParamCount:
     h, d = shape.hidden_size, shape.head_dim
     q_out, kv_out = shape.num_attention_heads * d, shape.num_kv_heads * d
     attn_linear = h * q_out + 2 * h * kv_out + q_out * h
+    if shape.latent_attention_params is not None:
+        attn_linear = shape.latent_attention_params
     mlp_linear = 3 * h * shape.intermediate_size
     # A MoE layer's block instead: the router, the experts, a shared expert and its gate.
     shared = shape.shared_expert_intermediate_size

@@ -319,7 +319,10 @@ def build_runner(
 ) -> tuple[ModelRunner, SpecDecodeController]:
     """The model runner over the pool, with speculation, and the executor's ranks serving the
     same block ids."""
-    backend = stack.kernels.attention_backend(config.attention_backend, kv_format)
+    backend_name = config.attention_backend
+    if backend_name == "auto" and stack.model_config.mla is not None:
+        backend_name = "torch"  # latent attention runs on the torch backend only (kernels/attention/latent.py)
+    backend = stack.kernels.attention_backend(backend_name, kv_format)
     vision = stack.model_config.vision
     if vision is not None and vision.bidirectional and backend.name != "torch":  # its masks are the torch backend's
         raise ValueError(f"{config.model}: images attending both ways need --attention-backend torch")

@@ -10,6 +10,7 @@ latents into each head's keys and values (`LatentProjection`). The attention bac
 prefill chunks with K/V expanded from the latents and decodes with the projections absorbed
 (pagoda.kernels.attention.latent). kv_b_proj stays in full precision whatever the weight format
 (its rows are the absorbed projections); the other projections take the model's format.
+Tensor parallelism splits the heads; every rank computes and caches the whole latent.
 
 The checkpoint's q_proj is named `query_proj` here (the loader fuses `q_proj` into qkv_proj for
 every other attention); the family renames it (pagoda.model.families.deepseek_v3).
@@ -27,7 +28,7 @@ from pagoda.kernels.attention import AttentionBackend, AttentionLayerSpec
 from pagoda.kernels.attention.latent import LatentProjection
 from pagoda.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.parallel import TensorParallelGroup
+from pagoda.model.parallel import LinearShard, TensorParallelGroup
 from pagoda.model.rope import yarn_attention_mscale
 from pagoda.quant.weight_formats import WeightFormat
 
@@ -41,13 +42,15 @@ class ForwardContext(Protocol):
 
 
 class LatentUpProjection(nn.Module):
-    """kv_b_proj: its weight [H * (nope + v), kv_lora_rank] as loaded (not a Linear: the
-    absorbed decode reads its rows per head, so no weight format packs it)."""
+    """kv_b_proj: its weight [H * (nope + v), kv_lora_rank] as loaded, the rank's heads' rows
+    with tensor parallelism (`shard`, which the loader takes them by); not a Linear: the absorbed
+    decode reads its rows per head, so no weight format packs it."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shard: LinearShard, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        self.shard = shard
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            torch.empty(shard.local_out, shard.local_in, dtype=dtype, device=device), requires_grad=False
         )
 
 
@@ -65,17 +68,18 @@ class LatentAttention(nn.Module):
         super().__init__()
         mla = config.mla
         assert mla is not None, "built for a config with latent attention"
-        if tp.world_size > 1:
-            raise ValueError("multi-head latent attention does not run with tensor parallelism yet")
         self.layer_index = layer_index
         self.mla = mla
-        self.num_heads = config.num_heads
+        # Tensor parallelism splits the heads (q, kv_b_proj's rows, o_proj's inputs); every rank
+        # computes and caches the whole latent.
+        self.num_heads = tp.split(config.num_heads, "num_attention_heads").size
         self.num_kv_heads = 1  # one latent and rope key per token, shared by every head
         hidden = config.hidden_size
-        heads_qk = self.num_heads * mla.qk_head_dim
+        heads_qk = config.num_heads * mla.qk_head_dim
 
-        def linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
-            return Linear(in_features, out_features, bias, dtype, device, weight_format, kernels=kernels)
+        def linear(in_features: int, out_features: int, bias: bool = False, shard: LinearShard | None = None) -> Linear:
+            reduce = tp.all_reduce if shard is not None and shard.reduce else None
+            return Linear(in_features, out_features, bias, dtype, device, weight_format, shard, reduce, kernels)
 
         def norm(size: int) -> RMSNorm:
             return RMSNorm(size, config.rms_norm_eps, dtype, device, kernels=kernels)
@@ -85,17 +89,19 @@ class LatentAttention(nn.Module):
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: Linear | None = None
         if mla.q_lora_rank is None:
-            self.query_proj = linear(hidden, heads_qk)
+            self.query_proj = linear(hidden, heads_qk, shard=tp.column(hidden, heads_qk, what="q_proj"))
         else:
             self.q_a_proj = linear(hidden, mla.q_lora_rank, config.qkv_bias)
             self.q_a_layernorm = norm(mla.q_lora_rank)
-            self.q_b_proj = linear(mla.q_lora_rank, heads_qk)
+            self.q_b_proj = linear(
+                mla.q_lora_rank, heads_qk, shard=tp.column(mla.q_lora_rank, heads_qk, what="q_b_proj")
+            )
         self.kv_a_proj_with_mqa = linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, config.qkv_bias)
         self.kv_a_layernorm = norm(mla.kv_lora_rank)
-        self.kv_b_proj = LatentUpProjection(
-            mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype, device
-        )
-        self.o_proj = linear(self.num_heads * mla.v_head_dim, hidden, config.o_bias)
+        kv_up = config.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        self.kv_b_proj = LatentUpProjection(tp.column(mla.kv_lora_rank, kv_up, what="kv_b_proj"), dtype, device)
+        heads_v = config.num_heads * mla.v_head_dim
+        self.o_proj = linear(heads_v, hidden, config.o_bias, shard=tp.row(heads_v, hidden, "the attention output"))
         # YaRN scales the softmax by its mscale twice (transformers' yarn_apply_mscale).
         scale = mla.qk_head_dim**-0.5 * yarn_attention_mscale(config.rope_scaling) ** 2
         self.spec = AttentionLayerSpec(

@@ -23,8 +23,9 @@ from pagoda import LLM, SamplingParams
 from pagoda.kernels.attention.latent import LatentProjection, absorbed_attention, expanded_decode
 from pagoda.kernels.moe import SigmoidRouting, sigmoid_top_k
 from pagoda.model.model_config import ModelConfig
-from pagoda.plan import ModelShape
+from pagoda.plan import ModelShape, count_params_from_architecture
 from pagoda.plan import kv_bytes_per_token as plan_kv_bytes_per_token
+from pagoda.plan import load_model as load_plan_model
 
 NEW_TOKENS = 16
 LOGPROB_TOLERANCE = 1e-3  # float32; they agree to about 1e-6
@@ -45,6 +46,10 @@ VARIANTS = {
 SETTINGS = {
     "chunked-prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=16, block_size=4),
     "preemption": dict(block_size=4, num_kv_blocks=24, enable_prefix_caching=False),
+    # verification chunks attend expanded over cached latents
+    "ngram-speculation": dict(speculative="ngram"),
+    # latent blocks offloaded to the host tier and read back
+    "host-tier": dict(kv_offload_memory="4MiB", block_size=4, num_kv_blocks=30, enable_prefix_caching=True),
 }
 
 
@@ -86,6 +91,10 @@ def test_engine_features_keep_transformers_outputs(model_dirs, expected, setting
     stats = llm.engine.get_stats()
     if setting == "preemption":
         assert stats.num_preemptions > 0
+    elif setting == "ngram-speculation":
+        assert stats.spec_decode is not None and stats.spec_decode.num_accepted_tokens > 0
+    elif setting == "host-tier":
+        assert stats.kv_tiers is not None and stats.kv_tiers.hits["host"] > 0
     else:  # the second round reads its prompts' latents from cached blocks
         assert stats.prefix_cache_hits > 0
     assert_idle(llm)
@@ -101,6 +110,10 @@ def test_kv_cache_holds_one_latent_and_rope_key_per_token_and_layer(model_dirs) 
     assert config.kv_bytes_per_token(4, kv_cache_dtype="int8") == config.num_layers * (32 + 4 + 8 + 4)
     shape = ModelShape.from_model_config(config)  # `pagoda plan`'s worksheet, the same formula
     assert shape.kv_latent_dims == (32, 8) and plan_kv_bytes_per_token(shape, "fp32") == latent_bytes
+    # A config alone counts the latent attention's weights as the checkpoint holds them.
+    from_config = count_params_from_architecture(shape)
+    from_weights = load_plan_model(str(model_dirs["q-lora"]))[1]
+    assert from_config.linear + from_config.other == pytest.approx(from_weights.linear + from_weights.other, rel=0.02)
     llm = LLM(model=str(model_dirs["q-lora"]), block_size=4)
     caches = llm.engine.core.runner.distinct_kv_caches
     assert len(caches) == config.num_layers
@@ -120,6 +133,19 @@ def test_quantized_latents_stay_close(model_dirs, expected, kv_cache_dtype: str)
     for output, (tokens, logprobs) in zip(outputs, references):
         completion = output.outputs[0]
         assert abs(completion.logprobs[0][tokens[0]].logprob - logprobs[0]) < 0.05
+
+
+def test_int8_weights_quantize_the_latent_attention_and_agree(model_dirs, expected) -> None:
+    prompts, references = expected["q-lora"]
+    llm = LLM(model=str(model_dirs["q-lora"]), quantization="int8")
+    attention = llm.engine.core.runner.model.model.layers[1].self_attn
+    assert attention.q_b_proj.weight_format.name == "int8"
+    assert attention.kv_b_proj.weight.dtype == torch.float32  # the absorbed projections stay whole
+    outputs = llm.generate(prompts, GREEDY)
+    agree = sum(
+        a == b for output, (tokens, _) in zip(outputs, references) for a, b in zip(output.outputs[0].token_ids, tokens)
+    )
+    assert agree >= 0.5 * NEW_TOKENS * len(prompts)
 
 
 def test_absorbed_decode_agrees_with_expanded_on_the_same_cache(model_dirs, expected) -> None:
@@ -199,3 +225,32 @@ def test_sigmoid_router_matches_transformers() -> None:
     order, expected_order = experts.argsort(dim=-1), expected_experts.argsort(dim=-1)
     assert torch.equal(experts.gather(1, order), expected_experts.gather(1, expected_order))
     torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+
+
+def test_a_backend_without_latent_attention_refuses_the_model() -> None:
+    from pagoda.kernels.attention import AttentionLayerSpec
+    from pagoda.kernels.attention.torch_backend import TorchAttentionBackend
+
+    class NoLatent(TorchAttentionBackend):
+        name = "no-latent"
+        supports_latent = False
+
+    spec = AttentionLayerSpec(num_heads=4, num_kv_heads=1, head_dim=24, scale=0.2, sliding_window=None, latent=True)
+    with pytest.raises(ValueError, match="latent attention runs on the torch attention backend"):
+        NoLatent().check_layers([spec], "DeepseekV3ForCausalLM")
+    backend = TorchAttentionBackend(native=object())  # type: ignore[arg-type]
+    backend.check_layers([spec], "DeepseekV3ForCausalLM")
+    assert backend.native is None  # the native paged kernel reads K/V heads, not latents
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_splits_the_heads_and_keeps_transformers_outputs(
+    model_dirs, expected, expert_parallel: bool
+) -> None:
+    """Two ranks: each holds half the heads (q, kv_b_proj's rows, o_proj's inputs) and the whole
+    latent; experts split, or placed whole per rank."""
+    prompts, references = expected["q-lora"]
+    llm = LLM(model=str(model_dirs["q-lora"]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    attention = llm.engine.core.runner.model.model.layers[0].self_attn
+    assert attention.num_heads == 2 and attention.kv_b_proj.weight.shape == (2 * (16 + 16), 32)
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)

@@ -88,3 +88,9 @@ def test_partial_rotary_is_refused_where_the_family_has_none() -> None:
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             }
         )
+
+
+def test_tensor_parallel_keeps_transformers_outputs(model_dir, expected) -> None:
+    prompts, references = expected
+    llm = LLM(model=str(model_dir), tensor_parallel_size=2)
+    assert_matches_reference(llm.generate(prompts, GREEDY), references, LOGPROB_TOLERANCE)
