@@ -463,5 +463,9 @@ def test_a_vision_language_model_counts_its_image_tokens_and_encoder_cache(
     assert plan["encoder_cache_tokens"] == 8192 and plan["encoder_cache_bytes"] == 8192 * 4096 * 2 == 64 * 2**20
     rc, out, _ = run_cli(["--model", str(tmp_path), "--memory", "80GiB"], capsys)
     assert "576 image tokens per image; encoder cache up to 64.00 MiB" in out
-    text_plan = json.loads(run_cli(["--model", str(tmp_path / "config.json"), "--json"], capsys)[1])
+    # Without --memory: this machine's plan (an 8B model's float32 weights leave no free memory here
+    # for the default share, so the pool is given).
+    text_plan = json.loads(
+        run_cli(["--model", str(tmp_path / "config.json"), "--kv-cache-memory", "1GiB", "--json"], capsys)[1]
+    )
     assert text_plan["encoder_cache_bytes"] == 8192 * 4096 * P.DTYPE_BYTES[text_plan["dtype"]]
