@@ -20,7 +20,6 @@ from pagoda.core.capacity import blocks_for, sequences_that_fit
 from pagoda.core.kv_cache_groups import kv_cache_groups, layers_per_page, pages_per_sequence
 from pagoda.core.kv_memory import KVMemory, free_memory_bytes, kv_pool_memory
 from pagoda.model.model_config import ModelConfig
-from pagoda.model.vision.clip import llava_tokens_per_image
 from pagoda.quant.storage_bytes import (
     INT4_GROUP_SIZES,
     KV_SCALE_BYTES,
@@ -226,7 +225,7 @@ def _image_tokens_per_image(config: ModelConfig) -> int:
     if config.vision is None:
         return 0
     if config.vision.kind == "llava":
-        return llava_tokens_per_image(config.vision)
+        return config.vision.llava_tokens_per_image()
     return int(config.vision.options.get("mm_tokens_per_image", 0))
 
 

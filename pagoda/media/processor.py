@@ -20,7 +20,6 @@ from PIL import Image
 
 from pagoda.errors import InvalidRequest
 from pagoda.media_item import MediaItem
-from pagoda.model.vision.clip import llava_tokens_per_image
 from pagoda.model.vision.qwen import qwen_vl_tokens_per_image
 from pagoda.model.vision_config import VisionConfig
 
@@ -77,7 +76,7 @@ class MediaProcessor:
         """(pixel values, grid, placeholder tokens) of one image."""
         if self.vision.kind == "llava":
             pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
-            return pixels.to(torch.float32).contiguous(), (), llava_tokens_per_image(self.vision)
+            return pixels.to(torch.float32).contiguous(), (), self.vision.llava_tokens_per_image()
         if self.vision.kind == "qwen2_5_vl":  # patches flattened, with their (t, h, w) grid
             out = self.image_processor(images=[image], return_tensors="pt")
             grid = tuple(int(n) for n in out["image_grid_thw"][0].tolist())

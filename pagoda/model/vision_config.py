@@ -34,3 +34,8 @@ class VisionConfig:
         if value is None:
             raise ValueError(f"vision_config has no {key!r}")
         return int(value)
+
+    def llava_tokens_per_image(self) -> int:
+        """LLaVA's placeholder tokens of one image: a row per patch (and the CLS row under "full")."""
+        patches = (self.tower_int("image_size") // self.tower_int("patch_size")) ** 2
+        return patches + (1 if self.options.get("select_strategy", "default") == "full" else 0)

@@ -29,7 +29,14 @@ def test_plan_int4_weight_bytes_match_the_packed_layers(llama_dir: Path) -> None
         PlanOptions(model=str(llama_dir), memory="1GiB", dtype="int4", kv_dtype="bf16", quantization_group_size=32)
     )
     bf16 = plan_from_options(PlanOptions(model=str(llama_dir), memory="1GiB", dtype="bf16"))
-    llm = LLM(model=str(llama_dir), quantization="int4", quantization_group_size=32, kv_cache_memory="256KiB")
+    # The plan counts PyTorch's packed layout (bf16 scale/zero pairs); the native kernels keep float32 ones.
+    llm = LLM(
+        model=str(llama_dir),
+        quantization="int4",
+        quantization_group_size=32,
+        kv_cache_memory="256KiB",
+        native_kernels="off",
+    )
     packed = sum(
         m.qweight.nbytes + m.scales_and_zeros.nbytes
         for m in llm.engine.core.runner.model.modules()

@@ -143,9 +143,3 @@ class LlavaEncoder(VisionEncoder):
         if not self.keep_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features.reshape(-1, features.shape[-1]))
-
-
-def llava_tokens_per_image(config: VisionConfig) -> int:
-    """Placeholder tokens of one image: a row per patch (and the CLS row under "full")."""
-    patches = (config.tower_int("image_size") // config.tower_int("patch_size")) ** 2
-    return patches + (1 if config.options.get("select_strategy", "default") == "full" else 0)
