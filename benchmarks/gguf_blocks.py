@@ -35,6 +35,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -311,7 +312,7 @@ def main() -> int:
         if args.llama_cpp is None:
             raise SystemExit("--hf-model needs --llama-cpp (its converter and llama-quantize)")
         models += quantized_files(args.hf_model, args.llama_cpp, args.quantize_to.split(","))
-    work = (args.out or Path("/tmp/gguf_blocks")).resolve()
+    work = Path(tempfile.mkdtemp(prefix="gguf_blocks_"))  # the text scored; results go to --out
     work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
