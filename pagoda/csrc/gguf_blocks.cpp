@@ -8,7 +8,7 @@
 // dm = -dmin * m; Q8_0: u = q + 128, dm = -128d; ...). With an activation block of scale da, codes a and per-group
 // sums S, a group contributes da * (ds * sum(u * a) + dm * S) - llama.cpp's formulas, the mins of the K-quants and
 // Q4_1/Q5_1 through the activation's block sums. The integer dot product is then one kernel for every type: a tile of
-// weight rows is decoded once into a small scratch (codes, scales per lane of 4 values, offsets per group) and
+// weight rows is decoded once into a small scratch (codes, scales and offsets per group of 16 values) and
 // reused against every row of x (the tiled path of a prefill; a decode step of a few rows takes the same path, its
 // cost then the decode and one pass of dot products). Parallel over tiles of output rows with at::parallel_for.
 //
@@ -68,7 +68,7 @@ TypeInfo type_info(int64_t type) {
 #define PAGODA_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kGroup = 16;  // values per (ds, dm) group
-constexpr int64_t kLane = 4;    // values per int32 lane of a dot product (and per lane scale)
+constexpr int64_t kLane = 4;    // values per int32 lane of a dot product
 constexpr int64_t kTileRows = 4;  // weight rows decoded together
 constexpr int64_t kXRows = 4;     // rows of x per pass over a decoded tile
 
@@ -289,29 +289,23 @@ PAGODA_INLINE void decode_iq4_xs(const uint8_t* b, uint8_t* u, float* ds, float*
   }
 }
 
-// A tile's decoded rows: codes [rows][K], lane scales [rows][K / 4], group offsets [rows][K / 16].
+// A tile's decoded rows: codes [rows][K], group scales and offsets [rows][K / 16].
 struct Scratch {
   std::vector<uint8_t> u;
-  std::vector<float> wl, dm;
-  Scratch(int64_t rows, int64_t k) : u(rows * k), wl(rows * k / kLane), dm(rows * k / kGroup) {}
+  std::vector<float> ds, dm;
+  Scratch(int64_t rows, int64_t k) : u(rows * k), ds(rows * k / kGroup), dm(rows * k / kGroup) {}
 };
 
 template <void (*Decode)(const uint8_t*, uint8_t*, float*, float*), int64_t QK, int64_t Bytes>
 PAGODA_INLINE void decode_row_body(const uint8_t* __restrict__ row, int64_t k, uint8_t* __restrict__ u,
-                                   float* __restrict__ wl, float* __restrict__ dm) {
-  float ds[QK / kGroup];
-  for (int64_t b = 0; b < k / QK; ++b) {
-    Decode(row + b * Bytes, u + b * QK, ds, dm + b * (QK / kGroup));
-    float* lanes = wl + b * (QK / kLane);
-    for (int64_t g = 0; g < QK / kGroup; ++g)
-      for (int64_t l = 0; l < kGroup / kLane; ++l) lanes[g * (kGroup / kLane) + l] = ds[g];
-  }
+                                   float* __restrict__ ds, float* __restrict__ dm) {
+  for (int64_t b = 0; b < k / QK; ++b) Decode(row + b * Bytes, u + b * QK, ds + b * (QK / kGroup), dm + b * (QK / kGroup));
 }
 
 #define PAGODA_DECODE_ROW(isa_attr, suffix)                                                                       \
   template <void (*Decode)(const uint8_t*, uint8_t*, float*, float*), int64_t QK, int64_t Bytes>                  \
-  isa_attr void decode_row_##suffix(const uint8_t* row, int64_t k, uint8_t* u, float* wl, float* dm) {            \
-    decode_row_body<Decode, QK, Bytes>(row, k, u, wl, dm);                                                        \
+  isa_attr void decode_row_##suffix(const uint8_t* row, int64_t k, uint8_t* u, float* ds, float* dm) {            \
+    decode_row_body<Decode, QK, Bytes>(row, k, u, ds, dm);                                                        \
   }
 PAGODA_DECODE_ROW(__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))), avx512)
 PAGODA_DECODE_ROW(__attribute__((target("avx2,fma,f16c"))), avx2)
@@ -348,16 +342,16 @@ RowDecoder row_decoder(int64_t type, Isa isa) {
   return nullptr;
 }
 
-// ---- the activation: int8 codes [M][K], lane scales [M][K / 4], group sums times the block scale [M][K / 16] ----
+// ---- the activation: int8 codes [M][K], block scale per group [M][K / 16], group sums times it [M][K / 16] ----
 
 struct Activation {
   const int8_t* a;
-  const float* al;
+  const float* ag;
   const float* as;
   int64_t k;
 };
 
-void quantize_row(const float* x, int64_t k, bool k_blocks, int8_t* a, float* al, float* as) {
+void quantize_row(const float* x, int64_t k, bool k_blocks, int8_t* a, float* ag, float* as) {
   const int64_t qk = k_blocks ? 256 : 32;
   for (int64_t b = 0; b < k / qk; ++b) {
     const float* xb = x + b * qk;
@@ -388,10 +382,10 @@ void quantize_row(const float* x, int64_t k, bool k_blocks, int8_t* a, float* al
       for (int64_t j = 0; j < qk; ++j) ab[j] = static_cast<int8_t>(std::round(xb[j] * id));
       d = static_cast<float>(c10::Half(dq));
     }
-    for (int64_t l = 0; l < qk / kLane; ++l) al[b * (qk / kLane) + l] = d;
     for (int64_t g = 0; g < qk / kGroup; ++g) {
       int sum = 0;
       for (int64_t j = 0; j < kGroup; ++j) sum += ab[g * kGroup + j];
+      ag[b * (qk / kGroup) + g] = d;
       as[b * (qk / kGroup) + g] = d * static_cast<float>(sum);
     }
   }
@@ -399,33 +393,41 @@ void quantize_row(const float* x, int64_t k, bool k_blocks, int8_t* a, float* al
 
 // ---- dot products of R decoded rows with C rows of x: acc[r * C + c] ---------------------------------------------
 
+// One 64-value step: the codes' dot products per lane of 4 (vpdpbusd), times the weight's and the activation's
+// scale of each lane's group (4 groups per step, each spread over its 4 lanes by one permute).
 template <int R, int C>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void dot_vnni(const uint8_t* u, const float* wl,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void vnni_step(
+    const uint8_t* u, const float* ds, const Activation& x, int64_t x0, int64_t k, int64_t groups, int64_t i,
+    __mmask64 bytes, __mmask8 quads, __m512 (&s)[R][C]) {
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512i av[C];
+  __m128 agv[C];
+  _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
+    av[c] = _mm512_maskz_loadu_epi8(bytes, x.a + (x0 + c) * k + i);
+    agv[c] = _mm_maskz_loadu_ps(quads, x.ag + (x0 + c) * groups + i / kGroup);
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
+    const __m512i uv = _mm512_maskz_loadu_epi8(bytes, u + r * k + i);
+    const __m128 dsv = _mm_maskz_loadu_ps(quads, ds + r * groups + i / kGroup);
+    _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uv, av[c]);
+      const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dsv, agv[c])));
+      s[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, s[r][c]);
+    }
+  }
+}
+
+template <int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void dot_vnni(const uint8_t* u, const float* ds,
                                                                             const float* dm, const Activation& x,
                                                                             int64_t x0, float* acc) {
-  const int64_t k = x.k, lanes = k / kLane, groups = k / kGroup;
+  const int64_t k = x.k, groups = k / kGroup;
   __m512 s[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 64) {
-    // K is a multiple of 32: the last step may be half a vector.
-    const __mmask64 bytes = i + 64 <= k ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
-    const __mmask16 lane_mask = i + 64 <= k ? __mmask16{0xFFFF} : __mmask16{0xFF};
-    __m512i av[C];
-    __m512 alv[C];
-    _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
-      av[c] = _mm512_maskz_loadu_epi8(bytes, x.a + (x0 + c) * k + i);
-      alv[c] = _mm512_maskz_loadu_ps(lane_mask, x.al + (x0 + c) * lanes + i / kLane);
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
-      const __m512i uv = _mm512_maskz_loadu_epi8(bytes, u + r * k + i);
-      const __m512 wv = _mm512_maskz_loadu_ps(lane_mask, wl + r * lanes + i / kLane);
-      _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uv, av[c]);
-        s[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(wv, alv[c]), s[r][c]);
-      }
-    }
-  }
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) vnni_step<R, C>(u, ds, x, x0, k, groups, i, ~__mmask64{0}, 0x0F, s);
+  if (i < k) vnni_step<R, C>(u, ds, x, x0, k, groups, i, __mmask64{0xFFFFFFFFu}, 0x03, s);  // K: 32 more
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 mask = g + 16 <= groups ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (groups - g)) - 1);
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
@@ -439,25 +441,26 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void dot_vnni(co
 }
 
 template <int R, int C, bool Wide>
-__attribute__((target("avx2,fma"))) void dot_avx2(const uint8_t* u, const float* wl, const float* dm,
+__attribute__((target("avx2,fma"))) void dot_avx2(const uint8_t* u, const float* ds, const float* dm,
                                                   const Activation& x, int64_t x0, float* acc) {
-  const int64_t k = x.k, lanes = k / kLane, groups = k / kGroup;
+  const int64_t k = x.k, groups = k / kGroup;
   const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // a 32-value step's 2 groups over 8 lanes
   __m256 s[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) s[r][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 32) {
     __m256i av[C];
-    __m256 alv[C];
+    __m128 agv[C];
     __m256i high_sums[C];  // 128 * (sum of each lane's activations), for codes shifted to signed
     _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
       av[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a + (x0 + c) * k + i));
-      alv[c] = _mm256_loadu_ps(x.al + (x0 + c) * lanes + i / kLane);
+      agv[c] = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.ag + (x0 + c) * groups + i / kGroup)));
       if (Wide) high_sums[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(high, av[c]), ones);
     }
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
       const __m256i uv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + r * k + i));
-      const __m256 wv = _mm256_loadu_ps(wl + r * lanes + i / kLane);
+      const __m128 dsv = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ds + r * groups + i / kGroup)));
       // Wide codes (to 255) would saturate vpmaddubsw's int16 pairs: take v = u - 128 signed, |v| against a with
       // v's sign (llama.cpp's trick), and add 128 * sum(a) back.
       const __m256i sv = Wide ? _mm256_xor_si256(uv, high) : uv;
@@ -466,7 +469,8 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const uint8_t* u, const float*
         const __m256i signed_a = Wide ? _mm256_sign_epi8(av[c], sv) : av[c];
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), ones);
         if (Wide) p = _mm256_add_epi32(p, high_sums[c]);
-        s[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wv, alv[c]), s[r][c]);
+        const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dsv, agv[c])), spread);
+        s[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, s[r][c]);
       }
     }
   }
@@ -479,17 +483,18 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const uint8_t* u, const float*
 }
 
 template <int R, int C>
-void dot_scalar(const uint8_t* u, const float* wl, const float* dm, const Activation& x, int64_t x0, float* acc) {
+void dot_scalar(const uint8_t* u, const float* ds, const float* dm, const Activation& x, int64_t x0, float* acc) {
   const int64_t k = x.k, lanes = k / kLane, groups = k / kGroup;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       const int8_t* a = x.a + (x0 + c) * k;
-      const float* al = x.al + (x0 + c) * lanes;
+      const float* ag = x.ag + (x0 + c) * groups;
       float total = 0.f;
       for (int64_t l = 0; l < lanes; ++l) {
         int32_t p = 0;
         for (int64_t j = 0; j < kLane; ++j) p += static_cast<int32_t>(u[r * k + l * kLane + j]) * a[l * kLane + j];
-        total += static_cast<float>(p) * (wl[r * lanes + l] * al[l]);
+        const int64_t g = l * kLane / kGroup;
+        total += static_cast<float>(p) * (ds[r * groups + g] * ag[g]);
       }
       for (int64_t g = 0; g < groups; ++g) total += dm[r * groups + g] * x.as[(x0 + c) * groups + g];
       acc[r * C + c] = total;
@@ -499,27 +504,27 @@ void dot_scalar(const uint8_t* u, const float* wl, const float* dm, const Activa
 enum class Path { vnni, avx2, scalar };
 
 template <int R, int C>
-void dot(Path path, bool wide, const uint8_t* u, const float* wl, const float* dm, const Activation& x, int64_t x0,
+void dot(Path path, bool wide, const uint8_t* u, const float* ds, const float* dm, const Activation& x, int64_t x0,
          float* acc) {
   switch (path) {
-    case Path::vnni: return dot_vnni<R, C>(u, wl, dm, x, x0, acc);
+    case Path::vnni: return dot_vnni<R, C>(u, ds, dm, x, x0, acc);
     case Path::avx2:
-      return wide ? dot_avx2<R, C, true>(u, wl, dm, x, x0, acc) : dot_avx2<R, C, false>(u, wl, dm, x, x0, acc);
-    default: return dot_scalar<R, C>(u, wl, dm, x, x0, acc);
+      return wide ? dot_avx2<R, C, true>(u, ds, dm, x, x0, acc) : dot_avx2<R, C, false>(u, ds, dm, x, x0, acc);
+    default: return dot_scalar<R, C>(u, ds, dm, x, x0, acc);
   }
 }
 
 template <int R>
-void dot_rows(Path path, bool wide, const uint8_t* u, const float* wl, const float* dm, const Activation& x,
+void dot_rows(Path path, bool wide, const uint8_t* u, const float* ds, const float* dm, const Activation& x,
               int64_t m, float* acc /* [R][m] */) {
   float part[R * kXRows];
   for (int64_t x0 = 0; x0 < m; x0 += kXRows) {
     const int64_t cols = std::min<int64_t>(kXRows, m - x0);
     switch (cols) {
-      case 4: dot<R, 4>(path, wide, u, wl, dm, x, x0, part); break;
-      case 3: dot<R, 3>(path, wide, u, wl, dm, x, x0, part); break;
-      case 2: dot<R, 2>(path, wide, u, wl, dm, x, x0, part); break;
-      default: dot<R, 1>(path, wide, u, wl, dm, x, x0, part); break;
+      case 4: dot<R, 4>(path, wide, u, ds, dm, x, x0, part); break;
+      case 3: dot<R, 3>(path, wide, u, ds, dm, x, x0, part); break;
+      case 2: dot<R, 2>(path, wide, u, ds, dm, x, x0, part); break;
+      default: dot<R, 1>(path, wide, u, ds, dm, x, x0, part); break;
     }
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < cols; ++c) acc[r * m + x0 + c] = part[r * cols + c];
@@ -567,30 +572,30 @@ void check_blocks(const at::Tensor& blocks, const TypeInfo& info, int64_t& k) {
   k = blocks.size(1) / info.bytes * info.values;
 }
 
-// x [M, K] float32 (or bfloat16) -> (codes int8 [M, K], lane scales float32 [M, K / 4], group sums float32
-// [M, K / 16]) in blocks of 256 (k_blocks, Q8_K) or 32 (Q8_0).
+// x [M, K] float32 (or bfloat16) -> (codes int8 [M, K], each 16 codes' block scale float32 [M, K / 16], their
+// sum times it float32 [M, K / 16]) in blocks of 256 (k_blocks, Q8_K) or 32 (Q8_0).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activation(const at::Tensor& x, bool k_blocks) {
   TORCH_CHECK(x.dim() == 2, "gguf_quantize_activation: x must be [M, K]");
   const at::Tensor xc = x.to(at::kFloat).contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), qk = k_blocks ? 256 : 32;
   TORCH_CHECK(k % qk == 0, "gguf_quantize_activation: K = ", k, " is not a multiple of ", qk);
   at::Tensor a = at::empty({m, k}, xc.options().dtype(at::kChar));
-  at::Tensor al = at::empty({m, k / kLane}, xc.options());
+  at::Tensor ag = at::empty({m, k / kGroup}, xc.options());
   at::Tensor as = at::empty({m, k / kGroup}, xc.options());
   const float* xp = xc.data_ptr<float>();
   int8_t* ap = a.data_ptr<int8_t>();
-  float* alp = al.data_ptr<float>();
+  float* agp = ag.data_ptr<float>();
   float* asp = as.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_row(xp + i * k, k, k_blocks, ap + i * k, alp + i * (k / kLane), asp + i * (k / kGroup));
+      quantize_row(xp + i * k, k, k_blocks, ap + i * k, agp + i * (k / kGroup), asp + i * (k / kGroup));
   });
-  return {a, al, as};
+  return {a, ag, as};
 }
 
 // out [M, N] float32 = x @ W^T (+ bias), x as gguf_quantize_activation gave it (blocks of the kind `type` reads),
 // W GGUF blocks of `type` as stored, uint8 [N, K / values * bytes].
-at::Tensor gguf_linear(const at::Tensor& a, const at::Tensor& al, const at::Tensor& as, const at::Tensor& blocks,
+at::Tensor gguf_linear(const at::Tensor& a, const at::Tensor& ag, const at::Tensor& as, const at::Tensor& blocks,
                        int64_t type, const std::optional<at::Tensor>& bias, const std::string& isa) {
   const TypeInfo info = type_info(type);
   int64_t k = 0;
@@ -598,10 +603,10 @@ at::Tensor gguf_linear(const at::Tensor& a, const at::Tensor& al, const at::Tens
   TORCH_CHECK(a.scalar_type() == at::kChar && a.dim() == 2 && a.is_contiguous() && a.size(1) == k,
               "gguf_linear: the activation codes must be int8 [M, ", k, "], contiguous");
   const int64_t m = a.size(0), n = blocks.size(0);
-  TORCH_CHECK(al.scalar_type() == at::kFloat && al.is_contiguous() && al.numel() == m * (k / kLane) &&
+  TORCH_CHECK(ag.scalar_type() == at::kFloat && ag.is_contiguous() && ag.numel() == m * (k / kGroup) &&
                   as.scalar_type() == at::kFloat && as.is_contiguous() && as.numel() == m * (k / kGroup),
               "gguf_linear: the activation's scales and sums do not match its codes");
-  at::Tensor out = at::empty({m, n}, al.options());
+  at::Tensor out = at::empty({m, n}, ag.options());
   const float* bias_ptr = nullptr;
   at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
@@ -612,7 +617,7 @@ at::Tensor gguf_linear(const at::Tensor& a, const at::Tensor& al, const at::Tens
   if (m == 0 || n == 0) return out;
   const Path path = pick_path(isa);
   const RowDecoder decode = row_decoder(type, decode_isa(path));
-  const Activation x{a.data_ptr<int8_t>(), al.data_ptr<float>(), as.data_ptr<float>(), k};
+  const Activation x{a.data_ptr<int8_t>(), ag.data_ptr<float>(), as.data_ptr<float>(), k};
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
   float* outp = out.data_ptr<float>();
@@ -625,14 +630,14 @@ at::Tensor gguf_linear(const at::Tensor& a, const at::Tensor& al, const at::Tens
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows, count = std::min<int64_t>(kTileRows, n - n0);
       for (int64_t r = 0; r < count; ++r)
-        decode(w + (n0 + r) * row_bytes, k, scratch.u.data() + r * k, scratch.wl.data() + r * (k / kLane),
+        decode(w + (n0 + r) * row_bytes, k, scratch.u.data() + r * k, scratch.ds.data() + r * (k / kGroup),
                scratch.dm.data() + r * (k / kGroup));
       if (count == kTileRows) {
-        dot_rows<kTileRows>(path, info.wide, scratch.u.data(), scratch.wl.data(), scratch.dm.data(), x, m,
+        dot_rows<kTileRows>(path, info.wide, scratch.u.data(), scratch.ds.data(), scratch.dm.data(), x, m,
                             acc.data());
       } else {
         for (int64_t r = 0; r < count; ++r)
-          dot_rows<1>(path, info.wide, scratch.u.data() + r * k, scratch.wl.data() + r * (k / kLane),
+          dot_rows<1>(path, info.wide, scratch.u.data() + r * k, scratch.ds.data() + r * (k / kGroup),
                       scratch.dm.data() + r * (k / kGroup), x, m, acc.data() + r * m);
       }
       for (int64_t r = 0; r < count; ++r) {
@@ -660,10 +665,10 @@ at::Tensor gguf_dequantize_rows(const at::Tensor& blocks, int64_t type, const at
   at::parallel_for(0, t, std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     Scratch scratch(1, k);
     for (int64_t i = begin; i < end; ++i) {
-      decode(w + idp[i] * row_bytes, k, scratch.u.data(), scratch.wl.data(), scratch.dm.data());
+      decode(w + idp[i] * row_bytes, k, scratch.u.data(), scratch.ds.data(), scratch.dm.data());
       float* y = outp + i * k;
       for (int64_t j = 0; j < k; ++j)
-        y[j] = scratch.wl[j / kLane] * static_cast<float>(scratch.u[j]) + scratch.dm[j / kGroup];
+        y[j] = scratch.ds[j / kGroup] * static_cast<float>(scratch.u[j]) + scratch.dm[j / kGroup];
     }
   });
   return out;
@@ -682,7 +687,7 @@ TORCH_LIBRARY_FRAGMENT(PAGODA_NATIVE_NAMESPACE, m) {
   m.def("family_gguf_blocks() -> str", &family_gguf_blocks);
   m.def("gguf_product_path(str isa) -> str", &gguf_product_path);
   m.def("gguf_quantize_activation(Tensor x, bool k_blocks) -> (Tensor, Tensor, Tensor)", &gguf_quantize_activation);
-  m.def("gguf_linear(Tensor a, Tensor al, Tensor as_, Tensor blocks, int type, Tensor? bias, str isa) -> Tensor",
+  m.def("gguf_linear(Tensor a, Tensor ag, Tensor as_, Tensor blocks, int type, Tensor? bias, str isa) -> Tensor",
         &gguf_linear);
   m.def("gguf_dequantize_rows(Tensor blocks, int type, Tensor ids) -> Tensor", &gguf_dequantize_rows);
 }

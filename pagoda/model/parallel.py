@@ -283,21 +283,32 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.shard.rows[0]
         weight[max(0, min(rows.size, vocab_size - rows.start)) :].zero_()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.gguf_blocks: GGUFBlocks | None = None
+        # The GGUF type of the blocks held in the buffer `gguf_embedding` (hold_blocks), else None.
+        self.gguf_type: str | None = None
 
     def hold_blocks(self, blocks: GGUFBlocks) -> None:
         """Keep the embedding as GGUF blocks (the whole vocabulary, one rank) instead of `weight`."""
         if self.group.world_size != 1 or self.kernels is None or blocks.shape != tuple(self.weight.shape):
             raise ValueError(f"a GGUF embedding of shape {blocks.shape} is held whole, by one rank with kernels")
-        self.gguf_blocks = blocks
+        self.gguf_type = blocks.type_name
         self.register_buffer("gguf_embedding", blocks.data, persistent=False)
         dtype = self.weight.dtype
         self.weight = nn.Parameter(torch.empty(blocks.shape, dtype=dtype, device="meta"), requires_grad=False)
 
+    def gguf_blocks(self) -> GGUFBlocks | None:
+        """The GGUF blocks held (read from the buffer each time, so sleep mode's drop and adopt of
+        buffers reach them), or None."""
+        if self.gguf_type is None:
+            return None
+        data = self.gguf_embedding
+        assert isinstance(data, torch.Tensor), "hold_blocks registers the buffer"
+        return GGUFBlocks(self.gguf_type, data)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.gguf_blocks is not None:
+        blocks = self.gguf_blocks()
+        if blocks is not None:
             assert self.kernels is not None, "hold_blocks takes the kernels"
-            values = self.kernels.linear.gguf_rows(self.gguf_blocks, input_ids.reshape(-1))
+            values = self.kernels.linear.gguf_rows(blocks, input_ids.reshape(-1))
             return values.to(self.weight.dtype).reshape(*input_ids.shape, values.shape[-1])
         if self.group.world_size == 1:
             return F.embedding(input_ids, self.weight)
@@ -310,7 +321,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ embedding^T: the logits of a tied LM head (this rank's vocabulary slice)."""
-        if self.gguf_blocks is not None:
+        blocks = self.gguf_blocks()
+        if blocks is not None:
             assert self.kernels is not None, "hold_blocks takes the kernels"
-            return self.kernels.linear.gguf_product(self.gguf_blocks, hidden).to(hidden.dtype)
+            return self.kernels.linear.gguf_product(blocks, hidden).to(hidden.dtype)
         return F.linear(hidden, self.weight)

@@ -108,10 +108,10 @@ class NativeKernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 quantized as llama.cpp quantizes a layer's input: 8-bit blocks of 256 (Q8_K,
         `k_blocks`, for K-quants and IQ4_XS) or 32 (Q8_0, its scale a float16). Returns (codes int8
-        [M, K], the block scale per lane of 4 values float32 [M, K / 4], the block scale times each
-        16 codes' sum float32 [M, K / 16]): what `gguf_linear` reads."""
-        codes, lane_scales, group_sums = load_extension().gguf_quantize_activation(x, k_blocks)
-        return codes, lane_scales, group_sums
+        [M, K], the block scale of each 16 codes float32 [M, K / 16], the block scale times their sum
+        float32 [M, K / 16]): what `gguf_linear` reads."""
+        codes, group_scales, group_sums = load_extension().gguf_quantize_activation(x, k_blocks)
+        return codes, group_scales, group_sums
 
     def gguf_linear(
         self,

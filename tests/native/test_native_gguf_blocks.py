@@ -195,7 +195,7 @@ def test_a_mixed_type_file_is_served_from_its_bytes(mixed_gguf):
         (0, config.intermediate_size, "Q4_1"),
         (config.intermediate_size, config.intermediate_size, "Q5_K"),
     )
-    assert model.model.embed_tokens.gguf_blocks is not None and model.model.embed_tokens.gguf_blocks.type_name == "Q4_1"
+    assert model.model.embed_tokens.gguf_type == "Q4_1"
     # Memory holds the file's tensor bytes (norms in float32 as stored), nothing expanded.
     held = sum(b.numel() * b.element_size() for b in model.buffers() if b.device.type == "cpu")
     held += sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
@@ -243,7 +243,7 @@ def test_a_type_without_a_native_product_is_dequantized_and_named_once(mixed_ggu
     assert len(lines) == 1 and "blk.0.ffn_down.weight (IQ2_XXS)" in lines[0] and "2 IQ2_XXS" in lines[0]
     down, qkv = model.model.layers[0].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj
     assert down.gguf_parts == ((0, down.out_features, "F32"),) and qkv.gguf_parts[0][2] == "F32"  # F16 rows as floats
-    assert model.model.embed_tokens.gguf_blocks is None  # an F16 embedding stays a float weight
+    assert model.model.embed_tokens.gguf_type is None  # an F16 embedding stays a float weight
     tensor = GGUFCheckpoint(path).tensors["blk.0.ffn_down.weight"]
     weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
     x = torch.randn(3, down.in_features)
