@@ -76,12 +76,15 @@ def test_chat_answers(server: str) -> None:
     body = post(
         server + "/chat/completions",
         {
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            # llama.cpp's llama-server on the same file answers this "The capital of France is
+            # Paris." (and the bare question with "L'Étoile, la Marseillaise,", as pagoda does: both
+            # round activations to 8 bits per block).
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
             "max_tokens": 12,
             "temperature": 0,
         },
     )
-    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
 def test_tool_call(server: str) -> None:
