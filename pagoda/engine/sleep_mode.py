@@ -53,6 +53,9 @@ class SleepMode:
             executor.sleep_round(SleepRound("sleep", level, drop))
         caches = [t for pair in self.core.runner.distinct_kv_caches for t in pair]
         caches += [t for pair in self.core.speculation.kv_caches for t in pair]
+        state = self.core.runner.state_cache  # a hybrid model's recurrent state: nothing running holds it
+        if state is not None:
+            caches += [t for t in (*state.conv_windows, *state.recurrent) if t is not None]
         self._released.release_kv(caches)
         if level == 2:
             self._reload_from = self.weights.source if drop else None

@@ -195,6 +195,20 @@ def test_the_state_cache_bounds_the_sequences(hybrid_dirs) -> None:
         LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", max_num_seqs=200, enable_prefix_caching=False)
 
 
+def test_sleep_releases_the_state_cache_and_wakes_to_the_same_outputs(hybrid_dirs) -> None:
+    llm = LLM(model=str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts_for(llm.engine.core.model_config.vocab_size)[0]}
+    before = llm.generate([prompt], params)[0].outputs[0].token_ids
+    state = llm.engine.core.runner.state_cache
+    tensors = [t for t in (*state.conv_windows, *state.recurrent) if t is not None]
+    llm.sleep(1)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    llm.wake_up()
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == before
+    assert_idle(llm)
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
