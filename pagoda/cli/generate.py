@@ -50,7 +50,17 @@ def run_generate(args: argparse.Namespace) -> int:
         placeholder = _placeholder(llm, images)
         if images:  # the placeholders before the text, unless the prompt places them itself
             prompts = [p if p.count(placeholder) == len(images) else placeholder * len(images) + p for p in prompts]
-        if args.chat:
+        if args.chat and images:  # rendered, then tokenized as the checkpoint's processor would
+            prompts = [
+                llm.tokenizer.encode(
+                    llm.media_processor.prepare_text(
+                        llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                    ),
+                    add_special_tokens=False,
+                )
+                for p in prompts
+            ]
+        elif args.chat:
             prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         if images:
             key = "prompt_token_ids" if args.chat else "prompt"

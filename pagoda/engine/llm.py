@@ -115,15 +115,22 @@ class LLM:
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
-    def _with_images(self, prompt: Prompt, images: list[Any]) -> tuple[list[int], tuple[MediaItem, ...]]:
-        """The prompt's ids with each image's placeholder expanded, and its images as items."""
+    @property
+    def media_processor(self) -> MediaProcessor:
+        """The model's image preprocessing and placeholder expansion (built on first use)."""
         vision = self.engine.core.model_config.vision
         if vision is None:
             raise InvalidRequest("this model takes no images (it is not a vision-language model)", param="prompt")
         if self._media_processor is None:
             self._media_processor = MediaProcessor.from_pretrained(self.engine.config.model, vision)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return self._media_processor.expand(ids, [image.convert("RGB") for image in images])
+        return self._media_processor
+
+    def _with_images(self, prompt: Prompt, images: list[Any]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """The prompt's ids with each image's placeholder expanded, and its images as items. A
+        text prompt is tokenized as the checkpoint's processor would (MediaProcessor.prepare_text)."""
+        processor = self.media_processor
+        ids = self.tokenizer.encode(processor.prepare_text(prompt)) if isinstance(prompt, str) else prompt
+        return processor.expand(ids, [image.convert("RGB") for image in images])
 
     def beam_search(
         self,

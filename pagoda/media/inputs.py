@@ -63,6 +63,9 @@ class MediaInputs:
     def check_count(self, count: int, param: str = "messages") -> None:
         check_image_count(count, self.limits, param)
 
+    def prepare_text(self, text: str) -> str:
+        return self.require().prepare_text(text)
+
     def expand(
         self, prompt_token_ids: Sequence[int], images: Sequence[Image.Image]
     ) -> tuple[list[int], tuple[MediaItem, ...]]:

@@ -43,6 +43,14 @@ class MediaProcessor:
         """An image in a prompt's text, before expansion."""
         return self.vision.image_placeholder
 
+    def prepare_text(self, text: str) -> str:
+        """A prompt's text as the checkpoint's processor tokenizes it: each placeholder with the
+        text the processor puts around an image (Gemma 3's blank lines); unchanged for others."""
+        before, after = self.vision.text_around
+        if not (before or after):
+            return text
+        return text.replace(self.placeholder, before + self.placeholder + after)
+
     def expand(
         self, prompt_token_ids: Sequence[int], images: Sequence[Image.Image]
     ) -> tuple[list[int], tuple[MediaItem, ...]]:

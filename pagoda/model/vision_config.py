@@ -25,6 +25,10 @@ class VisionConfig:
     # <end_of_image>).
     placeholder_token_id: int | None = None
     wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # Text the checkpoint's processor puts around each placeholder in the prompt's text before
+    # tokenizing (Gemma 3: "\n\n" on both sides); a chat template trims its text parts, so it is
+    # added to the rendered prompt (pagoda.media.processor.MediaProcessor.prepare_text).
+    text_around: tuple[str, str] = ("", "")
     # Gemma 3: an image's tokens attend to each other both ways, so a prefill chunk never ends
     # inside an image.
     bidirectional: bool = False

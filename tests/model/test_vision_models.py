@@ -246,3 +246,19 @@ def test_disaggregation_is_refused_at_start(model_dir):
 
     with pytest.raises(ValueError, match="disaggregation"):
         EngineCore(EngineConfig(model=str(model_dir), role="prefill", kv_cache_memory="16MiB", max_num_seqs=4))
+
+
+def test_gemma3_prompts_are_tokenized_as_its_processor_writes_them(tmp_path_factory, images):
+    """Gemma3Processor replaces <start_of_image> in the text with "\\n\\n<start_of_image>" + the
+    image tokens + "<end_of_image>\\n\\n" and tokenizes the result: pagoda's ids are those."""
+    model_dir = build_vision_model(tmp_path_factory.mktemp("gemma3_text") / "gemma3_vl", "gemma3_vl")
+    llm = LLM(model=str(model_dir), kv_cache_memory="16MiB")
+    vision = llm.engine.core.model_config.vision
+    count = vision.options["mm_tokens_per_image"]
+    text = "<|user|>Describe\n<start_of_image>please"
+    ids, _ = llm._with_images(text, [images[0]])
+    processor_text = text.replace(
+        "<start_of_image>", "\n\n<start_of_image>" + "<image_soft_token>" * count + "<end_of_image>\n\n"
+    )
+    assert ids == llm.tokenizer.encode(processor_text)
+    assert llm.media_processor.prepare_text("a<start_of_image>b") == "a\n\n<start_of_image>\n\nb"

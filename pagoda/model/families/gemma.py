@@ -54,8 +54,8 @@ def read_config(hf: HFConfig) -> ModelConfig:
 
 def _vision(hf: HFConfig) -> VisionConfig:
     """Gemma 3's image path: a SigLIP tower pooled to mm_tokens_per_image rows, the prompt's
-    <start_of_image> expanded to itself, the image tokens and <end_of_image>; the image's
-    tokens attend to each other both ways."""
+    <start_of_image> expanded to itself, the image tokens and <end_of_image>, between blank lines
+    as its processor writes them; the image's tokens attend to each other both ways."""
     tower = dict(hf.get("vision_config") or {})
     if tower.get("vision_use_head"):
         tower["vision_use_head"] = False  # the pooling head's output is never read
@@ -71,6 +71,7 @@ def _vision(hf: HFConfig) -> VisionConfig:
         options={"mm_tokens_per_image": int(hf.get("mm_tokens_per_image", 256))},
         placeholder_token_id=boi,
         wrap=((boi,), (eoi,)),
+        text_around=("\n\n", "\n\n"),  # Gemma3Processor's full_image_sequence
         bidirectional=True,
     )
 

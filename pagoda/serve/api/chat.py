@@ -81,10 +81,16 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
         def render(messages: list[dict[str, Any]]) -> EnginePrompt:
             try:
-                token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs, **template_tools)
                 media: tuple[MediaItem, ...] = ()
                 if images:  # each placeholder expanded to the image's feature rows
+                    rendered = tokenizer.apply_chat_template(
+                        messages, **template.kwargs, **template_kwargs, **template_tools
+                    )
+                    # The template writes BOS itself (as encode_chat does, no special tokens added).
+                    token_ids = tokenizer.encode(ctx.media.prepare_text(rendered), add_special_tokens=False)
                     token_ids, media = ctx.media.expand(token_ids, images)
+                else:
+                    token_ids = tokenizer.encode_chat(messages, **template.kwargs, **template_kwargs, **template_tools)
             except InvalidRequest as exc:
                 raise invalid_request(exc) from None
             if keep is not None and len(token_ids) > keep:
