@@ -229,11 +229,7 @@ class DecoderLayer(nn.Module):
         adds in (RMSNorm with a residual): hidden is the previous layer's output still to be added
         to `residual`, or, with residual None, the stream itself. Returns this layer's (output,
         residual) the same way; the stream is never written in place, the outputs are."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.open_block(hidden, residual)
         if self.linear_attn is not None:
             hidden = self.linear_attn(hidden, context.linear_states)
         elif self.mamba is not None:

@@ -117,6 +117,13 @@ class RMSNorm(nn.Module):
             x, residual, self.weight, self.eps, self.unit_offset, None if pre_norm is None else pre_norm.weight
         )
 
+    def open_block(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder block's first norm: (norm of the stream, the stream). `hidden` is the previous
+        block's output still to be added to `residual`, or with residual None the stream itself."""
+        if residual is None:
+            return self(hidden), hidden
+        return self(hidden, residual)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by position.

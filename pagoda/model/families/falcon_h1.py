@@ -146,11 +146,7 @@ class FalconH1Layer(nn.Module):
         rotary: RotaryEmbedding,
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            normed = self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = self.input_layernorm.open_block(hidden, residual)
         mixed = self.mamba(normed, context.linear_states) * self.ssm_out
         attended = self.self_attn(normed * self.attention_in, rope, rotary, context) * self.attention_out
         hidden, residual = self.pre_ff_layernorm(mixed + attended, residual)

@@ -153,11 +153,7 @@ class NemotronHBlock(nn.Module):
         rotary: RotaryEmbedding,
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            normed = self.norm(hidden)
-        else:
-            normed, residual = self.norm(hidden, residual)
+        normed, residual = self.norm.open_block(hidden, residual)
         if isinstance(self.mixer, Attention):
             return self.mixer(normed, rope, rotary, context), residual
         if isinstance(self.mixer, Mamba2Mixer):
