@@ -87,9 +87,10 @@ DEFAULT_CLASSES = {
 }
 
 CLASSES_HELP = """\
-request classes, space-separated, each NAME=p50:PROMPT/OUTPUT[,p95:PROMPT/OUTPUT][,concurrency:N]
+request classes, space-separated, each NAME=p50:PROMPT/OUTPUT[,p95:PROMPT/OUTPUT][,concurrency:N][,images:N]
   lengths in tokens; p95 defaults to p50; concurrency (alias c) is the target number of
-  requests of this class in flight at once (default 1).
+  requests of this class in flight at once (default 1); images: images per request, whose
+  image tokens a vision-language model adds to the prompt.
   example: --classes chat=p50:200/400,p95:1000/800,c:64 rag=p50:4000/200,p95:7000/300,c:16
 """
 
@@ -333,6 +334,7 @@ class RequestClass:
     p95_prompt: int
     p95_output: int
     concurrency: int | None = None  # target in flight; None: only report what fits
+    images: int = 0  # images per request (a vision-language model's image tokens join its prompt)
 
 
 def _parse_lengths(text: str, spec: str) -> tuple[int, int]:
@@ -350,6 +352,7 @@ def parse_request_class(spec: str) -> RequestClass:
     name, body = spec.split("=", 1)
     p50 = p95 = None
     concurrency = None
+    images = 0
     for item in filter(None, body.split(",")):
         key, _, value = item.partition(":")
         key = key.strip().lower()
@@ -362,14 +365,19 @@ def parse_request_class(spec: str) -> RequestClass:
                 concurrency = int(value)
             except ValueError:
                 raise ValueError(f"bad concurrency {value!r} in class {spec!r}") from None
+        elif key == "images":
+            try:
+                images = int(value)
+            except ValueError:
+                raise ValueError(f"bad image count {value!r} in class {spec!r}") from None
         else:
-            raise ValueError(f"unknown key {key!r} in class {spec!r}; use p50, p95 or c")
+            raise ValueError(f"unknown key {key!r} in class {spec!r}; use p50, p95, c or images")
     if p50 is None:
         raise ValueError(f"class {spec!r} needs p50:PROMPT/OUTPUT")
     p95 = p95 or p50
-    if min(*p50, *p95) < 0 or (concurrency is not None and concurrency < 1):
-        raise ValueError(f"class {spec!r}: lengths must be >= 0 and concurrency >= 1")
-    return RequestClass(name.strip(), p50[0], p50[1], p95[0], p95[1], concurrency)
+    if min(*p50, *p95, images) < 0 or (concurrency is not None and concurrency < 1):
+        raise ValueError(f"class {spec!r}: lengths and images must be >= 0 and concurrency >= 1")
+    return RequestClass(name.strip(), p50[0], p50[1], p95[0], p95[1], concurrency, images)
 
 
 # ---- the worksheet -----------------------------------------------------------------------------
@@ -630,7 +638,10 @@ def build_plan(
         )
         stage_pool_blocks = min(stage.num_blocks for stage in stages)
     class_rows = [
-        _class_capacity(rc, context, block_size, block_bytes, base.num_blocks, warnings, windows) for rc in classes
+        _class_capacity(
+            rc, context, block_size, block_bytes, base.num_blocks, warnings, windows, shape.image_tokens_per_image
+        )
+        for rc in classes
     ]
     # The classes with a target concurrency: _class_capacity sets their memory needs with it.
     needs_p50 = [row.memory_needed_p50 for row in class_rows if row.memory_needed_p50 is not None]
@@ -756,11 +767,18 @@ def _class_capacity(
     num_blocks: int,
     warnings: list[str],
     windows: tuple[int | None, ...] = (),
+    image_tokens_per_image: int = 0,
 ) -> ClassCapacity:
-    """How many requests of one class fit at p50 and p95, and what its target concurrency needs."""
-    p50_tokens = min(rc.p50_prompt + rc.p50_output, context)
-    p95_tokens = min(rc.p95_prompt + rc.p95_output, context)
-    if rc.p95_prompt + rc.p95_output > context:
+    """How many requests of one class fit at p50 and p95, and what its target concurrency needs.
+    Its images' tokens join its prompts (a model whose count varies with the image: warned)."""
+    if rc.images and not image_tokens_per_image:
+        warnings.append(
+            f"class {rc.name}: this model's image tokens vary with the image (or it takes none); not counted"
+        )
+    image_tokens = rc.images * image_tokens_per_image
+    p50_tokens = min(rc.p50_prompt + image_tokens + rc.p50_output, context)
+    p95_tokens = min(rc.p95_prompt + image_tokens + rc.p95_output, context)
+    if rc.p95_prompt + image_tokens + rc.p95_output > context:
         warnings.append(f"class {rc.name}: p95 prompt+output exceeds the context {context}; clipped")
     p50_blocks, p95_blocks = blocks_for(p50_tokens, block_size), blocks_for(p95_tokens, block_size)
     need50 = need95 = mem50 = mem95 = None
@@ -998,7 +1016,7 @@ def render_plan(plan: Plan) -> str:
                     else f"{fmt_bytes(c.memory_needed_p50)}/{fmt_bytes(c.memory_needed_p95)}",
                 ]
             )
-        out.append("request classes (p50/p95; tokens = prompt + output, each class alone in the cache)")
+        out.append("request classes (p50/p95; tokens = prompt + image tokens + output, each class alone in the cache)")
         out.append(
             _table(["class", "tokens", "blocks/req", "fit at once", "target", "blocks needed", "KV needed"], rows)
         )

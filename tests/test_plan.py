@@ -465,6 +465,14 @@ def test_a_vision_language_model_counts_its_image_tokens_and_encoder_cache(
     assert "576 image tokens per image; encoder cache up to 64.00 MiB" in out
     # Without --memory: this machine's plan (an 8B model's float32 weights leave no free memory here
     # for the default share, so the pool is given).
+    # Image tokens per request class: a class of two images a request adds 2 x 576 tokens to its prompts.
+    rc, out, _ = run_cli(
+        ["--model", str(tmp_path), "--memory", "80GiB", "--json", "--classes", "chat=p50:200/300,images:2"], capsys
+    )
+    (row,) = json.loads(out)["classes"]
+    assert rc == 0 and row["p50_tokens"] == 200 + 2 * 576 + 300
+    with pytest.raises(ValueError, match="images must be >= 0"):
+        P.parse_request_class("chat=p50:200/300,images:-1")
     text_plan = json.loads(
         run_cli(["--model", str(tmp_path / "config.json"), "--kv-cache-memory", "1GiB", "--json"], capsys)[1]
     )
